@@ -1,0 +1,36 @@
+"""What a node learns: dataset, partition, model, optimiser. Validated by pydantic."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LearnerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dataset: Literal["mnist1d", "digits", "sine", "gaussian", "cifar10", "cifar100"] = "mnist1d"
+    dataset_params: dict[str, Any] = Field(default_factory=dict)  # e.g. num_samples, data_dir
+    partition: Literal[
+        "iid", "dirichlet", "pathological", "label_permutation", "class_groups", "random_pairs",
+        "sine_intervals",
+    ] = "label_permutation"
+    partition_params: dict[str, Any] = Field(default_factory=dict)  # alpha, k, num_clusters, ...
+    num_nodes: int = Field(1, ge=1)
+    node_index: int = Field(0, ge=0)
+    model: str = "mlp"  # stock: mlp, cnn, cnn2, linear; or an entry point in group coterie.models
+    model_params: dict[str, Any] = Field(default_factory=dict)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = Field(0.05, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    batch_size: int = Field(32, ge=1)
+    local_steps: int = Field(10, ge=0)  # SGD steps per round (local_epochs overrides when > 0)
+    local_epochs: int = Field(0, ge=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    init_seed: int = 0  # every node derives the same θ⁰ from this + architecture
+    data_seed: int = 0  # the scenario seed: every node computes its own shard from it
+    val_fraction: float = Field(0.2, ge=0, lt=1)
+    test_fraction: float = Field(0.2, ge=0, lt=1)
+    label_noise: float = Field(0.0, ge=0, le=1)  # share of this node's train labels replaced at random
+    torch_threads: int = Field(1, ge=1)  # many daemons share a machine: one intra-op thread each

@@ -1,0 +1,92 @@
+"""The learner interface: everything the daemon and the strategies may ask of local learning.
+
+The daemon and the strategies only see this interface; the torch implementation, datasets and
+partitions live beside it. Parameters travel as ``Params``: an ordered ``dict[name, Tensor]`` of
+CPU float tensors (detached copies; mutating them never touches the live model).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Params = dict[str, torch.Tensor]
+Split = Literal["train", "val", "test"]
+
+
+@dataclass
+class EvalResult:
+    loss: float  # mean (or summed, if reduction="sum") loss
+    n: int  # samples it was computed on
+    accuracy: float | None = None  # None for regression
+
+
+@dataclass
+class TrainResult:
+    loss: float  # mean training loss over the steps taken
+    steps: int
+    samples: int
+
+
+class Learner(ABC):
+    """Local learning on one node's private data. Methods that take ``params`` evaluate *that*
+    model (a peer's, or a candidate) without touching the live one, so they are safe to call from
+    a request-serving thread while training runs in another."""
+
+    device: str  # "cpu" or "cuda:0"
+    true_cluster: int | None  # ground truth from the partitioner; evaluation/oracle only
+
+    @abstractmethod
+    def get_params(self) -> Params: ...
+
+    @abstractmethod
+    def set_params(self, params: Params) -> None: ...
+
+    @abstractmethod
+    def param_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """name -> (shape, dtype name) of every parameter, in order; used to validate peer models."""
+
+    @abstractmethod
+    def fingerprint(self) -> str:
+        """Architecture fingerprint (sha256 hex of model name + param_spec); peers must match."""
+
+    @abstractmethod
+    def train(self, steps: int | None = None) -> TrainResult:
+        """Local training of the live model from its current params (optimizer state persists).
+        ``steps`` overrides the configured local steps/epochs."""
+
+    @abstractmethod
+    def loss(self, params: Params | None = None, split: Split = "train",
+             max_samples: int | None = None, reduction: Literal["mean", "sum"] = "mean") -> EvalResult:
+        """Loss of ``params`` (live model if None) on this node's data. ``max_samples`` draws a
+        fresh random minibatch of that size instead of the whole split."""
+
+    @abstractmethod
+    def gradient(self, params: Params | None = None, split: Split = "train",
+                 max_samples: int | None = None,
+                 reduction: Literal["mean", "sum"] = "mean") -> tuple[Params, EvalResult]:
+        """Gradient of the loss of ``params`` on this node's data, with that loss."""
+
+    @abstractmethod
+    def apply_gradient(self, grad: Params) -> None:
+        """One optimizer step on the live model using ``grad`` instead of a local gradient."""
+
+    @abstractmethod
+    def evaluate(self, split: Split = "test", params: Params | None = None) -> EvalResult: ...
+
+    @abstractmethod
+    def evaluate_mixture(self, members: list[tuple[float, Params]], split: Split = "test") -> EvalResult:
+        """Accuracy/loss of the mixture prediction Σ_j w_j p(y|x; θ_j) (FedeRiCo)."""
+
+    @abstractmethod
+    def num_samples(self, split: Split = "train") -> int: ...
+
+    @abstractmethod
+    def save(self, directory: str) -> None:
+        """Write model (safetensors) and optimizer state atomically into ``directory``."""
+
+    @abstractmethod
+    def load(self, directory: str) -> None:
+        """Restore what ``save`` wrote; raise ValueError naming the file if it is corrupt."""

@@ -1,0 +1,167 @@
+"""The strategy interface and the peer view a strategy gets from its node.
+
+A strategy decides whom to learn from and how much. It never sees gRPC: it asks its
+``PeerNetwork`` (implemented by the daemon) for snapshots, cross-losses and cross-gradients, and
+gets ``None`` back when a peer is slow, dead or refuses — it must then carry on without it.
+"""
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, ClassVar, Protocol, TypeVar
+
+import numpy as np
+
+from ..learning.learner import Learner, Params
+
+T = TypeVar("T")
+
+
+@dataclass
+class PeerSnapshot:
+    """A peer's published model, as cached by this node."""
+    node_id: str
+    version: int
+    round: int
+    params: Params
+    extras: dict[str, Params] = field(default_factory=dict)  # e.g. {"delta": Δθ} if published
+    sha256: str = ""
+
+
+@dataclass
+class GradientReply:
+    grad: Params | None  # None when the request asked for an inner product instead
+    loss: float
+    n: int
+    inner_product: float | None = None
+
+
+@dataclass
+class PushedGradient:
+    sender: str
+    version: int  # the snapshot version of *this* node the sender differentiated
+    grad: Params
+
+
+class PeerNetwork(Protocol):
+    """What the node offers a strategy. All calls are bounded by the node's request timeout."""
+
+    node_id: str
+
+    def peers(self) -> list[str]:
+        """Peers currently alive (never self), sorted."""
+
+    def known_peers(self) -> list[str]:
+        """Every peer ever seen, dead ones included."""
+
+    def true_cluster(self, node_id: str) -> int | None:
+        """Ground-truth cluster a node announced (evaluation and the oracle baseline only)."""
+
+    def cached(self, peer: str) -> PeerSnapshot | None:
+        """Latest snapshot of ``peer`` already held, without network traffic."""
+
+    async def pull(self, peer: str) -> PeerSnapshot | None:
+        """Latest snapshot of ``peer`` (from cache if its version did not change)."""
+
+    async def cross_loss(self, peer: str, params: Params | None = None, *, split: str = "train",
+                         max_samples: int | None = None, reduction: str = "mean") -> tuple[float, int] | None:
+        """Loss of ``params`` (default: my current published model) on ``peer``'s data."""
+
+    async def cross_gradient(self, peer: str, params: Params | None = None, *, split: str = "train",
+                             max_samples: int | None = None, reduction: str = "mean",
+                             align_with: Params | None = None) -> GradientReply | None:
+        """Gradient of ``params`` on ``peer``'s data. With ``align_with`` the peer returns only
+        ⟨its gradient, align_with⟩ and hands that value to its own strategy (COBO)."""
+
+    async def push_gradient(self, peer: str, version: int, grad: Params) -> bool:
+        """Send a (weighted) gradient for ``peer``'s snapshot ``version`` (FedeRiCo M-step)."""
+
+    def drain_pushed(self) -> list[PushedGradient]:
+        """Gradients peers pushed to me since the last call."""
+
+    async def gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
+        """Send a small msgpack-able payload (vectors as lists or float32 ndarrays); get the peer's
+        strategy's reply for the same key (e.g. its Ω row, its encoder)."""
+
+
+async def gather_bounded(calls: dict[str, Awaitable[T]]) -> dict[str, T]:
+    """Run peer calls concurrently; keep the ones that answered (not None, no exception)."""
+    keys = list(calls)
+    results = await asyncio.gather(*calls.values(), return_exceptions=True)
+    return {k: r for k, r in zip(keys, results) if r is not None and not isinstance(r, BaseException)}
+
+
+@dataclass
+class RoundReport:
+    train_loss: float | None = None
+    contacted: list[str] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)  # strategy-specific figures for results
+
+
+class Strategy(ABC):
+    """One node's collaboration strategy. Subclasses register by ``name``.
+
+    ``run_round`` does the whole round: local training (through ``self.learner``, CPU work via
+    ``await self.compute(fn, ...)``), peer selection, exchange and the update of the live model.
+    The node then publishes the model with ``published_extras()`` and persists ``state_dict()``.
+    """
+
+    name: ClassVar[str]
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, node_id: str, learner: Learner, network: PeerNetwork,
+                 params: dict[str, Any] | None = None, seed: int = 0):
+        unknown = set(params or {}) - set(self.defaults)
+        if unknown:
+            raise ValueError(f"strategy {self.name!r}: unknown parameter(s) {sorted(unknown)}; "
+                             f"known: {sorted(self.defaults)}")
+        self.p = {**self.defaults, **(params or {})}
+        self.node_id = node_id
+        self.learner = learner
+        self.net = network
+        self.rng = np.random.default_rng(seed)
+
+    @staticmethod
+    async def compute(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run CPU/GPU-heavy learner work off the event loop (heartbeats keep flowing)."""
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    @abstractmethod
+    async def run_round(self, rnd: int) -> RoundReport: ...
+
+    @abstractmethod
+    def weights(self) -> dict[str, float]:
+        """This node's collaborator-weight row w_i·, keyed by node id, self included."""
+
+    def published_extras(self) -> dict[str, Params]:
+        """Named tensor groups to publish with the snapshot (e.g. {"delta": Δθ})."""
+        return {}
+
+    def public_state(self) -> dict[str, Any]:
+        """JSON-able view of the strategy's own state (affinity P, EMA losses, α, Ω...)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: msgpack-able values, tensors as ``Params`` dicts allowed."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+    def evaluate(self) -> dict[str, float]:
+        """Test metrics of how this node predicts (default: its own model)."""
+        r = self.learner.evaluate("test")
+        out = {"test_loss": r.loss}
+        if r.accuracy is not None:
+            out["test_acc"] = r.accuracy
+        return out
+
+    # --- served side: hooks the node calls when a peer's request concerns the strategy ---
+    def on_gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
+        """Answer a peer's gossip for ``key``; None = not understood."""
+        return None
+
+    def on_alignment(self, peer: str, inner_product: float) -> None:
+        """A peer computed ⟨∇f_peer(z), ∇f_me(z)⟩ with me (COBO): update my w_{me,peer}."""
+        return None
