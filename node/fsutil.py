@@ -1,0 +1,45 @@
+"""Crash-safe file writes: a reader sees the old file or the new one, never a torn one."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """temp file in the same directory + fsync + rename + fsync of the directory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_bytes(path, json.dumps(obj, indent=2, sort_keys=True).encode())
+
+
+def read_json(path: str | Path) -> Any:
+    """Read a JSON file; a corrupt one raises ValueError naming the file (never silently reset)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_bytes())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is corrupt (not valid JSON: {e})") from None
