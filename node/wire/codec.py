@@ -1,0 +1,188 @@
+"""Tensor wire format: a msgpack header followed by raw little-endian tensor bytes.
+
+    b"CTW1" | u32 header length (LE) | msgpack header | tensor bytes, back to back
+
+The header is ``{"meta": {...}, "groups": {group: [[name, dtype, shape], ...]}}``; tensor bytes
+follow in header order. Nothing here can execute code: no pickle, no ``torch.load``. Decoding
+checks every length and dtype and raises ``WireError`` naming what is wrong.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+MAGIC = b"CTW1"
+_HEAD = struct.Struct("<4sI")
+MAX_HEADER = 16 << 20
+
+# Wire dtype names; all little-endian on the wire whatever the host.
+DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"), "float64": np.dtype("<f8"), "float16": np.dtype("<f2"),
+    "int64": np.dtype("<i8"), "int32": np.dtype("<i4"), "int16": np.dtype("<i2"),
+    "int8": np.dtype("i1"), "uint8": np.dtype("u1"), "bool": np.dtype("?"),
+}
+_TORCH_BF16 = "bfloat16"  # numpy has no bfloat16: carried as raw 2-byte words
+_TORCH_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+                torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8",
+                torch.uint8: "uint8", torch.bool: "bool", torch.bfloat16: _TORCH_BF16}
+_NAME_TORCH = {v: k for k, v in _TORCH_NAMES.items()}
+
+Groups = dict[str, dict[str, torch.Tensor]]
+
+
+class WireError(ValueError):
+    """Bytes from a peer that do not decode to what they claim."""
+
+
+def _tensor_bytes(t: torch.Tensor) -> tuple[str, bytes]:
+    t = t.detach().to("cpu").contiguous()
+    name = _TORCH_NAMES.get(t.dtype)
+    if name is None:
+        raise WireError(f"dtype {t.dtype} cannot travel on the wire")
+    if name == _TORCH_BF16:
+        return name, t.view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
+    return name, t.numpy().astype(DTYPES[name], copy=False).tobytes()
+
+
+def encode(groups: Groups, meta: dict[str, Any] | None = None) -> bytes:
+    """Serialise named tensor groups (e.g. {"params": θ, "delta": Δθ}) and a small meta dict."""
+    layout: dict[str, list[list[Any]]] = {}
+    chunks: list[bytes] = []
+    for g, tensors in groups.items():
+        entries = []
+        for name, t in tensors.items():
+            dt, raw = _tensor_bytes(t)
+            entries.append([name, dt, list(t.shape)])
+            chunks.append(raw)
+        layout[g] = entries
+    header = msgpack.packb({"meta": meta or {}, "groups": layout}, use_bin_type=True)
+    return b"".join([_HEAD.pack(MAGIC, len(header)), header, *chunks])
+
+
+def encoded_size(groups: Groups) -> int:
+    return sum(t.numel() * t.element_size() for ts in groups.values() for t in ts.values())
+
+
+def decode(data: bytes | memoryview, *, max_bytes: int | None = None) -> tuple[Groups, dict[str, Any]]:
+    """Inverse of ``encode``. Tensors are fresh, writable CPU tensors (the buffer is copied)."""
+    if max_bytes is not None and len(data) > max_bytes:
+        raise WireError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+    if len(data) < _HEAD.size:
+        raise WireError(f"truncated: {len(data)} bytes is shorter than the {_HEAD.size}-byte preamble")
+    magic, hlen = _HEAD.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {bytes(magic)!r}: not a Coterie tensor message")
+    if hlen > MAX_HEADER or _HEAD.size + hlen > len(data):
+        raise WireError(f"header length {hlen} runs past the end of a {len(data)}-byte message")
+    try:
+        header = msgpack.unpackb(bytes(data[_HEAD.size:_HEAD.size + hlen]), raw=False,
+                                 strict_map_key=True, max_bin_len=MAX_HEADER)
+    except Exception as e:  # msgpack raises a zoo of types on garbage
+        raise WireError(f"header is not valid msgpack: {e}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("groups"), dict):
+        raise WireError("header lacks a 'groups' table")
+    meta = header.get("meta", {})
+    if not isinstance(meta, dict):
+        raise WireError("header 'meta' is not a map")
+    pos = _HEAD.size + hlen
+    out: Groups = {}
+    mv = memoryview(data)
+    for g, entries in header["groups"].items():
+        if not isinstance(g, str) or not isinstance(entries, list):
+            raise WireError("malformed group table")
+        tensors: dict[str, torch.Tensor] = {}
+        for e in entries:
+            if not (isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)
+                    and isinstance(e[1], str) and isinstance(e[2], list)
+                    and all(isinstance(s, int) and 0 <= s < 1 << 40 for s in e[2])):
+                raise WireError(f"malformed tensor entry in group {g!r}: {e!r}"[:200])
+            name, dt, shape = e
+            if dt != _TORCH_BF16 and dt not in DTYPES:
+                raise WireError(f"tensor {g}/{name}: unknown dtype {dt!r}")
+            itemsize = 2 if dt == _TORCH_BF16 else DTYPES[dt].itemsize
+            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            nbytes = count * itemsize
+            if pos + nbytes > len(data):
+                raise WireError(f"tensor {g}/{name} {dt}{shape} needs {nbytes} bytes, "
+                                f"only {len(data) - pos} left: truncated message")
+            buf = mv[pos:pos + nbytes]
+            if dt == _TORCH_BF16:
+                arr = np.frombuffer(buf, dtype="<i2").reshape(shape).copy()
+                t = torch.from_numpy(arr).view(torch.bfloat16)
+            else:
+                arr = np.frombuffer(buf, dtype=DTYPES[dt]).reshape(shape)
+                arr = arr.astype(arr.dtype.newbyteorder("="), copy=True)
+                t = torch.from_numpy(arr)
+            tensors[name] = t
+            pos += nbytes
+        out[g] = tensors
+    if pos != len(data):
+        raise WireError(f"{len(data) - pos} trailing bytes after the last tensor")
+    return out, meta
+
+
+def check_finite(groups: Groups) -> None:
+    for g, ts in groups.items():
+        for name, t in ts.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise WireError(f"tensor {g}/{name} contains NaN or Inf")
+
+
+def check_spec(params: dict[str, torch.Tensor], spec: dict[str, tuple[tuple[int, ...], str]],
+               what: str = "model") -> None:
+    """The tensors must be exactly this architecture: same names, shapes and dtypes, in order."""
+    if list(params) != list(spec):
+        missing = [k for k in spec if k not in params]
+        extra = [k for k in params if k not in spec]
+        raise WireError(f"{what} does not match this architecture: missing {missing[:5]}, "
+                        f"unexpected {extra[:5]}")
+    for k, (shape, dtype) in spec.items():
+        t = params[k]
+        if tuple(t.shape) != tuple(shape) or _TORCH_NAMES.get(t.dtype) != dtype:
+            raise WireError(f"{what} tensor {k}: got {_TORCH_NAMES.get(t.dtype)}{list(t.shape)}, "
+                            f"expected {dtype}{list(shape)}")
+
+
+def pack_state(obj: Any) -> bytes:
+    """Persist a strategy state (nested dicts/lists of scalars, strings and tensor dicts)."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def strip(x: Any, path: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors[path] = x
+            return {"__tensor__": path}
+        if isinstance(x, np.ndarray):
+            tensors[path] = torch.from_numpy(np.ascontiguousarray(x))
+            return {"__ndarray__": path}
+        if isinstance(x, dict):
+            return {str(k): strip(v, f"{path}/{k}") for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [strip(v, f"{path}/{i}") for i, v in enumerate(x)]
+        if isinstance(x, (np.floating, np.integer)):
+            return x.item()
+        return x
+
+    skeleton = strip(obj, "")
+    return encode({"state": tensors}, {"skeleton": skeleton})
+
+
+def unpack_state(data: bytes) -> Any:
+    groups, meta = decode(data)
+    tensors = groups.get("state", {})
+
+    def fill(x: Any) -> Any:
+        if isinstance(x, dict):
+            if set(x) == {"__tensor__"}:
+                return tensors[x["__tensor__"]]
+            if set(x) == {"__ndarray__"}:
+                return tensors[x["__ndarray__"]].numpy()
+            return {k: fill(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [fill(v) for v in x]
+        return x
+
+    return fill(meta.get("skeleton"))

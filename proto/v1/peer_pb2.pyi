@@ -1,0 +1,210 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "protocol_version", "arch_fingerprint", "capabilities", "address", "admin_url", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ARCH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_URL_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    protocol_version: int
+    arch_fingerprint: str
+    capabilities: _containers.RepeatedScalarFieldContainer[str]
+    address: str
+    admin_url: str
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., arch_fingerprint: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., admin_url: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class PeerEntry(_message.Message):
+    __slots__ = ("node_id", "address", "last_seen_age_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    last_seen_age_s: float
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., last_seen_age_s: _Optional[float] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: NodeInfo
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
+
+class HandshakeReply(_message.Message):
+    __slots__ = ("node", "peers")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    node: NodeInfo
+    peers: _containers.RepeatedCompositeFieldContainer[PeerEntry]
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerEntry, _Mapping]]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "round", "snapshot_version", "sent_at")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    round: int
+    snapshot_version: int
+    sent_at: float
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., snapshot_version: _Optional[int] = ..., sent_at: _Optional[float] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("node_id", "round", "snapshot_version", "echo_sent_at")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ECHO_SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    round: int
+    snapshot_version: int
+    echo_sent_at: float
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., snapshot_version: _Optional[int] = ..., echo_sent_at: _Optional[float] = ...) -> None: ...
+
+class PeerList(_message.Message):
+    __slots__ = ("node_id", "peers")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    peers: _containers.RepeatedCompositeFieldContainer[PeerEntry]
+    def __init__(self, node_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerEntry, _Mapping]]] = ...) -> None: ...
+
+class SnapshotRef(_message.Message):
+    __slots__ = ("node_id", "version", "sha256")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    version: int
+    sha256: str
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("requester", "have_version", "chunk_bytes")
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    requester: str
+    have_version: int
+    chunk_bytes: int
+    def __init__(self, requester: _Optional[str] = ..., have_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class SnapshotHeader(_message.Message):
+    __slots__ = ("node_id", "version", "round", "sha256", "total_bytes", "unchanged")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    version: int
+    round: int
+    sha256: str
+    total_bytes: int
+    unchanged: bool
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ..., unchanged: _Optional[bool] = ...) -> None: ...
+
+class SnapshotChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: SnapshotHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[SnapshotHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ComputeHeader(_message.Message):
+    __slots__ = ("requester", "ref", "total_bytes", "sha256", "split", "max_samples", "reduction", "target_version", "align")
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    MAX_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REDUCTION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ALIGN_FIELD_NUMBER: _ClassVar[int]
+    requester: str
+    ref: SnapshotRef
+    total_bytes: int
+    sha256: str
+    split: str
+    max_samples: int
+    reduction: str
+    target_version: int
+    align: bool
+    def __init__(self, requester: _Optional[str] = ..., ref: _Optional[_Union[SnapshotRef, _Mapping]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., split: _Optional[str] = ..., max_samples: _Optional[int] = ..., reduction: _Optional[str] = ..., target_version: _Optional[int] = ..., align: _Optional[bool] = ...) -> None: ...
+
+class ComputeFrame(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ComputeHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ComputeHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class LossReply(_message.Message):
+    __slots__ = ("loss", "samples")
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    loss: float
+    samples: int
+    def __init__(self, loss: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class GradientHeader(_message.Message):
+    __slots__ = ("loss", "samples", "total_bytes", "sha256", "inner_product")
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    INNER_PRODUCT_FIELD_NUMBER: _ClassVar[int]
+    loss: float
+    samples: int
+    total_bytes: int
+    sha256: str
+    inner_product: float
+    def __init__(self, loss: _Optional[float] = ..., samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., inner_product: _Optional[float] = ...) -> None: ...
+
+class GradientChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: GradientHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[GradientHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("accepted", "message")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    message: str
+    def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class GossipMessage(_message.Message):
+    __slots__ = ("node_id", "key", "payload")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    key: str
+    payload: bytes
+    def __init__(self, node_id: _Optional[str] = ..., key: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
