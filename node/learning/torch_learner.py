@@ -1,0 +1,420 @@
+"""TorchLearner: the ``Learner`` interface on a torch model and this node's shard.
+
+Threading: the live model and optimizer are guarded by ``_lock`` (train, set_params,
+apply_gradient, save/load, snapshots). Methods taking ``params`` never touch the live model:
+they run ``torch.func.functional_call`` on a private *shadow* copy of the architecture under
+its own ``_eval_lock``, so a request thread can evaluate a peer's model while training runs.
+With ``params=None`` they snapshot the live parameters first and take the same path.
+
+Files written by ``save(directory)`` (each atomically):
+``model.safetensors`` (parameters), ``optimizer.safetensors`` (optimizer state tensors),
+``learner.json`` (optimizer hyper-parameters/structure, minibatch sampler state, fingerprint).
+Each safetensors file carries a sha256 of its tensors in its metadata, so a flipped byte is
+detected as well as truncation.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch.func import functional_call
+
+from .. import fsutil
+from .config import LearnerConfig
+from .datasets import Pool, load_pool
+from .learner import EvalResult, Learner, Params, Split, TrainResult
+from .models import build_model
+from .partition import NodeData, node_data
+
+MODEL_FILE = "model.safetensors"
+OPTIM_FILE = "optimizer.safetensors"
+STATE_FILE = "learner.json"
+_EVAL_BATCH = 2048
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        return "cuda:0"
+    return device
+
+
+def _seed(*parts: int) -> int:
+    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0])
+
+
+def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        t = tensors[k].detach().cpu().contiguous()
+        h.update(f"{k}|{tuple(t.shape)}|{t.dtype}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _to_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> bytes:
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    return st_save(tensors, metadata={**(meta or {}), "sha256": _tensor_digest(tensors)})
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    data = path.read_bytes()
+    try:
+        tensors = st_load(data)
+        header_len = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + header_len])
+    except (SafetensorError, ValueError, RuntimeError, OverflowError) as e:
+        raise ValueError(f"{path} is corrupt (not a readable safetensors file: {e})") from None
+    want = header.get("__metadata__", {}).get("sha256")
+    if want is None or want != _tensor_digest(tensors):
+        raise ValueError(f"{path} is corrupt (tensor checksum mismatch)")
+    return tensors
+
+
+class _Sampler:
+    """Minibatch indices: passes over fresh permutations of the train split."""
+
+    def __init__(self, n: int, seed: int):
+        self.n = n
+        self.rng = np.random.default_rng(seed)
+        self.perm = np.zeros(0, dtype=np.int64)
+        self.pos = 0
+
+    def next(self, batch: int) -> np.ndarray:
+        out = []
+        need = min(batch, self.n)
+        while need > 0:
+            if self.pos >= len(self.perm):
+                self.perm, self.pos = self.rng.permutation(self.n), 0
+            take = self.perm[self.pos:self.pos + need]
+            self.pos += len(take)
+            need -= len(take)
+            out.append(take)
+        return np.concatenate(out)
+
+    def state(self) -> dict:
+        return {"rng": self.rng.bit_generator.state, "perm": self.perm.tolist(), "pos": self.pos}
+
+    def set_state(self, s: dict) -> None:
+        self.rng.bit_generator.state = s["rng"]
+        self.perm = np.asarray(s["perm"], dtype=np.int64)
+        self.pos = int(s["pos"])
+
+
+class TorchLearner(Learner):
+    def __init__(self, cfg: LearnerConfig, pool: Pool | None = None,
+                 data: NodeData | None = None):
+        self.cfg = cfg
+        torch.set_num_threads(cfg.torch_threads)
+        self.device = resolve_device(cfg.device)
+        if pool is None:
+            pool = load_pool(cfg.dataset, cfg.dataset_params, cfg.data_seed)
+        if data is None:
+            data = node_data(pool, cfg)
+        self.task = pool.task
+        self.num_classes = pool.num_classes
+        self.input_shape = pool.input_shape
+        self.true_cluster = int(data.shard.cluster)
+        self.shard = data.shard
+        self.noisy_train = data.noisy
+        ydt = torch.int64 if self.task == "classification" else torch.float32
+        self._data: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for split in ("train", "val", "test"):
+            x = torch.as_tensor(getattr(data, f"x_{split}"), dtype=torch.float32)
+            y = torch.as_tensor(getattr(data, f"y_{split}"), dtype=ydt)
+            self._data[split] = (x.to(self.device), y.to(self.device))
+
+        # θ⁰ is the same on every node: seed right before construction, leaving global RNG as is
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.init_seed)
+            self.model = build_model(cfg.model, pool.input_shape, pool.num_classes,
+                                     **cfg.model_params)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.init_seed)
+            self._shadow = build_model(cfg.model, pool.input_shape, pool.num_classes,
+                                       **cfg.model_params)
+        self.model.to(self.device)
+        self._shadow.to(self.device).eval()
+        for p in self._shadow.parameters():
+            p.requires_grad_(False)
+        self._names = [n for n, _ in self.model.named_parameters()]
+        self._spec = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                      for n, p in self.model.named_parameters()}
+        self.optimizer = self._make_optimizer()
+        self._sampler = _Sampler(len(self._data["train"][1]), _seed(cfg.data_seed, cfg.node_index))
+        self._eval_rng = np.random.default_rng(_seed(cfg.data_seed, cfg.node_index, 0xE7A1))
+        self._lock = threading.RLock()
+        self._eval_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ params
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        c = self.cfg
+        if c.optimizer == "sgd":
+            return torch.optim.SGD(self.model.parameters(), lr=c.lr, momentum=c.momentum,
+                                   weight_decay=c.weight_decay)
+        return torch.optim.Adam(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
+
+    def get_params(self) -> Params:
+        with self._lock:
+            return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+
+    def _check(self, params: Params, what: str = "params") -> None:
+        if list(params) != self._names and set(params) != set(self._names):
+            missing, extra = set(self._names) - set(params), set(params) - set(self._names)
+            raise ValueError(f"{what} do not match the model: missing {sorted(missing)}, "
+                             f"unexpected {sorted(extra)}")
+        for n in self._names:
+            if tuple(params[n].shape) != self._spec[n][0]:
+                raise ValueError(f"{what}[{n!r}] has shape {tuple(params[n].shape)}, "
+                                 f"expected {self._spec[n][0]}")
+
+    def set_params(self, params: Params) -> None:
+        self._check(params)
+        with self._lock, torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(params[n].to(p.device, p.dtype))
+
+    def param_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return dict(self._spec)
+
+    def fingerprint(self) -> str:
+        spec = [[n, list(s), d] for n, (s, d) in self._spec.items()]
+        return hashlib.sha256(json.dumps([self.cfg.model, spec]).encode()).hexdigest()
+
+    # ------------------------------------------------------------------ core
+    def _loss_fn(self, out: torch.Tensor, y: torch.Tensor, reduction: str) -> torch.Tensor:
+        if self.task == "regression":
+            return F.mse_loss(out.reshape(-1), y.reshape(-1), reduction=reduction)
+        return F.cross_entropy(out, y, reduction=reduction)
+
+    def num_samples(self, split: Split = "train") -> int:
+        return len(self._data[split][1])
+
+    def train(self, steps: int | None = None) -> TrainResult:
+        n = self.num_samples("train")
+        bs = self.cfg.batch_size
+        if steps is None:
+            steps = (self.cfg.local_epochs * math.ceil(n / bs) if self.cfg.local_epochs > 0
+                     else self.cfg.local_steps)
+        if steps <= 0:
+            return TrainResult(loss=float("nan"), steps=0, samples=0)
+        x, y = self._data["train"]
+        total, samples = 0.0, 0
+        with self._lock:
+            self.model.train()
+            for _ in range(steps):
+                idx = torch.from_numpy(self._sampler.next(bs)).to(self.device)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss = self._loss_fn(self.model(x[idx]), y[idx], "mean")
+                loss.backward()
+                self.optimizer.step()
+                total += float(loss.detach())
+                samples += len(idx)
+            self.optimizer.zero_grad(set_to_none=True)
+        return TrainResult(loss=total / steps, steps=steps, samples=samples)
+
+    def apply_gradient(self, grad: Params) -> None:
+        self._check(grad, "grad")
+        with self._lock:
+            for n, p in self.model.named_parameters():
+                p.grad = grad[n].to(p.device, p.dtype).clone()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _device_params(self, params: Params | None, requires_grad: bool = False) -> Params:
+        if params is None:
+            with self._lock:
+                out = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        else:
+            self._check(params)
+            out = {n: params[n].detach().to(self.device, torch.float32, copy=True)
+                   for n in self._names}
+        if requires_grad:
+            for t in out.values():
+                t.requires_grad_(True)
+        return out
+
+    def _batch(self, split: Split, max_samples: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self._data[split]
+        if max_samples is not None and max_samples < len(y):
+            idx = np.sort(self._eval_rng.choice(len(y), max_samples, replace=False))
+            t = torch.from_numpy(idx).to(self.device)
+            return x[t], y[t]
+        return x, y
+
+    def loss(self, params: Params | None = None, split: Split = "train",
+             max_samples: int | None = None,
+             reduction: Literal["mean", "sum"] = "mean") -> EvalResult:
+        p = self._device_params(params)
+        with self._eval_lock:
+            x, y = self._batch(split, max_samples)
+            return self._eval(p, x, y, reduction)
+
+    def evaluate(self, split: Split = "test", params: Params | None = None) -> EvalResult:
+        p = self._device_params(params)
+        x, y = self._data[split]
+        with self._eval_lock:
+            return self._eval(p, x, y, "mean")
+
+    def _eval(self, p: Params, x: torch.Tensor, y: torch.Tensor, reduction: str) -> EvalResult:
+        n = len(y)
+        if n == 0:
+            return EvalResult(loss=float("nan"), n=0, accuracy=None)
+        total, correct = 0.0, 0
+        with torch.no_grad():
+            for i in range(0, n, _EVAL_BATCH):
+                out = functional_call(self._shadow, p, (x[i:i + _EVAL_BATCH],))
+                yb = y[i:i + _EVAL_BATCH]
+                total += float(self._loss_fn(out, yb, "sum"))
+                if self.task == "classification":
+                    correct += int((out.argmax(1) == yb).sum())
+        acc = correct / n if self.task == "classification" else None
+        return EvalResult(loss=total / n if reduction == "mean" else total, n=n, accuracy=acc)
+
+    def gradient(self, params: Params | None = None, split: Split = "train",
+                 max_samples: int | None = None,
+                 reduction: Literal["mean", "sum"] = "mean") -> tuple[Params, EvalResult]:
+        p = self._device_params(params, requires_grad=True)
+        with self._eval_lock:
+            x, y = self._batch(split, max_samples)
+            if len(y) == 0:
+                raise ValueError(f"split {split!r} is empty on this node: no gradient")
+            with torch.enable_grad():
+                out = functional_call(self._shadow, p, (x,))
+                loss = self._loss_fn(out, y, reduction)
+                grads = torch.autograd.grad(loss, [p[n] for n in self._names])
+            acc = (float((out.argmax(1) == y).float().mean())
+                   if self.task == "classification" else None)
+        g = {n: t.detach().to("cpu", torch.float32) for n, t in zip(self._names, grads)}
+        return g, EvalResult(loss=float(loss.detach()), n=len(y), accuracy=acc)
+
+    def evaluate_mixture(self, members: list[tuple[float, Params]],
+                         split: Split = "test") -> EvalResult:
+        """Σ_j w_j p(y|x; θ_j) with the weights normalised to sum to 1 (classification: softmax
+        probabilities, loss = NLL of the mixture; regression: weighted mean prediction, MSE)."""
+        if not members:
+            raise ValueError("evaluate_mixture needs at least one member")
+        w = np.asarray([float(m[0]) for m in members])
+        if np.any(w < 0) or not w.sum() > 0:
+            raise ValueError(f"mixture weights must be >= 0 with a positive sum, got {w.tolist()}")
+        w = w / w.sum()
+        ps = [self._device_params(m[1]) for m in members]
+        x, y = self._data[split]
+        n = len(y)
+        if n == 0:
+            return EvalResult(loss=float("nan"), n=0, accuracy=None)
+        total, correct = 0.0, 0
+        with self._eval_lock, torch.no_grad():
+            for i in range(0, n, _EVAL_BATCH):
+                xb, yb = x[i:i + _EVAL_BATCH], y[i:i + _EVAL_BATCH]
+                mix = None
+                for wj, pj in zip(w, ps):
+                    if wj == 0:
+                        continue
+                    out = functional_call(self._shadow, pj, (xb,))
+                    out = out.softmax(1) if self.task == "classification" else out.reshape(-1)
+                    mix = wj * out if mix is None else mix + wj * out
+                if self.task == "classification":
+                    py = mix.gather(1, yb.view(-1, 1)).clamp_min(1e-12)
+                    total += float(-py.log().sum())
+                    correct += int((mix.argmax(1) == yb).sum())
+                else:
+                    total += float(F.mse_loss(mix, yb.reshape(-1), reduction="sum"))
+        acc = correct / n if self.task == "classification" else None
+        return EvalResult(loss=total / n, n=n, accuracy=acc)
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, directory: str) -> None:
+        d = Path(directory)
+        with self._lock:
+            params = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
+            sd = self.optimizer.state_dict()
+            opt_tensors: dict[str, torch.Tensor] = {}
+            opt_state: dict[str, dict] = {}
+            for idx, st in sd["state"].items():
+                entry = {}
+                for k, v in st.items():
+                    if torch.is_tensor(v):
+                        opt_tensors[f"{idx}.{k}"] = v.detach().cpu().clone()
+                    else:
+                        entry[k] = v
+                opt_state[str(idx)] = entry
+            meta = {
+                "fingerprint": self.fingerprint(),
+                "optimizer": self.cfg.optimizer,
+                "param_groups": sd["param_groups"],
+                "state": opt_state,
+                "sampler": self._sampler.state(),
+                "eval_rng": self._eval_rng.bit_generator.state,
+            }
+            blob_model = _to_bytes(params, {"fingerprint": self.fingerprint()})
+            blob_opt = _to_bytes(opt_tensors)
+        fsutil.atomic_write_bytes(d / MODEL_FILE, blob_model)
+        fsutil.atomic_write_bytes(d / OPTIM_FILE, blob_opt)
+        fsutil.atomic_write_bytes(d / STATE_FILE, json.dumps(meta, default=_json_default).encode())
+
+    def load(self, directory: str) -> None:
+        d = Path(directory)
+        params = _read_tensors(d / MODEL_FILE)
+        try:
+            self._check(params, "saved parameters")
+        except ValueError as e:
+            raise ValueError(f"{d / MODEL_FILE} does not fit this model: {e}") from None
+        opt_tensors = _read_tensors(d / OPTIM_FILE)
+        meta = fsutil.read_json(d / STATE_FILE)
+        try:
+            if meta["fingerprint"] != self.fingerprint():
+                raise ValueError("architecture fingerprint differs from this model's")
+            if meta["optimizer"] != self.cfg.optimizer:
+                raise ValueError(f"saved optimizer {meta['optimizer']!r} != {self.cfg.optimizer!r}")
+            state: dict[int, dict] = {}
+            for idx, entry in meta["state"].items():
+                state[int(idx)] = dict(entry)
+            for key, t in opt_tensors.items():
+                idx, k = key.split(".", 1)
+                state.setdefault(int(idx), {})[k] = t
+            sd = {"state": state, "param_groups": meta["param_groups"]}
+            sampler, eval_rng = meta["sampler"], meta["eval_rng"]
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{d / STATE_FILE} is corrupt (missing or malformed {e})") from None
+        with self._lock:
+            self.set_params(params)
+            opt = self._make_optimizer()
+            try:
+                opt.load_state_dict(sd)
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{d / STATE_FILE} / {d / OPTIM_FILE}: optimizer state does not "
+                                 f"fit: {e}") from None
+            self.optimizer = opt
+            try:
+                self._sampler.set_state(sampler)
+                self._eval_rng.bit_generator.state = eval_rng
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{d / STATE_FILE} is corrupt (sampler state: {e})") from None
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, tuple):
+        return list(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def build_learner(cfg: LearnerConfig, pool: Pool | None = None) -> TorchLearner:
+    """The learner for ``cfg.node_index``: loads the pool (cached in-process), partitions it,
+    builds θ⁰ from ``cfg.init_seed``. Pass ``pool`` to reuse one already loaded."""
+    return TorchLearner(cfg, pool=pool)
