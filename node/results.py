@@ -1,0 +1,311 @@
+"""results.json assembly, the terminal summary table and heatmap, and the PNG figures.
+
+results.json (``"format": "coterie-results/1"``)::
+
+    scenario            the resolved scenario (after command-line overrides)
+    node_ids            ["n0", ...]: the order of every per-node list and matrix
+    true_clusters       ground-truth cluster per node (from the partitioner), or null
+    strategies.<name>:
+      wall_time_s       launch to last node done
+      node_configs      {node_id: full NodeConfig}
+      nodes.<node_id>:  rounds, t, train_loss, test_acc, test_loss (lists, one per round),
+                        eval (full eval dict per round), info (strategy info per round),
+                        final_test_acc, final_test_loss, true_cluster, address, admin_url, pid,
+                        bytes_sent / bytes_received ({kind: total bytes}),
+                        bytes_sent_per_round / bytes_received_per_round (as the node logged them)
+      weights           {"rounds": [1..R], "matrices": [W_r]}: W_r[i][j] = weight node i gave
+                        node j in its round r (self included); a row is null if i has no round r
+      final_weights     each node's last weight row, as a matrix
+      summary           mean/min final accuracy, mean accuracy per true cluster, byte totals
+    notes               anything odd (substituted strategies, short histories)
+
+A node's ``bytes_sent`` in history.jsonl is read as the bytes of that round (totals are sums).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .fsutil import atomic_write_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .launcher import Scenario, StrategyRun
+
+FORMAT = "coterie-results/1"
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _num(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _sum_kinds(entries: list[dict[str, Any]], key: str) -> dict[str, int]:
+    tot: dict[str, int] = {}
+    for e in entries:
+        for kind, n in (e.get(key) or {}).items():
+            tot[kind] = tot.get(kind, 0) + int(n or 0)
+    return dict(sorted(tot.items()))
+
+
+def true_clusters_of(run: "StrategyRun") -> tuple[list[int] | None, str | None]:
+    try:
+        from .learning.partition import true_clusters
+        return [int(c) for c in true_clusters(run.specs[0].config.learner)], None
+    except Exception as e:  # partitioner missing or the spec has no clusters
+        return None, f"true clusters unavailable: {type(e).__name__}: {e}"
+
+
+def node_results(history: list[dict[str, Any]]) -> dict[str, Any]:
+    ev = [e.get("eval") or {} for e in history]
+    acc = [_num(x.get("test_acc")) for x in ev]
+    loss = [_num(x.get("test_loss")) for x in ev]
+    return {
+        "rounds": [e["round"] for e in history],
+        "t": [_num(e.get("t")) for e in history],
+        "train_loss": [_num(e.get("train_loss")) for e in history],
+        "test_acc": acc,
+        "test_loss": loss,
+        "eval": ev,
+        "info": [e.get("info") or {} for e in history],
+        "final_test_acc": acc[-1] if acc else None,
+        "final_test_loss": loss[-1] if loss else None,
+        "bytes_sent": _sum_kinds(history, "bytes_sent"),
+        "bytes_received": _sum_kinds(history, "bytes_received"),
+        "bytes_sent_per_round": [e.get("bytes_sent") or {} for e in history],
+        "bytes_received_per_round": [e.get("bytes_received") or {} for e in history],
+    }
+
+
+def weight_matrices(node_ids: list[str], histories: dict[str, list[dict[str, Any]]],
+                    rounds: int) -> dict[str, Any]:
+    by = {n: {e["round"]: e for e in histories.get(n, [])} for n in node_ids}
+    last = max([rounds] + [r for n in node_ids for r in by[n]])
+    rs = list(range(1, last + 1))
+    mats = []
+    for r in rs:
+        rows = []
+        for n in node_ids:
+            e = by[n].get(r)
+            w = (e or {}).get("weights")
+            rows.append(None if not isinstance(w, dict) else
+                        [float(w.get(m, 0.0) or 0.0) for m in node_ids])
+        mats.append(rows)
+    return {"rounds": rs, "matrices": mats}
+
+
+def final_weights(node_ids: list[str], histories: dict[str, list[dict[str, Any]]]) -> list[list[float] | None]:
+    out = []
+    for n in node_ids:
+        h = [e for e in histories.get(n, []) if isinstance(e.get("weights"), dict)]
+        out.append([float(h[-1]["weights"].get(m, 0.0) or 0.0) for m in node_ids] if h else None)
+    return out
+
+
+def strategy_results(sc: "Scenario", run: "StrategyRun", clusters: list[int] | None) -> dict[str, Any]:
+    ids = [s.node_id for s in run.specs]
+    nodes = {}
+    for i, s in enumerate(run.specs):
+        r = node_results(run.histories.get(s.node_id, []))
+        info = run.node_info.get(s.node_id) or {}
+        r.update({"index": i, "true_cluster": clusters[i] if clusters else None,
+                  "address": info.get("address"), "admin_url": info.get("admin_url", s.admin_url),
+                  "pid": info.get("pid")})
+        nodes[s.node_id] = r
+    finals = [nodes[n]["final_test_acc"] for n in ids]
+    have = [a for a in finals if a is not None]
+    by_cluster: dict[str, float] = {}
+    if clusters:
+        for c in sorted(set(clusters)):
+            accs = [a for a, k in zip(finals, clusters) if k == c and a is not None]
+            if accs:
+                by_cluster[str(c)] = sum(accs) / len(accs)
+    sent = sum(sum(nodes[n]["bytes_sent"].values()) for n in ids)
+    recv = sum(sum(nodes[n]["bytes_received"].values()) for n in ids)
+    return {
+        "wall_time_s": round(run.wall_time_s, 3),
+        "node_configs": {s.node_id: s.config.model_dump(mode="json") for s in run.specs},
+        "nodes": nodes,
+        "weights": weight_matrices(ids, run.histories, sc.rounds),
+        "final_weights": final_weights(ids, run.histories),
+        "summary": {
+            "mean_test_acc": sum(have) / len(have) if have else None,
+            "min_test_acc": min(have) if have else None,
+            "mean_test_acc_by_cluster": by_cluster,
+            "bytes_sent_total": sent,
+            "bytes_received_total": recv,
+        },
+        "notes": list(run.notes),
+    }
+
+
+def build_results(sc: "Scenario", runs: list["StrategyRun"], notes: list[str] | None = None) -> dict[str, Any]:
+    notes = list(notes or [])
+    clusters, why = true_clusters_of(runs[0]) if runs else (None, None)
+    if why:
+        notes.append(why)
+    return _finite({
+        "format": FORMAT,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "scenario": sc.model_dump(mode="json"),
+        "node_ids": [s.node_id for s in runs[0].specs] if runs else [],
+        "true_clusters": clusters,
+        "strategies": {r.strategy: strategy_results(sc, r, clusters) for r in runs},
+        "notes": notes,
+    })
+
+
+def write_results(path: str | Path, results: dict[str, Any]) -> None:
+    atomic_write_bytes(path, json.dumps(results, indent=1, allow_nan=False).encode())
+
+
+# ------------------------------------------------------------------------------------ terminal
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:.1f}%"
+
+
+def summary_table(results: dict[str, Any]):
+    """Per-node final test accuracy, one column per strategy, means in the footer."""
+    from rich.table import Table
+
+    strategies = list(results["strategies"])
+    ids = results["node_ids"]
+    clusters = results.get("true_clusters")
+    t = Table(title=f"{results['scenario'].get('name', 'scenario')}: final test accuracy per node",
+              show_footer=True)
+    t.add_column("node", footer="mean")
+    t.add_column("cluster", justify="right", footer="")
+    best_name = None
+    means = {s: results["strategies"][s]["summary"]["mean_test_acc"] for s in strategies}
+    if any(v is not None for v in means.values()):
+        best_name = max((s for s in strategies if means[s] is not None), key=lambda s: means[s])
+    for s in strategies:
+        foot = _pct(means[s])
+        t.add_column(s, justify="right", footer=f"[bold]{foot}[/]" if s == best_name else foot)
+    for i, n in enumerate(ids):
+        row = [n, "–" if not clusters else str(clusters[i])]
+        for s in strategies:
+            row.append(_pct(results["strategies"][s]["nodes"].get(n, {}).get("final_test_acc")))
+        t.add_row(*row)
+    return t
+
+
+def run_table(results: dict[str, Any]):
+    """One row per strategy: wall time, traffic, mean and worst accuracy."""
+    from rich.table import Table
+
+    t = Table(title="runs")
+    for c in ("strategy", "wall time", "sent", "received", "mean acc", "min acc"):
+        t.add_column(c, justify="left" if c == "strategy" else "right")
+    for s, r in results["strategies"].items():
+        sm = r["summary"]
+        t.add_row(s, f"{r['wall_time_s']:.1f}s", _mb(sm["bytes_sent_total"]),
+                  _mb(sm["bytes_received_total"]), _pct(sm["mean_test_acc"]), _pct(sm["min_test_acc"]))
+    return t
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def _blue(w: float) -> str:
+    w = min(1.0, max(0.0, w))
+    r = int(245 - w * (245 - 8))
+    g = int(245 - w * (245 - 69))
+    b = int(245 - w * (245 - 148))
+    return f"rgb({r},{g},{b})"
+
+
+def heatmap(results: dict[str, Any], strategy: str):
+    """The final collaborator-weight matrix of ``strategy`` as coloured blocks (row i = node i's
+    weights), nodes labelled with their true cluster."""
+    from rich.text import Text
+
+    ids = results["node_ids"]
+    clusters = results.get("true_clusters")
+    mat = results["strategies"][strategy]["final_weights"]
+    vmax = max([w for row in mat if row for w in row] + [1e-12])
+    label = lambda i: f"{ids[i]}" + (f" c{clusters[i]}" if clusters else "")  # noqa: E731
+    width = max(len(label(i)) for i in range(len(ids)))
+    txt = Text()
+    txt.append(f"collaborator weights, {strategy} (row: node, column: peer; darker = more, "
+               f"max {vmax:.2f})\n", style="bold")
+    txt.append(" " * (width + 1) + "".join(f"{n[-3:]:>3}" for n in ids) + "\n")
+    for i, row in enumerate(mat):
+        txt.append(f"{label(i):>{width}} ")
+        for j in range(len(ids)):
+            if row is None:
+                txt.append("  ?")
+            else:
+                txt.append(" ")
+                txt.append("  ", style=f"on {_blue(row[j] / vmax)}")
+        txt.append("\n")
+    return txt
+
+
+# ----------------------------------------------------------------------------------------- PNG
+def save_figures(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """weights.png (final weight matrix per strategy) and accuracy.png (test accuracy per round,
+    one line per node, coloured by true cluster)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    ids = results["node_ids"]
+    clusters = results.get("true_clusters") or [0] * len(ids)
+    strategies = list(results["strategies"])
+    paths = []
+
+    fig, axes = plt.subplots(1, len(strategies), figsize=(4.2 * len(strategies), 4), squeeze=False)
+    for ax, s in zip(axes[0], strategies):
+        mat = [[math.nan] * len(ids) if row is None else row
+               for row in results["strategies"][s]["final_weights"]]
+        im = ax.imshow(mat, cmap="Blues", vmin=0, interpolation="nearest")
+        ax.set_title(f"{s}: final weights")
+        labels = [f"{n} (c{c})" for n, c in zip(ids, clusters)]
+        ax.set_xticks(range(len(ids)), ids, rotation=90, fontsize=7)
+        ax.set_yticks(range(len(ids)), labels, fontsize=7)
+        ax.set_xlabel("peer j")
+        ax.set_ylabel("node i")
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    p = out / "weights.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+
+    fig, axes = plt.subplots(1, len(strategies), figsize=(4.2 * len(strategies), 3.4), squeeze=False,
+                             sharey=True)
+    cmap = plt.get_cmap("tab10")
+    for ax, s in zip(axes[0], strategies):
+        for n, c in zip(ids, clusters):
+            r = results["strategies"][s]["nodes"].get(n) or {}
+            xs = [x for x, a in zip(r.get("rounds", []), r.get("test_acc", [])) if a is not None]
+            ys = [a for a in r.get("test_acc", []) if a is not None]
+            ax.plot(xs, ys, color=cmap(c % 10), lw=1, alpha=0.8)
+        ax.set_title(s)
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("test accuracy")
+    fig.tight_layout()
+    p = out / "accuracy.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    return paths

@@ -1,0 +1,72 @@
+"""A stand-in node daemon for launcher tests (stdlib only, starts in milliseconds).
+
+    python fake_daemon.py CONFIG.toml MODE
+
+Modes: ok (write node.json + history.jsonl, serve /status done=true until SIGTERM), crash_n1
+(node n1 exits 3 at once, the others behave as ok), hang (never done; ignores SIGTERM). Every
+mode also starts a grandchild (`sleep`) in its process group and records its pid in
+state_dir/grandchild.pid, so tests can check that it does not outlive the run.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+cfg = tomllib.loads(Path(sys.argv[1]).read_text())
+mode = sys.argv[2]
+state = Path(cfg["state_dir"])
+state.mkdir(parents=True, exist_ok=True)
+nid = cfg["node_id"]
+n = cfg["learner"]["num_nodes"]
+ids = [f"n{i}" for i in range(n)]
+gc = subprocess.Popen(["sleep", "300"])
+(state / "grandchild.pid").write_text(str(gc.pid))
+
+if mode == "crash_n1" and nid == "n1":
+    print("boom: fake node failed on purpose", file=sys.stderr, flush=True)
+    sys.exit(3)
+if mode == "hang":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        time.sleep(1)
+
+host, port = cfg["admin_listen"].rsplit(":", 1)
+rounds = cfg["rounds"]
+me = ids.index(nid)
+with open(state / "history.jsonl", "w") as f:
+    for r in range(1, rounds + 1):
+        w = {m: (0.5 if m == nid else 0.5 / (n - 1)) for m in ids} if n > 1 else {nid: 1.0}
+        f.write(json.dumps({"round": r, "t": time.time(), "train_loss": 1.0 / r,
+                            "eval": {"test_acc": 0.1 * r + 0.01 * me, "test_loss": 2.0 / r},
+                            "weights": w, "bytes_sent": {"snapshot": 100, "gossip": 1},
+                            "bytes_received": {"snapshot": 200}, "info": {"r": r}}) + "\n")
+(state / "node.json").write_text(json.dumps({"node_id": nid, "address": cfg["listen"],
+                                             "admin_url": f"http://{cfg['admin_listen']}",
+                                             "pid": os.getpid()}))
+
+
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"node_id": nid, "round": rounds, "done": True,
+                           "last_eval": {"test_acc": 0.5}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+srv = ThreadingHTTPServer((host, int(port)), H)
+signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(SystemExit(0)))
+try:
+    srv.serve_forever()
+except SystemExit:
+    pass
