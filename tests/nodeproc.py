@@ -1,0 +1,122 @@
+"""Real node daemons as child processes, for integration tests (loopback only)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import tomli_w
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll ``cond`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = cond()
+            if value:
+                return value
+        except Exception as e:  # noqa: BLE001 - the condition may not be observable yet
+            last_exc = e
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
+
+
+def http_json(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def tiny_learner(num_nodes: int, index: int, clusters: int = 1, samples: int = 120) -> dict[str, Any]:
+    return {"dataset": "mnist1d", "partition": "label_permutation", "num_nodes": num_nodes,
+            "node_index": index, "model": "mlp", "local_steps": 5,
+            "dataset_params": {"num_samples": 2000},
+            "partition_params": {"num_clusters": clusters, "samples_per_node": samples}}
+
+
+class NodeProc:
+    def __init__(self, root: Path, node_id: str, config: dict[str, Any]):
+        self.node_id = node_id
+        self.dir = root / node_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.state_dir = self.dir / "state"
+        cfg = {"node_id": node_id, "state_dir": str(self.state_dir), "listen": "127.0.0.1:0",
+               "admin_listen": "127.0.0.1:0", "heartbeat_interval_s": 0.25, "suspect_after_s": 1.0,
+               "dead_after_s": 2.5, "request_timeout_s": 10.0, "log_level": "INFO", **config}
+        self.config_path = self.dir / "node.toml"
+        self.config_path.write_text(tomli_w.dumps(cfg))
+        self.proc: subprocess.Popen | None = None
+        self.info: dict[str, Any] = {}
+
+    def start(self, timeout: float = 60.0, extra_args: list[str] | None = None) -> "NodeProc":
+        info_path = self.state_dir / "node.json"
+        old_pid = None
+        if info_path.exists():
+            old_pid = json.loads(info_path.read_text()).get("pid")
+        log = open(self.dir / "node.log", "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "coterie.cli.main", "node", "start",
+                                      "--config", str(self.config_path), *(extra_args or [])],
+                                     stdout=log, stderr=subprocess.STDOUT, env=env)
+
+        def ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.node_id} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            info = json.loads(info_path.read_text())
+            if info.get("pid") != self.proc.pid or info.get("pid") == old_pid:
+                return None
+            with urllib.request.urlopen(info["admin_url"] + "/healthz", timeout=5) as r:
+                if r.status != 200:
+                    return None
+            self.info = info
+            return info
+
+        try:
+            wait_for(ready, timeout, f"{self.node_id} to come up")
+        except AssertionError:
+            raise AssertionError(f"{self.node_id} did not come up:\n{self.log_tail()}") from None
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.info["address"]
+
+    @property
+    def admin(self) -> str:
+        return self.info["admin_url"]
+
+    def get(self, path: str) -> Any:
+        return http_json(self.admin + path)
+
+    def get_text(self, path: str) -> str:
+        with urllib.request.urlopen(self.admin + path, timeout=5) as r:
+            return r.read().decode()
+
+    def status(self) -> dict[str, Any]:
+        return self.get("/status")
+
+    def log_tail(self, n: int = 40) -> str:
+        p = self.dir / "node.log"
+        return "\n".join(p.read_text(errors="replace").splitlines()[-n:]) if p.exists() else ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> int | None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode if self.proc else None
