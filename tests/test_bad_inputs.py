@@ -1,0 +1,225 @@
+"""Every bad input a peer can send is refused with a message naming the problem, and the node
+keeps serving. The test plays a rogue peer: a raw gRPC client, and a rogue server the node pulls from."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import grpc
+import msgpack
+import pytest
+import torch
+
+from coterie.node.config import PROTOCOL_VERSION
+from coterie.node.learning.config import LearnerConfig
+from coterie.node.learning.torch_learner import build_learner
+from coterie.node.transport.chunks import sha256, split
+from coterie.node.transport.server import Published, serve
+from coterie.node.wire.codec import encode
+from coterie.proto.v1 import peer_pb2 as pb
+from coterie.proto.v1 import peer_pb2_grpc as rpc
+from nodeproc import NodeProc, tiny_learner, wait_for
+
+pytestmark = pytest.mark.slow
+LEARNER = tiny_learner(2, 0)
+
+
+class RogueHandler:
+    """A peer that speaks the protocol correctly but publishes whatever ``self.data`` holds."""
+    chunk_bytes = 1 << 20
+    max_model_bytes = 1 << 24
+    max_gossip_bytes = 1 << 16
+
+    class stats:
+        @staticmethod
+        def record(*a, **k): pass
+
+        @staticmethod
+        def latency(*a, **k): pass
+
+    def __init__(self, fingerprint: str):
+        self.fingerprint = fingerprint
+        self.address = ""
+        self.data = b""
+        self.version = 0
+
+    def set_payload(self, data: bytes) -> None:
+        self.version += 1
+        self.data = data
+
+    def info(self):
+        return pb.NodeInfo(node_id="rogue", protocol_version=PROTOCOL_VERSION,
+                           arch_fingerprint=self.fingerprint, address=self.address)
+
+    def on_handshake(self, remote, peer_addr):
+        return []
+
+    def on_heartbeat(self, node_id, round, version):
+        return 0, self.version
+
+    def on_peer_list(self, sender, entries):
+        return []
+
+    def published(self):
+        return Published("rogue", self.version, 0, self.data, sha256(self.data))
+
+    def check_known(self, node_id):
+        return None
+
+
+@pytest.fixture(scope="module")
+def params():
+    return build_learner(LearnerConfig(**LEARNER)).get_params()
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    node = NodeProc(tmp_path_factory.mktemp("bad"), "victim",
+                    {"strategy": "dpsgd", "round_interval_s": 0.2, "learner": LEARNER,
+                     "max_model_bytes": 256 * 1024, "max_gossip_bytes": 1024}).start()
+    yield node
+    node.stop()
+
+
+def _channel(node):
+    return grpc.aio.insecure_channel(node.address)
+
+
+async def _handshake(stub, fingerprint, node_id="tester", version=PROTOCOL_VERSION):
+    return await stub.Handshake(pb.HandshakeRequest(node=pb.NodeInfo(
+        node_id=node_id, protocol_version=version, arch_fingerprint=fingerprint,
+        address="127.0.0.1:1")), timeout=10)
+
+
+async def _cross_loss(stub, payload: bytes, *, digest: str | None = None, total: int | None = None,
+                      requester="tester"):
+    async def frames():
+        yield pb.ComputeFrame(header=pb.ComputeHeader(
+            requester=requester, total_bytes=len(payload) if total is None else total,
+            sha256=sha256(payload) if digest is None else digest, split="train"))
+        for part in split(payload, 64 * 1024):
+            yield pb.ComputeFrame(data=part)
+    return await stub.CrossLoss(frames(), timeout=10)
+
+
+async def _expect(coro, code, *needles):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await coro
+    assert err.value.code() == code, err.value
+    for n in needles:
+        assert n.lower() in err.value.details().lower(), err.value.details()
+    return err.value.details()
+
+
+def test_handshake_refuses_other_protocol_and_architecture(target):
+    fp = target.status()["fingerprint"]
+
+    async def go():
+        async with _channel(target) as ch:
+            stub = rpc.PeerStub(ch)
+            await _expect(_handshake(stub, fp, version=PROTOCOL_VERSION + 1),
+                          grpc.StatusCode.FAILED_PRECONDITION, "protocol version")
+            await _expect(_handshake(stub, "0" * 64), grpc.StatusCode.FAILED_PRECONDITION, "architecture")
+            reply = await _handshake(stub, fp)
+            assert reply.node.node_id == "victim"
+    asyncio.run(go())
+
+
+def test_unknown_peer_is_refused(target):
+    async def go():
+        async with _channel(target) as ch:
+            stub = rpc.PeerStub(ch)
+            await _expect(_cross_loss(stub, b"x", requester="stranger"), grpc.StatusCode.PERMISSION_DENIED,
+                          "unknown peer", "stranger")
+            await _expect(stub.Heartbeat(pb.HeartbeatRequest(node_id="stranger"), timeout=5),
+                          grpc.StatusCode.PERMISSION_DENIED, "unknown peer")
+    asyncio.run(go())
+
+
+def test_bad_models_in_requests_are_refused_with_reasons(target, params):
+    fp = target.status()["fingerprint"]
+    nan = {k: v.clone() for k, v in params.items()}
+    next(iter(nan.values()))[0] = float("nan")
+    wrong = {k: torch.zeros(v.shape[0] + 1, *v.shape[1:]) for k, v in params.items()}
+
+    async def go():
+        async with _channel(target) as ch:
+            stub = rpc.PeerStub(ch)
+            await _handshake(stub, fp)
+            good = await _cross_loss(stub, encode({"params": params}))
+            assert good.samples > 0 and good.loss > 0
+            await _expect(_cross_loss(stub, b"\x00garbage" * 10), grpc.StatusCode.INVALID_ARGUMENT, "magic")
+            await _expect(_cross_loss(stub, encode({"params": nan})), grpc.StatusCode.INVALID_ARGUMENT, "nan")
+            await _expect(_cross_loss(stub, encode({"params": wrong})), grpc.StatusCode.INVALID_ARGUMENT, "expected")
+            await _expect(_cross_loss(stub, encode({"params": params}), digest="0" * 64),
+                          grpc.StatusCode.INVALID_ARGUMENT, "sha256")
+            big = encode({"params": {"x": torch.zeros(100_000)}})  # 400 kB > the 256 KiB limit
+            await _expect(_cross_loss(stub, big), grpc.StatusCode.INVALID_ARGUMENT, "exceeds the limit")
+            truncated = encode({"params": params})
+            await _expect(_cross_loss(stub, truncated[:-10], digest=sha256(truncated), total=len(truncated)),
+                          grpc.StatusCode.INVALID_ARGUMENT, "truncated")
+            await _expect(stub.GossipState(pb.GossipMessage(node_id="tester", key="omega",
+                                                            payload=b"\x00" * 4096), timeout=5),
+                          grpc.StatusCode.INVALID_ARGUMENT, "exceeds the limit")
+            await _expect(stub.GossipState(pb.GossipMessage(node_id="tester", key="omega",
+                                                            payload=msgpack.packb({"a": 1})), timeout=5),
+                          grpc.StatusCode.INVALID_ARGUMENT, "does not understand")
+    asyncio.run(go())
+    # still serving and still learning
+    r = target.status()["round"]
+    wait_for(lambda: target.status()["round"] > r, 30, "victim to keep running rounds")
+
+
+def test_bad_snapshots_from_a_rogue_peer_are_rejected(target, params):
+    fp = target.status()["fingerprint"]
+    nan = {k: v.clone() for k, v in params.items()}
+    next(iter(nan.values())).fill_(float("inf"))
+    wrong = {k: v.t().contiguous() if v.dim() == 2 else v for k, v in params.items()}
+    cases = [(b"CTW1\xff\xff\xff\xffjunk", "malformed"), (encode({"params": nan}), "nan or inf"),
+             (encode({"params": wrong}), "expected")]
+
+    async def go():
+        rogue = RogueHandler(fp)
+        server, port = await serve(rogue, "127.0.0.1:0")
+        rogue.address = f"127.0.0.1:{port}"
+        try:
+            async with _channel(target) as ch:
+                # introduce the rogue: the victim learns it from the handshake's address
+                await rpc.PeerStub(ch).Handshake(pb.HandshakeRequest(node=rogue.info()), timeout=10)
+            for payload, needle in cases:
+                rogue.set_payload(payload)
+
+                def seen():
+                    return any(p["peer"] == "rogue" and needle in p["message"].lower()
+                               for p in target.status()["problems"])
+                await asyncio.to_thread(wait_for, seen, 30, f"victim to reject a {needle} snapshot")
+        finally:
+            await server.stop(0)
+    asyncio.run(go())
+    assert target.get_text("/healthz").strip() == "ok"
+    metrics = target.get_text("/metrics")
+    assert "coterie_rejected_total" in metrics
+
+
+def test_bad_config_exits_nonzero_naming_the_field(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "coterie.cli.main", "node", "start", "--state-dir",
+                        str(tmp_path), "--set", "learner.lr=-1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "learner.lr" in r.stderr
+
+
+def test_corrupt_checkpoint_is_reported_not_replaced(tmp_path):
+    node = NodeProc(tmp_path, "c", {"strategy": "local", "rounds": 2, "learner": LEARNER}).start()
+    wait_for(lambda: node.status()["done"], 60, "two rounds")
+    node.stop()
+    ckpt = node.state_dir / (node.state_dir / "CURRENT").read_text().strip()
+    meta_before = (ckpt / "meta.json").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(b"\x00" * 17)
+    r = subprocess.run([sys.executable, "-m", "coterie.cli.main", "node", "start", "--config",
+                        str(node.config_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "model.safetensors" in r.stderr
+    assert (ckpt / "meta.json").read_bytes() == meta_before  # nothing was overwritten
+    assert json.loads(meta_before)["round"] == 2
