@@ -1,0 +1,269 @@
+"""Shared math of the paper strategies: parameter arithmetic, softmax, ε-greedy sampling,
+mixing of model updates, pruning, gossip encoding, and the per-layer attention encoder used by
+meta-L2C and SCool-attention.
+
+Everything here is a pure function over tensors/arrays (or a small torch module) so the tests can
+compare each update rule against an independently written reference.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..learning.learner import Params
+
+# --------------------------------------------------------------------------------------------
+# Parameter arithmetic (Params = dict[name, Tensor], all on CPU)
+# --------------------------------------------------------------------------------------------
+
+
+def clone(p: Params) -> Params:
+    return {k: v.detach().clone() for k, v in p.items()}
+
+
+def zeros_like(p: Params) -> Params:
+    return {k: torch.zeros_like(v) for k, v in p.items()}
+
+
+def sub(a: Params, b: Params) -> Params:
+    return {k: a[k] - b[k] for k in a}
+
+
+def add(a: Params, b: Params) -> Params:
+    return {k: a[k] + b[k] for k in a}
+
+
+def scale(a: Params, s: float) -> Params:
+    return {k: v * s for k, v in a.items()}
+
+
+def lincomb(terms: Iterable[tuple[float, Params]], like: Params) -> Params:
+    """Σ_t c_t · p_t (float64 accumulation, cast back to ``like``'s dtypes)."""
+    out = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in like.items()}
+    for c, p in terms:
+        if c == 0.0:
+            continue
+        for k in out:
+            out[k].add_(p[k].to(torch.float64), alpha=float(c))
+    return {k: out[k].to(like[k].dtype) for k in out}
+
+
+def dot(a: Params, b: Params) -> float:
+    return float(sum(torch.sum(a[k].to(torch.float64) * b[k].to(torch.float64)) for k in a))
+
+
+def l1_norm(a: Params) -> float:
+    return float(sum(torch.sum(torch.abs(v.to(torch.float64))) for v in a.values()))
+
+
+def l2_norm(a: Params) -> float:
+    return math.sqrt(dot(a, a))
+
+
+def flatten(p: Params) -> torch.Tensor:
+    """All parameters as one float32 vector, in the dict's (= param_spec) order."""
+    return torch.cat([v.reshape(-1).to(torch.float32) for v in p.values()])
+
+
+def unflatten(vec: torch.Tensor, like: Params) -> Params:
+    out, i = {}, 0
+    for k, v in like.items():
+        n = v.numel()
+        out[k] = vec[i:i + n].reshape(v.shape).to(v.dtype).clone()
+        i += n
+    if i != vec.numel():
+        raise ValueError(f"vector has {vec.numel()} entries, parameters need {i}")
+    return out
+
+
+def same_shapes(a: Params, b: Params) -> bool:
+    return a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+
+
+def mix_updates(theta: Params, members: Sequence[tuple[float, Params]]) -> Params:
+    """Update mixing (L2C eq. 2, SCool App. C.1): θ ← θ − Σ_j w_j Δθ_j."""
+    return lincomb([(1.0, theta)] + [(-w, d) for w, d in members], theta)
+
+
+# --------------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------------
+
+
+def softmax(x: Sequence[float] | np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    z = np.asarray(x, dtype=np.float64) / float(temperature)
+    if z.size == 0:
+        return z
+    z = z - np.max(z)
+    e = np.exp(z)
+    return e / e.sum()
+
+
+def sigmoid(x: np.ndarray | float) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    return np.where(x >= 0, 1.0 / (1.0 + np.exp(-np.abs(x))), np.exp(-np.abs(x)) / (1.0 + np.exp(-np.abs(x))))
+
+
+def normalise_row(row: dict[str, float]) -> dict[str, float]:
+    s = sum(max(v, 0.0) for v in row.values())
+    if s <= 0:
+        return {k: 0.0 for k in row}
+    return {k: max(v, 0.0) / s for k, v in row.items()}
+
+
+def eps_greedy(candidates: Sequence[str], scores: dict[str, float], m: int, eps: float,
+               rng: np.random.Generator) -> list[str]:
+    """Pick ``m`` distinct candidates: each slot is, with probability ε, a uniformly random one of
+    those left, else the best-scored one left (ties broken by id). FedFomo §3.1 / FedeRiCo §2.2."""
+    left = sorted(candidates)
+    picked: list[str] = []
+    while left and len(picked) < m:
+        if eps > 0 and rng.random() < eps:
+            j = left[int(rng.integers(len(left)))]
+        else:
+            j = max(left, key=lambda c: (scores.get(c, float("-inf")), _neg_id(c)))
+        picked.append(j)
+        left.remove(j)
+    return picked
+
+
+def _neg_id(c: str) -> tuple[int, ...]:
+    # deterministic tie-break preferring the smaller id
+    return tuple(-ord(ch) for ch in c)
+
+
+def top_keep(scores: dict[str, float], fraction: float, min_keep: int = 1) -> list[str]:
+    """The ⌈fraction·n⌉ (at least ``min_keep``) best-scored ids, sorted (pruning: L2C line 21,
+    SCool App. C.1)."""
+    if not scores:
+        return []
+    k = max(min_keep, int(math.ceil(fraction * len(scores) - 1e-9)))
+    best = sorted(scores, key=lambda c: (-scores[c], c))[:k]
+    return sorted(best)
+
+
+# --------------------------------------------------------------------------------------------
+# Gossip / persistence encoding (msgpack-able)
+# --------------------------------------------------------------------------------------------
+
+
+def vec_to_wire(v: torch.Tensor | np.ndarray) -> list[float]:
+    return np.asarray(v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v,
+                      dtype=np.float32).reshape(-1).tolist()
+
+
+def vec_from_wire(x: Any) -> np.ndarray | None:
+    """Accept a list or a float32 ndarray (or bytes of float32); None if unusable."""
+    try:
+        if isinstance(x, (bytes, bytearray)):
+            a = np.frombuffer(x, dtype=np.float32)
+        else:
+            a = np.asarray(x, dtype=np.float64)
+        a = a.reshape(-1).astype(np.float64)
+    except (TypeError, ValueError):
+        return None
+    if not np.all(np.isfinite(a)):
+        return None
+    return a
+
+
+def params_state(p: Params | None) -> Params | None:
+    return None if p is None else clone(p)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention encoder of model updates (meta-L2C §3.3 eq. 5–8; SCool-attention eq. 26)
+# --------------------------------------------------------------------------------------------
+
+
+def layer_filters(p: Params) -> list[tuple[str, torch.Tensor]]:
+    """Per layer, the matrix of its output filters: one row per output unit/channel holding that
+    unit's incoming weights (flattened) and, if present, its bias (meta-L2C eq. 7, channel
+    sharing). Parameters of rank 1 without a matching weight (e.g. norm scales) are left out."""
+    out = []
+    for name, w in p.items():
+        if w.dim() < 2:
+            continue
+        rows = w.reshape(w.shape[0], -1)
+        bias_name = name[:-len("weight")] + "bias" if name.endswith("weight") else None
+        if bias_name and bias_name in p and p[bias_name].shape == (w.shape[0],):
+            rows = torch.cat([rows, p[bias_name].reshape(-1, 1)], dim=1)
+        out.append((name, rows))
+    return out
+
+
+class UpdateEncoder(nn.Module):
+    """E(·): per layer l a two-layer MLP E_l (output dims 10, 5) applied to every output filter;
+    the model's representation is the concatenation over filters and layers (eq. 7–8)."""
+
+    def __init__(self, spec: Params, dims: tuple[int, int] = (10, 5), seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(int(seed))
+        self.names: list[str] = []
+        self.mlps = nn.ModuleList()
+        for name, rows in layer_filters(spec):
+            mlp = nn.Sequential(nn.Linear(rows.shape[1], dims[0]), nn.ReLU(), nn.Linear(dims[0], dims[1]))
+            for mod in mlp:
+                if isinstance(mod, nn.Linear):  # deterministic common init: every node agrees
+                    bound = 1.0 / math.sqrt(mod.in_features)
+                    with torch.no_grad():
+                        mod.weight.copy_(torch.rand(mod.weight.shape, generator=g) * 2 * bound - bound)
+                        mod.bias.copy_(torch.rand(mod.bias.shape, generator=g) * 2 * bound - bound)
+            self.names.append(name)
+            self.mlps.append(mlp)
+
+    def forward(self, update: Params) -> torch.Tensor:
+        filt = dict(layer_filters(update))
+        parts = [mlp(filt[n].to(torch.float32)).reshape(-1) for n, mlp in zip(self.names, self.mlps)]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def get_vector(self) -> torch.Tensor:
+        return torch.cat([q.detach().reshape(-1) for q in self.parameters()])
+
+    def set_vector(self, v: torch.Tensor | np.ndarray) -> None:
+        v = torch.as_tensor(np.asarray(v, dtype=np.float32))
+        i = 0
+        with torch.no_grad():
+            for q in self.parameters():
+                n = q.numel()
+                q.copy_(v[i:i + n].reshape(q.shape))
+                i += n
+
+    def num_params(self) -> int:
+        return sum(q.numel() for q in self.parameters())
+
+
+def attention_logits(encoder: UpdateEncoder, mine: Params, others: Sequence[Params]) -> torch.Tensor:
+    """f(θ_i, θ_j) = ⟨E(û_i), E(û_j)⟩ for j in [i] + others (meta-L2C eq. 5, SCool eq. 26),
+    differentiable w.r.t. the encoder."""
+    e_i = encoder(mine)
+    embs = torch.stack([e_i] + [encoder(o) for o in others])
+    return embs @ e_i
+
+
+# --------------------------------------------------------------------------------------------
+# RNG persistence (PCG64 state holds 128-bit ints: msgpack needs them as strings)
+# --------------------------------------------------------------------------------------------
+
+
+def rng_state(rng: np.random.Generator) -> dict[str, Any]:
+    st = rng.bit_generator.state
+    return {"bit_generator": st["bit_generator"],
+            "state": {k: str(v) for k, v in st["state"].items()},
+            "has_uint32": int(st.get("has_uint32", 0)), "uinteger": int(st.get("uinteger", 0))}
+
+
+def set_rng_state(rng: np.random.Generator, st: dict[str, Any] | None) -> None:
+    if not st:
+        return
+    try:
+        rng.bit_generator.state = {"bit_generator": st["bit_generator"],
+                                   "state": {k: int(v) for k, v in st["state"].items()},
+                                   "has_uint32": int(st.get("has_uint32", 0)),
+                                   "uinteger": int(st.get("uinteger", 0))}
+    except (KeyError, TypeError, ValueError):
+        pass  # a state from another generator: keep the seeded one

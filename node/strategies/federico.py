@@ -1,0 +1,201 @@
+"""FedeRiCo (Sui et al., "Find Your Friends", federico.txt §2.1–2.2, Alg. 1) as a serverless
+strategy.
+
+Round at node i (Alg. 1):
+  sample M peers B ε-greedily on w_i·                                            (line 7)
+  pull θ_b; ℓ_ib = loss of θ_b on my data (ℓ_ii of my own model every round)      (line 13)
+  L̂_ib ← (1−β) L̂_ib + β ℓ_ib   for the sampled entries only                      (line 14)
+  w_ij = softmax_j(−L̂_ij) over all known nodes, self included                    (line 15, eq. 3)
+  push g = w_ib ∇_θb loss(θ_b; my data) to every sampled b (for b's snapshot version) (line 19)
+  θ_i ← θ_i − η (w_ii ∇loss(θ_i; my data) + Σ received g), with my optimizer     (line 24, eq. 8)
+Prediction: mixture Σ_j w_ij p(y|x; θ_j) with the cached peer models (§2.1).
+
+Settled open choices (see ``defaults``):
+- Loss reduction (the softmax temperature). The paper sums the loss over the n_i local samples
+  (eq. 3), i.e. a temperature of 1/n_i on the mean loss: the E-step is then one-hot after the
+  first comparison and unsampled peers (L̂ = 0) swallow all weight, including the own term.
+  Default here: the *mean* loss over the whole train split ("loss_reduction": "mean"); "sum"
+  reproduces the paper exactly.
+- Self is "sampled" every round: ℓ_ii needs no communication and the own term w_ii needs a
+  current L̂_ii (Alg. 1 is silent on whether i ∈ B^t).
+- Gradients are mean-reduced minibatch gradients (Σ over samples in eq. 8 only rescales η).
+- Staleness: a pushed gradient carries the version of my snapshot the sender differentiated.
+  The node does not tell a strategy its own version, so the reference is the newest version any
+  push has carried; gradients more than ``max_staleness`` versions older are dropped, the rest are
+  applied as they are (the E-step argument of §2.2: models move slowly between rounds).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..learning.learner import Params
+from . import common as C
+from .base import RoundReport, Strategy, gather_bounded
+
+# --- the update rule as pure functions ---
+
+
+def federico_ema(L_hat: dict[str, float], sampled: dict[str, float], beta: float) -> dict[str, float]:
+    """L̂_ij ← (1−β) L̂_ij + β ℓ_ij for the sampled j only; the rest keep their value (Alg. 1 l.14)."""
+    out = dict(L_hat)
+    for j, loss in sampled.items():
+        out[j] = (1.0 - beta) * out.get(j, 0.0) + beta * loss
+    return out
+
+
+def federico_weights(L_hat: dict[str, float], temperature: float = 1.0) -> dict[str, float]:
+    """E-step: w_ij = exp(−L̂_ij) / Σ_j' exp(−L̂_ij') over every known node (Alg. 1 l.15)."""
+    keys = sorted(L_hat)
+    w = C.softmax([-L_hat[k] for k in keys], temperature)
+    return {k: float(v) for k, v in zip(keys, w)}
+
+
+def federico_combine(own_grad: Params, w_self: float, received: list[Params]) -> Params:
+    """The M-step direction at node b: w_bb ∇L_b(θ_b) + Σ_j g_bj (eq. 8, Alg. 1 l.24)."""
+    return C.lincomb([(w_self, own_grad)] + [(1.0, g) for g in received], own_grad)
+
+
+class FedeRiCo(Strategy):
+    name = "federico"
+    defaults: dict[str, Any] = {
+        "num_neighbours": 3,      # M sampled per round, FedeRiCo §3.1/App. D (M = 3 default)
+        "eps": 0.3,               # ε-greedy sampling probability, FedeRiCo §2.2 / App. D (ε = 0.3)
+        "beta": 0.6,              # EMA momentum of tracked losses, FedeRiCo §2.2, Fig. 6c/7 (β = 0.6)
+        "loss_reduction": "mean",  # ℓ_ij: eq. 3 sums over samples (= temperature 1/n_i); settled: mean (module doc)
+        "temperature": 1.0,       # w = softmax(−L̂/T); eq. 3 has T = 1 (with the summed loss)
+        "loss_samples": None,     # None = whole local train split (eq. 3: Σ_{s=1}^{n_i})
+        "loss_split": "train",    # ℓ_ij on the local data D_i (eq. 3)
+        "grad_samples": 32,       # minibatch for the pushed/own gradients (stochastic M-step, Thm 2.1)
+        "local_steps": 1,         # M-step gradient steps per round: Alg. 1 l.18 one ("could also do multiple")
+        "max_staleness": 2,       # *decentral*: drop pushed gradients > this many versions old
+        "mixture_min_weight": 1e-3,  # skip negligible mixture members at prediction (speed only)
+    }
+
+    def __init__(self, *a: Any, **kw: Any):
+        super().__init__(*a, **kw)
+        self._L: dict[str, float] = {}       # L̂_ij, starts at 0 (Alg. 1 l.3)
+        self._loss: dict[str, float] = {}    # last ℓ_ij
+        self._w: dict[str, float] = {}       # starts at 1/K (Alg. 1 l.3)
+        self._max_version = -1
+        self._applied = 0
+        self._dropped = 0
+        self._sync_known()
+
+    def _sync_known(self) -> None:
+        known = [self.node_id] + [p for p in self.net.known_peers() if p != self.node_id]
+        fresh = [k for k in known if k not in self._L]
+        for k in fresh:
+            self._L[k] = 0.0
+        if fresh or not self._w:
+            if not self._loss:  # nothing observed yet: uniform 1/K (Alg. 1 l.3)
+                self._w = {k: 1.0 / len(known) for k in known}
+            else:
+                self._w = federico_weights(self._L, float(self.p["temperature"]))
+
+    async def run_round(self, rnd: int) -> RoundReport:
+        self._sync_known()
+        peers = self.net.peers()
+        scores = {p: self._w.get(p, 0.0) for p in peers}
+        chosen = C.eps_greedy(peers, scores, int(self.p["num_neighbours"]), float(self.p["eps"]), self.rng)
+        snaps = await gather_bounded({p: self.net.pull(p) for p in chosen})
+        own = self.learner.get_params()
+        snaps = {p: s for p, s in snaps.items() if C.same_shapes(s.params, own)}
+
+        # E-step (Alg. 1 l.11-15): losses of the sampled models (and my own) on my data
+        red, ns, split = self.p["loss_reduction"], self.p["loss_samples"], self.p["loss_split"]
+
+        def estep_losses() -> dict[str, float]:
+            out = {self.node_id: self.learner.loss(own, split, ns, red).loss}
+            for p, s in snaps.items():
+                out[p] = self.learner.loss(s.params, split, ns, red).loss
+            return out
+
+        losses = await self.compute(estep_losses)
+        losses = {k: v for k, v in losses.items() if math.isfinite(v)}
+        self._loss.update(losses)
+        self._L = federico_ema(self._L, losses, float(self.p["beta"]))
+        self._w = federico_weights(self._L, float(self.p["temperature"]))
+
+        # M-step, sender side (l.17-19): push w_ib ∇ loss(θ_b; my data) to each sampled b
+        gs = self.p["grad_samples"]
+
+        def peer_grads() -> dict[str, Params]:
+            return {p: self.learner.gradient(s.params, "train", gs)[0] for p, s in snaps.items()}
+
+        grads = await self.compute(peer_grads)
+        pushed = await gather_bounded({
+            p: self.net.push_gradient(p, snaps[p].version, C.scale(g, self._w.get(p, 0.0)))
+            for p, g in grads.items()})
+
+        # M-step, receiver side (l.21-24): own weighted gradient + what peers pushed to me
+        received = self._accept(self.net.drain_pushed(), own)
+        w_self = self._w.get(self.node_id, 0.0)
+        train_losses = []
+        for step in range(max(1, int(self.p["local_steps"]))):
+            g_own, r = await self.compute(self.learner.gradient, None, "train", gs)
+            train_losses.append(r.loss)
+            total = federico_combine(g_own, w_self, received if step == 0 else [])
+            await self.compute(self.learner.apply_gradient, total)
+        return RoundReport(train_loss=float(np.mean(train_losses)), contacted=sorted(snaps),
+                           info={"pushed": sorted(k for k, ok in pushed.items() if ok),
+                                 "received": len(received), "w_self": w_self})
+
+    def _accept(self, items: list, like: Params) -> list[Params]:
+        if items:
+            self._max_version = max(self._max_version, max(int(it.version) for it in items))
+        out = []
+        for it in items:
+            if int(it.version) < self._max_version - int(self.p["max_staleness"]) or not C.same_shapes(it.grad, like):
+                self._dropped += 1
+                continue
+            out.append(it.grad)
+            self._applied += 1
+        return out
+
+    def weights(self) -> dict[str, float]:
+        if not self._w:
+            return {self.node_id: 1.0}
+        return dict(self._w)
+
+    def evaluate(self) -> dict[str, float]:
+        """Mixture prediction Σ_j w_ij p(y|x; θ_j) with cached peer models (§2.1)."""
+        own = self.learner.evaluate("test")
+        members: list[tuple[float, Params]] = [(self._w.get(self.node_id, 1.0), self.learner.get_params())]
+        for p, w in self._w.items():
+            if p == self.node_id or w < float(self.p["mixture_min_weight"]):
+                continue
+            snap = self.net.cached(p)
+            if snap is not None and C.same_shapes(snap.params, members[0][1]):
+                members.append((w, snap.params))
+        tot = sum(w for w, _ in members)
+        if tot <= 0:
+            members, tot = [(1.0, members[0][1])], 1.0
+        r = self.learner.evaluate_mixture([(w / tot, p) for w, p in members], "test")
+        out = {"test_loss": r.loss, "own_test_loss": own.loss, "mixture_members": float(len(members))}
+        if r.accuracy is not None:
+            out["test_acc"] = r.accuracy
+        if own.accuracy is not None:
+            out["own_test_acc"] = own.accuracy
+        return out
+
+    def public_state(self) -> dict[str, Any]:
+        return {"ema_loss": dict(self._L), "last_loss": dict(self._loss), "weights": dict(self._w),
+                "pushed_applied": self._applied, "pushed_dropped": self._dropped}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"L": dict(self._L), "loss": dict(self._loss), "w": dict(self._w),
+                "max_version": self._max_version, "applied": self._applied, "dropped": self._dropped,
+                "rng": C.rng_state(self.rng)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._L = {str(k): float(v) for k, v in state.get("L", {}).items()}
+        self._loss = {str(k): float(v) for k, v in state.get("loss", {}).items()}
+        self._w = {str(k): float(v) for k, v in state.get("w", {}).items()}
+        self._max_version = int(state.get("max_version", -1))
+        self._applied = int(state.get("applied", 0))
+        self._dropped = int(state.get("dropped", 0))
+        C.set_rng_state(self.rng, state.get("rng"))
+        self._sync_known()

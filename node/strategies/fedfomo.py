@@ -1,0 +1,142 @@
+"""FedFomo (Zhang et al., ICLR 2021; fedfomo.txt §3.1, eq. 3, App. A.1) as a serverless strategy.
+
+Round at node i:
+  θ_base ← own model after the previous federated update (before this round's training);
+  local training → own candidate θ_i; pull M peers chosen ε-greedily by affinity P_i;
+  δ_n = (L_i^val(θ_base) − L_i^val(θ_n)) / ‖θ_n − θ_base‖₁   for n ∈ {i} ∪ pulled   (eq. 3)
+  w_n = max(δ_n, 0) / Σ max(δ, 0);  θ_i ← θ_base + Σ_n w_n (θ_n − θ_base)          (eq. 3, 13)
+  if no δ_n > 0: θ_i ← θ_base  ("early stopping" at the previous model, §3.1)
+  P_i,n += δ_n / |Σ_n δ_n|   (signed; paper: p ← p + w, *code* normalises by |Σδ|)
+
+Nothing is sent back to the peers (pull-only). ``weights()`` is the w* of the last update (zeros
+for peers not pulled that round); the affinity P is in ``public_state()``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..learning.learner import Params
+from . import common as C
+from .base import RoundReport, Strategy, gather_bounded
+
+# --- the update rule as pure functions (tested against hand-computed references) ---
+
+
+def fomo_deltas(base_loss: float, cand_losses: dict[str, float], dists: dict[str, float],
+                min_dist: float = 1e-12) -> dict[str, float]:
+    """δ_n = (L(θ_base) − L(θ_n)) / ‖θ_n − θ_base‖ (eq. 3); a candidate at (numerically) zero
+    distance from the base carries no information: δ_n = 0 (guard against 0/0)."""
+    out = {}
+    for n, loss in cand_losses.items():
+        d = dists[n]
+        out[n] = 0.0 if d <= min_dist else (base_loss - loss) / d
+    return out
+
+
+def fomo_weights(deltas: dict[str, float]) -> dict[str, float]:
+    """w*_n = max(δ_n,0)/Σ max(δ,0) (eq. 13); all zero when no δ is positive (keep θ_base)."""
+    return C.normalise_row(deltas)
+
+
+def fomo_update(base: Params, candidates: dict[str, Params], w: dict[str, float]) -> Params:
+    """θ ← θ_base + Σ_n w_n (θ_n − θ_base); θ_base itself if every w_n is zero."""
+    if not any(w.get(n, 0.0) > 0 for n in candidates):
+        return C.clone(base)
+    terms = [(1.0, base)]
+    for n, theta in candidates.items():
+        wn = w.get(n, 0.0)
+        if wn > 0:
+            terms += [(wn, theta), (-wn, base)]
+    return C.lincomb(terms, base)
+
+
+def fomo_affinity(p_row: dict[str, float], deltas: dict[str, float], normalise: bool = True) -> dict[str, float]:
+    """p_i ← p_i + δ (signed, §3.1); *code*: δ divided by |Σ_n δ_n| first."""
+    s = abs(sum(deltas.values())) if normalise else 1.0
+    out = dict(p_row)
+    if s <= 0:
+        return out
+    for n, d in deltas.items():
+        out[n] = out.get(n, 0.0) + d / s
+    return out
+
+
+class FedFomo(Strategy):
+    name = "fedfomo"
+    defaults: dict[str, Any] = {
+        "num_models": 5,          # M: models downloaded per round, FedFomo App. A.3 (n = 5), §4 ablation
+        "eps": 0.3,               # ε-greedy exploration, FedFomo §3.1 / App. A.3 (ε = 0.3)
+        "eps_decay": 0.05,        # App. A.3: "ε = 0.3 with 0.05 decay each round" (subtracted per round)
+        "eps_min": 0.0,           # floor of the decayed ε (decay stops at pure top-M)
+        "distance": "l1",         # ‖θ_n − θ_base‖ in eq. 3; *code* uses the L1 norm ("l2" available)
+        "normalise_affinity": True,  # *code*: P += δ/|Σδ| (paper §3.1: P += w)
+        "val_samples": None,      # None = whole validation split (eq. 3 uses L_i on D_i^val, §3.1)
+    }
+
+    def __init__(self, *a: Any, **kw: Any):
+        super().__init__(*a, **kw)
+        self._t = 0
+        self._P: dict[str, float] = {self.node_id: 1.0}  # P = diag(1,…,1) initially (§3.1)
+        self._w: dict[str, float] = {self.node_id: 1.0}
+        self._delta: dict[str, float] = {}
+
+    def _eps(self) -> float:
+        return max(float(self.p["eps_min"]), float(self.p["eps"]) - float(self.p["eps_decay"]) * self._t)
+
+    def _dist(self, a: Params, b: Params) -> float:
+        d = C.sub(a, b)
+        return C.l1_norm(d) if self.p["distance"] == "l1" else C.l2_norm(d)
+
+    async def run_round(self, rnd: int) -> RoundReport:
+        base = self.learner.get_params()
+        res = await self.compute(self.learner.train)
+        trained = self.learner.get_params()
+
+        eps = self._eps()
+        peers = self.net.peers()
+        scores = {p: self._P.get(p, 0.0) for p in peers}
+        chosen = C.eps_greedy(peers, scores, int(self.p["num_models"]), eps, self.rng)
+        snaps = await gather_bounded({p: self.net.pull(p) for p in chosen})
+        cands: dict[str, Params] = {self.node_id: trained}
+        for p, s in snaps.items():
+            if C.same_shapes(s.params, base):
+                cands[p] = s.params
+
+        vs = self.p["val_samples"]
+
+        def evaluate_all() -> tuple[float, dict[str, float]]:
+            lb = self.learner.loss(base, "val", vs).loss
+            return lb, {n: self.learner.loss(th, "val", vs).loss for n, th in cands.items()}
+
+        base_loss, losses = await self.compute(evaluate_all)
+        dists = {n: self._dist(th, base) for n, th in cands.items()}
+        delta = fomo_deltas(base_loss, losses, dists)
+        w = fomo_weights(delta)
+        new = fomo_update(base, cands, w)
+        self.learner.set_params(new)
+
+        self._P = fomo_affinity(self._P, delta, bool(self.p["normalise_affinity"]))
+        self._delta = delta
+        self._w = {n: v for n, v in w.items()} if any(v > 0 for v in w.values()) else {self.node_id: 1.0}
+        self._w.setdefault(self.node_id, 0.0)
+        self._t += 1
+        return RoundReport(train_loss=res.loss, contacted=sorted(snaps),
+                           info={"eps": eps, "base_val_loss": base_loss, "kept_base": not any(v > 0 for v in w.values())})
+
+    def weights(self) -> dict[str, float]:
+        return dict(self._w)
+
+    def public_state(self) -> dict[str, Any]:
+        return {"affinity": dict(self._P), "eps": self._eps(), "last_delta": dict(self._delta),
+                "rounds": self._t}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self._t, "P": dict(self._P), "w": dict(self._w), "delta": dict(self._delta),
+                "rng": C.rng_state(self.rng)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._t = int(state.get("t", 0))
+        self._P = {str(k): float(v) for k, v in state.get("P", {self.node_id: 1.0}).items()}
+        self._w = {str(k): float(v) for k, v in state.get("w", {self.node_id: 1.0}).items()}
+        self._delta = {str(k): float(v) for k, v in state.get("delta", {}).items()}
+        C.set_rng_state(self.rng, state.get("rng"))

@@ -1,0 +1,116 @@
+"""FedeRiCo (federico.txt §2.2, Alg. 1): EMA on sampled entries only, softmax over all known incl.
+self, pushed weighted gradients, staleness, mixture prediction; in-process network."""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from coterie.node.strategies import common as C
+from coterie.node.strategies.base import PushedGradient
+from coterie.node.strategies.federico import FedeRiCo, federico_combine, federico_ema, federico_weights
+from strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
+
+torch.set_num_threads(1)
+
+
+def test_ema_updates_sampled_entries_only():
+    L = {"me": 0.0, "a": 0.0, "b": 1.0, "c": 2.0}
+    out = federico_ema(L, {"me": 0.5, "a": 2.0, "c": 1.0}, beta=0.6)
+    assert out == {"me": pytest.approx(0.3), "a": pytest.approx(1.2), "b": 1.0, "c": pytest.approx(1.4)}
+    assert L["a"] == 0.0  # pure
+
+
+def test_softmax_over_all_known_including_unsampled():
+    w = federico_weights({"me": 0.3, "a": 1.2, "b": 1.0, "c": 1.4})
+    z = sum(math.exp(-v) for v in (0.3, 1.2, 1.0, 1.4))
+    assert w == {"me": pytest.approx(math.exp(-0.3) / z), "a": pytest.approx(math.exp(-1.2) / z),
+                 "b": pytest.approx(math.exp(-1.0) / z), "c": pytest.approx(math.exp(-1.4) / z)}
+    assert sum(w.values()) == pytest.approx(1.0)
+
+
+def test_combine_own_weighted_plus_received():
+    g = {"w": torch.tensor([1.0, 2.0])}
+    out = federico_combine(g, 0.5, [{"w": torch.tensor([1.0, 0.0])}, {"w": torch.tensor([0.0, -3.0])}])
+    assert torch.allclose(out["w"], torch.tensor([1.5, -2.0]))
+
+
+def test_initial_state_is_uniform_and_zero():
+    hub = build_network(FedeRiCo, num_nodes=4, num_clusters=2)
+    s = hub.nodes["n0"].strategy
+    assert s.weights() == {k: pytest.approx(0.25) for k in ("n0", "n1", "n2", "n3")}  # w = 1/K
+    assert s.public_state()["ema_loss"] == {k: 0.0 for k in ("n0", "n1", "n2", "n3")}  # L̂ = 0
+
+
+def test_one_round_reference():
+    """n0 samples 2 of 4 peers; only those (and self) move in L̂; pushes carry w_0b ∇L_0(θ_b)."""
+    params = {"num_neighbours": 2, "eps": 0.0, "grad_samples": None}
+    hub = build_network(FedeRiCo, params, num_nodes=5, num_clusters=1)
+    n0 = hub.nodes["n0"]
+    L_before = dict(n0.strategy._L)
+    own = n0.learner.get_params()
+    asyncio.run(n0.strategy.run_round(1))
+    contacted = set(k for k in n0.strategy._loss if k != "n0")
+    assert len(contacted) == 2
+    # loss reference: mean loss of the peer's snapshot on n0's whole train split
+    for p in contacted:
+        ref = n0.learner.loss(hub.nodes[p].snapshot.params, "train").loss
+        assert n0.strategy._L[p] == pytest.approx(0.6 * ref, rel=1e-5)
+    assert n0.strategy._L["n0"] == pytest.approx(0.6 * n0.learner.loss(own, "train").loss, rel=1e-5)
+    for p in set(L_before) - contacted - {"n0"}:
+        assert n0.strategy._L[p] == 0.0
+    w = n0.strategy.weights()
+    assert w == pytest.approx(federico_weights(n0.strategy._L))
+    # unsampled peers (L̂ = 0) now hold more weight than the sampled ones: optimistic exploration
+    assert min(w[p] for p in set(w) - contacted - {"n0"}) > max(w[p] for p in contacted)
+    for p in contacted:
+        (pg,) = hub.nodes[p].inbox
+        assert pg.sender == "n0" and pg.version == hub.nodes[p].snapshot.version
+        g_ref, _ = n0.learner.gradient(hub.nodes[p].snapshot.params, "train", None)
+        for k in g_ref:
+            assert torch.allclose(pg.grad[k], w[p] * g_ref[k], atol=1e-6)
+
+
+def test_receiver_applies_own_plus_received_and_drops_stale():
+    params = {"num_neighbours": 0, "grad_samples": None, "max_staleness": 2}
+    hub = build_network(FedeRiCo, params, num_nodes=2, num_clusters=1, learner_kw={"lr": 0.1})
+    n0 = hub.nodes["n0"]
+    s = n0.strategy
+    theta = n0.learner.get_params()
+    push = {k: torch.ones_like(v) for k, v in theta.items()}
+    n0.inbox = [PushedGradient("n1", 10, push), PushedGradient("n1", 7, push)]  # 7 < 10 − 2: stale
+    g_own, _ = n0.learner.gradient(theta, "train", None)
+    asyncio.run(s.run_round(1))
+    w_self = s.weights()["n0"]
+    after = n0.learner.get_params()
+    for k in theta:  # plain SGD, lr 0.1: θ − 0.1 (w_ii g_own + 1·push)
+        assert torch.allclose(after[k], theta[k] - 0.1 * (w_self * g_own[k] + push[k]), atol=1e-6)
+    assert s.public_state()["pushed_dropped"] == 1 and s.public_state()["pushed_applied"] == 1
+
+
+def test_mixture_prediction_uses_cached_peer_models():
+    hub = build_network(FedeRiCo, num_nodes=3, num_clusters=1)
+    asyncio.run(run_rounds(hub, 2))
+    n0 = hub.nodes["n0"]
+    w = n0.strategy.weights()
+    members = [(w["n0"], n0.learner.get_params())] + [(w[p], hub.nodes[p].snapshot.params) for p in ("n1", "n2")]
+    ref = n0.learner.evaluate_mixture(members, "test")
+    out = n0.strategy.evaluate()
+    assert out["test_acc"] == pytest.approx(ref.accuracy)
+    assert out["test_loss"] == pytest.approx(ref.loss, rel=1e-5)
+    assert out["mixture_members"] == 3
+
+
+def test_in_process_network_finds_clusters_and_resumes():
+    hub = build_network(FedeRiCo, {"local_steps": 5}, num_nodes=6, num_clusters=2)
+    asyncio.run(run_rounds(hub, 20))
+    mass, per_node, chance = in_cluster_mass(hub)
+    assert mass > 0.65 and min(per_node) > chance, (mass, per_node)
+    s = hub.nodes["n0"].strategy
+    st = msgpack_roundtrip_state(s.state_dict())
+    s2 = FedeRiCo("n0", s.learner, s.net, {"local_steps": 5}, seed=99)
+    s2.load_state_dict(st)
+    assert s2.weights() == pytest.approx(s.weights())
+    assert s2.public_state() == s.public_state()

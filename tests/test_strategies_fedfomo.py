@@ -1,0 +1,107 @@
+"""FedFomo (fedfomo.txt §3.1, eq. 3): δ, normalisation, fallback, affinity; in-process network."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from coterie.node.strategies import common as C
+from coterie.node.strategies.fedfomo import FedFomo, fomo_affinity, fomo_deltas, fomo_update, fomo_weights
+from strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
+
+torch.set_num_threads(1)
+
+
+def test_delta_by_hand_with_zero_distance_guard():
+    d = fomo_deltas(1.0, {"a": 0.5, "b": 1.5, "c": 0.8}, {"a": 2.0, "b": 1.0, "c": 0.0})
+    assert d == {"a": pytest.approx(0.25), "b": pytest.approx(-0.5), "c": 0.0}
+
+
+def test_weights_normalise_positive_part():
+    w = fomo_weights({"a": 0.25, "b": -0.5, "d": 0.75})
+    assert w == {"a": pytest.approx(0.25), "b": 0.0, "d": pytest.approx(0.75)}
+
+
+def test_fallback_keeps_base_when_no_delta_positive():
+    base = {"w": torch.tensor([1.0, -1.0])}
+    cands = {"a": {"w": torch.tensor([5.0, 5.0])}, "b": {"w": torch.tensor([0.0, 0.0])}}
+    w = fomo_weights({"a": -0.1, "b": 0.0})
+    assert w == {"a": 0.0, "b": 0.0}
+    out = fomo_update(base, cands, w)
+    assert torch.equal(out["w"], base["w"])
+
+
+def test_update_by_hand():
+    base = {"w": torch.tensor([0.0, 0.0])}
+    cands = {"a": {"w": torch.tensor([1.0, 2.0])}, "b": {"w": torch.tensor([3.0, 0.0])}}
+    out = fomo_update(base, cands, {"a": 0.25, "b": 0.75})
+    # θ_base + Σ w_n (θ_n − θ_base) = 0.25·[1,2] + 0.75·[3,0]
+    assert torch.allclose(out["w"], torch.tensor([2.5, 0.5]))
+
+
+def test_affinity_signed_and_code_normalised():
+    p = fomo_affinity({"me": 1.0}, {"a": 0.5, "b": -0.25})
+    assert p == {"me": 1.0, "a": pytest.approx(2.0), "b": pytest.approx(-1.0)}  # δ/|Σδ|, |Σδ| = 0.25
+    p = fomo_affinity({"me": 1.0}, {"a": 0.5, "b": -0.25}, normalise=False)
+    assert p == {"me": 1.0, "a": 0.5, "b": -0.25}
+
+
+def test_distance_is_l1_and_eps_decays():
+    hub = build_network(FedFomo, num_nodes=2, num_clusters=1)
+    s = hub.nodes["n0"].strategy
+    a = {"w": torch.tensor([3.0, -4.0])}
+    z = {"w": torch.zeros(2)}
+    assert s._dist(a, z) == pytest.approx(7.0)  # L1 (code), not the L2 value 5
+    assert s._eps() == pytest.approx(0.3)
+    s._t = 4
+    assert s._eps() == pytest.approx(0.1)
+    s._t = 100
+    assert s._eps() == 0.0
+
+
+def test_round_uses_val_split_and_matches_reference():
+    """One real round at n0, recomputed independently from the same inputs."""
+    hub = build_network(FedFomo, {"eps": 0.0}, num_nodes=4, num_clusters=2)
+    asyncio.run(run_rounds(hub, 1))  # everyone trains once, so peers differ from θ⁰
+    n0 = hub.nodes["n0"]
+    base = n0.learner.get_params()
+    torch.manual_seed(0)
+    asyncio.run(n0.strategy.run_round(2))
+    after = n0.learner.get_params()
+    delta = n0.strategy._delta
+    assert set(delta) <= {"n0", "n1", "n2", "n3"} and "n0" in delta
+    # reference: recompute δ for the pulled peers (θ_n = their published models) on the val split
+    lb = n0.learner.loss(base, "val").loss
+    for p in delta:
+        if p == "n0":
+            continue
+        th = hub.nodes[p].snapshot.params
+        ref = (lb - n0.learner.loss(th, "val").loss) / C.l1_norm(C.sub(th, base))
+        assert delta[p] == pytest.approx(ref, rel=1e-5)
+    w = n0.strategy.weights()
+    assert sum(w.values()) == pytest.approx(1.0)
+    if all(v <= 0 for v in delta.values()):
+        assert all(torch.equal(after[k], base[k]) for k in base)
+
+
+def test_in_process_network_finds_clusters_and_resumes():
+    hub = build_network(FedFomo, num_nodes=6, num_clusters=2)
+    asyncio.run(run_rounds(hub, 6))
+    mass, per_node, chance = in_cluster_mass(hub)
+    assert chance == pytest.approx(0.4)
+    assert mass > 0.8, per_node
+    # affinity: in-cluster peers end above out-of-cluster ones at every node
+    for nid, node in hub.nodes.items():
+        P = node.strategy.public_state()["affinity"]
+        inc = [P.get(p, 0) for p, n in hub.nodes.items() if p != nid and n.cluster == node.cluster]
+        out = [P.get(p, 0) for p, n in hub.nodes.items() if n.cluster != node.cluster]
+        assert min(inc) > max(out), (nid, P)
+    # persistence: msgpack-able, and a fresh strategy resumes the same state
+    s = hub.nodes["n0"].strategy
+    st = msgpack_roundtrip_state(s.state_dict())
+    s2 = FedFomo("n0", s.learner, s.net, seed=123)
+    s2.load_state_dict(st)
+    assert s2.public_state() == s.public_state()
+    assert s2.rng.random() == s.rng.random()
