@@ -508,7 +508,7 @@ def _progress_display(console: Any, strategy: str, specs: list[NodeSpec], rounds
 
 
 def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = None,
-                 command: Callable[[NodeSpec], list[str]] = node_command,
+                 command: Callable[[NodeSpec], list[str]] | None = None,
                  poll_interval_s: float = 0.5, stop_timeout_s: float = 15.0,
                  on_start: Callable[[Network], None] | None = None) -> StrategyRun:
     """Run one strategy's network to completion and collect each node's files."""
@@ -516,7 +516,7 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
     progress = [NodeProgress() for _ in specs]
     t0 = time.time()
     prog, tasks = _progress_display(console, strategy, specs, sc.rounds) if console else (None, [])
-    with Network(specs, command, stop_timeout_s) as net, \
+    with Network(specs, command or node_command, stop_timeout_s) as net, \
             ThreadPoolExecutor(max_workers=min(32, len(specs))) as pool:
         if on_start:
             on_start(net)
@@ -556,7 +556,7 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
 
 
 def run_scenario(sc: Scenario, out_dir: str | Path, *, console: Any = None,
-                 command: Callable[[NodeSpec], list[str]] = node_command,
+                 command: Callable[[NodeSpec], list[str]] | None = None,
                  poll_interval_s: float = 0.5, stop_timeout_s: float = 15.0,
                  notes: list[str] | None = None) -> dict[str, Any]:
     """Run every strategy of the scenario one after another; write and return results.json."""
