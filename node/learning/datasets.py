@@ -12,7 +12,8 @@ Datasets and their ``dataset_params``:
   is passed through. Train and test are merged into one pool; inputs shape ``(40,)``.
 - ``digits``: scikit-learn's bundled 8×8 digits (1797 samples), shape ``(1, 8, 8)`` in [0, 1].
 - ``sine``: FedeRiCo Fig. 1 regression, ``x ~ U(x_range)``, ``y = sin(x) + N(0, noise²)``.
-  ``num_samples`` (2000), ``x_range`` ([0, 2π]), ``noise`` (0.1). Inputs shape ``(1,)``.
+  ``num_samples`` (2000), ``x_range`` ([-π, π]: centred, so plain SGD on a
+  linear model stays stable), ``noise`` (0.1). Inputs shape ``(1,)``.
 - ``gaussian``: Gaussian clusters, one per class. ``num_samples`` (4000), ``dim`` (10),
   ``num_classes`` (4), ``separation`` (3.0: std of the class means), ``cluster_std`` (1.0).
 - ``cifar10`` / ``cifar100``: the standard *binary* releases in ``data_dir`` (the folder
@@ -129,7 +130,7 @@ def _digits(params: dict, seed: int) -> Pool:
 def _sine(params: dict, seed: int) -> Pool:
     _check_keys("sine", params, {"num_samples", "x_range", "noise"})
     n = int(params.get("num_samples", 2000))
-    lo, hi = (float(v) for v in params.get("x_range", [0.0, 2 * math.pi]))
+    lo, hi = (float(v) for v in params.get("x_range", [-math.pi, math.pi]))
     if not hi > lo:
         raise ValueError(f"sine: x_range must be [lo, hi] with hi > lo, got {[lo, hi]}")
     noise = float(params.get("noise", 0.1))

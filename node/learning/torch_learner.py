@@ -8,7 +8,8 @@ With ``params=None`` they snapshot the live parameters first and take the same p
 
 Files written by ``save(directory)`` (each atomically):
 ``model.safetensors`` (parameters), ``optimizer.safetensors`` (optimizer state tensors),
-``learner.json`` (optimizer hyper-parameters/structure, minibatch sampler state, fingerprint).
+``learner.json`` (optimizer hyper-parameters and step count, minibatch sampler state,
+fingerprint). On load the hyper-parameters come from the config (a restart may change lr).
 Each safetensors file carries a sha256 of its tensors in its metadata, so a flipped byte is
 detected as well as truncation.
 """
@@ -80,6 +81,86 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     if want is None or want != _tensor_digest(tensors):
         raise ValueError(f"{path} is corrupt (tensor checksum mismatch)")
     return tensors
+
+
+class LocalOptimizer:
+    """SGD (momentum, L2 weight decay) and Adam with exactly torch.optim's update rules.
+
+    In-house because constructing any ``torch.optim`` optimizer imports ``torch._dynamo``, which
+    costs seconds of CPU at every daemon start. State is keyed by parameter name, which makes
+    it straightforward to persist."""
+
+    def __init__(self, kind: str, params: list[tuple[str, torch.nn.Parameter]], lr: float,
+                 momentum: float = 0.0, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+        if kind not in ("sgd", "adam"):
+            raise ValueError(f"unknown optimizer {kind!r}")
+        self.kind, self.params = kind, list(params)
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.betas, self.eps = betas, eps
+        self.steps = 0
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        for name, p in self.params:
+            if p.grad is None:
+                continue
+            g = p.grad
+            if self.weight_decay:
+                g = g.add(p, alpha=self.weight_decay)
+            st = self.state.setdefault(name, {})
+            if self.kind == "sgd":
+                if self.momentum:
+                    buf = st.get("momentum_buffer")
+                    if buf is None:
+                        buf = st["momentum_buffer"] = g.clone()
+                    else:
+                        buf.mul_(self.momentum).add_(g)
+                    g = buf
+                p.add_(g, alpha=-self.lr)
+            else:
+                b1, b2 = self.betas
+                if "exp_avg" not in st:
+                    st["exp_avg"] = torch.zeros_like(p)
+                    st["exp_avg_sq"] = torch.zeros_like(p)
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                st["step"] += 1
+                t = float(st["step"])
+                m, v = st["exp_avg"], st["exp_avg_sq"]
+                m.lerp_(g, 1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+                denom = (v.sqrt() / math.sqrt(bc2)).add_(self.eps)
+                p.addcdiv_(m, denom, value=-self.lr / bc1)
+
+    def hyper(self) -> dict:
+        return {"kind": self.kind, "lr": self.lr, "momentum": self.momentum,
+                "weight_decay": self.weight_decay, "betas": list(self.betas), "eps": self.eps,
+                "steps": self.steps}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{k}/{name}": t.detach().cpu().clone()
+                for name, st in self.state.items() for k, t in st.items()}
+
+    def load_state(self, tensors: dict[str, torch.Tensor], steps: int) -> None:
+        devices = {n: p for n, p in self.params}
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        allowed = {"sgd": {"momentum_buffer"}, "adam": {"exp_avg", "exp_avg_sq", "step"}}[self.kind]
+        for key, t in tensors.items():
+            k, _, name = key.partition("/")
+            if name not in devices or k not in allowed:
+                raise ValueError(f"unexpected optimizer state {key!r}")
+            p = devices[name]
+            if k != "step" and tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"optimizer state {key!r} has shape {tuple(t.shape)}")
+            state.setdefault(name, {})[k] = t.to(p.device) if k != "step" else t.clone()
+        self.state, self.steps = state, int(steps)
 
 
 class _Sampler:
@@ -158,12 +239,11 @@ class TorchLearner(Learner):
         self._eval_lock = threading.Lock()
 
     # ------------------------------------------------------------------ params
-    def _make_optimizer(self) -> torch.optim.Optimizer:
+    def _make_optimizer(self) -> LocalOptimizer:
         c = self.cfg
-        if c.optimizer == "sgd":
-            return torch.optim.SGD(self.model.parameters(), lr=c.lr, momentum=c.momentum,
-                                   weight_decay=c.weight_decay)
-        return torch.optim.Adam(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
+        return LocalOptimizer(c.optimizer, list(self.model.named_parameters()), lr=c.lr,
+                              momentum=c.momentum if c.optimizer == "sgd" else 0.0,
+                              weight_decay=c.weight_decay)
 
     def get_params(self) -> Params:
         with self._lock:
@@ -339,22 +419,10 @@ class TorchLearner(Learner):
         d = Path(directory)
         with self._lock:
             params = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
-            sd = self.optimizer.state_dict()
-            opt_tensors: dict[str, torch.Tensor] = {}
-            opt_state: dict[str, dict] = {}
-            for idx, st in sd["state"].items():
-                entry = {}
-                for k, v in st.items():
-                    if torch.is_tensor(v):
-                        opt_tensors[f"{idx}.{k}"] = v.detach().cpu().clone()
-                    else:
-                        entry[k] = v
-                opt_state[str(idx)] = entry
+            opt_tensors = self.optimizer.state_tensors()
             meta = {
                 "fingerprint": self.fingerprint(),
-                "optimizer": self.cfg.optimizer,
-                "param_groups": sd["param_groups"],
-                "state": opt_state,
+                "optimizer": self.optimizer.hyper(),
                 "sampler": self._sampler.state(),
                 "eval_rng": self._eval_rng.bit_generator.state,
             }
@@ -376,32 +444,28 @@ class TorchLearner(Learner):
         try:
             if meta["fingerprint"] != self.fingerprint():
                 raise ValueError("architecture fingerprint differs from this model's")
-            if meta["optimizer"] != self.cfg.optimizer:
-                raise ValueError(f"saved optimizer {meta['optimizer']!r} != {self.cfg.optimizer!r}")
-            state: dict[int, dict] = {}
-            for idx, entry in meta["state"].items():
-                state[int(idx)] = dict(entry)
-            for key, t in opt_tensors.items():
-                idx, k = key.split(".", 1)
-                state.setdefault(int(idx), {})[k] = t
-            sd = {"state": state, "param_groups": meta["param_groups"]}
+            kind = meta["optimizer"]["kind"]
+            if kind != self.cfg.optimizer:
+                raise ValueError(f"saved optimizer {kind!r} != configured {self.cfg.optimizer!r}")
+            steps = int(meta["optimizer"]["steps"])
             sampler, eval_rng = meta["sampler"], meta["eval_rng"]
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{d / STATE_FILE} is corrupt (missing or malformed {e})") from None
         with self._lock:
-            self.set_params(params)
-            opt = self._make_optimizer()
+            opt = self._make_optimizer()  # hyper-parameters come from the config, state from disk
             try:
-                opt.load_state_dict(sd)
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{d / STATE_FILE} / {d / OPTIM_FILE}: optimizer state does not "
-                                 f"fit: {e}") from None
-            self.optimizer = opt
+                opt.load_state(opt_tensors, steps)
+            except ValueError as e:
+                raise ValueError(f"{d / OPTIM_FILE} does not fit this model: {e}") from None
+            old_sampler = self._sampler.state()
             try:
                 self._sampler.set_state(sampler)
                 self._eval_rng.bit_generator.state = eval_rng
             except (KeyError, TypeError, ValueError) as e:
+                self._sampler.set_state(old_sampler)
                 raise ValueError(f"{d / STATE_FILE} is corrupt (sampler state: {e})") from None
+            self.set_params(params)
+            self.optimizer = opt
 
 
 def _json_default(o):
