@@ -16,6 +16,7 @@ results.json (``"format": "coterie-results/1"``)::
       weights           {"rounds": [1..R], "matrices": [W_r]}: W_r[i][j] = weight node i gave
                         node j in its round r (self included); a row is null if i has no round r
       final_weights     each node's last weight row, as a matrix
+      mean_weights      each node's weight row averaged over its rounds (the heatmaps show this)
       summary           mean/min final accuracy, mean accuracy per true cluster, byte totals
     notes               anything odd (substituted strategies, short histories)
 
@@ -117,6 +118,19 @@ def final_weights(node_ids: list[str], histories: dict[str, list[dict[str, Any]]
     return out
 
 
+def mean_weights(matrices: list[list[list[float] | None]]) -> list[list[float] | None]:
+    """Each node's weight row averaged over the rounds it logged: steadier than the last round
+    for strategies that resample peers every round (FedFomo, FedeRiCo)."""
+    if not matrices:
+        return []
+    n = len(matrices[0])
+    out: list[list[float] | None] = []
+    for i in range(n):
+        rows = [m[i] for m in matrices if m[i] is not None]
+        out.append([sum(r[j] for r in rows) / len(rows) for j in range(n)] if rows else None)
+    return out
+
+
 def strategy_results(sc: "Scenario", run: "StrategyRun", clusters: list[int] | None) -> dict[str, Any]:
     ids = [s.node_id for s in run.specs]
     nodes = {}
@@ -141,8 +155,9 @@ def strategy_results(sc: "Scenario", run: "StrategyRun", clusters: list[int] | N
         "wall_time_s": round(run.wall_time_s, 3),
         "node_configs": {s.node_id: s.config.model_dump(mode="json") for s in run.specs},
         "nodes": nodes,
-        "weights": weight_matrices(ids, run.histories, sc.rounds),
+        "weights": (wm := weight_matrices(ids, run.histories, sc.rounds)),
         "final_weights": final_weights(ids, run.histories),
+        "mean_weights": mean_weights(wm["matrices"]),
         "summary": {
             "mean_test_acc": sum(have) / len(have) if have else None,
             "min_test_acc": min(have) if have else None,
@@ -231,36 +246,42 @@ def _blue(w: float) -> str:
     return f"rgb({r},{g},{b})"
 
 
+SHADES = " ░▒▓█"
+
+
 def heatmap(results: dict[str, Any], strategy: str):
-    """The final collaborator-weight matrix of ``strategy`` as coloured blocks (row i = node i's
-    weights), nodes labelled with their true cluster."""
+    """The collaborator-weight matrix of ``strategy`` averaged over rounds (row i = node i's
+    weights) as coloured blocks whose shade also encodes the weight (readable without colour),
+    nodes labelled with their true cluster."""
     from rich.text import Text
 
     ids = results["node_ids"]
     clusters = results.get("true_clusters")
-    mat = results["strategies"][strategy]["final_weights"]
+    r = results["strategies"][strategy]
+    mat = r.get("mean_weights") or r["final_weights"]
     vmax = max([w for row in mat if row for w in row] + [1e-12])
     label = lambda i: f"{ids[i]}" + (f" c{clusters[i]}" if clusters else "")  # noqa: E731
     width = max(len(label(i)) for i in range(len(ids)))
     txt = Text()
-    txt.append(f"collaborator weights, {strategy} (row: node, column: peer; darker = more, "
-               f"max {vmax:.2f})\n", style="bold")
+    txt.append(f"collaborator weights, {strategy}: mean over rounds (row: node, column: peer; "
+               f"darker = more, full block = {vmax:.2f})\n", style="bold")
     txt.append(" " * (width + 1) + "".join(f"{n[-3:]:>3}" for n in ids) + "\n")
     for i, row in enumerate(mat):
         txt.append(f"{label(i):>{width}} ")
         for j in range(len(ids)):
             if row is None:
                 txt.append("  ?")
-            else:
-                txt.append(" ")
-                txt.append("  ", style=f"on {_blue(row[j] / vmax)}")
+                continue
+            x = max(0.0, min(1.0, row[j] / vmax))
+            txt.append(" ")
+            txt.append(SHADES[round(x * (len(SHADES) - 1))] * 2, style=_blue(max(x, 0.15)))
         txt.append("\n")
     return txt
 
 
 # ----------------------------------------------------------------------------------------- PNG
 def save_figures(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """weights.png (final weight matrix per strategy) and accuracy.png (test accuracy per round,
+    """weights.png (weight matrix per strategy, mean over rounds) and accuracy.png (test accuracy per round,
     one line per node, coloured by true cluster)."""
     import matplotlib
     matplotlib.use("Agg")
@@ -274,10 +295,11 @@ def save_figures(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
 
     fig, axes = plt.subplots(1, len(strategies), figsize=(4.2 * len(strategies), 4), squeeze=False)
     for ax, s in zip(axes[0], strategies):
+        r = results["strategies"][s]
         mat = [[math.nan] * len(ids) if row is None else row
-               for row in results["strategies"][s]["final_weights"]]
+               for row in (r.get("mean_weights") or r["final_weights"])]
         im = ax.imshow(mat, cmap="Blues", vmin=0, interpolation="nearest")
-        ax.set_title(f"{s}: final weights")
+        ax.set_title(f"{s}: weights, mean over rounds")
         labels = [f"{n} (c{c})" for n, c in zip(ids, clusters)]
         ax.set_xticks(range(len(ids)), ids, rotation=90, fontsize=7)
         ax.set_yticks(range(len(ids)), labels, fontsize=7)

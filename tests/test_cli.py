@@ -199,5 +199,7 @@ def test_demo_shows_heatmap_and_saves_png(tmp_path, fake_nodes):
     names = list(res["strategies"])
     assert names[0] == "local" and len(names) == 2
     assert f"collaborator weights, {names[1]}" in r.stdout  # the terminal heatmap
+    rows = [l for l in r.stdout.splitlines() if l.startswith("n0 c0 ")]
+    assert rows and rows[0].split()[2] == "██"  # n0 gives itself the most weight: a full block
     assert (out / "weights.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(res["node_ids"]) == 8 and len(set(res["true_clusters"])) >= 2

@@ -210,6 +210,7 @@ def test_run_collects_results_and_leaves_no_process(tmp_path, monkeypatch):
         m = r["weights"]["matrices"][2]
         assert m[1] == [0.25, 0.5, 0.25] and len(m) == 3
         assert r["final_weights"][0] == [0.5, 0.25, 0.25]
+        assert r["mean_weights"][2] == [0.25, 0.25, 0.5]
         assert r["summary"]["bytes_sent_total"] == 3 * 303
         assert r["summary"]["mean_test_acc_by_cluster"]["2"] == pytest.approx(0.32)
         assert (tmp_path / s / "logs" / "n0.log").exists()
