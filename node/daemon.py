@@ -212,7 +212,8 @@ class Node:
             groups[f"x:{name}"] = tensors
         self.version += 1
         data = encode(groups, {"node_id": self.node_id, "version": self.version, "round": self.round})
-        self._published = Published(self.node_id, self.version, self.round, data, sha256(data))
+        self._published = Published(self.node_id, self.version, self.round, data, sha256(data),
+                                    self.cfg.chunk_bytes)
 
     def published(self) -> Published | None:
         return self._published

@@ -25,20 +25,23 @@ class Assembler:
         if total > limit:
             raise invalid(f"{who}: announced payload of {total} bytes exceeds the limit of {limit}")
         self.who, self.total, self.digest = who, total, digest
-        self.buf = bytearray()
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.hasher = hashlib.sha256()  # hashed as chunks arrive, overlapping the transfer
 
     def add(self, chunk: bytes) -> None:
-        if len(self.buf) + len(chunk) > self.total:
+        if self.size + len(chunk) > self.total:
             raise invalid(f"{self.who}: sent more than the announced {self.total} bytes")
-        self.buf += chunk
+        self.parts.append(chunk)
+        self.size += len(chunk)
+        self.hasher.update(chunk)
 
     def finish(self) -> bytes:
-        if len(self.buf) != self.total:
-            raise invalid(f"{self.who}: payload truncated ({len(self.buf)} of {self.total} bytes)")
-        data = bytes(self.buf)
-        if sha256(data) != self.digest:
+        if self.size != self.total:
+            raise invalid(f"{self.who}: payload truncated ({self.size} of {self.total} bytes)")
+        if self.hasher.hexdigest() != self.digest:
             raise invalid(f"{self.who}: sha256 mismatch (payload corrupted in transit or forged)")
-        return data
+        return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
 
 
 async def collect(it: AsyncIterator, asm: Assembler, field: str = "data") -> bytes:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
@@ -22,12 +22,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Published:
-    """A snapshot as this node serves it: encoded once per publish, streamed to every puller."""
+    """A snapshot as this node serves it: encoded and cut into chunks once per publish, then
+    streamed to every puller without further copies."""
     node_id: str
     version: int
     round: int
     data: bytes
     sha256: str
+    chunk_bytes: int = 1 << 20
+    chunks: tuple[bytes, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.chunks and self.data:
+            object.__setattr__(self, "chunks", tuple(split(self.data, self.chunk_bytes)))
 
 
 class Stats(Protocol):
@@ -117,8 +124,7 @@ class PeerService(rpc.PeerServicer):
         yield pb.SnapshotChunk(header=header)
         sent = header.ByteSize()
         if not unchanged:
-            size = min(max(request.chunk_bytes or self.h.chunk_bytes, 1024), self.h.chunk_bytes)
-            for part in split(snap.data, size):
+            for part in snap.chunks:
                 yield pb.SnapshotChunk(data=part)
                 sent += len(part)
         self.h.stats.record("snapshot", sent=sent)
