@@ -259,12 +259,15 @@ def heatmap(results: dict[str, Any], strategy: str):
     clusters = results.get("true_clusters")
     r = results["strategies"][strategy]
     mat = r.get("mean_weights") or r["final_weights"]
-    vmax = max([w for row in mat if row for w in row] + [1e-12])
+    off = [w for i, row in enumerate(mat) if row for j, w in enumerate(row) if i != j]
+    # scale by the largest weight given to a *peer*: self-weights dominate and would wash the
+    # cluster structure out; the diagonal simply saturates
+    vmax = max(off) if off and max(off) > 0 else max([w for row in mat if row for w in row] + [1e-12])
     label = lambda i: f"{ids[i]}" + (f" c{clusters[i]}" if clusters else "")  # noqa: E731
     width = max(len(label(i)) for i in range(len(ids)))
     txt = Text()
     txt.append(f"collaborator weights, {strategy}: mean over rounds (row: node, column: peer; "
-               f"darker = more, full block = {vmax:.2f})\n", style="bold")
+               f"darker = more, full block ≥ {vmax:.2f})\n", style="bold")
     txt.append(" " * (width + 1) + "".join(f"{n[-3:]:>3}" for n in ids) + "\n")
     for i, row in enumerate(mat):
         txt.append(f"{label(i):>{width}} ")
