@@ -36,7 +36,7 @@ groups = st.dictionaries(st.text(min_size=1, max_size=8),
 
 
 @settings(max_examples=150, deadline=None)
-@given(groups, st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5), max_size=3))
+@given(groups, st.dictionaries(st.text(max_size=5), st.integers(-2**63, 2**63 - 1) | st.text(max_size=5), max_size=3))
 def test_round_trip_any_dtype_and_shape(g, meta):
     out, meta_out = decode(encode(g, meta))
     assert meta_out == meta
