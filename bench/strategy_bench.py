@@ -1,0 +1,180 @@
+"""The public strategy benchmark: S1 label-permuted clusters, S2 class groups, S3 noisy nodes.
+
+Runs ``coterie run`` (real daemons on loopback) for every strategy on identical partitions and
+seeds, then reports per strategy: mean and worst-10% node accuracy, share of nodes beating
+``local``, in-cluster weight mass (chance = (c-1)/(n-1)), AUROC of weights against the true
+adjacency, weight on the noisy nodes (S3), bytes per node per round and wall time.
+
+    python bench/strategy_bench.py                      # all three scenarios, all strategies
+    python bench/strategy_bench.py --scenarios s1 --strategies local,fedfomo --rounds 10
+
+Writes bench/results/<scenario>/results.json (from coterie run), bench/results/summary.json,
+bench/results/summary.md and PNG heatmaps of the weight matrices over rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIOS = {"s1": "s1_label_permuted.toml", "s2": "s2_class_groups.toml", "s3": "s3_noisy_nodes.toml"}
+WINDOW = 0.5  # weights averaged over the last half of the rounds (sampling strategies vary per round)
+
+
+def clusters_of(res: dict, strategy: str) -> list[int]:
+    """Ground truth: a node's `cluster` label where the scenario sets one, else the partitioner's."""
+    cfgs = res["strategies"][strategy]["node_configs"]
+    truth = res.get("true_clusters") or [0] * len(res["node_ids"])
+    return [int(cfgs[n].get("labels", {}).get("cluster", truth[i])) for i, n in enumerate(res["node_ids"])]
+
+
+def late_weights(s: dict, n: int) -> np.ndarray:
+    mats = [m for m in s["weights"]["matrices"]]
+    start = int(len(mats) * (1 - WINDOW))
+    W = np.zeros((n, n))
+    count = np.zeros(n)
+    for m in mats[start:]:
+        for i, row in enumerate(m):
+            if row is not None:
+                W[i] += row
+                count[i] += 1
+    return W / np.maximum(count, 1)[:, None]
+
+
+def auroc(scores: np.ndarray, labels: np.ndarray) -> float | None:
+    pos, neg = scores[labels], scores[~labels]
+    if len(pos) == 0 or len(neg) == 0:
+        return None
+    ranks = np.argsort(np.argsort(np.concatenate([pos, neg]), kind="stable"), kind="stable") + 1.0
+    allv = np.concatenate([pos, neg])  # average ranks of ties
+    for v in np.unique(allv):
+        idx = allv == v
+        ranks[idx] = ranks[idx].mean()
+    return float((ranks[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
+
+
+def metrics(res: dict) -> dict:
+    ids = res["node_ids"]
+    n = len(ids)
+    out = {}
+    local = res["strategies"].get("local")
+    for name, s in res["strategies"].items():
+        cl = np.array(clusters_of(res, name))
+        noisy = [i for i, nid in enumerate(ids) if s["node_configs"][nid]["learner"].get("label_noise", 0) > 0]
+        clean = [i for i in range(n) if i not in noisy]
+        acc = np.array([s["nodes"][nid]["final_test_acc"] or 0.0 for nid in ids])
+        acc_clean = acc[clean]
+        k = max(1, int(round(0.1 * len(acc_clean))))
+        W = late_weights(s, n)
+        off = ~np.eye(n, dtype=bool)
+        same = (cl[:, None] == cl[None, :]) & off
+        peer_mass = (W * off).sum(1)
+        in_mass = np.where(peer_mass > 0, (W * same).sum(1) / np.where(peer_mass > 0, peer_mass, 1), np.nan)
+        csize = np.array([(cl == c).sum() for c in cl])
+        chance = float(np.mean((csize[clean] - 1) / (n - 1)))
+        rounds = max(len(s["weights"]["rounds"]), 1)
+        row = {
+            "mean_acc": float(acc_clean.mean()),
+            "worst10_acc": float(np.sort(acc_clean)[:k].mean()),
+            "in_cluster_mass": float(np.nanmean(in_mass[clean])) if not np.all(np.isnan(in_mass[clean])) else None,
+            "in_cluster_chance": chance,
+            "auroc": auroc(W[off], same[off]),
+            "bytes_per_node_round": s["summary"]["bytes_sent_total"] / n / rounds,
+            "wall_time_s": s["wall_time_s"],
+        }
+        if local is not None:
+            lacc = np.array([local["nodes"][nid]["final_test_acc"] or 0.0 for nid in ids])
+            row["beats_local_share"] = float(np.mean(acc_clean > lacc[clean]))
+        if noisy:
+            row["max_weight_on_noisy"] = float(W[np.ix_(clean, noisy)].max())
+        out[name] = row
+    return out
+
+
+def heatmaps(res: dict, out: Path, title: str) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(res["strategies"])
+    n = len(res["node_ids"])
+    snaps = 4
+    fig, axes = plt.subplots(len(names), snaps, figsize=(2.2 * snaps, 2.2 * len(names)), squeeze=False)
+    for r, name in enumerate(names):
+        mats = res["strategies"][name]["weights"]["matrices"]
+        picks = np.linspace(0, len(mats) - 1, snaps).round().astype(int) if mats else []
+        for c, idx in enumerate(picks):
+            M = np.array([row if row is not None else [np.nan] * n for row in mats[idx]])
+            ax = axes[r][c]
+            ax.imshow(M, vmin=0, vmax=max(1e-9, np.nanmax(M * ~np.eye(n, dtype=bool))), cmap="viridis")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if r == 0:
+                ax.set_title(f"round {res['strategies'][name]['weights']['rounds'][idx]}", fontsize=8)
+            if c == 0:
+                ax.set_ylabel(name, fontsize=8)
+    fig.suptitle(f"{title}: collaborator weights over rounds (diagonal saturates)", fontsize=9)
+    fig.tight_layout()
+    path = out / f"{title}_weights.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def fmt(v, pct=False):
+    if v is None:
+        return "–"
+    return f"{100 * v:.1f}" if pct else (f"{v:.3f}" if isinstance(v, float) else str(v))
+
+
+def markdown(all_metrics: dict) -> str:
+    lines = []
+    for sc, rows in all_metrics.items():
+        lines += [f"### {sc}", "", "| strategy | mean acc % | worst-10% acc % | beats local % | in-cluster mass (chance) | AUROC | max w on noisy | KB/node/round | wall s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for name, r in rows.items():
+            lines.append(f"| {name} | {fmt(r['mean_acc'], True)} | {fmt(r['worst10_acc'], True)} | "
+                         f"{fmt(r.get('beats_local_share'), True)} | {fmt(r['in_cluster_mass'])} ({r['in_cluster_chance']:.2f}) | "
+                         f"{fmt(r['auroc'])} | {fmt(r.get('max_weight_on_noisy'))} | {r['bytes_per_node_round'] / 1024:.0f} | "
+                         f"{r['wall_time_s']:.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenarios", default="s1,s2,s3")
+    ap.add_argument("--strategies", default=None, help="comma list (default: the scenario's)")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--reuse", action="store_true", help="only recompute metrics from existing results.json")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary_path = args.out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    for sc in args.scenarios.split(","):
+        out = args.out / sc
+        if not args.reuse:
+            cmd = [sys.executable, "-m", "coterie.cli.main", "run", str(ROOT / "scenarios" / SCENARIOS[sc]),
+                   "--out", str(out)]
+            for flag, v in (("--strategy", args.strategies), ("--rounds", args.rounds), ("--seed", args.seed)):
+                if v is not None:
+                    cmd += [flag, str(v)]
+            print("$", " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
+        res = json.loads((out / "results.json").read_text())
+        summary[sc] = metrics(res)
+        heatmaps(res, args.out, sc)
+        summary_path.write_text(json.dumps(summary, indent=2))
+        (args.out / "summary.md").write_text(markdown(summary))
+        print(markdown({sc: summary[sc]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
