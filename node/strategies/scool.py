@@ -1,0 +1,354 @@
+"""SCool (Li et al., "Structured Cooperative Learning with Graphical Model Priors", scool.txt
+§3.3–4.3, App. C–E): SCool-SBM and SCool-attention as serverless strategies.
+
+Round at node i:
+  local training θ_i^t → θ_i^{t+½}; Δθ_i = θ_i^t − θ_i^{t+½} (published as extras "delta")
+  evidence Y_ij = log P(D_j | θ_i) = −(mean CE of my published model on a minibatch of j's data),
+    one cross-loss request per candidate (*code*: one training minibatch)
+  E-step
+    SBM (eq. 18–20 = App. D eq. 43–48): ŵ_ij = Y_ij + Σ_gh Ω_ig Ω_jh log(B_gh/(1−B_gh)),
+      w_ij = σ(ŵ_ij/τ); γ_i = Ω_i + α; Ω_i ∝ exp(Σ_j w_ij Σ_h Ω_jh log B(·,h) + Σ_j w_ji Σ_h Ω_jh
+      log B(h,·) + Σ_j (1−w_ij) Σ_h Ω_jh log(1−B(·,h)) + Σ_j (1−w_ji) Σ_h Ω_jh log(1−B(h,·))
+      + ψ(γ_i·) − ψ(Σ_g γ_ig)).  *decentral*: Ω_j and w_ji of peers come from gossip ("omega").
+    attention (eq. 29): w_i = softmax(Y_i/τ + log p_i), p_i = softmax_j ⟨E(û_i), E(û_j)⟩,
+      û = θ^{t+½} − θ^0 (published as extras "update"); E trained towards w_i by cross-entropy
+      (eq. 31/62) with Adam, and gossip-averaged with the peers contacted ("encoder").
+  M-step (App. C.1, *code* default): θ_i^{t+1} = θ_i^t − Σ_j w̄_ij Δθ_j, w̄ the row normalised
+    over self (raw weight 1, the ∇L(D_i) term of eq. 22) and the peers whose Δθ arrived.
+    "exact": eq. 22 with cross-gradients, θ ← θ − η(w̄_ii ∇L(D_i;θ) + Σ_j w̄_ij ∇L(D_j;θ)) for
+    ``exact_steps`` steps with my optimizer (each step one cross-gradient request per peer).
+  Pruning (App. C.1): after round ``prune_after`` keep the top ``keep_fraction`` peers by w; the
+    rest are no longer contacted.
+Fixed, as in the code: B = [[.8,.2],[.2,.8]] (M-step eq. 24 not applied), α = 1 (eq. 23 not
+applied), λ θ_i left to the learner's weight decay, and the attention M-step term
+−Σ w_ij ∇θ log p_ij of eq. 30 is not applied to θ.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import torch
+from scipy.special import digamma
+
+from ..learning.learner import Params
+from . import common as C
+from .base import RoundReport, Strategy, gather_bounded
+
+# --- SBM E-step as pure functions (App. D) ---
+
+
+def sbm_edge_logit(y_ij: float, omega_i: np.ndarray, omega_j: np.ndarray, B: np.ndarray) -> float:
+    """ŵ_ij = Y_ij + Σ_gh Ω_ig Ω_jh log B(g,h) − Σ_gh Ω_ig Ω_jh log(1−B(g,h))   (eq. 43)."""
+    return float(y_ij + omega_i @ (np.log(B) - np.log1p(-B)) @ omega_j)
+
+
+def sbm_estep_node(Y: dict[str, float], omega_i: np.ndarray, omegas: dict[str, np.ndarray],
+                   w_in: dict[str, float], B: np.ndarray, alpha: np.ndarray, tau: float = 1.0
+                   ) -> tuple[dict[str, float], np.ndarray, np.ndarray]:
+    """Node i's share of the E-step over the peers j ≠ i it has evidence Y_ij and Ω_j for.
+    Returns (w_i· eq. 44 with temperature τ, γ_i eq. 46, new Ω_i eq. 48). ``w_in[j]`` is w_ji
+    (peer j's weight on me); where missing, w_ij stands in for it (symmetric guess)."""
+    peers = [j for j in sorted(Y) if j in omegas]
+    w = {j: float(C.sigmoid(sbm_edge_logit(Y[j], omega_i, omegas[j], B) / tau)) for j in peers}
+    gamma = omega_i + alpha
+    logB, log1B = np.log(B), np.log1p(-B)
+    logits = digamma(gamma) - digamma(gamma.sum())
+    for j in peers:
+        oj = omegas[j]
+        wij, wji = w[j], w_in.get(j, w[j])
+        logits = logits + wij * (logB @ oj) + wji * (logB.T @ oj) \
+            + (1 - wij) * (log1B @ oj) + (1 - wji) * (log1B.T @ oj)
+    omega_new = C.softmax(logits)
+    return w, gamma, omega_new
+
+
+def row_with_self(raw: dict[str, float], self_id: str, self_weight: float = 1.0) -> dict[str, float]:
+    """Row-normalise {self: self_weight} ∪ raw peer weights (*code*: rows normalised)."""
+    row = {self_id: self_weight, **{k: v for k, v in raw.items() if k != self_id}}
+    return C.normalise_row(row)
+
+
+# --- attention E-step (eq. 29) ---
+
+
+def attention_weights(y: np.ndarray, logits: np.ndarray, tau: float = 1.0) -> np.ndarray:
+    """w_i = softmax(Y_i/τ + log p_i), p_i = softmax(logits) (eq. 29, App. C.1 temperature)."""
+    logp = logits - np.max(logits) - np.log(np.sum(np.exp(logits - np.max(logits))))
+    return C.softmax(np.asarray(y) / tau + logp)
+
+
+class _SCoolBase(Strategy):
+    defaults: dict[str, Any] = {
+        "tau": 1.0,               # temperature of σ/softmax, SCool App. C.1 (*code*: τ = 1–2, fixed)
+        "evidence_samples": 32,   # Y_ij on one minibatch of j's train data (*code*)
+        "mstep": "mixing",        # App. C.1 update mixing (*code* default); "exact": eq. 22 cross-gradients
+        "exact_steps": 5,         # local SGD steps of the exact M-step (Alg. 1 l.13), one request per peer each
+        "grad_samples": 32,       # minibatch per (cross-)gradient in the exact M-step
+        "prune_after": 10,        # App. C.1: remove neighbours "after 10 rounds"
+        "keep_fraction": 0.2,     # App. C.1 / ALGORITHMS: keep top 20% (SBM); attention overrides to 10%
+        "max_peers": 0,           # 0 = every alive peer is a candidate until pruning
+    }
+
+    def __init__(self, *a: Any, **kw: Any):
+        super().__init__(*a, **kw)
+        self._t = 0
+        self._Y: dict[str, float] = {}
+        self._raw: dict[str, float] = {}
+        self._row: dict[str, float] = {self.node_id: 1.0}
+        self._kept: list[str] | None = None
+        self._delta: Params | None = None
+
+    def candidates(self) -> list[str]:
+        peers = self.net.peers()
+        if self._kept is not None:
+            peers = [p for p in peers if p in self._kept]
+        k = int(self.p["max_peers"])
+        if k and len(peers) > k:
+            peers = sorted(self.rng.choice(peers, size=k, replace=False).tolist())
+        return peers
+
+    def published_extras(self) -> dict[str, Params]:
+        return {} if self._delta is None else {"delta": self._delta}
+
+    async def _evidence(self, peers: list[str]) -> dict[str, float]:
+        n = self.p["evidence_samples"]
+        got = await gather_bounded({p: self.net.cross_loss(p, max_samples=n) for p in peers})
+        return {p: -float(v[0]) for p, v in got.items() if np.isfinite(v[0])}
+
+    async def _estep(self, rnd: int, theta_half: Params, snaps: dict) -> None:
+        raise NotImplementedError
+
+    async def run_round(self, rnd: int) -> RoundReport:
+        theta = self.learner.get_params()
+        exact = self.p["mstep"] == "exact"
+        res = None
+        if not exact:
+            res = await self.compute(self.learner.train)
+        theta_half = self.learner.get_params()
+        peers = self.candidates()
+        ev, snaps = await asyncio.gather(self._evidence(peers),
+                                         gather_bounded({p: self.net.pull(p) for p in peers}))
+        self._Y.update(ev)
+        await self._estep(rnd, theta_half, snaps)
+
+        if exact:
+            train_loss = await self._exact_mstep(peers)
+            self._delta = C.sub(theta, self.learner.get_params())
+        else:
+            self._delta = C.sub(theta, theta_half)
+            members = [(1.0, self._delta)]
+            wts = {self.node_id: self._row.get(self.node_id, 1.0)}
+            for p, s in snaps.items():
+                d = s.extras.get("delta")
+                if d is not None and C.same_shapes(d, theta) and self._row.get(p, 0.0) > 0:
+                    wts[p] = self._row[p]
+            tot = sum(wts.values())
+            members = [(wts[self.node_id] / tot, self._delta)] + \
+                [(wts[p] / tot, snaps[p].extras["delta"]) for p in wts if p != self.node_id]
+            self.learner.set_params(C.mix_updates(theta, members))
+            train_loss = res.loss
+
+        self._t += 1
+        if self._kept is None and self._t >= int(self.p["prune_after"]) > 0:
+            scores = {p: v for p, v in self._raw.items() if p != self.node_id}
+            self._kept = C.top_keep(scores, float(self.p["keep_fraction"]))
+        return RoundReport(train_loss=train_loss, contacted=sorted(set(ev) | set(snaps)),
+                           info={"pruned": self._kept is not None})
+
+    async def _exact_mstep(self, peers: list[str]) -> float:
+        gs = self.p["grad_samples"]
+        losses = []
+        for _ in range(max(1, int(self.p["exact_steps"]))):
+            theta = self.learner.get_params()
+            use = [p for p in peers if self._row.get(p, 0.0) > 0]
+            replies = await gather_bounded({p: self.net.cross_gradient(p, theta, max_samples=gs) for p in use})
+            g_own, r = await self.compute(self.learner.gradient, None, "train", gs)
+            losses.append(r.loss)
+            wts = {self.node_id: self._row.get(self.node_id, 1.0)}
+            wts.update({p: self._row[p] for p, rep in replies.items() if rep.grad is not None})
+            tot = sum(wts.values())
+            terms = [(wts[self.node_id] / tot, g_own)] + [(wts[p] / tot, replies[p].grad) for p in wts if p != self.node_id]
+            await self.compute(self.learner.apply_gradient, C.lincomb(terms, g_own))
+        return float(np.mean(losses))
+
+    def weights(self) -> dict[str, float]:
+        return dict(self._row)
+
+    def _base_state(self) -> dict[str, Any]:
+        return {"t": self._t, "Y": dict(self._Y), "raw": dict(self._raw), "row": dict(self._row),
+                "kept": self._kept, "delta": C.params_state(self._delta), "rng": C.rng_state(self.rng)}
+
+    def _load_base(self, st: dict[str, Any]) -> None:
+        self._t = int(st.get("t", 0))
+        self._Y = {str(k): float(v) for k, v in st.get("Y", {}).items()}
+        self._raw = {str(k): float(v) for k, v in st.get("raw", {}).items()}
+        self._row = {str(k): float(v) for k, v in st.get("row", {self.node_id: 1.0}).items()}
+        self._kept = None if st.get("kept") is None else [str(k) for k in st["kept"]]
+        self._delta = st.get("delta")
+        C.set_rng_state(self.rng, st.get("rng"))
+
+
+class SCoolSBM(_SCoolBase):
+    name = "scool-sbm"
+    defaults: dict[str, Any] = {
+        **_SCoolBase.defaults,
+        "tau": 2.0,               # App. C.1 temperature (*code* range 1–2): 2 resists Ω locking in on
+                                  # the uninformative evidence of the first rounds (all models ≈ θ⁰)
+        "num_blocks": 2,          # *code*: 2 SBM blocks
+        "B_in": 0.8,              # *code*: B fixed at [[.8,.2],[.2,.8]]
+        "B_out": 0.2,             # (M-step eq. 24 not applied)
+        "dirichlet_alpha": 1.0,   # α of π_i ~ Dir(α) (§4.2); kept fixed (eq. 23 not applied)
+    }
+
+    def __init__(self, *a: Any, **kw: Any):
+        super().__init__(*a, **kw)
+        g = int(self.p["num_blocks"])
+        self.B = np.full((g, g), float(self.p["B_out"]))
+        np.fill_diagonal(self.B, float(self.p["B_in"]))
+        self.alpha = np.full(g, float(self.p["dirichlet_alpha"]))
+        self.omega = self.rng.dirichlet(np.ones(g))  # random init breaks the blocks' symmetry
+        self.gamma = self.omega + self.alpha
+        self._omegas: dict[str, np.ndarray] = {}
+        self._w_in: dict[str, float] = {}
+
+    def _omega_payload(self, peer: str) -> dict[str, Any]:
+        return {"omega": C.vec_to_wire(self.omega), "w": float(self._raw.get(peer, -1.0))}
+
+    def _take_omega(self, peer: str, msg: dict[str, Any] | None) -> None:
+        if not msg:
+            return
+        om = C.vec_from_wire(msg.get("omega"))
+        if om is not None and om.shape == self.omega.shape and np.all(om >= 0) and om.sum() > 0:
+            self._omegas[peer] = om / om.sum()
+        w = msg.get("w")
+        if isinstance(w, (int, float)) and 0.0 <= w <= 1.0:
+            self._w_in[peer] = float(w)
+
+    def on_gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
+        if key != "omega":
+            return None
+        reply = self._omega_payload(peer)
+        self._take_omega(peer, payload)
+        return reply
+
+    async def _estep(self, rnd: int, theta_half: Params, snaps: dict) -> None:
+        peers = sorted(set(self._Y) & set(self.candidates() if self._kept is None else self._kept))
+        replies = await gather_bounded({p: self.net.gossip(p, "omega", self._omega_payload(p)) for p in peers})
+        for p, msg in replies.items():
+            self._take_omega(p, msg)
+        Y = {p: self._Y[p] for p in self._Y if self._kept is None or p in self._kept}
+        w, self.gamma, self.omega = sbm_estep_node(Y, self.omega, self._omegas, self._w_in, self.B,
+                                                   self.alpha, float(self.p["tau"]))
+        self._raw.update(w)
+        keep = self._raw if self._kept is None else {p: v for p, v in self._raw.items() if p in self._kept}
+        self._row = row_with_self(keep, self.node_id)
+
+    def public_state(self) -> dict[str, Any]:
+        return {"omega": self.omega.tolist(), "gamma": self.gamma.tolist(), "B": self.B.tolist(),
+                "evidence": dict(self._Y), "w_raw": dict(self._raw), "kept": self._kept,
+                "peer_omega": {k: v.tolist() for k, v in self._omegas.items()}, "rounds": self._t}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self._base_state(), "omega": self.omega.tolist(), "gamma": self.gamma.tolist(),
+                "omegas": {k: v.tolist() for k, v in self._omegas.items()}, "w_in": dict(self._w_in)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_base(state)
+        if "omega" in state:
+            self.omega = np.asarray(state["omega"], dtype=np.float64)
+            self.gamma = np.asarray(state["gamma"], dtype=np.float64)
+        self._omegas = {str(k): np.asarray(v, dtype=np.float64) for k, v in state.get("omegas", {}).items()}
+        self._w_in = {str(k): float(v) for k, v in state.get("w_in", {}).items()}
+
+
+class SCoolAttention(_SCoolBase):
+    name = "scool-attention"
+    defaults: dict[str, Any] = {
+        **_SCoolBase.defaults,
+        "keep_fraction": 0.1,     # App. C.1: remove 90% of neighbours (non-iid) after 10 rounds
+        "encoder_dims": [10, 5],  # App. C.1: two FC layers with output dims (10, 5)
+        "encoder_lr": 0.1,        # App. C.1: Adam, learning rate 0.1
+        "encoder_wd": 0.01,       # App. C.1: weight decay 0.01
+        "encoder_seed": 0,        # *decentral*: common encoder init, like the models' θ⁰
+    }
+
+    def __init__(self, *a: Any, **kw: Any):
+        super().__init__(*a, **kw)
+        self.theta0 = self.learner.get_params()
+        d = self.p["encoder_dims"]
+        self.encoder = C.UpdateEncoder(self.theta0, (int(d[0]), int(d[1])), int(self.p["encoder_seed"]))
+        self.opt = torch.optim.Adam(self.encoder.parameters(), lr=float(self.p["encoder_lr"]),
+                                    weight_decay=float(self.p["encoder_wd"]))
+        self._update: Params | None = None
+        self._p: dict[str, float] = {}
+
+    def published_extras(self) -> dict[str, Params]:
+        out = super().published_extras()
+        if self._update is not None:
+            out["update"] = self._update
+        return out
+
+    def on_gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
+        if key != "encoder":
+            return None
+        reply = {"vec": C.vec_to_wire(self.encoder.get_vector())}
+        v = C.vec_from_wire(payload.get("vec"))
+        if v is not None and v.size == self.encoder.num_params():
+            self.encoder.set_vector((self.encoder.get_vector().numpy() + v) / 2)
+        return reply
+
+    async def _estep(self, rnd: int, theta_half: Params, snaps: dict) -> None:
+        self._update = C.sub(theta_half, self.theta0)
+        own_y = await self.compute(self.learner.loss, None, "train", self.p["evidence_samples"])
+        self._Y[self.node_id] = -own_y.loss
+        peers = [p for p, s in snaps.items() if p in self._Y and "update" in s.extras
+                 and C.same_shapes(s.extras["update"], theta_half)]
+        ups = [snaps[p].extras["update"] for p in peers]
+        y = np.array([self._Y[self.node_id]] + [self._Y[p] for p in peers])
+
+        def step() -> tuple[np.ndarray, np.ndarray]:
+            logits = C.attention_logits(self.encoder, self._update, ups)
+            w = attention_weights(y, logits.detach().numpy().astype(np.float64), float(self.p["tau"]))
+            # encoder towards w_i: min CE(w_i, p_i(φ)) (eq. 31 / 62)
+            loss = -(torch.as_tensor(w, dtype=torch.float32) * torch.log_softmax(logits, 0)).sum()
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            return w, torch.softmax(logits.detach(), 0).numpy()
+
+        w, p = await self.compute(step)
+        ids = [self.node_id] + peers
+        self._p = {k: float(v) for k, v in zip(ids, p)}
+        self._raw.update({k: float(v) for k, v in zip(ids, w)})
+        keep = {k: float(v) for k, v in zip(ids, w)}
+        self._row = C.normalise_row(keep)
+        # gossip-average the encoder with the peers contacted (*decentral* for the global φ)
+        mine = C.vec_to_wire(self.encoder.get_vector())
+        replies = await gather_bounded({q: self.net.gossip(q, "encoder", {"vec": mine}) for q in snaps})
+        vecs = [self.encoder.get_vector().numpy().astype(np.float64)]
+        for msg in replies.values():
+            v = C.vec_from_wire((msg or {}).get("vec"))
+            if v is not None and v.size == vecs[0].size:
+                vecs.append(v)
+        self.encoder.set_vector(np.mean(vecs, axis=0))
+
+    def public_state(self) -> dict[str, Any]:
+        return {"evidence": dict(self._Y), "attention": dict(self._p), "w": dict(self._row),
+                "kept": self._kept, "rounds": self._t}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self._base_state(), "theta0": C.params_state(self.theta0),
+                "update": C.params_state(self._update), "p": dict(self._p),
+                "encoder": C.vec_to_wire(self.encoder.get_vector())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_base(state)
+        if state.get("theta0") is not None:
+            self.theta0 = state["theta0"]
+        self._update = state.get("update")
+        self._p = {str(k): float(v) for k, v in state.get("p", {}).items()}
+        v = C.vec_from_wire(state.get("encoder"))
+        if v is not None and v.size == self.encoder.num_params():
+            self.encoder.set_vector(v)

@@ -1,0 +1,167 @@
+"""SCool (scool.txt App. C–E): the SBM E-step (eqs. 43–48) against a direct numpy transcription,
+the attention E-step (eq. 29), update mixing, exact M-step, Ω/encoder gossip; in-process network."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from coterie.node.strategies import common as C
+from coterie.node.strategies.scool import (SCoolAttention, SCoolSBM, attention_weights, row_with_self,
+                                           sbm_estep_node)
+from strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
+
+torch.set_num_threads(1)
+
+
+def _digamma(x):
+    return torch.special.digamma(torch.as_tensor(x, dtype=torch.float64)).numpy()
+
+
+def reference_estep(Y, Om, B, alpha, tau):
+    """Eqs. 43–48 transcribed over the whole graph, with explicit sums over g, h (self pairs
+    excluded: Y_ii is not evidence of cooperation)."""
+    K, G = Om.shape
+    W = np.zeros((K, K))
+    for i in range(K):
+        for j in range(K):
+            if i == j:
+                continue
+            w_hat = Y[i, j]
+            for g in range(G):
+                for h in range(G):
+                    w_hat += Om[i, g] * Om[j, h] * np.log(B[g, h])          # eq. 43
+                    w_hat -= Om[i, g] * Om[j, h] * np.log(1 - B[g, h])
+            W[i, j] = 1.0 / (1.0 + np.exp(-w_hat / tau))                     # eq. 44 (temperature, App. C.1)
+    gamma = Om + alpha[None, :]                                              # eq. 46
+    Om_new = np.zeros_like(Om)
+    for i in range(K):
+        logit = np.zeros(G)
+        for k in range(G):
+            s = 0.0
+            for j in range(K):
+                if j == i:
+                    continue
+                for h in range(G):
+                    s += W[i, j] * Om[j, h] * np.log(B[k, h])
+                    s += W[j, i] * Om[j, h] * np.log(B[h, k])
+                    s += (1 - W[i, j]) * Om[j, h] * np.log(1 - B[k, h])
+                    s += (1 - W[j, i]) * Om[j, h] * np.log(1 - B[h, k])
+            logit[k] = s + _digamma(gamma[i, k]) - _digamma(gamma[i].sum())   # eq. 47–48
+        e = np.exp(logit - logit.max())
+        Om_new[i] = e / e.sum()                                              # normalised (after eq. 48)
+    return W, gamma, Om_new
+
+
+@pytest.mark.parametrize("G,tau,asym", [(2, 1.0, False), (3, 2.0, True)])
+def test_sbm_estep_matches_numpy_transcription(G, tau, asym):
+    rng = np.random.default_rng(G)
+    K = 5
+    Y = -rng.exponential(1.0, size=(K, K))
+    Om = rng.dirichlet(np.ones(G), size=K)
+    B = np.full((G, G), 0.2) + 0.6 * np.eye(G)
+    if asym:
+        B[0, 1] = 0.35  # B need not be symmetric in eq. 48
+    alpha = rng.uniform(0.5, 2.0, size=G)
+    W, gamma, Om_new = reference_estep(Y, Om, B, alpha, tau)
+    ids = [f"n{k}" for k in range(K)]
+    for i in range(K):
+        Yi = {ids[j]: Y[i, j] for j in range(K) if j != i}
+        oms = {ids[j]: Om[j] for j in range(K) if j != i}
+        w_in = {ids[j]: W[j, i] for j in range(K) if j != i}
+        w, g, o = sbm_estep_node(Yi, Om[i], oms, w_in, B, alpha, tau)
+        assert np.allclose([w[ids[j]] for j in range(K) if j != i], [W[i, j] for j in range(K) if j != i])
+        assert np.allclose(g, gamma[i])
+        assert np.allclose(o, Om_new[i], atol=1e-10)
+
+
+def test_row_normalisation_with_self():
+    row = row_with_self({"a": 0.5, "b": 0.25, "me": 7.0}, "me")
+    assert row == {"me": pytest.approx(1 / 1.75), "a": pytest.approx(0.5 / 1.75), "b": pytest.approx(0.25 / 1.75)}
+
+
+def test_attention_estep_eq29():
+    y = np.array([-0.5, -0.2, -3.0])
+    logits = np.array([1.0, 0.5, -0.5])
+    p = np.exp(logits) / np.exp(logits).sum()
+    ref = np.exp(y / 2.0) * p
+    assert np.allclose(attention_weights(y, logits, 2.0), ref / ref.sum())
+
+
+def test_mixing_round_matches_reference():
+    """θ^{t+1} = θ^t − Σ_j w̄_ij Δθ_j with the published deltas (App. C.1)."""
+    hub = build_network(SCoolSBM, {"prune_after": 0}, num_nodes=4, num_clusters=2)
+    asyncio.run(run_rounds(hub, 1))  # every node publishes a delta
+    n0 = hub.nodes["n0"]
+    theta = n0.learner.get_params()
+    deltas = {p: hub.nodes[p].snapshot.extras["delta"] for p in ("n1", "n2", "n3")}
+    torch.manual_seed(5)
+    asyncio.run(n0.strategy.run_round(2))
+    row = n0.strategy.weights()
+    assert sum(row.values()) == pytest.approx(1.0) and set(row) == {"n0", "n1", "n2", "n3"}
+    ref = C.mix_updates(theta, [(row["n0"], n0.strategy._delta)] + [(row[p], deltas[p]) for p in deltas])
+    after = n0.learner.get_params()
+    for k in theta:
+        assert torch.allclose(after[k], ref[k], atol=1e-6)
+    # Ω was exchanged with every peer, both ways
+    assert set(n0.strategy._omegas) == {"n1", "n2", "n3"}
+    assert "n0" in hub.nodes["n1"].strategy._omegas
+
+
+def test_sbm_in_process_network_prunes_to_cluster_and_resumes():
+    hub = build_network(SCoolSBM, learner_kw={"local_steps": 20})
+    asyncio.run(run_rounds(hub, 12))
+    mass, per_node, chance = in_cluster_mass(hub)
+    assert mass > 0.8 and min(per_node) > chance, per_node
+    for nid, node in hub.nodes.items():  # pruned after round 10 to the top 20% = 1 peer, in-cluster
+        (kept,) = node.strategy._kept
+        assert hub.nodes[kept].cluster == node.cluster
+    calls = dict(hub.calls)
+    asyncio.run(run_rounds(hub, 1, start=13))
+    assert hub.calls["cross_loss"] - calls["cross_loss"] == 6  # one kept peer each
+    s = hub.nodes["n0"].strategy
+    s2 = SCoolSBM("n0", s.learner, s.net, seed=77)
+    s2.load_state_dict(msgpack_roundtrip_state(s.state_dict()))
+    assert s2.public_state() == s.public_state()
+
+
+def test_exact_mstep_matches_reference():
+    """mstep="exact" (eq. 22): θ ← θ − η(w̄_ii ∇L(D_i;θ) + Σ_j w̄_ij ∇L(D_j;θ)), the peers'
+    gradients computed by them on their data (cross-gradient requests)."""
+    hub = build_network(SCoolSBM, {"mstep": "exact", "exact_steps": 1, "grad_samples": None,
+                                   "prune_after": 0}, num_nodes=4, num_clusters=2, learner_kw={"lr": 0.2})
+    asyncio.run(run_rounds(hub, 1))
+    n0 = hub.nodes["n0"]
+    theta = n0.learner.get_params()
+    before = hub.calls.get("cross_gradient", 0)
+    asyncio.run(n0.strategy.run_round(2))
+    assert hub.calls["cross_gradient"] - before == 3
+    row = n0.strategy.weights()
+    grads = {"n0": n0.learner.gradient(theta, "train", None)[0]}
+    grads.update({p: hub.nodes[p].learner.gradient(theta, "train", None)[0] for p in ("n1", "n2", "n3")})
+    after = n0.learner.get_params()
+    for k in theta:
+        ref = theta[k] - 0.2 * sum(row[p] * grads[p][k] for p in grads)
+        assert torch.allclose(after[k], ref, atol=1e-6)
+    # the published delta is the whole round's change
+    d = n0.strategy.published_extras()["delta"]
+    assert all(torch.allclose(d[k], theta[k] - after[k], atol=1e-6) for k in theta)
+
+
+def test_attention_in_process_network_and_encoder_gossip():
+    hub = build_network(SCoolAttention, {"prune_after": 0}, learner_kw={"local_steps": 20})
+    enc0 = hub.nodes["n0"].strategy.encoder.get_vector().clone()
+    asyncio.run(run_rounds(hub, 6))
+    mass, per_node, chance = in_cluster_mass(hub)
+    assert mass > 0.8, per_node
+    vecs = torch.stack([n.strategy.encoder.get_vector() for n in hub.nodes.values()])
+    assert not torch.allclose(vecs[0], enc0)  # trained
+    spread = (vecs - vecs.mean(0)).norm(dim=1).max()
+    assert spread < 0.5 * (vecs[0] - enc0).norm()  # gossip keeps the copies close to each other
+    s = hub.nodes["n3"].strategy
+    s2 = SCoolAttention("n3", s.learner, s.net, seed=5)
+    s2.load_state_dict(msgpack_roundtrip_state(s.state_dict()))
+    assert s2.public_state() == s.public_state()
+    assert torch.allclose(s2.encoder.get_vector(), s.encoder.get_vector())
