@@ -132,3 +132,16 @@ def test_no_pickle_in_loader():
     from coterie.node.learning import datasets
     src = inspect.getsource(datasets)
     assert "pickle" not in src and "get_dataset(" not in src
+
+
+def test_mnist1d_disk_cache_returns_the_generated_pool(tmp_path, monkeypatch):
+    from coterie.node.learning import datasets as ds
+    monkeypatch.setenv("COTERIE_CACHE_DIR", str(tmp_path))
+    fresh = ds._mnist1d({"num_samples": 300}, 5)
+    first = ds._disk_cached("mnist1d", '{"num_samples": 300}', 5, lambda: fresh)
+    assert len(list(tmp_path.glob("pool-mnist1d-*.npz"))) == 1
+    again = ds._disk_cached("mnist1d", '{"num_samples": 300}', 5, lambda: (_ for _ in ()).throw(AssertionError("regenerated")))
+    assert np.array_equal(again.x, first.x) and np.array_equal(again.y, first.y)
+    assert again.input_shape == fresh.input_shape == (40,) and again.num_classes == 10
+    next(tmp_path.glob("pool-*.npz")).write_bytes(b"torn")  # unreadable cache: regenerate, no crash
+    assert np.array_equal(ds._disk_cached("mnist1d", '{"num_samples": 300}', 5, lambda: fresh).x, fresh.x)

@@ -24,7 +24,10 @@ Datasets and their ``dataset_params``:
 from __future__ import annotations
 
 import functools
+import hashlib
+import io
 import json
+import os
 import math
 import random
 import threading
@@ -33,6 +36,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
+from ..fsutil import atomic_write_bytes
 
 DATASETS = ("mnist1d", "digits", "sine", "gaussian", "cifar10", "cifar100")
 
@@ -75,11 +80,43 @@ def load_pool(name: str, params: dict | None = None, seed: int = 0) -> Pool:
     return _cached_pool(name, key, int(seed))
 
 
+def cache_dir() -> Path | None:
+    """Where generated mnist1d pools are kept between processes (COTERIE_CACHE_DIR; "off" disables).
+    Every daemon of a network regenerates the same pool otherwise: seconds of CPU each."""
+    raw = os.environ.get("COTERIE_CACHE_DIR")
+    if raw == "off":
+        return None
+    return Path(raw) if raw else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "coterie"
+
+
+def _disk_cached(name: str, params_key: str, seed: int, make) -> Pool:
+    directory = cache_dir()
+    if directory is None:
+        return make()
+    digest = hashlib.sha256(f"{name}|{params_key}|{seed}|v1".encode()).hexdigest()[:24]
+    path = directory / f"pool-{name}-{digest}.npz"
+    try:
+        with np.load(path, allow_pickle=False) as z:  # plain arrays only: no pickle, ever
+            return Pool(z["x"], z["y"], int(z["num_classes"]), tuple(int(v) for v in z["input_shape"]),
+                        "classification")
+    except (OSError, ValueError, KeyError):
+        pass  # absent or unreadable: regenerate and replace it
+    pool = make()
+    try:
+        buf = io.BytesIO()
+        np.savez(buf, x=pool.x, y=pool.y, num_classes=pool.num_classes, input_shape=np.array(pool.input_shape))
+        atomic_write_bytes(path, buf.getvalue())
+    except OSError:
+        pass  # a read-only home only costs the regeneration
+    return pool
+
+
 @functools.lru_cache(maxsize=16)
 def _cached_pool(name: str, params_key: str, seed: int) -> Pool:
     params = json.loads(params_key)
-    pool = {"mnist1d": _mnist1d, "digits": _digits, "sine": _sine, "gaussian": _gaussian}[name](
-        params, seed)
+    make = functools.partial(
+        {"mnist1d": _mnist1d, "digits": _digits, "sine": _sine, "gaussian": _gaussian}[name], params, seed)
+    pool = _disk_cached(name, params_key, seed, make) if name == "mnist1d" else make()
     pool.x.setflags(write=False)
     pool.y.setflags(write=False)
     return pool
