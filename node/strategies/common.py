@@ -267,3 +267,47 @@ def set_rng_state(rng: np.random.Generator, st: dict[str, Any] | None) -> None:
                                    "uinteger": int(st.get("uinteger", 0))}
     except (KeyError, TypeError, ValueError):
         pass  # a state from another generator: keep the seeded one
+
+
+def encoder_on_gossip(encoder: UpdateEncoder, payload: dict[str, Any]) -> dict[str, Any]:
+    """Served side of encoder gossip: reply with my copy, then average the requester's into it."""
+    reply = {"vec": vec_to_wire(encoder.get_vector())}
+    v = vec_from_wire(payload.get("vec"))
+    if v is not None and v.size == encoder.num_params():
+        encoder.set_vector((encoder.get_vector().numpy().astype(np.float64) + v) / 2)
+    return reply
+
+
+def encoder_average(encoder: UpdateEncoder, replies: Iterable[dict[str, Any] | None]) -> int:
+    """Requester side: my copy ← mean of mine and the copies peers replied with (*decentral*
+    replacement of the AllReduce of meta-L2C Alg. 1 l.24). Returns how many were averaged in."""
+    vecs = [encoder.get_vector().numpy().astype(np.float64)]
+    for msg in replies:
+        v = vec_from_wire((msg or {}).get("vec"))
+        if v is not None and v.size == vecs[0].size:
+            vecs.append(v)
+    encoder.set_vector(np.mean(vecs, axis=0))
+    return len(vecs) - 1
+
+
+# --------------------------------------------------------------------------------------------
+# Adam on a dict of scalars (per-entry moments and step counts: the neighbour set may change)
+# --------------------------------------------------------------------------------------------
+
+
+def adam_scalars(x: dict[str, float], grad: dict[str, float], state: dict[str, list[float]], lr: float,
+                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8) -> dict[str, float]:
+    """One torch.optim.Adam step (L2 weight decay added to the gradient) for each entry of
+    ``grad``; ``state[k] = [m, v, t]`` is updated in place."""
+    out = dict(x)
+    for k, g in grad.items():
+        g = g + weight_decay * out.get(k, 0.0)
+        m, v, t = state.get(k, [0.0, 0.0, 0.0])
+        t += 1
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        mhat, vhat = m / (1 - betas[0] ** t), v / (1 - betas[1] ** t)
+        out[k] = out.get(k, 0.0) - lr * mhat / (math.sqrt(vhat) + eps)
+        state[k] = [m, v, t]
+    return out

@@ -291,13 +291,7 @@ class SCoolAttention(_SCoolBase):
         return out
 
     def on_gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
-        if key != "encoder":
-            return None
-        reply = {"vec": C.vec_to_wire(self.encoder.get_vector())}
-        v = C.vec_from_wire(payload.get("vec"))
-        if v is not None and v.size == self.encoder.num_params():
-            self.encoder.set_vector((self.encoder.get_vector().numpy() + v) / 2)
-        return reply
+        return C.encoder_on_gossip(self.encoder, payload) if key == "encoder" else None
 
     async def _estep(self, rnd: int, theta_half: Params, snaps: dict) -> None:
         self._update = C.sub(theta_half, self.theta0)
@@ -327,12 +321,7 @@ class SCoolAttention(_SCoolBase):
         # gossip-average the encoder with the peers contacted (*decentral* for the global φ)
         mine = C.vec_to_wire(self.encoder.get_vector())
         replies = await gather_bounded({q: self.net.gossip(q, "encoder", {"vec": mine}) for q in snaps})
-        vecs = [self.encoder.get_vector().numpy().astype(np.float64)]
-        for msg in replies.values():
-            v = C.vec_from_wire((msg or {}).get("vec"))
-            if v is not None and v.size == vecs[0].size:
-                vecs.append(v)
-        self.encoder.set_vector(np.mean(vecs, axis=0))
+        C.encoder_average(self.encoder, replies.values())
 
     def public_state(self) -> dict[str, Any]:
         return {"evidence": dict(self._Y), "attention": dict(self._p), "w": dict(self._row),

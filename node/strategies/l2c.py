@@ -1,0 +1,230 @@
+"""L2C and meta-L2C (Li et al., "Learning to Collaborate in Decentralized Learning of Personalized
+Models", l2c.txt §3.2–3.4, Alg. 1) as serverless strategies.
+
+Round at node i (Alg. 1):
+  S local steps θ_i^t → θ_i^{t+½}; Δθ_i = θ_i^t − θ_i^{t+½} (extras "delta"),
+    û_i = θ_i^{t+½} − θ_i^0 (extras "update", meta-L2C)                         (l.6-11)
+  w_i = softmax(α_i) over self + neighbours (L2C, eq. 3), or
+  w_ij = softmax_j ⟨E(û_i), E(û_j)⟩ (meta-L2C, eq. 4-8)                           (l.13-14)
+  θ_i^{t+1} = θ_i^t − Σ_j w_ij Δθ_j                                              (eq. 2, l.16)
+  gradient step on L_i^val(θ_i^{t+1}) w.r.t. α_i (or the encoder):                (l.18)
+    ∂L/∂w_ij = −⟨∇L^val(θ_i^{t+1}), Δθ_j⟩, chained through the softmax (exact, not approximate)
+  at t = T0: drop the K0 share of neighbours with the smallest w_ij, self kept     (l.20-21)
+  meta-L2C: the encoder is global (AllReduce, l.24); *decentral*: gossip-averaged with the peers
+    contacted this round.
+A peer whose snapshot or Δθ is missing this round is left out of the softmax for the round (its α
+is kept).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..learning.learner import Params
+from . import common as C
+from .base import RoundReport, Strategy, gather_bounded
+
+# --- the α-gradient as a pure function ---
+
+
+def l2c_weight_grads(g_val: Params, deltas: list[Params]) -> np.ndarray:
+    """∂L/∂w_j = −⟨∇L^val(θ^{t+1}), Δθ_j⟩ (θ^{t+1} = θ^t − Σ_j w_j Δθ_j)."""
+    return np.array([-C.dot(g_val, d) for d in deltas])
+
+
+def l2c_alpha_grad(alpha: np.ndarray, g_val: Params, deltas: list[Params]) -> np.ndarray:
+    """∂L/∂α_k = Σ_j ∂L/∂w_j · w_j (δ_jk − w_k) = w_k (c_k − Σ_j w_j c_j), w = softmax(α)."""
+    w = C.softmax(alpha)
+    c = l2c_weight_grads(g_val, deltas)
+    return w * (c - np.dot(w, c))
+
+
+class L2C(Strategy):
+    name = "l2c"
+    defaults: dict[str, Any] = {
+        "lr": 0.1,                # Adam learning rate for α / the encoder, L2C §4 ("Adam lr 0.1")
+        "weight_decay": 0.01,     # Adam weight decay, L2C §4
+        "alpha_steps": 1,         # gradient steps on α per round, Alg. 1 l.18 (one)
+        "val_samples": None,      # None = whole D_i^val for L^val (eq. 3)
+        "prune_round": 10,        # T0 = 10, L2C §4
+        "prune_fraction": 0.9,    # K0: remove 90% of neighbours at T0, L2C §4 (self always kept)
+        "max_neighbours": 0,      # 0 = every alive peer is a neighbour until pruning
+    }
+
+    def __init__(self, *a: Any, **kw: Any):
+        super().__init__(*a, **kw)
+        self._t = 0
+        self._alpha: dict[str, float] = {self.node_id: 0.0}  # α starts uniform (Alg. 1 l.3)
+        self._adam: dict[str, list[float]] = {}
+        self._row: dict[str, float] = {self.node_id: 1.0}
+        self._kept: list[str] | None = None
+        self._delta: Params | None = None
+        self.theta0 = self.learner.get_params()
+        self._update: Params | None = None
+        self._val_loss: float | None = None
+
+    # --- neighbours ---
+    def neighbours(self) -> list[str]:
+        peers = self.net.peers()
+        if self._kept is not None:
+            peers = [p for p in peers if p in self._kept]
+        k = int(self.p["max_neighbours"])
+        if k and len(peers) > k:
+            peers = sorted(self.rng.choice(peers, size=k, replace=False).tolist())
+        return peers
+
+    def published_extras(self) -> dict[str, Params]:
+        out = {}
+        if self._delta is not None:
+            out["delta"] = self._delta
+        if self._update is not None and self.name == "meta-l2c":
+            out["update"] = self._update
+        return out
+
+    # --- the weights of this round (L2C: softmax of α) ---
+    def _usable(self, snaps: dict, like: Params) -> list[str]:
+        return [p for p, s in snaps.items() if C.same_shapes(s.extras.get("delta", {}), like)]
+
+    async def _weights_and_learn(self, theta: Params, ids: list[str], deltas: list[Params],
+                                 snaps: dict) -> np.ndarray:
+        for p in ids:
+            self._alpha.setdefault(p, 0.0)
+        alpha = np.array([self._alpha[p] for p in ids])
+        w = C.softmax(alpha)
+        new = C.mix_updates(theta, list(zip(w.tolist(), deltas)))
+        self.learner.set_params(new)
+        for _ in range(max(1, int(self.p["alpha_steps"]))):
+            theta_next = C.mix_updates(theta, list(zip(C.softmax(alpha).tolist(), deltas)))
+            g, r = await self.compute(self.learner.gradient, theta_next, "val", self.p["val_samples"])
+            self._val_loss = r.loss
+            grad = l2c_alpha_grad(alpha, g, deltas)
+            self._alpha = C.adam_scalars(self._alpha, dict(zip(ids, grad.tolist())), self._adam,
+                                         float(self.p["lr"]), float(self.p["weight_decay"]))
+            alpha = np.array([self._alpha[p] for p in ids])
+        return w
+
+    def _prune_scores(self, ids: list[str], w: np.ndarray) -> dict[str, float]:
+        return {p: float(self._alpha.get(p, 0.0)) for p in self._alpha if p != self.node_id}
+
+    async def run_round(self, rnd: int) -> RoundReport:
+        theta = self.learner.get_params()
+        res = await self.compute(self.learner.train)
+        half = self.learner.get_params()
+        self._delta = C.sub(theta, half)
+        self._update = C.sub(half, self.theta0)
+        peers = self.neighbours()
+        snaps = await gather_bounded({p: self.net.pull(p) for p in peers})
+        ids = [self.node_id] + self._usable(snaps, theta)
+        deltas = [self._delta] + [snaps[p].extras["delta"] for p in ids[1:]]
+        w = await self._weights_and_learn(theta, ids, deltas, snaps)
+        self._row = {p: float(v) for p, v in zip(ids, w)}
+        self._t += 1
+        if self._kept is None and self._t >= int(self.p["prune_round"]) > 0:
+            scores = self._prune_scores(ids, w)
+            self._kept = C.top_keep(scores, 1.0 - float(self.p["prune_fraction"]))
+        return RoundReport(train_loss=res.loss, contacted=sorted(snaps),
+                           info={"val_loss_after": self._val_loss, "pruned": self._kept is not None})
+
+    def weights(self) -> dict[str, float]:
+        """L2C: softmax(α) over self and every neighbour seen (kept ones after pruning)."""
+        ids = [p for p in self._alpha if p == self.node_id or self._kept is None or p in self._kept]
+        w = C.softmax([self._alpha[p] for p in ids])
+        return {p: float(v) for p, v in zip(ids, w)}
+
+    def public_state(self) -> dict[str, Any]:
+        return {"alpha": dict(self._alpha), "last_row": dict(self._row), "kept": self._kept,
+                "val_loss_after": self._val_loss, "rounds": self._t}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self._t, "alpha": dict(self._alpha), "adam": {k: list(v) for k, v in self._adam.items()},
+                "row": dict(self._row), "kept": self._kept, "delta": C.params_state(self._delta),
+                "update": C.params_state(self._update), "theta0": C.params_state(self.theta0),
+                "val_loss": self._val_loss, "rng": C.rng_state(self.rng)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._t = int(state.get("t", 0))
+        self._val_loss = state.get("val_loss")
+        self._alpha = {str(k): float(v) for k, v in state.get("alpha", {self.node_id: 0.0}).items()}
+        self._adam = {str(k): [float(x) for x in v] for k, v in state.get("adam", {}).items()}
+        self._row = {str(k): float(v) for k, v in state.get("row", {self.node_id: 1.0}).items()}
+        self._kept = None if state.get("kept") is None else [str(k) for k in state["kept"]]
+        self._delta = state.get("delta")
+        self._update = state.get("update")
+        if state.get("theta0") is not None:
+            self.theta0 = state["theta0"]
+        C.set_rng_state(self.rng, state.get("rng"))
+
+
+class MetaL2C(L2C):
+    name = "meta-l2c"
+    defaults: dict[str, Any] = {
+        **L2C.defaults,
+        "encoder_dims": [10, 5],  # L2C §4: E_l two FC layers, output dims (10, 5), per filter (eq. 7)
+        "encoder_seed": 0,        # *decentral*: common encoder init, like the models' θ⁰
+    }
+
+    def __init__(self, *a: Any, **kw: Any):
+        super().__init__(*a, **kw)
+        d = self.p["encoder_dims"]
+        self.encoder = C.UpdateEncoder(self.theta0, (int(d[0]), int(d[1])), int(self.p["encoder_seed"]))
+        self.opt = torch.optim.Adam(self.encoder.parameters(), lr=float(self.p["lr"]),
+                                    weight_decay=float(self.p["weight_decay"]))
+
+    def _usable(self, snaps: dict, like: Params) -> list[str]:
+        return [p for p in super()._usable(snaps, like)
+                if C.same_shapes(snaps[p].extras.get("update", {}), like)]
+
+    async def _weights_and_learn(self, theta: Params, ids: list[str], deltas: list[Params],
+                                 snaps: dict) -> np.ndarray:
+        ups = [snaps[p].extras["update"] for p in ids[1:]]
+
+        def logits() -> torch.Tensor:
+            return C.attention_logits(self.encoder, self._update, ups)
+
+        with torch.no_grad():
+            w = torch.softmax(await self.compute(logits), 0).numpy().astype(np.float64)
+        new = C.mix_updates(theta, list(zip(w.tolist(), deltas)))
+        self.learner.set_params(new)
+        for _ in range(max(1, int(self.p["alpha_steps"]))):
+            def step() -> float:
+                lg = logits()
+                wt = torch.softmax(lg, 0)
+                theta_next = C.mix_updates(theta, list(zip(wt.detach().double().tolist(), deltas)))
+                g, r = self.learner.gradient(theta_next, "val", self.p["val_samples"])
+                c = torch.as_tensor(l2c_weight_grads(g, deltas), dtype=torch.float32)
+                # Σ_j w_j(φ) · ∂L/∂w_j has the exact gradient dL/dφ (chain rule through eq. 2)
+                self.opt.zero_grad()
+                (wt * c).sum().backward()
+                self.opt.step()
+                return r.loss
+            self._val_loss = await self.compute(step)
+        replies = await gather_bounded({q: self.net.gossip(q, "encoder", {"vec": C.vec_to_wire(self.encoder.get_vector())})
+                                        for q in snaps})
+        C.encoder_average(self.encoder, replies.values())
+        return w
+
+    def _prune_scores(self, ids: list[str], w: np.ndarray) -> dict[str, float]:
+        return {p: float(v) for p, v in zip(ids, w) if p != self.node_id}
+
+    def on_gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
+        return C.encoder_on_gossip(self.encoder, payload) if key == "encoder" else None
+
+    def weights(self) -> dict[str, float]:
+        """meta-L2C: the attention row of the last round."""
+        return dict(self._row)
+
+    def public_state(self) -> dict[str, Any]:
+        st = super().public_state()
+        st.pop("alpha")
+        return st
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "encoder": C.vec_to_wire(self.encoder.get_vector())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        v = C.vec_from_wire(state.get("encoder"))
+        if v is not None and v.size == self.encoder.num_params():
+            self.encoder.set_vector(v)

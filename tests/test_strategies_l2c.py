@@ -1,0 +1,113 @@
+"""L2C / meta-L2C (l2c.txt §3.2–3.4, Alg. 1): the α-gradient against finite differences through
+the softmax, mixing, Adam, pruning at T0, encoder training and gossip; in-process network."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from coterie.node.strategies import common as C
+from coterie.node.strategies.l2c import L2C, MetaL2C, l2c_alpha_grad
+from strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
+
+torch.set_num_threads(1)
+
+
+def _val_loss_of_alpha(learner, theta, deltas, alpha):
+    w = C.softmax(alpha)
+    return learner.loss(C.mix_updates(theta, list(zip(w.tolist(), deltas))), "val").loss
+
+
+def test_alpha_gradient_matches_finite_differences():
+    hub = build_network(L2C, num_nodes=4, num_clusters=2)
+    asyncio.run(run_rounds(hub, 1))
+    n0 = hub.nodes["n0"]
+    theta = {k: v.double() for k, v in n0.learner.get_params().items()}
+    deltas = [{k: v.double() * 20 for k, v in hub.nodes[p].snapshot.extras["delta"].items()}
+              for p in ("n0", "n1", "n2", "n3")]  # enlarged so the loss moves measurably
+    learner = n0.learner
+    learner.model.double()
+    learner.data = {k: (x.double(), y) for k, (x, y) in learner.data.items()}  # float64 for clean FD
+    alpha = np.array([0.3, -0.2, 0.1, 0.5])
+    w = C.softmax(alpha)
+    g, _ = learner.gradient(C.mix_updates(theta, list(zip(w.tolist(), deltas))), "val", None)
+    ana = l2c_alpha_grad(alpha, g, deltas)
+    h = 1e-5
+    fd = np.array([(_val_loss_of_alpha(learner, theta, deltas, alpha + h * e)
+                    - _val_loss_of_alpha(learner, theta, deltas, alpha - h * e)) / (2 * h) for e in np.eye(4)])
+    assert np.abs(ana).max() > 1e-3  # a non-trivial gradient
+    assert np.allclose(ana, fd, rtol=1e-4, atol=1e-7)
+    assert abs(ana.sum()) < 1e-9  # softmax: invariant to adding a constant to α
+
+
+def test_adam_scalars_matches_torch_adam():
+    x = {"a": 0.5, "b": -1.0}
+    st: dict = {}
+    p = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.Adam([p], lr=0.1, weight_decay=0.01)
+    for g in ([0.3, -0.7], [0.1, 0.2], [-0.5, 0.0]):
+        x = C.adam_scalars(x, {"a": g[0], "b": g[1]}, st, 0.1, 0.01)
+        p.grad = torch.tensor(g, dtype=torch.float64)
+        opt.step()
+    assert [x["a"], x["b"]] == pytest.approx(p.detach().tolist(), rel=1e-9)
+
+
+def test_round_mixes_with_softmax_alpha_and_steps_alpha():
+    hub = build_network(L2C, num_nodes=3, num_clusters=1)
+    asyncio.run(run_rounds(hub, 1))
+    n0 = hub.nodes["n0"]
+    s = n0.strategy
+    alpha_before = dict(s._alpha)
+    theta = n0.learner.get_params()
+    deltas = {p: hub.nodes[p].snapshot.extras["delta"] for p in ("n1", "n2")}
+    asyncio.run(s.run_round(2))
+    ids = ["n0", "n1", "n2"]
+    w = C.softmax([alpha_before.get(p, 0.0) for p in ids])
+    assert [s._row[p] for p in ids] == pytest.approx(w.tolist())
+    ref = C.mix_updates(theta, [(w[0], s._delta), (w[1], deltas["n1"]), (w[2], deltas["n2"])])
+    after = n0.learner.get_params()
+    assert all(torch.allclose(after[k], ref[k], atol=1e-6) for k in ref)
+    assert s._alpha != alpha_before  # one Adam step on α
+    assert sum(s.weights().values()) == pytest.approx(1.0)
+
+
+def test_l2c_in_process_network_prunes_at_T0_and_resumes():
+    hub = build_network(L2C)
+    asyncio.run(run_rounds(hub, 9))
+    mass9, per9, chance = in_cluster_mass(hub)
+    assert mass9 > chance + 0.2, per9  # α alone, before pruning
+    asyncio.run(run_rounds(hub, 2, start=10))
+    mass, per_node, _ = in_cluster_mass(hub)
+    assert mass > 0.9, per_node
+    for nid, node in hub.nodes.items():  # T0 = 10: 90% of 5 peers dropped, one kept, in-cluster
+        (kept,) = node.strategy._kept
+        assert hub.nodes[kept].cluster == node.cluster
+    before = hub.calls["pull"]
+    asyncio.run(run_rounds(hub, 1, start=12))
+    assert hub.calls["pull"] - before == 6
+    s = hub.nodes["n4"].strategy
+    s2 = L2C("n4", s.learner, s.net, seed=3)
+    s2.load_state_dict(msgpack_roundtrip_state(s.state_dict()))
+    assert s2.public_state() == s.public_state() and s2.weights() == s.weights()
+
+
+def test_meta_l2c_in_process_network_and_encoder_gossip():
+    params = {"alpha_steps": 5, "prune_round": 3}
+    hub = build_network(MetaL2C, params, learner_kw={"local_steps": 20})
+    enc0 = hub.nodes["n0"].strategy.encoder.get_vector().clone()
+    asyncio.run(run_rounds(hub, 5))
+    mass, per_node, chance = in_cluster_mass(hub)
+    assert mass > 0.8, per_node
+    assert hub.calls["gossip"] > 0
+    vecs = torch.stack([n.strategy.encoder.get_vector() for n in hub.nodes.values()])
+    assert not torch.allclose(vecs[0], enc0)
+    assert (vecs - vecs.mean(0)).norm(dim=1).max() < 0.5 * (vecs[0] - enc0).norm()
+    snap = hub.nodes["n1"].snapshot
+    assert set(snap.extras) == {"delta", "update"}
+    s = hub.nodes["n1"].strategy
+    s2 = MetaL2C("n1", s.learner, s.net, params, seed=3)
+    s2.load_state_dict(msgpack_roundtrip_state(s.state_dict()))
+    assert s2.public_state() == s.public_state()
+    assert torch.allclose(s2.encoder.get_vector(), s.encoder.get_vector())
