@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path

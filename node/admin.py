@@ -18,13 +18,13 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from .metrics import CONTENT_TYPE
+from .fsutil import json_safe
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +32,10 @@ DASHBOARD = Path(__file__).with_name("static") / "dashboard.html"
 NODE_KEY = web.AppKey("node", object)
 
 
-def _clean(obj: Any) -> Any:
-    """JSON has no NaN/Inf: turn them into null so browsers and ``json.loads`` agree."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
-    return web.json_response(_clean(data), status=status,
+    return web.json_response(json_safe(data), status=status,
                              dumps=lambda o: json.dumps(o, default=str, allow_nan=False))
 
 

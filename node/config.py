@@ -102,17 +102,19 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def read_toml(path: str | Path, what: str = "config") -> dict[str, Any]:
+    p = Path(path)
+    try:
+        return tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{what} file {p} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what} file {p} is not valid TOML: {e}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
                 environ: dict[str, str] | None = None) -> NodeConfig:
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {p} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+    data: dict[str, Any] = read_toml(path) if path is not None else {}
     data = deep_merge(data, env_overrides(environ))
     data = deep_merge(data, overrides or {})
     return validate_config(data)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import os
 import random
@@ -387,18 +386,19 @@ class Node:
             return {"params": snap.params}
         raise not_cached(f"{ref.node_id} v{ref.version}")
 
-    def _model_in(self, requester: str, groups: Groups, what: str) -> Params:
-        params = groups.get("params")
-        if params is None:
-            raise invalid(f"{what} from {requester}: no model in the request")
+    def _tensors_in(self, requester: str, groups: Groups, group: str, what: str) -> Params:
+        """A tensor group a peer sent: present, this architecture's shapes, finite — or refused."""
+        tensors = groups.get(group)
+        if tensors is None:
+            raise invalid(f"{what} from {requester}: no {group!r} in the request")
         try:
-            check_spec(params, self.spec, f"{what} model from {requester}")
+            check_spec(tensors, self.spec, f"{what} {group} from {requester}")
             check_finite(groups)
         except WireError as e:
             self.m_rejected.labels(kind=what).inc()
             self.note_problem(requester, str(e), rejected=True)
             raise invalid(str(e)) from None
-        return params
+        return tensors
 
     @staticmethod
     def _split(h: pb.ComputeHeader) -> str:
@@ -408,40 +408,25 @@ class Node:
         return split
 
     async def cross_loss(self, requester: str, groups: Groups, h: pb.ComputeHeader) -> tuple[float, int]:
-        params = self._model_in(requester, groups, "cross_loss")
+        params = self._tensors_in(requester, groups, "params", "cross_loss")
         res = await asyncio.to_thread(self.learner.loss, params, self._split(h), h.max_samples or None,
                                       h.reduction or "mean")
         return res.loss, res.n
 
     async def cross_gradient(self, requester: str, groups: Groups, h: pb.ComputeHeader
                              ) -> tuple[Groups | None, float, int, float]:
-        params = self._model_in(requester, groups, "cross_gradient")
+        params = self._tensors_in(requester, groups, "params", "cross_gradient")
         grad, res = await asyncio.to_thread(self.learner.gradient, params, self._split(h),
                                             h.max_samples or None, h.reduction or "mean")
         if h.align:
-            align = groups.get("align")
-            if align is None:
-                raise invalid(f"cross_gradient from {requester}: align requested without an 'align' group")
-            try:
-                check_spec(align, self.spec, f"alignment gradient from {requester}")
-            except WireError as e:
-                raise invalid(str(e)) from None
+            align = self._tensors_in(requester, groups, "align", "cross_gradient")
             ip = float(sum(torch.sum(grad[k] * align[k]) for k in grad))
             self.strategy.on_alignment(requester, ip)
             return None, res.loss, res.n, ip
         return {"grad": grad}, res.loss, res.n, 0.0
 
     async def push_gradient(self, requester: str, groups: Groups, h: pb.ComputeHeader) -> tuple[bool, str]:
-        grad = groups.get("grad")
-        if grad is None:
-            raise invalid(f"gradient push from {requester}: no 'grad' group")
-        try:
-            check_spec(grad, self.spec, f"gradient pushed by {requester}")
-            check_finite(groups)
-        except WireError as e:
-            self.m_rejected.labels(kind="push_gradient").inc()
-            self.note_problem(requester, str(e), rejected=True)
-            raise invalid(str(e)) from None
+        grad = self._tensors_in(requester, groups, "grad", "push_gradient")
         queue = self.network.pushed
         queue.append(PushedGradient(requester, int(h.target_version), grad))
         del queue[:-MAX_PUSHED]

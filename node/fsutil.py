@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -43,3 +44,14 @@ def read_json(path: str | Path) -> Any:
         return json.loads(path.read_bytes())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is corrupt (not valid JSON: {e})") from None
+
+
+def json_safe(obj: Any) -> Any:
+    """JSON has no NaN/Inf: turn them into null so browsers and strict parsers agree."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj

@@ -63,7 +63,7 @@ import socket
 import subprocess
 import sys
 import time
-import tomllib
+
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -73,7 +73,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .config import ConfigError, NodeConfig, deep_merge, validate_config
+from .config import ConfigError, NodeConfig, deep_merge, read_toml, validate_config
 
 RESERVED_NODE = ("node_id", "state_dir", "listen", "advertise", "admin_listen", "peers", "strategy",
                  "rounds")
@@ -174,14 +174,7 @@ def parse_scenario(data: dict[str, Any], *, strategies: list[str] | None = None,
 
 
 def load_scenario(path: str | Path, **overrides: Any) -> Scenario:
-    p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"scenario file {p} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"scenario file {p} is not valid TOML: {e}") from None
-    return parse_scenario(data, **overrides)
+    return parse_scenario(read_toml(path, "scenario"), **overrides)
 
 
 def builtin_scenario(name: str = "demo") -> Path:

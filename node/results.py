@@ -30,7 +30,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .fsutil import atomic_write_bytes
+from .fsutil import atomic_write_bytes, json_safe
 
 if TYPE_CHECKING:  # pragma: no cover
     from .launcher import Scenario, StrategyRun
@@ -38,14 +38,6 @@ if TYPE_CHECKING:  # pragma: no cover
 FORMAT = "coterie-results/1"
 
 
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def _num(v: Any) -> float | None:
@@ -174,7 +166,7 @@ def build_results(sc: "Scenario", runs: list["StrategyRun"], notes: list[str] | 
     clusters, why = true_clusters_of(runs[0]) if runs else (None, None)
     if why:
         notes.append(why)
-    return _finite({
+    return json_safe({
         "format": FORMAT,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "scenario": sc.model_dump(mode="json"),
