@@ -62,28 +62,33 @@ def test_distance_is_l1_and_eps_decays():
 
 
 def test_round_uses_val_split_and_matches_reference():
-    """One real round at n0, recomputed independently from the same inputs."""
+    """One real round at n0, recomputed independently from the same inputs: θ_base is n0's model
+    after its previous federated update, the candidates its trained live model and the pulled
+    peers' published (trained) models; the result is what n0 trains from."""
     hub = build_network(FedFomo, {"eps": 0.0}, num_nodes=4, num_clusters=2)
-    asyncio.run(run_rounds(hub, 1))  # everyone trains once, so peers differ from θ⁰
+    asyncio.run(run_rounds(hub, 2))
     n0 = hub.nodes["n0"]
-    base = n0.learner.get_params()
-    torch.manual_seed(0)
-    asyncio.run(n0.strategy.run_round(2))
-    after = n0.learner.get_params()
-    delta = n0.strategy._delta
-    assert set(delta) <= {"n0", "n1", "n2", "n3"} and "n0" in delta
-    # reference: recompute δ for the pulled peers (θ_n = their published models) on the val split
+    s = n0.strategy
+    base = C.clone(s._base)
+    mine = n0.learner.get_params()
+    assert not all(torch.equal(mine[k], base[k]) for k in base)  # trained since the update
+    asyncio.run(s.run_round(3))
+    delta = s._delta
+    assert "n0" in delta and len(delta) == 4  # self + M = min(5, 3) peers
     lb = n0.learner.loss(base, "val").loss
-    for p in delta:
-        if p == "n0":
-            continue
-        th = hub.nodes[p].snapshot.params
+    cands = {"n0": mine, **{p: hub.nodes[p].snapshot.params for p in delta if p != "n0"}}
+    for p, th in cands.items():
         ref = (lb - n0.learner.loss(th, "val").loss) / C.l1_norm(C.sub(th, base))
         assert delta[p] == pytest.approx(ref, rel=1e-5)
-    w = n0.strategy.weights()
-    assert sum(w.values()) == pytest.approx(1.0)
+    ref_w = fomo_weights({p: delta[p] for p in cands})
+    ref_new = fomo_update(base, cands, ref_w)
+    assert all(torch.allclose(s._base[k], ref_new[k], atol=1e-6) for k in base)
+    assert sum(s.weights().values()) == pytest.approx(1.0)
+    w = s.public_state()["last_w"]
     if all(v <= 0 for v in delta.values()):
-        assert all(torch.equal(after[k], base[k]) for k in base)
+        assert w == {"n0": 1.0} and all(torch.equal(s._base[k], base[k]) for k in base)
+    else:
+        assert w == pytest.approx({p: v for p, v in ref_w.items()})
 
 
 def test_in_process_network_finds_clusters_and_resumes():
@@ -98,6 +103,8 @@ def test_in_process_network_finds_clusters_and_resumes():
         inc = [P.get(p, 0) for p, n in hub.nodes.items() if p != nid and n.cluster == node.cluster]
         out = [P.get(p, 0) for p, n in hub.nodes.items() if n.cluster != node.cluster]
         assert min(inc) > max(out), (nid, P)
+        w = node.strategy.weights()  # the positive part of P, normalised
+        assert sum(w.values()) == pytest.approx(1.0) and all(w.get(p, 0) == 0 for p in P if P[p] <= 0)
     # persistence: msgpack-able, and a fresh strategy resumes the same state
     s = hub.nodes["n0"].strategy
     st = msgpack_roundtrip_state(s.state_dict())

@@ -1,15 +1,19 @@
 """FedFomo (Zhang et al., ICLR 2021; fedfomo.txt §3.1, eq. 3, App. A.1) as a serverless strategy.
 
-Round at node i:
-  θ_base ← own model after the previous federated update (before this round's training);
-  local training → own candidate θ_i; pull M peers chosen ε-greedily by affinity P_i;
+Round at node i (the client loop of §3: download → federated update → train → upload):
+  θ_base = own model after the previous federated update (before my last local training);
+  candidates: my trained model (the live one, as published) + M peers' published (trained)
+  models pulled, chosen ε-greedily by affinity P_i;
   δ_n = (L_i^val(θ_base) − L_i^val(θ_n)) / ‖θ_n − θ_base‖₁   for n ∈ {i} ∪ pulled   (eq. 3)
   w_n = max(δ_n, 0) / Σ max(δ, 0);  θ_i ← θ_base + Σ_n w_n (θ_n − θ_base)          (eq. 3, 13)
   if no δ_n > 0: θ_i ← θ_base  ("early stopping" at the previous model, §3.1)
   P_i,n += δ_n / |Σ_n δ_n|   (signed; paper: p ← p + w, *code* normalises by |Σδ|)
+  then local training from the new θ_i; the node publishes the trained model.
 
-Nothing is sent back to the peers (pull-only). ``weights()`` is the w* of the last update (zeros
-for peers not pulled that round); the affinity P is in ``public_state()``.
+Nothing is sent back to the peers (pull-only). ``weights()`` is the normalised positive part of
+the affinity row p_i (what the paper plots as the learned client-to-client weights, Fig. 2); the
+w* of the last update is ``public_state()["last_w"]`` (it is {self: 1} whenever the update fell
+back to θ_base, e.g. when local training overfits the validation split).
 """
 from __future__ import annotations
 
@@ -79,6 +83,7 @@ class FedFomo(Strategy):
         self._P: dict[str, float] = {self.node_id: 1.0}  # P = diag(1,…,1) initially (§3.1)
         self._w: dict[str, float] = {self.node_id: 1.0}
         self._delta: dict[str, float] = {}
+        self._base: Params | None = None  # θ_base: my model after the last federated update
 
     def _eps(self) -> float:
         return max(float(self.p["eps_min"]), float(self.p["eps"]) - float(self.p["eps_decay"]) * self._t)
@@ -88,16 +93,19 @@ class FedFomo(Strategy):
         return C.l1_norm(d) if self.p["distance"] == "l1" else C.l2_norm(d)
 
     async def run_round(self, rnd: int) -> RoundReport:
-        base = self.learner.get_params()
-        res = await self.compute(self.learner.train)
-        trained = self.learner.get_params()
-
+        # FedFomo's client loop is download → federated update → local training → upload, so the
+        # published model (the "upload") is always a freshly trained one: the federated update of
+        # this round combines the trained models of the last round (mine = the live model, the
+        # peers' = their snapshots) relative to θ_base = my model after the previous federated
+        # update, i.e. before my last training (eq. 3, App. A.1 eq. 5); then I train from it.
+        mine = self.learner.get_params()
+        base = self._base if self._base is not None and C.same_shapes(self._base, mine) else mine
         eps = self._eps()
         peers = self.net.peers()
         scores = {p: self._P.get(p, 0.0) for p in peers}
         chosen = C.eps_greedy(peers, scores, int(self.p["num_models"]), eps, self.rng)
         snaps = await gather_bounded({p: self.net.pull(p) for p in chosen})
-        cands: dict[str, Params] = {self.node_id: trained}
+        cands: dict[str, Params] = {self.node_id: mine}
         for p, s in snaps.items():
             if C.same_shapes(s.params, base):
                 cands[p] = s.params
@@ -114,29 +122,37 @@ class FedFomo(Strategy):
         w = fomo_weights(delta)
         new = fomo_update(base, cands, w)
         self.learner.set_params(new)
+        self._base = C.clone(new)
+        kept_base = not any(v > 0 for v in w.values())
 
         self._P = fomo_affinity(self._P, delta, bool(self.p["normalise_affinity"]))
         self._delta = delta
-        self._w = {n: v for n, v in w.items()} if any(v > 0 for v in w.values()) else {self.node_id: 1.0}
+        self._w = {self.node_id: 1.0} if kept_base else dict(w)
         self._w.setdefault(self.node_id, 0.0)
         self._t += 1
+        res = await self.compute(self.learner.train)
         return RoundReport(train_loss=res.loss, contacted=sorted(snaps),
-                           info={"eps": eps, "base_val_loss": base_loss, "kept_base": not any(v > 0 for v in w.values())})
+                           info={"eps": eps, "base_val_loss": base_loss, "kept_base": kept_base})
 
     def weights(self) -> dict[str, float]:
-        return dict(self._w)
+        """The collaborator row as the paper visualises it (§4, Fig. 2: the affinity P): the
+        positive part of p_i, normalised (self included); {self: 1} while nothing is positive.
+        The weights of the last update itself are ``public_state()["last_w"]``."""
+        row = C.normalise_row(self._P)
+        return row if any(v > 0 for v in row.values()) else {self.node_id: 1.0}
 
     def public_state(self) -> dict[str, Any]:
         return {"affinity": dict(self._P), "eps": self._eps(), "last_delta": dict(self._delta),
-                "rounds": self._t}
+                "last_w": dict(self._w), "rounds": self._t}
 
     def state_dict(self) -> dict[str, Any]:
         return {"t": self._t, "P": dict(self._P), "w": dict(self._w), "delta": dict(self._delta),
-                "rng": C.rng_state(self.rng)}
+                "base": C.params_state(self._base), "rng": C.rng_state(self.rng)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._t = int(state.get("t", 0))
         self._P = {str(k): float(v) for k, v in state.get("P", {self.node_id: 1.0}).items()}
         self._w = {str(k): float(v) for k, v in state.get("w", {self.node_id: 1.0}).items()}
         self._delta = {str(k): float(v) for k, v in state.get("delta", {}).items()}
+        self._base = state.get("base")
         C.set_rng_state(self.rng, state.get("rng"))
