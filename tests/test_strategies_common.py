@@ -95,7 +95,7 @@ def test_rng_state_msgpack_roundtrip():
     assert rng.random() == r2.random()
 
 
-@pytest.mark.parametrize("name", ["fedfomo", "federico", "scool-sbm", "scool-attention"])
+@pytest.mark.parametrize("name", ["fedfomo", "federico", "cobo", "l2c", "meta-l2c", "scool-sbm", "scool-attention"])
 def test_registered_and_rejects_unknown_params(name):
     cls = get_strategy(name)
     assert cls.name == name

@@ -1,0 +1,156 @@
+"""COBO (Hu et al., "Collaborative learning via bilevel optimization", cobo.txt eq. 1–4, Alg. 1) as
+a serverless strategy.
+
+Round at node i:
+  Client-Selection (Alg. 1 l.9-16, eq. 1/4): for each alive peer j, with probability p_pair:
+    z = (x_i + x_j)/2 (x_j = j's snapshot); send z and my ∇f_i(z) (one fresh minibatch) to j in a
+    single cross-gradient-alignment request; j computes ∇f_j(z) on its minibatch, updates its own
+    w_ji through ``on_alignment`` and returns the inner product; I set
+    w_ij ← clip_[0,1](w_ij + γ ⟨∇f_i(z), ∇f_j(z)⟩). Both ends hold the same value.
+  Model step (eq. 2/3), S times: x_i ← x_i − η (g_i + ρ Σ_k w_ik (x_i − x_k)), x_k the snapshots
+    of the neighbours with w_ik > 0 pulled once this round (stale within the S steps); g_i a
+    0.9-momentum EMA of minibatch gradients (*code*); η and the step are my learner's optimizer
+    (apply_gradient; use plain SGD for the paper's update).
+*decentral*: the paper updates W every step with per-pair probability O(1/n); exchanging every step
+is too chatty for a network, so S local steps run between exchanges and the per-exchange pair
+probability matches the paper's expected number of pair updates over those S steps:
+min(1, S·2/n) for the first ``decay_after_steps`` steps, then min(1, S/√t) (*code*: 1/√t).
+W starts at all ones (Alg. 1 input).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..learning.learner import Params
+from . import common as C
+from .base import RoundReport, Strategy, gather_bounded
+
+# --- the update rules as pure functions ---
+
+
+def cobo_direction(g: Params, x: Params, neighbours: list[tuple[float, Params]], rho: float) -> Params:
+    """g_i + ρ Σ_k w_ik (x_i − x_k) (eq. 2/3; not degree-normalised, *code*)."""
+    terms = [(1.0, g)]
+    for w, xk in neighbours:
+        if w != 0.0:
+            terms += [(rho * w, x), (-rho * w, xk)]
+    return C.lincomb(terms, g)
+
+
+def cobo_model_step(x: Params, g: Params, neighbours: list[tuple[float, Params]], lr: float, rho: float) -> Params:
+    """x_i ← x_i − η (g_i + ρ Σ_k w_ik (x_i − x_k)) (eq. 3)."""
+    return C.lincomb([(1.0, x), (-lr, cobo_direction(g, x, neighbours, rho))], x)
+
+
+def cobo_pair_update(w: float, inner: float, gamma: float) -> float:
+    """Projected gradient ascent on the pair weight: clip_[0,1](w + γ⟨∇f_i(z), ∇f_j(z)⟩) (eq. 1/4)."""
+    return min(1.0, max(0.0, w + gamma * inner))
+
+
+def midpoint(a: Params, b: Params) -> Params:
+    return C.lincomb([(0.5, a), (0.5, b)], a)
+
+
+class COBO(Strategy):
+    name = "cobo"
+    defaults: dict[str, Any] = {
+        "rho": 0.05,              # ρ consensus penalty (*code* README); keep η·ρ·degree < 1
+        "gamma": 0.01,            # γ step of the pair-weight ascent (*code* README)
+        "local_steps": 5,         # *decentral*: S model steps between exchanges (paper: exchange each step)
+        "grad_samples": 32,       # one fresh minibatch per gradient (Alg. 1 l.4, l.13)
+        "grad_momentum": 0.9,     # *code*: g_i is a 0.9-momentum EMA of the minibatch gradients
+        "pair_rate": None,        # per-step pair probability; None = 2/n (ALGORITHMS; Alg. 1 l.11: 1/n per ordered pair)
+        "decay_after_steps": 800,  # *code*: switch to a 1/√t rate after 800 steps (mixed strategy, §4 Table 1)
+        "pair_prob": None,        # override the per-exchange pair probability (None = derived above)
+    }
+
+    def __init__(self, *a: Any, **kw: Any):
+        super().__init__(*a, **kw)
+        self._w: dict[str, float] = {}        # w_ij, starts at 1 (Alg. 1 input W⁰ = 1)
+        self._m: Params | None = None         # momentum EMA of gradients
+        self._steps = 0
+        self._t = 0
+        self._last_ip: dict[str, float] = {}
+
+    def _wij(self, peer: str) -> float:
+        return self._w.get(peer, 1.0)
+
+    def pair_probability(self, n_nodes: int) -> float:
+        if self.p["pair_prob"] is not None:
+            return float(self.p["pair_prob"])
+        S = max(1, int(self.p["local_steps"]))
+        rate = self.p["pair_rate"] if self.p["pair_rate"] is not None else 2.0 / max(n_nodes, 2)
+        if self._steps >= int(self.p["decay_after_steps"]):
+            rate = min(rate, 1.0 / math.sqrt(max(self._steps, 1)))
+        return min(1.0, S * float(rate))
+
+    async def _align(self, peer: str, x: Params, xj: Params) -> float | None:
+        z = midpoint(x, xj)
+        g, _ = await self.compute(self.learner.gradient, z, "train", self.p["grad_samples"])
+        rep = await self.net.cross_gradient(peer, z, max_samples=self.p["grad_samples"], align_with=g)
+        if rep is None or rep.inner_product is None or not math.isfinite(rep.inner_product):
+            return None
+        return float(rep.inner_product)
+
+    async def run_round(self, rnd: int) -> RoundReport:
+        peers = self.net.peers()
+        for p in peers:
+            self._w.setdefault(p, 1.0)
+        x = self.learner.get_params()
+        prob = self.pair_probability(len(peers) + 1)
+        sampled = [p for p in peers if self.rng.random() < prob]
+        need = sorted(set(sampled) | {p for p in peers if self._wij(p) > 0})
+        snaps = await gather_bounded({p: self.net.pull(p) for p in need})
+        snaps = {p: s for p, s in snaps.items() if C.same_shapes(s.params, x)}
+
+        # Client-Selection (eq. 1/4) at the midpoints, before the model step (Alg. 1 l.2)
+        ips = await gather_bounded({p: self._align(p, x, snaps[p].params) for p in sampled if p in snaps})
+        for p, ip in ips.items():
+            self._w[p] = cobo_pair_update(self._wij(p), ip, float(self.p["gamma"]))
+            self._last_ip[p] = ip
+
+        # model steps (eq. 2/3) against this round's neighbour snapshots
+        nbrs = [(self._wij(p), s.params) for p, s in snaps.items() if self._wij(p) > 0]
+        beta = float(self.p["grad_momentum"])
+        losses = []
+        for _ in range(max(1, int(self.p["local_steps"]))):
+            g, r = await self.compute(self.learner.gradient, None, "train", self.p["grad_samples"])
+            losses.append(r.loss)
+            self._m = g if self._m is None or beta == 0 else C.lincomb([(beta, self._m), (1 - beta, g)], g)
+            d = cobo_direction(self._m, self.learner.get_params(), nbrs, float(self.p["rho"]))
+            await self.compute(self.learner.apply_gradient, d)
+            self._steps += 1
+        self._t += 1
+        return RoundReport(train_loss=sum(losses) / len(losses), contacted=sorted(snaps),
+                           info={"pairs": sorted(ips), "pair_prob": prob})
+
+    def on_alignment(self, peer: str, inner_product: float) -> None:
+        """Served side of a pair update: w_ji moves by the same γ⟨·,·⟩ the requester applies."""
+        if math.isfinite(inner_product):
+            self._w[peer] = cobo_pair_update(self._wij(peer), float(inner_product), float(self.p["gamma"]))
+            self._last_ip[peer] = float(inner_product)
+
+    def weights(self) -> dict[str, float]:
+        """The COBO row {self: 1 (W⁰ diagonal)} ∪ {k: w_ik}, normalised to sum to one (ratios kept;
+        the raw w_ik ∈ [0,1] are in ``public_state()["W"]``)."""
+        row = {self.node_id: 1.0}
+        row.update({p: self._wij(p) for p in sorted(set(self._w) | set(self.net.peers()))})
+        return C.normalise_row(row)
+
+    def public_state(self) -> dict[str, Any]:
+        eta_rho = float(self.p["rho"])
+        return {"W": dict(self._w), "last_inner_product": dict(self._last_ip), "steps": self._steps,
+                "consensus_weight_per_unit_lr": {p: eta_rho * w for p, w in self._w.items()}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"w": dict(self._w), "m": C.params_state(self._m), "steps": self._steps, "t": self._t,
+                "ip": dict(self._last_ip), "rng": C.rng_state(self.rng)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._w = {str(k): float(v) for k, v in state.get("w", {}).items()}
+        self._m = state.get("m")
+        self._steps = int(state.get("steps", 0))
+        self._t = int(state.get("t", 0))
+        self._last_ip = {str(k): float(v) for k, v in state.get("ip", {}).items()}
+        C.set_rng_state(self.rng, state.get("rng"))
