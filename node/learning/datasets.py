@@ -96,7 +96,7 @@ def _disk_cached(name: str, params_key: str, seed: int, make) -> Pool:
     digest = hashlib.sha256(f"{name}|{params_key}|{seed}|v1".encode()).hexdigest()[:24]
     path = directory / f"pool-{name}-{digest}.npz"
     try:
-        with np.load(path, allow_pickle=False) as z:  # plain arrays only: no pickle, ever
+        with np.load(path, allow_pickle=False) as z:  # plain arrays only, never objects
             return Pool(z["x"], z["y"], int(z["num_classes"]), tuple(int(v) for v in z["input_shape"]),
                         "classification")
     except (OSError, ValueError, KeyError):
