@@ -215,6 +215,9 @@ class UpdateEncoder(nn.Module):
                         mod.bias.copy_(torch.rand(mod.bias.shape, generator=g) * 2 * bound - bound)
             self.names.append(name)
             self.mlps.append(mlp)
+        # copies peers gossiped to me: folded in by encoder_average at the round's safe point,
+        # never written while a worker thread may be back-propagating through the encoder
+        self.inbox: list[np.ndarray] = []
 
     def forward(self, update: Params) -> torch.Tensor:
         filt = dict(layer_filters(update))
@@ -270,11 +273,12 @@ def set_rng_state(rng: np.random.Generator, st: dict[str, Any] | None) -> None:
 
 
 def encoder_on_gossip(encoder: UpdateEncoder, payload: dict[str, Any]) -> dict[str, Any]:
-    """Served side of encoder gossip: reply with my copy, then average the requester's into it."""
+    """Served side of encoder gossip: reply with my copy; queue the requester's for averaging
+    (a request can arrive while this node's own round trains the encoder in a worker thread)."""
     reply = {"vec": vec_to_wire(encoder.get_vector())}
     v = vec_from_wire(payload.get("vec"))
     if v is not None and v.size == encoder.num_params():
-        encoder.set_vector((encoder.get_vector().numpy().astype(np.float64) + v) / 2)
+        encoder.inbox.append(v)
     return reply
 
 
@@ -282,10 +286,11 @@ def encoder_average(encoder: UpdateEncoder, replies: Iterable[dict[str, Any] | N
     """Requester side: my copy ← mean of mine and the copies peers replied with (*decentral*
     replacement of the AllReduce of meta-L2C Alg. 1 l.24). Returns how many were averaged in."""
     vecs = [encoder.get_vector().numpy().astype(np.float64)]
-    for msg in replies:
-        v = vec_from_wire((msg or {}).get("vec"))
+    received = [vec_from_wire((msg or {}).get("vec")) for msg in replies]
+    for v in received + encoder.inbox:
         if v is not None and v.size == vecs[0].size:
             vecs.append(v)
+    encoder.inbox.clear()
     encoder.set_vector(np.mean(vecs, axis=0))
     return len(vecs) - 1
 
