@@ -9,12 +9,18 @@
 #   TESTBED_JOIN_AFTER_ROUND=N  join late: before starting, poll TESTBED_JOIN_WATCH (an admin URL,
 #                             e.g. http://node1:8000) until its /status round >= N
 #   TESTBED_JOIN_TIMEOUT_S=600  give up waiting and start anyway after this long
+#   TESTBED_STRATEGY_PARAMS='{...}'  when non-empty, replaces COTERIE_STRATEGY_PARAMS (lets compose
+#                             users override a JSON default, which compose interpolation cannot hold)
 # Latency is not done here (the kernel has no netem): set the node's own COTERIE_DELAY_MS.
 #
 # Then execs `coterie node start "$@"` (as PID 1's child under `init: true`), so signals reach it.
 set -eu
 
 log() { echo "entrypoint: $*" >&2; }
+
+if [ -n "${TESTBED_STRATEGY_PARAMS:-}" ]; then
+    export COTERIE_STRATEGY_PARAMS="$TESTBED_STRATEGY_PARAMS"
+fi
 
 if [ -n "${TESTBED_RATE:-}" ]; then
     dev="${TESTBED_DEV:-eth0}"

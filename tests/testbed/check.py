@@ -1,0 +1,378 @@
+"""End-to-end assertions on the container testbed, through the nodes' admin APIs (stdlib only).
+
+Run by ``deploy/testbed.sh test`` on the host, against the compose project it brought up:
+
+  python3 tests/testbed/check.py baseline --out DIR/baseline.json
+  python3 tests/testbed/check.py faulty --baseline DIR/baseline.json
+
+``baseline`` (node1..node8): health, a mid-run ``compose kill`` + ``start`` that must resume from the
+checkpoint, the late joiner, full membership, every node reaching the last round (slow ones
+included), the high-latency node's RTT, the slow link's throughput, cluster-concentrated weights,
+honest accuracy (saved). ``faulty`` (+ node9 publishing garbage): full membership, every node done,
+≈0 weight on node9 at every honest node, honest accuracy no more than 2 points below the baseline.
+
+Environment: TESTBED_COMPOSE (the compose command, e.g. "docker-compose -p coterie-testbed"),
+TESTBED_ROUNDS, TESTBED_PORT_PREFIX, TESTBED_JOIN_AFTER_ROUND — as given to compose.
+Every wait is a poll on a condition with a deadline. Not collected by pytest (no test_ names).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from typing import Any, Callable
+
+ROUNDS = int(os.environ.get("TESTBED_ROUNDS", "30"))
+PREFIX = os.environ.get("TESTBED_PORT_PREFIX", "81")
+JOIN_AFTER = int(os.environ.get("TESTBED_JOIN_AFTER_ROUND", "5"))
+COMPOSE = shlex.split(os.environ.get("TESTBED_COMPOSE", "docker-compose -p coterie-testbed"))
+DELAY_S = 0.200          # node7's COTERIE_DELAY_MS in docker-compose.yml
+RATE_MBIT = 1.0          # node4's TESTBED_RATE in docker-compose.yml
+HONEST = [f"node{i}" for i in range(1, 9)]
+FAULTY = "node9"
+KILLED = "node2"
+SLOW_CPU = ["node3", "node6"]
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[check +{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+def check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise CheckFailed(msg)
+    log(f"ok: {msg}")
+
+
+def admin(node: str) -> str:
+    idx = 10 if node == "nodegpu" else int(node[4:])
+    return f"http://127.0.0.1:{PREFIX}{idx:02d}"
+
+
+def get(node: str, path: str, timeout: float = 3.0) -> Any:
+    """JSON from a node's admin API, or None when it does not answer (yet)."""
+    try:
+        with urllib.request.urlopen(admin(node) + path, timeout=timeout) as r:
+            body = r.read()
+        return json.loads(body) if path != "/metrics" else body.decode()
+    except Exception:
+        return None
+
+
+def healthy(node: str) -> bool:
+    try:
+        with urllib.request.urlopen(admin(node) + "/healthz", timeout=3) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+def wait_until(what: str, cond: Callable[[], Any], timeout: float, every: float = 1.0,
+               detail: Callable[[], Any] | None = None) -> Any:
+    """Poll ``cond`` until truthy; fail with ``detail()`` after ``timeout`` seconds."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    while True:
+        out = cond()
+        if out:
+            log(f"{what}: after {time.monotonic() - t0:.1f}s")
+            return out
+        if time.monotonic() > deadline:
+            raise CheckFailed(f"timed out after {timeout:.0f}s waiting for {what}"
+                              + (f"; state: {detail()}" if detail else ""))
+        time.sleep(every)
+
+
+def compose(*args: str) -> str:
+    cmd = COMPOSE + list(args)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise CheckFailed(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-2000:]}")
+    return r.stdout + r.stderr
+
+
+def container(node: str) -> str:
+    cid = compose("ps", "-q", node).strip()
+    if not cid:
+        raise CheckFailed(f"no container for {node}")
+    return cid
+
+
+def rounds(nodes: list[str]) -> dict[str, Any]:
+    return {n: (s or {}).get("round") for n in nodes for s in [get(n, "/status")]}
+
+
+def alive_peers(node: str) -> set[str]:
+    rows = get(node, "/peers") or []
+    return {r["node_id"] for r in rows if r.get("state") == "alive"}
+
+
+def full_membership(nodes: list[str]) -> bool:
+    return all(alive_peers(n) >= set(nodes) - {n} for n in nodes)
+
+
+def membership_detail(nodes: list[str]) -> dict[str, list[str]]:
+    return {n: sorted(set(nodes) - {n} - alive_peers(n)) for n in nodes}
+
+
+def all_done(nodes: list[str]) -> bool:
+    st = [get(n, "/status") for n in nodes]
+    return all(s and s.get("done") and s.get("round") == ROUNDS for s in st)
+
+
+def mean_round_seconds(node: str) -> float | None:
+    text = get(node, "/metrics") or ""
+    vals: dict[str, float] = {}
+    for line in text.splitlines():
+        for k in ("coterie_round_seconds_sum", "coterie_round_seconds_count"):
+            if line.startswith(k + " ") or line.startswith(k + "{"):
+                vals[k] = float(line.rsplit(" ", 1)[1])
+    c = vals.get("coterie_round_seconds_count")
+    return vals["coterie_round_seconds_sum"] / c if c else None
+
+
+def clusters(nodes: list[str]) -> dict[str, str]:
+    return {n: str(((get(n, "/status") or {}).get("labels") or {}).get("cluster")) for n in nodes}
+
+
+def weights(nodes: list[str]) -> dict[str, dict[str, float]]:
+    return {n: (get(n, "/weights") or {}).get("weights") or {} for n in nodes}
+
+
+def honest_accuracy(nodes: list[str]) -> dict[str, float]:
+    """Per node: mean test accuracy over its last 5 rounds (from /history; smooths evaluation noise)."""
+    out = {}
+    for n in nodes:
+        hist = get(n, f"/history?since={ROUNDS - 5}", timeout=10) or []
+        accs = [h["eval"]["test_acc"] for h in hist if "test_acc" in (h.get("eval") or {})]
+        if not accs:
+            accs = [((get(n, "/status") or {}).get("last_eval") or {}).get("test_acc", float("nan"))]
+        out[n] = sum(accs) / len(accs)
+    return out
+
+
+def print_weights(w: dict[str, dict[str, float]], cl: dict[str, str], cols: list[str]) -> None:
+    log("weights (row: node [cluster]; columns: " + " ".join(c[4:] for c in cols) + ")")
+    for n, row in w.items():
+        log(f"  {n:>7} [{cl.get(n)}] " + " ".join(f"{row.get(c, 0.0):.2f}" for c in cols))
+
+
+def phase_timer(name: str):
+    class _T:
+        def __enter__(self):
+            self.t = time.monotonic()
+            log(f"--- {name}")
+
+        def __exit__(self, *exc):
+            log(f"--- {name}: {time.monotonic() - self.t:.1f}s{' (FAILED)' if exc[0] else ''}")
+    return _T()
+
+
+class RoundObserver(threading.Thread):
+    """Samples every node's round once a second for the whole run, so "rounds advance on every
+    node" is judged on what was seen, whatever the other phases were doing meanwhile."""
+
+    def __init__(self, nodes: list[str]):
+        super().__init__(daemon=True)
+        self.nodes = nodes
+        self.seen: dict[str, list[tuple[float, int]]] = {n: [] for n in nodes}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for n, r in rounds(self.nodes).items():
+                if r is not None and (not self.seen[n] or self.seen[n][-1][1] != r):
+                    self.seen[n].append((time.monotonic() - T0, r))
+            self.stop.wait(1.0)
+
+    def distinct(self, node: str) -> list[int]:
+        return sorted({r for _, r in self.seen[node]})
+
+
+# ------------------------------------------------------------------------------------- phases
+def kill_and_resume(node: str) -> None:
+    """Kill the container mid-run (SIGKILL), start it again, require the round to come back."""
+    target = max(3, ROUNDS // 5)
+    st = wait_until(f"{node} at round >= {target}",
+                    lambda: (s := get(node, "/status")) and s["round"] >= target and s,
+                    timeout=600, every=0.5, detail=lambda: rounds([node]))
+    if st["done"]:
+        raise CheckFailed(f"{node} finished before it could be killed mid-run; raise TESTBED_ROUNDS")
+    before = st["round"]
+    compose("kill", node)
+    wait_until(f"{node} gone", lambda: not healthy(node), timeout=30)
+    log(f"killed {node} at round {before} (SIGKILL); starting it again")
+    compose("start", node)
+    after = wait_until(f"{node} answering again",
+                       lambda: (s := get(node, "/status")) and s, timeout=600, every=1.0)
+    logs = subprocess.run(["docker", "logs", container(node)], capture_output=True, text=True).stderr
+    check(after["round"] >= max(1, before - 1),
+          f"{node} resumed at round {after['round']} after being killed at round {before} (not reset)")
+    check(f"resumed {node} at round" in logs, f"{node}'s log says it resumed from its checkpoint")
+
+
+def late_joiner() -> None:
+    node = "node8"
+    s8 = wait_until(f"{node} (late joiner) up", lambda: get(node, "/status"), timeout=600, every=1.0)
+    s1 = get("node1", "/status") or {}
+    check(s1.get("round", 0) >= JOIN_AFTER and s1.get("uptime_s", 0) > s8.get("uptime_s", 0),
+          f"{node} joined late: node1 already at round {s1.get('round')} and up "
+          f"{s1.get('uptime_s', 0) - s8.get('uptime_s', 0):.0f}s longer")
+
+
+def latency_seen() -> None:
+    rows = {n: get(n, "/peers") or [] for n in HONEST}
+    med = {n: statistics.median([r["rtt_s"] for r in rs if r.get("rtt_s") is not None] or [float("nan")])
+           for n, rs in rows.items()}
+    log("median heartbeat RTT per node (s): " + ", ".join(f"{n}={v:.3f}" for n, v in med.items()))
+    check(med["node7"] >= DELAY_S * 0.95,
+          f"node7 (delay_ms=200) sees RTT {med['node7'] * 1000:.0f} ms to its peers (>= {DELAY_S * 1000:.0f} ms)")
+    # node4's heartbeats queue behind its model uploads in the 1 Mbit/s tbf: its RTT is high too
+    # (on a busy 2-core host a plain RTT is tens of ms of event-loop latency, so compare medians)
+    plain = statistics.median([v for n, v in med.items() if n not in ("node7", "node4")])
+    check(plain < DELAY_S / 2, f"nodes on plain links: median RTT {plain * 1000:.0f} ms")
+    check(med["node7"] - plain >= 0.75 * DELAY_S,
+          f"node7's RTT exceeds the plain links' by {(med['node7'] - plain) * 1000:.0f} ms "
+          f"(configured one-way delay {DELAY_S * 1000:.0f} ms, added once per call)")
+
+
+def bandwidth_seen() -> None:
+    dst = container("node1")
+    subprocess.run(["docker", "exec", "-d", dst, "python3", "/src/deploy/netcheck.py", "serve", "9999"], check=True)
+    nbytes = 384 * 1024
+
+    def send(src: str) -> dict[str, float] | None:
+        r = subprocess.run(["docker", "exec", container(src), "python3", "/src/deploy/netcheck.py", "send",
+                            "node1", "9999", str(nbytes)], capture_output=True, text=True, timeout=120)
+        return json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else None
+
+    slow = wait_until("slow-link transfer node4 -> node1", lambda: send("node4"), timeout=60)
+    fast = wait_until("control transfer node2 -> node1", lambda: send("node2"), timeout=60)
+    qd = subprocess.run(["docker", "exec", container("node4"), "tc", "qdisc", "show", "dev", "eth0"],
+                        capture_output=True, text=True).stdout.strip()
+    log(f"node4 qdisc: {qd}")
+    log(f"throughput to node1: node4 {slow['mbit_s']} Mbit/s ({slow['seconds']}s for {nbytes} B), "
+        f"node2 {fast['mbit_s']} Mbit/s")
+    check(slow["mbit_s"] <= RATE_MBIT * 1.3, f"node4's link is capped (~{RATE_MBIT} Mbit/s): {slow['mbit_s']} Mbit/s")
+    check(fast["mbit_s"] > 5 * slow["mbit_s"], "an uncapped node is much faster on the same path")
+
+
+def cluster_weights(nodes: list[str], cols: list[str]) -> dict[str, dict[str, float]]:
+    cl = clusters(cols)
+    w = weights(nodes)
+    print_weights(w, cl, cols)
+    for n in nodes:
+        row = w[n]
+        total = sum(row.values()) or 1.0
+        own = sum(v for k, v in row.items() if cl.get(k) == cl[n]) / total
+        peers = {k: v for k, v in row.items() if k != n}
+        share = sum(v for k, v in peers.items() if cl.get(k) == cl[n]) / (sum(peers.values()) or 1.0)
+        check(own > 0.5 and share > 0.5,
+              f"{n} [cluster {cl[n]}] puts {own:.0%} of its weight on its own cluster "
+              f"({share:.0%} of what it gives its peers)")
+    return w
+
+
+def baseline(args: argparse.Namespace) -> int:
+    nodes = HONEST
+    obs = RoundObserver(nodes)
+    obs.start()
+    with phase_timer("nodes healthy (node1-7; node8 joins late)"):
+        wait_until("node1-7 healthy", lambda: all(healthy(n) for n in nodes[:7]), timeout=600, every=2,
+                   detail=lambda: {n: healthy(n) for n in nodes[:7]})
+    with phase_timer("kill + start mid-run resumes from the checkpoint"):
+        kill_and_resume(KILLED)
+    with phase_timer("late joiner"):
+        late_joiner()
+    with phase_timer("full membership"):
+        wait_until(f"all {len(nodes)} nodes see the other {len(nodes) - 1} alive",
+                   lambda: full_membership(nodes), timeout=300, every=2,
+                   detail=lambda: membership_detail(nodes))
+        check(True, "full membership on every node (seeds: node1, node5 only)")
+    with phase_timer("latency and bandwidth as configured"):
+        latency_seen()
+        bandwidth_seen()
+    with phase_timer(f"every node reaches round {ROUNDS}"):
+        wait_until(f"every node done with {ROUNDS} rounds", lambda: all_done(nodes), timeout=900, every=2,
+                   detail=lambda: rounds(nodes))
+        obs.stop.set()
+        for n in nodes:
+            d = obs.distinct(n)
+            check(len(d) >= 3 and d[-1] == ROUNDS,
+                  f"{n} advanced to round {ROUNDS}: watched it at {len(d)} distinct rounds "
+                  f"({d[0]}..{d[-1]}), mean round {mean_round_seconds(n) or 0:.2f}s")
+        slow = [mean_round_seconds(n) or 0 for n in SLOW_CPU]
+        log(f"slow-CPU nodes' mean round time: {', '.join(f'{s:.2f}s' for s in slow)}")
+    with phase_timer("collaborator weights"):
+        w = cluster_weights(nodes, nodes)
+    acc = honest_accuracy(nodes)
+    mean_acc = sum(acc.values()) / len(acc)
+    log("honest test accuracy (mean of last 5 rounds): " + ", ".join(f"{n}={a:.3f}" for n, a in acc.items())
+        + f"; mean {mean_acc:.4f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"accuracy": acc, "mean_accuracy": mean_acc, "weights": w}, f, indent=1)
+    return 0
+
+
+def faulty(args: argparse.Namespace) -> int:
+    nodes = HONEST + [FAULTY]
+    with phase_timer("nodes healthy (+ faulty node9)"):
+        wait_until("node1-7 and node9 healthy",
+                   lambda: all(healthy(n) for n in HONEST[:7] + [FAULTY]), timeout=600, every=2)
+        st9 = get(FAULTY, "/status") or {}
+        check(st9.get("faulty") == "random", "node9 runs with faulty=random")
+    with phase_timer("full membership"):
+        wait_until(f"all {len(nodes)} nodes see the other {len(nodes) - 1} alive",
+                   lambda: full_membership(nodes), timeout=300, every=2,
+                   detail=lambda: membership_detail(nodes))
+    with phase_timer(f"every node reaches round {ROUNDS}"):
+        wait_until(f"every node done with {ROUNDS} rounds", lambda: all_done(nodes), timeout=900, every=2,
+                   detail=lambda: rounds(nodes))
+    with phase_timer("faulty node gets ~0 weight"):
+        w = cluster_weights(HONEST, nodes)
+        for n in HONEST:
+            check(w[n].get(FAULTY, 0.0) < 0.02, f"{n} gives the faulty node weight {w[n].get(FAULTY, 0.0):.4f} (~0)")
+    acc = honest_accuracy(HONEST)
+    mean_acc = sum(acc.values()) / len(acc)
+    log("honest test accuracy with the faulty node: " + ", ".join(f"{n}={a:.3f}" for n, a in acc.items())
+        + f"; mean {mean_acc:.4f}")
+    if args.baseline:
+        with open(args.baseline) as f:
+            base = json.load(f)["mean_accuracy"]
+        # One-sided: the faulty node must not cost the honest nodes more than 2 points. Two runs of an
+        # asynchronous network differ by a few points either way on their own (seen: +2.7), so a
+        # run that comes out better is not held against the strategy.
+        check(mean_acc >= base - 0.02,
+              f"honest accuracy {mean_acc:.4f} is within 2 points of (or above) the run without the "
+              f"faulty node ({base:.4f}; difference {100 * (mean_acc - base):+.1f} points)")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", choices=["baseline", "faulty"])
+    ap.add_argument("--out", help="baseline: write accuracy/weights JSON here")
+    ap.add_argument("--baseline", help="faulty: the baseline JSON to compare accuracy with")
+    args = ap.parse_args()
+    try:
+        return {"baseline": baseline, "faulty": faulty}[args.phase](args)
+    except CheckFailed as e:
+        log(f"FAILED: {e}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
