@@ -183,8 +183,12 @@ class MetaL2C(L2C):
         def logits() -> torch.Tensor:
             return C.attention_logits(self.encoder, self._update, ups)
 
-        with torch.no_grad():
-            w = torch.softmax(await self.compute(logits), 0).numpy().astype(np.float64)
+        def weights_now() -> np.ndarray:
+            # grad mode is per thread: switch it off here, in the worker, never around an await
+            with torch.no_grad():
+                return torch.softmax(logits(), 0).numpy().astype(np.float64)
+
+        w = await self.compute(weights_now)
         new = C.mix_updates(theta, list(zip(w.tolist(), deltas)))
         self.learner.set_params(new)
         for _ in range(max(1, int(self.p["alpha_steps"]))):
