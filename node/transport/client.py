@@ -11,7 +11,7 @@ import msgpack
 
 from ...proto.v1 import peer_pb2 as pb
 from ...proto.v1 import peer_pb2_grpc as rpc
-from .chunks import Assembler, collect, sha256, split
+from .chunks import Assembler, collect, data_field, sha256, split
 from .server import Stats
 
 _CHANNEL_OPTIONS = [
@@ -40,6 +40,14 @@ class PeerClient:
             ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
             self._stubs[address] = (ch, rpc.PeerStub(ch))
         return self._stubs[address][1]
+
+    def _raw_snapshot_call(self, address: str):
+        """GetSnapshot with chunk messages left as raw bytes: the payload is sliced out of each
+        message without protobuf building (and copying) a message object per MiB."""
+        self.stub(address)
+        return self._stubs[address][0].unary_stream(
+            "/coterie.v1.Peer/GetSnapshot", request_serializer=pb.SnapshotRequest.SerializeToString,
+            response_deserializer=None)
 
     async def forget(self, address: str) -> None:
         entry = self._stubs.pop(address, None)
@@ -90,11 +98,11 @@ class PeerClient:
         """The peer's current snapshot; data is None when it is still ``have_version``."""
         t0 = time.perf_counter()
         await self._link()
-        call = self.stub(address).GetSnapshot(
+        call = self._raw_snapshot_call(address)(
             pb.SnapshotRequest(requester=self.node_id, have_version=have_version,
                                chunk_bytes=self.chunk_bytes), timeout=self.timeout_s)
         it = call.__aiter__()
-        first = await it.__anext__()
+        first = pb.SnapshotChunk.FromString(await it.__anext__())
         if first.WhichOneof("body") != "header":
             raise ValueError(f"snapshot stream from {address} did not start with a header")
         h = first.header
@@ -102,7 +110,9 @@ class PeerClient:
         if not h.unchanged:
             asm = Assembler(f"snapshot of {h.node_id or address}", h.total_bytes, h.sha256,
                             self.max_model_bytes)
-            data = await collect(it, asm)
+            async for raw in it:
+                asm.add(data_field(raw))
+            data = asm.finish()
         self.stats.record("snapshot", received=first.ByteSize() + (len(data) if data else 0))
         self._timed("snapshot", t0)
         return h, data

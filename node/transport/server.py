@@ -30,11 +30,12 @@ class Published:
     data: bytes
     sha256: str
     chunk_bytes: int = 1 << 20
-    chunks: tuple[bytes, ...] = field(default=(), compare=False)
+    frames: tuple[bytes, ...] = field(default=(), compare=False)  # serialised SnapshotChunk messages
 
     def __post_init__(self) -> None:
-        if not self.chunks and self.data:
-            object.__setattr__(self, "chunks", tuple(split(self.data, self.chunk_bytes)))
+        if not self.frames and self.data:
+            object.__setattr__(self, "frames", tuple(pb.SnapshotChunk(data=part).SerializeToString()
+                                                     for part in split(self.data, self.chunk_bytes)))
 
 
 class Stats(Protocol):
@@ -124,9 +125,9 @@ class PeerService(rpc.PeerServicer):
         yield pb.SnapshotChunk(header=header)
         sent = header.ByteSize()
         if not unchanged:
-            for part in snap.chunks:
-                yield pb.SnapshotChunk(data=part)
-                sent += len(part)
+            for frame in snap.frames:  # pre-serialised at publish time: no per-puller copies
+                yield frame
+                sent += len(frame)
         self.h.stats.record("snapshot", sent=sent)
         self.h.stats.latency("snapshot", time.perf_counter() - t0, "server")
 
@@ -205,10 +206,32 @@ class PeerService(rpc.PeerServicer):
         return await self._guard(context, "gossip", go())
 
 
+def _serialize(msg: Any) -> bytes:
+    """Messages pass through protobuf, except frames already serialised (snapshot chunks)."""
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+def _handlers(servicer: PeerService) -> grpc.GenericRpcHandler:
+    """The Peer service's method table, derived from the proto descriptor (as the generated
+    ``add_PeerServicer_to_server`` does) but with a serializer that passes pre-serialised frames."""
+    service = pb.DESCRIPTOR.services_by_name["Peer"]
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler,
+             (True, True): grpc.stream_stream_rpc_method_handler}
+    table = {}
+    for m in service.methods:
+        request_cls = getattr(pb, m.input_type.name)
+        make = kinds[(m.client_streaming, m.server_streaming)]
+        table[m.name] = make(getattr(servicer, m.name), request_deserializer=request_cls.FromString,
+                             response_serializer=_serialize)
+    return grpc.method_handlers_generic_handler(service.full_name, table)
+
+
 async def serve(handler: PeerHandler, address: str) -> tuple[grpc.aio.Server, int]:
     """Start the peer server (and the standard gRPC health service) on ``address``."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    rpc.add_PeerServicer_to_server(PeerService(handler), server)
+    server.add_generic_rpc_handlers((_handlers(PeerService(handler)),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(address)
