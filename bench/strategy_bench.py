@@ -8,7 +8,8 @@ adjacency, weight on the noisy nodes (S3), bytes per node per round and wall tim
     python bench/strategy_bench.py                      # all three scenarios, all strategies
     python bench/strategy_bench.py --scenarios s1 --strategies local,fedfomo --rounds 10
 
-Writes bench/results/<scenario>/results.json (from coterie run), bench/results/summary.json,
+Writes bench/results/<scenario>/ (the coterie run directory: node state and logs, not committed),
+bench/results/<scenario>_results.json (its results.json), bench/results/summary.json,
 bench/results/summary.md and PNG heatmaps of the weight matrices over rounds.
 """
 from __future__ import annotations
@@ -168,6 +169,8 @@ def main() -> int:
             print("$", " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
         res = json.loads((out / "results.json").read_text())
+        # the run dir (node state, logs) stays out of git; its results.json is kept beside the summary
+        (args.out / f"{sc}_results.json").write_text(json.dumps(res))
         summary[sc] = metrics(res)
         heatmaps(res, args.out, sc)
         summary_path.write_text(json.dumps(summary, indent=2))
