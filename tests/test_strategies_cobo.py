@@ -33,7 +33,9 @@ def test_pair_update_is_projected():
 def test_symmetric_pair_update_at_midpoint_matches_reference():
     params = {"gamma": 0.5, "pair_prob": 1.0, "grad_samples": None, "local_steps": 1}
     hub = build_network(COBO, params, num_nodes=2, num_clusters=2)
-    asyncio.run(run_rounds(hub, 1))  # both trained and published once; one pair update each way
+    asyncio.run(run_rounds(hub, 1))  # both trained and published once; one pair update
+    # started by the smaller id only (crossing updates would be applied in opposite orders)
+    assert hub.calls["cross_gradient"] == 1
     a, b = hub.nodes["n0"], hub.nodes["n1"]
     W = lambda n, p: hub.nodes[n].strategy.public_state()["W"][p]  # raw w_ij ∈ [0,1]
     w_ab = W("n0", "n1")
@@ -77,7 +79,8 @@ def test_pair_probability_schedule():
 
 def test_in_process_network_disconnects_clusters_and_resumes():
     hub = build_network(COBO, {"gamma": 0.1})
-    asyncio.run(run_rounds(hub, 6))
+    # 12 rounds: each pair is updated by its smaller id only, at most once a round
+    asyncio.run(run_rounds(hub, 12))
     mass, per_node, chance = in_cluster_mass(hub)
     assert mass > 0.9, per_node
     for nid, node in hub.nodes.items():  # symmetric W, out-of-cluster pairs cut (near) to 0

@@ -91,14 +91,14 @@ def test_cobo_pair_updates_cross_the_wire_and_stay_symmetric(tmp_path):
     W = {nid: st["W"] for nid, _, _, _, st in results}
     ips = {nid: st["last_inner_product"] for nid, _, _, _, st in results}
     assert sum(len(v) for v in ips.values()) > 0, "no alignment call happened"
-    # the initiator sets w_ij from the reply, the peer sets w_ji in on_alignment: both ends move
-    # together (exact equality is checked in-process; here an update racing the end of the run
-    # may be on one side only)
+    # the initiator (the pair's smaller id) sets w_ij from the reply, the peer sets w_ji in
+    # on_alignment: both ends apply the same updates in the same order. (When both ends started
+    # updates, crossing requests were applied in opposite orders, and the clip to [0,1] made the
+    # ends differ by γ|⟨·,·⟩|.) Every round awaits its replies, so all updates are in by now.
     for i, row in W.items():
         for j, w in row.items():
             if j in W and i in W[j]:
-                moved = max(abs(1 - w), abs(1 - W[j][i]))
-                assert abs(w - W[j][i]) <= 0.5 * moved + 1e-9, (i, j, w, W[j][i])
+                assert abs(w - W[j][i]) < 1e-9, (i, j, w, W[j][i])
     assert any(w != 1.0 for row in W.values() for w in row.values()), "no weight ever moved"
     for nid, _, _, hist, _ in results:
         assert hist[-1]["bytes_sent"].get("cross_gradient", 0) > 0 or ips[nid], nid

@@ -2,7 +2,8 @@
 a serverless strategy.
 
 Round at node i:
-  Client-Selection (Alg. 1 l.9-16, eq. 1/4): for each alive peer j, with probability p_pair:
+  Client-Selection (Alg. 1 l.9-16, eq. 1/4): for each alive peer j > i (the pair's smaller id
+    starts its updates, see ``initiates``), with probability p_pair:
     z = (x_i + x_j)/2 (x_j = j's snapshot); send z and my ∇f_i(z) (one fresh minibatch) to j in a
     single cross-gradient-alignment request; j computes ∇f_j(z) on its minibatch, updates its own
     w_ji through ``on_alignment`` and returns the inner product; I set
@@ -14,7 +15,8 @@ Round at node i:
 *decentral*: the paper updates W every step with per-pair probability O(1/n); exchanging every step
 is too chatty for a network, so S local steps run between exchanges and the per-exchange pair
 probability matches the paper's expected number of pair updates over those S steps:
-min(1, S·2/n) for the first ``decay_after_steps`` steps, then min(1, S/√t) (*code*: 1/√t).
+min(1, S·2/n) per (unordered) pair for the first ``decay_after_steps`` steps (Alg. 1 l.10-11: 1/n
+per ordered pair), then min(1, S/√t) (*code*: 1/√t).
 W starts at all ones (Alg. 1 input).
 """
 from __future__ import annotations
@@ -62,7 +64,7 @@ class COBO(Strategy):
         "grad_momentum": 0.9,     # *code*: g_i is a 0.9-momentum EMA of the minibatch gradients
         "pair_rate": None,        # per-step pair probability; None = 2/n (ALGORITHMS; Alg. 1 l.11: 1/n per ordered pair)
         "decay_after_steps": 800,  # *code*: switch to a 1/√t rate after 800 steps (mixed strategy, §4 Table 1)
-        "pair_prob": None,        # override the per-exchange pair probability (None = derived above)
+        "pair_prob": None,        # override the per-exchange probability of a pair (None = derived above)
     }
 
     def __init__(self, *a: Any, **kw: Any):
@@ -85,6 +87,15 @@ class COBO(Strategy):
             rate = min(rate, 1.0 / math.sqrt(max(self._steps, 1)))
         return min(1.0, S * float(rate))
 
+    def initiates(self, peer: str) -> bool:
+        """Each pair's updates are started by one end only, the smaller id. The update is projected
+        (clipped to [0,1]), so two updates of a pair do not commute: if both ends started one in
+        the same round, the requests would cross and each end would apply the two in the opposite
+        order (its served one first, then its reply), leaving w_ij ≠ w_ji by up to γ|⟨·,·⟩|. With one
+        initiator, a pair's updates come one at a time (a round awaits its replies) and both ends
+        apply them in the same order."""
+        return self.node_id < peer
+
     async def _align(self, peer: str, x: Params, xj: Params) -> float | None:
         z = midpoint(x, xj)
         g, _ = await self.compute(self.learner.gradient, z, "train", self.p["grad_samples"])
@@ -99,7 +110,7 @@ class COBO(Strategy):
             self._w.setdefault(p, 1.0)
         x = self.learner.get_params()
         prob = self.pair_probability(len(peers) + 1)
-        sampled = [p for p in peers if self.rng.random() < prob]
+        sampled = [p for p in peers if self.initiates(p) and self.rng.random() < prob]
         need = sorted(set(sampled) | {p for p in peers if self._wij(p) > 0})
         snaps = await gather_bounded({p: self.net.pull(p) for p in need})
         snaps = {p: s for p, s in snaps.items() if C.same_shapes(s.params, x)}
