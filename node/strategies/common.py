@@ -215,9 +215,10 @@ class UpdateEncoder(nn.Module):
                         mod.bias.copy_(torch.rand(mod.bias.shape, generator=g) * 2 * bound - bound)
             self.names.append(name)
             self.mlps.append(mlp)
-        # copies peers gossiped to me: folded in by encoder_average at the round's safe point,
-        # never written while a worker thread may be back-propagating through the encoder
-        self.inbox: list[np.ndarray] = []
+        # Σ of the pairwise-averaging corrections owed to peers' gossip (float64), applied by
+        # encoder_fold at the round's safe points: the served side never writes the parameters,
+        # a worker thread may be back-propagating through them
+        self.pending: np.ndarray | None = None
 
     def forward(self, update: Params) -> torch.Tensor:
         filt = dict(layer_filters(update))
@@ -272,25 +273,59 @@ def set_rng_state(rng: np.random.Generator, st: dict[str, Any] | None) -> None:
         pass  # a state from another generator: keep the seeded one
 
 
+def encoder_current(encoder: UpdateEncoder) -> np.ndarray:
+    """My copy as gossip sees it: the parameters plus the corrections not yet folded in."""
+    v = encoder.get_vector().numpy().astype(np.float64)
+    return v if encoder.pending is None else v + encoder.pending
+
+
 def encoder_on_gossip(encoder: UpdateEncoder, payload: dict[str, Any]) -> dict[str, Any]:
-    """Served side of encoder gossip: reply with my copy; queue the requester's for averaging
-    (a request can arrive while this node's own round trains the encoder in a worker thread)."""
-    reply = {"vec": vec_to_wire(encoder.get_vector())}
+    """Served side of encoder gossip: a pairwise average with the requester, x ← (x + x_req)/2,
+    deferred. Reply with my current copy; the correction (x_req − x)/2 is queued in
+    ``encoder.pending`` and added at my next safe point (encoder_fold), on top of whatever my own
+    round trained meanwhile. (A request can arrive while my round trains the encoder in a worker
+    thread, so the parameters are not written here.) With nothing trained in between, the fold
+    gives exactly the immediate pairwise average; several requests chain like immediate ones."""
+    cur = encoder_current(encoder)
+    reply = {"vec": vec_to_wire(cur)}
     v = vec_from_wire(payload.get("vec"))
-    if v is not None and v.size == encoder.num_params():
-        encoder.inbox.append(v)
+    if v is not None and v.size == cur.size:
+        corr = (v - cur) / 2
+        encoder.pending = corr if encoder.pending is None else encoder.pending + corr
     return reply
 
 
+def encoder_fold(encoder: UpdateEncoder) -> bool:
+    """Apply the queued gossip corrections (call only where no worker uses the encoder: on the
+    event loop between the round's compute calls). Returns whether there were any."""
+    if encoder.pending is None:
+        return False
+    v = encoder_current(encoder)
+    encoder.pending = None
+    encoder.set_vector(v)
+    return True
+
+
+def encoder_pending_state(encoder: UpdateEncoder) -> list[float] | None:
+    """The queued gossip corrections, msgpack-able (for state_dict), float64."""
+    return None if encoder.pending is None else encoder.pending.tolist()
+
+
+def set_encoder_pending(encoder: UpdateEncoder, x: Any) -> None:
+    v = None if x is None else vec_from_wire(x)
+    encoder.pending = v if v is not None and v.size == encoder.num_params() else None
+
+
 def encoder_average(encoder: UpdateEncoder, replies: Iterable[dict[str, Any] | None]) -> int:
-    """Requester side: my copy ← mean of mine and the copies peers replied with (*decentral*
-    replacement of the AllReduce of meta-L2C Alg. 1 l.24). Returns how many were averaged in."""
+    """Requester side: my copy (queued corrections folded in) ← mean of it and the copies peers
+    replied with (*decentral* replacement of the AllReduce of meta-L2C Alg. 1 l.24). Returns how
+    many were averaged in."""
+    encoder_fold(encoder)
     vecs = [encoder.get_vector().numpy().astype(np.float64)]
-    received = [vec_from_wire((msg or {}).get("vec")) for msg in replies]
-    for v in received + encoder.inbox:
+    for msg in replies:
+        v = vec_from_wire((msg or {}).get("vec"))
         if v is not None and v.size == vecs[0].size:
             vecs.append(v)
-    encoder.inbox.clear()
     encoder.set_vector(np.mean(vecs, axis=0))
     return len(vecs) - 1
 

@@ -188,10 +188,17 @@ class MetaL2C(L2C):
             with torch.no_grad():
                 return torch.softmax(logits(), 0).numpy().astype(np.float64)
 
+        C.encoder_fold(self.encoder)  # peers' gossip since my last round, before I use the encoder
         w = await self.compute(weights_now)
         new = C.mix_updates(theta, list(zip(w.tolist(), deltas)))
         self.learner.set_params(new)
-        for _ in range(max(1, int(self.p["alpha_steps"]))):
+        # Alone this round (no usable peer), w = [1] whatever the encoder: eq. 6 has no gradient, and
+        # Adam would turn the bare weight decay into lr-sized steps on every parameter (it scales
+        # steps to ~lr whatever the gradient's size), wrecking the shared encoder. No step then.
+        steps = max(1, int(self.p["alpha_steps"])) if len(ids) > 1 else 0
+        if not steps:
+            self._val_loss = (await self.compute(self.learner.loss, new, "val", self.p["val_samples"])).loss
+        for _ in range(steps):
             def step() -> float:
                 lg = logits()
                 wt = torch.softmax(lg, 0)
@@ -204,7 +211,7 @@ class MetaL2C(L2C):
                 self.opt.step()
                 return r.loss
             self._val_loss = await self.compute(step)
-        replies = await gather_bounded({q: self.net.gossip(q, "encoder", {"vec": C.vec_to_wire(self.encoder.get_vector())})
+        replies = await gather_bounded({q: self.net.gossip(q, "encoder", {"vec": C.vec_to_wire(C.encoder_current(self.encoder))})
                                         for q in snaps})
         C.encoder_average(self.encoder, replies.values())
         return w
@@ -225,10 +232,12 @@ class MetaL2C(L2C):
         return st
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "encoder": C.vec_to_wire(self.encoder.get_vector())}
+        return {**super().state_dict(), "encoder": C.vec_to_wire(self.encoder.get_vector()),
+                "encoder_pending": C.encoder_pending_state(self.encoder)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         v = C.vec_from_wire(state.get("encoder"))
         if v is not None and v.size == self.encoder.num_params():
             self.encoder.set_vector(v)
+        C.set_encoder_pending(self.encoder, state.get("encoder_pending"))

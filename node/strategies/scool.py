@@ -302,6 +302,8 @@ class SCoolAttention(_SCoolBase):
         ups = [snaps[p].extras["update"] for p in peers]
         y = np.array([self._Y[self.node_id]] + [self._Y[p] for p in peers])
 
+        C.encoder_fold(self.encoder)  # peers' gossip since my last round, before I use the encoder
+
         def step() -> tuple[np.ndarray, np.ndarray]:
             logits = C.attention_logits(self.encoder, self._update, ups)
             w = attention_weights(y, logits.detach().numpy().astype(np.float64), float(self.p["tau"]))
@@ -319,7 +321,7 @@ class SCoolAttention(_SCoolBase):
         keep = {k: float(v) for k, v in zip(ids, w)}
         self._row = C.normalise_row(keep)
         # gossip-average the encoder with the peers contacted (*decentral* for the global φ)
-        mine = C.vec_to_wire(self.encoder.get_vector())
+        mine = C.vec_to_wire(C.encoder_current(self.encoder))
         replies = await gather_bounded({q: self.net.gossip(q, "encoder", {"vec": mine}) for q in snaps})
         C.encoder_average(self.encoder, replies.values())
 
@@ -330,7 +332,8 @@ class SCoolAttention(_SCoolBase):
     def state_dict(self) -> dict[str, Any]:
         return {**self._base_state(), "theta0": C.params_state(self.theta0),
                 "update": C.params_state(self._update), "p": dict(self._p),
-                "encoder": C.vec_to_wire(self.encoder.get_vector())}
+                "encoder": C.vec_to_wire(self.encoder.get_vector()),
+                "encoder_pending": C.encoder_pending_state(self.encoder)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load_base(state)
@@ -341,3 +344,4 @@ class SCoolAttention(_SCoolBase):
         v = C.vec_from_wire(state.get("encoder"))
         if v is not None and v.size == self.encoder.num_params():
             self.encoder.set_vector(v)
+        C.set_encoder_pending(self.encoder, state.get("encoder_pending"))
