@@ -190,11 +190,14 @@ class RoundObserver(threading.Thread):
         self.seen: dict[str, list[tuple[float, int]]] = {n: [] for n in nodes}
         self.stop = threading.Event()
 
+    def sample(self) -> None:
+        for n, r in rounds(self.nodes).items():
+            if r is not None and (not self.seen[n] or self.seen[n][-1][1] != r):
+                self.seen[n].append((time.monotonic() - T0, r))
+
     def run(self) -> None:
         while not self.stop.is_set():
-            for n, r in rounds(self.nodes).items():
-                if r is not None and (not self.seen[n] or self.seen[n][-1][1] != r):
-                    self.seen[n].append((time.monotonic() - T0, r))
+            self.sample()
             self.stop.wait(1.0)
 
     def distinct(self, node: str) -> list[int]:
@@ -308,6 +311,8 @@ def baseline(args: argparse.Namespace) -> int:
         wait_until(f"every node done with {ROUNDS} rounds", lambda: all_done(nodes), timeout=900, every=2,
                    detail=lambda: rounds(nodes))
         obs.stop.set()
+        obs.join(timeout=30)
+        obs.sample()  # the final rounds, seen after the condition held (the thread samples once a second)
         for n in nodes:
             d = obs.distinct(n)
             check(len(d) >= 3 and d[-1] == ROUNDS,
