@@ -86,8 +86,9 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
     """COTERIE_STRATEGY=fedfomo, COTERIE_LEARNER__LR=0.1 (``__`` descends), COTERIE_PEERS=a:1,b:2."""
     out: dict[str, Any] = {}
     for k, v in (os.environ if environ is None else environ).items():
-        if k.startswith("COTERIE_") and k != "COTERIE_CONFIG":
-            path = k[len("COTERIE_"):].lower().replace("__", ".")
+        path = k[len("COTERIE_"):].lower().replace("__", ".")
+        # only config fields: other COTERIE_* variables (COTERIE_CACHE_DIR, ...) belong to others
+        if k.startswith("COTERIE_") and path.split(".")[0] in NodeConfig.model_fields:
             value = _env_value(v)
             if path == "peers" and isinstance(value, str):
                 value = [value] if value else []
