@@ -68,7 +68,11 @@ def in_cluster_mass(results) -> list[float]:
 # COBO's weights separate only once the models have moved apart (the paper's "point A": early
 # gradients agree across clusters); its cluster finding is measured by the benchmark, and its
 # wire mechanics below.
-PERSONALISED = [s for s in available() if s not in ("local", "dpsgd", "oracle", "cobo")]
+# meta-L2C and SCool-attention learn a shared encoder by gossip; over a handful of asynchronous
+# rounds their rows depend on message timing (cluster finding is tested in-process, where it is
+# deterministic, and measured by the benchmark). Over gRPC they are checked for the encoder gossip.
+ENCODER = ["meta-l2c", "scool-attention"]
+PERSONALISED = [s for s in available() if s not in ("local", "dpsgd", "oracle", "cobo", *ENCODER)]
 
 
 @pytest.mark.slow
@@ -83,6 +87,17 @@ def test_strategy_finds_its_cluster_over_grpc(tmp_path, strategy):
     assert len(defined) >= N // 2, f"{strategy}: too few nodes weight any peer: {mass}"
     mean = sum(defined) / len(defined)
     assert mean > CHANCE + 0.25, f"{strategy}: in-cluster mass {mass} (chance {CHANCE:.2f})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ENCODER)
+def test_encoder_strategies_gossip_their_encoder_over_grpc(tmp_path, strategy):
+    results = asyncio.run(_network(tmp_path, strategy))
+    for nid, _, w, hist, _ in results:
+        assert len(hist) == ROUNDS.get(strategy, 6) and abs(sum(w.values()) - 1) < 1e-4, (nid, w)
+        gossip = sum(h["bytes_sent"].get("gossip", 0) + h["bytes_received"].get("gossip", 0) for h in hist)
+        assert gossip > 0, f"{nid}: no encoder gossip crossed the wire"
+        assert sum(h["bytes_received"].get("snapshot", 0) for h in hist) > 0, f"{nid} pulled nothing"
 
 
 @pytest.mark.slow
