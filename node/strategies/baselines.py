@@ -31,8 +31,11 @@ class Local(Strategy):
 
 
 class DPSGD(Strategy):
-    """D-PSGD (SCool §4.1 eq. 16): local steps, then uniform averaging over the alive neighbours
-    that answered this round (fixed uniform w; a peer that does not answer is left out)."""
+    """D-PSGD (SCool §4.1 eq. 16, θ_i ← Σ_j w_ij θ_j − α∇L_i): uniform averaging over the alive
+    neighbours that answered, *then* the local steps, so the published model carries this round's
+    training. (Training first and averaging after would publish averaged-but-untrained models:
+    every node's own steps would enter the consensus diluted by 1/n, and on IID data the network
+    learned no faster than a single node.)"""
     name = "dpsgd"
     defaults: dict[str, Any] = {"max_neighbours": 0}  # 0 = all alive peers
 
@@ -48,13 +51,13 @@ class DPSGD(Strategy):
         return peers
 
     async def run_round(self, rnd: int) -> RoundReport:
-        res = await self.compute(self.learner.train)
         peers = self.candidates()
         snaps = await gather_bounded({p: self.net.pull(p) for p in peers})
         w = 1.0 / (1 + len(snaps))
         members = [(w, self.learner.get_params())] + [(w, s.params) for s in snaps.values()]
         self.learner.set_params(weighted_average(members))
         self._w = {self.node_id: w, **{p: w for p in snaps}}
+        res = await self.compute(self.learner.train)
         return RoundReport(train_loss=res.loss, contacted=sorted(snaps))
 
     def weights(self) -> dict[str, float]:
