@@ -154,20 +154,29 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--reuse", action="store_true", help="only recompute metrics from existing results.json")
+    ap.add_argument("--merge", action="store_true",
+                    help="rerun only --strategies and replace their entries in the existing results")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     summary_path = args.out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     for sc in args.scenarios.split(","):
         out = args.out / sc
+        run_dir = out.with_name(f"{sc}-rerun") if args.merge else out
         if not args.reuse:
             cmd = [sys.executable, "-m", "coterie.cli.main", "run", str(ROOT / "scenarios" / SCENARIOS[sc]),
-                   "--out", str(out)]
+                   "--out", str(run_dir)]
             for flag, v in (("--strategy", args.strategies), ("--rounds", args.rounds), ("--seed", args.seed)):
                 if v is not None:
                     cmd += [flag, str(v)]
             print("$", " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
+        if args.merge and not args.reuse:  # same scenario and seed: swap in the rerun strategies
+            old = json.loads((out / "results.json").read_text())
+            new = json.loads((run_dir / "results.json").read_text())
+            old["strategies"].update(new["strategies"])
+            old.setdefault("notes", []).append(f"rerun {sorted(new['strategies'])} at {new['created']}")
+            (out / "results.json").write_text(json.dumps(old))
         res = json.loads((out / "results.json").read_text())
         # the run dir (node state, logs) stays out of git; its results.json is kept beside the summary
         (args.out / f"{sc}_results.json").write_text(json.dumps(res))

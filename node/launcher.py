@@ -157,6 +157,10 @@ def parse_scenario(data: dict[str, Any], *, strategies: list[str] | None = None,
     for k, v in (("strategy", strategies), ("seed", seed), ("rounds", rounds), ("nodes", nodes)):
         if v is not None:
             data[k] = v
+    if strategies is not None:  # a command-line subset: the file's params for the others stay unused
+        chosen = strategies.split(",") if isinstance(strategies, str) else list(strategies)
+        data["strategy_params"] = {k: v for k, v in (data.get("strategy_params") or {}).items()
+                                   if k in chosen}
     try:
         sc = Scenario.model_validate(data)
     except ValidationError as e:

@@ -307,3 +307,11 @@ start_timeout_s = 60
         for n in ("n0", "n1", "n2"):
             pid = res["strategies"][s]["nodes"][n]["pid"]
             assert pid and not alive(pid)
+
+
+def test_strategy_subset_from_the_command_line_drops_params_of_the_others():
+    from coterie.node.launcher import parse_scenario
+    data = {"name": "x", "nodes": 2, "rounds": 1, "strategy": ["local", "fedfomo"],
+            "strategy_params": {"fedfomo": {"num_models": 2}}}
+    assert parse_scenario(data, strategies=["local"]).strategy_params == {}
+    assert parse_scenario(data).strategy_params == {"fedfomo": {"num_models": 2}}
