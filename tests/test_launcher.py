@@ -1,8 +1,6 @@
 import json
-import os
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import pytest

@@ -40,7 +40,7 @@ def test_symmetric_pair_update_at_midpoint_matches_reference():
     W = lambda n, p: hub.nodes[n].strategy.public_state()["W"][p]  # raw w_ij ∈ [0,1]
     w_ab = W("n0", "n1")
     assert w_ab == W("n1", "n0")
-    x0, x1 = a.learner.get_params(), b.learner.get_params()
+    x0 = a.learner.get_params()
     x1_snap = b.snapshot.params
     # the next update from n0 with full-batch gradients, recomputed independently
     z = C.lincomb([(0.5, x0), (0.5, x1_snap)], x0)

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from coterie.node.strategies import common as C
 from coterie.node.strategies.base import PushedGradient
 from coterie.node.strategies.federico import FedeRiCo, federico_combine, federico_ema, federico_weights
 from strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
