@@ -172,6 +172,24 @@ def test_bad_models_in_requests_are_refused_with_reasons(target, params):
     wait_for(lambda: target.status()["round"] > r, 30, "victim to keep running rounds")
 
 
+def test_refused_uploads_report_the_reason_not_a_broken_stream(target):
+    """The server refuses an oversized upload at its header while the sender is still writing;
+    without draining first, grpc surfaces that as a bare INTERNAL error on the sender (seen in CI)."""
+    fp = target.status()["fingerprint"]
+
+    async def go():
+        async with _channel(target) as ch:
+            stub = rpc.PeerStub(ch)
+            await _handshake(stub, fp)
+            for elems in (250_000, 2_500_000):  # 1 MB and 10 MB against the 256 KiB limit
+                big = encode({"params": {"x": torch.zeros(elems)}})
+                for _ in range(8):
+                    await _expect(_cross_loss(stub, big), grpc.StatusCode.INVALID_ARGUMENT, "exceeds the limit")
+            await _expect(_cross_loss(stub, encode({"params": {"x": torch.zeros(10)}}), requester="stranger"),
+                          grpc.StatusCode.PERMISSION_DENIED, "stranger")
+    asyncio.run(go())
+
+
 def test_bad_snapshots_from_a_rogue_peer_are_rejected(target, params):
     fp = target.status()["fingerprint"]
     nan = {k: v.clone() for k, v in params.items()}

@@ -2,6 +2,7 @@
 request *means* (whose model, which data, which strategy) is the ``PeerHandler``'s business."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,29 @@ from .chunks import Assembler, collect, sha256, split
 from .errors import PeerError, invalid
 
 log = logging.getLogger(__name__)
+
+# After refusing a streamed request, keep reading (and discarding) what the sender still has in
+# flight before sending the status: if the server closes first, the sender's next write fails and
+# grpc reports a bare INTERNAL "execute_batch" error instead of our reason (HTTP servers do the
+# same "lingering close"). Bounded so a hostile sender cannot keep the call open.
+LINGER_BYTES = 64 << 20
+LINGER_S = 2.0
+
+
+async def _linger(frames) -> None:
+    drained = 0
+
+    async def drain():
+        nonlocal drained
+        async for msg in frames:
+            drained += msg.ByteSize()
+            if drained > LINGER_BYTES:
+                return
+
+    try:
+        await asyncio.wait_for(drain(), LINGER_S)
+    except (asyncio.TimeoutError, grpc.RpcError, StopAsyncIteration):
+        pass
 
 
 @dataclass(frozen=True)
@@ -67,16 +91,21 @@ class PeerService(rpc.PeerServicer):
     def __init__(self, handler: PeerHandler):
         self.h = handler
 
-    async def _guard(self, context: grpc.aio.ServicerContext, kind: str, coro):
-        """Run a handler call; turn PeerError/WireError into a status the caller can read."""
+    async def _guard(self, context: grpc.aio.ServicerContext, kind: str, coro, stream=None):
+        """Run a handler call; turn PeerError/WireError into a status the caller can read.
+        ``stream``: the request stream, drained before refusing (see ``LINGER_BYTES``)."""
         t0 = time.perf_counter()
         try:
             return await coro
         except PeerError as e:
             log.warning("refused %s from %s: %s", kind, context.peer(), e.message)
+            if stream is not None:
+                await _linger(stream)
             await context.abort(e.code, e.message)
         except WireError as e:
             log.warning("refused %s from %s: %s", kind, context.peer(), e)
+            if stream is not None:
+                await _linger(stream)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
             self.h.stats.latency(kind, time.perf_counter() - t0, "server")
@@ -163,13 +192,13 @@ class PeerService(rpc.PeerServicer):
             reply = pb.LossReply(loss=loss, samples=n)
             self.h.stats.record("cross_loss", sent=reply.ByteSize())
             return reply
-        return await self._guard(context, "cross_loss", go())
+        return await self._guard(context, "cross_loss", go(), request_iterator)
 
     async def CrossGradient(self, request_iterator, context):
         async def go():
             h, groups = await self._read_compute(request_iterator, "cross_gradient")
             return await self.h.cross_gradient(h.requester, groups, h)
-        result = await self._guard(context, "cross_gradient", go())
+        result = await self._guard(context, "cross_gradient", go(), request_iterator)
         grad, loss, n, ip = result
         data = encode(grad) if grad is not None else b""
         header = pb.GradientHeader(loss=loss, samples=n, total_bytes=len(data),
@@ -184,7 +213,7 @@ class PeerService(rpc.PeerServicer):
             h, groups = await self._read_compute(request_iterator, "push_gradient")
             ok, msg = await self.h.push_gradient(h.requester, groups, h)
             return pb.Ack(accepted=ok, message=msg)
-        return await self._guard(context, "push_gradient", go())
+        return await self._guard(context, "push_gradient", go(), request_iterator)
 
     async def GossipState(self, request, context):
         async def go():
