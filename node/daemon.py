@@ -198,7 +198,8 @@ class Node:
 
     # ------------------------------------------------------------------ publishing
     def publish(self) -> None:
-        params = self.learner.get_params()
+        shared = self.strategy.shared_params()
+        params = shared if shared is not None else self.learner.get_params()
         self._published_params = params
         out = params
         if self.cfg.faulty == "random":  # bad actor: plausible-looking garbage of the right shape

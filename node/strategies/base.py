@@ -134,6 +134,11 @@ class Strategy(ABC):
     def weights(self) -> dict[str, float]:
         """This node's collaborator-weight row w_i·, keyed by node id, self included."""
 
+    def shared_params(self) -> Params | None:
+        """The model to publish, when it is not the live one (None = the live model). D-PSGD in
+        adapt-then-combine form shares its trained model but keeps the neighbourhood average."""
+        return None
+
     def published_extras(self) -> dict[str, Params]:
         """Named tensor groups to publish with the snapshot (e.g. {"delta": Δθ})."""
         return {}

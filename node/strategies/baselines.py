@@ -31,17 +31,24 @@ class Local(Strategy):
 
 
 class DPSGD(Strategy):
-    """D-PSGD (SCool §4.1 eq. 16, θ_i ← Σ_j w_ij θ_j − α∇L_i): uniform averaging over the alive
-    neighbours that answered, *then* the local steps, so the published model carries this round's
-    training. (Training first and averaging after would publish averaged-but-untrained models:
-    every node's own steps would enter the consensus diluted by 1/n, and on IID data the network
-    learned no faster than a single node.)"""
+    """D-PSGD (Lian et al. 2017; SCool §4.1 eq. 16 / App. B Alg. 1) with local steps, in the
+    adapt-then-combine form of decentralized local SGD (Koloskova et al. 2020):
+    y_i = θ_i after the local steps, published; θ_i ← Σ_j w_ij y_j with uniform w over the alive
+    neighbours that answered. The node keeps (and is evaluated on) the neighbourhood average, as
+    Alg. 1's iterate x_{t+1,i} is.
+
+    Peers pull the *trained* y_j (``shared_params``), not the average: with asynchronous rounds,
+    publishing the average would let each node's own steps reach the others only after being
+    diluted by 1/n, and the network would learn slower than a single node. (Averaging first and
+    training after instead would make every published model a locally fine-tuned one — a
+    personalisation method, not the consensus baseline.)"""
     name = "dpsgd"
     defaults: dict[str, Any] = {"max_neighbours": 0}  # 0 = all alive peers
 
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
         self._w: dict[str, float] = {self.node_id: 1.0}
+        self._trained: Params | None = None
 
     def candidates(self) -> list[str]:
         peers = self.net.peers()
@@ -51,14 +58,19 @@ class DPSGD(Strategy):
         return peers
 
     async def run_round(self, rnd: int) -> RoundReport:
+        res = await self.compute(self.learner.train)
+        trained = self.learner.get_params()
         peers = self.candidates()
         snaps = await gather_bounded({p: self.net.pull(p) for p in peers})
         w = 1.0 / (1 + len(snaps))
-        members = [(w, self.learner.get_params())] + [(w, s.params) for s in snaps.values()]
+        members = [(w, trained)] + [(w, s.params) for s in snaps.values()]
         self.learner.set_params(weighted_average(members))
+        self._trained = trained
         self._w = {self.node_id: w, **{p: w for p in snaps}}
-        res = await self.compute(self.learner.train)
         return RoundReport(train_loss=res.loss, contacted=sorted(snaps))
+
+    def shared_params(self) -> Params | None:
+        return self._trained
 
     def weights(self) -> dict[str, float]:
         return dict(self._w)
