@@ -161,6 +161,10 @@ def test_attention_in_process_network_and_encoder_gossip():
     spread = (vecs - vecs.mean(0)).norm(dim=1).max()
     assert spread < 0.5 * (vecs[0] - enc0).norm()  # gossip keeps the copies close to each other
     s = hub.nodes["n3"].strategy
+    # eq. 30: the own gradient keeps weight 1 beside the peers' w_ij (j ≠ i), whatever w_ii is
+    row = s.weights()
+    peers_raw = {p: s._raw[p] for p in row if p != "n3"}
+    assert s._raw["n3"] > 0 and row == pytest.approx(row_with_self(peers_raw, "n3"))
     s2 = SCoolAttention("n3", s.learner, s.net, seed=5)
     s2.load_state_dict(msgpack_roundtrip_state(s.state_dict()))
     assert s2.public_state() == s.public_state()

@@ -14,7 +14,7 @@ Round at node i:
       û = θ^{t+½} − θ^0 (published as extras "update"); E trained towards w_i by cross-entropy
       (eq. 31/62) with Adam, and gossip-averaged with the peers contacted ("encoder").
   M-step (App. C.1, *code* default): θ_i^{t+1} = θ_i^t − Σ_j w̄_ij Δθ_j, w̄ the row normalised
-    over self (raw weight 1, the ∇L(D_i) term of eq. 22) and the peers whose Δθ arrived.
+    over self (raw weight 1, the ∇L(D_i) term of eq. 22 / 30) and the peers whose Δθ arrived.
     "exact": eq. 22 with cross-gradients, θ ← θ − η(w̄_ii ∇L(D_i;θ) + Σ_j w̄_ij ∇L(D_j;θ)) for
     ``exact_steps`` steps with my optimizer (each step one cross-gradient request per peer).
   Pruning (App. C.1): after round ``prune_after`` keep the top ``keep_fraction`` peers by w; the
@@ -318,8 +318,10 @@ class SCoolAttention(_SCoolBase):
         ids = [self.node_id] + peers
         self._p = {k: float(v) for k, v in zip(ids, p)}
         self._raw.update({k: float(v) for k, v in zip(ids, w)})
-        keep = {k: float(v) for k, v in zip(ids, w)}
-        self._row = C.normalise_row(keep)
+        # eq. 30: the own-data gradient keeps weight 1 and the peers' enter with w_ij, j ≠ i (w_ii
+        # only absorbs softmax mass): the same row as SBM's, not the softmax itself, whose own
+        # likelihood term would leave the peers next to nothing once the model fits its data
+        self._row = row_with_self({k: float(v) for k, v in zip(peers, w[1:])}, self.node_id)
         # gossip-average the encoder with the peers contacted (*decentral* for the global φ)
         mine = C.vec_to_wire(C.encoder_current(self.encoder))
         replies = await gather_bounded({q: self.net.gossip(q, "encoder", {"vec": mine}) for q in snaps})
