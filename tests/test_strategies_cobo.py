@@ -73,8 +73,28 @@ def test_pair_probability_schedule():
     hub = build_network(COBO, {"local_steps": 2}, num_nodes=2, num_clusters=1)
     s = hub.nodes["n0"].strategy
     assert s.pair_probability(20) == pytest.approx(2 * 2 / 20)
+    assert s.pair_scale(20) == 1.0
+    assert s.pair_probability(3) == 1.0 and s.pair_scale(3) == pytest.approx(2 * 2 / 3)  # k > 1
     s._steps = 1600
     assert s.pair_probability(20) == pytest.approx(2 / 40)  # S/√t after 800 steps
+
+
+def test_an_exchange_standing_for_k_pair_updates_moves_both_ends_by_k():
+    """S = 6 steps among 3 nodes: the paper would update a pair k = 6·2/3 = 4 times; one exchange
+    applies 4·γ⟨·,·⟩ (γ small enough that no clip hides the factor), identically at both ends."""
+    params = {"gamma": 0.02, "grad_samples": None, "local_steps": 6}
+    hub = build_network(COBO, params, num_nodes=3, num_clusters=3)
+    asyncio.run(run_rounds(hub, 1))
+    a, b = hub.nodes["n0"], hub.nodes["n1"]
+    W = lambda n, p: hub.nodes[n].strategy.public_state()["W"][p]
+    w_ab = W("n0", "n1")
+    z = C.lincomb([(0.5, a.learner.get_params()), (0.5, b.snapshot.params)], a.snapshot.params)
+    ip = C.dot(a.learner.gradient(z, "train", None)[0], b.learner.gradient(z, "train", None)[0])
+    asyncio.run(a.strategy.run_round(2))
+    expected = w_ab + 0.02 * 4 * ip
+    assert 0.0 < expected < 1.0, (w_ab, ip)  # not clipped: the factor 4 is visible
+    assert W("n0", "n1") == pytest.approx(expected, rel=1e-5)
+    assert W("n1", "n0") == W("n0", "n1")
 
 
 def test_in_process_network_disconnects_clusters_and_resumes():

@@ -13,10 +13,11 @@ Round at node i:
     0.9-momentum EMA of minibatch gradients (*code*); η and the step are my learner's optimizer
     (apply_gradient; use plain SGD for the paper's update).
 *decentral*: the paper updates W every step with per-pair probability O(1/n); exchanging every step
-is too chatty for a network, so S local steps run between exchanges and the per-exchange pair
-probability matches the paper's expected number of pair updates over those S steps:
-min(1, S·2/n) per (unordered) pair for the first ``decay_after_steps`` steps (Alg. 1 l.10-11: 1/n
-per ordered pair), then min(1, S/√t) (*code*: 1/√t).
+is too chatty for a network, so S local steps run between exchanges, and each exchange carries
+the paper's expected number of pair updates over those S steps, k = S·2/n per (unordered) pair
+for the first ``decay_after_steps`` steps (Alg. 1 l.10-11: 1/n per ordered pair), then S/√t
+(*code*: 1/√t): a pair is updated with probability min(1, k), by max(1, k)·γ⟨·,·⟩ (the
+initiator scales the gradient it sends by max(1, k), so both ends apply the same value).
 W starts at all ones (Alg. 1 input).
 """
 from __future__ import annotations
@@ -78,14 +79,24 @@ class COBO(Strategy):
     def _wij(self, peer: str) -> float:
         return self._w.get(peer, 1.0)
 
-    def pair_probability(self, n_nodes: int) -> float:
-        if self.p["pair_prob"] is not None:
-            return float(self.p["pair_prob"])
+    def expected_pair_updates(self, n_nodes: int) -> float:
+        """k: the paper's expected number of updates of one pair over my S local steps."""
         S = max(1, int(self.p["local_steps"]))
         rate = self.p["pair_rate"] if self.p["pair_rate"] is not None else 2.0 / max(n_nodes, 2)
         if self._steps >= int(self.p["decay_after_steps"]):
             rate = min(rate, 1.0 / math.sqrt(max(self._steps, 1)))
-        return min(1.0, S * float(rate))
+        return S * float(rate)
+
+    def pair_probability(self, n_nodes: int) -> float:
+        if self.p["pair_prob"] is not None:
+            return float(self.p["pair_prob"])
+        return min(1.0, self.expected_pair_updates(n_nodes))
+
+    def pair_scale(self, n_nodes: int) -> float:
+        """How many of the paper's pair updates one exchange stands for (≥ 1)."""
+        if self.p["pair_prob"] is not None:
+            return 1.0
+        return max(1.0, self.expected_pair_updates(n_nodes))
 
     def initiates(self, peer: str) -> bool:
         """Each pair's updates are started by one end only, the smaller id. The update is projected
@@ -96,9 +107,11 @@ class COBO(Strategy):
         apply them in the same order."""
         return self.node_id < peer
 
-    async def _align(self, peer: str, x: Params, xj: Params) -> float | None:
+    async def _align(self, peer: str, x: Params, xj: Params, scale: float = 1.0) -> float | None:
         z = midpoint(x, xj)
         g, _ = await self.compute(self.learner.gradient, z, "train", self.p["grad_samples"])
+        if scale != 1.0:
+            g = C.scale(g, scale)
         rep = await self.net.cross_gradient(peer, z, max_samples=self.p["grad_samples"], align_with=g)
         if rep is None or rep.inner_product is None or not math.isfinite(rep.inner_product):
             return None
@@ -109,14 +122,14 @@ class COBO(Strategy):
         for p in peers:
             self._w.setdefault(p, 1.0)
         x = self.learner.get_params()
-        prob = self.pair_probability(len(peers) + 1)
+        prob, scale = self.pair_probability(len(peers) + 1), self.pair_scale(len(peers) + 1)
         sampled = [p for p in peers if self.initiates(p) and self.rng.random() < prob]
         need = sorted(set(sampled) | {p for p in peers if self._wij(p) > 0})
         snaps = await gather_bounded({p: self.net.pull(p) for p in need})
         snaps = {p: s for p, s in snaps.items() if C.same_shapes(s.params, x)}
 
         # Client-Selection (eq. 1/4) at the midpoints, before the model step (Alg. 1 l.2)
-        ips = await gather_bounded({p: self._align(p, x, snaps[p].params) for p in sampled if p in snaps})
+        ips = await gather_bounded({p: self._align(p, x, snaps[p].params, scale) for p in sampled if p in snaps})
         for p, ip in ips.items():
             self._w[p] = cobo_pair_update(self._wij(p), ip, float(self.p["gamma"]))
             self._last_ip[p] = ip
@@ -134,7 +147,7 @@ class COBO(Strategy):
             self._steps += 1
         self._t += 1
         return RoundReport(train_loss=sum(losses) / len(losses), contacted=sorted(snaps),
-                           info={"pairs": sorted(ips), "pair_prob": prob})
+                           info={"pairs": sorted(ips), "pair_prob": prob, "pair_scale": scale})
 
     def on_alignment(self, peer: str, inner_product: float) -> None:
         """Served side of a pair update: w_ji moves by the same γ⟨·,·⟩ the requester applies."""
