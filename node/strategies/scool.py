@@ -267,6 +267,8 @@ class SCoolAttention(_SCoolBase):
     name = "scool-attention"
     defaults: dict[str, Any] = {
         **_SCoolBase.defaults,
+        "tau": 2.0,               # App. C.1 temperature (*code* range 1–2), as SBM: at 1 the own-data
+                                  # likelihood term left every peer's w_ij near zero once models fit
         "keep_fraction": 0.1,     # App. C.1: remove 90% of neighbours (non-iid) after 10 rounds
         "encoder_dims": [10, 5],  # App. C.1: two FC layers with output dims (10, 5)
         "encoder_lr": 0.1,        # App. C.1: Adam, learning rate 0.1
