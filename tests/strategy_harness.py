@@ -387,3 +387,14 @@ def in_cluster_mass(hub: Hub) -> tuple[float, list[float], float]:
 
 def mean_test_acc(hub: Hub) -> float:
     return float(np.mean([n.strategy.evaluate().get("test_acc", float("nan")) for n in hub.nodes.values()]))
+
+
+def assert_same_optimizer_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
+    """Two optimizers hold the same per-parameter state (Adam moments and step counts)."""
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    assert sa and sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].keys() == sb[k].keys()
+        for n in sa[k]:
+            assert torch.equal(torch.as_tensor(sa[k][n]), torch.as_tensor(sb[k][n])), (k, n)
+

@@ -11,7 +11,9 @@ import torch
 from coterie.node.strategies import common as C
 from coterie.node.strategies.scool import (SCoolAttention, SCoolSBM, attention_weights, row_with_self,
                                            sbm_estep_node)
-from strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
+from coterie.node.wire.codec import pack_state, unpack_state
+from strategy_harness import (assert_same_optimizer_state, build_network, in_cluster_mass,
+                              msgpack_roundtrip_state, run_rounds)
 
 torch.set_num_threads(1)
 
@@ -168,4 +170,8 @@ def test_attention_in_process_network_and_encoder_gossip():
     s2 = SCoolAttention("n3", s.learner, s.net, seed=5)
     s2.load_state_dict(msgpack_roundtrip_state(s.state_dict()))
     assert s2.public_state() == s.public_state()
+    assert_same_optimizer_state(s2.opt, s.opt)  # Adam moments resume (else lr-sized steps again)
+    s3 = type(s)(s.node_id, s.learner, s.net, s.p, seed=3)
+    s3.load_state_dict(unpack_state(pack_state(s.state_dict())))  # the daemon's on-disk format
+    assert_same_optimizer_state(s3.opt, s.opt)
     assert torch.allclose(s2.encoder.get_vector(), s.encoder.get_vector())

@@ -316,6 +316,26 @@ def set_encoder_pending(encoder: UpdateEncoder, x: Any) -> None:
     encoder.pending = v if v is not None and v.size == encoder.num_params() else None
 
 
+def optimizer_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """A torch optimizer's per-parameter state (Adam moments and step counts), for state_dict:
+    resuming without it restarts Adam's bias correction, i.e. lr-sized steps on every parameter."""
+    return {str(k): {n: (v.detach().clone() if torch.is_tensor(v) else v) for n, v in st.items()}
+            for k, st in opt.state_dict()["state"].items()}
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, state: dict[str, Any] | None) -> None:
+    """Inverse of ``optimizer_state``; ignores a state that does not fit this optimizer."""
+    if not state:
+        return
+    sd = opt.state_dict()
+    try:
+        sd["state"] = {int(k): {n: (torch.as_tensor(v).clone() if not isinstance(v, (int, float)) else v)
+                                for n, v in st.items()} for k, st in state.items()}
+        opt.load_state_dict(sd)
+    except (ValueError, KeyError, TypeError, RuntimeError):
+        return
+
+
 def encoder_average(encoder: UpdateEncoder, replies: Iterable[dict[str, Any] | None]) -> int:
     """Requester side: my copy (queued corrections folded in) ← mean of it and the copies peers
     replied with (*decentral* replacement of the AllReduce of meta-L2C Alg. 1 l.24). Returns how

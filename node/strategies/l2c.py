@@ -233,7 +233,8 @@ class MetaL2C(L2C):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "encoder": C.vec_to_wire(self.encoder.get_vector()),
-                "encoder_pending": C.encoder_pending_state(self.encoder)}
+                "encoder_pending": C.encoder_pending_state(self.encoder),
+                "encoder_opt": C.optimizer_state(self.opt)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -241,3 +242,4 @@ class MetaL2C(L2C):
         if v is not None and v.size == self.encoder.num_params():
             self.encoder.set_vector(v)
         C.set_encoder_pending(self.encoder, state.get("encoder_pending"))
+        C.load_optimizer_state(self.opt, state.get("encoder_opt"))

@@ -337,7 +337,8 @@ class SCoolAttention(_SCoolBase):
         return {**self._base_state(), "theta0": C.params_state(self.theta0),
                 "update": C.params_state(self._update), "p": dict(self._p),
                 "encoder": C.vec_to_wire(self.encoder.get_vector()),
-                "encoder_pending": C.encoder_pending_state(self.encoder)}
+                "encoder_pending": C.encoder_pending_state(self.encoder),
+                "encoder_opt": C.optimizer_state(self.opt)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load_base(state)
@@ -349,3 +350,4 @@ class SCoolAttention(_SCoolBase):
         if v is not None and v.size == self.encoder.num_params():
             self.encoder.set_vector(v)
         C.set_encoder_pending(self.encoder, state.get("encoder_pending"))
+        C.load_optimizer_state(self.opt, state.get("encoder_opt"))
