@@ -10,7 +10,7 @@ import torch
 
 from coterie.node.strategies import common as C
 from coterie.node.strategies.scool import (SCoolAttention, SCoolSBM, attention_weights, row_with_self,
-                                           sbm_estep_node)
+                                           sbm_alpha_mstep, sbm_B_mstep, sbm_estep_node, sbm_node_stats)
 from coterie.node.wire.codec import pack_state, unpack_state
 from strategy_harness import (assert_same_optimizer_state, build_network, in_cluster_mass,
                               msgpack_roundtrip_state, run_rounds)
@@ -90,6 +90,67 @@ def test_attention_estep_eq29():
     p = np.exp(logits) / np.exp(logits).sum()
     ref = np.exp(y / 2.0) * p
     assert np.allclose(attention_weights(y, logits, 2.0), ref / ref.sum())
+
+
+def test_prior_msteps_from_per_node_terms_match_the_graph_sums():
+    """Eq. 52 (B) and eq. 50 (α) transcribed over the whole graph equal the M-steps computed from
+    the sum of the per-node terms each node can compute alone."""
+    rng = np.random.default_rng(3)
+    K, G = 5, 3
+    Om = rng.dirichlet(np.ones(G), size=K)
+    W = rng.uniform(size=(K, K))
+    gamma = Om + 0.7
+    ids = [f"n{i}" for i in range(K)]
+    B0 = np.full((G, G), 0.3)
+    num, den = np.zeros((G, G)), np.zeros((G, G))
+    for i in range(K):
+        for j in range(K):
+            if i != j:
+                for g in range(G):
+                    for h in range(G):
+                        num[g, h] += W[i, j] * Om[i, g] * Om[j, h]
+                        den[g, h] += Om[i, g] * Om[j, h]
+    stats = [sbm_node_stats({ids[j]: W[i, j] for j in range(K) if j != i}, Om[i],
+                            {ids[j]: Om[j] for j in range(K) if j != i}, gamma[i]) for i in range(K)]
+    N, D = sum(st["N"] for st in stats), sum(st["D"] for st in stats)
+    np.testing.assert_allclose(sbm_B_mstep(N, D, B0), num / den)
+    np.testing.assert_allclose(sbm_B_mstep(N / K, D / K, B0), num / den)  # network means do too
+    alpha = np.array([0.5, 1.0, 2.0])
+    s_ref = sum(_digamma(gamma[i]) - _digamma(gamma[i].sum()) for i in range(K))
+    grad = s_ref - K * _digamma(alpha) + K * _digamma(alpha.sum())
+    np.testing.assert_allclose(sbm_alpha_mstep(alpha, sum(st["s"] for st in stats), K, 0.01),
+                               np.maximum(alpha + 0.01 * grad, 1e-3))
+
+
+def test_learned_prior_tracks_the_network_by_gossip():
+    """learn_B/learn_alpha: the tracked estimates always sum to the sum of the current per-node
+    terms (pairwise exchanges move both ends by opposite amounts), and every node's B ends near
+    the B of eq. 24 computed from the whole graph."""
+    hub = build_network(SCoolSBM, {"learn_B": True, "learn_alpha": True, "prune_after": 0},
+                        num_nodes=6, num_clusters=2, learner_kw={"local_steps": 20})
+    asyncio.run(run_rounds(hub, 8))
+    strategies = [n.strategy for n in hub.nodes.values()]
+    for k in ("N", "D", "s"):
+        est = sum(s._est[k] for s in strategies)
+        mine = sum(s._mine[k] for s in strategies)
+        np.testing.assert_allclose(est, mine, rtol=1e-4, atol=1e-4)
+    B_graph = sbm_B_mstep(sum(s._mine["N"] for s in strategies), sum(s._mine["D"] for s in strategies),
+                          strategies[0].B)
+    for s in strategies:
+        assert np.abs(s.B - B_graph).max() < 0.05, (s.B, B_graph)
+        assert not np.allclose(s.B, [[0.8, 0.2], [0.2, 0.8]])  # it moved
+        assert not np.allclose(s.alpha, 1.0)
+    s = strategies[0]
+    before = {k: v.copy() for k, v in s._est.items()}
+    for bad in ({"N": [1.0] * 3, "D": [1.0] * 4, "s": [0.0] * 2},            # wrong size
+                {"N": [float("nan")] * 4, "D": [1.0] * 4, "s": [0.0] * 2},   # not finite
+                "garbage"):
+        assert "omega" in s.on_gossip("n1", "omega", {"omega": [0.5, 0.5], "stats": bad, "mix": 0.5})
+    assert all(np.array_equal(s._est[k], before[k]) for k in before)
+    s2 = SCoolSBM(s.node_id, s.learner, s.net, s.p, seed=77)
+    s2.load_state_dict(unpack_state(pack_state(s.state_dict())))
+    assert np.array_equal(s2.B, s.B) and np.array_equal(s2.alpha, s.alpha)
+    assert all(np.array_equal(s2._est[k], s._est[k]) for k in s._est)
 
 
 def test_mixing_round_matches_reference():

@@ -19,9 +19,15 @@ Round at node i:
     ``exact_steps`` steps with my optimizer (each step one cross-gradient request per peer).
   Pruning (App. C.1): after round ``prune_after`` keep the top ``keep_fraction`` peers by w; the
     rest are no longer contacted.
-Fixed, as in the code: B = [[.8,.2],[.2,.8]] (M-step eq. 24 not applied), α = 1 (eq. 23 not
-applied), λ θ_i left to the learner's weight decay, and the attention M-step term
-−Σ w_ij ∇θ log p_ij of eq. 30 is not applied to θ.
+SBM prior M-step: by default fixed, as in the code (B = [[.8,.2],[.2,.8]], α = 1). With
+``learn_B`` / ``learn_alpha`` the paper's M-steps run: B = Σ_ij w_ij Ω_i Ω_jᵀ / Σ_ij Ω_i Ω_jᵀ
+(eq. 24 / 52) and a gradient-ascent step on α (eq. 23 / 50). Both are sums over the whole graph;
+*decentral*: each node tracks the network average of the per-node terms (its own row's
+N_i = Σ_j w_ij Ω_i Ω_jᵀ, D_i = Σ_j Ω_i Ω_jᵀ, s_i = ψ(γ_i) − ψ(Σγ_i)) by dynamic average consensus:
+its estimate moves by the change of its own term each round and is averaged pairwise with the
+peers it gossips Ω with, so the sum of the estimates always equals the sum of the current terms.
+λ θ_i is left to the learner's weight decay, and the attention M-step term −Σ w_ij ∇θ log p_ij
+of eq. 30 is not applied to θ.
 """
 from __future__ import annotations
 
@@ -68,6 +74,39 @@ def row_with_self(raw: dict[str, float], self_id: str, self_weight: float = 1.0)
     """Row-normalise {self: self_weight} ∪ raw peer weights (*code*: rows normalised)."""
     row = {self_id: self_weight, **{k: v for k, v in raw.items() if k != self_id}}
     return C.normalise_row(row)
+
+
+# --- SBM prior M-step (eqs. 23–24 = App. D eqs. 50, 52) ---
+
+
+def sbm_node_stats(w: dict[str, float], omega_i: np.ndarray, omegas: dict[str, np.ndarray],
+                   gamma_i: np.ndarray) -> dict[str, np.ndarray]:
+    """Node i's terms of the graph sums: N_i = Σ_j w_ij Ω_i Ω_jᵀ, D_i = Σ_j Ω_i Ω_jᵀ over its
+    peers j (eq. 52) and s_i = ψ(γ_i) − ψ(Σ_k γ_ik) (eq. 50)."""
+    g = omega_i.size
+    N, D = np.zeros((g, g)), np.zeros((g, g))
+    for j, wij in w.items():
+        if j in omegas:
+            outer = np.outer(omega_i, omegas[j])
+            N += wij * outer
+            D += outer
+    return {"N": N, "D": D, "s": digamma(gamma_i) - digamma(gamma_i.sum())}
+
+
+def sbm_B_mstep(N: np.ndarray, D: np.ndarray, B: np.ndarray, eps: float = 1e-3) -> np.ndarray:
+    """B(g,h) = Σ_ij w_ij Ω_ig Ω_jh / Σ_ij Ω_ig Ω_jh (eq. 24 / 52), from the sums (or any common
+    multiple of them, e.g. network averages); entries without evidence keep their value."""
+    out = B.copy()
+    ok = D > 1e-12
+    out[ok] = np.clip(N[ok] / D[ok], eps, 1 - eps)
+    return out
+
+
+def sbm_alpha_mstep(alpha: np.ndarray, s_sum: np.ndarray, K: int, lr: float, floor: float = 1e-3) -> np.ndarray:
+    """α_g ← α_g + η (Σ_i (ψ(γ_ig) − ψ(Σ_k γ_ik)) − K ψ(α_g) + K ψ(Σ_k α_k)) (eq. 23 / 50; the
+    paper prints KΣ_gψ(α_g), but the derivative of the Dirichlet normaliser is Kψ(α_g))."""
+    grad = s_sum - K * digamma(alpha) + K * digamma(alpha.sum())
+    return np.maximum(alpha + lr * grad, floor)
 
 
 # --- attention E-step (eq. 29) ---
@@ -199,7 +238,10 @@ class SCoolSBM(_SCoolBase):
         "num_blocks": 2,          # *code*: 2 SBM blocks
         "B_in": 0.8,              # *code*: B fixed at [[.8,.2],[.2,.8]]
         "B_out": 0.2,             # (M-step eq. 24 not applied)
-        "dirichlet_alpha": 1.0,   # α of π_i ~ Dir(α) (§4.2); kept fixed (eq. 23 not applied)
+        "dirichlet_alpha": 1.0,   # α of π_i ~ Dir(α) (§4.2) at the start
+        "learn_B": False,         # *code*: B fixed; True = M-step eq. 24 (module doc)
+        "learn_alpha": False,     # *code*: α fixed; True = M-step eq. 23
+        "alpha_lr": 0.01,         # η2 of eq. 23 (no value in the paper or code)
     }
 
     def __init__(self, *a: Any, **kw: Any):
@@ -212,10 +254,43 @@ class SCoolSBM(_SCoolBase):
         self.gamma = self.omega + self.alpha
         self._omegas: dict[str, np.ndarray] = {}
         self._w_in: dict[str, float] = {}
+        zero = {"N": np.zeros((g, g)), "D": np.zeros((g, g)), "s": np.zeros(g)}
+        self._est = {k: v.copy() for k, v in zero.items()}    # my estimate of the network mean
+        self._mine = {k: v.copy() for k, v in zero.items()}   # my own current terms
 
-    def _omega_payload(self, peer: str) -> dict[str, Any]:
-        return {"omega": C.vec_to_wire(self.omega), "w": float(self._raw.get(peer, -1.0))}
+    @property
+    def learns_prior(self) -> bool:
+        return bool(self.p["learn_B"]) or bool(self.p["learn_alpha"])
 
+    def _omega_payload(self, peer: str, mix: float = 0.0) -> dict[str, Any]:
+        msg: dict[str, Any] = {"omega": C.vec_to_wire(self.omega), "w": float(self._raw.get(peer, -1.0))}
+        if self.learns_prior:
+            msg["stats"] = {k: C.vec_to_wire(v) for k, v in self._est.items()}
+            msg["mix"] = mix
+        return msg
+
+    def _read_stats(self, msg: dict[str, Any] | None) -> dict[str, np.ndarray] | None:
+        st = msg.get("stats") if isinstance(msg, dict) else None
+        if not self.learns_prior or not isinstance(st, dict):
+            return None
+        out = {}
+        for k, mine in self._est.items():
+            v = C.vec_from_wire(st.get(k))
+            # tracked means may dip below zero while a node's own term shrinks: only shape and
+            # finiteness (vec_from_wire) are checked
+            if v is None or v.size != mine.size:
+                return None  # malformed: ignore the whole message rather than half of it
+            out[k] = v.reshape(mine.shape)
+        return out
+
+    def _mix_stats(self, eps: float, pairs: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]) -> None:
+        """est += ε Σ (theirs − mine-as-sent): both ends of an exchange move by opposite amounts
+        (the requester sends ε = 1/(peers+1), the server applies the same ε), so the network sum
+        of the estimates is kept whatever the interleaving of rounds (a reply lost after the
+        server applied its side leaves the sum off by that exchange; B and α only use ratios and
+        means, so they stay well defined)."""
+        for k in self._est:
+            self._est[k] = self._est[k] + eps * sum(th[k] - mine[k] for th, mine in pairs)
     def _take_omega(self, peer: str, msg: dict[str, Any] | None) -> None:
         if not msg:
             return
@@ -231,28 +306,57 @@ class SCoolSBM(_SCoolBase):
             return None
         reply = self._omega_payload(peer)
         self._take_omega(peer, payload)
+        theirs = self._read_stats(payload)
+        eps = payload.get("mix") if isinstance(payload, dict) else None
+        if theirs is not None and isinstance(eps, (int, float)) and 0.0 < eps <= 0.5:
+            self._mix_stats(float(eps), [(theirs, {k: v.copy() for k, v in self._est.items()})])
         return reply
+
+    def _prior_mstep(self, w: dict[str, float]) -> None:
+        """Track the network means of the eq. 23–24 terms, then apply the M-steps from them."""
+        new = sbm_node_stats(w, self.omega, self._omegas, self.gamma)
+        for k in self._est:
+            self._est[k] = self._est[k] + new[k] - self._mine[k]
+        self._mine = new
+        if self.p["learn_B"]:
+            self.B = sbm_B_mstep(self._est["N"], self._est["D"], self.B)
+        if self.p["learn_alpha"]:
+            K = len(set(self.net.known_peers()) | {self.node_id})
+            self.alpha = sbm_alpha_mstep(self.alpha, K * self._est["s"], K, float(self.p["alpha_lr"]))
 
     async def _estep(self, rnd: int, theta_half: Params, snaps: dict) -> None:
         peers = sorted(set(self._Y) & set(self.candidates() if self._kept is None else self._kept))
-        replies = await gather_bounded({p: self.net.gossip(p, "omega", self._omega_payload(p)) for p in peers})
+        eps = 1.0 / (len(peers) + 1)
+        sent = {k: v.copy() for k, v in self._est.items()}
+        replies = await gather_bounded({p: self.net.gossip(p, "omega", self._omega_payload(p, eps)) for p in peers})
+        pairs = []
         for p, msg in replies.items():
             self._take_omega(p, msg)
+            theirs = self._read_stats(msg)
+            if theirs is not None:
+                pairs.append((theirs, sent))
+        if pairs:
+            self._mix_stats(eps, pairs)
         Y = {p: self._Y[p] for p in self._Y if self._kept is None or p in self._kept}
         w, self.gamma, self.omega = sbm_estep_node(Y, self.omega, self._omegas, self._w_in, self.B,
                                                    self.alpha, float(self.p["tau"]))
         self._raw.update(w)
+        if self.learns_prior:
+            self._prior_mstep(w)
         keep = self._raw if self._kept is None else {p: v for p, v in self._raw.items() if p in self._kept}
         self._row = row_with_self(keep, self.node_id)
 
     def public_state(self) -> dict[str, Any]:
         return {"omega": self.omega.tolist(), "gamma": self.gamma.tolist(), "B": self.B.tolist(),
-                "evidence": dict(self._Y), "w_raw": dict(self._raw), "kept": self._kept,
+                "alpha": self.alpha.tolist(), "evidence": dict(self._Y), "w_raw": dict(self._raw), "kept": self._kept,
                 "peer_omega": {k: v.tolist() for k, v in self._omegas.items()}, "rounds": self._t}
 
     def state_dict(self) -> dict[str, Any]:
         return {**self._base_state(), "omega": self.omega.tolist(), "gamma": self.gamma.tolist(),
-                "omegas": {k: v.tolist() for k, v in self._omegas.items()}, "w_in": dict(self._w_in)}
+                "omegas": {k: v.tolist() for k, v in self._omegas.items()}, "w_in": dict(self._w_in),
+                "B": self.B.tolist(), "alpha": self.alpha.tolist(),
+                "est": {k: v.tolist() for k, v in self._est.items()},
+                "mine": {k: v.tolist() for k, v in self._mine.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load_base(state)
@@ -261,6 +365,14 @@ class SCoolSBM(_SCoolBase):
             self.gamma = np.asarray(state["gamma"], dtype=np.float64)
         self._omegas = {str(k): np.asarray(v, dtype=np.float64) for k, v in state.get("omegas", {}).items()}
         self._w_in = {str(k): float(v) for k, v in state.get("w_in", {}).items()}
+        if "B" in state and np.shape(state["B"]) == self.B.shape:
+            self.B = np.asarray(state["B"], dtype=np.float64)
+        if "alpha" in state and np.shape(state["alpha"]) == self.alpha.shape:
+            self.alpha = np.asarray(state["alpha"], dtype=np.float64)
+        for name, target in (("est", self._est), ("mine", self._mine)):
+            for k, v in (state.get(name) or {}).items():
+                if k in target and np.shape(v) == target[k].shape:
+                    target[k] = np.asarray(v, dtype=np.float64)
 
 
 class SCoolAttention(_SCoolBase):
