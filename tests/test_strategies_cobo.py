@@ -54,16 +54,19 @@ def test_symmetric_pair_update_at_midpoint_matches_reference():
     assert a.strategy.public_state()["last_inner_product"]["n1"] == pytest.approx(ip, rel=1e-5)
 
 
-def test_round_applies_penalised_steps():
-    """With ρ > 0, w = 1 and γ = 0 the model step is eq. 3 with the momentum-free gradient."""
-    params = {"gamma": 0.0, "rho": 0.5, "local_steps": 1, "grad_samples": None, "grad_momentum": 0.0}
+@pytest.mark.parametrize("optimizer,eta", [("sgd", 0.2), ("learner", 0.1)])
+def test_round_applies_penalised_steps(optimizer, eta):
+    """With ρ > 0, w = 1 and γ = 0 the model step is eq. 3 with the momentum-free gradient: a
+    plain step of COBO's own η = 0.2, or the learner's optimizer (here SGD, lr 0.1)."""
+    params = {"gamma": 0.0, "rho": 0.5, "local_steps": 1, "grad_samples": None, "grad_momentum": 0.0,
+              "lr": 0.2, "optimizer": optimizer}
     hub = build_network(COBO, params, num_nodes=2, num_clusters=1, learner_kw={"lr": 0.1})
     n0 = hub.nodes["n0"]
     hub.nodes["n1"].learner.train(3)
     hub.publish("n1", 0)
     x = n0.learner.get_params()
     g, _ = n0.learner.gradient(x, "train", None)
-    ref = cobo_model_step(x, g, [(1.0, hub.nodes["n1"].snapshot.params)], 0.1, 0.5)
+    ref = cobo_model_step(x, g, [(1.0, hub.nodes["n1"].snapshot.params)], eta, 0.5)
     asyncio.run(n0.strategy.run_round(1))
     after = n0.learner.get_params()
     assert all(torch.allclose(after[k], ref[k], atol=1e-6) for k in x)
