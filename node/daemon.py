@@ -246,7 +246,6 @@ class Node:
                 continue
             self.round = rnd
             self.publish()
-            await asyncio.to_thread(self._checkpoint)
             sent, received = self.stats.take_round()
             record = {"round": rnd, "t": time.time(), "duration_s": round(time.monotonic() - t0, 4),
                       "model_version": self.version, "train_loss": report.train_loss, "eval": evaluation,
@@ -254,7 +253,11 @@ class Node:
                       "bytes_sent": sent, "bytes_received": received, "info": report.info,
                       "peers_alive": len(self.peers.alive())}
             self.history.append(record)
+            # history first, checkpoint second: a crash between the two leaves the history one
+            # round ahead, which a restart trims to the checkpoint (read_history(upto_round)).
+            # The other order left a checkpoint with no history line, and a gap after the restart.
             await asyncio.to_thread(self.store.append_history, record)
+            await asyncio.to_thread(self._checkpoint)
             self.last_eval = evaluation
             self.m_rounds.inc()
             self.m_round.set(rnd)

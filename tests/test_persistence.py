@@ -88,3 +88,46 @@ def test_history_drops_a_torn_last_line_and_rounds_past_the_checkpoint(tmp_path)
         f.write('{"round": 4, "tor')
     assert [h["round"] for h in store.read_history(upto_round=2)] == [1, 2]
     assert [h["round"] for h in store.read_history()] == [1, 2, 3]
+
+
+def test_a_round_is_in_the_history_before_its_checkpoint(tmp_path, monkeypatch):
+    """A crash between the two writes must leave the history ahead of the checkpoint (a restart
+    trims it), never behind: a checkpoint of round r with no history line for r resumed into a
+    history with a gap (seen as a flaky kill -9 integration test)."""
+    import asyncio
+    import json
+    import time
+
+    from coterie.node.config import validate_config
+    from coterie.node.daemon import Node
+
+    seen: list[tuple[int, list[int]]] = []
+    real = Node._checkpoint
+
+    def checkpoint(self):
+        lines = self.store.history_path.read_text().splitlines() if self.store.history_path.exists() else []
+        seen.append((self.round, [json.loads(x)["round"] for x in lines]))
+        real(self)
+
+    monkeypatch.setattr(Node, "_checkpoint", checkpoint)
+    cfg = validate_config({"node_id": "solo", "state_dir": str(tmp_path / "solo"), "strategy": "local",
+                           "rounds": 3, "min_peers": 0, "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
+                           "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 600},
+                                       "partition": "iid", "num_nodes": 1, "model": "linear",
+                                       "local_steps": 2}})
+
+    async def go():
+        node = Node(cfg)
+        await node.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not node.done:
+                assert time.monotonic() < deadline and node.healthy(), "solo node did not finish 3 rounds"
+                await asyncio.sleep(0.05)
+        finally:
+            await node.stop()
+    asyncio.run(go())
+    assert [r for r, _ in seen if r > 0] == [1, 2, 3]
+    for rnd, hist in seen:
+        if rnd > 0:
+            assert hist and hist[-1] == rnd, (rnd, hist)
