@@ -390,16 +390,14 @@ def mean_test_acc(hub: Hub) -> float:
     return float(np.mean([n.strategy.evaluate().get("test_acc", float("nan")) for n in hub.nodes.values()]))
 
 
-def assert_encoder_resumes(s: Strategy) -> Strategy:
+def assert_encoder_resumes(s: Strategy) -> None:
     """A strategy with a learned encoder, rebuilt from its state_dict through the daemon's on-disk
-    format, holds the same encoder and the same Adam state (else lr-sized steps again). Returns
-    the copy."""
+    format, holds the same encoder and the same Adam state (else lr-sized steps again)."""
     s2 = type(s)(s.node_id, s.learner, s.net, s.p, seed=3)
     s2.load_state_dict(unpack_state(pack_state(s.state_dict())))
     assert s2.public_state() == s.public_state()
     assert torch.allclose(s2.encoder.get_vector(), s.encoder.get_vector())
     assert_same_optimizer_state(s2.opt, s.opt)
-    return s2
 
 
 def assert_same_optimizer_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:

@@ -1,15 +1,20 @@
 """State directory: atomic checkpoints survive kill -9 at any moment; corruption is reported."""
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 
+from coterie.node.config import validate_config
+from coterie.node.daemon import Node
 from coterie.node.learning.config import LearnerConfig
 from coterie.node.learning.torch_learner import build_learner
 from coterie.node.persistence import StateError, StateStore
@@ -94,13 +99,6 @@ def test_a_round_is_in_the_history_before_its_checkpoint(tmp_path, monkeypatch):
     """A crash between the two writes must leave the history ahead of the checkpoint (a restart
     trims it), never behind: a checkpoint of round r with no history line for r resumed into a
     history with a gap (seen as a flaky kill -9 integration test)."""
-    import asyncio
-    import json
-    import time
-
-    from coterie.node.config import validate_config
-    from coterie.node.daemon import Node
-
     seen: list[tuple[int, list[int]]] = []
     real = Node._checkpoint
 

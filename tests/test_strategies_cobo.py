@@ -75,11 +75,10 @@ def test_round_applies_penalised_steps(optimizer, eta):
 def test_pair_probability_schedule():
     hub = build_network(COBO, {"local_steps": 2}, num_nodes=2, num_clusters=1)
     s = hub.nodes["n0"].strategy
-    assert s.pair_probability(20) == pytest.approx(2 * 2 / 20)
-    assert s.pair_scale(20) == 1.0
-    assert s.pair_probability(3) == 1.0 and s.pair_scale(3) == pytest.approx(2 * 2 / 3)  # k > 1
+    assert s.pair_schedule(20) == pytest.approx((2 * 2 / 20, 1.0))
+    assert s.pair_schedule(3) == pytest.approx((1.0, 2 * 2 / 3))  # k > 1: one exchange stands for k
     s._steps = 1600
-    assert s.pair_probability(20) == pytest.approx(2 / 40)  # S/√t after 800 steps
+    assert s.pair_schedule(20) == pytest.approx((2 / 40, 1.0))  # S/√t after 800 steps
 
 
 def test_an_exchange_standing_for_k_pair_updates_moves_both_ends_by_k():

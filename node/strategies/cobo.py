@@ -92,16 +92,13 @@ class COBO(Strategy):
             rate = min(rate, 1.0 / math.sqrt(max(self._steps, 1)))
         return S * float(rate)
 
-    def pair_probability(self, n_nodes: int) -> float:
+    def pair_schedule(self, n_nodes: int) -> tuple[float, float]:
+        """(probability that a pair is updated this exchange, how many of the paper's updates
+        the one exchange stands for): (min(1, k), max(1, k)), or (pair_prob, 1) if overridden."""
         if self.p["pair_prob"] is not None:
-            return float(self.p["pair_prob"])
-        return min(1.0, self.expected_pair_updates(n_nodes))
-
-    def pair_scale(self, n_nodes: int) -> float:
-        """How many of the paper's pair updates one exchange stands for (≥ 1)."""
-        if self.p["pair_prob"] is not None:
-            return 1.0
-        return max(1.0, self.expected_pair_updates(n_nodes))
+            return float(self.p["pair_prob"]), 1.0
+        k = self.expected_pair_updates(n_nodes)
+        return min(1.0, k), max(1.0, k)
 
     def initiates(self, peer: str) -> bool:
         """Each pair's updates are started by one end only, the smaller id. The update is projected
@@ -127,7 +124,7 @@ class COBO(Strategy):
         for p in peers:
             self._w.setdefault(p, 1.0)
         x = self.learner.get_params()
-        prob, scale = self.pair_probability(len(peers) + 1), self.pair_scale(len(peers) + 1)
+        prob, scale = self.pair_schedule(len(peers) + 1)
         sampled = [p for p in peers if self.initiates(p) and self.rng.random() < prob]
         need = sorted(set(sampled) | {p for p in peers if self._wij(p) > 0})
         snaps = await gather_bounded({p: self.net.pull(p) for p in need})

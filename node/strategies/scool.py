@@ -283,14 +283,16 @@ class SCoolSBM(_SCoolBase):
             out[k] = v.reshape(mine.shape)
         return out
 
-    def _mix_stats(self, eps: float, pairs: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]) -> None:
-        """est += ε Σ (theirs − mine-as-sent): both ends of an exchange move by opposite amounts
-        (the requester sends ε = 1/(peers+1), the server applies the same ε), so the network sum
-        of the estimates is kept whatever the interleaving of rounds (a reply lost after the
-        server applied its side leaves the sum off by that exchange; B and α only use ratios and
-        means, so they stay well defined)."""
-        for k in self._est:
-            self._est[k] = self._est[k] + eps * sum(th[k] - mine[k] for th, mine in pairs)
+    def _mix_stats(self, eps: float, theirs: list[dict[str, np.ndarray]], ref: dict[str, np.ndarray]) -> None:
+        """est += ε Σ (theirs − ref), ref = my estimate as I sent it (requester) or as I replied
+        with it (server): both ends of an exchange move by opposite amounts (the requester sends
+        ε = 1/(peers+1), the server applies the same ε), so the network sum of the estimates is
+        kept whatever the interleaving of rounds (a reply lost after the server applied its side
+        leaves the sum off by that exchange; B and α only use ratios and means, so they stay
+        well defined)."""
+        self._est = {k: self._est[k] + eps * sum(t[k] - ref[k] for t in theirs)
+                     for k in self._est}
+
     def _take_omega(self, peer: str, msg: dict[str, Any] | None) -> None:
         if not msg:
             return
@@ -309,7 +311,7 @@ class SCoolSBM(_SCoolBase):
         theirs = self._read_stats(payload)
         eps = payload.get("mix") if isinstance(payload, dict) else None
         if theirs is not None and isinstance(eps, (int, float)) and 0.0 < eps <= 0.5:
-            self._mix_stats(float(eps), [(theirs, {k: v.copy() for k, v in self._est.items()})])
+            self._mix_stats(float(eps), [theirs], self._est)
         return reply
 
     def _prior_mstep(self, w: dict[str, float]) -> None:
@@ -329,14 +331,13 @@ class SCoolSBM(_SCoolBase):
         eps = 1.0 / (len(peers) + 1)
         sent = {k: v.copy() for k, v in self._est.items()}
         replies = await gather_bounded({p: self.net.gossip(p, "omega", self._omega_payload(p, eps)) for p in peers})
-        pairs = []
+        theirs = []
         for p, msg in replies.items():
             self._take_omega(p, msg)
-            theirs = self._read_stats(msg)
-            if theirs is not None:
-                pairs.append((theirs, sent))
-        if pairs:
-            self._mix_stats(eps, pairs)
+            stats = self._read_stats(msg)
+            if stats is not None:
+                theirs.append(stats)
+        self._mix_stats(eps, theirs, sent)
         Y = {p: self._Y[p] for p in self._Y if self._kept is None or p in self._kept}
         w, self.gamma, self.omega = sbm_estep_node(Y, self.omega, self._omegas, self._w_in, self.B,
                                                    self.alpha, float(self.p["tau"]))

@@ -29,10 +29,8 @@ LINGER_S = 2.0
 
 
 async def _linger(frames) -> None:
-    drained = 0
-
-    async def drain():
-        nonlocal drained
+    async def drain() -> None:
+        drained = 0
         async for msg in frames:
             drained += msg.ByteSize()
             if drained > LINGER_BYTES:
@@ -40,7 +38,7 @@ async def _linger(frames) -> None:
 
     try:
         await asyncio.wait_for(drain(), LINGER_S)
-    except (asyncio.TimeoutError, grpc.RpcError, StopAsyncIteration):
+    except (asyncio.TimeoutError, grpc.RpcError):
         pass
 
 
@@ -97,16 +95,13 @@ class PeerService(rpc.PeerServicer):
         t0 = time.perf_counter()
         try:
             return await coro
-        except PeerError as e:
-            log.warning("refused %s from %s: %s", kind, context.peer(), e.message)
+        except (PeerError, WireError) as e:
+            code, message = ((e.code, e.message) if isinstance(e, PeerError)
+                             else (grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+            log.warning("refused %s from %s: %s", kind, context.peer(), message)
             if stream is not None:
                 await _linger(stream)
-            await context.abort(e.code, e.message)
-        except WireError as e:
-            log.warning("refused %s from %s: %s", kind, context.peer(), e)
-            if stream is not None:
-                await _linger(stream)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(code, message)
         finally:
             self.h.stats.latency(kind, time.perf_counter() - t0, "server")
 
