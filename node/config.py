@@ -4,12 +4,13 @@ A bad value fails fast with the offending field named (``ConfigError``)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .learning.config import LearnerConfig
 
@@ -18,6 +19,42 @@ PROTOCOL_VERSION = 1
 
 class ConfigError(ValueError):
     """A configuration problem, with the field(s) at fault in the message."""
+
+
+class PrivacyConfig(BaseModel):
+    """What this node lets out about its private data (README "Privacy"). Everything computed on
+    it and sent to a peer (served cross-losses/-gradients, COBO's alignment vector, FedeRiCo's
+    pushed gradients) is a sampled Gaussian mechanism: Poisson batch of expected size >= min_batch,
+    per-sample clipping, Gaussian noise of noise_multiplier x the clip bound; the ledger
+    (privacy-ledger.json in the state dir) composes them with opacus' RDP accountant."""
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True  # False: exact answers (still purpose-bound, min_batch, never test)
+    noise_multiplier: float = Field(1.0, ge=0)  # σ; 0 = clipping only, no guarantee (ε = ∞)
+    grad_clip: float = Field(1.0, gt=0)  # per-sample gradient L2 bound C
+    loss_clip: float = Field(5.0, gt=0)  # per-sample loss bound (losses clipped into [0, bound])
+    delta: float = Field(1e-5, gt=0, lt=1)  # ε is reported at this δ (keep it << 1/samples)
+    budget_epsilon: float = Field(8.0, gt=0)  # total ε; a release that would pass it is refused (inf = no limit)
+    peer_budget_epsilon: float = Field(math.inf, gt=0)  # ε released to any one peer (inf = no limit)
+    min_batch: int = Field(32, ge=1)  # expected samples behind any answer (whole split if smaller)
+    serve_purposes: list[str] | None = None  # None = the purposes of this node's strategy
+
+    @field_validator("serve_purposes")
+    @classmethod
+    def _known_purposes(cls, v: list[str] | None) -> list[str] | None:
+        from .privacy.purposes import PURPOSES
+        unknown = sorted(set(v or ()) - set(PURPOSES))
+        if unknown:
+            raise ValueError(f"unknown purpose(s) {unknown}; known: {sorted(PURPOSES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _budget_needs_noise(self) -> "PrivacyConfig":
+        finite = math.isfinite(self.budget_epsilon) or math.isfinite(self.peer_budget_epsilon)
+        if self.enabled and self.noise_multiplier == 0 and finite:
+            raise ValueError("noise_multiplier = 0 (clipping only) gives no ε guarantee, so no budget "
+                             "can be kept: set budget_epsilon = inf, or a positive noise_multiplier")
+        return self
 
 
 class NodeConfig(BaseModel):
@@ -49,6 +86,7 @@ class NodeConfig(BaseModel):
     chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20)  # stays under gRPC's 4 MiB default
     delay_ms: float = Field(0.0, ge=0)  # artificial one-way latency added to outgoing calls (testbed)
     faulty: Literal["none", "random", "scale"] = "none"  # bad-actor mode: publish garbage models
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     log_level: str = "INFO"
 
     @field_validator("listen", "admin_listen")

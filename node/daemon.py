@@ -33,6 +33,10 @@ from .peering.problems import ProblemLog
 from .peering.served import ServedRequests
 from .peering.snapshots import PublishBoard, SnapshotCache
 from .peering.traffic import TrafficStats
+from .privacy import accountant
+from .privacy.ledger import PrivacyLedger
+from .privacy.mechanisms import PrivateData
+from .privacy.purposes import purposes_of
 from .persistence import StateError, StateStore
 from .strategies.registry import get_strategy
 from .transport.client import PeerClient
@@ -74,6 +78,13 @@ class Node:
         self.m_rejected = self.metrics.counter("coterie_rejected_total", "Peer inputs rejected", ("kind",))
         self.m_round = self.metrics.gauge("coterie_round", "Current round")
         self.m_acc = self.metrics.gauge("coterie_test_accuracy", "Test accuracy after the last round")
+        self.m_eps = self.metrics.gauge("coterie_privacy_epsilon",
+                                        "ε released about this node's data, all peers composed (at privacy.delta)")
+        self.m_eps_peer = self.metrics.gauge("coterie_privacy_peer_epsilon",
+                                             "ε released about this node's data to one peer", ("peer",))
+        self.m_eps_budget = self.metrics.gauge("coterie_privacy_budget_epsilon", "Configured total ε budget")
+        self.m_releases = self.metrics.counter("coterie_privacy_releases_total",
+                                               "Answers computed on this node's data that left it", ("purpose",))
 
         seed = int(hashlib.sha256(f"{cfg.seed}:{self.node_id}".encode()).hexdigest()[:8], 16)
         # the peer plane: who is out there, what this node publishes, what it pulled and was pushed
@@ -89,13 +100,21 @@ class Node:
                                      bootstrap=cfg.peers, heartbeat_interval_s=cfg.heartbeat_interval_s,
                                      request_timeout_s=cfg.request_timeout_s, link_delay_s=cfg.delay_ms / 1000,
                                      rng=random.Random(seed), on_gauges=self._peer_gauges)
+        # privacy: everything computed on my data that leaves (served or sent) goes through one door
+        self.ledger = PrivacyLedger(self.store.dir, delta=cfg.privacy.delta, budget=cfg.privacy.budget_epsilon,
+                                    peer_budget=cfg.privacy.peer_budget_epsilon, on_change=self._privacy_gauges)
+        self._privacy_gauges()
+        self.private = PrivateData(learner, cfg.privacy, self.ledger)
+        self.serves = (tuple(cfg.privacy.serve_purposes) if cfg.privacy.serve_purposes is not None
+                       else purposes_of(cfg.strategy))
         self.network = NodeNetwork(self.node_id, self.client, self.peers, self.cache, self.inbox,
-                                   lambda: self.board.current, self.spec, self.problems,
+                                   lambda: self.board.current, self.spec, self.problems, self.private,
                                    labels=self.labels, request_timeout_s=cfg.request_timeout_s)
         self.strategy = get_strategy(cfg.strategy)(self.node_id, learner, self.network,
                                                    cfg.strategy_params, seed=seed)
-        self.served = ServedRequests(self.node_id, self.info, self.membership, learner, self.spec,
+        self.served = ServedRequests(self.node_id, self.info, self.membership, self.spec,
                                      self.strategy, self.board, self.cache, self.inbox, self.problems,
+                                     self.private, self.serves,
                                      on_refused=lambda kind: self.m_rejected.labels(kind=kind).inc())
 
         self.round = 0
@@ -131,6 +150,8 @@ class Node:
             "pid": os.getpid(), "started": self.started})
         log.info("node %s up: peer %s, admin %s, strategy %s, device %s, round %d",
                  self.node_id, self.address, self.admin_url, self.cfg.strategy, self.learner.device, self.round)
+        if self.cfg.privacy.enabled and purposes_of(self.cfg.strategy) + self.serves:
+            self._tasks.append(asyncio.create_task(asyncio.to_thread(self._warm_privacy), name="privacy-warmup"))
         self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))
         self._round_task = asyncio.create_task(self._round_loop(), name="rounds")
         self._tasks.append(self._round_task)
@@ -146,6 +167,16 @@ class Node:
         await self.client.close()
         log.info("node %s stopped at round %d", self.node_id, self.round)
 
+    def _warm_privacy(self) -> None:
+        """Import opacus' accountant and trace the per-sample gradient once, in the background:
+        both take seconds of CPU the first time, which the first peer request should not wait for."""
+        try:
+            accountant.warm()
+            if self.learner.num_samples("train"):
+                self.learner.clipped_gradient_sum(None, "train", [0], 1.0)
+        except Exception:  # only a warm-up: the real request reports any problem
+            log.exception("privacy warm-up failed")
+
     def healthy(self) -> bool:
         return self._round_task is not None and (not self._round_task.done() or self.done)
 
@@ -156,6 +187,14 @@ class Node:
     def position(self) -> tuple[int, int]:
         """(round, published snapshot version), as heartbeats announce them."""
         return self.round, self.version
+
+    def _privacy_gauges(self, peer: str | None = None, purpose: str | None = None) -> None:
+        self.m_eps.set(self.ledger.epsilon())
+        self.m_eps_budget.set(self.ledger.budget)
+        for p in ([peer] if peer else list(self.ledger.peers)):
+            self.m_eps_peer.labels(peer=p).set(self.ledger.epsilon(p))
+        if purpose:
+            self.m_releases.labels(purpose=purpose).inc()
 
     def _peer_gauges(self, counts: dict[str, int]) -> None:
         for state, n in counts.items():
@@ -257,7 +296,14 @@ class Node:
                 "rounds_target": self.cfg.rounds, "address": self.address, "admin_url": self.admin_url,
                 "fingerprint": self.fingerprint, "labels": self.labels, "last_eval": self.last_eval,
                 "strategy_state": self.strategy.public_state(), "problems": self.problems.recent(10),
-                "faulty": self.cfg.faulty}
+                "faulty": self.cfg.faulty, "privacy": self.privacy_view()}
+
+    def privacy_view(self) -> dict[str, Any]:
+        """The privacy ledger (ε per peer and in total) and the knobs that bound it."""
+        p = self.cfg.privacy
+        return {"enabled": p.enabled, "noise_multiplier": p.noise_multiplier, "grad_clip": p.grad_clip,
+                "loss_clip": p.loss_clip, "min_batch": p.min_batch, "serves": list(self.serves),
+                **self.ledger.view()}
 
     def peers_table(self) -> list[dict[str, Any]]:
         weights = self.strategy.weights()

@@ -78,7 +78,9 @@ def params():
 def target(tmp_path_factory):
     node = NodeProc(tmp_path_factory.mktemp("bad"), "victim",
                     {"strategy": "dpsgd", "round_interval_s": 0.2, "learner": LEARNER,
-                     "max_model_bytes": 256 * 1024, "max_gossip_bytes": 1024}).start()
+                     "max_model_bytes": 256 * 1024, "max_gossip_bytes": 1024,
+                     # D-PSGD serves no compute on its data; these tests need one purpose open
+                     "privacy": {"serve_purposes": ["scool-evidence"]}}).start()
     yield node
     node.stop()
 
@@ -98,7 +100,8 @@ async def _cross_loss(stub, payload: bytes, *, digest: str | None = None, total:
     async def frames():
         yield pb.ComputeFrame(header=pb.ComputeHeader(
             requester=requester, total_bytes=len(payload) if total is None else total,
-            sha256=sha256(payload) if digest is None else digest, split="train", reduction=reduction))
+            sha256=sha256(payload) if digest is None else digest, split="train", reduction=reduction,
+            purpose="scool-evidence"))
         for part in split(payload, 64 * 1024):
             yield pb.ComputeFrame(data=part)
     return await stub.CrossLoss(frames(), timeout=10)

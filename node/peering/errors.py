@@ -10,6 +10,7 @@ REFUSED = "refused"            # incompatible protocol / architecture, a precond
 UNKNOWN_PEER = "unknown_peer"  # the caller never handshook (or is not who it claims)
 NOT_CACHED = "not_cached"      # a referenced snapshot is not held here; send the model
 UNAVAILABLE = "unavailable"    # nothing to serve yet, peer unreachable, deadline passed
+PRIVACY_BUDGET = "privacy_budget"  # the node's privacy budget (or the caller's share) is spent
 
 
 class Refusal(Exception):
@@ -44,3 +45,7 @@ def unknown_peer(node_id: str) -> Refusal:
 
 def not_cached(ref: str) -> Refusal:
     return Refusal(NOT_CACHED, f"snapshot {ref} is not cached here; send the model")
+
+
+def budget_spent(message: str) -> Refusal:
+    return Refusal(PRIVACY_BUDGET, message)

@@ -69,16 +69,17 @@ class ComputeRequest:
     requester: str
     groups: Groups | None = None
     ref: SnapshotRef | None = None
-    split: str = "train"
-    max_samples: int = 0  # 0 = the whole split
+    split: str = ""  # "" = the purpose's split; if set it must be that one
+    max_samples: int = 0  # 0 = the whole split; else at least the server's min_batch
     reduction: str = "mean"
     target_version: int = 0  # push: the receiver's snapshot version the gradient was computed on
     align: bool = False  # cross-gradient: reply with ⟨g, align⟩ only
+    purpose: str = ""  # which strategy step asks (privacy/purposes.py); the server refuses none
 
 
 @dataclass
 class ComputeReply:
-    loss: float = 0.0
+    loss: float = 0.0  # NaN beside a private gradient (the loss would be a second release)
     samples: int = 0
     grad: Groups | None = None  # cross-gradient without align: {"grad": g}
     inner_product: float = 0.0

@@ -2,13 +2,20 @@
 
 This is the one place where strategy requests become transport calls. Every failure (timeout,
 dead peer, refusal, a snapshot that fails validation) is logged, noted and turned into ``None``,
-so a strategy simply carries on without that peer."""
+so a strategy simply carries on without that peer. Every request on a peer's data names a purpose
+(``privacy/purposes.py``); a gradient on *my* data that a strategy sends out (FedeRiCo's push,
+COBO's alignment vector) is released through ``private_gradient``."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Callable
 
 from ..learning.learner import Params
+from ..privacy.ledger import BudgetSpent
+from ..privacy.mechanisms import PrivateData
+from ..privacy.purposes import ALIGNMENT, GRADIENT, LOSS, PUSH, Purpose
+from ..privacy.purposes import purpose as purpose_table
 from ..strategies.base import GradientReply, PeerSnapshot, PushedGradient
 from ..wire.codec import WireError
 from .errors import NOT_CACHED, PeerCallError
@@ -26,7 +33,8 @@ log = logging.getLogger("coterie.node.network")
 class NodeNetwork:
     def __init__(self, node_id: str, transport: PeerTransport, peers: PeerTable, cache: SnapshotCache,
                  inbox: PushInbox, published: Callable[[], LocalSnapshot | None], spec: Spec,
-                 problems: ProblemLog, *, labels: dict[str, str], request_timeout_s: float):
+                 problems: ProblemLog, private: PrivateData, *, labels: dict[str, str],
+                 request_timeout_s: float):
         self.node_id = node_id
         self.transport = transport
         self.table = peers
@@ -35,6 +43,7 @@ class NodeNetwork:
         self.published = published
         self.spec = spec
         self.problems = problems
+        self.private = private  # my own gradients leave through it too
         self.labels = labels
         self.request_timeout_s = request_timeout_s
 
@@ -123,10 +132,23 @@ class NodeNetwork:
             params = pub.params
         return ComputeRequest(kind, self.node_id, groups={"params": params}, **fields)
 
-    async def cross_loss(self, peer: str, params: Params | None = None, *, split: str = "train",
-                         max_samples: int | None = None, reduction: str = "mean") -> tuple[float, int] | None:
-        req = self._model_request(CROSS_LOSS, params, split=split, max_samples=max_samples or 0,
-                                  reduction=reduction)
+    @staticmethod
+    def _purpose(name: str, kind: str, split: str | None) -> Purpose:
+        """The purpose a strategy names, checked here so a wrong call fails loudly in the
+        strategy's own round instead of as a refusal from every peer."""
+        p = purpose_table(name)
+        if p.kind != kind:
+            raise ValueError(f"purpose {name!r} asks for a {p.kind}, not a {kind}")
+        if split is not None and split != p.split:
+            raise ValueError(f"purpose {name!r} is answered on the {p.split!r} split, not {split!r}")
+        return p
+
+    async def cross_loss(self, peer: str, params: Params | None = None, *, purpose: str,
+                         split: str | None = None, max_samples: int | None = None,
+                         reduction: str = "mean") -> tuple[float, int] | None:
+        p = self._purpose(purpose, LOSS, split)
+        req = self._model_request(CROSS_LOSS, params, split=p.split, max_samples=max_samples or 0,
+                                  reduction=reduction, purpose=p.name)
         try:
             reply = await self._compute(peer, req)
         except (PeerCallError, WireError) as e:
@@ -134,11 +156,14 @@ class NodeNetwork:
             return None
         return None if reply is None else (reply.loss, int(reply.samples))
 
-    async def cross_gradient(self, peer: str, params: Params | None = None, *, split: str = "train",
-                             max_samples: int | None = None, reduction: str = "mean",
-                             align_with: Params | None = None) -> GradientReply | None:
-        req = self._model_request(CROSS_GRADIENT, params, split=split, max_samples=max_samples or 0,
-                                  reduction=reduction, align=align_with is not None)
+    async def cross_gradient(self, peer: str, params: Params | None = None, *, purpose: str,
+                             split: str | None = None, max_samples: int | None = None,
+                             reduction: str = "mean", align_with: Params | None = None) -> GradientReply | None:
+        p = self._purpose(purpose, GRADIENT if align_with is None else ALIGNMENT, split)
+        if reduction != "mean":
+            raise ValueError("cross-gradients are mean-reduced (a private sum would reveal the batch size)")
+        req = self._model_request(CROSS_GRADIENT, params, split=p.split, max_samples=max_samples or 0,
+                                  reduction=reduction, align=align_with is not None, purpose=p.name)
         if align_with is not None:
             req.groups = {**(req.groups or {}), "align": align_with}
         try:
@@ -153,8 +178,27 @@ class NodeNetwork:
             return None
         return GradientReply(grad, reply.loss, int(reply.samples))
 
-    async def push_gradient(self, peer: str, version: int, grad: Params) -> bool:
-        req = ComputeRequest(PUSH_GRADIENT, self.node_id, groups={"grad": grad}, target_version=version)
+    async def private_gradient(self, peer: str, params: Params, *, purpose: str,
+                               max_samples: int | None = None) -> Params | None:
+        """The gradient of ``params`` on *my* data, released for ``peer`` (FedeRiCo's push,
+        COBO's alignment vector): privatised and charged to my ledger; None once my budget is
+        spent (the caller then skips that peer, as if it were unreachable)."""
+        p = purpose_table(purpose)
+        if p.kind not in (PUSH, ALIGNMENT):
+            raise ValueError(f"purpose {purpose!r} does not send this node's own gradient out")
+        try:
+            rel, _ = await asyncio.to_thread(self.private.gradient, peer, p, params, max_samples or 0)
+        except BudgetSpent as e:
+            log.info("not sending %s to %s: %s", p.name, peer, e)
+            self.problems.note(peer, f"{p.name}: {e}")
+            return None
+        return rel.value
+
+    async def push_gradient(self, peer: str, version: int, grad: Params, *,
+                            purpose: str = "federico-push") -> bool:
+        p = self._purpose(purpose, PUSH, None)
+        req = ComputeRequest(PUSH_GRADIENT, self.node_id, groups={"grad": grad}, target_version=version,
+                             purpose=p.name)
         try:
             ack = await self._compute(peer, req)
         except (PeerCallError, WireError) as e:

@@ -60,7 +60,7 @@ def snapshot_header_from_pb(m: pb.SnapshotHeader) -> SnapshotHeader:
 def compute_header_to_pb(r: ComputeRequest, total_bytes: int = 0, digest: str = "") -> pb.ComputeHeader:
     h = pb.ComputeHeader(requester=r.requester, total_bytes=total_bytes, sha256=digest, split=r.split,
                          max_samples=r.max_samples, reduction=r.reduction,
-                         target_version=r.target_version, align=r.align)
+                         target_version=r.target_version, align=r.align, purpose=r.purpose)
     if r.ref is not None:
         h.ref.CopyFrom(pb.SnapshotRef(node_id=r.ref.node_id, version=r.ref.version, sha256=r.ref.digest))
     return h
@@ -69,9 +69,9 @@ def compute_header_to_pb(r: ComputeRequest, total_bytes: int = 0, digest: str = 
 def compute_request_from_pb(kind: str, h: pb.ComputeHeader) -> ComputeRequest:
     """The request a header describes, without its tensors (the transport adds those)."""
     ref = (SnapshotRef(h.ref.node_id, h.ref.version, h.ref.sha256) if h.HasField("ref") else None)
-    return ComputeRequest(kind=kind, requester=h.requester, ref=ref, split=h.split or "train",
+    return ComputeRequest(kind=kind, requester=h.requester, ref=ref, split=h.split,
                           max_samples=h.max_samples, reduction=h.reduction or "mean",
-                          target_version=h.target_version, align=h.align)
+                          target_version=h.target_version, align=h.align, purpose=h.purpose)
 
 
 def loss_reply_to_pb(r: ComputeReply) -> pb.LossReply:

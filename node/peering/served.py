@@ -1,7 +1,11 @@
 """The served side: what this node does for a peer's request — membership answers, its published
 snapshot, and compute on its private data (cross-loss, cross-gradient incl. COBO's alignment,
 FedeRiCo's gradient push) and strategy gossip. Implements ``interfaces.PeerHandler``; every
-refusal is an ``errors.Refusal`` naming the peer and the problem."""
+refusal is an ``errors.Refusal`` naming the peer and the problem.
+
+A request on my data names a purpose (``privacy/purposes.py``); I answer only the purposes I
+serve, on the purpose's split, through ``privacy.mechanisms.PrivateData`` (minimum batch, DP
+noise, ledger) — a spent privacy budget is a ``PRIVACY_BUDGET`` refusal."""
 from __future__ import annotations
 
 import asyncio
@@ -9,11 +13,13 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from ..learning.learner import Learner, Params
+from ..learning.learner import Params
+from ..privacy.ledger import BudgetSpent
+from ..privacy.mechanisms import PrivateData
+from ..privacy.purposes import ALIGNMENT, GRADIENT, LOSS, PURPOSES, PUSH, Purpose
 from ..strategies.base import PushedGradient
 from ..wire.codec import Groups, WireError
-from .errors import Refusal, invalid, not_cached
-from .errors import UNAVAILABLE
+from .errors import PRIVACY_BUDGET, UNAVAILABLE, Refusal, budget_spent, invalid, not_cached, refused
 from .inbox import PushInbox
 from .membership import Membership
 from .messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest, LocalSnapshot, NodeInfo, PeerEntry
@@ -21,7 +27,6 @@ from .problems import ProblemLog
 from .snapshots import PublishBoard, SnapshotCache
 from .validation import Spec, model_tensors
 
-SPLITS = ("train", "val", "test")
 REDUCTIONS = ("mean", "sum")
 MAX_SNAPSHOT_WAIT_S = 60.0  # a round-aligned pull holds a call open at most this long
 
@@ -34,20 +39,20 @@ class StrategyHooks(Protocol):
 
 
 class ServedRequests:
-    def __init__(self, node_id: str, info: Callable[[], NodeInfo], membership: Membership,
-                 learner: Learner, spec: Spec, hooks: StrategyHooks, board: PublishBoard,
-                 cache: SnapshotCache, inbox: PushInbox, problems: ProblemLog,
-                 on_refused: Callable[[str], None] | None = None):
+    def __init__(self, node_id: str, info: Callable[[], NodeInfo], membership: Membership, spec: Spec, hooks: StrategyHooks, board: PublishBoard,
+                 cache: SnapshotCache, inbox: PushInbox, problems: ProblemLog, private: PrivateData,
+                 serves: tuple[str, ...], on_refused: Callable[[str], None] | None = None):
         self.node_id = node_id
         self.info = info
         self.membership = membership
-        self.learner = learner
         self.spec = spec
         self.hooks = hooks
         self.board = board
         self.cache = cache
         self.inbox = inbox
         self.problems = problems
+        self.private = private  # every answer computed on my data leaves through it
+        self.serves = tuple(serves)  # the purposes I answer (my strategy's, by default)
         self.on_refused = on_refused or (lambda kind: None)
 
     # ------------------------------------------------------------------ membership
@@ -104,32 +109,63 @@ class ServedRequests:
             self.problems.note(req.requester, str(e), rejected=True)
             raise invalid(str(e)) from None
 
-    @staticmethod
-    def _options(req: ComputeRequest) -> tuple[str, int | None, str]:
-        if req.split not in SPLITS:
-            raise invalid(f"{req.kind} from {req.requester}: unknown split {req.split!r}")
-        if req.reduction not in REDUCTIONS:
-            raise invalid(f"{req.kind} from {req.requester}: unknown reduction {req.reduction!r}")
-        return req.split, req.max_samples or None, req.reduction
+    def _purpose(self, req: ComputeRequest) -> Purpose:
+        """The purpose the request names, if this node serves it for this kind of request, on
+        its split — or refused, naming what was wrong."""
+        who = f"{req.kind} from {req.requester}"
+        if not req.purpose:
+            raise invalid(f"{who} names no purpose; every request on this node's data must say "
+                          f"which strategy step it serves (one of {sorted(PURPOSES)})")
+        p = PURPOSES.get(req.purpose)
+        if p is None:
+            raise invalid(f"{who}: unknown purpose {req.purpose!r}; known: {sorted(PURPOSES)}")
+        kind = {CROSS_LOSS: LOSS, PUSH_GRADIENT: PUSH}.get(req.kind, ALIGNMENT if req.align else GRADIENT)
+        if p.kind != kind:
+            raise invalid(f"{who}: purpose {p.name!r} asks for a {p.kind}, not a {kind}")
+        if p.name not in self.serves:
+            raise refused(f"{who}: this node does not serve purpose {p.name!r} (it serves "
+                          f"{list(self.serves) or 'none'}: only what its strategy needs)")
+        if req.split == "test":
+            raise invalid(f"{who}: the test split is never served")
+        if req.split and req.split != p.split:
+            raise invalid(f"{who}: purpose {p.name!r} is answered on the {p.split!r} split only, "
+                          f"not {req.split!r}")
+        if req.kind == CROSS_LOSS and req.reduction not in REDUCTIONS:
+            raise invalid(f"{who}: unknown reduction {req.reduction!r}")
+        return p
+
+    def _release(self, req: ComputeRequest, fn, *args):
+        """Run a release on my data off the event loop; a spent budget becomes a refusal."""
+        try:
+            return fn(req.requester, *args)
+        except BudgetSpent as e:
+            self.on_refused(PRIVACY_BUDGET)
+            raise budget_spent(str(e)) from None
 
     async def compute(self, req: ComputeRequest) -> ComputeReply:
         self.check_known(req.requester)
+        try:
+            purpose = self._purpose(req)
+        except Refusal:
+            self.on_refused(req.kind)
+            raise
         groups = self._groups(req)
         if req.kind == CROSS_LOSS:
             params = self._tensors(req, groups, "params")
-            split, n, reduction = self._options(req)
-            res = await asyncio.to_thread(self.learner.loss, params, split, n, reduction)
-            return ComputeReply(loss=res.loss, samples=res.n)
+            rel = await asyncio.to_thread(self._release, req, self.private.loss, purpose, params,
+                                          req.max_samples, req.reduction)
+            return ComputeReply(loss=rel.value, samples=rel.samples)
         if req.kind == CROSS_GRADIENT:
             params = self._tensors(req, groups, "params")
             align = self._tensors(req, groups, "align") if req.align else None
-            split, n, reduction = self._options(req)
-            grad, res = await asyncio.to_thread(self.learner.gradient, params, split, n, reduction)
+            rel, loss = await asyncio.to_thread(self._release, req, self.private.gradient, purpose,
+                                                params, req.max_samples)
             if align is None:
-                return ComputeReply(loss=res.loss, samples=res.n, grad={"grad": grad})
-            ip = float(sum(torch.sum(grad[k] * align[k]) for k in grad))
-            self.hooks.on_alignment(req.requester, ip)  # COBO: the served end updates its w too
-            return ComputeReply(loss=res.loss, samples=res.n, inner_product=ip)
+                return ComputeReply(loss=loss, samples=rel.samples, grad={"grad": rel.value})
+            # COBO: ⟨my released gradient, theirs⟩ is post-processing of the release
+            ip = float(sum(torch.sum(rel.value[k].double() * align[k].double()) for k in rel.value))
+            self.hooks.on_alignment(req.requester, ip)  # the served end updates its w too
+            return ComputeReply(loss=loss, samples=rel.samples, inner_product=ip)
         if req.kind == PUSH_GRADIENT:
             grad = self._tensors(req, groups, "grad")
             self.inbox.put(PushedGradient(req.requester, int(req.target_version), grad))

@@ -11,6 +11,7 @@ _CODES = {
     e.UNKNOWN_PEER: grpc.StatusCode.PERMISSION_DENIED,
     e.NOT_CACHED: grpc.StatusCode.NOT_FOUND,
     e.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    e.PRIVACY_BUDGET: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 _KINDS = {code: kind for kind, code in _CODES.items()}
 

@@ -136,7 +136,7 @@ class SnapshotChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[SnapshotHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ComputeHeader(_message.Message):
-    __slots__ = ("requester", "ref", "total_bytes", "sha256", "split", "max_samples", "reduction", "target_version", "align")
+    __slots__ = ("requester", "ref", "total_bytes", "sha256", "split", "max_samples", "reduction", "target_version", "align", "purpose")
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class ComputeHeader(_message.Message):
     REDUCTION_FIELD_NUMBER: _ClassVar[int]
     TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
     ALIGN_FIELD_NUMBER: _ClassVar[int]
+    PURPOSE_FIELD_NUMBER: _ClassVar[int]
     requester: str
     ref: SnapshotRef
     total_bytes: int
@@ -155,7 +156,8 @@ class ComputeHeader(_message.Message):
     reduction: str
     target_version: int
     align: bool
-    def __init__(self, requester: _Optional[str] = ..., ref: _Optional[_Union[SnapshotRef, _Mapping]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., split: _Optional[str] = ..., max_samples: _Optional[int] = ..., reduction: _Optional[str] = ..., target_version: _Optional[int] = ..., align: _Optional[bool] = ...) -> None: ...
+    purpose: str
+    def __init__(self, requester: _Optional[str] = ..., ref: _Optional[_Union[SnapshotRef, _Mapping]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., split: _Optional[str] = ..., max_samples: _Optional[int] = ..., reduction: _Optional[str] = ..., target_version: _Optional[int] = ..., align: _Optional[bool] = ..., purpose: _Optional[str] = ...) -> None: ...
 
 class ComputeFrame(_message.Message):
     __slots__ = ("header", "data")
