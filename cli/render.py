@@ -53,7 +53,7 @@ def privacy_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
         head = f"[red]off[/]: exact answers, {p.get('releases', 0)} released (ε = ∞)"
     else:
         left = p.get("budget_left")
-        spent = left is not None and left <= 0
+        spent = bool(p.get("refusing")) or (left is not None and left <= 0)
         head = (f"ε = {_eps(p.get('epsilon'))} of {_eps(p.get('budget_epsilon'))} at δ = {p.get('delta')}"
                 f" ({p.get('releases', 0)} releases; σ = {p.get('noise_multiplier')}, "
                 f"clip {p.get('grad_clip')}/{p.get('loss_clip')}, batch ≥ {p.get('min_batch')})"

@@ -138,7 +138,7 @@ class NodeNetwork:
         strategy's own round instead of as a refusal from every peer."""
         p = purpose_table(name)
         if p.kind != kind:
-            raise ValueError(f"purpose {name!r} asks for a {p.kind}, not a {kind}")
+            raise ValueError(f"purpose {name!r} is for {p.kind} requests, not {kind}")
         if split is not None and split != p.split:
             raise ValueError(f"purpose {name!r} is answered on the {p.split!r} split, not {split!r}")
         return p

@@ -121,7 +121,7 @@ class ServedRequests:
             raise invalid(f"{who}: unknown purpose {req.purpose!r}; known: {sorted(PURPOSES)}")
         kind = {CROSS_LOSS: LOSS, PUSH_GRADIENT: PUSH}.get(req.kind, ALIGNMENT if req.align else GRADIENT)
         if p.kind != kind:
-            raise invalid(f"{who}: purpose {p.name!r} asks for a {p.kind}, not a {kind}")
+            raise invalid(f"{who}: purpose {p.name!r} is for {p.kind} requests, not {kind}")
         if p.name not in self.serves:
             raise refused(f"{who}: this node does not serve purpose {p.name!r} (it serves "
                           f"{list(self.serves) or 'none'}: only what its strategy needs)")

@@ -81,6 +81,7 @@ class PrivacyLedger:
         self.total = _Account()
         self.peers: dict[str, _Account] = {}
         self.refusals = 0
+        self.refusing = False  # the last release asked for was refused (until one fits again)
         self._load()
 
     def _load(self) -> None:
@@ -114,6 +115,7 @@ class PrivacyLedger:
             eps_peer = accountant.epsilon(acc.with_step(sigma, q), self.delta)
             if enforce and eps_total > self.budget:
                 self.refusals += 1
+                self.refusing = True
                 raise BudgetSpent(f"privacy budget spent: this node has released ε = {self.total.epsilon:.3g} "
                                   f"of its budget {self.budget:g} (δ = {self.delta:g}); one more "
                                   f"release would make it {eps_total:.3g}")
@@ -121,6 +123,7 @@ class PrivacyLedger:
                 self.refusals += 1
                 raise BudgetSpent(f"privacy budget spent: {peer} has been released ε = {acc.epsilon:.3g} "
                                   f"of the per-peer budget {self.peer_budget:g} (δ = {self.delta:g})")
+            self.refusing = False
             self.total.add(sigma, q, purpose, eps_total)
             acc.add(sigma, q, purpose, eps_peer)
             self.peers[peer] = acc
@@ -143,6 +146,6 @@ class PrivacyLedger:
                     "budget_epsilon": self.budget, "peer_budget_epsilon": self.peer_budget,
                     "budget_left": max(0.0, self.budget - self.total.epsilon),
                     "releases": self.total.releases, "purposes": dict(self.total.purposes),
-                    "budget_refusals": self.refusals,
+                    "budget_refusals": self.refusals, "refusing": self.refusing,
                     "peers": {k: {"epsilon": v.epsilon, "releases": v.releases, "purposes": dict(v.purposes)}
                               for k, v in sorted(self.peers.items())}}
