@@ -83,7 +83,8 @@ def ledger_epsilons(run_dir: Path, strategy: str, delta: float) -> list[float]:
 
 def run_setting(sc: str, setting: str, strategies: list[str], args) -> Path:
     run_dir = args.out / sc / setting
-    if (run_dir / "results.json").exists() and not args.force:
+    done = run_dir / "results.json"  # the launcher rewrites it after each strategy: check them all
+    if done.exists() and not args.force and set(strategies) <= set(json.loads(done.read_text())["strategies"]):
         print(f"# {sc}/{setting}: results exist, skipped", flush=True)
         return run_dir
     if run_dir.exists():
