@@ -23,7 +23,6 @@ from typing import Any
 
 from aiohttp import web
 
-from .metrics import CONTENT_TYPE
 from .fsutil import json_safe
 
 log = logging.getLogger(__name__)
@@ -79,8 +78,9 @@ async def weights(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[NODE_KEY].metrics.render()
-    return web.Response(body=body.encode(), headers={"Content-Type": CONTENT_TYPE})
+    m = request.app[NODE_KEY].metrics
+    body, content_type = m.exposition(request.headers.get("Accept"))  # OpenMetrics when asked
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 async def history(request: web.Request) -> web.Response:

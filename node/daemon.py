@@ -47,9 +47,9 @@ class _Stats:
     """Byte and latency accounting for the transport, into Prometheus and per-round tallies."""
 
     def __init__(self, metrics: Metrics):
-        self.sent = metrics.counter("coterie_bytes_sent_total", "Bytes sent to peers", ("kind",))
-        self.received = metrics.counter("coterie_bytes_received_total", "Bytes received from peers", ("kind",))
-        self.lat = metrics.histogram("coterie_request_latency_seconds", "Peer request latency",
+        self.sent = metrics.counter("coterie_sent_bytes_total", "Bytes sent to peers", ("kind",))
+        self.received = metrics.counter("coterie_received_bytes_total", "Bytes received from peers", ("kind",))
+        self.lat = metrics.histogram("coterie_request_duration_seconds", "Peer request duration",
                                      ("kind", "side"),
                                      buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.round_sent: dict[str, int] = defaultdict(int)
@@ -98,12 +98,12 @@ class Node:
         self.metrics = Metrics()
         self.stats = _Stats(self.metrics)
         self.m_rounds = self.metrics.counter("coterie_rounds_total", "Completed rounds")
-        self.m_round_s = self.metrics.histogram("coterie_round_seconds", "Round wall time",
+        self.m_round_s = self.metrics.histogram("coterie_round_duration_seconds", "Round wall time",
                                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
         self.m_peers = self.metrics.gauge("coterie_peers", "Known peers by state", ("state",))
         self.m_rejected = self.metrics.counter("coterie_rejected_total", "Peer inputs rejected", ("kind",))
         self.m_round = self.metrics.gauge("coterie_round", "Current round")
-        self.m_acc = self.metrics.gauge("coterie_test_accuracy", "Test accuracy after the last round")
+        self.m_acc = self.metrics.gauge("coterie_test_accuracy_ratio", "Test accuracy after the last round (0..1)")
 
         self.chunk_bytes = cfg.chunk_bytes
         self.max_model_bytes = cfg.max_model_bytes

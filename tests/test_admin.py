@@ -59,7 +59,7 @@ async def test_metrics_exposition():
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         s = parse_text(await r.text())
         assert sample(s, "coterie_rounds_total") == 3
-        assert sample(s, "coterie_bytes_sent_total", kind="snapshot") == 4096
+        assert sample(s, "coterie_sent_bytes_total", kind="snapshot") == 4096
     finally:
         await client.close()
 
