@@ -44,7 +44,10 @@ class NodeConfig(BaseModel):
     seed: int = 0
 
     rounds: int | None = Field(None, ge=0)  # stop the round loop after this many (None = forever)
-    round_interval_s: float = Field(0.0, ge=0)  # minimum time between round starts
+    # minimum time between round starts. Not 0: a hand-started node on a small model otherwise runs
+    # 5-10 rounds a second, each with a checkpoint and a history line; 1 s keeps disk writes and
+    # peer traffic modest. The launcher (`coterie run`/`demo`) and tests set 0 to run flat out.
+    round_interval_s: float = Field(1.0, ge=0)
     min_peers: int = Field(0, ge=0)  # wait (bounded by start_timeout_s) for this many before round 1
     start_timeout_s: float = Field(30.0, ge=0)
     heartbeat_interval_s: float = Field(1.0, gt=0)

@@ -25,6 +25,7 @@ from ..proto.v1 import peer_pb2 as pb
 from .config import PROTOCOL_VERSION, ConfigError, NodeConfig
 from .fsutil import atomic_write_json
 from .learning.learner import Learner, Params
+from .logs import RoundLog
 from .metrics import Metrics
 from .network import NodeNetwork
 from .persistence import StateError, StateStore
@@ -130,6 +131,8 @@ class Node:
         self.address = ""
         self.admin_url = ""
         self._pending: set[str] = set(cfg.peers)  # addresses to handshake
+        self._unreachable: set[str] = set()  # addresses already reported as unreachable
+        self.round_log = RoundLog(log)
         self._tasks: list[asyncio.Task] = []
         self._server: grpc.aio.Server | None = None
         self._admin = None
@@ -264,8 +267,7 @@ class Node:
             self.m_round_s.observe(time.monotonic() - t0)
             if "test_acc" in evaluation:
                 self.m_acc.set(evaluation["test_acc"])
-            log.info("round %d done in %.2fs: %s", rnd, time.monotonic() - t0,
-                     ", ".join(f"{k}={v:.4f}" for k, v in evaluation.items()))
+            self.round_log.round_done(rnd, time.monotonic() - t0, evaluation)
             wait = self.cfg.round_interval_s - (time.monotonic() - t0)
             if wait > 0:
                 await asyncio.sleep(wait)  # pacing: a deliberately slow node
@@ -298,7 +300,16 @@ class Node:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 self.note_problem(address, f"handshake refused: {e.details()}")
                 log.error("peer at %s refused us: %s", address, e.details())
+            elif address not in self._unreachable:  # once per address, not every heartbeat
+                self._unreachable.add(address)
+                what = "bootstrap peer" if address in self.cfg.peers else "peer"
+                msg = f"cannot reach {what} at {address} ({e.code().name}: {e.details()}); still trying"
+                log.warning(msg)
+                self.note_problem(address, msg)
             return
+        if address in self._unreachable:
+            self._unreachable.discard(address)
+            log.info("reached peer at %s", address)
         remote = reply.node
         why = self._incompatible(remote)
         if why:

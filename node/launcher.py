@@ -44,10 +44,12 @@ The launcher owns these fields and refuses them in ``[node]``/``[learner]``/``[[
 
 What ``run`` does for each strategy
 ===================================
-Free loopback ports are picked; node ``i`` gets ``DIR/<strategy>/configs/n{i}.toml`` (a complete
-NodeConfig: state dir ``DIR/<strategy>/nodes/n{i}``, listen/admin on 127.0.0.1, bootstrap peer,
-learner with num_nodes/node_index/seeds) and runs as its own process
-(``python -m coterie.cli.main node start --config ...``, output in ``DIR/<strategy>/logs/n{i}.log``).
+Node ``i`` gets ``DIR/<strategy>/configs/n{i}.toml`` (a complete NodeConfig: state dir
+``DIR/<strategy>/nodes/n{i}``, peer and admin ports 0 on 127.0.0.1 — each node binds a free port
+itself and writes the bound addresses to its ``node.json`` — learner with num_nodes/node_index/seeds)
+and runs as its own process (``python -m coterie.cli.main node start --config ...``, output in
+``DIR/<strategy>/logs/n{i}.log``). A node with a bootstrap peer starts once that peer's
+``node.json`` is there; its config then names the peer's bound address.
 Each node's ``/status`` is polled for the live view; when every node reports ``done`` all are
 stopped (SIGTERM to each process group, SIGKILL after a grace period) — also on Ctrl-C, timeout
 or a node that dies early (which is reported with the tail of its log). Each node's
@@ -59,7 +61,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -171,7 +172,8 @@ def parse_scenario(data: dict[str, Any], *, strategies: list[str] | None = None,
     for strat in sc.strategy:
         for i in range(sc.nodes):
             try:
-                node_config(sc, strat, i, Path("/nonexistent"), ports=[(1, 2)] * sc.nodes)
+                node_config(sc, strat, i, Path("/nonexistent"),
+                            bootstrap=None if bootstrap_index(sc, i) is None else "127.0.0.1:1")
             except ConfigError as e:
                 raise ConfigError(f"scenario, node n{i} ({strat}): {e}") from None
     return sc
@@ -190,20 +192,6 @@ def builtin_scenario(name: str = "demo") -> Path:
 
 
 # ------------------------------------------------------------------------------- node configs
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports that were free a moment ago (all held open together while picking)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def bootstrap_index(sc: Scenario, i: int) -> int | None:
     if i == 0:
         return None
@@ -211,17 +199,18 @@ def bootstrap_index(sc: Scenario, i: int) -> int | None:
 
 
 def node_config(sc: Scenario, strategy: str, i: int, strat_dir: Path,
-                ports: list[tuple[int, int]]) -> NodeConfig:
-    """The complete config of node ``i`` for ``strategy``; ``ports[i]`` = (peer, admin)."""
-    peer_port, admin_port = ports[i]
-    data: dict[str, Any] = {"min_peers": sc.nodes - 1, "start_timeout_s": 120.0}
+                bootstrap: str | None = None) -> NodeConfig:
+    """The complete config of node ``i`` for ``strategy``, bootstrapping from the peer address
+    ``bootstrap``. Ports are 0: the node binds free ones and reports them in node.json."""
+    # experiments run flat out unless the scenario paces them (NodeConfig's default is for hand-started nodes)
+    data: dict[str, Any] = {"min_peers": sc.nodes - 1, "start_timeout_s": 120.0, "round_interval_s": 0.0}
     data = deep_merge(data, sc.node)
     data = deep_merge(data, {
         "node_id": f"n{i}",
         "state_dir": str(strat_dir / "nodes" / f"n{i}"),
-        "listen": f"127.0.0.1:{peer_port}",
-        "admin_listen": f"127.0.0.1:{admin_port}",
-        "peers": [] if (b := bootstrap_index(sc, i)) is None else [f"127.0.0.1:{ports[b][0]}"],
+        "listen": "127.0.0.1:0",
+        "admin_listen": "127.0.0.1:0",
+        "peers": [bootstrap] if bootstrap else [],
         "strategy": strategy,
         "strategy_params": dict(sc.strategy_params.get(strategy, {})),
         "rounds": sc.rounds,
@@ -254,6 +243,8 @@ class NodeSpec:
     config: NodeConfig
     config_path: Path
     log_path: Path
+    bootstrap: int | None = None  # index of the node whose address goes into config.peers
+    info: dict[str, Any] = field(default_factory=dict)  # the running node's node.json
 
     @property
     def node_id(self) -> str:
@@ -261,7 +252,11 @@ class NodeSpec:
 
     @property
     def admin_url(self) -> str:
-        return f"http://{self.config.admin_listen}"
+        return self.info.get("admin_url", "")
+
+    def write_config(self, peers: list[str]) -> None:
+        self.config = self.config.model_copy(update={"peers": peers})
+        self.config_path.write_text(config_toml(self.config))
 
     @property
     def state_dir(self) -> Path:
@@ -275,14 +270,13 @@ def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
     for sub in ("nodes", "configs", "logs"):
         shutil.rmtree(strat_dir / sub, ignore_errors=True)
         (strat_dir / sub).mkdir(parents=True, exist_ok=True)
-    flat = free_ports(2 * sc.nodes)
-    ports = [(flat[2 * i], flat[2 * i + 1]) for i in range(sc.nodes)]
     specs = []
     for i in range(sc.nodes):
-        cfg = node_config(sc, strategy, i, strat_dir, ports)
-        path = strat_dir / "configs" / f"n{i}.toml"
-        path.write_text(config_toml(cfg))
-        specs.append(NodeSpec(i, cfg, path, strat_dir / "logs" / f"n{i}.log"))
+        cfg = node_config(sc, strategy, i, strat_dir)
+        spec = NodeSpec(i, cfg, strat_dir / "configs" / f"n{i}.toml", strat_dir / "logs" / f"n{i}.log",
+                        bootstrap=bootstrap_index(sc, i))
+        spec.write_config([])  # the bootstrap address is filled in when that node is up
+        specs.append(spec)
     return specs
 
 
@@ -378,15 +372,25 @@ class NodeProgress:
     state: str = "starting"
 
 
+def read_node_info(spec: NodeSpec, pid: int) -> dict[str, Any] | None:
+    """The node.json of the process ``pid`` (None until that process has written it)."""
+    try:
+        info = json.loads((spec.state_dir / "node.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and info.get("pid") == pid else None
+
+
 class Network:
     """The processes of one strategy's run. Use as a context manager: leaving it (normally, by an
     exception or by Ctrl-C) stops every process."""
 
     def __init__(self, specs: list[NodeSpec], command: Callable[[NodeSpec], list[str]] = node_command,
-                 stop_timeout_s: float = 15.0):
+                 stop_timeout_s: float = 15.0, up_timeout_s: float = 180.0):
         self.specs = specs
         self.command = command
         self.stop_timeout_s = stop_timeout_s
+        self.up_timeout_s = up_timeout_s
         self.procs: list[subprocess.Popen] = []
         self._logs: list[Any] = []
 
@@ -401,9 +405,30 @@ class Network:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    def wait_up(self, i: int) -> dict[str, Any]:
+        """node.json of node ``i`` once its process has bound its ports; LauncherError if it dies
+        or takes longer than ``up_timeout_s``."""
+        spec, proc = self.specs[i], self.procs[i]
+        deadline = time.monotonic() + self.up_timeout_s
+        while not spec.info:
+            info = read_node_info(spec, proc.pid)
+            if info:
+                spec.info = info
+                break
+            if proc.poll() is not None:
+                raise LauncherError(f"node {spec.node_id} exited with code {proc.returncode} while "
+                                    f"starting; last lines of {spec.log_path}:\n{log_tail(spec.log_path)}")
+            if time.monotonic() > deadline:
+                raise LauncherError(f"timed out after {self.up_timeout_s:.0f}s waiting for node "
+                                    f"{spec.node_id} to come up (no node.json); see {spec.log_path}")
+            time.sleep(0.05)  # node.json appears once the node has bound its ports
+        return spec.info
+
     def start(self) -> None:
         env = _child_env()
         for spec in self.specs:
+            if spec.bootstrap is not None:  # ports are the nodes' own picks: ask the bootstrap node
+                spec.write_config([self.wait_up(spec.bootstrap)["address"]])
             spec.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = open(spec.log_path, "ab")
             self._logs.append(log)
@@ -454,13 +479,17 @@ class Network:
              progress: list[NodeProgress]) -> None:
         """Refresh ``progress`` from every node's /status; raise LauncherError for a node that
         died before it was done."""
-        def one(spec: NodeSpec) -> dict[str, Any] | None:
+        def one(spec: NodeSpec, proc: subprocess.Popen) -> dict[str, Any] | None:
+            if not spec.info:
+                spec.info = read_node_info(spec, proc.pid) or {}
+            if not spec.admin_url:
+                return None
             try:
                 return fetch_json(spec.admin_url + "/status", timeout=2.0)
             except (OSError, ValueError):
                 return None
 
-        statuses = list(pool.map(one, self.specs))
+        statuses = list(pool.map(one, self.specs, self.procs))
         for spec, proc, st, pr in zip(self.specs, self.procs, statuses, progress):
             if st is not None:
                 pr.status = st
@@ -513,7 +542,7 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
     progress = [NodeProgress() for _ in specs]
     t0 = time.time()
     prog, tasks = _progress_display(console, strategy, specs, sc.rounds) if console else (None, [])
-    with Network(specs, command or node_command, stop_timeout_s) as net, \
+    with Network(specs, command or node_command, stop_timeout_s, up_timeout_s=sc.timeout_s) as net, \
             ThreadPoolExecutor(max_workers=min(32, len(specs))) as pool:
         if on_start:
             on_start(net)

@@ -3,7 +3,8 @@
     python fake_daemon.py CONFIG.toml MODE
 
 Modes: ok (write node.json + history.jsonl, serve /status done=true until SIGTERM), crash_n1
-(node n1 exits 3 at once, the others behave as ok), hang (never done; ignores SIGTERM). Every
+(node n1 exits 3 at once, the others behave as ok), hang (writes node.json, never done; ignores
+SIGTERM). Every
 mode also starts a grandchild (`sleep`) in its process group and records its pid in
 state_dir/grandchild.pid, so tests can check that it does not outlive the run.
 """
@@ -30,8 +31,10 @@ gc = subprocess.Popen(["sleep", "300"])
 if mode == "crash_n1" and nid == "n1":
     print("boom: fake node failed on purpose", file=sys.stderr, flush=True)
     sys.exit(3)
-if mode == "hang":
+if mode == "hang":  # up (node.json written, as the real daemon after binding) but never done
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    (state / "node.json").write_text(json.dumps({"node_id": nid, "address": "127.0.0.1:9",
+                                                 "admin_url": "http://127.0.0.1:9", "pid": os.getpid()}))
     while True:
         time.sleep(1)
 
@@ -45,9 +48,6 @@ with open(state / "history.jsonl", "w") as f:
                             "eval": {"test_acc": 0.1 * r + 0.01 * me, "test_loss": 2.0 / r},
                             "weights": w, "bytes_sent": {"snapshot": 100, "gossip": 1},
                             "bytes_received": {"snapshot": 200}, "info": {"r": r}}) + "\n")
-(state / "node.json").write_text(json.dumps({"node_id": nid, "address": cfg["listen"],
-                                             "admin_url": f"http://{cfg['admin_listen']}",
-                                             "pid": os.getpid()}))
 
 
 class H(BaseHTTPRequestHandler):
@@ -64,7 +64,12 @@ class H(BaseHTTPRequestHandler):
         pass
 
 
-srv = ThreadingHTTPServer((host, int(port)), H)
+srv = ThreadingHTTPServer((host, int(port)), H)  # port 0 from the launcher: a free one
+bound = srv.server_address[1]
+# like the real daemon: node.json once the ports are bound (no peer port here: the admin one stands in)
+(state / "node.json").write_text(json.dumps({"node_id": nid, "address": f"{host}:{bound}",
+                                             "admin_url": f"http://{host}:{bound}",
+                                             "pid": os.getpid(), "peers": cfg.get("peers", [])}))
 signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(SystemExit(0)))
 try:
     srv.serve_forever()

@@ -11,7 +11,7 @@ import coterie.node.daemon as daemon
 from coterie.cli.main import app
 from coterie.node import launcher
 from coterie.node.admin import start_admin
-from coterie.node.launcher import free_ports
+import socket
 from fake_node import FakeNode
 
 FAKE = str(Path(__file__).with_name("fake_daemon.py"))
@@ -129,11 +129,14 @@ def test_weights_table_and_json(admin_url):
 
 
 def test_unreachable_admin_is_a_clear_error():
-    port = free_ports(1)[0]
-    for cmd in ("status", "peers", "weights"):
-        r = runner.invoke(app, [cmd, "--admin", f"http://127.0.0.1:{port}"])
-        assert r.exit_code == 1
-        assert "cannot reach" in r.stderr and str(port) in r.stderr
+    with socket.socket() as s:  # bound, never listening: connections are refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        for cmd in ("status", "peers", "weights", "history"):
+            r = runner.invoke(app, [cmd, "--admin", f"http://127.0.0.1:{port}"])
+            assert r.exit_code == 1
+            assert "cannot reach" in r.stderr and str(port) in r.stderr
+            assert "Traceback" not in r.output and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_admin_http_error_reported(admin_url):
