@@ -180,7 +180,8 @@ async def network_view(node: Any) -> dict[str, Any]:
         "clusters": {i: labels.get(i, {}).get("cluster") for i in ordered},
         "self_weights": [full[k][k] for k in range(len(ordered))],
         # peers' weights only: the diagonal is in self_weights, and null here
-        "matrix": [[None if r == c else v for c, v in enumerate(row)] for r, row in enumerate(full)],
+        "matrix": [None if ordered[r] not in rows else [None if r == c else v for c, v in enumerate(row)]
+                   for r, row in enumerate(full)],
         "errors": errors, "skipped_peers": skipped, "t": time.time(),
     }
 
