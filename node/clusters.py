@@ -45,6 +45,9 @@ def block_order(matrix: Matrix) -> list[int]:
     from scipy.spatial.distance import squareform
 
     a = np.nan_to_num(off_diagonal(matrix), nan=0.0)
+    off = a[~np.eye(n, dtype=bool)]
+    if off.max() - off.min() < 1e-12:  # no structure to show: keep the nodes' own order
+        return list(range(n))
     a = a / a.max() if a.max() > 0 else a
     affinity = (a + a.T) / 2  # i and j belong together when either weights the other
     dist = 1.0 - affinity

@@ -201,8 +201,14 @@ def test_demo_shows_heatmap_and_saves_png(tmp_path, fake_nodes):
     res = json.loads((out / "results.json").read_text())
     names = list(res["strategies"])
     assert names[0] == "local" and len(names) == 2
-    assert f"collaborator weights, {names[1]}" in r.stdout  # the terminal heatmap
-    rows = [l for l in r.stdout.splitlines() if l.startswith("n0 c0 ")]
-    assert rows and rows[0].split()[2] == "██"  # n0 gives itself the most weight: a full block
+    assert f"clusters found by {names[1]}" in r.stdout  # the terminal heatmap
+    ids = res["node_ids"]
+    rows = {l.split()[0]: l.split() for l in r.stdout.splitlines()
+            if l.split()[:1] and l.split()[0] in ids and l.split()[1].startswith("c")}
+    assert list(rows) == ids  # uniform peer weights: no blocks to find, the nodes' own order
+    # fake nodes keep 0.5 for themselves: shown apart as a number, the diagonal as a dot
+    assert all(row[2 + 8] == "0.50" for row in rows.values())
+    assert rows["n0"][2:10] == ["·"] + ["██"] * 7  # every peer weight is the largest: full blocks
+    assert rows["n0"][11:] == ["··", "██", "██", "██"]  # the true clusters: n0 with n1-n3
     assert (out / "weights.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(res["node_ids"]) == 8 and len(set(res["true_clusters"])) >= 2
