@@ -316,7 +316,7 @@ async def test_peer_server_bind_failure_is_an_oserror():
         s.bind(("127.0.0.1", 0))
         s.listen()
         with pytest.raises(OSError, match="in use"):
-            await serve(object(), f"127.0.0.1:{s.getsockname()[1]}")
+            await serve(object(), object(), f"127.0.0.1:{s.getsockname()[1]}")
 
 
 def test_json_log_format():
