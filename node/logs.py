@@ -32,6 +32,8 @@ def configure_logging(level: str = "INFO", fmt: LogFormat = "text", stream: Any 
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    # httpx logs every request at INFO; /network queries each peer whenever a dashboard polls
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))
 
 
 class RoundLog:
