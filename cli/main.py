@@ -139,6 +139,41 @@ def preflight(cfg) -> tuple[str, int] | None:
     return None
 
 
+def bootstrap_addresses(paths: list[Path], timeout_s: float) -> list[str]:
+    """The peer address in each node.json (a file, or a state dir holding one) of a *running* node
+    on this machine, waiting up to ``timeout_s`` for it to appear: a node started on port 0 writes
+    it once its ports are bound, so a network can start at once without picking ports."""
+    import os
+
+    def running(pid: object) -> bool:
+        if not isinstance(pid, int):
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    out = []
+    deadline = time.monotonic() + timeout_s
+    for p in paths:
+        f = p / "node.json" if p.is_dir() or p.suffix != ".json" else p
+        while True:
+            try:
+                info = json.loads(f.read_text())
+            except (OSError, ValueError):
+                info = {}
+            if isinstance(info, dict) and info.get("address") and running(info.get("pid")):
+                out.append(str(info["address"]))
+                break
+            if time.monotonic() > deadline:
+                raise _fail(f"--bootstrap-from {p}: no running node wrote {f} within {timeout_s:g}s")
+            time.sleep(0.1)  # the other node is still starting
+    return out
+
+
 LOG_FORMAT_OPT = typer.Option("text", "--log-format", envvar="COTERIE_LOG_FORMAT",
                               help="text, or json: one JSON object per log line")
 
@@ -158,6 +193,9 @@ def node_start(
     sets: Optional[list[str]] = typer.Option(None, "--set",
                                              help="any field: key.path=value (JSON value or text)"),
     log_format: str = LOG_FORMAT_OPT,
+    bootstrap_from: Optional[list[Path]] = typer.Option(
+        None, "--bootstrap-from", help="node.json (or state dir) of a node on this machine to "
+        "bootstrap from; waits for it up to start_timeout_s"),
 ) -> None:
     """Start a node daemon; it runs until SIGTERM/SIGINT."""
     from coterie.node.config import ConfigError, load_config
@@ -177,6 +215,9 @@ def node_start(
         raise _fail(*problem)
     configure_logging(cfg.log_level, log_format)  # run_node's own basicConfig then stands aside
     from coterie.node.daemon import run_node  # lazy: torch and grpc only when a node really starts
+    if bootstrap_from:  # after the slow imports: the other node starts up meanwhile
+        extra = bootstrap_addresses(bootstrap_from, cfg.start_timeout_s)
+        cfg = cfg.model_copy(update={"peers": [*cfg.peers, *(a for a in extra if a not in cfg.peers)]})
     raise typer.Exit(run_node(cfg))
 
 

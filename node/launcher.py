@@ -8,8 +8,9 @@ Node ``i`` gets ``DIR/<strategy>/configs/n{i}.toml`` (a complete NodeConfig: sta
 ``DIR/<strategy>/nodes/n{i}``, peer and admin ports 0 on 127.0.0.1 — each node binds a free port
 itself and writes the bound addresses to its ``node.json`` — learner with num_nodes/node_index/seeds)
 and runs as its own process (``python -m coterie.cli.main node start --config ...``, output in
-``DIR/<strategy>/logs/n{i}.log``). A node with a bootstrap peer starts once that peer's
-``node.json`` is there; its config then names the peer's bound address.
+``DIR/<strategy>/logs/n{i}.log``). All start at once; a node with a bootstrap peer gets
+``--bootstrap-from <that node's state dir>/node.json`` and waits for it after its imports, so no
+port is picked (and raced for) here and start-up stays parallel.
 Each node's ``/status`` is polled for the live view; when every node reports ``done`` all are
 stopped (SIGTERM to each process group, SIGKILL after a grace period) — also on Ctrl-C, timeout
 or a node that dies early (which is reported with the tail of its log). Each node's
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import ConfigError
-from .scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, node_config
+from .scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
 
 # a personalised strategy to fall back on, in order, when a scenario's choice is not importable
 FALLBACK_STRATEGIES = ("fedfomo", "federico", "scool-sbm", "cobo", "l2c", "oracle", "dpsgd")
@@ -51,19 +52,21 @@ def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
     for sub in ("nodes", "configs", "logs"):
         shutil.rmtree(strat_dir / sub, ignore_errors=True)
         (strat_dir / sub).mkdir(parents=True, exist_ok=True)
-    specs = []
+    specs: list[NodeSpec] = []
     for i in range(sc.nodes):
         cfg = node_config(sc, strategy, i, strat_dir)
-        spec = NodeSpec(i, cfg, strat_dir / "configs" / f"n{i}.toml", strat_dir / "logs" / f"n{i}.log",
-                        bootstrap=bootstrap_index(sc, i))
-        spec.write_config([])  # the bootstrap address is filled in when that node is up
-        specs.append(spec)
+        path = strat_dir / "configs" / f"n{i}.toml"
+        path.write_text(config_toml(cfg))
+        b = bootstrap_index(sc, i)
+        specs.append(NodeSpec(i, cfg, path, strat_dir / "logs" / f"n{i}.log",
+                              bootstrap_from=None if b is None else specs[b].state_dir / "node.json"))
     return specs
 
 
 def node_command(spec: NodeSpec) -> list[str]:
     return [sys.executable, "-m", "coterie.cli.main", "node", "start", "--config",
-            str(spec.config_path)]
+            str(spec.config_path),
+            *(["--bootstrap-from", str(spec.bootstrap_from)] if spec.bootstrap_from else [])]
 
 
 # ---------------------------------------------------------------------------------- strategies
@@ -167,11 +170,10 @@ class Network:
     exception or by Ctrl-C) stops every process."""
 
     def __init__(self, specs: list[NodeSpec], command: Callable[[NodeSpec], list[str]] = node_command,
-                 stop_timeout_s: float = 15.0, up_timeout_s: float = 180.0):
+                 stop_timeout_s: float = 15.0):
         self.specs = specs
         self.command = command
         self.stop_timeout_s = stop_timeout_s
-        self.up_timeout_s = up_timeout_s
         self.procs: list[subprocess.Popen] = []
         self._logs: list[Any] = []
 
@@ -186,30 +188,9 @@ class Network:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def wait_up(self, i: int) -> dict[str, Any]:
-        """node.json of node ``i`` once its process has bound its ports; LauncherError if it dies
-        or takes longer than ``up_timeout_s``."""
-        spec, proc = self.specs[i], self.procs[i]
-        deadline = time.monotonic() + self.up_timeout_s
-        while not spec.info:
-            info = read_node_info(spec, proc.pid)
-            if info:
-                spec.info = info
-                break
-            if proc.poll() is not None:
-                raise LauncherError(f"node {spec.node_id} exited with code {proc.returncode} while "
-                                    f"starting; last lines of {spec.log_path}:\n{log_tail(spec.log_path)}")
-            if time.monotonic() > deadline:
-                raise LauncherError(f"timed out after {self.up_timeout_s:.0f}s waiting for node "
-                                    f"{spec.node_id} to come up (no node.json); see {spec.log_path}")
-            time.sleep(0.05)  # node.json appears once the node has bound its ports
-        return spec.info
-
     def start(self) -> None:
         env = _child_env()
         for spec in self.specs:
-            if spec.bootstrap is not None:  # ports are the nodes' own picks: ask the bootstrap node
-                spec.write_config([self.wait_up(spec.bootstrap)["address"]])
             spec.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = open(spec.log_path, "ab")
             self._logs.append(log)
@@ -312,7 +293,7 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
     progress = [NodeProgress() for _ in specs]
     t0 = time.time()
     prog, tasks = _progress_display(console, strategy, specs, sc.rounds) if console else (None, [])
-    with Network(specs, command or node_command, stop_timeout_s, up_timeout_s=sc.timeout_s) as net, \
+    with Network(specs, command or node_command, stop_timeout_s) as net, \
             ThreadPoolExecutor(max_workers=min(32, len(specs))) as pool:
         if on_start:
             on_start(net)
@@ -345,6 +326,11 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
             info[s.node_id] = json.loads((s.state_dir / "node.json").read_text())
         except (OSError, ValueError):
             info[s.node_id] = {}
+    by_file = {s.state_dir / "node.json": s.node_id for s in specs}
+    for s in specs:  # results show the bootstrap address each node resolved from --bootstrap-from
+        addr = info.get(by_file.get(s.bootstrap_from), {}).get("address") if s.bootstrap_from else None
+        if addr:
+            s.config = s.config.model_copy(update={"peers": [addr]})
     short = [f"{s.node_id} has {len(histories[s.node_id])}/{sc.rounds} rounds in history.jsonl"
              for s in specs if len(histories[s.node_id]) < sc.rounds]
     return StrategyRun(strategy, specs, wall, histories, info,

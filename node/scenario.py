@@ -212,7 +212,7 @@ class NodeSpec:
     config: NodeConfig
     config_path: Path
     log_path: Path
-    bootstrap: int | None = None  # index of the node whose address goes into config.peers
+    bootstrap_from: Path | None = None  # node.json of the node this one bootstraps from
     info: dict[str, Any] = field(default_factory=dict)  # the running node's node.json
 
     @property
@@ -222,10 +222,6 @@ class NodeSpec:
     @property
     def admin_url(self) -> str:
         return self.info.get("admin_url", "")
-
-    def write_config(self, peers: list[str]) -> None:
-        self.config = self.config.model_copy(update={"peers": peers})
-        self.config_path.write_text(config_toml(self.config))
 
     @property
     def state_dir(self) -> Path:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 cfg = tomllib.loads(Path(sys.argv[1]).read_text())
 mode = sys.argv[2]
+bootstrap_from = Path(sys.argv[3]) if len(sys.argv) > 3 else None  # as `node start --bootstrap-from`
 state = Path(cfg["state_dir"])
 state.mkdir(parents=True, exist_ok=True)
 nid = cfg["node_id"]
@@ -39,6 +40,12 @@ if mode == "hang":  # up (node.json written, as the real daemon after binding) b
         time.sleep(1)
 
 host, port = cfg["admin_listen"].rsplit(":", 1)
+peers = list(cfg.get("peers", []))
+if bootstrap_from is not None:
+    while not bootstrap_from.exists():
+        time.sleep(0.02)
+    time.sleep(0.05)  # a torn read is possible in this stand-in (the daemon writes atomically)
+    peers.append(json.loads(bootstrap_from.read_text())["address"])
 rounds = cfg["rounds"]
 me = ids.index(nid)
 with open(state / "history.jsonl", "w") as f:
@@ -69,7 +76,7 @@ bound = srv.server_address[1]
 # like the real daemon: node.json once the ports are bound (no peer port here: the admin one stands in)
 (state / "node.json").write_text(json.dumps({"node_id": nid, "address": f"{host}:{bound}",
                                              "admin_url": f"http://{host}:{bound}",
-                                             "pid": os.getpid(), "peers": cfg.get("peers", [])}))
+                                             "pid": os.getpid(), "peers": peers}))
 signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(SystemExit(0)))
 try:
     srv.serve_forever()

@@ -2,6 +2,7 @@ import asyncio
 import io
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -396,3 +397,23 @@ def test_real_node_problems_reflection_and_wrong_port(tmp_path):
             assert "Traceback" not in second.stderr
         finally:
             node.stop()
+
+
+def test_bootstrap_from_a_running_nodes_node_json(tmp_path, captured):
+    """--bootstrap-from waits for another node's node.json (port 0: the address is known only once
+    that node is up) and adds its address; a node.json of a process that is gone does not count."""
+    st = tmp_path / "n0"
+    st.mkdir()
+    (st / "node.json").write_text(json.dumps({"address": "127.0.0.1:7123", "pid": os.getpid()}))
+    r = runner.invoke(app, ["node", "start", "--peers", "127.0.0.1:9", "--bootstrap-from", str(st)])
+    assert r.exit_code == 0, r.output
+    assert captured["cfg"].peers == ["127.0.0.1:9", "127.0.0.1:7123"]
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    (st / "node.json").write_text(json.dumps({"address": "127.0.0.1:7123", "pid": int(gone)}))
+    del captured["cfg"]
+    r = runner.invoke(app, ["node", "start", "--set", "start_timeout_s=0.3",
+                            "--bootstrap-from", str(st / "node.json")])
+    assert r.exit_code == 1 and "no running node wrote" in r.stderr and "Traceback" not in r.output
+    assert "cfg" not in captured

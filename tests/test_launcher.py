@@ -123,9 +123,10 @@ def test_prepare_writes_complete_configs(tmp_path):
     assert [c.node_id for c in cfgs] == [f"n{i}" for i in range(5)]
     # every node binds free ports itself (port 0) and reports them in node.json
     assert all(c.listen == "127.0.0.1:0" and c.admin_listen == "127.0.0.1:0" for c in cfgs)
-    # chain: every node but n0 bootstraps from the node before it, filled in when that one is up
-    assert [s.bootstrap for s in specs] == [None, 0, 1, 2, 3]
+    # chain: every node but n0 bootstraps from the node before it, via its node.json
+    assert [s.bootstrap_from for s in specs] == [None] + [specs[i].state_dir / "node.json" for i in range(4)]
     assert all(c.peers == [] for c in cfgs)
+    assert launcher.node_command(specs[2])[-2:] == ["--bootstrap-from", str(specs[1].state_dir / "node.json")]
     assert len({str(c.state_dir) for c in cfgs}) == 5
     assert cfgs[2].state_dir == (tmp_path / "local" / "nodes" / "n2").resolve()
     for i, c in enumerate(cfgs):
@@ -140,7 +141,8 @@ def test_prepare_writes_complete_configs(tmp_path):
 
 def test_star_topology_and_min_peers_override(tmp_path):
     specs = prepare(scen(bootstrap="star", node={"min_peers": 1}), "local", tmp_path)
-    assert [s.bootstrap for s in specs] == [None, 0, 0, 0]
+    hub = specs[0].state_dir / "node.json"
+    assert [s.bootstrap_from for s in specs] == [None, hub, hub, hub]
     assert all(s.config.min_peers == 1 for s in specs)
 
 
@@ -148,14 +150,14 @@ def test_bootstrap_addresses_come_from_node_json(tmp_path):
     """Nodes bind port 0; a node's bootstrap peer is the address its bootstrap node wrote to its
     node.json, so no port is picked (and raced for) by the launcher."""
     sc = scen(nodes=3)
-    run_strategy(sc, "local", tmp_path, command=fake("ok"), poll_interval_s=0.05, stop_timeout_s=2)
+    run = run_strategy(sc, "local", tmp_path, poll_interval_s=0.05, stop_timeout_s=2,
+                       command=lambda s: fake("ok")(s) + ([str(s.bootstrap_from)] if s.bootstrap_from else []))
     infos = [json.loads((tmp_path / "local" / "nodes" / f"n{i}" / "node.json").read_text())
              for i in range(3)]
     assert len({i["address"] for i in infos}) == 3 and all(not i["address"].endswith(":0") for i in infos)
     assert infos[0]["peers"] == [] and infos[1]["peers"] == [infos[0]["address"]]
     assert infos[2]["peers"] == [infos[1]["address"]]
-    cfg2 = load_config(tmp_path / "local" / "configs" / "n2.toml", environ={})
-    assert cfg2.peers == [infos[1]["address"]]
+    assert run.specs[2].config.peers == [infos[1]["address"]]  # what results.json records
 
 
 def test_prepare_clears_stale_state(tmp_path):
@@ -238,8 +240,7 @@ def test_early_death_names_node_and_log_tail(tmp_path):
 def test_timeout_kills_nodes_that_ignore_sigterm(tmp_path):
     sc = scen(nodes=2, timeout_s=0.5)
     pids = []
-    # 0.5 s: the run times out while n0 is still starting (no node.json yet for n1 to bootstrap from)
-    with pytest.raises(LauncherError, match="timed out.*n0"):
+    with pytest.raises(LauncherError, match="timed out.*n0@0"):
         run_strategy(sc, "local", tmp_path, command=fake("hang"), poll_interval_s=0.05,
                      stop_timeout_s=0.5, on_start=lambda net: pids.extend(net.pids))
     assert_all_gone(pids + grandchildren(tmp_path, "local", 2))
