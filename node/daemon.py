@@ -37,7 +37,7 @@ from .peering.traffic import TrafficStats
 from .privacy import accountant
 from .privacy.ledger import PrivacyLedger
 from .privacy.mechanisms import PrivateData
-from .privacy.purposes import purposes_of
+from .privacy.purposes import LOSS, purpose, purposes_of
 from .persistence import StateError, StateStore
 from .strategies.registry import get_strategy
 from .transport.client import PeerClient
@@ -174,7 +174,8 @@ class Node:
         both take seconds of CPU the first time, which the first peer request should not wait for."""
         try:
             accountant.warm()
-            if self.learner.num_samples("train"):
+            kinds = {purpose(p).kind for p in purposes_of(self.cfg.strategy) + self.serves}
+            if kinds - {LOSS} and self.learner.num_samples("train"):
                 self.learner.clipped_gradient_sum(None, "train", [0], 1.0)
         except Exception:  # only a warm-up: the real request reports any problem
             log.exception("privacy warm-up failed")

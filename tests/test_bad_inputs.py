@@ -80,7 +80,8 @@ def target(tmp_path_factory):
                     {"strategy": "dpsgd", "round_interval_s": 0.2, "learner": LEARNER,
                      "max_model_bytes": 256 * 1024, "max_gossip_bytes": 1024,
                      # D-PSGD serves no compute on its data; these tests need one purpose open
-                     "privacy": {"serve_purposes": ["scool-evidence"]}}).start()
+                     # (exact answers: malformed input is refused before any DP release)
+                     "privacy": {"serve_purposes": ["scool-evidence"], "enabled": False}}).start()
     yield node
     node.stop()
 
