@@ -71,10 +71,17 @@ def scenario_for(sc: str, setting: str, rounds: int | None, seed: int) -> dict:
     return data
 
 
+def nodes_dir(run_dir: Path, strategy: str) -> Path:
+    """Where a strategy's node state dirs are: run_dir/<s>/<s>/nodes (one ``coterie run`` per
+    strategy, the current layout) or run_dir/<s>/nodes (one run for the whole setting)."""
+    per_strategy = run_dir / strategy / strategy / "nodes"
+    return per_strategy if per_strategy.exists() else run_dir / strategy / "nodes"
+
+
 def ledger_epsilons(run_dir: Path, strategy: str, delta: float) -> list[float]:
     """Total ε of every node, from the ledger each one kept in its state dir."""
     out = []
-    for d in sorted((run_dir / strategy / "nodes").iterdir()):
+    for d in sorted(nodes_dir(run_dir, strategy).iterdir()):
         path = d / LEDGER_FILE
         steps = json.loads(path.read_text())["total"]["steps"] if path.exists() else []
         out.append(accountant.epsilon(steps, delta))
@@ -82,24 +89,41 @@ def ledger_epsilons(run_dir: Path, strategy: str, delta: float) -> list[float]:
 
 
 def run_setting(sc: str, setting: str, strategies: list[str], args) -> Path:
+    """One ``coterie run`` per strategy (a failed start on a loaded machine is retried, and the
+    strategies that finished are kept); their results are merged into run_dir/results.json."""
     run_dir = args.out / sc / setting
-    done = run_dir / "results.json"  # the launcher rewrites it after each strategy: check them all
-    if done.exists() and not args.force and set(strategies) <= set(json.loads(done.read_text())["strategies"]):
-        print(f"# {sc}/{setting}: results exist, skipped", flush=True)
-        return run_dir
-    if run_dir.exists():
+    merged = run_dir / "results.json"
+    if args.force and run_dir.exists():
         shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    results = json.loads(merged.read_text()) if merged.exists() else None
     scen = scenario_for(sc, setting, args.rounds, args.seed)
-    scen["strategy"] = strategies
-    scen["strategy_params"] = {k: v for k, v in scen.get("strategy_params", {}).items() if k in strategies}
     path = run_dir / "scenario.toml"
     path.write_text(tomli_w.dumps(scen))
-    cmd = [sys.executable, "-m", "coterie.cli.main", "run", str(path), "--out", str(run_dir)]
-    print("$", " ".join(cmd), flush=True)
-    t0 = time.time()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if args.quiet else None)
-    print(f"# {sc}/{setting}: {time.time() - t0:.0f}s", flush=True)
+    for strat in strategies:
+        if results is not None and strat in results["strategies"]:
+            print(f"# {sc}/{setting}/{strat}: done before, kept", flush=True)
+            continue
+        out = run_dir / strat
+        cmd = [sys.executable, "-m", "coterie.cli.main", "run", str(path), "--out", str(out), "--strategy", strat]
+        for attempt in range(1, args.attempts + 1):
+            if out.exists():
+                shutil.rmtree(out)
+            print("$", " ".join(cmd), flush=True)
+            t0 = time.time()
+            rc = subprocess.run(cmd, stdout=subprocess.DEVNULL if args.quiet else None).returncode
+            print(f"# {sc}/{setting}/{strat}: exit {rc} after {time.time() - t0:.0f}s (attempt {attempt})", flush=True)
+            if rc == 0:
+                break
+        else:
+            print(f"# {sc}/{setting}/{strat}: gave up after {args.attempts} attempts", flush=True)
+            continue
+        one = json.loads((out / "results.json").read_text())
+        if results is None:
+            results = one
+        else:
+            results["strategies"].update(one["strategies"])
+        merged.write_text(json.dumps(results))
     return run_dir
 
 
@@ -182,6 +206,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "privacy")
     ap.add_argument("--report", type=Path, default=ROOT / "bench" / "results" / "privacy.md")
     ap.add_argument("--force", action="store_true", help="rerun settings that already have results")
+    ap.add_argument("--attempts", type=int, default=3, help="tries per strategy run (a start can time out)")
     ap.add_argument("--quiet", action="store_true", help="no live progress from coterie run")
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args()
