@@ -246,6 +246,7 @@ def test_strategies_carry_on_when_a_peer_budget_is_spent(tmp_path):
     try:
         for i in range(2):
             cfg = {"strategy": "scool-sbm", "rounds": 4, "learner": tiny_learner(2, i), "min_peers": 1,
+                   "start_timeout_s": 600,  # n0 waits for n1, however long its start takes
                    "privacy": {"budget_epsilon": 4.0}, "peers": [nodes[-1].address] if nodes else []}
             nodes.append(NodeProc(tmp_path, f"n{i}", cfg).start(timeout=START_S))
         for n in nodes:
