@@ -64,6 +64,9 @@ LABELS = {"off": "off (exact)", "sigma0": "σ=0 (clip only)", "sigma0.5": "σ=0.
 def scenario_for(sc: str, setting: str, rounds: int | None, seed: int) -> dict:
     data = tomllib.loads((ROOT / "scenarios" / SCENARIOS[sc]).read_text())
     data.setdefault("node", {})["privacy"] = dict(SETTINGS[setting])
+    # 12 daemons start at once; on a loaded 2-core box a node can take minutes to come up, and
+    # its successor's --bootstrap-from wait (start_timeout_s, 120 s by default) would give up
+    data["node"]["start_timeout_s"] = 600
     data["seed"] = seed
     if rounds is not None:
         data["rounds"] = rounds
