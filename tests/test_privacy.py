@@ -133,7 +133,8 @@ def test_clip_only_release_is_bounded(learner, tmp_path):
 
 def test_gaussian_noise_has_the_calibrated_scale(learner, tmp_path):
     sigma, clip = 2.0, 0.5
-    priv, ledger = _private(learner, tmp_path, noise_multiplier=sigma, grad_clip=clip, budget_epsilon=math.inf)
+    priv, ledger = _private(learner, tmp_path, noise_multiplier=sigma, grad_clip=clip, budget_epsilon=math.inf,
+                            min_batch=32)
     rel, _ = priv.gradient("peer", purpose("scool-gradient"), None, 40)
     exact = learner.clipped_gradient_sum(None, "train", np.arange(learner.num_samples("train")), clip)
     assert rel.samples == 40 and rel.noise_std == pytest.approx(sigma * clip / 40)
