@@ -240,24 +240,24 @@ def test_budget_refusal_and_ledger_survive_kill_9(tmp_path, truth):
 
 
 def test_strategies_carry_on_when_a_peer_budget_is_spent(tmp_path):
-    """Two SCool nodes whose budgets allow one answer (σ = 2 on 64 of 72 samples: ε 2.05, then
-    2.98 > 2.5): both finish their rounds, the
-    refusals show as problems, and neither releases past its budget."""
+    """Two SCool nodes whose budget is below one answer (σ = 2 on 64 of 72 samples costs ε 2.05):
+    every evidence request is refused as "privacy budget spent", nothing is released, and both
+    nodes finish their rounds on what they have, as they would with an unreachable peer."""
     nodes: list[NodeProc] = []
     try:
         for i in range(2):
             cfg = {"strategy": "scool-sbm", "rounds": 4, "learner": tiny_learner(2, i), "min_peers": 1,
                    "start_timeout_s": 600,  # n0 waits for n1, however long its start takes
-                   "privacy": {"budget_epsilon": 2.5}, "peers": [nodes[-1].address] if nodes else []}
+                   "suspect_after_s": 10.0, "dead_after_s": 60.0,  # a loaded box delays heartbeats
+                   "privacy": {"budget_epsilon": 1.0}, "peers": [nodes[-1].address] if nodes else []}
             nodes.append(NodeProc(tmp_path, f"n{i}", cfg).start(timeout=START_S))
         for n in nodes:
             wait_for(lambda n=n: n.status()["done"], 240, f"{n.node_id} to finish its rounds")
-        for n in nodes:
-            st = n.status()
-            assert st["round"] == 4 and st["privacy"]["epsilon"] <= 2.5
-            assert st["privacy"]["budget_refusals"] >= 1, st["privacy"]
-        problems = " ".join(p.get("message", str(p)) if isinstance(p, dict) else str(p)
-                            for n in nodes for p in n.status()["problems"])
+        statuses = [n.status() for n in nodes]
+        assert all(st["round"] == 4 for st in statuses)
+        assert all(st["privacy"]["epsilon"] == 0 and st["privacy"]["releases"] == 0 for st in statuses)
+        assert sum(st["privacy"]["budget_refusals"] for st in statuses) >= 1
+        problems = " ".join(p.get("message", "") for st in statuses for p in st["problems"])
         assert "privacy budget spent" in problems
     finally:
         for n in nodes:
