@@ -252,16 +252,33 @@ def _handlers(servicer: PeerService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(service.full_name, table)
 
 
-async def serve(handler: PeerHandler, address: str) -> tuple[grpc.aio.Server, int]:
+class HealthStatus:
+    """The standard gRPC health service of a peer server; the node sets it NOT_SERVING while
+    something keeps it from progressing (see node/failures.py)."""
+    SERVICES = ("", "coterie.v1.Peer")
+
+    def __init__(self) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self.serving = True
+
+    async def set(self, serving: bool) -> None:
+        self.serving = serving
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in self.SERVICES:
+            await self.servicer.set(service, status)
+
+
+async def serve(handler: PeerHandler, address: str,
+                health_status: HealthStatus | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the peer server (and the standard gRPC health service) on ``address``."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((_handlers(PeerService(handler)),))
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_status = health_status or HealthStatus()
+    health_pb2_grpc.add_HealthServicer_to_server(health_status.servicer, server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind peer address {address}")
     await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("coterie.v1.Peer", health_pb2.HealthCheckResponse.SERVING)
+    await health_status.set(health_status.serving)
     return server, port
