@@ -43,10 +43,15 @@ class Checkpointer:
         async with self._cond:
             await self._cond.wait_for(ready)
 
-    async def submit(self, snap: Snapshot) -> None:
-        """Queue ``snap``; returns once the unsaved rounds, this one included, are within the
-        bound (with the default of 1: once the previous round's write is done)."""
+    async def room(self) -> None:
+        """Wait until one more completed round may be unsaved. The round loop calls this before
+        it publishes a round, so published-but-unsaved rounds never exceed the bound (with
+        the default of 1: round r+1 is published once round r's write is done)."""
         await self._until(lambda: self.unsaved <= max(self.max_unsaved - 1, 0))
+
+    async def submit(self, snap: Snapshot) -> None:
+        """Queue ``snap`` for writing (after ``room``); with a bound of 0, wait until it is durable."""
+        await self.room()
         async with self._cond:
             self._pending.append(snap)
             self._cond.notify_all()

@@ -313,19 +313,22 @@ class Node:
             try:
                 report = await self.strategy.run_round(rnd)
                 evaluation = await asyncio.to_thread(self.strategy.evaluate)
+                t1, done_at = time.monotonic(), time.time()  # the round's own work ends here
+                await self.checkpointer.room()  # at most max_unsaved published rounds not yet on disk
+                waited = time.monotonic() - t1
                 self.round = rnd
                 self.publish()
                 sent, received = self.stats.take_round()
-                record = {"round": rnd, "t": time.time(), "duration_s": round(time.monotonic() - t0, 4),
+                record = {"round": rnd, "t": done_at, "duration_s": round(t1 - t0, 4),
                           "model_version": self.version, "snapshot_sha256": self._published.sha256,
                           "train_loss": report.train_loss, "eval": evaluation,
                           "weights": self.strategy.weights(), "contacted": report.contacted,
                           "bytes_sent": sent, "bytes_received": received, "info": report.info,
                           "peers_alive": len(self.peers.alive())}
-                t1 = time.monotonic()
                 # a copy now; the writer thread encodes and writes it while the next round trains
+                t2 = time.monotonic()
                 await self.checkpointer.submit(await self._snapshot(record))
-                self.m_ckpt_wait.observe(time.monotonic() - t1)
+                self.m_ckpt_wait.observe(waited + time.monotonic() - t2)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - reported (log, /status, health), then retried

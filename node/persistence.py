@@ -345,24 +345,32 @@ class StateStore:
         ckpt = read_checkpoint(ckpts[-1])
         if wanted and wanted != ckpt.node_id:
             raise StateError(f"{ckpt.path} belongs to node {ckpt.node_id!r}, but the config says {wanted!r}")
+        if identity is not None and identity != ckpt.node_id:
+            raise StateError(f"{self.identity_path} says node {identity!r} but {ckpt.path} belongs to "
+                             f"node {ckpt.node_id!r}")
+        ckpt.history, size = self._open_history(ckpt)
+        # verified: now the repairs a crash calls for (nothing is written before this point)
         if identity is None:
             log.warning("%s was missing; node id %r restored from %s", self.identity_path,
                         ckpt.node_id, ckpt.path.name)
             atomic_write_json(self.identity_path, {"node_id": ckpt.node_id})
-        elif identity != ckpt.node_id:
-            raise StateError(f"{self.identity_path} says node {identity!r} but {ckpt.path} belongs to "
-                             f"node {ckpt.node_id!r}")
-        self._identity_ok = True
-        self._node_id = ckpt.node_id
-        ckpt.history = self._open_history(ckpt)
-        self.round = ckpt.round
+        if size > self._hist_bytes:
+            log.warning("%s: dropping %d bytes past round %d (written before a crash, never "
+                        "checkpointed)", self.history_path, size - self._hist_bytes, ckpt.round)
+            try:
+                os.truncate(self.history_path, self._hist_bytes)
+            except OSError as e:  # the next commit truncates too; a read-only dir shows up there
+                log.warning("could not trim %s now: %s", self.history_path, e)
         for older in ckpts[:-1]:  # a crash between a commit's rename and its cleanup
             older.unlink(missing_ok=True)
+        self._identity_ok = True
+        self._node_id = ckpt.node_id
+        self.round = ckpt.round
         return ckpt.node_id, ckpt
 
-    def _open_history(self, ckpt: Checkpoint) -> list[dict[str, Any]]:
+    def _open_history(self, ckpt: Checkpoint) -> tuple[list[dict[str, Any]], int]:
         """Check the history against the checkpoint (its first N bytes hash to the pinned
-        sha256) and drop lines past it (rounds lost by a crash); return the tail."""
+        sha256); return the tail of rounds and the file's size (more: lines a crash left)."""
         pinned = ckpt.state.get("history") or {}
         try:
             covered, want = int(pinned["bytes"]), str(pinned["sha256"])
@@ -400,15 +408,8 @@ class StateStore:
         if ckpt.round and (not rows or rows[-1]["round"] != ckpt.round):
             raise StateError(f"{path} ends at round {rows[-1]['round'] if rows else 0}, "
                              f"{ckpt.path.name} at round {ckpt.round}")
-        if size > covered:
-            log.warning("%s: dropping %d bytes past round %d (written before a crash, never "
-                        "checkpointed)", path, size - covered, ckpt.round)
-            try:
-                os.truncate(path, covered)
-            except OSError as e:  # the next commit truncates too; a read-only dir shows up there
-                log.warning("could not trim %s now: %s", path, e)
         self._hist_bytes, self._hist_hash = covered, h
-        return rows
+        return rows, size
 
     # --- writing ---
     def commit(self, snap: Snapshot, records: list[dict[str, Any]]) -> Path:
