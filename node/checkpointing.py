@@ -78,6 +78,13 @@ class Checkpointer:
             await asyncio.gather(self._task, return_exceptions=True)
         return ok
 
+    def _write(self, batch: list[Snapshot], records: list[dict]) -> None:
+        for snap in batch:
+            if snap.prepare is not None:
+                snap.prepare()
+                snap.prepare = None
+        self.store.commit(batch[-1], records)
+
     async def _run(self) -> None:
         backoff = Backoff()
         while True:
@@ -86,7 +93,7 @@ class Checkpointer:
             records = [s.record for s in batch if s.record is not None]
             t0 = time.perf_counter()
             try:
-                await asyncio.to_thread(self.store.commit, batch[-1], records)
+                await asyncio.to_thread(self._write, batch, records)
             except Exception as e:  # noqa: BLE001 - any failure: report, back off, retry
                 delay = backoff.next()
                 self.failures.failed("checkpoint", e, delay)

@@ -29,7 +29,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -147,19 +147,21 @@ class Snapshot:
     tensors: dict[str, torch.Tensor]
     state: dict[str, Any]
     record: dict[str, Any] | None = None  # this round's history line (None for round 0)
+    prepare: Callable[[], None] | None = None  # runs in the writer thread first (work the loop skips)
+    learner_tensors: dict[str, torch.Tensor] | None = None  # reusable by the next export once written
 
 
 def make_snapshot(*, round: int, version: int, node_id: str,
                   learner_state: tuple[dict[str, torch.Tensor], dict[str, Any]],
                   strategy_state: Any, peers: list[dict[str, Any]], meta: dict[str, Any],
-                  record: dict[str, Any] | None) -> Snapshot:
+                  record: dict[str, Any] | None, prepare: Callable[[], None] | None = None) -> Snapshot:
     ltensors, lmeta = learner_state
     skeleton, stensors = flatten_state(strategy_state, "strategy")
     tensors = {f"learner/{k}": v for k, v in ltensors.items()}
     tensors.update(stensors)
     state = {**meta, "round": round, "version": version, "node_id": node_id, "learner": lmeta,
              "strategy_state": skeleton, "peers": peers}
-    return Snapshot(round, version, tensors, state, record)
+    return Snapshot(round, version, tensors, state, record, prepare, ltensors)
 
 
 @dataclass

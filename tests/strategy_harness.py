@@ -178,7 +178,7 @@ class ToyLearner(Learner):
     def num_samples(self, split: str = "train") -> int:
         return len(self.data[split][1])
 
-    def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
         with self._lock:
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}, {}
 

@@ -107,10 +107,6 @@ class LocalOptimizer:
                 "weight_decay": self.weight_decay, "betas": list(self.betas), "eps": self.eps,
                 "steps": self.steps}
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {f"{k}/{name}": t.detach().cpu().clone()
-                for name, st in self.state.items() for k, t in st.items()}
-
     def load_state(self, tensors: dict[str, torch.Tensor], steps: int) -> None:
         devices = {n: p for n, p in self.params}
         state: dict[str, dict[str, torch.Tensor]] = {}
@@ -380,12 +376,23 @@ class TorchLearner(Learner):
         return EvalResult(loss=total / n, n=n, accuracy=acc)
 
     # ------------------------------------------------------------------ persistence
-    def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
         """Private copies of everything a resume needs, taken under the lock (a memcpy of the
-        parameters and optimizer state; encoding and writing happen elsewhere, off the lock)."""
+        parameters and optimizer state, into ``reuse``'s buffers where they fit; encoding and
+        writing happen elsewhere, off the lock)."""
+        reuse = reuse or {}
+
+        def copy(key: str, t: torch.Tensor) -> torch.Tensor:
+            t = t.detach()
+            old = reuse.get(key)
+            if old is not None and old.shape == t.shape and old.dtype == t.dtype:
+                return old.copy_(t)
+            return t.to("cpu", copy=True)
+
         with self._lock:
-            tensors = {f"model/{n}": p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
-            tensors.update({f"optim/{k}": t for k, t in self.optimizer.state_tensors().items()})
+            tensors = {f"model/{n}": copy(f"model/{n}", p) for n, p in self.model.named_parameters()}
+            tensors.update({f"optim/{k}/{n}": copy(f"optim/{k}/{n}", t)
+                            for n, st in self.optimizer.state.items() for k, t in st.items()})
             tensors["sampler/perm"] = torch.from_numpy(self._sampler.perm.copy())
             meta = {
                 "fingerprint": self.fingerprint(),
