@@ -56,10 +56,10 @@ class Node:
         self.cfg = cfg
         self.store = StateStore(cfg.state_dir)
         self.store.lock()  # one owner per state dir, for this process's lifetime
-        self.node_id, self._checkpoint = self.store.open(cfg.node_id, reset=cfg.reset)
         if learner is None:
             from .learning.torch_learner import build_learner  # torch-specific code stays behind the interface
-            learner = build_learner(cfg.learner)
+            learner = build_learner(cfg.learner)  # first: a config error must not get as far as a reset
+        self.node_id, self._checkpoint = self.store.open(cfg.node_id, reset=cfg.reset)
         self.learner = learner
         self.spec = learner.param_spec()
         self.fingerprint = learner.fingerprint()

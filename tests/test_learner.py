@@ -343,3 +343,16 @@ def test_gradient_on_empty_split_raises():
     with pytest.raises(ValueError, match="empty"):
         lrn.gradient(split="val")
     assert np.isfinite(lrn.evaluate("test").loss)
+
+
+def test_export_into_reused_buffers_copies_the_current_state():
+    lrn = build_learner(cfg(optimizer="adam"))
+    lrn.train(steps=3)
+    first, _ = lrn.export_state()
+    lrn.train(steps=3)
+    again, meta = lrn.export_state(reuse=first)
+    fresh, _ = lrn.export_state()
+    assert again.keys() == fresh.keys() and all(torch.equal(again[k], fresh[k]) for k in fresh)
+    assert all(again[k].data_ptr() == first[k].data_ptr() for k in first if k.startswith(("model/", "optim/")))
+    lrn.train(steps=1)  # the export stays a copy
+    assert all(torch.equal(again[k], fresh[k]) for k in fresh)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from coterie.node.config import validate_config
 from coterie.node.daemon import Node
 from coterie.node.persistence import StateError
+from nodeproc import wait_for
 
 FILES = ["identity.json", "ckpt-000002.safetensors", "history.jsonl"]
 FLIPS = [0, 1, 8, 9, 20, 0.25, 0.5, 0.75, -2, -1]
@@ -157,3 +160,26 @@ def test_the_old_layout_another_strategy_another_id_are_refused(pristine, tmp_pa
     (d / "identity.json").write_text('{"node_id": "other"}')
     with pytest.raises(StateError, match="identity.json says node 'other'"):
         _resume(d)
+
+
+def test_cli_refuses_then_reset_starts_fresh_and_moves_the_old_state_aside(pristine, tmp_path):
+    state, _ = pristine
+    d = tmp_path / "state"
+    d.mkdir()
+    shutil.copy(state / "history.jsonl", d / "history.jsonl")
+    cmd = [sys.executable, "-m", "coterie.cli.main", "node", "start", "--state-dir", str(d), "--rounds", "0",
+           "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--set", "learner.dataset=digits", "--set", "learner.partition=iid"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "history.jsonl" in r.stderr and "--reset" in r.stderr
+    p = subprocess.Popen(cmd + ["--reset"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def started():
+            assert p.poll() is None, "the reset node exited"
+            return list(d.glob("ckpt-000000.safetensors")) and (d / "node.json").exists()
+        wait_for(started, 120, "the reset node to write its round-0 checkpoint")
+    finally:
+        p.terminate()
+        out = p.communicate(timeout=60)[0]
+    assert p.returncode == 0, out
+    archived = [x for x in d.iterdir() if x.name.startswith("reset-")]
+    assert len(archived) == 1 and (archived[0] / "history.jsonl").read_bytes() == (state / "history.jsonl").read_bytes()
