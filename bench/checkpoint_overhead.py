@@ -62,7 +62,8 @@ def run_node(workdir: Path, name: str, model: dict[str, Any], unsaved: int | Non
     state = workdir / name
     shutil.rmtree(state, ignore_errors=True)
     cfg = {"node_id": "bench", "state_dir": str(state), "strategy": "local", "rounds": model["rounds"],
-           "min_peers": 0, "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", "seed": seed,
+           "min_peers": 0, "round_interval_s": 0.0, "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
+           "seed": seed,
            "log_level": "WARNING",
            "learner": {"dataset": "mnist1d", "partition": "iid", "num_nodes": 1, "model": "mlp",
                        "model_params": model["model_params"], "optimizer": "adam", "lr": 0.001,

@@ -24,7 +24,7 @@ FLIPS = [0, 1, 8, 9, 20, 0.25, 0.5, 0.75, -2, -1]
 def _cfg(state_dir: Path, **extra):
     return validate_config({
         "node_id": extra.pop("node_id", "solo"), "state_dir": str(state_dir), "strategy": "fedfomo",
-        "rounds": 2, "min_peers": 0, "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", **extra,
+        "rounds": 2, "min_peers": 0, "round_interval_s": 0.0, "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", **extra,
         "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 600}, "partition": "iid",
                     "num_nodes": 1, "model": "mlp", "model_params": {"hidden": [8]}, "optimizer": "adam",
                     "local_steps": 2}})
