@@ -2,7 +2,7 @@
 
 Each trial starts the node (a separate process: solo, strategy local, Adam, MNIST-1D MLP) on the
 same state dir, waits a random time (a quarter of the trials during start-up, the rest once it
-serves: mid-round, mid-commit), SIGKILLs it, and checks:
+has checkpointed a round of its own: mid-round, mid-commit), SIGKILLs it, and checks:
   1. the state dir opens: the newest checkpoint verifies, and the node is never left with
      identity or history but no checkpoint;
   2. no checkpointed round is lost: the checkpoint is at least the last round /status showed;
@@ -136,8 +136,10 @@ def main() -> int:
         wait = rng.uniform(0.0, args.max_wait)
         p = spawn(workdir, node_config(state, None, args.seed), f"trial{k:03d}")
         durable, t_spawn = 0, time.monotonic()
-        if phase == "running":
-            while p.poll() is None and time.monotonic() - t_spawn < 120 and admin_status(state, p.pid) is None:
+        if phase == "running":  # once it serves and has checkpointed a round of its own
+            resumed_at = trials[-1]["checkpoint_round"] if trials else 0
+            while p.poll() is None and time.monotonic() - t_spawn < 300 and \
+                    int((admin_status(state, p.pid) or {}).get("round", -1)) <= max(resumed_at, 0):
                 time.sleep(0.02)
         deadline = time.monotonic() + (wait / 2 if phase == "start-up" else wait)
         while time.monotonic() < deadline and p.poll() is None:

@@ -57,10 +57,11 @@ class Node:
         self.cfg = cfg
         self.store = StateStore(cfg.state_dir)
         self.store.lock()  # one owner per state dir, for this process's lifetime
+        # verified (or refused) before anything slow: a broken state dir fails in a second
+        self.node_id, self._checkpoint = self.store.open(cfg.node_id, reset=cfg.reset)
         if learner is None:
             from .learning.torch_learner import build_learner  # torch-specific code stays behind the interface
-            learner = build_learner(cfg.learner)  # first: a config error must not get as far as a reset
-        self.node_id, self._checkpoint = self.store.open(cfg.node_id, reset=cfg.reset)
+            learner = build_learner(cfg.learner)
         self.learner = learner
         self.spec = learner.param_spec()
         self.fingerprint = learner.fingerprint()
@@ -373,7 +374,7 @@ def run_node(cfg: NodeConfig) -> int:
     async def main() -> int:
         try:
             node = Node(cfg)
-        except (StateError, ConfigError, ValueError) as e:
+        except (StateError, ConfigError, ValueError, OSError) as e:  # OSError: a state dir it cannot create
             print(f"coterie: cannot start node: {e}", file=sys.stderr)
             return 1
         try:

@@ -20,6 +20,6 @@ def test_random_kills_resume_at_the_last_checkpoint_with_its_exact_weights(tmp_p
                        capture_output=True, text=True, timeout=600)
     result = json.loads(out.read_text())
     assert result["survivors"] == 4, r.stdout + r.stderr
-    assert result["exact_continuation"] and result["rounds_compared"] >= 4, r.stdout
+    assert result["exact_continuation"] and result["rounds_compared"] >= 3, r.stdout
     assert any(t["checkpoint_round"] > 0 and t["phase"] == "running" for t in result["trials"]), r.stdout
     assert r.returncode == 0
