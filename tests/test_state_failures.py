@@ -7,6 +7,7 @@ root in CI); without it, disk full falls back to RLIMIT_FSIZE on the running pro
 read-only to chmod (non-root only)."""
 from __future__ import annotations
 
+import asyncio
 import os
 import resource
 import signal
@@ -185,3 +186,43 @@ def test_a_second_process_on_the_same_state_dir_exits_naming_the_holder(tmp_path
     finally:
         assert first.stop() == 0
     StateStore(first.state_dir).lock()  # released when the owner exits
+
+
+async def test_a_round_that_raises_is_reported_retried_and_recovers(tmp_path):
+    """In process: a strategy whose rounds raise flips health and says why, the loop backs off and
+    retries, and once the cause goes away the round runs again and health comes back."""
+    from coterie.node.config import validate_config
+    from coterie.node.daemon import Node
+
+    node = Node(validate_config({
+        "node_id": "solo", "state_dir": str(tmp_path / "solo"), "strategy": "local", "rounds": 3,
+        "min_peers": 0, "round_interval_s": 0.0, "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
+        "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 600}, "partition": "iid",
+                    "num_nodes": 1, "model": "linear", "local_steps": 2}}))
+    broken = {"on": True}
+    real = node.strategy.run_round
+
+    async def run_round(rnd):
+        if broken["on"] and rnd == 2:
+            raise RuntimeError("peer table exploded")
+        return await real(rnd)
+
+    node.strategy.run_round = run_round
+    await node.start()
+    try:
+        async def until(cond, what):
+            deadline = asyncio.get_running_loop().time() + 60
+            while not cond():
+                assert asyncio.get_running_loop().time() < deadline, what
+                await asyncio.sleep(0.02)
+
+        await until(lambda: node.failures.active.get("rounds", {}).get("attempts", 0) >= 2, "two failed attempts")
+        assert not node.healthy() and node.status()["health"] == "failing" and node.saved["round"] == 1
+        assert "RuntimeError: peer table exploded" in node.status()["failures"][0]["error"]
+        assert node.health.serving is False
+        broken["on"] = False
+        await until(lambda: node.done, "the rounds to finish once the cause is gone")
+        assert node.healthy() and node.health.serving and node.saved["round"] == 3
+        assert [h["round"] for h in node.history] == [1, 2, 3]
+    finally:
+        assert await node.stop()
