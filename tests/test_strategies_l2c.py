@@ -116,3 +116,31 @@ def test_meta_l2c_in_process_network_and_encoder_gossip():
     assert_encoder_resumes(s)
     assert torch.allclose(s2.encoder.get_vector(), s.encoder.get_vector())
     assert np.array_equal(C.encoder_current(s2.encoder), C.encoder_current(s.encoder))
+
+
+def test_meta_l2c_prunes_on_the_mean_row_not_the_last_one():
+    """At T0 the peers are ranked by their mean weight over the rounds so far: a last row that
+    happens to favour another peer does not decide the topology."""
+    hub = build_network(MetaL2C, {"prune_round": 4}, num_nodes=4, num_clusters=2)
+    s = hub.nodes["n0"].strategy
+    ids = ["n0", "n1", "n2", "n3"]
+    for _ in range(3):
+        s._observe_row(ids, np.array([0.4, 0.1, 0.4, 0.1]))
+    last = np.array([0.3, 0.5, 0.1, 0.1])
+    s._observe_row(ids, last)
+    assert C.top_keep(s._prune_scores(ids, last), 0.1) == ["n2"]
+    s.p["prune_on"] = "last"
+    assert C.top_keep(s._prune_scores(ids, last), 0.1) == ["n1"]
+    # in a run, every round's row is accumulated, and the kept peer is the best on average
+    hub = build_network(MetaL2C, {"prune_round": 4, "alpha_steps": 5}, learner_kw={"local_steps": 20})
+    asyncio.run(run_rounds(hub, 4))
+    s = hub.nodes["n0"].strategy
+    assert set(s._row_cnt.values()) == {3}  # rounds 2-4: round 1 had no peer update yet
+    means = {p: s._row_sum[p] / s._row_cnt[p] for p in s._row_sum}
+    assert s._kept == C.top_keep(means, 0.1)
+
+
+def test_meta_l2c_attention_is_cosine_by_default():
+    hub = build_network(MetaL2C, num_nodes=2, num_clusters=1)
+    assert hub.nodes["n0"].strategy.encoder.normalise
+    assert not build_network(MetaL2C, {"attention": "dot"}, num_nodes=2, num_clusters=1).nodes["n0"].strategy.encoder.normalise

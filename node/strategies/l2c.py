@@ -108,6 +108,9 @@ class L2C(Strategy):
     def _prune_scores(self, ids: list[str], w: np.ndarray) -> dict[str, float]:
         return {p: float(self._alpha.get(p, 0.0)) for p in self._alpha if p != self.node_id}
 
+    def _observe_row(self, ids: list[str], w: np.ndarray) -> None:
+        """Called with every round's row (meta-L2C accumulates them for pruning)."""
+
     async def run_round(self, rnd: int) -> RoundReport:
         theta = self.learner.get_params()
         res = await self.compute(self.learner.train)
@@ -120,6 +123,7 @@ class L2C(Strategy):
         deltas = [self._delta] + [snaps[p].extras["delta"] for p in ids[1:]]
         w = await self._weights_and_learn(theta, ids, deltas, snaps)
         self._row = {p: float(v) for p, v in zip(ids, w)}
+        self._observe_row(ids, w)
         self._t += 1
         if self._kept is None and self._t >= int(self.p["prune_round"]) > 0:
             scores = self._prune_scores(ids, w)
@@ -158,17 +162,29 @@ class L2C(Strategy):
 
 
 class MetaL2C(L2C):
+    """meta-L2C. Two departures from the paper's text, both from the same authors' public SCool
+    code, whose attention prior (SCool eq. 25–26) is meta-L2C's eq. 4–5: the attention is the
+    averaged per-filter cosine of unit-norm tanh embeddings (``attention = "cosine"``) instead of
+    the raw dot product of unnormalised 610-dim embeddings, where one node with large updates
+    became a hub (four S1 nodes put 0.6–0.78 on the same peer); and pruning at T0 ranks the peers
+    by their mean weight over the rounds so far (``prune_on = "mean"``), not by the last row alone,
+    which is one noisy draw (L2C's own pruning ranks α, itself an accumulation over rounds)."""
     name = "meta-l2c"
     defaults: dict[str, Any] = {
         **L2C.defaults,
         "encoder_dims": [10, 5],  # L2C §4: E_l two FC layers, output dims (10, 5), per filter (eq. 7)
         "encoder_seed": 0,        # *decentral*: common encoder init, like the models' θ⁰
+        "attention": "cosine",    # SCool *code* encoder (class doc); "dot" = eq. 5 as printed
+        "prune_on": "mean",       # rank peers at T0 by their mean row weight; "last" = the last row
     }
 
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
         d = self.p["encoder_dims"]
-        self.encoder = C.UpdateEncoder(self.theta0, (int(d[0]), int(d[1])), int(self.p["encoder_seed"]))
+        self.encoder = C.UpdateEncoder(self.theta0, (int(d[0]), int(d[1])), int(self.p["encoder_seed"]),
+                                       normalise=self.p["attention"] == "cosine")
+        self._row_sum: dict[str, float] = {}  # Σ over rounds of each peer's row weight
+        self._row_cnt: dict[str, int] = {}    # rounds in which it was in the row
         self.opt = torch.optim.Adam(self.encoder.parameters(), lr=float(self.p["lr"]),
                                     weight_decay=float(self.p["weight_decay"]))
 
@@ -216,8 +232,16 @@ class MetaL2C(L2C):
         C.encoder_average(self.encoder, replies.values())
         return w
 
+    def _observe_row(self, ids: list[str], w: np.ndarray) -> None:
+        for p, v in zip(ids, w):
+            if p != self.node_id:
+                self._row_sum[p] = self._row_sum.get(p, 0.0) + float(v)
+                self._row_cnt[p] = self._row_cnt.get(p, 0) + 1
+
     def _prune_scores(self, ids: list[str], w: np.ndarray) -> dict[str, float]:
-        return {p: float(v) for p, v in zip(ids, w) if p != self.node_id}
+        if self.p["prune_on"] == "last":
+            return {p: float(v) for p, v in zip(ids, w) if p != self.node_id}
+        return {p: self._row_sum[p] / self._row_cnt[p] for p in self._row_sum}
 
     def on_gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
         return C.encoder_on_gossip(self.encoder, payload) if key == "encoder" else None
@@ -232,12 +256,15 @@ class MetaL2C(L2C):
         return st
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "encoder": C.vec_to_wire(self.encoder.get_vector()),
+        return {**super().state_dict(), "row_sum": dict(self._row_sum), "row_cnt": dict(self._row_cnt),
+                "encoder": C.vec_to_wire(self.encoder.get_vector()),
                 "encoder_pending": C.encoder_pending_state(self.encoder),
                 "encoder_opt": C.optimizer_state(self.opt)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
+        self._row_sum = {str(k): float(v) for k, v in state.get("row_sum", {}).items()}
+        self._row_cnt = {str(k): int(v) for k, v in state.get("row_cnt", {}).items()}
         v = C.vec_from_wire(state.get("encoder"))
         if v is not None and v.size == self.encoder.num_params():
             self.encoder.set_vector(v)
