@@ -67,6 +67,10 @@ def test_top_keep():
     assert C.top_keep(s, 0.2) == ["c"]
     assert C.top_keep(s, 0.5) == ["a", "c", "e"]
     assert C.top_keep(s, 0.0, min_keep=1) == ["c"]
+    eleven = {f"p{i:02d}": float(i) for i in range(11)}
+    assert C.top_keep(eleven, 0.2) == ["p08", "p09", "p10"]  # ⌈2.2⌉
+    assert C.top_keep(eleven, 0.2, rounding="floor") == ["p09", "p10"]  # int(2.2): SCool's code
+    assert C.top_keep(s, 0.1, rounding="floor") == ["c"]  # at least one
 
 
 def test_encoder_shapes_and_vector_roundtrip():

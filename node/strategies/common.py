@@ -136,12 +136,14 @@ def _neg_id(c: str) -> tuple[int, ...]:
     return tuple(-ord(ch) for ch in c)
 
 
-def top_keep(scores: dict[str, float], fraction: float, min_keep: int = 1) -> list[str]:
-    """The ⌈fraction·n⌉ (at least ``min_keep``) best-scored ids, sorted (pruning: L2C line 21,
-    SCool App. C.1)."""
+def top_keep(scores: dict[str, float], fraction: float, min_keep: int = 1, rounding: str = "ceil") -> list[str]:
+    """The ⌈fraction·n⌉ (``rounding="floor"``: ⌊fraction·n⌋), at least ``min_keep``, best-scored
+    ids, sorted. L2C Alg. 1 l.21 *removes* the K0 share with the smallest weights, i.e. keeps
+    n − ⌊K0·n⌋ = ⌈(1−K0)·n⌉; SCool's code *keeps* a share, int(fraction·n)."""
     if not scores:
         return []
-    k = max(min_keep, int(math.ceil(fraction * len(scores) - 1e-9)))
+    x = fraction * len(scores)
+    k = max(min_keep, int(math.floor(x + 1e-9) if rounding == "floor" else math.ceil(x - 1e-9)))
     best = sorted(scores, key=lambda c: (-scores[c], c))[:k]
     return sorted(best)
 

@@ -229,7 +229,8 @@ class _SCoolBase(Strategy):
         self._t += 1
         if self._kept is None and self._t >= int(self.p["prune_after"]) > 0:
             scores = {p: v for p, v in self._raw.items() if p != self.node_id}
-            self._kept = C.top_keep(scores, float(self.p["keep_fraction"]))
+            # *code*: keeps int(keep_fraction·n) peers (20% of 11 = 2, not ⌈2.2⌉ = 3)
+            self._kept = C.top_keep(scores, float(self.p["keep_fraction"]), rounding="floor")
         return RoundReport(train_loss=train_loss, contacted=sorted(set(ev) | set(snaps)),
                            info={"pruned": self._kept is not None})
 
