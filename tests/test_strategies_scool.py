@@ -129,7 +129,7 @@ def test_learned_prior_tracks_the_network_by_gossip():
     the B of eq. 24 computed from the whole graph."""
     hub = build_network(SCoolSBM, {"learn_B": True, "learn_alpha": True, "prune_after": 0},
                         num_nodes=6, num_clusters=2, learner_kw={"local_steps": 20})
-    asyncio.run(run_rounds(hub, 8))
+    asyncio.run(run_rounds(hub, 10))
     strategies = [n.strategy for n in hub.nodes.values()]
     for k in ("N", "D", "s"):
         est = sum(s._est[k] for s in strategies)
@@ -155,20 +155,24 @@ def test_learned_prior_tracks_the_network_by_gossip():
 
 
 def test_mixing_round_matches_reference():
-    """θ^{t+1} = θ^t − Σ_j w̄_ij Δθ_j with the published deltas (App. C.1)."""
+    """Round 2 aggregates iteration 1 (App. C.1): θ^2 = θ^1 − Σ_j w̄_ij Δθ_j^1 with the peers'
+    published deltas of round 1, then trains from θ^2 and publishes that round's Δθ."""
     hub = build_network(SCoolSBM, {"prune_after": 0}, num_nodes=4, num_clusters=2)
-    asyncio.run(run_rounds(hub, 1))  # every node publishes a delta
+    asyncio.run(run_rounds(hub, 1))  # every node trains and publishes a delta
     n0 = hub.nodes["n0"]
-    theta = n0.learner.get_params()
+    base, own = n0.strategy._base, n0.strategy._delta
     deltas = {p: hub.nodes[p].snapshot.extras["delta"] for p in ("n1", "n2", "n3")}
     torch.manual_seed(5)
-    asyncio.run(n0.strategy.run_round(2))
+    rep = asyncio.run(n0.strategy.run_round(2))
     row = n0.strategy.weights()
     assert sum(row.values()) == pytest.approx(1.0) and set(row) == {"n0", "n1", "n2", "n3"}
-    ref = C.mix_updates(theta, [(row["n0"], n0.strategy._delta)] + [(row[p], deltas[p]) for p in deltas])
+    ref = C.mix_updates(base, [(row["n0"], own)] + [(row[p], deltas[p]) for p in deltas])
+    for k in ref:
+        assert torch.allclose(n0.strategy._base[k], ref[k], atol=1e-6)  # what round 2 trained from
+    assert rep.info["same_round"] == 3 and rep.info["of_round"] == 1
     after = n0.learner.get_params()
-    for k in theta:
-        assert torch.allclose(after[k], ref[k], atol=1e-6)
+    d = n0.strategy.published_extras()["delta"]
+    assert all(torch.allclose(d[k], ref[k] - after[k], atol=1e-6) for k in ref)
     # Ω was exchanged with every peer, both ways
     assert set(n0.strategy._omegas) == {"n1", "n2", "n3"}
     assert "n0" in hub.nodes["n1"].strategy._omegas
@@ -303,8 +307,8 @@ def test_attention_in_process_network_and_encoder_gossip():
 
 
 def test_attention_prunes_to_its_cluster():
-    hub = build_network(SCoolAttention, learner_kw={"local_steps": 20})  # keep 20% after round 10
-    asyncio.run(run_rounds(hub, 11))
+    hub = build_network(SCoolAttention, learner_kw={"local_steps": 20})  # keep 20% after 10 E-steps
+    asyncio.run(run_rounds(hub, 12))
     mass, per_node, _ = in_cluster_mass(hub)
     assert mass > 0.95, per_node
     for nid, node in hub.nodes.items():

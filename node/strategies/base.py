@@ -61,8 +61,14 @@ class PeerNetwork(Protocol):
     def cached(self, peer: str) -> PeerSnapshot | None:
         """Latest snapshot of ``peer`` already held, without network traffic."""
 
-    async def pull(self, peer: str) -> PeerSnapshot | None:
-        """Latest snapshot of ``peer`` (from cache if its version did not change)."""
+    async def pull(self, peer: str, *, min_round: int | None = None,
+                   wait_s: float | None = None) -> PeerSnapshot | None:
+        """Latest snapshot of ``peer`` (from cache if its version did not change).
+
+        Round-aligned exchange (for synchronous algorithms): with ``min_round``, a snapshot of
+        round >= min_round; the peer holds the request open up to ``wait_s`` (default: the
+        request timeout) until it publishes that round. None if it does not in time: the strategy
+        proceeds without that peer, as for a dead one."""
 
     async def cross_loss(self, peer: str, params: Params | None = None, *, split: str = "train",
                          max_samples: int | None = None, reduction: str = "mean") -> tuple[float, int] | None:

@@ -155,6 +155,8 @@ class _SCoolBase(Strategy):
         "prune_after": 10,        # App. C.1: remove neighbours "after 10 rounds"
         "keep_fraction": 0.2,     # App. C.1 / ALGORITHMS: keep top 20% (SBM); attention overrides to 10%
         "max_peers": 0,           # 0 = every alive peer is a candidate until pruning
+        "round_aligned": True,    # Alg. 1 is synchronous: mix the peers' Δθ of my iteration
+        "sync_wait_s": 30.0,      # longest wait for a peer to publish that round (then without it)
     }
 
     def __init__(self, *a: Any, **kw: Any):
@@ -165,6 +167,8 @@ class _SCoolBase(Strategy):
         self._row: dict[str, float] = {self.node_id: 1.0}
         self._kept: list[str] | None = None
         self._delta: Params | None = None
+        self._base: Params | None = None   # θ_i^t: the model my last local steps started from
+        self._delta_round = 0              # the round whose local steps gave Δθ_i
         self._theta_t: Params | None = None
 
     def candidates(self) -> list[str]:
@@ -195,44 +199,58 @@ class _SCoolBase(Strategy):
     async def _estep(self, rnd: int, theta_half: Params, snaps: dict) -> None:
         raise NotImplementedError
 
+    async def _pull_peers(self, peers: list[str]) -> dict:
+        """The peers' snapshots of my last iteration's round or later (round-aligned, SCool's
+        Alg. 1 is synchronous), or whatever they published last (``round_aligned`` off)."""
+        if not self.p["round_aligned"] or self._delta_round == 0:
+            return await gather_bounded({p: self.net.pull(p) for p in peers})
+        r, wait = self._delta_round, float(self.p["sync_wait_s"])
+        return await gather_bounded({p: self.net.pull(p, min_round=r, wait_s=wait) for p in peers})
+
     async def run_round(self, rnd: int) -> RoundReport:
-        theta = self.learner.get_params()
-        self._theta_t = theta  # = my published model: what the peers' cross-losses evaluate
+        live = self.learner.get_params()
+        self._theta_t = live  # = my published model: what the peers' cross-losses evaluate
         exact = self.p["mstep"] == "exact"
-        res = None
-        if not exact:
-            res = await self.compute(self.learner.train)
-        theta_half = self.learner.get_params()
-        peers = self.candidates()
-        ev, snaps = await asyncio.gather(self._evidence(peers),
-                                         gather_bounded({p: self.net.pull(p) for p in peers}))
-        self._Y.update(ev)
-        await self._estep(rnd, theta_half, snaps)
-
+        ev: dict[str, float] = {}
+        snaps: dict = {}
+        info: dict[str, Any] = {}
+        if exact or self._delta is not None:
+            # E-step and aggregation of the iteration my last round's local steps began (App. C.1)
+            peers = self.candidates()
+            ev, snaps = await asyncio.gather(self._evidence(peers), self._pull_peers(peers))
+            self._Y.update(ev)
+            await self._estep(rnd, live, snaps)
+            if not exact and self._base is not None and C.same_shapes(self._base, self._delta):
+                wts = {self.node_id: self._row.get(self.node_id, 1.0)}
+                for p, sn in snaps.items():
+                    d = sn.extras.get("delta")
+                    if d is not None and C.same_shapes(d, self._base) and self._row.get(p, 0.0) > 0:
+                        wts[p] = self._row[p]
+                tot = sum(wts.values())
+                members = [(wts[self.node_id] / tot, self._delta)] + \
+                    [(wts[p] / tot, snaps[p].extras["delta"]) for p in wts if p != self.node_id]
+                self.learner.set_params(C.mix_updates(self._base, members))
+                info = {"mixed": len(wts) - 1, "of_round": self._delta_round,
+                        "same_round": sum(1 for p in wts if p != self.node_id
+                                          and snaps[p].round == self._delta_round)}
+            self._t += 1
+            if self._kept is None and self._t >= int(self.p["prune_after"]) > 0:
+                scores = {p: v for p, v in self._raw.items() if p != self.node_id}
+                # *code*: keeps int(keep_fraction·n) peers (20% of 11 = 2, not ⌈2.2⌉ = 3)
+                self._kept = C.top_keep(scores, float(self.p["keep_fraction"]), rounding="floor")
+        theta = self.learner.get_params()
         if exact:
-            train_loss = await self._exact_mstep(peers)
-            self._delta = C.sub(theta, self.learner.get_params())
-        else:
-            self._delta = C.sub(theta, theta_half)
-            members = [(1.0, self._delta)]
-            wts = {self.node_id: self._row.get(self.node_id, 1.0)}
-            for p, s in snaps.items():
-                d = s.extras.get("delta")
-                if d is not None and C.same_shapes(d, theta) and self._row.get(p, 0.0) > 0:
-                    wts[p] = self._row[p]
-            tot = sum(wts.values())
-            members = [(wts[self.node_id] / tot, self._delta)] + \
-                [(wts[p] / tot, snaps[p].extras["delta"]) for p in wts if p != self.node_id]
-            self.learner.set_params(C.mix_updates(theta, members))
-            train_loss = res.loss
-
-        self._t += 1
-        if self._kept is None and self._t >= int(self.p["prune_after"]) > 0:
-            scores = {p: v for p, v in self._raw.items() if p != self.node_id}
-            # *code*: keeps int(keep_fraction·n) peers (20% of 11 = 2, not ⌈2.2⌉ = 3)
-            self._kept = C.top_keep(scores, float(self.p["keep_fraction"]), rounding="floor")
+            train_loss = await self._exact_mstep(sorted(set(ev) | set(snaps)))
+        else:  # local steps of this round's iteration; published: Δθ^r (and û^r)
+            train_loss = (await self.compute(self.learner.train)).loss
+        self._base, self._delta_round = theta, rnd
+        self._delta = C.sub(theta, self.learner.get_params())
+        self._after_local_steps()
         return RoundReport(train_loss=train_loss, contacted=sorted(set(ev) | set(snaps)),
-                           info={"pruned": self._kept is not None})
+                           info={**info, "pruned": self._kept is not None})
+
+    def _after_local_steps(self) -> None:
+        """Hook: the round's local steps are done (the live model is what will be published)."""
 
     async def _exact_mstep(self, peers: list[str]) -> float:
         gs = self.p["grad_samples"]
@@ -255,7 +273,8 @@ class _SCoolBase(Strategy):
 
     def _base_state(self) -> dict[str, Any]:
         return {"t": self._t, "Y": dict(self._Y), "raw": dict(self._raw), "row": dict(self._row),
-                "kept": self._kept, "delta": C.params_state(self._delta), "rng": C.rng_state(self.rng)}
+                "kept": self._kept, "delta": C.params_state(self._delta), "base": C.params_state(self._base),
+                "delta_round": self._delta_round, "rng": C.rng_state(self.rng)}
 
     def _load_base(self, st: dict[str, Any]) -> None:
         self._t = int(st.get("t", 0))
@@ -264,6 +283,8 @@ class _SCoolBase(Strategy):
         self._row = {str(k): float(v) for k, v in st.get("row", {self.node_id: 1.0}).items()}
         self._kept = None if st.get("kept") is None else [str(k) for k in st["kept"]]
         self._delta = st.get("delta")
+        self._base = st.get("base")
+        self._delta_round = int(st.get("delta_round", 0))
         C.set_rng_state(self.rng, st.get("rng"))
 
 
@@ -461,8 +482,11 @@ class SCoolAttention(_SCoolBase):
     def on_gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
         return C.encoder_on_gossip(self.encoder, payload) if key == "encoder" else None
 
+    def _after_local_steps(self) -> None:
+        self._update = C.sub(self.learner.get_params(), self.theta0)  # û^r, published for the next E-step
+
     async def _estep(self, rnd: int, theta_half: Params, snaps: dict) -> None:
-        self._update = C.sub(theta_half, self.theta0)
+        mine = C.sub(theta_half, self.theta0)  # û of the iteration aggregated now
         y_self = await self._own_evidence()
         peers = [p for p, s in snaps.items() if p in self._Y and "update" in s.extras
                  and C.same_shapes(s.extras["update"], theta_half)]
@@ -472,7 +496,7 @@ class SCoolAttention(_SCoolBase):
 
         C.encoder_fold(self.encoder)  # peers' gossip since my last round, before I use the encoder
 
-        w, p = await self.compute(attention_estep, self.encoder, self.opt, self._update, ups, y, tau,
+        w, p = await self.compute(attention_estep, self.encoder, self.opt, mine, ups, y, tau,
                                   self.p["encoder_target"])
         ids = [self.node_id] + peers
         self._p = {k: float(v) for k, v in zip(ids, p)}
