@@ -214,7 +214,8 @@ def run(
 ) -> None:
     """Launch every node of a scenario as a local process, per strategy; write OUT/results.json."""
     from coterie.node.config import ConfigError
-    from coterie.node.launcher import load_scenario, resolve_strategies
+    from coterie.node.launcher import resolve_strategies
+    from coterie.node.scenario import load_scenario
 
     try:
         strategies_ = [s.strip() for s in strategy.split(",") if s.strip()] if strategy else None
@@ -233,7 +234,8 @@ def demo(
 ) -> None:
     """The built-in scenario: a personalised strategy against local-only learning."""
     from coterie.node.config import ConfigError
-    from coterie.node.launcher import builtin_scenario, load_scenario, resolve_strategies
+    from coterie.node.launcher import resolve_strategies
+    from coterie.node.scenario import builtin_scenario, load_scenario
 
     try:
         sc = load_scenario(builtin_scenario("demo"), rounds=rounds, seed=seed)

@@ -1,10 +1,10 @@
 """The node daemon: one long-lived asyncio process per device.
 
-It wires together the peer plane (``transport``), local learning (``learning``), the
-collaboration strategy (``strategies``, which sees the network only through ``NodeNetwork``),
-persistence and the admin API. Three loops run concurrently: membership (handshakes, heartbeats,
-peer exchange), rounds (train → exchange → publish → checkpoint), and the servers. Compute runs
-in worker threads, so heartbeats and requests keep flowing while a round trains."""
+``Node`` is the composition root and the lifecycle: it wires local learning (``learning``), the
+collaboration strategy (``strategies``), the peer plane (``peering``: membership, served requests,
+the ``NodeNetwork`` a strategy sees; carried by ``transport``), persistence and the admin API, and
+runs the loops: membership, rounds (train → exchange → publish → checkpoint), and the servers.
+Compute runs in worker threads, so heartbeats and requests keep flowing while a round trains."""
 from __future__ import annotations
 
 import asyncio
@@ -15,62 +15,32 @@ import random
 import signal
 import sys
 import time
-from collections import defaultdict, deque
 from typing import Any
 
 import grpc
-import torch
 
-from ..proto.v1 import peer_pb2 as pb
 from .config import PROTOCOL_VERSION, ConfigError, NodeConfig
 from .fsutil import atomic_write_json
-from .learning.learner import Learner, Params
+from .learning.learner import Learner
 from .metrics import Metrics
-from .network import NodeNetwork
+from .peering.faults import with_fault
+from .peering.inbox import PushInbox
+from .peering.membership import Membership
+from .peering.messages import LocalSnapshot, NodeInfo
+from .peering.network import NodeNetwork
+from .peering.peer_table import PeerTable
+from .peering.problems import ProblemLog
+from .peering.served import ServedRequests
+from .peering.snapshots import PublishBoard, SnapshotCache
+from .peering.traffic import TrafficStats
 from .persistence import StateError, StateStore
-from .strategies.base import PushedGradient
 from .strategies.registry import get_strategy
 from .transport.client import PeerClient
-from .transport.errors import invalid, not_cached, refused, unknown_peer
-from .transport.membership import DEAD, PeerTable
-from .transport.server import Published, serve
-from .transport.chunks import sha256
-from .wire.codec import Groups, WireError, check_finite, check_spec, encode
+from .transport.server import serve
 
 log = logging.getLogger("coterie.node")
 
-CAPABILITIES = ["snapshot", "cross-loss", "cross-gradient", "push-gradient", "gossip"]
-MAX_PUSHED = 256  # queued gradient pushes kept between two rounds; the oldest are dropped first
-
-
-class _Stats:
-    """Byte and latency accounting for the transport, into Prometheus and per-round tallies."""
-
-    def __init__(self, metrics: Metrics):
-        self.sent = metrics.counter("coterie_bytes_sent_total", "Bytes sent to peers", ("kind",))
-        self.received = metrics.counter("coterie_bytes_received_total", "Bytes received from peers", ("kind",))
-        self.lat = metrics.histogram("coterie_request_latency_seconds", "Peer request latency",
-                                     ("kind", "side"),
-                                     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-        self.round_sent: dict[str, int] = defaultdict(int)
-        self.round_received: dict[str, int] = defaultdict(int)
-
-    def record(self, kind: str, *, sent: int = 0, received: int = 0) -> None:
-        if sent:
-            self.sent.labels(kind=kind).inc(sent)
-            self.round_sent[kind] += sent
-        if received:
-            self.received.labels(kind=kind).inc(received)
-            self.round_received[kind] += received
-
-    def latency(self, kind: str, seconds: float, side: str) -> None:
-        self.lat.labels(kind=kind, side=side).observe(seconds)
-
-    def take_round(self) -> tuple[dict[str, int], dict[str, int]]:
-        out = dict(self.round_sent), dict(self.round_received)
-        self.round_sent.clear()
-        self.round_received.clear()
-        return out
+CAPABILITIES = ("snapshot", "cross-loss", "cross-gradient", "push-gradient", "gossip")
 
 
 def _hostport(address: str) -> tuple[str, int]:
@@ -96,7 +66,7 @@ class Node:
         cfg.labels.update(self.labels)
 
         self.metrics = Metrics()
-        self.stats = _Stats(self.metrics)
+        self.traffic = TrafficStats(self.metrics)
         self.m_rounds = self.metrics.counter("coterie_rounds_total", "Completed rounds")
         self.m_round_s = self.metrics.histogram("coterie_round_seconds", "Round wall time",
                                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
@@ -105,31 +75,37 @@ class Node:
         self.m_round = self.metrics.gauge("coterie_round", "Current round")
         self.m_acc = self.metrics.gauge("coterie_test_accuracy", "Test accuracy after the last round")
 
-        self.chunk_bytes = cfg.chunk_bytes
-        self.max_model_bytes = cfg.max_model_bytes
-        self.max_gossip_bytes = cfg.max_gossip_bytes
+        seed = int(hashlib.sha256(f"{cfg.seed}:{self.node_id}".encode()).hexdigest()[:8], 16)
+        # the peer plane: who is out there, what this node publishes, what it pulled and was pushed
         self.peers = PeerTable(self.node_id, cfg.suspect_after_s, cfg.dead_after_s)
-        self.client = PeerClient(self.node_id, self.stats, chunk_bytes=cfg.chunk_bytes,
+        self.problems = ProblemLog(on_rejected=lambda: self.m_rejected.labels(kind="input").inc())
+        self.board = PublishBoard()
+        self.cache = SnapshotCache()
+        self.inbox = PushInbox()
+        self.client = PeerClient(self.node_id, self.traffic, chunk_bytes=cfg.chunk_bytes,
                                  max_model_bytes=cfg.max_model_bytes, max_gossip_bytes=cfg.max_gossip_bytes,
                                  timeout_s=cfg.request_timeout_s, delay_ms=cfg.delay_ms)
-        self.network = NodeNetwork(self)
-        seed = int(hashlib.sha256(f"{cfg.seed}:{self.node_id}".encode()).hexdigest()[:8], 16)
+        self.membership = Membership(self.info, self.position, self.peers, self.client, self.problems,
+                                     bootstrap=cfg.peers, heartbeat_interval_s=cfg.heartbeat_interval_s,
+                                     request_timeout_s=cfg.request_timeout_s, link_delay_s=cfg.delay_ms / 1000,
+                                     rng=random.Random(seed), on_gauges=self._peer_gauges)
+        self.network = NodeNetwork(self.node_id, self.client, self.peers, self.cache, self.inbox,
+                                   lambda: self.board.current, self.spec, self.problems,
+                                   labels=self.labels, request_timeout_s=cfg.request_timeout_s)
         self.strategy = get_strategy(cfg.strategy)(self.node_id, learner, self.network,
                                                    cfg.strategy_params, seed=seed)
-        self._rng = random.Random(seed)
+        self.served = ServedRequests(self.node_id, self.info, self.membership, learner, self.spec,
+                                     self.strategy, self.board, self.cache, self.inbox, self.problems,
+                                     on_refused=lambda kind: self.m_rejected.labels(kind=kind).inc())
 
         self.round = 0
         self.version = 0
-        self._published: Published | None = None
-        self._published_params: Params = {}
         self.history: list[dict[str, Any]] = []
         self.last_eval: dict[str, float] = {}
-        self.problems: deque[dict[str, Any]] = deque(maxlen=50)
         self.done = False
         self.started = time.time()
         self.address = ""
         self.admin_url = ""
-        self._pending: set[str] = set(cfg.peers)  # addresses to handshake
         self._tasks: list[asyncio.Task] = []
         self._server: grpc.aio.Server | None = None
         self._admin = None
@@ -139,7 +115,11 @@ class Node:
     async def start(self) -> None:
         self._restore()
         self.publish()
-        self._server, port = await serve(self, self.cfg.listen)
+        # a testbed bad actor corrupts what it serves (peering/faults.py); it learns normally
+        handler = with_fault(self.served, self.cfg.faulty)
+        self._server, port = await serve(handler, self.traffic, self.cfg.listen, chunk_bytes=self.cfg.chunk_bytes,
+                                         max_model_bytes=self.cfg.max_model_bytes,
+                                         max_gossip_bytes=self.cfg.max_gossip_bytes)
         host, _ = _hostport(self.cfg.listen)
         self.address = self.cfg.advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
         from .admin import start_admin
@@ -151,7 +131,7 @@ class Node:
             "pid": os.getpid(), "started": self.started})
         log.info("node %s up: peer %s, admin %s, strategy %s, device %s, round %d",
                  self.node_id, self.address, self.admin_url, self.cfg.strategy, self.learner.device, self.round)
-        self._tasks.append(asyncio.create_task(self._membership_loop(), name="membership"))
+        self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))
         self._round_task = asyncio.create_task(self._round_loop(), name="rounds")
         self._tasks.append(self._round_task)
 
@@ -169,6 +149,18 @@ class Node:
     def healthy(self) -> bool:
         return self._round_task is not None and (not self._round_task.done() or self.done)
 
+    def info(self) -> NodeInfo:
+        return NodeInfo(self.node_id, PROTOCOL_VERSION, self.fingerprint, CAPABILITIES, self.address,
+                        self.admin_url, self.labels)
+
+    def position(self) -> tuple[int, int]:
+        """(round, published snapshot version), as heartbeats announce them."""
+        return self.round, self.version
+
+    def _peer_gauges(self, counts: dict[str, int]) -> None:
+        for state, n in counts.items():
+            self.m_peers.labels(state=state).set(n)
+
     # ------------------------------------------------------------------ persistence
     def _restore(self) -> None:
         restored = self.store.load(self.learner)
@@ -182,7 +174,7 @@ class Node:
         self.version = int(meta["version"]) - 1  # publish() below re-issues the checkpointed version
         self.strategy.load_state_dict(strategy_state)
         self.peers.load_json(peers)
-        self._pending.update(p["address"] for p in peers)
+        self.membership.pending.update(p["address"] for p in peers)
         self.history = self.store.read_history(upto_round=self.round)
         self.store.rewrite_history(self.history)
         if self.history:
@@ -199,27 +191,11 @@ class Node:
     # ------------------------------------------------------------------ publishing
     def publish(self) -> None:
         shared = self.strategy.shared_params()
-        params = shared if shared is not None else self.learner.get_params()
-        self._published_params = params
-        out = params
-        if self.cfg.faulty == "random":  # bad actor: plausible-looking garbage of the right shape
-            g = torch.Generator().manual_seed(self.version)
-            out = {k: torch.randn(v.shape, generator=g) * (v.std() if v.numel() > 1 else 1.0) for k, v in params.items()}
-        elif self.cfg.faulty == "scale":
-            out = {k: v * 25.0 for k, v in params.items()}
-        groups: Groups = {"params": out}
+        groups = {"params": shared if shared is not None else self.learner.get_params()}
         for name, tensors in self.strategy.published_extras().items():
             groups[f"x:{name}"] = tensors
         self.version += 1
-        data = encode(groups, {"node_id": self.node_id, "version": self.version, "round": self.round})
-        self._published = Published(self.node_id, self.version, self.round, data, sha256(data),
-                                    self.cfg.chunk_bytes)
-
-    def published(self) -> Published | None:
-        return self._published
-
-    def published_params(self) -> Params:
-        return self._published_params
+        self.board.publish(LocalSnapshot(self.node_id, self.version, self.round, groups))
 
     # ------------------------------------------------------------------ round loop
     async def _wait_for_peers(self) -> None:
@@ -246,7 +222,7 @@ class Node:
                 continue
             self.round = rnd
             self.publish()
-            sent, received = self.stats.take_round()
+            sent, received = self.traffic.take_round()
             record = {"round": rnd, "t": time.time(), "duration_s": round(time.monotonic() - t0, 4),
                       "model_version": self.version, "train_loss": report.train_loss, "eval": evaluation,
                       "weights": self.strategy.weights(), "contacted": report.contacted,
@@ -272,181 +248,6 @@ class Node:
         self.done = True
         log.info("node %s finished its %d rounds; still serving peers", self.node_id, self.round)
 
-    # ------------------------------------------------------------------ membership loop
-    def info(self) -> pb.NodeInfo:
-        return pb.NodeInfo(node_id=self.node_id, protocol_version=PROTOCOL_VERSION,
-                           arch_fingerprint=self.fingerprint, capabilities=CAPABILITIES,
-                           address=self.address, admin_url=self.admin_url, labels=self.labels)
-
-    def _entries(self) -> list[pb.PeerEntry]:
-        now = time.monotonic()
-        return [pb.PeerEntry(node_id=r.node_id, address=r.address, last_seen_age_s=r.age(now))
-                for r in self.peers.records.values() if r.state != DEAD]
-
-    def _learn(self, entries: list[pb.PeerEntry]) -> None:
-        for e in entries:
-            if e.node_id != self.node_id and e.node_id not in self.peers.records and e.address:
-                self._pending.add(e.address)
-
-    async def _contact(self, address: str) -> None:
-        if address == self.address:
-            self._pending.discard(address)
-            return
-        try:
-            reply = await self.client.handshake(address, self.info(), timeout=max(2.0, self.cfg.heartbeat_interval_s * 2))
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                self.note_problem(address, f"handshake refused: {e.details()}")
-                log.error("peer at %s refused us: %s", address, e.details())
-            return
-        remote = reply.node
-        why = self._incompatible(remote)
-        if why:
-            self.note_problem(address, f"handshake: {why}")
-            log.error("refusing peer at %s: %s", address, why)
-            return
-        self._pending.discard(address)
-        if remote.node_id != self.node_id:
-            self.peers.upsert(remote.node_id, remote.address or address, labels=dict(remote.labels),
-                              admin_url=remote.admin_url)
-        self._learn(list(reply.peers))
-
-    def _incompatible(self, remote: pb.NodeInfo) -> str | None:
-        if remote.protocol_version != PROTOCOL_VERSION:
-            return (f"node {remote.node_id!r} speaks protocol version {remote.protocol_version}, "
-                    f"this node speaks {PROTOCOL_VERSION}")
-        if remote.arch_fingerprint != self.fingerprint:
-            return (f"node {remote.node_id!r} runs another model architecture (fingerprint "
-                    f"{remote.arch_fingerprint[:12]}…, this node {self.fingerprint[:12]}…)")
-        return None
-
-    async def _ping(self, node_id: str, address: str) -> None:
-        try:
-            reply, rtt = await self.client.heartbeat(address, self.round, self.version,
-                                                     timeout=max(1.0, self.cfg.heartbeat_interval_s) + 2 * self.client.delay_s)
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # it forgot us (fresh restart)
-                self._pending.add(address)
-            return
-        if reply.node_id != node_id:  # someone else lives at that address now
-            self._pending.add(address)
-            return
-        self.peers.seen(node_id, round=reply.round, version=reply.snapshot_version, rtt_s=rtt)
-
-    async def _membership_loop(self) -> None:
-        tick = 0
-        while True:
-            jobs = [self._contact(a) for a in list(self._pending)]
-            jobs += [self._ping(r.node_id, r.address) for r in list(self.peers.records.values())]
-            await asyncio.gather(*jobs, return_exceptions=True)
-            if tick % 3 == 0 and self.peers.alive():  # anti-entropy peer exchange
-                target = self.peers.records[self._rng.choice(self.peers.alive())]
-                try:
-                    self._learn(await self.client.exchange_peers(target.address, self._entries(),
-                                                                 timeout=self.cfg.request_timeout_s))
-                except grpc.aio.AioRpcError:
-                    pass
-            for node_id, old, new in self.peers.refresh():
-                log.info("peer %s: %s -> %s", node_id, old, new)
-            for state, n in self.peers.counts().items():
-                self.m_peers.labels(state=state).set(n)
-            tick += 1
-            await asyncio.sleep(self.cfg.heartbeat_interval_s)  # heartbeat period
-
-    # ------------------------------------------------------------------ served requests (PeerHandler)
-    def on_handshake(self, remote: pb.NodeInfo, peer_addr: str) -> list[pb.PeerEntry]:
-        why = self._incompatible(remote)
-        if why:
-            self.note_problem(remote.node_id or peer_addr, f"handshake: {why}")
-            raise refused(why)
-        if remote.node_id == self.node_id:
-            raise refused(f"node id {remote.node_id!r} is this node's own id")
-        if not remote.node_id or not remote.address:
-            raise invalid("handshake lacks node_id or address")
-        self.peers.upsert(remote.node_id, remote.address, labels=dict(remote.labels), admin_url=remote.admin_url)
-        self._pending.discard(remote.address)
-        return self._entries()
-
-    def check_known(self, node_id: str) -> None:
-        if node_id not in self.peers.records:
-            self.m_rejected.labels(kind="unknown_peer").inc()
-            raise unknown_peer(node_id)
-        self.peers.seen(node_id)
-
-    def on_heartbeat(self, node_id: str, round: int, version: int) -> tuple[int, int]:
-        self.check_known(node_id)
-        self.peers.seen(node_id, round=round, version=version)
-        return self.round, self.version
-
-    def on_peer_list(self, sender: str, entries: list[pb.PeerEntry]) -> list[pb.PeerEntry]:
-        self._learn(entries)
-        return self._entries()
-
-    def resolve_ref(self, ref: pb.SnapshotRef) -> Groups:
-        if ref.node_id == self.node_id and self._published and ref.version == self._published.version:
-            return {"params": self._published_params}
-        snap = self.network.cache.get(ref.node_id)
-        if snap is not None and snap.version == ref.version and snap.sha256 == ref.sha256:
-            return {"params": snap.params}
-        raise not_cached(f"{ref.node_id} v{ref.version}")
-
-    def _tensors_in(self, requester: str, groups: Groups, group: str, what: str) -> Params:
-        """A tensor group a peer sent: present, this architecture's shapes, finite — or refused."""
-        tensors = groups.get(group)
-        if tensors is None:
-            raise invalid(f"{what} from {requester}: no {group!r} in the request")
-        try:
-            check_spec(tensors, self.spec, f"{what} {group} from {requester}")
-            check_finite(groups)
-        except WireError as e:
-            self.m_rejected.labels(kind=what).inc()
-            self.note_problem(requester, str(e), rejected=True)
-            raise invalid(str(e)) from None
-        return tensors
-
-    @staticmethod
-    def _split(h: pb.ComputeHeader) -> str:
-        split = h.split or "train"
-        if split not in ("train", "val", "test"):
-            raise invalid(f"unknown split {split!r}")
-        return split
-
-    async def cross_loss(self, requester: str, groups: Groups, h: pb.ComputeHeader) -> tuple[float, int]:
-        params = self._tensors_in(requester, groups, "params", "cross_loss")
-        res = await asyncio.to_thread(self.learner.loss, params, self._split(h), h.max_samples or None,
-                                      h.reduction or "mean")
-        return res.loss, res.n
-
-    async def cross_gradient(self, requester: str, groups: Groups, h: pb.ComputeHeader
-                             ) -> tuple[Groups | None, float, int, float]:
-        params = self._tensors_in(requester, groups, "params", "cross_gradient")
-        grad, res = await asyncio.to_thread(self.learner.gradient, params, self._split(h),
-                                            h.max_samples or None, h.reduction or "mean")
-        if h.align:
-            align = self._tensors_in(requester, groups, "align", "cross_gradient")
-            ip = float(sum(torch.sum(grad[k] * align[k]) for k in grad))
-            self.strategy.on_alignment(requester, ip)
-            return None, res.loss, res.n, ip
-        return {"grad": grad}, res.loss, res.n, 0.0
-
-    async def push_gradient(self, requester: str, groups: Groups, h: pb.ComputeHeader) -> tuple[bool, str]:
-        grad = self._tensors_in(requester, groups, "grad", "push_gradient")
-        queue = self.network.pushed
-        queue.append(PushedGradient(requester, int(h.target_version), grad))
-        del queue[:-MAX_PUSHED]
-        return True, f"queued for the update after version {self.version}"
-
-    async def gossip(self, requester: str, key: str, payload: dict[str, Any]) -> dict[str, Any]:
-        reply = self.strategy.on_gossip(requester, key, payload)
-        if reply is None:
-            raise invalid(f"strategy {self.cfg.strategy!r} does not understand gossip key {key!r}")
-        return reply
-
-    def note_problem(self, who: str, message: str, rejected: bool = False) -> None:
-        self.problems.append({"t": time.time(), "peer": who, "message": message, "rejected": rejected})
-        if rejected:
-            self.m_rejected.labels(kind="input").inc()
-
     # ------------------------------------------------------------------ admin views
     def status(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "round": self.round, "model_version": self.version,
@@ -455,7 +256,7 @@ class Node:
                 "uptime_s": round(time.time() - self.started, 3), "done": self.done,
                 "rounds_target": self.cfg.rounds, "address": self.address, "admin_url": self.admin_url,
                 "fingerprint": self.fingerprint, "labels": self.labels, "last_eval": self.last_eval,
-                "strategy_state": self.strategy.public_state(), "problems": list(self.problems)[-10:],
+                "strategy_state": self.strategy.public_state(), "problems": self.problems.recent(10),
                 "faulty": self.cfg.faulty}
 
     def peers_table(self) -> list[dict[str, Any]]:
@@ -463,7 +264,7 @@ class Node:
         rows = self.peers.view()
         for r in rows:
             r["weight"] = weights.get(r["node_id"], 0.0)
-            snap = self.network.cache.get(r["node_id"])
+            snap = self.cache.get(r["node_id"])
             r["cached_version"] = snap.version if snap else None
         return rows
 

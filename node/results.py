@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from .fsutil import atomic_write_bytes, json_safe
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .launcher import Scenario, StrategyRun
+    from .scenario import Scenario, StrategyRun
 
 FORMAT = "coterie-results/1"
 

@@ -16,7 +16,9 @@ from coterie.node.config import PROTOCOL_VERSION
 from coterie.node.learning.config import LearnerConfig
 from coterie.node.learning.torch_learner import build_learner
 from coterie.node.transport.chunks import sha256, split
-from coterie.node.transport.server import Published, serve
+from coterie.node.peering.messages import Beat, LocalSnapshot, NodeInfo
+from coterie.node.peering.serde import node_info_to_pb
+from coterie.node.transport.server import serve
 from coterie.node.wire.codec import encode
 from coterie.proto.v1 import peer_pb2 as pb
 from coterie.proto.v1 import peer_pb2_grpc as rpc
@@ -26,44 +28,42 @@ pytestmark = pytest.mark.slow
 LEARNER = tiny_learner(2, 0)
 
 
+class _NoTraffic:
+    def record(self, *a, **k): pass
+    def latency(self, *a, **k): pass
+
+
 class RogueHandler:
-    """A peer that speaks the protocol correctly but publishes whatever ``self.data`` holds."""
-    chunk_bytes = 1 << 20
-    max_model_bytes = 1 << 24
-    max_gossip_bytes = 1 << 16
-
-    class stats:
-        @staticmethod
-        def record(*a, **k): pass
-
-        @staticmethod
-        def latency(*a, **k): pass
+    """A peer that speaks the protocol correctly but publishes whatever ``self.payload`` holds:
+    raw bytes streamed as they are (a LocalSnapshot whose encoding is forged)."""
+    node_id = "rogue"
 
     def __init__(self, fingerprint: str):
         self.fingerprint = fingerprint
         self.address = ""
-        self.data = b""
+        self.snap: LocalSnapshot | None = None
         self.version = 0
 
     def set_payload(self, data: bytes) -> None:
         self.version += 1
-        self.data = data
+        snap = LocalSnapshot("rogue", self.version, 0, {})
+        snap.__dict__["encoded"] = data  # cached_property: what the server streams
+        self.snap = snap
 
     def info(self):
-        return pb.NodeInfo(node_id="rogue", protocol_version=PROTOCOL_VERSION,
-                           arch_fingerprint=self.fingerprint, address=self.address)
+        return NodeInfo("rogue", PROTOCOL_VERSION, self.fingerprint, address=self.address)
 
-    def on_handshake(self, remote, peer_addr):
+    def on_handshake(self, remote):
         return []
 
-    def on_heartbeat(self, node_id, round, version):
-        return 0, self.version
+    def on_heartbeat(self, beat):
+        return Beat("rogue", 0, self.version)
 
     def on_peer_list(self, sender, entries):
         return []
 
-    def published(self):
-        return Published("rogue", self.version, 0, self.data, sha256(self.data))
+    async def snapshot(self, requester, min_round=0, wait_s=0.0):
+        return self.snap
 
     def check_known(self, node_id):
         return None
@@ -94,11 +94,11 @@ async def _handshake(stub, fingerprint, node_id="tester", version=PROTOCOL_VERSI
 
 
 async def _cross_loss(stub, payload: bytes, *, digest: str | None = None, total: int | None = None,
-                      requester="tester"):
+                      requester="tester", reduction="mean"):
     async def frames():
         yield pb.ComputeFrame(header=pb.ComputeHeader(
             requester=requester, total_bytes=len(payload) if total is None else total,
-            sha256=sha256(payload) if digest is None else digest, split="train"))
+            sha256=sha256(payload) if digest is None else digest, split="train", reduction=reduction))
         for part in split(payload, 64 * 1024):
             yield pb.ComputeFrame(data=part)
     return await stub.CrossLoss(frames(), timeout=10)
@@ -153,6 +153,8 @@ def test_bad_models_in_requests_are_refused_with_reasons(target, params):
             await _expect(_cross_loss(stub, b"\x00garbage" * 10), grpc.StatusCode.INVALID_ARGUMENT, "magic")
             await _expect(_cross_loss(stub, encode({"params": nan})), grpc.StatusCode.INVALID_ARGUMENT, "nan")
             await _expect(_cross_loss(stub, encode({"params": wrong})), grpc.StatusCode.INVALID_ARGUMENT, "expected")
+            await _expect(_cross_loss(stub, encode({"params": params}), reduction="max"),
+                          grpc.StatusCode.INVALID_ARGUMENT, "unknown reduction")
             await _expect(_cross_loss(stub, encode({"params": params}), digest="0" * 64),
                           grpc.StatusCode.INVALID_ARGUMENT, "sha256")
             big = encode({"params": {"x": torch.zeros(100_000)}})  # 400 kB > the 256 KiB limit
@@ -200,12 +202,13 @@ def test_bad_snapshots_from_a_rogue_peer_are_rejected(target, params):
 
     async def go():
         rogue = RogueHandler(fp)
-        server, port = await serve(rogue, "127.0.0.1:0")
+        server, port = await serve(rogue, _NoTraffic(), "127.0.0.1:0")
         rogue.address = f"127.0.0.1:{port}"
         try:
             async with _channel(target) as ch:
                 # introduce the rogue: the victim learns it from the handshake's address
-                await rpc.PeerStub(ch).Handshake(pb.HandshakeRequest(node=rogue.info()), timeout=10)
+                await rpc.PeerStub(ch).Handshake(pb.HandshakeRequest(node=node_info_to_pb(rogue.info())),
+                                                 timeout=10)
             for payload, needle in cases:
                 rogue.set_payload(payload)
 

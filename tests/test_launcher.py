@@ -8,8 +8,8 @@ import pytest
 
 from coterie.node import launcher
 from coterie.node.config import ConfigError, load_config
-from coterie.node.launcher import (LauncherError, Network, builtin_scenario, load_scenario,
-                                   parse_scenario, prepare, run_scenario, run_strategy)
+from coterie.node.launcher import LauncherError, Network, prepare, run_scenario, run_strategy
+from coterie.node.scenario import builtin_scenario, load_scenario, parse_scenario
 
 FAKE = str(Path(__file__).with_name("fake_daemon.py"))
 REPO = Path(__file__).resolve().parents[1]
@@ -309,7 +309,7 @@ start_timeout_s = 60
 
 
 def test_strategy_subset_from_the_command_line_drops_params_of_the_others():
-    from coterie.node.launcher import parse_scenario
+    from coterie.node.scenario import parse_scenario
     data = {"name": "x", "nodes": 2, "rounds": 1, "strategy": ["local", "fedfomo"],
             "strategy_params": {"fedfomo": {"num_models": 2}}}
     assert parse_scenario(data, strategies=["local"]).strategy_params == {}

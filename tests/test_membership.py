@@ -1,8 +1,8 @@
 """The peer table's alive → suspect → dead life cycle (driven by a controllable clock)."""
 from __future__ import annotations
 
-from coterie.node.transport import membership
-from coterie.node.transport.membership import ALIVE, DEAD, SUSPECT, PeerTable
+from coterie.node.peering import peer_table as membership
+from coterie.node.peering.peer_table import ALIVE, DEAD, SUSPECT, PeerTable
 
 
 def test_states_follow_silence_and_recover(monkeypatch):

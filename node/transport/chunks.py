@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 from typing import AsyncIterator, Iterator
 
-from .errors import invalid
+from ..peering.errors import invalid
 
 
 def sha256(data: bytes) -> str:

@@ -1,30 +1,24 @@
-"""Errors the peer plane raises and maps to gRPC status codes."""
+"""gRPC status codes for the peer plane's refusal kinds (``peering/errors.py``), both ways."""
 from __future__ import annotations
 
 import grpc
 
+from ..peering import errors as e
 
-class PeerError(Exception):
-    """A request refused for a reason the caller should see verbatim."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def refused(message: str) -> PeerError:  # incompatible protocol / architecture
-    return PeerError(grpc.StatusCode.FAILED_PRECONDITION, message)
+_CODES = {
+    e.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    e.REFUSED: grpc.StatusCode.FAILED_PRECONDITION,
+    e.UNKNOWN_PEER: grpc.StatusCode.PERMISSION_DENIED,
+    e.NOT_CACHED: grpc.StatusCode.NOT_FOUND,
+    e.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+_KINDS = {code: kind for kind, code in _CODES.items()}
 
 
-def invalid(message: str) -> PeerError:  # malformed, oversized, NaN, wrong shape
-    return PeerError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def status_of(refusal: e.Refusal) -> grpc.StatusCode:
+    return _CODES.get(refusal.kind, grpc.StatusCode.INVALID_ARGUMENT)
 
 
-def unknown_peer(node_id: str) -> PeerError:
-    return PeerError(grpc.StatusCode.PERMISSION_DENIED,
-                     f"unknown peer {node_id!r}: handshake first")
-
-
-def not_cached(ref: str) -> PeerError:  # a request referenced a snapshot this node does not hold
-    return PeerError(grpc.StatusCode.NOT_FOUND, f"snapshot {ref} is not cached here; send the model")
+def call_error(err: grpc.aio.AioRpcError) -> e.PeerCallError:
+    """A failed gRPC call as the domain sees it (deadline, unreachable, refused with a reason)."""
+    return e.PeerCallError(_KINDS.get(err.code(), e.UNAVAILABLE), err.details() or err.code().name)

@@ -1,22 +1,25 @@
-"""The gRPC side a node serves to its peers. It moves bytes and checks sizes and hashes; what a
-request *means* (whose model, which data, which strategy) is the ``PeerHandler``'s business."""
+"""The gRPC side a node serves to its peers. It moves bytes: protobuf frames in and out (through
+``peering/serde``), chunking, size and hash checks, tensor decoding. What a request *means*
+(whose model, which data, which strategy) is the ``PeerHandler``'s business."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 import msgpack
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ...proto.v1 import peer_pb2 as pb
-from ...proto.v1 import peer_pb2_grpc as rpc
-from ..wire.codec import Groups, WireError, decode, encode
+from ..peering import serde
+from ..peering.errors import Refusal, invalid
+from ..peering.interfaces import PeerHandler, Traffic
+from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, LocalSnapshot
+from ..wire.codec import WireError, decode, encode
 from .chunks import Assembler, collect, sha256, split
-from .errors import PeerError, invalid
+from .errors import status_of
 
 log = logging.getLogger(__name__)
 
@@ -42,121 +45,93 @@ async def _linger(frames) -> None:
         pass
 
 
-@dataclass(frozen=True)
-class Published:
-    """A snapshot as this node serves it: encoded and cut into chunks once per publish, then
-    streamed to every puller without further copies."""
-    node_id: str
-    version: int
-    round: int
-    data: bytes
-    sha256: str
-    chunk_bytes: int = 1 << 20
-    frames: tuple[bytes, ...] = field(default=(), compare=False)  # serialised SnapshotChunk messages
+class _Frames:
+    """A snapshot cut into serialised ``SnapshotChunk`` messages once, then streamed to every
+    puller without further copies (one snapshot at a time: the current one)."""
 
-    def __post_init__(self) -> None:
-        if not self.frames and self.data:
-            object.__setattr__(self, "frames", tuple(pb.SnapshotChunk(data=part).SerializeToString()
-                                                     for part in split(self.data, self.chunk_bytes)))
+    def __init__(self, chunk_bytes: int):
+        self.chunk_bytes = chunk_bytes
+        self._snap: LocalSnapshot | None = None
+        self._frames: tuple[bytes, ...] = ()
 
-
-class Stats(Protocol):
-    def record(self, kind: str, *, sent: int = 0, received: int = 0) -> None: ...
-    def latency(self, kind: str, seconds: float, side: str) -> None: ...
+    def of(self, snap: LocalSnapshot) -> tuple[bytes, ...]:
+        if self._snap is not snap:
+            self._frames = tuple(pb.SnapshotChunk(data=part).SerializeToString()
+                                 for part in split(snap.encoded, self.chunk_bytes))
+            self._snap = snap
+        return self._frames
 
 
-class PeerHandler(Protocol):
-    chunk_bytes: int
-    max_model_bytes: int
-    max_gossip_bytes: int
-    stats: Stats
-
-    def info(self) -> pb.NodeInfo: ...
-    def on_handshake(self, remote: pb.NodeInfo, peer_addr: str) -> list[pb.PeerEntry]: ...
-    def on_heartbeat(self, node_id: str, round: int, version: int) -> tuple[int, int]: ...
-    def on_peer_list(self, sender: str, entries: list[pb.PeerEntry]) -> list[pb.PeerEntry]: ...
-    def published(self) -> Published | None: ...
-    def check_known(self, node_id: str) -> None: ...
-    def resolve_ref(self, ref: pb.SnapshotRef) -> Groups: ...
-    async def cross_loss(self, requester: str, groups: Groups, h: pb.ComputeHeader) -> tuple[float, int]: ...
-    async def cross_gradient(self, requester: str, groups: Groups, h: pb.ComputeHeader
-                             ) -> tuple[Groups | None, float, int, float]: ...
-    async def push_gradient(self, requester: str, groups: Groups, h: pb.ComputeHeader) -> tuple[bool, str]: ...
-    async def gossip(self, requester: str, key: str, payload: dict[str, Any]) -> dict[str, Any]: ...
-
-
-class PeerService(rpc.PeerServicer):
-    def __init__(self, handler: PeerHandler):
+class PeerService:
+    def __init__(self, handler: PeerHandler, traffic: Traffic, *, chunk_bytes: int,
+                 max_model_bytes: int, max_gossip_bytes: int):
         self.h = handler
+        self.traffic = traffic
+        self.chunk_bytes = chunk_bytes
+        self.max_model_bytes = max_model_bytes
+        self.max_gossip_bytes = max_gossip_bytes
+        self._frames = _Frames(chunk_bytes)
 
     async def _guard(self, context: grpc.aio.ServicerContext, kind: str, coro, stream=None):
-        """Run a handler call; turn PeerError/WireError into a status the caller can read.
+        """Run a handler call; turn a Refusal/WireError into a status the caller can read.
         ``stream``: the request stream, drained before refusing (see ``LINGER_BYTES``)."""
         t0 = time.perf_counter()
         try:
             return await coro
-        except (PeerError, WireError) as e:
-            code, message = ((e.code, e.message) if isinstance(e, PeerError)
+        except (Refusal, WireError) as e:
+            code, message = ((status_of(e), e.message) if isinstance(e, Refusal)
                              else (grpc.StatusCode.INVALID_ARGUMENT, str(e)))
             log.warning("refused %s from %s: %s", kind, context.peer(), message)
             if stream is not None:
                 await _linger(stream)
             await context.abort(code, message)
         finally:
-            self.h.stats.latency(kind, time.perf_counter() - t0, "server")
+            self.traffic.latency(kind, time.perf_counter() - t0, "server")
 
     # --- membership ---
     async def Handshake(self, request, context):
         async def go():
-            self.h.stats.record("handshake", received=request.ByteSize())
-            peers = self.h.on_handshake(request.node, context.peer())
-            reply = pb.HandshakeReply(node=self.h.info(), peers=peers)
-            self.h.stats.record("handshake", sent=reply.ByteSize())
+            self.traffic.record("handshake", received=request.ByteSize())
+            entries = self.h.on_handshake(serde.node_info_from_pb(request.node))
+            reply = pb.HandshakeReply(node=serde.node_info_to_pb(self.h.info()),
+                                      peers=serde.entries_to_pb(entries))
+            self.traffic.record("handshake", sent=reply.ByteSize())
             return reply
         return await self._guard(context, "handshake", go())
 
     async def Heartbeat(self, request, context):
         async def go():
-            rnd, ver = self.h.on_heartbeat(request.node_id, request.round, request.snapshot_version)
-            reply = pb.HeartbeatReply(node_id=self.h.info().node_id, round=rnd, snapshot_version=ver,
-                                      echo_sent_at=request.sent_at)
-            self.h.stats.record("heartbeat", received=request.ByteSize(), sent=reply.ByteSize())
+            reply = serde.beat_to_reply(self.h.on_heartbeat(serde.beat_from_request(request)))
+            self.traffic.record("heartbeat", received=request.ByteSize(), sent=reply.ByteSize())
             return reply
         return await self._guard(context, "heartbeat", go())
 
     async def ExchangePeers(self, request, context):
         async def go():
-            self.h.check_known(request.node_id)
-            entries = self.h.on_peer_list(request.node_id, list(request.peers))
-            reply = pb.PeerList(node_id=self.h.info().node_id, peers=entries)
-            self.h.stats.record("peers", received=request.ByteSize(), sent=reply.ByteSize())
+            entries = self.h.on_peer_list(request.node_id, serde.entries_from_pb(request.peers))
+            reply = pb.PeerList(node_id=self.h.node_id, peers=serde.entries_to_pb(entries))
+            self.traffic.record("peers", received=request.ByteSize(), sent=reply.ByteSize())
             return reply
         return await self._guard(context, "peers", go())
 
     # --- snapshots ---
     async def GetSnapshot(self, request, context):
         t0 = time.perf_counter()
-        try:
-            self.h.check_known(request.requester)
-        except PeerError as e:
-            await context.abort(e.code, e.message)
-        snap = self.h.published()
-        if snap is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no snapshot published yet")
+        snap = await self._guard(context, "snapshot", self.h.snapshot(
+            request.requester, request.min_round, request.wait_ms / 1000.0))
         unchanged = request.have_version == snap.version and request.have_version > 0
-        header = pb.SnapshotHeader(node_id=snap.node_id, version=snap.version, round=snap.round,
-                                   sha256=snap.sha256, total_bytes=len(snap.data), unchanged=unchanged)
+        frames = () if unchanged else self._frames.of(snap)
+        header = serde.snapshot_header_to_pb(snap.header(unchanged), 0 if unchanged else len(snap.encoded))
         yield pb.SnapshotChunk(header=header)
         sent = header.ByteSize()
-        if not unchanged:
-            for frame in snap.frames:  # pre-serialised at publish time: no per-puller copies
-                yield frame
-                sent += len(frame)
-        self.h.stats.record("snapshot", sent=sent)
-        self.h.stats.latency("snapshot", time.perf_counter() - t0, "server")
+        for frame in frames:  # pre-serialised: no per-puller copies
+            yield frame
+            sent += len(frame)
+        self.traffic.record("snapshot", sent=sent)
+        self.traffic.latency("snapshot", time.perf_counter() - t0, "server")
 
     # --- compute on my data ---
-    async def _read_compute(self, frames, kind: str) -> tuple[pb.ComputeHeader, Groups]:
+    async def _read_compute(self, frames, kind: str):
         it = frames.__aiter__()
         try:
             first = await it.__anext__()
@@ -165,67 +140,63 @@ class PeerService(rpc.PeerServicer):
         if first is None or first.WhichOneof("body") != "header":
             raise invalid(f"{kind}: stream must start with a header frame")
         h = first.header
-        self.h.check_known(h.requester)
-        who = f"{kind} from {h.requester}"
-        if h.HasField("ref"):
-            self.h.stats.record(kind, received=first.ByteSize())
-            return h, self.h.resolve_ref(h.ref)
-        limit = self.h.max_gossip_bytes if kind == "gossip" else self.h.max_model_bytes
-        asm = Assembler(who, h.total_bytes, h.sha256, limit)
+        req = serde.compute_request_from_pb(kind, h)
+        self.h.check_known(req.requester)  # before reading a payload from a stranger
+        if req.ref is not None:
+            self.traffic.record(kind, received=first.ByteSize())
+            return req
+        who = f"{kind} from {req.requester}"
+        asm = Assembler(who, h.total_bytes, h.sha256, self.max_model_bytes)
         data = await collect(it, asm)
-        self.h.stats.record(kind, received=first.ByteSize() + len(data))
+        self.traffic.record(kind, received=first.ByteSize() + len(data))
         try:
-            groups, _ = decode(data, max_bytes=limit)
+            req.groups, _ = decode(data, max_bytes=self.max_model_bytes)
         except WireError as e:
             raise invalid(f"{who}: {e}") from None
-        return h, groups
+        return req
 
     async def CrossLoss(self, request_iterator, context):
         async def go():
-            h, groups = await self._read_compute(request_iterator, "cross_loss")
-            loss, n = await self.h.cross_loss(h.requester, groups, h)
-            reply = pb.LossReply(loss=loss, samples=n)
-            self.h.stats.record("cross_loss", sent=reply.ByteSize())
-            return reply
-        return await self._guard(context, "cross_loss", go(), request_iterator)
+            reply = await self.h.compute(await self._read_compute(request_iterator, CROSS_LOSS))
+            out = serde.loss_reply_to_pb(reply)
+            self.traffic.record(CROSS_LOSS, sent=out.ByteSize())
+            return out
+        return await self._guard(context, CROSS_LOSS, go(), request_iterator)
 
     async def CrossGradient(self, request_iterator, context):
         async def go():
-            h, groups = await self._read_compute(request_iterator, "cross_gradient")
-            return await self.h.cross_gradient(h.requester, groups, h)
-        result = await self._guard(context, "cross_gradient", go(), request_iterator)
-        grad, loss, n, ip = result
-        data = encode(grad) if grad is not None else b""
-        header = pb.GradientHeader(loss=loss, samples=n, total_bytes=len(data),
-                                   sha256=sha256(data) if data else "", inner_product=ip)
+            return await self.h.compute(await self._read_compute(request_iterator, CROSS_GRADIENT))
+        reply = await self._guard(context, CROSS_GRADIENT, go(), request_iterator)
+        data = encode(reply.grad) if reply.grad is not None else b""
+        header = serde.gradient_header_to_pb(reply, len(data), sha256(data) if data else "")
         yield pb.GradientChunk(header=header)
-        for part in split(data, self.h.chunk_bytes):
+        for part in split(data, self.chunk_bytes):
             yield pb.GradientChunk(data=part)
-        self.h.stats.record("cross_gradient", sent=header.ByteSize() + len(data))
+        self.traffic.record(CROSS_GRADIENT, sent=header.ByteSize() + len(data))
 
     async def PushGradient(self, request_iterator, context):
         async def go():
-            h, groups = await self._read_compute(request_iterator, "push_gradient")
-            ok, msg = await self.h.push_gradient(h.requester, groups, h)
-            return pb.Ack(accepted=ok, message=msg)
-        return await self._guard(context, "push_gradient", go(), request_iterator)
+            reply = await self.h.compute(await self._read_compute(request_iterator, PUSH_GRADIENT))
+            return serde.ack_to_pb(reply)
+        return await self._guard(context, PUSH_GRADIENT, go(), request_iterator)
 
     async def GossipState(self, request, context):
         async def go():
-            self.h.check_known(request.node_id)
-            if len(request.payload) > self.h.max_gossip_bytes:
-                raise invalid(f"gossip from {request.node_id}: {len(request.payload)} bytes exceeds "
-                              f"the limit of {self.h.max_gossip_bytes}")
+            sender = request.node_id
+            self.h.check_known(sender)
+            if len(request.payload) > self.max_gossip_bytes:
+                raise invalid(f"gossip from {sender}: {len(request.payload)} bytes exceeds "
+                              f"the limit of {self.max_gossip_bytes}")
             try:
                 payload = msgpack.unpackb(request.payload, raw=False, strict_map_key=False)
-            except Exception as e:
-                raise invalid(f"gossip from {request.node_id}: payload is not msgpack ({e})") from None
+            except Exception as e:  # msgpack raises a zoo of types on garbage
+                raise invalid(f"gossip from {sender}: payload is not msgpack ({e})") from None
             if not isinstance(payload, dict):
-                raise invalid(f"gossip from {request.node_id}: payload is not a map")
-            reply = await self.h.gossip(request.node_id, request.key, payload)
-            out = pb.GossipMessage(node_id=self.h.info().node_id, key=request.key,
+                raise invalid(f"gossip from {sender}: payload is not a map")
+            reply = await self.h.gossip(sender, request.key, payload)
+            out = pb.GossipMessage(node_id=self.h.node_id, key=request.key,
                                    payload=msgpack.packb(reply, use_bin_type=True))
-            self.h.stats.record("gossip", received=request.ByteSize(), sent=out.ByteSize())
+            self.traffic.record("gossip", received=request.ByteSize(), sent=out.ByteSize())
             return out
         return await self._guard(context, "gossip", go())
 
@@ -252,10 +223,14 @@ def _handlers(servicer: PeerService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(service.full_name, table)
 
 
-async def serve(handler: PeerHandler, address: str) -> tuple[grpc.aio.Server, int]:
+async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, chunk_bytes: int = 1 << 20,
+                max_model_bytes: int = 1 << 31, max_gossip_bytes: int = 1 << 20
+                ) -> tuple[grpc.aio.Server, int]:
     """Start the peer server (and the standard gRPC health service) on ``address``."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    server.add_generic_rpc_handlers((_handlers(PeerService(handler)),))
+    service = PeerService(handler, traffic, chunk_bytes=chunk_bytes, max_model_bytes=max_model_bytes,
+                          max_gossip_bytes=max_gossip_bytes)
+    server.add_generic_rpc_handlers((_handlers(service),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(address)

@@ -98,14 +98,18 @@ class SnapshotRef(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., version: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
-    __slots__ = ("requester", "have_version", "chunk_bytes")
+    __slots__ = ("requester", "have_version", "chunk_bytes", "min_round", "wait_ms")
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MIN_ROUND_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     requester: str
     have_version: int
     chunk_bytes: int
-    def __init__(self, requester: _Optional[str] = ..., have_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    min_round: int
+    wait_ms: int
+    def __init__(self, requester: _Optional[str] = ..., have_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., min_round: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class SnapshotHeader(_message.Message):
     __slots__ = ("node_id", "version", "round", "sha256", "total_bytes", "unchanged")

@@ -1,0 +1,87 @@
+"""Protobuf <-> domain objects: the one place where ``peer_pb2`` messages are built or read
+(Flower's ``common/serde.py`` idea). Tensor payloads travel as Coterie's tensor encoding
+(``wire/codec.py``); chunking and hashing stay in the transport."""
+from __future__ import annotations
+
+from ...proto.v1 import peer_pb2 as pb
+from .messages import Beat, ComputeReply, ComputeRequest, NodeInfo, PeerEntry, SnapshotHeader, SnapshotRef
+
+
+# --- membership ---
+def node_info_to_pb(n: NodeInfo) -> pb.NodeInfo:
+    return pb.NodeInfo(node_id=n.node_id, protocol_version=n.protocol_version,
+                       arch_fingerprint=n.arch_fingerprint, capabilities=list(n.capabilities),
+                       address=n.address, admin_url=n.admin_url, labels=dict(n.labels))
+
+
+def node_info_from_pb(m: pb.NodeInfo) -> NodeInfo:
+    return NodeInfo(m.node_id, m.protocol_version, m.arch_fingerprint, tuple(m.capabilities),
+                    m.address, m.admin_url, dict(m.labels))
+
+
+def entries_to_pb(entries: list[PeerEntry]) -> list[pb.PeerEntry]:
+    return [pb.PeerEntry(node_id=e.node_id, address=e.address, last_seen_age_s=e.last_seen_age_s)
+            for e in entries]
+
+
+def entries_from_pb(entries) -> list[PeerEntry]:
+    return [PeerEntry(e.node_id, e.address, e.last_seen_age_s) for e in entries]
+
+
+def beat_to_request(b: Beat) -> pb.HeartbeatRequest:
+    return pb.HeartbeatRequest(node_id=b.node_id, round=b.round, snapshot_version=b.version,
+                               sent_at=b.sent_at)
+
+
+def beat_from_request(m: pb.HeartbeatRequest) -> Beat:
+    return Beat(m.node_id, m.round, m.snapshot_version, m.sent_at)
+
+
+def beat_to_reply(b: Beat) -> pb.HeartbeatReply:
+    return pb.HeartbeatReply(node_id=b.node_id, round=b.round, snapshot_version=b.version,
+                             echo_sent_at=b.sent_at)
+
+
+def beat_from_reply(m: pb.HeartbeatReply) -> Beat:
+    return Beat(m.node_id, m.round, m.snapshot_version, m.echo_sent_at)
+
+
+# --- snapshots ---
+def snapshot_header_to_pb(h: SnapshotHeader, total_bytes: int) -> pb.SnapshotHeader:
+    return pb.SnapshotHeader(node_id=h.node_id, version=h.version, round=h.round, sha256=h.digest,
+                             total_bytes=total_bytes, unchanged=h.unchanged)
+
+
+def snapshot_header_from_pb(m: pb.SnapshotHeader) -> SnapshotHeader:
+    return SnapshotHeader(m.node_id, m.version, m.round, m.sha256, m.unchanged)
+
+
+# --- compute requests ---
+def compute_header_to_pb(r: ComputeRequest, total_bytes: int = 0, digest: str = "") -> pb.ComputeHeader:
+    h = pb.ComputeHeader(requester=r.requester, total_bytes=total_bytes, sha256=digest, split=r.split,
+                         max_samples=r.max_samples, reduction=r.reduction,
+                         target_version=r.target_version, align=r.align)
+    if r.ref is not None:
+        h.ref.CopyFrom(pb.SnapshotRef(node_id=r.ref.node_id, version=r.ref.version, sha256=r.ref.digest))
+    return h
+
+
+def compute_request_from_pb(kind: str, h: pb.ComputeHeader) -> ComputeRequest:
+    """The request a header describes, without its tensors (the transport adds those)."""
+    ref = (SnapshotRef(h.ref.node_id, h.ref.version, h.ref.sha256) if h.HasField("ref") else None)
+    return ComputeRequest(kind=kind, requester=h.requester, ref=ref, split=h.split or "train",
+                          max_samples=h.max_samples, reduction=h.reduction or "mean",
+                          target_version=h.target_version, align=h.align)
+
+
+def loss_reply_to_pb(r: ComputeReply) -> pb.LossReply:
+    return pb.LossReply(loss=r.loss, samples=r.samples)
+
+
+def gradient_header_to_pb(r: ComputeReply, total_bytes: int, digest: str) -> pb.GradientHeader:
+    return pb.GradientHeader(loss=r.loss, samples=r.samples, total_bytes=total_bytes, sha256=digest,
+                             inner_product=r.inner_product)
+
+
+def ack_to_pb(r: ComputeReply) -> pb.Ack:
+    return pb.Ack(accepted=r.accepted, message=r.message)
