@@ -347,7 +347,7 @@ def check_data(sc: Scenario) -> list[str]:
     seen: set[str] = set()
     warnings: list[str] = []
     for i in range(sc.nodes):
-        lc = node_config(sc, sc.strategy[0], i, Path("/nonexistent"), ports=[(1, 2)] * sc.nodes).learner
+        lc = node_config(sc, sc.strategy[0], i, Path("/nonexistent")).learner
         key = lc.model_dump_json(include={"dataset", "dataset_params", "partition", "partition_params",
                                           "num_nodes", "data_seed", "val_fraction", "test_fraction"})
         if key in seen:
