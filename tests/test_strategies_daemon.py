@@ -22,7 +22,7 @@ FAST = {
     "l2c": {"prune_round": 4},  # T0 = 10 in the paper
     "meta-l2c": {"alpha_steps": 5, "prune_round": 5},
 }
-ROUNDS = {"cobo": 8, "meta-l2c": 10}
+ROUNDS = {"cobo": 8, "meta-l2c": 10, "scool-sbm": 7}  # round-aligned strategies aggregate from round 2 on
 
 
 def _config(tmp, i, strategy, peers, partition="label_permutation", rounds=None, samples=300, clusters=CLUSTERS):
