@@ -27,6 +27,7 @@ LEARNER = {"dataset": "mnist1d", "dataset_params": {"num_samples": 8000}, "parti
            "model_params": {"channels": [16, 32], "fc": 64}, "optimizer": "adam", "lr": 0.003,
            "batch_size": 32, "local_steps": 20}
 COBO = {"local_steps": STEPS_PER_ROUND}
+LOCAL_S1 = 0.42  # S1's local mean accuracy (bench/results/summary.md, seed 0)
 
 
 def raw_W(hub) -> np.ndarray:
@@ -98,10 +99,12 @@ def summarise(run: Run, history: list[dict], same: np.ndarray) -> None:
     half = first(lambda h: h["W_cross"] < 0.5)
     rank = first(ranked)
     match = first(lambda h: h["matches_oracle"])
+    beats = first(lambda h: h["acc"] >= LOCAL_S1 + 0.03)
     run.summary = {"steps_run": history[-1]["steps"], "steps_first_separating": start_sep,
                    "steps_cross_below_half": half, "steps_first_ranked": rank, "steps_first_oracle_match": match,
                    "oracle_match_share_after": (None if match is None else float(np.mean(
                        [h["matches_oracle"] for h in history if h["steps"] >= match]))),
+                   "steps_acc_local_plus_3": beats,
                    "at_600_steps": {k: at600[k] for k in ("W_in", "W_cross", "acc")},
                    "final": {k: history[-1][k] for k in ("W_in", "W_cross", "acc", "matches_oracle")}}
     run.claim("the pair weights start separating by cluster after ~300 iterations (0.75% of training)",
@@ -109,9 +112,14 @@ def summarise(run: Run, history: list[dict], same: np.ndarray) -> None:
               f"in {at600['W_in']:.2f}, cross {at600['W_cross']:.2f}, accuracy {100 * at600['acc']:.1f}%")
     run.claim("the matrix converges to the oracle's within 5,000 iterations (12.5%)",
               f"mean cross-cluster W below 0.5 at step {half}; every node ranks its mates above all others "
-              f"from step {rank}; W > 0.5 exactly for mates (the oracle matrix) first at step {match}, then at "
-              f"{0 if match is None else 100 * run.summary['oracle_match_share_after']:.0f}% of the later records "
-              f"(run: {history[-1]['steps']} steps); accuracy {100 * history[-1]['acc']:.1f}% at the end")
+              f"from step {rank}; W > 0.5 exactly for mates (the oracle matrix) "
+              + (f"first at step {match}, then at {100 * run.summary['oracle_match_share_after']:.0f}% of the "
+                 f"later records" if match is not None else "not within the run: a few cross pairs stay high")
+              + f" (run: {history[-1]['steps']} steps); accuracy {100 * history[-1]['acc']:.1f}% at the end")
+    run.claim("(S1's budget) COBO is run for 40,000 iterations in the paper; S1 gives it 600 steps",
+              f"mean accuracy first ≥ S1's local + 3 points ({100 * (LOCAL_S1 + 0.03):.0f}%) at step {beats}, "
+              f"i.e. ≈{(beats or 0) // STEPS_PER_ROUND} rounds of {STEPS_PER_ROUND} steps where S1 runs 30: "
+              f"at 600 steps the cross-cluster pull (W ≈ {at600['W_cross']:.2f}) still costs accuracy")
 
 
 def resummarise(seed: int) -> None:
