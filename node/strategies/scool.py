@@ -1,7 +1,12 @@
 """SCool (Li et al., "Structured Cooperative Learning with Graphical Model Priors", scool.txt
 §3.3–4.3, App. C–E): SCool-SBM and SCool-attention as serverless strategies.
 
-Round at node i:
+Alg. 1 is synchronous, so iteration t spans two daemon rounds (as for L2C): round r ends with the
+local training of iteration r (published: Δθ^r), and round r+1 starts with the E-step and the
+aggregation of iteration r, pulling every candidate's snapshot of round ≥ r (round-aligned exchange,
+bounded by ``sync_wait_s``; a peer that does not make it is left out of that round's mixing).
+
+Iteration t at node i:
   local training θ_i^t → θ_i^{t+½}; Δθ_i = θ_i^t − θ_i^{t+½} (published as extras "delta")
   evidence Y_ij = log P(D_j | θ_i) = −(mean CE of my published model on a minibatch of j's data),
     one cross-loss request per candidate (*code*: one training minibatch)
@@ -19,7 +24,7 @@ Round at node i:
     over self and the peers whose Δθ arrived.
     "exact": eq. 22 with cross-gradients, θ ← θ − η(w̄_ii ∇L(D_i;θ) + Σ_j w̄_ij ∇L(D_j;θ)) for
     ``exact_steps`` steps with my optimizer (each step one cross-gradient request per peer).
-  Pruning (App. C.1): after round ``prune_after`` keep the top ``keep_fraction`` peers by w; the
+  Pruning (App. C.1): after ``prune_after`` E-steps keep the top ``keep_fraction`` peers by w; the
     rest are no longer contacted.
 SBM prior M-step: by default fixed, as in the code (B = [[.8,.2],[.2,.8]], α = 1). With
 ``learn_B`` / ``learn_alpha`` the paper's M-steps run: B = Σ_ij w_ij Ω_i Ω_jᵀ / Σ_ij Ω_i Ω_jᵀ
@@ -153,7 +158,7 @@ class _SCoolBase(Strategy):
         "exact_steps": 5,         # local SGD steps of the exact M-step (Alg. 1 l.13), one request per peer each
         "grad_samples": 32,       # minibatch per (cross-)gradient in the exact M-step
         "prune_after": 10,        # App. C.1: remove neighbours "after 10 rounds"
-        "keep_fraction": 0.2,     # App. C.1 / ALGORITHMS: keep top 20% (SBM); attention overrides to 10%
+        "keep_fraction": 0.2,     # *code*: keep the top 20% of the peers (App. C.1 text: remove 90%)
         "max_peers": 0,           # 0 = every alive peer is a candidate until pruning
         "round_aligned": True,    # Alg. 1 is synchronous: mix the peers' Δθ of my iteration
         "sync_wait_s": 30.0,      # longest wait for a peer to publish that round (then without it)
