@@ -465,7 +465,10 @@ class StateStore:
         self._dir_unsynced = False
         for older in self.checkpoints():
             if older != final:
-                older.unlink(missing_ok=True)
+                try:
+                    older.unlink(missing_ok=True)
+                except OSError as e:  # committed all the same; the next open() removes it
+                    log.warning("could not remove %s: %s", older, e)
         if not self._identity_ok:  # after the first checkpoint: identity never exists without one
             atomic_write_json(self.identity_path, {"node_id": snap.state["node_id"]})
             self._identity_ok = True
