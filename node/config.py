@@ -100,6 +100,10 @@ class NodeConfig(BaseModel):
     faulty: Literal["none", "random", "scale"] = "none"  # bad-actor mode: publish garbage models
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     log_level: str = "INFO"
+    # state dir: completed rounds whose checkpoint may still be being written while the next
+    # round trains (what a kill -9 can lose); 0 = every round waits for its own checkpoint
+    checkpoint_max_unsaved_rounds: int = Field(1, ge=0)
+    reset: bool = False  # start at round 0, moving any old state aside (into reset-<time>/)
 
     @field_validator("listen", "admin_listen")
     @classmethod
