@@ -5,6 +5,7 @@
   coterie run SCENARIO.toml --out DIR             launch a local network, write results.json
   coterie demo [--out DIR]                        the built-in scenario: personalised vs local
   coterie strategies                              the strategies this install can run
+  coterie ca init DIR / coterie cert issue ...    the network CA and node certificates (cli/security.py)
 
 Config precedence for ``node start``: flags > COTERIE_* environment > TOML file.
 """
@@ -24,6 +25,9 @@ app = typer.Typer(help="Coterie: peer-to-peer decentralized personalised learnin
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 node_app = typer.Typer(help="Run a node daemon.", no_args_is_help=True)
 app.add_typer(node_app, name="node")
+from .security import ca_app, cert_app  # noqa: E402 - sub-apps of their own module
+app.add_typer(ca_app, name="ca")
+app.add_typer(cert_app, name="cert")
 
 EXIT_CONFIG = 2
 

@@ -9,15 +9,54 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .learning.config import LearnerConfig
+from .security.ids import node_id_problem
 
 PROTOCOL_VERSION = 1
 
 
 class ConfigError(ValueError):
     """A configuration problem, with the field(s) at fault in the message."""
+
+
+class SecurityConfig(BaseModel):
+    """Who may talk to this node's peer port. mTLS by default: without certificates a node does
+    not start, unless ``insecure`` says plaintext on purpose (logged as a warning)."""
+    model_config = ConfigDict(extra="forbid")
+
+    insecure: bool = False  # plaintext peer port, identities unchecked: only where the network is trusted
+    cert_dir: Path | None = None  # from `coterie cert issue --out DIR`: ca.pem, node.pem, node.key
+    ca: Path | None = None  # explicit files win over cert_dir's
+    cert: Path | None = None
+    key: Path | None = None
+    allow_ids: list[str] | None = None  # only these node ids may connect or be dialled (None: any the CA issued)
+
+    @model_validator(mode="after")
+    def _configured(self) -> "SecurityConfig":
+        if self.insecure and (self.cert_dir or self.cert or self.key):
+            raise ValueError("insecure = true together with certificates: choose one")
+        return self
+
+
+class LimitsConfig(BaseModel):
+    """Work one authenticated peer may cause on this node (``peering/admission.py``), and how long
+    a stream may take. Refusals are RESOURCE_EXHAUSTED with the limit named."""
+    model_config = ConfigDict(extra="forbid")
+
+    requests_per_s: float = Field(40.0, gt=0)  # compute/snapshot/gossip requests, token-bucket rate
+    request_burst: float = Field(80.0, ge=1)
+    compute_share: float = Field(0.25, gt=0)  # seconds of compute on my data per second, per peer
+    compute_burst_s: float = Field(2.0, gt=0)
+    max_concurrent: int = Field(3, ge=1)  # requests of one peer in flight at once
+    compute_workers: int = Field(2, ge=1)  # threads serving peers' compute (the node's own work has others)
+    upload_timeout_s: float = Field(60.0, gt=0)  # a streamed upload must be complete by then
+    upload_idle_s: float = Field(10.0, gt=0)  # longest gap between two frames of an upload
+    send_timeout_s: float = Field(120.0, gt=0)  # a reply stream to a slow reader is cut after this
+    max_push_lag: int = Field(64, ge=1)  # a pushed gradient's target version at most this far behind
+    push_norm_factor: float = Field(10.0, gt=1)  # pushes clipped to this × my own recent gradient norm
+    max_rpcs: int = Field(512, ge=8)  # all calls in flight on the peer port (gRPC answers RESOURCE_EXHAUSTED)
 
 
 class NodeConfig(BaseModel):
@@ -44,12 +83,23 @@ class NodeConfig(BaseModel):
     suspect_after_s: float = Field(3.0, gt=0)
     dead_after_s: float = Field(8.0, gt=0)
     request_timeout_s: float = Field(30.0, gt=0)
-    max_model_bytes: int = Field(1 << 31, gt=0)  # largest snapshot/model accepted from a peer
+    # largest snapshot/model accepted from a peer; default 4× this node's own model + 1 MiB
+    max_model_bytes: int | None = Field(None, gt=0)
     max_gossip_bytes: int = Field(1 << 20, gt=0)
     chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20)  # stays under gRPC's 4 MiB default
     delay_ms: float = Field(0.0, ge=0)  # artificial one-way latency added to outgoing calls (testbed)
     faulty: Literal["none", "random", "scale"] = "none"  # bad-actor mode: publish garbage models
     log_level: str = "INFO"
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+
+    @field_validator("node_id")
+    @classmethod
+    def _node_id(cls, v: str | None) -> str | None:
+        problem = None if v is None else node_id_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
 
     @field_validator("listen", "admin_listen")
     @classmethod

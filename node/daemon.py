@@ -22,7 +22,9 @@ import grpc
 from .config import PROTOCOL_VERSION, ConfigError, NodeConfig
 from .fsutil import atomic_write_json
 from .learning.learner import Learner
+from .logfilter import install_log_filter
 from .metrics import Metrics
+from .peering.admission import Admission
 from .peering.faults import with_fault
 from .peering.inbox import PushInbox
 from .peering.membership import Membership
@@ -34,13 +36,36 @@ from .peering.served import ServedRequests
 from .peering.snapshots import PublishBoard, SnapshotCache
 from .peering.traffic import TrafficStats
 from .persistence import StateError, StateStore
+from .security.pki import PKIError, load_credentials
 from .strategies.registry import get_strategy
 from .transport.client import PeerClient
-from .transport.server import serve
+from .transport.server import StreamLimits, serve
+from .transport.tls import TLS
 
 log = logging.getLogger("coterie.node")
 
 CAPABILITIES = ("snapshot", "cross-loss", "cross-gradient", "push-gradient", "gossip")
+MODEL_BYTES_FACTOR, MODEL_BYTES_SLACK = 4, 1 << 20  # default max_model_bytes: 4× my model + 1 MiB
+
+
+def load_tls(cfg: NodeConfig) -> TLS | None:
+    """The node's mTLS identity, or None with ``security.insecure``. Fails closed: no
+    certificates and no explicit ``insecure`` is a configuration error."""
+    sec = cfg.security
+    if sec.insecure:
+        return None
+    if not (sec.cert_dir or sec.cert):
+        raise ConfigError("no peer certificates configured: set security.cert_dir to a directory from "
+                          "`coterie cert issue` (see `coterie ca init`), or security.insecure = true "
+                          "for a plaintext peer port on a network you trust")
+    try:
+        creds = load_credentials(sec.cert_dir, ca=sec.ca, cert=sec.cert, key=sec.key)
+    except PKIError as e:
+        raise ConfigError(f"security: {e}") from None
+    if cfg.node_id is not None and cfg.node_id != creds.node_id:
+        raise ConfigError(f"security: the certificate is for node {creds.node_id!r}, but node_id is "
+                          f"{cfg.node_id!r}")
+    return TLS(creds, frozenset(sec.allow_ids) if sec.allow_ids is not None else None)
 
 
 def _hostport(address: str) -> tuple[str, int]:
@@ -51,8 +76,12 @@ def _hostport(address: str) -> tuple[str, int]:
 class Node:
     def __init__(self, cfg: NodeConfig, learner: Learner | None = None):
         self.cfg = cfg
+        self.tls = load_tls(cfg)
         self.store = StateStore(cfg.state_dir)
-        self.node_id = self.store.node_id(cfg.node_id)
+        self.node_id = self.store.node_id(cfg.node_id or (self.tls.node_id if self.tls else None))
+        if self.tls is not None and self.tls.node_id != self.node_id:
+            raise ConfigError(f"security: the certificate is for node {self.tls.node_id!r}, but the state "
+                              f"dir {cfg.state_dir} belongs to {self.node_id!r}")
         if learner is None:
             from .learning.torch_learner import build_learner  # torch-specific code stays behind the interface
             learner = build_learner(cfg.learner)
@@ -82,9 +111,11 @@ class Node:
         self.board = PublishBoard()
         self.cache = SnapshotCache()
         self.inbox = PushInbox()
+        # max_model_bytes without a configured value is fixed in start(), once the model is published
         self.client = PeerClient(self.node_id, self.traffic, chunk_bytes=cfg.chunk_bytes,
-                                 max_model_bytes=cfg.max_model_bytes, max_gossip_bytes=cfg.max_gossip_bytes,
-                                 timeout_s=cfg.request_timeout_s, delay_ms=cfg.delay_ms)
+                                 max_model_bytes=cfg.max_model_bytes or 1 << 31,
+                                 max_gossip_bytes=cfg.max_gossip_bytes,
+                                 timeout_s=cfg.request_timeout_s, tls=self.tls, delay_ms=cfg.delay_ms)
         self.membership = Membership(self.info, self.position, self.peers, self.client, self.problems,
                                      bootstrap=cfg.peers, heartbeat_interval_s=cfg.heartbeat_interval_s,
                                      request_timeout_s=cfg.request_timeout_s, link_delay_s=cfg.delay_ms / 1000,
@@ -94,9 +125,13 @@ class Node:
                                    labels=self.labels, request_timeout_s=cfg.request_timeout_s)
         self.strategy = get_strategy(cfg.strategy)(self.node_id, learner, self.network,
                                                    cfg.strategy_params, seed=seed)
+        self._budget_noted: dict[tuple[str, str], float] = {}
+        self.admission = Admission(cfg.limits, on_refused=self._over_budget)
         self.served = ServedRequests(self.node_id, self.info, self.membership, learner, self.spec,
                                      self.strategy, self.board, self.cache, self.inbox, self.problems,
-                                     on_refused=lambda kind: self.m_rejected.labels(kind=kind).inc())
+                                     on_refused=lambda kind: self.m_rejected.labels(kind=kind).inc(),
+                                     admission=self.admission, push_policy=cfg.limits,
+                                     compute_workers=cfg.limits.compute_workers)
 
         self.round = 0
         self.version = 0
@@ -113,13 +148,20 @@ class Node:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        if self.tls is None:
+            log.warning("peer port WITHOUT TLS (security.insecure = true): anyone who can reach it can "
+                        "claim any node id; use only on a network you trust")
         self._restore()
         self.publish()
+        self.client.max_model_bytes = self.model_limit()
         # a testbed bad actor corrupts what it serves (peering/faults.py); it learns normally
         handler = with_fault(self.served, self.cfg.faulty)
-        self._server, port = await serve(handler, self.traffic, self.cfg.listen, chunk_bytes=self.cfg.chunk_bytes,
-                                         max_model_bytes=self.cfg.max_model_bytes,
-                                         max_gossip_bytes=self.cfg.max_gossip_bytes)
+        lim = self.cfg.limits
+        self._server, port = await serve(
+            handler, self.traffic, self.cfg.listen, tls=self.tls, chunk_bytes=self.cfg.chunk_bytes,
+            max_model_bytes=self.client.max_model_bytes, max_gossip_bytes=self.cfg.max_gossip_bytes,
+            streams=StreamLimits(lim.upload_timeout_s, lim.upload_idle_s, lim.send_timeout_s),
+            max_rpcs=lim.max_rpcs)
         host, _ = _hostport(self.cfg.listen)
         self.address = self.cfg.advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
         from .admin import start_admin
@@ -144,6 +186,7 @@ class Node:
         if self._admin is not None:
             await self._admin.cleanup()
         await self.client.close()
+        self.served.close()
         log.info("node %s stopped at round %d", self.node_id, self.round)
 
     def healthy(self) -> bool:
@@ -156,6 +199,21 @@ class Node:
     def position(self) -> tuple[int, int]:
         """(round, published snapshot version), as heartbeats announce them."""
         return self.round, self.version
+
+    def model_limit(self) -> int:
+        """Largest model a peer may send or serve: configured, else a small multiple of this node's
+        own model (a snapshot carries at most the params and two extra groups of their size)."""
+        if self.cfg.max_model_bytes is not None:
+            return self.cfg.max_model_bytes
+        own = LocalSnapshot(self.node_id, 0, 0, {"params": self.learner.get_params()}).encoded
+        return MODEL_BYTES_FACTOR * len(own) + MODEL_BYTES_SLACK
+
+    def _over_budget(self, peer: str, why: str) -> None:
+        self.m_rejected.labels(kind=f"limit_{why}").inc()
+        now = time.monotonic()
+        if now - self._budget_noted.get((peer, why), -1e9) >= 10.0:  # a flood is one problem, not 50
+            self._budget_noted[(peer, why)] = now
+            self.problems.note(peer, f"over its {why} budget: requests refused (RESOURCE_EXHAUSTED)")
 
     def _peer_gauges(self, counts: dict[str, int]) -> None:
         for state, n in counts.items():
@@ -277,6 +335,7 @@ def run_node(cfg: NodeConfig) -> int:
     """Run a node until SIGTERM/SIGINT. Returns the process exit code."""
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    install_log_filter()  # peers control much of what gets logged: bounded lines, repeats summarised
 
     async def main() -> int:
         try:

@@ -34,6 +34,18 @@ def http_json(url: str, timeout: float = 5.0) -> Any:
         return json.loads(r.read())
 
 
+def node_certs(root: Path, node_id: str) -> Path:
+    """A certificate for ``node_id`` from the CA of ``root`` (one per test directory, made on
+    first use): what a node, or a test playing a peer, presents on the mTLS peer port."""
+    from coterie.node.security.pki import CA_KEY, NODE_CERT, init_ca, issue_cert
+    pki = Path(root) / "pki"
+    if not (pki / "ca" / CA_KEY).exists():
+        init_ca(pki / "ca", name="coterie test CA")
+    if not (pki / node_id / NODE_CERT).exists():
+        issue_cert(pki / "ca", node_id, pki / node_id)
+    return pki / node_id
+
+
 def tiny_learner(num_nodes: int, index: int, clusters: int = 1, samples: int = 120) -> dict[str, Any]:
     return {"dataset": "mnist1d", "partition": "label_permutation", "num_nodes": num_nodes,
             "node_index": index, "model": "mlp", "local_steps": 5,
@@ -50,6 +62,8 @@ class NodeProc:
         cfg = {"node_id": node_id, "state_dir": str(self.state_dir), "listen": "127.0.0.1:0",
                "admin_listen": "127.0.0.1:0", "heartbeat_interval_s": 0.25, "suspect_after_s": 1.0,
                "dead_after_s": 2.5, "request_timeout_s": 10.0, "log_level": "INFO", **config}
+        if "security" not in config:  # mTLS like a real network; tests that want plaintext say so
+            cfg["security"] = {"cert_dir": str(node_certs(root, node_id))}
         self.config_path = self.dir / "node.toml"
         self.config_path.write_text(tomli_w.dumps(cfg))
         self.proc: subprocess.Popen | None = None

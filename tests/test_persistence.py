@@ -18,6 +18,7 @@ from coterie.node.daemon import Node
 from coterie.node.learning.config import LearnerConfig
 from coterie.node.learning.torch_learner import build_learner
 from coterie.node.persistence import StateError, StateStore
+from nodeproc import node_certs
 
 CFG = dict(dataset="gaussian", partition="iid", num_nodes=2, node_index=0, model="mlp")
 
@@ -112,7 +113,8 @@ def test_a_round_is_in_the_history_before_its_checkpoint(tmp_path, monkeypatch):
                            "rounds": 3, "min_peers": 0, "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
                            "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 600},
                                        "partition": "iid", "num_nodes": 1, "model": "linear",
-                                       "local_steps": 2}})
+                                       "local_steps": 2},
+                           "security": {"cert_dir": str(node_certs(tmp_path, "solo"))}})
 
     async def go():
         node = Node(cfg)

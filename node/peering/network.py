@@ -79,7 +79,7 @@ class NodeNetwork:
         try:
             header, groups = await self.transport.get_snapshot(
                 address, self.node_id, cached.version if cached else 0, min_round=min_round or 0,
-                wait_s=wait, timeout=self.request_timeout_s + wait)
+                wait_s=wait, timeout=self.request_timeout_s + wait, peer=peer)
             if header.node_id != peer:
                 raise WireError(f"snapshot claims to be from {header.node_id!r}, expected {peer!r}")
             if groups is None:
@@ -107,13 +107,13 @@ class NodeNetwork:
         if address is None:
             return None
         try:
-            return await self.transport.compute(address, req)
+            return await self.transport.compute(address, req, peer=peer)
         except PeerCallError as e:
             if e.kind != NOT_CACHED or req.ref is None:
                 raise
         pub = self.published()
         req.ref, req.groups = None, {"params": pub.params}
-        return await self.transport.compute(address, req)
+        return await self.transport.compute(address, req, peer=peer)
 
     def _model_request(self, kind: str, params: Params | None, **fields: Any) -> ComputeRequest:
         pub = self.published()
@@ -170,7 +170,7 @@ class NodeNetwork:
         if address is None:
             return None
         try:
-            return await self.transport.gossip(address, self.node_id, key, payload)
+            return await self.transport.gossip(address, self.node_id, key, payload, peer=peer)
         except (PeerCallError, WireError) as e:
             self._failed(f"gossip {key!r}", peer, e)
             return None

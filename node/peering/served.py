@@ -1,10 +1,19 @@
 """The served side: what this node does for a peer's request — membership answers, its published
 snapshot, and compute on its private data (cross-loss, cross-gradient incl. COBO's alignment,
 FedeRiCo's gradient push) and strategy gossip. Implements ``interfaces.PeerHandler``; every
-refusal is an ``errors.Refusal`` naming the peer and the problem."""
+refusal is an ``errors.Refusal`` naming the peer and the problem.
+
+Peers' compute runs on a small executor of its own (``compute_workers`` threads), so however many
+requests arrive the node's own training never queues behind them, and each request's time is
+billed to the peer that asked (``admission``)."""
 from __future__ import annotations
 
 import asyncio
+import math
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Any, Callable, Protocol
 
 import torch
@@ -12,8 +21,8 @@ import torch
 from ..learning.learner import Learner, Params
 from ..strategies.base import PushedGradient
 from ..wire.codec import Groups, WireError
-from .errors import Refusal, invalid, not_cached
-from .errors import UNAVAILABLE
+from .admission import Admission
+from .errors import UNAVAILABLE, Refusal, invalid, not_cached
 from .inbox import PushInbox
 from .membership import Membership
 from .messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest, LocalSnapshot, NodeInfo, PeerEntry
@@ -24,6 +33,17 @@ from .validation import Spec, model_tensors
 SPLITS = ("train", "val", "test")
 REDUCTIONS = ("mean", "sum")
 MAX_SNAPSHOT_WAIT_S = 60.0  # a round-aligned pull holds a call open at most this long
+NORM_SAMPLES = 64  # minibatch of this node's own gradient that pushed gradients are compared with
+NORM_HISTORY = 8  # own gradient norms kept (one per published version a push was checked against)
+
+
+def _norm(tensors: Params) -> float:
+    return math.sqrt(sum(float(torch.sum(t.double() ** 2)) for t in tensors.values()))
+
+
+class PushPolicy(Protocol):
+    max_push_lag: int
+    push_norm_factor: float
 
 
 class StrategyHooks(Protocol):
@@ -37,7 +57,8 @@ class ServedRequests:
     def __init__(self, node_id: str, info: Callable[[], NodeInfo], membership: Membership,
                  learner: Learner, spec: Spec, hooks: StrategyHooks, board: PublishBoard,
                  cache: SnapshotCache, inbox: PushInbox, problems: ProblemLog,
-                 on_refused: Callable[[str], None] | None = None):
+                 on_refused: Callable[[str], None] | None = None, *, admission: Admission,
+                 push_policy: PushPolicy, compute_workers: int = 2):
         self.node_id = node_id
         self.info = info
         self.membership = membership
@@ -49,6 +70,31 @@ class ServedRequests:
         self.inbox = inbox
         self.problems = problems
         self.on_refused = on_refused or (lambda kind: None)
+        self.admission = admission
+        self.push_policy = push_policy
+        self._pool = ThreadPoolExecutor(compute_workers, thread_name_prefix="served-compute")
+        self._own_norms: deque[tuple[int, float]] = deque(maxlen=NORM_HISTORY)  # (version, ‖g‖)
+        self._norm_lock = asyncio.Lock()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def admit(self, peer: str, kind: str) -> AbstractContextManager[None]:
+        """One of ``peer``'s slots for a ``kind`` request (``admission.Admission``)."""
+        return self.admission.admit(peer, kind)
+
+    async def _run(self, peer: str | None, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn`` on the served-compute threads; its own run time is billed to ``peer``."""
+        def timed():
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                if peer is not None:
+                    spent = time.perf_counter() - t0
+                    loop.call_soon_threadsafe(self.admission.charge, peer, spent)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, timed)
 
     # ------------------------------------------------------------------ membership
     def on_handshake(self, remote: NodeInfo) -> list[PeerEntry]:
@@ -118,25 +164,65 @@ class ServedRequests:
         if req.kind == CROSS_LOSS:
             params = self._tensors(req, groups, "params")
             split, n, reduction = self._options(req)
-            res = await asyncio.to_thread(self.learner.loss, params, split, n, reduction)
+            res = await self._run(req.requester, self.learner.loss, params, split, n, reduction)
             return ComputeReply(loss=res.loss, samples=res.n)
         if req.kind == CROSS_GRADIENT:
             params = self._tensors(req, groups, "params")
             align = self._tensors(req, groups, "align") if req.align else None
             split, n, reduction = self._options(req)
-            grad, res = await asyncio.to_thread(self.learner.gradient, params, split, n, reduction)
+            grad, res = await self._run(req.requester, self.learner.gradient, params, split, n, reduction)
             if align is None:
                 return ComputeReply(loss=res.loss, samples=res.n, grad={"grad": grad})
             ip = float(sum(torch.sum(grad[k] * align[k]) for k in grad))
             self.hooks.on_alignment(req.requester, ip)  # COBO: the served end updates its w too
             return ComputeReply(loss=res.loss, samples=res.n, inner_product=ip)
         if req.kind == PUSH_GRADIENT:
-            grad = self._tensors(req, groups, "grad")
-            self.inbox.put(PushedGradient(req.requester, int(req.target_version), grad))
-            mine = self.board.current
-            return ComputeReply(accepted=True,
-                                message=f"queued for the update after version {mine.version if mine else 0}")
+            return await self._push(req, groups)
         raise invalid(f"unknown compute request kind {req.kind!r}")
+
+    # ------------------------------------------------------------------ pushed gradients
+    def _reject_push(self, req: ComputeRequest, message: str) -> Refusal:
+        self.on_refused(req.kind)
+        self.problems.note(req.requester, message, rejected=True)
+        return invalid(message)
+
+    async def _own_norm(self, mine: LocalSnapshot) -> float:
+        """This node's recent gradient norm: the largest of its own minibatch gradient norms at
+        the last few published versions (one computed per version, on demand)."""
+        async with self._norm_lock:
+            if not self._own_norms or self._own_norms[-1][0] != mine.version:
+                g, _ = await self._run(None, self.learner.gradient, mine.params, "train", NORM_SAMPLES, "mean")
+                self._own_norms.append((mine.version, _norm(g)))
+            return max(n for _, n in self._own_norms)
+
+    async def _push(self, req: ComputeRequest, groups: Groups) -> ComputeReply:
+        """FedeRiCo's M-step gradient from a peer, checked before the strategy ever sees it: its
+        target version must be one this node published lately, and its norm is clipped to
+        ``push_norm_factor`` × this node's own recent gradient norm (a 1e30 gradient is finite,
+        so the NaN check alone lets it through)."""
+        grad = self._tensors(req, groups, "grad")
+        mine = self.board.current
+        current = mine.version if mine is not None else 0
+        target, lag = int(req.target_version), self.push_policy.max_push_lag
+        who = f"gradient push from {req.requester}"
+        if target > current:
+            raise self._reject_push(req, f"{who}: target version {target} is ahead of this node's "
+                                         f"published version {current}")
+        if target < max(1, current - lag):
+            raise self._reject_push(req, f"{who}: target version {target} is more than {lag} versions "
+                                         f"behind this node's {current} (or not a version at all)")
+        norm = await self._run(req.requester, _norm, grad)
+        ceiling = self.push_policy.push_norm_factor * await self._own_norm(mine)
+        message = f"queued for the update after version {current}"
+        if norm > ceiling:
+            scale = ceiling / norm
+            grad = await self._run(req.requester, lambda: {k: t * scale for k, t in grad.items()})
+            message = (f"clipped: norm {norm:.3g} exceeds {self.push_policy.push_norm_factor:g}× this "
+                       f"node's own gradient norm ({ceiling:.3g}); {message}")
+            self.on_refused("push_clipped")
+            self.problems.note(req.requester, f"{who}: {message}", rejected=True)
+        self.inbox.put(PushedGradient(req.requester, target, grad))
+        return ComputeReply(accepted=True, message=message)
 
     async def gossip(self, requester: str, key: str, payload: dict[str, Any]) -> dict[str, Any]:
         self.check_known(requester)

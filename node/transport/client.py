@@ -1,7 +1,14 @@
-"""The calling side of the gRPC peer plane (``peering.interfaces.PeerTransport``): one cached
-channel per peer address, chunked streams, size and hash checks on everything that comes back,
-tensors decoded into domain objects. Every call is bounded by a deadline; every failure leaves
-as a ``PeerCallError`` (a malformed reply as a ``WireError``)."""
+"""The calling side of the gRPC peer plane (``peering.interfaces.PeerTransport``): cached channels
+per peer address, chunked streams, size and hash checks on everything that comes back, tensors
+decoded into domain objects. Every call is bounded by a deadline; every failure leaves as a
+``PeerCallError`` (a malformed reply as a ``WireError``).
+
+With mTLS (``tls.py``) a channel is opened for an (address, expected node id) pair and TLS checks
+the server's certificate names that node. A handshake to an address whose owner is not known yet
+goes over a channel that accepts any CA-issued node; the id the reply claims is then proven by a
+second connection that asks for that id's certificate, and from then on every call to that
+address is held to it. So a node's address book only ever binds an address to a node id that
+node's certificate proved."""
 from __future__ import annotations
 
 import asyncio
@@ -12,16 +19,20 @@ from typing import Any, AsyncIterator
 import grpc
 import msgpack
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from ...proto.v1 import peer_pb2 as pb
 from ...proto.v1 import peer_pb2_grpc as rpc
 from ..peering import serde
-from ..peering.errors import PeerCallError, Refusal
+from ..peering.errors import REFUSED, PeerCallError, Refusal, short
 from ..peering.interfaces import Traffic
 from ..peering.messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest,
                                 NodeInfo, PeerEntry, SnapshotHeader)
+from ..security.ids import node_id_problem
 from ..wire.codec import Groups, WireError, decode, encode
 from .chunks import Assembler, collect, data_field, sha256, split
 from .errors import call_error
+from .tls import TLS
 
 _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
@@ -30,6 +41,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+
+
+_ANY = ""  # expected node id "any node of the CA": a first contact, before a handshake proves who
 
 
 def _domain_errors(fn):
@@ -53,34 +67,73 @@ def _domain_errors(fn):
 
 class PeerClient:
     def __init__(self, node_id: str, traffic: Traffic, *, chunk_bytes: int, max_model_bytes: int,
-                 max_gossip_bytes: int, timeout_s: float, delay_ms: float = 0.0):
+                 max_gossip_bytes: int, timeout_s: float, tls: TLS | None, delay_ms: float = 0.0):
         self.node_id = node_id
         self.traffic = traffic
         self.chunk_bytes = chunk_bytes
         self.max_model_bytes = max_model_bytes
         self.max_gossip_bytes = max_gossip_bytes
         self.timeout_s = timeout_s
+        self.tls = tls
         self.delay_s = delay_ms / 1000.0  # emulated one-way link latency (testbed)
-        self._stubs: dict[str, tuple[grpc.aio.Channel, rpc.PeerStub]] = {}
+        self._creds = tls.channel_credentials() if tls is not None else None
+        # (address, expected node id or None) -> channel, stub
+        self._stubs: dict[tuple[str, str | None], tuple[grpc.aio.Channel, rpc.PeerStub]] = {}
+        self._proven: dict[str, str] = {}  # address -> node id its certificate proved (mTLS)
 
-    def stub(self, address: str) -> rpc.PeerStub:
-        if address not in self._stubs:
-            ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-            self._stubs[address] = (ch, rpc.PeerStub(ch))
-        return self._stubs[address][1]
+    def _channel(self, address: str, peer: str | None = None) -> tuple[grpc.aio.Channel, rpc.PeerStub]:
+        """The channel to ``address`` that only reaches ``peer`` (default: the node proven to be
+        there; none yet: any node of the CA, for a handshake)."""
+        if self.tls is None:
+            expected = None
+        else:
+            expected = peer if peer is not None else self._proven.get(address, _ANY)
+        key = (address, expected)
+        if key not in self._stubs:
+            if self.tls is None:
+                ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            else:
+                name = ("grpc.ssl_target_name_override", self.tls.target_name(expected))
+                ch = grpc.aio.secure_channel(address, self._creds, options=[*_CHANNEL_OPTIONS, name])
+            self._stubs[key] = (ch, rpc.PeerStub(ch))
+        return self._stubs[key]
 
-    def _raw_snapshot_call(self, address: str):
+    def stub(self, address: str, peer: str | None = None) -> rpc.PeerStub:
+        return self._channel(address, peer)[1]
+
+    def _raw_snapshot_call(self, address: str, peer: str | None = None):
         """GetSnapshot with chunk messages left as raw bytes: the payload is sliced out of each
         message without protobuf building (and copying) a message object per MiB."""
-        self.stub(address)
-        return self._stubs[address][0].unary_stream(
+        return self._channel(address, peer)[0].unary_stream(
             "/coterie.v1.Peer/GetSnapshot", request_serializer=pb.SnapshotRequest.SerializeToString,
             response_deserializer=None)
 
     async def forget(self, address: str) -> None:
-        entry = self._stubs.pop(address, None)
-        if entry:
-            await entry[0].close()
+        self._proven.pop(address, None)
+        for key in [k for k in self._stubs if k[0] == address]:
+            await self._stubs.pop(key)[0].close()
+
+    async def _prove(self, address: str, node_id: str, timeout: float) -> None:
+        """Check that the node at ``address`` holds a certificate for ``node_id``: a call on a
+        channel that asks TLS for exactly that name (the gRPC health check: cheap, always served)."""
+        if self.tls is None or self._proven.get(address) == node_id:
+            return
+        problem = node_id_problem(node_id)
+        if problem:
+            raise PeerCallError(REFUSED, f"peer at {address}: {problem}")
+        if not self.tls.allowed(node_id):
+            raise PeerCallError(REFUSED, f"peer at {address} is node {node_id!r}, not on the allow-list")
+        ch, _ = self._channel(address, node_id)
+        try:
+            await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            await self._stubs.pop((address, node_id))[0].close()
+            raise PeerCallError(REFUSED, f"peer at {address} claims to be node {node_id!r} but could not "
+                                         f"prove it with that node's certificate ({short(e.details() or '', 300)})") from None
+        old = self._proven.get(address)
+        self._proven[address] = node_id
+        if old is not None and (address, old) in self._stubs:
+            await self._stubs.pop((address, old))[0].close()
 
     async def close(self) -> None:
         for address in list(self._stubs):
@@ -99,17 +152,21 @@ class PeerClient:
         t0 = time.perf_counter()
         await self._link()
         req = pb.HandshakeRequest(node=serde.node_info_to_pb(info))
-        reply = await self.stub(address).Handshake(req, timeout=timeout)
+        # a fresh look at whoever is at the address now (a restarted node may have another id)
+        reply = await self._channel(address, _ANY)[1].Handshake(req, timeout=timeout)
         self.traffic.record("handshake", sent=req.ByteSize(), received=reply.ByteSize())
+        remote = serde.node_info_from_pb(reply.node)
+        await self._prove(address, remote.node_id, timeout)
         self._timed("handshake", t0)
-        return serde.node_info_from_pb(reply.node), serde.entries_from_pb(reply.peers)
+        return remote, serde.entries_from_pb(reply.peers)
 
     @_domain_errors
-    async def heartbeat(self, address: str, beat: Beat, timeout: float) -> tuple[Beat, float]:
+    async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
+                        peer: str | None = None) -> tuple[Beat, float]:
         t0 = time.perf_counter()
         await self._link()
         req = serde.beat_to_request(beat)
-        reply = await self.stub(address).Heartbeat(req, timeout=timeout)
+        reply = await self.stub(address, peer).Heartbeat(req, timeout=timeout)
         rtt = time.perf_counter() - t0
         self.traffic.record("heartbeat", sent=req.ByteSize(), received=reply.ByteSize())
         self._timed("heartbeat", t0)
@@ -117,22 +174,22 @@ class PeerClient:
 
     @_domain_errors
     async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry],
-                             timeout: float) -> list[PeerEntry]:
+                             timeout: float, *, peer: str | None = None) -> list[PeerEntry]:
         await self._link()
         req = pb.PeerList(node_id=sender, peers=serde.entries_to_pb(entries))
-        reply = await self.stub(address).ExchangePeers(req, timeout=timeout)
+        reply = await self.stub(address, peer).ExchangePeers(req, timeout=timeout)
         self.traffic.record("peers", sent=req.ByteSize(), received=reply.ByteSize())
         return serde.entries_from_pb(reply.peers)
 
     # --- snapshots ---
     @_domain_errors
     async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
-                           min_round: int = 0, wait_s: float = 0.0,
-                           timeout: float | None = None) -> tuple[SnapshotHeader, Groups | None]:
+                           min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
+                           peer: str | None = None) -> tuple[SnapshotHeader, Groups | None]:
         """The peer's current snapshot; groups is None when it is still ``have_version``."""
         t0 = time.perf_counter()
         await self._link()
-        call = self._raw_snapshot_call(address)(
+        call = self._raw_snapshot_call(address, peer)(
             pb.SnapshotRequest(requester=requester, have_version=have_version, chunk_bytes=self.chunk_bytes,
                                min_round=min_round, wait_ms=int(wait_s * 1000)),
             timeout=timeout or self.timeout_s)
@@ -167,7 +224,8 @@ class PeerClient:
         return gen()
 
     @_domain_errors
-    async def compute(self, address: str, request: ComputeRequest, timeout: float | None = None) -> ComputeReply:
+    async def compute(self, address: str, request: ComputeRequest, timeout: float | None = None, *,
+                      peer: str | None = None) -> ComputeReply:
         t0 = time.perf_counter()
         kind = request.kind
         await self._link()
@@ -175,7 +233,7 @@ class PeerClient:
         header = serde.compute_header_to_pb(request, len(payload) if payload else 0,
                                             sha256(payload) if payload else "")
         frames = self._frames(header, payload)
-        stub = self.stub(address)
+        stub = self.stub(address, peer)
         sent = header.ByteSize() + (len(payload) if payload else 0)
         timeout = timeout or self.timeout_s
         if kind == CROSS_LOSS:
@@ -206,7 +264,7 @@ class PeerClient:
 
     @_domain_errors
     async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],
-                     timeout: float | None = None) -> dict[str, Any]:
+                     timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         await self._link()
         raw = msgpack.packb(payload, use_bin_type=True)
@@ -214,7 +272,7 @@ class PeerClient:
             raise PeerCallError("invalid", f"gossip payload for {key!r} is {len(raw)} bytes, "
                                            f"over the limit of {self.max_gossip_bytes}")
         req = pb.GossipMessage(node_id=sender, key=key, payload=raw)
-        reply = await self.stub(address).GossipState(req, timeout=timeout or self.timeout_s)
+        reply = await self.stub(address, peer).GossipState(req, timeout=timeout or self.timeout_s)
         if len(reply.payload) > self.max_gossip_bytes:
             raise WireError(f"gossip reply from {address} exceeds {self.max_gossip_bytes} bytes")
         self.traffic.record("gossip", sent=req.ByteSize(), received=reply.ByteSize())

@@ -11,8 +11,12 @@ _CODES = {
     e.UNKNOWN_PEER: grpc.StatusCode.PERMISSION_DENIED,
     e.NOT_CACHED: grpc.StatusCode.NOT_FOUND,
     e.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    e.FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
+    e.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
-_KINDS = {code: kind for kind, code in _CODES.items()}
+# both UNKNOWN_PEER and FORBIDDEN travel as PERMISSION_DENIED; the caller sees UNKNOWN_PEER, whose
+# remedy (handshake again) is the one an honest node can act on
+_KINDS = {code: kind for kind, code in _CODES.items() if kind != e.FORBIDDEN}
 
 
 def status_of(refusal: e.Refusal) -> grpc.StatusCode:

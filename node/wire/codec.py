@@ -8,6 +8,7 @@ checks every length and dtype and raises ``WireError`` naming what is wrong.
 """
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any
 
@@ -18,6 +19,8 @@ import torch
 MAGIC = b"CTW1"
 _HEAD = struct.Struct("<4sI")
 MAX_HEADER = 16 << 20
+MAX_DIMS = 32  # numpy stops at 64, torch kernels earlier; no model here comes close
+MAX_TENSORS = 1 << 16  # tensors in one message (each costs an object, however small)
 
 # Wire dtype names; all little-endian on the wire whatever the host.
 DTYPES: dict[str, np.dtype] = {
@@ -88,31 +91,61 @@ def decode(data: bytes | memoryview, *, max_bytes: int | None = None) -> tuple[G
     meta = header.get("meta", {})
     if not isinstance(meta, dict):
         raise WireError("header 'meta' is not a map")
-    pos = _HEAD.size + hlen
+    try:
+        out, pos = _tensors(header["groups"], data, _HEAD.size + hlen)
+    except WireError:
+        raise
+    except (ValueError, TypeError, OverflowError, RuntimeError, MemoryError) as e:
+        # every check above should have caught it; still, never an untyped error from peer bytes
+        raise WireError(f"tensor table does not decode: {type(e).__name__}: {str(e)[:200]}") from None
+    if pos != len(data):
+        raise WireError(f"{len(data) - pos} trailing bytes after the last tensor")
+    return out, meta
+
+
+def _entry(g: str, e: Any) -> tuple[str, str, list[int]]:
+    """One ``[name, dtype, shape]`` entry, or WireError: plain ints (not bools) >= 0, at most
+    ``MAX_DIMS`` of them, a known dtype."""
+    if not (isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and isinstance(e[1], str)
+            and isinstance(e[2], list)):
+        raise WireError(f"malformed tensor entry in group {g[:100]!r}: {e!r}"[:300])
+    name, dt, shape = e
+    if len(shape) > MAX_DIMS:
+        raise WireError(f"tensor {g[:100]}/{name[:100]}: {len(shape)} dimensions, at most {MAX_DIMS}")
+    if not all(type(s) is int and s >= 0 for s in shape):
+        raise WireError(f"tensor {g[:100]}/{name[:100]}: shape {shape!r} is not a list of sizes"[:300])
+    if dt != _TORCH_BF16 and dt not in DTYPES:
+        raise WireError(f"tensor {g[:100]}/{name[:100]}: unknown dtype {dt[:40]!r}")
+    return name, dt, shape
+
+
+def _tensors(table: dict, data: bytes | memoryview, pos: int) -> tuple[Groups, int]:
     out: Groups = {}
     mv = memoryview(data)
-    for g, entries in header["groups"].items():
+    seen = 0
+    for g, entries in table.items():
         if not isinstance(g, str) or not isinstance(entries, list):
             raise WireError("malformed group table")
+        seen += len(entries)
+        if seen > MAX_TENSORS:
+            raise WireError(f"more than {MAX_TENSORS} tensors in one message")
         tensors: dict[str, torch.Tensor] = {}
         for e in entries:
-            if not (isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)
-                    and isinstance(e[1], str) and isinstance(e[2], list)
-                    and all(isinstance(s, int) and 0 <= s < 1 << 40 for s in e[2])):
-                raise WireError(f"malformed tensor entry in group {g!r}: {e!r}"[:200])
-            name, dt, shape = e
-            if dt != _TORCH_BF16 and dt not in DTYPES:
-                raise WireError(f"tensor {g}/{name}: unknown dtype {dt!r}")
+            name, dt, shape = _entry(g, e)
             itemsize = 2 if dt == _TORCH_BF16 else DTYPES[dt].itemsize
-            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-            nbytes = count * itemsize
-            if pos + nbytes > len(data):
-                raise WireError(f"tensor {g}/{name} {dt}{shape} needs {nbytes} bytes, "
-                                f"only {len(data) - pos} left: truncated message")
+            nbytes = math.prod(shape) * itemsize  # Python ints: no overflow to a negative size
+            if nbytes > len(data) - pos:
+                raise WireError(f"tensor {g[:100]}/{name[:100]} {dt}{shape} needs {nbytes} bytes, "
+                                f"only {len(data) - pos} left: truncated message"[:400])
             buf = mv[pos:pos + nbytes]
             if dt == _TORCH_BF16:
                 arr = np.frombuffer(buf, dtype="<i2").reshape(shape).copy()
                 t = torch.from_numpy(arr).view(torch.bfloat16)
+            elif dt == "bool":
+                raw = np.frombuffer(buf, dtype=np.uint8).reshape(shape)
+                if raw.size and raw.max() > 1:  # numpy would hand torch bytes that are not bools
+                    raise WireError(f"tensor {g[:100]}/{name[:100]}: bool bytes other than 0 and 1")
+                t = torch.from_numpy(raw.astype(np.bool_))
             else:
                 arr = np.frombuffer(buf, dtype=DTYPES[dt]).reshape(shape)
                 arr = arr.astype(arr.dtype.newbyteorder("="), copy=True)
@@ -120,9 +153,7 @@ def decode(data: bytes | memoryview, *, max_bytes: int | None = None) -> tuple[G
             tensors[name] = t
             pos += nbytes
         out[g] = tensors
-    if pos != len(data):
-        raise WireError(f"{len(data) - pos} trailing bytes after the last tensor")
-    return out, meta
+    return out, pos
 
 
 def check_finite(groups: Groups) -> None:
