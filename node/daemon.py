@@ -315,7 +315,8 @@ class Node:
                 "rounds_target": self.cfg.rounds, "address": self.address, "admin_url": self.admin_url,
                 "fingerprint": self.fingerprint, "labels": self.labels, "last_eval": self.last_eval,
                 "strategy_state": self.strategy.public_state(), "problems": self.problems.recent(10),
-                "faulty": self.cfg.faulty}
+                "faulty": self.cfg.faulty, "mtls": self.tls is not None,
+                "admission": self.admission.view()}
 
     def peers_table(self) -> list[dict[str, Any]]:
         weights = self.strategy.weights()

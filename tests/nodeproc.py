@@ -46,6 +46,19 @@ def node_certs(root: Path, node_id: str) -> Path:
     return pki / node_id
 
 
+def peer_channel(root: Path, node_id: str, address: str, expect: str | None = None):
+    """A grpc.aio channel to a node's peer port presenting ``node_id``'s certificate (from the CA
+    of ``root``), as a peer would; ``expect``: the node id the server must prove (default: any
+    node of the CA)."""
+    import grpc
+
+    from coterie.node.security.pki import load_credentials
+    from coterie.node.transport.tls import TLS
+    tls = TLS(load_credentials(node_certs(root, node_id)))
+    return grpc.aio.secure_channel(address, tls.channel_credentials(),
+                                   options=[("grpc.ssl_target_name_override", tls.target_name(expect))])
+
+
 def tiny_learner(num_nodes: int, index: int, clusters: int = 1, samples: int = 120) -> dict[str, Any]:
     return {"dataset": "mnist1d", "partition": "label_permutation", "num_nodes": num_nodes,
             "node_index": index, "model": "mlp", "local_steps": 5,

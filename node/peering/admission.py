@@ -132,6 +132,8 @@ class Admission:
         b.compute.charge(self.clock(), seconds)
         b.compute_s += seconds
 
-    def view(self) -> dict[str, dict[str, float]]:
+    def view(self, last: int = 32) -> dict[str, dict[str, float]]:
+        """The most recently active peers' use: compute seconds billed, requests refused, in flight."""
+        recent = list(self._budgets.items())[-last:]
         return {p: {"compute_s": round(b.compute_s, 3), "refused": b.refused, "in_flight": b.in_flight}
-                for p, b in self._budgets.items()}
+                for p, b in recent}

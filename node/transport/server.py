@@ -42,22 +42,28 @@ log = logging.getLogger(__name__)
 # After refusing a streamed request, keep reading (and discarding) what the sender still has in
 # flight before sending the status: if the server closes first, the sender's next write fails and
 # grpc reports a bare INTERNAL "execute_batch" error instead of our reason (HTTP servers do the
-# same "lingering close"). Bounded so a hostile sender cannot keep the call open.
+# same "lingering close"). Bounded so a hostile sender cannot keep the call open: at most
+# LINGER_BYTES, LINGER_S in all, and it ends as soon as the sender pauses for LINGER_IDLE_S.
 LINGER_BYTES = 64 << 20
-LINGER_S = 2.0
+LINGER_S = 5.0
+LINGER_IDLE_S = 0.5
+MAX_GOSSIP_KEY = 64
+MAX_STREAMS_PER_CONNECTION = 64  # HTTP/2 streams one connection may hold open (gRPC's default: no limit)
 
 
-async def _linger(frames, limit: int = LINGER_BYTES) -> None:
-    async def drain() -> None:
-        drained = 0
-        async for msg in frames:
-            drained += len(msg) if isinstance(msg, (bytes, memoryview)) else msg.ByteSize()
-            if drained > limit:
-                return
-
+async def _linger(frames) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + LINGER_S
+    it = frames.__aiter__()
+    drained = 0
     try:
-        await asyncio.wait_for(drain(), LINGER_S)
-    except Exception:  # noqa: BLE001 - a broken or cancelled stream: nothing left to drain
+        while drained <= LINGER_BYTES:
+            left = min(LINGER_IDLE_S, deadline - loop.time())
+            if left <= 0:
+                return
+            msg = await asyncio.wait_for(it.__anext__(), left)
+            drained += len(msg) if isinstance(msg, (bytes, memoryview)) else msg.ByteSize()
+    except Exception:  # noqa: BLE001 - done, paused, broken or cancelled: nothing more to drain
         pass
 
 
@@ -125,8 +131,7 @@ class PeerService:
         self._frames = _Frames(chunk_bytes)
 
     # ------------------------------------------------------------------ plumbing
-    async def _guard(self, context: grpc.aio.ServicerContext, kind: str, coro, stream=None,
-                     linger: int = LINGER_BYTES):
+    async def _guard(self, context: grpc.aio.ServicerContext, kind: str, coro, stream=None):
         """Run a handler call; turn a Refusal/WireError into a status the caller can read.
         ``stream``: the request stream, drained before refusing (see ``LINGER_BYTES``)."""
         t0 = time.perf_counter()
@@ -137,7 +142,7 @@ class PeerService:
                              else (grpc.StatusCode.INVALID_ARGUMENT, short(str(e))))
             log.warning("refused %s from %s: %s", kind, context.peer(), message)
             if stream is not None:
-                await _linger(stream, linger)
+                await _linger(stream)
             await context.abort(code, message)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -257,12 +262,14 @@ class PeerService:
         req = serde.compute_request_from_pb(kind, h)
         req.requester = self._who(context, req.requester, kind)
         self.h.check_known(req.requester)  # before reading a payload from a stranger
+        who = f"{kind} from {req.requester}"
+        if req.ref is not None and node_id_problem(req.ref.node_id):
+            raise invalid(f"{who}: snapshot reference: {node_id_problem(req.ref.node_id)}")
+        asm = None if req.ref is not None else Assembler(who, h.total_bytes, h.sha256, self.max_model_bytes)
         slot.enter_context(self.h.admit(req.requester, kind))
-        if req.ref is not None:
+        if asm is None:
             self.traffic.record(kind, received=first.ByteSize())
             return req
-        who = f"{kind} from {req.requester}"
-        asm = Assembler(who, h.total_bytes, h.sha256, self.max_model_bytes)
         data = await collect(it, asm)
         self.traffic.record(kind, received=first.ByteSize() + len(data))
         try:
@@ -281,11 +288,11 @@ class PeerService:
             out = serde.loss_reply_to_pb(reply)
             self.traffic.record(CROSS_LOSS, sent=out.ByteSize())
             return out
-        return await self._guard(context, CROSS_LOSS, go(), raw_frames, self.max_model_bytes)
+        return await self._guard(context, CROSS_LOSS, go(), raw_frames)
 
     async def CrossGradient(self, raw_frames, context):
         reply = await self._guard(context, CROSS_GRADIENT, self._computed(context, raw_frames, CROSS_GRADIENT),
-                                  raw_frames, self.max_model_bytes)
+                                  raw_frames)
         data = encode(reply.grad) if reply.grad is not None else b""
         header = serde.gradient_header_to_pb(reply, len(data), sha256(data) if data else "")
         with _cut_after(self.streams.send_timeout_s):
@@ -297,13 +304,15 @@ class PeerService:
     async def PushGradient(self, raw_frames, context):
         async def go():
             return serde.ack_to_pb(await self._computed(context, raw_frames, PUSH_GRADIENT))
-        return await self._guard(context, PUSH_GRADIENT, go(), raw_frames, self.max_model_bytes)
+        return await self._guard(context, PUSH_GRADIENT, go(), raw_frames)
 
     async def GossipState(self, raw: bytes, context):
         async def go():
             request = _parse(pb.GossipMessage, raw, "gossip")
             sender = self._who(context, request.node_id, "gossip")
             self.h.check_known(sender)
+            if len(request.key) > MAX_GOSSIP_KEY:
+                raise invalid(f"gossip from {sender}: key of {len(request.key)} characters, at most {MAX_GOSSIP_KEY}")
             with self.h.admit(sender, "gossip"):
                 if len(request.payload) > self.max_gossip_bytes:
                     raise invalid(f"gossip from {sender}: {len(request.payload)} bytes exceeds "
@@ -351,7 +360,9 @@ async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, tls: TL
                 max_rpcs: int | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the peer server (and the standard gRPC health service) on ``address``: mTLS with
     ``tls``, plaintext only when the caller passes ``tls=None`` on purpose."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], maximum_concurrent_rpcs=max_rpcs)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                      ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)],
+                             maximum_concurrent_rpcs=max_rpcs)
     service = PeerService(handler, traffic, chunk_bytes=chunk_bytes, max_model_bytes=max_model_bytes,
                           max_gossip_bytes=max_gossip_bytes, tls=tls, streams=streams)
     server.add_generic_rpc_handlers((_handlers(service),))
