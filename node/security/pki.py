@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -179,8 +180,8 @@ def load_credentials(cert_dir: str | Path | None = None, *, ca: str | Path | Non
     try:
         ca_cert = x509.load_pem_x509_certificate(ca_pem)
         x509.load_pem_x509_certificate(cert_pem).verify_directly_issued_by(ca_cert)
-    except (ValueError, TypeError) as e:
-        raise PKIError(f"{cert_p} is not issued by the CA in {ca_p}: {e}") from None
+    except (ValueError, TypeError, InvalidSignature) as e:
+        raise PKIError(f"{cert_p} is not issued by the CA in {ca_p}: {type(e).__name__} {e}") from None
     try:
         serialization.load_pem_private_key(key_pem, password=None)
     except (ValueError, TypeError) as e:

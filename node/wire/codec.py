@@ -112,7 +112,7 @@ def _entry(g: str, e: Any) -> tuple[str, str, list[int]]:
     name, dt, shape = e
     if len(shape) > MAX_DIMS:
         raise WireError(f"tensor {g[:100]}/{name[:100]}: {len(shape)} dimensions, at most {MAX_DIMS}")
-    if not all(type(s) is int and s >= 0 for s in shape):
+    if not all(type(s) is int and 0 <= s < 1 << 40 for s in shape):
         raise WireError(f"tensor {g[:100]}/{name[:100]}: shape {shape!r} is not a list of sizes"[:300])
     if dt != _TORCH_BF16 and dt not in DTYPES:
         raise WireError(f"tensor {g[:100]}/{name[:100]}: unknown dtype {dt[:40]!r}")
