@@ -54,6 +54,8 @@ class LimitsConfig(BaseModel):
     upload_timeout_s: float = Field(60.0, gt=0)  # a streamed upload must be complete by then
     upload_idle_s: float = Field(10.0, gt=0)  # longest gap between two frames of an upload
     send_timeout_s: float = Field(120.0, gt=0)  # a reply stream to a slow reader is cut after this
+    # ... and both deadlines stretch by the payload's size at this rate (a big model on a slow link)
+    min_stream_bytes_per_s: float = Field(64 * 1024, gt=0)
     max_push_lag: int = Field(64, ge=1)  # a pushed gradient's target version at most this far behind
     push_norm_factor: float = Field(10.0, gt=1)  # pushes clipped to this × my own recent gradient norm
     max_rpcs: int = Field(512, ge=8)  # all calls in flight on the peer port (gRPC answers RESOURCE_EXHAUSTED)

@@ -160,7 +160,8 @@ class Node:
         self._server, port = await serve(
             handler, self.traffic, self.cfg.listen, tls=self.tls, chunk_bytes=self.cfg.chunk_bytes,
             max_model_bytes=self.client.max_model_bytes, max_gossip_bytes=self.cfg.max_gossip_bytes,
-            streams=StreamLimits(lim.upload_timeout_s, lim.upload_idle_s, lim.send_timeout_s),
+            streams=StreamLimits(lim.upload_timeout_s, lim.upload_idle_s, lim.send_timeout_s,
+                                 lim.min_stream_bytes_per_s),
             max_rpcs=lim.max_rpcs)
         host, _ = _hostport(self.cfg.listen)
         self.address = self.cfg.advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 # LINGER_BYTES, LINGER_S in all, and it ends as soon as the sender pauses for LINGER_IDLE_S.
 LINGER_BYTES = 64 << 20
 LINGER_S = 5.0
-LINGER_IDLE_S = 0.5
+LINGER_IDLE_S = 1.0
 MAX_GOSSIP_KEY = 64
 MAX_STREAMS_PER_CONNECTION = 64  # HTTP/2 streams one connection may hold open (gRPC's default: no limit)
 
@@ -73,19 +73,13 @@ class StreamLimits:
     upload_timeout_s: float = 60.0
     upload_idle_s: float = 10.0
     send_timeout_s: float = 120.0
+    min_bytes_per_s: float = 64 * 1024  # deadlines stretch by size / this
 
+    def upload_deadline(self, size: int) -> float:
+        return self.upload_timeout_s + size / self.min_bytes_per_s
 
-@contextlib.contextmanager
-def _cut_after(seconds: float):
-    """Cancel the current call's task if it is still running after ``seconds`` (a reply stream
-    the reader stopped draining blocks in flow control otherwise, for ever)."""
-    task = asyncio.current_task()
-    handle = asyncio.get_running_loop().call_later(seconds, task.cancel) if task else None
-    try:
-        yield
-    finally:
-        if handle is not None:
-            handle.cancel()
+    def send_deadline(self, size: int) -> float:
+        return self.send_timeout_s + size / self.min_bytes_per_s
 
 
 def _parse(cls, raw: bytes, what: str):
@@ -170,12 +164,15 @@ class PeerService:
         return ident
 
     async def _upload(self, frames: AsyncIterator[Any], who: str) -> AsyncIterator[Any]:
-        """``frames`` under the server's deadlines: the whole upload within ``upload_timeout_s``,
-        no gap longer than ``upload_idle_s`` (a slow or stalled sender is cut off)."""
+        """``frames`` under the server's deadlines: no gap longer than ``upload_idle_s``, and the
+        whole upload within ``upload_timeout_s`` (stretched for a large announced payload once
+        the header says how large: a slow or stalled sender is cut off)."""
         loop = asyncio.get_running_loop()
         total, idle = self.streams.upload_timeout_s, self.streams.upload_idle_s
-        deadline = loop.time() + total
+        start = loop.time()
+        deadline = start + total
         it = frames.__aiter__()
+        first = True
         while True:
             left = min(idle, deadline - loop.time())
             if left <= 0:
@@ -187,7 +184,32 @@ class PeerService:
             except asyncio.TimeoutError:
                 raise exhausted(f"{who}: upload stalled for {idle:g} s" if loop.time() < deadline
                                 else f"{who}: upload not complete after {total:g} s") from None
+            if first and getattr(msg, "WhichOneof", None) and msg.WhichOneof("body") == "header":
+                total = self.streams.upload_deadline(msg.header.total_bytes)
+                deadline = start + total  # the size is checked against the limit right after
+            first = False
             yield msg
+
+    async def _send(self, context, messages, what: str) -> int:
+        """Write a reply stream, all of it within ``send_timeout_s``: a reader that stops taking
+        it (flow control blocks the writes) is cut off with RESOURCE_EXHAUSTED instead of holding
+        the call, its admission slot and the buffers for ever."""
+        loop = asyncio.get_running_loop()
+        limit = self.streams.send_deadline(sum(len(m) if isinstance(m, bytes) else m.ByteSize() for m in messages))
+        deadline = loop.time() + limit
+        sent = 0
+        for msg in messages:
+            try:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                await asyncio.wait_for(context.write(msg), left)
+            except asyncio.TimeoutError:
+                log.warning("cut off %s after %.0f s: the reader is not taking it (%s)", what, limit, context.peer())
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"{what}: not taken within {limit:.0f} s; reader too slow")
+            sent += len(msg) if isinstance(msg, bytes) else msg.ByteSize()
+        return sent
 
     # --- membership ---
     async def Handshake(self, raw: bytes, context):
@@ -235,14 +257,10 @@ class PeerService:
 
             request, snap = await self._guard(context, "snapshot", go())
             unchanged = request.have_version == snap.version and request.have_version > 0
-            frames = () if unchanged else self._frames.of(snap)
+            frames = () if unchanged else self._frames.of(snap)  # pre-serialised: no per-puller copies
             header = serde.snapshot_header_to_pb(snap.header(unchanged), 0 if unchanged else len(snap.encoded))
-            with _cut_after(self.streams.send_timeout_s):
-                yield pb.SnapshotChunk(header=header)
-                sent = header.ByteSize()
-                for frame in frames:  # pre-serialised: no per-puller copies
-                    yield frame
-                    sent += len(frame)
+            sent = await self._send(context, (pb.SnapshotChunk(header=header), *frames),
+                                    f"snapshot for {request.requester}")
         self.traffic.record("snapshot", sent=sent)
         self.traffic.latency("snapshot", time.perf_counter() - t0, "server")
 
@@ -295,10 +313,8 @@ class PeerService:
                                   raw_frames)
         data = encode(reply.grad) if reply.grad is not None else b""
         header = serde.gradient_header_to_pb(reply, len(data), sha256(data) if data else "")
-        with _cut_after(self.streams.send_timeout_s):
-            yield pb.GradientChunk(header=header)
-            for part in split(data, self.chunk_bytes):
-                yield pb.GradientChunk(data=part)
+        frames = (pb.GradientChunk(header=header), *(pb.GradientChunk(data=p) for p in split(data, self.chunk_bytes)))
+        await self._send(context, frames, "gradient")
         self.traffic.record(CROSS_GRADIENT, sent=header.ByteSize() + len(data))
 
     async def PushGradient(self, raw_frames, context):
