@@ -23,6 +23,7 @@ from .config import PROTOCOL_VERSION, ConfigError, NodeConfig
 from .fsutil import atomic_write_json
 from .learning.learner import Learner
 from .logfilter import install_log_filter
+from .logs import RoundLog
 from .metrics import Metrics
 from .peering.admission import Admission
 from .peering.faults import with_fault
@@ -36,36 +37,15 @@ from .peering.served import ServedRequests
 from .peering.snapshots import PublishBoard, SnapshotCache
 from .peering.traffic import TrafficStats
 from .persistence import StateError, StateStore
-from .security.pki import PKIError, load_credentials
 from .strategies.registry import get_strategy
 from .transport.client import PeerClient
 from .transport.server import StreamLimits, serve
-from .transport.tls import TLS
+from .transport.tls import load_tls
 
 log = logging.getLogger("coterie.node")
 
 CAPABILITIES = ("snapshot", "cross-loss", "cross-gradient", "push-gradient", "gossip")
 MODEL_BYTES_FACTOR, MODEL_BYTES_SLACK = 4, 1 << 20  # default max_model_bytes: 4× my model + 1 MiB
-
-
-def load_tls(cfg: NodeConfig) -> TLS | None:
-    """The node's mTLS identity, or None with ``security.insecure``. Fails closed: no
-    certificates and no explicit ``insecure`` is a configuration error."""
-    sec = cfg.security
-    if sec.insecure:
-        return None
-    if not (sec.cert_dir or sec.cert):
-        raise ConfigError("no peer certificates configured: set security.cert_dir to a directory from "
-                          "`coterie cert issue` (see `coterie ca init`), or security.insecure = true "
-                          "for a plaintext peer port on a network you trust")
-    try:
-        creds = load_credentials(sec.cert_dir, ca=sec.ca, cert=sec.cert, key=sec.key)
-    except PKIError as e:
-        raise ConfigError(f"security: {e}") from None
-    if cfg.node_id is not None and cfg.node_id != creds.node_id:
-        raise ConfigError(f"security: the certificate is for node {creds.node_id!r}, but node_id is "
-                          f"{cfg.node_id!r}")
-    return TLS(creds, frozenset(sec.allow_ids) if sec.allow_ids is not None else None)
 
 
 def _hostport(address: str) -> tuple[str, int]:
@@ -97,12 +77,12 @@ class Node:
         self.metrics = Metrics()
         self.traffic = TrafficStats(self.metrics)
         self.m_rounds = self.metrics.counter("coterie_rounds_total", "Completed rounds")
-        self.m_round_s = self.metrics.histogram("coterie_round_seconds", "Round wall time",
+        self.m_round_s = self.metrics.histogram("coterie_round_duration_seconds", "Round wall time",
                                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
         self.m_peers = self.metrics.gauge("coterie_peers", "Known peers by state", ("state",))
         self.m_rejected = self.metrics.counter("coterie_rejected_total", "Peer inputs rejected", ("kind",))
         self.m_round = self.metrics.gauge("coterie_round", "Current round")
-        self.m_acc = self.metrics.gauge("coterie_test_accuracy", "Test accuracy after the last round")
+        self.m_acc = self.metrics.gauge("coterie_test_accuracy_ratio", "Test accuracy after the last round (0..1)")
 
         seed = int(hashlib.sha256(f"{cfg.seed}:{self.node_id}".encode()).hexdigest()[:8], 16)
         # the peer plane: who is out there, what this node publishes, what it pulled and was pushed
@@ -141,6 +121,7 @@ class Node:
         self.started = time.time()
         self.address = ""
         self.admin_url = ""
+        self.round_log = RoundLog(log)  # per-round lines only while rounds are slow, else summaries
         self._tasks: list[asyncio.Task] = []
         self._server: grpc.aio.Server | None = None
         self._admin = None
@@ -299,8 +280,7 @@ class Node:
             self.m_round_s.observe(time.monotonic() - t0)
             if "test_acc" in evaluation:
                 self.m_acc.set(evaluation["test_acc"])
-            log.info("round %d done in %.2fs: %s", rnd, time.monotonic() - t0,
-                     ", ".join(f"{k}={v:.4f}" for k, v in evaluation.items()))
+            self.round_log.round_done(rnd, time.monotonic() - t0, evaluation)
             wait = self.cfg.round_interval_s - (time.monotonic() - t0)
             if wait > 0:
                 await asyncio.sleep(wait)  # pacing: a deliberately slow node

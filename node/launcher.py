@@ -6,10 +6,13 @@ What ``run`` does for each strategy
 ===================================
 A throwaway CA is made for the run (``DIR/<strategy>/pki/ca``) and every node gets a certificate
 for its id (``pki/n{i}``), so the network runs on mTLS like a real one (unless the scenario sets
-``security.insecure = true``). Free loopback ports are picked; node ``i`` gets ``DIR/<strategy>/configs/n{i}.toml`` (a complete
-NodeConfig: state dir ``DIR/<strategy>/nodes/n{i}``, listen/admin on 127.0.0.1, bootstrap peer,
-learner with num_nodes/node_index/seeds) and runs as its own process
-(``python -m coterie.cli.main node start --config ...``, output in ``DIR/<strategy>/logs/n{i}.log``).
+``security.insecure = true``). Node ``i`` gets ``DIR/<strategy>/configs/n{i}.toml`` (a complete NodeConfig: state dir
+``DIR/<strategy>/nodes/n{i}``, peer and admin ports 0 on 127.0.0.1 — each node binds a free port
+itself and writes the bound addresses to its ``node.json`` — learner with num_nodes/node_index/seeds)
+and runs as its own process (``python -m coterie.cli.main node start --config ...``, output in
+``DIR/<strategy>/logs/n{i}.log``). All start at once; a node with a bootstrap peer gets
+``--bootstrap-from <that node's state dir>/node.json`` and waits for it after its imports, so no
+port is picked (and raced for) here and start-up stays parallel.
 Each node's ``/status`` is polled for the live view; when every node reports ``done`` all are
 stopped (SIGTERM to each process group, SIGKILL after a grace period) — also on Ctrl-C, timeout
 or a node that dies early (which is reported with the tail of its log). Each node's
@@ -21,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import ConfigError, NodeConfig
-from .scenario import NodeSpec, Scenario, StrategyRun, config_toml, node_config
+from .scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
 
 # a personalised strategy to fall back on, in order, when a scenario's choice is not importable
 FALLBACK_STRATEGIES = ("fedfomo", "federico", "scool-sbm", "cobo", "l2c", "oracle", "dpsgd")
@@ -45,20 +47,6 @@ class LauncherError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------- node configs
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports that were free a moment ago (all held open together while picking)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
     """Write every node's config for ``strategy`` under ``out_dir/<strategy>`` (clearing the
     node state, configs and logs of an earlier run there: a stale checkpoint would resume)."""
@@ -66,14 +54,14 @@ def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
     for sub in ("nodes", "configs", "logs", "pki"):
         shutil.rmtree(strat_dir / sub, ignore_errors=True)
         (strat_dir / sub).mkdir(parents=True, exist_ok=True)
-    flat = free_ports(2 * sc.nodes)
-    ports = [(flat[2 * i], flat[2 * i + 1]) for i in range(sc.nodes)]
-    specs = []
+    specs: list[NodeSpec] = []
     for i in range(sc.nodes):
-        cfg = with_certificate(node_config(sc, strategy, i, strat_dir, ports), strat_dir / "pki")
+        cfg = with_certificate(node_config(sc, strategy, i, strat_dir), strat_dir / "pki")
         path = strat_dir / "configs" / f"n{i}.toml"
         path.write_text(config_toml(cfg))
-        specs.append(NodeSpec(i, cfg, path, strat_dir / "logs" / f"n{i}.log"))
+        b = bootstrap_index(sc, i)
+        specs.append(NodeSpec(i, cfg, path, strat_dir / "logs" / f"n{i}.log",
+                              bootstrap_from=None if b is None else specs[b].state_dir / "node.json"))
     return specs
 
 
@@ -92,7 +80,8 @@ def with_certificate(cfg: NodeConfig, pki_dir: Path) -> NodeConfig:
 
 def node_command(spec: NodeSpec) -> list[str]:
     return [sys.executable, "-m", "coterie.cli.main", "node", "start", "--config",
-            str(spec.config_path)]
+            str(spec.config_path),
+            *(["--bootstrap-from", str(spec.bootstrap_from)] if spec.bootstrap_from else [])]
 
 
 # ---------------------------------------------------------------------------------- strategies
@@ -182,6 +171,15 @@ class NodeProgress:
     state: str = "starting"
 
 
+def read_node_info(spec: NodeSpec, pid: int) -> dict[str, Any] | None:
+    """The node.json of the process ``pid`` (None until that process has written it)."""
+    try:
+        info = json.loads((spec.state_dir / "node.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and info.get("pid") == pid else None
+
+
 class Network:
     """The processes of one strategy's run. Use as a context manager: leaving it (normally, by an
     exception or by Ctrl-C) stops every process."""
@@ -258,13 +256,17 @@ class Network:
              progress: list[NodeProgress]) -> None:
         """Refresh ``progress`` from every node's /status; raise LauncherError for a node that
         died before it was done."""
-        def one(spec: NodeSpec) -> dict[str, Any] | None:
+        def one(spec: NodeSpec, proc: subprocess.Popen) -> dict[str, Any] | None:
+            if not spec.info:
+                spec.info = read_node_info(spec, proc.pid) or {}
+            if not spec.admin_url:
+                return None
             try:
                 return fetch_json(spec.admin_url + "/status", timeout=2.0)
             except (OSError, ValueError):
                 return None
 
-        statuses = list(pool.map(one, self.specs))
+        statuses = list(pool.map(one, self.specs, self.procs))
         for spec, proc, st, pr in zip(self.specs, self.procs, statuses, progress):
             if st is not None:
                 pr.status = st
@@ -339,19 +341,74 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
             info[s.node_id] = json.loads((s.state_dir / "node.json").read_text())
         except (OSError, ValueError):
             info[s.node_id] = {}
+    by_file = {s.state_dir / "node.json": s.node_id for s in specs}
+    for s in specs:  # results show the bootstrap address each node resolved from --bootstrap-from
+        addr = info.get(by_file.get(s.bootstrap_from), {}).get("address") if s.bootstrap_from else None
+        if addr:
+            s.config = s.config.model_copy(update={"peers": [addr]})
     short = [f"{s.node_id} has {len(histories[s.node_id])}/{sc.rounds} rounds in history.jsonl"
              for s in specs if len(histories[s.node_id]) < sc.rounds]
     return StrategyRun(strategy, specs, wall, histories, info,
                        {s.node_id: p.status for s, p in zip(specs, progress)}, notes=short)
 
 
+def check_data(sc: Scenario) -> list[str]:
+    """Load every distinct dataset and partition the scenario's nodes use, before any process
+    starts: an oversized partition or a missing data file fails here, naming the node, instead of
+    in every daemon after the network came up. Returns warnings (e.g. an oracle without meaning)."""
+    from .learning.datasets import load_pool
+    from .learning.partition import partition, true_clusters
+
+    seen: set[str] = set()
+    warnings: list[str] = []
+    for i in range(sc.nodes):
+        lc = node_config(sc, sc.strategy[0], i, Path("/nonexistent")).learner
+        key = lc.model_dump_json(include={"dataset", "dataset_params", "partition", "partition_params",
+                                          "num_nodes", "data_seed", "val_fraction", "test_fraction"})
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            partition(load_pool(lc.dataset, lc.dataset_params, lc.data_seed), lc)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"scenario, node n{i}: data: {e}") from None
+        if "oracle" in sc.strategy and sc.nodes > 1 and len(set(true_clusters(lc))) == sc.nodes:
+            warnings.append(f"oracle has no meaning here: partition {lc.partition!r} puts every node in "
+                            f"its own cluster, so the oracle learns alone (= local)")
+    return sorted(set(warnings))
+
+
+def _earlier_strategies(path: Path, results: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The strategies of an earlier results.json at ``path`` that this run did not redo, if that
+    run had the same scenario (strategy list and params aside) and nodes; else nothing, noted."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}, []
+    if not isinstance(old, dict) or not isinstance(old.get("strategies"), dict):
+        return {}, []
+    strip = lambda scen: {k: v for k, v in (scen or {}).items() if k not in ("strategy", "strategy_params")}
+    if strip(old.get("scenario")) != strip(results["scenario"]) or old.get("node_ids") != results["node_ids"]:
+        return {}, [f"an earlier {path.name} there was for another scenario configuration: replaced"]
+    kept = {k: v for k, v in old["strategies"].items() if k not in results["strategies"]}
+    return kept, ([f"kept earlier results of {sorted(kept)} (created {old.get('created')})"] if kept else [])
+
+
 def run_scenario(sc: Scenario, out_dir: str | Path, *, console: Any = None,
                  command: Callable[[NodeSpec], list[str]] | None = None,
                  poll_interval_s: float = 0.5, stop_timeout_s: float = 15.0,
-                 notes: list[str] | None = None) -> dict[str, Any]:
-    """Run every strategy of the scenario one after another; write and return results.json."""
+                 notes: list[str] | None = None, check: bool = True) -> dict[str, Any]:
+    """Run every strategy of the scenario one after another; write and return results.json.
+    Strategies of an earlier results.json in ``out_dir`` for the same scenario that this run does
+    not redo are kept in it (rerunning a subset replaces only those)."""
     from .results import build_results, write_results
 
+    notes = list(notes or [])
+    if check:
+        for w in check_data(sc):
+            notes.append(w)
+            if console:
+                console.print(f"[yellow]warning:[/] {w}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs: list[StrategyRun] = []
@@ -363,5 +420,8 @@ def run_scenario(sc: Scenario, out_dir: str | Path, *, console: Any = None,
         runs.append(run_strategy(sc, strategy, out, console=console, command=command,
                                  poll_interval_s=poll_interval_s, stop_timeout_s=stop_timeout_s))
         results = build_results(sc, runs, notes=notes)
+        kept, why = _earlier_strategies(out / "results.json", results)
+        results["strategies"] = {**kept, **results["strategies"]}
+        results["notes"] += why
         write_results(out / "results.json", results)  # after each strategy: partial results survive
     return results

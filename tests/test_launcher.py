@@ -3,6 +3,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from coterie.node import launcher
@@ -121,14 +122,12 @@ def test_prepare_writes_complete_configs(tmp_path):
     specs = prepare(sc, "local", tmp_path)
     cfgs = [load_config(s.config_path, environ={}) for s in specs]  # the files load as NodeConfig
     assert [c.node_id for c in cfgs] == [f"n{i}" for i in range(5)]
-    ports = [int(c.listen.rsplit(":", 1)[1]) for c in cfgs] + \
-            [int(c.admin_listen.rsplit(":", 1)[1]) for c in cfgs]
-    assert len(set(ports)) == 10 and all(p > 0 for p in ports)
-    assert all(c.listen.startswith("127.0.0.1:") for c in cfgs)
-    # chain: every node but n0 bootstraps from exactly the node before it
-    assert cfgs[0].peers == []
-    for i in range(1, 5):
-        assert cfgs[i].peers == [cfgs[i - 1].listen]
+    # every node binds free ports itself (port 0) and reports them in node.json
+    assert all(c.listen == "127.0.0.1:0" and c.admin_listen == "127.0.0.1:0" for c in cfgs)
+    # chain: every node but n0 bootstraps from the node before it, via its node.json
+    assert [s.bootstrap_from for s in specs] == [None] + [specs[i].state_dir / "node.json" for i in range(4)]
+    assert all(c.peers == [] for c in cfgs)
+    assert launcher.node_command(specs[2])[-2:] == ["--bootstrap-from", str(specs[1].state_dir / "node.json")]
     assert len({str(c.state_dir) for c in cfgs}) == 5
     assert cfgs[2].state_dir == (tmp_path / "local" / "nodes" / "n2").resolve()
     for i, c in enumerate(cfgs):
@@ -143,9 +142,23 @@ def test_prepare_writes_complete_configs(tmp_path):
 
 def test_star_topology_and_min_peers_override(tmp_path):
     specs = prepare(scen(bootstrap="star", node={"min_peers": 1}), "local", tmp_path)
-    hub = specs[0].config.listen
-    assert [s.config.peers for s in specs] == [[], [hub], [hub], [hub]]
+    hub = specs[0].state_dir / "node.json"
+    assert [s.bootstrap_from for s in specs] == [None, hub, hub, hub]
     assert all(s.config.min_peers == 1 for s in specs)
+
+
+def test_bootstrap_addresses_come_from_node_json(tmp_path):
+    """Nodes bind port 0; a node's bootstrap peer is the address its bootstrap node wrote to its
+    node.json, so no port is picked (and raced for) by the launcher."""
+    sc = scen(nodes=3)
+    run = run_strategy(sc, "local", tmp_path, poll_interval_s=0.05, stop_timeout_s=2,
+                       command=lambda s: fake("ok")(s) + ([str(s.bootstrap_from)] if s.bootstrap_from else []))
+    infos = [json.loads((tmp_path / "local" / "nodes" / f"n{i}" / "node.json").read_text())
+             for i in range(3)]
+    assert len({i["address"] for i in infos}) == 3 and all(not i["address"].endswith(":0") for i in infos)
+    assert infos[0]["peers"] == [] and infos[1]["peers"] == [infos[0]["address"]]
+    assert infos[2]["peers"] == [infos[1]["address"]]
+    assert run.specs[2].config.peers == [infos[1]["address"]]  # what results.json records
 
 
 def test_prepare_clears_stale_state(tmp_path):
@@ -313,3 +326,54 @@ def test_strategy_subset_from_the_command_line_drops_params_of_the_others():
             "strategy_params": {"fedfomo": {"num_models": 2}}}
     assert parse_scenario(data, strategies=["local"]).strategy_params == {}
     assert parse_scenario(data).strategy_params == {"fedfomo": {"num_models": 2}}
+
+
+def test_oversized_partition_fails_before_any_process_starts(tmp_path, monkeypatch):
+    """The pool and the partition are checked first: an oversized partition names the node and
+    the sizes, and no node process is ever started."""
+    started = []
+    monkeypatch.setattr(Network, "start", lambda self: started.append(self))
+    sc = scen(nodes=4, learner={"dataset": "digits", "partition": "label_permutation",
+                                "partition_params": {"num_clusters": 2, "samples_per_node": 600}})
+    with pytest.raises(ConfigError, match=r"node n0: data: .*needs 2400 samples in all but the pool has only 1797"):
+        run_scenario(sc, tmp_path, command=fake("ok"))
+    assert not started and not (tmp_path / "results.json").exists()
+
+
+def test_oracle_without_meaning_is_warned(tmp_path):
+    sc = scen(nodes=3, strategy=["local", "oracle"],
+              learner={"dataset": "digits", "partition": "dirichlet", "partition_params": {"alpha": 0.5}})
+    assert any("oracle has no meaning" in w for w in launcher.check_data(sc))
+    assert launcher.check_data(scen(nodes=3, strategy=["local", "oracle"])) == []  # 2 clusters: fine
+    res = run_scenario(sc, tmp_path, command=fake("ok"), poll_interval_s=0.05, stop_timeout_s=5)
+    assert any("oracle has no meaning" in n for n in res["notes"])
+
+
+def test_rerunning_a_subset_keeps_the_other_strategies(tmp_path):
+    sc = scen(nodes=3, strategy=["local", "dpsgd"])
+    first = run_scenario(sc, tmp_path, command=fake("ok"), poll_interval_s=0.05, stop_timeout_s=5)
+    again = run_scenario(scen(nodes=3, strategy=["dpsgd"]), tmp_path, command=fake("ok"),
+                         poll_interval_s=0.05, stop_timeout_s=5)
+    assert set(again["strategies"]) == {"local", "dpsgd"}
+    assert again["strategies"]["local"] == first["strategies"]["local"]
+    assert again["strategies"]["dpsgd"]["wall_time_s"] != first["strategies"]["dpsgd"]["wall_time_s"] or \
+        again["strategies"]["dpsgd"]["nodes"]["n0"]["pid"] != first["strategies"]["dpsgd"]["nodes"]["n0"]["pid"]
+    assert any("kept earlier results of ['local']" in n for n in again["notes"])
+    assert json.loads((tmp_path / "results.json").read_text()) == again
+    # another scenario configuration (other seed): the earlier entries are not mixed in
+    other = run_scenario(scen(nodes=3, seed=8, strategy=["dpsgd"]), tmp_path, command=fake("ok"),
+                         poll_interval_s=0.05, stop_timeout_s=5)
+    assert set(other["strategies"]) == {"dpsgd"}
+    assert any("another scenario configuration" in n for n in other["notes"])
+
+
+def test_results_carry_the_true_mixture(tmp_path):
+    from coterie.node.learning.partition import true_mixture
+    sc = scen(nodes=3, learner={"dataset": "digits", "partition": "mixture",
+                                "partition_params": {"num_components": 2, "alpha": 1.0}})
+    res = run_scenario(sc, tmp_path, command=fake("ok"), poll_interval_s=0.05, stop_timeout_s=5)
+    lc = prepare(sc, "local", tmp_path / "x")[0].config.learner
+    assert np.allclose(res["true_mixture"], true_mixture(lc))
+    assert res["true_clusters"] == [int(max(range(2), key=lambda k: r[k])) for r in res["true_mixture"]]
+    assert "true_mixture" not in run_scenario(scen(nodes=3), tmp_path / "y", command=fake("ok"),
+                                              poll_interval_s=0.05, stop_timeout_s=5)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from coterie.cli.main import app
 from coterie.node.config import ConfigError, load_config
-from coterie.node.daemon import load_tls
+from coterie.node.transport.tls import load_tls
 from coterie.node.logfilter import BoundedRepeats
 from coterie.node.peering.admission import Admission
 from coterie.node.peering.errors import EXHAUSTED, Refusal

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from ..security.pki import GENERIC_NAME, URI_PREFIX, NodeCredentials, node_dns_name
+from ..config import ConfigError, NodeConfig
+from ..security.pki import GENERIC_NAME, URI_PREFIX, NodeCredentials, PKIError, load_credentials, node_dns_name
 
 
 @dataclass(frozen=True)
@@ -50,3 +51,23 @@ def caller_identity(context: grpc.aio.ServicerContext) -> str | None:
     ids = [u[len(URI_PREFIX):] for u in (v.decode(errors="replace") for v in auth.get("peer_uri", []))
            if u.startswith(URI_PREFIX)]
     return ids[0] if len(ids) == 1 else None
+
+
+def load_tls(cfg: NodeConfig) -> TLS | None:
+    """The node's mTLS identity, or None with ``security.insecure``. Fails closed: no
+    certificates and no explicit ``insecure`` is a configuration error."""
+    sec = cfg.security
+    if sec.insecure:
+        return None
+    if not (sec.cert_dir or sec.cert):
+        raise ConfigError("no peer certificates configured: set security.cert_dir to a directory from "
+                          "`coterie cert issue` (see `coterie ca init`), or security.insecure = true "
+                          "for a plaintext peer port on a network you trust")
+    try:
+        creds = load_credentials(sec.cert_dir, ca=sec.ca, cert=sec.cert, key=sec.key)
+    except PKIError as e:
+        raise ConfigError(f"security: {e}") from None
+    if cfg.node_id is not None and cfg.node_id != creds.node_id:
+        raise ConfigError(f"security: the certificate is for node {creds.node_id!r}, but node_id is "
+                          f"{cfg.node_id!r}")
+    return TLS(creds, frozenset(sec.allow_ids) if sec.allow_ids is not None else None)
