@@ -194,6 +194,8 @@ def node_start(
     peers: Optional[str] = typer.Option(None, "--peers", help="bootstrap peers a:1,b:2"),
     strategy: Optional[str] = typer.Option(None, "--strategy"),
     rounds: Optional[int] = typer.Option(None, "--rounds"),
+    reset: bool = typer.Option(False, "--reset", help="start at round 0, moving the state dir's old state "
+                               "aside (needed when it holds history or identity but no usable checkpoint)"),
     sets: Optional[list[str]] = typer.Option(None, "--set",
                                              help="any field: key.path=value (JSON value or text)"),
     log_format: str = LOG_FORMAT_OPT,
@@ -220,6 +222,8 @@ def node_start(
                 {"cert_dir": str(cert_dir)} if cert_dir is not None else {})
             if insecure:
                 overrides["security"]["insecure"] = True
+        if reset:
+            overrides["reset"] = True
         cfg = load_config(config, overrides)
     except ConfigError as e:
         raise _fail(str(e), EXIT_CONFIG)

@@ -112,6 +112,10 @@ class NodeConfig(BaseModel):
         if problem:
             raise ValueError(problem)
         return v
+    # state dir: completed rounds whose checkpoint may still be being written while the next
+    # round trains (what a kill -9 can lose); 0 = every round waits for its own checkpoint
+    checkpoint_max_unsaved_rounds: int = Field(1, ge=0)
+    reset: bool = False  # start at round 0, moving any old state aside (into reset-<time>/)
 
     @field_validator("listen", "admin_listen")
     @classmethod

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -24,7 +23,7 @@ from torch import nn
 
 from coterie.node.learning.learner import EvalResult, Learner, Params, TrainResult
 from coterie.node.strategies.base import GradientReply, PeerSnapshot, PushedGradient, Strategy
-from coterie.node.wire.codec import pack_state, unpack_state
+from coterie.node.persistence import pack_state, unpack_state
 
 torch.set_num_threads(1)
 
@@ -179,14 +178,13 @@ class ToyLearner(Learner):
     def num_samples(self, split: str = "train") -> int:
         return len(self.data[split][1])
 
-    def save(self, directory: str) -> None:
-        os.makedirs(directory, exist_ok=True)
-        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict()}, os.path.join(directory, "toy.pt"))
+    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        with self._lock:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}, {}
 
-    def load(self, directory: str) -> None:
-        st = torch.load(os.path.join(directory, "toy.pt"))
-        self.model.load_state_dict(st["model"])
-        self.opt.load_state_dict(st["opt"])
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        with self._lock:
+            self.model.load_state_dict(tensors)
 
 
 # --------------------------------------------------------------------------------------------
