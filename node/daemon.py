@@ -24,8 +24,10 @@ from .fsutil import atomic_write_json
 from .learning.learner import Learner
 from .metrics import Metrics
 from .peering.faults import with_fault
+from .peering.deadlines import Deadlines
 from .peering.inbox import PushInbox
-from .peering.membership import Membership
+from .peering.loop_lag import LoopLag
+from .peering.membership import Membership, Settings
 from .peering.messages import LocalSnapshot, NodeInfo
 from .peering.network import NodeNetwork
 from .peering.peer_table import PeerTable
@@ -77,21 +79,30 @@ class Node:
 
         seed = int(hashlib.sha256(f"{cfg.seed}:{self.node_id}".encode()).hexdigest()[:8], 16)
         # the peer plane: who is out there, what this node publishes, what it pulled and was pushed
-        self.peers = PeerTable(self.node_id, cfg.suspect_after_s, cfg.dead_after_s)
+        mcfg = cfg.membership
+        self.loop_lag = LoopLag()  # how late the event loop runs: stalls show per round
+        self.peers = PeerTable(self.node_id, cfg.suspect_after_s, cfg.dead_after_s,
+                               reconnect_min_s=mcfg.reconnect_min_s, reconnect_max_s=mcfg.reconnect_max_s)
         self.problems = ProblemLog(on_rejected=lambda: self.m_rejected.labels(kind="input").inc())
         self.board = PublishBoard()
-        self.cache = SnapshotCache()
+        self.cache = SnapshotCache(cfg.snapshot_cache_bytes)
         self.inbox = PushInbox()
         self.client = PeerClient(self.node_id, self.traffic, chunk_bytes=cfg.chunk_bytes,
                                  max_model_bytes=cfg.max_model_bytes, max_gossip_bytes=cfg.max_gossip_bytes,
-                                 timeout_s=cfg.request_timeout_s, delay_ms=cfg.delay_ms)
+                                 timeout_s=cfg.request_timeout_s, delay_ms=cfg.delay_ms,
+                                 idle_channel_s=mcfg.idle_channel_s)
         self.membership = Membership(self.info, self.position, self.peers, self.client, self.problems,
                                      bootstrap=cfg.peers, heartbeat_interval_s=cfg.heartbeat_interval_s,
                                      request_timeout_s=cfg.request_timeout_s, link_delay_s=cfg.delay_ms / 1000,
-                                     rng=random.Random(seed), on_gauges=self._peer_gauges)
+                                     rng=random.Random(seed), on_gauges=self._peer_gauges,
+                                     settings=Settings.from_config(mcfg), loop_lag=self.loop_lag)
+        deadlines = Deadlines(cfg.request_timeout_s + 2 * cfg.delay_ms / 1000, floor_s=cfg.deadline_floor_s,
+                              mult=cfg.deadline_mult)
         self.network = NodeNetwork(self.node_id, self.client, self.peers, self.cache, self.inbox,
                                    lambda: self.board.current, self.spec, self.problems,
-                                   labels=self.labels, request_timeout_s=cfg.request_timeout_s)
+                                   labels=self.labels, request_timeout_s=cfg.request_timeout_s,
+                                   deadlines=deadlines, exchange_timeout_s=cfg.exchange_timeout_s,
+                                   on_call_failed=self.membership.suspect_hint)
         self.strategy = get_strategy(cfg.strategy)(self.node_id, learner, self.network,
                                                    cfg.strategy_params, seed=seed)
         self.served = ServedRequests(self.node_id, self.info, self.membership, learner, self.spec,
@@ -131,6 +142,7 @@ class Node:
             "pid": os.getpid(), "started": self.started})
         log.info("node %s up: peer %s, admin %s, strategy %s, device %s, round %d",
                  self.node_id, self.address, self.admin_url, self.cfg.strategy, self.learner.device, self.round)
+        self._tasks.append(asyncio.create_task(self.loop_lag.run(), name="loop-lag"))
         self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))
         self._round_task = asyncio.create_task(self._round_loop(), name="rounds")
         self._tasks.append(self._round_task)
@@ -210,9 +222,12 @@ class Node:
             await self._wait_for_peers()
         while self.cfg.rounds is None or self.round < self.cfg.rounds:
             t0 = time.monotonic()
+            stall0 = self.loop_lag.total_s
             rnd = self.round + 1
             try:
-                report = await self.strategy.run_round(rnd)
+                with self.network.exchange_phase() as phase:  # peer calls share the round's deadline
+                    report = await self.strategy.run_round(rnd)
+                t_strategy = time.monotonic() - t0
                 evaluation = await asyncio.to_thread(self.strategy.evaluate)
             except asyncio.CancelledError:
                 raise
@@ -227,7 +242,13 @@ class Node:
                       "model_version": self.version, "train_loss": report.train_loss, "eval": evaluation,
                       "weights": self.strategy.weights(), "contacted": report.contacted,
                       "bytes_sent": sent, "bytes_received": received, "info": report.info,
-                      "peers_alive": len(self.peers.alive())}
+                      "peers_alive": len(self.peers.alive()),
+                      "timing": {"strategy_s": round(t_strategy, 4), "peer_calls": phase["calls"],
+                                 "exchange_s": round(phase.get("exchange_s", 0.0), 4),
+                                 "exchange_budget_s": round(phase["budget_s"], 3),
+                                 "calls_failed": phase["failed"], "calls_abandoned": phase["abandoned"],
+                                 "calls_skipped": phase["skipped"],
+                                 "loop_stall_s": round(self.loop_lag.total_s - stall0, 4)}}
             self.history.append(record)
             # history first, checkpoint second: a crash between the two leaves the history one
             # round ahead, which a restart trims to the checkpoint (read_history(upto_round)).

@@ -64,7 +64,8 @@ class DPSGD(Strategy):
         snaps = await gather_bounded({p: self.net.pull(p) for p in peers})
         w = 1.0 / (1 + len(snaps))
         members = [(w, trained)] + [(w, s.params) for s in snaps.values()]
-        self.learner.set_params(weighted_average(members))
+        # a model-sized sum: in a worker thread, off the event loop
+        await self.compute(lambda: self.learner.set_params(weighted_average(members)))
         self._trained = trained
         self._w = {self.node_id: w, **{p: w for p in snaps}}
         return RoundReport(train_loss=res.loss, contacted=sorted(snaps))

@@ -1,7 +1,12 @@
-"""The calling side of the gRPC peer plane (``peering.interfaces.PeerTransport``): one cached
-channel per peer address, chunked streams, size and hash checks on everything that comes back,
+"""The calling side of the gRPC peer plane (``peering.interfaces.PeerTransport``): cached
+channels per peer address, chunked streams, size and hash checks on everything that comes back,
 tensors decoded into domain objects. Every call is bounded by a deadline; every failure leaves
-as a ``PeerCallError`` (a malformed reply as a ``WireError``)."""
+as a ``PeerCallError`` (a malformed reply as a ``WireError``).
+
+Two channels per peer: membership messages (handshake, ping, indirect probe, peer lists) never
+queue behind a model-sized transfer on the same TCP connection. Channels nobody used for
+``idle_channel_s`` (and with no call in flight) are closed. Received payloads land in one
+buffer and decode as zero-copy views of it."""
 from __future__ import annotations
 
 import asyncio
@@ -18,8 +23,8 @@ from ..peering import serde
 from ..peering.errors import PeerCallError, Refusal
 from ..peering.interfaces import Traffic
 from ..peering.messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest,
-                                NodeInfo, PeerEntry, SnapshotHeader)
-from ..wire.codec import Groups, WireError, decode, encode
+                                IndirectProbe, MemberUpdate, NodeInfo, PeerEntry, SnapshotHeader)
+from ..wire.codec import Groups, WireError, decode, encode, encoded_size
 from .chunks import Assembler, collect, data_field, sha256, split
 from .errors import call_error
 
@@ -29,15 +34,21 @@ _CHANNEL_OPTIONS = [
     # a dead peer must fail fast instead of sitting in exponential reconnect backoff
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
+    # each channel its own connection: the membership channel must not share the bulk one's
+    ("grpc.use_local_subchannel_pool", 1),
 ]
+CONTROL, BULK = "control", "bulk"  # the two channels to each peer
+_OFF_LOOP_BYTES = 1 << 20  # payloads above this are encoded in a worker thread
 
 
 def _domain_errors(fn):
-    """gRPC failures become PeerCallError; a malformed stream (bad chunk, size, hash) a WireError."""
+    """gRPC failures become PeerCallError; a malformed stream (bad chunk, size, hash) a WireError.
+    The call counts as in flight on its address meanwhile (idle channel eviction spares it)."""
     @functools.wraps(fn)
-    async def wrapper(*args, **kwargs):
+    async def wrapper(self, address, *args, **kwargs):
+        self._busy[address] = self._busy.get(address, 0) + 1
         try:
-            return await fn(*args, **kwargs)
+            return await fn(self, address, *args, **kwargs)
         except grpc.aio.AioRpcError as e:
             raise call_error(e) from None
         except Refusal as e:
@@ -48,12 +59,16 @@ def _domain_errors(fn):
             raise WireError(f"malformed reply: {e}") from None
         except OSError as e:
             raise PeerCallError("unavailable", str(e)) from None
+        finally:
+            self._busy[address] -= 1
+            if not self._busy[address]:
+                del self._busy[address]
     return wrapper
 
 
 class PeerClient:
     def __init__(self, node_id: str, traffic: Traffic, *, chunk_bytes: int, max_model_bytes: int,
-                 max_gossip_bytes: int, timeout_s: float, delay_ms: float = 0.0):
+                 max_gossip_bytes: int, timeout_s: float, delay_ms: float = 0.0, idle_channel_s: float = 120.0):
         self.node_id = node_id
         self.traffic = traffic
         self.chunk_bytes = chunk_bytes
@@ -61,29 +76,59 @@ class PeerClient:
         self.max_gossip_bytes = max_gossip_bytes
         self.timeout_s = timeout_s
         self.delay_s = delay_ms / 1000.0  # emulated one-way link latency (testbed)
-        self._stubs: dict[str, tuple[grpc.aio.Channel, rpc.PeerStub]] = {}
+        self.idle_channel_s = idle_channel_s
+        self._stubs: dict[tuple[str, str], tuple[grpc.aio.Channel, rpc.PeerStub]] = {}
+        self._used: dict[str, float] = {}  # address -> last time a call started
+        self._busy: dict[str, int] = {}  # address -> calls in flight
+        self._next_sweep = time.monotonic() + idle_channel_s
+        self.evicted = 0
 
-    def stub(self, address: str) -> rpc.PeerStub:
-        if address not in self._stubs:
-            ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-            self._stubs[address] = (ch, rpc.PeerStub(ch))
-        return self._stubs[address][1]
+    def _channel(self, address: str, plane: str) -> tuple[grpc.aio.Channel, rpc.PeerStub]:
+        now = time.monotonic()
+        self._used[address] = now
+        if now >= self._next_sweep:
+            self._next_sweep = now + self.idle_channel_s / 4
+            self._evict_idle(now)
+        key = (address, plane)
+        entry = self._stubs.get(key)
+        if entry is None:
+            ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS + [("coterie.plane", plane)])
+            entry = self._stubs[key] = (ch, rpc.PeerStub(ch))
+        return entry
+
+    def stub(self, address: str, plane: str = BULK) -> rpc.PeerStub:
+        return self._channel(address, plane)[1]
+
+    def channels(self) -> int:
+        return len(self._stubs)
+
+    def _evict_idle(self, now: float) -> None:
+        """Close the channels of addresses unused for ``idle_channel_s`` with nothing in flight."""
+        stale = {a for a, t in self._used.items() if now - t > self.idle_channel_s and a not in self._busy}
+        for address in stale:
+            del self._used[address]
+            for plane in (CONTROL, BULK):
+                entry = self._stubs.pop((address, plane), None)
+                if entry is not None:
+                    self.evicted += 1
+                    asyncio.get_running_loop().create_task(entry[0].close())
 
     def _raw_snapshot_call(self, address: str):
         """GetSnapshot with chunk messages left as raw bytes: the payload is sliced out of each
         message without protobuf building (and copying) a message object per MiB."""
-        self.stub(address)
-        return self._stubs[address][0].unary_stream(
+        return self._channel(address, BULK)[0].unary_stream(
             "/coterie.v1.Peer/GetSnapshot", request_serializer=pb.SnapshotRequest.SerializeToString,
             response_deserializer=None)
 
     async def forget(self, address: str) -> None:
-        entry = self._stubs.pop(address, None)
-        if entry:
-            await entry[0].close()
+        self._used.pop(address, None)
+        for plane in (CONTROL, BULK):
+            entry = self._stubs.pop((address, plane), None)
+            if entry:
+                await entry[0].close()
 
     async def close(self) -> None:
-        for address in list(self._stubs):
+        for address in {a for a, _ in self._stubs}:
             await self.forget(address)
 
     async def _link(self) -> None:
@@ -99,7 +144,7 @@ class PeerClient:
         t0 = time.perf_counter()
         await self._link()
         req = pb.HandshakeRequest(node=serde.node_info_to_pb(info))
-        reply = await self.stub(address).Handshake(req, timeout=timeout)
+        reply = await self.stub(address, CONTROL).Handshake(req, timeout=timeout)
         self.traffic.record("handshake", sent=req.ByteSize(), received=reply.ByteSize())
         self._timed("handshake", t0)
         return serde.node_info_from_pb(reply.node), serde.entries_from_pb(reply.peers)
@@ -109,20 +154,30 @@ class PeerClient:
         t0 = time.perf_counter()
         await self._link()
         req = serde.beat_to_request(beat)
-        reply = await self.stub(address).Heartbeat(req, timeout=timeout)
+        reply = await self.stub(address, CONTROL).Heartbeat(req, timeout=timeout)
         rtt = time.perf_counter() - t0
         self.traffic.record("heartbeat", sent=req.ByteSize(), received=reply.ByteSize())
         self._timed("heartbeat", t0)
         return serde.beat_from_reply(reply), rtt
 
     @_domain_errors
-    async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry],
-                             timeout: float) -> list[PeerEntry]:
+    async def indirect_probe(self, address: str, probe: IndirectProbe,
+                             timeout: float) -> tuple[bool, tuple[MemberUpdate, ...]]:
         await self._link()
-        req = pb.PeerList(node_id=sender, peers=serde.entries_to_pb(entries))
-        reply = await self.stub(address).ExchangePeers(req, timeout=timeout)
+        req = serde.probe_to_pb(probe)
+        reply = await self.stub(address, CONTROL).IndirectProbe(req, timeout=timeout)
+        self.traffic.record("probe", sent=req.ByteSize(), received=reply.ByteSize())
+        return reply.ack, serde.updates_from_pb(reply.updates)
+
+    @_domain_errors
+    async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
+                             members: list[MemberUpdate] = (), incarnation: int = 0
+                             ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]:
+        await self._link()
+        req = serde.peer_list_to_pb(sender, entries, members, incarnation)
+        reply = await self.stub(address, CONTROL).ExchangePeers(req, timeout=timeout)
         self.traffic.record("peers", sent=req.ByteSize(), received=reply.ByteSize())
-        return serde.entries_from_pb(reply.peers)
+        return serde.entries_from_pb(reply.peers), serde.updates_from_pb(reply.members), reply.incarnation
 
     # --- snapshots ---
     @_domain_errors
@@ -146,10 +201,10 @@ class PeerClient:
             asm = Assembler(f"snapshot of {h.node_id or address}", h.total_bytes, h.sha256,
                             self.max_model_bytes)
             async for raw in it:
-                asm.add(data_field(raw))
+                asm.add(data_field(raw))  # copied once, into the snapshot's own buffer
             data = asm.finish()
             size = len(data)
-            try:
+            try:  # zero-copy: the tensors are views of that one buffer
                 groups, _ = decode(data, max_bytes=self.max_model_bytes)
             except WireError as e:
                 raise WireError(f"snapshot v{h.version} of {h.node_id or address} is malformed: {e}") from None
@@ -171,9 +226,14 @@ class PeerClient:
         t0 = time.perf_counter()
         kind = request.kind
         await self._link()
-        payload = encode(request.groups) if request.groups is not None and request.ref is None else None
-        header = serde.compute_header_to_pb(request, len(payload) if payload else 0,
-                                            sha256(payload) if payload else "")
+        payload, digest = None, ""
+        if request.groups is not None and request.ref is None:
+            def pack(groups=request.groups):
+                data = encode(groups)
+                return data, sha256(data)
+            big = encoded_size(request.groups) > _OFF_LOOP_BYTES
+            payload, digest = await asyncio.to_thread(pack) if big else pack()
+        header = serde.compute_header_to_pb(request, len(payload) if payload else 0, digest)
         frames = self._frames(header, payload)
         stub = self.stub(address)
         sent = header.ByteSize() + (len(payload) if payload else 0)

@@ -16,9 +16,9 @@ from ...proto.v1 import peer_pb2 as pb
 from ..peering import serde
 from ..peering.errors import Refusal, invalid
 from ..peering.interfaces import PeerHandler, Traffic
-from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, LocalSnapshot
+from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT
 from ..wire.codec import WireError, decode, encode
-from .chunks import Assembler, collect, sha256, split
+from .chunks import Assembler, collect, data_frames, sha256, split
 from .errors import status_of
 
 log = logging.getLogger(__name__)
@@ -45,23 +45,6 @@ async def _linger(frames) -> None:
         pass
 
 
-class _Frames:
-    """A snapshot cut into serialised ``SnapshotChunk`` messages once, then streamed to every
-    puller without further copies (one snapshot at a time: the current one)."""
-
-    def __init__(self, chunk_bytes: int):
-        self.chunk_bytes = chunk_bytes
-        self._snap: LocalSnapshot | None = None
-        self._frames: tuple[bytes, ...] = ()
-
-    def of(self, snap: LocalSnapshot) -> tuple[bytes, ...]:
-        if self._snap is not snap:
-            self._frames = tuple(pb.SnapshotChunk(data=part).SerializeToString()
-                                 for part in split(snap.encoded, self.chunk_bytes))
-            self._snap = snap
-        return self._frames
-
-
 class PeerService:
     def __init__(self, handler: PeerHandler, traffic: Traffic, *, chunk_bytes: int,
                  max_model_bytes: int, max_gossip_bytes: int):
@@ -70,7 +53,6 @@ class PeerService:
         self.chunk_bytes = chunk_bytes
         self.max_model_bytes = max_model_bytes
         self.max_gossip_bytes = max_gossip_bytes
-        self._frames = _Frames(chunk_bytes)
 
     async def _guard(self, context: grpc.aio.ServicerContext, kind: str, coro, stream=None):
         """Run a handler call; turn a Refusal/WireError into a status the caller can read.
@@ -108,11 +90,20 @@ class PeerService:
 
     async def ExchangePeers(self, request, context):
         async def go():
-            entries = self.h.on_peer_list(request.node_id, serde.entries_from_pb(request.peers))
-            reply = pb.PeerList(node_id=self.h.node_id, peers=serde.entries_to_pb(entries))
+            entries, members, inc = self.h.on_peer_list(request.node_id, serde.entries_from_pb(request.peers),
+                                                        serde.updates_from_pb(request.members), request.incarnation)
+            reply = serde.peer_list_to_pb(self.h.node_id, entries, members, inc)
             self.traffic.record("peers", received=request.ByteSize(), sent=reply.ByteSize())
             return reply
         return await self._guard(context, "peers", go())
+
+    async def IndirectProbe(self, request, context):
+        async def go():
+            ack, updates = await self.h.on_indirect_probe(serde.probe_from_pb(request))
+            reply = serde.probe_reply_to_pb(ack, updates)
+            self.traffic.record("probe", received=request.ByteSize(), sent=reply.ByteSize())
+            return reply
+        return await self._guard(context, "probe", go())
 
     # --- snapshots ---
     async def GetSnapshot(self, request, context):
@@ -120,11 +111,12 @@ class PeerService:
         snap = await self._guard(context, "snapshot", self.h.snapshot(
             request.requester, request.min_round, request.wait_ms / 1000.0))
         unchanged = request.have_version == snap.version and request.have_version > 0
-        frames = () if unchanged else self._frames.of(snap)
         header = serde.snapshot_header_to_pb(snap.header(unchanged), 0 if unchanged else len(snap.encoded))
         yield pb.SnapshotChunk(header=header)
         sent = header.ByteSize()
-        for frame in frames:  # pre-serialised: no per-puller copies
+        # framed by hand from the snapshot's one buffer as they go out: one 1 MiB copy at a
+        # time per puller, instead of a second full copy of every published snapshot
+        for frame in (() if unchanged else data_frames(snap.encoded, self.chunk_bytes)):
             yield frame
             sent += len(frame)
         self.traffic.record("snapshot", sent=sent)
