@@ -24,13 +24,15 @@ class MembershipConfig(BaseModel):
     """SWIM membership (Das et al. 2002; HashiCorp memberlist). The protocol period is the node's
     ``heartbeat_interval_s``: each period one member is probed. A member that answers neither the
     direct ping nor any of the ``indirect_probes`` helpers within ``suspect_after_s`` is suspect;
-    a suspect that does not refute within the suspicion timeout (``dead_after_s``, at least
-    ``suspicion_mult`` × log10(N+1) periods) is dead."""
+    a suspect that does not refute within the suspicion timeout is dead. The timeout is
+    ``dead_after_s`` (at least ``suspicion_mult`` × log10(N+1) periods) once ``indirect_probes``
+    further members confirm the suspicion, up to ``suspicion_max_mult`` times that with one."""
     model_config = ConfigDict(extra="forbid")
 
     indirect_probes: int = Field(3, ge=0)  # k members asked to ping a member that missed a ping
     probe_timeout_s: float = Field(0.5, gt=0)  # direct-ping deadline floor (grows with observed RTT)
     suspicion_mult: float = Field(4.0, ge=0)
+    suspicion_max_mult: float = Field(6.0, ge=1)  # one accuser alone: the timeout × this (Lifeguard)
     retransmit_mult: float = Field(4.0, gt=0)  # each piggybacked update goes out mult × log10(N+1) times
     max_piggyback: int = Field(8, ge=1)  # membership updates per message
     push_pull_interval_s: float = Field(10.0, gt=0)  # full view swapped with one member this often

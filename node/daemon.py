@@ -278,7 +278,16 @@ class Node:
                 "rounds_target": self.cfg.rounds, "address": self.address, "admin_url": self.admin_url,
                 "fingerprint": self.fingerprint, "labels": self.labels, "last_eval": self.last_eval,
                 "strategy_state": self.strategy.public_state(), "problems": self.problems.recent(10),
-                "faulty": self.cfg.faulty}
+                "faulty": self.cfg.faulty, "membership": self.membership_view()}
+
+    def membership_view(self) -> dict[str, Any]:
+        """The peer plane's own health: SWIM counters, candidate set, channels, loop lag."""
+        m = self.membership
+        return {"incarnation": m.incarnation, "candidates": len(m.pending),
+                "candidates_dropped": m.pending.dropped, "candidates_forgotten": m.pending.forgotten_total,
+                "channels": self.client.channels(), "channels_evicted": self.client.evicted,
+                "snapshot_cache_bytes": self.cache.bytes, "loop_lag_max_s": round(self.loop_lag.max_s, 4),
+                **m.stats}
 
     def peers_table(self) -> list[dict[str, Any]]:
         weights = self.strategy.weights()

@@ -43,7 +43,7 @@ def test_incarnation_precedence(clock):
 
 
 def test_suspicion_times_out_to_dead_and_first_hand_evidence_revives(clock):
-    t = PeerTable("me", suspect_after_s=1, dead_after_s=5)
+    t = PeerTable("me", suspect_after_s=1, dead_after_s=5, suspicion_max_mult=1)
     seen = []
     t.listeners.append(lambda *tr: seen.append(tr))
     t.upsert("a", "h:1")
@@ -63,6 +63,30 @@ def test_suspicion_times_out_to_dead_and_first_hand_evidence_revives(clock):
     t.seen("a", round=7, version=8, rtt_s=0.01, incarnation=3)
     assert t.records["a"].state == ALIVE and t.records["a"].round == 7 and t.records["a"].incarnation == 3
     assert seen == [("a", ALIVE, SUSPECT), ("a", SUSPECT, DEAD), ("a", DEAD, ALIVE)]
+
+
+def test_independent_accusers_shorten_the_suspicion_timeout(clock):
+    """Lifeguard: one accuser alone waits max_mult × the timeout, k more bring it to the base."""
+    t = PeerTable("me", suspect_after_s=1, dead_after_s=5, suspicion_max_mult=6, confirmations=3)
+    for p in "abcde":
+        t.upsert(p, f"h:{p}")
+    t.apply(MemberUpdate("a", "h:a", 0, SUSPECT, accuser="b"))
+    rec = t.records["a"]
+    timeouts = [t.suspicion_timeout(rec)]
+    assert not t.apply(MemberUpdate("a", "h:a", 0, SUSPECT, accuser="b"))  # the same accuser again
+    for accuser in "cd":
+        assert t.apply(MemberUpdate("a", "h:a", 0, SUSPECT, accuser=accuser))  # news: passed on
+        timeouts.append(t.suspicion_timeout(rec))
+    t.suspect("a")
+    timeouts.append(t.suspicion_timeout(rec))  # this node's own probe confirms it too
+    assert timeouts[0] == 30 and timeouts[-1] == 5 and timeouts == sorted(timeouts, reverse=True)
+    clock[0] += 5
+    assert t.refresh() == [("a", SUSPECT, DEAD)]
+    t.upsert("b", "h:b")
+    assert t.suspect("b") and t.suspicion_timeout(t.records["b"]) == 30  # alone: 30 s to refute
+    clock[0] += 29
+    assert t.refresh() == []
+    assert t.apply(MemberUpdate("b", "h:b", 1, ALIVE)) and t.records["b"].accusers == set()
 
 
 def test_dead_members_get_reconnect_attempts_with_backoff(clock):

@@ -47,6 +47,7 @@ class Settings:
     indirect_probes: int = 3
     probe_timeout_s: float = 0.5
     suspicion_mult: float = 4.0
+    suspicion_max_mult: float = 6.0
     retransmit_mult: float = 4.0
     max_piggyback: int = 8
     push_pull_interval_s: float = 10.0
@@ -247,6 +248,7 @@ class Membership:
         self._probing: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._next_push_pull = 0.0
+        peers.suspicion_max_mult = self.s.suspicion_max_mult
         self.stats = {"probes": 0, "indirect": 0, "suspected": 0, "refuted": 0, "inconclusive": 0,
                       "handshakes_failed": 0}
         peers.listeners.append(self._log_transition)
@@ -511,6 +513,7 @@ class Membership:
         n = len(self.peers.records)
         self.peers.suspicion_s = max(self.peers.dead_after_s,
                                      self.s.suspicion_mult * math.log10(n + 1) * self.period)
+        self.peers.confirmations = max(1, min(self.s.indirect_probes, n - 1))
         for node_id, _, new in self.peers.refresh():
             self._announce(node_id)
         target = self._next_target()

@@ -47,6 +47,7 @@ class MemberUpdate:
     address: str
     incarnation: int
     state: str = ALIVE
+    accuser: str = ""  # suspect: the member whose probe failed
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,16 @@ again as soon as they answer one (or call us).
 
 Incarnation rules (Das et al. 2002, §4.2): news about a member with a higher incarnation wins; at
 the same incarnation suspect beats alive and dead beats both. First-hand evidence — the member
-answered one of our calls or made one to us — makes it alive whatever we believed."""
+answered one of our calls or made one to us — makes it alive whatever we believed.
+
+Suspicion timeout (Lifeguard, Dadgar et al. 2018, as memberlist): a suspicion raised by one
+member alone runs ``suspicion_max_mult`` times the base timeout; each further independent
+accuser shortens it, down to the base with ``k`` of them. One overloaded prober cannot bury a
+healthy member before it refutes; a member everyone finds silent is declared dead quickly."""
 from __future__ import annotations
 
 import time
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -35,6 +41,7 @@ class PeerRecord:
     state_since: float = field(default_factory=time.monotonic)
     reconnect_at: float = 0.0  # dead members: when to try again
     reconnect_backoff_s: float = 0.0
+    accusers: set[str] = field(default_factory=set)  # suspect: members whose probes failed
 
     def age(self, now: float | None = None) -> float:
         return (now or time.monotonic()) - self.last_seen
@@ -48,11 +55,14 @@ class PeerTable:
     before it is suspected; used by ``membership``); ``dead_after_s`` the suspicion timeout floor."""
 
     def __init__(self, self_id: str, suspect_after_s: float, dead_after_s: float, *,
-                 reconnect_min_s: float = 1.0, reconnect_max_s: float = 60.0):
+                 reconnect_min_s: float = 1.0, reconnect_max_s: float = 60.0,
+                 suspicion_max_mult: float = 6.0, confirmations: int = 3):
         self.self_id = self_id
         self.suspect_after_s = suspect_after_s
         self.dead_after_s = dead_after_s
-        self.suspicion_s = dead_after_s  # membership scales it with the network size
+        self.suspicion_s = dead_after_s  # base timeout; membership scales it with the network size
+        self.suspicion_max_mult = suspicion_max_mult
+        self.confirmations = confirmations
         self.reconnect_min_s = reconnect_min_s
         self.reconnect_max_s = reconnect_max_s
         self.records: dict[str, PeerRecord] = {}
@@ -64,6 +74,8 @@ class PeerTable:
             return
         now = time.monotonic() if now is None else now
         old, rec.state, rec.state_since = rec.state, new, now
+        if new != SUSPECT:
+            rec.accusers.clear()
         if new == DEAD:
             rec.reconnect_backoff_s = self.reconnect_min_s
             rec.reconnect_at = now + rec.reconnect_backoff_s
@@ -110,13 +122,16 @@ class PeerTable:
 
     def apply(self, u: MemberUpdate) -> bool:
         """Second-hand news about a known member, by SWIM's precedence. True when it changed what
-        this table believes (the news is then worth passing on). Never changes an address: that
-        takes the member's own handshake."""
+        this table believes (the news is then worth passing on: a new state or incarnation, or a
+        new accuser of a suspicion). Never changes an address: that takes the member's own
+        handshake."""
         rec = self.records.get(u.node_id)
         if rec is None or u.node_id == self.self_id:
             return False
         newer = u.incarnation > rec.incarnation
         same = u.incarnation == rec.incarnation
+        if u.state == SUSPECT and same and rec.state == SUSPECT:
+            return self._accuse(rec, u.accuser)
         if u.state == ALIVE:
             if not newer:
                 return False
@@ -124,22 +139,40 @@ class PeerTable:
             return False
         rec.incarnation = u.incarnation
         self._move(rec, u.state)
+        if u.state == SUSPECT:
+            self._accuse(rec, u.accuser)
+        return True
+
+    def _accuse(self, rec: PeerRecord, accuser: str) -> bool:
+        if not accuser or accuser in rec.accusers or len(rec.accusers) > self.confirmations:
+            return False
+        rec.accusers.add(accuser)
         return True
 
     def suspect(self, node_id: str) -> bool:
-        """This node's own probe of an alive member failed."""
+        """This node's own probe failed: suspect it (or confirm a suspicion heard before)."""
         rec = self.records.get(node_id)
-        if rec is None or rec.state != ALIVE:
+        if rec is None or rec.state == DEAD:
             return False
+        if rec.state == SUSPECT:
+            return self._accuse(rec, self.self_id)
         self._move(rec, SUSPECT)
+        self._accuse(rec, self.self_id)
         return True
+
+    def suspicion_timeout(self, rec: PeerRecord) -> float:
+        """From ``suspicion_max_mult`` × base (one accuser) down to the base (k+1 accusers)."""
+        lo, k = self.suspicion_s, max(1, self.confirmations)
+        hi = lo * max(1.0, self.suspicion_max_mult)
+        c = max(0, len(rec.accusers) - 1)
+        return max(lo, hi - (hi - lo) * math.log(c + 1) / math.log(k + 1))
 
     def refresh(self) -> list[tuple[str, str, str]]:
         """Suspects whose suspicion timed out are dead. Returns the transitions (node_id, old, new)."""
         now = time.monotonic()
         changes = []
         for rec in self.records.values():
-            if rec.state == SUSPECT and now - rec.state_since >= self.suspicion_s:
+            if rec.state == SUSPECT and now - rec.state_since >= self.suspicion_timeout(rec):
                 changes.append((rec.node_id, SUSPECT, DEAD))
                 self._move(rec, DEAD, now)
         return changes
@@ -183,12 +216,16 @@ class PeerTable:
     def by_address(self, address: str) -> PeerRecord | None:
         return next((r for r in self.records.values() if r.address == address), None)
 
-    def update_of(self, node_id: str) -> MemberUpdate | None:
+    def update_of(self, node_id: str, accuser: str = "") -> MemberUpdate | None:
         rec = self.records.get(node_id)
-        return None if rec is None else MemberUpdate(rec.node_id, rec.address, rec.incarnation, rec.state)
+        if rec is None:
+            return None
+        if rec.state == SUSPECT and not accuser:
+            accuser = self.self_id if self.self_id in rec.accusers else next(iter(sorted(rec.accusers)), "")
+        return MemberUpdate(rec.node_id, rec.address, rec.incarnation, rec.state, accuser)
 
     def members(self) -> list[MemberUpdate]:
-        return [MemberUpdate(r.node_id, r.address, r.incarnation, r.state) for r in self.records.values()]
+        return [self.update_of(n) for n in self.records]
 
     def to_json(self) -> list[dict[str, Any]]:
         return [{"node_id": r.node_id, "address": r.address, "labels": r.labels,
@@ -203,7 +240,7 @@ class PeerTable:
 
     def view(self) -> list[dict[str, Any]]:
         now = time.monotonic()
-        hidden = {"last_seen", "state_since", "reconnect_at", "reconnect_backoff_s"}
+        hidden = {"last_seen", "state_since", "reconnect_at", "reconnect_backoff_s", "accusers"}
         return [{**{k: v for k, v in asdict(r).items() if k not in hidden},
                  "last_seen_s": round(r.age(now), 3) if r.last_seen else None,
                  "state_for_s": round(now - r.state_since, 3)}

@@ -35,12 +35,12 @@ _STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
 
 def updates_to_pb(updates) -> list[pb.MemberUpdate]:
     return [pb.MemberUpdate(node_id=u.node_id, address=u.address, incarnation=u.incarnation,
-                            state=_STATE_TO_PB[u.state]) for u in updates]
+                            state=_STATE_TO_PB[u.state], accuser=u.accuser) for u in updates]
 
 
 def updates_from_pb(updates) -> tuple[MemberUpdate, ...]:
     # an unknown enum value (a newer peer) reads as no news rather than a guess
-    return tuple(MemberUpdate(u.node_id, u.address, u.incarnation, _STATE_FROM_PB[u.state])
+    return tuple(MemberUpdate(u.node_id, u.address, u.incarnation, _STATE_FROM_PB[u.state], u.accuser)
                  for u in updates if u.state in _STATE_FROM_PB)
 
 

@@ -66,16 +66,18 @@ class HandshakeReply(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerEntry, _Mapping]]] = ...) -> None: ...
 
 class MemberUpdate(_message.Message):
-    __slots__ = ("node_id", "address", "incarnation", "state")
+    __slots__ = ("node_id", "address", "incarnation", "state", "accuser")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    ACCUSER_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     incarnation: int
     state: MemberState
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., state: _Optional[_Union[MemberState, str]] = ...) -> None: ...
+    accuser: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., state: _Optional[_Union[MemberState, str]] = ..., accuser: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "round", "snapshot_version", "sent_at", "incarnation", "updates")
