@@ -50,8 +50,17 @@ def http_json(url: str, timeout: float = 5.0) -> Any:
         return json.loads(r.read())
 
 
+LAGPROBE = Path(__file__).resolve().parent / "lagprobe.py"
+
+
 class Daemon:
-    def __init__(self, root: Path, node_id: str, config: dict[str, Any]):
+    """One node process. ``python``: the interpreter (another one runs another checkout's code,
+    e.g. the baseline); ``lag_probe``: run it under ``lagprobe.py`` (event-loop lag to a file)."""
+
+    def __init__(self, root: Path, node_id: str, config: dict[str, Any], *, python: str = sys.executable,
+                 lag_probe: bool = False):
+        self.python = python
+        self.lag_path = (root / node_id / "lag.json") if lag_probe else None
         self.node_id = node_id
         self.dir = root / node_id
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -67,8 +76,9 @@ class Daemon:
     def spawn(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("COTERIE_")}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "coterie.cli.main", "node", "start", "--config",
-                                      str(self.config_path)], stdin=subprocess.DEVNULL,
+        cmd = ([self.python, str(LAGPROBE), str(self.lag_path)] if self.lag_path
+               else [self.python, "-m", "coterie.cli.main"])
+        self.proc = subprocess.Popen([*cmd, "node", "start", "--config", str(self.config_path)], stdin=subprocess.DEVNULL,
                                      stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
 
@@ -99,6 +109,12 @@ class Daemon:
             out[e["round"]] = e
         return [out[r] for r in sorted(out)]
 
+    def lag(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.lag_path.read_text()) if self.lag_path else {}
+        except (OSError, ValueError):
+            return {}
+
     def log_tail(self, n: int = 20) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:]) if self.log_path.exists() else ""
 
@@ -125,9 +141,9 @@ class Daemon:
 class Lab:
     """N daemons; a context manager that always stops them."""
 
-    def __init__(self, root: Path, configs: list[dict[str, Any]], names: list[str] | None = None):
+    def __init__(self, root: Path, configs: list[dict[str, Any]], names: list[str] | None = None, **daemon_kw: Any):
         self.root = Path(root)
-        self.nodes = [Daemon(self.root, (names or [f"n{i}" for i in range(len(configs))])[i], c)
+        self.nodes = [Daemon(self.root, (names or [f"n{i}" for i in range(len(configs))])[i], c, **daemon_kw)
                       for i, c in enumerate(configs)]
 
     def __enter__(self) -> "Lab":
@@ -136,21 +152,28 @@ class Lab:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def start(self, *, seeds: int = 1, timeout: float = 300, stagger_s: float = 0.0) -> None:
-        """Start the first ``seeds`` nodes, then the rest bootstrapped to them (round-robin)."""
+    def start(self, *, seeds: int = 1, timeout: float = 300, batch: int = 0, on_ready=None) -> None:
+        """Start the first ``seeds`` nodes, then the rest bootstrapped to them (round-robin), in
+        batches of ``batch`` (0: all at once), each batch up before the next is launched."""
         for n in self.nodes[:seeds]:
             n.spawn()
         for n in self.nodes[:seeds]:
             wait_for(n.ready, timeout, f"{n.node_id} to come up")
+            if on_ready:
+                on_ready(n)
         boot = [n.address for n in self.nodes[:seeds]]
-        for i, n in enumerate(self.nodes[seeds:]):
-            n.config["peers"] = [boot[i % len(boot)]]
-            n.config_path.write_text(tomli_w.dumps(n.config))
-            n.spawn()
-            if stagger_s:
-                time.sleep(stagger_s)
-        for n in self.nodes[seeds:]:
-            wait_for(n.ready, timeout, f"{n.node_id} to come up")
+        rest = self.nodes[seeds:]
+        step = batch or len(rest) or 1
+        for b in range(0, len(rest), step):
+            group = rest[b:b + step]
+            for i, n in enumerate(group, start=b):
+                n.config["peers"] = [boot[i % len(boot)]]
+                n.config_path.write_text(tomli_w.dumps(n.config))
+                n.spawn()
+            for n in group:
+                wait_for(n.ready, timeout, f"{n.node_id} to come up")
+                if on_ready:
+                    on_ready(n)
 
     def statuses(self, timeout: float = 5.0) -> list[dict[str, Any] | None]:
         def one(n: Daemon):
@@ -164,6 +187,19 @@ class Lab:
     def stop(self) -> None:
         with ThreadPoolExecutor(max_workers=min(32, len(self.nodes))) as pool:
             list(pool.map(lambda n: n.stop(), self.nodes))
+
+
+def mem_available_mib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def load() -> str:

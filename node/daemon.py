@@ -229,6 +229,7 @@ class Node:
                     report = await self.strategy.run_round(rnd)
                 t_strategy = time.monotonic() - t0
                 evaluation = await asyncio.to_thread(self.strategy.evaluate)
+                t_eval = time.monotonic() - t0 - t_strategy
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -243,7 +244,8 @@ class Node:
                       "weights": self.strategy.weights(), "contacted": report.contacted,
                       "bytes_sent": sent, "bytes_received": received, "info": report.info,
                       "peers_alive": len(self.peers.alive()),
-                      "timing": {"strategy_s": round(t_strategy, 4), "peer_calls": phase["calls"],
+                      "timing": {"strategy_s": round(t_strategy, 4), "eval_s": round(t_eval, 4),
+                                 "peer_calls": phase["calls"],
                                  "exchange_s": round(phase.get("exchange_s", 0.0), 4),
                                  "exchange_budget_s": round(phase["budget_s"], 3),
                                  "calls_failed": phase["failed"], "calls_abandoned": phase["abandoned"],

@@ -148,3 +148,26 @@ def test_a_pulled_snapshot_arrives_in_one_buffer_over_grpc():
             await client.close()
             await server.stop(None)
     asyncio.run(go())
+
+
+def test_idle_channels_are_evicted_and_busy_ones_kept():
+    snap = LocalSnapshot("server", 1, 1, {"params": {"w": torch.zeros(4)}})
+
+    async def go():
+        servers = [await serve(_Handler(snap), _Stats(), "127.0.0.1:0") for _ in range(2)]
+        a, b = (f"127.0.0.1:{port}" for _, port in servers)
+        client = PeerClient("me", _Stats(), chunk_bytes=1 << 20, max_model_bytes=1 << 30,
+                            max_gossip_bytes=1 << 20, timeout_s=30, idle_channel_s=0.3)
+        try:
+            await client.get_snapshot(a, "me", 0)
+            assert client.channels() == 1
+            await asyncio.sleep(0.5)
+            await client.get_snapshot(b, "me", 0)  # a sweep runs as calls start
+            assert client.channels() == 1 and client.evicted == 1  # a's channel is gone, b's is new
+            await client.get_snapshot(a, "me", 0)  # and comes back on demand
+            assert client.channels() == 2
+        finally:
+            await client.close()
+            for server, _ in servers:
+                await server.stop(None)
+    asyncio.run(go())
