@@ -171,3 +171,21 @@ def test_idle_channels_are_evicted_and_busy_ones_kept():
             for server, _ in servers:
                 await server.stop(None)
     asyncio.run(go())
+
+
+def test_large_payloads_are_hashed_off_the_loop_and_still_checked():
+    from coterie.node.transport import chunks
+    data = bytes(np.random.default_rng(0).integers(0, 256, chunks.HASH_IN_THREAD_BYTES + 12345, dtype=np.uint8))
+    for flip in (None, len(data) // 2):
+        sent = bytearray(data)
+        if flip is not None:
+            sent[flip] ^= 1
+        asm = Assembler("peer", len(data), sha256(data), 1 << 30)
+        for frame in data_frames(bytes(sent), 1 << 20):
+            asm.add(data_field(frame))
+        assert asm._pending is not None  # went through the hashing thread
+        if flip is None:
+            assert bytes(asm.finish()) == data
+        else:
+            with pytest.raises(Refusal, match="sha256 mismatch"):
+                asm.finish()

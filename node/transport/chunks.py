@@ -6,6 +6,7 @@ zero-copy views), and hashed as they arrive. Sent chunks are framed with one cop
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import AsyncIterator, Callable, Iterator
 
 from ..peering.errors import invalid
@@ -69,10 +70,23 @@ def data_field(raw: bytes) -> memoryview:
     return memoryview(raw)[i:]
 
 
+_HASHER: ThreadPoolExecutor | None = None
+HASH_IN_THREAD_BYTES = 8 << 20  # larger payloads are hashed by a worker thread as chunks arrive
+
+
+def _hasher() -> ThreadPoolExecutor:
+    global _HASHER
+    if _HASHER is None:  # one worker: a payload's chunks are hashed in the order they came
+        _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coterie-sha256")
+    return _HASHER
+
+
 class Assembler:
     """Collects chunks of an announced size into one buffer; refuses anything larger than the
     limit or the announcement, and any hash mismatch. ``who`` names the sender in every error.
-    ``align_at(first_chunk)``: the payload offset that should land on an aligned address."""
+    ``align_at(first_chunk)``: the payload offset that should land on an aligned address. A
+    large payload is hashed by a worker thread (sha256 releases the GIL) while the next chunks
+    arrive, instead of on the receiving event loop."""
 
     def __init__(self, who: str, total: int, digest: str, limit: int,
                  align_at: Callable[[memoryview], int] | None = data_offset):
@@ -83,6 +97,7 @@ class Assembler:
         self.buf: memoryview | None = None  # allocated on the first chunk
         self.size = 0
         self.hasher = hashlib.sha256()  # hashed as chunks arrive, overlapping the transfer
+        self._pending: Future | None = None  # the last chunk handed to the hashing thread
 
     def add(self, chunk: bytes | memoryview) -> None:
         n = len(chunk)
@@ -91,14 +106,20 @@ class Assembler:
         if self.buf is None:
             first = memoryview(chunk)
             self.buf = aligned_buffer(self.total, self.align_at(first) if self.align_at else 0)
-        self.buf[self.size:self.size + n] = chunk
+        part = self.buf[self.size:self.size + n]
+        part[:] = chunk
         self.size += n
-        self.hasher.update(chunk)
+        if self.total >= HASH_IN_THREAD_BYTES:
+            self._pending = _hasher().submit(self.hasher.update, part)
+        else:
+            self.hasher.update(part)
 
     def finish(self) -> memoryview:
         """The payload: one writable buffer (decode over it is zero-copy)."""
         if self.size != self.total:
             raise invalid(f"{self.who}: payload truncated ({self.size} of {self.total} bytes)")
+        if self._pending is not None:
+            self._pending.result()  # the hashing thread is at most a chunk or two behind
         if self.hasher.hexdigest() != self.digest:
             raise invalid(f"{self.who}: sha256 mismatch (payload corrupted in transit or forged)")
         return self.buf if self.buf is not None else aligned_buffer(0)
