@@ -4,10 +4,13 @@ The scenario format and the per-node configs it generates are in ``scenario.py``
 
 What ``run`` does for each strategy
 ===================================
-Free loopback ports are picked; node ``i`` gets ``DIR/<strategy>/configs/n{i}.toml`` (a complete
-NodeConfig: state dir ``DIR/<strategy>/nodes/n{i}``, listen/admin on 127.0.0.1, bootstrap peer,
-learner with num_nodes/node_index/seeds) and runs as its own process
-(``python -m coterie.cli.main node start --config ...``, output in ``DIR/<strategy>/logs/n{i}.log``).
+Node ``i`` gets ``DIR/<strategy>/configs/n{i}.toml`` (a complete NodeConfig: state dir
+``DIR/<strategy>/nodes/n{i}``, peer and admin ports 0 on 127.0.0.1 — each node binds a free port
+itself and writes the bound addresses to its ``node.json`` — learner with num_nodes/node_index/seeds)
+and runs as its own process (``python -m coterie.cli.main node start --config ...``, output in
+``DIR/<strategy>/logs/n{i}.log``). All start at once; a node with a bootstrap peer gets
+``--bootstrap-from <that node's state dir>/node.json`` and waits for it after its imports, so no
+port is picked (and raced for) here and start-up stays parallel.
 Each node's ``/status`` is polled for the live view; when every node reports ``done`` all are
 stopped (SIGTERM to each process group, SIGKILL after a grace period) — also on Ctrl-C, timeout
 or a node that dies early (which is reported with the tail of its log). Each node's
@@ -19,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import ConfigError
-from .scenario import NodeSpec, Scenario, StrategyRun, config_toml, node_config
+from .scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
 
 # a personalised strategy to fall back on, in order, when a scenario's choice is not importable
 FALLBACK_STRATEGIES = ("fedfomo", "federico", "scool-sbm", "cobo", "l2c", "oracle", "dpsgd")
@@ -43,20 +45,6 @@ class LauncherError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------- node configs
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports that were free a moment ago (all held open together while picking)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
     """Write every node's config for ``strategy`` under ``out_dir/<strategy>`` (clearing the
     node state, configs and logs of an earlier run there: a stale checkpoint would resume)."""
@@ -64,20 +52,21 @@ def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
     for sub in ("nodes", "configs", "logs"):
         shutil.rmtree(strat_dir / sub, ignore_errors=True)
         (strat_dir / sub).mkdir(parents=True, exist_ok=True)
-    flat = free_ports(2 * sc.nodes)
-    ports = [(flat[2 * i], flat[2 * i + 1]) for i in range(sc.nodes)]
-    specs = []
+    specs: list[NodeSpec] = []
     for i in range(sc.nodes):
-        cfg = node_config(sc, strategy, i, strat_dir, ports)
+        cfg = node_config(sc, strategy, i, strat_dir)
         path = strat_dir / "configs" / f"n{i}.toml"
         path.write_text(config_toml(cfg))
-        specs.append(NodeSpec(i, cfg, path, strat_dir / "logs" / f"n{i}.log"))
+        b = bootstrap_index(sc, i)
+        specs.append(NodeSpec(i, cfg, path, strat_dir / "logs" / f"n{i}.log",
+                              bootstrap_from=None if b is None else specs[b].state_dir / "node.json"))
     return specs
 
 
 def node_command(spec: NodeSpec) -> list[str]:
     return [sys.executable, "-m", "coterie.cli.main", "node", "start", "--config",
-            str(spec.config_path)]
+            str(spec.config_path),
+            *(["--bootstrap-from", str(spec.bootstrap_from)] if spec.bootstrap_from else [])]
 
 
 # ---------------------------------------------------------------------------------- strategies
@@ -167,6 +156,15 @@ class NodeProgress:
     state: str = "starting"
 
 
+def read_node_info(spec: NodeSpec, pid: int) -> dict[str, Any] | None:
+    """The node.json of the process ``pid`` (None until that process has written it)."""
+    try:
+        info = json.loads((spec.state_dir / "node.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and info.get("pid") == pid else None
+
+
 class Network:
     """The processes of one strategy's run. Use as a context manager: leaving it (normally, by an
     exception or by Ctrl-C) stops every process."""
@@ -243,13 +241,17 @@ class Network:
              progress: list[NodeProgress]) -> None:
         """Refresh ``progress`` from every node's /status; raise LauncherError for a node that
         died before it was done."""
-        def one(spec: NodeSpec) -> dict[str, Any] | None:
+        def one(spec: NodeSpec, proc: subprocess.Popen) -> dict[str, Any] | None:
+            if not spec.info:
+                spec.info = read_node_info(spec, proc.pid) or {}
+            if not spec.admin_url:
+                return None
             try:
                 return fetch_json(spec.admin_url + "/status", timeout=2.0)
             except (OSError, ValueError):
                 return None
 
-        statuses = list(pool.map(one, self.specs))
+        statuses = list(pool.map(one, self.specs, self.procs))
         for spec, proc, st, pr in zip(self.specs, self.procs, statuses, progress):
             if st is not None:
                 pr.status = st
@@ -324,6 +326,11 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
             info[s.node_id] = json.loads((s.state_dir / "node.json").read_text())
         except (OSError, ValueError):
             info[s.node_id] = {}
+    by_file = {s.state_dir / "node.json": s.node_id for s in specs}
+    for s in specs:  # results show the bootstrap address each node resolved from --bootstrap-from
+        addr = info.get(by_file.get(s.bootstrap_from), {}).get("address") if s.bootstrap_from else None
+        if addr:
+            s.config = s.config.model_copy(update={"peers": [addr]})
     short = [f"{s.node_id} has {len(histories[s.node_id])}/{sc.rounds} rounds in history.jsonl"
              for s in specs if len(histories[s.node_id]) < sc.rounds]
     return StrategyRun(strategy, specs, wall, histories, info,

@@ -243,6 +243,8 @@ class Membership:
                                   backoff_s=max(self.period, 0.5), backoff_max_s=self.s.reconnect_max_s)
         for a in bootstrap:
             self.pending.add(a, source="config", pinned=True)
+        self.bootstrap = set(bootstrap)
+        self.unreachable: set[str] = set()  # addresses already reported as unreachable
         self.broadcasts = Broadcasts(self._retransmit_limit)
         self._order: list[str] = []  # shuffled probe round-robin
         self._probing: set[str] = set()
@@ -362,8 +364,19 @@ class Membership:
             if e.kind == "refused":
                 self.problems.note(address, f"handshake refused: {e.message}")
                 log.error("peer at %s refused us: %s", address, e.message)
+            elif address not in self.unreachable and (address in self.bootstrap or self.peers.by_address(address)):
+                # once per address, and only for addresses this node was told to use or a member's:
+                # what peers merely mention could be thousands of bogus ones
+                self.unreachable.add(address)
+                what = "bootstrap peer" if address in self.bootstrap else "peer"
+                msg = f"cannot reach {what} at {address} ({e.kind}: {e.message}); still trying"
+                log.warning(msg)
+                self.problems.note(address, msg)
             self.stats["handshakes_failed"] += 1
             return False
+        if address in self.unreachable:
+            self.unreachable.discard(address)
+            log.info("reached peer at %s", address)
         why = self.incompatible(remote)
         if why:
             self.problems.note(address, f"handshake: {why}")
