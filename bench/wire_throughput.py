@@ -2,8 +2,10 @@
 
 Both servers run in a child process (so client and server do not share a GIL) and send the same
 bytes: a Coterie-encoded model of the given size. The gRPC side is the real path a node uses to
-pull a peer's snapshot (``PeerClient.get_snapshot``: 1 MiB chunks, size and sha256 checked while
-reassembling, tensors decoded). The raw side is ``sendall`` / ``recv_into`` of the same bytes, no hashing.
+pull a peer's snapshot (``PeerClient.get_snapshot``: 1 MiB chunks framed from the published
+buffer as they are sent; received chunks copied once into one buffer and sha256-checked as they
+arrive, tensors decoded as views of it). The raw side is ``sendall`` / ``recv_into`` of the same
+bytes into one preallocated buffer, no hashing.
 Each size is measured ``--repeat`` times, alternating the two, and medians are compared.
 
     python bench/wire_throughput.py --sizes 1MB,100MB,1GB --repeat 5
@@ -52,6 +54,7 @@ class BenchHandler:
 
     def __init__(self, groups: dict):
         self.snap = LocalSnapshot("server", 1, 1, groups)
+        self.snap.prepare()  # encoded once, as a node does when it publishes
 
     def info(self):
         return NodeInfo("server", PROTOCOL_VERSION, "")
@@ -141,22 +144,29 @@ def measure(size: int, repeat: int) -> dict:
             "tcp_MBps": n / t / 1e6, "ratio_grpc_over_tcp": (n / g) / (n / t), "repeat": repeat}
 
 
+def _load() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1MB,100MB,1GB")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", help="also write results here")
     args = ap.parse_args()
+    load0 = _load()
     rows = []
     print(f"{'size':>8} {'gRPC MB/s':>10} {'TCP MB/s':>10} {'ratio':>6}   (medians of {args.repeat})")
     for s in args.sizes.split(","):
         r = measure(parse_size(s), args.repeat)
         r["size"] = s
         rows.append(r)
-        print(f"{s:>8} {r['grpc_MBps']:10.0f} {r['tcp_MBps']:10.0f} {r['ratio_grpc_over_tcp']:6.2f}", flush=True)
+        print(f"{s:>8} {r['grpc_MBps']:10.0f} {r['tcp_MBps']:10.0f} {r['ratio_grpc_over_tcp']:6.2f}   load {_load()}",
+              flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"args": vars(args), "load_before": load0, "load_after": _load(), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

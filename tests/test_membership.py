@@ -397,3 +397,15 @@ def test_unknown_callers_are_refused_and_the_caller_rehandshakes():
         finally:
             await _stop(tasks)
     asyncio.run(go())
+
+
+def test_membership_settings_come_from_the_node_config():
+    from coterie.node.config import ConfigError, MembershipConfig, validate_config
+    assert set(Settings.__dataclass_fields__) == set(MembershipConfig.model_fields)  # no drift
+    cfg = validate_config({"membership": {"indirect_probes": 5, "max_candidates": 64}})
+    s = Settings.from_config(cfg.membership)
+    assert s.indirect_probes == 5 and s.max_candidates == 64 and s.probe_timeout_s == Settings().probe_timeout_s
+    with pytest.raises(ConfigError, match="membership.indirect_probes"):
+        validate_config({"membership": {"indirect_probes": -1}})
+    with pytest.raises(ConfigError, match="membership.no_such_knob"):
+        validate_config({"membership": {"no_such_knob": 1}})
