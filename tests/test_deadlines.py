@@ -79,6 +79,12 @@ def test_a_frozen_peer_costs_a_round_a_few_times_the_usual_latency_not_the_reque
         assert set(got) == {"p1", "p3"}  # the round goes on with the peers that answered
         assert took < 2.0, took  # the floor (0.2 s), far from the 30 s request timeout
         assert phase["failed"] == 1 and hints == ["p2"]  # membership is asked to probe it now
+        # until it shows a sign of life it is neither offered for sampling nor waited for again
+        assert net.peers() == ["p1", "p3"]
+        t0 = time.monotonic()
+        assert await net.pull("p2") is None and time.monotonic() - t0 < 0.1
+        table.seen("p2")  # e.g. membership's probe got an ack
+        assert net.peers() == ["p1", "p2", "p3"]
     asyncio.run(go())
 
 

@@ -57,6 +57,7 @@ class NodeNetwork:
         self.exchange_timeout_s = exchange_timeout_s  # 0: adaptive
         self.on_call_failed = on_call_failed or (lambda peer: None)
         self._inflight: dict[str, set[asyncio.Task]] = {}
+        self._timed_out: dict[str, float] = {}  # peer -> when a call to it last timed out
         self._abandoned: set[asyncio.Task] = set()
         self._phases: deque[float] = deque(maxlen=32)  # recent exchange-phase durations
         self._phase: dict[str, Any] | None = None
@@ -128,8 +129,9 @@ class NodeNetwork:
                                                  f"call abandoned") from None
             raise
         except PeerCallError as e:
-            if e.kind == UNAVAILABLE:
-                self.on_call_failed(peer)  # a timeout or refused connection: membership probes it now
+            if e.kind == UNAVAILABLE:  # a timeout or refused connection: membership probes it now,
+                self._timed_out[peer] = time.monotonic()  # and it is not called again until it answers
+                self.on_call_failed(peer)
             raise
         finally:
             calls.discard(task)
@@ -147,7 +149,8 @@ class NodeNetwork:
 
     # --- views ---
     def peers(self) -> list[str]:
-        return self.table.alive()
+        """Alive peers, less those whose last call timed out with no sign of life since."""
+        return [p for p in self.table.alive() if self._responsive(p)]
 
     def known_peers(self) -> list[str]:
         return self.table.known()
@@ -161,10 +164,16 @@ class NodeNetwork:
     def cached(self, peer: str) -> PeerSnapshot | None:
         return self.cache.get(peer)
 
-    def _address(self, peer: str) -> str | None:
-        """Where to call ``peer``; None for a suspect or dead one (not sampled, not waited for)."""
+    def _responsive(self, peer: str) -> bool:
         rec = self.table.records.get(peer)
-        return rec.address if rec is not None and rec.state == ALIVE else None
+        return rec is not None and self._timed_out.get(peer, float("-inf")) < rec.last_seen
+
+    def _address(self, peer: str) -> str | None:
+        """Where to call ``peer``; None for a suspect or dead one, or one whose last call timed
+        out and which has not shown a sign of life since (membership is probing it): such a peer
+        is not waited for twice."""
+        rec = self.table.records.get(peer)
+        return rec.address if rec is not None and rec.state == ALIVE and self._responsive(peer) else None
 
     def _failed(self, what: str, peer: str, err: Exception) -> None:
         rejected = isinstance(err, WireError)
