@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> dict:
     configs = [{**node_cfg, "learner": mnist1d_mlp(n, i)} for i in range(n)]
     root = Path(args.dir or tempfile.mkdtemp(prefix="coterie-frozen-"))
     victim_i = n // 2
-    with Lab(root, configs) as lab:
+    with Lab(root, configs, python=args.python) as lab:
         lab.start(seeds=1)
         victim = lab.nodes[victim_i]
         others = [d for d in lab.nodes if d is not victim]
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> dict:
                          "victim_states": [(o, nw) for p, o, nw in trans if p == victim.node_id],
                          "sampled_victim_after": sampled_after})
         vh = victim.history()
-        out = {"nodes": n, "strategy": args.strategy, "pause_s": args.pause, "victim": victim.node_id,
+        out = {"python": args.python, "nodes": n, "strategy": args.strategy, "pause_s": args.pause, "victim": victim.node_id,
                "load_before": args._load0, "load_after": load(), "node_config": node_cfg,
                "per_node": rows,
                "median_ratio_during": statistics.median(r["ratio_during"] for r in rows),
@@ -88,6 +88,8 @@ def main() -> int:
     ap.add_argument("--node-config", default="{}", help="extra node config as JSON")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir")
+    ap.add_argument("--python", default=sys.executable,
+                    help="interpreter of the daemons (e.g. python3 = the /work/main baseline)")
     ap.add_argument("--json")
     args = ap.parse_args()
     args._load0 = load()

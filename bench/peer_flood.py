@@ -62,11 +62,14 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=30.0)
     ap.add_argument("--addresses", type=int, default=2000)
     ap.add_argument("--json")
+    ap.add_argument("--python", default=sys.executable,
+                    help="interpreter of the daemons (e.g. python3 = the /work/main baseline)")
     args = ap.parse_args()
     load0 = load()
     cfg = {"strategy": args.strategy, "round_interval_s": 0.0, "seed": 0}
     root = Path(tempfile.mkdtemp(prefix="coterie-flood-"))
-    with Lab(root, [{**cfg, "learner": mnist1d_mlp(args.nodes, i)} for i in range(args.nodes)]) as lab:
+    with Lab(root, [{**cfg, "learner": mnist1d_mlp(args.nodes, i)} for i in range(args.nodes)],
+             python=args.python) as lab:
         lab.start()
         target = lab.nodes[0]
         wait_for(lambda: all(s and s["peers_alive"] == args.nodes - 1 and s["round"] >= 3 for s in lab.statuses()),
@@ -78,10 +81,10 @@ def main() -> int:
         c2, t1 = cpu_s(target.proc.pid), time.time()
         h = target.history()
         st = target.get("/status")
-        out = {"nodes": args.nodes, "strategy": args.strategy, "addresses": args.addresses, "lists_sent": sent,
+        out = {"python": args.python, "nodes": args.nodes, "strategy": args.strategy, "addresses": args.addresses, "lists_sent": sent,
                "window_s": args.window, "rate_before": rate(h, t_before, t0), "rate_during": rate(h, t0, t1),
                "cpu_before": (c1 - c0) / (t0 - t_before), "cpu_during": (c2 - c1) / (t1 - t0),
-               "membership": st["membership"], "load_before": load0, "load_after": load()}
+               "membership": st.get("membership"), "load_before": load0, "load_after": load()}
         out["ratio"] = out["rate_during"] / out["rate_before"]
     print(f"target rounds/s {out['rate_before']:.2f} before, {out['rate_during']:.2f} during the flood "
           f"(x{out['ratio']:.3f}); cpu {out['cpu_before']:.2f} -> {out['cpu_during']:.2f} cores; "

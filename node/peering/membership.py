@@ -335,15 +335,16 @@ class Membership:
             out = [belief] + out[: self.s.max_piggyback - 1]
         return tuple(out)
 
-    def _evidence(self, node_id: str, incarnation: int, **seen) -> None:
-        """``node_id`` answered us or called us: alive, at least at ``incarnation``."""
+    def _evidence(self, node_id: str, incarnation: int, *, revive: bool, **seen) -> None:
+        """``node_id`` answered us (``revive``: alive) or called us (noted; a new incarnation is
+        its refutation and counts either way)."""
         rec = self.peers.records.get(node_id)
         if rec is None:
             return
         if incarnation > rec.incarnation:
             if self.peers.apply(MemberUpdate(node_id, rec.address, incarnation, ALIVE)):
                 self._announce(node_id)
-        self.peers.seen(node_id, **seen)
+        self.peers.seen(node_id, revive=revive, **seen)
 
     # ------------------------------------------------------------------ calling side
     def _spawn(self, coro) -> asyncio.Task:
@@ -419,17 +420,15 @@ class Membership:
         try:
             reply, rtt = await self.transport.heartbeat(address, beat, timeout=timeout)
         except PeerCallError as e:
-            if e.kind == UNKNOWN_PEER:  # it answered, but forgot us (fresh restart): handshake again
+            if e.kind == UNKNOWN_PEER:  # whoever answers there does not know us: handshake to see
                 self.pending.add(address, source="self", node_id=node_id)
-                self.peers.seen(node_id)
-                return True
             return False
         if reply.node_id != node_id:  # someone else lives at that address now
             self.pending.add(address, source="self")
             return False
         self.rtts.observe(node_id, "ping", rtt)
         self.merge(reply.updates, source=node_id)
-        self._evidence(node_id, reply.incarnation, round=reply.round, version=reply.version, rtt_s=rtt)
+        self._evidence(node_id, reply.incarnation, revive=True, round=reply.round, version=reply.version, rtt_s=rtt)
         return True
 
     async def _ask(self, helper: str, target: str, timeout: float) -> bool | None:
@@ -519,7 +518,7 @@ class Membership:
             return
         self.learn(entries, source=target.node_id)
         self.merge(members, source=target.node_id)
-        self._evidence(target.node_id, inc)
+        self._evidence(target.node_id, inc, revive=True)
 
     def tick(self) -> None:
         """One protocol period's work; every call it starts runs as its own task."""
@@ -585,14 +584,14 @@ class Membership:
     def check_known(self, node_id: str) -> None:
         if node_id not in self.peers.records:
             raise unknown_peer(node_id)
-        self.peers.seen(node_id)
+        self.peers.seen(node_id, revive=False)
 
     def on_heartbeat(self, beat: Beat) -> Beat:
         if beat.node_id not in self.peers.records:
             raise unknown_peer(beat.node_id)
         belief = self.peers.update_of(beat.node_id)  # before this ping changes it
         self.merge(beat.updates, source=beat.node_id)
-        self._evidence(beat.node_id, beat.incarnation, round=beat.round, version=beat.version)
+        self._evidence(beat.node_id, beat.incarnation, revive=False, round=beat.round, version=beat.version)
         rnd, version = self.position()
         return Beat(self.node_id, rnd, version, beat.sent_at, self.incarnation,
                     self._piggyback(beat.node_id, belief))
@@ -602,7 +601,7 @@ class Membership:
             raise unknown_peer(req.requester)
         belief = self.peers.update_of(req.requester)
         self.merge(req.updates, source=req.requester)
-        self._evidence(req.requester, req.incarnation)
+        self._evidence(req.requester, req.incarnation, revive=False)
         if req.target == self.node_id:
             ack = True
         else:
@@ -616,5 +615,5 @@ class Membership:
             raise unknown_peer(sender)
         self.learn(entries, source=sender)
         self.merge(members, source=sender)
-        self._evidence(sender, incarnation)
+        self._evidence(sender, incarnation, revive=False)
         return self.entries(), self.peers.members() + [self.me()], self.incarnation

@@ -101,8 +101,11 @@ class PeerTable:
         return rec
 
     def seen(self, node_id: str, *, round: int | None = None, version: int | None = None,
-             rtt_s: float | None = None, incarnation: int | None = None) -> bool:
-        """First-hand evidence of life. True when it changed the member's state."""
+             rtt_s: float | None = None, incarnation: int | None = None, revive: bool = True) -> bool:
+        """First-hand evidence of life. True when it changed the member's state. ``revive``:
+        it answered us at its address (alive, whatever we believed); without, it only called us
+        (last seen, round, version noted; a suspect or dead member must refute or answer a
+        probe — a process that calls out but cannot be reached is no use as a peer)."""
         rec = self.records.get(node_id)
         if rec is None:
             return False
@@ -117,8 +120,9 @@ class PeerTable:
         if incarnation is not None and incarnation > rec.incarnation:
             rec.incarnation = incarnation
         was = rec.state
-        self._move(rec, ALIVE, now)
-        return was != ALIVE
+        if revive:
+            self._move(rec, ALIVE, now)
+        return was != rec.state
 
     def apply(self, u: MemberUpdate) -> bool:
         """Second-hand news about a known member, by SWIM's precedence. True when it changed what
