@@ -86,8 +86,15 @@ def main() -> int:
                "cpu_before": (c1 - c0) / (t0 - t_before), "cpu_during": (c2 - c1) / (t1 - t0),
                "membership": st.get("membership"), "load_before": load0, "load_after": load()}
         out["ratio"] = out["rate_during"] / out["rate_before"]
+        # CPU per round: what the flood would inflate; unlike the rate it hardly depends on what
+        # else the (shared) machine runs
+        out["cpu_per_round_before"] = out["cpu_before"] / out["rate_before"] if out["rate_before"] else None
+        out["cpu_per_round_during"] = out["cpu_during"] / out["rate_during"] if out["rate_during"] else None
+        out["cpu_per_round_ratio"] = (out["cpu_per_round_during"] / out["cpu_per_round_before"]
+                                      if out["cpu_per_round_before"] and out["cpu_per_round_during"] else None)
     print(f"target rounds/s {out['rate_before']:.2f} before, {out['rate_during']:.2f} during the flood "
-          f"(x{out['ratio']:.3f}); cpu {out['cpu_before']:.2f} -> {out['cpu_during']:.2f} cores; "
+          f"(x{out['ratio']:.3f}); cpu {out['cpu_before']:.2f} -> {out['cpu_during']:.2f} cores, "
+          f"per round x{out['cpu_per_round_ratio'] or float('nan'):.2f}; "
           f"{sent} lists of {args.addresses}; membership {out['membership']}; load {load0} -> {out['load_after']}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -112,6 +112,9 @@ class Candidates:
         self._per_source[source] = self._per_source.get(source, 0) + 1
         return True
 
+    def room(self, source: str) -> bool:
+        return len(self._c) < self.max_total and self._per_source.get(source, 0) < self.max_per_source
+
     # set-like surface (the daemon adds restored peers' addresses with ``update``)
     def update(self, addresses) -> None:
         for a in addresses:
@@ -286,9 +289,13 @@ class Membership:
                 if r.state != DEAD]
 
     def learn(self, entries: list[PeerEntry], source: str = "") -> None:
-        """Addresses a peer told us about: unknown members become handshake candidates."""
+        """Addresses a peer told us about: unknown members become handshake candidates (as many
+        as that peer's share of the candidate set allows; the rest of a long list is not read)."""
         known = {r.address for r in self.peers.records.values()}
         for e in entries:
+            if not self.pending.room(source):
+                self.pending.dropped += 1
+                return
             if e.node_id != self.node_id and e.node_id not in self.peers.records and e.address \
                     and e.address not in known:
                 self.pending.add(e.address, source=source, node_id=e.node_id)
