@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -56,6 +57,7 @@ def rate(h, t0, t1):
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # leave through the lab's cleanup
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--strategy", default="fedfomo")

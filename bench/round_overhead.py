@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,8 +61,9 @@ def code_version(python: str) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------ compute
-def train_alone(model: str, nodes: int, reps: int = 15) -> float:
-    """Median ``train()`` time of one node's learner in this process, one torch thread."""
+def train_alone(model: str, nodes: int, reps: int = 15) -> tuple[float, float]:
+    """Median ``train()`` wall time and CPU time of one node's learner in this process, one torch
+    thread (on a busy machine the CPU time is the figure to trust)."""
     import torch
 
     from coterie.node.learning.config import LearnerConfig
@@ -70,12 +72,13 @@ def train_alone(model: str, nodes: int, reps: int = 15) -> float:
     spec = MODELS[model]
     learner = build_learner(LearnerConfig(**mnist1d_mlp(nodes, 0, hidden=spec["hidden"], steps=spec["steps"])))
     learner.train()
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         learner.train()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(times), statistics.median(cpu)
 
 
 # ------------------------------------------------------------------------------------ overhead
@@ -94,6 +97,7 @@ def run_network(python: str, model: str, strategy: str, nodes: int, rounds: int,
             sts = lab.statuses()
             if not lag0 and all(s and s["round"] >= skip for s in sts):
                 lag0 = {n.node_id: n.lag() for n in lab.nodes}
+                cpu0 = {n.node_id: (cpu_s(n.proc.pid), s["round"]) for n, s in zip(lab.nodes, sts)}
                 t_lag0 = time.monotonic()
             if all(s and s.get("done") for s in sts):
                 break
@@ -105,6 +109,9 @@ def run_network(python: str, model: str, strategy: str, nodes: int, rounds: int,
             time.sleep(0.5)
         t_lag1 = time.monotonic()
         lag1 = {n.node_id: n.lag() for n in lab.nodes}
+        # CPU a node spent per round (training, serving peers, membership, checkpoint: all of it)
+        cpu_per_round = [(cpu_s(n.proc.pid) - cpu0[n.node_id][0]) / max(1, rounds - cpu0[n.node_id][1])
+                         for n in lab.nodes] if lag0 else []
         peaks = {n.node_id: peak_rss_mib(n.proc.pid) for n in lab.nodes}
         histories = {n.node_id: n.history() for n in lab.nodes}
     cycles, durations, train, exchange, evals, stalls, ckpt = [], [], [], [], [], [], []
@@ -124,7 +131,8 @@ def run_network(python: str, model: str, strategy: str, nodes: int, rounds: int,
     rounds_measured = sum(max(0, len(h) - skip) for h in histories.values())
     lag_during = sum((lag1[k].get("lag_total_s", 0) - lag0.get(k, {}).get("lag_total_s", 0)) for k in lag1)
     cycle = median(cycles)
-    out = {"cycle_s": cycle, "duration_s": median(durations), "between_rounds_s": median(ckpt),
+    out = {"cycle_s": cycle, "cpu_per_round_s": median(cpu_per_round),
+           "duration_s": median(durations), "between_rounds_s": median(ckpt),
            "in_round": {"train_s": median(train), "exchange_s": median(exchange), "eval_s": median(evals),
                         "loop_stall_s": median(stalls)} if train else None,
            "loop_stall_per_round_s": lag_during / rounds_measured if rounds_measured else None,
@@ -147,17 +155,19 @@ def overhead(args) -> dict[str, Any]:
         impls["baseline"] = args.baseline_python
     out: dict[str, Any] = {"versions": {k: code_version(v) for k, v in impls.items()}, "runs": []}
     for model in args.models.split(","):
-        compute = train_alone(model, args.nodes)
+        compute, compute_cpu = train_alone(model, args.nodes)
         floor = args.nodes * compute / CORES
-        print(f"[{model}] train() alone: {compute * 1000:.1f} ms; contention floor with {args.nodes} "
-              f"daemons on {CORES} cores: {floor * 1000:.0f} ms per cycle", flush=True)
+        print(f"[{model}] train() alone: {compute * 1000:.1f} ms wall, {compute_cpu * 1000:.1f} ms CPU; contention "
+              f"floor with {args.nodes} daemons on {CORES} cores: {floor * 1000:.0f} ms per cycle; load {load()}", flush=True)
         rounds = args.rounds if model == "small" else args.rounds_big
         for strategy in args.strategies.split(","):
             for impl, python in impls.items():  # side by side: same model/strategy, one after the other
                 load0 = load()
                 r = run_network(python, model, strategy, args.nodes, rounds, args.skip)
                 r.update({"impl": impl, "model": model, "strategy": strategy, "compute_alone_s": compute,
-                          "contention_floor_s": floor, "load_before": load0, "load_after": load()})
+                          "compute_alone_cpu_s": compute_cpu, "contention_floor_s": floor,
+                          "load_before": load0, "load_after": load()})
+                r["cpu_ratio"] = r["cpu_per_round_s"] / compute_cpu if r["cpu_per_round_s"] else None
                 r["ratio_vs_compute"] = r["cycle_s"] / compute if r["cycle_s"] else None
                 r["ratio_vs_floor"] = r["cycle_s"] / max(floor, compute) if r["cycle_s"] else None
                 if r["in_round"]:
@@ -165,7 +175,8 @@ def overhead(args) -> dict[str, Any]:
                 out["runs"].append(r)
                 ir = r["in_round"] or {}
                 print(f"  {impl:8s} {strategy:8s} cycle {r['cycle_s'] * 1000:7.1f} ms = "
-                      f"{r['ratio_vs_compute']:.2f}x compute, {r['ratio_vs_floor']:.2f}x floor; "
+                      f"{r['ratio_vs_compute']:.2f}x compute, {r['ratio_vs_floor']:.2f}x floor; CPU/round "
+                      f"{_ms(r['cpu_per_round_s'])} ms = {r['cpu_ratio'] or float('nan'):.2f}x train CPU; "
                       f"train {_ms(ir.get('train_s'))} exch {_ms(ir.get('exchange_s'))} eval {_ms(ir.get('eval_s'))} "
                       f"between {_ms(r['between_rounds_s'])} stall/round {_ms(r['loop_stall_per_round_s'])} "
                       f"(max {r['loop_lag_max_s'] * 1000:.0f} ms); peak RSS {r['peak_rss_mib']['median']:.0f} MiB "
@@ -255,12 +266,13 @@ def write_md(results: dict[str, Any], path: Path) -> None:
     if ov:
         lines += ["## Round time vs compute (8 nodes, free-running; medians)", "",
                   "versions: " + "; ".join(f"{k} = {v['checkout']} @ {v['commit']}" for k, v in ov["versions"].items()),
-                  "", "| model | strategy | code | cycle ms | × train() alone | × contention floor | train | exchange | eval |"
-                  " between rounds | loop stall/round | peak RSS MiB | load |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "", "| model | strategy | code | CPU/round ms | × train() CPU | cycle ms | × train() alone | × contention floor |"
+                  " train | exchange | eval | between rounds | loop stall/round | peak RSS MiB | load |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in ov["runs"]:
             ir = r["in_round"] or {}
-            lines.append(f"| {r['model']} | {r['strategy']} | {r['impl']} | {r['cycle_s'] * 1000:.1f} | "
+            lines.append(f"| {r['model']} | {r['strategy']} | {r['impl']} | {_ms(r['cpu_per_round_s'])} | "
+                         f"{(r['cpu_ratio'] or float('nan')):.2f} | {r['cycle_s'] * 1000:.1f} | "
                          f"{r['ratio_vs_compute']:.2f} | {r['ratio_vs_floor']:.2f} | {_ms(ir.get('train_s'))} | "
                          f"{_ms(ir.get('exchange_s'))} | {_ms(ir.get('eval_s'))} | {_ms(r['between_rounds_s'])} | "
                          f"{_ms(r['loop_stall_per_round_s'])} | {r['peak_rss_mib']['median']:.0f} | {r['load_before']} |")
@@ -280,6 +292,7 @@ def write_md(results: dict[str, Any], path: Path) -> None:
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # leave through the labs' cleanup
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["overhead", "scale", "all"])
     ap.add_argument("--nodes", type=int, default=8)

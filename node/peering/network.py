@@ -61,7 +61,6 @@ class NodeNetwork:
         self._abandoned: set[asyncio.Task] = set()
         self._phases: deque[float] = deque(maxlen=32)  # recent exchange-phase durations
         self._phase: dict[str, Any] | None = None
-        self.last_phase: dict[str, Any] = {}
         peers.listeners.append(self._on_state)
 
     # --- deadlines ---
@@ -89,7 +88,6 @@ class NodeNetwork:
             if phase["first"] is not None:
                 phase["exchange_s"] = phase["last"] - phase["first"]
                 self._phases.append(phase["exchange_s"])
-            self.last_phase = phase
 
     def _on_state(self, node_id: str, old: str, new: str) -> None:
         if new in (SUSPECT, DEAD):  # abandon what is in flight to it: the round goes on without it
