@@ -130,12 +130,15 @@ def run_network(python: str, model: str, strategy: str, nodes: int, rounds: int,
                 stalls.append(tm.get("loop_stall_s"))
     rounds_measured = sum(max(0, len(h) - skip) for h in histories.values())
     lag_during = sum((lag1[k].get("lag_total_s", 0) - lag0.get(k, {}).get("lag_total_s", 0)) for k in lag1)
+    busy_during = sum((lag1[k].get("busy_total_s", 0) - lag0.get(k, {}).get("busy_total_s", 0)) for k in lag1)
     cycle = median(cycles)
     out = {"cycle_s": cycle, "cpu_per_round_s": median(cpu_per_round),
            "duration_s": median(durations), "between_rounds_s": median(ckpt),
            "in_round": {"train_s": median(train), "exchange_s": median(exchange), "eval_s": median(evals),
                         "loop_stall_s": median(stalls)} if train else None,
            "loop_stall_per_round_s": lag_during / rounds_measured if rounds_measured else None,
+           "loop_busy_per_round_s": busy_during / rounds_measured if rounds_measured else None,
+           "loop_busy_max_s": max(v.get("busy_max_s", 0) for v in lag1.values()),
            "loop_stall_share": lag_during / (nodes * (t_lag1 - t_lag0)) if lag0 else None,
            "loop_lag_max_s": max(v.get("lag_max_s", 0) for v in lag1.values()),
            "peak_rss_mib": {"median": median(peaks.values()), "max": max(peaks.values())},
@@ -179,7 +182,8 @@ def overhead(args) -> dict[str, Any]:
                       f"{_ms(r['cpu_per_round_s'])} ms = {r['cpu_ratio'] or float('nan'):.2f}x train CPU; "
                       f"train {_ms(ir.get('train_s'))} exch {_ms(ir.get('exchange_s'))} eval {_ms(ir.get('eval_s'))} "
                       f"between {_ms(r['between_rounds_s'])} stall/round {_ms(r['loop_stall_per_round_s'])} "
-                      f"(max {r['loop_lag_max_s'] * 1000:.0f} ms); peak RSS {r['peak_rss_mib']['median']:.0f} MiB "
+                      f"(max {r['loop_lag_max_s'] * 1000:.0f} ms), loop busy/round {_ms(r['loop_busy_per_round_s'])} "
+                      f"(max {r['loop_busy_max_s'] * 1000:.0f} ms); peak RSS {r['peak_rss_mib']['median']:.0f} MiB "
                       f"(base {r['base_rss_mib']:.0f}); load {load0}", flush=True)
     return out
 
@@ -267,15 +271,16 @@ def write_md(results: dict[str, Any], path: Path) -> None:
         lines += ["## Round time vs compute (8 nodes, free-running; medians)", "",
                   "versions: " + "; ".join(f"{k} = {v['checkout']} @ {v['commit']}" for k, v in ov["versions"].items()),
                   "", "| model | strategy | code | CPU/round ms | × train() CPU | cycle ms | × train() alone | × contention floor |"
-                  " train | exchange | eval | between rounds | loop stall/round | peak RSS MiB | load |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  " train | exchange | eval | between rounds | loop lag/round (wall) | loop busy/round (CPU) | peak RSS MiB | load |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in ov["runs"]:
             ir = r["in_round"] or {}
             lines.append(f"| {r['model']} | {r['strategy']} | {r['impl']} | {_ms(r['cpu_per_round_s'])} | "
                          f"{(r['cpu_ratio'] or float('nan')):.2f} | {r['cycle_s'] * 1000:.1f} | "
                          f"{r['ratio_vs_compute']:.2f} | {r['ratio_vs_floor']:.2f} | {_ms(ir.get('train_s'))} | "
                          f"{_ms(ir.get('exchange_s'))} | {_ms(ir.get('eval_s'))} | {_ms(r['between_rounds_s'])} | "
-                         f"{_ms(r['loop_stall_per_round_s'])} | {r['peak_rss_mib']['median']:.0f} | {r['load_before']} |")
+                         f"{_ms(r['loop_stall_per_round_s'])} | {_ms(r.get('loop_busy_per_round_s'))} | "
+                         f"{r['peak_rss_mib']['median']:.0f} | {r['load_before']} |")
     sc = results.get("scale")
     if sc:
         lines += ["", "## Scale sweep (real daemons on this machine)", "",

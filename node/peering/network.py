@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 from ..learning.learner import Params
 from ..strategies.base import GradientReply, PeerSnapshot, PushedGradient
-from ..wire.codec import WireError
+from ..wire.codec import OFF_LOOP_BYTES, WireError, encoded_size
 from .deadlines import Deadlines, quantile
 from .errors import NOT_CACHED, UNAVAILABLE, PeerCallError
 from .inbox import PushInbox
@@ -201,8 +201,9 @@ class NodeNetwork:
                 snap = cached
             else:
                 what = f"snapshot v{header.version} of {peer}"
-                # architecture and finiteness checks over a whole model: in a worker thread
-                params, extras = await asyncio.to_thread(snapshot_groups, groups, self.spec, what)
+                # architecture and finiteness checks over a whole model: a large one in a worker thread
+                params, extras = (await asyncio.to_thread(snapshot_groups, groups, self.spec, what)
+                                  if encoded_size(groups) > OFF_LOOP_BYTES else snapshot_groups(groups, self.spec, what))
                 snap = PeerSnapshot(peer, header.version, header.round, params, extras, header.digest)
         except (PeerCallError, WireError) as e:
             self._failed("snapshot pull", peer, e)
@@ -265,8 +266,9 @@ class NodeNetwork:
                 return None
             if align_with is not None:
                 return GradientReply(None, reply.loss, int(reply.samples), reply.inner_product)
-            grad = await asyncio.to_thread(model_tensors, reply.grad or {}, "grad", self.spec,
-                                           f"gradient from {peer}")
+            check = (model_tensors, reply.grad or {}, "grad", self.spec, f"gradient from {peer}")
+            grad = (await asyncio.to_thread(*check) if encoded_size(reply.grad or {}) > OFF_LOOP_BYTES
+                    else model_tensors(*check[1:]))
         except (PeerCallError, WireError) as e:
             self._failed("cross-gradient", peer, e)
             return None

@@ -5,6 +5,7 @@ import asyncio
 from collections import OrderedDict
 
 from ..strategies.base import PeerSnapshot
+from ..wire.codec import OFF_LOOP_BYTES, encoded_size
 from .messages import LocalSnapshot, SnapshotRef
 
 
@@ -18,10 +19,13 @@ class PublishBoard:
 
     def publish(self, snap: LocalSnapshot) -> None:
         self.current = snap
-        try:  # encode and hash it in a worker thread now, before the first puller asks
-            asyncio.get_running_loop().run_in_executor(None, snap.prepare)
-        except RuntimeError:
-            pass  # no loop (tests): the first reader prepares it
+        if encoded_size(snap.groups) <= OFF_LOOP_BYTES:
+            snap.prepare()  # small: cheaper here than a thread hop
+        else:
+            try:  # encode and hash it in a worker thread now, before the first puller asks
+                asyncio.get_running_loop().run_in_executor(None, snap.prepare)
+            except RuntimeError:
+                pass  # no loop (tests): the first reader prepares it
         event, self._published = self._published, asyncio.Event()
         event.set()
 

@@ -24,7 +24,7 @@ from ..peering.errors import PeerCallError, Refusal
 from ..peering.interfaces import Traffic
 from ..peering.messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest,
                                 IndirectProbe, MemberUpdate, NodeInfo, PeerEntry, SnapshotHeader)
-from ..wire.codec import Groups, WireError, decode, encode, encoded_size
+from ..wire.codec import OFF_LOOP_BYTES, Groups, WireError, decode, encode, encoded_size
 from .chunks import Assembler, collect, data_field, sha256, split
 from .errors import call_error
 
@@ -38,7 +38,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.use_local_subchannel_pool", 1),
 ]
 CONTROL, BULK = "control", "bulk"  # the two channels to each peer
-_OFF_LOOP_BYTES = 1 << 20  # payloads above this are encoded in a worker thread
 
 
 def _domain_errors(fn):
@@ -231,7 +230,7 @@ class PeerClient:
             def pack(groups=request.groups):
                 data = encode(groups)
                 return data, sha256(data)
-            big = encoded_size(request.groups) > _OFF_LOOP_BYTES
+            big = encoded_size(request.groups) > OFF_LOOP_BYTES
             payload, digest = await asyncio.to_thread(pack) if big else pack()
         header = serde.compute_header_to_pb(request, len(payload) if payload else 0, digest)
         frames = self._frames(header, payload)
