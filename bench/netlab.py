@@ -153,11 +153,19 @@ class Lab:
         self.stop()
 
     def start(self, *, seeds: int = 1, timeout: float = 300, batch: int = 0, on_ready=None) -> None:
-        """Start the first ``seeds`` nodes, then the rest bootstrapped to them (round-robin), in
-        batches of ``batch`` (0: all at once), each batch up before the next is launched."""
-        for n in self.nodes[:seeds]:
+        """Start the first node, then the other ``seeds - 1`` bootstrapped to it, then the rest
+        bootstrapped to the seeds (round-robin), in batches of ``batch`` (0: all at once), each
+        batch up before the next is launched."""
+        first = self.nodes[0]
+        first.spawn()
+        wait_for(first.ready, timeout, f"{first.node_id} to come up")
+        if on_ready:
+            on_ready(first)
+        for n in self.nodes[1:seeds]:
+            n.config["peers"] = [first.address]
+            n.config_path.write_text(tomli_w.dumps(n.config))
             n.spawn()
-        for n in self.nodes[:seeds]:
+        for n in self.nodes[1:seeds]:
             wait_for(n.ready, timeout, f"{n.node_id} to come up")
             if on_ready:
                 on_ready(n)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import signal
@@ -198,11 +199,11 @@ def scale_one(python: str, n: int, rounds: int, interval: float) -> dict[str, An
     if mem_available_mib() < need:
         return {"nodes": n, "skipped": f"needs ~{need} MiB, {mem_available_mib():.0f} available"}
     configs = [{"strategy": "dpsgd", "strategy_params": {"max_neighbours": 3}, "round_interval_s": interval,
-                "rounds": rounds, "min_peers": int(0.95 * (n - 1)), "start_timeout_s": 600, "seed": 0,
+                "rounds": rounds, "min_peers": math.ceil(0.95 * (n - 1)), "start_timeout_s": 600, "seed": 0,
                 "learner": {**mnist1d_mlp(n, i, hidden=[32], steps=5, samples=60, clusters=2),
                             "dataset_params": {"num_samples": max(2000, 80 * n)}}} for i in range(n)]
     root = Path(tempfile.mkdtemp(prefix=f"coterie-scale-{n}-"))
-    want = 0.95 * (n - 1)
+    want = math.ceil(0.95 * (n - 1))  # "knows >= 95% of the others"
     timeline: list[tuple[float, int, int]] = []  # (t since all up, min alive, min known)
     with Lab(root, configs, python=python) as lab, ThreadPoolExecutor(max_workers=32) as pool:
         t_launch = time.monotonic()
