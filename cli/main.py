@@ -190,6 +190,8 @@ def node_start(
     peers: Optional[str] = typer.Option(None, "--peers", help="bootstrap peers a:1,b:2"),
     strategy: Optional[str] = typer.Option(None, "--strategy"),
     rounds: Optional[int] = typer.Option(None, "--rounds"),
+    reset: bool = typer.Option(False, "--reset", help="start at round 0, moving the state dir's old state "
+                               "aside (needed when it holds history or identity but no usable checkpoint)"),
     sets: Optional[list[str]] = typer.Option(None, "--set",
                                              help="any field: key.path=value (JSON value or text)"),
     log_format: str = LOG_FORMAT_OPT,
@@ -207,6 +209,8 @@ def node_start(
         overrides = build_overrides(node_id=node_id, state_dir=state_dir, listen=listen,
                                     advertise=advertise, admin_listen=admin_listen, peers=peers,
                                     strategy=strategy, rounds=rounds, sets=sets)
+        if reset:
+            overrides["reset"] = True
         cfg = load_config(config, overrides)
     except ConfigError as e:
         raise _fail(str(e), EXIT_CONFIG)
@@ -393,6 +397,8 @@ def _launch(sc, out: Path, notes: list[str], demo: bool) -> None:
         raise _fail("interrupted; every node was stopped", 130)
     except launcher.LauncherError as e:
         raise _fail(str(e), 1)
+    except launcher.ConfigError as e:  # the data check before any process starts
+        raise _fail(str(e), EXIT_CONFIG)
     finally:
         signal.signal(signal.SIGTERM, old)
     console.print(res.summary_table(r))

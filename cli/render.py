@@ -27,13 +27,22 @@ def status_table(st: dict[str, Any]) -> Table:
     t = Table(title=f"node {st.get('node_id', '?')}", show_header=False)
     t.add_column("field", style="bold")
     t.add_column("value")
-    first = ["node_id", "round", "model_version", "strategy", "device", "peers_alive", "uptime_s",
-             "done", "last_eval"]
+    first = ["node_id", "health", "failures", "round", "model_version", "strategy", "device", "peers_alive",
+             "uptime_s", "done", "last_eval"]
     for k in first + sorted(k for k in st if k not in first and k not in ("strategy_state", "problems")):
         if k in st:
             v = st[k]
             if k == "last_eval" and isinstance(v, dict):
                 v = ", ".join(f"{a}={_fmt(b)}" for a, b in v.items())
+            if k == "failures" and isinstance(v, list):
+                if not v:
+                    continue
+                v = "; ".join(f"{f.get('component')}: {f.get('error')} ({f.get('attempts')} attempts)" for f in v)
+                t.add_row(k, f"[red]{v}[/]")
+                continue
+            if k == "health" and v != "ok":
+                t.add_row(k, f"[red]{_fmt(v)}[/]")
+                continue
             t.add_row(k, _fmt(v))
     if st.get("strategy_state"):
         t.add_row("strategy_state", _fmt(st["strategy_state"]))

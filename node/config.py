@@ -91,6 +91,10 @@ class NodeConfig(BaseModel):
     delay_ms: float = Field(0.0, ge=0)  # artificial one-way latency added to outgoing calls (testbed)
     faulty: Literal["none", "random", "scale"] = "none"  # bad-actor mode: publish garbage models
     log_level: str = "INFO"
+    # state dir: completed rounds whose checkpoint may still be being written while the next
+    # round trains (what a kill -9 can lose); 0 = every round waits for its own checkpoint
+    checkpoint_max_unsaved_rounds: int = Field(1, ge=0)
+    reset: bool = False  # start at round 0, moving any old state aside (into reset-<time>/)
 
     @field_validator("listen", "admin_listen")
     @classmethod

@@ -15,11 +15,14 @@ import random
 import signal
 import sys
 import time
+from collections import deque
 from typing import Any
 
 import grpc
 
+from .checkpointing import Checkpointer
 from .config import PROTOCOL_VERSION, ConfigError, NodeConfig
+from .failures import Backoff, Failures
 from .fsutil import atomic_write_json
 from .learning.learner import Learner
 from .logs import RoundLog
@@ -36,10 +39,10 @@ from .peering.problems import ProblemLog
 from .peering.served import ServedRequests
 from .peering.snapshots import PublishBoard, SnapshotCache
 from .peering.traffic import TrafficStats
-from .persistence import StateError, StateStore
+from .persistence import HISTORY_TAIL, Snapshot, StateError, StateStore, make_snapshot
 from .strategies.registry import get_strategy
 from .transport.client import PeerClient
-from .transport.server import serve
+from .transport.server import HealthStatus, serve
 
 log = logging.getLogger("coterie.node")
 
@@ -55,7 +58,9 @@ class Node:
     def __init__(self, cfg: NodeConfig, learner: Learner | None = None):
         self.cfg = cfg
         self.store = StateStore(cfg.state_dir)
-        self.node_id = self.store.node_id(cfg.node_id)
+        self.store.lock()  # one owner per state dir, for this process's lifetime
+        # verified (or refused) before anything slow: a broken state dir fails in a second
+        self.node_id, self._checkpoint = self.store.open(cfg.node_id, reset=cfg.reset)
         if learner is None:
             from .learning.torch_learner import build_learner  # torch-specific code stays behind the interface
             learner = build_learner(cfg.learner)
@@ -77,6 +82,12 @@ class Node:
         self.m_rejected = self.metrics.counter("coterie_rejected_total", "Peer inputs rejected", ("kind",))
         self.m_round = self.metrics.gauge("coterie_round", "Current round")
         self.m_acc = self.metrics.gauge("coterie_test_accuracy_ratio", "Test accuracy after the last round (0..1)")
+        self.m_ckpt_s = self.metrics.histogram("coterie_checkpoint_write_seconds",
+                                               "Checkpoint write (background thread)",
+                                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.m_ckpt_wait = self.metrics.histogram("coterie_checkpoint_wait_seconds",
+                                                  "Round loop time spent on checkpoints (snapshot + waiting for the writer)",
+                                                  buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
 
         seed = int(hashlib.sha256(f"{cfg.seed}:{self.node_id}".encode()).hexdigest()[:8], 16)
         # the peer plane: who is out there, what this node publishes, what it pulled and was pushed
@@ -112,7 +123,9 @@ class Node:
 
         self.round = 0
         self.version = 0
-        self.history: list[dict[str, Any]] = []
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_TAIL)  # checkpointed rounds; the file keeps all
+        self.saved: dict[str, Any] = {"round": 0, "version": 0, "weights": {}, "public_state": {}}
+        self._spare_tensors: dict[str, Any] | None = None  # a written snapshot's buffers, reused by the next
         self.last_eval: dict[str, float] = {}
         self.done = False
         self.started = time.time()
@@ -123,16 +136,24 @@ class Node:
         self._server: grpc.aio.Server | None = None
         self._admin = None
         self._round_task: asyncio.Task | None = None
+        self.health = HealthStatus()
+        self._health_tasks: set[asyncio.Task] = set()
+        self.failures = Failures(self._set_serving, lambda part, msg: self.problems.note(f"this node ({part})", msg))
+        self.checkpointer = Checkpointer(self.store, cfg.checkpoint_max_unsaved_rounds, self.failures,
+                                         self._on_saved)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        self._restore()
+        resumed = self._restore()
         self.publish()
+        if not resumed:  # round 0 on disk first: identity or history never exist without a checkpoint
+            await asyncio.to_thread(self.store.commit, await self._snapshot(None), [])
+        self.checkpointer.start()
         # a testbed bad actor corrupts what it serves (peering/faults.py); it learns normally
         handler = with_fault(self.served, self.cfg.faulty)
         self._server, port = await serve(handler, self.traffic, self.cfg.listen, chunk_bytes=self.cfg.chunk_bytes,
                                          max_model_bytes=self.cfg.max_model_bytes,
-                                         max_gossip_bytes=self.cfg.max_gossip_bytes)
+                                         max_gossip_bytes=self.cfg.max_gossip_bytes, health_status=self.health)
         host, _ = _hostport(self.cfg.listen)
         self.address = self.cfg.advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
         from .admin import start_admin
@@ -147,21 +168,40 @@ class Node:
         self._tasks.append(asyncio.create_task(self.loop_lag.run(), name="loop-lag"))
         self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))
         self._round_task = asyncio.create_task(self._round_loop(), name="rounds")
+        self._round_task.add_done_callback(self._round_loop_ended)
         self._tasks.append(self._round_task)
 
-    async def stop(self) -> None:
+    async def stop(self) -> bool:
+        """Stop everything; write the checkpoints still pending. True when nothing is lost and
+        no failure is outstanding (the process exit code says so)."""
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        saved = await self.checkpointer.close(timeout=60.0)
         if self._server is not None:
             await self._server.stop(grace=0.5)
         if self._admin is not None:
             await self._admin.cleanup()
         await self.client.close()
-        log.info("node %s stopped at round %d", self.node_id, self.round)
+        self.store.unlock()
+        clean = saved and self.failures.healthy
+        log.log(logging.INFO if clean else logging.ERROR, "node %s stopped at round %d (checkpointed: %d)%s",
+                self.node_id, self.round, self.saved["round"],
+                "" if clean else f" with unresolved failures: {self.failures.summary() or 'unsaved rounds'}")
+        return clean
 
     def healthy(self) -> bool:
-        return self._round_task is not None and (not self._round_task.done() or self.done)
+        return (self.failures.healthy and self._round_task is not None
+                and (not self._round_task.done() or self.done))
+
+    def _set_serving(self, serving: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self.health.set(serving))
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
+
+    def _round_loop_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.failures.failed("rounds", task.exception(), None)
 
     def info(self) -> NodeInfo:
         return NodeInfo(self.node_id, PROTOCOL_VERSION, self.fingerprint, CAPABILITIES, self.address,
@@ -176,31 +216,75 @@ class Node:
             self.m_peers.labels(state=state).set(n)
 
     # ------------------------------------------------------------------ persistence
-    def _restore(self) -> None:
-        restored = self.store.load(self.learner)
-        if restored is None:
-            return
-        meta, strategy_state, peers = restored
-        if meta.get("fingerprint") not in (None, self.fingerprint):
-            raise StateError(f"checkpoint in {self.store.dir} is for another architecture "
-                             f"({meta.get('fingerprint', '')[:12]} ≠ {self.fingerprint[:12]})")
-        self.round = int(meta["round"])
-        self.version = int(meta["version"]) - 1  # publish() below re-issues the checkpointed version
-        self.strategy.load_state_dict(strategy_state)
-        self.peers.load_json(peers)
-        self.membership.pending.update(p["address"] for p in peers)
-        self.history = self.store.read_history(upto_round=self.round)
-        self.store.rewrite_history(self.history)
-        if self.history:
-            self.last_eval = self.history[-1].get("eval", {})
-        log.info("resumed %s at round %d (version %d) from %s", self.node_id, self.round, self.version + 1,
-                 self.store.current())
+    def _restore(self) -> bool:
+        """Apply the checkpoint ``StateStore.open`` verified; False for a fresh node."""
+        ckpt, self._checkpoint = self._checkpoint, None
+        if ckpt is None:
+            return False
+        st = ckpt.state
+        if st.get("fingerprint") != self.fingerprint:
+            raise StateError(f"{ckpt.path} is for another architecture "
+                             f"({str(st.get('fingerprint'))[:12]} ≠ {self.fingerprint[:12]})")
+        if st.get("strategy") != self.cfg.strategy:
+            raise StateError(f"{ckpt.path} was written by strategy {st.get('strategy')!r}, this node runs "
+                             f"{self.cfg.strategy!r}: start with --reset to begin again under it")
+        try:
+            self.learner.import_state(*ckpt.learner_state())
+            self.strategy.load_state_dict(ckpt.strategy_state())
+            self.peers.load_json(st["peers"])
+        except StateError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever does not fit, named with the file
+            raise StateError(f"{ckpt.path} does not fit this node: {type(e).__name__}: {e}") from None
+        self.round = ckpt.round
+        self.version = ckpt.version - 1  # publish() re-issues the checkpointed version
+        self.membership.pending.update(p["address"] for p in st["peers"])
+        self.history.extend(ckpt.history)
+        self._set_saved(ckpt.round, ckpt.version, st, ckpt.history[-1] if ckpt.history else None)
+        log.info("resumed %s at round %d (version %d) from %s", self.node_id, self.round, ckpt.version, ckpt.path)
+        return True
 
-    def _checkpoint(self) -> None:
-        self.store.save(self.round, self.version, self.learner, self.strategy.state_dict(),
-                        self.peers.to_json(), {"node_id": self.node_id, "fingerprint": self.fingerprint,
-                                               "strategy": self.cfg.strategy, "time": time.time(),
-                                               "weights": self.strategy.weights()})
+    async def _snapshot(self, record: dict[str, Any] | None) -> Snapshot:
+        """A consistent copy of this node's state now (between rounds). Strategy state and peers
+        are read on the loop, where served requests also touch them; the learner copies its
+        tensors under its lock in a thread, into the buffers of a snapshot already written."""
+        strategy_state = self.strategy.state_dict()
+        peers = self.peers.to_json()
+        meta = {"fingerprint": self.fingerprint, "strategy": self.cfg.strategy, "time": time.time(),
+                "weights": self.strategy.weights(), "public_state": self.strategy.public_state()}
+        reuse, self._spare_tensors = self._spare_tensors, None
+        learner_state = await asyncio.to_thread(self.learner.export_state, reuse)
+        published = self.board.current
+
+        def name_snapshot() -> None:  # the published snapshot's sha256, for the history line
+            record["snapshot_sha256"] = published.digest  # encodes it once, off the loop
+
+        return make_snapshot(round=self.round, version=self.version, node_id=self.node_id,
+                             learner_state=learner_state, strategy_state=strategy_state, peers=peers,
+                             meta=meta, record=record, prepare=name_snapshot if record is not None else None)
+
+    def _set_saved(self, rnd: int, version: int, state: dict[str, Any], record: dict[str, Any] | None) -> None:
+        self.saved = {"round": rnd, "version": version, "weights": state.get("weights", {}),
+                      "public_state": state.get("public_state", {})}
+        if record is not None:
+            self.last_eval = record.get("eval", {})
+        self.m_round.set(rnd)
+
+    def _on_saved(self, batch: list[Snapshot], seconds: float) -> None:
+        """The writer made these snapshots durable: the admin API now shows them."""
+        records = [s.record for s in batch if s.record is not None]
+        self.history.extend(records)
+        self._spare_tensors = batch[-1].learner_tensors
+        last = batch[-1]
+        self._set_saved(last.round, last.version, last.state, records[-1] if records else None)
+        self.m_ckpt_s.observe(seconds)
+
+    async def history_view(self, since: int | None) -> list[dict[str, Any]]:
+        """Checkpointed rounds after ``since`` (default: the in-memory tail), from the file when
+        they go back further than the tail."""
+        if since is None or (self.history and since >= self.history[0]["round"] - 1) or self.saved["round"] <= since:
+            return [r for r in self.history if since is None or r["round"] > since]
+        return await asyncio.to_thread(lambda: list(self.store.history_since(since)))
 
     # ------------------------------------------------------------------ publishing
     def publish(self) -> None:
@@ -222,6 +306,7 @@ class Node:
     async def _round_loop(self) -> None:
         if self.cfg.rounds is None or self.round < self.cfg.rounds:
             await self._wait_for_peers()
+        backoff = Backoff()
         while self.cfg.rounds is None or self.round < self.cfg.rounds:
             t0 = time.monotonic()
             stall0 = self.loop_lag.total_s
@@ -232,36 +317,39 @@ class Node:
                 t_strategy = time.monotonic() - t0
                 evaluation = await asyncio.to_thread(self.strategy.evaluate)
                 t_eval = time.monotonic() - t0 - t_strategy
+                t1, done_at = time.monotonic(), time.time()  # the round's own work ends here
+                await self.checkpointer.room()  # at most max_unsaved published rounds not yet on disk
+                waited = time.monotonic() - t1
+                self.round = rnd
+                self.publish()
+                sent, received = self.traffic.take_round()
+                record = {"round": rnd, "t": done_at, "duration_s": round(t1 - t0, 4),
+                          "model_version": self.version, "train_loss": report.train_loss, "eval": evaluation,
+                          "weights": self.strategy.weights(), "contacted": report.contacted,
+                          "bytes_sent": sent, "bytes_received": received, "info": report.info,
+                          "peers_alive": len(self.peers.alive()),
+                          "timing": {"strategy_s": round(t_strategy, 4), "eval_s": round(t_eval, 4),
+                                     "peer_calls": phase["calls"],
+                                     "exchange_s": round(phase.get("exchange_s", 0.0), 4),
+                                     "exchange_budget_s": round(phase["budget_s"], 3),
+                                     "calls_failed": phase["failed"], "calls_abandoned": phase["abandoned"],
+                                     "calls_skipped": phase["skipped"],
+                                     "loop_stall_s": round(self.loop_lag.total_s - stall0, 4)}}
+                # a copy now; the writer thread encodes and writes it while the next round trains
+                t2 = time.monotonic()
+                await self.checkpointer.submit(await self._snapshot(record))
+                self.m_ckpt_wait.observe(waited + time.monotonic() - t2)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("round %d failed; retrying", rnd)
-                await asyncio.sleep(1.0)  # back off so a persistent failure does not spin
+            except Exception as e:  # noqa: BLE001 - reported (log, /status, health), then retried
+                self.round = rnd - 1  # not checkpointed: the round is run again
+                delay = backoff.next()
+                self.failures.failed("rounds", e, delay)
+                await asyncio.sleep(delay)
                 continue
-            self.round = rnd
-            self.publish()
-            sent, received = self.traffic.take_round()
-            record = {"round": rnd, "t": time.time(), "duration_s": round(time.monotonic() - t0, 4),
-                      "model_version": self.version, "train_loss": report.train_loss, "eval": evaluation,
-                      "weights": self.strategy.weights(), "contacted": report.contacted,
-                      "bytes_sent": sent, "bytes_received": received, "info": report.info,
-                      "peers_alive": len(self.peers.alive()),
-                      "timing": {"strategy_s": round(t_strategy, 4), "eval_s": round(t_eval, 4),
-                                 "peer_calls": phase["calls"],
-                                 "exchange_s": round(phase.get("exchange_s", 0.0), 4),
-                                 "exchange_budget_s": round(phase["budget_s"], 3),
-                                 "calls_failed": phase["failed"], "calls_abandoned": phase["abandoned"],
-                                 "calls_skipped": phase["skipped"],
-                                 "loop_stall_s": round(self.loop_lag.total_s - stall0, 4)}}
-            self.history.append(record)
-            # history first, checkpoint second: a crash between the two leaves the history one
-            # round ahead, which a restart trims to the checkpoint (read_history(upto_round)).
-            # The other order left a checkpoint with no history line, and a gap after the restart.
-            await asyncio.to_thread(self.store.append_history, record)
-            await asyncio.to_thread(self._checkpoint)
-            self.last_eval = evaluation
+            backoff.reset()
+            self.failures.recovered("rounds")
             self.m_rounds.inc()
-            self.m_round.set(rnd)
             self.m_round_s.observe(time.monotonic() - t0)
             if "test_acc" in evaluation:
                 self.m_acc.set(evaluation["test_acc"])
@@ -269,12 +357,16 @@ class Node:
             wait = self.cfg.round_interval_s - (time.monotonic() - t0)
             if wait > 0:
                 await asyncio.sleep(wait)  # pacing: a deliberately slow node
+        await self.checkpointer.flush()  # done means durable
         self.done = True
         log.info("node %s finished its %d rounds; still serving peers", self.node_id, self.round)
 
     # ------------------------------------------------------------------ admin views
     def status(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "round": self.round, "model_version": self.version,
+        # round/model_version are the checkpointed ones: a restart never rolls back what is shown
+        return {"node_id": self.node_id, "round": self.saved["round"], "model_version": self.saved["version"],
+                "unsaved_rounds": self.round - self.saved["round"],
+                "health": "ok" if self.healthy() else "failing", "failures": self.failures.view(),
                 "strategy": self.cfg.strategy, "device": self.learner.device,
                 "peers_alive": len(self.peers.alive()), "peers_known": len(self.peers.records),
                 "uptime_s": round(time.time() - self.started, 3), "done": self.done,
@@ -302,8 +394,8 @@ class Node:
         return rows
 
     def weights_view(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "round": self.round, "strategy": self.cfg.strategy,
-                "weights": self.strategy.weights(), "strategy_state": self.strategy.public_state()}
+        return {"node_id": self.node_id, "round": self.saved["round"], "strategy": self.cfg.strategy,
+                "weights": self.saved["weights"], "strategy_state": self.saved["public_state"]}
 
 
 def run_node(cfg: NodeConfig) -> int:
@@ -314,7 +406,7 @@ def run_node(cfg: NodeConfig) -> int:
     async def main() -> int:
         try:
             node = Node(cfg)
-        except (StateError, ConfigError, ValueError) as e:
+        except (StateError, ConfigError, ValueError, OSError) as e:  # OSError: a state dir it cannot create
             print(f"coterie: cannot start node: {e}", file=sys.stderr)
             return 1
         try:
@@ -328,7 +420,10 @@ def run_node(cfg: NodeConfig) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        await node.stop()
+        if not await node.stop():
+            print(f"coterie: node stopped with unresolved failures: "
+                  f"{node.failures.summary() or 'completed rounds not checkpointed'}", file=sys.stderr)
+            return 1
         return 0
 
     return asyncio.run(main())

@@ -82,6 +82,7 @@ class NodeProc:
         try:
             wait_for(ready, timeout, f"{self.node_id} to come up")
         except AssertionError:
+            self.kill()  # no orphan daemon outliving the test that gave up on it
             raise AssertionError(f"{self.node_id} did not come up:\n{self.log_tail()}") from None
         return self
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import subprocess
 import sys
 
@@ -236,12 +235,12 @@ def test_corrupt_checkpoint_is_reported_not_replaced(tmp_path):
     node = NodeProc(tmp_path, "c", {"strategy": "local", "rounds": 2, "learner": LEARNER}).start()
     wait_for(lambda: node.status()["done"], 60, "two rounds")
     node.stop()
-    ckpt = node.state_dir / (node.state_dir / "CURRENT").read_text().strip()
-    meta_before = (ckpt / "meta.json").read_bytes()
-    (ckpt / "model.safetensors").write_bytes(b"\x00" * 17)
+    ckpt = node.state_dir / "ckpt-000002.safetensors"
+    history_before = (node.state_dir / "history.jsonl").read_bytes()
+    ckpt.write_bytes(b"\x00" * 17)
     r = subprocess.run([sys.executable, "-m", "coterie.cli.main", "node", "start", "--config",
                         str(node.config_path)], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
-    assert "model.safetensors" in r.stderr
-    assert (ckpt / "meta.json").read_bytes() == meta_before  # nothing was overwritten
-    assert json.loads(meta_before)["round"] == 2
+    assert "ckpt-000002.safetensors" in r.stderr
+    assert ckpt.read_bytes() == b"\x00" * 17  # nothing was overwritten
+    assert (node.state_dir / "history.jsonl").read_bytes() == history_before

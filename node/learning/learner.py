@@ -84,9 +84,12 @@ class Learner(ABC):
     def num_samples(self, split: Split = "train") -> int: ...
 
     @abstractmethod
-    def save(self, directory: str) -> None:
-        """Write model (safetensors) and optimizer state atomically into ``directory``."""
+    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """Copies of everything a resume needs: tensors (model, optimizer state, ...) that
+        nothing else mutates, and a JSON-able dict. Cheap (a memcpy); the caller writes them.
+        ``reuse``: the tensors of an earlier export the caller is done with, to copy into
+        instead of allocating (and page-faulting) fresh memory every round."""
 
     @abstractmethod
-    def load(self, directory: str) -> None:
-        """Restore what ``save`` wrote; raise ValueError naming the file if it is corrupt."""
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Restore what ``export_state`` returned; raise ValueError saying what does not fit."""

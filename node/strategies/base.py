@@ -154,7 +154,9 @@ class Strategy(ABC):
         return {}
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: msgpack-able values, tensors as ``Params`` dicts allowed."""
+        """Everything needed to resume: JSON-able values, tensors/ndarrays/bytes anywhere inside.
+        Return copies (clone tensors): the checkpoint is written from it while the next round
+        runs, so it must not change under the writer."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -216,16 +216,33 @@ def _handlers(servicer: PeerService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(service.full_name, table)
 
 
+class HealthStatus:
+    """The standard gRPC health service of a peer server; the node sets it NOT_SERVING while
+    something keeps it from progressing (see node/failures.py)."""
+    SERVICES = ("", "coterie.v1.Peer")
+
+    def __init__(self) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self.serving = True
+
+    async def set(self, serving: bool) -> None:
+        self.serving = serving
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in self.SERVICES:
+            await self.servicer.set(service, status)
+
+
 async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, chunk_bytes: int = 1 << 20,
-                max_model_bytes: int = 1 << 31, max_gossip_bytes: int = 1 << 20
-                ) -> tuple[grpc.aio.Server, int]:
+                max_model_bytes: int = 1 << 31, max_gossip_bytes: int = 1 << 20,
+                health_status: HealthStatus | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the peer server (and the standard gRPC health service) on ``address``."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     service = PeerService(handler, traffic, chunk_bytes=chunk_bytes, max_model_bytes=max_model_bytes,
                           max_gossip_bytes=max_gossip_bytes)
     server.add_generic_rpc_handlers((_handlers(service),))
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_status = health_status or HealthStatus()
+    health_pb2_grpc.add_HealthServicer_to_server(health_status.servicer, server)
     reflection.enable_server_reflection(  # lets grpcurl/grpcui list and call the peer service
         (pb.DESCRIPTOR.services_by_name["Peer"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
         server)
@@ -236,6 +253,5 @@ async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, chunk_b
     if port == 0:
         raise OSError(f"cannot bind the peer address {address}: the port is in use or not available here")
     await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("coterie.v1.Peer", health_pb2.HealthCheckResponse.SERVING)
+    await health_status.set(health_status.serving)
     return server, port
