@@ -60,6 +60,7 @@ class BenchHandler:
 
     def __init__(self, groups: dict):
         self.snap = LocalSnapshot("server", 1, 1, groups)
+        self.snap.prepare()  # encoded once, as a node does when it publishes
 
     def info(self):
         return NodeInfo("server", PROTOCOL_VERSION, "")
@@ -171,12 +172,18 @@ def measure(size: int, repeat: int, pki: Path) -> dict:
             "ratio_plain_over_tcp": med["tcp"] / med["plain"], "repeat": repeat}
 
 
+def _load() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1MB,100MB,1GB")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", help="also write results here")
     args = ap.parse_args()
+    load0 = _load()
     rows = []
     pki = make_pki()
     print(f"{'size':>8} {'mTLS MB/s':>10} {'plain MB/s':>11} {'TCP MB/s':>9} {'mTLS/plain':>11} "
@@ -190,7 +197,7 @@ def main() -> None:
               flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"args": vars(args), "load_before": load0, "load_after": _load(), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,32 @@ class LimitsConfig(BaseModel):
     max_rpcs: int = Field(512, ge=8)  # all calls in flight on the peer port (gRPC answers RESOURCE_EXHAUSTED)
 
 
+class MembershipConfig(BaseModel):
+    """SWIM membership (Das et al. 2002; HashiCorp memberlist). The protocol period is the node's
+    ``heartbeat_interval_s``: each period one member is probed. A member that answers neither the
+    direct ping nor any of the ``indirect_probes`` helpers within ``suspect_after_s`` is suspect;
+    a suspect that does not refute within the suspicion timeout is dead. The timeout is
+    ``dead_after_s`` (at least ``suspicion_mult`` × log10(N+1) periods) once ``indirect_probes``
+    further members confirm the suspicion, up to ``suspicion_max_mult`` times that with one."""
+    model_config = ConfigDict(extra="forbid")
+
+    indirect_probes: int = Field(3, ge=0)  # k members asked to ping a member that missed a ping
+    probe_timeout_s: float = Field(0.5, gt=0)  # direct-ping deadline floor (grows with observed RTT)
+    suspicion_mult: float = Field(4.0, ge=0)
+    suspicion_max_mult: float = Field(6.0, ge=1)  # one accuser alone: the timeout × this (Lifeguard)
+    retransmit_mult: float = Field(4.0, gt=0)  # each piggybacked update goes out mult × log10(N+1) times
+    max_piggyback: int = Field(8, ge=1)  # membership updates per message
+    push_pull_interval_s: float = Field(10.0, gt=0)  # full view swapped with one member this often
+    handshakes_per_period: int = Field(4, ge=1)  # new addresses and dead members contacted per period
+    max_candidates: int = Field(512, ge=1)  # addresses learned from peers waiting for a handshake
+    max_candidates_per_source: int = Field(128, ge=1)  # ... of which one peer may have told us
+    candidate_attempts: int = Field(3, ge=1)  # failed handshakes before an address is forgotten
+    forget_failed_s: float = Field(600.0, ge=0)  # a forgotten address is not taken up again for this long
+    reconnect_min_s: float = Field(1.0, gt=0)  # dead members: first reconnect attempt after this,
+    reconnect_max_s: float = Field(60.0, gt=0)  # then doubling up to this
+    idle_channel_s: float = Field(120.0, gt=0)  # client channels unused this long are closed
+
+
 class NodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -91,10 +117,15 @@ class NodeConfig(BaseModel):
     round_interval_s: float = Field(1.0, ge=0)
     min_peers: int = Field(0, ge=0)  # wait (bounded by start_timeout_s) for this many before round 1
     start_timeout_s: float = Field(30.0, ge=0)
-    heartbeat_interval_s: float = Field(1.0, gt=0)
-    suspect_after_s: float = Field(3.0, gt=0)
-    dead_after_s: float = Field(8.0, gt=0)
-    request_timeout_s: float = Field(30.0, gt=0)
+    heartbeat_interval_s: float = Field(1.0, gt=0)  # SWIM protocol period: one member probed per period
+    suspect_after_s: float = Field(3.0, gt=0)  # a probe unanswered this long (direct + indirect): suspect
+    dead_after_s: float = Field(8.0, gt=0)  # suspicion timeout floor: a suspect not refuting is dead
+    membership: MembershipConfig = Field(default_factory=MembershipConfig)
+    request_timeout_s: float = Field(30.0, gt=0)  # cap of every peer call's deadline
+    deadline_mult: float = Field(4.0, gt=0)  # per-peer deadline: mult × p99 of its recent latencies,
+    deadline_floor_s: float = Field(1.0, gt=0)  # at least this, at most request_timeout_s
+    exchange_timeout_s: float = Field(0.0, ge=0)  # a round's exchange phase; 0 = adaptive (see network.py)
+    snapshot_cache_bytes: int = Field(512 << 20, gt=0)  # peers' snapshots held, least recently used evicted
     # largest snapshot/model accepted from a peer; default 4× this node's own model + 1 MiB
     max_model_bytes: int | None = Field(None, gt=0)
     max_gossip_bytes: int = Field(1 << 20, gt=0)

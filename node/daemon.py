@@ -30,8 +30,10 @@ from .logs import RoundLog
 from .metrics import Metrics
 from .peering.admission import Admission
 from .peering.faults import with_fault
+from .peering.deadlines import Deadlines
 from .peering.inbox import PushInbox
-from .peering.membership import Membership
+from .peering.loop_lag import LoopLag
+from .peering.membership import Membership, Settings
 from .peering.messages import LocalSnapshot, NodeInfo
 from .peering.network import NodeNetwork
 from .peering.peer_table import PeerTable
@@ -99,23 +101,32 @@ class Node:
 
         seed = int(hashlib.sha256(f"{cfg.seed}:{self.node_id}".encode()).hexdigest()[:8], 16)
         # the peer plane: who is out there, what this node publishes, what it pulled and was pushed
-        self.peers = PeerTable(self.node_id, cfg.suspect_after_s, cfg.dead_after_s)
+        mcfg = cfg.membership
+        self.loop_lag = LoopLag()  # how late the event loop runs: stalls show per round
+        self.peers = PeerTable(self.node_id, cfg.suspect_after_s, cfg.dead_after_s,
+                               reconnect_min_s=mcfg.reconnect_min_s, reconnect_max_s=mcfg.reconnect_max_s)
         self.problems = ProblemLog(on_rejected=lambda: self.m_rejected.labels(kind="input").inc())
         self.board = PublishBoard()
-        self.cache = SnapshotCache()
+        self.cache = SnapshotCache(cfg.snapshot_cache_bytes)
         self.inbox = PushInbox()
         # max_model_bytes without a configured value is fixed in start(), once the model is published
         self.client = PeerClient(self.node_id, self.traffic, chunk_bytes=cfg.chunk_bytes,
                                  max_model_bytes=cfg.max_model_bytes or 1 << 31,
                                  max_gossip_bytes=cfg.max_gossip_bytes,
-                                 timeout_s=cfg.request_timeout_s, tls=self.tls, delay_ms=cfg.delay_ms)
+                                 timeout_s=cfg.request_timeout_s, tls=self.tls, delay_ms=cfg.delay_ms,
+                                 idle_channel_s=mcfg.idle_channel_s)
         self.membership = Membership(self.info, self.position, self.peers, self.client, self.problems,
                                      bootstrap=cfg.peers, heartbeat_interval_s=cfg.heartbeat_interval_s,
                                      request_timeout_s=cfg.request_timeout_s, link_delay_s=cfg.delay_ms / 1000,
-                                     rng=random.Random(seed), on_gauges=self._peer_gauges)
+                                     rng=random.Random(seed), on_gauges=self._peer_gauges,
+                                     settings=Settings.from_config(mcfg), loop_lag=self.loop_lag)
+        deadlines = Deadlines(cfg.request_timeout_s + 2 * cfg.delay_ms / 1000, floor_s=cfg.deadline_floor_s,
+                              mult=cfg.deadline_mult)
         self.network = NodeNetwork(self.node_id, self.client, self.peers, self.cache, self.inbox,
                                    lambda: self.board.current, self.spec, self.problems,
-                                   labels=self.labels, request_timeout_s=cfg.request_timeout_s)
+                                   labels=self.labels, request_timeout_s=cfg.request_timeout_s,
+                                   deadlines=deadlines, exchange_timeout_s=cfg.exchange_timeout_s,
+                                   on_call_failed=self.membership.suspect_hint)
         self.strategy = get_strategy(cfg.strategy)(self.node_id, learner, self.network,
                                                    cfg.strategy_params, seed=seed)
         self._budget_noted: dict[tuple[str, str], float] = {}
@@ -178,6 +189,7 @@ class Node:
             "pid": os.getpid(), "started": self.started})
         log.info("node %s up: peer %s, admin %s, strategy %s, device %s, round %d",
                  self.node_id, self.address, self.admin_url, self.cfg.strategy, self.learner.device, self.round)
+        self._tasks.append(asyncio.create_task(self.loop_lag.run(), name="loop-lag"))
         self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))
         self._round_task = asyncio.create_task(self._round_loop(), name="rounds")
         self._round_task.add_done_callback(self._round_loop_ended)
@@ -337,10 +349,14 @@ class Node:
         backoff = Backoff()
         while self.cfg.rounds is None or self.round < self.cfg.rounds:
             t0 = time.monotonic()
+            stall0 = self.loop_lag.total_s
             rnd = self.round + 1
             try:
-                report = await self.strategy.run_round(rnd)
+                with self.network.exchange_phase() as phase:  # peer calls share the round's deadline
+                    report = await self.strategy.run_round(rnd)
+                t_strategy = time.monotonic() - t0
                 evaluation = await asyncio.to_thread(self.strategy.evaluate)
+                t_eval = time.monotonic() - t0 - t_strategy
                 t1, done_at = time.monotonic(), time.time()  # the round's own work ends here
                 await self.checkpointer.room()  # at most max_unsaved published rounds not yet on disk
                 waited = time.monotonic() - t1
@@ -351,7 +367,14 @@ class Node:
                           "model_version": self.version, "train_loss": report.train_loss, "eval": evaluation,
                           "weights": self.strategy.weights(), "contacted": report.contacted,
                           "bytes_sent": sent, "bytes_received": received, "info": report.info,
-                          "peers_alive": len(self.peers.alive())}
+                          "peers_alive": len(self.peers.alive()),
+                          "timing": {"strategy_s": round(t_strategy, 4), "eval_s": round(t_eval, 4),
+                                     "peer_calls": phase["calls"],
+                                     "exchange_s": round(phase.get("exchange_s", 0.0), 4),
+                                     "exchange_budget_s": round(phase["budget_s"], 3),
+                                     "calls_failed": phase["failed"], "calls_abandoned": phase["abandoned"],
+                                     "calls_skipped": phase["skipped"],
+                                     "loop_stall_s": round(self.loop_lag.total_s - stall0, 4)}}
                 # a copy now; the writer thread encodes and writes it while the next round trains
                 t2 = time.monotonic()
                 await self.checkpointer.submit(await self._snapshot(record))
@@ -391,7 +414,17 @@ class Node:
                 "fingerprint": self.fingerprint, "labels": self.labels, "last_eval": self.last_eval,
                 "strategy_state": self.strategy.public_state(), "problems": self.problems.recent(10),
                 "faulty": self.cfg.faulty, "mtls": self.tls is not None,
-                "admission": self.admission.view()}
+                "admission": self.admission.view(),
+                "membership": self.membership_view()}
+
+    def membership_view(self) -> dict[str, Any]:
+        """The peer plane's own health: SWIM counters, candidate set, channels, loop lag."""
+        m = self.membership
+        return {"incarnation": m.incarnation, "candidates": len(m.pending),
+                "candidates_dropped": m.pending.dropped, "candidates_forgotten": m.pending.forgotten_total,
+                "channels": self.client.channels(), "channels_evicted": self.client.evicted,
+                "snapshot_cache_bytes": self.cache.bytes, "loop_lag_max_s": round(self.loop_lag.max_s, 4),
+                **m.stats}
 
     def peers_table(self) -> list[dict[str, Any]]:
         weights = self.strategy.weights()

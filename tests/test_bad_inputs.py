@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import subprocess
 import sys
 
@@ -49,7 +50,7 @@ class RogueHandler:
     def set_payload(self, data: bytes) -> None:
         self.version += 1
         snap = LocalSnapshot("rogue", self.version, 0, {})
-        snap.__dict__["encoded"] = data  # cached_property: what the server streams
+        snap._encoded, snap._digest = memoryview(data), hashlib.sha256(data).hexdigest()  # what the server streams
         self.snap = snap
 
     def info(self):
@@ -61,8 +62,8 @@ class RogueHandler:
     def on_heartbeat(self, beat):
         return Beat("rogue", 0, self.version)
 
-    def on_peer_list(self, sender, entries):
-        return []
+    def on_peer_list(self, sender, entries, members=(), incarnation=0):
+        return [], [], 0
 
     async def snapshot(self, requester, min_round=0, wait_s=0.0):
         return self.snap

@@ -25,7 +25,8 @@ from .admission import Admission
 from .errors import UNAVAILABLE, Refusal, invalid, not_cached
 from .inbox import PushInbox
 from .membership import Membership
-from .messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest, LocalSnapshot, NodeInfo, PeerEntry
+from .messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest, IndirectProbe,
+                       LocalSnapshot, MemberUpdate, NodeInfo, PeerEntry)
 from .problems import ProblemLog
 from .snapshots import PublishBoard, SnapshotCache
 from .validation import Spec, model_tensors
@@ -101,12 +102,21 @@ class ServedRequests:
         return self.membership.on_handshake(remote)
 
     def on_heartbeat(self, beat: Beat) -> Beat:
-        self.check_known(beat.node_id)
+        self._count_unknown(beat.node_id)
         return self.membership.on_heartbeat(beat)
 
-    def on_peer_list(self, sender: str, entries: list[PeerEntry]) -> list[PeerEntry]:
-        self.check_known(sender)
-        return self.membership.on_peer_list(sender, entries)
+    async def on_indirect_probe(self, probe: IndirectProbe) -> tuple[bool, tuple[MemberUpdate, ...]]:
+        self._count_unknown(probe.requester)
+        return await self.membership.on_indirect_probe(probe)
+
+    def on_peer_list(self, sender: str, entries: list[PeerEntry], members=(), incarnation: int = 0
+                     ) -> tuple[list[PeerEntry], list[MemberUpdate], int]:
+        self._count_unknown(sender)
+        return self.membership.on_peer_list(sender, entries, members, incarnation)
+
+    def _count_unknown(self, node_id: str) -> None:
+        if node_id not in self.membership.peers.records:
+            self.on_refused("unknown_peer")
 
     def check_known(self, node_id: str) -> None:
         try:
@@ -124,15 +134,17 @@ class ServedRequests:
             snap = self.board.current
         if snap is None:
             raise Refusal(UNAVAILABLE, "no snapshot published yet")
-        return snap
+        return await snap.ready()  # encoded and hashed off the loop
 
     # ------------------------------------------------------------------ compute on my data
-    def _groups(self, req: ComputeRequest) -> Groups:
+    async def _groups(self, req: ComputeRequest) -> Groups:
         if req.ref is None:
             if req.groups is None:
                 raise invalid(f"{req.kind} from {req.requester}: neither a model nor a reference")
             return req.groups
         mine = self.board.current
+        if mine is not None and req.ref.node_id == self.node_id:
+            await mine.ready()
         if (req.ref.node_id == self.node_id and mine is not None and req.ref.version == mine.version
                 and (not req.ref.digest or req.ref.digest == mine.digest)):
             return {"params": mine.params}
@@ -160,7 +172,7 @@ class ServedRequests:
 
     async def compute(self, req: ComputeRequest) -> ComputeReply:
         self.check_known(req.requester)
-        groups = self._groups(req)
+        groups = await self._groups(req)
         if req.kind == CROSS_LOSS:
             params = self._tensors(req, groups, "params")
             split, n, reduction = self._options(req)

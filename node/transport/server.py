@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -31,10 +32,10 @@ from ...proto.v1 import peer_pb2 as pb
 from ..peering import serde
 from ..peering.errors import Refusal, exhausted, forbidden, invalid, short
 from ..peering.interfaces import PeerHandler, Traffic
-from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, LocalSnapshot
+from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT
 from ..security.ids import node_id_problem
 from ..wire.codec import WireError, decode, encode
-from .chunks import Assembler, collect, sha256, split
+from .chunks import Assembler, collect, data_frames, sha256, split
 from .errors import status_of
 from .tls import TLS, caller_identity
 
@@ -95,23 +96,6 @@ async def _parsed(raw_frames, cls, what: str) -> AsyncIterator[Any]:
         yield _parse(cls, raw, what)
 
 
-class _Frames:
-    """A snapshot cut into serialised ``SnapshotChunk`` messages once, then streamed to every
-    puller without further copies (one snapshot at a time: the current one)."""
-
-    def __init__(self, chunk_bytes: int):
-        self.chunk_bytes = chunk_bytes
-        self._snap: LocalSnapshot | None = None
-        self._frames: tuple[bytes, ...] = ()
-
-    def of(self, snap: LocalSnapshot) -> tuple[bytes, ...]:
-        if self._snap is not snap:
-            self._frames = tuple(pb.SnapshotChunk(data=part).SerializeToString()
-                                 for part in split(snap.encoded, self.chunk_bytes))
-            self._snap = snap
-        return self._frames
-
-
 class PeerService:
     def __init__(self, handler: PeerHandler, traffic: Traffic, *, chunk_bytes: int,
                  max_model_bytes: int, max_gossip_bytes: int, tls: TLS | None,
@@ -123,7 +107,6 @@ class PeerService:
         self.max_gossip_bytes = max_gossip_bytes
         self.tls = tls
         self.streams = streams
-        self._frames = _Frames(chunk_bytes)
 
     # ------------------------------------------------------------------ plumbing
     async def _guard(self, context: grpc.aio.ServicerContext, kind: str, coro, stream=None):
@@ -191,12 +174,15 @@ class PeerService:
             first = False
             yield msg
 
-    async def _send(self, context, messages, what: str) -> int:
+    async def _send(self, context, messages, what: str, size: int | None = None) -> int:
         """Write a reply stream, all of it within ``send_timeout_s``: a reader that stops taking
         it (flow control blocks the writes) is cut off with RESOURCE_EXHAUSTED instead of holding
         the call, its admission slot and the buffers for ever."""
         loop = asyncio.get_running_loop()
-        limit = self.streams.send_deadline(sum(len(m) if isinstance(m, bytes) else m.ByteSize() for m in messages))
+        if size is None:  # (an iterator of frames built as they go out says its size instead)
+            messages = list(messages)
+            size = sum(len(m) if isinstance(m, bytes) else m.ByteSize() for m in messages)
+        limit = self.streams.send_deadline(size)
         deadline = loop.time() + limit
         sent = 0
         for msg in messages:
@@ -239,11 +225,22 @@ class PeerService:
         async def go():
             request = _parse(pb.PeerList, raw, "peer exchange")
             sender = self._who(context, request.node_id, "peer exchange")
-            entries = self.h.on_peer_list(sender, serde.entries_from_pb(request.peers))
-            reply = pb.PeerList(node_id=self.h.node_id, peers=serde.entries_to_pb(entries))
+            entries, members, inc = self.h.on_peer_list(sender, serde.entries_from_pb(request.peers),
+                                                        serde.updates_from_pb(request.members), request.incarnation)
+            reply = serde.peer_list_to_pb(self.h.node_id, entries, members, inc)
             self.traffic.record("peers", received=len(raw), sent=reply.ByteSize())
             return reply
         return await self._guard(context, "peers", go())
+
+    async def IndirectProbe(self, raw: bytes, context):
+        async def go():
+            request = _parse(pb.IndirectProbeRequest, raw, "indirect probe")
+            self._who(context, request.node_id, "indirect probe")
+            ack, updates = await self.h.on_indirect_probe(serde.probe_from_pb(request))
+            reply = serde.probe_reply_to_pb(ack, updates)
+            self.traffic.record("probe", received=len(raw), sent=reply.ByteSize())
+            return reply
+        return await self._guard(context, "probe", go())
 
     # --- snapshots ---
     async def GetSnapshot(self, raw: bytes, context):
@@ -258,10 +255,13 @@ class PeerService:
 
             request, snap = await self._guard(context, "snapshot", go())
             unchanged = request.have_version == snap.version and request.have_version > 0
-            frames = () if unchanged else self._frames.of(snap)  # pre-serialised: no per-puller copies
             header = serde.snapshot_header_to_pb(snap.header(unchanged), 0 if unchanged else len(snap.encoded))
-            sent = await self._send(context, (pb.SnapshotChunk(header=header), *frames),
-                                    f"snapshot for {request.requester}")
+            # framed by hand from the snapshot's one buffer as they go out: one 1 MiB copy at a
+            # time per puller, instead of a second full copy of every published snapshot
+            frames = () if unchanged else data_frames(snap.encoded, self.chunk_bytes)
+            size = header.ByteSize() + (0 if unchanged else len(snap.encoded))
+            sent = await self._send(context, itertools.chain((pb.SnapshotChunk(header=header),), frames),
+                                    f"snapshot for {request.requester}", size=size)
         self.traffic.record("snapshot", sent=sent)
         self.traffic.latency("snapshot", time.perf_counter() - t0, "server")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 from typing import Any
 
 import msgpack
@@ -51,27 +52,86 @@ def _tensor_bytes(t: torch.Tensor) -> tuple[str, bytes]:
     return name, t.numpy().astype(DTYPES[name], copy=False).tobytes()
 
 
+def _layout(groups: Groups, meta: dict[str, Any] | None) -> tuple[bytes, list[torch.Tensor]]:
+    layout: dict[str, list[list[Any]]] = {}
+    tensors: list[torch.Tensor] = []
+    for g, ts in groups.items():
+        entries = []
+        for name, t in ts.items():
+            t = t.detach().to("cpu").contiguous()
+            if t.dtype not in _TORCH_NAMES:
+                raise WireError(f"dtype {t.dtype} cannot travel on the wire")
+            entries.append([name, _TORCH_NAMES[t.dtype], list(t.shape)])
+            tensors.append(t)
+        layout[g] = entries
+    return msgpack.packb({"meta": meta or {}, "groups": layout}, use_bin_type=True), tensors
+
+
 def encode(groups: Groups, meta: dict[str, Any] | None = None) -> bytes:
     """Serialise named tensor groups (e.g. {"params": θ, "delta": Δθ}) and a small meta dict."""
-    layout: dict[str, list[list[Any]]] = {}
-    chunks: list[bytes] = []
-    for g, tensors in groups.items():
-        entries = []
-        for name, t in tensors.items():
-            dt, raw = _tensor_bytes(t)
-            entries.append([name, dt, list(t.shape)])
-            chunks.append(raw)
-        layout[g] = entries
-    header = msgpack.packb({"meta": meta or {}, "groups": layout}, use_bin_type=True)
+    header, tensors = _layout(groups, meta)
+    chunks = [_tensor_bytes(t)[1] for t in tensors]
     return b"".join([_HEAD.pack(MAGIC, len(header)), header, *chunks])
+
+
+def encode_buffer(groups: Groups, meta: dict[str, Any] | None = None) -> memoryview:
+    """``encode`` into one writable buffer, each tensor copied once, straight into place; the
+    tensor bytes start on an ``ALIGN`` boundary (so ``decode`` of it is zero-copy)."""
+    header, tensors = _layout(groups, meta)
+    start = _HEAD.size + len(header)
+    total = start + sum(t.numel() * t.element_size() for t in tensors)
+    mv = aligned_buffer(total, start)
+    _HEAD.pack_into(mv, 0, MAGIC, len(header))
+    mv[_HEAD.size:start] = header
+    out = np.frombuffer(mv, dtype=np.uint8)
+    pos = start
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if n:
+            src = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+            arr = src.numpy()
+            if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and sys.byteorder == "big"):
+                arr = arr.astype(arr.dtype.newbyteorder("<"))
+            out[pos:pos + n] = arr.reshape(-1).view(np.uint8)
+        pos += n
+    return mv
+
+
+ALIGN = 64
+
+
+def aligned_buffer(size: int, data_offset: int = 0) -> memoryview:
+    """A writable ``size``-byte buffer whose byte ``data_offset`` sits on an ``ALIGN`` boundary."""
+    raw = np.empty(size + ALIGN, dtype=np.uint8)
+    skip = (-(raw.ctypes.data + data_offset)) % ALIGN
+    return memoryview(raw[skip:skip + size])
+
+
+def data_offset(prefix: bytes | memoryview) -> int:
+    """Where the tensor bytes start in a message beginning with ``prefix`` (0 if it cannot tell)."""
+    if len(prefix) < _HEAD.size:
+        return 0
+    magic, hlen = _HEAD.unpack_from(prefix, 0)
+    return _HEAD.size + hlen if magic == MAGIC and hlen <= MAX_HEADER else 0
+
+
+# Tensor work (encode, hash, validate, average) on more bytes than this goes to a worker thread.
+# Below it, the hop costs more than the work: a thread handing the GIL back and forth with a
+# training thread can wait up to the interpreter's switch interval (5 ms) at each handoff.
+OFF_LOOP_BYTES = 1 << 20
 
 
 def encoded_size(groups: Groups) -> int:
     return sum(t.numel() * t.element_size() for ts in groups.values() for t in ts.values())
 
 
-def decode(data: bytes | memoryview, *, max_bytes: int | None = None) -> tuple[Groups, dict[str, Any]]:
-    """Inverse of ``encode``. Tensors are fresh, writable CPU tensors (the buffer is copied)."""
+def decode(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None,
+           copy: bool | None = None) -> tuple[Groups, dict[str, Any]]:
+    """Inverse of ``encode``. Over a writable buffer (what ``chunks.Assembler`` and
+    ``encode_buffer`` produce) the tensors are zero-copy views of it — they keep it alive, and
+    writing to one writes the buffer; over read-only bytes (or with ``copy=True``) they are
+    fresh copies. A tensor that is not aligned for its dtype, or not in native byte order, is
+    copied either way."""
     if max_bytes is not None and len(data) > max_bytes:
         raise WireError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
     if len(data) < _HEAD.size:
@@ -92,7 +152,7 @@ def decode(data: bytes | memoryview, *, max_bytes: int | None = None) -> tuple[G
     if not isinstance(meta, dict):
         raise WireError("header 'meta' is not a map")
     try:
-        out, pos = _tensors(header["groups"], data, _HEAD.size + hlen)
+        out, pos = _tensors(header["groups"], data, _HEAD.size + hlen, copy)
     except WireError:
         raise
     except (ValueError, TypeError, OverflowError, RuntimeError, MemoryError) as e:
@@ -119,9 +179,11 @@ def _entry(g: str, e: Any) -> tuple[str, str, list[int]]:
     return name, dt, shape
 
 
-def _tensors(table: dict, data: bytes | memoryview, pos: int) -> tuple[Groups, int]:
+def _tensors(table: dict, data: bytes | memoryview, pos: int, copy: bool | None) -> tuple[Groups, int]:
     out: Groups = {}
     mv = memoryview(data)
+    if copy is None:
+        copy = mv.readonly
     seen = 0
     for g, entries in table.items():
         if not isinstance(g, str) or not isinstance(entries, list):
@@ -138,19 +200,17 @@ def _tensors(table: dict, data: bytes | memoryview, pos: int) -> tuple[Groups, i
                 raise WireError(f"tensor {g[:100]}/{name[:100]} {dt}{shape} needs {nbytes} bytes, "
                                 f"only {len(data) - pos} left: truncated message"[:400])
             buf = mv[pos:pos + nbytes]
-            if dt == _TORCH_BF16:
-                arr = np.frombuffer(buf, dtype="<i2").reshape(shape).copy()
-                t = torch.from_numpy(arr).view(torch.bfloat16)
-            elif dt == "bool":
-                raw = np.frombuffer(buf, dtype=np.uint8).reshape(shape)
+            if dt == "bool":
+                raw = np.frombuffer(buf, dtype=np.uint8)
                 if raw.size and raw.max() > 1:  # numpy would hand torch bytes that are not bools
                     raise WireError(f"tensor {g[:100]}/{name[:100]}: bool bytes other than 0 and 1")
-                t = torch.from_numpy(raw.astype(np.bool_))
+                arr = raw.astype(np.bool_)
             else:
-                arr = np.frombuffer(buf, dtype=DTYPES[dt]).reshape(shape)
-                arr = arr.astype(arr.dtype.newbyteorder("="), copy=True)
-                t = torch.from_numpy(arr)
-            tensors[name] = t
+                arr = np.frombuffer(buf, dtype="<i2" if dt == _TORCH_BF16 else DTYPES[dt])
+                if copy or not arr.flags.aligned or not arr.dtype.isnative:
+                    arr = arr.astype(arr.dtype.newbyteorder("="), copy=True)
+            t = torch.from_numpy(arr.reshape(shape))
+            tensors[name] = t.view(torch.bfloat16) if dt == _TORCH_BF16 else t
             pos += nbytes
         out[g] = tensors
     return out, pos
