@@ -8,13 +8,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
 import pytest
 
 from coterie.node.config import PROTOCOL_VERSION
 from coterie.proto.v1 import peer_pb2 as pb
 from coterie.proto.v1 import peer_pb2_grpc as rpc
-from nodeproc import NodeProc, tiny_learner, wait_for
+from nodeproc import NodeProc, peer_channel, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +28,8 @@ def bogus_list(n: int = 2000) -> list[pb.PeerEntry]:
 
 async def flood(target: NodeProc, fingerprint: str, seconds: float) -> int:
     sent = 0
-    async with grpc.aio.insecure_channel(target.address) as ch:
+    # a certified member of the network (mTLS): the flood comes from inside, as it would have to
+    async with peer_channel(target.dir.parent, "flooder", target.address) as ch:
         stub = rpc.PeerStub(ch)
         await stub.Handshake(pb.HandshakeRequest(node=pb.NodeInfo(
             node_id="flooder", protocol_version=PROTOCOL_VERSION, arch_fingerprint=fingerprint,

@@ -4,6 +4,7 @@ are built from that buffer as they go; the peers' snapshot cache is bounded by b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import numpy as np
 import pytest
@@ -127,14 +128,17 @@ class _Handler:
     def check_known(self, node_id):
         return None
 
+    def admit(self, peer, kind):
+        return contextlib.nullcontext()
+
 
 def test_a_pulled_snapshot_arrives_in_one_buffer_over_grpc():
     groups = {"params": {"w": torch.randn(600_000)}}  # 2.4 MB: several 1 MiB chunks
 
     async def go():
-        server, port = await serve(_Handler(LocalSnapshot("server", 1, 1, groups)), _Stats(), "127.0.0.1:0")
+        server, port = await serve(_Handler(LocalSnapshot("server", 1, 1, groups)), _Stats(), "127.0.0.1:0", tls=None)
         client = PeerClient("me", _Stats(), chunk_bytes=1 << 20, max_model_bytes=1 << 30,
-                            max_gossip_bytes=1 << 20, timeout_s=30)
+                            max_gossip_bytes=1 << 20, timeout_s=30, tls=None)
         try:
             header, got = await client.get_snapshot(f"127.0.0.1:{port}", "me", 0)
             w = got["params"]["w"]
@@ -154,10 +158,10 @@ def test_idle_channels_are_evicted_and_busy_ones_kept():
     snap = LocalSnapshot("server", 1, 1, {"params": {"w": torch.zeros(4)}})
 
     async def go():
-        servers = [await serve(_Handler(snap), _Stats(), "127.0.0.1:0") for _ in range(2)]
+        servers = [await serve(_Handler(snap), _Stats(), "127.0.0.1:0", tls=None) for _ in range(2)]
         a, b = (f"127.0.0.1:{port}" for _, port in servers)
         client = PeerClient("me", _Stats(), chunk_bytes=1 << 20, max_model_bytes=1 << 30,
-                            max_gossip_bytes=1 << 20, timeout_s=30, idle_channel_s=0.3)
+                            max_gossip_bytes=1 << 20, timeout_s=30, tls=None, idle_channel_s=0.3)
         try:
             await client.get_snapshot(a, "me", 0)
             assert client.channels() == 1
