@@ -61,7 +61,7 @@ def run_node(workdir: Path, name: str, model: dict[str, Any], unsaved: int | Non
              pythonpath: Path | None, seed: int) -> dict[str, Any]:
     state = workdir / name
     shutil.rmtree(state, ignore_errors=True)
-    cfg = {"node_id": "bench", "state_dir": str(state), "strategy": "local", "rounds": model["rounds"],
+    cfg = {"node_id": "bench", "state_dir": str(state), "strategy": "local", "rounds": model["rounds"], "security": {"insecure": True},
            "min_peers": 0, "round_interval_s": 0.0, "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
            "seed": seed,
            "log_level": "WARNING",

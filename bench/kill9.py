@@ -43,7 +43,7 @@ LEARNER = {"dataset": "mnist1d", "dataset_params": {"num_samples": 2000}, "parti
 
 
 def node_config(state_dir: Path, rounds: int | None, seed: int) -> dict[str, Any]:
-    cfg = {"node_id": "k9", "state_dir": str(state_dir), "strategy": "local", "min_peers": 0, "round_interval_s": 0.0,
+    cfg = {"node_id": "k9", "state_dir": str(state_dir), "strategy": "local", "min_peers": 0, "security": {"insecure": True}, "round_interval_s": 0.0,
            "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", "seed": seed,
            "learner": {**LEARNER, "init_seed": seed, "data_seed": seed}, "log_level": "WARNING"}
     if rounds is not None:

@@ -25,11 +25,15 @@ from .config import PROTOCOL_VERSION, ConfigError, NodeConfig
 from .failures import Backoff, Failures
 from .fsutil import atomic_write_json
 from .learning.learner import Learner
+from .logfilter import install_log_filter
 from .logs import RoundLog
 from .metrics import Metrics
+from .peering.admission import Admission
 from .peering.faults import with_fault
+from .peering.deadlines import Deadlines
 from .peering.inbox import PushInbox
-from .peering.membership import Membership
+from .peering.loop_lag import LoopLag
+from .peering.membership import Membership, Settings
 from .peering.messages import LocalSnapshot, NodeInfo
 from .peering.network import NodeNetwork
 from .peering.peer_table import PeerTable
@@ -44,11 +48,13 @@ from .privacy.purposes import LOSS, purpose, purposes_of
 from .persistence import HISTORY_TAIL, Snapshot, StateError, StateStore, make_snapshot
 from .strategies.registry import get_strategy
 from .transport.client import PeerClient
-from .transport.server import HealthStatus, serve
+from .transport.server import HealthStatus, StreamLimits, serve
+from .transport.tls import load_tls
 
 log = logging.getLogger("coterie.node")
 
 CAPABILITIES = ("snapshot", "cross-loss", "cross-gradient", "push-gradient", "gossip")
+MODEL_BYTES_FACTOR, MODEL_BYTES_SLACK = 4, 1 << 20  # default max_model_bytes: 4× my model + 1 MiB
 
 
 def _hostport(address: str) -> tuple[str, int]:
@@ -59,10 +65,16 @@ def _hostport(address: str) -> tuple[str, int]:
 class Node:
     def __init__(self, cfg: NodeConfig, learner: Learner | None = None):
         self.cfg = cfg
+        self.tls = load_tls(cfg)
         self.store = StateStore(cfg.state_dir)
         self.store.lock()  # one owner per state dir, for this process's lifetime
         # verified (or refused) before anything slow: a broken state dir fails in a second
-        self.node_id, self._checkpoint = self.store.open(cfg.node_id, reset=cfg.reset)
+        self.node_id, self._checkpoint = self.store.open(
+            cfg.node_id or (self.tls.node_id if self.tls else None), reset=cfg.reset)
+        if self.tls is not None and self.tls.node_id != self.node_id:
+            self.store.unlock()
+            raise ConfigError(f"security: the certificate is for node {self.tls.node_id!r}, but the state "
+                              f"dir {cfg.state_dir} belongs to {self.node_id!r}")
         if learner is None:
             from .learning.torch_learner import build_learner  # torch-specific code stays behind the interface
             learner = build_learner(cfg.learner)
@@ -100,18 +112,27 @@ class Node:
 
         seed = int(hashlib.sha256(f"{cfg.seed}:{self.node_id}".encode()).hexdigest()[:8], 16)
         # the peer plane: who is out there, what this node publishes, what it pulled and was pushed
-        self.peers = PeerTable(self.node_id, cfg.suspect_after_s, cfg.dead_after_s)
+        mcfg = cfg.membership
+        self.loop_lag = LoopLag()  # how late the event loop runs: stalls show per round
+        self.peers = PeerTable(self.node_id, cfg.suspect_after_s, cfg.dead_after_s,
+                               reconnect_min_s=mcfg.reconnect_min_s, reconnect_max_s=mcfg.reconnect_max_s)
         self.problems = ProblemLog(on_rejected=lambda: self.m_rejected.labels(kind="input").inc())
         self.board = PublishBoard()
-        self.cache = SnapshotCache()
+        self.cache = SnapshotCache(cfg.snapshot_cache_bytes)
         self.inbox = PushInbox()
+        # max_model_bytes without a configured value is fixed in start(), once the model is published
         self.client = PeerClient(self.node_id, self.traffic, chunk_bytes=cfg.chunk_bytes,
-                                 max_model_bytes=cfg.max_model_bytes, max_gossip_bytes=cfg.max_gossip_bytes,
-                                 timeout_s=cfg.request_timeout_s, delay_ms=cfg.delay_ms)
+                                 max_model_bytes=cfg.max_model_bytes or 1 << 31,
+                                 max_gossip_bytes=cfg.max_gossip_bytes,
+                                 timeout_s=cfg.request_timeout_s, tls=self.tls, delay_ms=cfg.delay_ms,
+                                 idle_channel_s=mcfg.idle_channel_s)
         self.membership = Membership(self.info, self.position, self.peers, self.client, self.problems,
                                      bootstrap=cfg.peers, heartbeat_interval_s=cfg.heartbeat_interval_s,
                                      request_timeout_s=cfg.request_timeout_s, link_delay_s=cfg.delay_ms / 1000,
-                                     rng=random.Random(seed), on_gauges=self._peer_gauges)
+                                     rng=random.Random(seed), on_gauges=self._peer_gauges,
+                                     settings=Settings.from_config(mcfg), loop_lag=self.loop_lag)
+        deadlines = Deadlines(cfg.request_timeout_s + 2 * cfg.delay_ms / 1000, floor_s=cfg.deadline_floor_s,
+                              mult=cfg.deadline_mult)
         # privacy: everything computed on my data that leaves (served or sent) goes through one door
         self.ledger = PrivacyLedger(self.store.dir, delta=cfg.privacy.delta, budget=cfg.privacy.budget_epsilon,
                                     peer_budget=cfg.privacy.peer_budget_epsilon, on_change=self._privacy_gauges)
@@ -121,13 +142,19 @@ class Node:
                        else purposes_of(cfg.strategy))
         self.network = NodeNetwork(self.node_id, self.client, self.peers, self.cache, self.inbox,
                                    lambda: self.board.current, self.spec, self.problems, self.private,
-                                   labels=self.labels, request_timeout_s=cfg.request_timeout_s)
+                                   labels=self.labels, request_timeout_s=cfg.request_timeout_s,
+                                   deadlines=deadlines, exchange_timeout_s=cfg.exchange_timeout_s,
+                                   on_call_failed=self.membership.suspect_hint)
         self.strategy = get_strategy(cfg.strategy)(self.node_id, learner, self.network,
                                                    cfg.strategy_params, seed=seed)
-        self.served = ServedRequests(self.node_id, self.info, self.membership, self.spec,
+        self._budget_noted: dict[tuple[str, str], float] = {}
+        self.admission = Admission(cfg.limits, on_refused=self._over_budget)
+        self.served = ServedRequests(self.node_id, self.info, self.membership, learner, self.spec,
                                      self.strategy, self.board, self.cache, self.inbox, self.problems,
                                      self.private, self.serves,
-                                     on_refused=lambda kind: self.m_rejected.labels(kind=kind).inc())
+                                     on_refused=lambda kind: self.m_rejected.labels(kind=kind).inc(),
+                                     admission=self.admission, push_policy=cfg.limits,
+                                     compute_workers=cfg.limits.compute_workers)
 
         self.round = 0
         self.version = 0
@@ -152,16 +179,24 @@ class Node:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        if self.tls is None:
+            log.warning("peer port WITHOUT TLS (security.insecure = true): anyone who can reach it can "
+                        "claim any node id; use only on a network you trust")
         resumed = self._restore()
         self.publish()
         if not resumed:  # round 0 on disk first: identity or history never exist without a checkpoint
             await asyncio.to_thread(self.store.commit, await self._snapshot(None), [])
         self.checkpointer.start()
+        self.client.max_model_bytes = self.model_limit()
         # a testbed bad actor corrupts what it serves (peering/faults.py); it learns normally
         handler = with_fault(self.served, self.cfg.faulty)
-        self._server, port = await serve(handler, self.traffic, self.cfg.listen, chunk_bytes=self.cfg.chunk_bytes,
-                                         max_model_bytes=self.cfg.max_model_bytes,
-                                         max_gossip_bytes=self.cfg.max_gossip_bytes, health_status=self.health)
+        lim = self.cfg.limits
+        self._server, port = await serve(
+            handler, self.traffic, self.cfg.listen, tls=self.tls, chunk_bytes=self.cfg.chunk_bytes,
+            max_model_bytes=self.client.max_model_bytes, max_gossip_bytes=self.cfg.max_gossip_bytes,
+            streams=StreamLimits(lim.upload_timeout_s, lim.upload_idle_s, lim.send_timeout_s,
+                                 lim.min_stream_bytes_per_s),
+            max_rpcs=lim.max_rpcs, health_status=self.health)
         host, _ = _hostport(self.cfg.listen)
         self.address = self.cfg.advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
         from .admin import start_admin
@@ -173,6 +208,7 @@ class Node:
             "pid": os.getpid(), "started": self.started})
         log.info("node %s up: peer %s, admin %s, strategy %s, device %s, round %d",
                  self.node_id, self.address, self.admin_url, self.cfg.strategy, self.learner.device, self.round)
+        self._tasks.append(asyncio.create_task(self.loop_lag.run(), name="loop-lag"))
         if self.cfg.privacy.enabled and purposes_of(self.cfg.strategy) + self.serves:
             self._tasks.append(asyncio.create_task(asyncio.to_thread(self._warm_privacy), name="privacy-warmup"))
         self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))
@@ -192,6 +228,7 @@ class Node:
         if self._admin is not None:
             await self._admin.cleanup()
         await self.client.close()
+        self.served.close()
         self.store.unlock()
         clean = saved and self.failures.healthy
         log.log(logging.INFO if clean else logging.ERROR, "node %s stopped at round %d (checkpointed: %d)%s",
@@ -238,6 +275,21 @@ class Node:
             self.m_eps_peer.labels(peer=p).set(self.ledger.epsilon(p))
         if purpose:
             self.m_releases.labels(purpose=purpose).inc()
+
+    def model_limit(self) -> int:
+        """Largest model a peer may send or serve: configured, else a small multiple of this node's
+        own model (a snapshot carries at most the params and two extra groups of their size)."""
+        if self.cfg.max_model_bytes is not None:
+            return self.cfg.max_model_bytes
+        own = LocalSnapshot(self.node_id, 0, 0, {"params": self.learner.get_params()}).encoded
+        return MODEL_BYTES_FACTOR * len(own) + MODEL_BYTES_SLACK
+
+    def _over_budget(self, peer: str, why: str) -> None:
+        self.m_rejected.labels(kind=f"limit_{why}").inc()
+        now = time.monotonic()
+        if now - self._budget_noted.get((peer, why), -1e9) >= 10.0:  # a flood is one problem, not 50
+            self._budget_noted[(peer, why)] = now
+            self.problems.note(peer, f"over its {why} budget: requests refused (RESOURCE_EXHAUSTED)")
 
     def _peer_gauges(self, counts: dict[str, int]) -> None:
         for state, n in counts.items():
@@ -337,10 +389,14 @@ class Node:
         backoff = Backoff()
         while self.cfg.rounds is None or self.round < self.cfg.rounds:
             t0 = time.monotonic()
+            stall0 = self.loop_lag.total_s
             rnd = self.round + 1
             try:
-                report = await self.strategy.run_round(rnd)
+                with self.network.exchange_phase() as phase:  # peer calls share the round's deadline
+                    report = await self.strategy.run_round(rnd)
+                t_strategy = time.monotonic() - t0
                 evaluation = await asyncio.to_thread(self.strategy.evaluate)
+                t_eval = time.monotonic() - t0 - t_strategy
                 t1, done_at = time.monotonic(), time.time()  # the round's own work ends here
                 await self.checkpointer.room()  # at most max_unsaved published rounds not yet on disk
                 waited = time.monotonic() - t1
@@ -351,7 +407,14 @@ class Node:
                           "model_version": self.version, "train_loss": report.train_loss, "eval": evaluation,
                           "weights": self.strategy.weights(), "contacted": report.contacted,
                           "bytes_sent": sent, "bytes_received": received, "info": report.info,
-                          "peers_alive": len(self.peers.alive())}
+                          "peers_alive": len(self.peers.alive()),
+                          "timing": {"strategy_s": round(t_strategy, 4), "eval_s": round(t_eval, 4),
+                                     "peer_calls": phase["calls"],
+                                     "exchange_s": round(phase.get("exchange_s", 0.0), 4),
+                                     "exchange_budget_s": round(phase["budget_s"], 3),
+                                     "calls_failed": phase["failed"], "calls_abandoned": phase["abandoned"],
+                                     "calls_skipped": phase["skipped"],
+                                     "loop_stall_s": round(self.loop_lag.total_s - stall0, 4)}}
                 # a copy now; the writer thread encodes and writes it while the next round trains
                 t2 = time.monotonic()
                 await self.checkpointer.submit(await self._snapshot(record))
@@ -390,7 +453,9 @@ class Node:
                 "rounds_target": self.cfg.rounds, "address": self.address, "admin_url": self.admin_url,
                 "fingerprint": self.fingerprint, "labels": self.labels, "last_eval": self.last_eval,
                 "strategy_state": self.strategy.public_state(), "problems": self.problems.recent(10),
-                "faulty": self.cfg.faulty, "privacy": self.privacy_view()}
+                "faulty": self.cfg.faulty, "mtls": self.tls is not None,
+                "admission": self.admission.view(),
+                "membership": self.membership_view(), "privacy": self.privacy_view()}
 
     def privacy_view(self) -> dict[str, Any]:
         """The privacy ledger (ε per peer and in total) and the knobs that bound it."""
@@ -398,6 +463,15 @@ class Node:
         return {"enabled": p.enabled, "noise_multiplier": p.noise_multiplier, "grad_clip": p.grad_clip,
                 "loss_clip": p.loss_clip, "min_batch": p.min_batch, "serves": list(self.serves),
                 **self.ledger.view()}
+
+    def membership_view(self) -> dict[str, Any]:
+        """The peer plane's own health: SWIM counters, candidate set, channels, loop lag."""
+        m = self.membership
+        return {"incarnation": m.incarnation, "candidates": len(m.pending),
+                "candidates_dropped": m.pending.dropped, "candidates_forgotten": m.pending.forgotten_total,
+                "channels": self.client.channels(), "channels_evicted": self.client.evicted,
+                "snapshot_cache_bytes": self.cache.bytes, "loop_lag_max_s": round(self.loop_lag.max_s, 4),
+                **m.stats}
 
     def peers_table(self) -> list[dict[str, Any]]:
         weights = self.strategy.weights()
@@ -417,6 +491,7 @@ def run_node(cfg: NodeConfig) -> int:
     """Run a node until SIGTERM/SIGINT. Returns the process exit code."""
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    install_log_filter()  # peers control much of what gets logged: bounded lines, repeats summarised
 
     async def main() -> int:
         try:

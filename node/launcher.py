@@ -4,7 +4,9 @@ The scenario format and the per-node configs it generates are in ``scenario.py``
 
 What ``run`` does for each strategy
 ===================================
-Node ``i`` gets ``DIR/<strategy>/configs/n{i}.toml`` (a complete NodeConfig: state dir
+A throwaway CA is made for the run (``DIR/<strategy>/pki/ca``) and every node gets a certificate
+for its id (``pki/n{i}``), so the network runs on mTLS like a real one (unless the scenario sets
+``security.insecure = true``). Node ``i`` gets ``DIR/<strategy>/configs/n{i}.toml`` (a complete NodeConfig: state dir
 ``DIR/<strategy>/nodes/n{i}``, peer and admin ports 0 on 127.0.0.1 — each node binds a free port
 itself and writes the bound addresses to its ``node.json`` — learner with num_nodes/node_index/seeds)
 and runs as its own process (``python -m coterie.cli.main node start --config ...``, output in
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import ConfigError
+from .config import ConfigError, NodeConfig
 from .scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
 
 # a personalised strategy to fall back on, in order, when a scenario's choice is not importable
@@ -49,18 +51,31 @@ def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
     """Write every node's config for ``strategy`` under ``out_dir/<strategy>`` (clearing the
     node state, configs and logs of an earlier run there: a stale checkpoint would resume)."""
     strat_dir = Path(out_dir).resolve() / strategy
-    for sub in ("nodes", "configs", "logs"):
+    for sub in ("nodes", "configs", "logs", "pki"):
         shutil.rmtree(strat_dir / sub, ignore_errors=True)
         (strat_dir / sub).mkdir(parents=True, exist_ok=True)
     specs: list[NodeSpec] = []
     for i in range(sc.nodes):
-        cfg = node_config(sc, strategy, i, strat_dir)
+        cfg = with_certificate(node_config(sc, strategy, i, strat_dir), strat_dir / "pki")
         path = strat_dir / "configs" / f"n{i}.toml"
         path.write_text(config_toml(cfg))
         b = bootstrap_index(sc, i)
         specs.append(NodeSpec(i, cfg, path, strat_dir / "logs" / f"n{i}.log",
                               bootstrap_from=None if b is None else specs[b].state_dir / "node.json"))
     return specs
+
+
+def with_certificate(cfg: NodeConfig, pki_dir: Path) -> NodeConfig:
+    """``cfg`` with a certificate for its node from the run's throwaway CA in ``pki_dir`` (made on
+    first use); unchanged when it runs insecure or brings its own certificates."""
+    sec = cfg.security
+    if sec.insecure or sec.cert_dir or sec.cert or cfg.node_id is None:
+        return cfg
+    from .security.pki import CA_KEY, init_ca, issue_cert
+    if not (pki_dir / "ca" / CA_KEY).exists():
+        init_ca(pki_dir / "ca", name="coterie run CA (throwaway)")
+    out = issue_cert(pki_dir / "ca", cfg.node_id, pki_dir / cfg.node_id)
+    return cfg.model_copy(update={"security": sec.model_copy(update={"cert_dir": out})})
 
 
 def node_command(spec: NodeSpec) -> list[str]:

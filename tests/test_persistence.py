@@ -185,7 +185,7 @@ async def test_the_round_loop_never_runs_more_than_max_unsaved_rounds_ahead_of_t
 
 
 def _solo(tmp_path, rounds, **extra):
-    return validate_config({"node_id": "solo", "state_dir": str(tmp_path / "solo"), "strategy": "local",
+    return validate_config({"node_id": "solo", "security": {"insecure": True}, "state_dir": str(tmp_path / "solo"), "strategy": "local",
                             "rounds": rounds, "min_peers": 0, "round_interval_s": 0.0, "listen": "127.0.0.1:0",
                             "admin_listen": "127.0.0.1:0", **extra,
                             "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 600},

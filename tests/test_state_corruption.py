@@ -24,7 +24,8 @@ FLIPS = [0, 1, 8, 9, 20, 0.25, 0.5, 0.75, -2, -1]
 def _cfg(state_dir: Path, **extra):
     return validate_config({
         "node_id": extra.pop("node_id", "solo"), "state_dir": str(state_dir), "strategy": "fedfomo",
-        "rounds": 2, "min_peers": 0, "round_interval_s": 0.0, "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", **extra,
+        "rounds": 2, "min_peers": 0, "security": {"insecure": True},  # one node: no peer port in play
+         "round_interval_s": 0.0, "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", **extra,
         "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 600}, "partition": "iid",
                     "num_nodes": 1, "model": "mlp", "model_params": {"hidden": [8]}, "optimizer": "adam",
                     "local_steps": 2}})
@@ -168,7 +169,7 @@ def test_cli_refuses_then_reset_starts_fresh_and_moves_the_old_state_aside(prist
     d.mkdir()
     shutil.copy(state / "history.jsonl", d / "history.jsonl")
     cmd = [sys.executable, "-m", "coterie.cli.main", "node", "start", "--state-dir", str(d), "--rounds", "0",
-           "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--set", "learner.dataset=digits", "--set", "learner.partition=iid"]
+           "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--insecure", "--set", "learner.dataset=digits", "--set", "learner.partition=iid"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "history.jsonl" in r.stderr and "--reset" in r.stderr
     p = subprocess.Popen(cmd + ["--reset"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

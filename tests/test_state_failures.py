@@ -22,7 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coterie.node.persistence import StateError, StateStore
-from nodeproc import NodeProc, tiny_learner, wait_for
+from nodeproc import NodeProc, node_certs, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,12 @@ def _healthz(node: NodeProc) -> int:
 
 
 def _grpc_health(node: NodeProc) -> int:
-    with grpc.insecure_channel(node.address) as ch:
+    """The standard health check, over mTLS as any peer (or a k8s probe with a certificate) asks."""
+    from coterie.node.security.pki import load_credentials
+    from coterie.node.transport.tls import TLS
+    tls = TLS(load_credentials(node_certs(node.dir.parent, "prober")))
+    with grpc.secure_channel(node.address, tls.channel_credentials(),
+                             options=[("grpc.ssl_target_name_override", tls.target_name(None))]) as ch:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
 
 
@@ -198,6 +203,7 @@ async def test_a_round_that_raises_is_reported_retried_and_recovers(tmp_path):
 
     node = Node(validate_config({
         "node_id": "solo", "state_dir": str(tmp_path / "solo"), "strategy": "local", "rounds": 3,
+        "security": {"insecure": True},  # one node: the state dir is under test, not the peer port
         "min_peers": 0, "round_interval_s": 0.0, "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
         "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 600}, "partition": "iid",
                     "num_nodes": 1, "model": "linear", "local_steps": 2}}))

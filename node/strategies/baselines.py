@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from ..learning.learner import Params
+from ..wire.codec import OFF_LOOP_BYTES
 from .base import RoundReport, Strategy, gather_bounded
 
 
@@ -77,7 +78,12 @@ class DPSGD(Strategy):
         snaps = await gather_bounded({p: self.net.pull(p, min_round=floor, wait_s=wait) for p in peers})
         w = 1.0 / (1 + len(snaps))
         members = [(w, trained)] + [(w, s.params) for s in snaps.values()]
-        self.learner.set_params(weighted_average(members))
+        def average() -> None:
+            self.learner.set_params(weighted_average(members))
+        if sum(t.numel() * t.element_size() for t in trained.values()) > OFF_LOOP_BYTES:
+            await self.compute(average)  # a large model-sized sum: off the event loop
+        else:
+            average()
         self._trained = trained
         self._w = {self.node_id: w, **{p: w for p in snaps}}
         return RoundReport(train_loss=res.loss, contacted=sorted(snaps))
