@@ -17,8 +17,6 @@ import sys
 import time
 from typing import Any
 
-import grpc
-
 from .config import PROTOCOL_VERSION, ConfigError, NodeConfig
 from .fsutil import atomic_write_json
 from .learning.learner import Learner
@@ -27,6 +25,7 @@ from .peering.faults import with_fault
 from .peering.inbox import PushInbox
 from .peering.membership import Membership
 from .peering.messages import LocalSnapshot, NodeInfo
+from .peering.interfaces import PeerServer, TransportFactory
 from .peering.network import NodeNetwork
 from .peering.peer_table import PeerTable
 from .peering.problems import ProblemLog
@@ -35,8 +34,6 @@ from .peering.snapshots import PublishBoard, SnapshotCache
 from .peering.traffic import TrafficStats
 from .persistence import StateError, StateStore
 from .strategies.registry import get_strategy
-from .transport.client import PeerClient
-from .transport.server import serve
 
 log = logging.getLogger("coterie.node")
 
@@ -49,7 +46,12 @@ def _hostport(address: str) -> tuple[str, int]:
 
 
 class Node:
-    def __init__(self, cfg: NodeConfig, learner: Learner | None = None):
+    """``transport`` carries the peer plane (default: gRPC on ``cfg.listen``; the in-process
+    launcher passes ``transport/inproc.py``'s). ``admin=False`` runs without the HTTP admin API
+    (in-process nodes: their launcher reads ``status()`` directly)."""
+
+    def __init__(self, cfg: NodeConfig, learner: Learner | None = None,
+                 transport: TransportFactory | None = None, *, admin: bool = True):
         self.cfg = cfg
         self.store = StateStore(cfg.state_dir)
         self.node_id = self.store.node_id(cfg.node_id)
@@ -82,9 +84,11 @@ class Node:
         self.board = PublishBoard()
         self.cache = SnapshotCache()
         self.inbox = PushInbox()
-        self.client = PeerClient(self.node_id, self.traffic, chunk_bytes=cfg.chunk_bytes,
-                                 max_model_bytes=cfg.max_model_bytes, max_gossip_bytes=cfg.max_gossip_bytes,
-                                 timeout_s=cfg.request_timeout_s, delay_ms=cfg.delay_ms)
+        if transport is None:
+            from .transport.grpc_transport import GrpcTransport
+            transport = GrpcTransport.from_config(cfg)
+        self.transport = transport
+        self.client = transport.connect(self.node_id, self.traffic)
         self.membership = Membership(self.info, self.position, self.peers, self.client, self.problems,
                                      bootstrap=cfg.peers, heartbeat_interval_s=cfg.heartbeat_interval_s,
                                      request_timeout_s=cfg.request_timeout_s, link_delay_s=cfg.delay_ms / 1000,
@@ -107,7 +111,8 @@ class Node:
         self.address = ""
         self.admin_url = ""
         self._tasks: list[asyncio.Task] = []
-        self._server: grpc.aio.Server | None = None
+        self._server: PeerServer | None = None
+        self.serve_admin = admin
         self._admin = None
         self._round_task: asyncio.Task | None = None
 
@@ -117,15 +122,13 @@ class Node:
         self.publish()
         # a testbed bad actor corrupts what it serves (peering/faults.py); it learns normally
         handler = with_fault(self.served, self.cfg.faulty)
-        self._server, port = await serve(handler, self.traffic, self.cfg.listen, chunk_bytes=self.cfg.chunk_bytes,
-                                         max_model_bytes=self.cfg.max_model_bytes,
-                                         max_gossip_bytes=self.cfg.max_gossip_bytes)
-        host, _ = _hostport(self.cfg.listen)
-        self.address = self.cfg.advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
-        from .admin import start_admin
-        ahost, aport = _hostport(self.cfg.admin_listen)
-        self._admin, bound = await start_admin(self, ahost, aport)
-        self.admin_url = f"http://{'127.0.0.1' if ahost in ('0.0.0.0', '::', '') else ahost}:{bound}"
+        self._server = await self.transport.serve(handler, self.traffic)
+        self.address = self._server.address
+        if self.serve_admin:
+            from .admin import start_admin
+            ahost, aport = _hostport(self.cfg.admin_listen)
+            self._admin, bound = await start_admin(self, ahost, aport)
+            self.admin_url = f"http://{'127.0.0.1' if ahost in ('0.0.0.0', '::', '') else ahost}:{bound}"
         atomic_write_json(self.store.dir / "node.json", {
             "node_id": self.node_id, "address": self.address, "admin_url": self.admin_url,
             "pid": os.getpid(), "started": self.started})
@@ -140,7 +143,7 @@ class Node:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._server is not None:
-            await self._server.stop(grace=0.5)
+            await self._server.stop()
         if self._admin is not None:
             await self._admin.cleanup()
         await self.client.close()

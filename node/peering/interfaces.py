@@ -4,7 +4,9 @@
 arrives (implemented by ``served.ServedRequests``). ``PeerTransport`` is how this node reaches
 others: what ``NodeNetwork`` and ``Membership`` call (implemented by the gRPC client in
 ``transport/client.py``). Both speak the domain objects of ``messages``; a transport converts them
-to its own wire, so a second transport (in-process, ...) plugs in without touching either side."""
+to its own wire, so a second transport (in-process, ...) plugs in without touching either side.
+``TransportFactory`` is the pair of them for one node, chosen by whoever composes the node (gRPC:
+``transport/grpc_transport.py``; in-process: ``transport/inproc.py``)."""
 from __future__ import annotations
 
 from typing import Any, Protocol
@@ -51,3 +53,19 @@ class PeerTransport(Protocol):
                      timeout: float | None = None) -> dict[str, Any]: ...
     async def forget(self, address: str) -> None: ...
     async def close(self) -> None: ...
+
+
+class PeerServer(Protocol):
+    """A node's served side, running: where peers reach it, and how to stop serving."""
+
+    address: str
+
+    async def stop(self) -> None: ...
+
+
+class TransportFactory(Protocol):
+    """One node's transport: serves its ``PeerHandler`` and opens its ``PeerTransport``. The
+    composition root picks it (gRPC sockets, in-process memory); ``Node`` only sees this."""
+
+    def connect(self, node_id: str, traffic: Traffic) -> PeerTransport: ...
+    async def serve(self, handler: PeerHandler, traffic: Traffic) -> PeerServer: ...
