@@ -2,7 +2,8 @@
 
   coterie node start [--config FILE] [flags]      run one node daemon (blocks)
   coterie status|peers|weights --admin URL        inspect a running node (--json for raw JSON)
-  coterie run SCENARIO.toml --out DIR             launch a local network, write results.json
+  coterie run SCENARIO.toml --out DIR [--backend processes|inproc]
+                                                  launch a local network, write results.json
   coterie demo [--out DIR]                        the built-in scenario: personalised vs local
   coterie strategies                              the strategies this install can run
 
@@ -170,7 +171,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise _Terminated()
 
 
-def _launch(sc, out: Path, notes: list[str], demo: bool) -> None:
+def _launch(sc, out: Path, notes: list[str], demo: bool, backend: str = "processes") -> None:
     from coterie.node import launcher, results as res
 
     console = _console()
@@ -178,7 +179,7 @@ def _launch(sc, out: Path, notes: list[str], demo: bool) -> None:
         console.print(f"[yellow]note:[/] {n}")
     old = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        r = launcher.run_scenario(sc, out, console=console, notes=notes)
+        r = launcher.run_scenario(sc, out, backend=backend, console=console, notes=notes)
     except KeyboardInterrupt:
         raise _fail("interrupted; every node was stopped", 130)
     except launcher.LauncherError as e:
@@ -209,19 +210,23 @@ def run(
     seed: Optional[int] = typer.Option(None, "--seed"),
     rounds: Optional[int] = typer.Option(None, "--rounds"),
     nodes: Optional[int] = typer.Option(None, "--nodes"),
+    backend: str = typer.Option("processes", "--backend",
+                                help="processes: a daemon process per node (gRPC on loopback); "
+                                     "inproc: every node in this process (in-process transport)"),
 ) -> None:
-    """Launch every node of a scenario as a local process, per strategy; write OUT/results.json."""
+    """Launch every node of a scenario on this machine, per strategy; write OUT/results.json."""
     from coterie.node.config import ConfigError
-    from coterie.node.launcher import resolve_strategies
+    from coterie.node.launcher import check_backend, resolve_strategies
     from coterie.node.scenario import load_scenario
 
     try:
         strategies_ = [s.strip() for s in strategy.split(",") if s.strip()] if strategy else None
         sc = load_scenario(scenario, strategies=strategies_, seed=seed, rounds=rounds, nodes=nodes)
         resolve_strategies(sc.strategy, fallback=False)
+        check_backend(sc, backend)
     except ConfigError as e:
         raise _fail(str(e), EXIT_CONFIG)
-    _launch(sc, out, [], demo=False)
+    _launch(sc, out, [], demo=False, backend=backend)
 
 
 @app.command()

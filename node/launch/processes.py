@@ -1,0 +1,214 @@
+"""The ``processes`` backend of ``coterie run``: every node a daemon process of its own, gRPC on
+loopback.
+
+Free loopback ports are picked; node ``i`` gets ``DIR/<strategy>/configs/n{i}.toml`` (a complete
+NodeConfig: state dir ``DIR/<strategy>/nodes/n{i}``, listen/admin on 127.0.0.1, bootstrap peer,
+learner with num_nodes/node_index/seeds) and runs as its own process
+(``python -m coterie.cli.main node start --config ...``, output in ``DIR/<strategy>/logs/n{i}.log``).
+Each node's ``/status`` is polled for the live view; when every node reports ``done`` all are
+stopped (SIGTERM to each process group, SIGKILL after a grace period) — also on Ctrl-C, timeout
+or a node that dies early (which is reported with the tail of its log). Each node's
+``history.jsonl`` then gives the per-round figures that go into ``DIR/results.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from ..scenario import NodeSpec, Scenario, StrategyRun, config_toml, node_config
+from .common import LauncherError, LiveView, NodeProgress, check_deadline, collect, fresh_strategy_dir, read_history
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports that were free a moment ago (all held open together while picking)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
+    """Write every node's config for ``strategy`` under ``out_dir/<strategy>``."""
+    strat_dir = fresh_strategy_dir(out_dir, strategy)
+    flat = free_ports(2 * sc.nodes)
+    ports = [(flat[2 * i], flat[2 * i + 1]) for i in range(sc.nodes)]
+    specs = []
+    for i in range(sc.nodes):
+        cfg = node_config(sc, strategy, i, strat_dir, ports)
+        path = strat_dir / "configs" / f"n{i}.toml"
+        path.write_text(config_toml(cfg))
+        specs.append(NodeSpec(i, cfg, path, strat_dir / "logs" / f"n{i}.log"))
+    return specs
+
+
+def node_command(spec: NodeSpec) -> list[str]:
+    return [sys.executable, "-m", "coterie.cli.main", "node", "start", "--config",
+            str(spec.config_path)]
+
+
+def _child_env() -> dict[str, str]:
+    # COTERIE_* would override the generated configs in every node (env beats TOML)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COTERIE_")}
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("MKL_NUM_THREADS", "1")
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's BLAS pool: one thread and buffer set per daemon
+    return env
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log written)"
+    tail = text.splitlines()[-lines:]
+    return "\n".join(tail) if tail else "(log is empty)"
+
+
+def fetch_json(url: str, timeout: float = 2.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read().decode())
+
+
+class Network:
+    """The processes of one strategy's run. Use as a context manager: leaving it (normally, by an
+    exception or by Ctrl-C) stops every process."""
+
+    def __init__(self, specs: list[NodeSpec], command: Callable[[NodeSpec], list[str]] = node_command,
+                 stop_timeout_s: float = 15.0):
+        self.specs = specs
+        self.command = command
+        self.stop_timeout_s = stop_timeout_s
+        self.procs: list[subprocess.Popen] = []
+        self._logs: list[Any] = []
+
+    def __enter__(self) -> "Network":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        env = _child_env()
+        for spec in self.specs:
+            spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = open(spec.log_path, "ab")
+            self._logs.append(log)
+            self.procs.append(subprocess.Popen(
+                self.command(spec), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env, start_new_session=True))  # own process group: killpg reaches its children
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def _signal(self, proc: subprocess.Popen, sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)  # pgid == pid (start_new_session)
+        except (ProcessLookupError, PermissionError):
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self) -> None:
+        """SIGTERM every process group, wait, SIGKILL what is left. Never raises, never leaves a
+        process behind; a second Ctrl-C while waiting goes straight to SIGKILL."""
+        try:
+            for p in self.procs:
+                self._signal(p, signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_timeout_s
+            for p in self.procs:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        except KeyboardInterrupt:
+            pass
+        finally:
+            for p in self.procs:
+                self._signal(p, signal.SIGKILL)  # also reaches grandchildren left in the group
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:  # pragma: no cover - unkillable
+                    pass
+            for f in self._logs:
+                f.close()
+            self._logs.clear()
+
+    def poll(self, pool: ThreadPoolExecutor, rounds: int,
+             progress: list[NodeProgress]) -> None:
+        """Refresh ``progress`` from every node's /status; raise LauncherError for a node that
+        died before it was done."""
+        def one(spec: NodeSpec) -> dict[str, Any] | None:
+            try:
+                return fetch_json(spec.admin_url + "/status", timeout=2.0)
+            except (OSError, ValueError):
+                return None
+
+        statuses = list(pool.map(one, self.specs))
+        for spec, proc, st, pr in zip(self.specs, self.procs, statuses, progress):
+            if st is not None:
+                pr.update(st)
+            rc = proc.poll()
+            if rc is not None and not pr.done:
+                hist = read_history(spec.state_dir / "history.jsonl")
+                if rc == 0 and len(hist) >= rounds:  # finished and exited on its own
+                    pr.done, pr.round, pr.state = True, len(hist), "done"
+                    continue
+                raise LauncherError(
+                    f"node {spec.node_id} exited with code {rc} before finishing its rounds "
+                    f"(round {pr.round}/{rounds}); last lines of {spec.log_path}:\n"
+                    f"{log_tail(spec.log_path)}")
+
+
+def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = None,
+                 command: Callable[[NodeSpec], list[str]] | None = None,
+                 poll_interval_s: float = 0.5, stop_timeout_s: float = 15.0,
+                 on_start: Callable[[Network], None] | None = None) -> StrategyRun:
+    """Run one strategy's network to completion and collect each node's files."""
+    specs = prepare(sc, strategy, out_dir)
+    progress = [NodeProgress() for _ in specs]
+    t0 = time.time()
+    view = LiveView(console, strategy, specs, sc.rounds) if console else None
+    with Network(specs, command or node_command, stop_timeout_s) as net, \
+            ThreadPoolExecutor(max_workers=min(32, len(specs))) as pool:
+        if on_start:
+            on_start(net)
+        if view:
+            view.__enter__()
+        try:
+            deadline = time.monotonic() + sc.timeout_s
+            while True:
+                net.poll(pool, sc.rounds, progress)
+                if view:
+                    view.update(progress)
+                if all(pr.done for pr in progress):
+                    break
+                check_deadline(strategy, specs, progress, deadline, sc.timeout_s)
+                time.sleep(poll_interval_s)
+        finally:
+            if view:
+                view.__exit__()
+    return collect(strategy, specs, sc.rounds, time.time() - t0, progress)
