@@ -7,9 +7,9 @@ The nodes are the same ``Node`` as a daemon process runs — same configs (writt
 
 - addresses are ``inproc:<i+1>`` and there is no admin HTTP server per node: the launcher reads
   each node's progress and final ``status()`` directly;
-- one thread pool runs every node's compute (``asyncio.to_thread``'s default executor, sized
-  ``threads``); the dataset pool and the partition are computed once and shared (each node
-  copies only its own samples);
+- one thread pool runs every node's compute and checkpoint writes (``asyncio.to_thread``'s
+  default executor, ``default_threads()``); the dataset pool and the partition are computed once
+  and shared (each node copies only its own samples);
 - every node heartbeats every peer it knows each interval (N² calls per interval in one
   process), so for large networks the heartbeat interval — and the suspect/dead timeouts with
   it — is stretched until the whole network stays under ``HEARTBEATS_PER_S``; small networks
@@ -32,6 +32,12 @@ from .common import LauncherError, LiveView, NodeProgress, check_deadline, colle
 
 HEARTBEATS_PER_S = 20_000  # in-memory heartbeats one process affords (tens of µs each)
 LOG_NAME = "inproc.log"
+
+
+def default_threads() -> int:
+    """Compute needs about one thread per core; the rest cover threads blocked in a checkpoint's
+    fsyncs (a node's checkpoint waits on the disk ~17 times), which would otherwise stall training."""
+    return 4 * (os.cpu_count() or 1) + 4
 
 
 def address(i: int) -> str:
@@ -137,7 +143,7 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
     """Run one strategy's network in this process to completion and collect each node's files."""
     specs = prepare(sc, strategy, out_dir)
     progress = [NodeProgress() for _ in specs]
-    threads = threads or min(4, os.cpu_count() or 1)
+    threads = threads or default_threads()
     t0 = time.time()
     view = LiveView(console, strategy, specs, sc.rounds) if console else None
     with _NodeLogs(specs[0].log_path, specs[0].config.log_level):
