@@ -144,7 +144,7 @@ class InProcNetwork:
         if sealed != versions:
             raise WireError(f"snapshot v{snap.version} of {snap.node_id} was modified in place after it was "
                             f"handed out (in-process snapshots are shared and read-only for receivers)")
-        return snap.groups
+        return {g: dict(ts) for g, ts in snap.groups.items()}  # the tensors shared, the dicts the puller's own
 
 
 @dataclass
