@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -92,10 +93,10 @@ class Sampler(threading.Thread):
         self.phases = phases if phases is not None else {}  # pid -> what it is doing (set by the caller)
         self.peak = {"rss": 0, "pss": 0, "uss": 0, "processes": 0}
         self.per_pid: dict[int, list[tuple[str, dict[str, int]]]] = {}
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             pids = [self.root] + descendants(self.root)
             total = {"rss": 0, "pss": 0, "uss": 0}
             for p in pids:
@@ -108,10 +109,10 @@ class Sampler(threading.Thread):
             for k in total:
                 self.peak[k] = max(self.peak[k], total[k])
             self.peak["processes"] = max(self.peak["processes"], len(pids))
-            self._stop.wait(self.interval)
+            self._halt.wait(self.interval)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join()
 
 
@@ -185,7 +186,9 @@ def first_handshake_s(how: str, tmp: Path) -> float:
     from coterie.node.peering.traffic import TrafficStats
     from coterie.node.transport.client import PeerClient
 
-    port = processes.free_ports(1)[0]
+    with socket.socket() as sock:  # a port free a moment ago: the probe must know it before node.json
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     data = {"node_id": "solo", "state_dir": str(tmp / f"{how}-state"), "listen": f"127.0.0.1:{port}",
             "admin_listen": "127.0.0.1:0", "strategy": "fedfomo", "rounds": 0, "log_level": "WARNING",
             "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 100000}, "num_nodes": 1000,
@@ -215,7 +218,7 @@ def first_handshake_s(how: str, tmp: Path) -> float:
     if how == "forked":
         ctx = processes.fork_context(["fedfomo"])  # warm: the launcher starts it once per run
         t0 = time.monotonic()
-        p = ctx.Process(target=processes._run_forked_node, args=(str(path), str(log)))
+        p = ctx.Process(target=processes._run_forked_node, args=(["node", "start", "--config", str(path)], str(log)))
         p.start()
         try:
             t1 = asyncio.run(asyncio.wait_for(probe(), 120))

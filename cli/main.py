@@ -1,28 +1,31 @@
 """The ``coterie`` command line.
 
   coterie node start [--config FILE] [flags]      run one node daemon (blocks)
-  coterie status|peers|weights --admin URL        inspect a running node (--json for raw JSON)
+  coterie status|peers|weights|history            inspect a running node (--json for raw JSON)
   coterie run SCENARIO.toml --out DIR [--backend processes|inproc]
                                                   launch a local network, write results.json
   coterie demo [--out DIR]                        the built-in scenario: personalised vs local
   coterie strategies                              the strategies this install can run
 
-Config precedence for ``node start``: flags > COTERIE_* environment > TOML file.
+Config precedence for ``node start``: flags > COTERIE_* environment > TOML file. The inspecting
+commands take the node's admin URL from ``--admin`` or ``COTERIE_ADMIN``. Errors are one line on
+stderr, never a traceback: exit 1 for a node or network problem, 2 for bad input.
 """
 from __future__ import annotations
 
 import json
 import signal
-import urllib.error
-import urllib.request
+import socket
+import time
+from importlib import metadata
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import typer
 from rich.console import Console
 
 app = typer.Typer(help="Coterie: peer-to-peer decentralized personalised learning.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                  no_args_is_help=True, pretty_exceptions_enable=False)
 node_app = typer.Typer(help="Run a node daemon.", no_args_is_help=True)
 app.add_typer(node_app, name="node")
 
@@ -36,6 +39,31 @@ def _console() -> Console:
 def _fail(msg: str, code: int = 1) -> "typer.Exit":
     Console(stderr=True).print(f"[red]error:[/] {msg}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
+
+
+def _warn(msg: str) -> None:
+    Console(stderr=True).print(f"[yellow]warning:[/] {msg}", highlight=False, soft_wrap=True)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("coterie")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "unknown"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"coterie {_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    from coterie.node.config import unknown_env
+    for w in unknown_env():
+        _warn(w)
 
 
 # ---------------------------------------------------------------------------------- node start
@@ -71,6 +99,86 @@ def build_overrides(*, node_id: str | None = None, state_dir: Path | None = None
     return out
 
 
+def _port_taken(address: str) -> bool:
+    """Whether host:port (port != 0) cannot be bound right now. A quick check so a taken port is
+    reported before the node spends seconds building its data and model; the real bind later
+    reports its own clean error if the port is taken in between."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if int(port) == 0:
+        return False
+    try:
+        family = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM)[0][0]
+    except OSError:
+        return False  # an unresolvable host: the node's own bind names it
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "taken"
+        try:
+            s.bind((host, int(port)))
+        except OSError:
+            return True
+    return False
+
+
+def preflight(cfg) -> tuple[str, int] | None:
+    """What would stop this node after a slow start, checked at once: (message, exit code)."""
+    from coterie.node.launcher import strategy_problem
+    from coterie.node.learning.partition import true_clusters
+
+    problem = strategy_problem(cfg.strategy)
+    if problem is not None:
+        return f"strategy: {problem}", EXIT_CONFIG
+    try:
+        true_clusters(cfg.learner)
+    except ValueError as e:
+        return (f"learner: {e} (a node started by hand is one of learner.num_nodes; set "
+                f"learner.num_nodes/node_index and learner.partition_params)"), EXIT_CONFIG
+    for field in ("listen", "admin_listen"):
+        address = getattr(cfg, field)
+        if _port_taken(address):
+            return f"{field} {address}: the port is already in use", 1
+    return None
+
+
+def bootstrap_addresses(paths: list[Path], timeout_s: float) -> list[str]:
+    """The peer address in each node.json (a file, or a state dir holding one) of a *running* node
+    on this machine, waiting up to ``timeout_s`` for it to appear: a node started on port 0 writes
+    it once its ports are bound, so a network can start at once without picking ports."""
+    import os
+
+    def running(pid: object) -> bool:
+        if not isinstance(pid, int):
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    out = []
+    deadline = time.monotonic() + timeout_s
+    for p in paths:
+        f = p / "node.json" if p.is_dir() or p.suffix != ".json" else p
+        while True:
+            try:
+                info = json.loads(f.read_text())
+            except (OSError, ValueError):
+                info = {}
+            if isinstance(info, dict) and info.get("address") and running(info.get("pid")):
+                out.append(str(info["address"]))
+                break
+            if time.monotonic() > deadline:
+                raise _fail(f"--bootstrap-from {p}: no running node wrote {f} within {timeout_s:g}s")
+            time.sleep(0.1)  # the other node is still starting
+    return out
+
+
+LOG_FORMAT_OPT = typer.Option("text", "--log-format", envvar="COTERIE_LOG_FORMAT",
+                              help="text, or json: one JSON object per log line")
+
+
 @node_app.command("start")
 def node_start(
     config: Optional[Path] = typer.Option(None, "--config", "-c", envvar="COTERIE_CONFIG",
@@ -85,10 +193,17 @@ def node_start(
     rounds: Optional[int] = typer.Option(None, "--rounds"),
     sets: Optional[list[str]] = typer.Option(None, "--set",
                                              help="any field: key.path=value (JSON value or text)"),
+    log_format: str = LOG_FORMAT_OPT,
+    bootstrap_from: Optional[list[Path]] = typer.Option(
+        None, "--bootstrap-from", help="node.json (or state dir) of a node on this machine to "
+        "bootstrap from; waits for it up to start_timeout_s"),
 ) -> None:
     """Start a node daemon; it runs until SIGTERM/SIGINT."""
     from coterie.node.config import ConfigError, load_config
+    from coterie.node.logs import configure_logging
 
+    if log_format not in ("text", "json"):
+        raise _fail(f"--log-format must be text or json, got {log_format!r}", EXIT_CONFIG)
     try:
         overrides = build_overrides(node_id=node_id, state_dir=state_dir, listen=listen,
                                     advertise=advertise, admin_listen=admin_listen, peers=peers,
@@ -96,70 +211,165 @@ def node_start(
         cfg = load_config(config, overrides)
     except ConfigError as e:
         raise _fail(str(e), EXIT_CONFIG)
+    problem = preflight(cfg)
+    if problem is not None:
+        raise _fail(*problem)
+    configure_logging(cfg.log_level, log_format)  # run_node's own basicConfig then stands aside
     from coterie.node.daemon import run_node  # lazy: torch and grpc only when a node really starts
+    if bootstrap_from:  # after the slow imports: the other node starts up meanwhile
+        extra = bootstrap_addresses(bootstrap_from, cfg.start_timeout_s)
+        cfg = cfg.model_copy(update={"peers": [*cfg.peers, *(a for a in extra if a not in cfg.peers)]})
     raise typer.Exit(run_node(cfg))
 
 
 # ------------------------------------------------------------------------------ admin queries
-def _admin_get(admin: str, path: str, timeout: float = 5.0) -> Any:
-    base = admin if "://" in admin else f"http://{admin}"
-    url = base.rstrip("/") + path
+class AdminError(Exception):
+    """The admin API could not be queried; the message is the one line the user sees."""
+
+
+def admin_base(admin: str | None) -> str:
+    if not admin:
+        raise AdminError("no admin URL: pass --admin URL or set COTERIE_ADMIN (a node prints its "
+                         "admin URL at start and writes it to <state-dir>/node.json)")
+    return (admin if "://" in admin else f"http://{admin}").rstrip("/")
+
+
+def admin_get(client, admin: str | None, path: str) -> Any:
+    """GET a JSON admin endpoint with httpx; every failure becomes one AdminError line."""
+    import httpx
+
+    url = admin_base(admin) + path
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            body = r.read().decode()
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")[:300]
-        raise _fail(f"{url} answered HTTP {e.code}: {detail}")
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        raise _fail(f"cannot reach the node's admin API at {url}: {reason}")
+        r = client.get(url)
+    except httpx.ConnectError as e:
+        raise AdminError(f"cannot reach the node's admin API at {url}: {e or 'connection failed'}")
+    except httpx.TimeoutException:
+        raise AdminError(f"no answer from {url} within {client.timeout.read}s")
+    except (httpx.RemoteProtocolError, httpx.LocalProtocolError, httpx.DecodingError):
+        raise AdminError(f"{url} does not answer HTTP: is this the node's peer (gRPC) port? "
+                         f"The admin URL is admin_url in /status or <state-dir>/node.json")
+    except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
+        raise AdminError(f"not a usable admin URL {admin!r}: {e}")
+    except httpx.HTTPError as e:
+        raise AdminError(f"cannot reach the node's admin API at {url}: {type(e).__name__}: {e}")
+    if r.status_code >= 400:
+        raise AdminError(f"{url} answered HTTP {r.status_code}: {r.text[:300]}")
     try:
-        return json.loads(body)
-    except json.JSONDecodeError:
-        raise _fail(f"{url} did not answer JSON: {body[:200]!r}")
+        return r.json()
+    except ValueError:
+        raise AdminError(f"{url} did not answer JSON: {r.text[:200]!r}")
 
 
-ADMIN_OPT = typer.Option(..., "--admin", "-a", help="admin URL of the node, e.g. http://127.0.0.1:8080")
-JSON_OPT = typer.Option(False, "--json", help="print the raw JSON")
+def _client(timeout: float = 5.0):
+    import httpx
+    return httpx.Client(timeout=timeout, follow_redirects=True)
 
 
-def _show(data: Any, as_json: bool, table) -> None:
+ADMIN_OPT = typer.Option(None, "--admin", "-a", envvar="COTERIE_ADMIN", show_envvar=True,
+                         help="admin URL of the node, e.g. http://127.0.0.1:8000")
+JSON_OPT = typer.Option(False, "--json", help="print JSON instead of a table")
+WATCH_OPT = typer.Option(False, "--watch", "-w", help="refresh until Ctrl-C")
+INTERVAL_OPT = typer.Option(2.0, "--interval", min=0.1, help="seconds between refreshes (--watch)")
+
+
+def _show(data: Any, as_json: bool, table: Callable[[Any], Any]) -> None:
     if as_json:
         typer.echo(json.dumps(data, indent=2))
     else:
         _console().print(table(data))
 
 
+def _inspect(admin: str | None, path: str, as_json: bool, table: Callable[[Any], Any],
+             watch: bool = False, interval: float = 2.0) -> None:
+    with _client() as client:
+        if not watch:
+            try:
+                data = admin_get(client, admin, path)
+            except AdminError as e:
+                raise _fail(str(e))
+            _show(data, as_json, table)
+            return
+        _watch(lambda: admin_get(client, admin, path), as_json, table, interval)
+
+
+def _watch(fetch: Callable[[], Any], as_json: bool, table: Callable[[Any], Any], interval: float) -> None:
+    """Refresh until Ctrl-C. A node that stops answering is shown as such and retried; --json
+    prints one JSON object per refresh (JSON lines)."""
+    from rich.live import Live
+    from rich.text import Text
+
+    try:
+        if as_json:
+            while True:
+                try:
+                    typer.echo(json.dumps(fetch()))
+                except AdminError as e:
+                    typer.echo(json.dumps({"error": str(e)}))
+                time.sleep(interval)
+        with Live(console=_console(), auto_refresh=False) as live:
+            while True:
+                try:
+                    view = table(fetch())
+                except AdminError as e:
+                    view = Text(f"{e} (retrying every {interval:g}s)", style="red")
+                live.update(view, refresh=True)
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+
+
 @app.command()
-def status(admin: str = ADMIN_OPT, as_json: bool = JSON_OPT) -> None:
-    """Round, model version, strategy and health of a running node."""
+def status(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT, watch: bool = WATCH_OPT,
+           interval: float = INTERVAL_OPT) -> None:
+    """Round, model version, strategy, health and recent problems of a running node."""
     from .render import status_table
-    _show(_admin_get(admin, "/status"), as_json, status_table)
+    _inspect(admin, "/status", as_json, status_table, watch, interval)
 
 
 @app.command()
-def peers(admin: str = ADMIN_OPT, as_json: bool = JSON_OPT) -> None:
+def peers(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT, watch: bool = WATCH_OPT,
+          interval: float = INTERVAL_OPT) -> None:
     """The node's peer table."""
     from .render import peers_table
-    _show(_admin_get(admin, "/peers"), as_json, peers_table)
+    _inspect(admin, "/peers", as_json, peers_table, watch, interval)
 
 
 @app.command()
-def weights(admin: str = ADMIN_OPT, as_json: bool = JSON_OPT) -> None:
+def weights(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT) -> None:
     """The node's collaborator weights."""
     from .render import weights_table
-    _show(_admin_get(admin, "/weights"), as_json, weights_table)
+    _inspect(admin, "/weights", as_json, weights_table)
 
 
 @app.command()
-def strategies() -> None:
+def history(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT,
+            last: int = typer.Option(20, "--last", "-n", min=0,
+                                     help="only the last N rounds (0: all)"),
+            since: Optional[int] = typer.Option(None, "--since", help="only rounds after this one")) -> None:
+    """The node's rounds: accuracy, loss, duration, traffic and top collaborators per round."""
+    from .render import history_table
+    path = "/history" + (f"?since={since}" if since is not None else "")
+    with _client() as client:
+        try:
+            entries = admin_get(client, admin, path)
+            node_id = None if as_json else admin_get(client, admin, "/status").get("node_id")
+        except AdminError as e:
+            raise _fail(str(e))
+    _show(entries[-last:] if last else entries, as_json, lambda es: history_table(es, node_id))
+
+
+@app.command()
+def strategies(as_json: bool = JSON_OPT) -> None:
     """Strategies known to the registry, and whether this install can run them."""
     from coterie.node.launcher import strategy_problem
     from coterie.node.strategies.registry import available
 
-    for name in available():
-        problem = strategy_problem(name)
-        typer.echo(f"{name:18s} {'ok' if problem is None else 'unavailable: ' + problem}")
+    rows = [{"name": n, "ok": (p := strategy_problem(n)) is None, "problem": p} for n in available()]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        typer.echo(f"{r['name']:18s} {'ok' if r['ok'] else 'unavailable: ' + r['problem']}")
 
 
 # ---------------------------------------------------------------------------------- run / demo

@@ -6,8 +6,12 @@ Routes (all GET):
   /peers     node.peers_table() as JSON
   /weights   node.weights_view() as JSON
   /metrics   Prometheus text exposition (node.metrics.render())
-  /history   node.history as JSON; ``?since=N`` keeps the rounds after N
-  /          the dashboard (static HTML polling /status, /peers and /weights)
+  /history   node.history as JSON; ``?since=N`` keeps the rounds after N, ``?last=N`` the last N
+  /network   the whole network's collaborator-weight matrix: this node's rows plus every peer's,
+             fetched server-side from the admin URLs peers advertise (the browser may not reach
+             them, and this avoids CORS), diagonal apart, rows in block order (node/clusters.py)
+  /          the dashboard (node/static/dashboard.html: plain HTML + JS + SVG, no build step, no
+             CDN), polling /status, /peers, /history and /network
 Anything else answers 404 with a JSON error body.
 
 The node is duck-typed: ``node_id``, ``status()``, ``peers_table()``, ``weights_view()``,
@@ -15,21 +19,31 @@ The node is duck-typed: ``node_id``, ``status()``, ``peers_table()``, ``weights_
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from aiohttp import web
 
-from .metrics import CONTENT_TYPE
+from . import clusters
 from .fsutil import json_safe
 
 log = logging.getLogger(__name__)
 
 DASHBOARD = Path(__file__).with_name("static") / "dashboard.html"
 NODE_KEY = web.AppKey("node", object)
+NETWORK_KEY = web.AppKey("network", object)
+
+NETWORK_MAX_PEERS = 64  # peers queried for /network (the matrix is n x n; a browser draws it)
+NETWORK_CONCURRENCY = 16
+NETWORK_TIMEOUT_S = 2.0  # per peer: a slow or dead peer shows as missing, not as a slow page
+NETWORK_CACHE_S = 1.0  # several dashboards polling one node share one round of peer queries
+NETWORK_ROUNDS = 10  # each row is the node's weights averaged over its last rounds (less noisy)
 
 
 
@@ -79,8 +93,9 @@ async def weights(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[NODE_KEY].metrics.render()
-    return web.Response(body=body.encode(), headers={"Content-Type": CONTENT_TYPE})
+    m = request.app[NODE_KEY].metrics
+    body, content_type = m.exposition(request.headers.get("Accept"))  # OpenMetrics when asked
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 async def history(request: web.Request) -> web.Response:
@@ -94,7 +109,92 @@ async def history(request: web.Request) -> web.Response:
             return _json({"error": f"since must be an integer round number, got {raw!r}",
                           "status": 400, "path": request.path}, status=400)
         entries = [e for e in entries if int(e.get("round", 0)) > since]
+    raw = request.query.get("last")
+    if raw is not None:
+        if not raw.isdigit():
+            return _json({"error": f"last must be a non-negative integer, got {raw!r}",
+                          "status": 400, "path": request.path}, status=400)
+        entries = entries[-int(raw):] if int(raw) else []
     return _json(entries)
+
+
+def _mean_row(entries: list[dict[str, Any]]) -> dict[str, float]:
+    sums: dict[str, float] = {}
+    rows = [e.get("weights") for e in entries if isinstance(e.get("weights"), dict)]
+    for w in rows:
+        for k, v in w.items():
+            try:
+                sums[k] = sums.get(k, 0.0) + float(v or 0.0)
+            except (TypeError, ValueError):
+                continue
+    return {k: v / len(rows) for k, v in sums.items()} if rows else {}
+
+
+async def _peer_rows(peers: list[dict[str, Any]]) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
+    """Each peer's mean weight row from its own admin API: {node_id: row}, {node_id: error}."""
+    rows: dict[str, dict[str, float]] = {}
+    errors: dict[str, str] = {}
+    sem = asyncio.Semaphore(NETWORK_CONCURRENCY)
+
+    async def one(client: httpx.AsyncClient, p: dict[str, Any]) -> None:
+        url = str(p.get("admin_url") or "").rstrip("/")
+        if not url:
+            errors[p["node_id"]] = "advertises no admin URL"
+            return
+        async with sem:
+            try:
+                r = await client.get(f"{url}/history", params={"last": NETWORK_ROUNDS})
+                r.raise_for_status()
+                entries = r.json()
+            except (httpx.HTTPError, ValueError) as e:
+                errors[p["node_id"]] = f"{url}: {type(e).__name__}: {e}"[:200]
+                return
+        if isinstance(entries, list):
+            rows[p["node_id"]] = _mean_row([e for e in entries if isinstance(e, dict)])
+
+    async with httpx.AsyncClient(timeout=NETWORK_TIMEOUT_S) as client:
+        await asyncio.gather(*(one(client, p) for p in peers))
+    return rows, errors
+
+
+async def network_view(node: Any) -> dict[str, Any]:
+    """This node and its peers as one weight matrix (see the module docstring)."""
+    status_ = await _call(node.status)
+    table = await _call(node.peers_table)
+    me = status_["node_id"]
+    peers = sorted((p for p in table if p.get("state") != "dead"), key=lambda p: p["node_id"])
+    skipped = max(0, len(peers) - NETWORK_MAX_PEERS)
+    peers = peers[:NETWORK_MAX_PEERS]
+    rows, errors = await _peer_rows(peers)
+    rows[me] = _mean_row(list(node.history)[-NETWORK_ROUNDS:])
+    ids = sorted({me, *(p["node_id"] for p in peers)})
+    labels = {p["node_id"]: p.get("labels") or {} for p in table}
+    labels[me] = status_.get("labels") or {}
+    matrix = [[rows[i].get(j, 0.0) for j in ids] if i in rows else None for i in ids]
+    order = clusters.block_order(matrix)
+    ordered = [ids[k] for k in order]
+    full = clusters.reorder(matrix, order)
+    return {
+        "node_id": me, "round": status_.get("round"), "rounds_averaged": NETWORK_ROUNDS,
+        "nodes": ordered,
+        "clusters": {i: labels.get(i, {}).get("cluster") for i in ordered},
+        "self_weights": [full[k][k] for k in range(len(ordered))],
+        # peers' weights only: the diagonal is in self_weights, and null here
+        "matrix": [None if ordered[r] not in rows else [None if r == c else v for c, v in enumerate(row)]
+                   for r, row in enumerate(full)],
+        "errors": errors, "skipped_peers": skipped, "t": time.time(),
+    }
+
+
+async def network(request: web.Request) -> web.Response:
+    cache = request.app[NETWORK_KEY]
+    now = time.monotonic()
+    if cache.get("view") is None or now - cache["at"] > NETWORK_CACHE_S:
+        async with cache["lock"]:
+            if cache.get("view") is None or time.monotonic() - cache["at"] > NETWORK_CACHE_S:
+                cache["view"] = await network_view(request.app[NODE_KEY])
+                cache["at"] = time.monotonic()
+    return _json(cache["view"])
 
 
 async def dashboard(request: web.Request) -> web.Response:
@@ -108,6 +208,7 @@ async def dashboard(request: web.Request) -> web.Response:
 def make_admin_app(node: Any) -> web.Application:
     app = web.Application(middlewares=[_errors])
     app[NODE_KEY] = node
+    app[NETWORK_KEY] = {"lock": asyncio.Lock(), "view": None, "at": 0.0}
     app.router.add_get("/", dashboard)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/status", status)
@@ -115,6 +216,7 @@ def make_admin_app(node: Any) -> web.Application:
     app.router.add_get("/weights", weights)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/history", history)
+    app.router.add_get("/network", network)
     return app
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from .config import PROTOCOL_VERSION, ConfigError, NodeConfig
 from .fsutil import atomic_write_json
 from .learning.learner import Learner
+from .logs import RoundLog
 from .metrics import Metrics
 from .peering.faults import with_fault
 from .peering.inbox import PushInbox
@@ -70,12 +71,12 @@ class Node:
         self.metrics = Metrics()
         self.traffic = TrafficStats(self.metrics)
         self.m_rounds = self.metrics.counter("coterie_rounds_total", "Completed rounds")
-        self.m_round_s = self.metrics.histogram("coterie_round_seconds", "Round wall time",
+        self.m_round_s = self.metrics.histogram("coterie_round_duration_seconds", "Round wall time",
                                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
         self.m_peers = self.metrics.gauge("coterie_peers", "Known peers by state", ("state",))
         self.m_rejected = self.metrics.counter("coterie_rejected_total", "Peer inputs rejected", ("kind",))
         self.m_round = self.metrics.gauge("coterie_round", "Current round")
-        self.m_acc = self.metrics.gauge("coterie_test_accuracy", "Test accuracy after the last round")
+        self.m_acc = self.metrics.gauge("coterie_test_accuracy_ratio", "Test accuracy after the last round (0..1)")
 
         seed = int(hashlib.sha256(f"{cfg.seed}:{self.node_id}".encode()).hexdigest()[:8], 16)
         # the peer plane: who is out there, what this node publishes, what it pulled and was pushed
@@ -110,6 +111,7 @@ class Node:
         self.started = time.time()
         self.address = ""
         self.admin_url = ""
+        self.round_log = RoundLog(log)  # per-round lines only while rounds are slow, else summaries
         self._tasks: list[asyncio.Task] = []
         self._server: PeerServer | None = None
         self.serve_admin = admin
@@ -243,8 +245,7 @@ class Node:
             self.m_round_s.observe(time.monotonic() - t0)
             if "test_acc" in evaluation:
                 self.m_acc.set(evaluation["test_acc"])
-            log.info("round %d done in %.2fs: %s", rnd, time.monotonic() - t0,
-                     ", ".join(f"{k}={v:.4f}" for k, v in evaluation.items()))
+            self.round_log.round_done(rnd, time.monotonic() - t0, evaluation)
             wait = self.cfg.round_interval_s - (time.monotonic() - t0)
             if wait > 0:
                 await asyncio.sleep(wait)  # pacing: a deliberately slow node

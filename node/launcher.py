@@ -5,8 +5,9 @@ from __future__ import annotations
 from .launch import BACKENDS, MAX_NODES, check_backend, run_scenario
 from .launch.common import (FALLBACK_STRATEGIES, LauncherError, NodeProgress, read_history, resolve_strategies,
                             strategy_problem)
-from .launch.processes import Network, _child_env, fetch_json, free_ports, log_tail, node_command, prepare, run_strategy
+from .launch.processes import (Network, _child_env, fetch_json, log_tail, node_args, node_command, prepare,
+                                read_node_info, run_strategy)
 
-__all__ = ["BACKENDS", "MAX_NODES", "check_backend", "FALLBACK_STRATEGIES", "LauncherError", "Network", "NodeProgress", "fetch_json", "free_ports",
-           "log_tail", "node_command", "prepare", "read_history", "resolve_strategies", "run_scenario",
-           "run_strategy", "strategy_problem", "_child_env"]
+__all__ = ["BACKENDS", "FALLBACK_STRATEGIES", "MAX_NODES", "LauncherError", "Network", "NodeProgress", "check_backend",
+           "fetch_json", "log_tail", "node_args", "node_command", "prepare", "read_history", "read_node_info",
+           "resolve_strategies", "run_scenario", "run_strategy", "strategy_problem", "_child_env"]

@@ -30,6 +30,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .fsutil import atomic_write_bytes, json_safe
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -241,43 +243,70 @@ def _blue(w: float) -> str:
 SHADES = " ░▒▓█"
 
 
-def heatmap(results: dict[str, Any], strategy: str):
-    """The collaborator-weight matrix of ``strategy`` averaged over rounds (row i = node i's
-    weights) as coloured blocks whose shade also encodes the weight (readable without colour),
-    nodes labelled with their true cluster."""
-    from rich.text import Text
+def _matrix_and_order(results: dict[str, Any], strategy: str):
+    from . import clusters as cl
 
-    ids = results["node_ids"]
-    clusters = results.get("true_clusters")
     r = results["strategies"][strategy]
     mat = r.get("mean_weights") or r["final_weights"]
-    off = [w for i, row in enumerate(mat) if row for j, w in enumerate(row) if i != j]
-    # scale by the largest weight given to a *peer*: self-weights dominate and would wash the
-    # cluster structure out; the diagonal simply saturates
-    vmax = max(off) if off and max(off) > 0 else max([w for row in mat if row for w in row] + [1e-12])
-    label = lambda i: f"{ids[i]}" + (f" c{clusters[i]}" if clusters else "")  # noqa: E731
+    return mat, cl.block_order(mat)
+
+
+def heatmap(results: dict[str, Any], strategy: str):
+    """The clusters the nodes found, at a glance: the peer-weight matrix of ``strategy`` (mean over
+    rounds, row i = node i's weights) without its diagonal, rows and columns in block order
+    (node/clusters.py), shaded on the peers' own scale (readable without colour); each node's
+    self-weight in a column apart; and the true clusters in the same order next to it."""
+    from rich.text import Text
+
+    from . import clusters as cl
+
+    ids = results["node_ids"]
+    truth = results.get("true_clusters")
+    mat, order = _matrix_and_order(results, strategy)
+    off = cl.off_diagonal(mat)
+    selfs = cl.diagonal(mat)
+    finite = off[~np.isnan(off)] if off.size else off
+    vmax = float(finite.max()) if finite.size and finite.max() > 0 else 1e-12
+    label = lambda i: f"{ids[i]}" + (f" c{truth[i]}" if truth else "")  # noqa: E731
     width = max(len(label(i)) for i in range(len(ids)))
     txt = Text()
-    txt.append(f"collaborator weights, {strategy}: mean over rounds (row: node, column: peer; "
-               f"darker = more, full block ≥ {vmax:.2f})\n", style="bold")
-    txt.append(" " * (width + 1) + "".join(f"{n[-3:]:>3}" for n in ids) + "\n")
-    for i, row in enumerate(mat):
+    mass = cl.in_block_mass(mat, truth) if truth else None
+    txt.append(f"clusters found by {strategy}: peer weights, mean over rounds (row: node, column: "
+               f"the peer it weights; diagonal apart; full block = {vmax:.2f})"
+               + (f"; {100 * mass:.0f}% of the peer weight stays in the true cluster" if mass is not None else "")
+               + "\n", style="bold")
+    head = "".join(f"{ids[j][-3:]:>3}" for j in order)
+    txt.append(" " * (width + 1) + head + "   self" + ("   true clusters\n" if truth else "\n"))
+    for i in order:
         txt.append(f"{label(i):>{width}} ")
-        for j in range(len(ids)):
-            if row is None:
+        for j in order:
+            v = off[i, j]
+            if i == j:
+                txt.append("  ·", style="dim")
+            elif np.isnan(v):
                 txt.append("  ?")
-                continue
-            x = max(0.0, min(1.0, row[j] / vmax))
-            txt.append(" ")
-            txt.append(SHADES[round(x * (len(SHADES) - 1))] * 2, style=_blue(max(x, 0.15)))
+            else:
+                x = max(0.0, min(1.0, v / vmax))
+                txt.append(" ")
+                txt.append(SHADES[round(x * (len(SHADES) - 1))] * 2, style=_blue(max(x, 0.15)))
+        sv = selfs[i]
+        txt.append(f"   {'  ?' if sv is None else f'{sv:.2f}'} ")
+        if truth:
+            txt.append("  ")
+            for j in order:
+                same = truth[i] == truth[j]
+                txt.append(" ")
+                txt.append("██" if same and i != j else ("··" if i == j else "  "),
+                           style="grey50" if same else "")
         txt.append("\n")
     return txt
 
 
 # ----------------------------------------------------------------------------------------- PNG
 def save_figures(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """weights.png (weight matrix per strategy, mean over rounds) and accuracy.png (test accuracy per round,
-    one line per node, coloured by true cluster)."""
+    """weights.png (per strategy: peer weights, mean over rounds, diagonal apart and in block order,
+    next to the true clusters in the same order) and accuracy.png (test accuracy per round, one
+    line per node, coloured by true cluster)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -288,19 +317,38 @@ def save_figures(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
     strategies = list(results["strategies"])
     paths = []
 
-    fig, axes = plt.subplots(1, len(strategies), figsize=(4.2 * len(strategies), 4), squeeze=False)
-    for ax, s in zip(axes[0], strategies):
-        r = results["strategies"][s]
-        mat = [[math.nan] * len(ids) if row is None else row
-               for row in (r.get("mean_weights") or r["final_weights"])]
-        im = ax.imshow(mat, cmap="Blues", vmin=0, interpolation="nearest")
-        ax.set_title(f"{s}: weights, mean over rounds")
-        labels = [f"{n} (c{c})" for n, c in zip(ids, clusters)]
-        ax.set_xticks(range(len(ids)), ids, rotation=90, fontsize=7)
+    from . import clusters as cl
+
+    # per strategy: the learned peer weights (diagonal apart, block order), then the true clusters
+    # in the same order: where the blocks match, the nodes found their clusters
+    fig, axes = plt.subplots(1, 2 * len(strategies), figsize=(4.0 * 2 * len(strategies), 4.2), squeeze=False,
+                             gridspec_kw={"width_ratios": [1.25, 1] * len(strategies)})
+    truth = results.get("true_clusters")
+    for k, s in enumerate(strategies):
+        mat, order = _matrix_and_order(results, s)
+        ax = axes[0][2 * k]
+        off = cl.off_diagonal(mat)[np.ix_(order, order)]
+        # grey: the diagonal (self-weights) and nodes that reported nothing
+        cmap = plt.get_cmap("Blues").with_extremes(bad="#e6e6e6")
+        finite = off[np.isfinite(off)]
+        vmax = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
+        im = ax.imshow(np.ma.masked_invalid(off), cmap=cmap, vmin=0, vmax=vmax, interpolation="nearest")
+        ax.set_title(f"{s}: peer weights (no diagonal)", fontsize=9)
+        labels = [f"{ids[i]} (c{clusters[i]})" for i in order]
+        ax.set_xticks(range(len(ids)), [ids[i] for i in order], rotation=90, fontsize=7)
         ax.set_yticks(range(len(ids)), labels, fontsize=7)
         ax.set_xlabel("peer j")
         ax.set_ylabel("node i")
         fig.colorbar(im, ax=ax, fraction=0.046)
+        ax = axes[0][2 * k + 1]
+        if truth:
+            same = np.array([[float(truth[i] == truth[j]) for j in order] for i in order])
+            ax.imshow(same, cmap="Greys", vmin=0, vmax=1.6, interpolation="nearest")
+            ax.set_title("true clusters (same order)", fontsize=9)
+        else:
+            ax.text(0.5, 0.5, "true clusters unknown", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xticks(range(len(ids)), [ids[i] for i in order], rotation=90, fontsize=7)
+        ax.set_yticks([])
     fig.tight_layout()
     p = out / "weights.png"
     fig.savefig(p, dpi=110)

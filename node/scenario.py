@@ -141,7 +141,8 @@ def parse_scenario(data: dict[str, Any], *, strategies: list[str] | None = None,
     for strat in sc.strategy:
         for i in range(sc.nodes):
             try:
-                node_config(sc, strat, i, Path("/nonexistent"), ports=[(1, 2)] * sc.nodes)
+                node_config(sc, strat, i, Path("/nonexistent"),
+                            bootstrap=None if bootstrap_index(sc, i) is None else "127.0.0.1:1")
             except ConfigError as e:
                 raise ConfigError(f"scenario, node n{i} ({strat}): {e}") from None
     return sc
@@ -167,17 +168,18 @@ def bootstrap_index(sc: Scenario, i: int) -> int | None:
 
 
 def node_config(sc: Scenario, strategy: str, i: int, strat_dir: Path,
-                ports: list[tuple[int, int]]) -> NodeConfig:
-    """The complete config of node ``i`` for ``strategy``; ``ports[i]`` = (peer, admin)."""
-    peer_port, admin_port = ports[i]
-    data: dict[str, Any] = {"min_peers": sc.nodes - 1, "start_timeout_s": 120.0}
+                bootstrap: str | None = None) -> NodeConfig:
+    """The complete config of node ``i`` for ``strategy``, bootstrapping from the peer address
+    ``bootstrap``. Ports are 0: the node binds free ones and reports them in its node.json."""
+    # experiments run flat out unless the scenario paces them (NodeConfig's default is for hand-started nodes)
+    data: dict[str, Any] = {"min_peers": sc.nodes - 1, "start_timeout_s": 120.0, "round_interval_s": 0.0}
     data = deep_merge(data, sc.node)
     data = deep_merge(data, {
         "node_id": f"n{i}",
         "state_dir": str(strat_dir / "nodes" / f"n{i}"),
-        "listen": f"127.0.0.1:{peer_port}",
-        "admin_listen": f"127.0.0.1:{admin_port}",
-        "peers": [] if (b := bootstrap_index(sc, i)) is None else [f"127.0.0.1:{ports[b][0]}"],
+        "listen": "127.0.0.1:0",
+        "admin_listen": "127.0.0.1:0",
+        "peers": [bootstrap] if bootstrap else [],
         "strategy": strategy,
         "strategy_params": dict(sc.strategy_params.get(strategy, {})),
         "rounds": sc.rounds,
@@ -210,6 +212,8 @@ class NodeSpec:
     config: NodeConfig
     config_path: Path
     log_path: Path
+    bootstrap_from: Path | None = None  # node.json of the node this one bootstraps from
+    info: dict[str, Any] = field(default_factory=dict)  # the running node's node.json
 
     @property
     def node_id(self) -> str:
@@ -217,7 +221,7 @@ class NodeSpec:
 
     @property
     def admin_url(self) -> str:
-        return f"http://{self.config.admin_listen}"
+        return self.info.get("admin_url", "")
 
     @property
     def state_dir(self) -> Path:

@@ -3,7 +3,8 @@
     python fake_daemon.py CONFIG.toml MODE
 
 Modes: ok (write node.json + history.jsonl, serve /status done=true until SIGTERM), crash_n1
-(node n1 exits 3 at once, the others behave as ok), hang (never done; ignores SIGTERM). Every
+(node n1 exits 3 at once, the others behave as ok), hang (writes node.json, never done; ignores
+SIGTERM). Every
 mode also starts a grandchild (`sleep`) in its process group and records its pid in
 state_dir/grandchild.pid, so tests can check that it does not outlive the run.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 
 cfg = tomllib.loads(Path(sys.argv[1]).read_text())
 mode = sys.argv[2]
+bootstrap_from = Path(sys.argv[3]) if len(sys.argv) > 3 else None  # as `node start --bootstrap-from`
 state = Path(cfg["state_dir"])
 state.mkdir(parents=True, exist_ok=True)
 nid = cfg["node_id"]
@@ -30,12 +32,20 @@ gc = subprocess.Popen(["sleep", "300"])
 if mode == "crash_n1" and nid == "n1":
     print("boom: fake node failed on purpose", file=sys.stderr, flush=True)
     sys.exit(3)
-if mode == "hang":
+if mode == "hang":  # up (node.json written, as the real daemon after binding) but never done
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    (state / "node.json").write_text(json.dumps({"node_id": nid, "address": "127.0.0.1:9",
+                                                 "admin_url": "http://127.0.0.1:9", "pid": os.getpid()}))
     while True:
         time.sleep(1)
 
 host, port = cfg["admin_listen"].rsplit(":", 1)
+peers = list(cfg.get("peers", []))
+if bootstrap_from is not None:
+    while not bootstrap_from.exists():
+        time.sleep(0.02)
+    time.sleep(0.05)  # a torn read is possible in this stand-in (the daemon writes atomically)
+    peers.append(json.loads(bootstrap_from.read_text())["address"])
 rounds = cfg["rounds"]
 me = ids.index(nid)
 with open(state / "history.jsonl", "w") as f:
@@ -45,9 +55,6 @@ with open(state / "history.jsonl", "w") as f:
                             "eval": {"test_acc": 0.1 * r + 0.01 * me, "test_loss": 2.0 / r},
                             "weights": w, "bytes_sent": {"snapshot": 100, "gossip": 1},
                             "bytes_received": {"snapshot": 200}, "info": {"r": r}}) + "\n")
-(state / "node.json").write_text(json.dumps({"node_id": nid, "address": cfg["listen"],
-                                             "admin_url": f"http://{cfg['admin_listen']}",
-                                             "pid": os.getpid()}))
 
 
 class H(BaseHTTPRequestHandler):
@@ -64,7 +71,12 @@ class H(BaseHTTPRequestHandler):
         pass
 
 
-srv = ThreadingHTTPServer((host, int(port)), H)
+srv = ThreadingHTTPServer((host, int(port)), H)  # port 0 from the launcher: a free one
+bound = srv.server_address[1]
+# like the real daemon: node.json once the ports are bound (no peer port here: the admin one stands in)
+(state / "node.json").write_text(json.dumps({"node_id": nid, "address": f"{host}:{bound}",
+                                             "admin_url": f"http://{host}:{bound}",
+                                             "pid": os.getpid(), "peers": peers}))
 signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(SystemExit(0)))
 try:
     srv.serve_forever()

@@ -9,7 +9,7 @@ class FakeNode:
         self.node_id = node_id
         self.metrics = Metrics()
         self.metrics.counter("coterie_rounds_total", "Completed rounds").inc(3)
-        self.metrics.counter("coterie_bytes_sent_total", "Bytes sent", ("kind",)).labels(
+        self.metrics.counter("coterie_sent_bytes_total", "Bytes sent", ("kind",)).labels(
             kind="snapshot").inc(4096)
         self.history = [{"round": r, "t": 1000.0 + r, "train_loss": 1.0 / r,
                          "eval": {"test_acc": 0.5 + r / 10, "test_loss": 1.0 / r},

@@ -49,7 +49,8 @@ class NodeProc:
         self.state_dir = self.dir / "state"
         cfg = {"node_id": node_id, "state_dir": str(self.state_dir), "listen": "127.0.0.1:0",
                "admin_listen": "127.0.0.1:0", "heartbeat_interval_s": 0.25, "suspect_after_s": 1.0,
-               "dead_after_s": 2.5, "request_timeout_s": 10.0, "log_level": "INFO", **config}
+               "dead_after_s": 2.5, "request_timeout_s": 10.0, "log_level": "INFO",
+               "round_interval_s": 0.0, **config}
         self.config_path = self.dir / "node.toml"
         self.config_path.write_text(tomli_w.dumps(cfg))
         self.proc: subprocess.Popen | None = None

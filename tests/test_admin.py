@@ -1,7 +1,9 @@
 import asyncio
 import json
+import socket
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from coterie.node.admin import make_admin_app, start_admin
@@ -59,7 +61,7 @@ async def test_metrics_exposition():
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         s = parse_text(await r.text())
         assert sample(s, "coterie_rounds_total") == 3
-        assert sample(s, "coterie_bytes_sent_total", kind="snapshot") == 4096
+        assert sample(s, "coterie_sent_bytes_total", kind="snapshot") == 4096
     finally:
         await client.close()
 
@@ -112,17 +114,61 @@ async def test_async_node_methods_are_awaited():
         await client.close()
 
 
-async def test_dashboard_served():
+async def test_dashboard_served_self_contained():
     client = await _client(FakeNode())
     try:
         r = await client.get("/")
         assert r.status == 200 and r.content_type == "text/html"
         html = await r.text()
-        for path in ("status", "peers", "weights"):
-            assert f'get("{path}")' in html
-        assert "setInterval(refresh, 2000)" in html and "<script src" not in html  # no CDN
+        assert 'get("network")' in html and 'get("status")' in html
+        # no build step, no CDN: nothing loaded from elsewhere (the browser test checks it draws)
+        assert "<script src" not in html and "<link" not in html and "https://" not in html
     finally:
         await client.close()
+
+
+async def test_history_last():
+    client = await _client(FakeNode())
+    try:
+        assert [e["round"] for e in await (await client.get("/history?last=2")).json()] == [2, 3]
+        assert await (await client.get("/history?last=0")).json() == []
+        assert (await client.get("/history?last=-1")).status == 400
+    finally:
+        await client.close()
+
+
+async def test_network_matrix_from_peers_admin_apis():
+    """/network asks each peer's advertised admin URL for its recent weights and assembles the
+    whole matrix, diagonal apart; a peer that does not answer is listed, not fatal."""
+    a, b = FakeNode("n0"), FakeNode("n1")
+    for node, w in ((a, {"n0": 0.6, "n1": 0.3, "n2": 0.1}), (b, {"n0": 0.2, "n1": 0.8})):
+        for e in node.history:
+            e["weights"] = w
+    runner_b, port_b = await start_admin(b, "127.0.0.1", 0)
+    with socket.socket() as dead:  # bound, not listening: refused
+        dead.bind(("127.0.0.1", 0))
+        a.peers_table = lambda: [
+            {"node_id": "n1", "address": "x:1", "state": "alive", "admin_url": f"http://127.0.0.1:{port_b}",
+             "labels": {"cluster": "1"}},
+            {"node_id": "n2", "address": "x:2", "state": "alive",
+             "admin_url": f"http://127.0.0.1:{dead.getsockname()[1]}"},
+            {"node_id": "n3", "address": "x:3", "state": "dead", "admin_url": "http://127.0.0.1:9"}]
+        client = await _client(a)
+        try:
+            net = await (await client.get("/network")).json()
+        finally:
+            await client.close()
+            await runner_b.cleanup()
+    assert sorted(net["nodes"]) == ["n0", "n1", "n2"]  # the dead peer is not queried
+    idx = {n: i for i, n in enumerate(net["nodes"])}
+    m = net["matrix"]
+    assert m[idx["n0"]][idx["n1"]] == pytest.approx(0.3) and m[idx["n0"]][idx["n2"]] == pytest.approx(0.1)
+    assert m[idx["n1"]][idx["n0"]] == pytest.approx(0.2) and m[idx["n1"]][idx["n2"]] == 0.0
+    assert m[idx["n2"]] is None and "n2" in net["errors"]  # no answer: a missing row, named
+    assert all(m[i][i] is None for i in range(3) if m[i] is not None)  # the diagonal is apart
+    assert net["self_weights"][idx["n0"]] == pytest.approx(0.6)
+    assert net["self_weights"][idx["n1"]] == pytest.approx(0.8)
+    assert net["clusters"]["n1"] == "1"
 
 
 async def test_start_admin_binds_free_port():

@@ -1,7 +1,13 @@
 import asyncio
+import io
 import json
+import logging
+import os
+import signal
+import subprocess
 import sys
 import threading
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -9,9 +15,10 @@ from typer.testing import CliRunner
 
 import coterie.node.daemon as daemon
 from coterie.cli.main import app
-from coterie.node import launcher
+from coterie.node.launch import processes
 from coterie.node.admin import start_admin
-from coterie.node.launcher import free_ports
+from coterie.node.logs import RoundLog, configure_logging
+import socket
 from fake_node import FakeNode
 
 FAKE = str(Path(__file__).with_name("fake_daemon.py"))
@@ -129,11 +136,14 @@ def test_weights_table_and_json(admin_url):
 
 
 def test_unreachable_admin_is_a_clear_error():
-    port = free_ports(1)[0]
-    for cmd in ("status", "peers", "weights"):
-        r = runner.invoke(app, [cmd, "--admin", f"http://127.0.0.1:{port}"])
-        assert r.exit_code == 1
-        assert "cannot reach" in r.stderr and str(port) in r.stderr
+    with socket.socket() as s:  # bound, never listening: connections are refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        for cmd in ("status", "peers", "weights", "history"):
+            r = runner.invoke(app, [cmd, "--admin", f"http://127.0.0.1:{port}"])
+            assert r.exit_code == 1
+            assert "cannot reach" in r.stderr and str(port) in r.stderr
+            assert "Traceback" not in r.output and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_admin_http_error_reported(admin_url):
@@ -162,7 +172,7 @@ def test_run_bad_scenario_exits_2(tmp_path):
 
 @pytest.fixture
 def fake_nodes(monkeypatch):
-    monkeypatch.setattr(launcher, "node_command",
+    monkeypatch.setattr(processes, "default_command",
                         lambda spec: [sys.executable, FAKE, str(spec.config_path), "ok"])
 
 
@@ -183,7 +193,7 @@ def test_run_with_overrides_prints_table(tmp_path, fake_nodes):
 
 
 def test_run_reports_dead_node(tmp_path, monkeypatch):
-    monkeypatch.setattr(launcher, "node_command",
+    monkeypatch.setattr(processes, "default_command",
                         lambda spec: [sys.executable, FAKE, str(spec.config_path), "crash_n1"])
     sc = tmp_path / "s.toml"
     sc.write_text('nodes = 2\nrounds = 1\n[learner]\npartition_params = { num_clusters = 2 }\n')
@@ -198,8 +208,211 @@ def test_demo_shows_heatmap_and_saves_png(tmp_path, fake_nodes):
     res = json.loads((out / "results.json").read_text())
     names = list(res["strategies"])
     assert names[0] == "local" and len(names) == 2
-    assert f"collaborator weights, {names[1]}" in r.stdout  # the terminal heatmap
-    rows = [l for l in r.stdout.splitlines() if l.startswith("n0 c0 ")]
-    assert rows and rows[0].split()[2] == "██"  # n0 gives itself the most weight: a full block
+    assert f"clusters found by {names[1]}" in r.stdout  # the terminal heatmap
+    ids = res["node_ids"]
+    rows = {l.split()[0]: l.split() for l in r.stdout.splitlines()
+            if l.split()[:1] and l.split()[0] in ids and l.split()[1].startswith("c")}
+    assert list(rows) == ids  # uniform peer weights: no blocks to find, the nodes' own order
+    # fake nodes keep 0.5 for themselves: shown apart as a number, the diagonal as a dot
+    assert all(row[2 + 8] == "0.50" for row in rows.values())
+    assert rows["n0"][2:10] == ["·"] + ["██"] * 7  # every peer weight is the largest: full blocks
+    assert rows["n0"][11:] == ["··", "██", "██", "██"]  # the true clusters: n0 with n1-n3
     assert (out / "weights.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(res["node_ids"]) == 8 and len(set(res["true_clusters"])) >= 2
+
+
+# ------------------------------------------------------------------ what a new user runs into
+def test_version_and_completion():
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.stdout.strip() == f"coterie {metadata.version('coterie')}"
+    assert "--install-completion" in runner.invoke(app, ["--help"]).stdout
+
+
+def test_admin_url_from_environment(admin_url, monkeypatch):
+    monkeypatch.setenv("COTERIE_ADMIN", admin_url)
+    r = runner.invoke(app, ["status", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["node_id"] == "n5"
+    monkeypatch.delenv("COTERIE_ADMIN")
+    r = runner.invoke(app, ["peers"])
+    assert r.exit_code == 1 and "COTERIE_ADMIN" in r.stderr and "Traceback" not in r.output
+
+
+def test_history_table_and_json(admin_url):
+    r = runner.invoke(app, ["history", "--admin", admin_url])
+    assert r.exit_code == 0, r.output
+    assert "3 rounds of n5" in r.stdout and "0.8" in r.stdout and "n1 0.50" in r.stdout
+    data = json.loads(runner.invoke(app, ["history", "--admin", admin_url, "--json", "--last", "2"]).stdout)
+    assert [e["round"] for e in data] == [2, 3]
+    data = json.loads(runner.invoke(app, ["history", "-a", admin_url, "--json", "--since", "2"]).stdout)
+    assert [e["round"] for e in data] == [3]
+
+
+def test_strategies_json():
+    rows = json.loads(runner.invoke(app, ["strategies", "--json"]).stdout)
+    local = next(r for r in rows if r["name"] == "local")
+    assert local == {"name": "local", "ok": True, "problem": None} and len(rows) >= 10
+
+
+def test_status_watch_refreshes_until_interrupted(admin_url):
+    proc = subprocess.Popen([sys.executable, "-m", "coterie.cli.main", "status", "--admin", admin_url,
+                             "--watch", "--json", "--interval", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]  # three refreshes, one JSON line each
+        assert all(json.loads(l)["node_id"] == "n5" for l in lines)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in err
+
+
+def test_unknown_env_variable_is_warned_about(captured, monkeypatch):
+    monkeypatch.setenv("COTERIE_STRATEGIE", "dpsgd")
+    r = runner.invoke(app, ["node", "start"])
+    assert r.exit_code == 0
+    assert "COTERIE_STRATEGIE is not a coterie setting" in r.stderr and "COTERIE_STRATEGY?" in r.stderr
+    assert captured["cfg"].strategy == "local"
+
+
+def test_defaults_pass_preflight(captured):
+    """`coterie node start` on defaults: one node, one cluster (this used to fail after seconds:
+    label_permutation's 4 clusters do not fit num_nodes=1)."""
+    r = runner.invoke(app, ["node", "start"])
+    assert r.exit_code == 0, r.output
+    cfg = captured["cfg"]
+    assert cfg.learner.num_nodes == 1 and cfg.round_interval_s > 0
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--strategy", "nope"], ["unknown strategy 'nope'", "fedfomo"]),
+    (["--set", "learner.num_nodes=3", "--set", "learner.partition_params.num_clusters=5"],
+     ["num_clusters=5", "num_nodes=3"]),
+    (["--log-format", "xml"], ["--log-format"]),
+])
+def test_node_start_refuses_before_starting(captured, args, words):
+    r = runner.invoke(app, ["node", "start", *args])
+    assert r.exit_code == 2, r.output
+    assert all(w in r.stderr for w in words), r.stderr
+    assert "cfg" not in captured and "Traceback" not in r.output
+    assert len(r.stderr.strip().splitlines()) <= 2  # one message (rich may wrap it once)
+
+
+def test_taken_port_is_one_line_before_starting(captured):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = f"127.0.0.1:{s.getsockname()[1]}"
+        for flag in ("--listen", "--admin-listen"):
+            r = runner.invoke(app, ["node", "start", flag, taken])
+            assert r.exit_code == 1 and "already in use" in r.stderr and taken in r.stderr
+    assert "cfg" not in captured
+
+
+async def test_peer_server_bind_failure_is_an_oserror():
+    """Past the preflight (a port taken in between): grpc's RuntimeError becomes the OSError that
+    run_node reports as one line."""
+    from coterie.node.transport.server import serve
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(OSError, match="in use"):
+            await serve(object(), object(), f"127.0.0.1:{s.getsockname()[1]}")
+
+
+def test_json_log_format():
+    buf = io.StringIO()
+    configure_logging("INFO", "json", stream=buf)
+    try:
+        logging.getLogger("coterie.node").info("round %d done", 4, extra={"round": 4})
+    finally:
+        configure_logging("WARNING", "text")
+    line = json.loads(buf.getvalue().splitlines()[-1])
+    assert line["message"] == "round 4 done" and line["level"] == "INFO" and line["round"] == 4
+    assert line["logger"] == "coterie.node" and "time" in line
+
+
+def test_round_log_summarises_fast_rounds():
+    records = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    log = logging.getLogger("test.roundlog")
+    log.setLevel(logging.DEBUG)
+    log.addHandler(Capture())
+    now = [0.0]
+    rl = RoundLog(log, slow_s=2.0, summary_s=30.0, clock=lambda: now[0])
+    rl.round_done(1, 0.1, {"test_acc": 0.5})  # the first round is always shown
+    for r in range(2, 302):  # 300 rounds at 5 per second
+        now[0] += 0.2
+        rl.round_done(r, 0.1, {"test_acc": 0.5})
+    info = [r.getMessage() for r in records if r.levelno == logging.INFO]
+    assert info[0].startswith("round 1 done")
+    assert 1 < len(info) <= 4 and all(m.startswith("rounds ") for m in info[1:])  # a summary per 30 s
+    assert "(5.0/s)" in info[1]
+    now[0] += 10  # a slow round: shown on its own again, after the pending summary
+    rl.round_done(302, 9.0, {"test_acc": 0.6})
+    assert records[-1].getMessage().startswith("round 302 done") and records[-1].levelno == logging.INFO
+
+
+# ------------------------------------------------------------------ a real node, by hand
+@pytest.mark.slow
+def test_real_node_problems_reflection_and_wrong_port(tmp_path):
+    """A hand-started node whose bootstrap peer is down says so (log and /status problems); the
+    CLI pointed at its gRPC port gives one line, not a traceback; gRPC reflection lists the
+    peer service; a second node on the same peer port fails in one line."""
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import \
+        ProtoReflectionDescriptorDatabase
+    import grpc
+
+    from nodeproc import NodeProc, tiny_learner, wait_for
+
+    with socket.socket() as dead:
+        dead.bind(("127.0.0.1", 0))  # bound, not listening: nobody answers there
+        down = f"127.0.0.1:{dead.getsockname()[1]}"
+        node = NodeProc(tmp_path, "solo", {"peers": [down], "learner": tiny_learner(1, 0),
+                                           "heartbeat_interval_s": 0.2}).start()
+        try:
+            problems = wait_for(lambda: [p for p in node.status()["problems"] if down in p["message"]],
+                                30, "the unreachable bootstrap peer in /status problems")
+            assert "cannot reach bootstrap peer" in problems[0]["message"]
+            assert len(problems) == 1  # reported once, not every heartbeat
+            wait_for(lambda: "cannot reach bootstrap peer at " + down in node.log_tail(200), 10,
+                     "the warning in the log")
+
+            r = runner.invoke(app, ["status", "--admin", f"http://{node.address}"])
+            assert r.exit_code == 1 and "Traceback" not in r.output
+            assert "does not answer HTTP" in r.stderr and "gRPC" in r.stderr
+
+            with grpc.insecure_channel(node.address) as ch:
+                services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+            assert {"coterie.v1.Peer", "grpc.health.v1.Health"} <= services
+
+            second = subprocess.run(
+                [sys.executable, "-m", "coterie.cli.main", "node", "start", "--listen", node.address,
+                 "--state-dir", str(tmp_path / "second")], capture_output=True, text=True, timeout=120)
+            assert second.returncode == 1 and "already in use" in second.stderr
+            assert "Traceback" not in second.stderr
+        finally:
+            node.stop()
+
+
+def test_bootstrap_from_a_running_nodes_node_json(tmp_path, captured):
+    """--bootstrap-from waits for another node's node.json (port 0: the address is known only once
+    that node is up) and adds its address; a node.json of a process that is gone does not count."""
+    st = tmp_path / "n0"
+    st.mkdir()
+    (st / "node.json").write_text(json.dumps({"address": "127.0.0.1:7123", "pid": os.getpid()}))
+    r = runner.invoke(app, ["node", "start", "--peers", "127.0.0.1:9", "--bootstrap-from", str(st)])
+    assert r.exit_code == 0, r.output
+    assert captured["cfg"].peers == ["127.0.0.1:9", "127.0.0.1:7123"]
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    (st / "node.json").write_text(json.dumps({"address": "127.0.0.1:7123", "pid": int(gone)}))
+    del captured["cfg"]
+    r = runner.invoke(app, ["node", "start", "--set", "start_timeout_s=0.3",
+                            "--bootstrap-from", str(st / "node.json")])
+    assert r.exit_code == 1 and "no running node wrote" in r.stderr and "Traceback" not in r.output
+    assert "cfg" not in captured

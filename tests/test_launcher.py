@@ -122,14 +122,12 @@ def test_prepare_writes_complete_configs(tmp_path):
     specs = prepare(sc, "local", tmp_path)
     cfgs = [load_config(s.config_path, environ={}) for s in specs]  # the files load as NodeConfig
     assert [c.node_id for c in cfgs] == [f"n{i}" for i in range(5)]
-    ports = [int(c.listen.rsplit(":", 1)[1]) for c in cfgs] + \
-            [int(c.admin_listen.rsplit(":", 1)[1]) for c in cfgs]
-    assert len(set(ports)) == 10 and all(p > 0 for p in ports)
-    assert all(c.listen.startswith("127.0.0.1:") for c in cfgs)
-    # chain: every node but n0 bootstraps from exactly the node before it
-    assert cfgs[0].peers == []
-    for i in range(1, 5):
-        assert cfgs[i].peers == [cfgs[i - 1].listen]
+    # every node binds free ports itself (port 0) and reports them in node.json
+    assert all(c.listen == "127.0.0.1:0" and c.admin_listen == "127.0.0.1:0" for c in cfgs)
+    # chain: every node but n0 bootstraps from the node before it, via its node.json
+    assert [s.bootstrap_from for s in specs] == [None] + [specs[i].state_dir / "node.json" for i in range(4)]
+    assert all(c.peers == [] for c in cfgs)
+    assert launcher.node_command(specs[2])[-2:] == ["--bootstrap-from", str(specs[1].state_dir / "node.json")]
     assert len({str(c.state_dir) for c in cfgs}) == 5
     assert cfgs[2].state_dir == (tmp_path / "local" / "nodes" / "n2").resolve()
     for i, c in enumerate(cfgs):
@@ -144,9 +142,23 @@ def test_prepare_writes_complete_configs(tmp_path):
 
 def test_star_topology_and_min_peers_override(tmp_path):
     specs = prepare(scen(bootstrap="star", node={"min_peers": 1}), "local", tmp_path)
-    hub = specs[0].config.listen
-    assert [s.config.peers for s in specs] == [[], [hub], [hub], [hub]]
+    hub = specs[0].state_dir / "node.json"
+    assert [s.bootstrap_from for s in specs] == [None, hub, hub, hub]
     assert all(s.config.min_peers == 1 for s in specs)
+
+
+def test_bootstrap_addresses_come_from_node_json(tmp_path):
+    """Nodes bind port 0; a node's bootstrap peer is the address its bootstrap node wrote to its
+    node.json, so no port is picked (and raced for) by the launcher."""
+    sc = scen(nodes=3)
+    run = run_strategy(sc, "local", tmp_path, poll_interval_s=0.05, stop_timeout_s=2,
+                       command=lambda s: fake("ok")(s) + ([str(s.bootstrap_from)] if s.bootstrap_from else []))
+    infos = [json.loads((tmp_path / "local" / "nodes" / f"n{i}" / "node.json").read_text())
+             for i in range(3)]
+    assert len({i["address"] for i in infos}) == 3 and all(not i["address"].endswith(":0") for i in infos)
+    assert infos[0]["peers"] == [] and infos[1]["peers"] == [infos[0]["address"]]
+    assert infos[2]["peers"] == [infos[1]["address"]]
+    assert run.specs[2].config.peers == [infos[1]["address"]]  # what results.json records
 
 
 def test_prepare_clears_stale_state(tmp_path):

@@ -43,7 +43,7 @@ def test_rounds_advance_everywhere(chain):
     weights = chain[1].get("/weights")["weights"]
     assert set(weights) <= {"n0", "n1", "n2"} and abs(sum(weights.values()) - 1) < 1e-6
     metrics = chain[1].get_text("/metrics")
-    assert "coterie_rounds_total" in metrics and 'coterie_bytes_sent_total{kind="snapshot"}' in metrics
+    assert "coterie_rounds_total" in metrics and 'coterie_sent_bytes_total{kind="snapshot"}' in metrics
 
 
 def test_kill9_is_detected_without_stalling_and_restart_resumes(chain):

@@ -109,7 +109,7 @@ def test_a_round_is_in_the_history_before_its_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Node, "_checkpoint", checkpoint)
     cfg = validate_config({"node_id": "solo", "state_dir": str(tmp_path / "solo"), "strategy": "local",
-                           "rounds": 3, "min_peers": 0, "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
+                           "rounds": 3, "min_peers": 0, "round_interval_s": 0.0, "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
                            "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 600},
                                        "partition": "iid", "num_nodes": 1, "model": "linear",
                                        "local_steps": 2}})

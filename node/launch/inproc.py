@@ -61,10 +61,9 @@ def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
     log_path = strat_dir / "logs" / LOG_NAME
     specs = []
     for i in range(sc.nodes):
-        cfg = node_config(sc, strategy, i, strat_dir, [(0, 0)] * sc.nodes)
         b = bootstrap_index(sc, i)
-        cfg = cfg.model_copy(update={"listen": address(i), "peers": [] if b is None else [address(b)],
-                                     **membership_timing(cfg, sc.nodes)})
+        cfg = node_config(sc, strategy, i, strat_dir, bootstrap=None if b is None else address(b))
+        cfg = cfg.model_copy(update={"listen": address(i), **membership_timing(cfg, sc.nodes)})
         path = strat_dir / "configs" / f"n{i}.toml"
         path.write_text(config_toml(cfg))
         specs.append(NodeSpec(i, cfg, path, log_path))

@@ -1,14 +1,20 @@
 """The ``processes`` backend of ``coterie run``: every node a daemon process of its own, gRPC on
 loopback.
 
-Free loopback ports are picked; node ``i`` gets ``DIR/<strategy>/configs/n{i}.toml`` (a complete
-NodeConfig: state dir ``DIR/<strategy>/nodes/n{i}``, listen/admin on 127.0.0.1, bootstrap peer,
-learner with num_nodes/node_index/seeds) and runs as its own process, output in
-``DIR/<strategy>/logs/n{i}.log``. The daemons are forked from a fork server that has imported
-torch and the node's code once (``preload.py``): each starts in a fraction of a second and shares
-those pages copy-on-write with the others instead of holding ~150 MB of its own. (A ``command``
-— e.g. ``node_command``: ``python -m coterie.cli.main node start --config ...`` — starts fresh
-interpreters instead.)
+Node ``i`` gets ``DIR/<strategy>/configs/n{i}.toml`` (a complete NodeConfig: state dir
+``DIR/<strategy>/nodes/n{i}``, peer and admin ports 0 on 127.0.0.1 — each node binds a free port
+itself and writes the bound addresses to its ``node.json`` — learner with num_nodes/node_index/seeds)
+and runs as its own process, ``coterie node start --config ...``, output in
+``DIR/<strategy>/logs/n{i}.log``. All start at once; a node with a bootstrap peer gets
+``--bootstrap-from <that node's state dir>/node.json`` and waits for it after its imports, so no
+port is picked (and raced for) here and start-up stays parallel.
+
+The daemons are forked from a fork server that has imported torch and the node's code once
+(``preload.py``) and run that same ``coterie node start`` command line in the child: each starts
+in a fraction of a second and shares those pages copy-on-write with the others instead of holding
+~150 MB of its own. (A ``command`` — e.g. ``node_command``, ``python -m coterie.cli.main node
+start ...`` — starts fresh interpreters instead.)
+
 Each node's ``/status`` is polled for the live view; when every node reports ``done`` all are
 stopped (SIGTERM to each process group, SIGKILL after a grace period) — also on Ctrl-C, timeout
 or a node that dies early (which is reported with the tail of its log). Each node's
@@ -22,7 +28,6 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,41 +36,37 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from ..scenario import NodeSpec, Scenario, StrategyRun, config_toml, node_config
+from ..scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
 from .common import LauncherError, LiveView, NodeProgress, check_deadline, collect, fresh_strategy_dir, read_history
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports that were free a moment ago (all held open together while picking)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
     """Write every node's config for ``strategy`` under ``out_dir/<strategy>``."""
     strat_dir = fresh_strategy_dir(out_dir, strategy)
-    flat = free_ports(2 * sc.nodes)
-    ports = [(flat[2 * i], flat[2 * i + 1]) for i in range(sc.nodes)]
-    specs = []
+    specs: list[NodeSpec] = []
     for i in range(sc.nodes):
-        cfg = node_config(sc, strategy, i, strat_dir, ports)
+        cfg = node_config(sc, strategy, i, strat_dir)
         path = strat_dir / "configs" / f"n{i}.toml"
         path.write_text(config_toml(cfg))
-        specs.append(NodeSpec(i, cfg, path, strat_dir / "logs" / f"n{i}.log"))
+        b = bootstrap_index(sc, i)
+        specs.append(NodeSpec(i, cfg, path, strat_dir / "logs" / f"n{i}.log",
+                              bootstrap_from=None if b is None else specs[b].state_dir / "node.json"))
     return specs
 
 
+def node_args(spec: NodeSpec) -> list[str]:
+    """The ``coterie`` arguments that start node ``spec``."""
+    return ["node", "start", "--config", str(spec.config_path),
+            *(["--bootstrap-from", str(spec.bootstrap_from)] if spec.bootstrap_from else [])]
+
+
 def node_command(spec: NodeSpec) -> list[str]:
-    return [sys.executable, "-m", "coterie.cli.main", "node", "start", "--config",
-            str(spec.config_path)]
+    return [sys.executable, "-m", "coterie.cli.main", *node_args(spec)]
+
+
+# how run_strategy starts a node when not told: None = fork from the preloaded fork server; a
+# function like node_command = a fresh interpreter per node (tests swap in stand-in daemons here)
+default_command: Callable[[NodeSpec], list[str]] | None = None
 
 
 def _child_env() -> dict[str, str]:
@@ -104,23 +105,18 @@ def fork_context(strategies: list[str] | None = None) -> multiprocessing.context
     return ctx
 
 
-def _run_forked_node(config_path: str, log_path: str) -> None:
+def _run_forked_node(args: list[str], log_path: str) -> None:
     """A forked daemon: its own session (the launcher signals its process group), output to its
-    log, then the same ``run_node`` as ``coterie node start``."""
+    log, then ``coterie <args>`` exactly as a fresh interpreter would run it."""
     os.setsid()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
     sys.stdout.reconfigure(line_buffering=True)
-    from ..config import ConfigError, load_config
-    from ..daemon import run_node
-    try:
-        cfg = load_config(config_path, environ={})
-    except ConfigError as e:
-        print(f"coterie: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    sys.exit(run_node(cfg))
+    sys.argv = ["coterie", *args]
+    from coterie.cli.main import app
+    app(args=args, prog_name="coterie")  # exits with the command's code
 
 
 class _Forked:
@@ -153,6 +149,15 @@ def log_tail(path: Path, lines: int = 25) -> str:
         return "(no log written)"
     tail = text.splitlines()[-lines:]
     return "\n".join(tail) if tail else "(log is empty)"
+
+
+def read_node_info(spec: NodeSpec, pid: int) -> dict[str, Any] | None:
+    """The node.json of the process ``pid`` (None until that process has written it)."""
+    try:
+        info = json.loads((spec.state_dir / "node.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and info.get("pid") == pid else None
 
 
 def fetch_json(url: str, timeout: float = 2.0) -> Any:
@@ -188,7 +193,7 @@ class Network:
             ctx = fork_context(sorted({s.config.strategy for s in self.specs}))
             for spec in self.specs:
                 spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-                proc = ctx.Process(target=_run_forked_node, args=(str(spec.config_path), str(spec.log_path)),
+                proc = ctx.Process(target=_run_forked_node, args=(node_args(spec), str(spec.log_path)),
                                    name=f"coterie-{spec.node_id}")
                 proc.start()
                 self.procs.append(_Forked(proc))
@@ -245,13 +250,17 @@ class Network:
              progress: list[NodeProgress]) -> None:
         """Refresh ``progress`` from every node's /status; raise LauncherError for a node that
         died before it was done."""
-        def one(spec: NodeSpec) -> dict[str, Any] | None:
+        def one(spec: NodeSpec, proc: subprocess.Popen | _Forked) -> dict[str, Any] | None:
+            if not spec.info:
+                spec.info = read_node_info(spec, proc.pid) or {}
+            if not spec.admin_url:
+                return None
             try:
                 return fetch_json(spec.admin_url + "/status", timeout=2.0)
             except (OSError, ValueError):
                 return None
 
-        statuses = list(pool.map(one, self.specs))
+        statuses = list(pool.map(one, self.specs, self.procs))
         for spec, proc, st, pr in zip(self.specs, self.procs, statuses, progress):
             if st is not None:
                 pr.update(st)
@@ -274,6 +283,7 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
     """Run one strategy's network to completion and collect each node's files."""
     specs = prepare(sc, strategy, out_dir)
     progress = [NodeProgress() for _ in specs]
+    command = command or default_command
     if command is None:
         fork_context(sc.strategy)  # once per launcher: preloaded for every strategy of the scenario
     t0 = time.time()
@@ -297,4 +307,10 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
         finally:
             if view:
                 view.__exit__()
-    return collect(strategy, specs, sc.rounds, time.time() - t0, progress)
+    run = collect(strategy, specs, sc.rounds, time.time() - t0, progress)
+    by_file = {s.state_dir / "node.json": s.node_id for s in specs}
+    for s in specs:  # results show the bootstrap address each node resolved from --bootstrap-from
+        addr = run.node_info.get(by_file.get(s.bootstrap_from), {}).get("address") if s.bootstrap_from else None
+        if addr:
+            s.config = s.config.model_copy(update={"peers": [addr]})
+    return run

@@ -25,7 +25,7 @@ from the same distribution share a cluster id):
   class set share a cluster (ids in order of first appearance).
 - ``random_pairs``: each node draws ``k`` (default 2) distinct classes uniformly at random
   (SCool's non-IID); clusters as for ``pathological``.
-- ``label_permutation``: ``num_clusters`` (default 4). Contiguous blocks of nodes form the
+- ``label_permutation``: ``num_clusters`` (default ``min(4, num_nodes)``). Contiguous blocks of nodes form the
   clusters: node ``i`` is in cluster ``i * num_clusters // num_nodes``. Samples are iid; cluster
   0 keeps the labels, every other cluster relabels with its own seeded random permutation
   (never the identity, distinct between clusters where possible). ``Shard.label_map[c]`` is the
@@ -168,7 +168,8 @@ def true_clusters(cfg: LearnerConfig) -> list[int]:
     if part == "dirichlet":
         return list(range(n))
     if part == "label_permutation":
-        c = int(p.get("num_clusters", 4))
+        # default 4, or fewer for a smaller network (a hand-started node has num_nodes = 1)
+        c = int(p.get("num_clusters", min(4, n)))
         if not 1 <= c <= n:
             raise ValueError(f"label_permutation: num_clusters={c} must be in [1, num_nodes={n}]")
         return _blocks(n, c)

@@ -33,6 +33,8 @@ class Membership:
         self.transport = transport
         self.problems = problems
         self.pending: set[str] = set(bootstrap)  # addresses to handshake
+        self.bootstrap = set(bootstrap)
+        self.unreachable: set[str] = set()  # addresses already reported as unreachable
         self.heartbeat_interval_s = heartbeat_interval_s
         self.request_timeout_s = request_timeout_s
         self.link_delay_s = link_delay_s
@@ -76,7 +78,16 @@ class Membership:
             if e.kind == "refused":
                 self.problems.note(address, f"handshake refused: {e.message}")
                 log.error("peer at %s refused us: %s", address, e.message)
+            elif address not in self.unreachable:  # once per address, not every heartbeat
+                self.unreachable.add(address)
+                what = "bootstrap peer" if address in self.bootstrap else "peer"
+                msg = f"cannot reach {what} at {address} ({e.kind}: {e.message}); still trying"
+                log.warning(msg)
+                self.problems.note(address, msg)
             return
+        if address in self.unreachable:
+            self.unreachable.discard(address)
+            log.info("reached peer at %s", address)
         why = self.incompatible(remote)
         if why:
             self.problems.note(address, f"handshake: {why}")

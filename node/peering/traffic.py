@@ -9,9 +9,9 @@ from ..metrics import Metrics
 
 class TrafficStats:
     def __init__(self, metrics: Metrics):
-        self.sent = metrics.counter("coterie_bytes_sent_total", "Bytes sent to peers", ("kind",))
-        self.received = metrics.counter("coterie_bytes_received_total", "Bytes received from peers", ("kind",))
-        self.lat = metrics.histogram("coterie_request_latency_seconds", "Peer request latency",
+        self.sent = metrics.counter("coterie_sent_bytes_total", "Bytes sent to peers", ("kind",))
+        self.received = metrics.counter("coterie_received_bytes_total", "Bytes received from peers", ("kind",))
+        self.lat = metrics.histogram("coterie_request_duration_seconds", "Peer request duration",
                                      ("kind", "side"),
                                      buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.round_sent: dict[str, int] = defaultdict(int)

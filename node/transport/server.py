@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import msgpack
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from ...proto.v1 import peer_pb2 as pb
 from ..peering import serde
@@ -233,9 +234,15 @@ async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, chunk_b
     server.add_generic_rpc_handlers((_handlers(service),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(address)
+    reflection.enable_server_reflection(  # lets grpcurl/grpcui list and call the peer service
+        (pb.DESCRIPTOR.services_by_name["Peer"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
+        server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:  # grpc raises "Failed to bind to address" for a taken port
+        port = 0
     if port == 0:
-        raise OSError(f"cannot bind peer address {address}")
+        raise OSError(f"cannot bind the peer address {address}: the port is in use or not available here")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("coterie.v1.Peer", health_pb2.HealthCheckResponse.SERVING)

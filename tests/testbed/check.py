@@ -136,11 +136,11 @@ def mean_round_seconds(node: str) -> float | None:
     text = get(node, "/metrics") or ""
     vals: dict[str, float] = {}
     for line in text.splitlines():
-        for k in ("coterie_round_seconds_sum", "coterie_round_seconds_count"):
+        for k in ("coterie_round_duration_seconds_sum", "coterie_round_duration_seconds_count"):
             if line.startswith(k + " ") or line.startswith(k + "{"):
                 vals[k] = float(line.rsplit(" ", 1)[1])
-    c = vals.get("coterie_round_seconds_count")
-    return vals["coterie_round_seconds_sum"] / c if c else None
+    c = vals.get("coterie_round_duration_seconds_count")
+    return vals["coterie_round_duration_seconds_sum"] / c if c else None
 
 
 def clusters(nodes: list[str]) -> dict[str, str]:
