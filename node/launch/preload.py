@@ -13,8 +13,12 @@ import gc
 import numpy  # noqa: F401
 import torch  # noqa: F401
 
-import coterie.cli.main  # noqa: F401  (multiprocessing re-imports the launcher's __main__ in each child)
+import coterie.cli.main  # noqa: F401  (the daemons run its `node start`)
+import coterie.cli.render  # noqa: F401
+import coterie.node.admin  # noqa: F401  (aiohttp, httpx)
 import coterie.node.daemon  # noqa: F401
+import coterie.node.launcher  # noqa: F401  (the CLI's preflight checks strategies through it)
+import coterie.node.logs  # noqa: F401
 import coterie.node.learning.torch_learner  # noqa: F401
 import coterie.node.transport.grpc_transport  # noqa: F401
 from coterie.node.strategies.registry import available, get_strategy
