@@ -174,3 +174,25 @@ def test_a_node_with_a_cached_pool_imports_no_generator(tmp_path):
     assert "mnist1d" in first.stdout and "sklearn" in first.stdout  # the first load generates
     second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert second.stdout.strip() == "[]", second.stdout
+
+
+def test_partition_is_computed_once_per_process_and_shared_read_only():
+    """The nodes of one process share one partition (computing it per node is O(N²) at 1,000
+    nodes); its index arrays are read-only, and each node still copies only its own samples."""
+    from coterie.node.learning.config import LearnerConfig
+    from coterie.node.learning.partition import node_data, partition, shared_partition
+
+    pool = load_pool("gaussian", {"num_samples": 400}, 2)
+    cfg = LearnerConfig(dataset="gaussian", dataset_params={"num_samples": 400}, partition="iid",
+                        num_nodes=4, data_seed=2)
+    first = shared_partition(pool, cfg)
+    assert shared_partition(pool, cfg.model_copy(update={"node_index": 3})) is first
+    assert shared_partition(pool, cfg.model_copy(update={"data_seed": 3})) is not first
+    fresh = partition(pool, cfg)
+    assert all(np.array_equal(a.train, b.train) and np.array_equal(a.test, b.test) for a, b in zip(first, fresh))
+    assert not first[0].train.flags.writeable
+    with pytest.raises(ValueError):
+        first[0].train[0] = 7
+    d = node_data(pool, cfg.model_copy(update={"node_index": 1}))
+    assert d.x_train.base is None or not np.shares_memory(d.x_train, pool.x)  # its own copy of its rows
+    assert len(d.x_train) == len(first[1].train)
