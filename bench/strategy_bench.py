@@ -59,6 +59,15 @@ def auroc(scores: np.ndarray, labels: np.ndarray) -> float | None:
     return float((ranks[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
 
 
+def mixture_corr(W: np.ndarray, mix: np.ndarray) -> float | None:
+    """Partition "mixture": Pearson correlation, over the off-diagonal pairs, of the learned
+    weights with the true overlap of two nodes' data, π_i·π_j (the chance that a sample of i and
+    one of j come from the same component)."""
+    off = ~np.eye(len(W), dtype=bool)
+    a, b = W[off], (mix @ mix.T)[off]
+    return None if a.std() == 0 or b.std() == 0 else float(np.corrcoef(a, b)[0, 1])
+
+
 def metrics(res: dict) -> dict:
     ids = res["node_ids"]
     n = len(ids)
@@ -93,6 +102,8 @@ def metrics(res: dict) -> dict:
             row["beats_local_share"] = float(np.mean(acc_clean > lacc[clean]))
         if noisy:
             row["max_weight_on_noisy"] = float(W[np.ix_(clean, noisy)].max())
+        if res.get("true_mixture"):
+            row["mixture_corr"] = mixture_corr(W, np.asarray(res["true_mixture"]))
         out[name] = row
     return out
 

@@ -394,6 +394,8 @@ def _launch(sc, out: Path, notes: list[str], demo: bool, backend: str = "process
         raise _fail("interrupted; every node was stopped", 130)
     except launcher.LauncherError as e:
         raise _fail(str(e), 1)
+    except launcher.ConfigError as e:  # the data check before any process starts
+        raise _fail(str(e), EXIT_CONFIG)
     finally:
         signal.signal(signal.SIGTERM, old)
     console.print(res.summary_table(r))

@@ -5,6 +5,8 @@ results.json (``"format": "coterie-results/1"``)::
     scenario            the resolved scenario (after command-line overrides)
     node_ids            ["n0", ...]: the order of every per-node list and matrix
     true_clusters       ground-truth cluster per node (from the partitioner), or null
+    true_mixture        partition "mixture": each node's true component weights π_i (a row per
+                        node), to score weight matrices against; else absent
     strategies.<name>:
       wall_time_s       launch to last node done
       node_configs      {node_id: full NodeConfig}
@@ -64,6 +66,12 @@ def true_clusters_of(run: "StrategyRun") -> tuple[list[int] | None, str | None]:
         return [int(c) for c in true_clusters(run.specs[0].config.learner)], None
     except Exception as e:  # partitioner missing or the spec has no clusters
         return None, f"true clusters unavailable: {type(e).__name__}: {e}"
+
+
+def true_mixture_of(run: "StrategyRun") -> list[list[float]] | None:
+    from .learning.partition import true_mixture
+    mix = true_mixture(run.specs[0].config.learner)
+    return None if mix is None else mix.tolist()
 
 
 def node_results(history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -174,6 +182,7 @@ def build_results(sc: "Scenario", runs: list["StrategyRun"], notes: list[str] | 
         "scenario": sc.model_dump(mode="json"),
         "node_ids": [s.node_id for s in runs[0].specs] if runs else [],
         "true_clusters": clusters,
+        **({"true_mixture": mix} if runs and (mix := true_mixture_of(runs[0])) is not None else {}),
         "strategies": {r.strategy: strategy_results(sc, r, clusters) for r in runs},
         "notes": notes,
     })

@@ -237,12 +237,21 @@ class Node:
 
 
 class Hub:
-    def __init__(self) -> None:
+    def __init__(self, wait_s: float = 30.0) -> None:
         self.nodes: dict[str, Node] = {}
         self.calls: dict[str, int] = {}
+        self.wait_s = wait_s  # default bound of a round-aligned pull (the daemon: its request timeout)
+        self._published: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
 
     def count(self, what: str) -> None:
         self.calls[what] = self.calls.get(what, 0) + 1
+
+    def published(self) -> asyncio.Event:
+        """An event set at the next publish by anyone (one per event loop: tests run several)."""
+        loop = asyncio.get_running_loop()
+        if self._published is None or self._published[0] is not loop:
+            self._published = (loop, asyncio.Event())
+        return self._published[1]
 
     def publish(self, node_id: str, rnd: int) -> None:
         n = self.nodes[node_id]
@@ -251,6 +260,9 @@ class Hub:
                   for k, v in (n.strategy.published_extras() if n.strategy else {}).items()}
         n.snapshot = PeerSnapshot(node_id=node_id, version=version, round=rnd,
                                   params=n.learner.get_params(), extras=extras)
+        if self._published is not None:
+            self._published[1].set()
+            self._published = None
 
 
 class InProcessNetwork:
@@ -276,10 +288,30 @@ class InProcessNetwork:
         n = self.hub.nodes.get(peer)
         return None if n is None or n.snapshot is None else copy.deepcopy(n.snapshot)
 
-    async def pull(self, peer: str) -> PeerSnapshot | None:
+    async def pull(self, peer: str, *, min_round: int | None = None,
+                   wait_s: float | None = None) -> PeerSnapshot | None:
+        """As the daemon's: with ``min_round``, a snapshot of round >= min_round, waiting up to
+        ``wait_s`` (default ``hub.wait_s``) for the peer to publish it; else None."""
         n = self._peer(peer)
         self.hub.count("pull")
-        return None if n is None or n.snapshot is None else copy.deepcopy(n.snapshot)
+        if n is None:
+            return None
+        if min_round:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + (self.hub.wait_s if wait_s is None else max(0.0, wait_s))
+            while n.snapshot is None or n.snapshot.round < min_round:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return None
+                try:
+                    await asyncio.wait_for(self.hub.published().wait(), left)
+                except asyncio.TimeoutError:
+                    return None
+                n = self._peer(peer)
+                if n is None:
+                    return None
+            self.hub.count("pull_aligned")
+        return None if n.snapshot is None else copy.deepcopy(n.snapshot)
 
     def _mine(self) -> Params:
         return self.hub.nodes[self.node_id].snapshot.params
@@ -348,12 +380,36 @@ def build_network(strategy_cls: type[Strategy], params: dict[str, Any] | None = 
     return hub
 
 
-async def run_rounds(hub: Hub, rounds: int, start: int = 1, concurrent: bool = False) -> list[dict]:
+async def run_free(hub: Hub, rounds: int, delay_s: dict[str, float] | None = None,
+                   start: int = 1) -> dict[str, list]:
+    """Every node runs its own rounds as fast as it can, as daemons do (no global round barrier),
+    publishing after each; ``delay_s[node]`` slows a node down by that much per round."""
+    async def node_loop(nid: str) -> list:
+        out = []
+        for rnd in range(start, start + rounds):
+            out.append(await hub.nodes[nid].strategy.run_round(rnd))
+            hub.publish(nid, rnd)
+            if (delay_s or {}).get(nid):
+                await asyncio.sleep(delay_s[nid])  # a slower node, not a wait for anything
+        return out
+    reports = await asyncio.gather(*(node_loop(nid) for nid in hub.nodes))
+    return dict(zip(hub.nodes, reports))
+
+
+async def run_rounds(hub: Hub, rounds: int, start: int = 1, concurrent: bool = False,
+                     synchronous: bool = False) -> list[dict]:
     """Run ``rounds`` rounds on every node; each node publishes right after its round.
-    Sequential by default (deterministic); ``concurrent`` runs the nodes' rounds together."""
+    Sequential by default (deterministic); ``concurrent`` runs the nodes' rounds together;
+    ``synchronous`` runs them one after another but publishes only once all are done (a global
+    round barrier: every node sees everyone's previous round, nobody's current one)."""
     reports = []
     for rnd in range(start, start + rounds):
-        if concurrent:
+        if synchronous:
+            rep = {nid: await node.strategy.run_round(rnd) for nid, node in hub.nodes.items()}
+            for nid in hub.nodes:
+                hub.publish(nid, rnd)
+            reports.append(rep)
+        elif concurrent:
             async def one(nid: str) -> Any:
                 r = await hub.nodes[nid].strategy.run_round(rnd)
                 hub.publish(nid, rnd)

@@ -170,6 +170,17 @@ def test_run_bad_scenario_exits_2(tmp_path):
     assert not (tmp_path / "o" / "results.json").exists()
 
 
+def test_run_oversized_partition_exits_2_before_starting_nodes(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(processes, "default_command", lambda spec: started.append(spec) or ["false"])
+    sc = tmp_path / "s.toml"
+    sc.write_text('nodes = 3\nrounds = 2\n[learner]\ndataset = "digits"\n'
+                  'partition_params = { num_clusters = 3, samples_per_node = 900 }\n')
+    r = runner.invoke(app, ["run", str(sc), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "needs 2700 samples" in r.stderr and "node n0" in r.stderr
+    assert not started and not (tmp_path / "o" / "results.json").exists()
+
+
 @pytest.fixture
 def fake_nodes(monkeypatch):
     monkeypatch.setattr(processes, "default_command",

@@ -4,6 +4,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from coterie.node import launcher
@@ -359,3 +360,54 @@ def test_daemons_are_forked_from_the_preloaded_server_and_share_its_memory(tmp_p
                     mem["Private"] += int(rest.split()[0])
             assert mem["Private"] < mem["Rss"] / 2, mem  # a fresh interpreter holds ~2/3 of it privately
     assert_all_gone(net.pids)
+
+
+def test_oversized_partition_fails_before_any_process_starts(tmp_path, monkeypatch):
+    """The pool and the partition are checked first: an oversized partition names the node and
+    the sizes, and no node process is ever started."""
+    started = []
+    monkeypatch.setattr(Network, "start", lambda self: started.append(self))
+    sc = scen(nodes=4, learner={"dataset": "digits", "partition": "label_permutation",
+                                "partition_params": {"num_clusters": 2, "samples_per_node": 600}})
+    with pytest.raises(ConfigError, match=r"node n0: data: .*needs 2400 samples in all but the pool has only 1797"):
+        run_scenario(sc, tmp_path, command=fake("ok"))
+    assert not started and not (tmp_path / "results.json").exists()
+
+
+def test_oracle_without_meaning_is_warned(tmp_path):
+    sc = scen(nodes=3, strategy=["local", "oracle"],
+              learner={"dataset": "digits", "partition": "dirichlet", "partition_params": {"alpha": 0.5}})
+    assert any("oracle has no meaning" in w for w in launcher.check_data(sc))
+    assert launcher.check_data(scen(nodes=3, strategy=["local", "oracle"])) == []  # 2 clusters: fine
+    res = run_scenario(sc, tmp_path, command=fake("ok"), poll_interval_s=0.05, stop_timeout_s=5)
+    assert any("oracle has no meaning" in n for n in res["notes"])
+
+
+def test_rerunning_a_subset_keeps_the_other_strategies(tmp_path):
+    sc = scen(nodes=3, strategy=["local", "dpsgd"])
+    first = run_scenario(sc, tmp_path, command=fake("ok"), poll_interval_s=0.05, stop_timeout_s=5)
+    again = run_scenario(scen(nodes=3, strategy=["dpsgd"]), tmp_path, command=fake("ok"),
+                         poll_interval_s=0.05, stop_timeout_s=5)
+    assert set(again["strategies"]) == {"local", "dpsgd"}
+    assert again["strategies"]["local"] == first["strategies"]["local"]
+    assert again["strategies"]["dpsgd"]["wall_time_s"] != first["strategies"]["dpsgd"]["wall_time_s"] or \
+        again["strategies"]["dpsgd"]["nodes"]["n0"]["pid"] != first["strategies"]["dpsgd"]["nodes"]["n0"]["pid"]
+    assert any("kept earlier results of ['local']" in n for n in again["notes"])
+    assert json.loads((tmp_path / "results.json").read_text()) == again
+    # another scenario configuration (other seed): the earlier entries are not mixed in
+    other = run_scenario(scen(nodes=3, seed=8, strategy=["dpsgd"]), tmp_path, command=fake("ok"),
+                         poll_interval_s=0.05, stop_timeout_s=5)
+    assert set(other["strategies"]) == {"dpsgd"}
+    assert any("another scenario configuration" in n for n in other["notes"])
+
+
+def test_results_carry_the_true_mixture(tmp_path):
+    from coterie.node.learning.partition import true_mixture
+    sc = scen(nodes=3, learner={"dataset": "digits", "partition": "mixture",
+                                "partition_params": {"num_components": 2, "alpha": 1.0}})
+    res = run_scenario(sc, tmp_path, command=fake("ok"), poll_interval_s=0.05, stop_timeout_s=5)
+    lc = prepare(sc, "local", tmp_path / "x")[0].config.learner
+    assert np.allclose(res["true_mixture"], true_mixture(lc))
+    assert res["true_clusters"] == [int(max(range(2), key=lambda k: r[k])) for r in res["true_mixture"]]
+    assert "true_mixture" not in run_scenario(scen(nodes=3), tmp_path / "y", command=fake("ok"),
+                                              poll_interval_s=0.05, stop_timeout_s=5)

@@ -206,3 +206,48 @@ def test_same_shards_in_another_process():
         assert child["test"] == mine.shard.test.tolist()
         assert child["y"] == mine.y_train.tolist()
         assert child["cluster"] == mine.shard.cluster
+
+
+def test_mixture_components_follow_the_true_weights(digits):
+    """Every node's splits hold the K label-permutation components in its Dir(α) proportions; the
+    labels are the component's relabelling of the class; weights need no data and are seeded."""
+    from coterie.node.learning.partition import true_mixture
+    c = cfg(partition="mixture", partition_params={"num_components": 3, "alpha": 0.5, "samples_per_node": 150},
+            val_fraction=0.2, test_fraction=0.2)
+    mix = true_mixture(c)
+    assert mix.shape == (10, 3) and np.allclose(mix.sum(1), 1)
+    assert np.array_equal(mix, true_mixture(cfg(partition="mixture", partition_params={
+        "num_components": 3, "alpha": 0.5, "samples_per_node": 150})))  # sizes don't change π
+    assert not np.allclose(mix, true_mixture(cfg(partition="mixture", data_seed=8, partition_params={
+        "num_components": 3, "alpha": 0.5})))
+    shards = partition(digits, c)
+    assert_disjoint(shards)
+    assert true_clusters(c) == [int(np.argmax(m)) for m in mix]
+    maps = shards[0].component_maps
+    assert maps.shape == (3, 10) and np.array_equal(maps[0], np.arange(10))
+    assert len({tuple(m) for m in maps}) == 3
+    for i, s in enumerate(shards):
+        assert np.array_equal(s.mixture, mix[i]) and np.array_equal(s.component_maps, maps)
+        for split in ("train", "val", "test"):
+            comp = s.components[split]
+            assert len(comp) == len(s.indices(split))
+            share = np.bincount(comp, minlength=3) / len(comp)
+            assert np.abs(share - mix[i]).max() <= 1 / len(comp) + 1e-9  # exact up to rounding
+        d = node_data(digits, c.model_copy(update={"node_index": i}), shards)
+        assert np.array_equal(d.y_test, maps[s.components["test"], digits.y[s.test]])
+        assert np.array_equal(d.y_train, maps[s.components["train"], digits.y[s.train]])
+    # smaller α: more nodes dominated by one component
+    peaked = true_mixture(cfg(partition="mixture", num_nodes=200, partition_params={"alpha": 0.1}))
+    flat = true_mixture(cfg(partition="mixture", num_nodes=200, partition_params={"alpha": 10.0}))
+    assert peaked.max(1).mean() > 0.8 > 0.5 > flat.max(1).mean()
+
+
+def test_mixture_rejects_bad_params(digits):
+    with pytest.raises(ValueError, match="alpha"):
+        partition(digits, cfg(partition="mixture", partition_params={"alpha": 0}))
+    with pytest.raises(ValueError, match="num_components"):
+        true_clusters(cfg(partition="mixture", partition_params={"num_components": 0}))
+    with pytest.raises(ValueError, match="unknown partition_params"):
+        partition(digits, cfg(partition="mixture", partition_params={"k": 2}))
+    with pytest.raises(ValueError, match="needs class labels"):
+        partition(load_pool("sine", {}, 0), cfg(dataset="sine", partition="mixture"))

@@ -67,6 +67,10 @@ def test_top_keep():
     assert C.top_keep(s, 0.2) == ["c"]
     assert C.top_keep(s, 0.5) == ["a", "c", "e"]
     assert C.top_keep(s, 0.0, min_keep=1) == ["c"]
+    eleven = {f"p{i:02d}": float(i) for i in range(11)}
+    assert C.top_keep(eleven, 0.2) == ["p08", "p09", "p10"]  # ⌈2.2⌉
+    assert C.top_keep(eleven, 0.2, rounding="floor") == ["p09", "p10"]  # int(2.2): SCool's code
+    assert C.top_keep(s, 0.1, rounding="floor") == ["c"]  # at least one
 
 
 def test_encoder_shapes_and_vector_roundtrip():
@@ -101,3 +105,26 @@ def test_registered_and_rejects_unknown_params(name):
     assert cls.name == name
     with pytest.raises(ValueError, match="unknown parameter"):
         cls("x", None, None, {"no_such_param": 1})
+
+
+def test_normalised_encoder_gives_averaged_cosine_logits():
+    """normalise=True (SCool authors' encoder): per filter tanh then unit length; the logit is the
+    mean over filters of the per-filter cosines, in [−1, 1], self = 1. The raw dot product grows
+    with the update's size, so one node with a large update became every node's favourite."""
+    spec = {"0.weight": torch.zeros(16, 8), "0.bias": torch.zeros(16), "2.weight": torch.zeros(4, 16),
+            "2.bias": torch.zeros(4)}
+    g = torch.Generator().manual_seed(0)
+    u, o = ({k: torch.randn(t.shape, generator=g) for k, t in spec.items()} for _ in range(2))
+    big = {k: 100 * v for k, v in o.items()}
+    enc = C.UpdateEncoder(spec, (10, 5), seed=3, normalise=True)
+    lg = C.attention_logits(enc, u, [o, big]).detach()
+    assert lg[0].item() == pytest.approx(1.0, abs=1e-5) and torch.all(lg.abs() <= 1 + 1e-5)
+    # reference: average of per-filter cosines of tanh(E_l(filter))
+    cos = []
+    for (name, ru), (_, ro), mlp in zip(C.layer_filters(u), C.layer_filters(o), enc.mlps):
+        eu, eo = torch.tanh(mlp(ru)), torch.tanh(mlp(ro))
+        cos.append(torch.nn.functional.cosine_similarity(eu, eo, dim=1))
+    assert lg[1].item() == pytest.approx(torch.cat(cos).mean().item(), abs=1e-5)
+    raw = C.UpdateEncoder(spec, (10, 5), seed=3)  # eq. 5 as printed: the big update dominates
+    lr = C.attention_logits(raw, u, [o, big]).detach()
+    assert abs(lr[2].item()) > 10 * max(abs(lr[0].item()), abs(lr[1].item()))

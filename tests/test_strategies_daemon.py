@@ -24,7 +24,7 @@ FAST = {
     "l2c": {"prune_round": 4},  # T0 = 10 in the paper
     "meta-l2c": {"alpha_steps": 5, "prune_round": 5},
 }
-ROUNDS = {"cobo": 8, "meta-l2c": 10}
+ROUNDS = {"cobo": 8, "meta-l2c": 10, "scool-sbm": 7}  # round-aligned strategies aggregate from round 2 on
 
 
 def _config(tmp, i, strategy, peers, partition="label_permutation", rounds=None, samples=300, clusters=CLUSTERS):
@@ -66,10 +66,23 @@ async def _network(tmp, strategy, partition="label_permutation", rounds=None, sa
             await n.stop()
 
 
+def collaborating_row(nid: str, w: dict[str, float], hist: list[dict]) -> dict[str, float]:
+    """The node's final row, or, when its last round used no peer (FedFomo logs the weights its
+    update used: {self: 1} in a round that kept its base model), the mean of the rows of the
+    rounds that did use one."""
+    if any(v > 0 for p, v in w.items() if p != nid):
+        return w
+    rows = [h["weights"] for h in hist if isinstance(h.get("weights"), dict)
+            and any(v > 0 for p, v in h["weights"].items() if p != nid)]
+    keys = {k for r in rows for k in r}
+    return {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys} if rows else w
+
+
 def in_cluster_mass(results) -> list[float]:
     cluster = {nid: c for nid, c, *_ in results}
     out = []
-    for nid, c, w, *_ in results:
+    for nid, c, w, hist, _ in results:
+        w = collaborating_row(nid, w, hist)
         peers = {p: v for p, v in w.items() if p != nid}
         total = sum(peers.values())
         out.append(sum(v for p, v in peers.items() if cluster[p] == c) / total if total > 0 else float("nan"))

@@ -1,4 +1,4 @@
-"""FedeRiCo (federico.txt §2.2, Alg. 1): EMA on sampled entries only, softmax over all known incl.
+"""FedeRiCo (federico.txt §2.2, Alg. 1): EMA over every entry with the kept losses (Alg. 1 l.11/14), softmax over all known incl.
 self, pushed weighted gradients, staleness, mixture prediction; in-process network."""
 from __future__ import annotations
 
@@ -15,11 +15,21 @@ from strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_s
 torch.set_num_threads(1)
 
 
-def test_ema_updates_sampled_entries_only():
-    L = {"me": 0.0, "a": 0.0, "b": 1.0, "c": 2.0}
-    out = federico_ema(L, {"me": 0.5, "a": 2.0, "c": 1.0}, beta=0.6)
-    assert out == {"me": pytest.approx(0.3), "a": pytest.approx(1.2), "b": 1.0, "c": pytest.approx(1.4)}
-    assert L["a"] == 0.0  # pure
+def test_ema_updates_every_entry_with_the_kept_losses():
+    """Alg. 1 l.11: ℓ_ij kept from the last round; l.14: every L̂_ij moves towards its ℓ_ij, not
+    only the sampled ones (an unsampled peer's estimate keeps converging to its last loss)."""
+    L = {"me": 0.0, "a": 0.0, "b": 1.0, "c": 2.0, "d": 0.0}
+    last = {"me": 0.4, "a": 3.0, "b": 1.5, "c": 0.5}           # d never seen: ℓ = 0 (l.3)
+    out, loss = federico_ema(L, last, {"me": 0.5, "a": 2.0, "c": 1.0}, beta=0.6)
+    assert loss == {"me": 0.5, "a": 2.0, "b": 1.5, "c": 1.0, "d": 0.0}
+    assert out == {"me": pytest.approx(0.3), "a": pytest.approx(1.2),
+                   "b": pytest.approx(0.4 * 1.0 + 0.6 * 1.5),  # unsampled: towards its kept loss
+                   "c": pytest.approx(1.4), "d": 0.0}
+    assert L["a"] == 0.0 and last["a"] == 3.0  # pure
+    # repeated rounds without sampling b: L̂_b converges to b's last loss (the old rule froze it at 1.0)
+    for _ in range(30):
+        out, loss = federico_ema(out, loss, {}, beta=0.6)
+    assert out["b"] == pytest.approx(1.5, abs=1e-6)
 
 
 def test_softmax_over_all_known_including_unsampled():
@@ -51,8 +61,8 @@ def test_one_round_reference():
     L_before = dict(n0.strategy._L)
     own = n0.learner.get_params()
     asyncio.run(n0.strategy.run_round(1))
-    contacted = set(k for k in n0.strategy._loss if k != "n0")
-    assert len(contacted) == 2
+    contacted = set(k for k, v in n0.strategy._loss.items() if k != "n0" and v != 0.0)
+    assert len(contacted) == 2 and set(n0.strategy._loss) == {"n0", "n1", "n2", "n3", "n4"}
     # loss reference: mean loss of the peer's snapshot on n0's whole train split
     for p in contacted:
         ref = n0.learner.loss(hub.nodes[p].snapshot.params, "train").loss

@@ -88,6 +88,31 @@ def test_round_uses_val_split_and_matches_reference():
         assert w == {"n0": 1.0} and all(torch.equal(s._base[k], base[k]) for k in base)
     else:
         assert w == pytest.approx({p: v for p, v in ref_w.items()})
+    # the row logged everywhere (history, results, /weights) is the one the update used
+    assert s.weights() == w
+
+
+def test_logged_weights_are_the_update_weights_not_the_affinity():
+    """weights() is w* of the last update (eq. 3/13), which differs from the normalised
+    affinity P; a fallback to θ_base shows as {self: 1}."""
+    hub = build_network(FedFomo, {"eps": 0.0}, num_nodes=4, num_clusters=2)
+    asyncio.run(run_rounds(hub, 3))
+    for nid, node in hub.nodes.items():
+        s = node.strategy
+        delta = s.public_state()["last_delta"]
+        used = fomo_weights(delta)
+        if any(v > 0 for v in used.values()):
+            assert s.weights() == pytest.approx({**used, nid: used.get(nid, 0.0)})
+        else:
+            assert s.weights() == {nid: 1.0}
+        assert set(s.weights()) <= set(delta) | {nid}  # only models actually combined
+    # the affinity view differs (it accumulates over rounds and covers every peer ever scored)
+    assert any(n.strategy.weights() != pytest.approx(n.strategy.affinity_row()) for n in hub.nodes.values())
+    # a fallback round: every candidate worse than the base -> {self: 1}
+    s = hub.nodes["n0"].strategy
+    s._P = {"n0": 1.0, "n1": 5.0}
+    s._w = {"n0": 1.0}
+    assert s.weights() == {"n0": 1.0} and s.affinity_row()["n1"] > 0.8
 
 
 def test_in_process_network_finds_clusters_and_resumes():
@@ -102,7 +127,7 @@ def test_in_process_network_finds_clusters_and_resumes():
         inc = [P.get(p, 0) for p, n in hub.nodes.items() if p != nid and n.cluster == node.cluster]
         out = [P.get(p, 0) for p, n in hub.nodes.items() if n.cluster != node.cluster]
         assert min(inc) > max(out), (nid, P)
-        w = node.strategy.weights()  # the positive part of P, normalised
+        w = node.strategy.affinity_row()  # the positive part of P, normalised
         assert sum(w.values()) == pytest.approx(1.0) and all(w.get(p, 0) == 0 for p in P if P[p] <= 0)
     # persistence: msgpack-able, and a fresh strategy resumes the same state
     s = hub.nodes["n0"].strategy

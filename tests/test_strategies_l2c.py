@@ -11,7 +11,7 @@ import torch
 from coterie.node.strategies import common as C
 from coterie.node.strategies.l2c import L2C, MetaL2C, l2c_alpha_grad
 from strategy_harness import (assert_encoder_resumes, build_network, in_cluster_mass,
-                              msgpack_roundtrip_state, run_rounds)
+                              msgpack_roundtrip_state, run_free, run_rounds)
 
 torch.set_num_threads(1)
 
@@ -55,23 +55,49 @@ def test_adam_scalars_matches_torch_adam():
     assert [x["a"], x["b"]] == pytest.approx(p.detach().tolist(), rel=1e-9)
 
 
-def test_round_mixes_with_softmax_alpha_and_steps_alpha():
+def test_round_mixes_the_same_iteration_then_trains():
+    """Round 2 at n0 aggregates iteration 1 (Alg. 1 l.13-18): θ^2 = θ^1 − Σ softmax(α)_j Δθ_j^1
+    with every neighbour's Δθ of round 1 (the round n0's own Δθ is from), takes one Adam step on
+    α, then runs the local steps of iteration 2 from θ^2 and publishes their Δθ."""
     hub = build_network(L2C, num_nodes=3, num_clusters=1)
     asyncio.run(run_rounds(hub, 1))
     n0 = hub.nodes["n0"]
     s = n0.strategy
+    assert s._t == 0 and s._delta_round == 1  # round 1: local steps only
+    base, own = s._base, s._delta
     alpha_before = dict(s._alpha)
-    theta = n0.learner.get_params()
     deltas = {p: hub.nodes[p].snapshot.extras["delta"] for p in ("n1", "n2")}
-    asyncio.run(s.run_round(2))
+    rep = asyncio.run(s.run_round(2))
     ids = ["n0", "n1", "n2"]
     w = C.softmax([alpha_before.get(p, 0.0) for p in ids])
     assert [s._row[p] for p in ids] == pytest.approx(w.tolist())
-    ref = C.mix_updates(theta, [(w[0], s._delta), (w[1], deltas["n1"]), (w[2], deltas["n2"])])
+    ref = C.mix_updates(base, [(w[0], own), (w[1], deltas["n1"]), (w[2], deltas["n2"])])
+    assert all(torch.allclose(s._base[k], ref[k], atol=1e-6) for k in ref)  # θ^2: trained from
     after = n0.learner.get_params()
-    assert all(torch.allclose(after[k], ref[k], atol=1e-6) for k in ref)
+    assert all(torch.allclose(s._delta[k], ref[k] - after[k], atol=1e-6) for k in ref)
+    assert s._delta_round == 2 and rep.info["same_round"] == 2 and rep.info["of_round"] == 1
     assert s._alpha != alpha_before  # one Adam step on α
     assert sum(s.weights().values()) == pytest.approx(1.0)
+
+
+def test_round_aligned_pull_waits_for_a_slow_neighbour():
+    """Daemons run free: a neighbour three times slower still has its Δθ of the same iteration
+    mixed every round (the pull waits for it), where the unaligned variant takes whatever
+    snapshot is there and reuses or skips the slow node's updates."""
+    def run(params):
+        hub = build_network(L2C, params, num_nodes=3, num_clusters=1)
+        reports = asyncio.run(run_free(hub, 6, delay_s={"n2": 0.3}))
+        return [r.info for r in reports["n0"][1:]]
+    aligned = run({})
+    assert all(i["mixed"] == 2 and i["same_round"] == 2 for i in aligned), aligned
+    unaligned = run({"round_aligned": False})
+    assert any(i["same_round"] < 2 for i in unaligned), unaligned
+    # a bounded wait: a neighbour that never publishes that round is left out, not waited for
+    hub = build_network(L2C, {"sync_wait_s": 0.05}, num_nodes=3, num_clusters=1)
+    asyncio.run(run_rounds(hub, 1))
+    hub.nodes["n2"].snapshot.round = 0  # n2 "still in round 1"
+    rep = asyncio.run(hub.nodes["n0"].strategy.run_round(2))
+    assert rep.info["mixed"] == 1 and rep.contacted == ["n1"]
 
 
 def test_l2c_in_process_network_prunes_at_T0_and_resumes():
@@ -116,3 +142,31 @@ def test_meta_l2c_in_process_network_and_encoder_gossip():
     assert_encoder_resumes(s)
     assert torch.allclose(s2.encoder.get_vector(), s.encoder.get_vector())
     assert np.array_equal(C.encoder_current(s2.encoder), C.encoder_current(s.encoder))
+
+
+def test_meta_l2c_prunes_on_the_mean_row_not_the_last_one():
+    """At T0 the peers are ranked by their mean weight over the rounds so far: a last row that
+    happens to favour another peer does not decide the topology."""
+    hub = build_network(MetaL2C, {"prune_round": 4}, num_nodes=4, num_clusters=2)
+    s = hub.nodes["n0"].strategy
+    ids = ["n0", "n1", "n2", "n3"]
+    for _ in range(3):
+        s._observe_row(ids, np.array([0.4, 0.1, 0.4, 0.1]))
+    last = np.array([0.3, 0.5, 0.1, 0.1])
+    s._observe_row(ids, last)
+    assert C.top_keep(s._prune_scores(ids, last), 0.1) == ["n2"]
+    s.p["prune_on"] = "last"
+    assert C.top_keep(s._prune_scores(ids, last), 0.1) == ["n1"]
+    # in a run, every round's row is accumulated, and the kept peer is the best on average
+    hub = build_network(MetaL2C, {"prune_round": 4, "alpha_steps": 5}, learner_kw={"local_steps": 20})
+    asyncio.run(run_rounds(hub, 5))
+    s = hub.nodes["n0"].strategy
+    assert set(s._row_cnt.values()) == {4}  # aggregations in rounds 2-5 (round 1: local steps only)
+    means = {p: s._row_sum[p] / s._row_cnt[p] for p in s._row_sum}
+    assert s._kept == C.top_keep(means, 0.1)
+
+
+def test_meta_l2c_attention_is_cosine_by_default():
+    hub = build_network(MetaL2C, num_nodes=2, num_clusters=1)
+    assert hub.nodes["n0"].strategy.encoder.normalise
+    assert not build_network(MetaL2C, {"attention": "dot"}, num_nodes=2, num_clusters=1).nodes["n0"].strategy.encoder.normalise

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from coterie.node.strategies import common as C
-from coterie.node.strategies.scool import (SCoolAttention, SCoolSBM, attention_weights, row_with_self,
-                                           sbm_alpha_mstep, sbm_B_mstep, sbm_estep_node, sbm_node_stats)
+from coterie.node.strategies.scool import (SCoolAttention, SCoolSBM, attention_estep, attention_weights,
+                                           row_with_self, sbm_alpha_mstep, sbm_B_mstep, sbm_estep_node,
+                                           sbm_node_stats, sbm_self_weight)
 from coterie.node.wire.codec import pack_state, unpack_state
 from strategy_harness import (assert_encoder_resumes, build_network, in_cluster_mass,
                               msgpack_roundtrip_state, run_rounds)
@@ -128,7 +129,7 @@ def test_learned_prior_tracks_the_network_by_gossip():
     the B of eq. 24 computed from the whole graph."""
     hub = build_network(SCoolSBM, {"learn_B": True, "learn_alpha": True, "prune_after": 0},
                         num_nodes=6, num_clusters=2, learner_kw={"local_steps": 20})
-    asyncio.run(run_rounds(hub, 8))
+    asyncio.run(run_rounds(hub, 10))
     strategies = [n.strategy for n in hub.nodes.values()]
     for k in ("N", "D", "s"):
         est = sum(s._est[k] for s in strategies)
@@ -154,20 +155,24 @@ def test_learned_prior_tracks_the_network_by_gossip():
 
 
 def test_mixing_round_matches_reference():
-    """θ^{t+1} = θ^t − Σ_j w̄_ij Δθ_j with the published deltas (App. C.1)."""
+    """Round 2 aggregates iteration 1 (App. C.1): θ^2 = θ^1 − Σ_j w̄_ij Δθ_j^1 with the peers'
+    published deltas of round 1, then trains from θ^2 and publishes that round's Δθ."""
     hub = build_network(SCoolSBM, {"prune_after": 0}, num_nodes=4, num_clusters=2)
-    asyncio.run(run_rounds(hub, 1))  # every node publishes a delta
+    asyncio.run(run_rounds(hub, 1))  # every node trains and publishes a delta
     n0 = hub.nodes["n0"]
-    theta = n0.learner.get_params()
+    base, own = n0.strategy._base, n0.strategy._delta
     deltas = {p: hub.nodes[p].snapshot.extras["delta"] for p in ("n1", "n2", "n3")}
     torch.manual_seed(5)
-    asyncio.run(n0.strategy.run_round(2))
+    rep = asyncio.run(n0.strategy.run_round(2))
     row = n0.strategy.weights()
     assert sum(row.values()) == pytest.approx(1.0) and set(row) == {"n0", "n1", "n2", "n3"}
-    ref = C.mix_updates(theta, [(row["n0"], n0.strategy._delta)] + [(row[p], deltas[p]) for p in deltas])
+    ref = C.mix_updates(base, [(row["n0"], own)] + [(row[p], deltas[p]) for p in deltas])
+    for k in ref:
+        assert torch.allclose(n0.strategy._base[k], ref[k], atol=1e-6)  # what round 2 trained from
+    assert rep.info["same_round"] == 3 and rep.info["of_round"] == 1
     after = n0.learner.get_params()
-    for k in theta:
-        assert torch.allclose(after[k], ref[k], atol=1e-6)
+    d = n0.strategy.published_extras()["delta"]
+    assert all(torch.allclose(d[k], ref[k] - after[k], atol=1e-6) for k in ref)
     # Ω was exchanged with every peer, both ways
     assert set(n0.strategy._omegas) == {"n1", "n2", "n3"}
     assert "n0" in hub.nodes["n1"].strategy._omegas
@@ -213,23 +218,99 @@ def test_exact_mstep_matches_reference():
     assert all(torch.allclose(d[k], theta[k] - after[k], atol=1e-6) for k in theta)
 
 
+def test_sbm_self_term_is_the_authors_sigmoid():
+    """The self weight is σ((Y_ii + Ω_iᵀ logit(B) Ω_i)/τ) with Y_ii = −loss of my published model
+    on my own data (not a fixed raw 1, which kept the self share ≥ 0.5 whatever the evidence)."""
+    hub = build_network(SCoolSBM, {"prune_after": 0, "evidence_samples": None}, num_nodes=4, num_clusters=2,
+                        learner_kw={"local_steps": 20})
+    asyncio.run(run_rounds(hub, 3))
+    n0 = hub.nodes["n0"]
+    s = n0.strategy
+    theta, omega, B = n0.learner.get_params(), s.omega.copy(), s.B.copy()
+    asyncio.run(s.run_round(4))
+    y_ii = -n0.learner.loss(theta, "train").loss
+    assert s._Y["n0"] == pytest.approx(y_ii, rel=1e-5)
+    logit_B = np.log(B) - np.log1p(-B)
+    w_ii = 1 / (1 + np.exp(-(y_ii + omega @ logit_B @ omega) / s.p["tau"]))
+    assert sbm_self_weight(y_ii, omega, B, s.p["tau"]) == pytest.approx(w_ii)
+    row = s.weights()
+    assert row == pytest.approx(row_with_self({p: s._raw[p] for p in ("n1", "n2", "n3")}, "n0", w_ii))
+    assert row["n0"] < 1 / (1 + sum(s._raw[p] for p in ("n1", "n2", "n3")))  # below the raw-1 share
+
+
+def test_attention_estep_targets_the_likelihood_softmax():
+    """One encoder step is AdamW on CE(softmax(Y/τ), p(φ)) (*code*), and w is eq. 29 over self
+    and the others, from the encoder as it was before the step."""
+    spec = {"0.weight": torch.zeros(6, 4), "0.bias": torch.zeros(6), "2.weight": torch.zeros(3, 6),
+            "2.bias": torch.zeros(3)}
+    g = torch.Generator().manual_seed(0)
+    ups = [{k: torch.randn(v.shape, generator=g) for k, v in spec.items()} for _ in range(4)]
+    y = np.array([-0.2, -0.3, -4.0, -5.0])
+    enc = C.UpdateEncoder(spec, (10, 5), seed=1, normalise=True)
+    ref = C.UpdateEncoder(spec, (10, 5), seed=1, normalise=True)
+    opt = torch.optim.AdamW(enc.parameters(), lr=0.2, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.2, weight_decay=0.01)
+    with torch.no_grad():
+        logits0 = C.attention_logits(ref, ups[0], ups[1:]).double().numpy()
+    w, p = attention_estep(enc, opt, ups[0], ups[1:], y, 9.0)
+    assert p == pytest.approx(np.exp(logits0) / np.exp(logits0).sum(), rel=1e-5)
+    assert w == pytest.approx(attention_weights(y, logits0, 9.0), rel=1e-5)
+    target = torch.as_tensor(np.exp(y / 9) / np.exp(y / 9).sum(), dtype=torch.float32)
+    loss = -(target * torch.log_softmax(C.attention_logits(ref, ups[0], ups[1:]), 0)).sum()
+    ref_opt.zero_grad()
+    loss.backward()
+    ref_opt.step()
+    assert torch.allclose(enc.get_vector(), ref.get_vector(), atol=1e-6)
+    # alone: w = [1] and no step (AdamW would move every parameter on weight decay alone)
+    before = enc.get_vector().clone()
+    w1, _ = attention_estep(enc, opt, ups[0], [], y[:1], 9.0)
+    assert w1.tolist() == [1.0] and torch.equal(enc.get_vector(), before)
+
+
+def test_attention_row_is_the_eq29_softmax_over_self_and_peers():
+    hub = build_network(SCoolAttention, {"prune_after": 0}, learner_kw={"local_steps": 20})
+    n0 = hub.nodes["n0"]
+    enc0 = n0.strategy.encoder.get_vector().clone()
+    asyncio.run(n0.strategy.run_round(1))  # nobody has published an update yet: alone, no step
+    assert torch.equal(n0.strategy.encoder.get_vector(), enc0)
+    asyncio.run(run_rounds(hub, 3, start=2))
+    s = hub.nodes["n3"].strategy
+    st = s.public_state()
+    ids = sorted(st["attention"])
+    y = np.array([st["evidence"][k] for k in ids])
+    logp = np.log([st["attention"][k] for k in ids])
+    ref = np.exp(y / 9.0 + logp)
+    ref /= ref.sum()
+    assert s.weights() == pytest.approx(dict(zip(ids, ref.tolist())), rel=1e-4)
+    assert len(ids) == 6 and sum(s.weights().values()) == pytest.approx(1.0)
+
+
 def test_attention_in_process_network_and_encoder_gossip():
     hub = build_network(SCoolAttention, {"prune_after": 0}, learner_kw={"local_steps": 20})
     enc0 = hub.nodes["n0"].strategy.encoder.get_vector().clone()
-    asyncio.run(run_rounds(hub, 6))
-    mass, per_node, chance = in_cluster_mass(hub)
-    assert mass > 0.8, per_node
+    asyncio.run(run_rounds(hub, 10))
+    for nid, node in hub.nodes.items():  # every in-cluster peer above every other one
+        w = node.strategy.weights()
+        inc = [w[p] for p, n in hub.nodes.items() if p != nid and n.cluster == node.cluster]
+        out = [w[p] for p, n in hub.nodes.items() if n.cluster != node.cluster]
+        assert min(inc) > max(out), (nid, w)
     vecs = torch.stack([n.strategy.encoder.get_vector() for n in hub.nodes.values()])
     assert not torch.allclose(vecs[0], enc0)  # trained
     spread = (vecs - vecs.mean(0)).norm(dim=1).max()
     assert spread < 0.5 * (vecs[0] - enc0).norm()  # gossip keeps the copies close to each other
     s = hub.nodes["n3"].strategy
-    # eq. 30: the own gradient keeps weight 1 beside the peers' w_ij (j ≠ i), whatever w_ii is
-    row = s.weights()
-    peers_raw = {p: s._raw[p] for p in row if p != "n3"}
-    assert s._raw["n3"] > 0 and row == pytest.approx(row_with_self(peers_raw, "n3"))
     s2 = SCoolAttention("n3", s.learner, s.net, seed=5)
     s2.load_state_dict(msgpack_roundtrip_state(s.state_dict()))
     assert s2.public_state() == s.public_state()
     assert_encoder_resumes(s)
     assert torch.allclose(s2.encoder.get_vector(), s.encoder.get_vector())
+
+
+def test_attention_prunes_to_its_cluster():
+    hub = build_network(SCoolAttention, learner_kw={"local_steps": 20})  # keep 20% after 10 E-steps
+    asyncio.run(run_rounds(hub, 12))
+    mass, per_node, _ = in_cluster_mass(hub)
+    assert mass > 0.95, per_node
+    for nid, node in hub.nodes.items():
+        (kept,) = node.strategy._kept
+        assert hub.nodes[kept].cluster == node.cluster

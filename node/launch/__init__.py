@@ -31,8 +31,9 @@ def check_backend(sc: Scenario, backend: str) -> None:
 
 
 def run_scenario(sc: Scenario, out_dir: str | Path, *, backend: str = "processes", console: Any = None,
-                 notes: list[str] | None = None, **options: Any) -> dict[str, Any]:
-    """Run every strategy of ``sc`` on ``backend``; write and return ``out_dir/results.json``.
+                 notes: list[str] | None = None, check: bool = True, **options: Any) -> dict[str, Any]:
+    """Run every strategy of ``sc`` on ``backend``; write and return ``out_dir/results.json``
+    (``common.run_strategies``: the data are checked first unless ``check`` is False).
     ``options`` go to the backend's ``run_strategy`` (processes: command, poll_interval_s,
     stop_timeout_s; inproc: poll_interval_s, threads)."""
     check_backend(sc, backend)
@@ -41,4 +42,4 @@ def run_scenario(sc: Scenario, out_dir: str | Path, *, backend: str = "processes
     else:
         from .inproc import run_strategy
     return run_strategies(sc, out_dir, lambda s: run_strategy(sc, s, Path(out_dir), console=console, **options),
-                          console=console, notes=notes, backend=backend)
+                          console=console, notes=notes, backend=backend, check=check)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..config import ConfigError
-from ..scenario import NodeSpec, Scenario, StrategyRun
+from ..scenario import NodeSpec, Scenario, StrategyRun, node_config
 
 # a personalised strategy to fall back on, in order, when a scenario's choice is not importable
 FALLBACK_STRATEGIES = ("fedfomo", "federico", "scool-sbm", "cobo", "l2c", "oracle", "dpsgd")
@@ -171,11 +171,63 @@ def collect(strategy: str, specs: Sequence[NodeSpec], rounds: int, wall_s: float
                        {s.node_id: p.status for s, p in zip(specs, progress)}, notes=short)
 
 
+def check_data(sc: Scenario) -> list[str]:
+    """Load every distinct dataset and partition the scenario's nodes use, before any node starts:
+    an oversized partition or a missing data file fails here, naming the node, instead of in
+    every daemon after the network came up. Returns warnings (e.g. an oracle without meaning).
+    (The partition is computed as the nodes of this process will use it: ``shared_partition``.)"""
+    from ..learning.datasets import load_pool
+    from ..learning.partition import shared_partition, true_clusters
+
+    seen: set[str] = set()
+    warnings: list[str] = []
+    for i in range(sc.nodes):
+        lc = node_config(sc, sc.strategy[0], i, Path("/nonexistent")).learner
+        key = lc.model_dump_json(include={"dataset", "dataset_params", "partition", "partition_params",
+                                          "num_nodes", "data_seed", "val_fraction", "test_fraction"})
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            shared_partition(load_pool(lc.dataset, lc.dataset_params, lc.data_seed), lc)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"scenario, node n{i}: data: {e}") from None
+        if "oracle" in sc.strategy and sc.nodes > 1 and len(set(true_clusters(lc))) == sc.nodes:
+            warnings.append(f"oracle has no meaning here: partition {lc.partition!r} puts every node in "
+                            f"its own cluster, so the oracle learns alone (= local)")
+    return sorted(set(warnings))
+
+
+def _earlier_strategies(path: Path, results: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The strategies of an earlier results.json at ``path`` that this run did not redo, if that
+    run had the same scenario (strategy list and params aside) and nodes; else nothing, noted."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}, []
+    if not isinstance(old, dict) or not isinstance(old.get("strategies"), dict):
+        return {}, []
+    strip = lambda scen: {k: v for k, v in (scen or {}).items() if k not in ("strategy", "strategy_params")}  # noqa: E731
+    if strip(old.get("scenario")) != strip(results["scenario"]) or old.get("node_ids") != results["node_ids"]:
+        return {}, [f"an earlier {path.name} there was for another scenario configuration: replaced"]
+    kept = {k: v for k, v in old["strategies"].items() if k not in results["strategies"]}
+    return kept, ([f"kept earlier results of {sorted(kept)} (created {old.get('created')})"] if kept else [])
+
+
 def run_strategies(sc: Scenario, out_dir: str | Path, run_strategy: Callable[[str], StrategyRun], *,
-                   console: Any = None, notes: list[str] | None = None, backend: str = "") -> dict[str, Any]:
-    """Run every strategy of the scenario one after another; write and return results.json."""
+                   console: Any = None, notes: list[str] | None = None, backend: str = "",
+                   check: bool = True) -> dict[str, Any]:
+    """Run every strategy of the scenario one after another; write and return results.json.
+    Strategies of an earlier results.json in ``out_dir`` for the same scenario that this run does
+    not redo are kept in it (rerunning a subset replaces only those)."""
     from ..results import build_results, write_results
 
+    notes = list(notes or [])
+    if check:
+        for w in check_data(sc):
+            notes.append(w)
+            if console:
+                console.print(f"[yellow]warning:[/] {w}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs: list[StrategyRun] = []
@@ -188,5 +240,8 @@ def run_strategies(sc: Scenario, out_dir: str | Path, run_strategy: Callable[[st
         results = build_results(sc, runs, notes=notes)
         if backend:
             results["backend"] = backend
+        kept, why = _earlier_strategies(out / "results.json", results)
+        results["strategies"] = {**kept, **results["strategies"]}
+        results["notes"] += why
         write_results(out / "results.json", results)  # after each strategy: partial results survive
     return results

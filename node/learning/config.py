@@ -13,7 +13,7 @@ class LearnerConfig(BaseModel):
     dataset_params: dict[str, Any] = Field(default_factory=dict)  # e.g. num_samples, data_dir
     partition: Literal[
         "iid", "dirichlet", "pathological", "label_permutation", "class_groups", "random_pairs",
-        "sine_intervals",
+        "sine_intervals", "mixture",
     ] = "label_permutation"
     partition_params: dict[str, Any] = Field(default_factory=dict)  # alpha, k, num_clusters, ...
     num_nodes: int = Field(1, ge=1)

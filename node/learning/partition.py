@@ -37,6 +37,12 @@ from the same distribution share a cluster id):
 - ``sine_intervals`` (regression pools): ``num_intervals`` (default ``num_nodes``). The pool's
   x range is cut into equal-width intervals; node ``i`` draws from interval
   ``i * num_intervals // num_nodes``. Cluster = interval.
+- ``mixture``: ``num_components`` K (default 4), ``alpha`` (default 0.5). K label-permutation
+  components (component 0 keeps the labels, the others relabel as ``label_permutation``'s
+  clusters do); node ``i`` draws its mixture weights π_i ~ Dir(alpha·1_K) and each of its splits
+  holds the components in those proportions (largest-remainder rounding), samples iid from the
+  pool — the mixture-of-distributions setting of FedeRiCo §2.1 (after FedEM). ``true_mixture``
+  gives every π_i without loading data (results.json carries it); cluster = argmax_k π_ik.
 
 Label noise (``cfg.label_noise``) is per node, so it is applied in ``node_data`` to the
 node's own train labels only: that share of them (rounded) is replaced by labels drawn
@@ -56,7 +62,7 @@ from .config import LearnerConfig
 from .datasets import Pool, dataset_num_classes
 
 PARTITIONS = ("iid", "dirichlet", "pathological", "label_permutation", "class_groups",
-              "random_pairs", "sine_intervals")
+              "random_pairs", "sine_intervals", "mixture")
 _PARAMS = {
     "iid": set(),
     "dirichlet": {"alpha"},
@@ -65,11 +71,12 @@ _PARAMS = {
     "label_permutation": {"num_clusters"},
     "class_groups": {"num_groups", "classes_per_group"},
     "sine_intervals": {"num_intervals"},
+    "mixture": {"num_components", "alpha"},
 }
 _REGRESSION_OK = {"iid", "sine_intervals"}
 
 # salts separating the independent random streams derived from data_seed
-_S_SIZES, _S_CLASSES, _S_SAMPLES, _S_PERM, _S_DIR, _S_NOISE = 11, 12, 13, 14, 15, 16
+_S_SIZES, _S_CLASSES, _S_SAMPLES, _S_PERM, _S_DIR, _S_NOISE, _S_MIX = 11, 12, 13, 14, 15, 16, 17
 
 
 @dataclass
@@ -80,6 +87,9 @@ class Shard:
     cluster: int
     label_map: np.ndarray | None = None  # class -> label this node sees (label_permutation)
     classes: tuple[int, ...] | None = None  # classes this node was given, if restricted
+    mixture: np.ndarray | None = None  # true mixture weights π_i over the components (mixture)
+    component_maps: np.ndarray | None = None  # (K, C): class -> label under component k (mixture)
+    components: dict[str, np.ndarray] | None = None  # split -> component of each sample (mixture)
 
     def indices(self, split: str) -> np.ndarray:
         return {"train": self.train, "val": self.val, "test": self.test}[split]
@@ -159,12 +169,37 @@ def _class_sets(cfg: LearnerConfig, num_classes: int) -> list[tuple[int, ...]]:
     raise AssertionError(cfg.partition)
 
 
+def true_mixture(cfg: LearnerConfig) -> np.ndarray | None:
+    """(num_nodes, K) true mixture weights of the ``mixture`` partition (row i = π_i), else None.
+    Loads no data."""
+    if cfg.partition != "mixture":
+        return None
+    p = _params(cfg)
+    k, alpha = int(p.get("num_components", 4)), float(p.get("alpha", 0.5))
+    if k < 1:
+        raise ValueError(f"mixture: num_components={k} must be >= 1")
+    if alpha <= 0:
+        raise ValueError(f"mixture: alpha must be > 0, got {alpha}")
+    return _rng(cfg, _S_MIX).dirichlet(np.full(k, alpha), size=cfg.num_nodes)
+
+
+def _component_counts(m: int, weights: np.ndarray) -> np.ndarray:
+    """m samples split in proportion to ``weights`` (largest remainder: sums to m exactly)."""
+    raw = weights * m
+    counts = np.floor(raw).astype(np.int64)
+    rest = m - int(counts.sum())
+    counts[np.argsort(-(raw - counts), kind="stable")[:rest]] += 1
+    return counts
+
+
 def true_clusters(cfg: LearnerConfig) -> list[int]:
     """Ground-truth cluster of every node (index = node index). Loads no data."""
     p, n = _params(cfg), cfg.num_nodes
     part = cfg.partition
     if part == "iid":
         return [0] * n
+    if part == "mixture":
+        return [int(k) for k in np.argmax(true_mixture(cfg), axis=1)]
     if part == "dirichlet":
         return list(range(n))
     if part == "label_permutation":
@@ -238,7 +273,7 @@ def partition(pool: Pool, cfg: LearnerConfig) -> list[Shard]:
     label_maps: list[np.ndarray | None] = [None] * n
     classes: list[tuple[int, ...] | None] = [None] * n
 
-    if part in ("iid", "label_permutation"):
+    if part in ("iid", "label_permutation", "mixture"):
         sizes = _sizes(cfg, len(pool) // n)
         if sum(sizes) > len(pool):
             raise _short(cfg, "in all", sum(sizes), len(pool))
@@ -247,6 +282,9 @@ def partition(pool: Pool, cfg: LearnerConfig) -> list[Shard]:
         node_idx = [perm[offs[i]:offs[i + 1]] for i in range(n)]
         if part == "label_permutation":
             label_maps = _label_maps(cfg, pool.num_classes, clusters)
+        if part == "mixture":
+            mix = true_mixture(cfg)
+            comp_maps = np.stack(_label_maps(cfg, pool.num_classes, list(range(mix.shape[1]))))
 
     elif part == "sine_intervals":
         lo, hi = pool.meta.get("x_range", (float(pool.x.min()), float(pool.x.max())))
@@ -315,7 +353,14 @@ def partition(pool: Pool, cfg: LearnerConfig) -> list[Shard]:
     shards = []
     for i in range(n):
         tr, va, te = _split(cfg, np.asarray(node_idx[i], dtype=np.int64), i)
-        shards.append(Shard(tr, va, te, clusters[i], label_maps[i], classes[i]))
+        shard = Shard(tr, va, te, clusters[i], label_maps[i], classes[i])
+        if part == "mixture":  # every split holds the components in proportion π_i
+            crng = _rng(cfg, _S_MIX, 1, i)
+            shard.mixture, shard.component_maps = mix[i], comp_maps
+            shard.components = {name: crng.permutation(np.repeat(np.arange(len(mix[i])),
+                                                                 _component_counts(len(idx), mix[i])))
+                                for name, idx in (("train", tr), ("val", va), ("test", te))}
+        shards.append(shard)
     return shards
 
 
@@ -384,11 +429,13 @@ def node_data(pool: Pool, cfg: LearnerConfig, shards: list[Shard] | None = None)
         raise ValueError(f"node_index {cfg.node_index} >= num_nodes {cfg.num_nodes}")
     shard = (shards or shared_partition(pool, cfg))[cfg.node_index]
 
-    def labels(idx: np.ndarray) -> np.ndarray:
+    def labels(idx: np.ndarray, split: str) -> np.ndarray:
         y = np.array(pool.y[idx])
+        if shard.components is not None:
+            return shard.component_maps[shard.components[split], y]
         return shard.label_map[y] if shard.label_map is not None else y
 
-    y_train = labels(shard.train)
+    y_train = labels(shard.train, "train")
     noisy = np.zeros(0, dtype=np.int64)
     if cfg.label_noise > 0:
         if pool.task != "classification":
@@ -398,5 +445,5 @@ def node_data(pool: Pool, cfg: LearnerConfig, shards: list[Shard] | None = None)
         noisy = np.sort(rng.choice(len(y_train), m, replace=False))
         y_train[noisy] = rng.integers(0, pool.num_classes, m)
     return NodeData(np.array(pool.x[shard.train]), y_train,
-                    np.array(pool.x[shard.val]), labels(shard.val),
-                    np.array(pool.x[shard.test]), labels(shard.test), shard, noisy)
+                    np.array(pool.x[shard.val]), labels(shard.val, "val"),
+                    np.array(pool.x[shard.test]), labels(shard.test, "test"), shard, noisy)

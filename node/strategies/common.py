@@ -136,12 +136,14 @@ def _neg_id(c: str) -> tuple[int, ...]:
     return tuple(-ord(ch) for ch in c)
 
 
-def top_keep(scores: dict[str, float], fraction: float, min_keep: int = 1) -> list[str]:
-    """The ⌈fraction·n⌉ (at least ``min_keep``) best-scored ids, sorted (pruning: L2C line 21,
-    SCool App. C.1)."""
+def top_keep(scores: dict[str, float], fraction: float, min_keep: int = 1, rounding: str = "ceil") -> list[str]:
+    """The ⌈fraction·n⌉ (``rounding="floor"``: ⌊fraction·n⌋), at least ``min_keep``, best-scored
+    ids, sorted. L2C Alg. 1 l.21 *removes* the K0 share with the smallest weights, i.e. keeps
+    n − ⌊K0·n⌋ = ⌈(1−K0)·n⌉; SCool's code *keeps* a share, int(fraction·n)."""
     if not scores:
         return []
-    k = max(min_keep, int(math.ceil(fraction * len(scores) - 1e-9)))
+    x = fraction * len(scores)
+    k = max(min_keep, int(math.floor(x + 1e-9) if rounding == "floor" else math.ceil(x - 1e-9)))
     best = sorted(scores, key=lambda c: (-scores[c], c))[:k]
     return sorted(best)
 
@@ -198,10 +200,19 @@ def layer_filters(p: Params) -> list[tuple[str, torch.Tensor]]:
 
 class UpdateEncoder(nn.Module):
     """E(·): per layer l a two-layer MLP E_l (output dims 10, 5) applied to every output filter;
-    the model's representation is the concatenation over filters and layers (eq. 7–8)."""
+    the model's representation is the concatenation over filters and layers (eq. 7–8).
 
-    def __init__(self, spec: Params, dims: tuple[int, int] = (10, 5), seed: int = 0):
+    ``normalise`` (the SCool authors' encoder, ShuangtongLi/SCool, as read in issue 11; SCool's
+    attention prior eq. 25–26 is meta-L2C's eq. 4–5): every filter's embedding goes through tanh
+    and is scaled to unit length, and the concatenation is divided by √(#filters), so
+    ⟨E(û_i), E(û_j)⟩ is the *average* over filters of their cosine similarities, in [−1, 1]. The
+    raw dot product of eq. 5 grows with the number of filters and the size of the updates: on a
+    610-dim embedding one node's large update made it every node's favourite (a hub)."""
+
+    def __init__(self, spec: Params, dims: tuple[int, int] = (10, 5), seed: int = 0,
+                 normalise: bool = False):
         super().__init__()
+        self.normalise = bool(normalise)
         g = torch.Generator().manual_seed(int(seed))
         self.names: list[str] = []
         self.mlps = nn.ModuleList()
@@ -222,8 +233,14 @@ class UpdateEncoder(nn.Module):
 
     def forward(self, update: Params) -> torch.Tensor:
         filt = dict(layer_filters(update))
-        parts = [mlp(filt[n].to(torch.float32)).reshape(-1) for n, mlp in zip(self.names, self.mlps)]
-        return torch.cat(parts) if parts else torch.zeros(0)
+        parts = [mlp(filt[n].to(torch.float32)) for n, mlp in zip(self.names, self.mlps)]
+        if not parts:
+            return torch.zeros(0)
+        if self.normalise:
+            parts = [nn.functional.normalize(torch.tanh(e), dim=1, eps=1e-12) for e in parts]
+            filters = sum(e.shape[0] for e in parts)
+            return torch.cat([e.reshape(-1) for e in parts]) / math.sqrt(filters)
+        return torch.cat([e.reshape(-1) for e in parts])
 
     def get_vector(self) -> torch.Tensor:
         return torch.cat([q.detach().reshape(-1) for q in self.parameters()])

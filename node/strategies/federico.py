@@ -3,8 +3,9 @@ strategy.
 
 Round at node i (Alg. 1):
   sample M peers B ε-greedily on w_i·                                            (line 7)
+  ℓ_ij kept from the previous round for every j (0 until first seen)             (line 11)
   pull θ_b; ℓ_ib = loss of θ_b on my data (ℓ_ii of my own model every round)      (line 13)
-  L̂_ib ← (1−β) L̂_ib + β ℓ_ib   for the sampled entries only                      (line 14)
+  L̂_ij ← (1−β) L̂_ij + β ℓ_ij   for *every* known j, with the kept ℓ_ij            (line 14)
   w_ij = softmax_j(−L̂_ij) over all known nodes, self included                    (line 15, eq. 3)
   push g = w_ib ∇_θb loss(θ_b; my data) to every sampled b (for b's snapshot version) (line 19)
   θ_i ← θ_i − η (w_ii ∇loss(θ_i; my data) + Σ received g), with my optimizer     (line 24, eq. 8)
@@ -38,12 +39,14 @@ from .base import RoundReport, Strategy, gather_bounded
 # --- the update rule as pure functions ---
 
 
-def federico_ema(L_hat: dict[str, float], sampled: dict[str, float], beta: float) -> dict[str, float]:
-    """L̂_ij ← (1−β) L̂_ij + β ℓ_ij for the sampled j only; the rest keep their value (Alg. 1 l.14)."""
-    out = dict(L_hat)
-    for j, loss in sampled.items():
-        out[j] = (1.0 - beta) * out.get(j, 0.0) + beta * loss
-    return out
+def federico_ema(L_hat: dict[str, float], last_loss: dict[str, float], sampled: dict[str, float],
+                 beta: float) -> tuple[dict[str, float], dict[str, float]]:
+    """Alg. 1 l.11-14: ℓ_ij^t = ℓ_ij^{t-1} for every j ("keep the loss from previous round"), the
+    sampled ones replaced by their fresh loss; then L̂_ij ← (1−β) L̂_ij + β ℓ_ij for *every* j
+    (ℓ_ij = 0 until j is first sampled, l.3). Returns (L̂, ℓ)."""
+    loss = {**{j: 0.0 for j in L_hat}, **last_loss, **sampled}
+    L = {j: (1.0 - beta) * L_hat.get(j, 0.0) + beta * loss[j] for j in loss}
+    return L, loss
 
 
 def federico_weights(L_hat: dict[str, float], temperature: float = 1.0) -> dict[str, float]:
@@ -77,7 +80,7 @@ class FedeRiCo(Strategy):
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
         self._L: dict[str, float] = {}       # L̂_ij, starts at 0 (Alg. 1 l.3)
-        self._loss: dict[str, float] = {}    # last ℓ_ij
+        self._loss: dict[str, float] = {}    # ℓ_ij: the last loss seen of every j (Alg. 1 l.11)
         self._w: dict[str, float] = {}       # starts at 1/K (Alg. 1 l.3)
         self._max_version = -1
         self._applied = 0
@@ -115,8 +118,7 @@ class FedeRiCo(Strategy):
 
         losses = await self.compute(estep_losses)
         losses = {k: v for k, v in losses.items() if math.isfinite(v)}
-        self._loss.update(losses)
-        self._L = federico_ema(self._L, losses, float(self.p["beta"]))
+        self._L, self._loss = federico_ema(self._L, self._loss, losses, float(self.p["beta"]))
         self._w = federico_weights(self._L, float(self.p["temperature"]))
 
         # M-step, sender side (l.17-19): push w_ib ∇ loss(θ_b; my data) to each sampled b

@@ -10,10 +10,11 @@ Round at node i (the client loop of §3: download → federated update → train
   P_i,n += δ_n / |Σ_n δ_n|   (signed; paper: p ← p + w, *code* normalises by |Σδ|)
   then local training from the new θ_i; the node publishes the trained model.
 
-Nothing is sent back to the peers (pull-only). ``weights()`` is the normalised positive part of
-the affinity row p_i (what the paper plots as the learned client-to-client weights, Fig. 2); the
-w* of the last update is ``public_state()["last_w"]`` (it is {self: 1} whenever the update fell
-back to θ_base, e.g. when local training overfits the validation split).
+Nothing is sent back to the peers (pull-only). ``weights()`` is the w* the last federated update
+actually combined with (eq. 3 / 13; {self: 1} whenever it fell back to θ_base, e.g. when local
+training overfits the validation split), so the row logged in history and results is the one that
+shaped the model. The affinity P (what the paper's Fig. 2 plots, ``client_weights`` in the authors'
+``federation.py``) is ``public_state()["affinity"]``.
 """
 from __future__ import annotations
 
@@ -135,9 +136,13 @@ class FedFomo(Strategy):
                            info={"eps": eps, "base_val_loss": base_loss, "kept_base": kept_base})
 
     def weights(self) -> dict[str, float]:
-        """The collaborator row as the paper visualises it (§4, Fig. 2: the affinity P): the
-        positive part of p_i, normalised (self included); {self: 1} while nothing is positive.
-        The weights of the last update itself are ``public_state()["last_w"]``."""
+        """The weights the last federated update used: w*_n of eq. 3/13 over me and the models I
+        pulled, {self: 1} when it kept θ_base (authors' federation.py: ``model_weights = [1.]``).
+        The affinity P that picks whom to pull (Fig. 2) is ``public_state()["affinity"]``."""
+        return dict(self._w)
+
+    def affinity_row(self) -> dict[str, float]:
+        """The positive part of p_i, normalised (self included): Fig. 2's view of P."""
         row = C.normalise_row(self._P)
         return row if any(v > 0 for v in row.values()) else {self.node_id: 1.0}
 

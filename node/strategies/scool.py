@@ -1,7 +1,12 @@
 """SCool (Li et al., "Structured Cooperative Learning with Graphical Model Priors", scool.txt
 §3.3–4.3, App. C–E): SCool-SBM and SCool-attention as serverless strategies.
 
-Round at node i:
+Alg. 1 is synchronous, so iteration t spans two daemon rounds (as for L2C): round r ends with the
+local training of iteration r (published: Δθ^r), and round r+1 starts with the E-step and the
+aggregation of iteration r, pulling every candidate's snapshot of round ≥ r (round-aligned exchange,
+bounded by ``sync_wait_s``; a peer that does not make it is left out of that round's mixing).
+
+Iteration t at node i:
   local training θ_i^t → θ_i^{t+½}; Δθ_i = θ_i^t − θ_i^{t+½} (published as extras "delta")
   evidence Y_ij = log P(D_j | θ_i) = −(mean CE of my published model on a minibatch of j's data),
     one cross-loss request per candidate (*code*: one training minibatch)
@@ -10,14 +15,16 @@ Round at node i:
       w_ij = σ(ŵ_ij/τ); γ_i = Ω_i + α; Ω_i ∝ exp(Σ_j w_ij Σ_h Ω_jh log B(·,h) + Σ_j w_ji Σ_h Ω_jh
       log B(h,·) + Σ_j (1−w_ij) Σ_h Ω_jh log(1−B(·,h)) + Σ_j (1−w_ji) Σ_h Ω_jh log(1−B(h,·))
       + ψ(γ_i·) − ψ(Σ_g γ_ig)).  *decentral*: Ω_j and w_ji of peers come from gossip ("omega").
-    attention (eq. 29): w_i = softmax(Y_i/τ + log p_i), p_i = softmax_j ⟨E(û_i), E(û_j)⟩,
-      û = θ^{t+½} − θ^0 (published as extras "update"); E trained towards w_i by cross-entropy
-      (eq. 31/62) with Adam, and gossip-averaged with the peers contacted ("encoder").
+      Self term (*code*): w_ii = σ((Y_ii + Ω_iᵀ logit(B) Ω_i)/τ), Y_ii = log P(D_i | θ_i).
+    attention (eq. 29): w_i = softmax(Y_i/τ + log p_i) over self and peers, p_i = softmax_j
+      ⟨E(û_i), E(û_j)⟩, û = θ^{t+½} − θ^0 (published as extras "update"); E trained by
+      cross-entropy towards softmax(Y_i/τ) (*code*; eq. 31 prints w_i) with AdamW, and
+      gossip-averaged with the peers contacted ("encoder"). See ``SCoolAttention``.
   M-step (App. C.1, *code* default): θ_i^{t+1} = θ_i^t − Σ_j w̄_ij Δθ_j, w̄ the row normalised
-    over self (raw weight 1, the ∇L(D_i) term of eq. 22 / 30) and the peers whose Δθ arrived.
+    over self and the peers whose Δθ arrived.
     "exact": eq. 22 with cross-gradients, θ ← θ − η(w̄_ii ∇L(D_i;θ) + Σ_j w̄_ij ∇L(D_j;θ)) for
     ``exact_steps`` steps with my optimizer (each step one cross-gradient request per peer).
-  Pruning (App. C.1): after round ``prune_after`` keep the top ``keep_fraction`` peers by w; the
+  Pruning (App. C.1): after ``prune_after`` E-steps keep the top ``keep_fraction`` peers by w; the
     rest are no longer contacted.
 SBM prior M-step: by default fixed, as in the code (B = [[.8,.2],[.2,.8]], α = 1). With
 ``learn_B`` / ``learn_alpha`` the paper's M-steps run: B = Σ_ij w_ij Ω_i Ω_jᵀ / Σ_ij Ω_i Ω_jᵀ
@@ -70,6 +77,13 @@ def sbm_estep_node(Y: dict[str, float], omega_i: np.ndarray, omegas: dict[str, n
     return w, gamma, omega_new
 
 
+def sbm_self_weight(y_ii: float, omega_i: np.ndarray, B: np.ndarray, tau: float = 1.0) -> float:
+    """w_ii = σ((Y_ii + Ω_iᵀ logit(B) Ω_i)/τ): the authors' self term (ShuangtongLi/SCool, as
+    read in issue 11), eq. 43–44 applied to the pair (i, i) with Y_ii = log P(D_i | θ_i). A fixed
+    raw 1 kept the self share ≥ 0.5 whatever the evidence (0.73–0.77 measured on S1)."""
+    return float(C.sigmoid(sbm_edge_logit(y_ii, omega_i, omega_i, B) / tau))
+
+
 def row_with_self(raw: dict[str, float], self_id: str, self_weight: float = 1.0) -> dict[str, float]:
     """Row-normalise {self: self_weight} ∪ raw peer weights (*code*: rows normalised)."""
     row = {self_id: self_weight, **{k: v for k, v in raw.items() if k != self_id}}
@@ -118,6 +132,24 @@ def attention_weights(y: np.ndarray, logits: np.ndarray, tau: float = 1.0) -> np
     return C.softmax(np.asarray(y) / tau + logp)
 
 
+def attention_estep(encoder: C.UpdateEncoder, opt: torch.optim.Optimizer, mine: Params, others: list[Params],
+                    y: np.ndarray, tau: float, target: str = "likelihood") -> tuple[np.ndarray, np.ndarray]:
+    """One attention E-step at node i over [i] + others: returns (w_i of eq. 29, p_i of eq. 25),
+    both from the encoder as it was, and takes one optimizer step of the encoder towards the
+    target by cross-entropy (eq. 31 / 62): *code* softmax(Y_i/τ) ("likelihood"), or w_i itself
+    ("posterior", eq. 31 as printed). Alone (no other), the softmax over one entry has no gradient
+    and AdamW would step on weight decay alone, lr-sized moves of every parameter: no step then."""
+    logits = C.attention_logits(encoder, mine, others)
+    w = attention_weights(y, logits.detach().numpy().astype(np.float64), tau)
+    if others:
+        t = C.softmax(y, tau) if target == "likelihood" else w
+        loss = -(torch.as_tensor(t, dtype=torch.float32) * torch.log_softmax(logits, 0)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return w, torch.softmax(logits.detach(), 0).numpy().astype(np.float64)
+
+
 class _SCoolBase(Strategy):
     defaults: dict[str, Any] = {
         "tau": 1.0,               # temperature of σ/softmax, SCool App. C.1 (*code*: τ = 1–2, fixed)
@@ -126,8 +158,10 @@ class _SCoolBase(Strategy):
         "exact_steps": 5,         # local SGD steps of the exact M-step (Alg. 1 l.13), one request per peer each
         "grad_samples": 32,       # minibatch per (cross-)gradient in the exact M-step
         "prune_after": 10,        # App. C.1: remove neighbours "after 10 rounds"
-        "keep_fraction": 0.2,     # App. C.1 / ALGORITHMS: keep top 20% (SBM); attention overrides to 10%
+        "keep_fraction": 0.2,     # *code*: keep the top 20% of the peers (App. C.1 text: remove 90%)
         "max_peers": 0,           # 0 = every alive peer is a candidate until pruning
+        "round_aligned": True,    # Alg. 1 is synchronous: mix the peers' Δθ of my iteration
+        "sync_wait_s": 30.0,      # longest wait for a peer to publish that round (then without it)
     }
 
     def __init__(self, *a: Any, **kw: Any):
@@ -138,6 +172,9 @@ class _SCoolBase(Strategy):
         self._row: dict[str, float] = {self.node_id: 1.0}
         self._kept: list[str] | None = None
         self._delta: Params | None = None
+        self._base: Params | None = None   # θ_i^t: the model my last local steps started from
+        self._delta_round = 0              # the round whose local steps gave Δθ_i
+        self._theta_t: Params | None = None
 
     def candidates(self) -> list[str]:
         peers = self.net.peers()
@@ -151,6 +188,14 @@ class _SCoolBase(Strategy):
     def published_extras(self) -> dict[str, Params]:
         return {} if self._delta is None else {"delta": self._delta}
 
+    async def _own_evidence(self) -> float:
+        """Y_ii = log P(D_i | θ_i): minus the mean CE of the model my peers evaluated this round (my
+        published one, the round's start θ_i^t) on a minibatch of my own train data, the same
+        measurement ``_evidence`` asks every peer j for on its data."""
+        r = await self.compute(self.learner.loss, self._theta_t, "train", self.p["evidence_samples"])
+        self._Y[self.node_id] = -float(r.loss)
+        return self._Y[self.node_id]
+
     async def _evidence(self, peers: list[str]) -> dict[str, float]:
         n = self.p["evidence_samples"]
         got = await gather_bounded({p: self.net.cross_loss(p, max_samples=n) for p in peers})
@@ -159,42 +204,58 @@ class _SCoolBase(Strategy):
     async def _estep(self, rnd: int, theta_half: Params, snaps: dict) -> None:
         raise NotImplementedError
 
+    async def _pull_peers(self, peers: list[str]) -> dict:
+        """The peers' snapshots of my last iteration's round or later (round-aligned, SCool's
+        Alg. 1 is synchronous), or whatever they published last (``round_aligned`` off)."""
+        if not self.p["round_aligned"] or self._delta_round == 0:
+            return await gather_bounded({p: self.net.pull(p) for p in peers})
+        r, wait = self._delta_round, float(self.p["sync_wait_s"])
+        return await gather_bounded({p: self.net.pull(p, min_round=r, wait_s=wait) for p in peers})
+
     async def run_round(self, rnd: int) -> RoundReport:
-        theta = self.learner.get_params()
+        live = self.learner.get_params()
+        self._theta_t = live  # = my published model: what the peers' cross-losses evaluate
         exact = self.p["mstep"] == "exact"
-        res = None
-        if not exact:
-            res = await self.compute(self.learner.train)
-        theta_half = self.learner.get_params()
-        peers = self.candidates()
-        ev, snaps = await asyncio.gather(self._evidence(peers),
-                                         gather_bounded({p: self.net.pull(p) for p in peers}))
-        self._Y.update(ev)
-        await self._estep(rnd, theta_half, snaps)
-
+        ev: dict[str, float] = {}
+        snaps: dict = {}
+        info: dict[str, Any] = {}
+        if exact or self._delta is not None:
+            # E-step and aggregation of the iteration my last round's local steps began (App. C.1)
+            peers = self.candidates()
+            ev, snaps = await asyncio.gather(self._evidence(peers), self._pull_peers(peers))
+            self._Y.update(ev)
+            await self._estep(rnd, live, snaps)
+            if not exact and self._base is not None and C.same_shapes(self._base, self._delta):
+                wts = {self.node_id: self._row.get(self.node_id, 1.0)}
+                for p, sn in snaps.items():
+                    d = sn.extras.get("delta")
+                    if d is not None and C.same_shapes(d, self._base) and self._row.get(p, 0.0) > 0:
+                        wts[p] = self._row[p]
+                tot = sum(wts.values())
+                members = [(wts[self.node_id] / tot, self._delta)] + \
+                    [(wts[p] / tot, snaps[p].extras["delta"]) for p in wts if p != self.node_id]
+                self.learner.set_params(C.mix_updates(self._base, members))
+                info = {"mixed": len(wts) - 1, "of_round": self._delta_round,
+                        "same_round": sum(1 for p in wts if p != self.node_id
+                                          and snaps[p].round == self._delta_round)}
+            self._t += 1
+            if self._kept is None and self._t >= int(self.p["prune_after"]) > 0:
+                scores = {p: v for p, v in self._raw.items() if p != self.node_id}
+                # *code*: keeps int(keep_fraction·n) peers (20% of 11 = 2, not ⌈2.2⌉ = 3)
+                self._kept = C.top_keep(scores, float(self.p["keep_fraction"]), rounding="floor")
+        theta = self.learner.get_params()
         if exact:
-            train_loss = await self._exact_mstep(peers)
-            self._delta = C.sub(theta, self.learner.get_params())
-        else:
-            self._delta = C.sub(theta, theta_half)
-            members = [(1.0, self._delta)]
-            wts = {self.node_id: self._row.get(self.node_id, 1.0)}
-            for p, s in snaps.items():
-                d = s.extras.get("delta")
-                if d is not None and C.same_shapes(d, theta) and self._row.get(p, 0.0) > 0:
-                    wts[p] = self._row[p]
-            tot = sum(wts.values())
-            members = [(wts[self.node_id] / tot, self._delta)] + \
-                [(wts[p] / tot, snaps[p].extras["delta"]) for p in wts if p != self.node_id]
-            self.learner.set_params(C.mix_updates(theta, members))
-            train_loss = res.loss
-
-        self._t += 1
-        if self._kept is None and self._t >= int(self.p["prune_after"]) > 0:
-            scores = {p: v for p, v in self._raw.items() if p != self.node_id}
-            self._kept = C.top_keep(scores, float(self.p["keep_fraction"]))
+            train_loss = await self._exact_mstep(sorted(set(ev) | set(snaps)))
+        else:  # local steps of this round's iteration; published: Δθ^r (and û^r)
+            train_loss = (await self.compute(self.learner.train)).loss
+        self._base, self._delta_round = theta, rnd
+        self._delta = C.sub(theta, self.learner.get_params())
+        self._after_local_steps()
         return RoundReport(train_loss=train_loss, contacted=sorted(set(ev) | set(snaps)),
-                           info={"pruned": self._kept is not None})
+                           info={**info, "pruned": self._kept is not None})
+
+    def _after_local_steps(self) -> None:
+        """Hook: the round's local steps are done (the live model is what will be published)."""
 
     async def _exact_mstep(self, peers: list[str]) -> float:
         gs = self.p["grad_samples"]
@@ -217,7 +278,8 @@ class _SCoolBase(Strategy):
 
     def _base_state(self) -> dict[str, Any]:
         return {"t": self._t, "Y": dict(self._Y), "raw": dict(self._raw), "row": dict(self._row),
-                "kept": self._kept, "delta": C.params_state(self._delta), "rng": C.rng_state(self.rng)}
+                "kept": self._kept, "delta": C.params_state(self._delta), "base": C.params_state(self._base),
+                "delta_round": self._delta_round, "rng": C.rng_state(self.rng)}
 
     def _load_base(self, st: dict[str, Any]) -> None:
         self._t = int(st.get("t", 0))
@@ -226,6 +288,8 @@ class _SCoolBase(Strategy):
         self._row = {str(k): float(v) for k, v in st.get("row", {self.node_id: 1.0}).items()}
         self._kept = None if st.get("kept") is None else [str(k) for k in st["kept"]]
         self._delta = st.get("delta")
+        self._base = st.get("base")
+        self._delta_round = int(st.get("delta_round", 0))
         C.set_rng_state(self.rng, st.get("rng"))
 
 
@@ -242,6 +306,7 @@ class SCoolSBM(_SCoolBase):
         "learn_B": False,         # *code*: B fixed; True = M-step eq. 24 (module doc)
         "learn_alpha": False,     # *code*: α fixed; True = M-step eq. 23
         "alpha_lr": 0.01,         # η2 of eq. 23 (no value in the paper or code)
+        "self_weight": "sbm",     # *code*: w_ii = σ((Y_ii + Ω_iᵀ logit(B) Ω_i)/τ); "one" = fixed raw 1
     }
 
     def __init__(self, *a: Any, **kw: Any):
@@ -338,14 +403,20 @@ class SCoolSBM(_SCoolBase):
             if stats is not None:
                 theirs.append(stats)
         self._mix_stats(eps, theirs, sent)
-        Y = {p: self._Y[p] for p in self._Y if self._kept is None or p in self._kept}
+        y_self = await self._own_evidence()
+        Y = {p: self._Y[p] for p in self._Y
+             if p != self.node_id and (self._kept is None or p in self._kept)}
+        tau = float(self.p["tau"])
+        w_self = sbm_self_weight(y_self, self.omega, self.B, tau) if self.p["self_weight"] == "sbm" else 1.0
         w, self.gamma, self.omega = sbm_estep_node(Y, self.omega, self._omegas, self._w_in, self.B,
-                                                   self.alpha, float(self.p["tau"]))
+                                                   self.alpha, tau)
         self._raw.update(w)
+        self._raw[self.node_id] = w_self
         if self.learns_prior:
             self._prior_mstep(w)
-        keep = self._raw if self._kept is None else {p: v for p, v in self._raw.items() if p in self._kept}
-        self._row = row_with_self(keep, self.node_id)
+        keep = {p: v for p, v in self._raw.items()
+                if p != self.node_id and (self._kept is None or p in self._kept)}
+        self._row = row_with_self(keep, self.node_id, w_self)
 
     def public_state(self) -> dict[str, Any]:
         return {"omega": self.omega.tolist(), "gamma": self.gamma.tolist(), "B": self.B.tolist(),
@@ -377,25 +448,33 @@ class SCoolSBM(_SCoolBase):
 
 
 class SCoolAttention(_SCoolBase):
+    """SCool-attention as the authors' code runs it (ShuangtongLi/SCool, as read in issue 11; the
+    repository itself could not be retrieved here): the encoder is trained towards the
+    likelihood-only target softmax(Y_i/τ) over self and peers (eq. 31 with w replaced by the
+    likelihood part of eq. 29), the row is the eq. 29 softmax over self *and* peers, τ = 9 in the
+    clustered setting, the unit-norm tanh encoder with averaged logits (``UpdateEncoder``
+    ``normalise``), AdamW lr 0.2, the top 20% of peers kept after round 10."""
     name = "scool-attention"
     defaults: dict[str, Any] = {
         **_SCoolBase.defaults,
-        "tau": 2.0,               # App. C.1 temperature (*code* range 1–2), as SBM: at 1 the own-data
-                                  # likelihood term left every peer's w_ij near zero once models fit
-        "keep_fraction": 0.1,     # App. C.1: remove 90% of neighbours (non-iid) after 10 rounds
+        "tau": 9.0,               # *code*: τ = 9 in the clustered setting (App. C.1: a fixed hyper-parameter)
+        "keep_fraction": 0.2,     # *code*: keep 20% of the peers (App. C.1 text: remove 90%)
         "encoder_dims": [10, 5],  # App. C.1: two FC layers with output dims (10, 5)
-        "encoder_lr": 0.1,        # App. C.1: Adam, learning rate 0.1
-        "encoder_wd": 0.01,       # App. C.1: weight decay 0.01
+        "encoder_lr": 0.2,        # *code*: AdamW lr 0.2 (App. C.1 text: Adam lr 0.1)
+        "encoder_wd": 0.01,       # App. C.1: weight decay 0.01 (decoupled, AdamW, in the code)
         "encoder_seed": 0,        # *decentral*: common encoder init, like the models' θ⁰
+        "attention": "cosine",    # *code*: unit-norm tanh embeddings, averaged logits; "dot" = eq. 26 as printed
+        "encoder_target": "likelihood",  # *code*: softmax(Y/τ); "posterior" = eq. 31's w_i (eq. 29)
     }
 
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
         self.theta0 = self.learner.get_params()
         d = self.p["encoder_dims"]
-        self.encoder = C.UpdateEncoder(self.theta0, (int(d[0]), int(d[1])), int(self.p["encoder_seed"]))
-        self.opt = torch.optim.Adam(self.encoder.parameters(), lr=float(self.p["encoder_lr"]),
-                                    weight_decay=float(self.p["encoder_wd"]))
+        self.encoder = C.UpdateEncoder(self.theta0, (int(d[0]), int(d[1])), int(self.p["encoder_seed"]),
+                                       normalise=self.p["attention"] == "cosine")
+        self.opt = torch.optim.AdamW(self.encoder.parameters(), lr=float(self.p["encoder_lr"]),
+                                     weight_decay=float(self.p["encoder_wd"]))
         self._update: Params | None = None
         self._p: dict[str, float] = {}
 
@@ -408,35 +487,27 @@ class SCoolAttention(_SCoolBase):
     def on_gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
         return C.encoder_on_gossip(self.encoder, payload) if key == "encoder" else None
 
+    def _after_local_steps(self) -> None:
+        self._update = C.sub(self.learner.get_params(), self.theta0)  # û^r, published for the next E-step
+
     async def _estep(self, rnd: int, theta_half: Params, snaps: dict) -> None:
-        self._update = C.sub(theta_half, self.theta0)
-        own_y = await self.compute(self.learner.loss, None, "train", self.p["evidence_samples"])
-        self._Y[self.node_id] = -own_y.loss
+        mine = C.sub(theta_half, self.theta0)  # û of the iteration aggregated now
+        y_self = await self._own_evidence()
         peers = [p for p, s in snaps.items() if p in self._Y and "update" in s.extras
                  and C.same_shapes(s.extras["update"], theta_half)]
         ups = [snaps[p].extras["update"] for p in peers]
-        y = np.array([self._Y[self.node_id]] + [self._Y[p] for p in peers])
+        y = np.array([y_self] + [self._Y[p] for p in peers])
+        tau = float(self.p["tau"])
 
         C.encoder_fold(self.encoder)  # peers' gossip since my last round, before I use the encoder
 
-        def step() -> tuple[np.ndarray, np.ndarray]:
-            logits = C.attention_logits(self.encoder, self._update, ups)
-            w = attention_weights(y, logits.detach().numpy().astype(np.float64), float(self.p["tau"]))
-            # encoder towards w_i: min CE(w_i, p_i(φ)) (eq. 31 / 62)
-            loss = -(torch.as_tensor(w, dtype=torch.float32) * torch.log_softmax(logits, 0)).sum()
-            self.opt.zero_grad()
-            loss.backward()
-            self.opt.step()
-            return w, torch.softmax(logits.detach(), 0).numpy()
-
-        w, p = await self.compute(step)
+        w, p = await self.compute(attention_estep, self.encoder, self.opt, mine, ups, y, tau,
+                                  self.p["encoder_target"])
         ids = [self.node_id] + peers
         self._p = {k: float(v) for k, v in zip(ids, p)}
         self._raw.update({k: float(v) for k, v in zip(ids, w)})
-        # eq. 30: the own-data gradient keeps weight 1 and the peers' enter with w_ij, j ≠ i (w_ii
-        # only absorbs softmax mass): the same row as SBM's, not the softmax itself, whose own
-        # likelihood term would leave the peers next to nothing once the model fits its data
-        self._row = row_with_self({k: float(v) for k, v in zip(peers, w[1:])}, self.node_id)
+        # *code*: the mixing row is w_i itself (eq. 29), a softmax over self and the peers
+        self._row = {k: float(v) for k, v in zip(ids, w)}
         # gossip-average the encoder with the peers contacted (*decentral* for the global φ)
         mine = C.vec_to_wire(C.encoder_current(self.encoder))
         replies = await gather_bounded({q: self.net.gossip(q, "encoder", {"vec": mine}) for q in snaps})
