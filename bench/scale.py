@@ -326,14 +326,23 @@ def report(data: dict[str, Any]) -> str:
     if data.get("scale"):
         lines += ["## Nodes × wall time × memory (scenarios/scale_fedfomo.toml: fedfomo, MNIST-1D MLP "
                   "40-64-64-10 = 30 KB, 100 samples/node, 10 rounds)", "",
-                  "Peak memory of the whole run, sampled every 0.5 s: RSS summed over its processes counts "
-                  "shared pages once per process; PSS is what the run occupies. Per node = peak PSS / nodes.", "",
-                  "| backend | nodes | wall s | peak RSS MB | peak PSS MB | PSS/node MB | processes | rounds | "
-                  "mean acc % | peers alive (median) |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for p in data["scale"]:
-            lines.append(f"| {p['backend']} | {p['nodes']} | {p['wall_s']} | {p['peak_rss_mb']} | {p['peak_pss_mb']} | "
-                         f"{p['pss_per_node_mb']} | {p['processes']} | {p['rounds_done']} | {pct(p['mean_test_acc'])} | "
-                         f"{p['median_peers_alive']} |")
+                  "Wall: `coterie run` from start to exit (interpreter start, data check, figures included); "
+                  "network: first node started to last node done. Peak memory of the whole run, sampled "
+                  "every 0.5 s: RSS summed over its processes counts shared pages once per process; PSS is "
+                  "what the run occupies. Per node: peak PSS / nodes; marginal: the PSS one more node adds "
+                  "(slope from the previous row of the same backend).", "",
+                  "| backend | nodes | wall s | network s | peak RSS MB | peak PSS MB | PSS/node MB | marginal MB/node "
+                  "| processes | rounds | mean acc % | peers alive (median) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        last: dict[str, dict[str, Any]] = {}
+        for p in sorted(data["scale"], key=lambda p: (p["backend"] != "inproc", p["nodes"])):
+            prev = last.get(p["backend"])
+            marginal = (f"{(p['peak_pss_mb'] - prev['peak_pss_mb']) / (p['nodes'] - prev['nodes']):.2f}"
+                        if prev else "–")
+            last[p["backend"]] = p
+            lines.append(f"| {p['backend']} | {p['nodes']} | {p['wall_s']} | {p['network_wall_s']:.1f} | "
+                         f"{p['peak_rss_mb']} | {p['peak_pss_mb']} | {p['pss_per_node_mb']} | {marginal} | "
+                         f"{p['processes']} | {p['rounds_done']} | {pct(p['mean_test_acc'])} | {p['median_peers_alive']} |")
         lines.append("")
     if data.get("daemon"):
         d = data["daemon"]
