@@ -83,3 +83,19 @@ def test_coterie_run_inproc_writes_results_from_one_process(tmp_path):
     assert dpsgd["summary"]["bytes_received_total"] > 0  # snapshots moved, through memory
     assert all(len([w for w in row if w > 0]) > 1 for row in dpsgd["final_weights"])
     assert (out / "dpsgd" / "logs" / "inproc.log").read_text().count("finished its 3 rounds") == 4
+
+
+def test_cli_refuses_an_unknown_backend_or_too_many_processes(tmp_path):
+    from typer.testing import CliRunner
+
+    from coterie.cli.main import app
+
+    import tomli_w
+    scenario = tmp_path / "s.toml"
+    scenario.write_text(tomli_w.dumps(BASE))
+    runner = CliRunner()
+    r = runner.invoke(app, ["run", str(scenario), "--out", str(tmp_path / "o"), "--backend", "ray"])
+    assert r.exit_code == 2 and "unknown backend 'ray'" in r.stderr
+    r = runner.invoke(app, ["run", str(scenario), "--out", str(tmp_path / "o"), "--nodes", "300"])
+    assert r.exit_code == 2 and "--backend inproc" in r.stderr
+    assert not (tmp_path / "o" / "results.json").exists()
