@@ -184,12 +184,17 @@ def first_handshake_s(how: str, tmp: Path) -> float:
     from coterie.node.peering.errors import PeerCallError
     from coterie.node.peering.messages import NodeInfo
     from coterie.node.peering.traffic import TrafficStats
+    from coterie.node.security.pki import init_ca, issue_cert, load_credentials
     from coterie.node.transport.client import PeerClient
+    from coterie.node.transport.tls import TLS
 
     with socket.socket() as sock:  # a port free a moment ago: the probe must know it before node.json
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    pki = tmp / f"{how}-pki"  # mTLS as every daemon runs it: the certificate is loaded at start
+    init_ca(pki / "ca", name="bench CA")
     data = {"node_id": "solo", "state_dir": str(tmp / f"{how}-state"), "listen": f"127.0.0.1:{port}",
+            "security": {"cert_dir": str(issue_cert(pki / "ca", "solo", pki / "solo"))},
             "admin_listen": "127.0.0.1:0", "strategy": "fedfomo", "rounds": 0, "log_level": "WARNING",
             "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 100000}, "num_nodes": 1000,
                         "node_index": 3, "partition_params": {"num_clusters": 4, "samples_per_node": 100},
@@ -203,7 +208,8 @@ def first_handshake_s(how: str, tmp: Path) -> float:
 
     async def probe() -> float:
         client = PeerClient("probe", TrafficStats(Metrics()), chunk_bytes=1 << 20, max_model_bytes=1 << 30,
-                            max_gossip_bytes=1 << 20, timeout_s=2)
+                            max_gossip_bytes=1 << 20, timeout_s=2,
+                            tls=TLS(load_credentials(issue_cert(pki / "ca", "probe", pki / "probe"))))
         try:
             while True:
                 try:

@@ -1,10 +1,13 @@
-"""Snapshot transfer throughput: Coterie's gRPC snapshot stream vs a raw TCP socket, loopback.
+"""Snapshot transfer throughput: Coterie's gRPC snapshot stream over mTLS and over plaintext, vs
+a raw TCP socket, loopback.
 
-Both servers run in a child process (so client and server do not share a GIL) and send the same
+The servers run in child processes (so client and server do not share a GIL) and send the same
 bytes: a Coterie-encoded model of the given size. The gRPC side is the real path a node uses to
 pull a peer's snapshot (``PeerClient.get_snapshot``: 1 MiB chunks, size and sha256 checked while
-reassembling, tensors decoded). The raw side is ``sendall`` / ``recv_into`` of the same bytes, no hashing.
-Each size is measured ``--repeat`` times, alternating the two, and medians are compared.
+reassembling, tensors decoded), once with mTLS (certificates from a throwaway CA, as nodes run by
+default) and once plaintext (``security.insecure``). The raw side is ``sendall`` / ``recv_into``
+of the same bytes, no hashing, no encryption. Each size is measured ``--repeat`` times, the three
+alternating, and medians are compared.
 
     python bench/wire_throughput.py --sizes 1MB,100MB,1GB --repeat 5
 """
@@ -12,19 +15,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import socket
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from coterie.node.config import PROTOCOL_VERSION
 from coterie.node.peering.messages import LocalSnapshot, NodeInfo
+from coterie.node.security.pki import init_ca, issue_cert, load_credentials
 from coterie.node.transport.client import PeerClient
 from coterie.node.transport.server import serve
+from coterie.node.transport.tls import TLS
 
 UNITS = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 
@@ -52,6 +60,7 @@ class BenchHandler:
 
     def __init__(self, groups: dict):
         self.snap = LocalSnapshot("server", 1, 1, groups)
+        self.snap.prepare()  # encoded once, as a node does when it publishes
 
     def info(self):
         return NodeInfo("server", PROTOCOL_VERSION, "")
@@ -62,11 +71,26 @@ class BenchHandler:
     def check_known(self, node_id):
         return None
 
+    def admit(self, peer, kind):
+        return contextlib.nullcontext()
 
-def _grpc_server(size: int, port_q: mp.Queue) -> None:
+
+def make_pki() -> Path:
+    d = Path(tempfile.mkdtemp(prefix="coterie-wire-"))
+    init_ca(d / "ca")
+    issue_cert(d / "ca", "server", d / "server")
+    issue_cert(d / "ca", "bench", d / "bench")
+    return d
+
+
+def _tls(pki: Path | None, node_id: str) -> TLS | None:
+    return TLS(load_credentials(pki / node_id)) if pki is not None else None
+
+
+def _grpc_server(size: int, port_q: mp.Queue, pki: Path | None) -> None:
     async def main():
         server, port = await serve(BenchHandler(model_groups(size)), _NullStats(), "127.0.0.1:0",
-                                   max_model_bytes=1 << 34)
+                                   tls=_tls(pki, "server"), max_model_bytes=1 << 34)
         port_q.put(port)
         await server.wait_for_termination()
     asyncio.run(main())
@@ -103,42 +127,54 @@ def tcp_fetch(port: int) -> int:
 
 
 async def grpc_fetch(client: PeerClient, address: str) -> int:
-    _, groups = await client.get_snapshot(address, "bench", 0)
+    _, groups = await client.get_snapshot(address, "bench", 0, peer="server" if client.tls else None)
     return sum(t.numel() * t.element_size() for ts in groups.values() for t in ts.values())
 
 
-def measure(size: int, repeat: int) -> dict:
+def measure(size: int, repeat: int, pki: Path) -> dict:
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_grpc_server, args=(size, q), daemon=True),
-             ctx.Process(target=_tcp_server, args=(size, q), daemon=True)]
-    procs[0].start()
-    gport = q.get(timeout=120)
-    procs[1].start()
-    tport = q.get(timeout=120)
-    client = PeerClient("bench", _NullStats(), chunk_bytes=1 << 20, max_model_bytes=1 << 34,
-                        max_gossip_bytes=1 << 20, timeout_s=600)
+    ports = {}
+    procs = []
+    for name, target, args in (("tls", _grpc_server, (size, q, pki)), ("plain", _grpc_server, (size, q, None)),
+                               ("tcp", _tcp_server, (size, q))):
+        procs.append(ctx.Process(target=target, args=args, daemon=True))
+        procs[-1].start()
+        ports[name] = q.get(timeout=120)
+    clients = {name: PeerClient("bench", _NullStats(), chunk_bytes=1 << 20, max_model_bytes=1 << 34,
+                                max_gossip_bytes=1 << 20, timeout_s=600, tls=_tls(p, "bench"))
+               for name, p in (("tls", pki), ("plain", None))}
     loop = asyncio.new_event_loop()
-    g_times, t_times = [], []
+    times: dict[str, list[float]] = {"tls": [], "plain": [], "tcp": []}
     try:
-        loop.run_until_complete(grpc_fetch(client, f"127.0.0.1:{gport}"))  # warm the channel
-        tcp_fetch(tport)
+        for name, c in clients.items():  # warm the channels (TLS handshake, HTTP/2 windows)
+            loop.run_until_complete(grpc_fetch(c, f"127.0.0.1:{ports[name]}"))
+        tcp_fetch(ports["tcp"])
         for _ in range(repeat):
-            t0 = time.perf_counter()
-            n = loop.run_until_complete(grpc_fetch(client, f"127.0.0.1:{gport}"))
-            g_times.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            m = tcp_fetch(tport)
-            t_times.append(time.perf_counter() - t0)
+            for name in ("tls", "plain", "tcp"):
+                t0 = time.perf_counter()
+                if name == "tcp":
+                    m = tcp_fetch(ports["tcp"])
+                else:
+                    n = loop.run_until_complete(grpc_fetch(clients[name], f"127.0.0.1:{ports[name]}"))
+                times[name].append(time.perf_counter() - t0)
             assert m - 4096 < n <= m  # tensor bytes vs the encoded message (a small header more)
     finally:
-        loop.run_until_complete(client.close())
+        for c in clients.values():
+            loop.run_until_complete(c.close())
         loop.close()
         for p in procs:
             p.kill()
-    g, t = statistics.median(g_times), statistics.median(t_times)
-    return {"bytes": n, "grpc_median_s": g, "tcp_median_s": t, "grpc_MBps": n / g / 1e6,
-            "tcp_MBps": n / t / 1e6, "ratio_grpc_over_tcp": (n / g) / (n / t), "repeat": repeat}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"bytes": n, **{f"{k}_median_s": v for k, v in med.items()},
+            **{f"{k}_MBps": n / v / 1e6 for k, v in med.items()},
+            "ratio_tls_over_plain": med["plain"] / med["tls"], "ratio_tls_over_tcp": med["tcp"] / med["tls"],
+            "ratio_plain_over_tcp": med["tcp"] / med["plain"], "repeat": repeat}
+
+
+def _load() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
 
 
 def main() -> None:
@@ -147,16 +183,21 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", help="also write results here")
     args = ap.parse_args()
+    load0 = _load()
     rows = []
-    print(f"{'size':>8} {'gRPC MB/s':>10} {'TCP MB/s':>10} {'ratio':>6}   (medians of {args.repeat})")
+    pki = make_pki()
+    print(f"{'size':>8} {'mTLS MB/s':>10} {'plain MB/s':>11} {'TCP MB/s':>9} {'mTLS/plain':>11} "
+          f"{'mTLS/TCP':>9} {'plain/TCP':>10}   (medians of {args.repeat})")
     for s in args.sizes.split(","):
-        r = measure(parse_size(s), args.repeat)
+        r = measure(parse_size(s), args.repeat, pki)
         r["size"] = s
         rows.append(r)
-        print(f"{s:>8} {r['grpc_MBps']:10.0f} {r['tcp_MBps']:10.0f} {r['ratio_grpc_over_tcp']:6.2f}", flush=True)
+        print(f"{s:>8} {r['tls_MBps']:10.0f} {r['plain_MBps']:11.0f} {r['tcp_MBps']:9.0f} "
+              f"{r['ratio_tls_over_plain']:11.2f} {r['ratio_tls_over_tcp']:9.2f} {r['ratio_plain_over_tcp']:10.2f}",
+              flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"args": vars(args), "load_before": load0, "load_after": _load(), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
                                                   launch a local network, write results.json
   coterie demo [--out DIR]                        the built-in scenario: personalised vs local
   coterie strategies                              the strategies this install can run
+  coterie ca init DIR / coterie cert issue ...    the network CA and node certificates (cli/security.py)
 
 Config precedence for ``node start``: flags > COTERIE_* environment > TOML file. The inspecting
 commands take the node's admin URL from ``--admin`` or ``COTERIE_ADMIN``. Errors are one line on
@@ -28,6 +29,9 @@ app = typer.Typer(help="Coterie: peer-to-peer decentralized personalised learnin
                   no_args_is_help=True, pretty_exceptions_enable=False)
 node_app = typer.Typer(help="Run a node daemon.", no_args_is_help=True)
 app.add_typer(node_app, name="node")
+from .security import ca_app, cert_app  # noqa: E402 - sub-apps of their own module
+app.add_typer(ca_app, name="ca")
+app.add_typer(cert_app, name="cert")
 
 EXIT_CONFIG = 2
 
@@ -191,12 +195,18 @@ def node_start(
     peers: Optional[str] = typer.Option(None, "--peers", help="bootstrap peers a:1,b:2"),
     strategy: Optional[str] = typer.Option(None, "--strategy"),
     rounds: Optional[int] = typer.Option(None, "--rounds"),
+    reset: bool = typer.Option(False, "--reset", help="start at round 0, moving the state dir's old state "
+                               "aside (needed when it holds history or identity but no usable checkpoint)"),
     sets: Optional[list[str]] = typer.Option(None, "--set",
                                              help="any field: key.path=value (JSON value or text)"),
     log_format: str = LOG_FORMAT_OPT,
     bootstrap_from: Optional[list[Path]] = typer.Option(
         None, "--bootstrap-from", help="node.json (or state dir) of a node on this machine to "
         "bootstrap from; waits for it up to start_timeout_s"),
+    cert_dir: Optional[Path] = typer.Option(None, "--cert-dir", help="this node's certificate directory "
+                                            "(coterie cert issue): security.cert_dir"),
+    insecure: bool = typer.Option(False, "--insecure", help="plaintext peer port, identities unchecked "
+                                  "(security.insecure; a trusted network only)"),
 ) -> None:
     """Start a node daemon; it runs until SIGTERM/SIGINT."""
     from coterie.node.config import ConfigError, load_config
@@ -208,12 +218,24 @@ def node_start(
         overrides = build_overrides(node_id=node_id, state_dir=state_dir, listen=listen,
                                     advertise=advertise, admin_listen=admin_listen, peers=peers,
                                     strategy=strategy, rounds=rounds, sets=sets)
+        if cert_dir is not None or insecure:
+            overrides.setdefault("security", {}).update(
+                {"cert_dir": str(cert_dir)} if cert_dir is not None else {})
+            if insecure:
+                overrides["security"]["insecure"] = True
+        if reset:
+            overrides["reset"] = True
         cfg = load_config(config, overrides)
     except ConfigError as e:
         raise _fail(str(e), EXIT_CONFIG)
     problem = preflight(cfg)
     if problem is not None:
         raise _fail(*problem)
+    try:  # certificates before the slow imports: fail closed, and fast
+        from coterie.node.transport.tls import load_tls
+        load_tls(cfg)
+    except ConfigError as e:
+        raise _fail(str(e), EXIT_CONFIG)
     configure_logging(cfg.log_level, log_format)  # run_node's own basicConfig then stands aside
     from coterie.node.daemon import run_node  # lazy: torch and grpc only when a node really starts
     if bootstrap_from:  # after the slow imports: the other node starts up meanwhile

@@ -27,20 +27,55 @@ def status_table(st: dict[str, Any]) -> Table:
     t = Table(title=f"node {st.get('node_id', '?')}", show_header=False)
     t.add_column("field", style="bold")
     t.add_column("value")
-    first = ["node_id", "round", "model_version", "strategy", "device", "peers_alive", "uptime_s",
-             "done", "last_eval"]
-    for k in first + sorted(k for k in st if k not in first and k not in ("strategy_state", "problems")):
+    first = ["node_id", "health", "failures", "round", "model_version", "strategy", "device", "peers_alive",
+             "uptime_s", "done", "last_eval"]
+    for k in first + sorted(k for k in st if k not in first and k not in ("strategy_state", "problems", "privacy")):
         if k in st:
             v = st[k]
             if k == "last_eval" and isinstance(v, dict):
                 v = ", ".join(f"{a}={_fmt(b)}" for a, b in v.items())
+            if k == "failures" and isinstance(v, list):
+                if not v:
+                    continue
+                v = "; ".join(f"{f.get('component')}: {f.get('error')} ({f.get('attempts')} attempts)" for f in v)
+                t.add_row(k, f"[red]{v}[/]")
+                continue
+            if k == "health" and v != "ok":
+                t.add_row(k, f"[red]{_fmt(v)}[/]")
+                continue
             t.add_row(k, _fmt(v))
     if st.get("strategy_state"):
         t.add_row("strategy_state", _fmt(st["strategy_state"]))
     problems = st.get("problems") or []
     t.add_row("problems", "none" if not problems else "\n".join(
         f"[red]{p.get('peer', '?')}: {p.get('message', '')}[/]" for p in problems[-5:]))
+    if isinstance(st.get("privacy"), dict):
+        for k, v in privacy_rows(st["privacy"]):
+            t.add_row(k, v)
     return t
+
+
+def _eps(v: Any) -> str:
+    return "∞" if v is None or (isinstance(v, float) and v == float("inf")) else f"{float(v):.3g}"
+
+
+def privacy_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
+    """The privacy ledger as status rows: the total against the budget, then who spent it."""
+    if not p.get("enabled", True):
+        head = f"[red]off[/]: exact answers, {p.get('releases', 0)} released (ε = ∞)"
+    else:
+        left = p.get("budget_left")
+        spent = bool(p.get("refusing")) or (left is not None and left <= 0)
+        head = (f"ε = {_eps(p.get('epsilon'))} of {_eps(p.get('budget_epsilon'))} at δ = {p.get('delta')}"
+                f" ({p.get('releases', 0)} releases; σ = {p.get('noise_multiplier')}, "
+                f"clip {p.get('grad_clip')}/{p.get('loss_clip')}, batch ≥ {p.get('min_batch')})"
+                + (" [red]budget spent: refusing[/]" if spent else ""))
+    rows = [("privacy", head), ("privacy serves", ", ".join(p.get("serves") or []) or "nothing")]
+    peers = p.get("peers") or {}
+    for peer, a in sorted(peers.items(), key=lambda kv: -(kv[1].get("epsilon") or 0)):
+        what = ", ".join(f"{k} {n}" for k, n in sorted((a.get("purposes") or {}).items()))
+        rows.append((f"  ε to {peer}", f"{_eps(a.get('epsilon'))} ({a.get('releases', 0)}: {what})"))
+    return rows
 
 
 def peers_table(peers: list[dict[str, Any]]) -> Table:

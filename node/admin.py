@@ -6,7 +6,8 @@ Routes (all GET):
   /peers     node.peers_table() as JSON
   /weights   node.weights_view() as JSON
   /metrics   Prometheus text exposition (node.metrics.render())
-  /history   node.history as JSON; ``?since=N`` keeps the rounds after N, ``?last=N`` the last N
+  /history   checkpointed rounds (node.history_view): the recent tail, or ``?since=N`` the rounds
+             after N (from the file when they go back further); ``?last=N`` the last N
   /network   the whole network's collaborator-weight matrix: this node's rows plus every peer's,
              fetched server-side from the admin URLs peers advertise (the browser may not reach
              them, and this avoids CORS), diagonal apart, rows in block order (node/clusters.py)
@@ -15,7 +16,7 @@ Routes (all GET):
 Anything else answers 404 with a JSON error body.
 
 The node is duck-typed: ``node_id``, ``status()``, ``peers_table()``, ``weights_view()``,
-``metrics``, ``history``, ``healthy()``. Node methods may be plain or async.
+``metrics``, ``history_view(since)``, ``healthy()``. Node methods may be plain or async.
 """
 from __future__ import annotations
 
@@ -100,15 +101,15 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def history(request: web.Request) -> web.Response:
     node = request.app[NODE_KEY]
-    entries = list(node.history)
     raw = request.query.get("since")
+    since = None
     if raw is not None:
         try:
             since = int(raw)
         except ValueError:
             return _json({"error": f"since must be an integer round number, got {raw!r}",
                           "status": 400, "path": request.path}, status=400)
-        entries = [e for e in entries if int(e.get("round", 0)) > since]
+    entries = await _call(node.history_view, since)
     raw = request.query.get("last")
     if raw is not None:
         if not raw.isdigit():

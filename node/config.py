@@ -8,23 +8,129 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, Mapping, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
 from .learning.config import LearnerConfig
+from .security.ids import node_id_problem
 
 PROTOCOL_VERSION = 1
 
 
 class ConfigError(ValueError):
     """A configuration problem, with the field(s) at fault in the message."""
+
+
+class PrivacyConfig(BaseModel):
+    """What this node lets out about its private data (README "Privacy"). Everything computed on
+    it and sent to a peer (served cross-losses/-gradients, COBO's alignment vector, FedeRiCo's
+    pushed gradients) is a sampled Gaussian mechanism: Poisson batch of expected size >= min_batch,
+    per-sample clipping, Gaussian noise of noise_multiplier x the clip bound; the ledger
+    (privacy-ledger.json in the state dir) composes them with opacus' RDP accountant."""
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True  # False: exact answers (still purpose-bound, min_batch, never test)
+    # σ; 0 = clipping only, no guarantee (ε = ∞). σ = 2 over >= 64 samples puts the same noise on
+    # an average as σ = 1 over 32, for ~30% less ε (bench/results/privacy.md)
+    noise_multiplier: float = Field(2.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)  # per-sample gradient L2 bound C
+    loss_clip: float = Field(5.0, gt=0)  # per-sample loss bound (losses clipped into [0, bound])
+    delta: float = Field(1e-5, gt=0, lt=1)  # ε is reported at this δ (keep it << 1/samples)
+    budget_epsilon: float = Field(8.0, gt=0)  # total ε; a release that would pass it is refused (inf = no limit)
+    peer_budget_epsilon: float = Field(math.inf, gt=0)  # ε released to any one peer (inf = no limit)
+    min_batch: int = Field(64, ge=1)  # expected samples behind any answer (whole split if smaller)
+    serve_purposes: list[str] | None = None  # None = the purposes of this node's strategy
+
+    @field_validator("serve_purposes")
+    @classmethod
+    def _known_purposes(cls, v: list[str] | None) -> list[str] | None:
+        from .privacy.purposes import PURPOSES
+        unknown = sorted(set(v or ()) - set(PURPOSES))
+        if unknown:
+            raise ValueError(f"unknown purpose(s) {unknown}; known: {sorted(PURPOSES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _budget_needs_noise(self) -> "PrivacyConfig":
+        finite = math.isfinite(self.budget_epsilon) or math.isfinite(self.peer_budget_epsilon)
+        if self.enabled and self.noise_multiplier == 0 and finite:
+            raise ValueError("noise_multiplier = 0 (clipping only) gives no ε guarantee, so no budget "
+                             "can be kept: set budget_epsilon = inf, or a positive noise_multiplier")
+        return self
+
+
+class SecurityConfig(BaseModel):
+    """Who may talk to this node's peer port. mTLS by default: without certificates a node does
+    not start, unless ``insecure`` says plaintext on purpose (logged as a warning)."""
+    model_config = ConfigDict(extra="forbid")
+
+    insecure: bool = False  # plaintext peer port, identities unchecked: only where the network is trusted
+    cert_dir: Path | None = None  # from `coterie cert issue --out DIR`: ca.pem, node.pem, node.key
+    ca: Path | None = None  # explicit files win over cert_dir's
+    cert: Path | None = None
+    key: Path | None = None
+    allow_ids: list[str] | None = None  # only these node ids may connect or be dialled (None: any the CA issued)
+
+    @model_validator(mode="after")
+    def _configured(self) -> "SecurityConfig":
+        if self.insecure and (self.cert_dir or self.cert or self.key):
+            raise ValueError("insecure = true together with certificates: choose one")
+        return self
+
+
+class LimitsConfig(BaseModel):
+    """Work one authenticated peer may cause on this node (``peering/admission.py``), and how long
+    a stream may take. Refusals are RESOURCE_EXHAUSTED with the limit named."""
+    model_config = ConfigDict(extra="forbid")
+
+    requests_per_s: float = Field(40.0, gt=0)  # compute/snapshot/gossip requests, token-bucket rate
+    request_burst: float = Field(80.0, ge=1)
+    compute_share: float = Field(0.25, gt=0)  # seconds of compute on my data per second, per peer
+    compute_burst_s: float = Field(2.0, gt=0)
+    max_concurrent: int = Field(3, ge=1)  # requests of one peer in flight at once
+    compute_workers: int = Field(2, ge=1)  # threads serving peers' compute (the node's own work has others)
+    upload_timeout_s: float = Field(60.0, gt=0)  # a streamed upload must be complete by then
+    upload_idle_s: float = Field(10.0, gt=0)  # longest gap between two frames of an upload
+    send_timeout_s: float = Field(120.0, gt=0)  # a reply stream to a slow reader is cut after this
+    # ... and both deadlines stretch by the payload's size at this rate (a big model on a slow link)
+    min_stream_bytes_per_s: float = Field(64 * 1024, gt=0)
+    max_push_lag: int = Field(64, ge=1)  # a pushed gradient's target version at most this far behind
+    push_norm_factor: float = Field(10.0, gt=1)  # pushes clipped to this × my own recent gradient norm
+    max_rpcs: int = Field(512, ge=8)  # all calls in flight on the peer port (gRPC answers RESOURCE_EXHAUSTED)
+
+
+class MembershipConfig(BaseModel):
+    """SWIM membership (Das et al. 2002; HashiCorp memberlist). The protocol period is the node's
+    ``heartbeat_interval_s``: each period one member is probed. A member that answers neither the
+    direct ping nor any of the ``indirect_probes`` helpers within ``suspect_after_s`` is suspect;
+    a suspect that does not refute within the suspicion timeout is dead. The timeout is
+    ``dead_after_s`` (at least ``suspicion_mult`` × log10(N+1) periods) once ``indirect_probes``
+    further members confirm the suspicion, up to ``suspicion_max_mult`` times that with one."""
+    model_config = ConfigDict(extra="forbid")
+
+    indirect_probes: int = Field(3, ge=0)  # k members asked to ping a member that missed a ping
+    probe_timeout_s: float = Field(0.5, gt=0)  # direct-ping deadline floor (grows with observed RTT)
+    suspicion_mult: float = Field(4.0, ge=0)
+    suspicion_max_mult: float = Field(6.0, ge=1)  # one accuser alone: the timeout × this (Lifeguard)
+    retransmit_mult: float = Field(4.0, gt=0)  # each piggybacked update goes out mult × log10(N+1) times
+    max_piggyback: int = Field(8, ge=1)  # membership updates per message
+    push_pull_interval_s: float = Field(10.0, gt=0)  # full view swapped with one member this often
+    handshakes_per_period: int = Field(4, ge=1)  # new addresses and dead members contacted per period
+    max_candidates: int = Field(512, ge=1)  # addresses learned from peers waiting for a handshake
+    max_candidates_per_source: int = Field(128, ge=1)  # ... of which one peer may have told us
+    candidate_attempts: int = Field(3, ge=1)  # failed handshakes before an address is forgotten
+    forget_failed_s: float = Field(600.0, ge=0)  # a forgotten address is not taken up again for this long
+    reconnect_min_s: float = Field(1.0, gt=0)  # dead members: first reconnect attempt after this,
+    reconnect_max_s: float = Field(60.0, gt=0)  # then doubling up to this
+    idle_channel_s: float = Field(120.0, gt=0)  # client channels unused this long are closed
 
 
 class NodeConfig(BaseModel):
@@ -50,16 +156,37 @@ class NodeConfig(BaseModel):
     round_interval_s: float = Field(1.0, ge=0)
     min_peers: int = Field(0, ge=0)  # wait (bounded by start_timeout_s) for this many before round 1
     start_timeout_s: float = Field(30.0, ge=0)
-    heartbeat_interval_s: float = Field(1.0, gt=0)
-    suspect_after_s: float = Field(3.0, gt=0)
-    dead_after_s: float = Field(8.0, gt=0)
-    request_timeout_s: float = Field(30.0, gt=0)
-    max_model_bytes: int = Field(1 << 31, gt=0)  # largest snapshot/model accepted from a peer
+    heartbeat_interval_s: float = Field(1.0, gt=0)  # SWIM protocol period: one member probed per period
+    suspect_after_s: float = Field(3.0, gt=0)  # a probe unanswered this long (direct + indirect): suspect
+    dead_after_s: float = Field(8.0, gt=0)  # suspicion timeout floor: a suspect not refuting is dead
+    membership: MembershipConfig = Field(default_factory=MembershipConfig)
+    request_timeout_s: float = Field(30.0, gt=0)  # cap of every peer call's deadline
+    deadline_mult: float = Field(4.0, gt=0)  # per-peer deadline: mult × p99 of its recent latencies,
+    deadline_floor_s: float = Field(1.0, gt=0)  # at least this, at most request_timeout_s
+    exchange_timeout_s: float = Field(0.0, ge=0)  # a round's exchange phase; 0 = adaptive (see network.py)
+    snapshot_cache_bytes: int = Field(512 << 20, gt=0)  # peers' snapshots held, least recently used evicted
+    # largest snapshot/model accepted from a peer; default 4× this node's own model + 1 MiB
+    max_model_bytes: int | None = Field(None, gt=0)
     max_gossip_bytes: int = Field(1 << 20, gt=0)
     chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20)  # stays under gRPC's 4 MiB default
     delay_ms: float = Field(0.0, ge=0)  # artificial one-way latency added to outgoing calls (testbed)
     faulty: Literal["none", "random", "scale"] = "none"  # bad-actor mode: publish garbage models
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     log_level: str = "INFO"
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+
+    @field_validator("node_id")
+    @classmethod
+    def _node_id(cls, v: str | None) -> str | None:
+        problem = None if v is None else node_id_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
+    # state dir: completed rounds whose checkpoint may still be being written while the next
+    # round trains (what a kill -9 can lose); 0 = every round waits for its own checkpoint
+    checkpoint_max_unsaved_rounds: int = Field(1, ge=0)
+    reset: bool = False  # start at round 0, moving any old state aside (into reset-<time>/)
 
     @field_validator("listen", "admin_listen")
     @classmethod

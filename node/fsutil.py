@@ -26,7 +26,12 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         except FileNotFoundError:
             pass
         raise
-    dfd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make renames and new names in ``path`` durable."""
+    dfd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dfd)
     finally:
@@ -38,10 +43,13 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 
 def read_json(path: str | Path) -> Any:
-    """Read a JSON file; a corrupt one raises ValueError naming the file (never silently reset)."""
+    """Read a JSON file; a corrupt one raises ValueError naming the file (never silently reset).
+    OSErrors (missing, a directory, unreadable) propagate: they carry the file name."""
     path = Path(path)
     try:
         return json.loads(path.read_bytes())
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is corrupt (not UTF-8: {e})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is corrupt (not valid JSON: {e})") from None
 

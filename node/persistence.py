@@ -1,40 +1,235 @@
-"""A node's state directory: identity, checkpoints, round history.
+"""A node's state directory: one owner, verified checkpoints, an append-only round history.
 
-    identity.json          node id (kept for the node's lifetime)
-    CURRENT                name of the last complete checkpoint
-    ckpt-000012/           model + optimizer (learner), strategy.bin, peers.json, meta.json
-    history.jsonl          one JSON line per completed round
+    LOCK                       flock'ed by the one process that owns the directory (holds its pid)
+    identity.json              node id, kept for the node's lifetime
+    ckpt-000012.safetensors    the last checkpoint, one file: every tensor (model, optimizer,
+                               sampler, strategy) plus, in its metadata, a JSON ``state`` (round,
+                               version, node id, learner and strategy state, peers) and a sha256
+                               over that JSON and every tensor
+    history.jsonl              one JSON line per round; the checkpoint pins its first N bytes
+                               (length + sha256), so lines are checked against the checkpoint
 
-A checkpoint is written into ``ckpt-N.tmp``, fsynced, renamed, and only then named in
-``CURRENT`` (itself replaced atomically): after ``kill -9`` at any moment ``CURRENT`` names a
-complete checkpoint. Anything unreadable raises ``StateError`` naming the file — a node never
-silently starts fresh over state it cannot read.
+A commit appends the rounds' history lines, writes ``.ckpt-N.tmp``, fsyncs both (one batch),
+renames it into place, fsyncs the directory and deletes the older checkpoint: after ``kill -9``
+at any moment the newest ``ckpt-*.safetensors`` is complete and the history is at most a few
+uncommitted lines ahead of it (dropped on restart). Anything that does not verify raises
+``StateError`` naming the file; a directory with history or identity but no checkpoint is
+refused unless the node is started with ``reset`` (which moves the old state aside).
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
+import logging
 import os
-import shutil
+import re
+import time
 import uuid
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
-from .fsutil import atomic_write_bytes, atomic_write_json, read_json
-from .wire.codec import WireError, pack_state, unpack_state
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from safetensors.torch import save_file as st_save_file
 
-KEEP_CHECKPOINTS = 2
+from .fsutil import atomic_write_json, fsync_dir, read_json
+
+log = logging.getLogger("coterie.state")
+
+FORMAT = "coterie-checkpoint/2"
+HISTORY_TAIL = 1000  # rounds of history kept in memory; the file keeps them all
+_CKPT = re.compile(r"^ckpt-(\d{6,})\.safetensors$")
+_LEGACY = ("CURRENT",)  # the pre-v2 layout: CURRENT -> ckpt-N/ directories
+# not round state: kept where they are by --reset (the privacy ledger counts what this data has
+# already released, whatever model is trained on it next)
+_NOT_STATE = {"LOCK", "node.json", "privacy-ledger.json"}
 
 
 class StateError(RuntimeError):
     """State on disk that cannot be used; the message names the file."""
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+# ---------------------------------------------------------------------------------- strategy state
+def flatten_state(obj: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Split a strategy state (nested dicts/lists of scalars, strings, tensors, ndarrays, bytes)
+    into a JSON-able skeleton and a flat dict of tensors keyed ``prefix/<n>``."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def put(t: torch.Tensor) -> str:
+        key = f"{prefix}/{len(tensors)}"
+        t = t.detach().cpu()
+        if not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes:
+            t = t.contiguous().clone()  # a view into a larger buffer: store just its own bytes
+        tensors[key] = t
+        return key
+
+    def strip(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return {"__tensor__": put(x)}
+        if isinstance(x, np.ndarray):
+            return {"__ndarray__": put(torch.from_numpy(np.ascontiguousarray(x)))}
+        if isinstance(x, (bytes, bytearray)):
+            return {"__bytes__": put(torch.frombuffer(bytearray(x), dtype=torch.uint8) if x
+                                     else torch.zeros(0, dtype=torch.uint8))}
+        if isinstance(x, dict):
+            return {str(k): strip(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [strip(v) for v in x]
+        if isinstance(x, (np.floating, np.integer, np.bool_)):
+            return x.item()
+        return x
+
+    skeleton = strip(obj)
+    seen: dict[int, str] = {}
+    for k, t in tensors.items():  # safetensors refuses tensors sharing memory
+        if t.numel() and t.data_ptr() in seen:
+            tensors[k] = t.clone()
+        seen[tensors[k].data_ptr()] = k
+    return skeleton, tensors
+
+
+def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of ``flatten_state``; raises KeyError for a tensor the skeleton names but lacks."""
+    def fill(x: Any) -> Any:
+        if isinstance(x, dict):
+            if len(x) == 1:
+                (tag, key), = x.items()
+                if tag == "__tensor__":
+                    return tensors[key]
+                if tag == "__ndarray__":
+                    return tensors[key].numpy()
+                if tag == "__bytes__":
+                    return tensors[key].numpy().tobytes()
+            return {k: fill(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [fill(v) for v in x]
+        return x
+
+    return fill(skeleton)
+
+
+def pack_state(obj: Any) -> bytes:
+    """A strategy state as bytes, in the checkpoint's encoding (safetensors + JSON skeleton)."""
+    skeleton, tensors = flatten_state(obj, "s")
+    return st_save(tensors, metadata={"skeleton": json.dumps(skeleton)})
+
+
+def unpack_state(data: bytes) -> Any:
+    tensors = st_load(data)
+    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    return unflatten_state(json.loads(header["__metadata__"]["skeleton"]), tensors)
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+def _digest(state_json: bytes, tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the state JSON and every tensor's name, dtype, shape and bytes."""
+    h = hashlib.sha256(FORMAT.encode() + b"\0")
+    h.update(len(state_json).to_bytes(8, "little"))
+    h.update(state_json)
+    for k in sorted(tensors):
+        t = tensors[k].contiguous()
+        h.update(f"{k}|{tuple(t.shape)}|{t.dtype}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+@dataclass
+class Snapshot:
+    """A consistent in-memory copy of a node's state at the end of a round, ready to write.
+    ``tensors`` are private copies (nothing else mutates them); ``state`` is JSON-able."""
+    round: int
+    version: int
+    tensors: dict[str, torch.Tensor]
+    state: dict[str, Any]
+    record: dict[str, Any] | None = None  # this round's history line (None for round 0)
+    prepare: Callable[[], None] | None = None  # runs in the writer thread first (work the loop skips)
+    learner_tensors: dict[str, torch.Tensor] | None = None  # reusable by the next export once written
+
+
+def make_snapshot(*, round: int, version: int, node_id: str,
+                  learner_state: tuple[dict[str, torch.Tensor], dict[str, Any]],
+                  strategy_state: Any, peers: list[dict[str, Any]], meta: dict[str, Any],
+                  record: dict[str, Any] | None, prepare: Callable[[], None] | None = None) -> Snapshot:
+    ltensors, lmeta = learner_state
+    skeleton, stensors = flatten_state(strategy_state, "strategy")
+    tensors = {f"learner/{k}": v for k, v in ltensors.items()}
+    tensors.update(stensors)
+    state = {**meta, "round": round, "version": version, "node_id": node_id, "learner": lmeta,
+             "strategy_state": skeleton, "peers": peers}
+    return Snapshot(round, version, tensors, state, record, prepare, ltensors)
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read back from disk and verified against its checksum."""
+    path: Path
+    state: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    history: list[dict[str, Any]] = field(default_factory=list)  # the last HISTORY_TAIL rounds
+
+    @property
+    def round(self) -> int:
+        return int(self.state["round"])
+
+    @property
+    def version(self) -> int:
+        return int(self.state["version"])
+
+    @property
+    def node_id(self) -> str:
+        return str(self.state["node_id"])
+
+    def learner_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return ({k[len("learner/"):]: v for k, v in self.tensors.items() if k.startswith("learner/")},
+                self.state["learner"])
+
+    def strategy_state(self) -> Any:
+        try:
+            return unflatten_state(self.state["strategy_state"], self.tensors) or {}
+        except KeyError as e:
+            raise StateError(f"{self.path} is corrupt: strategy state names tensor {e} it lacks") from None
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """Read and verify one checkpoint file; any problem raises StateError naming it."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        data = path.read_bytes()
+    except OSError as e:
+        raise StateError(f"{path} cannot be read: {e.strerror or e}") from None
+    try:
+        tensors = st_load(data)
+        hlen = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8:8 + hlen])["__metadata__"]
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+        state_json = meta["state"].encode()
+        if _digest(state_json, tensors) != meta["sha256"]:
+            raise ValueError("checksum mismatch: the file changed after it was written")
+        state = json.loads(state_json)
+        for key in ("round", "version", "node_id", "learner", "peers"):
+            state[key]  # noqa: B018 - present, or KeyError below
+        int(state["round"]), int(state["version"])
+    except (SafetensorError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
+        what = f"missing {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise StateError(f"{path} is corrupt ({what})") from None
+    return Checkpoint(path, state, tensors)
+
+
+def _parse_line(path: Path, lineno: int, line: bytes) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+        if not isinstance(row, dict) or not isinstance(row.get("round"), int):
+            raise ValueError("not a round record")
+        return row
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise StateError(f"{path} line {lineno} is corrupt ({type(e).__name__}: {e})") from None
 
 
 class StateStore:
@@ -42,113 +237,258 @@ class StateStore:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.history_path = self.dir / "history.jsonl"
+        self.identity_path = self.dir / "identity.json"
+        self._lock: Any = None  # the LOCK file, flock'ed while this process owns the dir
+        self._node_id: str | None = None
+        self._identity_ok = False
+        self._hist_bytes = 0  # history bytes covered by the last commit
+        self._hist_hash = hashlib.sha256()
+        self.round = -1  # round of the last commit (-1: none yet)
+        self._dir_unsynced = False
 
-    # --- identity ---
-    def node_id(self, wanted: str | None) -> str:
-        """The node id kept in the state dir; a configured id must agree with it."""
-        path = self.dir / "identity.json"
-        if path.exists():
+    # --- ownership ---
+    def lock(self) -> None:
+        """Take the directory for this process (released by ``unlock`` or process exit); a
+        second owner fails with StateError naming the holder's pid."""
+        path = self.dir / "LOCK"
+        # a read-only descriptor (it never blocks a read-only remount), in a file object so that
+        # a Node that fails half-way through its constructor releases it when collected
+        held = os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "rb")
+        try:
+            fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held.close()
             try:
-                stored = read_json(path)["node_id"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise StateError(f"{path} is corrupt: {e}") from None
-            if wanted and wanted != stored:
-                raise StateError(f"{path} belongs to node {stored!r}, but the config says {wanted!r}")
-            return stored
-        node_id = wanted or f"node-{uuid.uuid4().hex[:8]}"
-        atomic_write_json(path, {"node_id": node_id})
-        return node_id
+                holder = path.read_text().strip() or "unknown"
+            except OSError:
+                holder = "unknown"
+            raise StateError(f"state dir {self.dir} is in use by another coterie node (pid {holder}; "
+                             f"lock {path}): one process per state dir") from None
+        try:
+            path.write_text(f"{os.getpid()}\n")
+        except OSError:
+            pass  # the lock is what counts; the pid is for the message above
+        self._lock = held
 
-    # --- checkpoints ---
-    def current(self) -> Path | None:
-        pointer = self.dir / "CURRENT"
-        if not pointer.exists():
-            stray = sorted(p.name for p in self.dir.glob("ckpt-*") if not p.name.endswith(".tmp"))
-            if stray:
-                raise StateError(f"{pointer} is missing but checkpoints exist ({', '.join(stray)}); "
-                                 "refusing to start fresh over them")
+    def unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    # --- opening ---
+    def checkpoints(self) -> list[Path]:
+        found = []
+        for p in self.dir.iterdir():
+            m = _CKPT.match(p.name)
+            if m:
+                found.append((int(m.group(1)), p))
+        return [p for _, p in sorted(found)]
+
+    def _read_identity(self) -> str | None:
+        try:
+            stored = read_json(self.identity_path)["node_id"]
+        except FileNotFoundError:
             return None
-        name = pointer.read_text().strip()
-        path = self.dir / name
-        if not name.startswith("ckpt-") or not path.is_dir():
-            raise StateError(f"{pointer} names {name!r}, which is not a checkpoint directory")
-        return path
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            what = f"missing {e}" if isinstance(e, KeyError) else str(e)
+            raise StateError(f"{self.identity_path} is corrupt or unreadable ({what})") from None
+        if not isinstance(stored, str) or not stored:
+            raise StateError(f"{self.identity_path} is corrupt (node_id {stored!r})")
+        return stored
 
-    def save(self, round: int, version: int, learner: Any, strategy_state: dict[str, Any],
-             peers: list[dict[str, Any]], meta: dict[str, Any]) -> Path:
-        name = f"ckpt-{round:06d}"
-        tmp = self.dir / f"{name}.tmp"
-        final = self.dir / name
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        learner.save(str(tmp))
-        atomic_write_bytes(tmp / "strategy.bin", pack_state(strategy_state))
-        atomic_write_json(tmp / "peers.json", peers)
-        atomic_write_json(tmp / "meta.json", {**meta, "round": round, "version": version})
-        _fsync_dir(tmp)
-        if final.exists():  # same round written again (e.g. after a restart): replace it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(self.dir)
-        atomic_write_bytes(self.dir / "CURRENT", name.encode())
-        self._prune(keep=name)
+    def _leftovers(self) -> list[str]:
+        names = []
+        for p in sorted(self.dir.iterdir()):
+            if p.name in _NOT_STATE or p.name.startswith(("reset-", ".")):
+                continue
+            if p.name in ("identity.json", "history.jsonl", *_LEGACY) or p.name.startswith("ckpt-"):
+                names.append(p.name + ("/" if p.is_dir() else ""))
+        return names
+
+    def _reset(self) -> str | None:
+        """Move all state into ``reset-<time>/``; returns the old node id if it was readable."""
+        try:
+            old_id = self._read_identity()
+        except StateError:
+            old_id = None
+        moved = [p for p in self.dir.iterdir()
+                 if p.name not in _NOT_STATE and not p.name.startswith("reset-")]
+        if moved:
+            dest = self.dir / time.strftime("reset-%Y%m%d-%H%M%S")
+            n = 0
+            while dest.exists():
+                n += 1
+                dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+            dest.mkdir()
+            for p in moved:
+                p.rename(dest / p.name)
+            fsync_dir(self.dir)
+            log.warning("reset: moved %s from %s into %s", ", ".join(sorted(p.name for p in moved)),
+                        self.dir, dest)
+        return old_id
+
+    def open(self, wanted: str | None = None, reset: bool = False) -> tuple[str, Checkpoint | None]:
+        """Verify the directory and return (node id, last checkpoint or None when fresh).
+
+        Fresh means empty: identity or history without a checkpoint is refused (unless
+        ``reset``). A fresh node's identity is written by its first commit."""
+        old_id = self._reset() if reset else None
+        for p in self.dir.glob(".ckpt-*.tmp"):  # an interrupted commit
+            p.unlink(missing_ok=True)
+        ckpts = self.checkpoints()
+        identity = self._read_identity()
+        if not ckpts:
+            left = self._leftovers()
+            if left:
+                raise StateError(f"{self.dir} holds {', '.join(left)} but no checkpoint "
+                                 "(ckpt-NNNNNN.safetensors): refusing to start fresh over that state. "
+                                 "Restore the checkpoint, or start with --reset to move the old state "
+                                 "aside and begin at round 0")
+            self._node_id = wanted or old_id or f"node-{uuid.uuid4().hex[:8]}"
+            return self._node_id, None
+        ckpt = read_checkpoint(ckpts[-1])
+        if wanted and wanted != ckpt.node_id:
+            raise StateError(f"{ckpt.path} belongs to node {ckpt.node_id!r}, but the config says {wanted!r}")
+        if identity is not None and identity != ckpt.node_id:
+            raise StateError(f"{self.identity_path} says node {identity!r} but {ckpt.path} belongs to "
+                             f"node {ckpt.node_id!r}")
+        ckpt.history, size = self._open_history(ckpt)
+        # verified: now the repairs a crash calls for (nothing is written before this point)
+        if identity is None:
+            log.warning("%s was missing; node id %r restored from %s", self.identity_path,
+                        ckpt.node_id, ckpt.path.name)
+            atomic_write_json(self.identity_path, {"node_id": ckpt.node_id})
+        if size > self._hist_bytes:
+            log.warning("%s: dropping %d bytes past round %d (written before a crash, never "
+                        "checkpointed)", self.history_path, size - self._hist_bytes, ckpt.round)
+            try:
+                os.truncate(self.history_path, self._hist_bytes)
+            except OSError as e:  # the next commit truncates too; a read-only dir shows up there
+                log.warning("could not trim %s now: %s", self.history_path, e)
+        for older in ckpts[:-1]:  # a crash between a commit's rename and its cleanup
+            older.unlink(missing_ok=True)
+        self._identity_ok = True
+        self._node_id = ckpt.node_id
+        self.round = ckpt.round
+        return ckpt.node_id, ckpt
+
+    def _open_history(self, ckpt: Checkpoint) -> tuple[list[dict[str, Any]], int]:
+        """Check the history against the checkpoint (its first N bytes hash to the pinned
+        sha256); return the tail of rounds and the file's size (more: lines a crash left)."""
+        pinned = ckpt.state.get("history") or {}
+        try:
+            covered, want = int(pinned["bytes"]), str(pinned["sha256"])
+        except (KeyError, TypeError, ValueError):
+            raise StateError(f"{ckpt.path} is corrupt (no history pin)") from None
+        path = self.history_path
+        h, pos, tail, lineno = hashlib.sha256(), 0, deque(maxlen=HISTORY_TAIL), 0
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                for line in f:
+                    if pos >= covered:
+                        break
+                    lineno += 1
+                    if pos + len(line) > covered:
+                        raise StateError(f"{path} does not match {ckpt.path.name}: line {lineno} "
+                                         f"crosses the {covered} bytes the checkpoint covers")
+                    h.update(line)
+                    pos += len(line)
+                    tail.append((lineno, line))
+        except FileNotFoundError:
+            if covered:
+                raise StateError(f"{path} is missing, but {ckpt.path.name} covers {covered} bytes "
+                                 f"({ckpt.round} rounds) of it") from None
+            size = 0
+        except OSError as e:
+            raise StateError(f"{path} cannot be read: {e.strerror or e}") from None
+        if pos < covered:
+            raise StateError(f"{path} is shorter ({pos} bytes) than the {covered} bytes "
+                             f"{ckpt.path.name} covers: truncated or rewritten")
+        if h.hexdigest() != want:
+            raise StateError(f"{path} does not match {ckpt.path.name}: its first {covered} bytes "
+                             "changed after they were written")
+        rows = [_parse_line(path, n, line) for n, line in tail]
+        if ckpt.round and (not rows or rows[-1]["round"] != ckpt.round):
+            raise StateError(f"{path} ends at round {rows[-1]['round'] if rows else 0}, "
+                             f"{ckpt.path.name} at round {ckpt.round}")
+        self._hist_bytes, self._hist_hash = covered, h
+        return rows, size
+
+    # --- writing ---
+    def commit(self, snap: Snapshot, records: list[dict[str, Any]]) -> Path:
+        """Make ``snap`` durable together with the history lines of ``records`` (the rounds
+        since the last commit, in order). Safe to retry after any failure, with the same or a
+        longer batch: rounds an earlier try committed are skipped."""
+        if self._dir_unsynced:  # an earlier try renamed its file but could not fsync the directory
+            fsync_dir(self.dir)
+            self._dir_unsynced = False
+        if snap.round <= self.round:
+            return self.dir / f"ckpt-{self.round:06d}.safetensors"
+        records = [r for r in records if r["round"] > self.round]
+        lines = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in records)
+        hasher = self._hist_hash.copy()
+        hasher.update(lines)
+        covered = self._hist_bytes + len(lines)
+        state = {**snap.state, "format": FORMAT, "history": {"bytes": covered, "sha256": hasher.hexdigest()}}
+        state_json = json.dumps(state, sort_keys=True).encode()
+        meta = {"format": FORMAT, "state": state_json.decode(), "sha256": _digest(state_json, snap.tensors)}
+        name = f"ckpt-{snap.round:06d}.safetensors"
+        tmp, final = self.dir / f".{name}.tmp", self.dir / name
+        try:
+            hist = open(self.history_path, "ab") if lines or self.history_path.exists() else None
+            try:
+                if hist is not None:
+                    hist.truncate(self._hist_bytes)  # drop what a failed try or a crash left
+                    hist.write(lines)
+                    hist.flush()
+                st_save_file(snap.tensors, str(tmp), metadata=meta)
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)  # the batch: checkpoint data and history lines together
+                    if hist is not None and lines:
+                        os.fsync(hist.fileno())
+                finally:
+                    os.close(fd)
+            finally:
+                if hist is not None:
+                    hist.close()
+            os.replace(tmp, final)
+        except BaseException:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            raise
+        # the new file is in place: its history prefix must never be truncated again
+        self._hist_bytes, self._hist_hash, self.round = covered, hasher, snap.round
+        self._dir_unsynced = True
+        fsync_dir(self.dir)
+        self._dir_unsynced = False
+        for older in self.checkpoints():
+            if older != final:
+                try:
+                    older.unlink(missing_ok=True)
+                except OSError as e:  # committed all the same; the next open() removes it
+                    log.warning("could not remove %s: %s", older, e)
+        if not self._identity_ok:  # after the first checkpoint: identity never exists without one
+            atomic_write_json(self.identity_path, {"node_id": snap.state["node_id"]})
+            self._identity_ok = True
         return final
 
-    def _prune(self, keep: str) -> None:
-        ckpts = sorted(p for p in self.dir.glob("ckpt-*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for p in ckpts[:-KEEP_CHECKPOINTS]:
-            if p.name != keep:
-                shutil.rmtree(p, ignore_errors=True)
-        for p in self.dir.glob("ckpt-*.tmp"):
-            shutil.rmtree(p, ignore_errors=True)
-
-    def load(self, learner: Any) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]] | None:
-        """Restore the learner in place; return (meta, strategy_state, peers) or None if fresh."""
-        path = self.current()
-        if path is None:
-            return None
-        meta_path = path / "meta.json"
-        try:
-            meta = read_json(meta_path)
-            peers = read_json(path / "peers.json")
-        except FileNotFoundError as e:
-            raise StateError(f"checkpoint {path} is incomplete: {e.filename} is missing") from None
-        except ValueError as e:
-            raise StateError(str(e)) from None
-        try:
-            learner.load(str(path))
-        except (ValueError, OSError) as e:
-            raise StateError(f"checkpoint {path}: {e}") from None
-        strategy_path = path / "strategy.bin"
-        try:
-            strategy_state = unpack_state(strategy_path.read_bytes())
-        except (WireError, OSError) as e:
-            raise StateError(f"{strategy_path} is corrupt: {e}") from None
-        return meta, strategy_state or {}, peers
-
     # --- history ---
-    def append_history(self, record: dict[str, Any]) -> None:
-        with open(self.history_path, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-    def read_history(self, upto_round: int | None = None) -> list[dict[str, Any]]:
-        """History up to the checkpointed round; a torn last line (kill -9 mid-append) is dropped."""
-        if not self.history_path.exists():
-            return []
-        rows = []
-        lines = self.history_path.read_text().splitlines()
-        for i, line in enumerate(lines):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                if i == len(lines) - 1:
-                    break
-                raise StateError(f"{self.history_path} line {i + 1} is corrupt") from None
-        if upto_round is not None:
-            rows = [r for r in rows if r.get("round", 0) <= upto_round]
-        return rows
-
-    def rewrite_history(self, rows: list[dict[str, Any]]) -> None:
-        atomic_write_bytes(self.history_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode())
+    def history_since(self, since: int) -> Iterator[dict[str, Any]]:
+        """Committed rounds after ``since``, streamed from the file."""
+        covered, pos = self._hist_bytes, 0
+        try:
+            f = open(self.history_path, "rb")
+        except FileNotFoundError:
+            return
+        with f:
+            for n, line in enumerate(f, 1):
+                pos += len(line)
+                if pos > covered:
+                    return
+                row = _parse_line(self.history_path, n, line)
+                if row["round"] > since:
+                    yield row

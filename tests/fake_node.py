@@ -31,5 +31,8 @@ class FakeNode:
         return {"node_id": self.node_id, "round": 3, "weights": {self.node_id: 0.5, "n1": 0.5},
                 "strategy_state": {"P": {"n1": 0.1}, "loss": float("nan")}}
 
+    def history_view(self, since: int | None) -> list[dict]:
+        return [e for e in self.history if since is None or e["round"] > since]
+
     def healthy(self) -> bool:
         return self.is_healthy

@@ -34,6 +34,31 @@ def http_json(url: str, timeout: float = 5.0) -> Any:
         return json.loads(r.read())
 
 
+def node_certs(root: Path, node_id: str) -> Path:
+    """A certificate for ``node_id`` from the CA of ``root`` (one per test directory, made on
+    first use): what a node, or a test playing a peer, presents on the mTLS peer port."""
+    from coterie.node.security.pki import CA_KEY, NODE_CERT, init_ca, issue_cert
+    pki = Path(root) / "pki"
+    if not (pki / "ca" / CA_KEY).exists():
+        init_ca(pki / "ca", name="coterie test CA")
+    if not (pki / node_id / NODE_CERT).exists():
+        issue_cert(pki / "ca", node_id, pki / node_id)
+    return pki / node_id
+
+
+def peer_channel(root: Path, node_id: str, address: str, expect: str | None = None):
+    """A grpc.aio channel to a node's peer port presenting ``node_id``'s certificate (from the CA
+    of ``root``), as a peer would; ``expect``: the node id the server must prove (default: any
+    node of the CA)."""
+    import grpc
+
+    from coterie.node.security.pki import load_credentials
+    from coterie.node.transport.tls import TLS
+    tls = TLS(load_credentials(node_certs(root, node_id)))
+    return grpc.aio.secure_channel(address, tls.channel_credentials(),
+                                   options=[("grpc.ssl_target_name_override", tls.target_name(expect))])
+
+
 def tiny_learner(num_nodes: int, index: int, clusters: int = 1, samples: int = 120) -> dict[str, Any]:
     return {"dataset": "mnist1d", "partition": "label_permutation", "num_nodes": num_nodes,
             "node_index": index, "model": "mlp", "local_steps": 5,
@@ -51,6 +76,8 @@ class NodeProc:
                "admin_listen": "127.0.0.1:0", "heartbeat_interval_s": 0.25, "suspect_after_s": 1.0,
                "dead_after_s": 2.5, "request_timeout_s": 10.0, "log_level": "INFO",
                "round_interval_s": 0.0, **config}
+        if "security" not in config:  # mTLS like a real network; tests that want plaintext say so
+            cfg["security"] = {"cert_dir": str(node_certs(root, node_id))}
         self.config_path = self.dir / "node.toml"
         self.config_path.write_text(tomli_w.dumps(cfg))
         self.proc: subprocess.Popen | None = None
@@ -82,6 +109,7 @@ class NodeProc:
         try:
             wait_for(ready, timeout, f"{self.node_id} to come up")
         except AssertionError:
+            self.kill()  # no orphan daemon outliving the test that gave up on it
             raise AssertionError(f"{self.node_id} did not come up:\n{self.log_tail()}") from None
         return self
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -23,8 +22,9 @@ import torch
 from torch import nn
 
 from coterie.node.learning.learner import EvalResult, Learner, Params, TrainResult
+from coterie.node.privacy.purposes import purpose as purpose_table
 from coterie.node.strategies.base import GradientReply, PeerSnapshot, PushedGradient, Strategy
-from coterie.node.wire.codec import pack_state, unpack_state
+from coterie.node.persistence import pack_state, unpack_state
 
 torch.set_num_threads(1)
 
@@ -179,14 +179,13 @@ class ToyLearner(Learner):
     def num_samples(self, split: str = "train") -> int:
         return len(self.data[split][1])
 
-    def save(self, directory: str) -> None:
-        os.makedirs(directory, exist_ok=True)
-        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict()}, os.path.join(directory, "toy.pt"))
+    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        with self._lock:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}, {}
 
-    def load(self, directory: str) -> None:
-        st = torch.load(os.path.join(directory, "toy.pt"))
-        self.model.load_state_dict(st["model"])
-        self.opt.load_state_dict(st["opt"])
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        with self._lock:
+            self.model.load_state_dict(tensors)
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,6 +264,15 @@ class Hub:
             self._published = None
 
 
+def _split_of(purpose: str, kind: str, split: str | None) -> str:
+    """The split a purpose is answered on; a strategy naming the wrong purpose fails here as it
+    would on a real node."""
+    p = purpose_table(purpose)
+    assert p.kind == kind, f"purpose {purpose!r} is a {p.kind}, used for a {kind}"
+    assert split in (None, p.split), f"purpose {purpose!r} is answered on {p.split!r}, not {split!r}"
+    return p.split
+
+
 class InProcessNetwork:
     def __init__(self, hub: Hub, node_id: str):
         self.hub = hub
@@ -316,8 +324,10 @@ class InProcessNetwork:
     def _mine(self) -> Params:
         return self.hub.nodes[self.node_id].snapshot.params
 
-    async def cross_loss(self, peer: str, params: Params | None = None, *, split: str = "train",
-                         max_samples: int | None = None, reduction: str = "mean") -> tuple[float, int] | None:
+    async def cross_loss(self, peer: str, params: Params | None = None, *, purpose: str,
+                         split: str | None = None, max_samples: int | None = None,
+                         reduction: str = "mean") -> tuple[float, int] | None:
+        split = _split_of(purpose, "loss", split)
         n = self._peer(peer)
         self.hub.count("cross_loss")
         if n is None:
@@ -326,9 +336,10 @@ class InProcessNetwork:
                                     split, max_samples, reduction)
         return r.loss, r.n
 
-    async def cross_gradient(self, peer: str, params: Params | None = None, *, split: str = "train",
-                             max_samples: int | None = None, reduction: str = "mean",
-                             align_with: Params | None = None) -> GradientReply | None:
+    async def cross_gradient(self, peer: str, params: Params | None = None, *, purpose: str,
+                             split: str | None = None, max_samples: int | None = None,
+                             reduction: str = "mean", align_with: Params | None = None) -> GradientReply | None:
+        split = _split_of(purpose, "gradient" if align_with is None else "alignment", split)
         n = self._peer(peer)
         self.hub.count("cross_gradient")
         if n is None:
@@ -342,7 +353,18 @@ class InProcessNetwork:
             return GradientReply(grad=None, loss=r.loss, n=r.n, inner_product=ip)
         return GradientReply(grad=g, loss=r.loss, n=r.n)
 
-    async def push_gradient(self, peer: str, version: int, grad: Params) -> bool:
+    async def private_gradient(self, peer: str, params: Params, *, purpose: str,
+                               max_samples: int | None = None) -> Params | None:
+        """My own gradient as sent out; exact here (the DP mechanism is tested on real nodes)."""
+        assert purpose_table(purpose).kind in ("push", "alignment"), purpose
+        self.hub.count("private_gradient")
+        me = self.hub.nodes[self.node_id]
+        g, _ = await asyncio.to_thread(me.learner.gradient, params, purpose_table(purpose).split, max_samples)
+        return g
+
+    async def push_gradient(self, peer: str, version: int, grad: Params, *,
+                            purpose: str = "federico-push") -> bool:
+        assert purpose_table(purpose).kind == "push", purpose
         n = self._peer(peer)
         self.hub.count("push")
         if n is None:

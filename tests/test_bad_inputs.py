@@ -3,7 +3,8 @@ keeps serving. The test plays a rogue peer: a raw gRPC client, and a rogue serve
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
+import hashlib
 import subprocess
 import sys
 
@@ -18,11 +19,13 @@ from coterie.node.learning.torch_learner import build_learner
 from coterie.node.transport.chunks import sha256, split
 from coterie.node.peering.messages import Beat, LocalSnapshot, NodeInfo
 from coterie.node.peering.serde import node_info_to_pb
+from coterie.node.security.pki import load_credentials
 from coterie.node.transport.server import serve
+from coterie.node.transport.tls import TLS
 from coterie.node.wire.codec import encode
 from coterie.proto.v1 import peer_pb2 as pb
 from coterie.proto.v1 import peer_pb2_grpc as rpc
-from nodeproc import NodeProc, tiny_learner, wait_for
+from nodeproc import NodeProc, node_certs, peer_channel, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 LEARNER = tiny_learner(2, 0)
@@ -47,7 +50,7 @@ class RogueHandler:
     def set_payload(self, data: bytes) -> None:
         self.version += 1
         snap = LocalSnapshot("rogue", self.version, 0, {})
-        snap.__dict__["encoded"] = data  # cached_property: what the server streams
+        snap._encoded, snap._digest = memoryview(data), hashlib.sha256(data).hexdigest()  # what the server streams
         self.snap = snap
 
     def info(self):
@@ -59,14 +62,17 @@ class RogueHandler:
     def on_heartbeat(self, beat):
         return Beat("rogue", 0, self.version)
 
-    def on_peer_list(self, sender, entries):
-        return []
+    def on_peer_list(self, sender, entries, members=(), incarnation=0):
+        return [], [], 0
 
     async def snapshot(self, requester, min_round=0, wait_s=0.0):
         return self.snap
 
     def check_known(self, node_id):
         return None
+
+    def admit(self, peer, kind):
+        return contextlib.nullcontext()
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +84,17 @@ def params():
 def target(tmp_path_factory):
     node = NodeProc(tmp_path_factory.mktemp("bad"), "victim",
                     {"strategy": "dpsgd", "round_interval_s": 0.2, "learner": LEARNER,
-                     "max_model_bytes": 256 * 1024, "max_gossip_bytes": 1024}).start()
+                     "max_model_bytes": 256 * 1024, "max_gossip_bytes": 1024,
+                     # D-PSGD serves no compute on its data; these tests need one purpose open
+                     # (exact answers: malformed input is refused before any DP release)
+                     "privacy": {"serve_purposes": ["scool-evidence"], "enabled": False}}).start()
     yield node
     node.stop()
 
 
-def _channel(node):
-    return grpc.aio.insecure_channel(node.address)
+def _channel(node, as_id="tester"):
+    """A channel to ``node`` presenting a certificate for ``as_id`` from the node's own CA."""
+    return peer_channel(node.dir.parent, as_id, node.address, expect=node.node_id)
 
 
 async def _handshake(stub, fingerprint, node_id="tester", version=PROTOCOL_VERSION):
@@ -95,10 +105,13 @@ async def _handshake(stub, fingerprint, node_id="tester", version=PROTOCOL_VERSI
 
 async def _cross_loss(stub, payload: bytes, *, digest: str | None = None, total: int | None = None,
                       requester="tester", reduction="mean"):
+    """A cross-loss call; ``requester`` other than the channel's certificate id is refused before
+    anything else (test_security.py), so tests of strangers use a channel with their own cert."""
     async def frames():
         yield pb.ComputeFrame(header=pb.ComputeHeader(
             requester=requester, total_bytes=len(payload) if total is None else total,
-            sha256=sha256(payload) if digest is None else digest, split="train", reduction=reduction))
+            sha256=sha256(payload) if digest is None else digest, split="train", reduction=reduction,
+            purpose="scool-evidence"))
         for part in split(payload, 64 * 1024):
             yield pb.ComputeFrame(data=part)
     return await stub.CrossLoss(frames(), timeout=10)
@@ -129,7 +142,7 @@ def test_handshake_refuses_other_protocol_and_architecture(target):
 
 def test_unknown_peer_is_refused(target):
     async def go():
-        async with _channel(target) as ch:
+        async with _channel(target, "stranger") as ch:  # a certificate, but never handshook
             stub = rpc.PeerStub(ch)
             await _expect(_cross_loss(stub, b"x", requester="stranger"), grpc.StatusCode.PERMISSION_DENIED,
                           "unknown peer", "stranger")
@@ -187,7 +200,9 @@ def test_refused_uploads_report_the_reason_not_a_broken_stream(target):
                 big = encode({"params": {"x": torch.zeros(elems)}})
                 for _ in range(8):
                     await _expect(_cross_loss(stub, big), grpc.StatusCode.INVALID_ARGUMENT, "exceeds the limit")
-            await _expect(_cross_loss(stub, encode({"params": {"x": torch.zeros(10)}}), requester="stranger"),
+        async with _channel(target, "stranger") as ch:
+            await _expect(_cross_loss(rpc.PeerStub(ch), encode({"params": {"x": torch.zeros(10)}}),
+                                      requester="stranger"),
                           grpc.StatusCode.PERMISSION_DENIED, "stranger")
     asyncio.run(go())
 
@@ -202,10 +217,11 @@ def test_bad_snapshots_from_a_rogue_peer_are_rejected(target, params):
 
     async def go():
         rogue = RogueHandler(fp)
-        server, port = await serve(rogue, _NoTraffic(), "127.0.0.1:0")
+        tls = TLS(load_credentials(node_certs(target.dir.parent, "rogue")))
+        server, port = await serve(rogue, _NoTraffic(), "127.0.0.1:0", tls=tls)
         rogue.address = f"127.0.0.1:{port}"
         try:
-            async with _channel(target) as ch:
+            async with _channel(target, "rogue") as ch:
                 # introduce the rogue: the victim learns it from the handshake's address
                 await rpc.PeerStub(ch).Handshake(pb.HandshakeRequest(node=node_info_to_pb(rogue.info())),
                                                  timeout=10)
@@ -235,12 +251,12 @@ def test_corrupt_checkpoint_is_reported_not_replaced(tmp_path):
     node = NodeProc(tmp_path, "c", {"strategy": "local", "rounds": 2, "learner": LEARNER}).start()
     wait_for(lambda: node.status()["done"], 60, "two rounds")
     node.stop()
-    ckpt = node.state_dir / (node.state_dir / "CURRENT").read_text().strip()
-    meta_before = (ckpt / "meta.json").read_bytes()
-    (ckpt / "model.safetensors").write_bytes(b"\x00" * 17)
+    ckpt = node.state_dir / "ckpt-000002.safetensors"
+    history_before = (node.state_dir / "history.jsonl").read_bytes()
+    ckpt.write_bytes(b"\x00" * 17)
     r = subprocess.run([sys.executable, "-m", "coterie.cli.main", "node", "start", "--config",
                         str(node.config_path)], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
-    assert "model.safetensors" in r.stderr
-    assert (ckpt / "meta.json").read_bytes() == meta_before  # nothing was overwritten
-    assert json.loads(meta_before)["round"] == 2
+    assert "ckpt-000002.safetensors" in r.stderr
+    assert ckpt.read_bytes() == b"\x00" * 17  # nothing was overwritten
+    assert (node.state_dir / "history.jsonl").read_bytes() == history_before

@@ -37,6 +37,7 @@ def captured(monkeypatch):
     monkeypatch.setattr(daemon, "run_node", fake_run_node)
     for k in [k for k in __import__("os").environ if k.startswith("COTERIE_")]:
         monkeypatch.delenv(k)
+    monkeypatch.setenv("COTERIE_SECURITY__INSECURE", "true")  # no certificates here: not what these test
     return seen
 
 
@@ -327,7 +328,7 @@ async def test_peer_server_bind_failure_is_an_oserror():
         s.bind(("127.0.0.1", 0))
         s.listen()
         with pytest.raises(OSError, match="in use"):
-            await serve(object(), object(), f"127.0.0.1:{s.getsockname()[1]}")
+            await serve(object(), object(), f"127.0.0.1:{s.getsockname()[1]}", tls=None)
 
 
 def test_json_log_format():
@@ -377,7 +378,9 @@ def test_real_node_problems_reflection_and_wrong_port(tmp_path):
         ProtoReflectionDescriptorDatabase
     import grpc
 
-    from nodeproc import NodeProc, tiny_learner, wait_for
+    from coterie.node.security.pki import load_credentials
+    from coterie.node.transport.tls import TLS
+    from nodeproc import NodeProc, node_certs, tiny_learner, wait_for
 
     with socket.socket() as dead:
         dead.bind(("127.0.0.1", 0))  # bound, not listening: nobody answers there
@@ -396,7 +399,9 @@ def test_real_node_problems_reflection_and_wrong_port(tmp_path):
             assert r.exit_code == 1 and "Traceback" not in r.output
             assert "does not answer HTTP" in r.stderr and "gRPC" in r.stderr
 
-            with grpc.insecure_channel(node.address) as ch:
+            tls = TLS(load_credentials(node_certs(tmp_path, "cli")))  # the peer port is mTLS
+            with grpc.secure_channel(node.address, tls.channel_credentials(),
+                                     options=[("grpc.ssl_target_name_override", TLS.target_name("solo"))]) as ch:
                 services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
             assert {"coterie.v1.Peer", "grpc.health.v1.Health"} <= services
 

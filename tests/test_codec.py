@@ -7,8 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coterie.node.wire.codec import (WireError, check_finite, check_spec, decode, encode, pack_state,
-                                     unpack_state)
+from coterie.node.wire.codec import WireError, check_finite, check_spec, decode, encode
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -97,9 +96,3 @@ def test_finite_and_spec_checks_name_the_tensor():
     with pytest.raises(WireError, match="missing"):
         check_spec({"w": torch.zeros(2, 3)}, spec)
 
-
-def test_state_packing_round_trip():
-    state = {"P": {"a": 0.5, "b": -1.0}, "t": torch.arange(4.0), "arr": np.eye(2), "l": [1, {"x": torch.ones(1)}]}
-    out = unpack_state(pack_state(state))
-    assert out["P"] == state["P"] and torch.equal(out["t"], state["t"])
-    assert np.array_equal(out["arr"], state["arr"]) and torch.equal(out["l"][1]["x"], torch.ones(1))

@@ -16,7 +16,7 @@ PROMQL_WORDS = {"sum", "by", "rate", "increase", "avg", "min", "max", "count", "
 
 
 def exported_samples(tmp_path) -> set[str]:
-    cfg = validate_config({"node_id": "g", "state_dir": str(tmp_path / "g"),
+    cfg = validate_config({"node_id": "g", "security": {"insecure": True}, "state_dir": str(tmp_path / "g"),
                            "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 600},
                                        "partition": "iid", "model": "linear"}})
     node = Node(cfg)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,12 +17,12 @@ from coterie.node.config import validate_config
 from coterie.node.daemon import Node
 from coterie.node.metrics import Metrics
 from coterie.node.peering.errors import PeerCallError
-from coterie.node.peering.messages import CROSS_LOSS, Beat, ComputeRequest, NodeInfo
+from coterie.node.peering.messages import CROSS_LOSS, Beat, ComputeRequest, IndirectProbe, NodeInfo
 from coterie.node.peering.traffic import TrafficStats
 from coterie.node.transport.grpc_transport import GrpcTransport
 from coterie.node.transport.inproc import InProcNetwork
 from coterie.node.wire.codec import WireError
-from nodeproc import tiny_learner
+from nodeproc import node_certs, tiny_learner
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +31,8 @@ def _config(tmp, i, peers, **extra):
     return validate_config({
         "node_id": f"n{i}", "state_dir": str(tmp / f"n{i}"), "strategy": "local", "peers": peers,
         "heartbeat_interval_s": 0.2, "request_timeout_s": 10, "rounds": 0, "learner": tiny_learner(2, i % 2),
-        **extra})
+        # "local" serves no compute on its data; these tests need one purpose open (exact answers)
+        "privacy": {"serve_purposes": ["scool-evidence"], "enabled": False}, **extra})
 
 
 async def _wait(cond, what, timeout=30.0):
@@ -62,7 +64,8 @@ def test_refusals_and_failures_arrive_as_on_grpc(tmp_path):
         try:
             assert a.address.startswith("inproc:") and b.address != a.address
             out = _stranger(hub)
-            req = ComputeRequest(CROSS_LOSS, "stranger", groups={"params": b.learner.get_params()})
+            req = ComputeRequest(CROSS_LOSS, "stranger", groups={"params": b.learner.get_params()},
+                                 purpose="scool-evidence")
             with pytest.raises(PeerCallError) as e:
                 await out.compute(a.address, req)
             assert e.value.kind == "unknown_peer" and "stranger" in e.value.message
@@ -75,14 +78,84 @@ def test_refusals_and_failures_arrive_as_on_grpc(tmp_path):
             # a known peer sending NaN weights: the served side's validation refuses it
             bad = {k: torch.full_like(v, float("nan")) for k, v in b.learner.get_params().items()}
             with pytest.raises(PeerCallError) as e:
-                await b.client.compute(a.address, ComputeRequest(CROSS_LOSS, "n1", groups={"params": bad}))
+                await b.client.compute(a.address, ComputeRequest(CROSS_LOSS, "n1", groups={"params": bad},
+                                                                 purpose="scool-evidence"))
             assert e.value.kind == "invalid" and "n1" in e.value.message
             assert any("n1" in p["peer"] and p["rejected"] for p in a.problems.recent())
             # a gossip key the strategy does not understand
             with pytest.raises(PeerCallError) as e:
                 await b.client.gossip(a.address, "n1", "nonsense", {"x": 1})
             assert e.value.kind == "invalid"
-            assert await b.network.cross_loss("n0") is not None  # and a sound request still works
+            assert await b.network.cross_loss("n0", purpose="scool-evidence") is not None  # a sound one works
+            assert a.admission.budget("n1").compute_s > 0  # billed to n1, run on a's served-compute threads
+        finally:
+            await a.stop()
+            await b.stop()
+    asyncio.run(go())
+
+
+def test_a_node_speaks_only_for_itself(tmp_path):
+    """No TLS in one process, but the same rule mTLS enforces on gRPC: a node's client may claim
+    only its own node id, in every kind of request (else ``forbidden``, before the handler sees
+    it); and a call that expects a node at an address reaches only that node."""
+    async def go():
+        hub = InProcNetwork()
+        a, b = await _pair(tmp_path, hub)
+        try:
+            params = b.learner.get_params()
+            spoofs = [  # b pretending to be a (the one peer a surely knows)
+                b.client.heartbeat(a.address, Beat("n0", 0, 0), 5),
+                b.client.handshake(a.address, replace(b.info(), node_id="n0"), 5),
+                b.client.exchange_peers(a.address, "n0", [], 5),
+                b.client.indirect_probe(a.address, IndirectProbe("n0", "n1", 1.0), 5),
+                b.client.get_snapshot(a.address, "n0"),
+                b.client.compute(a.address, ComputeRequest(CROSS_LOSS, "n0", groups={"params": params},
+                                                           purpose="scool-evidence")),
+                b.client.gossip(a.address, "n0", "x", {}),
+            ]
+            for call in spoofs:
+                with pytest.raises(PeerCallError) as e:
+                    await call
+                assert e.value.kind == "forbidden" and "'n0'" in e.value.message and "'n1'" in e.value.message
+            with pytest.raises(PeerCallError) as e:  # b expected someone else at a's address
+                await b.client.heartbeat(a.address, Beat("n1", 0, 0), 5, peer="n7")
+            assert e.value.kind == "unavailable" and "n7" in e.value.message
+            reply, _ = await b.client.heartbeat(a.address, Beat("n1", 0, 0), 5, peer="n0")
+            assert reply.node_id == "n0"
+        finally:
+            await a.stop()
+            await b.stop()
+    asyncio.run(go())
+
+
+def test_admission_and_privacy_budgets_hold_in_memory(tmp_path):
+    """The per-peer budgets apply to in-process callers as to gRPC ones: a peer over its
+    concurrency limit is refused (``exhausted``) and gets its slots back when its calls end
+    (deadline: the peer side is cancelled); a spent privacy budget is ``privacy_budget``."""
+    async def go():
+        hub = InProcNetwork()
+        a, b = await _pair(tmp_path, hub, extra_a={"limits": {"max_concurrent": 2},
+                                                   "privacy": {"serve_purposes": ["scool-evidence"],
+                                                               "budget_epsilon": 1e-3}})
+        try:
+            # two round-aligned pulls waiting for a round a never reaches hold both of n1's slots
+            held = [asyncio.ensure_future(b.client.get_snapshot(a.address, "n1", min_round=10**6, wait_s=30,
+                                                                timeout=2)) for _ in range(2)]
+            await _wait(lambda: a.admission.budget("n1").in_flight == 2, "two slots taken")
+            with pytest.raises(PeerCallError) as e:
+                await b.client.gossip(a.address, "n1", "x", {})
+            assert e.value.kind == "exhausted" and "in flight" in e.value.message
+            for call in held:
+                with pytest.raises(PeerCallError) as e:
+                    await call
+                assert e.value.kind == "unavailable" and "deadline" in e.value.message
+            await _wait(lambda: a.admission.budget("n1").in_flight == 0, "slots released")
+            header, _ = await b.client.get_snapshot(a.address, "n1")
+            assert header.node_id == "n0"
+            with pytest.raises(PeerCallError) as e:  # any DP release passes an ε budget of 0.001
+                await b.client.compute(a.address, ComputeRequest(CROSS_LOSS, "n1", purpose="scool-evidence",
+                                                                 groups={"params": b.learner.get_params()}))
+            assert e.value.kind == "privacy_budget" and "budget" in e.value.message
         finally:
             await a.stop()
             await b.stop()
@@ -164,7 +237,7 @@ def test_size_limits_apply_in_memory(tmp_path):
             assert await a.network.pull("n1") is None  # a refuses b's oversized snapshot
             assert any("exceeds the limit of 4096" in p["message"] for p in a.problems.recent())
             with pytest.raises(PeerCallError) as e:  # and b's oversized model in a request
-                await b.client.compute(a.address, ComputeRequest(CROSS_LOSS, "n1",
+                await b.client.compute(a.address, ComputeRequest(CROSS_LOSS, "n1", purpose="scool-evidence",
                                                                  groups={"params": b.learner.get_params()}))
             assert e.value.kind == "invalid" and "exceeds the limit of 4096" in e.value.message
             with pytest.raises(PeerCallError) as e:  # a's own gossip limit, before anything is sent
@@ -189,12 +262,13 @@ def test_mixed_mode_memory_inside_a_process_grpc_between(tmp_path):
         try:
             for i in range(4):
                 hub = hubs[i // 2]
-                cfg = _config(tmp_path, i, [nodes[0].address] if nodes else [], listen="127.0.0.1:0")
+                cfg = _config(tmp_path, i, [nodes[0].address] if nodes else [], listen="127.0.0.1:0",
+                              security={"cert_dir": str(node_certs(tmp_path, f"n{i}"))})  # mTLS between hubs
                 node = Node(cfg, transport=hub.transport_for(cfg, grpc=GrpcTransport.from_config(cfg)), admin=False)
                 await node.start()
                 nodes.append(node)
             a0, a1, b0, b1 = nodes
-            assert all(n.address.startswith("127.0.0.1:") for n in nodes)
+            assert all(n.address.startswith("127.0.0.1:") and n.transport.mtls for n in nodes)
             assert hubs[0].addresses() == sorted([a0.address, a1.address])
             await _wait(lambda: all(len(n.peers.alive()) == 3 for n in nodes), "full membership across hubs")
             # take a1's gRPC server down: a0 still reaches it through memory, b0 cannot

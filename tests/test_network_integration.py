@@ -1,11 +1,11 @@
 """Real node processes on loopback: discovery, rounds, crash and resume."""
 from __future__ import annotations
 
-import json
 import signal
 
 import pytest
 
+from coterie.node.persistence import StateStore, read_checkpoint
 from nodeproc import NodeProc, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
@@ -50,8 +50,7 @@ def test_kill9_is_detected_without_stalling_and_restart_resumes(chain):
     n0, n1, n2 = chain
     wait_for(lambda: n2.status()["round"] >= 2, 60, "n2 to checkpoint a few rounds")
     n2.kill(signal.SIGKILL)
-    ckpt = (n2.state_dir / "CURRENT").read_text().strip()
-    ckpt_round = json.loads((n2.state_dir / ckpt / "meta.json").read_text())["round"]
+    ckpt_round = read_checkpoint(StateStore(n2.state_dir).checkpoints()[-1]).round
 
     def n2_dead_on(n):
         return any(p["node_id"] == "n2" and p["state"] == "dead" for p in n.get("/peers"))

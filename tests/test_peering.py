@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from coterie.node.config import validate_config
-from nodeproc import tiny_learner
+from nodeproc import node_certs, tiny_learner
 from transports import TRANSPORTS, NodeMaker
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,8 @@ def make(request):
 def _config(tmp, i, peers, **extra):
     return validate_config({
         "node_id": f"n{i}", "state_dir": str(tmp / f"n{i}"), "strategy": "local", "peers": peers,
-        "heartbeat_interval_s": 0.2, "request_timeout_s": 10, "learner": tiny_learner(2, i), **extra})
+        "heartbeat_interval_s": 0.2, "request_timeout_s": 10, "learner": tiny_learner(2, i),
+        "security": {"cert_dir": str(node_certs(tmp, f"n{i}"))}, **extra})
 
 
 async def _pair(make, tmp, **extra_second):

@@ -12,6 +12,7 @@ import pytest
 from coterie.node.config import validate_config
 from coterie.node.daemon import Node
 from coterie.node.strategies.registry import available
+from nodeproc import node_certs
 from transports import TRANSPORTS, NodeMaker
 
 N, CLUSTERS = 4, 2
@@ -32,7 +33,7 @@ def _config(tmp, i, strategy, peers, partition="label_permutation", rounds=None,
         "node_id": f"n{i}", "state_dir": str(tmp / f"n{i}"), "strategy": strategy,
         "strategy_params": FAST.get(strategy, {}), "rounds": rounds or ROUNDS.get(strategy, 6), "peers": peers,
         "heartbeat_interval_s": 0.2, "min_peers": N - 1, "start_timeout_s": 20, "seed": 1,
-        "round_interval_s": 0.0,
+        "security": {"cert_dir": str(node_certs(tmp, f"n{i}"))}, "round_interval_s": 0.0,
         "learner": {"dataset": "mnist1d", "partition": partition, "num_nodes": N, "node_index": i,
                     "dataset_params": {"num_samples": 4000}, "model": "mlp", "optimizer": "adam",
                     "lr": 0.003, "local_steps": 20,

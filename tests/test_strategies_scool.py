@@ -12,7 +12,7 @@ from coterie.node.strategies import common as C
 from coterie.node.strategies.scool import (SCoolAttention, SCoolSBM, attention_estep, attention_weights,
                                            row_with_self, sbm_alpha_mstep, sbm_B_mstep, sbm_estep_node,
                                            sbm_node_stats, sbm_self_weight)
-from coterie.node.wire.codec import pack_state, unpack_state
+from coterie.node.persistence import pack_state, unpack_state
 from strategy_harness import (assert_encoder_resumes, build_network, in_cluster_mass,
                               msgpack_roundtrip_state, run_rounds)
 

@@ -57,10 +57,10 @@ def resolve_strategies(names: list[str], *, fallback: bool) -> tuple[list[str], 
 
 # ------------------------------------------------------------------------------ run directories
 def fresh_strategy_dir(out_dir: Path, strategy: str) -> Path:
-    """``out_dir/<strategy>`` with empty nodes/, configs/ and logs/ (the node state, configs and
-    logs of an earlier run there are cleared: a stale checkpoint would resume)."""
+    """``out_dir/<strategy>`` with empty nodes/, configs/, logs/ and pki/ (the node state, configs,
+    logs and throwaway CA of an earlier run there are cleared: a stale checkpoint would resume)."""
     strat_dir = Path(out_dir).resolve() / strategy
-    for sub in ("nodes", "configs", "logs"):
+    for sub in ("nodes", "configs", "logs", "pki"):
         shutil.rmtree(strat_dir / sub, ignore_errors=True)
         (strat_dir / sub).mkdir(parents=True, exist_ok=True)
     return strat_dir

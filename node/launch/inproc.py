@@ -10,10 +10,12 @@ The nodes are the same ``Node`` as a daemon process runs — same configs (writt
 - one thread pool runs every node's compute and checkpoint writes (``asyncio.to_thread``'s
   default executor, ``default_threads()``); the dataset pool and the partition are computed once
   and shared (each node copies only its own samples);
-- every node heartbeats every peer it knows each interval (N² calls per interval in one
-  process), so for large networks the heartbeat interval — and the suspect/dead timeouts with
-  it — is stretched until the whole network stays under ``HEARTBEATS_PER_S``; small networks
-  keep the scenario's timing. The stretched values are in the node configs.
+- every node pings one member per protocol period (SWIM: N pings per period in one process),
+  so for very large networks the period — and the suspect/dead timeouts with it — is stretched
+  until the whole network stays under ``HEARTBEATS_PER_S``; networks up to several thousand nodes
+  keep the scenario's timing. The stretched values are in the node configs;
+- no TLS: the nodes are one trusted process (``transport/inproc.py`` holds each call to its
+  caller's node id instead), so the configs say ``security.insecure = true``;
 - logs of all nodes go to ``DIR/<strategy>/logs/inproc.log``.
 """
 from __future__ import annotations
@@ -26,11 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..config import NodeConfig
+from ..config import NodeConfig, SecurityConfig
 from ..scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
 from .common import LauncherError, LiveView, NodeProgress, check_deadline, collect, fresh_strategy_dir
 
-HEARTBEATS_PER_S = 20_000  # in-memory heartbeats one process affords (tens of µs each)
+HEARTBEATS_PER_S = 20_000  # in-memory SWIM pings one process affords (tens of µs each)
 LOG_NAME = "inproc.log"
 
 
@@ -45,8 +47,9 @@ def address(i: int) -> str:
 
 
 def membership_timing(cfg: NodeConfig, nodes: int) -> dict[str, float]:
-    """Config changes that keep N nodes' heartbeats under ``HEARTBEATS_PER_S`` ({} if none)."""
-    floor = nodes * (nodes - 1) / HEARTBEATS_PER_S
+    """Config changes that keep N nodes' pings (one per node per period) under
+    ``HEARTBEATS_PER_S`` ({} if none)."""
+    floor = nodes / HEARTBEATS_PER_S
     if cfg.heartbeat_interval_s >= floor:
         return {}
     k = floor / cfg.heartbeat_interval_s
@@ -63,7 +66,8 @@ def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
     for i in range(sc.nodes):
         b = bootstrap_index(sc, i)
         cfg = node_config(sc, strategy, i, strat_dir, bootstrap=None if b is None else address(b))
-        cfg = cfg.model_copy(update={"listen": address(i), **membership_timing(cfg, sc.nodes)})
+        cfg = cfg.model_copy(update={"listen": address(i), **membership_timing(cfg, sc.nodes),
+                                     "security": SecurityConfig(insecure=True)})
         path = strat_dir / "configs" / f"n{i}.toml"
         path.write_text(config_toml(cfg))
         specs.append(NodeSpec(i, cfg, path, log_path))

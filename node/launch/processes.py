@@ -1,7 +1,9 @@
 """The ``processes`` backend of ``coterie run``: every node a daemon process of its own, gRPC on
 loopback.
 
-Node ``i`` gets ``DIR/<strategy>/configs/n{i}.toml`` (a complete NodeConfig: state dir
+A throwaway CA is made for the run (``DIR/<strategy>/pki/ca``) and every node gets a certificate
+for its id (``pki/n{i}``), so the network runs on mTLS like a real one (unless the scenario sets
+``security.insecure = true``). Node ``i`` gets ``DIR/<strategy>/configs/n{i}.toml`` (a complete NodeConfig: state dir
 ``DIR/<strategy>/nodes/n{i}``, peer and admin ports 0 on 127.0.0.1 — each node binds a free port
 itself and writes the bound addresses to its ``node.json`` — learner with num_nodes/node_index/seeds)
 and runs as its own process, ``coterie node start --config ...``, output in
@@ -36,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+from ..config import NodeConfig
 from ..scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
 from .common import LauncherError, LiveView, NodeProgress, check_deadline, collect, fresh_strategy_dir, read_history
 
@@ -45,13 +48,26 @@ def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
     strat_dir = fresh_strategy_dir(out_dir, strategy)
     specs: list[NodeSpec] = []
     for i in range(sc.nodes):
-        cfg = node_config(sc, strategy, i, strat_dir)
+        cfg = with_certificate(node_config(sc, strategy, i, strat_dir), strat_dir / "pki")
         path = strat_dir / "configs" / f"n{i}.toml"
         path.write_text(config_toml(cfg))
         b = bootstrap_index(sc, i)
         specs.append(NodeSpec(i, cfg, path, strat_dir / "logs" / f"n{i}.log",
                               bootstrap_from=None if b is None else specs[b].state_dir / "node.json"))
     return specs
+
+
+def with_certificate(cfg: NodeConfig, pki_dir: Path) -> NodeConfig:
+    """``cfg`` with a certificate for its node from the run's throwaway CA in ``pki_dir`` (made on
+    first use); unchanged when it runs insecure or brings its own certificates."""
+    sec = cfg.security
+    if sec.insecure or sec.cert_dir or sec.cert or cfg.node_id is None:
+        return cfg
+    from ..security.pki import CA_KEY, init_ca, issue_cert
+    if not (pki_dir / "ca" / CA_KEY).exists():
+        init_ca(pki_dir / "ca", name="coterie run CA (throwaway)")
+    out = issue_cert(pki_dir / "ca", cfg.node_id, pki_dir / cfg.node_id)
+    return cfg.model_copy(update={"security": sec.model_copy(update={"cert_dir": out})})
 
 
 def node_args(spec: NodeSpec) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 
@@ -69,6 +69,21 @@ class Learner(ABC):
                  reduction: Literal["mean", "sum"] = "mean") -> tuple[Params, EvalResult]:
         """Gradient of the loss of ``params`` on this node's data, with that loss."""
 
+    # --- per-sample bounded sums: what a differentially private release adds noise to. The caller
+    # (node/privacy/mechanisms.py) picks the samples, so a peer never chooses them. ---
+    def clipped_loss_sum(self, params: Params | None, split: Split, indices: Sequence[int],
+                         clip: float) -> float:
+        """Σ over the samples ``indices`` of ``split`` of the per-sample loss clipped into
+        [0, clip] (a non-finite loss counts as ``clip``): one sample moves it by at most ``clip``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot compute per-sample clipped losses")
+
+    def clipped_gradient_sum(self, params: Params | None, split: Split, indices: Sequence[int],
+                             clip: float) -> Params:
+        """Σ_i g_i · min(1, clip / ‖g_i‖) over the samples ``indices`` of ``split``, g_i the
+        gradient of sample i's loss (the full parameter vector's L2 norm; a non-finite g_i counts
+        as zero): one sample moves it by at most ``clip`` in L2."""
+        raise NotImplementedError(f"{type(self).__name__} cannot compute per-sample clipped gradients")
+
     @abstractmethod
     def apply_gradient(self, grad: Params) -> None:
         """One optimizer step on the live model using ``grad`` instead of a local gradient."""
@@ -84,9 +99,12 @@ class Learner(ABC):
     def num_samples(self, split: Split = "train") -> int: ...
 
     @abstractmethod
-    def save(self, directory: str) -> None:
-        """Write model (safetensors) and optimizer state atomically into ``directory``."""
+    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """Copies of everything a resume needs: tensors (model, optimizer state, ...) that
+        nothing else mutates, and a JSON-able dict. Cheap (a memcpy); the caller writes them.
+        ``reuse``: the tensors of an earlier export the caller is done with, to copy into
+        instead of allocating (and page-faulting) fresh memory every round."""
 
     @abstractmethod
-    def load(self, directory: str) -> None:
-        """Restore what ``save`` wrote; raise ValueError naming the file if it is corrupt."""
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Restore what ``export_state`` returned; raise ValueError saying what does not fit."""

@@ -6,12 +6,11 @@ they run ``torch.func.functional_call`` on a private *shadow* copy of the archit
 its own ``_eval_lock``, so a request thread can evaluate a peer's model while training runs.
 With ``params=None`` they snapshot the live parameters first and take the same path.
 
-Files written by ``save(directory)`` (each atomically):
-``model.safetensors`` (parameters), ``optimizer.safetensors`` (optimizer state tensors),
-``learner.json`` (optimizer hyper-parameters and step count, minibatch sampler state,
-fingerprint). On load the hyper-parameters come from the config (a restart may change lr).
-Each safetensors file carries a sha256 of its tensors in its metadata, so a flipped byte is
-detected as well as truncation.
+Persistence: ``export_state()`` returns copies of the parameters (``model/*``), optimizer
+state (``optim/*``) and the sampler permutation, plus a JSON-able dict (optimizer
+hyper-parameters and step count, RNG states, fingerprint); ``import_state`` restores them. The
+state directory (``node/persistence.py``) writes and verifies them. On import the
+hyper-parameters come from the config (a restart may change lr).
 """
 from __future__ import annotations
 
@@ -19,28 +18,21 @@ import hashlib
 import json
 import math
 import threading
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 from torch.func import functional_call
 
-from .. import fsutil
 from .config import LearnerConfig
 from .datasets import Pool, load_pool
 from .learner import EvalResult, Learner, Params, Split, TrainResult
 from .models import build_model
 from .partition import NodeData, node_data
 
-MODEL_FILE = "model.safetensors"
-OPTIM_FILE = "optimizer.safetensors"
-STATE_FILE = "learner.json"
 _EVAL_BATCH = 2048
+_PER_SAMPLE_BATCH = 256  # per-sample gradients held at once (memory: this × model size)
 
 
 def resolve_device(device: str) -> str:
@@ -53,34 +45,6 @@ def resolve_device(device: str) -> str:
 
 def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0])
-
-
-def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for k in sorted(tensors):
-        t = tensors[k].detach().cpu().contiguous()
-        h.update(f"{k}|{tuple(t.shape)}|{t.dtype}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def _to_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> bytes:
-    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    return st_save(tensors, metadata={**(meta or {}), "sha256": _tensor_digest(tensors)})
-
-
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    data = path.read_bytes()
-    try:
-        tensors = st_load(data)
-        header_len = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8:8 + header_len])
-    except (SafetensorError, ValueError, RuntimeError, OverflowError) as e:
-        raise ValueError(f"{path} is corrupt (not a readable safetensors file: {e})") from None
-    want = header.get("__metadata__", {}).get("sha256")
-    if want is None or want != _tensor_digest(tensors):
-        raise ValueError(f"{path} is corrupt (tensor checksum mismatch)")
-    return tensors
 
 
 class LocalOptimizer:
@@ -144,10 +108,6 @@ class LocalOptimizer:
                 "weight_decay": self.weight_decay, "betas": list(self.betas), "eps": self.eps,
                 "steps": self.steps}
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {f"{k}/{name}": t.detach().cpu().clone()
-                for name, st in self.state.items() for k, t in st.items()}
-
     def load_state(self, tensors: dict[str, torch.Tensor], steps: int) -> None:
         devices = {n: p for n, p in self.params}
         state: dict[str, dict[str, torch.Tensor]] = {}
@@ -188,9 +148,11 @@ class _Sampler:
         return {"rng": self.rng.bit_generator.state, "perm": self.perm.tolist(), "pos": self.pos}
 
     def set_state(self, s: dict) -> None:
+        perm, pos = np.asarray(s["perm"], dtype=np.int64), int(s["pos"])
+        if perm.ndim != 1 or not 0 <= pos <= len(perm) or (len(perm) and not 0 <= perm.min() <= perm.max() < self.n):
+            raise ValueError(f"a permutation of {len(perm)} indices at {pos} does not fit {self.n} samples")
         self.rng.bit_generator.state = s["rng"]
-        self.perm = np.asarray(s["perm"], dtype=np.int64)
-        self.pos = int(s["pos"])
+        self.perm, self.pos = perm, pos
 
 
 class TorchLearner(Learner):
@@ -379,6 +341,61 @@ class TorchLearner(Learner):
         g = {n: t.detach().to("cpu", torch.float32) for n, t in zip(self._names, grads)}
         return g, EvalResult(loss=float(loss.detach()), n=len(y), accuracy=acc)
 
+    # ------------------------------------------------------------------ per-sample (privacy)
+    def _index(self, split: Split, indices) -> torch.Tensor:
+        n = self.num_samples(split)
+        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64).reshape(-1), device=self.device)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            raise ValueError(f"sample index out of range for split {split!r} of {n} samples")
+        return idx
+
+    def clipped_loss_sum(self, params: Params | None, split: Split, indices, clip: float) -> float:
+        p = self._device_params(params)
+        idx = self._index(split, indices)
+        x, y = self._data[split]
+        total = 0.0
+        with self._eval_lock, torch.no_grad():
+            for i in range(0, len(idx), _EVAL_BATCH):
+                j = idx[i:i + _EVAL_BATCH]
+                out = functional_call(self._shadow, p, (x[j],))
+                per = self._loss_fn(out, y[j], "none").reshape(-1)
+                per = torch.nan_to_num(per, nan=clip, posinf=clip, neginf=0.0).clamp(0.0, clip)
+                total += float(per.sum())
+        return total
+
+    def clipped_gradient_sum(self, params: Params | None, split: Split, indices, clip: float) -> Params:
+        """Per-sample gradients by ``torch.func.vmap(grad(...))`` over ``functional_call`` on the
+        shadow model — not opacus' GradSampleModule, whose hooks keep counters on the module's own
+        nn.Parameters and fail on the tensors functional_call swaps in (AttributeError
+        '_forward_counter'); the shadow path is what lets a request thread differentiate a peer's
+        model while training runs. torch.func is also what opacus itself falls back to for layers
+        its hooks do not know, and it works for any registered model. Clipping as opacus does it:
+        factor min(1, C / (‖g_i‖ + 1e-6)) on the whole-model norm."""
+        from torch.func import grad, vmap
+        p = self._device_params(params)
+        idx = self._index(split, indices)
+        x, y = self._data[split]
+        total = {n: torch.zeros_like(p[n]) for n in self._names}
+
+        def sample_loss(params: Params, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+            out = functional_call(self._shadow, params, (xi.unsqueeze(0),))
+            return self._loss_fn(out, yi.unsqueeze(0), "sum")
+
+        per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))
+        with self._eval_lock, torch.no_grad():
+            for i in range(0, len(idx), _PER_SAMPLE_BATCH):
+                j = idx[i:i + _PER_SAMPLE_BATCH]
+                with torch.enable_grad():
+                    g = per_sample(p, x[j], y[j])
+                flat = torch.cat([g[n].reshape(len(j), -1) for n in self._names], dim=1)
+                norms = flat.norm(dim=1)
+                factor = (clip / (norms + 1e-6)).clamp(max=1.0)
+                factor = torch.where(torch.isfinite(norms), factor, torch.zeros_like(factor))
+                for n in self._names:
+                    gn = torch.nan_to_num(g[n], nan=0.0, posinf=0.0, neginf=0.0)
+                    total[n] += torch.einsum("b,b...->...", factor, gn)
+        return {n: t.detach().to("cpu", torch.float32) for n, t in total.items()}
+
     def evaluate_mixture(self, members: list[tuple[float, Params]],
                          split: Split = "test") -> EvalResult:
         """Σ_j w_j p(y|x; θ_j) with the weights normalised to sum to 1 (classification: softmax
@@ -415,32 +432,38 @@ class TorchLearner(Learner):
         return EvalResult(loss=total / n, n=n, accuracy=acc)
 
     # ------------------------------------------------------------------ persistence
-    def save(self, directory: str) -> None:
-        d = Path(directory)
+    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """Private copies of everything a resume needs, taken under the lock (a memcpy of the
+        parameters and optimizer state, into ``reuse``'s buffers where they fit; encoding and
+        writing happen elsewhere, off the lock)."""
+        reuse = reuse or {}
+
+        def copy(key: str, t: torch.Tensor) -> torch.Tensor:
+            t = t.detach()
+            old = reuse.get(key)
+            if old is not None and old.shape == t.shape and old.dtype == t.dtype:
+                return old.copy_(t)
+            return t.to("cpu", copy=True)
+
         with self._lock:
-            params = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
-            opt_tensors = self.optimizer.state_tensors()
+            tensors = {f"model/{n}": copy(f"model/{n}", p) for n, p in self.model.named_parameters()}
+            tensors.update({f"optim/{k}/{n}": copy(f"optim/{k}/{n}", t)
+                            for n, st in self.optimizer.state.items() for k, t in st.items()})
+            tensors["sampler/perm"] = torch.from_numpy(self._sampler.perm.copy())
             meta = {
                 "fingerprint": self.fingerprint(),
                 "optimizer": self.optimizer.hyper(),
-                "sampler": self._sampler.state(),
+                "sampler": {"rng": self._sampler.rng.bit_generator.state, "pos": int(self._sampler.pos)},
                 "eval_rng": self._eval_rng.bit_generator.state,
             }
-            blob_model = _to_bytes(params, {"fingerprint": self.fingerprint()})
-            blob_opt = _to_bytes(opt_tensors)
-        fsutil.atomic_write_bytes(d / MODEL_FILE, blob_model)
-        fsutil.atomic_write_bytes(d / OPTIM_FILE, blob_opt)
-        fsutil.atomic_write_bytes(d / STATE_FILE, json.dumps(meta, default=_json_default).encode())
+        return tensors, json.loads(json.dumps(meta, default=_json_default))
 
-    def load(self, directory: str) -> None:
-        d = Path(directory)
-        params = _read_tensors(d / MODEL_FILE)
-        try:
-            self._check(params, "saved parameters")
-        except ValueError as e:
-            raise ValueError(f"{d / MODEL_FILE} does not fit this model: {e}") from None
-        opt_tensors = _read_tensors(d / OPTIM_FILE)
-        meta = fsutil.read_json(d / STATE_FILE)
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Restore what ``export_state`` returned; ValueError says what does not fit (the live
+        model is untouched then)."""
+        params = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+        opt_tensors = {k[len("optim/"):]: v for k, v in tensors.items() if k.startswith("optim/")}
+        self._check(params, "saved parameters")
         try:
             if meta["fingerprint"] != self.fingerprint():
                 raise ValueError("architecture fingerprint differs from this model's")
@@ -448,22 +471,21 @@ class TorchLearner(Learner):
             if kind != self.cfg.optimizer:
                 raise ValueError(f"saved optimizer {kind!r} != configured {self.cfg.optimizer!r}")
             steps = int(meta["optimizer"]["steps"])
-            sampler, eval_rng = meta["sampler"], meta["eval_rng"]
+            sampler = {"rng": meta["sampler"]["rng"], "pos": meta["sampler"]["pos"],
+                       "perm": tensors["sampler/perm"].numpy()}
+            eval_rng = meta["eval_rng"]
         except (KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{d / STATE_FILE} is corrupt (missing or malformed {e})") from None
+            raise ValueError(f"learner state is malformed (missing or malformed {e})") from None
         with self._lock:
             opt = self._make_optimizer()  # hyper-parameters come from the config, state from disk
-            try:
-                opt.load_state(opt_tensors, steps)
-            except ValueError as e:
-                raise ValueError(f"{d / OPTIM_FILE} does not fit this model: {e}") from None
+            opt.load_state(opt_tensors, steps)
             old_sampler = self._sampler.state()
             try:
                 self._sampler.set_state(sampler)
                 self._eval_rng.bit_generator.state = eval_rng
             except (KeyError, TypeError, ValueError) as e:
                 self._sampler.set_state(old_sampler)
-                raise ValueError(f"{d / STATE_FILE} is corrupt (sampler state: {e})") from None
+                raise ValueError(f"learner state is malformed (sampler state: {e})") from None
             self.set_params(params)
             self.optimizer = opt
 

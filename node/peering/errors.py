@@ -10,12 +10,23 @@ REFUSED = "refused"            # incompatible protocol / architecture, a precond
 UNKNOWN_PEER = "unknown_peer"  # the caller never handshook (or is not who it claims)
 NOT_CACHED = "not_cached"      # a referenced snapshot is not held here; send the model
 UNAVAILABLE = "unavailable"    # nothing to serve yet, peer unreachable, deadline passed
+PRIVACY_BUDGET = "privacy_budget"  # the node's privacy budget (or the caller's share) is spent
+FORBIDDEN = "forbidden"        # the caller claims an identity its certificate does not carry
+EXHAUSTED = "exhausted"        # the caller is over its budget (rate, concurrency, compute, time)
+
+MAX_MESSAGE = 1000  # a refusal's message stays short whatever a peer put into it (gRPC metadata)
+
+
+def short(text: str, limit: int = MAX_MESSAGE) -> str:
+    """``text`` cut to ``limit`` characters, saying so: peer-controlled strings end up in messages."""
+    return text if len(text) <= limit else text[:limit - 20] + f"… [{len(text)} chars]"
 
 
 class Refusal(Exception):
     """A request refused for a reason the caller should see verbatim."""
 
     def __init__(self, kind: str, message: str):
+        message = short(message)
         super().__init__(message)
         self.kind = kind
         self.message = message
@@ -39,8 +50,20 @@ def refused(message: str) -> Refusal:
 
 
 def unknown_peer(node_id: str) -> Refusal:
-    return Refusal(UNKNOWN_PEER, f"unknown peer {node_id!r}: handshake first")
+    return Refusal(UNKNOWN_PEER, f"unknown peer {short(node_id, 140)!r}: handshake first")
+
+
+def forbidden(message: str) -> Refusal:
+    return Refusal(FORBIDDEN, message)
+
+
+def exhausted(message: str) -> Refusal:
+    return Refusal(EXHAUSTED, message)
 
 
 def not_cached(ref: str) -> Refusal:
     return Refusal(NOT_CACHED, f"snapshot {ref} is not cached here; send the model")
+
+
+def budget_spent(message: str) -> Refusal:
+    return Refusal(PRIVACY_BUDGET, message)

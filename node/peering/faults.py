@@ -45,7 +45,7 @@ class FaultyPeer:
         if self._last is None or self._last[0] != snap.version:
             groups = {**snap.groups, "params": self._corrupt(snap.params, snap.version)}
             self._last = (snap.version, LocalSnapshot(snap.node_id, snap.version, snap.round, groups))
-        return self._last[1]
+        return await self._last[1].ready()
 
 
 def with_fault(handler: PeerHandler, fault: str) -> PeerHandler:

@@ -9,10 +9,12 @@ to its own wire, so a second transport (in-process, ...) plugs in without touchi
 ``transport/grpc_transport.py``; in-process: ``transport/inproc.py``)."""
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from ..wire.codec import Groups
-from .messages import Beat, ComputeReply, ComputeRequest, LocalSnapshot, NodeInfo, PeerEntry, SnapshotHeader
+from .messages import (Beat, ComputeReply, ComputeRequest, IndirectProbe, LocalSnapshot, MemberUpdate, NodeInfo,
+                       PeerEntry, SnapshotHeader)
 
 
 class Traffic(Protocol):
@@ -23,34 +25,54 @@ class Traffic(Protocol):
 
 
 class PeerHandler(Protocol):
-    """The served side. Every method raises ``errors.Refusal`` to refuse."""
+    """The served side. Every method raises ``errors.Refusal`` to refuse.
+
+    A transport calls these only with node ids it has authenticated (the gRPC one: the id in the
+    caller's certificate equals the one the request claims), and wraps every compute or bulk
+    request, payload reading included, in ``admit(peer, kind)``."""
 
     node_id: str
 
     def info(self) -> NodeInfo: ...
     def on_handshake(self, remote: NodeInfo) -> list[PeerEntry]: ...
     def on_heartbeat(self, beat: Beat) -> Beat: ...
-    def on_peer_list(self, sender: str, entries: list[PeerEntry]) -> list[PeerEntry]: ...
+    async def on_indirect_probe(self, probe: IndirectProbe) -> tuple[bool, tuple[MemberUpdate, ...]]: ...
+    def on_peer_list(self, sender: str, entries: list[PeerEntry], members: tuple[MemberUpdate, ...] = (),
+                     incarnation: int = 0) -> tuple[list[PeerEntry], list[MemberUpdate], int]: ...
     def check_known(self, node_id: str) -> None: ...
+    def admit(self, peer: str, kind: str) -> AbstractContextManager[None]: ...
     async def snapshot(self, requester: str, min_round: int = 0, wait_s: float = 0.0) -> LocalSnapshot: ...
     async def compute(self, request: ComputeRequest) -> ComputeReply: ...
     async def gossip(self, requester: str, key: str, payload: dict[str, Any]) -> dict[str, Any]: ...
 
 
 class PeerTransport(Protocol):
-    """The calling side. Every method raises ``errors.PeerCallError`` when the call fails."""
+    """The calling side. Every method raises ``errors.PeerCallError`` when the call fails.
+
+    ``peer``: the node id expected at ``address``; a transport with identities (mTLS) refuses to
+    talk to anyone else there. ``handshake`` learns and authenticates the id at an address; a
+    secure transport then holds every later call to that address to it."""
+
+    max_model_bytes: int  # largest model (snapshot, gradient) accepted from a peer
+    evicted: int  # connections closed for being idle, for /status (0 where there are none)
+
+    def channels(self) -> int: ...  # connections held open now, for /status
 
     async def handshake(self, address: str, info: NodeInfo, timeout: float) -> tuple[NodeInfo, list[PeerEntry]]: ...
-    async def heartbeat(self, address: str, beat: Beat, timeout: float) -> tuple[Beat, float]: ...
-    async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry],
-                             timeout: float) -> list[PeerEntry]: ...
+    async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
+                        peer: str | None = None) -> tuple[Beat, float]: ...
+    async def indirect_probe(self, address: str, probe: IndirectProbe, timeout: float, *,
+                             peer: str | None = None) -> tuple[bool, tuple[MemberUpdate, ...]]: ...
+    async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
+                             members: list[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
+                             ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]: ...
     async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
-                           min_round: int = 0, wait_s: float = 0.0,
-                           timeout: float | None = None) -> tuple[SnapshotHeader, Groups | None]: ...
-    async def compute(self, address: str, request: ComputeRequest,
-                      timeout: float | None = None) -> ComputeReply: ...
+                           min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
+                           peer: str | None = None) -> tuple[SnapshotHeader, Groups | None]: ...
+    async def compute(self, address: str, request: ComputeRequest, timeout: float | None = None, *,
+                      peer: str | None = None) -> ComputeReply: ...
     async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],
-                     timeout: float | None = None) -> dict[str, Any]: ...
+                     timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]: ...
     async def forget(self, address: str) -> None: ...
     async def close(self) -> None: ...
 
@@ -63,9 +85,28 @@ class PeerServer(Protocol):
     async def stop(self) -> None: ...
 
 
+class Health(Protocol):
+    """Whether this node says it is serving (the node clears it while something keeps it from
+    progressing, ``failures.py``); the gRPC transport answers the standard health check from it."""
+
+    serving: bool
+
+    async def set(self, serving: bool) -> None: ...
+
+
 class TransportFactory(Protocol):
     """One node's transport: serves its ``PeerHandler`` and opens its ``PeerTransport``. The
-    composition root picks it (gRPC sockets, in-process memory); ``Node`` only sees this."""
+    composition root picks it (gRPC sockets, in-process memory); ``Node`` only sees this.
+
+    ``identity``: the node id the transport's credentials prove (gRPC with mTLS: the certificate's),
+    ``None`` when it has none; ``mtls``: whether peers are authenticated by certificates.
+    ``max_model_bytes``: the largest model sent or served either way — the node sets it once its own
+    model's size is known, before ``serve``; clients already opened follow it."""
+
+    identity: str | None
+    mtls: bool
+    health: Health
+    max_model_bytes: int
 
     def connect(self, node_id: str, traffic: Traffic) -> PeerTransport: ...
     async def serve(self, handler: PeerHandler, traffic: Traffic) -> PeerServer: ...

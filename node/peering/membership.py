@@ -1,49 +1,276 @@
-"""The membership protocol: who is out there and whether they answer.
+"""The membership protocol: who is out there and whether they answer — SWIM (Das et al. 2002,
+as HashiCorp memberlist runs it).
 
-Handshakes with addresses learned from the config or from peers (protocol and architecture must
-match), heartbeats to every known peer, periodic anti-entropy peer exchange with a random alive
-peer; and the served side of the same three calls. The peer table (``peer_table``) holds the
-result; ``Node`` runs ``run()`` as one of its loops."""
+Each protocol period (``heartbeat_interval_s``) a node pings one member, taken round-robin from
+a shuffled list; a member that misses the ping is pinged again and, at the same time, through
+``k`` other members (``IndirectProbe``). No answer within the probe budget (``suspect_after_s``)
+makes it *suspect*; a suspect that does not refute within the suspicion timeout is *dead*. News
+(alive / suspect / dead, with the member's incarnation) rides piggybacked on pings, acks and
+indirect probes, a bounded number per message, each retransmitted O(log N) times; a member that
+hears it is suspected raises its incarnation and says it is alive. So a node sends O(1) messages
+per period whatever the network size. A full push-pull view exchange with one member now and
+then repairs what gossip missed. Dead members are not probed; they get reconnect attempts with
+backoff, so a restarted node comes back.
+
+New members enter the table only through their own handshake (protocol and architecture checked
+both ways). Addresses heard from peers are *candidates*: a bounded set, handshaken a few per
+period, backed off and forgotten when they fail — one peer listing thousands of bogus addresses
+costs a handful of failed dials per period.
+
+Probes run as their own tasks with their own short deadlines, never behind an exchange or a
+snapshot pull; a probe that failed while this node's own event loop was stalled is inconclusive."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
-from typing import Callable
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Awaitable, Callable
 
+from .deadlines import Deadlines
 from .errors import UNKNOWN_PEER, PeerCallError, invalid, refused, unknown_peer
 from .interfaces import PeerTransport
-from .messages import Beat, NodeInfo, PeerEntry
-from .peer_table import DEAD, PeerTable
+from .loop_lag import LoopLag
+from .messages import ALIVE, DEAD, SUSPECT, Beat, IndirectProbe, MemberUpdate, NodeInfo, PeerEntry
+from .peer_table import PeerTable
 from .problems import ProblemLog
 
 log = logging.getLogger("coterie.node")
 
 
+@dataclass
+class Settings:
+    """Tunables (``config.MembershipConfig`` carries the same names)."""
+    indirect_probes: int = 3
+    probe_timeout_s: float = 0.5
+    suspicion_mult: float = 4.0
+    suspicion_max_mult: float = 6.0
+    retransmit_mult: float = 4.0
+    max_piggyback: int = 8
+    push_pull_interval_s: float = 10.0
+    handshakes_per_period: int = 4
+    max_candidates: int = 512
+    max_candidates_per_source: int = 128
+    candidate_attempts: int = 3
+    forget_failed_s: float = 600.0
+    reconnect_min_s: float = 1.0
+    reconnect_max_s: float = 60.0
+    idle_channel_s: float = 120.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "Settings":
+        return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
+
+
+# ---------------------------------------------------------------------------------- candidates
+@dataclass
+class Candidate:
+    address: str
+    node_id: str = ""
+    source: str = ""
+    attempts: int = 0
+    next_try: float = 0.0
+    pinned: bool = False  # a configured bootstrap address: retried (with backoff), never forgotten
+
+
+class Candidates:
+    """Addresses to handshake: bounded in total and per source; each failure backs off, and an
+    address that failed ``attempts`` times is forgotten and ignored for ``forget_s``."""
+
+    def __init__(self, *, max_total: int = 512, max_per_source: int = 128, attempts: int = 3,
+                 forget_s: float = 600.0, backoff_s: float = 1.0, backoff_max_s: float = 60.0):
+        self.max_total, self.max_per_source, self.attempts = max_total, max_per_source, attempts
+        self.forget_s, self.backoff_s, self.backoff_max_s = forget_s, backoff_s, backoff_max_s
+        self._c: OrderedDict[str, Candidate] = OrderedDict()
+        self._per_source: dict[str, int] = {}
+        self._forgotten: OrderedDict[str, float] = OrderedDict()  # address -> ignored until
+        self.in_flight: set[str] = set()
+        self.dropped = 0  # addresses turned away because a bound was full
+        self.forgotten_total = 0
+
+    def add(self, address: str, *, source: str = "", node_id: str = "", pinned: bool = False) -> bool:
+        if not address:
+            return False
+        now = time.monotonic()
+        if address in self._c:
+            if pinned:
+                self._c[address].pinned = True
+            return False
+        until = self._forgotten.get(address)
+        if until is not None and not pinned:
+            if until > now:
+                return False
+            del self._forgotten[address]
+        if not pinned and (len(self._c) >= self.max_total
+                           or self._per_source.get(source, 0) >= self.max_per_source):
+            self.dropped += 1
+            return False
+        self._c[address] = Candidate(address, node_id, source, pinned=pinned)
+        self._per_source[source] = self._per_source.get(source, 0) + 1
+        return True
+
+    def room(self, source: str) -> bool:
+        return len(self._c) < self.max_total and self._per_source.get(source, 0) < self.max_per_source
+
+    # set-like surface (the daemon adds restored peers' addresses with ``update``)
+    def update(self, addresses) -> None:
+        for a in addresses:
+            self.add(a, source="restored")
+
+    def discard(self, address: str) -> None:
+        c = self._c.pop(address, None)
+        if c is not None:
+            self._per_source[c.source] -= 1
+            if not self._per_source[c.source]:
+                del self._per_source[c.source]
+
+    def __contains__(self, address: object) -> bool:
+        return address in self._c
+
+    def __len__(self) -> int:
+        return len(self._c)
+
+    def __iter__(self):
+        return iter(list(self._c))
+
+    def due(self, n: int) -> list[Candidate]:
+        now = time.monotonic()
+        out = []
+        for c in self._c.values():
+            if len(out) >= n:
+                break
+            if c.next_try <= now and c.address not in self.in_flight:
+                out.append(c)
+        return out
+
+    def failed(self, address: str) -> bool:
+        """A handshake with ``address`` failed. True when the address is now forgotten."""
+        c = self._c.get(address)
+        if c is None:
+            return False
+        c.attempts += 1
+        if c.attempts >= self.attempts and not c.pinned:
+            self.discard(address)
+            self._forgotten[address] = time.monotonic() + self.forget_s
+            self._forgotten.move_to_end(address)
+            while len(self._forgotten) > 8 * self.max_total:
+                self._forgotten.popitem(last=False)
+            self.forgotten_total += 1
+            return True
+        c.next_try = time.monotonic() + min(self.backoff_s * 2 ** (c.attempts - 1), self.backoff_max_s)
+        return False
+
+
+# ---------------------------------------------------------------------------------- gossip queue
+class Broadcasts:
+    """Membership news waiting to be piggybacked: one entry per member (newer news replaces
+    older), each sent ``limit()`` times, least-sent first."""
+
+    def __init__(self, limit: Callable[[], int]):
+        self.limit = limit
+        self._q: dict[str, tuple[MemberUpdate, int]] = {}
+
+    def add(self, u: MemberUpdate) -> None:
+        self._q[u.node_id] = (u, 0)
+
+    def take(self, n: int, exclude: str = "") -> list[MemberUpdate]:
+        if not self._q:
+            return []
+        limit = self.limit()
+        picked = sorted((sent, nid) for nid, (_, sent) in self._q.items() if nid != exclude)[:n]
+        out = []
+        for sent, nid in picked:
+            u, _ = self._q[nid]
+            out.append(u)
+            if sent + 1 >= limit:
+                del self._q[nid]
+            else:
+                self._q[nid] = (u, sent + 1)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+
+async def first_ack(attempts: list[Awaitable[bool | None]]) -> tuple[bool, int]:
+    """Run the attempts until one returns True (the rest are cancelled). Returns (acked, how
+    many returned False: a *nack*, i.e. the helper answered but the target did not)."""
+    tasks = [asyncio.ensure_future(a) for a in attempts]
+    nacks = 0
+    try:
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                r = None if t.cancelled() or t.exception() is not None else t.result()
+                if r is True:
+                    return True, nacks
+                nacks += r is False
+        return False, nacks
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+# ---------------------------------------------------------------------------------- membership
 class Membership:
     def __init__(self, info: Callable[[], NodeInfo], position: Callable[[], tuple[int, int]],
                  peers: PeerTable, transport: PeerTransport, problems: ProblemLog, *,
                  bootstrap: list[str], heartbeat_interval_s: float, request_timeout_s: float,
                  link_delay_s: float = 0.0, rng: random.Random | None = None,
-                 on_gauges: Callable[[dict[str, int]], None] | None = None):
+                 on_gauges: Callable[[dict[str, int]], None] | None = None,
+                 settings: Settings | None = None, loop_lag: LoopLag | None = None,
+                 rtts: Deadlines | None = None):
         self.info = info  # this node's NodeInfo (its address is known only once serving)
         self.position = position  # this node's (round, published version), sent in heartbeats
         self.peers = peers
         self.transport = transport
         self.problems = problems
-        self.pending: set[str] = set(bootstrap)  # addresses to handshake
-        self.bootstrap = set(bootstrap)
-        self.unreachable: set[str] = set()  # addresses already reported as unreachable
-        self.heartbeat_interval_s = heartbeat_interval_s
+        self.s = settings or Settings()
+        self.period = heartbeat_interval_s
         self.request_timeout_s = request_timeout_s
         self.link_delay_s = link_delay_s
         self.rng = rng or random.Random()
         self.on_gauges = on_gauges
+        self.loop_lag = loop_lag
+        # ping round trips per member: the direct-ping deadline follows them
+        self.rtts = rtts or Deadlines(self.probe_budget_s / 2, floor_s=self.s.probe_timeout_s, mult=4.0)
+        # SWIM incarnation: only this node raises it. Starting from the clock (ms) makes a
+        # restarted node's news win over what others remember of its previous life at once.
+        self.incarnation = int(time.time() * 1000)
+        self.pending = Candidates(max_total=self.s.max_candidates, max_per_source=self.s.max_candidates_per_source,
+                                  attempts=self.s.candidate_attempts, forget_s=self.s.forget_failed_s,
+                                  backoff_s=max(self.period, 0.5), backoff_max_s=self.s.reconnect_max_s)
+        for a in bootstrap:
+            self.pending.add(a, source="config", pinned=True)
+        self.bootstrap = set(bootstrap)
+        self.unreachable: set[str] = set()  # addresses already reported as unreachable
+        self.broadcasts = Broadcasts(self._retransmit_limit)
+        self._order: list[str] = []  # shuffled probe round-robin
+        self._probing: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._next_push_pull = 0.0
+        peers.suspicion_max_mult = self.s.suspicion_max_mult
+        self.stats = {"probes": 0, "indirect": 0, "suspected": 0, "refuted": 0, "inconclusive": 0,
+                      "handshakes_failed": 0}
+        peers.listeners.append(self._log_transition)
 
     @property
     def node_id(self) -> str:
         return self.peers.self_id
+
+    @property
+    def probe_budget_s(self) -> float:
+        return self.peers.suspect_after_s + 2 * self.link_delay_s
+
+    def _retransmit_limit(self) -> int:
+        return max(1, math.ceil(self.s.retransmit_mult * math.log10(len(self.peers.records) + 2)))
+
+    def _log_transition(self, node_id: str, old: str, new: str) -> None:
+        log.info("peer %s: %s -> %s", node_id, old, new)
 
     # ------------------------------------------------------------------ compatibility
     def incompatible(self, remote: NodeInfo) -> str | None:
@@ -61,30 +288,100 @@ class Membership:
         return [PeerEntry(r.node_id, r.address, r.age(now)) for r in self.peers.records.values()
                 if r.state != DEAD]
 
-    def learn(self, entries: list[PeerEntry]) -> None:
+    def learn(self, entries: list[PeerEntry], source: str = "") -> None:
+        """Addresses a peer told us about: unknown members become handshake candidates (as many
+        as that peer's share of the candidate set allows; the rest of a long list is not read)."""
+        known = {r.address for r in self.peers.records.values()}
         for e in entries:
-            if e.node_id != self.node_id and e.node_id not in self.peers.records and e.address:
-                self.pending.add(e.address)
+            if not self.pending.room(source):
+                self.pending.dropped += 1
+                return
+            if e.node_id != self.node_id and e.node_id not in self.peers.records and e.address \
+                    and e.address not in known:
+                self.pending.add(e.address, source=source, node_id=e.node_id)
+
+    # ------------------------------------------------------------------ gossip
+    def _announce(self, node_id: str) -> None:
+        u = self.peers.update_of(node_id)
+        if u is not None:
+            self.broadcasts.add(u)
+
+    def _refute(self, u: MemberUpdate) -> None:
+        """Someone believes this node suspect or dead: outbid that belief."""
+        if u.incarnation >= self.incarnation:
+            self.incarnation = u.incarnation + 1
+        self.stats["refuted"] += 1
+        self.broadcasts.add(self.me())
+
+    def me(self) -> MemberUpdate:
+        return MemberUpdate(self.node_id, self.info().address, self.incarnation, ALIVE)
+
+    def merge(self, updates, source: str = "") -> None:
+        """Apply piggybacked news; what changed our view is passed on."""
+        for u in updates:
+            if u.node_id == self.node_id:
+                if u.state != ALIVE:
+                    self._refute(u)
+                continue
+            rec = self.peers.records.get(u.node_id)
+            if rec is None:
+                if u.state != DEAD and u.address:
+                    self.pending.add(u.address, source=source, node_id=u.node_id)
+                continue
+            if u.address and u.address != rec.address and u.incarnation > rec.incarnation and u.state == ALIVE:
+                self.pending.add(u.address, source=source, node_id=u.node_id)  # it moved: its handshake decides
+            if self.peers.apply(u):
+                self.broadcasts.add(u)
+
+    def _piggyback(self, counterpart: str, belief: MemberUpdate | None = None) -> tuple[MemberUpdate, ...]:
+        """News for a message to/from ``counterpart``; when we (believed we) suspect or buried it,
+        that belief goes first, so it can refute at once."""
+        out = self.broadcasts.take(self.s.max_piggyback, exclude=counterpart)
+        belief = belief or self.peers.update_of(counterpart)
+        if belief is not None and belief.state != ALIVE:
+            out = [belief] + out[: self.s.max_piggyback - 1]
+        return tuple(out)
+
+    def _evidence(self, node_id: str, incarnation: int, *, revive: bool, **seen) -> None:
+        """``node_id`` answered us (``revive``: alive) or called us (noted; a new incarnation is
+        its refutation and counts either way)."""
+        rec = self.peers.records.get(node_id)
+        if rec is None:
+            return
+        if incarnation > rec.incarnation:
+            if self.peers.apply(MemberUpdate(node_id, rec.address, incarnation, ALIVE)):
+                self._announce(node_id)
+        self.peers.seen(node_id, revive=revive, **seen)
 
     # ------------------------------------------------------------------ calling side
-    async def contact(self, address: str) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def contact(self, address: str) -> bool:
+        """Handshake an address (a candidate, or a dead member's last address)."""
         if address == self.info().address:
             self.pending.discard(address)
-            return
+            return False
+        timeout = max(2.0, self.period * 2) + 2 * self.link_delay_s
         try:
-            remote, entries = await self.transport.handshake(
-                address, self.info(), timeout=max(2.0, self.heartbeat_interval_s * 2))
+            remote, entries = await self.transport.handshake(address, self.info(), timeout=timeout)
         except PeerCallError as e:
             if e.kind == "refused":
                 self.problems.note(address, f"handshake refused: {e.message}")
                 log.error("peer at %s refused us: %s", address, e.message)
-            elif address not in self.unreachable:  # once per address, not every heartbeat
+            elif address not in self.unreachable and (address in self.bootstrap or self.peers.by_address(address)):
+                # once per address, and only for addresses this node was told to use or a member's:
+                # what peers merely mention could be thousands of bogus ones
                 self.unreachable.add(address)
                 what = "bootstrap peer" if address in self.bootstrap else "peer"
                 msg = f"cannot reach {what} at {address} ({e.kind}: {e.message}); still trying"
                 log.warning(msg)
                 self.problems.note(address, msg)
-            return
+            self.stats["handshakes_failed"] += 1
+            return False
         if address in self.unreachable:
             self.unreachable.discard(address)
             log.info("reached peer at %s", address)
@@ -92,54 +389,188 @@ class Membership:
         if why:
             self.problems.note(address, f"handshake: {why}")
             log.error("refusing peer at %s: %s", address, why)
-            return
+            return False
         self.pending.discard(address)
         if remote.node_id != self.node_id:
+            new = remote.node_id not in self.peers.records
             self.peers.upsert(remote.node_id, remote.address or address, labels=dict(remote.labels),
                               admin_url=remote.admin_url)
-        self.learn(entries)
+            if new:
+                self._announce(remote.node_id)
+        self.learn(entries, source=remote.node_id)
+        return True
 
-    async def ping(self, node_id: str, address: str) -> None:
-        rnd, version = self.position()
+    async def _contact_candidate(self, address: str) -> None:
+        self.pending.in_flight.add(address)
         try:
-            reply, rtt = await self.transport.heartbeat(
-                address, Beat(self.node_id, rnd, version, time.time()),
-                timeout=max(1.0, self.heartbeat_interval_s) + 2 * self.link_delay_s)
-        except PeerCallError as e:
-            if e.kind == UNKNOWN_PEER:  # it forgot us (fresh restart)
-                self.pending.add(address)
-            return
-        if reply.node_id != node_id:  # someone else lives at that address now
-            self.pending.add(address)
-            return
-        self.peers.seen(node_id, round=reply.round, version=reply.version, rtt_s=rtt)
+            if not await self.contact(address) and address in self.pending:
+                if self.pending.failed(address) and self.peers.by_address(address) is None:
+                    await self.transport.forget(address)  # no member lives there: drop the channel
+        finally:
+            self.pending.in_flight.discard(address)
 
-    async def exchange(self) -> None:
-        """Anti-entropy: swap peer lists with one random alive peer."""
+    async def _reconnect(self, node_id: str, address: str) -> None:
+        self._probing.add(node_id)
+        try:
+            if not await self.contact(address):
+                self.peers.reconnect_failed(node_id)
+        finally:
+            self._probing.discard(node_id)
+
+    def ping_timeout(self, node_id: str) -> float:
+        return self.rtts.timeout(node_id, "ping") + 2 * self.link_delay_s
+
+    async def _ping(self, node_id: str, address: str, timeout: float) -> bool:
+        """One direct ping; True when ``node_id`` answered."""
+        rnd, version = self.position()
+        beat = Beat(self.node_id, rnd, version, time.time(), self.incarnation, self._piggyback(node_id))
+        try:
+            reply, rtt = await self.transport.heartbeat(address, beat, timeout=timeout, peer=node_id)
+        except PeerCallError as e:
+            if e.kind == UNKNOWN_PEER:  # whoever answers there does not know us: handshake to see
+                self.pending.add(address, source="self", node_id=node_id)
+            return False
+        if reply.node_id != node_id:  # someone else lives at that address now
+            self.pending.add(address, source="self")
+            return False
+        self.rtts.observe(node_id, "ping", rtt)
+        self.merge(reply.updates, source=node_id)
+        self._evidence(node_id, reply.incarnation, revive=True, round=reply.round, version=reply.version, rtt_s=rtt)
+        return True
+
+    async def _ask(self, helper: str, target: str, timeout: float) -> bool | None:
+        """Ask ``helper`` to ping ``target``: True (it answered the helper), False (the helper
+        answered that it did not: a nack), None (the helper did not answer either)."""
+        rec = self.peers.records.get(helper)
+        if rec is None:
+            return None
+        req = IndirectProbe(self.node_id, target, max(0.05, timeout - 2 * self.link_delay_s) * 0.8,
+                            self.incarnation, self._piggyback(helper))
+        try:
+            ack, updates = await self.transport.indirect_probe(rec.address, req, timeout=timeout, peer=helper)
+        except PeerCallError:
+            return None
+        self.merge(updates, source=helper)
+        self.peers.seen(helper)
+        return bool(ack)
+
+    async def probe(self, node_id: str) -> None:
+        """One SWIM probe: ping; on no answer, ping again and ask k members to ping it, within
+        the probe budget. No answer → suspect, unless the evidence points at this node itself:
+        its own loop was stalled, or none of the helpers answered it either (Lifeguard's nacks:
+        a node cut off from everyone must not accuse everyone)."""
+        rec = self.peers.records.get(node_id)
+        if rec is None or rec.state == DEAD or node_id in self._probing:
+            return
+        self._probing.add(node_id)
+        try:
+            self.stats["probes"] += 1
+            loop = asyncio.get_running_loop()
+            t0, m0 = loop.time(), time.monotonic()
+            budget = self.probe_budget_s
+            direct = min(self.ping_timeout(node_id), budget / 2)
+            if await self._ping(node_id, rec.address, direct):
+                return
+            left = budget - (loop.time() - t0)
+            helpers = [p for p in self.peers.alive() if p != node_id]
+            helpers = self.rng.sample(helpers, min(self.s.indirect_probes, len(helpers)))
+            self.stats["indirect"] += 1
+            nacks = 0
+            if left > 0:
+                async def again() -> bool | None:  # a second direct try is no helper: never a nack
+                    return await self._ping(node_id, rec.address, left) or None
+                acked, nacks = await first_ack([again()] + [self._ask(h, node_id, left) for h in helpers])
+                if acked:
+                    return
+            if self._stalled_since(m0) or (helpers and not nacks):
+                self.stats["inconclusive"] += 1  # no evidence against it, only against us
+                return
+            if self.peers.records.get(node_id) is rec and self.peers.suspect(node_id):
+                self.stats["suspected"] += 1
+                self._announce(node_id)
+        finally:
+            self._probing.discard(node_id)
+
+    def _stalled_since(self, t: float) -> bool:
+        """Was this node's own loop blocked (beyond a ping's floor) since monotonic time ``t``?"""
+        return self.loop_lag is not None and self.loop_lag.worst_since(t) > self.s.probe_timeout_s
+
+    def suspect_hint(self, node_id: str) -> None:
+        """A request to ``node_id`` just failed (timeout, unreachable): probe it now, out of turn."""
+        rec = self.peers.records.get(node_id)
+        if rec is not None and rec.state == ALIVE and node_id not in self._probing:
+            self._spawn(self.probe(node_id))
+
+    def _next_target(self) -> str | None:
+        targets = set(self.peers.probe_targets())
+        while self._order:
+            nid = self._order.pop()
+            if nid in targets:
+                return nid
+        order = sorted(targets)
+        self.rng.shuffle(order)
+        self._order = order
+        return self._order.pop() if self._order else None
+
+    async def _push_pull(self) -> None:
         alive = self.peers.alive()
         if not alive:
             return
         target = self.peers.records[self.rng.choice(alive)]
         try:
-            self.learn(await self.transport.exchange_peers(target.address, self.node_id, self.entries(),
-                                                           timeout=self.request_timeout_s))
+            entries, members, inc = await self.transport.exchange_peers(
+                target.address, self.node_id, self.entries(), timeout=self.probe_budget_s * 2,
+                members=self.peers.members() + [self.me()], incarnation=self.incarnation,
+                peer=target.node_id)
         except PeerCallError:
-            pass
+            return
+        self.learn(entries, source=target.node_id)
+        self.merge(members, source=target.node_id)
+        self._evidence(target.node_id, inc, revive=True)
+
+    def tick(self) -> None:
+        """One protocol period's work; every call it starts runs as its own task."""
+        n = len(self.peers.records)
+        self.peers.suspicion_s = max(self.peers.dead_after_s,
+                                     self.s.suspicion_mult * math.log10(n + 1) * self.period)
+        self.peers.confirmations = max(1, min(self.s.indirect_probes, n - 1))
+        for node_id, _, new in self.peers.refresh():
+            self._announce(node_id)
+        target = self._next_target()
+        if target is not None and target not in self._probing:
+            self._spawn(self.probe(target))
+        budget = self.s.handshakes_per_period
+        for c in self.pending.due(budget):
+            self._spawn(self._contact_candidate(c.address))
+            budget -= 1
+        for rec in self.peers.due_reconnects():
+            if budget <= 0:
+                break
+            if rec.node_id not in self._probing:
+                self._spawn(self._reconnect(rec.node_id, rec.address))
+                budget -= 1
+        now = time.monotonic()
+        if now >= self._next_push_pull:
+            self._next_push_pull = now + self.s.push_pull_interval_s * self.rng.uniform(0.8, 1.2)
+            self._spawn(self._push_pull())
+        if self.on_gauges is not None:
+            self.on_gauges(self.peers.counts())
 
     async def run(self) -> None:
-        tick = 0
-        while True:
-            jobs = [self.contact(a) for a in list(self.pending)]
-            jobs += [self.ping(r.node_id, r.address) for r in list(self.peers.records.values())]
-            await asyncio.gather(*jobs, return_exceptions=True)
-            if tick % 3 == 0:
-                await self.exchange()
-            for node_id, old, new in self.peers.refresh():
-                log.info("peer %s: %s -> %s", node_id, old, new)
-            if self.on_gauges is not None:
-                self.on_gauges(self.peers.counts())
-            tick += 1
-            await asyncio.sleep(self.heartbeat_interval_s)  # heartbeat period
+        loop = asyncio.get_running_loop()
+        due = loop.time()
+        try:
+            while True:
+                late = loop.time() - due
+                if late > max(self.period, self.s.probe_timeout_s):
+                    self.peers.pause(late)  # this node stalled: suspicion clocks did not run
+                    due = loop.time()
+                self.tick()
+                due += self.period
+                await asyncio.sleep(max(0.0, due - loop.time()))
+        finally:
+            for t in list(self._tasks):
+                t.cancel()
 
     # ------------------------------------------------------------------ served side
     def on_handshake(self, remote: NodeInfo) -> list[PeerEntry]:
@@ -151,22 +582,46 @@ class Membership:
             raise refused(f"node id {remote.node_id!r} is this node's own id")
         if not remote.node_id or not remote.address:
             raise invalid("handshake lacks node_id or address")
+        new = remote.node_id not in self.peers.records
         self.peers.upsert(remote.node_id, remote.address, labels=dict(remote.labels), admin_url=remote.admin_url)
+        if new:
+            self._announce(remote.node_id)  # SWIM join: the others learn of it by gossip
         self.pending.discard(remote.address)
         return self.entries()
 
     def check_known(self, node_id: str) -> None:
         if node_id not in self.peers.records:
             raise unknown_peer(node_id)
-        self.peers.seen(node_id)
+        self.peers.seen(node_id, revive=False)
 
     def on_heartbeat(self, beat: Beat) -> Beat:
-        self.check_known(beat.node_id)
-        self.peers.seen(beat.node_id, round=beat.round, version=beat.version)
+        if beat.node_id not in self.peers.records:
+            raise unknown_peer(beat.node_id)
+        belief = self.peers.update_of(beat.node_id)  # before this ping changes it
+        self.merge(beat.updates, source=beat.node_id)
+        self._evidence(beat.node_id, beat.incarnation, revive=False, round=beat.round, version=beat.version)
         rnd, version = self.position()
-        return Beat(self.node_id, rnd, version, beat.sent_at)
+        return Beat(self.node_id, rnd, version, beat.sent_at, self.incarnation,
+                    self._piggyback(beat.node_id, belief))
 
-    def on_peer_list(self, sender: str, entries: list[PeerEntry]) -> list[PeerEntry]:
-        self.check_known(sender)
-        self.learn(entries)
-        return self.entries()
+    async def on_indirect_probe(self, req: IndirectProbe) -> tuple[bool, tuple[MemberUpdate, ...]]:
+        if req.requester not in self.peers.records:
+            raise unknown_peer(req.requester)
+        belief = self.peers.update_of(req.requester)
+        self.merge(req.updates, source=req.requester)
+        self._evidence(req.requester, req.incarnation, revive=False)
+        if req.target == self.node_id:
+            ack = True
+        else:
+            rec = self.peers.records.get(req.target)  # pinged where *we* know it, never where told
+            ack = rec is not None and await self._ping(req.target, rec.address, max(0.05, req.timeout_s))
+        return ack, self._piggyback(req.requester, belief)
+
+    def on_peer_list(self, sender: str, entries: list[PeerEntry], members=(), incarnation: int = 0
+                     ) -> tuple[list[PeerEntry], list[MemberUpdate], int]:
+        if sender not in self.peers.records:
+            raise unknown_peer(sender)
+        self.learn(entries, source=sender)
+        self.merge(members, source=sender)
+        self._evidence(sender, incarnation, revive=False)
+        return self.entries(), self.peers.members() + [self.me()], self.incarnation

@@ -5,15 +5,18 @@ in-process one hands them over as they are. Model-sized payloads are tensor ``Gr
 ({"params": θ, "x:delta": Δθ, ...}); only the gRPC transport ever encodes them to bytes."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import threading
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
-from ..wire.codec import Groups, encode
+from ..wire.codec import Groups, decode, encode_buffer
 
 # kinds of compute request a node serves on its private data
 CROSS_LOSS, CROSS_GRADIENT, PUSH_GRADIENT = "cross_loss", "cross_gradient", "push_gradient"
+
+MAX_GOSSIP_KEY = 64  # characters in a gossip key (a strategy's message name)
 
 
 @dataclass(frozen=True)
@@ -34,13 +37,41 @@ class PeerEntry:
     last_seen_age_s: float = 0.0
 
 
+# a member's state as SWIM spreads it
+ALIVE, SUSPECT, DEAD = "alive", "suspect", "dead"
+
+
+@dataclass(frozen=True)
+class MemberUpdate:
+    """What one node believes about a member: news with a higher incarnation wins; at the same
+    incarnation dead > suspect > alive. Only the member itself raises its incarnation."""
+    node_id: str
+    address: str
+    incarnation: int
+    state: str = ALIVE
+    accuser: str = ""  # suspect: the member whose probe failed
+
+
 @dataclass(frozen=True)
 class Beat:
-    """A heartbeat and its answer: who, at which round and published snapshot version."""
+    """A heartbeat (SWIM ping) and its answer: who, at which round and published snapshot
+    version, the sender's incarnation and piggybacked membership news."""
     node_id: str
     round: int
     version: int
     sent_at: float = 0.0
+    incarnation: int = 0
+    updates: tuple[MemberUpdate, ...] = ()
+
+
+@dataclass(frozen=True)
+class IndirectProbe:
+    """SWIM's ping-req: ``requester`` asks the receiver to ping ``target`` within ``timeout_s``."""
+    requester: str
+    target: str
+    timeout_s: float
+    incarnation: int = 0
+    updates: tuple[MemberUpdate, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,16 +100,17 @@ class ComputeRequest:
     requester: str
     groups: Groups | None = None
     ref: SnapshotRef | None = None
-    split: str = "train"
-    max_samples: int = 0  # 0 = the whole split
+    split: str = ""  # "" = the purpose's split; if set it must be that one
+    max_samples: int = 0  # 0 = the whole split; else at least the server's min_batch
     reduction: str = "mean"
     target_version: int = 0  # push: the receiver's snapshot version the gradient was computed on
     align: bool = False  # cross-gradient: reply with ⟨g, align⟩ only
+    purpose: str = ""  # which strategy step asks (privacy/purposes.py); the server refuses none
 
 
 @dataclass
 class ComputeReply:
-    loss: float = 0.0
+    loss: float = 0.0  # NaN beside a private gradient (the loss would be a second release)
     samples: int = 0
     grad: Groups | None = None  # cross-gradient without align: {"grad": g}
     inner_product: float = 0.0
@@ -88,23 +120,46 @@ class ComputeReply:
 
 class LocalSnapshot:
     """A snapshot this node publishes: its model and extra tensor groups at one version.
-    The encoded form (what the gRPC transport streams, and whose sha256 names it in references)
-    is computed once, on first use, and shared by every puller."""
+
+    Its encoded form (what the gRPC transport streams, and whose sha256 names it in references)
+    is made once, by ``prepare`` — in a worker thread (``ready``), off the event loop — into one
+    buffer; the groups then become zero-copy views of that buffer, so a published snapshot is
+    held once, not as tensors plus bytes."""
 
     def __init__(self, node_id: str, version: int, round: int, groups: Groups):
         self.node_id, self.version, self.round, self.groups = node_id, version, round, groups
+        self._encoded: memoryview | None = None
+        self._digest = ""
+        self._lock = threading.Lock()
 
     @property
     def params(self) -> dict[str, Any]:
         return self.groups["params"]
 
-    @cached_property
-    def encoded(self) -> bytes:
-        return encode(self.groups, {"node_id": self.node_id, "version": self.version, "round": self.round})
+    def prepare(self) -> None:
+        with self._lock:
+            if self._encoded is not None:
+                return
+            buf = encode_buffer(self.groups, {"node_id": self.node_id, "version": self.version,
+                                              "round": self.round})
+            self._digest = hashlib.sha256(buf).hexdigest()
+            self.groups, _ = decode(buf)
+            self._encoded = buf
 
-    @cached_property
+    async def ready(self) -> "LocalSnapshot":
+        if self._encoded is None:
+            await asyncio.to_thread(self.prepare)
+        return self
+
+    @property
+    def encoded(self) -> memoryview:
+        self.prepare()
+        return self._encoded
+
+    @property
     def digest(self) -> str:
-        return hashlib.sha256(self.encoded).hexdigest()
+        self.prepare()
+        return self._digest
 
     def header(self, unchanged: bool = False) -> SnapshotHeader:
         return SnapshotHeader(self.node_id, self.version, self.round, self.digest, unchanged)

@@ -2,31 +2,55 @@
 
 This is the one place where strategy requests become transport calls. Every failure (timeout,
 dead peer, refusal, a snapshot that fails validation) is logged, noted and turned into ``None``,
-so a strategy simply carries on without that peer."""
+so a strategy simply carries on without that peer.
+
+Deadlines follow the peer (``deadlines.Deadlines``: a multiple of that peer's recent latency for
+that kind of call, capped by ``request_timeout_s``), and the exchange phase of a round has its
+own deadline (``exchange_phase``), so a round goes on with the peers that answered — strategies
+gather their calls as before and simply see ``None`` for the rest. A call to a peer that turns
+suspect or dead meanwhile is abandoned at once; suspect and dead peers are not called at all; a
+call that times out asks membership to probe that peer now. Snapshot validation (architecture,
+finiteness) runs in a worker thread, over tensors that are views of the received buffer.
+
+Every request on a peer's data names a purpose (``privacy/purposes.py``); a gradient on *my*
+data that a strategy sends out (FedeRiCo's push, COBO's alignment vector) is released through
+``private_gradient``."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from typing import Any, Callable
+import time
+from collections import deque
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 from ..learning.learner import Params
+from ..privacy.ledger import BudgetSpent
+from ..privacy.mechanisms import PrivateData
+from ..privacy.purposes import ALIGNMENT, GRADIENT, LOSS, PUSH, Purpose
+from ..privacy.purposes import purpose as purpose_table
 from ..strategies.base import GradientReply, PeerSnapshot, PushedGradient
-from ..wire.codec import WireError
-from .errors import NOT_CACHED, PeerCallError
+from ..wire.codec import OFF_LOOP_BYTES, WireError, encoded_size
+from .deadlines import Deadlines, quantile
+from .errors import NOT_CACHED, UNAVAILABLE, PeerCallError
 from .inbox import PushInbox
 from .interfaces import PeerTransport
 from .messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest, LocalSnapshot
-from .peer_table import DEAD, PeerTable
+from .peer_table import ALIVE, DEAD, SUSPECT, PeerTable
 from .problems import ProblemLog
 from .snapshots import SnapshotCache
 from .validation import Spec, model_tensors, snapshot_groups
 
 log = logging.getLogger("coterie.node.network")
+T = TypeVar("T")
 
 
 class NodeNetwork:
     def __init__(self, node_id: str, transport: PeerTransport, peers: PeerTable, cache: SnapshotCache,
                  inbox: PushInbox, published: Callable[[], LocalSnapshot | None], spec: Spec,
-                 problems: ProblemLog, *, labels: dict[str, str], request_timeout_s: float):
+                 problems: ProblemLog, private: PrivateData, *, labels: dict[str, str],
+                 request_timeout_s: float, deadlines: Deadlines | None = None,
+                 exchange_timeout_s: float = 0.0, on_call_failed: Callable[[str], None] | None = None):
         self.node_id = node_id
         self.transport = transport
         self.table = peers
@@ -35,12 +59,105 @@ class NodeNetwork:
         self.published = published
         self.spec = spec
         self.problems = problems
+        self.private = private  # my own gradients leave through it too
         self.labels = labels
         self.request_timeout_s = request_timeout_s
+        self.deadlines = deadlines or Deadlines(request_timeout_s)
+        self.exchange_timeout_s = exchange_timeout_s  # 0: adaptive
+        self.on_call_failed = on_call_failed or (lambda peer: None)
+        self._inflight: dict[str, set[asyncio.Task]] = {}
+        self._timed_out: dict[str, float] = {}  # peer -> when a call to it last timed out
+        self._abandoned: set[asyncio.Task] = set()
+        self._phases: deque[float] = deque(maxlen=32)  # recent exchange-phase durations
+        self._phase: dict[str, Any] | None = None
+        peers.listeners.append(self._on_state)
+
+    # --- deadlines ---
+    def exchange_budget(self) -> float:
+        """How long a round's exchange phase may last: ``exchange_timeout_s`` if set, else
+        ``deadline_mult`` × the 90th percentile of recent phases (at least twice the deadline
+        floor), capped by the request timeout."""
+        cap = self.request_timeout_s
+        if self.exchange_timeout_s:
+            return min(self.exchange_timeout_s, cap)
+        if len(self._phases) < 5:
+            return cap
+        d = self.deadlines
+        return min(cap, max(2 * d.floor_s, d.mult * quantile(self._phases, 0.9)))
+
+    @contextlib.contextmanager
+    def exchange_phase(self) -> Iterator[dict[str, Any]]:
+        """Around a round: its peer calls share one deadline, counted from the first call."""
+        self._phase = phase = {"budget_s": self.exchange_budget(), "first": None, "last": None,
+                               "calls": 0, "call_s": 0.0, "failed": 0, "abandoned": 0, "skipped": 0}
+        try:
+            yield phase
+        finally:
+            self._phase = None
+            if phase["first"] is not None:
+                phase["exchange_s"] = phase["last"] - phase["first"]
+                self._phases.append(phase["exchange_s"])
+
+    def _on_state(self, node_id: str, old: str, new: str) -> None:
+        if new in (SUSPECT, DEAD):  # abandon what is in flight to it: the round goes on without it
+            for t in self._inflight.get(node_id, ()):
+                self._abandoned.add(t)
+                t.cancel()
+
+    async def _call(self, peer: str, kind: str, make: Callable[[float], Awaitable[T]], wait_s: float = 0.0) -> T:
+        """``make(timeout)`` under this peer's deadline and the round's; abandoned if the peer
+        turns suspect or dead meanwhile."""
+        timeout = self.deadlines.timeout(peer, kind)
+        phase = self._phase
+        now = time.monotonic()
+        if phase is not None:
+            if phase["first"] is None:
+                phase["first"] = now
+            left = phase["first"] + phase["budget_s"] - now
+            if left <= 0:
+                phase["skipped"] += 1
+                raise PeerCallError(UNAVAILABLE, f"the round's exchange phase ({phase['budget_s']:.1f}s) is over")
+            timeout = min(timeout, left)
+        task = asyncio.ensure_future(make(timeout + wait_s))
+        calls = self._inflight.setdefault(peer, set())
+        calls.add(task)
+        ok = False
+        try:
+            out = await task
+            ok = True
+            return out
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task in self._abandoned and not (me is not None and me.cancelling()):
+                if phase is not None:
+                    phase["abandoned"] += 1
+                rec = self.table.records.get(peer)
+                raise PeerCallError(UNAVAILABLE, f"{peer} turned {rec.state if rec else 'unknown'}: "
+                                                 f"call abandoned") from None
+            raise
+        except PeerCallError as e:
+            if e.kind == UNAVAILABLE:  # a timeout or refused connection: membership probes it now,
+                self._timed_out[peer] = time.monotonic()  # and it is not called again until it answers
+                self.on_call_failed(peer)
+            raise
+        finally:
+            calls.discard(task)
+            self._abandoned.discard(task)
+            if not calls:
+                self._inflight.pop(peer, None)
+            end = time.monotonic()
+            if ok and not wait_s:
+                self.deadlines.observe(peer, kind, end - now)
+            if phase is not None:
+                phase["last"] = end
+                phase["calls"] += 1
+                phase["call_s"] += end - now
+                phase["failed"] += not ok
 
     # --- views ---
     def peers(self) -> list[str]:
-        return self.table.alive()
+        """Alive peers, less those whose last call timed out with no sign of life since."""
+        return [p for p in self.table.alive() if self._responsive(p)]
 
     def known_peers(self) -> list[str]:
         return self.table.known()
@@ -54,9 +171,16 @@ class NodeNetwork:
     def cached(self, peer: str) -> PeerSnapshot | None:
         return self.cache.get(peer)
 
-    def _address(self, peer: str) -> str | None:
+    def _responsive(self, peer: str) -> bool:
         rec = self.table.records.get(peer)
-        return rec.address if rec is not None and rec.state != DEAD else None
+        return rec is not None and self._timed_out.get(peer, float("-inf")) < rec.last_seen
+
+    def _address(self, peer: str) -> str | None:
+        """Where to call ``peer``; None for a suspect or dead one, or one whose last call timed
+        out and which has not shown a sign of life since (membership is probing it): such a peer
+        is not waited for twice."""
+        rec = self.table.records.get(peer)
+        return rec.address if rec is not None and rec.state == ALIVE and self._responsive(peer) else None
 
     def _failed(self, what: str, peer: str, err: Exception) -> None:
         rejected = isinstance(err, WireError)
@@ -77,16 +201,18 @@ class NodeNetwork:
             return cached
         wait = (self.request_timeout_s if wait_s is None else max(0.0, wait_s)) if min_round else 0.0
         try:
-            header, groups = await self.transport.get_snapshot(
+            header, groups = await self._call(peer, "snapshot", lambda timeout: self.transport.get_snapshot(
                 address, self.node_id, cached.version if cached else 0, min_round=min_round or 0,
-                wait_s=wait, timeout=self.request_timeout_s + wait)
+                wait_s=wait, timeout=timeout, peer=peer), wait_s=wait)
             if header.node_id != peer:
                 raise WireError(f"snapshot claims to be from {header.node_id!r}, expected {peer!r}")
             if groups is None:
                 snap = cached
             else:
                 what = f"snapshot v{header.version} of {peer}"
-                params, extras = snapshot_groups(groups, self.spec, what)
+                # architecture and finiteness checks over a whole model: a large one in a worker thread
+                params, extras = (await asyncio.to_thread(snapshot_groups, groups, self.spec, what)
+                                  if encoded_size(groups) > OFF_LOOP_BYTES else snapshot_groups(groups, self.spec, what))
                 snap = PeerSnapshot(peer, header.version, header.round, params, extras, header.digest)
         except (PeerCallError, WireError) as e:
             self._failed("snapshot pull", peer, e)
@@ -106,27 +232,42 @@ class NodeNetwork:
         address = self._address(peer)
         if address is None:
             return None
+        kind = f"compute:{req.kind}"
         try:
-            return await self.transport.compute(address, req)
+            return await self._call(peer, kind, lambda timeout: self.transport.compute(address, req, timeout, peer=peer))
         except PeerCallError as e:
             if e.kind != NOT_CACHED or req.ref is None:
                 raise
         pub = self.published()
         req.ref, req.groups = None, {"params": pub.params}
-        return await self.transport.compute(address, req)
+        return await self._call(peer, kind, lambda timeout: self.transport.compute(address, req, timeout, peer=peer))
 
-    def _model_request(self, kind: str, params: Params | None, **fields: Any) -> ComputeRequest:
+    async def _model_request(self, kind: str, params: Params | None, **fields: Any) -> ComputeRequest:
         pub = self.published()
         if params is None and pub is not None and not fields.get("align"):
+            await pub.ready()  # its digest names it: hashed off the loop
             return ComputeRequest(kind, self.node_id, ref=pub.ref(), **fields)
         if params is None:
             params = pub.params
         return ComputeRequest(kind, self.node_id, groups={"params": params}, **fields)
 
-    async def cross_loss(self, peer: str, params: Params | None = None, *, split: str = "train",
-                         max_samples: int | None = None, reduction: str = "mean") -> tuple[float, int] | None:
-        req = self._model_request(CROSS_LOSS, params, split=split, max_samples=max_samples or 0,
-                                  reduction=reduction)
+    @staticmethod
+    def _purpose(name: str, kind: str, split: str | None) -> Purpose:
+        """The purpose a strategy names, checked here so a wrong call fails loudly in the
+        strategy's own round instead of as a refusal from every peer."""
+        p = purpose_table(name)
+        if p.kind != kind:
+            raise ValueError(f"purpose {name!r} is for {p.kind} requests, not {kind}")
+        if split is not None and split != p.split:
+            raise ValueError(f"purpose {name!r} is answered on the {p.split!r} split, not {split!r}")
+        return p
+
+    async def cross_loss(self, peer: str, params: Params | None = None, *, purpose: str,
+                         split: str | None = None, max_samples: int | None = None,
+                         reduction: str = "mean") -> tuple[float, int] | None:
+        p = self._purpose(purpose, LOSS, split)
+        req = await self._model_request(CROSS_LOSS, params, split=p.split, max_samples=max_samples or 0,
+                                  reduction=reduction, purpose=p.name)
         try:
             reply = await self._compute(peer, req)
         except (PeerCallError, WireError) as e:
@@ -134,11 +275,14 @@ class NodeNetwork:
             return None
         return None if reply is None else (reply.loss, int(reply.samples))
 
-    async def cross_gradient(self, peer: str, params: Params | None = None, *, split: str = "train",
-                             max_samples: int | None = None, reduction: str = "mean",
-                             align_with: Params | None = None) -> GradientReply | None:
-        req = self._model_request(CROSS_GRADIENT, params, split=split, max_samples=max_samples or 0,
-                                  reduction=reduction, align=align_with is not None)
+    async def cross_gradient(self, peer: str, params: Params | None = None, *, purpose: str,
+                             split: str | None = None, max_samples: int | None = None,
+                             reduction: str = "mean", align_with: Params | None = None) -> GradientReply | None:
+        p = self._purpose(purpose, GRADIENT if align_with is None else ALIGNMENT, split)
+        if reduction != "mean":
+            raise ValueError("cross-gradients are mean-reduced (a private sum would reveal the batch size)")
+        req = await self._model_request(CROSS_GRADIENT, params, split=p.split, max_samples=max_samples or 0,
+                                  reduction=reduction, align=align_with is not None, purpose=p.name)
         if align_with is not None:
             req.groups = {**(req.groups or {}), "align": align_with}
         try:
@@ -147,14 +291,35 @@ class NodeNetwork:
                 return None
             if align_with is not None:
                 return GradientReply(None, reply.loss, int(reply.samples), reply.inner_product)
-            grad = model_tensors(reply.grad or {}, "grad", self.spec, f"gradient from {peer}")
+            check = (model_tensors, reply.grad or {}, "grad", self.spec, f"gradient from {peer}")
+            grad = (await asyncio.to_thread(*check) if encoded_size(reply.grad or {}) > OFF_LOOP_BYTES
+                    else model_tensors(*check[1:]))
         except (PeerCallError, WireError) as e:
             self._failed("cross-gradient", peer, e)
             return None
         return GradientReply(grad, reply.loss, int(reply.samples))
 
-    async def push_gradient(self, peer: str, version: int, grad: Params) -> bool:
-        req = ComputeRequest(PUSH_GRADIENT, self.node_id, groups={"grad": grad}, target_version=version)
+    async def private_gradient(self, peer: str, params: Params, *, purpose: str,
+                               max_samples: int | None = None) -> Params | None:
+        """The gradient of ``params`` on *my* data, released for ``peer`` (FedeRiCo's push,
+        COBO's alignment vector): privatised and charged to my ledger; None once my budget is
+        spent (the caller then skips that peer, as if it were unreachable)."""
+        p = purpose_table(purpose)
+        if p.kind not in (PUSH, ALIGNMENT):
+            raise ValueError(f"purpose {purpose!r} does not send this node's own gradient out")
+        try:
+            rel, _ = await asyncio.to_thread(self.private.gradient, peer, p, params, max_samples or 0)
+        except BudgetSpent as e:
+            log.info("not sending %s to %s: %s", p.name, peer, e)
+            self.problems.note(peer, f"{p.name}: {e}")
+            return None
+        return rel.value
+
+    async def push_gradient(self, peer: str, version: int, grad: Params, *,
+                            purpose: str = "federico-push") -> bool:
+        p = self._purpose(purpose, PUSH, None)
+        req = ComputeRequest(PUSH_GRADIENT, self.node_id, groups={"grad": grad}, target_version=version,
+                             purpose=p.name)
         try:
             ack = await self._compute(peer, req)
         except (PeerCallError, WireError) as e:
@@ -170,7 +335,8 @@ class NodeNetwork:
         if address is None:
             return None
         try:
-            return await self.transport.gossip(address, self.node_id, key, payload)
+            return await self._call(peer, "gossip", lambda timeout: self.transport.gossip(
+                address, self.node_id, key, payload, timeout, peer=peer))
         except (PeerCallError, WireError) as e:
             self._failed(f"gossip {key!r}", peer, e)
             return None

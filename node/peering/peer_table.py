@@ -1,46 +1,95 @@
-"""Who is out there: the peer table and its alive → suspect → dead life cycle.
+"""Who is out there: the peer table and its alive → suspect → dead life cycle (SWIM).
 
-A peer is *alive* while we heard from it within ``suspect_after_s`` (any successful call or any
-call it made to us), *suspect* until ``dead_after_s``, then *dead*. Dead peers are still pinged,
-so a restarted peer comes back as soon as it answers."""
+A member is *alive* until a probe of it goes unanswered (directly and through k other members,
+see ``membership``) or another member spreads a suspicion about it; *suspect* until it refutes
+the suspicion (a higher incarnation) or answers, else *dead* once the suspicion timeout runs out.
+Dead members are not probed every period: they get reconnect attempts with backoff, and are alive
+again as soon as they answer one (or call us).
+
+Incarnation rules (Das et al. 2002, §4.2): news about a member with a higher incarnation wins; at
+the same incarnation suspect beats alive and dead beats both. First-hand evidence — the member
+answered one of our calls or made one to us — makes it alive whatever we believed.
+
+Suspicion timeout (Lifeguard, Dadgar et al. 2018, as memberlist): a suspicion raised by one
+member alone runs ``suspicion_max_mult`` times the base timeout; each further independent
+accuser shortens it, down to the base with ``k`` of them. One overloaded prober cannot bury a
+healthy member before it refutes; a member everyone finds silent is declared dead quickly."""
 from __future__ import annotations
 
 import time
+import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-ALIVE, SUSPECT, DEAD = "alive", "suspect", "dead"
+from .messages import ALIVE, DEAD, SUSPECT, MemberUpdate
+
+_RANK = {ALIVE: 0, SUSPECT: 1, DEAD: 2}
 
 
 @dataclass
 class PeerRecord:
     node_id: str
     address: str
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)  # last first-hand evidence of life
     state: str = ALIVE
     round: int = 0
     snapshot_version: int = 0
     rtt_s: float | None = None
     labels: dict[str, str] = field(default_factory=dict)
     admin_url: str = ""
+    incarnation: int = 0
+    state_since: float = field(default_factory=time.monotonic)
+    reconnect_at: float = 0.0  # dead members: when to try again
+    reconnect_backoff_s: float = 0.0
+    accusers: set[str] = field(default_factory=set)  # suspect: members whose probes failed
 
     def age(self, now: float | None = None) -> float:
         return (now or time.monotonic()) - self.last_seen
 
 
+Listener = Callable[[str, str, str], None]  # (node_id, old state, new state)
+
+
 class PeerTable:
-    def __init__(self, self_id: str, suspect_after_s: float, dead_after_s: float):
+    """``suspect_after_s`` is the probe budget (how long a member may leave a probe unanswered
+    before it is suspected; used by ``membership``); ``dead_after_s`` the suspicion timeout floor."""
+
+    def __init__(self, self_id: str, suspect_after_s: float, dead_after_s: float, *,
+                 reconnect_min_s: float = 1.0, reconnect_max_s: float = 60.0,
+                 suspicion_max_mult: float = 6.0, confirmations: int = 3):
         self.self_id = self_id
         self.suspect_after_s = suspect_after_s
-        self.dead_after_s = max(dead_after_s, suspect_after_s)
+        self.dead_after_s = dead_after_s
+        self.suspicion_s = dead_after_s  # base timeout; membership scales it with the network size
+        self.suspicion_max_mult = suspicion_max_mult
+        self.confirmations = confirmations
+        self.reconnect_min_s = reconnect_min_s
+        self.reconnect_max_s = reconnect_max_s
         self.records: dict[str, PeerRecord] = {}
+        self.listeners: list[Listener] = []
+
+    # ------------------------------------------------------------------ transitions
+    def _move(self, rec: PeerRecord, new: str, now: float | None = None) -> None:
+        if new == rec.state:
+            return
+        now = time.monotonic() if now is None else now
+        old, rec.state, rec.state_since = rec.state, new, now
+        if new != SUSPECT:
+            rec.accusers.clear()
+        if new == DEAD:
+            rec.reconnect_backoff_s = self.reconnect_min_s
+            rec.reconnect_at = now + rec.reconnect_backoff_s
+        for listener in list(self.listeners):
+            listener(rec.node_id, old, new)
 
     def upsert(self, node_id: str, address: str, *, labels: dict[str, str] | None = None,
                admin_url: str | None = None, seen: bool = True) -> PeerRecord:
+        """A member as its own handshake describes it (``seen``: it is talking to us now)."""
         rec = self.records.get(node_id)
         if rec is None:
-            rec = PeerRecord(node_id, address, last_seen=time.monotonic() if seen else 0.0,
-                             state=ALIVE if seen else DEAD)
+            now = time.monotonic()
+            rec = PeerRecord(node_id, address, last_seen=now if seen else 0.0, state=ALIVE if seen else DEAD,
+                             state_since=now, reconnect_at=now)
             self.records[node_id] = rec
         rec.address = address or rec.address
         if labels is not None:
@@ -52,33 +101,112 @@ class PeerTable:
         return rec
 
     def seen(self, node_id: str, *, round: int | None = None, version: int | None = None,
-             rtt_s: float | None = None) -> None:
+             rtt_s: float | None = None, incarnation: int | None = None, revive: bool = True) -> bool:
+        """First-hand evidence of life. True when it changed the member's state. ``revive``:
+        it answered us at its address (alive, whatever we believed); without, it only called us
+        (last seen, round, version noted; a suspect or dead member must refute or answer a
+        probe — a process that calls out but cannot be reached is no use as a peer)."""
         rec = self.records.get(node_id)
         if rec is None:
-            return
-        rec.last_seen = time.monotonic()
-        rec.state = ALIVE
+            return False
+        now = time.monotonic()
+        rec.last_seen = now
         if round is not None:
             rec.round = round
         if version is not None:
             rec.snapshot_version = version
         if rtt_s is not None:
             rec.rtt_s = rtt_s
+        if incarnation is not None and incarnation > rec.incarnation:
+            rec.incarnation = incarnation
+        was = rec.state
+        if revive:
+            self._move(rec, ALIVE, now)
+        return was != rec.state
+
+    def apply(self, u: MemberUpdate) -> bool:
+        """Second-hand news about a known member, by SWIM's precedence. True when it changed what
+        this table believes (the news is then worth passing on: a new state or incarnation, or a
+        new accuser of a suspicion). Never changes an address: that takes the member's own
+        handshake."""
+        rec = self.records.get(u.node_id)
+        if rec is None or u.node_id == self.self_id:
+            return False
+        newer = u.incarnation > rec.incarnation
+        same = u.incarnation == rec.incarnation
+        if u.state == SUSPECT and same and rec.state == SUSPECT:
+            return self._accuse(rec, u.accuser)
+        if u.state == ALIVE:
+            if not newer:
+                return False
+        elif not (newer or (same and _RANK[u.state] > _RANK[rec.state])):
+            return False
+        rec.incarnation = u.incarnation
+        self._move(rec, u.state)
+        if u.state == SUSPECT:
+            self._accuse(rec, u.accuser)
+        return True
+
+    def _accuse(self, rec: PeerRecord, accuser: str) -> bool:
+        if not accuser or accuser in rec.accusers or len(rec.accusers) > self.confirmations:
+            return False
+        rec.accusers.add(accuser)
+        return True
+
+    def suspect(self, node_id: str) -> bool:
+        """This node's own probe failed: suspect it (or confirm a suspicion heard before)."""
+        rec = self.records.get(node_id)
+        if rec is None or rec.state == DEAD:
+            return False
+        if rec.state == SUSPECT:
+            return self._accuse(rec, self.self_id)
+        self._move(rec, SUSPECT)
+        self._accuse(rec, self.self_id)
+        return True
+
+    def suspicion_timeout(self, rec: PeerRecord) -> float:
+        """From ``suspicion_max_mult`` × base (one accuser) down to the base (k+1 accusers)."""
+        lo, k = self.suspicion_s, max(1, self.confirmations)
+        hi = lo * max(1.0, self.suspicion_max_mult)
+        c = max(0, len(rec.accusers) - 1)
+        return max(lo, hi - (hi - lo) * math.log(c + 1) / math.log(k + 1))
 
     def refresh(self) -> list[tuple[str, str, str]]:
-        """Re-derive states from ages; returns the transitions (node_id, old, new)."""
+        """Suspects whose suspicion timed out are dead. Returns the transitions (node_id, old, new)."""
         now = time.monotonic()
         changes = []
         for rec in self.records.values():
-            age = rec.age(now)
-            new = ALIVE if age < self.suspect_after_s else SUSPECT if age < self.dead_after_s else DEAD
-            if new != rec.state:
-                changes.append((rec.node_id, rec.state, new))
-                rec.state = new
+            if rec.state == SUSPECT and now - rec.state_since >= self.suspicion_timeout(rec):
+                changes.append((rec.node_id, SUSPECT, DEAD))
+                self._move(rec, DEAD, now)
         return changes
 
+    def pause(self, seconds: float) -> None:
+        """This node itself stalled for ``seconds`` (a stopped process, a starved loop): it could
+        not hear refutations meanwhile, so suspicion clocks do not run for that time."""
+        for rec in self.records.values():
+            if rec.state == SUSPECT:
+                rec.state_since += seconds
+
+    # ------------------------------------------------------------------ dead members
+    def due_reconnects(self, now: float | None = None) -> list[PeerRecord]:
+        now = time.monotonic() if now is None else now
+        return [r for r in self.records.values() if r.state == DEAD and r.reconnect_at <= now]
+
+    def reconnect_failed(self, node_id: str) -> None:
+        rec = self.records.get(node_id)
+        if rec is not None and rec.state == DEAD:
+            rec.reconnect_backoff_s = min(max(rec.reconnect_backoff_s * 2, self.reconnect_min_s),
+                                          self.reconnect_max_s)
+            rec.reconnect_at = time.monotonic() + rec.reconnect_backoff_s
+
+    # ------------------------------------------------------------------ views
     def alive(self) -> list[str]:
         return sorted(n for n, r in self.records.items() if r.state == ALIVE)
+
+    def probe_targets(self) -> list[str]:
+        """Members probed in the round-robin: all but the dead."""
+        return [n for n, r in self.records.items() if r.state != DEAD]
 
     def known(self) -> list[str]:
         return sorted(self.records)
@@ -92,18 +220,32 @@ class PeerTable:
     def by_address(self, address: str) -> PeerRecord | None:
         return next((r for r in self.records.values() if r.address == address), None)
 
+    def update_of(self, node_id: str, accuser: str = "") -> MemberUpdate | None:
+        rec = self.records.get(node_id)
+        if rec is None:
+            return None
+        if rec.state == SUSPECT and not accuser:
+            accuser = self.self_id if self.self_id in rec.accusers else next(iter(sorted(rec.accusers)), "")
+        return MemberUpdate(rec.node_id, rec.address, rec.incarnation, rec.state, accuser)
+
+    def members(self) -> list[MemberUpdate]:
+        return [self.update_of(n) for n in self.records]
+
     def to_json(self) -> list[dict[str, Any]]:
         return [{"node_id": r.node_id, "address": r.address, "labels": r.labels,
                  "admin_url": r.admin_url} for r in self.records.values()]
 
     def load_json(self, rows: list[dict[str, Any]]) -> None:
-        """Restore known peers as dead: they must answer before they count as alive again."""
+        """Restore known peers as dead: they must answer before they count as alive again (the
+        first reconnect attempt is due at once)."""
         for row in rows:
             self.upsert(row["node_id"], row["address"], labels=row.get("labels", {}),
                         admin_url=row.get("admin_url"), seen=False)
 
     def view(self) -> list[dict[str, Any]]:
         now = time.monotonic()
-        return [{**{k: v for k, v in asdict(r).items() if k != "last_seen"},
-                 "last_seen_s": round(r.age(now), 3) if r.last_seen else None}
+        hidden = {"last_seen", "state_since", "reconnect_at", "reconnect_backoff_s", "accusers"}
+        return [{**{k: v for k, v in asdict(r).items() if k not in hidden},
+                 "last_seen_s": round(r.age(now), 3) if r.last_seen else None,
+                 "state_for_s": round(now - r.state_since, 3)}
                 for r in sorted(self.records.values(), key=lambda r: r.node_id)]

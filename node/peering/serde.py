@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from ...proto.v1 import peer_pb2 as pb
-from .messages import Beat, ComputeReply, ComputeRequest, NodeInfo, PeerEntry, SnapshotHeader, SnapshotRef
+from .messages import (ALIVE, DEAD, SUSPECT, Beat, ComputeReply, ComputeRequest, IndirectProbe, MemberUpdate,
+                       NodeInfo, PeerEntry, SnapshotHeader, SnapshotRef)
 
 
 # --- membership ---
@@ -28,22 +29,56 @@ def entries_from_pb(entries) -> list[PeerEntry]:
     return [PeerEntry(e.node_id, e.address, e.last_seen_age_s) for e in entries]
 
 
+_STATE_TO_PB = {ALIVE: pb.MEMBER_ALIVE, SUSPECT: pb.MEMBER_SUSPECT, DEAD: pb.MEMBER_DEAD}
+_STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
+
+
+def updates_to_pb(updates) -> list[pb.MemberUpdate]:
+    return [pb.MemberUpdate(node_id=u.node_id, address=u.address, incarnation=u.incarnation,
+                            state=_STATE_TO_PB[u.state], accuser=u.accuser) for u in updates]
+
+
+def updates_from_pb(updates) -> tuple[MemberUpdate, ...]:
+    # an unknown enum value (a newer peer) reads as no news rather than a guess
+    return tuple(MemberUpdate(u.node_id, u.address, u.incarnation, _STATE_FROM_PB[u.state], u.accuser)
+                 for u in updates if u.state in _STATE_FROM_PB)
+
+
 def beat_to_request(b: Beat) -> pb.HeartbeatRequest:
     return pb.HeartbeatRequest(node_id=b.node_id, round=b.round, snapshot_version=b.version,
-                               sent_at=b.sent_at)
+                               sent_at=b.sent_at, incarnation=b.incarnation, updates=updates_to_pb(b.updates))
 
 
 def beat_from_request(m: pb.HeartbeatRequest) -> Beat:
-    return Beat(m.node_id, m.round, m.snapshot_version, m.sent_at)
+    return Beat(m.node_id, m.round, m.snapshot_version, m.sent_at, m.incarnation, updates_from_pb(m.updates))
 
 
 def beat_to_reply(b: Beat) -> pb.HeartbeatReply:
     return pb.HeartbeatReply(node_id=b.node_id, round=b.round, snapshot_version=b.version,
-                             echo_sent_at=b.sent_at)
+                             echo_sent_at=b.sent_at, incarnation=b.incarnation, updates=updates_to_pb(b.updates))
 
 
 def beat_from_reply(m: pb.HeartbeatReply) -> Beat:
-    return Beat(m.node_id, m.round, m.snapshot_version, m.echo_sent_at)
+    return Beat(m.node_id, m.round, m.snapshot_version, m.echo_sent_at, m.incarnation, updates_from_pb(m.updates))
+
+
+def probe_to_pb(p: IndirectProbe) -> pb.IndirectProbeRequest:
+    return pb.IndirectProbeRequest(node_id=p.requester, target_id=p.target,
+                                   timeout_ms=min(int(p.timeout_s * 1000), 2**32 - 1),
+                                   incarnation=p.incarnation, updates=updates_to_pb(p.updates))
+
+
+def probe_from_pb(m: pb.IndirectProbeRequest) -> IndirectProbe:
+    return IndirectProbe(m.node_id, m.target_id, m.timeout_ms / 1000.0, m.incarnation, updates_from_pb(m.updates))
+
+
+def probe_reply_to_pb(ack: bool, updates) -> pb.IndirectProbeReply:
+    return pb.IndirectProbeReply(ack=ack, updates=updates_to_pb(updates))
+
+
+def peer_list_to_pb(sender: str, entries: list[PeerEntry], members, incarnation: int) -> pb.PeerList:
+    return pb.PeerList(node_id=sender, peers=entries_to_pb(entries), members=updates_to_pb(members),
+                       incarnation=incarnation)
 
 
 # --- snapshots ---
@@ -60,7 +95,7 @@ def snapshot_header_from_pb(m: pb.SnapshotHeader) -> SnapshotHeader:
 def compute_header_to_pb(r: ComputeRequest, total_bytes: int = 0, digest: str = "") -> pb.ComputeHeader:
     h = pb.ComputeHeader(requester=r.requester, total_bytes=total_bytes, sha256=digest, split=r.split,
                          max_samples=r.max_samples, reduction=r.reduction,
-                         target_version=r.target_version, align=r.align)
+                         target_version=r.target_version, align=r.align, purpose=r.purpose)
     if r.ref is not None:
         h.ref.CopyFrom(pb.SnapshotRef(node_id=r.ref.node_id, version=r.ref.version, sha256=r.ref.digest))
     return h
@@ -69,9 +104,9 @@ def compute_header_to_pb(r: ComputeRequest, total_bytes: int = 0, digest: str = 
 def compute_request_from_pb(kind: str, h: pb.ComputeHeader) -> ComputeRequest:
     """The request a header describes, without its tensors (the transport adds those)."""
     ref = (SnapshotRef(h.ref.node_id, h.ref.version, h.ref.sha256) if h.HasField("ref") else None)
-    return ComputeRequest(kind=kind, requester=h.requester, ref=ref, split=h.split or "train",
+    return ComputeRequest(kind=kind, requester=h.requester, ref=ref, split=h.split,
                           max_samples=h.max_samples, reduction=h.reduction or "mean",
-                          target_version=h.target_version, align=h.align)
+                          target_version=h.target_version, align=h.align, purpose=h.purpose)
 
 
 def loss_reply_to_pb(r: ComputeReply) -> pb.LossReply:

@@ -1,29 +1,56 @@
 """The served side: what this node does for a peer's request — membership answers, its published
 snapshot, and compute on its private data (cross-loss, cross-gradient incl. COBO's alignment,
 FedeRiCo's gradient push) and strategy gossip. Implements ``interfaces.PeerHandler``; every
-refusal is an ``errors.Refusal`` naming the peer and the problem."""
+refusal is an ``errors.Refusal`` naming the peer and the problem.
+
+A request on my data names a purpose (``privacy/purposes.py``); I answer only the purposes I
+serve, on the purpose's split, through ``privacy.mechanisms.PrivateData`` (minimum batch, DP
+noise, ledger) — a spent privacy budget is a ``PRIVACY_BUDGET`` refusal.
+
+Peers' compute runs on a small executor of its own (``compute_workers`` threads), so however many
+requests arrive the node's own training never queues behind them, and each request's time is
+billed to the peer that asked (``admission``)."""
 from __future__ import annotations
 
 import asyncio
+import math
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Any, Callable, Protocol
 
 import torch
 
 from ..learning.learner import Learner, Params
+from ..privacy.ledger import BudgetSpent
+from ..privacy.mechanisms import PrivateData
+from ..privacy.purposes import ALIGNMENT, GRADIENT, LOSS, PURPOSES, PUSH, Purpose
 from ..strategies.base import PushedGradient
 from ..wire.codec import Groups, WireError
-from .errors import Refusal, invalid, not_cached
-from .errors import UNAVAILABLE
+from .admission import Admission
+from .errors import PRIVACY_BUDGET, UNAVAILABLE, Refusal, budget_spent, invalid, not_cached, refused
 from .inbox import PushInbox
 from .membership import Membership
-from .messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest, LocalSnapshot, NodeInfo, PeerEntry
+from .messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest, IndirectProbe,
+                       LocalSnapshot, MemberUpdate, NodeInfo, PeerEntry)
 from .problems import ProblemLog
 from .snapshots import PublishBoard, SnapshotCache
 from .validation import Spec, model_tensors
 
-SPLITS = ("train", "val", "test")
 REDUCTIONS = ("mean", "sum")
 MAX_SNAPSHOT_WAIT_S = 60.0  # a round-aligned pull holds a call open at most this long
+NORM_SAMPLES = 64  # minibatch of this node's own gradient that pushed gradients are compared with
+NORM_HISTORY = 8  # own gradient norms kept (one per published version a push was checked against)
+
+
+def _norm(tensors: Params) -> float:
+    return math.sqrt(sum(float(torch.sum(t.double() ** 2)) for t in tensors.values()))
+
+
+class PushPolicy(Protocol):
+    max_push_lag: int
+    push_norm_factor: float
 
 
 class StrategyHooks(Protocol):
@@ -36,31 +63,68 @@ class StrategyHooks(Protocol):
 class ServedRequests:
     def __init__(self, node_id: str, info: Callable[[], NodeInfo], membership: Membership,
                  learner: Learner, spec: Spec, hooks: StrategyHooks, board: PublishBoard,
-                 cache: SnapshotCache, inbox: PushInbox, problems: ProblemLog,
-                 on_refused: Callable[[str], None] | None = None):
+                 cache: SnapshotCache, inbox: PushInbox, problems: ProblemLog, private: PrivateData,
+                 serves: tuple[str, ...], on_refused: Callable[[str], None] | None = None, *,
+                 admission: Admission, push_policy: PushPolicy, compute_workers: int = 2):
         self.node_id = node_id
         self.info = info
         self.membership = membership
-        self.learner = learner
+        self.learner = learner  # my own work (the push-norm reference); answers go through private
         self.spec = spec
         self.hooks = hooks
         self.board = board
         self.cache = cache
         self.inbox = inbox
         self.problems = problems
+        self.private = private  # every answer computed on my data leaves through it
+        self.serves = tuple(serves)  # the purposes I answer (my strategy's, by default)
         self.on_refused = on_refused or (lambda kind: None)
+        self.admission = admission
+        self.push_policy = push_policy
+        self._pool = ThreadPoolExecutor(compute_workers, thread_name_prefix="served-compute")
+        self._own_norms: deque[tuple[int, float]] = deque(maxlen=NORM_HISTORY)  # (version, ‖g‖)
+        self._norm_lock = asyncio.Lock()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def admit(self, peer: str, kind: str) -> AbstractContextManager[None]:
+        """One of ``peer``'s slots for a ``kind`` request (``admission.Admission``)."""
+        return self.admission.admit(peer, kind)
+
+    async def _run(self, peer: str | None, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn`` on the served-compute threads; its own run time is billed to ``peer``."""
+        def timed():
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                if peer is not None:
+                    spent = time.perf_counter() - t0
+                    loop.call_soon_threadsafe(self.admission.charge, peer, spent)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, timed)
 
     # ------------------------------------------------------------------ membership
     def on_handshake(self, remote: NodeInfo) -> list[PeerEntry]:
         return self.membership.on_handshake(remote)
 
     def on_heartbeat(self, beat: Beat) -> Beat:
-        self.check_known(beat.node_id)
+        self._count_unknown(beat.node_id)
         return self.membership.on_heartbeat(beat)
 
-    def on_peer_list(self, sender: str, entries: list[PeerEntry]) -> list[PeerEntry]:
-        self.check_known(sender)
-        return self.membership.on_peer_list(sender, entries)
+    async def on_indirect_probe(self, probe: IndirectProbe) -> tuple[bool, tuple[MemberUpdate, ...]]:
+        self._count_unknown(probe.requester)
+        return await self.membership.on_indirect_probe(probe)
+
+    def on_peer_list(self, sender: str, entries: list[PeerEntry], members=(), incarnation: int = 0
+                     ) -> tuple[list[PeerEntry], list[MemberUpdate], int]:
+        self._count_unknown(sender)
+        return self.membership.on_peer_list(sender, entries, members, incarnation)
+
+    def _count_unknown(self, node_id: str) -> None:
+        if node_id not in self.membership.peers.records:
+            self.on_refused("unknown_peer")
 
     def check_known(self, node_id: str) -> None:
         try:
@@ -78,15 +142,17 @@ class ServedRequests:
             snap = self.board.current
         if snap is None:
             raise Refusal(UNAVAILABLE, "no snapshot published yet")
-        return snap
+        return await snap.ready()  # encoded and hashed off the loop
 
     # ------------------------------------------------------------------ compute on my data
-    def _groups(self, req: ComputeRequest) -> Groups:
+    async def _groups(self, req: ComputeRequest) -> Groups:
         if req.ref is None:
             if req.groups is None:
                 raise invalid(f"{req.kind} from {req.requester}: neither a model nor a reference")
             return req.groups
         mine = self.board.current
+        if mine is not None and req.ref.node_id == self.node_id:
+            await mine.ready()
         if (req.ref.node_id == self.node_id and mine is not None and req.ref.version == mine.version
                 and (not req.ref.digest or req.ref.digest == mine.digest)):
             return {"params": mine.params}
@@ -104,39 +170,110 @@ class ServedRequests:
             self.problems.note(req.requester, str(e), rejected=True)
             raise invalid(str(e)) from None
 
-    @staticmethod
-    def _options(req: ComputeRequest) -> tuple[str, int | None, str]:
-        if req.split not in SPLITS:
-            raise invalid(f"{req.kind} from {req.requester}: unknown split {req.split!r}")
-        if req.reduction not in REDUCTIONS:
-            raise invalid(f"{req.kind} from {req.requester}: unknown reduction {req.reduction!r}")
-        return req.split, req.max_samples or None, req.reduction
+    def _purpose(self, req: ComputeRequest) -> Purpose:
+        """The purpose the request names, if this node serves it for this kind of request, on
+        its split — or refused, naming what was wrong."""
+        who = f"{req.kind} from {req.requester}"
+        if not req.purpose:
+            raise invalid(f"{who} names no purpose; every request on this node's data must say "
+                          f"which strategy step it serves (one of {sorted(PURPOSES)})")
+        p = PURPOSES.get(req.purpose)
+        if p is None:
+            raise invalid(f"{who}: unknown purpose {req.purpose!r}; known: {sorted(PURPOSES)}")
+        kind = {CROSS_LOSS: LOSS, PUSH_GRADIENT: PUSH}.get(req.kind, ALIGNMENT if req.align else GRADIENT)
+        if p.kind != kind:
+            raise invalid(f"{who}: purpose {p.name!r} is for {p.kind} requests, not {kind}")
+        if p.name not in self.serves:
+            raise refused(f"{who}: this node does not serve purpose {p.name!r} (it serves "
+                          f"{list(self.serves) or 'none'}: only what its strategy needs)")
+        if req.split == "test":
+            raise invalid(f"{who}: the test split is never served")
+        if req.split and req.split != p.split:
+            raise invalid(f"{who}: purpose {p.name!r} is answered on the {p.split!r} split only, "
+                          f"not {req.split!r}")
+        if req.kind == CROSS_LOSS and req.reduction not in REDUCTIONS:
+            raise invalid(f"{who}: unknown reduction {req.reduction!r}")
+        return p
+
+    def _release(self, req: ComputeRequest, fn, *args):
+        """Run a release on my data off the event loop; a spent budget becomes a refusal."""
+        try:
+            return fn(req.requester, *args)
+        except BudgetSpent as e:
+            self.on_refused(PRIVACY_BUDGET)
+            raise budget_spent(str(e)) from None
 
     async def compute(self, req: ComputeRequest) -> ComputeReply:
         self.check_known(req.requester)
-        groups = self._groups(req)
+        try:
+            purpose = self._purpose(req)
+        except Refusal:
+            self.on_refused(req.kind)
+            raise
+        groups = await self._groups(req)
         if req.kind == CROSS_LOSS:
             params = self._tensors(req, groups, "params")
-            split, n, reduction = self._options(req)
-            res = await asyncio.to_thread(self.learner.loss, params, split, n, reduction)
-            return ComputeReply(loss=res.loss, samples=res.n)
+            rel = await self._run(req.requester, self._release, req, self.private.loss, purpose, params,
+                                  req.max_samples, req.reduction)
+            return ComputeReply(loss=rel.value, samples=rel.samples)
         if req.kind == CROSS_GRADIENT:
             params = self._tensors(req, groups, "params")
             align = self._tensors(req, groups, "align") if req.align else None
-            split, n, reduction = self._options(req)
-            grad, res = await asyncio.to_thread(self.learner.gradient, params, split, n, reduction)
+            rel, loss = await self._run(req.requester, self._release, req, self.private.gradient, purpose,
+                                        params, req.max_samples)
             if align is None:
-                return ComputeReply(loss=res.loss, samples=res.n, grad={"grad": grad})
-            ip = float(sum(torch.sum(grad[k] * align[k]) for k in grad))
-            self.hooks.on_alignment(req.requester, ip)  # COBO: the served end updates its w too
-            return ComputeReply(loss=res.loss, samples=res.n, inner_product=ip)
+                return ComputeReply(loss=loss, samples=rel.samples, grad={"grad": rel.value})
+            # COBO: ⟨my released gradient, theirs⟩ is post-processing of the release
+            ip = float(sum(torch.sum(rel.value[k].double() * align[k].double()) for k in rel.value))
+            self.hooks.on_alignment(req.requester, ip)  # the served end updates its w too
+            return ComputeReply(loss=loss, samples=rel.samples, inner_product=ip)
         if req.kind == PUSH_GRADIENT:
-            grad = self._tensors(req, groups, "grad")
-            self.inbox.put(PushedGradient(req.requester, int(req.target_version), grad))
-            mine = self.board.current
-            return ComputeReply(accepted=True,
-                                message=f"queued for the update after version {mine.version if mine else 0}")
+            return await self._push(req, groups)
         raise invalid(f"unknown compute request kind {req.kind!r}")
+
+    # ------------------------------------------------------------------ pushed gradients
+    def _reject_push(self, req: ComputeRequest, message: str) -> Refusal:
+        self.on_refused(req.kind)
+        self.problems.note(req.requester, message, rejected=True)
+        return invalid(message)
+
+    async def _own_norm(self, mine: LocalSnapshot) -> float:
+        """This node's recent gradient norm: the largest of its own minibatch gradient norms at
+        the last few published versions (one computed per version, on demand)."""
+        async with self._norm_lock:
+            if not self._own_norms or self._own_norms[-1][0] != mine.version:
+                g, _ = await self._run(None, self.learner.gradient, mine.params, "train", NORM_SAMPLES, "mean")
+                self._own_norms.append((mine.version, _norm(g)))
+            return max(n for _, n in self._own_norms)
+
+    async def _push(self, req: ComputeRequest, groups: Groups) -> ComputeReply:
+        """FedeRiCo's M-step gradient from a peer, checked before the strategy ever sees it: its
+        target version must be one this node published lately, and its norm is clipped to
+        ``push_norm_factor`` × this node's own recent gradient norm (a 1e30 gradient is finite,
+        so the NaN check alone lets it through)."""
+        grad = self._tensors(req, groups, "grad")
+        mine = self.board.current
+        current = mine.version if mine is not None else 0
+        target, lag = int(req.target_version), self.push_policy.max_push_lag
+        who = f"gradient push from {req.requester}"
+        if target > current:
+            raise self._reject_push(req, f"{who}: target version {target} is ahead of this node's "
+                                         f"published version {current}")
+        if target < max(1, current - lag):
+            raise self._reject_push(req, f"{who}: target version {target} is more than {lag} versions "
+                                         f"behind this node's {current} (or not a version at all)")
+        norm = await self._run(req.requester, _norm, grad)
+        ceiling = self.push_policy.push_norm_factor * await self._own_norm(mine)
+        message = f"queued for the update after version {current}"
+        if norm > ceiling:
+            scale = ceiling / norm
+            grad = await self._run(req.requester, lambda: {k: t * scale for k, t in grad.items()})
+            message = (f"clipped: norm {norm:.3g} exceeds {self.push_policy.push_norm_factor:g}× this "
+                       f"node's own gradient norm ({ceiling:.3g}); {message}")
+            self.on_refused("push_clipped")
+            self.problems.note(req.requester, f"{who}: {message}", rejected=True)
+        self.inbox.put(PushedGradient(req.requester, target, grad))
+        return ComputeReply(accepted=True, message=message)
 
     async def gossip(self, requester: str, key: str, payload: dict[str, Any]) -> dict[str, Any]:
         self.check_known(requester)

@@ -70,18 +70,29 @@ class PeerNetwork(Protocol):
         request timeout) until it publishes that round. None if it does not in time: the strategy
         proceeds without that peer, as for a dead one."""
 
-    async def cross_loss(self, peer: str, params: Params | None = None, *, split: str = "train",
-                         max_samples: int | None = None, reduction: str = "mean") -> tuple[float, int] | None:
-        """Loss of ``params`` (default: my current published model) on ``peer``'s data."""
+    async def cross_loss(self, peer: str, params: Params | None = None, *, purpose: str,
+                         split: str | None = None, max_samples: int | None = None,
+                         reduction: str = "mean") -> tuple[float, int] | None:
+        """Loss of ``params`` (default: my current published model) on ``peer``'s data.
+        ``purpose`` names the strategy step (``privacy/purposes.py``); it fixes the split, and
+        the peer answers over at least its minimum batch, with privacy noise by default."""
 
-    async def cross_gradient(self, peer: str, params: Params | None = None, *, split: str = "train",
-                             max_samples: int | None = None, reduction: str = "mean",
-                             align_with: Params | None = None) -> GradientReply | None:
+    async def cross_gradient(self, peer: str, params: Params | None = None, *, purpose: str,
+                             split: str | None = None, max_samples: int | None = None,
+                             reduction: str = "mean", align_with: Params | None = None) -> GradientReply | None:
         """Gradient of ``params`` on ``peer``'s data. With ``align_with`` the peer returns only
         ⟨its gradient, align_with⟩ and hands that value to its own strategy (COBO)."""
 
-    async def push_gradient(self, peer: str, version: int, grad: Params) -> bool:
-        """Send a (weighted) gradient for ``peer``'s snapshot ``version`` (FedeRiCo M-step)."""
+    async def private_gradient(self, peer: str, params: Params, *, purpose: str,
+                               max_samples: int | None = None) -> Params | None:
+        """Gradient of ``params`` on *my* data as it may be sent to ``peer`` (FedeRiCo's push,
+        COBO's alignment vector): privatised and charged to my privacy ledger; None once my
+        privacy budget is spent."""
+
+    async def push_gradient(self, peer: str, version: int, grad: Params, *,
+                            purpose: str = "federico-push") -> bool:
+        """Send a (weighted) gradient for ``peer``'s snapshot ``version`` (FedeRiCo M-step);
+        ``grad`` must come from ``private_gradient``."""
 
     def drain_pushed(self) -> list[PushedGradient]:
         """Gradients peers pushed to me since the last call."""
@@ -154,7 +165,9 @@ class Strategy(ABC):
         return {}
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: msgpack-able values, tensors as ``Params`` dicts allowed."""
+        """Everything needed to resume: JSON-able values, tensors/ndarrays/bytes anywhere inside.
+        Return copies (clone tensors): the checkpoint is written from it while the next round
+        runs, so it must not change under the writer."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

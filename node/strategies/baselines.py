@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from ..learning.learner import Params
+from ..wire.codec import OFF_LOOP_BYTES
 from .base import RoundReport, Strategy, gather_bounded
 
 
@@ -41,9 +42,19 @@ class DPSGD(Strategy):
     publishing the average would let each node's own steps reach the others only after being
     diluted by 1/n, and the network would learn slower than a single node. (Averaging first and
     training after instead would make every published model a locally fine-tuned one — a
-    personalisation method, not the consensus baseline.)"""
+    personalisation method, not the consensus baseline.)
+
+    Bounded staleness (stale-synchronous parallel, Ho et al. 2013): in round t a node mixes only
+    models of round >= t - ``max_staleness``; a peer still behind holds the pull open until it gets
+    there, at most ``sync_wait_s``, and is otherwise left out of this round. Without the bound a
+    node that happens to run fast drifts rounds ahead and averages with ever older models (in a
+    4-node test run: up to 10 rounds apart, and the network's gain over training alone halved)."""
     name = "dpsgd"
-    defaults: dict[str, Any] = {"max_neighbours": 0}  # 0 = all alive peers
+    defaults: dict[str, Any] = {
+        "max_neighbours": 0,   # 0 = all alive peers
+        "max_staleness": 1,    # rounds a mixed model may lag mine; 0 = fully asynchronous
+        "sync_wait_s": 10.0,   # longest wait for a lagging peer (then this round goes without it)
+    }
 
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
@@ -61,10 +72,18 @@ class DPSGD(Strategy):
         res = await self.compute(self.learner.train)
         trained = self.learner.get_params()
         peers = self.candidates()
-        snaps = await gather_bounded({p: self.net.pull(p) for p in peers})
+        stale = int(self.p["max_staleness"])
+        floor = rnd - stale if stale > 0 and rnd - stale >= 1 else None
+        wait = float(self.p["sync_wait_s"])
+        snaps = await gather_bounded({p: self.net.pull(p, min_round=floor, wait_s=wait) for p in peers})
         w = 1.0 / (1 + len(snaps))
         members = [(w, trained)] + [(w, s.params) for s in snaps.values()]
-        self.learner.set_params(weighted_average(members))
+        def average() -> None:
+            self.learner.set_params(weighted_average(members))
+        if sum(t.numel() * t.element_size() for t in trained.values()) > OFF_LOOP_BYTES:
+            await self.compute(average)  # a large model-sized sum: off the event loop
+        else:
+            average()
         self._trained = trained
         self._w = {self.node_id: w, **{p: w for p in snaps}}
         return RoundReport(train_loss=res.loss, contacted=sorted(snaps))

@@ -111,10 +111,14 @@ class COBO(Strategy):
 
     async def _align(self, peer: str, x: Params, xj: Params, scale: float = 1.0) -> float | None:
         z = midpoint(x, xj)
-        g, _ = await self.compute(self.learner.gradient, z, "train", self.p["grad_samples"])
+        # my gradient leaves this node inside the request: released privately, like the peer's
+        g = await self.net.private_gradient(peer, z, purpose="cobo-alignment", max_samples=self.p["grad_samples"])
+        if g is None:
+            return None
         if scale != 1.0:
             g = C.scale(g, scale)
-        rep = await self.net.cross_gradient(peer, z, max_samples=self.p["grad_samples"], align_with=g)
+        rep = await self.net.cross_gradient(peer, z, max_samples=self.p["grad_samples"], align_with=g,
+                                            purpose="cobo-alignment")
         if rep is None or rep.inner_product is None or not math.isfinite(rep.inner_product):
             return None
         return float(rep.inner_product)

@@ -124,12 +124,13 @@ class FedeRiCo(Strategy):
         # M-step, sender side (l.17-19): push w_ib ∇ loss(θ_b; my data) to each sampled b
         gs = self.p["grad_samples"]
 
-        def peer_grads() -> dict[str, Params]:
-            return {p: self.learner.gradient(s.params, "train", gs)[0] for p, s in snaps.items()}
-
-        grads = await self.compute(peer_grads)
+        # my data's gradient leaves this node: released privately, None once my budget is spent
+        grads = await gather_bounded({p: self.net.private_gradient(p, s.params, purpose="federico-push",
+                                                                   max_samples=gs)
+                                      for p, s in snaps.items()})
         pushed = await gather_bounded({
-            p: self.net.push_gradient(p, snaps[p].version, C.scale(g, self._w.get(p, 0.0)))
+            p: self.net.push_gradient(p, snaps[p].version, C.scale(g, self._w.get(p, 0.0)),
+                                      purpose="federico-push")
             for p, g in grads.items()})
 
         # M-step, receiver side (l.21-24): own weighted gradient + what peers pushed to me

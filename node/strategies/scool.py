@@ -198,7 +198,8 @@ class _SCoolBase(Strategy):
 
     async def _evidence(self, peers: list[str]) -> dict[str, float]:
         n = self.p["evidence_samples"]
-        got = await gather_bounded({p: self.net.cross_loss(p, max_samples=n) for p in peers})
+        got = await gather_bounded({p: self.net.cross_loss(p, max_samples=n, purpose="scool-evidence")
+                                  for p in peers})
         return {p: -float(v[0]) for p, v in got.items() if np.isfinite(v[0])}
 
     async def _estep(self, rnd: int, theta_half: Params, snaps: dict) -> None:
@@ -263,7 +264,8 @@ class _SCoolBase(Strategy):
         for _ in range(max(1, int(self.p["exact_steps"]))):
             theta = self.learner.get_params()
             use = [p for p in peers if self._row.get(p, 0.0) > 0]
-            replies = await gather_bounded({p: self.net.cross_gradient(p, theta, max_samples=gs) for p in use})
+            replies = await gather_bounded({p: self.net.cross_gradient(p, theta, max_samples=gs, purpose="scool-gradient")
+                                            for p in use})
             g_own, r = await self.compute(self.learner.gradient, None, "train", gs)
             losses.append(r.loss)
             wts = {self.node_id: self._row.get(self.node_id, 1.0)}

@@ -1,7 +1,19 @@
-"""The calling side of the gRPC peer plane (``peering.interfaces.PeerTransport``): one cached
-channel per peer address, chunked streams, size and hash checks on everything that comes back,
+"""The calling side of the gRPC peer plane (``peering.interfaces.PeerTransport``): cached
+channels per peer address, chunked streams, size and hash checks on everything that comes back,
 tensors decoded into domain objects. Every call is bounded by a deadline; every failure leaves
-as a ``PeerCallError`` (a malformed reply as a ``WireError``)."""
+as a ``PeerCallError`` (a malformed reply as a ``WireError``).
+
+Two channels per peer: membership messages (handshake, ping, indirect probe, peer lists) never
+queue behind a model-sized transfer on the same TCP connection. Channels nobody used for
+``idle_channel_s`` (and with no call in flight) are closed. Received payloads land in one
+buffer and decode as zero-copy views of it.
+
+With mTLS (``tls.py``) a channel is opened for an (address, plane, expected node id) triple and
+TLS checks the server's certificate names that node. A handshake to an address whose owner is not
+known yet goes over a channel that accepts any CA-issued node; the id the reply claims is then
+proven by a second connection that asks for that id's certificate, and from then on every call to
+that address is held to it. So a node's address book only ever binds an address to a node id that
+node's certificate proved."""
 from __future__ import annotations
 
 import asyncio
@@ -11,17 +23,20 @@ from typing import Any, AsyncIterator
 
 import grpc
 import msgpack
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ...proto.v1 import peer_pb2 as pb
 from ...proto.v1 import peer_pb2_grpc as rpc
 from ..peering import serde
-from ..peering.errors import PeerCallError, Refusal
+from ..peering.errors import REFUSED, PeerCallError, Refusal, short
 from ..peering.interfaces import Traffic
 from ..peering.messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest,
-                                NodeInfo, PeerEntry, SnapshotHeader)
-from ..wire.codec import Groups, WireError, decode, encode
+                                IndirectProbe, MemberUpdate, NodeInfo, PeerEntry, SnapshotHeader)
+from ..security.ids import node_id_problem
+from ..wire.codec import OFF_LOOP_BYTES, Groups, WireError, decode, encode, encoded_size
 from .chunks import Assembler, collect, data_field, sha256, split
 from .errors import call_error
+from .tls import TLS
 
 _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
@@ -29,15 +44,21 @@ _CHANNEL_OPTIONS = [
     # a dead peer must fail fast instead of sitting in exponential reconnect backoff
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
+    # each channel its own connection: the membership channel must not share the bulk one's
+    ("grpc.use_local_subchannel_pool", 1),
 ]
+CONTROL, BULK = "control", "bulk"  # the two channels to each peer
+_ANY = ""  # expected node id "any node of the CA": a first contact, before a handshake proves who
 
 
 def _domain_errors(fn):
-    """gRPC failures become PeerCallError; a malformed stream (bad chunk, size, hash) a WireError."""
+    """gRPC failures become PeerCallError; a malformed stream (bad chunk, size, hash) a WireError.
+    The call counts as in flight on its address meanwhile (idle channel eviction spares it)."""
     @functools.wraps(fn)
-    async def wrapper(*args, **kwargs):
+    async def wrapper(self, address, *args, **kwargs):
+        self._busy[address] = self._busy.get(address, 0) + 1
         try:
-            return await fn(*args, **kwargs)
+            return await fn(self, address, *args, **kwargs)
         except grpc.aio.AioRpcError as e:
             raise call_error(e) from None
         except Refusal as e:
@@ -48,12 +69,17 @@ def _domain_errors(fn):
             raise WireError(f"malformed reply: {e}") from None
         except OSError as e:
             raise PeerCallError("unavailable", str(e)) from None
+        finally:
+            self._busy[address] -= 1
+            if not self._busy[address]:
+                del self._busy[address]
     return wrapper
 
 
 class PeerClient:
     def __init__(self, node_id: str, traffic: Traffic, *, chunk_bytes: int, max_model_bytes: int,
-                 max_gossip_bytes: int, timeout_s: float, delay_ms: float = 0.0):
+                 max_gossip_bytes: int, timeout_s: float, tls: TLS | None, delay_ms: float = 0.0,
+                 idle_channel_s: float = 120.0):
         self.node_id = node_id
         self.traffic = traffic
         self.chunk_bytes = chunk_bytes
@@ -61,30 +87,92 @@ class PeerClient:
         self.max_gossip_bytes = max_gossip_bytes
         self.timeout_s = timeout_s
         self.delay_s = delay_ms / 1000.0  # emulated one-way link latency (testbed)
-        self._stubs: dict[str, tuple[grpc.aio.Channel, rpc.PeerStub]] = {}
+        self.idle_channel_s = idle_channel_s
+        self.tls = tls
+        self._creds = tls.channel_credentials() if tls is not None else None
+        # (address, plane, expected node id or None) -> channel, stub
+        self._stubs: dict[tuple[str, str, str | None], tuple[grpc.aio.Channel, rpc.PeerStub]] = {}
+        self._proven: dict[str, str] = {}  # address -> node id its certificate proved (mTLS)
+        self._used: dict[str, float] = {}  # address -> last time a call started
+        self._busy: dict[str, int] = {}  # address -> calls in flight
+        self._next_sweep = time.monotonic() + idle_channel_s
+        self.evicted = 0
 
-    def stub(self, address: str) -> rpc.PeerStub:
-        if address not in self._stubs:
-            ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-            self._stubs[address] = (ch, rpc.PeerStub(ch))
-        return self._stubs[address][1]
+    def _channel(self, address: str, plane: str, peer: str | None = None) -> tuple[grpc.aio.Channel, rpc.PeerStub]:
+        """The ``plane`` channel to ``address`` that only reaches ``peer`` (default: the node
+        proven to be there; none yet: any node of the CA, for a handshake)."""
+        now = time.monotonic()
+        self._used[address] = now
+        if now >= self._next_sweep:
+            self._next_sweep = now + self.idle_channel_s / 4
+            self._evict_idle(now)
+        expected = None if self.tls is None else (peer if peer is not None else self._proven.get(address, _ANY))
+        key = (address, plane, expected)
+        entry = self._stubs.get(key)
+        if entry is None:
+            options = _CHANNEL_OPTIONS + [("coterie.plane", plane)]
+            if self.tls is None:
+                ch = grpc.aio.insecure_channel(address, options=options)
+            else:
+                name = ("grpc.ssl_target_name_override", self.tls.target_name(expected))
+                ch = grpc.aio.secure_channel(address, self._creds, options=[*options, name])
+            entry = self._stubs[key] = (ch, rpc.PeerStub(ch))
+        return entry
 
-    def _raw_snapshot_call(self, address: str):
+    def stub(self, address: str, plane: str = BULK, peer: str | None = None) -> rpc.PeerStub:
+        return self._channel(address, plane, peer)[1]
+
+    def channels(self) -> int:
+        return len(self._stubs)
+
+    def _evict_idle(self, now: float) -> None:
+        """Close the channels of addresses unused for ``idle_channel_s`` with nothing in flight."""
+        stale = {a for a, t in self._used.items() if now - t > self.idle_channel_s and a not in self._busy}
+        for address in stale:
+            del self._used[address]
+            for key in [k for k in self._stubs if k[0] == address]:
+                self.evicted += 1
+                asyncio.get_running_loop().create_task(self._stubs.pop(key)[0].close())
+
+    def _raw_snapshot_call(self, address: str, peer: str | None = None):
         """GetSnapshot with chunk messages left as raw bytes: the payload is sliced out of each
         message without protobuf building (and copying) a message object per MiB."""
-        self.stub(address)
-        return self._stubs[address][0].unary_stream(
+        return self._channel(address, BULK, peer)[0].unary_stream(
             "/coterie.v1.Peer/GetSnapshot", request_serializer=pb.SnapshotRequest.SerializeToString,
             response_deserializer=None)
 
     async def forget(self, address: str) -> None:
-        entry = self._stubs.pop(address, None)
-        if entry:
-            await entry[0].close()
+        self._used.pop(address, None)
+        self._proven.pop(address, None)
+        for key in [k for k in self._stubs if k[0] == address]:
+            await self._stubs.pop(key)[0].close()
 
     async def close(self) -> None:
-        for address in list(self._stubs):
+        for address in {k[0] for k in self._stubs}:
             await self.forget(address)
+
+    async def _prove(self, address: str, node_id: str, timeout: float) -> None:
+        """Check that the node at ``address`` holds a certificate for ``node_id``: a call on a
+        channel that asks TLS for exactly that name (the gRPC health check: cheap, always served)."""
+        if self.tls is None or self._proven.get(address) == node_id:
+            return
+        problem = node_id_problem(node_id)
+        if problem:
+            raise PeerCallError(REFUSED, f"peer at {address}: {problem}")
+        if not self.tls.allowed(node_id):
+            raise PeerCallError(REFUSED, f"peer at {address} is node {node_id!r}, not on the allow-list")
+        ch, _ = self._channel(address, CONTROL, node_id)
+        try:
+            await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            await self._stubs.pop((address, CONTROL, node_id))[0].close()
+            raise PeerCallError(REFUSED, f"peer at {address} claims to be node {node_id!r} but could not "
+                                         f"prove it with that node's certificate ({short(e.details() or '', 300)})") from None
+        old = self._proven.get(address)
+        self._proven[address] = node_id
+        if old is not None:
+            for key in [k for k in self._stubs if k[0] == address and k[2] == old]:
+                await self._stubs.pop(key)[0].close()
 
     async def _link(self) -> None:
         if self.delay_s:
@@ -99,40 +187,54 @@ class PeerClient:
         t0 = time.perf_counter()
         await self._link()
         req = pb.HandshakeRequest(node=serde.node_info_to_pb(info))
-        reply = await self.stub(address).Handshake(req, timeout=timeout)
+        # a fresh look at whoever is at the address now (a restarted node may have another id)
+        reply = await self.stub(address, CONTROL, _ANY if self.tls else None).Handshake(req, timeout=timeout)
         self.traffic.record("handshake", sent=req.ByteSize(), received=reply.ByteSize())
+        remote = serde.node_info_from_pb(reply.node)
+        await self._prove(address, remote.node_id, timeout)
         self._timed("handshake", t0)
-        return serde.node_info_from_pb(reply.node), serde.entries_from_pb(reply.peers)
+        return remote, serde.entries_from_pb(reply.peers)
 
     @_domain_errors
-    async def heartbeat(self, address: str, beat: Beat, timeout: float) -> tuple[Beat, float]:
+    async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
+                        peer: str | None = None) -> tuple[Beat, float]:
         t0 = time.perf_counter()
         await self._link()
         req = serde.beat_to_request(beat)
-        reply = await self.stub(address).Heartbeat(req, timeout=timeout)
+        reply = await self.stub(address, CONTROL, peer).Heartbeat(req, timeout=timeout)
         rtt = time.perf_counter() - t0
         self.traffic.record("heartbeat", sent=req.ByteSize(), received=reply.ByteSize())
         self._timed("heartbeat", t0)
         return serde.beat_from_reply(reply), rtt
 
     @_domain_errors
-    async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry],
-                             timeout: float) -> list[PeerEntry]:
+    async def indirect_probe(self, address: str, probe: IndirectProbe, timeout: float, *,
+                             peer: str | None = None) -> tuple[bool, tuple[MemberUpdate, ...]]:
         await self._link()
-        req = pb.PeerList(node_id=sender, peers=serde.entries_to_pb(entries))
-        reply = await self.stub(address).ExchangePeers(req, timeout=timeout)
+        req = serde.probe_to_pb(probe)
+        reply = await self.stub(address, CONTROL, peer).IndirectProbe(req, timeout=timeout)
+        self.traffic.record("probe", sent=req.ByteSize(), received=reply.ByteSize())
+        return reply.ack, serde.updates_from_pb(reply.updates)
+
+    @_domain_errors
+    async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
+                             members: list[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
+                             ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]:
+        await self._link()
+        req = serde.peer_list_to_pb(sender, entries, members, incarnation)
+        reply = await self.stub(address, CONTROL, peer).ExchangePeers(req, timeout=timeout)
         self.traffic.record("peers", sent=req.ByteSize(), received=reply.ByteSize())
-        return serde.entries_from_pb(reply.peers)
+        return serde.entries_from_pb(reply.peers), serde.updates_from_pb(reply.members), reply.incarnation
 
     # --- snapshots ---
     @_domain_errors
     async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
-                           min_round: int = 0, wait_s: float = 0.0,
-                           timeout: float | None = None) -> tuple[SnapshotHeader, Groups | None]:
+                           min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
+                           peer: str | None = None) -> tuple[SnapshotHeader, Groups | None]:
         """The peer's current snapshot; groups is None when it is still ``have_version``."""
         t0 = time.perf_counter()
         await self._link()
-        call = self._raw_snapshot_call(address)(
+        call = self._raw_snapshot_call(address, peer)(
             pb.SnapshotRequest(requester=requester, have_version=have_version, chunk_bytes=self.chunk_bytes,
                                min_round=min_round, wait_ms=int(wait_s * 1000)),
             timeout=timeout or self.timeout_s)
@@ -146,10 +248,10 @@ class PeerClient:
             asm = Assembler(f"snapshot of {h.node_id or address}", h.total_bytes, h.sha256,
                             self.max_model_bytes)
             async for raw in it:
-                asm.add(data_field(raw))
+                asm.add(data_field(raw))  # copied once, into the snapshot's own buffer
             data = asm.finish()
             size = len(data)
-            try:
+            try:  # zero-copy: the tensors are views of that one buffer
                 groups, _ = decode(data, max_bytes=self.max_model_bytes)
             except WireError as e:
                 raise WireError(f"snapshot v{h.version} of {h.node_id or address} is malformed: {e}") from None
@@ -167,15 +269,21 @@ class PeerClient:
         return gen()
 
     @_domain_errors
-    async def compute(self, address: str, request: ComputeRequest, timeout: float | None = None) -> ComputeReply:
+    async def compute(self, address: str, request: ComputeRequest, timeout: float | None = None, *,
+                      peer: str | None = None) -> ComputeReply:
         t0 = time.perf_counter()
         kind = request.kind
         await self._link()
-        payload = encode(request.groups) if request.groups is not None and request.ref is None else None
-        header = serde.compute_header_to_pb(request, len(payload) if payload else 0,
-                                            sha256(payload) if payload else "")
+        payload, digest = None, ""
+        if request.groups is not None and request.ref is None:
+            def pack(groups=request.groups):
+                data = encode(groups)
+                return data, sha256(data)
+            big = encoded_size(request.groups) > OFF_LOOP_BYTES
+            payload, digest = await asyncio.to_thread(pack) if big else pack()
+        header = serde.compute_header_to_pb(request, len(payload) if payload else 0, digest)
         frames = self._frames(header, payload)
-        stub = self.stub(address)
+        stub = self.stub(address, BULK, peer)
         sent = header.ByteSize() + (len(payload) if payload else 0)
         timeout = timeout or self.timeout_s
         if kind == CROSS_LOSS:
@@ -206,7 +314,7 @@ class PeerClient:
 
     @_domain_errors
     async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],
-                     timeout: float | None = None) -> dict[str, Any]:
+                     timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         await self._link()
         raw = msgpack.packb(payload, use_bin_type=True)
@@ -214,7 +322,7 @@ class PeerClient:
             raise PeerCallError("invalid", f"gossip payload for {key!r} is {len(raw)} bytes, "
                                            f"over the limit of {self.max_gossip_bytes}")
         req = pb.GossipMessage(node_id=sender, key=key, payload=raw)
-        reply = await self.stub(address).GossipState(req, timeout=timeout or self.timeout_s)
+        reply = await self.stub(address, BULK, peer).GossipState(req, timeout=timeout or self.timeout_s)
         if len(reply.payload) > self.max_gossip_bytes:
             raise WireError(f"gossip reply from {address} exceeds {self.max_gossip_bytes} bytes")
         self.traffic.record("gossip", sent=req.ByteSize(), received=reply.ByteSize())

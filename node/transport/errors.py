@@ -11,8 +11,15 @@ _CODES = {
     e.UNKNOWN_PEER: grpc.StatusCode.PERMISSION_DENIED,
     e.NOT_CACHED: grpc.StatusCode.NOT_FOUND,
     e.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    e.PRIVACY_BUDGET: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    e.FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
+    e.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
-_KINDS = {code: kind for kind, code in _CODES.items()}
+# both UNKNOWN_PEER and FORBIDDEN travel as PERMISSION_DENIED; the caller sees UNKNOWN_PEER, whose
+# remedy (handshake again) is the one an honest node can act on. Both EXHAUSTED (admission) and
+# PRIVACY_BUDGET travel as RESOURCE_EXHAUSTED; the message tells them apart (a spent privacy budget
+# does not come back, a rate limit does).
+_KINDS = {code: kind for kind, code in _CODES.items() if kind not in (e.FORBIDDEN, e.PRIVACY_BUDGET)}
 
 
 def status_of(refusal: e.Refusal) -> grpc.StatusCode:
@@ -21,4 +28,7 @@ def status_of(refusal: e.Refusal) -> grpc.StatusCode:
 
 def call_error(err: grpc.aio.AioRpcError) -> e.PeerCallError:
     """A failed gRPC call as the domain sees it (deadline, unreachable, refused with a reason)."""
-    return e.PeerCallError(_KINDS.get(err.code(), e.UNAVAILABLE), err.details() or err.code().name)
+    kind = _KINDS.get(err.code(), e.UNAVAILABLE)
+    if kind == e.EXHAUSTED and "privacy budget" in (err.details() or ""):
+        kind = e.PRIVACY_BUDGET
+    return e.PeerCallError(kind, err.details() or err.code().name)

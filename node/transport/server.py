@@ -1,78 +1,113 @@
 """The gRPC side a node serves to its peers. It moves bytes: protobuf frames in and out (through
 ``peering/serde``), chunking, size and hash checks, tensor decoding. What a request *means*
-(whose model, which data, which strategy) is the ``PeerHandler``'s business."""
+(whose model, which data, which strategy) is the ``PeerHandler``'s business.
+
+What it checks before the handler sees anything:
+- who calls: with mTLS (``tls.py``) the node id a request claims (handshake node, heartbeat
+  sender, requester, ...) must be the one in the caller's certificate, and on the allow-list if
+  there is one; otherwise PERMISSION_DENIED. Node ids are bounded (``security/ids.py``);
+- how much: compute and bulk requests pass the handler's per-peer admission (``admit``) before
+  their payload is read; uploads must finish within ``upload_timeout_s`` with no gap over
+  ``upload_idle_s``; reply streams to a slow reader are cut after ``send_timeout_s``;
+- what: requests arrive as raw bytes and are parsed here, so a malformed message is an
+  INVALID_ARGUMENT with a one-line reason, never gRPC's UNKNOWN or INTERNAL with a traceback.
+Every refusal's detail is at most ``errors.MAX_MESSAGE`` characters."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
 
 import grpc
 import msgpack
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ...proto.v1 import peer_pb2 as pb
 from ..peering import serde
-from ..peering.errors import Refusal, invalid
+from ..peering.errors import Refusal, exhausted, forbidden, invalid, short
 from ..peering.interfaces import PeerHandler, Traffic
-from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, LocalSnapshot
+from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, MAX_GOSSIP_KEY, PUSH_GRADIENT
+from ..security.ids import node_id_problem
 from ..wire.codec import WireError, decode, encode
-from .chunks import Assembler, collect, sha256, split
+from .chunks import Assembler, collect, data_frames, sha256, split
 from .errors import status_of
+from .tls import TLS, caller_identity
 
 log = logging.getLogger(__name__)
 
 # After refusing a streamed request, keep reading (and discarding) what the sender still has in
 # flight before sending the status: if the server closes first, the sender's next write fails and
 # grpc reports a bare INTERNAL "execute_batch" error instead of our reason (HTTP servers do the
-# same "lingering close"). Bounded so a hostile sender cannot keep the call open.
+# same "lingering close"). Bounded so a hostile sender cannot keep the call open: at most
+# LINGER_BYTES, LINGER_S in all, and it ends as soon as the sender pauses for LINGER_IDLE_S.
 LINGER_BYTES = 64 << 20
-LINGER_S = 2.0
+LINGER_S = 5.0
+LINGER_IDLE_S = 1.0
+MAX_STREAMS_PER_CONNECTION = 64  # HTTP/2 streams one connection may hold open (gRPC's default: no limit)
 
 
 async def _linger(frames) -> None:
-    async def drain() -> None:
-        drained = 0
-        async for msg in frames:
-            drained += msg.ByteSize()
-            if drained > LINGER_BYTES:
-                return
-
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + LINGER_S
+    it = frames.__aiter__()
+    drained = 0
     try:
-        await asyncio.wait_for(drain(), LINGER_S)
-    except (asyncio.TimeoutError, grpc.RpcError):
+        while drained <= LINGER_BYTES:
+            left = min(LINGER_IDLE_S, deadline - loop.time())
+            if left <= 0:
+                return
+            msg = await asyncio.wait_for(it.__anext__(), left)
+            drained += len(msg) if isinstance(msg, (bytes, memoryview)) else msg.ByteSize()
+    except Exception:  # noqa: BLE001 - done, paused, broken or cancelled: nothing more to drain
         pass
 
 
-class _Frames:
-    """A snapshot cut into serialised ``SnapshotChunk`` messages once, then streamed to every
-    puller without further copies (one snapshot at a time: the current one)."""
+@dataclass(frozen=True)
+class StreamLimits:
+    """Server-side deadlines (``config.LimitsConfig`` carries the configured values)."""
+    upload_timeout_s: float = 60.0
+    upload_idle_s: float = 10.0
+    send_timeout_s: float = 120.0
+    min_bytes_per_s: float = 64 * 1024  # deadlines stretch by size / this
 
-    def __init__(self, chunk_bytes: int):
-        self.chunk_bytes = chunk_bytes
-        self._snap: LocalSnapshot | None = None
-        self._frames: tuple[bytes, ...] = ()
+    def upload_deadline(self, size: int) -> float:
+        return self.upload_timeout_s + size / self.min_bytes_per_s
 
-    def of(self, snap: LocalSnapshot) -> tuple[bytes, ...]:
-        if self._snap is not snap:
-            self._frames = tuple(pb.SnapshotChunk(data=part).SerializeToString()
-                                 for part in split(snap.encoded, self.chunk_bytes))
-            self._snap = snap
-        return self._frames
+    def send_deadline(self, size: int) -> float:
+        return self.send_timeout_s + size / self.min_bytes_per_s
+
+
+def _parse(cls, raw: bytes, what: str):
+    try:
+        return cls.FromString(raw)
+    except (DecodeError, ValueError, TypeError) as e:
+        raise invalid(f"{what}: not a valid {cls.__name__} message ({short(str(e), 200)})") from None
+
+
+async def _parsed(raw_frames, cls, what: str) -> AsyncIterator[Any]:
+    async for raw in raw_frames:
+        yield _parse(cls, raw, what)
 
 
 class PeerService:
     def __init__(self, handler: PeerHandler, traffic: Traffic, *, chunk_bytes: int,
-                 max_model_bytes: int, max_gossip_bytes: int):
+                 max_model_bytes: int, max_gossip_bytes: int, tls: TLS | None,
+                 streams: StreamLimits = StreamLimits()):
         self.h = handler
         self.traffic = traffic
         self.chunk_bytes = chunk_bytes
         self.max_model_bytes = max_model_bytes
         self.max_gossip_bytes = max_gossip_bytes
-        self._frames = _Frames(chunk_bytes)
+        self.tls = tls
+        self.streams = streams
 
+    # ------------------------------------------------------------------ plumbing
     async def _guard(self, context: grpc.aio.ServicerContext, kind: str, coro, stream=None):
         """Run a handler call; turn a Refusal/WireError into a status the caller can read.
         ``stream``: the request stream, drained before refusing (see ``LINGER_BYTES``)."""
@@ -81,59 +116,160 @@ class PeerService:
             return await coro
         except (Refusal, WireError) as e:
             code, message = ((status_of(e), e.message) if isinstance(e, Refusal)
-                             else (grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+                             else (grpc.StatusCode.INVALID_ARGUMENT, short(str(e))))
             log.warning("refused %s from %s: %s", kind, context.peer(), message)
             if stream is not None:
                 await _linger(stream)
             await context.abort(code, message)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception:  # a bug, not the peer's fault: say so briefly, keep the traceback here
+            log.exception("internal error serving %s from %s", kind, context.peer())
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error serving {kind}")
         finally:
             self.traffic.latency(kind, time.perf_counter() - t0, "server")
 
+    def _who(self, context: grpc.aio.ServicerContext, claimed: str, what: str) -> str:
+        """The node id a request claims, once it is a well-formed id and — with mTLS — the one
+        the caller's certificate carries (and allowed). Everything after this trusts it."""
+        problem = node_id_problem(claimed)
+        if problem:
+            raise invalid(f"{what}: {problem}")
+        if self.tls is None:
+            return claimed
+        ident = caller_identity(context)
+        if ident is None:
+            raise forbidden(f"{what}: the caller's certificate names no Coterie node id")
+        if claimed != ident:
+            raise forbidden(f"{what}: claims to be node {claimed!r}, but its certificate is for {ident!r}")
+        if not self.tls.allowed(ident):
+            raise forbidden(f"{what}: node {ident!r} is not on this node's allow-list")
+        return ident
+
+    async def _upload(self, frames: AsyncIterator[Any], who: str) -> AsyncIterator[Any]:
+        """``frames`` under the server's deadlines: no gap longer than ``upload_idle_s``, and the
+        whole upload within ``upload_timeout_s`` (stretched for a large announced payload once
+        the header says how large: a slow or stalled sender is cut off)."""
+        loop = asyncio.get_running_loop()
+        total, idle = self.streams.upload_timeout_s, self.streams.upload_idle_s
+        start = loop.time()
+        deadline = start + total
+        it = frames.__aiter__()
+        first = True
+        while True:
+            left = min(idle, deadline - loop.time())
+            if left <= 0:
+                raise exhausted(f"{who}: upload not complete after {total:g} s")
+            try:
+                msg = await asyncio.wait_for(it.__anext__(), left)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise exhausted(f"{who}: upload stalled for {idle:g} s" if loop.time() < deadline
+                                else f"{who}: upload not complete after {total:g} s") from None
+            if first and getattr(msg, "WhichOneof", None) and msg.WhichOneof("body") == "header":
+                total = self.streams.upload_deadline(msg.header.total_bytes)
+                deadline = start + total  # the size is checked against the limit right after
+            first = False
+            yield msg
+
+    async def _send(self, context, messages, what: str, size: int | None = None) -> int:
+        """Write a reply stream, all of it within ``send_timeout_s``: a reader that stops taking
+        it (flow control blocks the writes) is cut off with RESOURCE_EXHAUSTED instead of holding
+        the call, its admission slot and the buffers for ever."""
+        loop = asyncio.get_running_loop()
+        if size is None:  # (an iterator of frames built as they go out says its size instead)
+            messages = list(messages)
+            size = sum(len(m) if isinstance(m, bytes) else m.ByteSize() for m in messages)
+        limit = self.streams.send_deadline(size)
+        deadline = loop.time() + limit
+        sent = 0
+        for msg in messages:
+            try:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                await asyncio.wait_for(context.write(msg), left)
+            except asyncio.TimeoutError:
+                log.warning("cut off %s after %.0f s: the reader is not taking it (%s)", what, limit, context.peer())
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"{what}: not taken within {limit:.0f} s; reader too slow")
+            sent += len(msg) if isinstance(msg, bytes) else msg.ByteSize()
+        return sent
+
     # --- membership ---
-    async def Handshake(self, request, context):
+    async def Handshake(self, raw: bytes, context):
         async def go():
-            self.traffic.record("handshake", received=request.ByteSize())
-            entries = self.h.on_handshake(serde.node_info_from_pb(request.node))
+            request = _parse(pb.HandshakeRequest, raw, "handshake")
+            remote = serde.node_info_from_pb(request.node)
+            self._who(context, remote.node_id, "handshake")
+            self.traffic.record("handshake", received=len(raw))
+            entries = self.h.on_handshake(remote)
             reply = pb.HandshakeReply(node=serde.node_info_to_pb(self.h.info()),
                                       peers=serde.entries_to_pb(entries))
             self.traffic.record("handshake", sent=reply.ByteSize())
             return reply
         return await self._guard(context, "handshake", go())
 
-    async def Heartbeat(self, request, context):
+    async def Heartbeat(self, raw: bytes, context):
         async def go():
+            request = _parse(pb.HeartbeatRequest, raw, "heartbeat")
+            self._who(context, request.node_id, "heartbeat")
             reply = serde.beat_to_reply(self.h.on_heartbeat(serde.beat_from_request(request)))
-            self.traffic.record("heartbeat", received=request.ByteSize(), sent=reply.ByteSize())
+            self.traffic.record("heartbeat", received=len(raw), sent=reply.ByteSize())
             return reply
         return await self._guard(context, "heartbeat", go())
 
-    async def ExchangePeers(self, request, context):
+    async def ExchangePeers(self, raw: bytes, context):
         async def go():
-            entries = self.h.on_peer_list(request.node_id, serde.entries_from_pb(request.peers))
-            reply = pb.PeerList(node_id=self.h.node_id, peers=serde.entries_to_pb(entries))
-            self.traffic.record("peers", received=request.ByteSize(), sent=reply.ByteSize())
+            request = _parse(pb.PeerList, raw, "peer exchange")
+            sender = self._who(context, request.node_id, "peer exchange")
+            entries, members, inc = self.h.on_peer_list(sender, serde.entries_from_pb(request.peers),
+                                                        serde.updates_from_pb(request.members), request.incarnation)
+            reply = serde.peer_list_to_pb(self.h.node_id, entries, members, inc)
+            self.traffic.record("peers", received=len(raw), sent=reply.ByteSize())
             return reply
         return await self._guard(context, "peers", go())
 
+    async def IndirectProbe(self, raw: bytes, context):
+        async def go():
+            request = _parse(pb.IndirectProbeRequest, raw, "indirect probe")
+            self._who(context, request.node_id, "indirect probe")
+            ack, updates = await self.h.on_indirect_probe(serde.probe_from_pb(request))
+            reply = serde.probe_reply_to_pb(ack, updates)
+            self.traffic.record("probe", received=len(raw), sent=reply.ByteSize())
+            return reply
+        return await self._guard(context, "probe", go())
+
     # --- snapshots ---
-    async def GetSnapshot(self, request, context):
+    async def GetSnapshot(self, raw: bytes, context):
         t0 = time.perf_counter()
-        snap = await self._guard(context, "snapshot", self.h.snapshot(
-            request.requester, request.min_round, request.wait_ms / 1000.0))
-        unchanged = request.have_version == snap.version and request.have_version > 0
-        frames = () if unchanged else self._frames.of(snap)
-        header = serde.snapshot_header_to_pb(snap.header(unchanged), 0 if unchanged else len(snap.encoded))
-        yield pb.SnapshotChunk(header=header)
-        sent = header.ByteSize()
-        for frame in frames:  # pre-serialised: no per-puller copies
-            yield frame
-            sent += len(frame)
+        with contextlib.ExitStack() as slot:
+            async def go():
+                request = _parse(pb.SnapshotRequest, raw, "snapshot request")
+                who = self._who(context, request.requester, "snapshot request")
+                self.h.check_known(who)
+                slot.enter_context(self.h.admit(who, "snapshot"))
+                return request, await self.h.snapshot(who, request.min_round, request.wait_ms / 1000.0)
+
+            request, snap = await self._guard(context, "snapshot", go())
+            unchanged = request.have_version == snap.version and request.have_version > 0
+            header = serde.snapshot_header_to_pb(snap.header(unchanged), 0 if unchanged else len(snap.encoded))
+            # framed by hand from the snapshot's one buffer as they go out: one 1 MiB copy at a
+            # time per puller, instead of a second full copy of every published snapshot
+            frames = () if unchanged else data_frames(snap.encoded, self.chunk_bytes)
+            size = header.ByteSize() + (0 if unchanged else len(snap.encoded))
+            sent = await self._send(context, itertools.chain((pb.SnapshotChunk(header=header),), frames),
+                                    f"snapshot for {request.requester}", size=size)
         self.traffic.record("snapshot", sent=sent)
         self.traffic.latency("snapshot", time.perf_counter() - t0, "server")
 
     # --- compute on my data ---
-    async def _read_compute(self, frames, kind: str):
-        it = frames.__aiter__()
+    async def _read_compute(self, context, raw_frames, kind: str, slot: contextlib.ExitStack):
+        """The request a compute stream carries: header (within ``upload_idle_s``), caller
+        authenticated and known, one of its admission slots taken (held by ``slot``), then the
+        payload under the upload deadlines."""
+        it = self._upload(_parsed(raw_frames, pb.ComputeFrame, kind), kind).__aiter__()
         try:
             first = await it.__anext__()
         except StopAsyncIteration:
@@ -142,12 +278,16 @@ class PeerService:
             raise invalid(f"{kind}: stream must start with a header frame")
         h = first.header
         req = serde.compute_request_from_pb(kind, h)
+        req.requester = self._who(context, req.requester, kind)
         self.h.check_known(req.requester)  # before reading a payload from a stranger
-        if req.ref is not None:
+        who = f"{kind} from {req.requester}"
+        if req.ref is not None and node_id_problem(req.ref.node_id):
+            raise invalid(f"{who}: snapshot reference: {node_id_problem(req.ref.node_id)}")
+        asm = None if req.ref is not None else Assembler(who, h.total_bytes, h.sha256, self.max_model_bytes)
+        slot.enter_context(self.h.admit(req.requester, kind))
+        if asm is None:
             self.traffic.record(kind, received=first.ByteSize())
             return req
-        who = f"{kind} from {req.requester}"
-        asm = Assembler(who, h.total_bytes, h.sha256, self.max_model_bytes)
         data = await collect(it, asm)
         self.traffic.record(kind, received=first.ByteSize() + len(data))
         try:
@@ -156,48 +296,53 @@ class PeerService:
             raise invalid(f"{who}: {e}") from None
         return req
 
-    async def CrossLoss(self, request_iterator, context):
+    async def _computed(self, context, raw_frames, kind: str):
+        with contextlib.ExitStack() as slot:
+            return await self.h.compute(await self._read_compute(context, raw_frames, kind, slot))
+
+    async def CrossLoss(self, raw_frames, context):
         async def go():
-            reply = await self.h.compute(await self._read_compute(request_iterator, CROSS_LOSS))
+            reply = await self._computed(context, raw_frames, CROSS_LOSS)
             out = serde.loss_reply_to_pb(reply)
             self.traffic.record(CROSS_LOSS, sent=out.ByteSize())
             return out
-        return await self._guard(context, CROSS_LOSS, go(), request_iterator)
+        return await self._guard(context, CROSS_LOSS, go(), raw_frames)
 
-    async def CrossGradient(self, request_iterator, context):
-        async def go():
-            return await self.h.compute(await self._read_compute(request_iterator, CROSS_GRADIENT))
-        reply = await self._guard(context, CROSS_GRADIENT, go(), request_iterator)
+    async def CrossGradient(self, raw_frames, context):
+        reply = await self._guard(context, CROSS_GRADIENT, self._computed(context, raw_frames, CROSS_GRADIENT),
+                                  raw_frames)
         data = encode(reply.grad) if reply.grad is not None else b""
         header = serde.gradient_header_to_pb(reply, len(data), sha256(data) if data else "")
-        yield pb.GradientChunk(header=header)
-        for part in split(data, self.chunk_bytes):
-            yield pb.GradientChunk(data=part)
+        frames = (pb.GradientChunk(header=header), *(pb.GradientChunk(data=p) for p in split(data, self.chunk_bytes)))
+        await self._send(context, frames, "gradient")
         self.traffic.record(CROSS_GRADIENT, sent=header.ByteSize() + len(data))
 
-    async def PushGradient(self, request_iterator, context):
+    async def PushGradient(self, raw_frames, context):
         async def go():
-            reply = await self.h.compute(await self._read_compute(request_iterator, PUSH_GRADIENT))
-            return serde.ack_to_pb(reply)
-        return await self._guard(context, PUSH_GRADIENT, go(), request_iterator)
+            return serde.ack_to_pb(await self._computed(context, raw_frames, PUSH_GRADIENT))
+        return await self._guard(context, PUSH_GRADIENT, go(), raw_frames)
 
-    async def GossipState(self, request, context):
+    async def GossipState(self, raw: bytes, context):
         async def go():
-            sender = request.node_id
+            request = _parse(pb.GossipMessage, raw, "gossip")
+            sender = self._who(context, request.node_id, "gossip")
             self.h.check_known(sender)
-            if len(request.payload) > self.max_gossip_bytes:
-                raise invalid(f"gossip from {sender}: {len(request.payload)} bytes exceeds "
-                              f"the limit of {self.max_gossip_bytes}")
-            try:
-                payload = msgpack.unpackb(request.payload, raw=False, strict_map_key=False)
-            except Exception as e:  # msgpack raises a zoo of types on garbage
-                raise invalid(f"gossip from {sender}: payload is not msgpack ({e})") from None
-            if not isinstance(payload, dict):
-                raise invalid(f"gossip from {sender}: payload is not a map")
-            reply = await self.h.gossip(sender, request.key, payload)
-            out = pb.GossipMessage(node_id=self.h.node_id, key=request.key,
-                                   payload=msgpack.packb(reply, use_bin_type=True))
-            self.traffic.record("gossip", received=request.ByteSize(), sent=out.ByteSize())
+            if len(request.key) > MAX_GOSSIP_KEY:
+                raise invalid(f"gossip from {sender}: key of {len(request.key)} characters, at most {MAX_GOSSIP_KEY}")
+            with self.h.admit(sender, "gossip"):
+                if len(request.payload) > self.max_gossip_bytes:
+                    raise invalid(f"gossip from {sender}: {len(request.payload)} bytes exceeds "
+                                  f"the limit of {self.max_gossip_bytes}")
+                try:
+                    payload = msgpack.unpackb(request.payload, raw=False, strict_map_key=False)
+                except Exception as e:  # msgpack raises a zoo of types on garbage
+                    raise invalid(f"gossip from {sender}: payload is not msgpack ({short(str(e), 200)})") from None
+                if not isinstance(payload, dict):
+                    raise invalid(f"gossip from {sender}: payload is not a map")
+                reply = await self.h.gossip(sender, request.key, payload)
+                out = pb.GossipMessage(node_id=self.h.node_id, key=request.key,
+                                       payload=msgpack.packb(reply, use_bin_type=True))
+            self.traffic.record("gossip", received=len(raw), sent=out.ByteSize())
             return out
         return await self._guard(context, "gossip", go())
 
@@ -209,7 +354,9 @@ def _serialize(msg: Any) -> bytes:
 
 def _handlers(servicer: PeerService) -> grpc.GenericRpcHandler:
     """The Peer service's method table, derived from the proto descriptor (as the generated
-    ``add_PeerServicer_to_server`` does) but with a serializer that passes pre-serialised frames."""
+    ``add_PeerServicer_to_server`` does), but requests arrive as raw bytes (parsed by the
+    servicer: a malformed one is refused with a reason, not a deserialisation traceback) and
+    replies may be pre-serialised frames."""
     service = pb.DESCRIPTOR.services_by_name["Peer"]
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
              (False, True): grpc.unary_stream_rpc_method_handler,
@@ -217,33 +364,56 @@ def _handlers(servicer: PeerService) -> grpc.GenericRpcHandler:
              (True, True): grpc.stream_stream_rpc_method_handler}
     table = {}
     for m in service.methods:
-        request_cls = getattr(pb, m.input_type.name)
         make = kinds[(m.client_streaming, m.server_streaming)]
-        table[m.name] = make(getattr(servicer, m.name), request_deserializer=request_cls.FromString,
+        table[m.name] = make(getattr(servicer, m.name), request_deserializer=None,
                              response_serializer=_serialize)
     return grpc.method_handlers_generic_handler(service.full_name, table)
 
 
-async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, chunk_bytes: int = 1 << 20,
-                max_model_bytes: int = 1 << 31, max_gossip_bytes: int = 1 << 20
-                ) -> tuple[grpc.aio.Server, int]:
-    """Start the peer server (and the standard gRPC health service) on ``address``."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+class HealthStatus:
+    """The standard gRPC health service of a peer server; the node sets it NOT_SERVING while
+    something keeps it from progressing (see node/failures.py)."""
+    SERVICES = ("", "coterie.v1.Peer")
+
+    def __init__(self) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self.serving = True
+
+    async def set(self, serving: bool) -> None:
+        self.serving = serving
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in self.SERVICES:
+            await self.servicer.set(service, status)
+
+
+async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, tls: TLS | None,
+                chunk_bytes: int = 1 << 20, max_model_bytes: int = 1 << 31,
+                max_gossip_bytes: int = 1 << 20, streams: StreamLimits = StreamLimits(),
+                max_rpcs: int | None = None,
+                health_status: HealthStatus | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start the peer server (and the standard gRPC health service) on ``address``: mTLS with
+    ``tls``, plaintext only when the caller passes ``tls=None`` on purpose."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                      ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)],
+                             maximum_concurrent_rpcs=max_rpcs)
     service = PeerService(handler, traffic, chunk_bytes=chunk_bytes, max_model_bytes=max_model_bytes,
-                          max_gossip_bytes=max_gossip_bytes)
+                          max_gossip_bytes=max_gossip_bytes, tls=tls, streams=streams)
     server.add_generic_rpc_handlers((_handlers(service),))
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_status = health_status or HealthStatus()
+    health_pb2_grpc.add_HealthServicer_to_server(health_status.servicer, server)
     reflection.enable_server_reflection(  # lets grpcurl/grpcui list and call the peer service
         (pb.DESCRIPTOR.services_by_name["Peer"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
-        server)
+        server)  # (over mTLS too: grpcurl -cacert ca.pem -cert node.pem -key node.key -authority coterie-peer)
     try:
-        port = server.add_insecure_port(address)
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, tls.server_credentials())
     except RuntimeError:  # grpc raises "Failed to bind to address" for a taken port
         port = 0
     if port == 0:
         raise OSError(f"cannot bind the peer address {address}: the port is in use or not available here")
     await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("coterie.v1.Peer", health_pb2.HealthCheckResponse.SERVING)
+    await health_status.set(health_status.serving)
     return server, port

@@ -8,7 +8,9 @@ checks every length and dtype and raises ``WireError`` naming what is wrong.
 """
 from __future__ import annotations
 
+import math
 import struct
+import sys
 from typing import Any
 
 import msgpack
@@ -18,6 +20,8 @@ import torch
 MAGIC = b"CTW1"
 _HEAD = struct.Struct("<4sI")
 MAX_HEADER = 16 << 20
+MAX_DIMS = 32  # numpy stops at 64, torch kernels earlier; no model here comes close
+MAX_TENSORS = 1 << 16  # tensors in one message (each costs an object, however small)
 
 # Wire dtype names; all little-endian on the wire whatever the host.
 DTYPES: dict[str, np.dtype] = {
@@ -48,27 +52,86 @@ def _tensor_bytes(t: torch.Tensor) -> tuple[str, bytes]:
     return name, t.numpy().astype(DTYPES[name], copy=False).tobytes()
 
 
+def _layout(groups: Groups, meta: dict[str, Any] | None) -> tuple[bytes, list[torch.Tensor]]:
+    layout: dict[str, list[list[Any]]] = {}
+    tensors: list[torch.Tensor] = []
+    for g, ts in groups.items():
+        entries = []
+        for name, t in ts.items():
+            t = t.detach().to("cpu").contiguous()
+            if t.dtype not in _TORCH_NAMES:
+                raise WireError(f"dtype {t.dtype} cannot travel on the wire")
+            entries.append([name, _TORCH_NAMES[t.dtype], list(t.shape)])
+            tensors.append(t)
+        layout[g] = entries
+    return msgpack.packb({"meta": meta or {}, "groups": layout}, use_bin_type=True), tensors
+
+
 def encode(groups: Groups, meta: dict[str, Any] | None = None) -> bytes:
     """Serialise named tensor groups (e.g. {"params": θ, "delta": Δθ}) and a small meta dict."""
-    layout: dict[str, list[list[Any]]] = {}
-    chunks: list[bytes] = []
-    for g, tensors in groups.items():
-        entries = []
-        for name, t in tensors.items():
-            dt, raw = _tensor_bytes(t)
-            entries.append([name, dt, list(t.shape)])
-            chunks.append(raw)
-        layout[g] = entries
-    header = msgpack.packb({"meta": meta or {}, "groups": layout}, use_bin_type=True)
+    header, tensors = _layout(groups, meta)
+    chunks = [_tensor_bytes(t)[1] for t in tensors]
     return b"".join([_HEAD.pack(MAGIC, len(header)), header, *chunks])
+
+
+def encode_buffer(groups: Groups, meta: dict[str, Any] | None = None) -> memoryview:
+    """``encode`` into one writable buffer, each tensor copied once, straight into place; the
+    tensor bytes start on an ``ALIGN`` boundary (so ``decode`` of it is zero-copy)."""
+    header, tensors = _layout(groups, meta)
+    start = _HEAD.size + len(header)
+    total = start + sum(t.numel() * t.element_size() for t in tensors)
+    mv = aligned_buffer(total, start)
+    _HEAD.pack_into(mv, 0, MAGIC, len(header))
+    mv[_HEAD.size:start] = header
+    out = np.frombuffer(mv, dtype=np.uint8)
+    pos = start
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if n:
+            src = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+            arr = src.numpy()
+            if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and sys.byteorder == "big"):
+                arr = arr.astype(arr.dtype.newbyteorder("<"))
+            out[pos:pos + n] = arr.reshape(-1).view(np.uint8)
+        pos += n
+    return mv
+
+
+ALIGN = 64
+
+
+def aligned_buffer(size: int, data_offset: int = 0) -> memoryview:
+    """A writable ``size``-byte buffer whose byte ``data_offset`` sits on an ``ALIGN`` boundary."""
+    raw = np.empty(size + ALIGN, dtype=np.uint8)
+    skip = (-(raw.ctypes.data + data_offset)) % ALIGN
+    return memoryview(raw[skip:skip + size])
+
+
+def data_offset(prefix: bytes | memoryview) -> int:
+    """Where the tensor bytes start in a message beginning with ``prefix`` (0 if it cannot tell)."""
+    if len(prefix) < _HEAD.size:
+        return 0
+    magic, hlen = _HEAD.unpack_from(prefix, 0)
+    return _HEAD.size + hlen if magic == MAGIC and hlen <= MAX_HEADER else 0
+
+
+# Tensor work (encode, hash, validate, average) on more bytes than this goes to a worker thread.
+# Below it, the hop costs more than the work: a thread handing the GIL back and forth with a
+# training thread can wait up to the interpreter's switch interval (5 ms) at each handoff.
+OFF_LOOP_BYTES = 1 << 20
 
 
 def encoded_size(groups: Groups) -> int:
     return sum(t.numel() * t.element_size() for ts in groups.values() for t in ts.values())
 
 
-def decode(data: bytes | memoryview, *, max_bytes: int | None = None) -> tuple[Groups, dict[str, Any]]:
-    """Inverse of ``encode``. Tensors are fresh, writable CPU tensors (the buffer is copied)."""
+def decode(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None,
+           copy: bool | None = None) -> tuple[Groups, dict[str, Any]]:
+    """Inverse of ``encode``. Over a writable buffer (what ``chunks.Assembler`` and
+    ``encode_buffer`` produce) the tensors are zero-copy views of it — they keep it alive, and
+    writing to one writes the buffer; over read-only bytes (or with ``copy=True``) they are
+    fresh copies. A tensor that is not aligned for its dtype, or not in native byte order, is
+    copied either way."""
     if max_bytes is not None and len(data) > max_bytes:
         raise WireError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
     if len(data) < _HEAD.size:
@@ -88,41 +151,69 @@ def decode(data: bytes | memoryview, *, max_bytes: int | None = None) -> tuple[G
     meta = header.get("meta", {})
     if not isinstance(meta, dict):
         raise WireError("header 'meta' is not a map")
-    pos = _HEAD.size + hlen
-    out: Groups = {}
-    mv = memoryview(data)
-    for g, entries in header["groups"].items():
-        if not isinstance(g, str) or not isinstance(entries, list):
-            raise WireError("malformed group table")
-        tensors: dict[str, torch.Tensor] = {}
-        for e in entries:
-            if not (isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)
-                    and isinstance(e[1], str) and isinstance(e[2], list)
-                    and all(isinstance(s, int) and 0 <= s < 1 << 40 for s in e[2])):
-                raise WireError(f"malformed tensor entry in group {g!r}: {e!r}"[:200])
-            name, dt, shape = e
-            if dt != _TORCH_BF16 and dt not in DTYPES:
-                raise WireError(f"tensor {g}/{name}: unknown dtype {dt!r}")
-            itemsize = 2 if dt == _TORCH_BF16 else DTYPES[dt].itemsize
-            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-            nbytes = count * itemsize
-            if pos + nbytes > len(data):
-                raise WireError(f"tensor {g}/{name} {dt}{shape} needs {nbytes} bytes, "
-                                f"only {len(data) - pos} left: truncated message")
-            buf = mv[pos:pos + nbytes]
-            if dt == _TORCH_BF16:
-                arr = np.frombuffer(buf, dtype="<i2").reshape(shape).copy()
-                t = torch.from_numpy(arr).view(torch.bfloat16)
-            else:
-                arr = np.frombuffer(buf, dtype=DTYPES[dt]).reshape(shape)
-                arr = arr.astype(arr.dtype.newbyteorder("="), copy=True)
-                t = torch.from_numpy(arr)
-            tensors[name] = t
-            pos += nbytes
-        out[g] = tensors
+    try:
+        out, pos = _tensors(header["groups"], data, _HEAD.size + hlen, copy)
+    except WireError:
+        raise
+    except (ValueError, TypeError, OverflowError, RuntimeError, MemoryError) as e:
+        # every check above should have caught it; still, never an untyped error from peer bytes
+        raise WireError(f"tensor table does not decode: {type(e).__name__}: {str(e)[:200]}") from None
     if pos != len(data):
         raise WireError(f"{len(data) - pos} trailing bytes after the last tensor")
     return out, meta
+
+
+def _entry(g: str, e: Any) -> tuple[str, str, list[int]]:
+    """One ``[name, dtype, shape]`` entry, or WireError: plain ints (not bools) >= 0, at most
+    ``MAX_DIMS`` of them, a known dtype."""
+    if not (isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and isinstance(e[1], str)
+            and isinstance(e[2], list)):
+        raise WireError(f"malformed tensor entry in group {g[:100]!r}: {e!r}"[:300])
+    name, dt, shape = e
+    if len(shape) > MAX_DIMS:
+        raise WireError(f"tensor {g[:100]}/{name[:100]}: {len(shape)} dimensions, at most {MAX_DIMS}")
+    if not all(type(s) is int and 0 <= s < 1 << 40 for s in shape):
+        raise WireError(f"tensor {g[:100]}/{name[:100]}: shape {shape!r} is not a list of sizes"[:300])
+    if dt != _TORCH_BF16 and dt not in DTYPES:
+        raise WireError(f"tensor {g[:100]}/{name[:100]}: unknown dtype {dt[:40]!r}")
+    return name, dt, shape
+
+
+def _tensors(table: dict, data: bytes | memoryview, pos: int, copy: bool | None) -> tuple[Groups, int]:
+    out: Groups = {}
+    mv = memoryview(data)
+    if copy is None:
+        copy = mv.readonly
+    seen = 0
+    for g, entries in table.items():
+        if not isinstance(g, str) or not isinstance(entries, list):
+            raise WireError("malformed group table")
+        seen += len(entries)
+        if seen > MAX_TENSORS:
+            raise WireError(f"more than {MAX_TENSORS} tensors in one message")
+        tensors: dict[str, torch.Tensor] = {}
+        for e in entries:
+            name, dt, shape = _entry(g, e)
+            itemsize = 2 if dt == _TORCH_BF16 else DTYPES[dt].itemsize
+            nbytes = math.prod(shape) * itemsize  # Python ints: no overflow to a negative size
+            if nbytes > len(data) - pos:
+                raise WireError(f"tensor {g[:100]}/{name[:100]} {dt}{shape} needs {nbytes} bytes, "
+                                f"only {len(data) - pos} left: truncated message"[:400])
+            buf = mv[pos:pos + nbytes]
+            if dt == "bool":
+                raw = np.frombuffer(buf, dtype=np.uint8)
+                if raw.size and raw.max() > 1:  # numpy would hand torch bytes that are not bools
+                    raise WireError(f"tensor {g[:100]}/{name[:100]}: bool bytes other than 0 and 1")
+                arr = raw.astype(np.bool_)
+            else:
+                arr = np.frombuffer(buf, dtype="<i2" if dt == _TORCH_BF16 else DTYPES[dt])
+                if copy or not arr.flags.aligned or not arr.dtype.isnative:
+                    arr = arr.astype(arr.dtype.newbyteorder("="), copy=True)
+            t = torch.from_numpy(arr.reshape(shape))
+            tensors[name] = t.view(torch.bfloat16) if dt == _TORCH_BF16 else t
+            pos += nbytes
+        out[g] = tensors
+    return out, pos
 
 
 def check_finite(groups: Groups) -> None:
@@ -145,44 +236,3 @@ def check_spec(params: dict[str, torch.Tensor], spec: dict[str, tuple[tuple[int,
         if tuple(t.shape) != tuple(shape) or _TORCH_NAMES.get(t.dtype) != dtype:
             raise WireError(f"{what} tensor {k}: got {_TORCH_NAMES.get(t.dtype)}{list(t.shape)}, "
                             f"expected {dtype}{list(shape)}")
-
-
-def pack_state(obj: Any) -> bytes:
-    """Persist a strategy state (nested dicts/lists of scalars, strings and tensor dicts)."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def strip(x: Any, path: str) -> Any:
-        if isinstance(x, torch.Tensor):
-            tensors[path] = x
-            return {"__tensor__": path}
-        if isinstance(x, np.ndarray):
-            tensors[path] = torch.from_numpy(np.ascontiguousarray(x))
-            return {"__ndarray__": path}
-        if isinstance(x, dict):
-            return {str(k): strip(v, f"{path}/{k}") for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [strip(v, f"{path}/{i}") for i, v in enumerate(x)]
-        if isinstance(x, (np.floating, np.integer)):
-            return x.item()
-        return x
-
-    skeleton = strip(obj, "")
-    return encode({"state": tensors}, {"skeleton": skeleton})
-
-
-def unpack_state(data: bytes) -> Any:
-    groups, meta = decode(data)
-    tensors = groups.get("state", {})
-
-    def fill(x: Any) -> Any:
-        if isinstance(x, dict):
-            if set(x) == {"__tensor__"}:
-                return tensors[x["__tensor__"]]
-            if set(x) == {"__ndarray__"}:
-                return tensors[x["__ndarray__"]].numpy()
-            return {k: fill(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [fill(v) for v in x]
-        return x
-
-    return fill(meta.get("skeleton"))

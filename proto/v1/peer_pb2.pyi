@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class MemberState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEMBER_ALIVE: _ClassVar[MemberState]
+    MEMBER_SUSPECT: _ClassVar[MemberState]
+    MEMBER_DEAD: _ClassVar[MemberState]
+MEMBER_ALIVE: MemberState
+MEMBER_SUSPECT: MemberState
+MEMBER_DEAD: MemberState
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "protocol_version", "arch_fingerprint", "capabilities", "address", "admin_url", "labels")
@@ -55,37 +65,85 @@ class HandshakeReply(_message.Message):
     peers: _containers.RepeatedCompositeFieldContainer[PeerEntry]
     def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerEntry, _Mapping]]] = ...) -> None: ...
 
+class MemberUpdate(_message.Message):
+    __slots__ = ("node_id", "address", "incarnation", "state", "accuser")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ACCUSER_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    incarnation: int
+    state: MemberState
+    accuser: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., state: _Optional[_Union[MemberState, str]] = ..., accuser: _Optional[str] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "round", "snapshot_version", "sent_at")
+    __slots__ = ("node_id", "round", "snapshot_version", "sent_at", "incarnation", "updates")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     round: int
     snapshot_version: int
     sent_at: float
-    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., snapshot_version: _Optional[int] = ..., sent_at: _Optional[float] = ...) -> None: ...
+    incarnation: int
+    updates: _containers.RepeatedCompositeFieldContainer[MemberUpdate]
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., snapshot_version: _Optional[int] = ..., sent_at: _Optional[float] = ..., incarnation: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[MemberUpdate, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("node_id", "round", "snapshot_version", "echo_sent_at")
+    __slots__ = ("node_id", "round", "snapshot_version", "echo_sent_at", "incarnation", "updates")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_VERSION_FIELD_NUMBER: _ClassVar[int]
     ECHO_SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     round: int
     snapshot_version: int
     echo_sent_at: float
-    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., snapshot_version: _Optional[int] = ..., echo_sent_at: _Optional[float] = ...) -> None: ...
+    incarnation: int
+    updates: _containers.RepeatedCompositeFieldContainer[MemberUpdate]
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., snapshot_version: _Optional[int] = ..., echo_sent_at: _Optional[float] = ..., incarnation: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[MemberUpdate, _Mapping]]] = ...) -> None: ...
+
+class IndirectProbeRequest(_message.Message):
+    __slots__ = ("node_id", "target_id", "timeout_ms", "incarnation", "updates")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    target_id: str
+    timeout_ms: int
+    incarnation: int
+    updates: _containers.RepeatedCompositeFieldContainer[MemberUpdate]
+    def __init__(self, node_id: _Optional[str] = ..., target_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., incarnation: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[MemberUpdate, _Mapping]]] = ...) -> None: ...
+
+class IndirectProbeReply(_message.Message):
+    __slots__ = ("ack", "updates")
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    ack: bool
+    updates: _containers.RepeatedCompositeFieldContainer[MemberUpdate]
+    def __init__(self, ack: _Optional[bool] = ..., updates: _Optional[_Iterable[_Union[MemberUpdate, _Mapping]]] = ...) -> None: ...
 
 class PeerList(_message.Message):
-    __slots__ = ("node_id", "peers")
+    __slots__ = ("node_id", "peers", "members", "incarnation")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     peers: _containers.RepeatedCompositeFieldContainer[PeerEntry]
-    def __init__(self, node_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerEntry, _Mapping]]] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[MemberUpdate]
+    incarnation: int
+    def __init__(self, node_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerEntry, _Mapping]]] = ..., members: _Optional[_Iterable[_Union[MemberUpdate, _Mapping]]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class SnapshotRef(_message.Message):
     __slots__ = ("node_id", "version", "sha256")
@@ -136,7 +194,7 @@ class SnapshotChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[SnapshotHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ComputeHeader(_message.Message):
-    __slots__ = ("requester", "ref", "total_bytes", "sha256", "split", "max_samples", "reduction", "target_version", "align")
+    __slots__ = ("requester", "ref", "total_bytes", "sha256", "split", "max_samples", "reduction", "target_version", "align", "purpose")
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +204,7 @@ class ComputeHeader(_message.Message):
     REDUCTION_FIELD_NUMBER: _ClassVar[int]
     TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
     ALIGN_FIELD_NUMBER: _ClassVar[int]
+    PURPOSE_FIELD_NUMBER: _ClassVar[int]
     requester: str
     ref: SnapshotRef
     total_bytes: int
@@ -155,7 +214,8 @@ class ComputeHeader(_message.Message):
     reduction: str
     target_version: int
     align: bool
-    def __init__(self, requester: _Optional[str] = ..., ref: _Optional[_Union[SnapshotRef, _Mapping]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., split: _Optional[str] = ..., max_samples: _Optional[int] = ..., reduction: _Optional[str] = ..., target_version: _Optional[int] = ..., align: _Optional[bool] = ...) -> None: ...
+    purpose: str
+    def __init__(self, requester: _Optional[str] = ..., ref: _Optional[_Union[SnapshotRef, _Mapping]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., split: _Optional[str] = ..., max_samples: _Optional[int] = ..., reduction: _Optional[str] = ..., target_version: _Optional[int] = ..., align: _Optional[bool] = ..., purpose: _Optional[str] = ...) -> None: ...
 
 class ComputeFrame(_message.Message):
     __slots__ = ("header", "data")

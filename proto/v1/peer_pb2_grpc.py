@@ -49,6 +49,11 @@ class PeerStub:
                 request_serializer=coterie_dot_v1_dot_peer__pb2.PeerList.SerializeToString,
                 response_deserializer=coterie_dot_v1_dot_peer__pb2.PeerList.FromString,
                 _registered_method=True)
+        self.IndirectProbe = channel.unary_unary(
+                '/coterie.v1.Peer/IndirectProbe',
+                request_serializer=coterie_dot_v1_dot_peer__pb2.IndirectProbeRequest.SerializeToString,
+                response_deserializer=coterie_dot_v1_dot_peer__pb2.IndirectProbeReply.FromString,
+                _registered_method=True)
         self.GetSnapshot = channel.unary_stream(
                 '/coterie.v1.Peer/GetSnapshot',
                 request_serializer=coterie_dot_v1_dot_peer__pb2.SnapshotRequest.SerializeToString,
@@ -92,6 +97,12 @@ class PeerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ExchangePeers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IndirectProbe(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,6 +155,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.ExchangePeers,
                     request_deserializer=coterie_dot_v1_dot_peer__pb2.PeerList.FromString,
                     response_serializer=coterie_dot_v1_dot_peer__pb2.PeerList.SerializeToString,
+            ),
+            'IndirectProbe': grpc.unary_unary_rpc_method_handler(
+                    servicer.IndirectProbe,
+                    request_deserializer=coterie_dot_v1_dot_peer__pb2.IndirectProbeRequest.FromString,
+                    response_serializer=coterie_dot_v1_dot_peer__pb2.IndirectProbeReply.SerializeToString,
             ),
             'GetSnapshot': grpc.unary_stream_rpc_method_handler(
                     servicer.GetSnapshot,
@@ -252,6 +268,33 @@ class Peer:
             '/coterie.v1.Peer/ExchangePeers',
             coterie_dot_v1_dot_peer__pb2.PeerList.SerializeToString,
             coterie_dot_v1_dot_peer__pb2.PeerList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IndirectProbe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coterie.v1.Peer/IndirectProbe',
+            coterie_dot_v1_dot_peer__pb2.IndirectProbeRequest.SerializeToString,
+            coterie_dot_v1_dot_peer__pb2.IndirectProbeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -305,6 +305,8 @@ def baseline(args: argparse.Namespace) -> int:
                    lambda: full_membership(nodes), timeout=300, every=2,
                    detail=lambda: membership_detail(nodes))
         check(True, "full membership on every node (seeds: node1, node5 only)")
+        plain = [n for n in nodes if not (get(n, "/status") or {}).get("mtls")]
+        check(not plain, f"every node on mTLS with the run's CA (plaintext: {plain})")
     with phase_timer("latency and bandwidth as configured"):
         latency_seen()
         bandwidth_seen()

@@ -1,0 +1,241 @@
+"""Utility under privacy: the strategies that compute on peers' data, at several noise levels.
+
+For S1 (label-permuted clusters) and S3 (IID + two random-label nodes) this runs, on real daemons
+(``coterie run``), the strategies that release something computed on a node's private data —
+FedeRiCo (pushed gradients), COBO (alignment gradients), SCool-SBM and SCool-attention
+(cross-losses) — with
+
+  off        privacy.enabled = false: exact answers (the non-private anchor), plus ``local``
+  σ=0        clipping only (ε = ∞), no budget
+  σ=0.5/1/2  Gaussian noise multiplier σ, no budget: the ε 30 rounds cost
+  default    the node defaults (σ and budget as shipped): what a deployment gets
+
+and reports per strategy and setting: mean test accuracy (clean nodes), in-cluster weight mass,
+the share of the non-private gain over local that is kept, and ε (median / max over nodes, at
+the configured δ) read from each node's privacy ledger after the run.
+
+    python bench/privacy_bench.py                        # everything (hours on a busy 2-core box)
+    python bench/privacy_bench.py --scenarios s1 --settings off,sigma1 --strategies federico
+    python bench/privacy_bench.py --report-only          # recompute the table from what is there
+
+Every setting runs from its own scenario file, written next to its results
+(bench/results/privacy/<scenario>/<setting>/scenario.toml + results.json); finished settings are
+skipped on a rerun (delete the directory to redo one). Writes bench/results/privacy.md and
+bench/results/privacy.json. DP noise is drawn from OS entropy on purpose (a seeded noise stream
+could be subtracted), so reruns agree only statistically; partitions and θ⁰ follow --seed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import tomli_w
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from strategy_bench import SCENARIOS, metrics  # noqa: E402
+
+from coterie.node.config import PrivacyConfig  # noqa: E402
+from coterie.node.privacy import accountant  # noqa: E402
+from coterie.node.privacy.ledger import FILE as LEDGER_FILE  # noqa: E402
+
+PRIVATE_STRATEGIES = ["federico", "cobo", "scool-sbm", "scool-attention"]
+INF = math.inf
+SETTINGS: dict[str, dict] = {
+    "off": {"enabled": False},
+    # the issue's grid, over the 32-sample batches the strategies ask for, no budget: what 30 rounds cost
+    "sigma0": {"noise_multiplier": 0.0, "budget_epsilon": INF, "min_batch": 32},
+    "sigma0.5": {"noise_multiplier": 0.5, "budget_epsilon": INF, "min_batch": 32},
+    "sigma1": {"noise_multiplier": 1.0, "budget_epsilon": INF, "min_batch": 32},
+    "sigma2": {"noise_multiplier": 2.0, "budget_epsilon": INF, "min_batch": 32},
+    "default": {},  # as shipped (PrivacyConfig defaults), budget included
+}
+LABELS = {"off": "off (exact)", "sigma0": "σ=0 (clip only)", "sigma0.5": "σ=0.5", "sigma1": "σ=1",
+          "sigma2": "σ=2", "default": "defaults"}
+
+
+def scenario_for(sc: str, setting: str, rounds: int | None, seed: int) -> dict:
+    data = tomllib.loads((ROOT / "scenarios" / SCENARIOS[sc]).read_text())
+    data.setdefault("node", {})["privacy"] = dict(SETTINGS[setting])
+    # 12 daemons start at once; on a loaded 2-core box a node can take minutes to come up, and
+    # its successor's --bootstrap-from wait (start_timeout_s, 120 s by default) would give up
+    data["node"]["start_timeout_s"] = 600
+    data["seed"] = seed
+    if rounds is not None:
+        data["rounds"] = rounds
+    data["name"] = f"{data.get('name', sc)}-privacy-{setting}"
+    return data
+
+
+def nodes_dir(run_dir: Path, strategy: str) -> Path:
+    """Where a strategy's node state dirs are: run_dir/<s>/<s>/nodes (one ``coterie run`` per
+    strategy, the current layout) or run_dir/<s>/nodes (one run for the whole setting)."""
+    per_strategy = run_dir / strategy / strategy / "nodes"
+    return per_strategy if per_strategy.exists() else run_dir / strategy / "nodes"
+
+
+def ledger_epsilons(run_dir: Path, strategy: str, delta: float) -> list[float]:
+    """Total ε of every node, from the ledger each one kept in its state dir."""
+    out = []
+    for d in sorted(nodes_dir(run_dir, strategy).iterdir()):
+        path = d / LEDGER_FILE
+        steps = json.loads(path.read_text())["total"]["steps"] if path.exists() else []
+        out.append(accountant.epsilon(steps, delta))
+    return out
+
+
+def run_setting(sc: str, setting: str, strategies: list[str], args) -> Path:
+    """One ``coterie run`` per strategy (a failed start on a loaded machine is retried, and the
+    strategies that finished are kept); their results are merged into run_dir/results.json."""
+    run_dir = args.out / sc / setting
+    merged = run_dir / "results.json"
+    if args.force and run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    results = json.loads(merged.read_text()) if merged.exists() else None
+    scen = scenario_for(sc, setting, args.rounds, args.seed)
+    path = run_dir / "scenario.toml"
+    path.write_text(tomli_w.dumps(scen))
+    for strat in strategies:
+        if results is not None and strat in results["strategies"]:
+            print(f"# {sc}/{setting}/{strat}: done before, kept", flush=True)
+            continue
+        out = run_dir / strat
+        cmd = [sys.executable, "-m", "coterie.cli.main", "run", str(path), "--out", str(out), "--strategy", strat]
+        for attempt in range(1, args.attempts + 1):
+            if out.exists():
+                shutil.rmtree(out)
+            print("$", " ".join(cmd), flush=True)
+            t0 = time.time()
+            rc = subprocess.run(cmd, stdout=subprocess.DEVNULL if args.quiet else None).returncode
+            print(f"# {sc}/{setting}/{strat}: exit {rc} after {time.time() - t0:.0f}s (attempt {attempt})", flush=True)
+            if rc == 0:
+                break
+        else:
+            print(f"# {sc}/{setting}/{strat}: gave up after {args.attempts} attempts", flush=True)
+            continue
+        one = json.loads((out / "results.json").read_text())
+        if results is None:
+            results = one
+        else:
+            results["strategies"].update(one["strategies"])
+        merged.write_text(json.dumps(results))
+    return run_dir
+
+
+def collect(args) -> dict:
+    table: dict = {}
+    for sc in args.scenarios:
+        rows: dict = {}
+        for setting in SETTINGS:
+            run_dir = args.out / sc / setting
+            if not (run_dir / "results.json").exists():
+                continue
+            res = json.loads((run_dir / "results.json").read_text())
+            m = metrics(res)
+            priv = PrivacyConfig(**tomllib.loads((run_dir / "scenario.toml").read_text())["node"]["privacy"])
+            for strat, r in m.items():
+                eps = ledger_epsilons(run_dir, strat, priv.delta) if strat != "local" else []
+                rows.setdefault(strat, {})[setting] = {
+                    "mean_acc": r["mean_acc"], "in_cluster_mass": r["in_cluster_mass"],
+                    "in_cluster_chance": r["in_cluster_chance"],
+                    "eps_median": float(np.median(eps)) if eps else None,
+                    "eps_max": float(np.max(eps)) if eps else None, "delta": priv.delta,
+                    "noise_multiplier": priv.noise_multiplier if priv.enabled else None,
+                    "budget_epsilon": priv.budget_epsilon if priv.enabled else None,
+                    "wall_time_s": r["wall_time_s"], "created": res.get("created")}
+        table[sc] = rows
+    return table
+
+
+def _pct(v):
+    return "–" if v is None else f"{100 * v:.1f}"
+
+
+def _eps(v):
+    return "–" if v is None else ("∞" if not math.isfinite(v) else f"{v:.2f}")
+
+
+def markdown(table: dict, args) -> str:
+    d = PrivacyConfig()
+    lines = ["# Utility under privacy", "",
+             f"Real daemons on loopback (`coterie run`), {args.rounds or 30} rounds, seed {args.seed}, "
+             "12 nodes, S1/S3 on the 1-D CNN (scenarios/). Mean test accuracy % over the clean nodes; "
+             "in-cluster weight mass over the last half of the rounds (chance in brackets); "
+             "kept = (acc − local) / (acc_off − local), the share of the non-private gain over local "
+             "that survives; ε = total ε of a node's data (all peers composed, RDP accountant, "
+             f"δ = {d.delta:g}), median / max over the 12 nodes, from their ledgers. "
+             f"Clip bounds: gradient {d.grad_clip:g}, loss {d.loss_clip:g}. The σ rows answer over the "
+             "32-sample batches the strategies ask for, with no budget (the ε that 30 rounds cost); "
+             f"`defaults` = as shipped: σ = {d.noise_multiplier:g} over ≥ {d.min_batch} samples, budget "
+             f"ε = {d.budget_epsilon:g} (a node refuses once it is spent; the strategy then goes on "
+             "without those answers).",
+             "", "Generated by `python bench/privacy_bench.py`; each run's scenario file and results.json "
+             "are in bench/results/privacy/<scenario>/<setting>/.", ""]
+    for sc, rows in table.items():
+        local = rows.get("local", {}).get("off", {}).get("mean_acc")
+        lines += [f"## {sc.upper()}" + (f" (local {_pct(local)})" if local is not None else ""), "",
+                  "| strategy | setting | mean acc % | kept | in-cluster mass | ε median / max |",
+                  "|---|---|---|---|---|---|"]
+        for strat in [s for s in rows if s != "local"]:
+            off = rows[strat].get("off", {}).get("mean_acc")
+            for setting in SETTINGS:
+                r = rows[strat].get(setting)
+                if r is None:
+                    continue
+                kept = None
+                if local is not None and off is not None and off - local > 1e-9:
+                    kept = (r["mean_acc"] - local) / (off - local)
+                mass = "–" if r["in_cluster_mass"] is None else f"{r['in_cluster_mass']:.2f} ({r['in_cluster_chance']:.2f})"
+                eps = "–" if setting == "off" else f"{_eps(r['eps_median'])} / {_eps(r['eps_max'])}"
+                kept_s = "–" if kept is None or setting == "off" else f"{100 * kept:.0f}%"
+                lines.append(f"| {strat} | {LABELS[setting]} | {_pct(r['mean_acc'])} | {kept_s} | {mass} | {eps} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenarios", default="s1,s3")
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--strategies", default=",".join(PRIVATE_STRATEGIES))
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "privacy")
+    ap.add_argument("--report", type=Path, default=ROOT / "bench" / "results" / "privacy.md")
+    ap.add_argument("--force", action="store_true", help="rerun settings that already have results")
+    ap.add_argument("--attempts", type=int, default=3, help="tries per strategy run (a start can time out)")
+    ap.add_argument("--quiet", action="store_true", help="no live progress from coterie run")
+    ap.add_argument("--report-only", action="store_true")
+    args = ap.parse_args()
+    args.scenarios = args.scenarios.split(",")
+    strategies = args.strategies.split(",")
+    unknown = set(args.settings.split(",")) - set(SETTINGS)
+    if unknown:
+        ap.error(f"unknown setting(s) {sorted(unknown)}; known: {list(SETTINGS)}")
+    accountant.warm()
+    if not args.report_only:
+        for setting in args.settings.split(","):
+            for sc in args.scenarios:
+                strats = (["local"] + strategies) if setting == "off" else strategies
+                run_setting(sc, setting, strats, args)
+                table = collect(args)  # after every run: a long job reports as it goes
+                args.report.write_text(markdown(table, args))
+                (args.report.with_suffix(".json")).write_text(json.dumps(table, indent=1, default=str))
+    table = collect(args)
+    args.report.write_text(markdown(table, args))
+    args.report.with_suffix(".json").write_text(json.dumps(table, indent=1, default=str))
+    print(markdown(table, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Deadlines that follow the peer: a call may take a small multiple of how long that peer's
+calls of that kind have recently taken, never less than a floor and never more than the cap
+(the node's ``request_timeout_s``). A frozen peer then costs a caller about ``mult ×`` its usual
+latency, not the whole request timeout; a slow but steady one keeps its longer deadline."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+
+
+def quantile(samples, q: float) -> float:
+    """The q-quantile (nearest rank) of a non-empty collection."""
+    s = sorted(samples)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+class Deadlines:
+    def __init__(self, cap_s: float, *, floor_s: float = 1.0, mult: float = 4.0, q: float = 0.99,
+                 window: int = 64, min_samples: int = 5):
+        self.cap_s = cap_s
+        self.floor_s = min(floor_s, cap_s)
+        self.mult = mult
+        self.q = q
+        self.min_samples = min_samples
+        self._by_peer: dict[tuple[str, str], deque[float]] = defaultdict(lambda: deque(maxlen=window))
+        self._by_kind: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=4 * window))
+
+    def observe(self, peer: str, kind: str, seconds: float) -> None:
+        """A call that succeeded, and how long it took (failures are not latencies)."""
+        self._by_peer[(peer, kind)].append(seconds)
+        self._by_kind[kind].append(seconds)
+
+    def timeout(self, peer: str, kind: str) -> float:
+        """The deadline for the next ``kind`` call to ``peer``: from its own history when there is
+        enough of it, else from every peer's calls of that kind, else the cap."""
+        samples = self._by_peer.get((peer, kind))
+        if samples is None or len(samples) < self.min_samples:
+            samples = self._by_kind.get(kind)
+        if samples is None or len(samples) < self.min_samples:
+            return self.cap_s
+        return min(self.cap_s, max(self.floor_s, self.mult * quantile(samples, self.q)))
+
+    def forget(self, peer: str) -> None:
+        for key in [k for k in self._by_peer if k[0] == peer]:
+            del self._by_peer[key]

@@ -1,0 +1,140 @@
+"""Deadlines that follow the peer, and a round's exchange phase that goes on with the peers that
+answered: ``Deadlines`` itself, then ``NodeNetwork`` over a transport whose peers answer, stall
+or freeze (real asyncio timing)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from coterie.node.peering.deadlines import Deadlines, quantile
+from coterie.node.peering.errors import PeerCallError
+from coterie.node.peering.inbox import PushInbox
+from coterie.node.peering.messages import SUSPECT, SnapshotHeader
+from coterie.node.peering.network import NodeNetwork
+from coterie.node.peering.peer_table import PeerTable
+from coterie.node.peering.problems import ProblemLog
+from coterie.node.peering.snapshots import SnapshotCache
+from coterie.node.strategies.base import gather_bounded
+
+SPEC = {"w": ((4,), "float32")}
+
+
+def test_deadline_follows_each_peers_latency_within_floor_and_cap():
+    d = Deadlines(30.0, floor_s=0.5, mult=4.0)
+    assert d.timeout("a", "snapshot") == 30.0  # nothing known yet: the cap
+    for _ in range(20):
+        d.observe("a", "snapshot", 0.01)
+        d.observe("b", "snapshot", 2.0)
+    assert d.timeout("a", "snapshot") == 0.5  # 4 × 10 ms is under the floor
+    assert d.timeout("b", "snapshot") == 8.0  # a slow but steady peer keeps a longer deadline
+    assert 0.5 <= d.timeout("c", "snapshot") <= 8.0  # a new peer: every peer's history
+    for _ in range(20):
+        d.observe("b", "snapshot", 60.0)
+    assert d.timeout("b", "snapshot") == 30.0  # never above the cap
+    assert quantile([1, 2, 3, 4], 0.5) == 2 and quantile([5], 0.99) == 5
+
+
+class FakeTransport:
+    """Peers by address: ``delay`` seconds to answer, or ``None`` = frozen (never answers)."""
+
+    def __init__(self, delays: dict[str, float | None]):
+        self.delays = delays
+        self.timeouts: list[tuple[str, float]] = []
+
+    async def get_snapshot(self, address, requester, have_version=0, *, min_round=0, wait_s=0.0, timeout=None,
+                           peer=None):
+        self.timeouts.append((address, timeout))
+        delay = self.delays[address]
+        if delay is None or delay > timeout:
+            await asyncio.sleep(timeout)
+            raise PeerCallError("unavailable", "Deadline Exceeded")
+        await asyncio.sleep(delay)
+        return SnapshotHeader(address, 1, 1, ""), {"params": {"w": torch.ones(4)}}
+
+
+def _network(delays, **kw):
+    table = PeerTable("me", 1.0, 2.0)
+    for a in delays:
+        table.upsert(a, a)
+    hints = []
+    net = NodeNetwork("me", FakeTransport(delays), table, SnapshotCache(), PushInbox(), lambda: None, SPEC,
+                      ProblemLog(), labels={}, request_timeout_s=30.0,
+                      deadlines=Deadlines(30.0, floor_s=0.2, mult=4.0), on_call_failed=hints.append, **kw)
+    return net, table, hints
+
+
+def test_a_frozen_peer_costs_a_round_a_few_times_the_usual_latency_not_the_request_timeout():
+    async def go():
+        net, table, hints = _network({"p1": 0.01, "p2": 0.01, "p3": 0.01})
+        for _ in range(6):  # learn the usual latency
+            with net.exchange_phase():
+                got = await gather_bounded({p: net.pull(p) for p in table.alive()})
+            assert set(got) == {"p1", "p2", "p3"}
+        net.transport.delays["p2"] = None  # SIGSTOP
+        t0 = time.monotonic()
+        with net.exchange_phase() as phase:
+            got = await gather_bounded({p: net.pull(p) for p in table.alive()})
+        took = time.monotonic() - t0
+        assert set(got) == {"p1", "p3"}  # the round goes on with the peers that answered
+        assert took < 2.0, took  # the floor (0.2 s), far from the 30 s request timeout
+        assert phase["failed"] == 1 and hints == ["p2"]  # membership is asked to probe it now
+        # until it shows a sign of life it is neither offered for sampling nor waited for again
+        assert net.peers() == ["p1", "p3"]
+        t0 = time.monotonic()
+        assert await net.pull("p2") is None and time.monotonic() - t0 < 0.1
+        table.seen("p2")  # e.g. membership's probe got an ack
+        assert net.peers() == ["p1", "p2", "p3"]
+    asyncio.run(go())
+
+
+def test_the_exchange_phase_has_its_own_deadline():
+    async def go():
+        net, table, _ = _network({"fast": 0.01, "slow": 5.0}, exchange_timeout_s=0.3)
+        t0 = time.monotonic()
+        with net.exchange_phase() as phase:
+            got = await gather_bounded({p: net.pull(p) for p in table.alive()})
+            late = await net.pull("fast")  # the phase is over: not even tried
+        assert set(got) == {"fast"} and late is None and phase["skipped"] == 1
+        assert time.monotonic() - t0 < 2.0
+        assert all(t <= 0.31 for _, t in net.transport.timeouts)
+    asyncio.run(go())
+
+
+def test_adaptive_exchange_budget_follows_recent_phases():
+    net, _, _ = _network({"a": 0.01})
+    assert net.exchange_budget() == 30.0  # nothing known: the request timeout
+    net._phases.extend([0.1] * 10)
+    assert net.exchange_budget() == 0.4  # 4 × p90, at least twice the floor (0.4)
+    net._phases.extend([3.0] * 10)
+    assert net.exchange_budget() == 12.0
+
+
+def test_a_call_to_a_peer_that_turns_suspect_is_abandoned_at_once():
+    async def go():
+        net, table, _ = _network({"a": 0.01, "frozen": None})
+        t0 = time.monotonic()
+        pull = asyncio.ensure_future(net.pull("frozen"))  # no history: the 30 s cap applies
+        await asyncio.sleep(0.2)
+        table.suspect("frozen")  # membership's probe failed
+        assert await pull is None
+        assert time.monotonic() - t0 < 2.0
+        assert table.records["frozen"].state == SUSPECT
+        assert await net.pull("frozen") is None  # suspect peers are not called at all
+        assert len(net.transport.timeouts) == 1
+    asyncio.run(go())
+
+
+def test_outer_cancellation_still_cancels():
+    async def go():
+        net, _, _ = _network({"frozen": None})
+        task = asyncio.ensure_future(net.pull("frozen"))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return
+        raise AssertionError("a cancelled round must stay cancelled")
+    asyncio.run(go())
