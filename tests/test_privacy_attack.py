@@ -24,10 +24,12 @@ from coterie.node.learning.torch_learner import build_learner
 from coterie.node.peering.errors import PRIVACY_BUDGET, PeerCallError
 from coterie.node.peering.messages import CROSS_GRADIENT, CROSS_LOSS, ComputeRequest, NodeInfo
 from coterie.node.privacy.ledger import FILE
+from coterie.node.security.pki import load_credentials
 from coterie.node.transport.client import PeerClient
+from coterie.node.transport.tls import TLS
 from coterie.node.fsutil import read_json
 
-from nodeproc import NodeProc, tiny_learner, wait_for
+from nodeproc import NodeProc, node_certs, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +58,8 @@ def truth():
 def victim(tmp_path_factory):
     # SCool serves cross-losses and cross-gradients; privacy is left at its defaults
     node = NodeProc(tmp_path_factory.mktemp("priv"), "victim",
-                    {"strategy": "scool-sbm", "rounds": 0, "learner": _learner_cfg()}).start(timeout=START_S)
+                    {"strategy": "scool-sbm", "rounds": 0, "learner": _learner_cfg(),
+                     "limits": ATTACKER_ROOM}).start(timeout=START_S)
     yield node
     node.stop()
 
@@ -96,9 +99,17 @@ def score(pairs, x_train: np.ndarray, y_train: np.ndarray) -> tuple[float, float
     return float(np.median(errs)), hits / len(pairs)
 
 
+# the attacker's queries must reach the privacy layer: admission (tested in test_security_limits)
+# would otherwise stop a few hundred of them first and hide what the privacy defence does alone
+ATTACKER_ROOM = {"requests_per_s": 1000.0, "request_burst": 1000.0, "compute_share": 100.0,
+                 "compute_burst_s": 1000.0}
+
+
 async def _attacker(node: NodeProc, fingerprint: str) -> PeerClient:
+    # mallory holds a certificate of the victim's network CA: identity is not the defence here
     client = PeerClient("mallory", _NoTraffic(), chunk_bytes=1 << 20, max_model_bytes=1 << 28,
-                        max_gossip_bytes=1 << 20, timeout_s=60)
+                        max_gossip_bytes=1 << 20, timeout_s=60,
+                        tls=TLS(load_credentials(node_certs(node.dir.parent, "mallory"))))
     await client.handshake(node.address, NodeInfo("mallory", PROTOCOL_VERSION, fingerprint, address="127.0.0.1:9"),
                            timeout=30)
     return client
@@ -197,7 +208,7 @@ def test_requests_outside_a_purpose_are_refused(victim, truth):
 def test_budget_refusal_and_ledger_survive_kill_9(tmp_path, truth):
     """Every answer is on disk before it leaves; a spent budget is refused with a clear error,
     across a kill -9 and a restart."""
-    cfg = {"strategy": "scool-sbm", "rounds": 0, "learner": _learner_cfg(),
+    cfg = {"strategy": "scool-sbm", "rounds": 0, "learner": _learner_cfg(), "limits": ATTACKER_ROOM,
            "privacy": {"budget_epsilon": 3.0, "noise_multiplier": 1.0, "min_batch": 32}}
     node = NodeProc(tmp_path, "victim", cfg).start(timeout=START_S)
     ledger_path = node.state_dir / FILE

@@ -56,7 +56,7 @@ class Mallory:
 
     async def push(self, grad, version: int):
         return await self.client.compute(self.target.address, ComputeRequest(
-            PUSH_GRADIENT, self.node_id, groups={"grad": grad}, target_version=version),
+            PUSH_GRADIENT, self.node_id, groups={"grad": grad}, target_version=version, purpose="federico-push"),
             peer=self.target.node_id)
 
     async def close(self) -> None:
