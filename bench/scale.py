@@ -11,12 +11,16 @@ figures within a table, not across runs):
             to the first handshake answered, and RSS/PSS/USS idle and during rounds (a 8-node
             network of each kind), against the issue's budget of 150 MB + 3 x model size.
             Also the largest imports of ``coterie node start`` (``python -X importtime``).
+``ray``     the same scale scenario at N nodes on processes, inproc and ray (a local Ray instance
+            the run starts itself, so its GCS, raylet and worker processes are in the sampled
+            tree; ``--groups 2``: two actors, memory inside each and gRPC between them).
 ``s1``      scenarios/s1_label_permuted.toml on both backends (same partitions and seeds) for a
             few strategies, plus a second processes run as the run-to-run noise reference.
 
     python bench/scale.py                                  # everything (an hour or more)
     python bench/scale.py --sections scale --inproc 8,32,100,1000 --processes 8,32
     python bench/scale.py --sections daemon
+    python bench/scale.py --sections ray --ray-nodes 16,64       # needs pip install -e '.[ray]'
     python bench/scale.py --sections s1 --s1-strategies local,fedfomo
 
 Writes bench/results/scale.json and bench/results/scale.md (run directories under
@@ -117,13 +121,14 @@ class Sampler(threading.Thread):
 
 
 # -------------------------------------------------------------------------------------- scale
-def run_coterie(args: list[str], out: Path, sample_interval: float = 0.5) -> dict[str, Any]:
+def run_coterie(args: list[str], out: Path, sample_interval: float = 0.5,
+                env: dict[str, str] | None = None) -> dict[str, Any]:
     """``coterie run`` as a subprocess, its process tree sampled; returns figures and results."""
     out.parent.mkdir(parents=True, exist_ok=True)
     log = open(out.parent / f"{out.name}.log", "w")
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "coterie.cli.main", "run", *args, "--out", str(out)],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})})
     sampler = Sampler(proc.pid, sample_interval)
     sampler.start()
     rc = proc.wait()
@@ -152,8 +157,19 @@ def node_files(out: Path, strategy: str) -> list[tuple[dict[str, Any], list[dict
 
 def scale_point(backend: str, nodes: int, rounds: int) -> dict[str, Any]:
     out = RUNS / f"{backend}-{nodes}"
-    r = run_coterie([str(SCALE_SCENARIO), "--backend", backend, "--nodes", str(nodes), "--rounds", str(rounds)],
-                    out)
+    extra, env = [], None
+    if backend == "ray":
+        import tempfile
+        # a local Ray instance started by the run (its processes are the run's descendants), in a
+        # directory of its own rather than the machine-wide /tmp/ray
+        extra, env = ["--groups", "2"], {"RAY_TMPDIR": tempfile.mkdtemp(prefix="cray")}
+    try:
+        r = run_coterie([str(SCALE_SCENARIO), "--backend", backend, "--nodes", str(nodes), "--rounds", str(rounds),
+                         *extra], out, env=env)
+    finally:
+        if env:
+            import shutil
+            shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     s = r["results"]["strategies"]["fedfomo"]
     files = node_files(out, "fedfomo")
     peers = [h[-1].get("peers_alive", 0) for _, h in files if h]
@@ -350,6 +366,32 @@ def report(data: dict[str, Any]) -> str:
                          f"{p['peak_rss_mb']} | {p['peak_pss_mb']} | {p['pss_per_node_mb']} | {marginal} | "
                          f"{p['processes']} | {p['rounds_done']} | {pct(p['mean_test_acc'])} | {p['median_peers_alive']} |")
         lines.append("")
+    if data.get("ray"):
+        lines += ["## The ray backend beside the others (scenarios/scale_fedfomo.toml, same nodes, seed, rounds)", "",
+                  "ray: a local Ray instance started by the run (GCS, raylet, dashboard and worker processes "
+                  "all in the sampled tree), `--groups 2`: two actors of in-process nodes, memory inside a "
+                  "group and gRPC between them. Run one after another in one invocation.", "",
+                  "| backend | nodes | wall s | peak RSS MB | peak PSS MB | PSS/node MB | processes | rounds | "
+                  "mean acc % | peers alive (median) |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for p in data["ray"]:
+            lines.append(f"| {p['backend']} | {p['nodes']} | {p['wall_s']} | {p['peak_rss_mb']} | {p['peak_pss_mb']} | "
+                         f"{p['pss_per_node_mb']} | {p['processes']} | {p['rounds_done']} | {pct(p['mean_test_acc'])} | "
+                         f"{p['median_peers_alive']} |")
+        lines.append("")
+        for n in sorted({p["nodes"] for p in data["ray"]}):
+            med = {b: {k: statistics.median(p[k] for p in data["ray"] if p["backend"] == b and p["nodes"] == n)
+                       for k in ("wall_s", "network_wall_s", "peak_pss_mb")}
+                   for b in ("processes", "inproc", "ray")}
+            runs = sum(1 for p in data["ray"] if p["backend"] == "ray" and p["nodes"] == n)
+            lines.append(
+                f"Medians at {n} nodes ({runs} run(s) each, interleaved): wall s (of which the network's own) "
+                + ", ".join(f"{b} {m['wall_s']:.1f} ({m['network_wall_s']:.1f})" for b, m in med.items())
+                + "; peak PSS MB " + ", ".join(f"{b} {m['peak_pss_mb']:.0f}" for b, m in med.items())
+                + f". ray / processes: wall {med['ray']['wall_s'] / med['processes']['wall_s']:.2f}x, "
+                f"PSS {med['ray']['peak_pss_mb'] / med['processes']['peak_pss_mb']:.2f}x; "
+                f"ray / inproc: wall {med['ray']['wall_s'] / med['inproc']['wall_s']:.2f}x, "
+                f"PSS {med['ray']['peak_pss_mb'] / med['inproc']['peak_pss_mb']:.2f}x.")
+        lines.append("")
     if data.get("daemon"):
         d = data["daemon"]
         lines += ["## The lean daemon (processes backend)", "",
@@ -396,6 +438,8 @@ def main() -> None:
     ap.add_argument("--sections", default="scale,daemon,s1")
     ap.add_argument("--inproc", default="8,32,100,1000", help="node counts for the inproc backend")
     ap.add_argument("--processes", default="8,32", help="node counts for the processes backend")
+    ap.add_argument("--ray-nodes", default="16", help="node counts of the ray section (each on all three backends)")
+    ap.add_argument("--ray-repeats", type=int, default=3, help="runs of each ray-section point (medians reported)")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--handshakes", type=int, default=5, help="launches per start method")
     ap.add_argument("--s1-strategies", default="local,dpsgd,fedfomo")
@@ -414,6 +458,14 @@ def main() -> None:
             points.append(scale_point(backend, n, a.rounds))
             print("  ", points[-1], flush=True)
         data["scale"] = points
+    if "ray" in sections:
+        points = []
+        for n in [int(n) for n in a.ray_nodes.split(",") if n] * a.ray_repeats:
+            for backend in ("processes", "inproc", "ray"):
+                print(f"ray section: {backend} {n} nodes ...", flush=True)
+                points.append(scale_point(backend, n, a.rounds))
+                print("  ", points[-1], flush=True)
+        data["ray"] = points
     if "daemon" in sections:
         import tempfile
         tmp = Path(tempfile.mkdtemp(prefix="coterie-scale-"))

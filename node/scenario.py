@@ -237,3 +237,4 @@ class StrategyRun:
     node_info: dict[str, dict[str, Any]]
     final_status: dict[str, dict[str, Any] | None]
     notes: list[str] = field(default_factory=list)
+    placement: dict[str, Any] | None = None  # where the nodes ran, if the backend says (ray: groups, routes)

@@ -53,8 +53,8 @@ def test_backend_limits_are_checked_before_launch():
     check_backend(scen(nodes=300), "inproc")
     with pytest.raises(ConfigError, match="nodes=300.*processes backend.*--backend inproc"):
         check_backend(scen(nodes=300), "processes")
-    with pytest.raises(ConfigError, match="unknown backend 'ray'"):
-        check_backend(scen(), "ray")
+    with pytest.raises(ConfigError, match="unknown backend 'dask'"):
+        check_backend(scen(), "dask")
 
 
 @pytest.mark.slow
