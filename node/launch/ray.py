@@ -126,6 +126,7 @@ def prepare(sc: Scenario, strategy: str, out_dir: Path, placement: list[Group]) 
     """Every node's config for ``strategy`` as the inproc backend makes them (its membership timing
     included); listen address and bootstrap peer are filled in by the node's actor."""
     from .inproc import membership_timing
+    from .processes import with_certificate
 
     strat_dir = fresh_strategy_dir(out_dir, strategy)
     group_of = {i: g.index for g in placement for i in g.nodes}
@@ -133,10 +134,39 @@ def prepare(sc: Scenario, strategy: str, out_dir: Path, placement: list[Group]) 
     for i in range(sc.nodes):
         cfg = node_config(sc, strategy, i, strat_dir)
         cfg = cfg.model_copy(update=membership_timing(cfg, sc.nodes))
+        # groups talk gRPC to each other: mTLS, each node a certificate of the run's throwaway CA
+        cfg = with_certificate(cfg, strat_dir / "pki")
         path = strat_dir / "configs" / f"n{i}.toml"
         path.write_text(config_toml(cfg))
         specs.append(NodeSpec(i, cfg, path, strat_dir / "logs" / f"ray-g{group_of[i]}.log"))
     return specs
+
+
+def certificate_files(cfg: Any) -> dict[str, str] | None:
+    """A node's certificate directory as {file name: PEM text}, for an actor on a machine that may
+    not see the driver's files (the CA key never leaves the driver)."""
+    d = cfg.security.cert_dir
+    if d is None:
+        return None
+    from ..security.pki import CA_CERT, NODE_CERT, NODE_KEY
+    return {name: (Path(d) / name).read_text() for name in (CA_CERT, NODE_CERT, NODE_KEY)}
+
+
+def _local_certs(config: dict[str, Any], files: dict[str, str] | None) -> dict[str, Any]:
+    """``config`` with its certificate directory present on this machine: the driver's path when
+    it is visible here (one machine, a shared filesystem), else the shipped files written to a
+    private temp dir (key 0600)."""
+    sec = dict(config.get("security") or {})
+    if not files or not sec.get("cert_dir") or Path(sec["cert_dir"]).is_dir():
+        return config
+    import tempfile
+    d = Path(tempfile.mkdtemp(prefix=f"coterie-{config.get('node_id')}-certs-"))
+    for name, text in files.items():
+        f = d / name
+        f.write_text(text)
+        if name.endswith(".key"):
+            f.chmod(0o600)
+    return {**config, "security": {**sec, "cert_dir": str(d)}}
 
 
 # -------------------------------------------------------------------------------- the actor
@@ -149,11 +179,11 @@ class NodeGroup:
     inproc backend's event loop and thread pool, each node on a routing transport."""
 
     def __init__(self, group: int, configs: list[dict[str, Any]], bootstraps: list[int | None],
-                 log_path: str, threads: int | None = None):
+                 log_path: str, threads: int | None = None, certs: dict[str, dict[str, str]] | None = None):
         from ..config import validate_config
 
         self.group, self.log_path = group, log_path
-        self.configs = [validate_config(c) for c in configs]
+        self.configs = [validate_config(_local_certs(c, (certs or {}).get(c.get("node_id")))) for c in configs]
         self.bootstraps = bootstraps
         self.threads = threads
         self.nodes: list[Any] = []
@@ -305,7 +335,8 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
         num_cpus=cpus, name=None, max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=g.ray_node, soft=False),
     ).remote(g.index, [specs[i].config.model_dump(mode="json") for i in g.nodes],
-             [bootstrap_index(sc, i) for i in g.nodes], str(specs[g.nodes[0]].log_path), threads)
+             [bootstrap_index(sc, i) for i in g.nodes], str(specs[g.nodes[0]].log_path), threads,
+             {specs[i].config.node_id: certificate_files(specs[i].config) for i in g.nodes})
         for g in placement]
     view = LiveView(console, strategy, specs, sc.rounds) if console else None
     finished = False
