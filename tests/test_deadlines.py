@@ -60,7 +60,7 @@ def _network(delays, **kw):
         table.upsert(a, a)
     hints = []
     net = NodeNetwork("me", FakeTransport(delays), table, SnapshotCache(), PushInbox(), lambda: None, SPEC,
-                      ProblemLog(), None, labels={}, request_timeout_s=30.0,  # private: pulls release nothing
+                      ProblemLog(), None, labels={}, request_timeout_s=30.0,  # no private data released here
                       deadlines=Deadlines(30.0, floor_s=0.2, mult=4.0), on_call_failed=hints.append, **kw)
     return net, table, hints
 
