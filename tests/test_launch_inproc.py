@@ -98,8 +98,8 @@ def test_cli_refuses_an_unknown_backend_or_too_many_processes(tmp_path):
     scenario = tmp_path / "s.toml"
     scenario.write_text(tomli_w.dumps(BASE))
     runner = CliRunner()
-    r = runner.invoke(app, ["run", str(scenario), "--out", str(tmp_path / "o"), "--backend", "ray"])
-    assert r.exit_code == 2 and "unknown backend 'ray'" in r.stderr
+    r = runner.invoke(app, ["run", str(scenario), "--out", str(tmp_path / "o"), "--backend", "dask"])
+    assert r.exit_code == 2 and "unknown backend 'dask'" in r.stderr
     r = runner.invoke(app, ["run", str(scenario), "--out", str(tmp_path / "o"), "--nodes", "300"])
     assert r.exit_code == 2 and "--backend inproc" in r.stderr
     assert not (tmp_path / "o" / "results.json").exists()

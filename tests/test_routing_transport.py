@@ -14,7 +14,7 @@ from coterie.node.peering.errors import PeerCallError
 from coterie.node.peering.messages import Beat
 from coterie.node.transport.inproc import InProcNetwork
 from coterie.node.transport.routing import GRPC, MEMORY, RoutingTransport
-from nodeproc import tiny_learner
+from nodeproc import node_certs, tiny_learner
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,8 @@ def _config(tmp, i, peers):
     return validate_config({
         "node_id": f"n{i}", "state_dir": str(tmp / f"n{i}"), "strategy": "local", "peers": peers,
         "listen": "127.0.0.1:0", "heartbeat_interval_s": 0.2, "request_timeout_s": 10, "rounds": 0,
-        "learner": tiny_learner(2, i % 2)})
+        "learner": tiny_learner(2, i % 2),
+        "security": {"cert_dir": str(node_certs(tmp, f"n{i}"))}})  # gRPC between processes: mTLS
 
 
 async def _wait(cond, what, timeout=30.0):

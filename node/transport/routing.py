@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..peering.interfaces import PeerHandler, PeerServer, PeerTransport, Traffic, TransportFactory
-from ..peering.messages import Beat, ComputeReply, ComputeRequest, NodeInfo, PeerEntry, SnapshotHeader
+from ..peering.messages import (Beat, ComputeReply, ComputeRequest, IndirectProbe, MemberUpdate, NodeInfo,
+                                PeerEntry, SnapshotHeader)
 from ..wire.codec import Groups
 from .inproc import InProcClient, InProcNetwork
 
@@ -56,14 +57,29 @@ class _RouteTraffic:
 
 
 class RoutingTransport:
-    """One node's routing transport (``peering.interfaces.TransportFactory``)."""
+    """One node's routing transport (``peering.interfaces.TransportFactory``): the in-process
+    transport in mixed mode (memory for this process's nodes, its gRPC factory for the rest), with
+    every call counted by route. Identity, mTLS and health are the gRPC side's."""
 
     def __init__(self, switchboard: InProcNetwork, grpc: TransportFactory, *, timeout_s: float = 30.0,
-                 delay_ms: float = 0.0, max_model_bytes: int = 1 << 31, max_gossip_bytes: int = 1 << 20):
+                 delay_ms: float = 0.0, max_model_bytes: int | None = None, max_gossip_bytes: int = 1 << 20):
         self.switchboard, self.grpc = switchboard, grpc
-        self.timeout_s, self.delay_ms = timeout_s, delay_ms
-        self.max_model_bytes, self.max_gossip_bytes = max_model_bytes, max_gossip_bytes
         self.stats = RouteStats()
+        self._inner = switchboard.transport(timeout_s=timeout_s, delay_ms=delay_ms, max_model_bytes=max_model_bytes,
+                                            max_gossip_bytes=max_gossip_bytes, grpc=grpc)
+        self.identity, self.mtls, self.health = self._inner.identity, self._inner.mtls, self._inner.health
+        self._clients: list[RoutingClient] = []
+
+    @property
+    def max_model_bytes(self) -> int:
+        return self._inner.max_model_bytes
+
+    @max_model_bytes.setter
+    def max_model_bytes(self, value: int) -> None:
+        self._inner.max_model_bytes = value  # the gRPC factory's and both routes' clients follow
+        for c in self._clients:
+            c.memory.max_model_bytes = value
+            c.remote.max_model_bytes = value
 
     @classmethod
     def from_config(cls, switchboard: InProcNetwork, cfg: Any,
@@ -76,18 +92,18 @@ class RoutingTransport:
                    max_model_bytes=cfg.max_model_bytes, max_gossip_bytes=cfg.max_gossip_bytes)
 
     def connect(self, node_id: str, traffic: Traffic) -> "RoutingClient":
+        inner = self._inner
         memory = InProcClient(self.switchboard, node_id, _RouteTraffic(traffic, self.stats, MEMORY),
-                              timeout_s=self.timeout_s, delay_ms=self.delay_ms,
-                              max_model_bytes=self.max_model_bytes, max_gossip_bytes=self.max_gossip_bytes)
+                              timeout_s=inner.timeout_s, delay_ms=inner.delay_ms,
+                              max_model_bytes=inner.max_model_bytes, max_gossip_bytes=inner.max_gossip_bytes)
         remote = self.grpc.connect(node_id, _RouteTraffic(traffic, self.stats, GRPC))
-        return RoutingClient(self.switchboard, memory, remote, self.stats)
+        client = RoutingClient(self.switchboard, memory, remote, self.stats)
+        self._clients.append(client)
+        return client
 
     async def serve(self, handler: PeerHandler, traffic: Traffic) -> PeerServer:
         """Serve over gRPC, and on the switchboard under the gRPC address (stopping stops both)."""
-        both = self.switchboard.transport(timeout_s=self.timeout_s, delay_ms=self.delay_ms,
-                                          max_model_bytes=self.max_model_bytes,
-                                          max_gossip_bytes=self.max_gossip_bytes, grpc=self.grpc)
-        return await both.serve(handler, traffic)
+        return await self._inner.serve(handler, traffic)
 
 
 class RoutingClient:
@@ -95,6 +111,22 @@ class RoutingClient:
 
     def __init__(self, switchboard: InProcNetwork, memory: InProcClient, remote: PeerTransport, stats: RouteStats):
         self.switchboard, self.memory, self.remote, self.stats = switchboard, memory, remote, stats
+
+    @property
+    def max_model_bytes(self) -> int:
+        return self.memory.max_model_bytes
+
+    @max_model_bytes.setter
+    def max_model_bytes(self, value: int) -> None:
+        self.memory.max_model_bytes = value
+        self.remote.max_model_bytes = value
+
+    def channels(self) -> int:
+        return self.remote.channels()
+
+    @property
+    def evicted(self) -> int:
+        return self.remote.evicted
 
     def route(self, address: str) -> str:
         return MEMORY if self.switchboard.lookup(address) is not None else GRPC
@@ -107,25 +139,33 @@ class RoutingClient:
     async def handshake(self, address: str, info: NodeInfo, timeout: float) -> tuple[NodeInfo, list[PeerEntry]]:
         return await self._via(address).handshake(address, info, timeout)
 
-    async def heartbeat(self, address: str, beat: Beat, timeout: float) -> tuple[Beat, float]:
-        return await self._via(address).heartbeat(address, beat, timeout)
+    async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
+                        peer: str | None = None) -> tuple[Beat, float]:
+        return await self._via(address).heartbeat(address, beat, timeout, peer=peer)
 
-    async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry],
-                             timeout: float) -> list[PeerEntry]:
-        return await self._via(address).exchange_peers(address, sender, entries, timeout)
+    async def indirect_probe(self, address: str, probe: IndirectProbe, timeout: float, *,
+                             peer: str | None = None) -> tuple[bool, tuple[MemberUpdate, ...]]:
+        return await self._via(address).indirect_probe(address, probe, timeout, peer=peer)
+
+    async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
+                             members: list[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
+                             ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]:
+        return await self._via(address).exchange_peers(address, sender, entries, timeout, members=members,
+                                                       incarnation=incarnation, peer=peer)
 
     async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
-                           min_round: int = 0, wait_s: float = 0.0,
-                           timeout: float | None = None) -> tuple[SnapshotHeader, Groups | None]:
+                           min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
+                           peer: str | None = None) -> tuple[SnapshotHeader, Groups | None]:
         return await self._via(address).get_snapshot(address, requester, have_version, min_round=min_round,
-                                                     wait_s=wait_s, timeout=timeout)
+                                                     wait_s=wait_s, timeout=timeout, peer=peer)
 
-    async def compute(self, address: str, request: ComputeRequest, timeout: float | None = None) -> ComputeReply:
-        return await self._via(address).compute(address, request, timeout)
+    async def compute(self, address: str, request: ComputeRequest, timeout: float | None = None, *,
+                      peer: str | None = None) -> ComputeReply:
+        return await self._via(address).compute(address, request, timeout, peer=peer)
 
     async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],
-                     timeout: float | None = None) -> dict[str, Any]:
-        return await self._via(address).gossip(address, sender, key, payload, timeout)
+                     timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]:
+        return await self._via(address).gossip(address, sender, key, payload, timeout, peer=peer)
 
     async def forget(self, address: str) -> None:
         await self.remote.forget(address)  # only gRPC holds per-address state (a channel)
