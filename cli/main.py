@@ -2,7 +2,8 @@
 
   coterie node start [--config FILE] [flags]      run one node daemon (blocks)
   coterie status|peers|weights|history            inspect a running node (--json for raw JSON)
-  coterie run SCENARIO.toml --out DIR             launch a local network, write results.json
+  coterie run SCENARIO.toml --out DIR [--backend processes|inproc|ray [--address A] [--groups G]]
+                                                  launch a local network, write results.json
   coterie demo [--out DIR]                        the built-in scenario: personalised vs local
   coterie strategies                              the strategies this install can run
   coterie ca init DIR / coterie cert issue ...    the network CA and node certificates (cli/security.py)
@@ -23,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(help="Coterie: peer-to-peer decentralized personalised learning.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -40,12 +42,13 @@ def _console() -> Console:
 
 
 def _fail(msg: str, code: int = 1) -> "typer.Exit":
-    Console(stderr=True).print(f"[red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    # escape: messages quote paths and commands that may hold brackets ("pip install 'coterie[ray]'")
+    Console(stderr=True).print(f"[red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
 def _warn(msg: str) -> None:
-    Console(stderr=True).print(f"[yellow]warning:[/] {msg}", highlight=False, soft_wrap=True)
+    Console(stderr=True).print(f"[yellow]warning:[/] {escape(msg)}", highlight=False, soft_wrap=True)
 
 
 def _version() -> str:
@@ -402,7 +405,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise _Terminated()
 
 
-def _launch(sc, out: Path, notes: list[str], demo: bool) -> None:
+def _launch(sc, out: Path, notes: list[str], demo: bool, backend: str = "processes", **options: Any) -> None:
     from coterie.node import launcher, results as res
 
     console = _console()
@@ -410,7 +413,7 @@ def _launch(sc, out: Path, notes: list[str], demo: bool) -> None:
         console.print(f"[yellow]note:[/] {n}")
     old = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        r = launcher.run_scenario(sc, out, console=console, notes=notes)
+        r = launcher.run_scenario(sc, out, backend=backend, console=console, notes=notes, **options)
     except KeyboardInterrupt:
         raise _fail("interrupted; every node was stopped", 130)
     except launcher.LauncherError as e:
@@ -443,19 +446,32 @@ def run(
     seed: Optional[int] = typer.Option(None, "--seed"),
     rounds: Optional[int] = typer.Option(None, "--rounds"),
     nodes: Optional[int] = typer.Option(None, "--nodes"),
+    backend: str = typer.Option("processes", "--backend",
+                                help="processes: a daemon process per node (gRPC on loopback); "
+                                     "inproc: every node in this process (in-process transport); "
+                                     "ray: groups of in-process nodes as Ray actors (pip install 'coterie[ray]')"),
+    address: Optional[str] = typer.Option(None, "--address",
+                                          help="ray: the cluster (ray.init's address: host:port, 'auto'); "
+                                               "default $RAY_ADDRESS, else a new local Ray instance"),
+    groups: Optional[int] = typer.Option(None, "--groups", min=1,
+                                         help="ray: actors to spread the nodes over (default: one per Ray node)"),
 ) -> None:
-    """Launch every node of a scenario as a local process, per strategy; write OUT/results.json."""
+    """Launch every node of a scenario on this machine, per strategy; write OUT/results.json."""
     from coterie.node.config import ConfigError
-    from coterie.node.launcher import resolve_strategies
+    from coterie.node.launcher import check_backend, resolve_strategies
     from coterie.node.scenario import load_scenario
 
     try:
         strategies_ = [s.strip() for s in strategy.split(",") if s.strip()] if strategy else None
         sc = load_scenario(scenario, strategies=strategies_, seed=seed, rounds=rounds, nodes=nodes)
         resolve_strategies(sc.strategy, fallback=False)
+        check_backend(sc, backend)
+        if backend != "ray" and (address is not None or groups is not None):
+            raise ConfigError("--address and --groups are options of --backend ray")
     except ConfigError as e:
         raise _fail(str(e), EXIT_CONFIG)
-    _launch(sc, out, [], demo=False)
+    options = {"address": address, "groups": groups} if backend == "ray" else {}
+    _launch(sc, out, [], demo=False, backend=backend, **options)
 
 
 @app.command()

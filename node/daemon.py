@@ -18,8 +18,6 @@ import time
 from collections import deque
 from typing import Any
 
-import grpc
-
 from .checkpointing import Checkpointer
 from .config import PROTOCOL_VERSION, ConfigError, NodeConfig
 from .failures import Backoff, Failures
@@ -35,6 +33,7 @@ from .peering.inbox import PushInbox
 from .peering.loop_lag import LoopLag
 from .peering.membership import Membership, Settings
 from .peering.messages import LocalSnapshot, NodeInfo
+from .peering.interfaces import PeerServer, TransportFactory
 from .peering.network import NodeNetwork
 from .peering.peer_table import PeerTable
 from .peering.problems import ProblemLog
@@ -47,9 +46,6 @@ from .privacy.mechanisms import PrivateData
 from .privacy.purposes import LOSS, purpose, purposes_of
 from .persistence import HISTORY_TAIL, Snapshot, StateError, StateStore, make_snapshot
 from .strategies.registry import get_strategy
-from .transport.client import PeerClient
-from .transport.server import HealthStatus, StreamLimits, serve
-from .transport.tls import load_tls
 
 log = logging.getLogger("coterie.node")
 
@@ -63,17 +59,26 @@ def _hostport(address: str) -> tuple[str, int]:
 
 
 class Node:
-    def __init__(self, cfg: NodeConfig, learner: Learner | None = None):
+    """``transport`` carries the peer plane (default: gRPC on ``cfg.listen``; the in-process
+    launcher passes ``transport/inproc.py``'s). ``admin=False`` runs without the HTTP admin API
+    (in-process nodes: their launcher reads ``status()`` directly)."""
+
+    def __init__(self, cfg: NodeConfig, learner: Learner | None = None,
+                 transport: TransportFactory | None = None, *, admin: bool = True):
         self.cfg = cfg
-        self.tls = load_tls(cfg)
+        if transport is None:  # gRPC with the node's certificate (refuses to start without one unless insecure)
+            from .transport.grpc_transport import GrpcTransport
+            transport = GrpcTransport.from_config(cfg)
+        self.transport = transport
+        self.health = transport.health  # what this node tells the transport's health checks
+        identity = transport.identity  # the node id the transport's credentials prove, if any
         self.store = StateStore(cfg.state_dir)
         self.store.lock()  # one owner per state dir, for this process's lifetime
         # verified (or refused) before anything slow: a broken state dir fails in a second
-        self.node_id, self._checkpoint = self.store.open(
-            cfg.node_id or (self.tls.node_id if self.tls else None), reset=cfg.reset)
-        if self.tls is not None and self.tls.node_id != self.node_id:
+        self.node_id, self._checkpoint = self.store.open(cfg.node_id or identity, reset=cfg.reset)
+        if identity is not None and identity != self.node_id:
             self.store.unlock()
-            raise ConfigError(f"security: the certificate is for node {self.tls.node_id!r}, but the state "
+            raise ConfigError(f"security: the certificate is for node {identity!r}, but the state "
                               f"dir {cfg.state_dir} belongs to {self.node_id!r}")
         if learner is None:
             from .learning.torch_learner import build_learner  # torch-specific code stays behind the interface
@@ -120,12 +125,7 @@ class Node:
         self.board = PublishBoard()
         self.cache = SnapshotCache(cfg.snapshot_cache_bytes)
         self.inbox = PushInbox()
-        # max_model_bytes without a configured value is fixed in start(), once the model is published
-        self.client = PeerClient(self.node_id, self.traffic, chunk_bytes=cfg.chunk_bytes,
-                                 max_model_bytes=cfg.max_model_bytes or 1 << 31,
-                                 max_gossip_bytes=cfg.max_gossip_bytes,
-                                 timeout_s=cfg.request_timeout_s, tls=self.tls, delay_ms=cfg.delay_ms,
-                                 idle_channel_s=mcfg.idle_channel_s)
+        self.client = self.transport.connect(self.node_id, self.traffic)
         self.membership = Membership(self.info, self.position, self.peers, self.client, self.problems,
                                      bootstrap=cfg.peers, heartbeat_interval_s=cfg.heartbeat_interval_s,
                                      request_timeout_s=cfg.request_timeout_s, link_delay_s=cfg.delay_ms / 1000,
@@ -168,10 +168,10 @@ class Node:
         self.admin_url = ""
         self.round_log = RoundLog(log)  # per-round lines only while rounds are slow, else summaries
         self._tasks: list[asyncio.Task] = []
-        self._server: grpc.aio.Server | None = None
+        self._server: PeerServer | None = None
+        self.serve_admin = admin
         self._admin = None
         self._round_task: asyncio.Task | None = None
-        self.health = HealthStatus()
         self._health_tasks: set[asyncio.Task] = set()
         self.failures = Failures(self._set_serving, lambda part, msg: self.problems.note(f"this node ({part})", msg))
         self.checkpointer = Checkpointer(self.store, cfg.checkpoint_max_unsaved_rounds, self.failures,
@@ -179,30 +179,22 @@ class Node:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        if self.tls is None:
-            log.warning("peer port WITHOUT TLS (security.insecure = true): anyone who can reach it can "
-                        "claim any node id; use only on a network you trust")
         resumed = self._restore()
         self.publish()
         if not resumed:  # round 0 on disk first: identity or history never exist without a checkpoint
             await asyncio.to_thread(self.store.commit, await self._snapshot(None), [])
         self.checkpointer.start()
-        self.client.max_model_bytes = self.model_limit()
+        # both ways, for the server and this node's client, now that the model's size is known
+        self.transport.max_model_bytes = self.model_limit()
         # a testbed bad actor corrupts what it serves (peering/faults.py); it learns normally
         handler = with_fault(self.served, self.cfg.faulty)
-        lim = self.cfg.limits
-        self._server, port = await serve(
-            handler, self.traffic, self.cfg.listen, tls=self.tls, chunk_bytes=self.cfg.chunk_bytes,
-            max_model_bytes=self.client.max_model_bytes, max_gossip_bytes=self.cfg.max_gossip_bytes,
-            streams=StreamLimits(lim.upload_timeout_s, lim.upload_idle_s, lim.send_timeout_s,
-                                 lim.min_stream_bytes_per_s),
-            max_rpcs=lim.max_rpcs, health_status=self.health)
-        host, _ = _hostport(self.cfg.listen)
-        self.address = self.cfg.advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
-        from .admin import start_admin
-        ahost, aport = _hostport(self.cfg.admin_listen)
-        self._admin, bound = await start_admin(self, ahost, aport)
-        self.admin_url = f"http://{'127.0.0.1' if ahost in ('0.0.0.0', '::', '') else ahost}:{bound}"
+        self._server = await self.transport.serve(handler, self.traffic)
+        self.address = self._server.address
+        if self.serve_admin:
+            from .admin import start_admin
+            ahost, aport = _hostport(self.cfg.admin_listen)
+            self._admin, bound = await start_admin(self, ahost, aport)
+            self.admin_url = f"http://{'127.0.0.1' if ahost in ('0.0.0.0', '::', '') else ahost}:{bound}"
         atomic_write_json(self.store.dir / "node.json", {
             "node_id": self.node_id, "address": self.address, "admin_url": self.admin_url,
             "pid": os.getpid(), "started": self.started})
@@ -224,7 +216,7 @@ class Node:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         saved = await self.checkpointer.close(timeout=60.0)
         if self._server is not None:
-            await self._server.stop(grace=0.5)
+            await self._server.stop()
         if self._admin is not None:
             await self._admin.cleanup()
         await self.client.close()
@@ -453,7 +445,7 @@ class Node:
                 "rounds_target": self.cfg.rounds, "address": self.address, "admin_url": self.admin_url,
                 "fingerprint": self.fingerprint, "labels": self.labels, "last_eval": self.last_eval,
                 "strategy_state": self.strategy.public_state(), "problems": self.problems.recent(10),
-                "faulty": self.cfg.faulty, "mtls": self.tls is not None,
+                "faulty": self.cfg.faulty, "mtls": self.transport.mtls,
                 "admission": self.admission.view(),
                 "membership": self.membership_view(), "privacy": self.privacy_view()}
 

@@ -20,6 +20,8 @@ results.json (``"format": "coterie-results/1"``)::
       final_weights     each node's last weight row, as a matrix
       mean_weights      each node's weight row averaged over its rounds (the heatmaps show this)
       summary           mean/min final accuracy, mean accuracy per true cluster, byte totals
+      placement         (ray backend) groups: [{group, host, ip, pid, ray_node, nodes}] and
+                        routes: {node_id: {calls, bytes_sent, bytes_received} by memory / grpc}
     notes               anything odd (substituted strategies, short histories)
 
 A node's ``bytes_sent`` in history.jsonl is read as the bytes of that round (totals are sums).
@@ -168,6 +170,7 @@ def strategy_results(sc: "Scenario", run: "StrategyRun", clusters: list[int] | N
             "bytes_received_total": recv,
         },
         "notes": list(run.notes),
+        **({"placement": run.placement} if run.placement is not None else {}),
     }
 
 

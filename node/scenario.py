@@ -62,7 +62,7 @@ class Scenario(BaseModel):
     name: str = "scenario"
     description: str = ""
     seed: int = 0
-    nodes: int = Field(..., ge=1, le=256)
+    nodes: int = Field(..., ge=1, le=10_000)  # per backend: launch.MAX_NODES
     rounds: int = Field(..., ge=1)
     strategy: list[str] = Field(default_factory=lambda: ["local"], min_length=1)
     strategy_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
@@ -237,3 +237,4 @@ class StrategyRun:
     node_info: dict[str, dict[str, Any]]
     final_status: dict[str, dict[str, Any] | None]
     notes: list[str] = field(default_factory=list)
+    placement: dict[str, Any] | None = None  # where the nodes ran, if the backend says (ray: groups, routes)

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from importlib import metadata
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from typer.testing import CliRunner
 
 import coterie.node.daemon as daemon
 from coterie.cli.main import app
-from coterie.node import launcher
+from coterie.node.launch import processes
 from coterie.node.admin import start_admin
 from coterie.node.logs import RoundLog, configure_logging
 import socket
@@ -174,7 +173,7 @@ def test_run_bad_scenario_exits_2(tmp_path):
 
 def test_run_oversized_partition_exits_2_before_starting_nodes(tmp_path, monkeypatch):
     started = []
-    monkeypatch.setattr(launcher, "node_command", lambda spec: started.append(spec) or ["false"])
+    monkeypatch.setattr(processes, "default_command", lambda spec: started.append(spec) or ["false"])
     sc = tmp_path / "s.toml"
     sc.write_text('nodes = 3\nrounds = 2\n[learner]\ndataset = "digits"\n'
                   'partition_params = { num_clusters = 3, samples_per_node = 900 }\n')
@@ -185,7 +184,7 @@ def test_run_oversized_partition_exits_2_before_starting_nodes(tmp_path, monkeyp
 
 @pytest.fixture
 def fake_nodes(monkeypatch):
-    monkeypatch.setattr(launcher, "node_command",
+    monkeypatch.setattr(processes, "default_command",
                         lambda spec: [sys.executable, FAKE, str(spec.config_path), "ok"])
 
 
@@ -206,7 +205,7 @@ def test_run_with_overrides_prints_table(tmp_path, fake_nodes):
 
 
 def test_run_reports_dead_node(tmp_path, monkeypatch):
-    monkeypatch.setattr(launcher, "node_command",
+    monkeypatch.setattr(processes, "default_command",
                         lambda spec: [sys.executable, FAKE, str(spec.config_path), "crash_n1"])
     sc = tmp_path / "s.toml"
     sc.write_text('nodes = 2\nrounds = 1\n[learner]\npartition_params = { num_clusters = 2 }\n')

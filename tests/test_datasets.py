@@ -135,14 +135,64 @@ def test_no_pickle_in_loader():
     assert "get_dataset(" not in src
 
 
-def test_mnist1d_disk_cache_returns_the_generated_pool(tmp_path, monkeypatch):
+def test_disk_cache_returns_the_generated_pool_memory_mapped(tmp_path, monkeypatch):
     from coterie.node.learning import datasets as ds
     monkeypatch.setenv("COTERIE_CACHE_DIR", str(tmp_path))
     fresh = ds._mnist1d({"num_samples": 300}, 5)
     first = ds._disk_cached("mnist1d", '{"num_samples": 300}', 5, lambda: fresh)
-    assert len(list(tmp_path.glob("pool-mnist1d-*.npz"))) == 1
+    assert len(list(tmp_path.glob("pool-mnist1d-*.json"))) == 1
     again = ds._disk_cached("mnist1d", '{"num_samples": 300}', 5, lambda: (_ for _ in ()).throw(AssertionError("regenerated")))
-    assert np.array_equal(again.x, first.x) and np.array_equal(again.y, first.y)
+    # one copy per machine: the arrays are read-only maps of the cache files, not private copies
+    assert isinstance(again.x, np.memmap) and isinstance(again.y, np.memmap) and not again.x.flags.writeable
+    assert np.array_equal(again.x, first.x) and np.array_equal(again.y, first.y) and np.array_equal(again.x, fresh.x)
     assert again.input_shape == fresh.input_shape == (40,) and again.num_classes == 10
-    next(tmp_path.glob("pool-*.npz")).write_bytes(b"torn")  # unreadable cache: regenerate, no crash
+    next(tmp_path.glob("pool-*.x.npy")).write_bytes(b"torn")  # unreadable cache: regenerate, no crash
     assert np.array_equal(ds._disk_cached("mnist1d", '{"num_samples": 300}', 5, lambda: fresh).x, fresh.x)
+    assert np.array_equal(ds._disk_cached("mnist1d", '{"num_samples": 300}', 5, lambda: 1 / 0).x, fresh.x)
+
+
+def test_regression_pool_round_trips_the_cache(tmp_path, monkeypatch):
+    from coterie.node.learning import datasets as ds
+    monkeypatch.setenv("COTERIE_CACHE_DIR", str(tmp_path))
+    fresh = ds._sine({"num_samples": 50, "x_range": [0, 2]}, 1)
+    ds._disk_cached("sine", "k", 1, lambda: fresh)
+    again = ds._disk_cached("sine", "k", 1, lambda: 1 / 0)
+    assert again.task == "regression" and again.num_classes == 0 and again.meta == {"x_range": (0.0, 2.0)}
+    assert again.y.dtype == np.float32 and np.array_equal(again.y, fresh.y)
+
+
+def test_a_node_with_a_cached_pool_imports_no_generator(tmp_path):
+    """Generating needs mnist1d (which imports matplotlib and scipy) or scikit-learn; a daemon
+    whose pool is in the machine's cache imports none of them."""
+    import subprocess
+    import sys
+    env = {**__import__("os").environ, "COTERIE_CACHE_DIR": str(tmp_path)}
+    code = ("import sys; from coterie.node.learning.datasets import load_pool; "
+            "[load_pool(n, p, 3) for n, p in (('mnist1d', {'num_samples': 200}), ('digits', {}))]; "
+            "print(sorted(m for m in ('mnist1d', 'matplotlib', 'scipy', 'sklearn') if m in sys.modules))")
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "mnist1d" in first.stdout and "sklearn" in first.stdout  # the first load generates
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert second.stdout.strip() == "[]", second.stdout
+
+
+def test_partition_is_computed_once_per_process_and_shared_read_only():
+    """The nodes of one process share one partition (computing it per node is O(N²) at 1,000
+    nodes); its index arrays are read-only, and each node still copies only its own samples."""
+    from coterie.node.learning.config import LearnerConfig
+    from coterie.node.learning.partition import node_data, partition, shared_partition
+
+    pool = load_pool("gaussian", {"num_samples": 400}, 2)
+    cfg = LearnerConfig(dataset="gaussian", dataset_params={"num_samples": 400}, partition="iid",
+                        num_nodes=4, data_seed=2)
+    first = shared_partition(pool, cfg)
+    assert shared_partition(pool, cfg.model_copy(update={"node_index": 3})) is first
+    assert shared_partition(pool, cfg.model_copy(update={"data_seed": 3})) is not first
+    fresh = partition(pool, cfg)
+    assert all(np.array_equal(a.train, b.train) and np.array_equal(a.test, b.test) for a, b in zip(first, fresh))
+    assert not first[0].train.flags.writeable
+    with pytest.raises(ValueError):
+        first[0].train[0] = 7
+    d = node_data(pool, cfg.model_copy(update={"node_index": 1}))
+    assert d.x_train.base is None or not np.shares_memory(d.x_train, pool.x)  # its own copy of its rows
+    assert len(d.x_train) == len(first[1].train)

@@ -1,4 +1,5 @@
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -326,6 +327,39 @@ def test_strategy_subset_from_the_command_line_drops_params_of_the_others():
             "strategy_params": {"fedfomo": {"num_models": 2}}}
     assert parse_scenario(data, strategies=["local"]).strategy_params == {}
     assert parse_scenario(data).strategy_params == {"fedfomo": {"num_models": 2}}
+
+
+@pytest.mark.slow
+def test_daemons_are_forked_from_the_preloaded_server_and_share_its_memory(tmp_path):
+    """The default processes backend forks each daemon from a fork server that imported torch
+    once: the daemon is the server's child, and most of what it maps stays shared with it."""
+    sc = scen(nodes=2, rounds=1, learner={"dataset": "mnist1d", "dataset_params": {"num_samples": 1200},
+                                          "partition": "label_permutation", "partition_params": {"num_clusters": 2},
+                                          "model": "mlp", "local_steps": 2, "device": "cpu"},
+              node={"heartbeat_interval_s": 0.3})
+    specs = prepare(sc, "local", tmp_path)
+    with Network(specs) as net:
+        def up():
+            return all((s.state_dir / "node.json").exists() for s in specs) and all(
+                json.loads((s.state_dir / "node.json").read_text())["pid"] == p for s, p in zip(specs, net.pids))
+        deadline = time.monotonic() + 180
+        while not up():
+            assert time.monotonic() < deadline, "forked daemons did not come up"
+            assert all(p.poll() is None for p in net.procs), [launcher.log_tail(s.log_path) for s in specs]
+            time.sleep(0.1)
+        for pid in net.pids:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            assert parent != os.getpid()  # forked by the server, not by this process
+            assert "libtorch" in Path(f"/proc/{parent}/maps").read_text()  # which has torch loaded
+            mem = {k: 0 for k in ("Rss", "Private")}
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                key, _, rest = line.partition(":")
+                if key == "Rss":
+                    mem["Rss"] = int(rest.split()[0])
+                elif key.startswith("Private_"):
+                    mem["Private"] += int(rest.split()[0])
+            assert mem["Private"] < mem["Rss"] / 2, mem  # a fresh interpreter holds ~2/3 of it privately
+    assert_all_gone(net.pids)
 
 
 def test_oversized_partition_fails_before_any_process_starts(tmp_path, monkeypatch):

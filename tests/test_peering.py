@@ -1,5 +1,6 @@
-"""The peer plane's own mechanisms over real gRPC on loopback (node daemons in one event loop):
-round-aligned snapshot pulls and the fault-injection layer."""
+"""The peer plane's own mechanisms (node daemons in one event loop), against both transports —
+real gRPC on loopback and the in-process switchboard: round-aligned snapshot pulls and the
+fault-injection layer."""
 from __future__ import annotations
 
 import asyncio
@@ -9,10 +10,15 @@ import pytest
 import torch
 
 from coterie.node.config import validate_config
-from coterie.node.daemon import Node
 from nodeproc import node_certs, tiny_learner
+from transports import TRANSPORTS, NodeMaker
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(params=TRANSPORTS)
+def make(request):
+    return NodeMaker(request.param)
 
 
 def _config(tmp, i, peers, **extra):
@@ -22,10 +28,10 @@ def _config(tmp, i, peers, **extra):
         "security": {"cert_dir": str(node_certs(tmp, f"n{i}"))}, **extra})
 
 
-async def _pair(tmp, **extra_second):
-    a = Node(_config(tmp, 0, [], round_interval_s=0.2))
+async def _pair(make, tmp, **extra_second):
+    a = make(_config(tmp, 0, [], round_interval_s=0.2))
     await a.start()
-    b = Node(_config(tmp, 1, [a.address], **extra_second))
+    b = make(_config(tmp, 1, [a.address], **extra_second))
     await b.start()
     deadline = time.monotonic() + 30
     while not (a.peers.alive() == ["n1"] and b.peers.alive() == ["n0"]):
@@ -34,9 +40,9 @@ async def _pair(tmp, **extra_second):
     return a, b
 
 
-def test_round_aligned_pull_waits_for_the_round_and_gives_up_in_time(tmp_path):
+def test_round_aligned_pull_waits_for_the_round_and_gives_up_in_time(tmp_path, make):
     async def go():
-        a, b = await _pair(tmp_path, round_interval_s=0.5)
+        a, b = await _pair(make, tmp_path, round_interval_s=0.5)
         try:
             target = b.round + 2
             t0 = time.monotonic()
@@ -57,9 +63,9 @@ def test_round_aligned_pull_waits_for_the_round_and_gives_up_in_time(tmp_path):
     asyncio.run(go())
 
 
-def test_fault_layer_corrupts_what_is_served_not_what_is_learned(tmp_path):
+def test_fault_layer_corrupts_what_is_served_not_what_is_learned(tmp_path, make):
     async def go():
-        a, b = await _pair(tmp_path, faulty="scale", rounds=0)  # no rounds: one version, v1
+        a, b = await _pair(make, tmp_path, faulty="scale", rounds=0)  # no rounds: one version, v1
         try:
             snap = await a.network.pull("n1")
             true = b.board.current

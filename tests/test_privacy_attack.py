@@ -103,6 +103,10 @@ def score(pairs, x_train: np.ndarray, y_train: np.ndarray) -> tuple[float, float
     return float(np.median(errs)), hits / len(pairs)
 
 
+# the attacker's queries must reach the privacy layer: admission (tested in test_security_limits)
+# would otherwise stop a few hundred of them first and hide what the privacy defence does alone
+
+
 async def _attacker(node: NodeProc, fingerprint: str) -> PeerClient:
     """A certified member of the network (mTLS keeps strangers out; privacy must hold against
     the insiders that are let in)."""

@@ -1,6 +1,7 @@
-"""Every strategy over the real peer plane: node daemons in one event loop talking gRPC over
-loopback sockets (cheaper than processes; the process path is covered by the integration tests).
-Two label-permuted clusters; the in-cluster share of each node's weight must end above chance."""
+"""Every strategy over the real peer plane: node daemons in one event loop, run against both
+transports — gRPC over loopback sockets and the in-process switchboard (cheaper than processes;
+the process path is covered by the integration tests). Two label-permuted clusters; the
+in-cluster share of each node's weight must end above chance."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +13,7 @@ from coterie.node.config import validate_config
 from coterie.node.daemon import Node
 from coterie.node.strategies.registry import available
 from nodeproc import node_certs
+from transports import TRANSPORTS, NodeMaker
 
 N, CLUSTERS = 4, 2
 CHANCE = (N // CLUSTERS - 1) / (N - 1)  # in-cluster share of uniform weights: 1/3
@@ -39,11 +41,18 @@ def _config(tmp, i, strategy, peers, partition="label_permutation", rounds=None,
                                                                      if partition == "label_permutation" else {})}}})
 
 
-async def _network(tmp, strategy, partition="label_permutation", rounds=None, samples=300, clusters=CLUSTERS):
+@pytest.fixture(params=TRANSPORTS)
+def transport(request):
+    return request.param
+
+
+async def _network(tmp, strategy, partition="label_permutation", rounds=None, samples=300, clusters=CLUSTERS,
+                   transport="grpc"):
     nodes: list[Node] = []
+    make = NodeMaker(transport)
     try:
         for i in range(N):
-            node = Node(_config(tmp, i, strategy, [nodes[0].address] if nodes else [], partition, rounds, samples, clusters))
+            node = make(_config(tmp, i, strategy, [nodes[0].address] if nodes else [], partition, rounds, samples, clusters))
             await node.start()
             nodes.append(node)
         deadline = time.monotonic() + 240
@@ -93,8 +102,8 @@ PERSONALISED = [s for s in available() if s not in ("local", "dpsgd", "oracle", 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", PERSONALISED + ["oracle"])
-def test_strategy_finds_its_cluster_over_grpc(tmp_path, strategy):
-    results = asyncio.run(_network(tmp_path, strategy))
+def test_strategy_finds_its_cluster(tmp_path, strategy, transport):
+    results = asyncio.run(_network(tmp_path, strategy, transport=transport))
     for nid, _, w, hist, _ in results:
         assert len(hist) == ROUNDS.get(strategy, 6) and abs(sum(w.values()) - 1) < 1e-4, (nid, w)
         assert sum(sum(h["bytes_received"].values()) for h in hist) > 0, f"{nid} received nothing"
@@ -107,8 +116,8 @@ def test_strategy_finds_its_cluster_over_grpc(tmp_path, strategy):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ENCODER)
-def test_encoder_strategies_gossip_their_encoder_over_grpc(tmp_path, strategy):
-    results = asyncio.run(_network(tmp_path, strategy))
+def test_encoder_strategies_gossip_their_encoder(tmp_path, strategy, transport):
+    results = asyncio.run(_network(tmp_path, strategy, transport=transport))
     for nid, _, w, hist, _ in results:
         assert len(hist) == ROUNDS.get(strategy, 6) and abs(sum(w.values()) - 1) < 1e-4, (nid, w)
         gossip = sum(h["bytes_sent"].get("gossip", 0) + h["bytes_received"].get("gossip", 0) for h in hist)
@@ -117,8 +126,8 @@ def test_encoder_strategies_gossip_their_encoder_over_grpc(tmp_path, strategy):
 
 
 @pytest.mark.slow
-def test_cobo_pair_updates_cross_the_wire_and_stay_symmetric(tmp_path):
-    results = asyncio.run(_network(tmp_path, "cobo"))
+def test_cobo_pair_updates_cross_the_wire_and_stay_symmetric(tmp_path, transport):
+    results = asyncio.run(_network(tmp_path, "cobo", transport=transport))
     W = {nid: st["W"] for nid, _, _, _, st in results}
     ips = {nid: st["last_inner_product"] for nid, _, _, _, st in results}
     assert sum(len(v) for v in ips.values()) > 0, "no alignment call happened"
@@ -136,33 +145,33 @@ def test_cobo_pair_updates_cross_the_wire_and_stay_symmetric(tmp_path):
 
 
 @pytest.mark.slow
-def test_dpsgd_uses_every_peer_and_local_none(tmp_path):
-    results = asyncio.run(_network(tmp_path / "d", "dpsgd"))
+def test_dpsgd_uses_every_peer_and_local_none(tmp_path, transport):
+    results = asyncio.run(_network(tmp_path / "d", "dpsgd", transport=transport))
     for nid, _, w, _, _ in results:
         assert len(w) == N and all(abs(v - 1 / N) < 1e-9 for v in w.values())
-    results = asyncio.run(_network(tmp_path / "l", "local"))
+    results = asyncio.run(_network(tmp_path / "l", "local", transport=transport))
     for nid, _, w, hist, _ in results:
         assert w == {nid: 1.0}
         assert not hist[-1]["bytes_sent"].get("snapshot")
 
 
 @pytest.mark.slow
-def test_dpsgd_on_iid_data_learns_faster_than_alone(tmp_path):
+def test_dpsgd_on_iid_data_learns_faster_than_alone(tmp_path, transport):
     """Averaging must carry each round's training: on one distribution the network beats a node alone."""
     def mean_acc(results):
         return sum(h[-1]["eval"]["test_acc"] for *_, h, _ in results) / len(results)
-    local = mean_acc(asyncio.run(_network(tmp_path / "l", "local", "iid", rounds=15, samples=800)))
-    dpsgd = mean_acc(asyncio.run(_network(tmp_path / "d", "dpsgd", "iid", rounds=15, samples=800)))
+    local = mean_acc(asyncio.run(_network(tmp_path / "l", "local", "iid", rounds=15, samples=800, transport=transport)))
+    dpsgd = mean_acc(asyncio.run(_network(tmp_path / "d", "dpsgd", "iid", rounds=15, samples=800, transport=transport)))
     # Publishing the average instead of the trained model gave 0.356 vs local 0.361.
     assert dpsgd > local + 0.04, (local, dpsgd)
 
 
 @pytest.mark.slow
-def test_dpsgd_consensus_fails_on_permuted_labels(tmp_path):
+def test_dpsgd_consensus_fails_on_permuted_labels(tmp_path, transport):
     """The reason personalisation exists: one consensus model cannot serve four label
     permutations, so D-PSGD, evaluated on the model it keeps, ends below learning alone."""
     def mean_acc(results):
         return sum(h[-1]["eval"]["test_acc"] for *_, h, _ in results) / len(results)
-    local = mean_acc(asyncio.run(_network(tmp_path / "l", "local", rounds=10, clusters=N)))
-    dpsgd = mean_acc(asyncio.run(_network(tmp_path / "d", "dpsgd", rounds=10, clusters=N)))
+    local = mean_acc(asyncio.run(_network(tmp_path / "l", "local", rounds=10, clusters=N, transport=transport)))
+    dpsgd = mean_acc(asyncio.run(_network(tmp_path / "d", "dpsgd", rounds=10, clusters=N, transport=transport)))
     assert dpsgd < local - 0.05, (local, dpsgd)

@@ -2,8 +2,12 @@
 
 Everything is generated procedurally or read from local files; nothing is ever downloaded.
 A pool is a pure function of ``(name, params, seed)``, so every node computes the same pool
-alone. Generated pools are cached in-process (generation takes seconds); their arrays are
-read-only so a consumer cannot corrupt the cache.
+alone. Generated pools are generated once per machine: kept on disk (``cache_dir()``) as plain
+``.npy`` files and memory-mapped read-only, so the daemons of a machine share one copy in the
+page cache and each touches only its own rows (``partition.node_data`` copies just the node's
+shard). In-process they are cached too (many nodes of one process share one pool); their arrays
+are read-only so a consumer cannot corrupt the cache. The generators' libraries (mnist1d, which
+brings matplotlib and scipy; scikit-learn for ``digits``) are imported only to generate.
 
 Datasets and their ``dataset_params``:
 
@@ -81,7 +85,7 @@ def load_pool(name: str, params: dict | None = None, seed: int = 0) -> Pool:
 
 
 def cache_dir() -> Path | None:
-    """Where generated mnist1d pools are kept between processes (COTERIE_CACHE_DIR; "off" disables).
+    """Where generated pools are kept between processes (COTERIE_CACHE_DIR; "off" disables).
     Every daemon of a network regenerates the same pool otherwise: seconds of CPU each."""
     raw = os.environ.get("COTERIE_CACHE_DIR")
     if raw == "off":
@@ -89,26 +93,51 @@ def cache_dir() -> Path | None:
     return Path(raw) if raw else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "coterie"
 
 
+_CACHE_FORMAT = "v2"  # x.npy + y.npy, memory-mapped; the .json written last commits them
+
+
+def _npy(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
+    return buf.getvalue()
+
+
 def _disk_cached(name: str, params_key: str, seed: int, make) -> Pool:
+    """The pool from the machine's cache, memory-mapped read-only; generated (and cached) once."""
     directory = cache_dir()
     if directory is None:
         return make()
-    digest = hashlib.sha256(f"{name}|{params_key}|{seed}|v1".encode()).hexdigest()[:24]
-    path = directory / f"pool-{name}-{digest}.npz"
-    try:
-        with np.load(path, allow_pickle=False) as z:  # plain arrays only, never objects
-            return Pool(z["x"], z["y"], int(z["num_classes"]), tuple(int(v) for v in z["input_shape"]),
-                        "classification")
-    except (OSError, ValueError, KeyError):
-        pass  # absent or unreadable: regenerate and replace it
+    digest = hashlib.sha256(f"{name}|{params_key}|{seed}|{_CACHE_FORMAT}".encode()).hexdigest()[:24]
+    base = directory / f"pool-{name}-{digest}"
+    committed = base.with_suffix(".json")
+    pool = _read_cached(base, committed)
+    if pool is not None:
+        return pool
     pool = make()
     try:
-        buf = io.BytesIO()
-        np.savez(buf, x=pool.x, y=pool.y, num_classes=pool.num_classes, input_shape=np.array(pool.input_shape))
-        atomic_write_bytes(path, buf.getvalue())
+        atomic_write_bytes(f"{base}.x.npy", _npy(pool.x))
+        atomic_write_bytes(f"{base}.y.npy", _npy(pool.y))
+        atomic_write_bytes(committed, json.dumps({
+            "n": len(pool.y), "num_classes": pool.num_classes, "input_shape": list(pool.input_shape),
+            "task": pool.task, "meta": pool.meta}).encode())
     except OSError:
-        pass  # a read-only home only costs the regeneration
-    return pool
+        return pool  # a read-only home only costs the regeneration
+    return _read_cached(base, committed) or pool  # the mapped copy: the generated one can go
+
+
+def _read_cached(base: Path, committed: Path) -> Pool | None:
+    try:
+        info = json.loads(committed.read_text())
+        x = np.load(f"{base}.x.npy", mmap_mode="r", allow_pickle=False)  # plain arrays only, never objects
+        y = np.load(f"{base}.y.npy", mmap_mode="r", allow_pickle=False)
+        n, shape = int(info["n"]), tuple(int(v) for v in info["input_shape"])
+        if len(x) != n or len(y) != n or tuple(x.shape[1:]) != shape or info["task"] not in ("classification",
+                                                                                              "regression"):
+            return None
+        meta = {k: tuple(v) if isinstance(v, list) else v for k, v in dict(info.get("meta") or {}).items()}
+        return Pool(x, y, int(info["num_classes"]), shape, info["task"], meta)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent, torn or foreign: regenerate and replace it
 
 
 @functools.lru_cache(maxsize=16)
@@ -116,7 +145,7 @@ def _cached_pool(name: str, params_key: str, seed: int) -> Pool:
     params = json.loads(params_key)
     make = functools.partial(
         {"mnist1d": _mnist1d, "digits": _digits, "sine": _sine, "gaussian": _gaussian}[name], params, seed)
-    pool = _disk_cached(name, params_key, seed, make) if name == "mnist1d" else make()
+    pool = _disk_cached(name, params_key, seed, make)
     pool.x.setflags(write=False)
     pool.y.setflags(write=False)
     return pool

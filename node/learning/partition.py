@@ -50,6 +50,10 @@ uniformly from all classes (which may coincide with the true label).
 """
 from __future__ import annotations
 
+import json
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -392,11 +396,38 @@ def _label_maps(cfg: LearnerConfig, C: int, clusters: list[int]) -> list[np.ndar
     return [maps[c] for c in clusters]
 
 
+_SHARDS: OrderedDict[tuple, tuple[weakref.ref, list[Shard]]] = OrderedDict()
+_SHARDS_LOCK = threading.Lock()
+
+
+def shared_partition(pool: Pool, cfg: LearnerConfig) -> list[Shard]:
+    """``partition(pool, cfg)``, computed once per pool and partition in this process: the nodes
+    of an in-process network would otherwise each recompute every node's shard (O(N²)). The
+    shards' index arrays are read-only, as they are shared."""
+    key = (id(pool), cfg.dataset, json.dumps(cfg.dataset_params, sort_keys=True, default=str), cfg.partition,
+           json.dumps(cfg.partition_params, sort_keys=True, default=str), cfg.num_nodes, cfg.data_seed,
+           cfg.val_fraction, cfg.test_fraction)
+    with _SHARDS_LOCK:
+        hit = _SHARDS.get(key)
+        if hit is not None and hit[0]() is pool:
+            _SHARDS.move_to_end(key)
+            return hit[1]
+        shards = partition(pool, cfg)
+        for sh in shards:
+            for a in (sh.train, sh.val, sh.test):
+                a.setflags(write=False)
+        _SHARDS[key] = (weakref.ref(pool), shards)
+        while len(_SHARDS) > 8:
+            _SHARDS.popitem(last=False)
+        return shards
+
+
 def node_data(pool: Pool, cfg: LearnerConfig, shards: list[Shard] | None = None) -> NodeData:
-    """This node's (cfg.node_index) arrays as it sees them: mapped labels, noisy train labels."""
+    """This node's (cfg.node_index) arrays as it sees them: mapped labels, noisy train labels.
+    Only the node's own samples are copied out of the pool (which may be a memory map)."""
     if cfg.node_index >= cfg.num_nodes:
         raise ValueError(f"node_index {cfg.node_index} >= num_nodes {cfg.num_nodes}")
-    shard = (shards or partition(pool, cfg))[cfg.node_index]
+    shard = (shards or shared_partition(pool, cfg))[cfg.node_index]
 
     def labels(idx: np.ndarray, split: str) -> np.ndarray:
         y = np.array(pool.y[idx])

@@ -4,7 +4,9 @@
 arrives (implemented by ``served.ServedRequests``). ``PeerTransport`` is how this node reaches
 others: what ``NodeNetwork`` and ``Membership`` call (implemented by the gRPC client in
 ``transport/client.py``). Both speak the domain objects of ``messages``; a transport converts them
-to its own wire, so a second transport (in-process, ...) plugs in without touching either side."""
+to its own wire, so a second transport (in-process, ...) plugs in without touching either side.
+``TransportFactory`` is the pair of them for one node, chosen by whoever composes the node (gRPC:
+``transport/grpc_transport.py``; in-process: ``transport/inproc.py``)."""
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
@@ -51,6 +53,11 @@ class PeerTransport(Protocol):
     talk to anyone else there. ``handshake`` learns and authenticates the id at an address; a
     secure transport then holds every later call to that address to it."""
 
+    max_model_bytes: int  # largest model (snapshot, gradient) accepted from a peer
+    evicted: int  # connections closed for being idle, for /status (0 where there are none)
+
+    def channels(self) -> int: ...  # connections held open now, for /status
+
     async def handshake(self, address: str, info: NodeInfo, timeout: float) -> tuple[NodeInfo, list[PeerEntry]]: ...
     async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
                         peer: str | None = None) -> tuple[Beat, float]: ...
@@ -68,3 +75,38 @@ class PeerTransport(Protocol):
                      timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]: ...
     async def forget(self, address: str) -> None: ...
     async def close(self) -> None: ...
+
+
+class PeerServer(Protocol):
+    """A node's served side, running: where peers reach it, and how to stop serving."""
+
+    address: str
+
+    async def stop(self) -> None: ...
+
+
+class Health(Protocol):
+    """Whether this node says it is serving (the node clears it while something keeps it from
+    progressing, ``failures.py``); the gRPC transport answers the standard health check from it."""
+
+    serving: bool
+
+    async def set(self, serving: bool) -> None: ...
+
+
+class TransportFactory(Protocol):
+    """One node's transport: serves its ``PeerHandler`` and opens its ``PeerTransport``. The
+    composition root picks it (gRPC sockets, in-process memory); ``Node`` only sees this.
+
+    ``identity``: the node id the transport's credentials prove (gRPC with mTLS: the certificate's),
+    ``None`` when it has none; ``mtls``: whether peers are authenticated by certificates.
+    ``max_model_bytes``: the largest model sent or served either way — the node sets it once its own
+    model's size is known, before ``serve``; clients already opened follow it."""
+
+    identity: str | None
+    mtls: bool
+    health: Health
+    max_model_bytes: int
+
+    def connect(self, node_id: str, traffic: Traffic) -> PeerTransport: ...
+    async def serve(self, handler: PeerHandler, traffic: Traffic) -> PeerServer: ...

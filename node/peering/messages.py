@@ -16,6 +16,8 @@ from ..wire.codec import Groups, decode, encode_buffer
 # kinds of compute request a node serves on its private data
 CROSS_LOSS, CROSS_GRADIENT, PUSH_GRADIENT = "cross_loss", "cross_gradient", "push_gradient"
 
+MAX_GOSSIP_KEY = 64  # characters in a gossip key (a strategy's message name)
+
 
 @dataclass(frozen=True)
 class NodeInfo:

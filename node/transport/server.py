@@ -32,7 +32,7 @@ from ...proto.v1 import peer_pb2 as pb
 from ..peering import serde
 from ..peering.errors import Refusal, exhausted, forbidden, invalid, short
 from ..peering.interfaces import PeerHandler, Traffic
-from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT
+from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, MAX_GOSSIP_KEY, PUSH_GRADIENT
 from ..security.ids import node_id_problem
 from ..wire.codec import WireError, decode, encode
 from .chunks import Assembler, collect, data_frames, sha256, split
@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 LINGER_BYTES = 64 << 20
 LINGER_S = 5.0
 LINGER_IDLE_S = 1.0
-MAX_GOSSIP_KEY = 64
 MAX_STREAMS_PER_CONNECTION = 64  # HTTP/2 streams one connection may hold open (gRPC's default: no limit)
 
 

@@ -1,0 +1,160 @@
+"""The ``inproc`` backend of ``coterie run``: every node of a scenario in this process, on one
+asyncio event loop, talking through the in-process transport (``transport/inproc.py``).
+
+The nodes are the same ``Node`` as a daemon process runs — same configs (written to
+``DIR/<strategy>/configs/n{i}.toml``), partitions, seeds, state dirs with real checkpoints and
+``history.jsonl``, so ``results.json`` has the same format — with these differences:
+
+- addresses are ``inproc:<i+1>`` and there is no admin HTTP server per node: the launcher reads
+  each node's progress and final ``status()`` directly;
+- one thread pool runs every node's compute and checkpoint writes (``asyncio.to_thread``'s
+  default executor, ``default_threads()``); the dataset pool and the partition are computed once
+  and shared (each node copies only its own samples);
+- every node pings one member per protocol period (SWIM: N pings per period in one process),
+  so for very large networks the period — and the suspect/dead timeouts with it — is stretched
+  until the whole network stays under ``HEARTBEATS_PER_S``; networks up to several thousand nodes
+  keep the scenario's timing. The stretched values are in the node configs;
+- no TLS: the nodes are one trusted process (``transport/inproc.py`` holds each call to its
+  caller's node id instead), so the configs say ``security.insecure = true``;
+- logs of all nodes go to ``DIR/<strategy>/logs/inproc.log``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ..config import NodeConfig, SecurityConfig
+from ..scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
+from .common import LauncherError, LiveView, NodeProgress, check_deadline, collect, fresh_strategy_dir
+
+HEARTBEATS_PER_S = 20_000  # in-memory SWIM pings one process affords (tens of µs each)
+LOG_NAME = "inproc.log"
+
+
+def default_threads() -> int:
+    """Compute needs about one thread per core; the rest cover threads blocked in a checkpoint's
+    fsyncs (a node's checkpoint waits on the disk ~17 times), which would otherwise stall training."""
+    return 4 * (os.cpu_count() or 1) + 4
+
+
+def address(i: int) -> str:
+    return f"inproc:{i + 1}"
+
+
+def membership_timing(cfg: NodeConfig, nodes: int) -> dict[str, float]:
+    """Config changes that keep N nodes' pings (one per node per period) under
+    ``HEARTBEATS_PER_S`` ({} if none)."""
+    floor = nodes / HEARTBEATS_PER_S
+    if cfg.heartbeat_interval_s >= floor:
+        return {}
+    k = floor / cfg.heartbeat_interval_s
+    return {"heartbeat_interval_s": floor, "suspect_after_s": cfg.suspect_after_s * k,
+            "dead_after_s": cfg.dead_after_s * k}
+
+
+def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
+    """Every node's config for ``strategy``, as the processes backend writes them but with
+    in-process addresses (and the membership timing of ``membership_timing``)."""
+    strat_dir = fresh_strategy_dir(out_dir, strategy)
+    log_path = strat_dir / "logs" / LOG_NAME
+    specs = []
+    for i in range(sc.nodes):
+        b = bootstrap_index(sc, i)
+        cfg = node_config(sc, strategy, i, strat_dir, bootstrap=None if b is None else address(b))
+        cfg = cfg.model_copy(update={"listen": address(i), **membership_timing(cfg, sc.nodes),
+                                     "security": SecurityConfig(insecure=True)})
+        path = strat_dir / "configs" / f"n{i}.toml"
+        path.write_text(config_toml(cfg))
+        specs.append(NodeSpec(i, cfg, path, log_path))
+    return specs
+
+
+class _NodeLogs:
+    """All nodes' log records into one file for the run (the nodes share their loggers)."""
+
+    def __init__(self, path: Path, level: str):
+        self.logger = logging.getLogger("coterie")
+        self.handler = logging.FileHandler(path)
+        self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.level = getattr(logging, level.upper(), logging.INFO)
+
+    def __enter__(self) -> "_NodeLogs":
+        self.saved = (self.logger.level, self.logger.propagate)
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(self.level)
+        self.logger.propagate = False  # a thousand nodes' warnings belong in the file, not the terminal
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.saved[0])
+        self.logger.propagate = self.saved[1]
+        self.handler.close()
+
+
+async def _run(sc: Scenario, strategy: str, specs: list[NodeSpec], progress: list[NodeProgress],
+               view: LiveView | None, poll_interval_s: float, threads: int) -> None:
+    from ..daemon import Node
+    from ..transport.inproc import InProcNetwork
+
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="compute")
+    loop.set_default_executor(pool)  # asyncio.to_thread: every node's training and served compute
+    switchboard = InProcNetwork()
+    nodes: list[Any] = []
+    try:
+        for spec in specs:
+            try:
+                node = Node(spec.config, transport=switchboard.transport_for(spec.config), admin=False)
+                nodes.append(node)
+                await node.start()
+            except (OSError, ValueError, RuntimeError) as e:
+                raise LauncherError(f"node {spec.node_id} could not start: {type(e).__name__}: {e}") from e
+            await asyncio.sleep(0)  # let the nodes already up serve while the rest start
+        deadline = time.monotonic() + sc.timeout_s
+        while True:
+            for spec, node, pr in zip(specs, nodes, progress):
+                if not node.healthy():
+                    task = node._round_task
+                    why = repr(task.exception()) if task is not None and task.done() and not task.cancelled() else "?"
+                    raise LauncherError(f"node {spec.node_id}: its round loop died at round {node.round}/"
+                                        f"{sc.rounds}: {why}; see {spec.log_path}")
+                pr.round, pr.done = node.round, node.done
+                pr.acc = node.last_eval.get("test_acc", pr.acc)
+                pr.state = "done" if node.done else "running"
+            if view:
+                view.update(progress)
+            if all(pr.done for pr in progress):
+                break
+            check_deadline(strategy, specs, progress, deadline, sc.timeout_s)
+            await asyncio.sleep(poll_interval_s)
+        for node, pr in zip(nodes, progress):
+            pr.update(node.status())
+    finally:
+        for node in nodes:
+            await node.stop()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = None,
+                 poll_interval_s: float = 0.5, threads: int | None = None) -> StrategyRun:
+    """Run one strategy's network in this process to completion and collect each node's files."""
+    specs = prepare(sc, strategy, out_dir)
+    progress = [NodeProgress() for _ in specs]
+    threads = threads or default_threads()
+    t0 = time.time()
+    view = LiveView(console, strategy, specs, sc.rounds) if console else None
+    with _NodeLogs(specs[0].log_path, specs[0].config.log_level):
+        if view:
+            view.__enter__()
+        try:
+            asyncio.run(_run(sc, strategy, specs, progress, view, poll_interval_s, threads))
+        finally:
+            if view:
+                view.__exit__()
+    return collect(strategy, specs, sc.rounds, time.time() - t0, progress)

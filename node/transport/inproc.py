@@ -1,0 +1,548 @@
+"""The in-process transport: many nodes in one asyncio event loop reach each other through memory.
+
+``InProcNetwork`` is the switchboard of one process: peer address → the ``PeerHandler`` serving
+it. Each node gets its own ``InProcTransport`` (a ``peering.interfaces.TransportFactory``) from
+it; its client hands a call straight to the target's handler — no sockets, no serialisation of
+tensors — with the gRPC transport's semantics:
+
+- **For one trusted process.** There is no TLS here and none is needed: a call never leaves the
+  process. A caller's identity is the node id its client was created with (``connect``): every id
+  a request claims (handshake node, heartbeat sender, probe requester, peer-exchange and gossip
+  sender, snapshot and compute requester) must be that one, or the request is refused as
+  ``forbidden`` before the handler sees it — what mTLS enforces on gRPC, enforced by construction,
+  so no node of the process can speak for another. ``peer=`` (the node id a caller expects at an
+  address) is checked against the handler serving there (``unavailable`` otherwise, as a TLS name
+  mismatch is on gRPC). Whoever can run code in the process can of course reach every node's
+  memory: the in-process backend is for simulations on one machine, not for mutually distrustful
+  parties. (Mixed mode's gRPC side keeps the node's certificates.)
+- **The same checks and budgets.** The handler's own checks run exactly as behind the gRPC server
+  (known peer, protocol and architecture, purposes, tensor shapes and finiteness, splits); compute,
+  snapshot and gossip requests pass the handler's per-peer admission (``admit(peer, kind)``:
+  request rate, concurrency, compute share) at the same points, held until the call ends; the
+  size limits the gRPC transport applies (``max_model_bytes`` for snapshots, compute payloads and
+  gradients, ``max_gossip_bytes`` and the key length for gossip) are applied here too. Gossip
+  payloads still go through msgpack: msgpack defines what a payload may hold, and the receiver gets
+  its own copy.
+- **The same failures.** A refusal arrives as ``PeerCallError`` of its kind (``invalid``,
+  ``refused``, ``unknown_peer``, ``not_cached``, ``unavailable``, ``exhausted`` for an admission
+  limit, ``privacy_budget`` for a spent privacy budget, ``forbidden`` for a claimed id that is
+  not the caller's); an address nobody serves, a node that stopped (also while a call to it is in
+  flight) or a passed deadline as ``unavailable``. A call's peer side runs as its own task and is
+  cancelled when the deadline passes or the peer stops, as gRPC cancels a server handler (its
+  admission slot is released then).
+- **Snapshots are shared, not copied.** Every puller of a published version gets the publisher's
+  own tensors (a node publishes copies of its model and never changes them afterwards; the
+  handler hands out a snapshot once it is ``ready()``, encoded off the loop, so its tensors are
+  the zero-copy views the gRPC transport would stream). They are read-only for the receiver, as
+  peer snapshots are for every strategy; torch has no read-only tensors, so the switchboard
+  records each tensor's in-place version counter the first time it hands a snapshot out and
+  checks it at every later hand-out: a snapshot some receiver modified is refused (``WireError``
+  naming the publisher and version) instead of spreading.
+  ``InProcNetwork(share_snapshots=False)`` gives every puller its own clone instead (what a
+  gRPC pull gives). Pushed gradients are cloned (the receiver keeps them until its next round);
+  compute payloads and replies are used within the call and handed over as they are.
+- **Traffic** is accounted as payload bytes: tensor bytes for snapshots and compute requests,
+  msgpack bytes for gossip; membership calls carry no payload and count 0 bytes (they still
+  count in the latency histograms).
+
+Addresses are ``inproc:<n>`` (a node configured to listen on ``inproc:<n>`` gets exactly that,
+otherwise the next free number), so configs and bootstrap lists look as they do for gRPC.
+
+Mixed networks (a group of in-process nodes in one Ray actor, say): give ``transport()`` a
+gRPC transport factory as ``grpc``. The node then also serves over gRPC (mTLS with its
+certificate), registers here under its gRPC address, and its client reaches the nodes of this
+process through memory and every other address over gRPC."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from dataclasses import dataclass, replace
+from typing import Any, Awaitable, Callable
+
+import msgpack
+
+from ..peering.errors import (EXHAUSTED, FORBIDDEN, INVALID, NOT_CACHED, PRIVACY_BUDGET, REFUSED, UNAVAILABLE,
+                              UNKNOWN_PEER, PeerCallError, Refusal, forbidden, invalid)
+from ..peering.interfaces import Health, PeerHandler, PeerServer, PeerTransport, Traffic, TransportFactory
+from ..peering.messages import (CROSS_GRADIENT, CROSS_LOSS, MAX_GOSSIP_KEY, PUSH_GRADIENT, Beat, ComputeReply,
+                                ComputeRequest, IndirectProbe, LocalSnapshot, MemberUpdate, NodeInfo, PeerEntry,
+                                SnapshotHeader)
+from ..security.ids import node_id_problem
+from ..wire.codec import Groups, WireError
+
+log = logging.getLogger(__name__)
+
+HOST = "inproc"
+_KINDS = (INVALID, REFUSED, UNKNOWN_PEER, NOT_CACHED, UNAVAILABLE, EXHAUSTED, PRIVACY_BUDGET, FORBIDDEN)
+UNSET_MODEL_BYTES = 1 << 31  # until the node fixes its limit from its own model size (Node.model_limit)
+
+
+def nbytes(groups: Groups | None) -> int:
+    return sum(t.numel() * t.element_size() for g in (groups or {}).values() for t in g.values())
+
+
+def _clone(groups: Groups) -> Groups:
+    return {g: {k: t.detach().clone() for k, t in ts.items()} for g, ts in groups.items()}
+
+
+def _call_error(e: Exception, kind: str) -> PeerCallError:
+    """What the caller sees of an exception raised by the peer's handler (as gRPC maps it)."""
+    if isinstance(e, PeerCallError):
+        return e
+    if isinstance(e, Refusal):
+        return PeerCallError(e.kind if e.kind in _KINDS else INVALID, e.message)
+    if isinstance(e, WireError):
+        return PeerCallError(INVALID, str(e))
+    return PeerCallError(UNAVAILABLE, f"{kind} failed at the peer: {type(e).__name__}: {e}")
+
+
+@dataclass
+class _Served:
+    """One node's handler as the switchboard holds it."""
+    handler: PeerHandler
+    traffic: Traffic
+    max_gossip_bytes: int
+    stopped: asyncio.Future  # resolved when the node stops serving: in-flight calls fail
+    limits: "InProcTransport"  # its max_model_bytes, as the node sets it (also after serving)
+
+    @property
+    def max_model_bytes(self) -> int:
+        return self.limits.max_model_bytes
+
+
+
+class Serving:
+    """The node's serving flag (``peering.interfaces.Health``): in one process nobody runs gRPC
+    health checks; the flag is kept for ``/status`` and tests."""
+
+    def __init__(self) -> None:
+        self.serving = True
+
+    async def set(self, serving: bool) -> None:
+        self.serving = serving
+
+
+class InProcNetwork:
+    """The switchboard of one process (one event loop)."""
+
+    def __init__(self, *, share_snapshots: bool = True):
+        self.share_snapshots = share_snapshots
+        self._served: dict[str, _Served] = {}
+        self._next = 0
+        # published snapshot -> the tensors' version counters when first handed out
+        self._seals: weakref.WeakKeyDictionary[LocalSnapshot, tuple[int, ...]] = weakref.WeakKeyDictionary()
+
+    def transport(self, *, listen: str | None = None, timeout_s: float = 30.0, delay_ms: float = 0.0,
+                  max_model_bytes: int | None = None, max_gossip_bytes: int = 1 << 20,
+                  grpc: TransportFactory | None = None) -> "InProcTransport":
+        return InProcTransport(self, listen=listen, timeout_s=timeout_s, delay_ms=delay_ms,
+                               max_model_bytes=max_model_bytes or UNSET_MODEL_BYTES,
+                               max_gossip_bytes=max_gossip_bytes, grpc=grpc)
+
+    def transport_for(self, cfg: Any, grpc: TransportFactory | None = None) -> "InProcTransport":
+        """A node's transport from its ``NodeConfig`` (listen address, timeout, limits, delay)."""
+        return self.transport(listen=cfg.listen, timeout_s=cfg.request_timeout_s, delay_ms=cfg.delay_ms,
+                              max_model_bytes=cfg.max_model_bytes, max_gossip_bytes=cfg.max_gossip_bytes,
+                              grpc=grpc)
+
+    def addresses(self) -> list[str]:
+        return sorted(self._served)
+
+    def lookup(self, address: str) -> _Served | None:
+        return self._served.get(address)
+
+    def _bind(self, address: str | None, served: _Served) -> str:
+        """Register ``served`` under ``address``, or under the next free ``inproc:<n>``."""
+        if address is None:
+            while f"{HOST}:{self._next + 1}" in self._served:
+                self._next += 1
+            self._next += 1
+            address = f"{HOST}:{self._next}"
+        if address in self._served:
+            raise OSError(f"cannot bind peer address {address}: another node in this process serves it")
+        self._served[address] = served
+        return address
+
+    def _unbind(self, address: str, served: _Served) -> None:
+        if self._served.get(address) is served:
+            del self._served[address]
+        if not served.stopped.done():
+            served.stopped.set_result(None)
+
+    def hand_out(self, snap: LocalSnapshot) -> Groups:
+        """The groups of ``snap`` for one puller: shared and checked unmodified, or a clone."""
+        if not self.share_snapshots:
+            return _clone(snap.groups)
+        # Tensor._version counts in-place changes (autograd's own check for modified tensors)
+        versions = tuple(t._version for g in snap.groups.values() for t in g.values())
+        sealed = self._seals.setdefault(snap, versions)
+        if sealed != versions:
+            raise WireError(f"snapshot v{snap.version} of {snap.node_id} was modified in place after it was "
+                            f"handed out (in-process snapshots are shared and read-only for receivers)")
+        return {g: dict(ts) for g, ts in snap.groups.items()}  # the tensors shared, the dicts the puller's own
+
+
+@dataclass
+class InProcServer:
+    """A node served on the switchboard (``peering.interfaces.PeerServer``)."""
+    address: str
+    network: InProcNetwork
+    served: _Served
+    also: PeerServer | None = None  # mixed mode: the node's gRPC server
+
+    async def stop(self) -> None:
+        self.network._unbind(self.address, self.served)
+        if self.also is not None:
+            await self.also.stop()
+
+
+class InProcTransport:
+    """One node's in-process transport (``peering.interfaces.TransportFactory``). No credentials:
+    ``identity`` is None (mixed mode: the gRPC side's certificate), ``mtls`` False (mixed mode: the
+    gRPC side's)."""
+
+    def __init__(self, network: InProcNetwork, *, listen: str | None, timeout_s: float, delay_ms: float,
+                 max_model_bytes: int, max_gossip_bytes: int, grpc: TransportFactory | None):
+        self.network, self.listen, self.grpc = network, listen, grpc
+        self.timeout_s, self.delay_ms = timeout_s, delay_ms
+        self._max_model_bytes, self.max_gossip_bytes = max_model_bytes, max_gossip_bytes
+        self._clients: list[InProcClient] = []
+        self.identity = grpc.identity if grpc is not None else None
+        self.mtls = grpc.mtls if grpc is not None else False
+        self.health: Health = grpc.health if grpc is not None else Serving()
+
+    @property
+    def max_model_bytes(self) -> int:
+        return self._max_model_bytes
+
+    @max_model_bytes.setter
+    def max_model_bytes(self, value: int) -> None:
+        """Both ways: what this node accepts served and pulled (its clients follow)."""
+        self._max_model_bytes = value
+        for client in self._clients:
+            client.max_model_bytes = value
+        if self.grpc is not None:
+            self.grpc.max_model_bytes = value
+
+    def connect(self, node_id: str, traffic: Traffic) -> "InProcClient":
+        fallback = self.grpc.connect(node_id, traffic) if self.grpc is not None else None
+        client = InProcClient(self.network, node_id, traffic, timeout_s=self.timeout_s, delay_ms=self.delay_ms,
+                              max_model_bytes=self.max_model_bytes, max_gossip_bytes=self.max_gossip_bytes,
+                              fallback=fallback)
+        self._clients.append(client)
+        return client
+
+    async def serve(self, handler: PeerHandler, traffic: Traffic) -> InProcServer:
+        also = await self.grpc.serve(handler, traffic) if self.grpc is not None else None
+        served = _Served(handler, traffic, self.max_gossip_bytes, asyncio.get_running_loop().create_future(), self)
+        host, _, port = (self.listen or "").rpartition(":")
+        wanted = also.address if also is not None else (
+            self.listen if host == HOST and port.isdigit() and int(port) > 0 else None)
+        try:
+            address = self.network._bind(wanted, served)
+        except OSError:
+            if also is not None:
+                await also.stop()
+            raise
+        return InProcServer(address, self.network, served, also)
+
+
+class InProcClient:
+    """The calling side (``peering.interfaces.PeerTransport``): addresses served in this process
+    are called in memory, any other through ``fallback`` (gRPC in mixed mode), or fail. Every call
+    is made as ``node_id``, the node this client was opened for."""
+
+    def __init__(self, network: InProcNetwork, node_id: str, traffic: Traffic, *, timeout_s: float,
+                 delay_ms: float = 0.0, max_model_bytes: int = UNSET_MODEL_BYTES, max_gossip_bytes: int = 1 << 20,
+                 fallback: PeerTransport | None = None):
+        self.network, self.node_id, self.traffic = network, node_id, traffic
+        self.timeout_s = timeout_s
+        self.delay_s = delay_ms / 1000.0  # emulated one-way link latency (testbed)
+        self._max_model_bytes, self.max_gossip_bytes = max_model_bytes, max_gossip_bytes
+        self.fallback = fallback
+
+    @property
+    def max_model_bytes(self) -> int:
+        return self._max_model_bytes
+
+    @max_model_bytes.setter
+    def max_model_bytes(self, value: int) -> None:
+        self._max_model_bytes = value
+        if self.fallback is not None:
+            self.fallback.max_model_bytes = value
+
+    def channels(self) -> int:
+        """Connections held open: none in memory; mixed mode's gRPC channels."""
+        return self.fallback.channels() if self.fallback is not None else 0
+
+    @property
+    def evicted(self) -> int:
+        return self.fallback.evicted if self.fallback is not None else 0
+
+    # --- routing, identities and the two ways of calling a handler ---
+    def _route(self, address: str, expected: str | None) -> _Served | None:
+        """The node served at ``address`` in this process (None: not here); with ``expected``,
+        it must be that node (as TLS refuses another certificate at the address)."""
+        peer = self.network.lookup(address)
+        if peer is not None and expected is not None and peer.handler.node_id != expected:
+            raise PeerCallError(UNAVAILABLE, f"{address} is node {peer.handler.node_id!r}, not the expected "
+                                             f"{expected!r}")
+        return peer
+
+    def _remote(self, address: str) -> PeerTransport:
+        if self.fallback is None:
+            raise PeerCallError(UNAVAILABLE, f"no node serves {address} in this process")
+        return self.fallback
+
+    def _as_me(self, claimed: str, what: str) -> None:
+        """A request may claim only this client's node id (the mTLS check of the gRPC server,
+        here by construction)."""
+        problem = node_id_problem(claimed)
+        if problem:
+            raise invalid(f"{what}: {problem}")
+        if claimed != self.node_id:
+            raise forbidden(f"{what}: claims to be node {claimed!r}, but the caller is {self.node_id!r}")
+
+    async def _link(self) -> None:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)  # the emulated wire delay itself, not a wait for state
+
+    def _sync(self, peer: _Served, address: str, kind: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """A membership call: the handler answers at once."""
+        if peer.stopped.done():
+            raise PeerCallError(UNAVAILABLE, f"{address} stopped serving")
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        except Exception as e:
+            raise self._refused(e, kind, address) from None
+        finally:
+            peer.traffic.latency(kind, time.perf_counter() - t0, "server")
+
+    async def _async(self, peer: _Served, address: str, kind: str, make: Callable[[], Awaitable[Any]],
+                     timeout: float) -> Any:
+        """A call whose peer side may take time: its own task, bounded by the deadline and by the
+        peer staying up; cancelled when either runs out."""
+        if peer.stopped.done():
+            raise PeerCallError(UNAVAILABLE, f"{address} stopped serving")
+        t0 = time.perf_counter()
+        task = asyncio.ensure_future(make())
+        try:
+            await asyncio.wait((task, peer.stopped), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+            peer.traffic.latency(kind, time.perf_counter() - t0, "server")
+        if task.done() and not task.cancelled():
+            e = task.exception()
+            if e is None:
+                return task.result()
+            raise self._refused(e, kind, address)
+        if peer.stopped.done():
+            raise PeerCallError(UNAVAILABLE, f"{address} stopped serving during a {kind} call")
+        raise PeerCallError(UNAVAILABLE, f"{kind} call to {address}: deadline of {timeout:g}s exceeded")
+
+    @staticmethod
+    def _refused(e: BaseException, kind: str, address: str) -> PeerCallError:
+        if not isinstance(e, Exception):  # KeyboardInterrupt & co. are not the peer's answer
+            raise e
+        err = _call_error(e, kind)
+        if isinstance(e, (Refusal, WireError)):
+            log.warning("refused %s at %s: %s", kind, address, err.message)
+        elif not isinstance(e, PeerCallError):
+            log.error("%s at %s failed", kind, address, exc_info=e)
+        return err
+
+    def _timed(self, kind: str, t0: float) -> None:
+        self.traffic.latency(kind, time.perf_counter() - t0, "client")
+
+    # --- membership ---
+    async def handshake(self, address: str, info: NodeInfo, timeout: float) -> tuple[NodeInfo, list[PeerEntry]]:
+        peer = self._route(address, None)
+        if peer is None:
+            return await self._remote(address).handshake(address, info, timeout)
+        t0 = time.perf_counter()
+        await self._link()
+
+        def answer(remote: NodeInfo) -> tuple[list[PeerEntry], NodeInfo]:
+            self._as_me(remote.node_id, "handshake")
+            return peer.handler.on_handshake(remote), peer.handler.info()
+
+        entries, remote = self._sync(peer, address, "handshake", answer, replace(info, labels=dict(info.labels)))
+        self._timed("handshake", t0)
+        return replace(remote, labels=dict(remote.labels)), list(entries)
+
+    async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
+                        peer: str | None = None) -> tuple[Beat, float]:
+        served = self._route(address, peer)
+        if served is None:
+            return await self._remote(address).heartbeat(address, beat, timeout, peer=peer)
+        t0 = time.perf_counter()
+        await self._link()
+
+        def answer(b: Beat) -> Beat:
+            self._as_me(b.node_id, "heartbeat")
+            return served.handler.on_heartbeat(b)
+
+        reply = self._sync(served, address, "heartbeat", answer, beat)  # Beat and its updates are frozen
+        rtt = time.perf_counter() - t0
+        self._timed("heartbeat", t0)
+        return reply, rtt
+
+    async def indirect_probe(self, address: str, probe: IndirectProbe, timeout: float, *,
+                             peer: str | None = None) -> tuple[bool, tuple[MemberUpdate, ...]]:
+        served = self._route(address, peer)
+        if served is None:
+            return await self._remote(address).indirect_probe(address, probe, timeout, peer=peer)
+        t0 = time.perf_counter()
+        await self._link()
+
+        async def answer() -> tuple[bool, tuple[MemberUpdate, ...]]:
+            self._as_me(probe.requester, "indirect probe")
+            return await served.handler.on_indirect_probe(probe)  # it pings the target itself
+
+        ack, updates = await self._async(served, address, "probe", answer, timeout)
+        self._timed("probe", t0)
+        return bool(ack), tuple(updates)
+
+    async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
+                             members: list[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
+                             ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]:
+        served = self._route(address, peer)
+        if served is None:
+            return await self._remote(address).exchange_peers(address, sender, entries, timeout, members=members,
+                                                              incarnation=incarnation, peer=peer)
+        await self._link()
+
+        def answer() -> tuple[list[PeerEntry], list[MemberUpdate], int]:
+            self._as_me(sender, "peer exchange")
+            return served.handler.on_peer_list(sender, list(entries), tuple(members), int(incarnation))
+
+        theirs, their_members, inc = self._sync(served, address, "peers", answer)
+        return list(theirs), tuple(their_members), int(inc)
+
+    # --- snapshots ---
+    async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
+                           min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
+                           peer: str | None = None) -> tuple[SnapshotHeader, Groups | None]:
+        served = self._route(address, peer)
+        if served is None:
+            return await self._remote(address).get_snapshot(address, requester, have_version, min_round=min_round,
+                                                            wait_s=wait_s, timeout=timeout, peer=peer)
+        t0 = time.perf_counter()
+        await self._link()
+
+        async def answer() -> LocalSnapshot:
+            self._as_me(requester, "snapshot request")
+            served.handler.check_known(requester)
+            with served.handler.admit(requester, "snapshot"):  # held while it waits for a round
+                snap = await served.handler.snapshot(requester, min_round, wait_s)
+                return await snap.ready()  # encoded off the loop; its groups the zero-copy views
+
+        snap: LocalSnapshot = await self._async(served, address, "snapshot", answer, timeout or self.timeout_s)
+        unchanged = have_version > 0 and have_version == snap.version
+        groups = None if unchanged else self.network.hand_out(snap)  # a modified one: WireError here
+        size = nbytes(groups)
+        if size > self.max_model_bytes:
+            raise WireError(f"snapshot of {snap.node_id}: payload of {size} bytes exceeds the limit of "
+                            f"{self.max_model_bytes}")
+        served.traffic.record("snapshot", sent=size)
+        self.traffic.record("snapshot", received=size)
+        self._timed("snapshot", t0)
+        return snap.header(unchanged), groups
+
+    # --- compute requests ---
+    async def compute(self, address: str, request: ComputeRequest, timeout: float | None = None, *,
+                      peer: str | None = None) -> ComputeReply:
+        served = self._route(address, peer)
+        if served is None:
+            return await self._remote(address).compute(address, request, timeout, peer=peer)
+        kind = request.kind
+        if kind not in (CROSS_LOSS, CROSS_GRADIENT, PUSH_GRADIENT):
+            raise ValueError(f"unknown compute request kind {kind!r}")
+        t0 = time.perf_counter()
+        await self._link()
+        # what the wire would carry: a reference instead of the model; the receiver's own dicts
+        groups = None if request.ref is not None or request.groups is None else request.groups
+        if groups is not None:
+            groups = _clone(groups) if kind == PUSH_GRADIENT else {g: dict(ts) for g, ts in groups.items()}
+        req = replace(request, groups=groups)
+        size = nbytes(groups)
+
+        async def answer() -> ComputeReply:
+            self._as_me(req.requester, kind)
+            served.handler.check_known(req.requester)  # before taking a payload from a stranger
+            who = f"{kind} from {req.requester}"
+            if req.ref is not None and node_id_problem(req.ref.node_id):
+                raise invalid(f"{who}: snapshot reference: {node_id_problem(req.ref.node_id)}")
+            if size > served.max_model_bytes:
+                raise invalid(f"{who}: payload of {size} bytes exceeds the limit of {served.max_model_bytes}")
+            with served.handler.admit(req.requester, kind):
+                return await served.handler.compute(req)
+
+        reply: ComputeReply = await self._async(served, address, kind, answer, timeout or self.timeout_s)
+        if kind == CROSS_LOSS:
+            out = ComputeReply(loss=float(reply.loss), samples=int(reply.samples))
+        elif kind == PUSH_GRADIENT:
+            out = ComputeReply(accepted=bool(reply.accepted), message=str(reply.message))
+        else:
+            out = ComputeReply(loss=float(reply.loss), samples=int(reply.samples), grad=reply.grad,
+                               inner_product=float(reply.inner_product))
+        back = nbytes(out.grad)
+        if back > self.max_model_bytes:
+            raise WireError(f"gradient from {address}: payload of {back} bytes exceeds the limit of "
+                            f"{self.max_model_bytes}")
+        served.traffic.record(kind, received=size, sent=back)
+        self.traffic.record(kind, sent=size, received=back)
+        self._timed(kind, t0)
+        return out
+
+    async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],
+                     timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]:
+        served = self._route(address, peer)
+        if served is None:
+            return await self._remote(address).gossip(address, sender, key, payload, timeout, peer=peer)
+        t0 = time.perf_counter()
+        await self._link()
+        raw = msgpack.packb(payload, use_bin_type=True)
+        if len(raw) > self.max_gossip_bytes:
+            raise PeerCallError(INVALID, f"gossip payload for {key!r} is {len(raw)} bytes, "
+                                         f"over the limit of {self.max_gossip_bytes}")
+
+        async def answer() -> bytes:
+            self._as_me(sender, "gossip")
+            served.handler.check_known(sender)
+            if len(key) > MAX_GOSSIP_KEY:
+                raise invalid(f"gossip from {sender}: key of {len(key)} characters, at most {MAX_GOSSIP_KEY}")
+            with served.handler.admit(sender, "gossip"):
+                if len(raw) > served.max_gossip_bytes:
+                    raise invalid(f"gossip from {sender}: {len(raw)} bytes exceeds the limit of "
+                                  f"{served.max_gossip_bytes}")
+                try:
+                    theirs = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+                except Exception as e:  # msgpack raises a zoo of types on garbage
+                    raise invalid(f"gossip from {sender}: payload is not msgpack ({e})") from None
+                if not isinstance(theirs, dict):
+                    raise invalid(f"gossip from {sender}: payload is not a map")
+                return msgpack.packb(await served.handler.gossip(sender, key, theirs), use_bin_type=True)
+
+        back = await self._async(served, address, "gossip", answer, timeout or self.timeout_s)
+        if len(back) > self.max_gossip_bytes:
+            raise WireError(f"gossip reply from {address} exceeds {self.max_gossip_bytes} bytes")
+        served.traffic.record("gossip", received=len(raw), sent=len(back))
+        self.traffic.record("gossip", sent=len(raw), received=len(back))
+        self._timed("gossip", t0)
+        out = msgpack.unpackb(back, raw=False, strict_map_key=False)
+        if not isinstance(out, dict):
+            raise WireError(f"gossip reply from {address} is not a map")
+        return out
+
+    async def forget(self, address: str) -> None:
+        if self.fallback is not None and self.network.lookup(address) is None:
+            await self.fallback.forget(address)
+
+    async def close(self) -> None:
+        if self.fallback is not None:
+            await self.fallback.close()

@@ -1,0 +1,175 @@
+"""The routing transport: a node in a process that runs several (a Ray actor's group of nodes).
+
+It serves the node over gRPC (reachable from other processes and machines) and registers it on
+the process's switchboard (``inproc.InProcNetwork``) under that same gRPC address. A call goes
+where its address is served:
+
+- an address some node of this process serves → ``inproc.InProcClient``: through memory, with
+  the in-process transport's checks, limits and failures;
+- any other address → the gRPC client (``client.PeerClient``, whatever credentials the gRPC
+  transport factory gives it).
+
+Peers never know the difference: an address is a gRPC address either way, so bootstrap lists,
+peer exchange and results look as they do for a network of daemon processes. Each node's
+transport counts its calls and payload bytes per route (``RouteStats``: ``memory`` / ``grpc``),
+so a launcher can report — and a test assert — how much crossed process boundaries."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..peering.interfaces import PeerHandler, PeerServer, PeerTransport, Traffic, TransportFactory
+from ..peering.messages import (Beat, ComputeReply, ComputeRequest, IndirectProbe, MemberUpdate, NodeInfo,
+                                PeerEntry, SnapshotHeader)
+from ..wire.codec import Groups
+from .inproc import InProcClient, InProcNetwork
+
+MEMORY, GRPC = "memory", "grpc"
+
+
+@dataclass
+class RouteStats:
+    """One node's outgoing calls and payload bytes, by route."""
+    calls: Counter = field(default_factory=Counter)
+    sent: Counter = field(default_factory=Counter)
+    received: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {"calls": {r: self.calls[r] for r in (MEMORY, GRPC)},
+                "bytes_sent": {r: self.sent[r] for r in (MEMORY, GRPC)},
+                "bytes_received": {r: self.received[r] for r in (MEMORY, GRPC)}}
+
+
+class _RouteTraffic:
+    """The node's own ``Traffic``, tallying the bytes of one route on the way."""
+
+    def __init__(self, inner: Traffic, stats: RouteStats, route: str):
+        self.inner, self.stats, self.route = inner, stats, route
+
+    def record(self, kind: str, *, sent: int = 0, received: int = 0) -> None:
+        self.stats.sent[self.route] += sent
+        self.stats.received[self.route] += received
+        self.inner.record(kind, sent=sent, received=received)
+
+    def latency(self, kind: str, seconds: float, side: str) -> None:
+        self.inner.latency(kind, seconds, side)
+
+
+class RoutingTransport:
+    """One node's routing transport (``peering.interfaces.TransportFactory``): the in-process
+    transport in mixed mode (memory for this process's nodes, its gRPC factory for the rest), with
+    every call counted by route. Identity, mTLS and health are the gRPC side's."""
+
+    def __init__(self, switchboard: InProcNetwork, grpc: TransportFactory, *, timeout_s: float = 30.0,
+                 delay_ms: float = 0.0, max_model_bytes: int | None = None, max_gossip_bytes: int = 1 << 20):
+        self.switchboard, self.grpc = switchboard, grpc
+        self.stats = RouteStats()
+        self._inner = switchboard.transport(timeout_s=timeout_s, delay_ms=delay_ms, max_model_bytes=max_model_bytes,
+                                            max_gossip_bytes=max_gossip_bytes, grpc=grpc)
+        self.identity, self.mtls, self.health = self._inner.identity, self._inner.mtls, self._inner.health
+        self._clients: list[RoutingClient] = []
+
+    @property
+    def max_model_bytes(self) -> int:
+        return self._inner.max_model_bytes
+
+    @max_model_bytes.setter
+    def max_model_bytes(self, value: int) -> None:
+        self._inner.max_model_bytes = value  # the gRPC factory's and both routes' clients follow
+        for c in self._clients:
+            c.memory.max_model_bytes = value
+            c.remote.max_model_bytes = value
+
+    @classmethod
+    def from_config(cls, switchboard: InProcNetwork, cfg: Any,
+                    grpc: TransportFactory | None = None) -> "RoutingTransport":
+        """From a ``NodeConfig``; the gRPC side is ``GrpcTransport.from_config(cfg)`` unless given."""
+        if grpc is None:
+            from .grpc_transport import GrpcTransport
+            grpc = GrpcTransport.from_config(cfg)
+        return cls(switchboard, grpc, timeout_s=cfg.request_timeout_s, delay_ms=cfg.delay_ms,
+                   max_model_bytes=cfg.max_model_bytes, max_gossip_bytes=cfg.max_gossip_bytes)
+
+    def connect(self, node_id: str, traffic: Traffic) -> "RoutingClient":
+        inner = self._inner
+        memory = InProcClient(self.switchboard, node_id, _RouteTraffic(traffic, self.stats, MEMORY),
+                              timeout_s=inner.timeout_s, delay_ms=inner.delay_ms,
+                              max_model_bytes=inner.max_model_bytes, max_gossip_bytes=inner.max_gossip_bytes)
+        remote = self.grpc.connect(node_id, _RouteTraffic(traffic, self.stats, GRPC))
+        client = RoutingClient(self.switchboard, memory, remote, self.stats)
+        self._clients.append(client)
+        return client
+
+    async def serve(self, handler: PeerHandler, traffic: Traffic) -> PeerServer:
+        """Serve over gRPC, and on the switchboard under the gRPC address (stopping stops both)."""
+        return await self._inner.serve(handler, traffic)
+
+
+class RoutingClient:
+    """The calling side (``peering.interfaces.PeerTransport``): each call to the client of its route."""
+
+    def __init__(self, switchboard: InProcNetwork, memory: InProcClient, remote: PeerTransport, stats: RouteStats):
+        self.switchboard, self.memory, self.remote, self.stats = switchboard, memory, remote, stats
+
+    @property
+    def max_model_bytes(self) -> int:
+        return self.memory.max_model_bytes
+
+    @max_model_bytes.setter
+    def max_model_bytes(self, value: int) -> None:
+        self.memory.max_model_bytes = value
+        self.remote.max_model_bytes = value
+
+    def channels(self) -> int:
+        return self.remote.channels()
+
+    @property
+    def evicted(self) -> int:
+        return self.remote.evicted
+
+    def route(self, address: str) -> str:
+        return MEMORY if self.switchboard.lookup(address) is not None else GRPC
+
+    def _via(self, address: str) -> PeerTransport:
+        route = self.route(address)
+        self.stats.calls[route] += 1
+        return self.memory if route == MEMORY else self.remote
+
+    async def handshake(self, address: str, info: NodeInfo, timeout: float) -> tuple[NodeInfo, list[PeerEntry]]:
+        return await self._via(address).handshake(address, info, timeout)
+
+    async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
+                        peer: str | None = None) -> tuple[Beat, float]:
+        return await self._via(address).heartbeat(address, beat, timeout, peer=peer)
+
+    async def indirect_probe(self, address: str, probe: IndirectProbe, timeout: float, *,
+                             peer: str | None = None) -> tuple[bool, tuple[MemberUpdate, ...]]:
+        return await self._via(address).indirect_probe(address, probe, timeout, peer=peer)
+
+    async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
+                             members: list[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
+                             ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]:
+        return await self._via(address).exchange_peers(address, sender, entries, timeout, members=members,
+                                                       incarnation=incarnation, peer=peer)
+
+    async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
+                           min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
+                           peer: str | None = None) -> tuple[SnapshotHeader, Groups | None]:
+        return await self._via(address).get_snapshot(address, requester, have_version, min_round=min_round,
+                                                     wait_s=wait_s, timeout=timeout, peer=peer)
+
+    async def compute(self, address: str, request: ComputeRequest, timeout: float | None = None, *,
+                      peer: str | None = None) -> ComputeReply:
+        return await self._via(address).compute(address, request, timeout, peer=peer)
+
+    async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],
+                     timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]:
+        return await self._via(address).gossip(address, sender, key, payload, timeout, peer=peer)
+
+    async def forget(self, address: str) -> None:
+        await self.remote.forget(address)  # only gRPC holds per-address state (a channel)
+
+    async def close(self) -> None:
+        await self.memory.close()
+        await self.remote.close()
