@@ -71,26 +71,27 @@ def test_privacy_package_stays_below_the_peer_plane():
 def test_clipped_gradient_sum_is_the_per_sample_gradient_clipped(learner):
     x, y = learner._data["train"]
     idx = [0, 3, 5, 8]
-    p = {k: v.clone().requires_grad_(True) for k, v in learner.get_params().items()}
+    p = {k: v.to(x.device).requires_grad_(True) for k, v in learner.get_params().items()}  # x: on the learner's device
     per = []
     for i in idx:
         loss = torch.nn.functional.cross_entropy(functional_call(learner._shadow, p, (x[i:i + 1],)), y[i:i + 1])
         per.append(dict(zip(p, torch.autograd.grad(loss, list(p.values())))))
     unclipped = learner.clipped_gradient_sum(None, "train", idx, 1e9)
     for k in p:
-        assert torch.allclose(unclipped[k], sum(g[k] for g in per), atol=1e-5)
+        assert torch.allclose(unclipped[k], sum(g[k] for g in per).cpu(), atol=1e-5)
     clip = 0.5 * min(_norm(g) for g in per)  # every sample gets clipped
     clipped = learner.clipped_gradient_sum(None, "train", idx, clip)
     want = {k: sum(g[k] * (clip / (_norm(g) + 1e-6)) for g in per) for k in p}
     for k in p:
-        assert torch.allclose(clipped[k], want[k], atol=1e-5)
+        assert torch.allclose(clipped[k], want[k].cpu(), atol=1e-5)
     assert _norm(learner.clipped_gradient_sum(None, "train", [3], clip)) <= clip * (1 + 1e-5)
 
 
 def test_clipped_loss_sum_bounds_each_sample(learner):
     x, y = learner._data["train"]
     idx = list(range(10))
-    per = torch.nn.functional.cross_entropy(functional_call(learner._shadow, learner.get_params(), (x[:10],)),
+    params = {k: v.to(x.device) for k, v in learner.get_params().items()}  # x: on the learner's device
+    per = torch.nn.functional.cross_entropy(functional_call(learner._shadow, params, (x[:10],)),
                                             y[:10], reduction="none")
     assert learner.clipped_loss_sum(None, "train", idx, 100.0) == pytest.approx(float(per.sum()), rel=1e-5)
     c = float(per.median())

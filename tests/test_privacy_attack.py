@@ -126,7 +126,7 @@ def _request(kind: str, params, purpose: str, **kw) -> ComputeRequest:
 
 # ------------------------------------------------------------------------------ tests
 def test_gradient_inversion_recovers_samples_from_the_unprotected_function(truth):
-    x_train, y_train = (t.numpy() for t in truth._data["train"])
+    x_train, y_train = (t.cpu().numpy() for t in truth._data["train"])
     params = truth.get_params()
     pairs = [reconstruct(truth.gradient(params, "train", 1)[0]) for _ in range(QUERIES)]
     err, labels = score(pairs, x_train.reshape(len(x_train), -1), y_train)
@@ -134,7 +134,7 @@ def test_gradient_inversion_recovers_samples_from_the_unprotected_function(truth
 
 
 def test_gradient_inversion_fails_against_a_daemon(victim, truth):
-    x_train, y_train = (t.numpy() for t in truth._data["train"])
+    x_train, y_train = (t.cpu().numpy() for t in truth._data["train"])
     fp = victim.status()["fingerprint"]
 
     async def go():
