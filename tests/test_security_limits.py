@@ -19,10 +19,8 @@ from coterie.node.config import PROTOCOL_VERSION
 from coterie.node.peering.errors import PeerCallError
 from coterie.node.peering.messages import CROSS_GRADIENT, PUSH_GRADIENT, ComputeRequest, NodeInfo
 from coterie.node.security.pki import load_credentials
-from coterie.node.transport.chunks import sha256
 from coterie.node.transport.client import PeerClient
 from coterie.node.transport.tls import TLS
-from coterie.node.wire.codec import encode
 from coterie.proto.v1 import peer_pb2 as pb
 from coterie.proto.v1 import peer_pb2_grpc as rpc
 from nodeproc import NodeProc, node_certs, peer_channel, tiny_learner, wait_for
