@@ -123,3 +123,25 @@ def test_in_process_network_finds_clusters_and_resumes():
     s2.load_state_dict(st)
     assert s2.weights() == pytest.approx(s.weights())
     assert s2.public_state() == s.public_state()
+
+
+def test_a_sampled_peer_that_never_answers_gets_no_weight_until_it_does():
+    """Alg. 1's L̂ = 0 start makes untried peers look best (exploration); a peer that was tried and
+    sent nothing back (dead, or its snapshot too slow to arrive) must not keep that optimism: it
+    would hold all the weight while no evidence about it ever arrives."""
+    params = {"num_neighbours": 3, "eps": 0.0, "grad_samples": None}
+    hub = build_network(FedeRiCo, params, num_nodes=4, num_clusters=1)
+    s = hub.nodes["n0"].strategy
+    real_pull = s.net.pull
+
+    async def pull(peer, **kw):
+        return None if peer == "n1" and blocked else await real_pull(peer, **kw)
+    s.net.pull = pull
+    blocked = True
+    asyncio.run(s.run_round(1))
+    w = s.weights()
+    assert w["n1"] == 0.0 and s._L["n1"] == 0.0  # tried, nothing came back: no weight (L̂ still 0)
+    assert min(w[p] for p in ("n0", "n2", "n3")) > 0 and sum(w.values()) == pytest.approx(1.0)
+    blocked = False
+    asyncio.run(s.run_round(2))  # ε = 0: n1 is only tried again because M = 3 takes every peer
+    assert s.weights()["n1"] > 0.0 and s._L["n1"] > 0.0  # it answered: evidence, and weight again

@@ -17,6 +17,12 @@ Settled open choices (see ``defaults``):
   first comparison and unsampled peers (L̂ = 0) swallow all weight, including the own term.
   Default here: the *mean* loss over the whole train split ("loss_reduction": "mean"); "sum"
   reproduces the paper exactly.
+- Unanswered peers. Alg. 1 starts every L̂_ij at 0, which makes untried peers look best: that
+  is the paper's exploration and is kept. But a peer that was sampled and did not answer (dead, or
+  a link too slow for its snapshot to arrive in time) would keep L̂ = 0 and with it all the weight,
+  round after round, while no evidence about it ever arrives (seen in the container testbed: a
+  late joiner put 100% on an unreachable peer and learned alone). Such a peer gets no weight until
+  it answers; ε-greedy sampling still tries it again.
 - Self is "sampled" every round: ℓ_ii needs no communication and the own term w_ii needs a
   current L̂_ii (Alg. 1 is silent on whether i ∈ B^t).
 - Gradients are mean-reduced minibatch gradients (Σ over samples in eq. 8 only rescales η).
@@ -82,6 +88,7 @@ class FedeRiCo(Strategy):
         self._L: dict[str, float] = {}       # L̂_ij, starts at 0 (Alg. 1 l.3)
         self._loss: dict[str, float] = {}    # ℓ_ij: the last loss seen of every j (Alg. 1 l.11)
         self._w: dict[str, float] = {}       # starts at 1/K (Alg. 1 l.3)
+        self._unanswered: set[str] = set()  # sampled, but no snapshot came back: no weight until one does
         self._max_version = -1
         self._applied = 0
         self._dropped = 0
@@ -96,7 +103,13 @@ class FedeRiCo(Strategy):
             if not self._loss:  # nothing observed yet: uniform 1/K (Alg. 1 l.3)
                 self._w = {k: 1.0 / len(known) for k in known}
             else:
-                self._w = federico_weights(self._L, float(self.p["temperature"]))
+                self._w = self._weights()
+
+    def _weights(self) -> dict[str, float]:
+        """The E-step over the nodes that can have evidence: every known node but the unanswered."""
+        live = {k: v for k, v in self._L.items() if k not in self._unanswered}
+        w = federico_weights(live, float(self.p["temperature"]))
+        return {**{k: 0.0 for k in self._L if k not in live}, **w}
 
     async def run_round(self, rnd: int) -> RoundReport:
         self._sync_known()
@@ -104,6 +117,7 @@ class FedeRiCo(Strategy):
         scores = {p: self._w.get(p, 0.0) for p in peers}
         chosen = C.eps_greedy(peers, scores, int(self.p["num_neighbours"]), float(self.p["eps"]), self.rng)
         snaps = await gather_bounded({p: self.net.pull(p) for p in chosen})
+        self._unanswered = (self._unanswered | set(chosen)) - set(snaps)
         own = self.learner.get_params()
         snaps = {p: s for p, s in snaps.items() if C.same_shapes(s.params, own)}
 
@@ -119,7 +133,7 @@ class FedeRiCo(Strategy):
         losses = await self.compute(estep_losses)
         losses = {k: v for k, v in losses.items() if math.isfinite(v)}
         self._L, self._loss = federico_ema(self._L, self._loss, losses, float(self.p["beta"]))
-        self._w = federico_weights(self._L, float(self.p["temperature"]))
+        self._w = self._weights()
 
         # M-step, sender side (l.17-19): push w_ib ∇ loss(θ_b; my data) to each sampled b
         gs = self.p["grad_samples"]
