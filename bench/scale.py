@@ -443,6 +443,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--handshakes", type=int, default=5, help="launches per start method")
     ap.add_argument("--s1-strategies", default="local,dpsgd,fedfomo")
+    ap.add_argument("--merge", action="store_true",
+                    help="scale: keep the points already in scale.json, replacing those measured again "
+                         "(one more size without rerunning the rest)")
     a = ap.parse_args()
     sections = a.sections.split(",")
     path = RESULTS / "scale.json"
@@ -457,6 +460,10 @@ def main() -> None:
             print(f"scale: {backend} {n} nodes ...", flush=True)
             points.append(scale_point(backend, n, a.rounds))
             print("  ", points[-1], flush=True)
+        if a.merge:
+            new = {(p["backend"], p["nodes"]) for p in points}
+            points = [p for p in data.get("scale", []) if (p["backend"], p["nodes"]) not in new] + points
+            points.sort(key=lambda p: (p["backend"], p["nodes"]))
         data["scale"] = points
     if "ray" in sections:
         points = []

@@ -409,3 +409,68 @@ def test_membership_settings_come_from_the_node_config():
         validate_config({"membership": {"indirect_probes": -1}})
     with pytest.raises(ConfigError, match="membership.no_such_knob"):
         validate_config({"membership": {"no_such_knob": 1}})
+
+
+# ----------------------------------------------------------------------------- cost at scale
+def test_a_handshake_reply_carries_a_bounded_sample_and_the_full_view_travels_in_push_pull():
+    """A join answered with the whole table makes N joins cost O(N²) entries per member (O(N³)
+    in all): a thousand in-process nodes starting stalled on it. The reply is a bounded sample."""
+    from coterie.node.peering.membership import HANDSHAKE_ENTRIES
+    net = MemNet()
+    seed = _member(net, 0, [])
+    for i in range(1, 3 * HANDSHAKE_ENTRIES):
+        seed.peers.upsert(f"n{i}", f"a{i}")
+    seed.peers.suspect("n1")
+    for i in range(2, 12):  # dead members are never passed on
+        seed.peers.upsert(f"x{i}", f"dead{i}", seen=False)
+    entries = seed.on_handshake(NodeInfo("joiner", 1, "arch", address="aj"))
+    assert 0 < len(entries) <= HANDSHAKE_ENTRIES
+    assert len({e.node_id for e in entries}) == len(entries)
+    assert not [e for e in entries if e.node_id.startswith("x")]
+    # different joiners hear different parts of the table (a random window, not always the head)
+    seen = {e.node_id for k in range(8) for e in seed.on_handshake(NodeInfo(f"j{k}", 1, "arch", address=f"aj{k}"))}
+    assert len(seen) > 2 * HANDSHAKE_ENTRIES
+    full, _, _ = seed.on_peer_list("joiner", [], [], 0)  # the push-pull exchange: everyone not dead
+    assert {e.node_id for e in full} >= {f"n{i}" for i in range(1, 3 * HANDSHAKE_ENTRIES)}
+
+
+def test_push_pull_spacing_grows_with_log_n_past_32_members():
+    m = _member(MemNet(), 0, [], Settings(push_pull_interval_s=10.0))
+    assert [m.push_pull_interval_s(n) for n in (1, 32, 33, 64, 128, 1000)] == [10.0, 10.0, 20.0, 20.0, 30.0, 60.0]
+
+
+def test_peer_table_indexes_agree_with_a_full_scan_after_any_history(clock):
+    """The table answers counts, alive, address lookups and due reconnects from indexes kept with
+    every change (a scan per period per node is O(N²) for a network): they must match a scan."""
+    rng = random.Random(7)
+    t = PeerTable("me", suspect_after_s=1.0, dead_after_s=2.0)
+    ids = [f"p{i}" for i in range(30)]
+    for step in range(3000):
+        nid = rng.choice(ids)
+        op = rng.randrange(7)
+        if op == 0:
+            t.upsert(nid, f"addr{rng.randrange(40)}", seen=rng.random() < 0.7)
+        elif op == 1 and nid in t.records:
+            t.suspect(nid)
+        elif op == 2:
+            t.seen(nid, revive=True)
+        elif op == 3 and nid in t.records:
+            r = t.records[nid]
+            t.apply(MemberUpdate(nid, r.address, r.incarnation + rng.randrange(2), rng.choice([ALIVE, SUSPECT, DEAD]), "x"))
+        elif op == 4:
+            clock[0] += rng.uniform(0, 3)
+            t.refresh()
+        elif op == 5:
+            t.pause(rng.uniform(0, 1))
+        else:
+            t.reconnect_failed(nid)
+        recs = list(t.records.values())
+        assert t.counts() == {s: sum(r.state == s for r in recs) for s in (ALIVE, SUSPECT, DEAD)}
+        assert t.alive() == sorted(r.node_id for r in recs if r.state == ALIVE)
+        now = time.monotonic()
+        assert sorted(r.node_id for r in t.due_reconnects(now)) == \
+            sorted(r.node_id for r in recs if r.state == DEAD and r.reconnect_at <= now)
+        for a in {r.address for r in recs}:
+            found = t.by_address(a)
+            assert found is not None and found.address == a, (step, a)
+        assert t.by_address("nowhere") is None

@@ -40,6 +40,9 @@ from .problems import ProblemLog
 
 log = logging.getLogger("coterie.node")
 
+HANDSHAKE_ENTRIES = 64  # addresses a handshake reply carries at most (a random sample)
+PUSH_PULL_SCALE_THRESHOLD = 32  # members beyond which the full exchange is spaced out (log2 N)
+
 
 @dataclass
 class Settings:
@@ -167,32 +170,50 @@ class Candidates:
 # ---------------------------------------------------------------------------------- gossip queue
 class Broadcasts:
     """Membership news waiting to be piggybacked: one entry per member (newer news replaces
-    older), each sent ``limit()`` times, least-sent first."""
+    older), each sent ``limit()`` times, least-sent first. Kept in buckets by times sent, so a
+    message takes its few updates without sorting the whole queue (which holds up to one entry
+    per member)."""
 
     def __init__(self, limit: Callable[[], int]):
         self.limit = limit
-        self._q: dict[str, tuple[MemberUpdate, int]] = {}
+        self._sent: dict[str, int] = {}  # node_id -> times sent
+        self._buckets: dict[int, dict[str, MemberUpdate]] = {}  # times sent -> updates, oldest first
 
     def add(self, u: MemberUpdate) -> None:
-        self._q[u.node_id] = (u, 0)
+        self._discard(u.node_id)
+        self._sent[u.node_id] = 0
+        self._buckets.setdefault(0, {})[u.node_id] = u
+
+    def _discard(self, node_id: str) -> None:
+        sent = self._sent.pop(node_id, None)
+        if sent is not None:
+            bucket = self._buckets[sent]
+            del bucket[node_id]
+            if not bucket:
+                del self._buckets[sent]
 
     def take(self, n: int, exclude: str = "") -> list[MemberUpdate]:
-        if not self._q:
+        if not self._sent:
             return []
         limit = self.limit()
-        picked = sorted((sent, nid) for nid, (_, sent) in self._q.items() if nid != exclude)[:n]
-        out = []
-        for sent, nid in picked:
-            u, _ = self._q[nid]
-            out.append(u)
-            if sent + 1 >= limit:
-                del self._q[nid]
-            else:
-                self._q[nid] = (u, sent + 1)
-        return out
+        picked: list[tuple[int, MemberUpdate]] = []
+        for sent in sorted(self._buckets):
+            for nid, u in self._buckets[sent].items():
+                if len(picked) >= n:
+                    break
+                if nid != exclude:
+                    picked.append((sent, u))
+            if len(picked) >= n:
+                break
+        for sent, u in picked:
+            self._discard(u.node_id)
+            if sent + 1 < limit:
+                self._sent[u.node_id] = sent + 1
+                self._buckets.setdefault(sent + 1, {})[u.node_id] = u
+        return [u for _, u in picked]
 
     def __len__(self) -> int:
-        return len(self._q)
+        return len(self._sent)
 
 
 async def first_ack(attempts: list[Awaitable[bool | None]]) -> tuple[bool, int]:
@@ -283,21 +304,30 @@ class Membership:
                     f"{remote.arch_fingerprint[:12]}…, this node {me.arch_fingerprint[:12]}…)")
         return None
 
-    def entries(self) -> list[PeerEntry]:
+    def entries(self, limit: int | None = None) -> list[PeerEntry]:
+        """The members not dead, as addresses to pass on; ``limit``: a random sample of at most
+        that many (a handshake's reply: the full view travels only in the push-pull exchange, or
+        N joins would each carry N entries to every member they meet — O(N³) in all)."""
         now = time.monotonic()
-        return [PeerEntry(r.node_id, r.address, r.age(now)) for r in self.peers.records.values()
-                if r.state != DEAD]
+        records = self.peers.records
+        ids = list(records)
+        if limit is not None and len(ids) > limit:
+            # a window at a random offset of the table (join order): O(limit), where sampling
+            # the whole table costs O(N) per handshake
+            start = self.rng.randrange(len(ids))
+            ids = (ids[start:] + ids[:start])[:2 * limit]
+        out = [PeerEntry(n, r.address, r.age(now)) for n in ids if (r := records[n]).state != DEAD]
+        return out if limit is None else out[:limit]
 
     def learn(self, entries: list[PeerEntry], source: str = "") -> None:
         """Addresses a peer told us about: unknown members become handshake candidates (as many
         as that peer's share of the candidate set allows; the rest of a long list is not read)."""
-        known = {r.address for r in self.peers.records.values()}
         for e in entries:
             if not self.pending.room(source):
                 self.pending.dropped += 1
                 return
             if e.node_id != self.node_id and e.node_id not in self.peers.records and e.address \
-                    and e.address not in known:
+                    and self.peers.by_address(e.address) is None:
                 self.pending.add(e.address, source=source, node_id=e.node_id)
 
     # ------------------------------------------------------------------ gossip
@@ -502,12 +532,13 @@ class Membership:
             self._spawn(self.probe(node_id))
 
     def _next_target(self) -> str | None:
-        targets = set(self.peers.probe_targets())
+        records = self.peers.records
         while self._order:
             nid = self._order.pop()
-            if nid in targets:
+            rec = records.get(nid)
+            if rec is not None and rec.state != DEAD:
                 return nid
-        order = sorted(targets)
+        order = sorted(self.peers.probe_targets())  # a new shuffled pass: O(N) once per N periods
         self.rng.shuffle(order)
         self._order = order
         return self._order.pop() if self._order else None
@@ -527,6 +558,13 @@ class Membership:
         self.learn(entries, source=target.node_id)
         self.merge(members, source=target.node_id)
         self._evidence(target.node_id, inc, revive=True)
+
+    def push_pull_interval_s(self, n: int) -> float:
+        """A full exchange carries the whole view (O(N)): past 32 members its interval grows with
+        log2 N, as memberlist's ``pushPullScale`` does, so the network's total stays ~O(N log N)."""
+        if n <= PUSH_PULL_SCALE_THRESHOLD:
+            return self.s.push_pull_interval_s
+        return self.s.push_pull_interval_s * (math.ceil(math.log2(n) - math.log2(PUSH_PULL_SCALE_THRESHOLD)) + 1)
 
     def tick(self) -> None:
         """One protocol period's work; every call it starts runs as its own task."""
@@ -551,7 +589,7 @@ class Membership:
                 budget -= 1
         now = time.monotonic()
         if now >= self._next_push_pull:
-            self._next_push_pull = now + self.s.push_pull_interval_s * self.rng.uniform(0.8, 1.2)
+            self._next_push_pull = now + self.push_pull_interval_s(n) * self.rng.uniform(0.8, 1.2)
             self._spawn(self._push_pull())
         if self.on_gauges is not None:
             self.on_gauges(self.peers.counts())
@@ -587,7 +625,7 @@ class Membership:
         if new:
             self._announce(remote.node_id)  # SWIM join: the others learn of it by gossip
         self.pending.discard(remote.address)
-        return self.entries()
+        return self.entries(limit=HANDSHAKE_ENTRIES)
 
     def check_known(self, node_id: str) -> None:
         if node_id not in self.peers.records:

@@ -67,6 +67,11 @@ class PeerTable:
         self.reconnect_max_s = reconnect_max_s
         self.records: dict[str, PeerRecord] = {}
         self.listeners: list[Listener] = []
+        # indexes kept with every change, so that a protocol period costs O(1) per node and not
+        # O(members): a thousand in-process nodes each scanning a thousand records every period
+        # is a million steps a second
+        self._by_address: dict[str, str] = {}  # address -> node_id
+        self._in_state: dict[str, set[str]] = {ALIVE: set(), SUSPECT: set(), DEAD: set()}
 
     # ------------------------------------------------------------------ transitions
     def _move(self, rec: PeerRecord, new: str, now: float | None = None) -> None:
@@ -74,6 +79,8 @@ class PeerTable:
             return
         now = time.monotonic() if now is None else now
         old, rec.state, rec.state_since = rec.state, new, now
+        self._in_state[old].discard(rec.node_id)
+        self._in_state[new].add(rec.node_id)
         if new != SUSPECT:
             rec.accusers.clear()
         if new == DEAD:
@@ -91,7 +98,16 @@ class PeerTable:
             rec = PeerRecord(node_id, address, last_seen=now if seen else 0.0, state=ALIVE if seen else DEAD,
                              state_since=now, reconnect_at=now)
             self.records[node_id] = rec
-        rec.address = address or rec.address
+            self._in_state[rec.state].add(node_id)
+        if address and address != rec.address:
+            if self._by_address.get(rec.address) == node_id:  # it moved (rare): who else is there?
+                del self._by_address[rec.address]
+                other = next((r for r in self.records.values() if r.address == rec.address and r is not rec), None)
+                if other is not None:
+                    self._by_address[rec.address] = other.node_id
+            rec.address = address
+        if rec.address:
+            self._by_address[rec.address] = node_id
         if labels is not None:
             rec.labels = dict(labels)
         if admin_url:
@@ -175,8 +191,9 @@ class PeerTable:
         """Suspects whose suspicion timed out are dead. Returns the transitions (node_id, old, new)."""
         now = time.monotonic()
         changes = []
-        for rec in self.records.values():
-            if rec.state == SUSPECT and now - rec.state_since >= self.suspicion_timeout(rec):
+        for node_id in list(self._in_state[SUSPECT]):
+            rec = self.records[node_id]
+            if now - rec.state_since >= self.suspicion_timeout(rec):
                 changes.append((rec.node_id, SUSPECT, DEAD))
                 self._move(rec, DEAD, now)
         return changes
@@ -184,14 +201,13 @@ class PeerTable:
     def pause(self, seconds: float) -> None:
         """This node itself stalled for ``seconds`` (a stopped process, a starved loop): it could
         not hear refutations meanwhile, so suspicion clocks do not run for that time."""
-        for rec in self.records.values():
-            if rec.state == SUSPECT:
-                rec.state_since += seconds
+        for node_id in self._in_state[SUSPECT]:
+            self.records[node_id].state_since += seconds
 
     # ------------------------------------------------------------------ dead members
     def due_reconnects(self, now: float | None = None) -> list[PeerRecord]:
         now = time.monotonic() if now is None else now
-        return [r for r in self.records.values() if r.state == DEAD and r.reconnect_at <= now]
+        return [r for r in map(self.records.__getitem__, self._in_state[DEAD]) if r.reconnect_at <= now]
 
     def reconnect_failed(self, node_id: str) -> None:
         rec = self.records.get(node_id)
@@ -202,7 +218,10 @@ class PeerTable:
 
     # ------------------------------------------------------------------ views
     def alive(self) -> list[str]:
-        return sorted(n for n, r in self.records.items() if r.state == ALIVE)
+        return sorted(self._in_state[ALIVE])
+
+    def alive_count(self) -> int:
+        return len(self._in_state[ALIVE])
 
     def probe_targets(self) -> list[str]:
         """Members probed in the round-robin: all but the dead."""
@@ -212,13 +231,11 @@ class PeerTable:
         return sorted(self.records)
 
     def counts(self) -> dict[str, int]:
-        out = {ALIVE: 0, SUSPECT: 0, DEAD: 0}
-        for r in self.records.values():
-            out[r.state] += 1
-        return out
+        return {state: len(ids) for state, ids in self._in_state.items()}
 
     def by_address(self, address: str) -> PeerRecord | None:
-        return next((r for r in self.records.values() if r.address == address), None)
+        node_id = self._by_address.get(address)
+        return None if node_id is None else self.records.get(node_id)
 
     def update_of(self, node_id: str, accuser: str = "") -> MemberUpdate | None:
         rec = self.records.get(node_id)
