@@ -1,8 +1,14 @@
 """Real node daemons for the benchmarks: start N processes on loopback, watch them, stop them.
 
-Each node is ``python -m coterie.cli.main node start --config nI.toml`` in its own process group,
-with its log, state dir and config under one root directory. Used by ``frozen_peer.py`` and
-``round_overhead.py`` (the tests have their own harness, ``tests/nodeproc.py``)."""
+Each node is ``coterie node start --config nI.toml`` in its own process group (session), with
+its log, state dir and config under one root directory; by default it is forked from the
+preloaded fork server the ``processes`` backend of ``coterie run`` uses (``fork=False``: a fresh
+``python -m coterie.cli.main`` interpreter, ~200 MB and seconds of imports each, needed to run
+another checkout's code or to wrap the daemon in ``lagprobe.py``). Nodes speak mTLS with
+certificates from a throwaway CA made under the root (``tls=False``: plaintext, for an older
+checkout without it; ``legacy=True`` also leaves ``security`` out of the configs, for a checkout
+that predates it). Used by ``frozen_peer.py`` and ``round_overhead.py`` (the tests have their
+own harness, ``tests/nodeproc.py``)."""
 from __future__ import annotations
 
 import json
@@ -58,8 +64,10 @@ class Daemon:
     e.g. the baseline); ``lag_probe``: run it under ``lagprobe.py`` (event-loop lag to a file)."""
 
     def __init__(self, root: Path, node_id: str, config: dict[str, Any], *, python: str = sys.executable,
-                 lag_probe: bool = False):
+                 lag_probe: bool = False, fork: bool | None = None, legacy: bool = False):
         self.python = python
+        # forking runs this interpreter's code: only when that is the code asked for
+        self.fork = (python == sys.executable and not lag_probe) if fork is None else fork
         self.lag_path = (root / node_id / "lag.json") if lag_probe else None
         self.node_id = node_id
         self.dir = root / node_id
@@ -74,6 +82,14 @@ class Daemon:
         self.info: dict[str, Any] = {}
 
     def spawn(self) -> None:
+        if self.fork:
+            from coterie.node.launch import processes
+            ctx = processes.fork_context([self.config.get("strategy", "local")])
+            proc = ctx.Process(target=processes._run_forked_node, name=f"coterie-{self.node_id}",
+                               args=(["node", "start", "--config", str(self.config_path)], str(self.log_path)))
+            proc.start()
+            self.proc = processes._Forked(proc)
+            return
         env = {k: v for k, v in os.environ.items() if not k.startswith("COTERIE_")}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         cmd = ([self.python, str(LAGPROBE), str(self.lag_path)] if self.lag_path
@@ -84,7 +100,7 @@ class Daemon:
 
     def ready(self) -> dict[str, Any] | None:
         if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.node_id} exited with {self.proc.returncode}: {self.log_tail()}")
+            raise RuntimeError(f"{self.node_id} exited with {self.proc.poll()}: {self.log_tail()}")
         info = json.loads((self.state_dir / "node.json").read_text())
         if info.get("pid") != self.proc.pid:
             return None
@@ -141,10 +157,23 @@ class Daemon:
 class Lab:
     """N daemons; a context manager that always stops them."""
 
-    def __init__(self, root: Path, configs: list[dict[str, Any]], names: list[str] | None = None, **daemon_kw: Any):
+    def __init__(self, root: Path, configs: list[dict[str, Any]], names: list[str] | None = None, *,
+                 tls: bool = True, **daemon_kw: Any):
         self.root = Path(root)
-        self.nodes = [Daemon(self.root, (names or [f"n{i}" for i in range(len(configs))])[i], c, **daemon_kw)
-                      for i, c in enumerate(configs)]
+        names = names or [f"n{i}" for i in range(len(configs))]
+        if tls:
+            configs = [{**c, "security": {**c.get("security", {}), "cert_dir": str(self._certificate(name))}}
+                       for name, c in zip(names, configs)]
+        elif not daemon_kw.get("legacy"):
+            configs = [{**c, "security": {**c.get("security", {}), "insecure": True}} for c in configs]
+        self.nodes = [Daemon(self.root, names[i], c, **daemon_kw) for i, c in enumerate(configs)]
+
+    def _certificate(self, node_id: str) -> Path:
+        from coterie.node.security.pki import CA_KEY, init_ca, issue_cert
+        ca = self.root / "pki" / "ca"
+        if not (ca / CA_KEY).exists():
+            init_ca(ca, name="netlab CA (throwaway)")
+        return issue_cert(ca, node_id, self.root / "pki" / node_id)
 
     def __enter__(self) -> "Lab":
         return self

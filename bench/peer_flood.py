@@ -71,7 +71,7 @@ def main() -> int:
     cfg = {"strategy": args.strategy, "round_interval_s": 0.0, "seed": 0}
     root = Path(tempfile.mkdtemp(prefix="coterie-flood-"))
     with Lab(root, [{**cfg, "learner": mnist1d_mlp(args.nodes, i)} for i in range(args.nodes)],
-             python=args.python) as lab:
+             python=args.python, tls=False) as lab:  # the flood speaks plaintext: this measures the bound, not TLS
         lab.start()
         target = lab.nodes[0]
         wait_for(lambda: all(s and s["peers_alive"] == args.nodes - 1 and s["round"] >= 3 for s in lab.statuses()),
