@@ -87,10 +87,10 @@ def _tls(pki: Path | None, node_id: str) -> TLS | None:
     return TLS(load_credentials(pki / node_id)) if pki is not None else None
 
 
-def _grpc_server(size: int, port_q: mp.Queue, pki: Path | None) -> None:
+def _grpc_server(size: int, port_q: mp.Queue, pki: Path | None, chunk: int = 1 << 20) -> None:
     async def main():
         server, port = await serve(BenchHandler(model_groups(size)), _NullStats(), "127.0.0.1:0",
-                                   tls=_tls(pki, "server"), max_model_bytes=1 << 34)
+                                   tls=_tls(pki, "server"), max_model_bytes=1 << 34, chunk_bytes=chunk)
         port_q.put(port)
         await server.wait_for_termination()
     asyncio.run(main())
@@ -131,17 +131,17 @@ async def grpc_fetch(client: PeerClient, address: str) -> int:
     return sum(t.numel() * t.element_size() for ts in groups.values() for t in ts.values())
 
 
-def measure(size: int, repeat: int, pki: Path) -> dict:
+def measure(size: int, repeat: int, pki: Path, chunk: int = 1 << 20) -> dict:
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
     ports = {}
     procs = []
-    for name, target, args in (("tls", _grpc_server, (size, q, pki)), ("plain", _grpc_server, (size, q, None)),
+    for name, target, args in (("tls", _grpc_server, (size, q, pki, chunk)), ("plain", _grpc_server, (size, q, None, chunk)),
                                ("tcp", _tcp_server, (size, q))):
         procs.append(ctx.Process(target=target, args=args, daemon=True))
         procs[-1].start()
         ports[name] = q.get(timeout=120)
-    clients = {name: PeerClient("bench", _NullStats(), chunk_bytes=1 << 20, max_model_bytes=1 << 34,
+    clients = {name: PeerClient("bench", _NullStats(), chunk_bytes=chunk, max_model_bytes=1 << 34,
                                 max_gossip_bytes=1 << 20, timeout_s=600, tls=_tls(p, "bench"))
                for name, p in (("tls", pki), ("plain", None))}
     loop = asyncio.new_event_loop()
@@ -181,6 +181,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1MB,100MB,1GB")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--chunk", default="1MB", help="snapshot chunk size (node config chunk_bytes; the default is 1 MiB)")
     ap.add_argument("--json", help="also write results here")
     args = ap.parse_args()
     load0 = _load()
@@ -189,7 +190,7 @@ def main() -> None:
     print(f"{'size':>8} {'mTLS MB/s':>10} {'plain MB/s':>11} {'TCP MB/s':>9} {'mTLS/plain':>11} "
           f"{'mTLS/TCP':>9} {'plain/TCP':>10}   (medians of {args.repeat})")
     for s in args.sizes.split(","):
-        r = measure(parse_size(s), args.repeat, pki)
+        r = measure(parse_size(s), args.repeat, pki, parse_size(args.chunk))
         r["size"] = s
         rows.append(r)
         print(f"{s:>8} {r['tls_MBps']:10.0f} {r['plain_MBps']:11.0f} {r['tcp_MBps']:9.0f} "
