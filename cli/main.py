@@ -449,7 +449,7 @@ def run(
     backend: str = typer.Option("processes", "--backend",
                                 help="processes: a daemon process per node (gRPC on loopback); "
                                      "inproc: every node in this process (in-process transport); "
-                                     "ray: groups of in-process nodes as Ray actors (pip install 'coterie[ray]')"),
+                                     "ray: groups of in-process nodes as Ray actors (pip install 'coterie\\[ray]')"),
     address: Optional[str] = typer.Option(None, "--address",
                                           help="ray: the cluster (ray.init's address: host:port, 'auto'); "
                                                "default $RAY_ADDRESS, else a new local Ray instance"),
