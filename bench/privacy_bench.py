@@ -82,13 +82,25 @@ def nodes_dir(run_dir: Path, strategy: str) -> Path:
     return per_strategy if per_strategy.exists() else run_dir / strategy / "nodes"
 
 
-def ledger_epsilons(run_dir: Path, strategy: str, delta: float) -> list[float]:
-    """Total ε of every node, from the ledger each one kept in its state dir."""
+EPSILONS = "epsilons.json"  # per setting: each strategy's per-node ε, kept (node state dirs are not)
+
+
+def ledger_epsilons(run_dir: Path, strategy: str, delta: float) -> list[float] | None:
+    """Total ε of every node, from the ledger each one kept in its state dir; from the setting's
+    ``epsilons.json`` when the state dirs are gone (a fresh checkout); None if neither exists."""
+    nodes = nodes_dir(run_dir, strategy)
+    cache = run_dir / EPSILONS
+    kept = json.loads(cache.read_text()) if cache.exists() else {}
+    if not nodes.exists():
+        return kept.get(strategy)
     out = []
-    for d in sorted(nodes_dir(run_dir, strategy).iterdir()):
+    for d in sorted(nodes.iterdir()):
         path = d / LEDGER_FILE
         steps = json.loads(path.read_text())["total"]["steps"] if path.exists() else []
         out.append(accountant.epsilon(steps, delta))
+    if kept.get(strategy) != out:
+        kept[strategy] = out
+        cache.write_text(json.dumps(kept))
     return out
 
 
@@ -133,6 +145,8 @@ def run_setting(sc: str, setting: str, strategies: list[str], args) -> Path:
 
 def collect(args) -> dict:
     table: dict = {}
+    before_path = args.report.with_suffix(".json")  # ε of runs whose ledgers are no longer on disk
+    before = json.loads(before_path.read_text()) if before_path.exists() else {}
     for sc in args.scenarios:
         rows: dict = {}
         for setting in SETTINGS:
@@ -143,12 +157,13 @@ def collect(args) -> dict:
             m = metrics(res)
             priv = PrivacyConfig(**tomllib.loads((run_dir / "scenario.toml").read_text())["node"]["privacy"])
             for strat, r in m.items():
-                eps = ledger_epsilons(run_dir, strat, priv.delta) if strat != "local" else []
+                eps = ledger_epsilons(run_dir, strat, priv.delta) if strat != "local" and priv.enabled else []
+                old = before.get(sc, {}).get(strat, {}).get(setting, {})
                 rows.setdefault(strat, {})[setting] = {
                     "mean_acc": r["mean_acc"], "in_cluster_mass": r["in_cluster_mass"],
                     "in_cluster_chance": r["in_cluster_chance"],
-                    "eps_median": float(np.median(eps)) if eps else None,
-                    "eps_max": float(np.max(eps)) if eps else None, "delta": priv.delta,
+                    "eps_median": float(np.median(eps)) if eps else old.get("eps_median"),
+                    "eps_max": float(np.max(eps)) if eps else old.get("eps_max"), "delta": priv.delta,
                     "noise_multiplier": priv.noise_multiplier if priv.enabled else None,
                     "budget_epsilon": priv.budget_epsilon if priv.enabled else None,
                     "wall_time_s": r["wall_time_s"], "created": res.get("created")}
