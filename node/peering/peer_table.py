@@ -220,9 +220,6 @@ class PeerTable:
     def alive(self) -> list[str]:
         return sorted(self._in_state[ALIVE])
 
-    def alive_count(self) -> int:
-        return len(self._in_state[ALIVE])
-
     def probe_targets(self) -> list[str]:
         """Members probed in the round-robin: all but the dead."""
         return [n for n, r in self.records.items() if r.state != DEAD]
