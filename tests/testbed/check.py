@@ -71,6 +71,20 @@ def get(node: str, path: str, timeout: float = 3.0) -> Any:
         return None
 
 
+def status(node: str, timeout: float = 120.0) -> dict[str, Any]:
+    """``/status`` of a node that is up. On a loaded box (nine containers on two cores) one GET can
+    outlast its 3 s, and a check must not read that timeout as the node's answer: ask again until
+    it answers (CheckFailed after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = get(node, "/status")
+        if s is not None:
+            return s
+        if time.monotonic() > deadline:
+            raise CheckFailed(f"{node} did not answer /status within {timeout:.0f}s")
+        time.sleep(1.0)
+
+
 def healthy(node: str) -> bool:
     try:
         with urllib.request.urlopen(admin(node) + "/healthz", timeout=3) as r:
@@ -144,7 +158,7 @@ def mean_round_seconds(node: str) -> float | None:
 
 
 def clusters(nodes: list[str]) -> dict[str, str]:
-    return {n: str(((get(n, "/status") or {}).get("labels") or {}).get("cluster")) for n in nodes}
+    return {n: str((status(n).get("labels") or {}).get("cluster")) for n in nodes}
 
 
 def weights(nodes: list[str]) -> dict[str, dict[str, float]]:
@@ -230,7 +244,7 @@ def kill_and_resume(node: str) -> None:
 def late_joiner() -> None:
     node = "node8"
     s8 = wait_until(f"{node} (late joiner) up", lambda: get(node, "/status"), timeout=600, every=1.0)
-    s1 = get("node1", "/status") or {}
+    s1 = status("node1")
     check(s1.get("round", 0) >= JOIN_AFTER and s1.get("uptime_s", 0) > s8.get("uptime_s", 0),
           f"{node} joined late: node1 already at round {s1.get('round')} and up "
           f"{s1.get('uptime_s', 0) - s8.get('uptime_s', 0):.0f}s longer")
@@ -305,7 +319,7 @@ def baseline(args: argparse.Namespace) -> int:
                    lambda: full_membership(nodes), timeout=300, every=2,
                    detail=lambda: membership_detail(nodes))
         check(True, "full membership on every node (seeds: node1, node5 only)")
-        plain = [n for n in nodes if not (get(n, "/status") or {}).get("mtls")]
+        plain = [n for n in nodes if not status(n).get("mtls")]
         check(not plain, f"every node on mTLS with the run's CA (plaintext: {plain})")
     with phase_timer("latency and bandwidth as configured"):
         latency_seen()
@@ -340,8 +354,7 @@ def faulty(args: argparse.Namespace) -> int:
     with phase_timer("nodes healthy (+ faulty node9)"):
         wait_until("node1-7 and node9 healthy",
                    lambda: all(healthy(n) for n in HONEST[:7] + [FAULTY]), timeout=600, every=2)
-        st9 = get(FAULTY, "/status") or {}
-        check(st9.get("faulty") == "random", "node9 runs with faulty=random")
+        check(status(FAULTY).get("faulty") == "random", "node9 runs with faulty=random")
     with phase_timer("full membership"):
         wait_until(f"all {len(nodes)} nodes see the other {len(nodes) - 1} alive",
                    lambda: full_membership(nodes), timeout=300, every=2,
