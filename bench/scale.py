@@ -200,7 +200,7 @@ def first_handshake_s(how: str, tmp: Path) -> float:
     from coterie.node.peering.errors import PeerCallError
     from coterie.node.peering.messages import NodeInfo
     from coterie.node.peering.traffic import TrafficStats
-    from coterie.node.security.pki import init_ca, issue_cert, load_credentials
+    from coterie.node.security.pki import CA_KEY, init_ca, issue_cert, load_credentials
     from coterie.node.transport.client import PeerClient
     from coterie.node.transport.tls import TLS
 
@@ -208,7 +208,8 @@ def first_handshake_s(how: str, tmp: Path) -> float:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     pki = tmp / f"{how}-pki"  # mTLS as every daemon runs it: the certificate is loaded at start
-    init_ca(pki / "ca", name="bench CA")
+    if not (pki / "ca" / CA_KEY).exists():  # one CA for this start method's repeats
+        init_ca(pki / "ca", name="bench CA")
     data = {"node_id": "solo", "state_dir": str(tmp / f"{how}-state"), "listen": f"127.0.0.1:{port}",
             "security": {"cert_dir": str(issue_cert(pki / "ca", "solo", pki / "solo"))},
             "admin_listen": "127.0.0.1:0", "strategy": "fedfomo", "rounds": 0, "log_level": "WARNING",
