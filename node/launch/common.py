@@ -99,11 +99,18 @@ class NodeProgress:
     def update(self, status: dict[str, Any]) -> None:
         """From a node's ``/status`` (or ``Node.status()``)."""
         self.status = status
-        self.round = int(status.get("round") or 0)
-        self.done = self.done or bool(status.get("done"))
         ev = status.get("last_eval") or {}
-        if isinstance(ev, dict) and ev.get("test_acc") is not None:
-            self.acc = float(ev["test_acc"])
+        acc = ev.get("test_acc") if isinstance(ev, dict) else None
+        self.observe(int(status.get("round") or 0), bool(status.get("done")),
+                     None if acc is None else float(acc))
+
+    def observe(self, round: int, done: bool, acc: float | None) -> None:
+        """Progress read from a node: its round, whether it is done, its last test accuracy (None:
+        none yet, the last one stays)."""
+        self.round = round
+        self.done = self.done or done
+        if acc is not None:
+            self.acc = acc
         self.state = "done" if self.done else "running"
 
 
@@ -143,6 +150,18 @@ class LiveView:
         self.prog.update(self.tasks[0], completed=sum(min(p.round, self.rounds) for p in progress),
                          acc="–" if not accs else f"{sum(accs) / len(accs):.3f}",
                          state=f"{done}/{len(progress)} done")
+
+
+def network_done(strategy: str, specs: Sequence[NodeSpec], progress: Sequence[NodeProgress],
+                 view: LiveView | None, deadline: float, timeout_s: float) -> bool:
+    """Every backend's poll, after it read its nodes' progress: show it; True once every node is
+    done; LauncherError past the deadline."""
+    if view:
+        view.update(progress)
+    if all(pr.done for pr in progress):
+        return True
+    check_deadline(strategy, specs, progress, deadline, timeout_s)
+    return False
 
 
 def check_deadline(strategy: str, specs: Sequence[NodeSpec], progress: Sequence[NodeProgress],

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..config import NodeConfig, SecurityConfig
 from ..scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
-from .common import LauncherError, LiveView, NodeProgress, check_deadline, collect, fresh_strategy_dir
+from .common import LauncherError, LiveView, NodeProgress, collect, fresh_strategy_dir, network_done
 
 HEARTBEATS_PER_S = 20_000  # in-memory SWIM pings one process affords (tens of µs each)
 LOG_NAME = "inproc.log"
@@ -124,14 +124,9 @@ async def _run(sc: Scenario, strategy: str, specs: list[NodeSpec], progress: lis
                     why = repr(task.exception()) if task is not None and task.done() and not task.cancelled() else "?"
                     raise LauncherError(f"node {spec.node_id}: its round loop died at round {node.round}/"
                                         f"{sc.rounds}: {why}; see {spec.log_path}")
-                pr.round, pr.done = node.round, node.done
-                pr.acc = node.last_eval.get("test_acc", pr.acc)
-                pr.state = "done" if node.done else "running"
-            if view:
-                view.update(progress)
-            if all(pr.done for pr in progress):
+                pr.observe(node.round, node.done, node.last_eval.get("test_acc"))
+            if network_done(strategy, specs, progress, view, deadline, sc.timeout_s):
                 break
-            check_deadline(strategy, specs, progress, deadline, sc.timeout_s)
             await asyncio.sleep(poll_interval_s)
         for node, pr in zip(nodes, progress):
             pr.update(node.status())

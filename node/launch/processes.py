@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from ..config import NodeConfig
 from ..scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
-from .common import LauncherError, LiveView, NodeProgress, check_deadline, collect, fresh_strategy_dir, read_history
+from .common import LauncherError, LiveView, NodeProgress, collect, fresh_strategy_dir, network_done, read_history
 
 
 def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
@@ -284,7 +284,7 @@ class Network:
             if rc is not None and not pr.done:
                 hist = read_history(spec.state_dir / "history.jsonl")
                 if rc == 0 and len(hist) >= rounds:  # finished and exited on its own
-                    pr.done, pr.round, pr.state = True, len(hist), "done"
+                    pr.observe(len(hist), True, None)
                     continue
                 raise LauncherError(
                     f"node {spec.node_id} exited with code {rc} before finishing its rounds "
@@ -314,11 +314,8 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
             deadline = time.monotonic() + sc.timeout_s
             while True:
                 net.poll(pool, sc.rounds, progress)
-                if view:
-                    view.update(progress)
-                if all(pr.done for pr in progress):
+                if network_done(strategy, specs, progress, view, deadline, sc.timeout_s):
                     break
-                check_deadline(strategy, specs, progress, deadline, sc.timeout_s)
                 time.sleep(poll_interval_s)
         finally:
             if view:

@@ -42,7 +42,7 @@ from typing import Any, Iterator
 from ..config import ConfigError
 from ..fsutil import atomic_write_json
 from ..scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
-from .common import LauncherError, LiveView, NodeProgress, check_deadline, collect, fresh_strategy_dir, read_history
+from .common import LauncherError, LiveView, NodeProgress, collect, fresh_strategy_dir, network_done, read_history
 
 RAY_MISSING = "the ray backend needs Ray, which is not installed: pip install 'coterie[ray]'"
 STOP_TIMEOUT_S = 60.0  # a group's nodes stopping (each finishes its round): then the actor is killed
@@ -354,15 +354,9 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
                     if r["died"]:
                         raise LauncherError(f"node {specs[i].node_id} (group {g.index}): {r['died']} at round "
                                             f"{r['round']}/{sc.rounds}; see {specs[i].log_path} on {where[g.index]['host']}")
-                    pr = progress[i]
-                    pr.round, pr.done = r["round"], r["done"]
-                    pr.acc = r["acc"] if r["acc"] is not None else pr.acc
-                    pr.state = "done" if pr.done else "running"
-            if view:
-                view.update(progress)
-            if all(pr.done for pr in progress):
+                    progress[i].observe(r["round"], r["done"], r["acc"])
+            if network_done(strategy, specs, progress, view, deadline, sc.timeout_s):
                 break
-            check_deadline(strategy, specs, progress, deadline, sc.timeout_s)
             time.sleep(poll_interval_s)
         done = _get(ray, [a.finish.remote() for a in actors], "stopping the groups", max(left(), STOP_TIMEOUT_S))
         finished = True
