@@ -64,7 +64,7 @@ class Daemon:
     e.g. the baseline); ``lag_probe``: run it under ``lagprobe.py`` (event-loop lag to a file)."""
 
     def __init__(self, root: Path, node_id: str, config: dict[str, Any], *, python: str = sys.executable,
-                 lag_probe: bool = False, fork: bool | None = None, legacy: bool = False):
+                 lag_probe: bool = False, fork: bool | None = None):
         self.python = python
         # forking runs this interpreter's code: only when that is the code asked for
         self.fork = (python == sys.executable and not lag_probe) if fork is None else fork
@@ -158,13 +158,13 @@ class Lab:
     """N daemons; a context manager that always stops them."""
 
     def __init__(self, root: Path, configs: list[dict[str, Any]], names: list[str] | None = None, *,
-                 tls: bool = True, **daemon_kw: Any):
+                 tls: bool = True, legacy: bool = False, **daemon_kw: Any):
         self.root = Path(root)
         names = names or [f"n{i}" for i in range(len(configs))]
         if tls:
             configs = [{**c, "security": {**c.get("security", {}), "cert_dir": str(self._certificate(name))}}
                        for name, c in zip(names, configs)]
-        elif not daemon_kw.get("legacy"):
+        elif not legacy:
             configs = [{**c, "security": {**c.get("security", {}), "insecure": True}} for c in configs]
         self.nodes = [Daemon(self.root, names[i], c, **daemon_kw) for i, c in enumerate(configs)]
 

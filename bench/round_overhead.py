@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netlab import Lab, cpu_s, load, mem_available_mib, mnist1d_mlp, peak_rss_mib, rss_mib, wait_for  # noqa: E402
+from netlab import Lab, cpu_s, load, mem_available_mib, mnist1d_mlp, peak_rss_mib, rss_mib  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = {"small": {"hidden": [64, 64], "steps": 40}, "21mb": {"hidden": [2280, 2280], "steps": 10}}
