@@ -9,6 +9,11 @@ default) and once plaintext (``security.insecure``). The raw side is ``sendall``
 of the same bytes, no hashing, no encryption. Each size is measured ``--repeat`` times, the three
 alternating, and medians are compared.
 
+A subscription (``WatchSnapshots``, how a node receives the snapshots of a peer it pulls from round
+after round) is measured against its raw equivalent: ``--stream`` consecutive snapshots pushed on
+one mTLS stream (each checked and decoded like a pull) vs the same number of payloads sent back to
+back on one TCP socket; per-snapshot medians.
+
     python bench/wire_throughput.py --sizes 1MB,100MB,1GB --repeat 5
 """
 from __future__ import annotations
@@ -66,7 +71,13 @@ class BenchHandler:
         return NodeInfo("server", PROTOCOL_VERSION, "")
 
     async def snapshot(self, requester, min_round=0, wait_s=0.0):
-        return self.snap
+        if not min_round:
+            return self.snap
+        # a subscription asks for the next round: "publish" it at once, the same encoded bytes
+        # under a new version (a node encodes a snapshot once when it publishes, not per reader)
+        snap = LocalSnapshot("server", min_round, min_round, {})
+        snap._encoded, snap._digest = self.snap.encoded, self.snap.digest
+        return snap
 
     def check_known(self, node_id):
         return None
@@ -103,27 +114,40 @@ def _tcp_server(size: int, port_q: mp.Queue) -> None:
     while True:
         conn, _ = srv.accept()
         with conn:
-            conn.recv(1)
-            conn.sendall(len(data).to_bytes(8, "little"))
-            conn.sendall(data)
+            ask = conn.recv(5)
+            times = int.from_bytes(ask[1:5], "little") if ask[:1] == b"s" else 1
+            for _ in range(times):  # "s" + n: n payloads back to back (a subscription's raw equivalent)
+                conn.sendall(len(data).to_bytes(8, "little"))
+                conn.sendall(data)
 
 
-def tcp_fetch(port: int) -> int:
+def tcp_fetch(port: int, times: int = 0) -> int:
+    """One payload (``times`` = 0), or ``times`` sent back to back; the bytes of the last."""
     with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(b"g")
-        hdr = b""
-        while len(hdr) < 8:
-            hdr += s.recv(8 - len(hdr))
-        n = int.from_bytes(hdr, "little")
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = s.recv_into(view[got:], min(n - got, 1 << 20))
-            if not k:
-                raise ConnectionError("short read")
-            got += k
+        s.sendall(b"s" + times.to_bytes(4, "little") if times else b"g")
+        for _ in range(max(times, 1)):
+            hdr = b""
+            while len(hdr) < 8:
+                hdr += s.recv(8 - len(hdr))
+            n = int.from_bytes(hdr, "little")
+            buf = bytearray(n)
+            view = memoryview(buf)
+            got = 0
+            while got < n:
+                k = s.recv_into(view[got:], min(n - got, 1 << 20))
+                if not k:
+                    raise ConnectionError("short read")
+                got += k
         return got
+
+
+async def grpc_watch(client: PeerClient, address: str, times: int) -> int:
+    n = 0
+    async for _, groups in client.watch_snapshots(address, "bench", min_round=1, peer="server"):
+        n += 1
+        if n == times:
+            return sum(t.numel() * t.element_size() for ts in groups.values() for t in ts.values())
+    raise RuntimeError("subscription ended early")
 
 
 async def grpc_fetch(client: PeerClient, address: str) -> int:
@@ -131,7 +155,7 @@ async def grpc_fetch(client: PeerClient, address: str) -> int:
     return sum(t.numel() * t.element_size() for ts in groups.values() for t in ts.values())
 
 
-def measure(size: int, repeat: int, pki: Path, chunk: int = 1 << 20) -> dict:
+def measure(size: int, repeat: int, pki: Path, chunk: int = 1 << 20, stream: int = 0) -> dict:
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
     ports = {}
@@ -146,6 +170,8 @@ def measure(size: int, repeat: int, pki: Path, chunk: int = 1 << 20) -> dict:
                for name, p in (("tls", pki), ("plain", None))}
     loop = asyncio.new_event_loop()
     times: dict[str, list[float]] = {"tls": [], "plain": [], "tcp": []}
+    if stream:
+        times.update({"watch": [], "tcp_stream": []})
     try:
         for name, c in clients.items():  # warm the channels (TLS handshake, HTTP/2 windows)
             loop.run_until_complete(grpc_fetch(c, f"127.0.0.1:{ports[name]}"))
@@ -159,6 +185,14 @@ def measure(size: int, repeat: int, pki: Path, chunk: int = 1 << 20) -> dict:
                     n = loop.run_until_complete(grpc_fetch(clients[name], f"127.0.0.1:{ports[name]}"))
                 times[name].append(time.perf_counter() - t0)
             assert m - 4096 < n <= m  # tensor bytes vs the encoded message (a small header more)
+            if stream:  # per snapshot of a run of ``stream``
+                t0 = time.perf_counter()
+                n = loop.run_until_complete(grpc_watch(clients["tls"], f"127.0.0.1:{ports['tls']}", stream))
+                times["watch"].append((time.perf_counter() - t0) / stream)
+                t0 = time.perf_counter()
+                m = tcp_fetch(ports["tcp"], stream)
+                times["tcp_stream"].append((time.perf_counter() - t0) / stream)
+                assert m - 4096 < n <= m
     finally:
         for c in clients.values():
             loop.run_until_complete(c.close())
@@ -169,7 +203,8 @@ def measure(size: int, repeat: int, pki: Path, chunk: int = 1 << 20) -> dict:
     return {"bytes": n, **{f"{k}_median_s": v for k, v in med.items()},
             **{f"{k}_MBps": n / v / 1e6 for k, v in med.items()},
             "ratio_tls_over_plain": med["plain"] / med["tls"], "ratio_tls_over_tcp": med["tcp"] / med["tls"],
-            "ratio_plain_over_tcp": med["tcp"] / med["plain"], "repeat": repeat}
+            "ratio_plain_over_tcp": med["tcp"] / med["plain"], "repeat": repeat,
+            **({"stream": stream, "ratio_watch_over_tcp_stream": med["tcp_stream"] / med["watch"]} if stream else {})}
 
 
 def _load() -> str:
@@ -182,6 +217,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="1MB,100MB,1GB")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--chunk", default="1MB", help="snapshot chunk size (node config chunk_bytes; the default is 1 MiB)")
+    ap.add_argument("--stream", type=int, default=0,
+                    help="also a subscription: this many snapshots on one mTLS stream vs back to back on TCP")
     ap.add_argument("--json", help="also write results here")
     args = ap.parse_args()
     load0 = _load()
@@ -190,12 +227,15 @@ def main() -> None:
     print(f"{'size':>8} {'mTLS MB/s':>10} {'plain MB/s':>11} {'TCP MB/s':>9} {'mTLS/plain':>11} "
           f"{'mTLS/TCP':>9} {'plain/TCP':>10}   (medians of {args.repeat})")
     for s in args.sizes.split(","):
-        r = measure(parse_size(s), args.repeat, pki, parse_size(args.chunk))
+        r = measure(parse_size(s), args.repeat, pki, parse_size(args.chunk), args.stream)
         r["size"] = s
         rows.append(r)
         print(f"{s:>8} {r['tls_MBps']:10.0f} {r['plain_MBps']:11.0f} {r['tcp_MBps']:9.0f} "
               f"{r['ratio_tls_over_plain']:11.2f} {r['ratio_tls_over_tcp']:9.2f} {r['ratio_plain_over_tcp']:10.2f}",
               flush=True)
+        if args.stream:
+            print(f"{'':>8} subscription (mTLS): {r['watch_MBps']:.0f} MB/s per snapshot vs TCP back to back "
+                  f"{r['tcp_stream_MBps']:.0f} MB/s = {r['ratio_watch_over_tcp_stream']:.2f}x", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "load_before": load0, "load_after": _load(), "rows": rows}, f, indent=2)

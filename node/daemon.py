@@ -144,7 +144,7 @@ class Node:
                                    lambda: self.board.current, self.spec, self.problems, self.private,
                                    labels=self.labels, request_timeout_s=cfg.request_timeout_s,
                                    deadlines=deadlines, exchange_timeout_s=cfg.exchange_timeout_s,
-                                   on_call_failed=self.membership.suspect_hint)
+                                   on_call_failed=self.membership.suspect_hint, watch=cfg.watch_snapshots)
         self.strategy = get_strategy(cfg.strategy)(self.node_id, learner, self.network,
                                                    cfg.strategy_params, seed=seed)
         self._budget_noted: dict[tuple[str, str], float] = {}
@@ -214,6 +214,7 @@ class Node:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.network.close()
         saved = await self.checkpointer.close(timeout=60.0)
         if self._server is not None:
             await self._server.stop()

@@ -69,6 +69,9 @@ class PeerTransport(Protocol):
     async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
                            min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
                            peer: str | None = None) -> tuple[SnapshotHeader, Groups | None]: ...
+    # optional: ``watch_snapshots(address, requester, *, min_round, peer)``, an async iterator of
+    # (SnapshotHeader, Groups), every snapshot the peer publishes from min_round on (gRPC: the
+    # WatchSnapshots stream). ``NodeNetwork`` subscribes where a transport has it, pulls otherwise.
     async def compute(self, address: str, request: ComputeRequest, timeout: float | None = None, *,
                       peer: str | None = None) -> ComputeReply: ...
     async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],

@@ -12,6 +12,11 @@ suspect or dead meanwhile is abandoned at once; suspect and dead peers are not c
 call that times out asks membership to probe that peer now. Snapshot validation (architecture,
 finiteness) runs in a worker thread, over tensors that are views of the received buffer.
 
+A peer a strategy pulls from again is subscribed to (``watch_snapshots``): it pushes each snapshot
+as it publishes it, and pulls are served from the cache (a round not pushed yet is waited for on
+the subscription). A subscription that fails or delivers a bad snapshot ends, and pulls take
+over for ``WATCH_RETRY_S``; one nobody reads for ``WATCH_IDLE_S`` is closed.
+
 Every request on a peer's data names a purpose (``privacy/purposes.py``); a gradient on *my*
 data that a strategy sends out (FedeRiCo's push, COBO's alignment vector) is released through
 ``private_gradient``."""
@@ -50,7 +55,8 @@ class NodeNetwork:
                  inbox: PushInbox, published: Callable[[], LocalSnapshot | None], spec: Spec,
                  problems: ProblemLog, private: PrivateData, *, labels: dict[str, str],
                  request_timeout_s: float, deadlines: Deadlines | None = None,
-                 exchange_timeout_s: float = 0.0, on_call_failed: Callable[[str], None] | None = None):
+                 exchange_timeout_s: float = 0.0, on_call_failed: Callable[[str], None] | None = None,
+                 watch: bool = True):
         self.node_id = node_id
         self.transport = transport
         self.table = peers
@@ -70,6 +76,12 @@ class NodeNetwork:
         self._abandoned: set[asyncio.Task] = set()
         self._phases: deque[float] = deque(maxlen=32)  # recent exchange-phase durations
         self._phase: dict[str, Any] | None = None
+        # snapshot subscriptions (see ``_watch``): a transport without them is pulled from only
+        self.watch = watch and hasattr(transport, "watch_snapshots")
+        self._watches: dict[str, asyncio.Task] = {}
+        self._watch_news: dict[str, asyncio.Event] = {}  # set (and replaced) at each pushed snapshot
+        self._pulled: dict[str, float] = {}  # peer -> when a strategy last asked for its snapshot
+        self._watch_failed: dict[str, float] = {}  # peer -> when its last subscription failed
         peers.listeners.append(self._on_state)
 
     # --- deadlines ---
@@ -103,6 +115,9 @@ class NodeNetwork:
             for t in self._inflight.get(node_id, ()):
                 self._abandoned.add(t)
                 t.cancel()
+            watch = self._watches.get(node_id)
+            if watch is not None:
+                watch.cancel()
 
     async def _call(self, peer: str, kind: str, make: Callable[[float], Awaitable[T]], wait_s: float = 0.0) -> T:
         """``make(timeout)`` under this peer's deadline and the round's; abandoned if the peer
@@ -199,6 +214,8 @@ class NodeNetwork:
         cached = self.cache.get(peer)
         if min_round and cached is not None and cached.round >= min_round:
             return cached
+        if self._watch(peer, address) and cached is not None:
+            return await self._from_watch(peer, cached, min_round, wait_s)
         wait = (self.request_timeout_s if wait_s is None else max(0.0, wait_s)) if min_round else 0.0
         try:
             header, groups = await self._call(peer, "snapshot", lambda timeout: self.transport.get_snapshot(
@@ -224,6 +241,107 @@ class NodeNetwork:
         if min_round and snap.round < min_round:
             return None  # it did not reach that round in time: proceed without it
         return snap
+
+    # --- snapshot subscriptions ---
+    # A peer pulled from round after round is subscribed to: it pushes each snapshot it publishes
+    # on one long-lived stream (``transport.watch_snapshots``), and a pull reads the cache. A
+    # call a round costs the most CPU of a small model's round (gRPC call set-up on both ends);
+    # a pushed snapshot costs a fifth of that. Pushed snapshots are checked like pulled ones.
+    WATCH_AFTER_S = 60.0  # subscribe to a peer pulled from again within this (once is not a habit)
+    WATCH_IDLE_S = 60.0  # a subscription whose snapshots nobody asked for this long is closed
+    WATCH_RETRY_S = 30.0  # after a subscription failed: pulls only, for this long
+    MAX_WATCHES = 32  # subscriptions at once (the server allows each peer one)
+
+    def _watch(self, peer: str, address: str) -> bool:
+        """Whether ``peer``'s snapshots arrive by subscription (starting one when it is due)."""
+        if not self.watch:
+            return False
+        now = time.monotonic()
+        last, self._pulled[peer] = self._pulled.get(peer), now
+        task = self._watches.get(peer)
+        if task is not None:
+            return True
+        if (last is None or now - last > self.WATCH_AFTER_S or len(self._watches) >= self.MAX_WATCHES
+                or now - self._watch_failed.get(peer, float("-inf")) < self.WATCH_RETRY_S):
+            return False
+        self._watches[peer] = asyncio.get_running_loop().create_task(self._run_watch(peer, address),
+                                                                     name=f"watch-{peer}")
+        return False  # this pull still pulls; the subscription serves the next ones
+
+    async def _run_watch(self, peer: str, address: str) -> None:
+        cached = self.cache.get(peer)
+        delivered = 0
+        try:
+            stream = self.transport.watch_snapshots(address, self.node_id,
+                                                    min_round=cached.round + 1 if cached else 0, peer=peer)
+            async with contextlib.aclosing(stream):  # (leaving the loop early cancels the call)
+                async for header, groups in stream:
+                    if header.node_id != peer:
+                        raise WireError(f"snapshot claims to be from {header.node_id!r}, expected {peer!r}")
+                    what = f"snapshot v{header.version} of {peer}"
+                    params, extras = (await asyncio.to_thread(snapshot_groups, groups, self.spec, what)
+                                      if encoded_size(groups) > OFF_LOOP_BYTES else snapshot_groups(groups, self.spec, what))
+                    self.cache.put(PeerSnapshot(peer, header.version, header.round, params, extras, header.digest))
+                    self.table.seen(peer, version=header.version)
+                    delivered += 1
+                    news = self._watch_news.pop(peer, None)
+                    if news is not None:
+                        news.set()
+                    if time.monotonic() - self._pulled.get(peer, 0.0) > self.WATCH_IDLE_S:
+                        break  # nobody has used this peer's snapshots for a while
+            if delivered < 2:  # the peer ends them at once (publishes nothing new): pull it instead
+                self._watch_failed[peer] = time.monotonic()
+        except (PeerCallError, WireError) as e:
+            self._failed("snapshot watch", peer, e)
+            self._watch_failed[peer] = time.monotonic()
+        finally:
+            if self._watches.get(peer) is asyncio.current_task():
+                del self._watches[peer]
+            news = self._watch_news.pop(peer, None)
+            if news is not None:
+                news.set()  # a pull waiting on it goes on without it
+
+    async def _from_watch(self, peer: str, cached: PeerSnapshot, min_round: int | None,
+                          wait_s: float | None) -> PeerSnapshot | None:
+        """A pull served by the subscription: the latest pushed snapshot, or — for a round not
+        pushed yet — wait for it (within the pull's wait and the round's exchange deadline)."""
+        if not min_round:
+            return cached
+        phase = self._phase
+        now = time.monotonic()
+        wait = self.request_timeout_s if wait_s is None else max(0.0, wait_s)
+        if phase is not None:
+            if phase["first"] is None:
+                phase["first"] = now
+            wait = min(wait, phase["first"] + phase["budget_s"] - now)
+        deadline = now + wait
+        snap = cached
+        while snap is not None and snap.round < min_round and peer in self._watches:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            news = self._watch_news.setdefault(peer, asyncio.Event())
+            try:
+                await asyncio.wait_for(news.wait(), left)
+            except asyncio.TimeoutError:
+                break
+            snap = self.cache.get(peer)
+        if phase is not None:
+            phase["last"] = time.monotonic()
+            phase["calls"] += 1
+            phase["call_s"] += phase["last"] - now
+        if snap is None or snap.round < min_round:
+            if peer not in self._watches and snap is not None and self._address(peer):
+                return await self.pull(peer, min_round=min_round, wait_s=max(0.0, deadline - time.monotonic()))
+            return None  # it did not reach that round in time: proceed without it
+        return snap
+
+    async def close(self) -> None:
+        """End the subscriptions (at shutdown)."""
+        tasks = list(self._watches.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # --- compute on peers' data ---
     async def _compute(self, peer: str, req: ComputeRequest) -> ComputeReply | None:

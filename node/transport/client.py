@@ -239,6 +239,14 @@ class PeerClient:
                                min_round=min_round, wait_ms=int(wait_s * 1000)),
             timeout=timeout or self.timeout_s)
         it = call.__aiter__()
+        h, groups, size = await self._read_snapshot(address, it, whole_stream=True)
+        self._timed("snapshot", t0)
+        return serde.snapshot_header_from_pb(h), groups
+
+    async def _read_snapshot(self, address: str, it, *, whole_stream: bool) -> tuple[Any, Groups | None, int]:
+        """One snapshot off a stream: its header, then chunks up to the announced size (size and
+        sha256 checked while reassembling), decoded as zero-copy views of the one buffer.
+        ``whole_stream``: the stream ends after it (a pull), else more snapshots follow (a watch)."""
         first = pb.SnapshotChunk.FromString(await it.__anext__())
         if first.WhichOneof("body") != "header":
             raise WireError(f"snapshot stream from {address} did not start with a header")
@@ -247,8 +255,18 @@ class PeerClient:
         if not h.unchanged:
             asm = Assembler(f"snapshot of {h.node_id or address}", h.total_bytes, h.sha256,
                             self.max_model_bytes)
-            async for raw in it:
-                asm.add(data_field(raw))  # copied once, into the snapshot's own buffer
+            if first.inline:  # a small snapshot comes in its header's message (a watch)
+                asm.add(first.inline)
+            if whole_stream:
+                async for raw in it:
+                    asm.add(data_field(raw))  # copied once, into the snapshot's own buffer
+            else:
+                try:
+                    while asm.size < asm.total:
+                        asm.add(data_field(await it.__anext__()))
+                except StopAsyncIteration:
+                    raise WireError(f"snapshot v{h.version} of {h.node_id or address}: stream ended "
+                                    f"after {asm.size} of {asm.total} bytes") from None
             data = asm.finish()
             size = len(data)
             try:  # zero-copy: the tensors are views of that one buffer
@@ -256,8 +274,49 @@ class PeerClient:
             except WireError as e:
                 raise WireError(f"snapshot v{h.version} of {h.node_id or address} is malformed: {e}") from None
         self.traffic.record("snapshot", received=first.ByteSize() + size)
-        self._timed("snapshot", t0)
-        return serde.snapshot_header_from_pb(h), groups
+        return h, groups, size
+
+    async def watch_snapshots(self, address: str, requester: str, *, min_round: int = 0,
+                              peer: str | None = None) -> AsyncIterator[tuple[SnapshotHeader, Groups]]:
+        """Every snapshot the peer publishes from ``min_round`` on, as it publishes it: one
+        long-lived stream instead of a call a round. Checked like a pull; ends by raising
+        ``PeerCallError`` / ``WireError`` (or when the caller stops iterating: the call is
+        cancelled). The channel counts as busy meanwhile, so idle eviction spares it."""
+        self._busy[address] = self._busy.get(address, 0) + 1
+        call = None
+        try:
+            await self._link()
+            call = self._channel(address, BULK, peer)[0].unary_stream(
+                "/coterie.v1.Peer/WatchSnapshots", request_serializer=pb.SnapshotRequest.SerializeToString,
+                response_deserializer=None)(
+                pb.SnapshotRequest(requester=requester, chunk_bytes=self.chunk_bytes, min_round=min_round))
+            it = call.__aiter__()
+            while True:
+                try:
+                    h, groups, _ = await self._read_snapshot(address, it, whole_stream=False)
+                except StopAsyncIteration:  # the server ended it between two snapshots
+                    return
+                if groups is None:
+                    raise WireError(f"snapshot watch on {address}: an empty snapshot (only a header)")
+                self._used[address] = time.monotonic()
+                await self._link()  # the emulated link delays every snapshot, as it does a pull
+                yield serde.snapshot_header_from_pb(h), groups
+        except grpc.aio.AioRpcError as e:
+            raise call_error(e) from None
+        except Refusal as e:
+            raise WireError(e.message) from None
+        except ValueError as e:
+            if isinstance(e, WireError):
+                raise
+            raise WireError(f"malformed snapshot watch stream: {e}") from None
+        except OSError as e:
+            raise PeerCallError("unavailable", str(e)) from None
+        finally:
+            if call is not None:
+                call.cancel()
+            self._busy[address] -= 1
+            if not self._busy[address]:
+                del self._busy[address]
 
     # --- compute requests ---
     def _frames(self, header: pb.ComputeHeader, payload: bytes | None) -> AsyncIterator[pb.ComputeFrame]:

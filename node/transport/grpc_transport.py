@@ -74,7 +74,7 @@ class GrpcTransport:
                    max_model_bytes=cfg.max_model_bytes or UNSET_MODEL_BYTES,
                    max_gossip_bytes=cfg.max_gossip_bytes, timeout_s=cfg.request_timeout_s, delay_ms=cfg.delay_ms,
                    streams=StreamLimits(lim.upload_timeout_s, lim.upload_idle_s, lim.send_timeout_s,
-                                        lim.min_stream_bytes_per_s),
+                                        lim.min_stream_bytes_per_s, lim.max_watches),
                    max_rpcs=lim.max_rpcs, idle_channel_s=cfg.membership.idle_channel_s, health=health)
 
     # --- TransportFactory ---

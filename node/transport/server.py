@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 LINGER_BYTES = 64 << 20
 LINGER_S = 5.0
 LINGER_IDLE_S = 1.0
+MAX_WATCH_WAIT_S = 30.0  # a subscription with no new round for this long ends
 MAX_STREAMS_PER_CONNECTION = 64  # HTTP/2 streams one connection may hold open (gRPC's default: no limit)
 
 
@@ -75,6 +76,7 @@ class StreamLimits:
     upload_idle_s: float = 10.0
     send_timeout_s: float = 120.0
     min_bytes_per_s: float = 64 * 1024  # deadlines stretch by size / this
+    max_watches: int = 64  # snapshot subscriptions open at once (one per peer)
 
     def upload_deadline(self, size: int) -> float:
         return self.upload_timeout_s + size / self.min_bytes_per_s
@@ -106,6 +108,7 @@ class PeerService:
         self.max_gossip_bytes = max_gossip_bytes
         self.tls = tls
         self.streams = streams
+        self._watchers: set[str] = set()  # peers with a snapshot subscription open
 
     # ------------------------------------------------------------------ plumbing
     async def _guard(self, context: grpc.aio.ServicerContext, kind: str, coro, stream=None):
@@ -263,6 +266,53 @@ class PeerService:
                                     f"snapshot for {request.requester}", size=size)
         self.traffic.record("snapshot", sent=sent)
         self.traffic.latency("snapshot", time.perf_counter() - t0, "server")
+
+    async def WatchSnapshots(self, raw: bytes, context):
+        """A subscription: each snapshot this node publishes from ``min_round`` on, pushed when
+        it is published (the newest one if the reader fell behind: flow control holds the writes
+        meanwhile). Bounded: one subscription per peer, ``max_watches`` in all, each opening
+        admitted like a pull; a peer that stops being known ends it (``h.snapshot`` checks that
+        for every snapshot), so does a round not published within ``MAX_WATCH_WAIT_S``; a reader
+        that stops taking one is cut off like a slow pull."""
+        async def go():
+            request = _parse(pb.SnapshotRequest, raw, "snapshot watch")
+            who = self._who(context, request.requester, "snapshot watch")
+            self.h.check_known(who)
+            if who in self._watchers:
+                raise exhausted(f"snapshot watch from {who}: it already has one open")
+            if len(self._watchers) >= self.streams.max_watches:
+                raise exhausted(f"snapshot watch from {who}: {len(self._watchers)} open, the limit is "
+                                f"{self.streams.max_watches}")
+            with self.h.admit(who, "snapshot"):  # opening one costs a request from its budget
+                pass
+            return request, who
+
+        request, who = await self._guard(context, "watch", go())
+        self._watchers.add(who)
+
+        async def push():
+            next_round, last = request.min_round, 0
+            while True:
+                snap = await self.h.snapshot(who, next_round, MAX_WATCH_WAIT_S)
+                if snap.version == last or snap.round < next_round:
+                    return  # nothing new within the wait: end it (the reader pulls, or subscribes again)
+                t0 = time.perf_counter()
+                header = serde.snapshot_header_to_pb(snap.header(False), len(snap.encoded))
+                size = header.ByteSize() + len(snap.encoded)
+                if len(snap.encoded) <= self.chunk_bytes:  # one message instead of two
+                    frames = (pb.SnapshotChunk(header=header, inline=bytes(snap.encoded)),)
+                else:
+                    frames = itertools.chain((pb.SnapshotChunk(header=header),),
+                                             data_frames(snap.encoded, self.chunk_bytes))
+                sent = await self._send(context, frames, f"snapshot watch of {who}", size=size)
+                self.traffic.record("snapshot", sent=sent)
+                self.traffic.latency("snapshot-push", time.perf_counter() - t0, "server")
+                last, next_round = snap.version, snap.round + 1
+
+        try:  # a refusal on the way (the peer no longer known, ...) ends it with its status
+            await self._guard(context, "watch", push())
+        finally:
+            self._watchers.discard(who)
 
     # --- compute on my data ---
     async def _read_compute(self, context, raw_frames, kind: str, slot: contextlib.ExitStack):

@@ -186,12 +186,14 @@ class SnapshotHeader(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ..., unchanged: _Optional[bool] = ...) -> None: ...
 
 class SnapshotChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "inline")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    INLINE_FIELD_NUMBER: _ClassVar[int]
     header: SnapshotHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[SnapshotHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    inline: bytes
+    def __init__(self, header: _Optional[_Union[SnapshotHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., inline: _Optional[bytes] = ...) -> None: ...
 
 class ComputeHeader(_message.Message):
     __slots__ = ("requester", "ref", "total_bytes", "sha256", "split", "max_samples", "reduction", "target_version", "align", "purpose")

@@ -59,6 +59,11 @@ class PeerStub:
                 request_serializer=coterie_dot_v1_dot_peer__pb2.SnapshotRequest.SerializeToString,
                 response_deserializer=coterie_dot_v1_dot_peer__pb2.SnapshotChunk.FromString,
                 _registered_method=True)
+        self.WatchSnapshots = channel.unary_stream(
+                '/coterie.v1.Peer/WatchSnapshots',
+                request_serializer=coterie_dot_v1_dot_peer__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=coterie_dot_v1_dot_peer__pb2.SnapshotChunk.FromString,
+                _registered_method=True)
         self.CrossLoss = channel.stream_unary(
                 '/coterie.v1.Peer/CrossLoss',
                 request_serializer=coterie_dot_v1_dot_peer__pb2.ComputeFrame.SerializeToString,
@@ -114,6 +119,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchSnapshots(self, request, context):
+        """A subscription: every snapshot the server publishes from min_round on (the newest one when
+        the reader falls behind), each as a header and its chunks, on one long-lived stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CrossLoss(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -163,6 +176,11 @@ def add_PeerServicer_to_server(servicer, server):
             ),
             'GetSnapshot': grpc.unary_stream_rpc_method_handler(
                     servicer.GetSnapshot,
+                    request_deserializer=coterie_dot_v1_dot_peer__pb2.SnapshotRequest.FromString,
+                    response_serializer=coterie_dot_v1_dot_peer__pb2.SnapshotChunk.SerializeToString,
+            ),
+            'WatchSnapshots': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchSnapshots,
                     request_deserializer=coterie_dot_v1_dot_peer__pb2.SnapshotRequest.FromString,
                     response_serializer=coterie_dot_v1_dot_peer__pb2.SnapshotChunk.SerializeToString,
             ),
@@ -320,6 +338,33 @@ class Peer:
             request,
             target,
             '/coterie.v1.Peer/GetSnapshot',
+            coterie_dot_v1_dot_peer__pb2.SnapshotRequest.SerializeToString,
+            coterie_dot_v1_dot_peer__pb2.SnapshotChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchSnapshots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/coterie.v1.Peer/WatchSnapshots',
             coterie_dot_v1_dot_peer__pb2.SnapshotRequest.SerializeToString,
             coterie_dot_v1_dot_peer__pb2.SnapshotChunk.FromString,
             options,
