@@ -33,14 +33,15 @@ class WatchingTransport:
     """One peer ``p`` at address ``a``: pulls answer its current round; a subscription yields
     what the test puts on ``pushed`` (an exception ends it)."""
 
-    def __init__(self):
+    def __init__(self, size: int = 4):
+        self.size = size
         self.round = 1
         self.pulls = 0
         self.watches: list[int] = []  # min_round of each subscription opened
         self.pushed: asyncio.Queue = asyncio.Queue()
 
     def snapshot(self, rnd: int, value: float = 1.0):
-        return SnapshotHeader("p", rnd, rnd, ""), {"params": {"w": torch.full((4,), value)}}
+        return SnapshotHeader("p", rnd, rnd, ""), {"params": {"w": torch.full((self.size,), value)}}
 
     async def get_snapshot(self, address, requester, have_version=0, *, min_round=0, wait_s=0.0, timeout=None,
                            peer=None):
@@ -90,6 +91,27 @@ def test_a_peer_pulled_again_is_subscribed_to_and_pulls_become_cache_reads():
         t.round = 4
         assert (await net.pull("p", min_round=4, wait_s=1.0)).round == 4 and t.pulls == 3
         assert net.cached("p").round == 4 and torch.isfinite(net.cached("p").params["w"]).all()
+        await net.close()
+    asyncio.run(go())
+
+
+def test_a_large_model_is_subscribed_to_only_when_every_round_of_it_is_wanted():
+    """A subscription pushes every snapshot: for a 2 MB model pulled now and then (FedFomo's
+    sampled candidates) that is more bytes than pulling; round-aligned pulls want them all."""
+    async def go():
+        table = PeerTable("me", 1.0, 2.0)
+        table.upsert("p", "a")
+        t = WatchingTransport(size=1 << 19)
+        net = NodeNetwork("me", t, table, SnapshotCache(), PushInbox(), lambda: None, {"w": ((1 << 19,), "float32")},
+                          ProblemLog(), None, labels={}, request_timeout_s=5.0)
+        for _ in range(3):
+            await net.pull("p")
+        await asyncio.sleep(0.05)
+        assert t.pulls == 3 and not t.watches
+        t.round = 2
+        await net.pull("p", min_round=2)
+        await asyncio.wait_for(_until(lambda: t.watches), 2)
+        assert t.watches == [2]  # from the round after the one cached when it opened
         await net.close()
     asyncio.run(go())
 

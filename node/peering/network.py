@@ -214,7 +214,7 @@ class NodeNetwork:
         cached = self.cache.get(peer)
         if min_round and cached is not None and cached.round >= min_round:
             return cached
-        if self._watch(peer, address) and cached is not None:
+        if self._watch(peer, address, cached, bool(min_round)) and cached is not None:
             return await self._from_watch(peer, cached, min_round, wait_s)
         wait = (self.request_timeout_s if wait_s is None else max(0.0, wait_s)) if min_round else 0.0
         try:
@@ -248,12 +248,16 @@ class NodeNetwork:
     # call a round costs the most CPU of a small model's round (gRPC call set-up on both ends);
     # a pushed snapshot costs a fifth of that. Pushed snapshots are checked like pulled ones.
     WATCH_AFTER_S = 60.0  # subscribe to a peer pulled from again within this (once is not a habit)
+    WATCH_ANY_BYTES = 1 << 20  # snapshots up to this are subscribed to even when pulled now and then
     WATCH_IDLE_S = 60.0  # a subscription whose snapshots nobody asked for this long is closed
     WATCH_RETRY_S = 30.0  # after a subscription failed: pulls only, for this long
     MAX_WATCHES = 32  # subscriptions at once (the server allows each peer one)
 
-    def _watch(self, peer: str, address: str) -> bool:
-        """Whether ``peer``'s snapshots arrive by subscription (starting one when it is due)."""
+    def _watch(self, peer: str, address: str, cached: PeerSnapshot | None, aligned: bool) -> bool:
+        """Whether ``peer``'s snapshots arrive by subscription (starting one when it is due). A
+        subscription pushes every snapshot: it pays where they are all wanted (round-aligned
+        pulls: every round of the peer) or where a call costs more than the bytes (small models);
+        a large model pulled now and then (FedFomo's sampled candidates) is pulled."""
         if not self.watch:
             return False
         now = time.monotonic()
@@ -262,7 +266,8 @@ class NodeNetwork:
         if task is not None:
             return True
         if (last is None or now - last > self.WATCH_AFTER_S or len(self._watches) >= self.MAX_WATCHES
-                or now - self._watch_failed.get(peer, float("-inf")) < self.WATCH_RETRY_S):
+                or now - self._watch_failed.get(peer, float("-inf")) < self.WATCH_RETRY_S
+                or not (aligned or (cached is not None and self.cache.nbytes(cached) <= self.WATCH_ANY_BYTES))):
             return False
         self._watches[peer] = asyncio.get_running_loop().create_task(self._run_watch(peer, address),
                                                                      name=f"watch-{peer}")
