@@ -304,7 +304,13 @@ class PeerService:
                 else:
                     frames = itertools.chain((pb.SnapshotChunk(header=header),),
                                              data_frames(snap.encoded, self.chunk_bytes))
-                sent = await self._send(context, frames, f"snapshot watch of {who}", size=size)
+                try:
+                    sent = await self._send(context, frames, f"snapshot watch of {who}", size=size)
+                except Exception:
+                    me = asyncio.current_task()
+                    if context.cancelled() or context.done() or (me is not None and me.cancelling()):
+                        return  # the reader closed it (the write in flight fails): nothing to report
+                    raise
                 self.traffic.record("snapshot", sent=sent)
                 self.traffic.latency("snapshot-push", time.perf_counter() - t0, "server")
                 last, next_round = snap.version, snap.round + 1
