@@ -57,40 +57,61 @@ class WatchingTransport:
             yield item
 
 
-def test_a_peer_pulled_again_is_subscribed_to_and_pulls_become_cache_reads():
+def _net(t, spec=SPEC, problems=None):
+    table = PeerTable("me", 1.0, 2.0)
+    table.upsert("p", "a")
+    return NodeNetwork("me", t, table, SnapshotCache(), PushInbox(), lambda: None, spec, problems or ProblemLog(),
+                       None, labels={}, request_timeout_s=5.0)
+
+
+def test_a_peer_pulled_round_after_round_is_subscribed_to_and_pulls_become_cache_reads():
     async def go():
-        table = PeerTable("me", 1.0, 2.0)
-        table.upsert("p", "a")
         problems = ProblemLog()
         t = WatchingTransport()
-        net = NodeNetwork("me", t, table, SnapshotCache(), PushInbox(), lambda: None, SPEC, problems, None,
-                          labels={}, request_timeout_s=5.0)
-        assert (await net.pull("p")).round == 1 and t.pulls == 1 and not t.watches  # once is not a habit
-        assert (await net.pull("p")).round == 1 and t.pulls == 2  # again: subscribed from round 2
+        net = _net(t, problems=problems)
+        assert (await net.pull("p", min_round=1)).round == 1 and t.pulls == 1 and not t.watches  # once is not a habit
+        t.round = 2
+        assert (await net.pull("p", min_round=2)).round == 2 and t.pulls == 2  # again: subscribed
         await asyncio.wait_for(_until(lambda: t.watches), 2)
-        assert t.watches == [2]
+        assert t.watches == [2]  # from the round after the one cached when it opened
 
-        t.pushed.put_nowait(t.snapshot(2, 2.0))
-        assert (await net.pull("p", min_round=2, wait_s=2.0)).round == 2
-        got = asyncio.ensure_future(net.pull("p", min_round=3, wait_s=5.0))  # not published yet: waits
+        t.pushed.put_nowait(t.snapshot(3, 3.0))
+        assert (await net.pull("p", min_round=3, wait_s=2.0)).round == 3
+        got = asyncio.ensure_future(net.pull("p", min_round=4, wait_s=5.0))  # not published yet: waits
         await asyncio.sleep(0.05)
         assert not got.done()
-        t.pushed.put_nowait(t.snapshot(3, 3.0))
+        t.pushed.put_nowait(t.snapshot(4, 4.0))
         snap = await asyncio.wait_for(got, 2)
-        assert snap.round == 3 and float(snap.params["w"][0]) == 3.0
-        assert (await net.pull("p")).round == 3  # the latest pushed, no call
+        assert snap.round == 4 and float(snap.params["w"][0]) == 4.0
+        assert (await net.pull("p")).round == 4  # the latest pushed, no call
         assert t.pulls == 2
         # a round that does not come in time: None, as a pull that timed out
-        assert await net.pull("p", min_round=4, wait_s=0.2) is None
+        assert await net.pull("p", min_round=5, wait_s=0.2) is None
 
         # a pushed snapshot that fails validation (NaN) ends the subscription; pulls take over
-        t.pushed.put_nowait(t.snapshot(4, float("nan")))
+        t.pushed.put_nowait(t.snapshot(5, float("nan")))
         await asyncio.wait_for(_until(lambda: "p" not in net._watches), 2)
         assert any(p["peer"] == "p" and p["rejected"] and "snapshot watch" in p["message"]
                    for p in problems.recent()), problems.recent()
-        t.round = 4
-        assert (await net.pull("p", min_round=4, wait_s=1.0)).round == 4 and t.pulls == 3
-        assert net.cached("p").round == 4 and torch.isfinite(net.cached("p").params["w"]).all()
+        t.round = 5
+        assert (await net.pull("p", min_round=5, wait_s=1.0)).round == 5 and t.pulls == 3
+        assert net.cached("p").round == 5 and torch.isfinite(net.cached("p").params["w"]).all()
+        await net.close()
+    asyncio.run(go())
+
+
+def test_sampled_pulls_are_not_subscribed_to():
+    """A subscription pushes at the publisher's pace: to a strategy that samples its peers
+    (FedFomo, FedeRiCo) that is more snapshots than it uses (in the testbed it saturated the
+    slow-link node's 1 Mbit/s and buried its weight), so only round-aligned pulls subscribe."""
+    async def go():
+        t = WatchingTransport()
+        net = _net(t)
+        for rnd in (1, 2, 3):
+            t.round = rnd
+            assert (await net.pull("p")).round == rnd
+        await asyncio.sleep(0.05)
+        assert t.pulls == 3 and not t.watches
         await net.close()
     asyncio.run(go())
 
@@ -115,22 +136,25 @@ def test_a_large_model_is_pulled_not_subscribed_to():
 
 def test_a_broken_subscription_wakes_its_waiting_pull():
     async def go():
-        table = PeerTable("me", 1.0, 2.0)
-        table.upsert("p", "a")
         t = WatchingTransport()
-        net = NodeNetwork("me", t, table, SnapshotCache(), PushInbox(), lambda: None, SPEC, ProblemLog(), None,
-                          labels={}, request_timeout_s=5.0)
-        await net.pull("p")
-        await net.pull("p")
-        await asyncio.wait_for(_until(lambda: t.watches), 2)
-        waiting = asyncio.ensure_future(net.pull("p", min_round=2, wait_s=5.0))
-        await asyncio.sleep(0.05)
+        net = _net(t)
+        await net.pull("p", min_round=1)
         t.round = 2
+        await net.pull("p", min_round=2)
+        await asyncio.wait_for(_until(lambda: t.watches), 2)
+        waiting = asyncio.ensure_future(net.pull("p", min_round=3, wait_s=5.0))
+        await asyncio.sleep(0.05)
+        t.round = 3
         t.pushed.put_nowait(PeerCallError("unavailable", "connection reset"))
         snap = await asyncio.wait_for(waiting, 2)  # not the whole 5 s: the pull takes over at once
-        assert snap.round == 2 and t.pulls == 3
+        assert snap.round == 3 and t.pulls == 3
         await net.close()
     asyncio.run(go())
+
+
+async def _until(cond, interval: float = 0.01):
+    while not cond():
+        await asyncio.sleep(interval)
 
 
 class _NoTraffic:
@@ -166,11 +190,6 @@ def test_a_subscription_to_a_peer_with_nothing_new_ends_instead_of_spinning():
             await server.stop(0)
         return got
     assert asyncio.run(go()) == [(1, 4.0)]
-
-
-async def _until(cond, interval: float = 0.01):
-    while not cond():
-        await asyncio.sleep(interval)
 
 
 # ------------------------------------------------------------------------------ real daemons

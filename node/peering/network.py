@@ -12,7 +12,7 @@ suspect or dead meanwhile is abandoned at once; suspect and dead peers are not c
 call that times out asks membership to probe that peer now. Snapshot validation (architecture,
 finiteness) runs in a worker thread, over tensors that are views of the received buffer.
 
-A peer with a small model that a strategy pulls from again is subscribed to (``watch_snapshots``): it pushes each snapshot
+A peer with a small model that a strategy pulls round-aligned again is subscribed to (``watch_snapshots``): it pushes each snapshot
 as it publishes it, and pulls are served from the cache (a round not pushed yet is waited for on
 the subscription). A subscription that fails or delivers a bad snapshot ends, and pulls take
 over for ``WATCH_RETRY_S``; one nobody reads for ``WATCH_IDLE_S`` is closed.
@@ -214,7 +214,7 @@ class NodeNetwork:
         cached = self.cache.get(peer)
         if min_round and cached is not None and cached.round >= min_round:
             return cached
-        if self._watch(peer, address, cached) and cached is not None:
+        if self._watch(peer, address, cached, bool(min_round)) and cached is not None:
             return await self._from_watch(peer, cached, min_round, wait_s)
         wait = (self.request_timeout_s if wait_s is None else max(0.0, wait_s)) if min_round else 0.0
         try:
@@ -253,13 +253,14 @@ class NodeNetwork:
     WATCH_RETRY_S = 30.0  # after a subscription failed: pulls only, for this long
     MAX_WATCHES = 32  # subscriptions at once (the server allows each peer one)
 
-    def _watch(self, peer: str, address: str, cached: PeerSnapshot | None) -> bool:
+    def _watch(self, peer: str, address: str, cached: PeerSnapshot | None, aligned: bool) -> bool:
         """Whether ``peer``'s snapshots arrive by subscription (starting one when it is due).
-        Only small models are subscribed to: there a call costs more CPU than the bytes, and a
-        round's calls were most of its overhead. A large model is pulled when wanted: a
-        subscription pushes every snapshot, more bytes than pulling where a strategy samples its
-        peers (FedFomo: +22% CPU on 21 MB), and holds the next snapshot in assembly beside the
-        cached one (D-PSGD on 21 MB: +16% peak RSS, no CPU saved)."""
+        A subscription pushes every snapshot at the *publisher's* pace, so it starts only where
+        every round of the peer is wanted — round-aligned pulls (D-PSGD, L2C, SCool), whose
+        staleness bound keeps both ends in step — and only for small models, where a call costs
+        more CPU than the bytes. Sampled pulls (FedFomo, FedeRiCo) keep pulling: pushing every
+        snapshot to everyone saturated a slow link in the testbed and buried that peer's weight;
+        on a 21 MB model subscriptions cost FedFomo +22% CPU and D-PSGD +16% peak RSS."""
         if not self.watch:
             return False
         now = time.monotonic()
@@ -269,7 +270,7 @@ class NodeNetwork:
             return True
         if (last is None or now - last > self.WATCH_AFTER_S or len(self._watches) >= self.MAX_WATCHES
                 or now - self._watch_failed.get(peer, float("-inf")) < self.WATCH_RETRY_S
-                or cached is None or self.cache.nbytes(cached) > self.WATCH_MAX_BYTES):
+                or not aligned or cached is None or self.cache.nbytes(cached) > self.WATCH_MAX_BYTES):
             return False
         self._watches[peer] = asyncio.get_running_loop().create_task(self._run_watch(peer, address),
                                                                      name=f"watch-{peer}")
