@@ -17,9 +17,10 @@ node's certificate proved."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 import grpc
 import msgpack
@@ -51,28 +52,35 @@ CONTROL, BULK = "control", "bulk"  # the two channels to each peer
 _ANY = ""  # expected node id "any node of the CA": a first contact, before a handshake proves who
 
 
-def _domain_errors(fn):
+@contextlib.contextmanager
+def _in_flight(client: "PeerClient", address: str) -> Iterator[None]:
     """gRPC failures become PeerCallError; a malformed stream (bad chunk, size, hash) a WireError.
     The call counts as in flight on its address meanwhile (idle channel eviction spares it)."""
+    client._busy[address] = client._busy.get(address, 0) + 1
+    try:
+        yield
+    except grpc.aio.AioRpcError as e:
+        raise call_error(e) from None
+    except Refusal as e:
+        raise WireError(e.message) from None
+    except (StopAsyncIteration, ValueError) as e:
+        if isinstance(e, WireError):
+            raise
+        raise WireError(f"malformed reply: {e}") from None
+    except OSError as e:
+        raise PeerCallError("unavailable", str(e)) from None
+    finally:
+        client._busy[address] -= 1
+        if not client._busy[address]:
+            del client._busy[address]
+
+
+def _domain_errors(fn):
+    """A call under ``_in_flight``."""
     @functools.wraps(fn)
     async def wrapper(self, address, *args, **kwargs):
-        self._busy[address] = self._busy.get(address, 0) + 1
-        try:
+        with _in_flight(self, address):
             return await fn(self, address, *args, **kwargs)
-        except grpc.aio.AioRpcError as e:
-            raise call_error(e) from None
-        except Refusal as e:
-            raise WireError(e.message) from None
-        except (StopAsyncIteration, ValueError) as e:
-            if isinstance(e, WireError):
-                raise
-            raise WireError(f"malformed reply: {e}") from None
-        except OSError as e:
-            raise PeerCallError("unavailable", str(e)) from None
-        finally:
-            self._busy[address] -= 1
-            if not self._busy[address]:
-                del self._busy[address]
     return wrapper
 
 
@@ -282,41 +290,28 @@ class PeerClient:
         long-lived stream instead of a call a round. Checked like a pull; ends by raising
         ``PeerCallError`` / ``WireError`` (or when the caller stops iterating: the call is
         cancelled). The channel counts as busy meanwhile, so idle eviction spares it."""
-        self._busy[address] = self._busy.get(address, 0) + 1
         call = None
         try:
-            await self._link()
-            call = self._channel(address, BULK, peer)[0].unary_stream(
-                "/coterie.v1.Peer/WatchSnapshots", request_serializer=pb.SnapshotRequest.SerializeToString,
-                response_deserializer=None)(
-                pb.SnapshotRequest(requester=requester, chunk_bytes=self.chunk_bytes, min_round=min_round))
-            it = call.__aiter__()
-            while True:
-                try:
-                    h, groups, _ = await self._read_snapshot(address, it, whole_stream=False)
-                except StopAsyncIteration:  # the server ended it between two snapshots
-                    return
-                if groups is None:
-                    raise WireError(f"snapshot watch on {address}: an empty snapshot (only a header)")
-                self._used[address] = time.monotonic()
-                await self._link()  # the emulated link delays every snapshot, as it does a pull
-                yield serde.snapshot_header_from_pb(h), groups
-        except grpc.aio.AioRpcError as e:
-            raise call_error(e) from None
-        except Refusal as e:
-            raise WireError(e.message) from None
-        except ValueError as e:
-            if isinstance(e, WireError):
-                raise
-            raise WireError(f"malformed snapshot watch stream: {e}") from None
-        except OSError as e:
-            raise PeerCallError("unavailable", str(e)) from None
+            with _in_flight(self, address):
+                await self._link()
+                call = self._channel(address, BULK, peer)[0].unary_stream(
+                    "/coterie.v1.Peer/WatchSnapshots", request_serializer=pb.SnapshotRequest.SerializeToString,
+                    response_deserializer=None)(
+                    pb.SnapshotRequest(requester=requester, chunk_bytes=self.chunk_bytes, min_round=min_round))
+                it = call.__aiter__()
+                while True:
+                    try:
+                        h, groups, _ = await self._read_snapshot(address, it, whole_stream=False)
+                    except StopAsyncIteration:  # the server ended it between two snapshots
+                        return
+                    if groups is None:
+                        raise WireError(f"snapshot watch on {address}: an empty snapshot (only a header)")
+                    self._used[address] = time.monotonic()
+                    await self._link()  # the emulated link delays every snapshot, as it does a pull
+                    yield serde.snapshot_header_from_pb(h), groups
         finally:
             if call is not None:
                 call.cancel()
-            self._busy[address] -= 1
-            if not self._busy[address]:
-                del self._busy[address]
 
     # --- compute requests ---
     def _frames(self, header: pb.ComputeHeader, payload: bytes | None) -> AsyncIterator[pb.ComputeFrame]:
