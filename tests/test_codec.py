@@ -96,3 +96,21 @@ def test_finite_and_spec_checks_name_the_tensor():
     with pytest.raises(WireError, match="missing"):
         check_spec({"w": torch.zeros(2, 3)}, spec)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_finite_check_is_exact(dtype):
+    """The fast path (a finite sum) must neither miss a bad element nor refuse large finite values
+    whose sum overflows."""
+    big = torch.full((100_000,), torch.finfo(dtype).max, dtype=dtype)
+    check_finite({"p": {"w": big}})  # sum overflows to Inf, every element finite: accepted
+    check_finite({"p": {"w": torch.zeros(0, dtype=dtype)}})
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.randn(100_000).to(dtype)
+        t[54_321] = bad
+        with pytest.raises(WireError, match="contains NaN or Inf"):
+            check_finite({"p": {"w": t}})
+    t = torch.zeros(1000, dtype=dtype)
+    t[1], t[2] = float("inf"), -float("inf")  # their sum is NaN: still caught
+    with pytest.raises(WireError, match="contains NaN or Inf"):
+        check_finite({"p": {"w": t}})
