@@ -306,9 +306,10 @@ class PeerService:
                                              data_frames(snap.encoded, self.chunk_bytes))
                 try:
                     sent = await self._send(context, frames, f"snapshot watch of {who}", size=size)
-                except Exception:
+                except Exception as e:
                     me = asyncio.current_task()
-                    if context.cancelled() or context.done() or (me is not None and me.cancelling()):
+                    if (context.cancelled() or context.done() or (me is not None and me.cancelling())
+                            or type(e).__name__ == "ExecuteBatchError"):  # (cygrpc: the call is gone)
                         return  # the reader closed it (the write in flight fails): nothing to report
                     raise
                 self.traffic.record("snapshot", sent=sent)
