@@ -105,7 +105,7 @@ class LimitsConfig(BaseModel):
     max_push_lag: int = Field(64, ge=1)  # a pushed gradient's target version at most this far behind
     push_norm_factor: float = Field(10.0, gt=1)  # pushes clipped to this × my own recent gradient norm
     max_rpcs: int = Field(512, ge=8)  # all calls in flight on the peer port (gRPC answers RESOURCE_EXHAUSTED)
-    max_watches: int = Field(64, ge=0)  # snapshot subscriptions served at once (one per peer; 0: none)
+    max_watches: int = Field(64, ge=0)  # snapshot subscriptions, and pull sessions, served at once (each: one per peer; 0: none)
 
 
 class MembershipConfig(BaseModel):
@@ -167,6 +167,8 @@ class NodeConfig(BaseModel):
     exchange_timeout_s: float = Field(0.0, ge=0)  # a round's exchange phase; 0 = adaptive (see network.py)
     # peers pulled from round after round push their snapshots on a subscription instead (network.py)
     watch_snapshots: bool = True
+    # other peers pulled from again get a pull session: one stream, a request and answer per pull
+    pull_sessions: bool = True
     snapshot_cache_bytes: int = Field(512 << 20, gt=0)  # peers' snapshots held, least recently used evicted
     # largest snapshot/model accepted from a peer; default 4× this node's own model + 1 MiB
     max_model_bytes: int | None = Field(None, gt=0)

@@ -54,13 +54,14 @@ class GrpcTransport:
                  chunk_bytes: int = 1 << 20, max_model_bytes: int = UNSET_MODEL_BYTES,
                  max_gossip_bytes: int = 1 << 20, timeout_s: float = 30.0, delay_ms: float = 0.0,
                  streams: StreamLimits = StreamLimits(), max_rpcs: int | None = None,
-                 idle_channel_s: float = 120.0, health: HealthStatus | None = None):
+                 idle_channel_s: float = 120.0, health: HealthStatus | None = None, sessions: bool = True):
         self.tls = tls
         self.listen, self.advertise = listen, advertise
         self.chunk_bytes, self._max_model_bytes, self.max_gossip_bytes = chunk_bytes, max_model_bytes, max_gossip_bytes
         self.timeout_s, self.delay_ms = timeout_s, delay_ms
         self.streams, self.max_rpcs, self.idle_channel_s = streams, max_rpcs, idle_channel_s
         self.health = health or HealthStatus()
+        self.sessions = sessions
         self._clients: list[PeerClient] = []
 
     @classmethod
@@ -75,7 +76,8 @@ class GrpcTransport:
                    max_gossip_bytes=cfg.max_gossip_bytes, timeout_s=cfg.request_timeout_s, delay_ms=cfg.delay_ms,
                    streams=StreamLimits(lim.upload_timeout_s, lim.upload_idle_s, lim.send_timeout_s,
                                         lim.min_stream_bytes_per_s, lim.max_watches),
-                   max_rpcs=lim.max_rpcs, idle_channel_s=cfg.membership.idle_channel_s, health=health)
+                   max_rpcs=lim.max_rpcs, idle_channel_s=cfg.membership.idle_channel_s, health=health,
+                   sessions=cfg.pull_sessions)
 
     # --- TransportFactory ---
     @property
@@ -101,7 +103,7 @@ class GrpcTransport:
     def connect(self, node_id: str, traffic: Traffic) -> PeerClient:
         client = PeerClient(node_id, traffic, chunk_bytes=self.chunk_bytes, max_model_bytes=self.max_model_bytes,
                             max_gossip_bytes=self.max_gossip_bytes, timeout_s=self.timeout_s, tls=self.tls,
-                            delay_ms=self.delay_ms, idle_channel_s=self.idle_channel_s)
+                            delay_ms=self.delay_ms, idle_channel_s=self.idle_channel_s, sessions=self.sessions)
         self._clients.append(client)
         return client
 

@@ -20,7 +20,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Iterable
 
 import grpc
 import msgpack
@@ -50,6 +50,7 @@ LINGER_BYTES = 64 << 20
 LINGER_S = 5.0
 LINGER_IDLE_S = 1.0
 MAX_WATCH_WAIT_S = 30.0  # a subscription with no new round for this long ends
+SESSION_IDLE_S = 120.0  # a pull session with no request for this long ends (readers close theirs at 60 s)
 MAX_STREAMS_PER_CONNECTION = 64  # HTTP/2 streams one connection may hold open (gRPC's default: no limit)
 
 
@@ -109,6 +110,7 @@ class PeerService:
         self.tls = tls
         self.streams = streams
         self._watchers: set[str] = set()  # peers with a snapshot subscription open
+        self._sessions: set[str] = set()  # peers with a pull session open
 
     # ------------------------------------------------------------------ plumbing
     async def _guard(self, context: grpc.aio.ServicerContext, kind: str, coro, stream=None):
@@ -245,27 +247,89 @@ class PeerService:
         return await self._guard(context, "probe", go())
 
     # --- snapshots ---
+    async def _pull(self, context, raw: bytes, slot: contextlib.ExitStack, what: str = "snapshot request",
+                    admit_first: Callable[[str], None] | None = None):
+        """Parse, authenticate and admit one snapshot request (its admission slot held by
+        ``slot``), then the snapshot to answer it with (waiting for ``min_round`` if asked)."""
+        request = _parse(pb.SnapshotRequest, raw, what)
+        who = self._who(context, request.requester, what)
+        self.h.check_known(who)
+        if admit_first is not None:
+            admit_first(who)
+        slot.enter_context(self.h.admit(who, "snapshot"))
+        return request, who, await self.h.snapshot(who, request.min_round, request.wait_ms / 1000.0)
+
+    def _snapshot_frames(self, request, snap, *, inline: bool) -> tuple[Iterable[Any], int]:
+        """A snapshot's reply messages and their size: its header alone when the reader already
+        has this version, else the header and the payload — in the header's message when it fits
+        one chunk and ``inline`` (watch, session), else in chunks framed by hand from the
+        snapshot's one buffer as they go out (one 1 MiB copy at a time per reader instead of a
+        second full copy of every published snapshot)."""
+        unchanged = request.have_version == snap.version and request.have_version > 0
+        header = serde.snapshot_header_to_pb(snap.header(unchanged), 0 if unchanged else len(snap.encoded))
+        size = header.ByteSize() + (0 if unchanged else len(snap.encoded))
+        if unchanged:
+            return (pb.SnapshotChunk(header=header),), size
+        if inline and len(snap.encoded) <= self.chunk_bytes:
+            return (pb.SnapshotChunk(header=header, inline=bytes(snap.encoded)),), size
+        return itertools.chain((pb.SnapshotChunk(header=header),), data_frames(snap.encoded, self.chunk_bytes)), size
+
     async def GetSnapshot(self, raw: bytes, context):
         t0 = time.perf_counter()
         with contextlib.ExitStack() as slot:
-            async def go():
-                request = _parse(pb.SnapshotRequest, raw, "snapshot request")
-                who = self._who(context, request.requester, "snapshot request")
-                self.h.check_known(who)
-                slot.enter_context(self.h.admit(who, "snapshot"))
-                return request, await self.h.snapshot(who, request.min_round, request.wait_ms / 1000.0)
-
-            request, snap = await self._guard(context, "snapshot", go())
-            unchanged = request.have_version == snap.version and request.have_version > 0
-            header = serde.snapshot_header_to_pb(snap.header(unchanged), 0 if unchanged else len(snap.encoded))
-            # framed by hand from the snapshot's one buffer as they go out: one 1 MiB copy at a
-            # time per puller, instead of a second full copy of every published snapshot
-            frames = () if unchanged else data_frames(snap.encoded, self.chunk_bytes)
-            size = header.ByteSize() + (0 if unchanged else len(snap.encoded))
-            sent = await self._send(context, itertools.chain((pb.SnapshotChunk(header=header),), frames),
-                                    f"snapshot for {request.requester}", size=size)
+            request, who, snap = await self._guard(context, "snapshot", self._pull(context, raw, slot))
+            frames, size = self._snapshot_frames(request, snap, inline=False)
+            sent = await self._send(context, frames, f"snapshot for {who}", size=size)
         self.traffic.record("snapshot", sent=sent)
         self.traffic.latency("snapshot", time.perf_counter() - t0, "server")
+
+    async def PullSnapshots(self, requests, context):
+        """A pull session: one peer's snapshot requests on one stream, each answered as
+        ``GetSnapshot`` answers one — authenticated, the peer still known, admitted and rate
+        limited like a pull — so a peer pulled from again and again costs a message, not a call.
+        The reader sets the pace (one answer per request, the next request read when the answer
+        is out): nothing is pushed that was not asked for. Bounded like subscriptions: one
+        session per peer, ``max_watches`` sessions in all; every request must come from the
+        peer that opened it; a session idle for ``SESSION_IDLE_S`` ends; a refusal ends it with
+        its status (the reader pulls, or opens another)."""
+        it = requests.__aiter__()
+        opened: list[str] = []  # the peer whose session this is, once its first request is admitted
+
+        def admit_session(who: str) -> None:
+            if opened:
+                if who != opened[0]:  # (with mTLS _who already ties every request to the certificate)
+                    raise invalid(f"snapshot session of {opened[0]}: a request from {who}")
+                return
+            if who in self._sessions:
+                raise exhausted(f"snapshot session from {who}: it already has one open")
+            if len(self._sessions) >= self.streams.max_watches:
+                raise exhausted(f"snapshot session from {who}: {len(self._sessions)} open, the limit is "
+                                f"{self.streams.max_watches}")
+            self._sessions.add(who)
+            opened.append(who)
+
+        try:
+            while True:
+                try:
+                    raw = await asyncio.wait_for(it.__anext__(), SESSION_IDLE_S)
+                except (StopAsyncIteration, asyncio.TimeoutError):
+                    return  # the reader closed it, or has not asked for a while
+                t0 = time.perf_counter()
+                with contextlib.ExitStack() as slot:
+                    request, who, snap = await self._guard(
+                        context, "snapshot", self._pull(context, raw, slot, "snapshot session", admit_session))
+                    frames, size = self._snapshot_frames(request, snap, inline=True)
+                    try:
+                        sent = await self._send(context, frames, f"snapshot for {who}", size=size)
+                    except Exception as e:
+                        if _reader_gone(context, e):
+                            return
+                        raise
+                self.traffic.record("snapshot", sent=sent)
+                self.traffic.latency("snapshot", time.perf_counter() - t0, "server")
+        finally:
+            if opened:
+                self._sessions.discard(opened[0])
 
     async def WatchSnapshots(self, raw: bytes, context):
         """A subscription: each snapshot this node publishes from ``min_round`` on, pushed when
@@ -297,19 +361,11 @@ class PeerService:
                 if snap.version == last or snap.round < next_round:
                     return  # nothing new within the wait: end it (the reader pulls, or subscribes again)
                 t0 = time.perf_counter()
-                header = serde.snapshot_header_to_pb(snap.header(False), len(snap.encoded))
-                size = header.ByteSize() + len(snap.encoded)
-                if len(snap.encoded) <= self.chunk_bytes:  # one message instead of two
-                    frames = (pb.SnapshotChunk(header=header, inline=bytes(snap.encoded)),)
-                else:
-                    frames = itertools.chain((pb.SnapshotChunk(header=header),),
-                                             data_frames(snap.encoded, self.chunk_bytes))
+                frames, size = self._snapshot_frames(request, snap, inline=True)
                 try:
                     sent = await self._send(context, frames, f"snapshot watch of {who}", size=size)
                 except Exception as e:
-                    me = asyncio.current_task()
-                    if (context.cancelled() or context.done() or (me is not None and me.cancelling())
-                            or type(e).__name__ == "ExecuteBatchError"):  # (cygrpc: the call is gone)
+                    if _reader_gone(context, e):
                         return  # the reader closed it (the write in flight fails): nothing to report
                     raise
                 self.traffic.record("snapshot", sent=sent)
@@ -402,6 +458,14 @@ class PeerService:
             self.traffic.record("gossip", received=len(raw), sent=out.ByteSize())
             return out
         return await self._guard(context, "gossip", go())
+
+
+def _reader_gone(context, err: Exception) -> bool:
+    """Whether a failed write means only that the reader went away (cancelled or closed the
+    call while a reply was going out), which is not worth a report."""
+    me = asyncio.current_task()
+    return (context.cancelled() or context.done() or (me is not None and me.cancelling() > 0)
+            or type(err).__name__ == "ExecuteBatchError")  # (cygrpc's "the call is gone")
 
 
 def _serialize(msg: Any) -> bytes:

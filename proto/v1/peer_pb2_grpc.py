@@ -64,6 +64,11 @@ class PeerStub:
                 request_serializer=coterie_dot_v1_dot_peer__pb2.SnapshotRequest.SerializeToString,
                 response_deserializer=coterie_dot_v1_dot_peer__pb2.SnapshotChunk.FromString,
                 _registered_method=True)
+        self.PullSnapshots = channel.stream_stream(
+                '/coterie.v1.Peer/PullSnapshots',
+                request_serializer=coterie_dot_v1_dot_peer__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=coterie_dot_v1_dot_peer__pb2.SnapshotChunk.FromString,
+                _registered_method=True)
         self.CrossLoss = channel.stream_unary(
                 '/coterie.v1.Peer/CrossLoss',
                 request_serializer=coterie_dot_v1_dot_peer__pb2.ComputeFrame.SerializeToString,
@@ -127,6 +132,15 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullSnapshots(self, request_iterator, context):
+        """A pull session: each SnapshotRequest on it is answered as GetSnapshot answers one (a
+        header, then the payload inline or in chunks), and the stream stays open for the next: a
+        peer pulled from again and again costs a message each time, not a call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CrossLoss(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -181,6 +195,11 @@ def add_PeerServicer_to_server(servicer, server):
             ),
             'WatchSnapshots': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchSnapshots,
+                    request_deserializer=coterie_dot_v1_dot_peer__pb2.SnapshotRequest.FromString,
+                    response_serializer=coterie_dot_v1_dot_peer__pb2.SnapshotChunk.SerializeToString,
+            ),
+            'PullSnapshots': grpc.stream_stream_rpc_method_handler(
+                    servicer.PullSnapshots,
                     request_deserializer=coterie_dot_v1_dot_peer__pb2.SnapshotRequest.FromString,
                     response_serializer=coterie_dot_v1_dot_peer__pb2.SnapshotChunk.SerializeToString,
             ),
@@ -365,6 +384,33 @@ class Peer:
             request,
             target,
             '/coterie.v1.Peer/WatchSnapshots',
+            coterie_dot_v1_dot_peer__pb2.SnapshotRequest.SerializeToString,
+            coterie_dot_v1_dot_peer__pb2.SnapshotChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullSnapshots(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/coterie.v1.Peer/PullSnapshots',
             coterie_dot_v1_dot_peer__pb2.SnapshotRequest.SerializeToString,
             coterie_dot_v1_dot_peer__pb2.SnapshotChunk.FromString,
             options,
