@@ -1,6 +1,10 @@
 """Snapshot transfer throughput: Coterie's gRPC snapshot stream over mTLS and over plaintext, vs
 a raw TCP socket, loopback.
 
+Repeated pulls of one peer run on a pull session (``PullSnapshots``: one stream, a request and
+its answer per pull), as a node's do; "mTLS call" is the same pull as a call of its own
+(``pull_sessions = false``), side by side.
+
 The servers run in child processes (so client and server do not share a GIL) and send the same
 bytes: a Coterie-encoded model of the given size. The gRPC side is the real path a node uses to
 pull a peer's snapshot (``PeerClient.get_snapshot``: 1 MiB chunks, size and sha256 checked while
@@ -166,18 +170,20 @@ def measure(size: int, repeat: int, pki: Path, chunk: int = 1 << 20, stream: int
         procs[-1].start()
         ports[name] = q.get(timeout=120)
     clients = {name: PeerClient("bench", _NullStats(), chunk_bytes=chunk, max_model_bytes=1 << 34,
-                                max_gossip_bytes=1 << 20, timeout_s=600, tls=_tls(p, "bench"))
-               for name, p in (("tls", pki), ("plain", None))}
+                                max_gossip_bytes=1 << 20, timeout_s=600, tls=_tls(p, "bench"), sessions=sessions)
+               for name, p, sessions in (("tls", pki, True), ("plain", None, True), ("tls_call", pki, False))}
+    ports["tls_call"] = ports["tls"]
     loop = asyncio.new_event_loop()
-    times: dict[str, list[float]] = {"tls": [], "plain": [], "tcp": []}
+    times: dict[str, list[float]] = {"tls": [], "plain": [], "tcp": [], "tls_call": []}
     if stream:
         times.update({"watch": [], "tcp_stream": []})
     try:
-        for name, c in clients.items():  # warm the channels (TLS handshake, HTTP/2 windows)
-            loop.run_until_complete(grpc_fetch(c, f"127.0.0.1:{ports[name]}"))
+        for name, c in clients.items():  # warm the channels (TLS handshake, HTTP/2 windows, the session)
+            for _ in range(2):
+                loop.run_until_complete(grpc_fetch(c, f"127.0.0.1:{ports[name]}"))
         tcp_fetch(ports["tcp"])
         for _ in range(repeat):
-            for name in ("tls", "plain", "tcp"):
+            for name in ("tls", "plain", "tcp", "tls_call"):
                 t0 = time.perf_counter()
                 if name == "tcp":
                     m = tcp_fetch(ports["tcp"])
@@ -203,7 +209,8 @@ def measure(size: int, repeat: int, pki: Path, chunk: int = 1 << 20, stream: int
     return {"bytes": n, **{f"{k}_median_s": v for k, v in med.items()},
             **{f"{k}_MBps": n / v / 1e6 for k, v in med.items()},
             "ratio_tls_over_plain": med["plain"] / med["tls"], "ratio_tls_over_tcp": med["tcp"] / med["tls"],
-            "ratio_plain_over_tcp": med["tcp"] / med["plain"], "repeat": repeat,
+            "ratio_plain_over_tcp": med["tcp"] / med["plain"], "ratio_tls_call_over_tcp": med["tcp"] / med["tls_call"],
+            "ratio_session_over_call": med["tls_call"] / med["tls"], "repeat": repeat,
             **({"stream": stream, "ratio_watch_over_tcp_stream": med["tcp_stream"] / med["watch"]} if stream else {})}
 
 
@@ -225,14 +232,14 @@ def main() -> None:
     rows = []
     pki = make_pki()
     print(f"{'size':>8} {'mTLS MB/s':>10} {'plain MB/s':>11} {'TCP MB/s':>9} {'mTLS/plain':>11} "
-          f"{'mTLS/TCP':>9} {'plain/TCP':>10}   (medians of {args.repeat})")
+          f"{'mTLS/TCP':>9} {'plain/TCP':>10} {'mTLS call MB/s':>15} {'call/TCP':>9}   (medians of {args.repeat})")
     for s in args.sizes.split(","):
         r = measure(parse_size(s), args.repeat, pki, parse_size(args.chunk), args.stream)
         r["size"] = s
         rows.append(r)
         print(f"{s:>8} {r['tls_MBps']:10.0f} {r['plain_MBps']:11.0f} {r['tcp_MBps']:9.0f} "
-              f"{r['ratio_tls_over_plain']:11.2f} {r['ratio_tls_over_tcp']:9.2f} {r['ratio_plain_over_tcp']:10.2f}",
-              flush=True)
+              f"{r['ratio_tls_over_plain']:11.2f} {r['ratio_tls_over_tcp']:9.2f} {r['ratio_plain_over_tcp']:10.2f} "
+              f"{r['tls_call_MBps']:15.0f} {r['ratio_tls_call_over_tcp']:9.2f}", flush=True)
         if args.stream:
             print(f"{'':>8} subscription (mTLS): {r['watch_MBps']:.0f} MB/s per snapshot vs TCP back to back "
                   f"{r['tcp_stream_MBps']:.0f} MB/s = {r['ratio_watch_over_tcp_stream']:.2f}x", flush=True)
