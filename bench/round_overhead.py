@@ -165,7 +165,8 @@ def overhead(args) -> dict[str, Any]:
               f"floor with {args.nodes} daemons on {CORES} cores: {floor * 1000:.0f} ms per cycle; load {load()}", flush=True)
         rounds = args.rounds if model == "small" else args.rounds_big
         for strategy in args.strategies.split(","):
-            for impl, python in impls.items():  # side by side: same model/strategy, one after the other
+            order = list(impls.items())[::-1] if args.baseline_first else impls.items()
+            for impl, python in order:  # side by side: same model/strategy, one after the other
                 load0 = load()
                 r = run_network(python, model, strategy, args.nodes, rounds, args.skip)
                 r.update({"impl": impl, "model": model, "strategy": strategy, "compute_alone_s": compute,
@@ -319,6 +320,8 @@ def main() -> int:
     ap.add_argument("--rounds-big", type=int, default=8)
     ap.add_argument("--skip", type=int, default=3, help="warm-up rounds left out")
     ap.add_argument("--baseline-python", help="interpreter whose coterie is the baseline checkout (e.g. python3)")
+    ap.add_argument("--baseline-first", action="store_true",
+                    help="run the baseline before this checkout in each pair (alternate it across repetitions)")
     ap.add_argument("--sizes", default="16,32,64,100")
     ap.add_argument("--scale-rounds", type=int, default=15)
     ap.add_argument("--scale-interval", type=float, default=3.0)
