@@ -105,7 +105,8 @@ class LimitsConfig(BaseModel):
     max_push_lag: int = Field(64, ge=1)  # a pushed gradient's target version at most this far behind
     push_norm_factor: float = Field(10.0, gt=1)  # pushes clipped to this × my own recent gradient norm
     max_rpcs: int = Field(512, ge=8)  # all calls in flight on the peer port (gRPC answers RESOURCE_EXHAUSTED)
-    max_watches: int = Field(64, ge=0)  # snapshot subscriptions, and pull sessions, served at once (each: one per peer; 0: none)
+    # snapshot subscriptions served at once, and pull sessions (each: one per peer; 0: none)
+    max_watches: int = Field(64, ge=0)
 
 
 class MembershipConfig(BaseModel):
