@@ -82,6 +82,40 @@ def train_alone(model: str, nodes: int, reps: int = 15) -> tuple[float, float]:
     return statistics.median(times), statistics.median(cpu)
 
 
+def _train_worker(model: str, nodes: int, index: int, reps: int, start, out) -> None:
+    import torch
+
+    from coterie.node.learning.config import LearnerConfig
+    from coterie.node.learning.torch_learner import build_learner
+    torch.set_num_threads(1)
+    spec = MODELS[model]
+    learner = build_learner(LearnerConfig(**mnist1d_mlp(nodes, index, hidden=spec["hidden"], steps=spec["steps"])))
+    learner.train()
+    start.wait()
+    cpu = []
+    for _ in range(reps):
+        c0 = time.process_time()
+        learner.train()
+        cpu.append(time.process_time() - c0)
+    out.put(statistics.median(cpu))
+
+
+def train_contended(model: str, nodes: int, reps: int) -> float:
+    """Median ``train()`` CPU time with ``nodes`` processes training at once, each one node's
+    learner (no daemon, no network): what the same training costs under the contention the
+    daemons run in (caches and cores shared by ``nodes`` processes on this machine's cores)."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Barrier(nodes), ctx.Queue()
+    procs = [ctx.Process(target=_train_worker, args=(model, nodes, i, reps, start, out)) for i in range(nodes)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join()
+    return statistics.median(got)
+
+
 # ------------------------------------------------------------------------------------ overhead
 def run_network(python: str, model: str, strategy: str, nodes: int, rounds: int, skip: int) -> dict[str, Any]:
     spec = MODELS[model]
@@ -161,6 +195,8 @@ def overhead(args) -> dict[str, Any]:
     for model in args.models.split(","):
         compute, compute_cpu = train_alone(model, args.nodes)
         floor = args.nodes * compute / CORES
+        contended_cpu = train_contended(model, args.nodes, 20 if model == "small" else 5)
+        print(f"[{model}] train() CPU with {args.nodes} processes training at once: {contended_cpu * 1000:.1f} ms", flush=True)
         print(f"[{model}] train() alone: {compute * 1000:.1f} ms wall, {compute_cpu * 1000:.1f} ms CPU; contention "
               f"floor with {args.nodes} daemons on {CORES} cores: {floor * 1000:.0f} ms per cycle; load {load()}", flush=True)
         rounds = args.rounds if model == "small" else args.rounds_big
@@ -173,6 +209,8 @@ def overhead(args) -> dict[str, Any]:
                           "compute_alone_cpu_s": compute_cpu, "contention_floor_s": floor,
                           "load_before": load0, "load_after": load()})
                 r["cpu_ratio"] = r["cpu_per_round_s"] / compute_cpu if r["cpu_per_round_s"] else None
+                r["compute_contended_cpu_s"] = contended_cpu
+                r["cpu_ratio_contended"] = r["cpu_per_round_s"] / contended_cpu if r["cpu_per_round_s"] else None
                 r["ratio_vs_compute"] = r["cycle_s"] / compute if r["cycle_s"] else None
                 r["ratio_vs_floor"] = r["cycle_s"] / max(floor, compute) if r["cycle_s"] else None
                 if r["in_round"]:
@@ -181,7 +219,8 @@ def overhead(args) -> dict[str, Any]:
                 ir = r["in_round"] or {}
                 print(f"  {impl:8s} {strategy:8s} cycle {r['cycle_s'] * 1000:7.1f} ms = "
                       f"{r['ratio_vs_compute']:.2f}x compute, {r['ratio_vs_floor']:.2f}x floor; CPU/round "
-                      f"{_ms(r['cpu_per_round_s'])} ms = {r['cpu_ratio'] or float('nan'):.2f}x train CPU; "
+                      f"{_ms(r['cpu_per_round_s'])} ms = {r['cpu_ratio'] or float('nan'):.2f}x train CPU "
+                      f"({r['cpu_ratio_contended'] or float('nan'):.2f}x contended); "
                       f"train {_ms(ir.get('train_s'))} exch {_ms(ir.get('exchange_s'))} eval {_ms(ir.get('eval_s'))} "
                       f"between {_ms(r['between_rounds_s'])} stall/round {_ms(r['loop_stall_per_round_s'])} "
                       f"(max {r['loop_lag_max_s'] * 1000:.0f} ms), loop busy/round {_ms(r['loop_busy_per_round_s'])} "
@@ -274,13 +313,16 @@ def write_md(results: dict[str, Any], path: Path) -> None:
     if ov:
         lines += ["## Round time vs compute (8 nodes, free-running; medians)", "",
                   "versions: " + "; ".join(f"{k} = {v['checkout']} @ {v['commit']}" for k, v in ov["versions"].items()),
-                  "", "| model | strategy | code | CPU/round ms | × train() CPU | cycle ms | × train() alone | × contention floor |"
+                  "", "× contended train() CPU: against the CPU of the same `train()` with as many processes "
+                  "training at once as there are daemons (no daemon, no network; the contention alone).",
+                  "", "| model | strategy | code | CPU/round ms | × train() CPU | × contended train() CPU | cycle ms | × train() alone | × contention floor |"
                   " train | exchange | eval | between rounds | loop lag/round (wall) | loop busy/round (CPU) | peak RSS MiB | load |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in ov["runs"]:
             ir = r["in_round"] or {}
+            contended = f"{r['cpu_ratio_contended']:.2f}" if r.get("cpu_ratio_contended") else "–"
             lines.append(f"| {r['model']} | {r['strategy']} | {r['impl']} | {_ms(r['cpu_per_round_s'])} | "
-                         f"{(r['cpu_ratio'] or float('nan')):.2f} | {r['cycle_s'] * 1000:.1f} | "
+                         f"{(r['cpu_ratio'] or float('nan')):.2f} | {contended} | {r['cycle_s'] * 1000:.1f} | "
                          f"{r['ratio_vs_compute']:.2f} | {r['ratio_vs_floor']:.2f} | {_ms(ir.get('train_s'))} | "
                          f"{_ms(ir.get('exchange_s'))} | {_ms(ir.get('eval_s'))} | {_ms(r['between_rounds_s'])} | "
                          f"{_ms(r['loop_stall_per_round_s'])} | {_ms(r.get('loop_busy_per_round_s'))} | "

@@ -185,7 +185,9 @@ class PeerClient:
     async def forget(self, address: str) -> None:
         self._used.pop(address, None)
         self._proven.pop(address, None)
-        self._drop_sessions(address)
+        for call in self._drop_sessions(address):
+            with contextlib.suppress(Exception):  # let each cancelled session finish before its channel closes
+                await asyncio.wait_for(call.code(), 1.0)
         for key in [k for k in self._stubs if k[0] == address]:
             await self._stubs.pop(key)[0].close()
 
@@ -351,16 +353,19 @@ class PeerClient:
         s.served += 1
         return h, groups
 
-    def _drop_session(self, key: tuple[str, str | None]) -> None:
+    def _drop_session(self, key: tuple[str, str | None]) -> Any:
+        """Close the session (its call is cancelled); the call, or None if there was none."""
         s = self._sessions.pop(key, None)
         if s is not None:
             s.call.cancel()
+            return s.call
+        return None
 
-    def _drop_sessions(self, address: str) -> None:
-        for key in [k for k in self._sessions if k[0] == address]:
-            self._drop_session(key)
+    def _drop_sessions(self, address: str) -> list[Any]:
+        calls = [self._drop_session(key) for key in [k for k in self._sessions if k[0] == address]]
         for key in [k for k in self._pulled if k[0] == address]:
             del self._pulled[key]
+        return calls
 
     async def _read_snapshot(self, address: str, it, *, whole_stream: bool) -> tuple[Any, Groups | None, int]:
         """One snapshot off a stream: its header, then chunks up to the announced size (size and
