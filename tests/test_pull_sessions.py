@@ -32,6 +32,14 @@ class _NoTraffic:
     def latency(self, *a, **k): pass
 
 
+class _Received(_NoTraffic):
+    def __init__(self):
+        self.received = 0
+
+    def record(self, kind, sent=0, received=0):
+        self.received += received
+
+
 class Board:
     """A peer's publishing side: the current snapshot, a round-aligned request waits for its
     round (up to its wait); counts what it served."""
@@ -67,7 +75,7 @@ class Board:
 async def _pair(board: Board, *, max_watches: int = 64, chunk_bytes: int = 1 << 20):
     server, port = await serve(board, _NoTraffic(), "127.0.0.1:0", tls=None, chunk_bytes=chunk_bytes,
                                streams=StreamLimits(max_watches=max_watches))
-    client = PeerClient("me", _NoTraffic(), chunk_bytes=chunk_bytes, max_model_bytes=1 << 26,
+    client = PeerClient("me", _Received(), chunk_bytes=chunk_bytes, max_model_bytes=1 << 26,
                         max_gossip_bytes=1 << 20, timeout_s=5, tls=None)
     try:
         yield client, f"127.0.0.1:{port}", server
@@ -80,7 +88,7 @@ def _session(client: PeerClient):
     return next(iter(client._sessions.values()), None)
 
 
-@pytest.mark.parametrize("floats", [4, 600_000])  # inline in the header's message; header + chunks
+@pytest.mark.parametrize("floats", [20_000, 600_000])  # inline in the header's message; header + chunks
 def test_pulls_of_a_peer_pulled_again_move_onto_one_session(floats):
     async def go():
         board = Board(floats)
@@ -93,6 +101,8 @@ def test_pulls_of_a_peer_pulled_again_move_onto_one_session(floats):
                 assert h.version == rnd and torch.equal(g["params"]["w"], torch.full((floats,), float(rnd)))
             s = _session(client)
             assert s is not None and s.served == 5  # every pull after the first went on it
+            # bytes received are counted once, inline or chunked (each answer: payload + a header)
+            assert 6 * len(board.snap.encoded) <= client.traffic.received < 6 * (len(board.snap.encoded) + 150)
             h2, g2 = await client.get_snapshot(addr, "me", have_version=h.version)  # nothing new
             assert h2.version == h.version and g2 is None and s.served == 6
             later = asyncio.ensure_future(client.get_snapshot(addr, "me", min_round=8, wait_s=5))

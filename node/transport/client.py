@@ -397,7 +397,8 @@ class PeerClient:
                 groups, _ = decode(data, max_bytes=self.max_model_bytes)
             except WireError as e:
                 raise WireError(f"snapshot v{h.version} of {h.node_id or address} is malformed: {e}") from None
-        self.traffic.record("snapshot", received=first.ByteSize() + size)
+        # (an inline payload is already part of the header's message)
+        self.traffic.record("snapshot", received=first.ByteSize() + (0 if first.inline else size))
         return h, groups, size
 
     async def watch_snapshots(self, address: str, requester: str, *, min_round: int = 0,
