@@ -379,7 +379,7 @@ class PeerClient:
         if not h.unchanged:
             asm = Assembler(f"snapshot of {h.node_id or address}", h.total_bytes, h.sha256,
                             self.max_model_bytes)
-            if first.inline:  # a small snapshot comes in its header's message (a watch)
+            if first.inline:  # a small snapshot comes in its header's message (a watch, a session)
                 asm.add(first.inline)
             if whole_stream:
                 async for raw in it:
