@@ -110,7 +110,7 @@ class PeerService:
         self.tls = tls
         self.streams = streams
         self._watchers: set[str] = set()  # peers with a snapshot subscription open
-        self._sessions: set[str] = set()  # peers with a pull session open
+        self._sessions: dict[str, _Session] = {}  # peer -> its open pull session
 
     # ------------------------------------------------------------------ plumbing
     async def _guard(self, context: grpc.aio.ServicerContext, kind: str, coro, stream=None):
@@ -289,31 +289,42 @@ class PeerService:
         limited like a pull — so a peer pulled from again and again costs a message, not a call.
         The reader sets the pace (one answer per request, the next request read when the answer
         is out): nothing is pushed that was not asked for. Bounded like subscriptions: one
-        session per peer, ``max_watches`` sessions in all; every request must come from the
-        peer that opened it; a session idle for ``SESSION_IDLE_S`` ends; a refusal ends it with
-        its status (the reader pulls, or opens another)."""
+        session per peer — a newer one replaces it (the old one of a peer that restarted or
+        reconnected lingers until its connection is found dead; refusing the new one would keep
+        the peer on plain calls meanwhile) — and ``max_watches`` sessions in all; every request
+        must come from the peer that opened it; a session idle for ``SESSION_IDLE_S`` ends; a
+        refusal ends it with its status (the reader pulls, or opens another)."""
         it = requests.__aiter__()
-        opened: list[str] = []  # the peer whose session this is, once its first request is admitted
+        me = _Session()
 
         def admit_session(who: str) -> None:
-            if opened:
-                if who != opened[0]:  # (with mTLS _who already ties every request to the certificate)
-                    raise invalid(f"snapshot session of {opened[0]}: a request from {who}")
+            if me.peer is not None:
+                if who != me.peer:  # (with mTLS _who already ties every request to the certificate)
+                    raise invalid(f"snapshot session of {me.peer}: a request from {who}")
                 return
-            if who in self._sessions:
-                raise exhausted(f"snapshot session from {who}: it already has one open")
-            if len(self._sessions) >= self.streams.max_watches:
+            older = self._sessions.get(who)
+            if older is None and len(self._sessions) >= self.streams.max_watches:
                 raise exhausted(f"snapshot session from {who}: {len(self._sessions)} open, the limit is "
                                 f"{self.streams.max_watches}")
-            self._sessions.add(who)
-            opened.append(who)
+            if older is not None:
+                older.replace()
+            self._sessions[who] = me
+            me.peer = who
 
         try:
             while True:
+                if me.replaced:
+                    await context.abort(grpc.StatusCode.CANCELLED, f"snapshot session of {me.peer}: replaced by a newer one")
+                me.next = asyncio.ensure_future(it.__anext__())
                 try:
-                    raw = await asyncio.wait_for(it.__anext__(), SESSION_IDLE_S)
+                    raw = await asyncio.wait_for(me.next, SESSION_IDLE_S)
                 except (StopAsyncIteration, asyncio.TimeoutError):
                     return  # the reader closed it, or has not asked for a while
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if me.replaced and task is not None and not task.cancelling():
+                        continue  # (only the wait was cancelled: end it with its reason, above)
+                    raise
                 t0 = time.perf_counter()
                 with contextlib.ExitStack() as slot:
                     request, who, snap = await self._guard(
@@ -328,8 +339,8 @@ class PeerService:
                 self.traffic.record("snapshot", sent=sent)
                 self.traffic.latency("snapshot", time.perf_counter() - t0, "server")
         finally:
-            if opened:
-                self._sessions.discard(opened[0])
+            if me.peer is not None and self._sessions.get(me.peer) is me:
+                del self._sessions[me.peer]
 
     async def WatchSnapshots(self, raw: bytes, context):
         """A subscription: each snapshot this node publishes from ``min_round`` on, pushed when
@@ -458,6 +469,24 @@ class PeerService:
             self.traffic.record("gossip", received=len(raw), sent=out.ByteSize())
             return out
         return await self._guard(context, "gossip", go())
+
+
+class _Session:
+    """A pull session being served: whose it is, and the wait for its next request (cancelled
+    when a newer session of the same peer replaces it)."""
+    __slots__ = ("peer", "next", "replaced")
+
+    def __init__(self) -> None:
+        self.peer: str | None = None
+        self.next: asyncio.Future | None = None
+        self.replaced = False
+
+    def replace(self) -> None:
+        """End it at its next wait for a request (at once if it is waiting; an answer being
+        prepared or sent is finished first)."""
+        self.replaced = True
+        if self.next is not None:
+            self.next.cancel()
 
 
 def _reader_gone(context, err: Exception) -> bool:
