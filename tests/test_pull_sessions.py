@@ -88,6 +88,15 @@ def _session(client: PeerClient):
     return next(iter(client._sessions.values()), None)
 
 
+async def _pulled_twice(client: PeerClient, addr: str):
+    """Pull twice (the second pull opens a session); the session."""
+    await client.get_snapshot(addr, "me")
+    await client.get_snapshot(addr, "me")
+    s = _session(client)
+    assert s is not None
+    return s
+
+
 @pytest.mark.parametrize("floats", [20_000, 600_000])  # inline in the header's message; header + chunks
 def test_pulls_of_a_peer_pulled_again_move_onto_one_session(floats):
     async def go():
@@ -118,10 +127,7 @@ def test_a_pull_that_misses_its_deadline_closes_the_session_and_the_next_one_wor
     async def go():
         board = Board()
         async with _pair(board) as (client, addr, _):
-            await client.get_snapshot(addr, "me")
-            await client.get_snapshot(addr, "me")
-            s = _session(client)
-            assert s is not None
+            s = await _pulled_twice(client, addr)
             # a round that never comes, asked with a server-side wait longer than the deadline
             with pytest.raises(PeerCallError, match="deadline"):
                 await client.get_snapshot(addr, "me", min_round=99, wait_s=30, timeout=0.5)
@@ -136,9 +142,7 @@ def test_a_session_the_server_ended_or_refused_falls_back_to_a_plain_call(monkey
     async def go():
         board = Board()
         async with _pair(board) as (client, addr, _):
-            await client.get_snapshot(addr, "me")
-            await client.get_snapshot(addr, "me")
-            s = _session(client)
+            s = await _pulled_twice(client, addr)
             await asyncio.wait_for(s.call.wait_for_connection(), 5)
             # the server ends idle sessions; the next pull must not fail on the ended stream
             monkeypatch.setattr(server_mod, "SESSION_IDLE_S", 0.05)
