@@ -37,6 +37,7 @@ class Learner(ABC):
 
     device: str  # "cpu" or "cuda:0"
     true_cluster: int | None  # ground truth from the partitioner; evaluation/oracle only
+    class_names: list[str] | None = None  # output i's class name, agreed by the network; None: regression
 
     @abstractmethod
     def get_params(self) -> Params: ...

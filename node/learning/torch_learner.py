@@ -168,6 +168,9 @@ class TorchLearner(Learner):
         self.task = pool.task
         self.num_classes = pool.num_classes
         self.input_shape = pool.input_shape
+        # what output i means, the same on every node of the network (None for regression)
+        self.class_names: list[str] | None = (
+            [str(i) for i in range(pool.num_classes)] if pool.task == "classification" else None)
         self.true_cluster = int(data.shard.cluster)
         self.shard = data.shard
         self.noisy_train = data.noisy
