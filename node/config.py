@@ -78,6 +78,8 @@ class SecurityConfig(BaseModel):
     cert: Path | None = None
     key: Path | None = None
     allow_ids: list[str] | None = None  # only these node ids may connect or be dialled (None: any the CA issued)
+    # the admin API's bearer token; None: <state_dir>/admin.token, generated (0600) on first start
+    admin_token_file: Path | None = None
 
     @model_validator(mode="after")
     def _configured(self) -> "SecurityConfig":

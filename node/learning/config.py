@@ -11,6 +11,15 @@ class LearnerConfig(BaseModel):
 
     dataset: Literal["mnist1d", "digits", "sine", "gaussian", "cifar10", "cifar100"] = "mnist1d"
     dataset_params: dict[str, Any] = Field(default_factory=dict)  # e.g. num_samples, data_dir
+    # own data: the node learns from exactly the samples at this path (npz, csv, parquet, an image
+    # folder, or what the entry point `data_format` names); dataset/partition are then not used
+    data: str | None = None
+    data_format: str = "auto"  # auto (from the path), npz, csv, parquet, images, or a coterie.datasets entry point
+    data_label: str = "label"  # the label column of a table
+    data_params: dict[str, Any] = Field(default_factory=dict)  # passed to an entry-point loader
+    # the class names the network agrees on (a list, or N meaning "0".."N-1"); None: regression
+    # or the built-in dataset's own classes
+    classes: list[str] | int | None = None
     partition: Literal[
         "iid", "dirichlet", "pathological", "label_permutation", "class_groups", "random_pairs",
         "sine_intervals", "mixture",
