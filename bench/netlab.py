@@ -83,7 +83,7 @@ class Daemon:
 
     def spawn(self) -> None:
         if self.fork:
-            from coterie.node.launch import processes
+            from coterie.lab.launch import processes
             ctx = processes.fork_context([self.config.get("strategy", "local")])
             proc = ctx.Process(target=processes._run_forked_node, name=f"coterie-{self.node_id}",
                                args=(["node", "start", "--config", str(self.config_path)], str(self.log_path)))

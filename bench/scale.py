@@ -194,7 +194,7 @@ def first_handshake_s(how: str, tmp: Path) -> float:
     import tomli_w
 
     from coterie.node.config import PROTOCOL_VERSION, validate_config
-    from coterie.node.launch import processes
+    from coterie.lab.launch import processes
     from coterie.node.learning.torch_learner import build_learner
     from coterie.node.metrics import Metrics
     from coterie.node.peering.errors import PeerCallError
@@ -269,9 +269,9 @@ def run_daemons(out: Path, nodes: int, rounds: int, fresh: bool) -> dict[str, An
     daemons; the fork server's own USS; the network's peak PSS (this process included)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from coterie.node.launch import processes
-    from coterie.node.launch.common import NodeProgress
-    from coterie.node.scenario import load_scenario
+    from coterie.lab.launch import processes
+    from coterie.lab.launch.common import NodeProgress
+    from coterie.lab.scenario import load_scenario
 
     sc = load_scenario(SCALE_SCENARIO, nodes=nodes, rounds=rounds)
     sc = sc.model_copy(update={"node": {**sc.node, "min_peers": nodes - 1}})  # an idle phase: all meet first

@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from coterie.node.config import read_toml  # noqa: E402
-from coterie.node.launcher import run_scenario  # noqa: E402
+from coterie.lab.launcher import run_scenario  # noqa: E402
 from coterie.node.peering.errors import PeerCallError  # noqa: E402
 from coterie.node.peering.messages import CROSS_GRADIENT, ComputeRequest  # noqa: E402
-from coterie.node.scenario import parse_scenario  # noqa: E402
+from coterie.lab.scenario import parse_scenario  # noqa: E402
 from nodeproc import NodeProc, wait_for  # noqa: E402
 from test_security_limits import Mallory  # noqa: E402
 

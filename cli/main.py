@@ -128,7 +128,7 @@ def _port_taken(address: str) -> bool:
 
 def preflight(cfg) -> tuple[str, int] | None:
     """What would stop this node after a slow start, checked at once: (message, exit code)."""
-    from coterie.node.launcher import strategy_problem
+    from coterie.lab.launcher import strategy_problem
     from coterie.node.learning.partition import true_clusters
 
     problem = strategy_problem(cfg.strategy)
@@ -385,7 +385,7 @@ def history(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT,
 @app.command()
 def strategies(as_json: bool = JSON_OPT) -> None:
     """Strategies known to the registry, and whether this install can run them."""
-    from coterie.node.launcher import strategy_problem
+    from coterie.lab.launcher import strategy_problem
     from coterie.node.strategies.registry import available
 
     rows = [{"name": n, "ok": (p := strategy_problem(n)) is None, "problem": p} for n in available()]
@@ -406,7 +406,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _launch(sc, out: Path, notes: list[str], demo: bool, backend: str = "processes", **options: Any) -> None:
-    from coterie.node import launcher, results as res
+    from coterie.lab import launcher, results as res
 
     console = _console()
     for n in notes:
@@ -458,8 +458,8 @@ def run(
 ) -> None:
     """Launch every node of a scenario on this machine, per strategy; write OUT/results.json."""
     from coterie.node.config import ConfigError
-    from coterie.node.launcher import check_backend, resolve_strategies
-    from coterie.node.scenario import load_scenario
+    from coterie.lab.launcher import check_backend, resolve_strategies
+    from coterie.lab.scenario import load_scenario
 
     try:
         strategies_ = [s.strip() for s in strategy.split(",") if s.strip()] if strategy else None
@@ -482,8 +482,8 @@ def demo(
 ) -> None:
     """The built-in scenario: a personalised strategy against local-only learning."""
     from coterie.node.config import ConfigError
-    from coterie.node.launcher import resolve_strategies
-    from coterie.node.scenario import builtin_scenario, load_scenario
+    from coterie.lab.launcher import resolve_strategies
+    from coterie.lab.scenario import builtin_scenario, load_scenario
 
     try:
         sc = load_scenario(builtin_scenario("demo"), rounds=rounds, seed=seed)

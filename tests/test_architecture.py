@@ -68,7 +68,7 @@ def test_peering_speaks_domain_objects():
 
 def test_ray_is_an_optional_extra_only_its_launcher_imports():
     ray = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() for d in deps if d == "ray" or d.startswith("ray."))
-    assert ray and all(r.startswith("coterie.node.launch.ray -> ") for r in ray), ray
+    assert ray and all(r.startswith("coterie.lab.launch.ray -> ") for r in ray), ray
 
 
 def test_no_import_cycles():

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import coterie.node.daemon as daemon
 from coterie.cli.main import app
-from coterie.node.launch import processes
+from coterie.lab.launch import processes
 from coterie.node.admin import start_admin
 from coterie.node.logs import RoundLog, configure_logging
 import socket

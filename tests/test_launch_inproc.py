@@ -8,8 +8,8 @@ import os
 import pytest
 
 from coterie.node.config import ConfigError, validate_config
-from coterie.node.launch import check_backend, inproc, processes
-from coterie.node.scenario import parse_scenario
+from coterie.lab.launch import check_backend, inproc, processes
+from coterie.lab.scenario import parse_scenario
 
 BASE = {"name": "t", "seed": 3, "nodes": 4, "rounds": 3, "strategy": ["local", "dpsgd"],
         "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 1200}, "partition": "label_permutation",

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coterie.node import launcher
+from coterie.lab import launcher
 from coterie.node.config import ConfigError, load_config
-from coterie.node.launcher import LauncherError, Network, prepare, run_scenario, run_strategy
-from coterie.node.scenario import builtin_scenario, load_scenario, parse_scenario
+from coterie.lab.launcher import LauncherError, Network, prepare, run_scenario, run_strategy
+from coterie.lab.scenario import builtin_scenario, load_scenario, parse_scenario
 
 FAKE = str(Path(__file__).with_name("fake_daemon.py"))
 REPO = Path(__file__).resolve().parents[1]
@@ -322,7 +322,7 @@ start_timeout_s = 60
 
 
 def test_strategy_subset_from_the_command_line_drops_params_of_the_others():
-    from coterie.node.scenario import parse_scenario
+    from coterie.lab.scenario import parse_scenario
     data = {"name": "x", "nodes": 2, "rounds": 1, "strategy": ["local", "fedfomo"],
             "strategy_params": {"fedfomo": {"num_models": 2}}}
     assert parse_scenario(data, strategies=["local"]).strategy_params == {}

@@ -18,9 +18,9 @@ import pytest
 import tomli_w
 
 from coterie.node.config import ConfigError
-from coterie.node.launch import check_backend
-from coterie.node.launch.common import LauncherError
-from coterie.node.scenario import parse_scenario
+from coterie.lab.launch import check_backend
+from coterie.lab.launch.common import LauncherError
+from coterie.lab.scenario import parse_scenario
 
 SCENARIO = {"name": "ray", "seed": 5, "nodes": 4, "rounds": 3, "strategy": ["dpsgd"], "bootstrap": "chain",
             "timeout_s": 300,
@@ -36,7 +36,7 @@ def _ray_node(node_id: str, cpus: float = 1.0, alive: bool = True, ip: str = "10
 
 # ---------------------------------------------------------------------------------- no cluster
 def test_plan_cuts_contiguous_groups_one_per_ray_node():
-    from coterie.node.launch.ray import plan
+    from coterie.lab.launch.ray import plan
 
     nodes = [_ray_node("b", 2, ip="10.0.0.2"), _ray_node("a", 2), _ray_node("dead", 8, alive=False),
              _ray_node("head", 0)]
@@ -84,8 +84,8 @@ def test_ray_options_belong_to_the_ray_backend(tmp_path):
 
 def test_coterie_imports_without_ray():
     code = ("import sys; sys.modules['ray'] = None\n"
-            "import coterie.cli.main, coterie.node.launcher, coterie.node.launch.ray, coterie.node.transport.routing\n"
-            "from coterie.node.launch.ray import ray_problem; print(ray_problem())")
+            "import coterie.cli.main, coterie.lab.launcher, coterie.lab.launch.ray, coterie.node.transport.routing\n"
+            "from coterie.lab.launch.ray import ray_problem; print(ray_problem())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "pip install 'coterie[ray]'" in out.stdout

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from coterie.node.config import ConfigError
 from ..scenario import Scenario
 from .common import run_strategies
 

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..config import ConfigError
-from ..fsutil import atomic_write_json
+from coterie.node.config import ConfigError
+from coterie.node.fsutil import atomic_write_json
 from ..scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
 from .common import LauncherError, LiveView, NodeProgress, collect, fresh_strategy_dir, network_done, read_history
 
@@ -148,7 +148,7 @@ def certificate_files(cfg: Any) -> dict[str, str] | None:
     d = cfg.security.cert_dir
     if d is None:
         return None
-    from ..security.pki import CA_CERT, NODE_CERT, NODE_KEY
+    from coterie.node.security.pki import CA_CERT, NODE_CERT, NODE_KEY
     return {name: (Path(d) / name).read_text() for name in (CA_CERT, NODE_CERT, NODE_KEY)}
 
 
@@ -180,7 +180,7 @@ class NodeGroup:
 
     def __init__(self, group: int, configs: list[dict[str, Any]], bootstraps: list[int | None],
                  log_path: str, threads: int | None = None, certs: dict[str, dict[str, str]] | None = None):
-        from ..config import validate_config
+        from coterie.node.config import validate_config
 
         self.group, self.log_path = group, log_path
         self.configs = [validate_config(_local_certs(c, (certs or {}).get(c.get("node_id")))) for c in configs]
@@ -203,7 +203,7 @@ class NodeGroup:
 
     async def warm(self) -> dict[str, Any]:
         """Imports, the dataset pool and the partition, once for the group, before any node starts."""
-        from ..learning.torch_learner import build_learner
+        from coterie.node.learning.torch_learner import build_learner
         from .inproc import _NodeLogs, default_threads
 
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -221,9 +221,9 @@ class NodeGroup:
         or from a node of this group; return the addresses of this group's nodes."""
         import ray
 
-        from ..daemon import Node
-        from ..transport.inproc import InProcNetwork
-        from ..transport.routing import RoutingTransport
+        from coterie.node.daemon import Node
+        from coterie.node.transport.inproc import InProcNetwork
+        from coterie.node.transport.routing import RoutingTransport
 
         ip = ray.util.get_node_ip_address()
         host = f"[{ip}]" if ":" in ip else ip
@@ -306,7 +306,7 @@ def _get(ray: Any, refs: Any, what: str, timeout: float) -> Any:
 def _write_back(spec: NodeSpec, got: dict[str, Any]) -> None:
     """A node's files into the driver's run directory: its effective config (with the addresses
     it had), and its history and node.json when its actor ran where the driver cannot see."""
-    from ..config import validate_config
+    from coterie.node.config import validate_config
 
     spec.config = validate_config(got["config"])
     spec.config_path.write_text(config_toml(spec.config))

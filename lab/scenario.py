@@ -51,7 +51,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .config import ConfigError, NodeConfig, deep_merge, read_toml, validate_config
+from coterie.node.config import ConfigError, NodeConfig, deep_merge, read_toml, validate_config
 
 RESERVED_NODE = ("node_id", "state_dir", "listen", "advertise", "admin_listen", "peers", "strategy",
                  "rounds")
@@ -153,7 +153,7 @@ def load_scenario(path: str | Path, **overrides: Any) -> Scenario:
 
 
 def builtin_scenario(name: str = "demo") -> Path:
-    """Path of a scenario shipped inside the package (``coterie.node/scenarios/<name>.toml``)."""
+    """Path of a scenario shipped inside the package (``coterie.lab/scenarios/<name>.toml``)."""
     p = Path(__file__).with_name("scenarios") / f"{name}.toml"
     if not p.exists():
         raise ConfigError(f"no built-in scenario {name!r}")

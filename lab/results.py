@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .fsutil import atomic_write_bytes, json_safe
+from coterie.node.fsutil import atomic_write_bytes, json_safe
 
 if TYPE_CHECKING:  # pragma: no cover
     from .scenario import Scenario, StrategyRun
@@ -64,14 +64,14 @@ def _sum_kinds(entries: list[dict[str, Any]], key: str) -> dict[str, int]:
 
 def true_clusters_of(run: "StrategyRun") -> tuple[list[int] | None, str | None]:
     try:
-        from .learning.partition import true_clusters
+        from coterie.node.learning.partition import true_clusters
         return [int(c) for c in true_clusters(run.specs[0].config.learner)], None
     except Exception as e:  # partitioner missing or the spec has no clusters
         return None, f"true clusters unavailable: {type(e).__name__}: {e}"
 
 
 def true_mixture_of(run: "StrategyRun") -> list[list[float]] | None:
-    from .learning.partition import true_mixture
+    from coterie.node.learning.partition import true_mixture
     mix = true_mixture(run.specs[0].config.learner)
     return None if mix is None else mix.tolist()
 
@@ -256,7 +256,7 @@ SHADES = " ░▒▓█"
 
 
 def _matrix_and_order(results: dict[str, Any], strategy: str):
-    from . import clusters as cl
+    from coterie.node import clusters as cl
 
     r = results["strategies"][strategy]
     mat = r.get("mean_weights") or r["final_weights"]
@@ -270,7 +270,7 @@ def heatmap(results: dict[str, Any], strategy: str):
     self-weight in a column apart; and the true clusters in the same order next to it."""
     from rich.text import Text
 
-    from . import clusters as cl
+    from coterie.node import clusters as cl
 
     ids = results["node_ids"]
     truth = results.get("true_clusters")
@@ -329,7 +329,7 @@ def save_figures(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
     strategies = list(results["strategies"])
     paths = []
 
-    from . import clusters as cl
+    from coterie.node import clusters as cl
 
     # per strategy: the learned peer weights (diagonal apart, block order), then the true clusters
     # in the same order: where the blocks match, the nodes found their clusters

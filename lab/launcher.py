@@ -1,8 +1,8 @@
 """The launcher's public names in one place (``coterie run``/``demo``, tests, benchmarks); the
-code lives in ``node/launch/``: ``common.py`` (shared), ``processes.py`` and ``inproc.py``."""
+code lives in ``lab/launch/``: ``common.py`` (shared), ``processes.py`` and ``inproc.py``."""
 from __future__ import annotations
 
-from .config import ConfigError
+from coterie.node.config import ConfigError
 from .launch import BACKENDS, MAX_NODES, check_backend, run_scenario
 from .launch.common import (FALLBACK_STRATEGIES, LauncherError, NodeProgress, check_data, read_history,
                             resolve_strategies, strategy_problem)

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..config import NodeConfig, SecurityConfig
+from coterie.node.config import NodeConfig, SecurityConfig
 from ..scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
 from .common import LauncherError, LiveView, NodeProgress, collect, fresh_strategy_dir, network_done
 
@@ -99,8 +99,8 @@ class _NodeLogs:
 
 async def _run(sc: Scenario, strategy: str, specs: list[NodeSpec], progress: list[NodeProgress],
                view: LiveView | None, poll_interval_s: float, threads: int) -> None:
-    from ..daemon import Node
-    from ..transport.inproc import InProcNetwork
+    from coterie.node.daemon import Node
+    from coterie.node.transport.inproc import InProcNetwork
 
     loop = asyncio.get_running_loop()
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="compute")

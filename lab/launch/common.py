@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..config import ConfigError
+from coterie.node.config import ConfigError
 from ..scenario import NodeSpec, Scenario, StrategyRun, node_config
 
 # a personalised strategy to fall back on, in order, when a scenario's choice is not importable
@@ -25,7 +25,7 @@ class LauncherError(RuntimeError):
 # ---------------------------------------------------------------------------------- strategies
 def strategy_problem(name: str) -> str | None:
     """None if ``name`` is importable, else why not."""
-    from ..strategies.registry import get_strategy
+    from coterie.node.strategies.registry import get_strategy
     try:
         get_strategy(name)
     except Exception as e:  # unknown, not implemented yet, or its module fails to import
@@ -195,8 +195,8 @@ def check_data(sc: Scenario) -> list[str]:
     an oversized partition or a missing data file fails here, naming the node, instead of in
     every daemon after the network came up. Returns warnings (e.g. an oracle without meaning).
     (The partition is computed as the nodes of this process will use it: ``shared_partition``.)"""
-    from ..learning.datasets import load_pool
-    from ..learning.partition import shared_partition, true_clusters
+    from coterie.node.learning.datasets import load_pool
+    from coterie.node.learning.partition import shared_partition, true_clusters
 
     seen: set[str] = set()
     warnings: list[str] = []

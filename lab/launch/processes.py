@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import NodeConfig
+from coterie.node.config import NodeConfig
 from ..scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
 from .common import LauncherError, LiveView, NodeProgress, collect, fresh_strategy_dir, network_done, read_history
 
@@ -63,7 +63,7 @@ def with_certificate(cfg: NodeConfig, pki_dir: Path) -> NodeConfig:
     sec = cfg.security
     if sec.insecure or sec.cert_dir or sec.cert or cfg.node_id is None:
         return cfg
-    from ..security.pki import CA_KEY, init_ca, issue_cert
+    from coterie.node.security.pki import CA_KEY, init_ca, issue_cert
     if not (pki_dir / "ca" / CA_KEY).exists():
         init_ca(pki_dir / "ca", name="coterie run CA (throwaway)")
     out = issue_cert(pki_dir / "ca", cfg.node_id, pki_dir / cfg.node_id)
@@ -112,7 +112,7 @@ def fork_context(strategies: list[str] | None = None) -> multiprocessing.context
     daemons' environment and ``preload.py`` imported. Strategies that build a ``torch.optim``
     optimizer also get torch._dynamo preloaded (seconds of CPU and ~70 MB each otherwise)."""
     ctx = multiprocessing.get_context("forkserver")
-    preload = ["coterie.node.launch.preload"]
+    preload = ["coterie.lab.launch.preload"]
     if set(strategies or ()) & {"meta-l2c", "scool-attention"}:
         preload.append("torch._dynamo")
     ctx.set_forkserver_preload(preload)
