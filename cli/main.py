@@ -128,8 +128,8 @@ def _port_taken(address: str) -> bool:
 
 def preflight(cfg) -> tuple[str, int] | None:
     """What would stop this node after a slow start, checked at once: (message, exit code)."""
-    from coterie.lab.launcher import strategy_problem
     from coterie.node.learning.partition import true_clusters
+    from coterie.node.strategies.registry import strategy_problem
 
     problem = strategy_problem(cfg.strategy)
     if problem is not None:
@@ -385,8 +385,7 @@ def history(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT,
 @app.command()
 def strategies(as_json: bool = JSON_OPT) -> None:
     """Strategies known to the registry, and whether this install can run them."""
-    from coterie.lab.launcher import strategy_problem
-    from coterie.node.strategies.registry import available
+    from coterie.node.strategies.registry import available, strategy_problem
 
     rows = [{"name": n, "ok": (p := strategy_problem(n)) is None, "problem": p} for n in available()]
     if as_json:

@@ -1,20 +1,25 @@
-"""The layout tells the architecture, and these rules keep it so (static import graph of node/).
+"""The layout tells the architecture, and these rules keep it so (static import graph of the
+daemon node/, the experiment harness lab/ and the CLI cli/).
 
+- the daemon never imports the harness or the CLI: a deployed node runs without them;
 - strategies never see the wire: no grpc, protobuf stubs, transport or peering internals;
 - the transport moves bytes and never imports strategies;
 - peering speaks domain objects: only its serde module touches protobuf, nothing in it imports grpc;
 - Ray (an optional extra) is imported by the ray launcher alone;
-- no import cycles between modules (TYPE_CHECKING imports count: a cycle in types is still one)."""
+- no import cycles between the daemon's and the harness's modules (TYPE_CHECKING imports count: a
+  cycle in types is still one). The CLI is the top layer and is left out: the processes launcher
+  runs the CLI's ``node start`` in each forked daemon, and the CLI's ``run`` starts the launcher."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-NODE = Path(__file__).resolve().parents[1] / "node"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("node", "lab", "cli")  # folders mapped to coterie.<folder> (pyproject's package-dir)
 
 
 def _module(path: Path) -> str:
-    rel = path.relative_to(NODE.parent).with_suffix("")
+    rel = path.relative_to(REPO).with_suffix("")
     parts = ["coterie", *rel.parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -32,7 +37,7 @@ def _resolve(mod: str, is_pkg: bool, node: ast.ImportFrom) -> list[str]:
 
 def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
-    for path in NODE.rglob("*.py"):
+    for path in (p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")):
         mod = _module(path)
         deps: set[str] = set()
         for n in ast.walk(ast.parse(path.read_text())):
@@ -50,6 +55,10 @@ GRAPH = import_graph()
 def _imports(prefix: str, forbidden: tuple[str, ...], allow: tuple[str, ...] = ()) -> list[str]:
     return sorted(f"{m} -> {d}" for m, deps in GRAPH.items() if m.startswith(prefix) and m not in allow
                   for d in deps if d.startswith(forbidden))
+
+
+def test_the_daemon_never_imports_the_harness_or_the_cli():
+    assert _imports("coterie.node", ("coterie.lab", "coterie.cli")) == []
 
 
 def test_strategies_never_see_the_wire():
@@ -72,8 +81,9 @@ def test_ray_is_an_optional_extra_only_its_launcher_imports():
 
 
 def test_no_import_cycles():
-    modules = set(GRAPH)
-    edges = {m: {d for d in deps if d in modules and d != m} for m, deps in GRAPH.items()}
+    graph = {m: deps for m, deps in GRAPH.items() if m.startswith(("coterie.node", "coterie.lab"))}
+    modules = set(graph)
+    edges = {m: {d for d in deps if d in modules and d != m} for m, deps in graph.items()}
     # a package's __init__ importing its own submodules is not a cycle worth reporting
     edges = {m: {d for d in ds if not (d.startswith(m + ".") )} for m, ds in edges.items()}
     cycles, state = [], {}

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from coterie.node.config import ConfigError
+from coterie.node.strategies.registry import strategy_problem
 from ..scenario import NodeSpec, Scenario, StrategyRun, node_config
 
 # a personalised strategy to fall back on, in order, when a scenario's choice is not importable
@@ -23,16 +24,6 @@ class LauncherError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------- strategies
-def strategy_problem(name: str) -> str | None:
-    """None if ``name`` is importable, else why not."""
-    from coterie.node.strategies.registry import get_strategy
-    try:
-        get_strategy(name)
-    except Exception as e:  # unknown, not implemented yet, or its module fails to import
-        return f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
-    return None
-
-
 def resolve_strategies(names: list[str], *, fallback: bool) -> tuple[list[str], list[str]]:
     """(strategies to run, notes). Without ``fallback`` an unavailable strategy is an error; with
     it, it is replaced by the first available personalised strategy not already listed."""

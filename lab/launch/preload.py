@@ -23,7 +23,6 @@ import coterie.cli.main  # noqa: F401  (the daemons run its `node start`)
 import coterie.cli.render  # noqa: F401
 import coterie.node.admin  # noqa: F401  (aiohttp, httpx)
 import coterie.node.daemon  # noqa: F401
-import coterie.lab.launcher  # noqa: F401  (the CLI's preflight checks strategies through it)
 import coterie.node.logs  # noqa: F401
 import coterie.node.learning.torch_learner  # noqa: F401
 import coterie.node.transport.grpc_transport  # noqa: F401  (grpc, cryptography via tls.py)

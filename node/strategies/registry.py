@@ -24,3 +24,12 @@ def get_strategy(name: str) -> type[Strategy]:
         if isinstance(obj, type) and issubclass(obj, Strategy) and getattr(obj, "name", None) == name:
             return obj
     raise ValueError(f"strategy {name!r} is not implemented yet")
+
+
+def strategy_problem(name: str) -> str | None:
+    """None if ``name`` is importable, else why not (``coterie node start``'s preflight, ``coterie run``)."""
+    try:
+        get_strategy(name)
+    except Exception as e:  # unknown, not implemented yet, or its module fails to import
+        return f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+    return None
