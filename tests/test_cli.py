@@ -155,7 +155,7 @@ def test_admin_http_error_reported(admin_url):
 def test_strategies_lists_registry():
     r = runner.invoke(app, ["strategies"])
     assert r.exit_code == 0
-    lines = {l.split()[0]: l for l in r.stdout.splitlines() if l.strip()}
+    lines = {line.split()[0]: line for line in r.stdout.splitlines() if line.strip()}
     assert lines["local"].split()[1] == "ok" and "dpsgd" in lines
 
 
@@ -222,8 +222,8 @@ def test_demo_shows_heatmap_and_saves_png(tmp_path, fake_nodes):
     assert names[0] == "local" and len(names) == 2
     assert f"clusters found by {names[1]}" in r.stdout  # the terminal heatmap
     ids = res["node_ids"]
-    rows = {l.split()[0]: l.split() for l in r.stdout.splitlines()
-            if l.split()[:1] and l.split()[0] in ids and l.split()[1].startswith("c")}
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines()
+            if line.split()[:1] and line.split()[0] in ids and line.split()[1].startswith("c")}
     assert list(rows) == ids  # uniform peer weights: no blocks to find, the nodes' own order
     # fake nodes keep 0.5 for themselves: shown apart as a number, the diagonal as a dot
     assert all(row[2 + 8] == "0.50" for row in rows.values())
@@ -271,7 +271,7 @@ def test_status_watch_refreshes_until_interrupted(admin_url):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = [proc.stdout.readline() for _ in range(3)]  # three refreshes, one JSON line each
-        assert all(json.loads(l)["node_id"] == "n5" for l in lines)
+        assert all(json.loads(line)["node_id"] == "n5" for line in lines)
     finally:
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)

@@ -86,8 +86,8 @@ def test_dashboard_draws_live_network(network, browser):
     assert float(acc[0]["data-last"]) == pytest.approx(history[-1]["eval"]["test_acc"])
     assert acc[0]["d"].count("L") == ROUNDS - 1  # a polyline through every round
     loss = _attrs(browser, "#loss-chart path.line", "data-series", "data-n")
-    assert {l["data-series"] for l in loss} == {"train loss", "test loss"}
-    assert all(int(l["data-n"]) == ROUNDS for l in loss)
+    assert {p["data-series"] for p in loss} == {"train loss", "test loss"}
+    assert all(int(p["data-n"]) == ROUNDS for p in loss)
     weights = _attrs(browser, "#weights-chart path.line", "data-series", "data-n")
     assert len(weights) >= 2 and all(int(w["data-n"]) == ROUNDS for w in weights)
 

@@ -370,7 +370,6 @@ def test_peer_exchange_flood_costs_a_few_dials_per_period():
             dials = sum(v for a, v in net.dials.items() if a.startswith("bogus:"))
             assert dials <= s.handshakes_per_period * periods
             assert max(v for a, v in net.dials.items() if a.startswith("bogus:")) <= s.candidate_attempts
-            t1 = time.monotonic()
             for _ in range(5):
                 target.on_peer_list(flooder.node_id, bogus)  # again and again
                 await asyncio.sleep(10 * PERIOD)

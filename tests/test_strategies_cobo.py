@@ -37,7 +37,8 @@ def test_symmetric_pair_update_at_midpoint_matches_reference():
     # started by the smaller id only (crossing updates would be applied in opposite orders)
     assert hub.calls["cross_gradient"] == 1
     a, b = hub.nodes["n0"], hub.nodes["n1"]
-    W = lambda n, p: hub.nodes[n].strategy.public_state()["W"][p]  # raw w_ij ∈ [0,1]
+    def W(n, p):  # raw w_ij ∈ [0,1]
+        return hub.nodes[n].strategy.public_state()["W"][p]
     w_ab = W("n0", "n1")
     assert w_ab == W("n1", "n0")
     x0 = a.learner.get_params()
@@ -88,7 +89,8 @@ def test_an_exchange_standing_for_k_pair_updates_moves_both_ends_by_k():
     hub = build_network(COBO, params, num_nodes=3, num_clusters=3)
     asyncio.run(run_rounds(hub, 1))
     a, b = hub.nodes["n0"], hub.nodes["n1"]
-    W = lambda n, p: hub.nodes[n].strategy.public_state()["W"][p]
+    def W(n, p):
+        return hub.nodes[n].strategy.public_state()["W"][p]
     w_ab = W("n0", "n1")
     z = C.lincomb([(0.5, a.learner.get_params()), (0.5, b.snapshot.params)], a.snapshot.params)
     ip = C.dot(a.learner.gradient(z, "train", None)[0], b.learner.gradient(z, "train", None)[0])

@@ -34,7 +34,7 @@ from .deadlines import Deadlines
 from .errors import UNKNOWN_PEER, PeerCallError, invalid, refused, unknown_peer
 from .interfaces import PeerTransport
 from .loop_lag import LoopLag
-from .messages import ALIVE, DEAD, SUSPECT, Beat, IndirectProbe, MemberUpdate, NodeInfo, PeerEntry
+from .messages import ALIVE, DEAD, Beat, IndirectProbe, MemberUpdate, NodeInfo, PeerEntry
 from .peer_table import PeerTable
 from .problems import ProblemLog
 
