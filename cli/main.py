@@ -238,7 +238,7 @@ def node_start(
         load_tls(cfg)
     except ConfigError as e:
         raise _fail(str(e), EXIT_CONFIG)
-    configure_logging(cfg.log_level, log_format)  # run_node's own basicConfig then stands aside
+    configure_logging(cfg.log_level, "json" if log_format == "json" else "text")  # run_node's own basicConfig then stands aside
     from coterie.node.daemon import run_node  # lazy: torch and grpc only when a node really starts
     if bootstrap_from:  # after the slow imports: the other node starts up meanwhile
         extra = bootstrap_addresses(bootstrap_from, cfg.start_timeout_s)
@@ -392,7 +392,8 @@ def strategies(as_json: bool = JSON_OPT) -> None:
         typer.echo(json.dumps(rows, indent=2))
         return
     for r in rows:
-        typer.echo(f"{r['name']:18s} {'ok' if r['ok'] else 'unavailable: ' + r['problem']}")
+        state = "ok" if r["ok"] else f"unavailable: {r['problem']}"
+        typer.echo(f"{r['name']:18s} {state}")
 
 
 # ---------------------------------------------------------------------------------- run / demo

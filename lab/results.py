@@ -130,7 +130,7 @@ def mean_weights(matrices: list[list[list[float] | None]]) -> list[list[float] |
     n = len(matrices[0])
     out: list[list[float] | None] = []
     for i in range(n):
-        rows = [m[i] for m in matrices if m[i] is not None]
+        rows = [r for m in matrices if (r := m[i]) is not None]
         out.append([sum(r[j] for r in rows) / len(rows) for j in range(n)] if rows else None)
     return out
 

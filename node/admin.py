@@ -37,8 +37,8 @@ from .fsutil import json_safe
 log = logging.getLogger(__name__)
 
 DASHBOARD = Path(__file__).with_name("static") / "dashboard.html"
-NODE_KEY = web.AppKey("node", object)
-NETWORK_KEY = web.AppKey("network", object)
+NODE_KEY: web.AppKey[Any] = web.AppKey("node")  # the Node (daemon.py imports this module, not back)
+NETWORK_KEY = web.AppKey("network", dict)
 
 NETWORK_MAX_PEERS = 64  # peers queried for /network (the matrix is n x n; a browser draws it)
 NETWORK_CONCURRENCY = 16
@@ -121,7 +121,7 @@ async def history(request: web.Request) -> web.Response:
 
 def _mean_row(entries: list[dict[str, Any]]) -> dict[str, float]:
     sums: dict[str, float] = {}
-    rows = [e.get("weights") for e in entries if isinstance(e.get("weights"), dict)]
+    rows = [w for e in entries if isinstance(w := e.get("weights"), dict)]
     for w in rows:
         for k, v in w.items():
             try:

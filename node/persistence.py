@@ -136,7 +136,7 @@ def _digest(state_json: bytes, tensors: dict[str, torch.Tensor]) -> str:
         t = tensors[k].contiguous()
         h.update(f"{k}|{tuple(t.shape)}|{t.dtype}|".encode())
         if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 
@@ -381,7 +381,8 @@ class StateStore:
         except (KeyError, TypeError, ValueError):
             raise StateError(f"{ckpt.path} is corrupt (no history pin)") from None
         path = self.history_path
-        h, pos, tail, lineno = hashlib.sha256(), 0, deque(maxlen=HISTORY_TAIL), 0
+        h, pos, lineno = hashlib.sha256(), 0, 0
+        tail: deque[tuple[int, bytes]] = deque(maxlen=HISTORY_TAIL)
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size

@@ -13,10 +13,10 @@ scenario format and the per-node configs are in ``scenario.py``."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from coterie.node.config import ConfigError
-from ..scenario import Scenario
+from ..scenario import Scenario, StrategyRun
 from .common import run_strategies
 
 BACKENDS = ("processes", "inproc", "ray")
@@ -51,6 +51,7 @@ def run_scenario(sc: Scenario, out_dir: str | Path, *, backend: str = "processes
         with ray_session(options.pop("address", None)):
             return run_strategies(sc, out_dir, lambda s: on_ray(sc, s, Path(out_dir), console=console, **options),
                                   console=console, notes=notes, backend=backend)
+    run_strategy: Callable[..., StrategyRun]
     if backend == "processes":
         from .processes import run_strategy
     else:

@@ -25,6 +25,7 @@ or a node that dies early (which is reported with the tail of its log). Each nod
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import multiprocessing
 import multiprocessing.forkserver
@@ -36,7 +37,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from coterie.node.config import NodeConfig
 from ..scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
@@ -107,7 +108,7 @@ def _environment(env: dict[str, str]):
         os.environ.update(saved)
 
 
-def fork_context(strategies: list[str] | None = None) -> multiprocessing.context.BaseContext:
+def fork_context(strategies: list[str] | None = None) -> multiprocessing.context.ForkServerContext:
     """The fork server daemons are forked from, started (once per launcher process) with the
     daemons' environment and ``preload.py`` imported. Strategies that build a ``torch.optim``
     optimizer also get torch._dynamo preloaded (seconds of CPU and ~70 MB each otherwise)."""
@@ -129,7 +130,7 @@ def _run_forked_node(args: list[str], log_path: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    sys.stdout.reconfigure(line_buffering=True)
+    cast(io.TextIOWrapper, sys.stdout).reconfigure(line_buffering=True)  # the fd-1 text stream
     sys.argv = ["coterie", *args]
     from coterie.cli.main import app
     app(args=args, prog_name="coterie")  # exits with the command's code
@@ -143,7 +144,9 @@ class _Forked:
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        pid = self.proc.pid
+        assert pid is not None, "a started process has a pid"
+        return pid
 
     def poll(self) -> int | None:
         return self.proc.exitcode
@@ -323,7 +326,7 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
     run = collect(strategy, specs, sc.rounds, time.time() - t0, progress)
     by_file = {s.state_dir / "node.json": s.node_id for s in specs}
     for s in specs:  # results show the bootstrap address each node resolved from --bootstrap-from
-        addr = run.node_info.get(by_file.get(s.bootstrap_from), {}).get("address") if s.bootstrap_from else None
+        addr = run.node_info.get(by_file.get(s.bootstrap_from, ""), {}).get("address") if s.bootstrap_from else None
         if addr:
             s.config = s.config.model_copy(update={"peers": [addr]})
     return run

@@ -183,7 +183,7 @@ class NodeGroup:
         from coterie.node.config import validate_config
 
         self.group, self.log_path = group, log_path
-        self.configs = [validate_config(_local_certs(c, (certs or {}).get(c.get("node_id")))) for c in configs]
+        self.configs = [validate_config(_local_certs(c, (certs or {}).get(c.get("node_id", "")))) for c in configs]
         self.bootstraps = bootstraps
         self.threads = threads
         self.nodes: list[Any] = []

@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+import numpy as np
 import torch
 
 Params = dict[str, torch.Tensor]
@@ -72,13 +73,13 @@ class Learner(ABC):
 
     # --- per-sample bounded sums: what a differentially private release adds noise to. The caller
     # (node/privacy/mechanisms.py) picks the samples, so a peer never chooses them. ---
-    def clipped_loss_sum(self, params: Params | None, split: Split, indices: Sequence[int],
+    def clipped_loss_sum(self, params: Params | None, split: Split, indices: Sequence[int] | np.ndarray,
                          clip: float) -> float:
         """Σ over the samples ``indices`` of ``split`` of the per-sample loss clipped into
         [0, clip] (a non-finite loss counts as ``clip``): one sample moves it by at most ``clip``."""
         raise NotImplementedError(f"{type(self).__name__} cannot compute per-sample clipped losses")
 
-    def clipped_gradient_sum(self, params: Params | None, split: Split, indices: Sequence[int],
+    def clipped_gradient_sum(self, params: Params | None, split: Split, indices: Sequence[int] | np.ndarray,
                              clip: float) -> Params:
         """Σ_i g_i · min(1, clip / ‖g_i‖) over the samples ``indices`` of ``split``, g_i the
         gradient of sample i's loss (the full parameter vector's L2 norm; a non-finite g_i counts

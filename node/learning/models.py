@@ -75,6 +75,8 @@ def _conv_stack(input_shape, convs: list[int], kernel: int, norm: str, groups: i
     if len(shape) == 1:
         layers.append(_Unsqueeze())
         shape = (1,) + shape
+    Conv: type[nn.Module]
+    Pool: type[nn.Module]
     if len(shape) == 2:
         Conv, Pool = nn.Conv1d, nn.MaxPool1d
     elif len(shape) == 3:
@@ -88,7 +90,7 @@ def _conv_stack(input_shape, convs: list[int], kernel: int, norm: str, groups: i
         if norm == "group":
             g = max(d for d in range(1, min(groups, ch) + 1) if ch % d == 0)
             layers.append(nn.GroupNorm(g, ch))
-        block = [nn.ReLU()]
+        block: list[nn.Module] = [nn.ReLU()]
         if min(spatial) >= 2:
             block = [Pool(2), nn.ReLU()] if pool_then_act else [nn.ReLU(), Pool(2)]
             spatial = [s // 2 for s in spatial]

@@ -172,8 +172,10 @@ def _class_sets(cfg: LearnerConfig, num_classes: int) -> list[tuple[int, ...]]:
 def true_mixture(cfg: LearnerConfig) -> np.ndarray | None:
     """(num_nodes, K) true mixture weights of the ``mixture`` partition (row i = π_i), else None.
     Loads no data."""
-    if cfg.partition != "mixture":
-        return None
+    return _mixture(cfg) if cfg.partition == "mixture" else None
+
+
+def _mixture(cfg: LearnerConfig) -> np.ndarray:
     p = _params(cfg)
     k, alpha = int(p.get("num_components", 4)), float(p.get("alpha", 0.5))
     if k < 1:
@@ -199,7 +201,7 @@ def true_clusters(cfg: LearnerConfig) -> list[int]:
     if part == "iid":
         return [0] * n
     if part == "mixture":
-        return [int(k) for k in np.argmax(true_mixture(cfg), axis=1)]
+        return [int(k) for k in np.argmax(_mixture(cfg), axis=1)]
     if part == "dirichlet":
         return list(range(n))
     if part == "label_permutation":
@@ -281,9 +283,9 @@ def partition(pool: Pool, cfg: LearnerConfig) -> list[Shard]:
         offs = np.cumsum([0] + sizes)
         node_idx = [perm[offs[i]:offs[i + 1]] for i in range(n)]
         if part == "label_permutation":
-            label_maps = _label_maps(cfg, pool.num_classes, clusters)
+            label_maps = list(_label_maps(cfg, pool.num_classes, clusters))
         if part == "mixture":
-            mix = true_mixture(cfg)
+            mix = _mixture(cfg)
             comp_maps = np.stack(_label_maps(cfg, pool.num_classes, list(range(mix.shape[1]))))
 
     elif part == "sine_intervals":
@@ -306,7 +308,7 @@ def partition(pool: Pool, cfg: LearnerConfig) -> list[Shard]:
     else:  # class-based: per-class queues of shuffled indices, taken in node order
         C = pool.num_classes
         queues = [sample_rng.permutation(np.flatnonzero(pool.y == c)) for c in range(C)]
-        avail = np.array([len(q) for q in queues])
+        class_avail = np.array([len(q) for q in queues])
         if part == "dirichlet":
             alpha = float(p.get("alpha", 0.5))
             if alpha <= 0:
@@ -316,7 +318,7 @@ def partition(pool: Pool, cfg: LearnerConfig) -> list[Shard]:
                 raise _short(cfg, "in all", sum(sizes), len(pool))
             drng = _rng(cfg, _S_DIR)
             weights = [drng.dirichlet(np.full(C, alpha)) for _ in range(n)]
-            counts = [_capped_counts(drng, sizes[i], weights[i], avail) for i in range(n)]
+            counts = [_capped_counts(drng, sizes[i], weights[i], class_avail) for i in range(n)]
         else:
             sets = _class_sets(cfg, C)
             users = np.zeros(C)
@@ -325,7 +327,7 @@ def partition(pool: Pool, cfg: LearnerConfig) -> list[Shard]:
                     users[c] += 1.0 / len(s)  # a node's samples split evenly over its classes
             used = users > 0
             k = len(sets[0])  # the same for every node; default size: a multiple of k that fits
-            sizes = _sizes(cfg, k * int(np.floor(np.min(avail[used] / users[used]) / k + 1e-9)))
+            sizes = _sizes(cfg, k * int(np.floor(np.min(class_avail[used] / users[used]) / k + 1e-9)))
             counts = []
             crng = _rng(cfg, _S_CLASSES, 1)
             for i, s in enumerate(sets):
@@ -339,14 +341,14 @@ def partition(pool: Pool, cfg: LearnerConfig) -> list[Shard]:
                 classes[i] = s
             need = np.sum(counts, axis=0)
             for c in range(C):
-                if need[c] > avail[c]:
-                    raise _short(cfg, f"of class {c}", int(need[c]), int(avail[c]))
-        taken = np.zeros(C, dtype=np.int64)
+                if need[c] > class_avail[c]:
+                    raise _short(cfg, f"of class {c}", int(need[c]), int(class_avail[c]))
+        class_taken = np.zeros(C, dtype=np.int64)
         for i in range(n):
             parts = []
-            for c in np.flatnonzero(counts[i]):
-                parts.append(queues[c][taken[c]:taken[c] + counts[i][c]])
-                taken[c] += counts[i][c]
+            for c in np.flatnonzero(counts[i]).tolist():
+                parts.append(queues[c][class_taken[c]:class_taken[c] + counts[i][c]])
+                class_taken[c] += counts[i][c]
             idx = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
             node_idx.append(sample_rng.permutation(idx))  # mix classes before the split
 
@@ -432,6 +434,7 @@ def node_data(pool: Pool, cfg: LearnerConfig, shards: list[Shard] | None = None)
     def labels(idx: np.ndarray, split: str) -> np.ndarray:
         y = np.array(pool.y[idx])
         if shard.components is not None:
+            assert shard.component_maps is not None  # set together with the components
             return shard.component_maps[shard.components[split], y]
         return shard.label_map[y] if shard.label_map is not None else y
 

@@ -418,13 +418,14 @@ class TorchLearner(Learner):
         with self._eval_lock, torch.no_grad():
             for i in range(0, n, _EVAL_BATCH):
                 xb, yb = x[i:i + _EVAL_BATCH], y[i:i + _EVAL_BATCH]
-                mix = None
+                mix: torch.Tensor | None = None
                 for wj, pj in zip(w, ps):
                     if wj == 0:
                         continue
                     out = functional_call(self._shadow, pj, (xb,))
                     out = out.softmax(1) if self.task == "classification" else out.reshape(-1)
                     mix = wj * out if mix is None else mix + wj * out
+                assert mix is not None  # the weights were checked to have a positive sum
                 if self.task == "classification":
                     py = mix.gather(1, yb.view(-1, 1)).clamp_min(1e-12)
                     total += float(-py.log().sum())

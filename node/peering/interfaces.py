@@ -54,7 +54,8 @@ class PeerTransport(Protocol):
     secure transport then holds every later call to that address to it."""
 
     max_model_bytes: int  # largest model (snapshot, gradient) accepted from a peer
-    evicted: int  # connections closed for being idle, for /status (0 where there are none)
+    @property
+    def evicted(self) -> int: ...  # connections closed for being idle, for /status (0 where there are none)
 
     def channels(self) -> int: ...  # connections held open now, for /status
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 
 from ..config import PrivacyConfig
-from ..learning.learner import Learner, Params
+from ..learning.learner import Learner, Params, Split
 from .ledger import PrivacyLedger
 from .purposes import Purpose
 
@@ -46,7 +47,7 @@ class PrivateData:
         self._rng = rng or np.random.default_rng()  # OS entropy
         self._rng_lock = threading.Lock()  # numpy generators are not thread-safe
 
-    def batch_size(self, split: str, requested: int) -> tuple[int, int]:
+    def batch_size(self, split: Split, requested: int) -> tuple[int, int]:
         """(expected batch, split size): the request's size, at least ``min_batch``, at most the
         whole split; 0 asks for the whole split."""
         n = self.learner.num_samples(split)
@@ -70,7 +71,7 @@ class PrivateData:
         self.ledger.charge(peer, purpose.name, sigma, b / n, enforce=self.cfg.enabled)
 
     def loss(self, peer: str, purpose: Purpose, params: Params | None, requested: int = 0,
-             reduction: str = "mean") -> Released:
+             reduction: Literal["mean", "sum"] = "mean") -> Released:
         """Mean (or summed) loss of ``params`` on a batch of ``purpose.split``, for ``peer``."""
         b, n = self.batch_size(purpose.split, requested)
         self._charge(peer, purpose, b, n)

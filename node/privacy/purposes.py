@@ -10,6 +10,10 @@ on their *own* data (FedFomo, L2C: their own validation split), which sends noth
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the config reads this table; it need not import torch for a type
+    from ..learning.learner import Split
 
 # what comes back: a loss, a gradient, only <gradient, a vector the caller sent>, or (push) a
 # gradient this node computed on its own data and sends to the peer whose model it is
@@ -21,7 +25,7 @@ SERVED_SPLITS = ("train", "val")  # never "test": it measures the node, it does 
 class Purpose:
     name: str
     kind: str
-    split: str
+    split: Split
     strategies: tuple[str, ...]
     why: str  # the paper step it serves, and why that split
 

@@ -103,7 +103,9 @@ def _load_ca(ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey
         key = serialization.load_pem_private_key(key_pem, password=None)
     except ValueError as e:
         raise PKIError(f"CA in {ca_dir} is unreadable: {e}") from None
-    return cert, key  # type: ignore[return-value]
+    if not isinstance(key, ec.EllipticCurvePrivateKey):  # init_ca writes EC keys only
+        raise PKIError(f"CA key in {ca_dir}/{CA_KEY} is not an EC private key ({type(key).__name__})")
+    return cert, key
 
 
 def issue_cert(ca_dir: str | Path, node_id: str, out_dir: str | Path, days: int = 825) -> Path:

@@ -102,7 +102,7 @@ class PeerNetwork(Protocol):
         strategy's reply for the same key (e.g. its Ω row, its encoder)."""
 
 
-async def gather_bounded(calls: dict[str, Awaitable[T]]) -> dict[str, T]:
+async def gather_bounded(calls: dict[str, Awaitable[T | None]]) -> dict[str, T]:
     """Run peer calls concurrently; keep the ones that answered (not None, no exception)."""
     keys = list(calls)
     results = await asyncio.gather(*calls.values(), return_exceptions=True)

@@ -50,7 +50,7 @@ class DPSGD(Strategy):
     node that happens to run fast drifts rounds ahead and averages with ever older models (in a
     4-node test run: up to 10 rounds apart, and the network's gain over training alone halved)."""
     name = "dpsgd"
-    defaults: dict[str, Any] = {
+    defaults = {
         "max_neighbours": 0,   # 0 = all alive peers
         "max_staleness": 1,    # rounds a mixed model may lag mine; 0 = fully asynchronous
         "sync_wait_s": 10.0,   # longest wait for a lagging peer (then this round goes without it)

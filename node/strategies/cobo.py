@@ -60,7 +60,7 @@ def midpoint(a: Params, b: Params) -> Params:
 
 class COBO(Strategy):
     name = "cobo"
-    defaults: dict[str, Any] = {
+    defaults = {
         "rho": 0.05,              # ρ consensus penalty (*code* README); keep η·ρ·degree < 1
         "gamma": 0.01,            # γ step of the pair-weight ascent (*code* README)
         "local_steps": 5,         # *decentral*: S model steps between exchanges (paper: exchange each step)

@@ -69,7 +69,7 @@ def federico_combine(own_grad: Params, w_self: float, received: list[Params]) ->
 
 class FedeRiCo(Strategy):
     name = "federico"
-    defaults: dict[str, Any] = {
+    defaults = {
         "num_neighbours": 3,      # M sampled per round, FedeRiCo §3.1/App. D (M = 3 default)
         "eps": 0.3,               # ε-greedy sampling probability, FedeRiCo §2.2 / App. D (ε = 0.3)
         "beta": 0.6,              # EMA momentum of tracked losses, FedeRiCo §2.2, Fig. 6c/7 (β = 0.6)

@@ -68,7 +68,7 @@ def fomo_affinity(p_row: dict[str, float], deltas: dict[str, float], normalise: 
 
 class FedFomo(Strategy):
     name = "fedfomo"
-    defaults: dict[str, Any] = {
+    defaults = {
         "num_models": 5,          # M: models downloaded per round, FedFomo App. A.3 (n = 5), §4 ablation
         "eps": 0.3,               # ε-greedy exploration, FedFomo §3.1 / App. A.3 (ε = 0.3)
         "eps_decay": 0.05,        # App. A.3: "ε = 0.3 with 0.05 decay each round" (subtracted per round)

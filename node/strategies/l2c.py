@@ -52,7 +52,7 @@ def l2c_alpha_grad(alpha: np.ndarray, g_val: Params, deltas: list[Params]) -> np
 
 class L2C(Strategy):
     name = "l2c"
-    defaults: dict[str, Any] = {
+    defaults = {
         "lr": 0.1,                # Adam learning rate for α / the encoder, L2C §4 ("Adam lr 0.1")
         "weight_decay": 0.01,     # Adam weight decay, L2C §4
         "alpha_steps": 1,         # gradient steps on α per round, Alg. 1 l.18 (one)
@@ -203,7 +203,7 @@ class MetaL2C(L2C):
     by their mean weight over the rounds so far (``prune_on = "mean"``), not by the last row alone,
     which is one noisy draw (L2C's own pruning ranks α, itself an accumulation over rounds)."""
     name = "meta-l2c"
-    defaults: dict[str, Any] = {
+    defaults = {
         **L2C.defaults,
         "encoder_dims": [10, 5],  # L2C §4: E_l two FC layers, output dims (10, 5), per filter (eq. 7)
         "encoder_seed": 0,        # *decentral*: common encoder init, like the models' θ⁰
@@ -228,9 +228,11 @@ class MetaL2C(L2C):
     async def _weights_and_learn(self, theta: Params, ids: list[str], deltas: list[Params],
                                  snaps: dict) -> np.ndarray:
         ups = [snaps[p].extras["update"] for p in ids[1:]]
+        update = self._update
+        assert update is not None  # this round's local steps set it before the weights are learned
 
         def logits() -> torch.Tensor:
-            return C.attention_logits(self.encoder, self._update, ups)
+            return C.attention_logits(self.encoder, update, ups)
 
         def weights_now() -> np.ndarray:
             # grad mode is per thread: switch it off here, in the worker, never around an await

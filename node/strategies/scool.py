@@ -151,7 +151,7 @@ def attention_estep(encoder: C.UpdateEncoder, opt: torch.optim.Optimizer, mine: 
 
 
 class _SCoolBase(Strategy):
-    defaults: dict[str, Any] = {
+    defaults = {
         "tau": 1.0,               # temperature of σ/softmax, SCool App. C.1 (*code*: τ = 1–2, fixed)
         "evidence_samples": 32,   # Y_ij on one minibatch of j's train data (*code*)
         "mstep": "mixing",        # App. C.1 update mixing (*code* default); "exact": eq. 22 cross-gradients
@@ -226,7 +226,7 @@ class _SCoolBase(Strategy):
             ev, snaps = await asyncio.gather(self._evidence(peers), self._pull_peers(peers))
             self._Y.update(ev)
             await self._estep(rnd, live, snaps)
-            if not exact and self._base is not None and C.same_shapes(self._base, self._delta):
+            if not exact and self._base is not None and self._delta is not None and C.same_shapes(self._base, self._delta):
                 wts = {self.node_id: self._row.get(self.node_id, 1.0)}
                 for p, sn in snaps.items():
                     d = sn.extras.get("delta")
@@ -269,9 +269,10 @@ class _SCoolBase(Strategy):
             g_own, r = await self.compute(self.learner.gradient, None, "train", gs)
             losses.append(r.loss)
             wts = {self.node_id: self._row.get(self.node_id, 1.0)}
-            wts.update({p: self._row[p] for p, rep in replies.items() if rep.grad is not None})
+            grads = {p: rep.grad for p, rep in replies.items() if rep.grad is not None}
+            wts.update({p: self._row[p] for p in grads})
             tot = sum(wts.values())
-            terms = [(wts[self.node_id] / tot, g_own)] + [(wts[p] / tot, replies[p].grad) for p in wts if p != self.node_id]
+            terms = [(wts[self.node_id] / tot, g_own)] + [(wts[p] / tot, grads[p]) for p in wts if p != self.node_id]
             await self.compute(self.learner.apply_gradient, C.lincomb(terms, g_own))
         return float(np.mean(losses))
 
@@ -297,7 +298,7 @@ class _SCoolBase(Strategy):
 
 class SCoolSBM(_SCoolBase):
     name = "scool-sbm"
-    defaults: dict[str, Any] = {
+    defaults = {
         **_SCoolBase.defaults,
         "tau": 2.0,               # App. C.1 temperature (*code* range 1–2): 2 resists Ω locking in on
                                   # the uninformative evidence of the first rounds (all models ≈ θ⁰)
@@ -457,7 +458,7 @@ class SCoolAttention(_SCoolBase):
     clustered setting, the unit-norm tanh encoder with averaged logits (``UpdateEncoder``
     ``normalise``), AdamW lr 0.2, the top 20% of peers kept after round 10."""
     name = "scool-attention"
-    defaults: dict[str, Any] = {
+    defaults = {
         **_SCoolBase.defaults,
         "tau": 9.0,               # *code*: τ = 9 in the clustered setting (App. C.1: a fixed hyper-parameter)
         "keep_fraction": 0.2,     # *code*: keep 20% of the peers (App. C.1 text: remove 90%)
@@ -511,8 +512,8 @@ class SCoolAttention(_SCoolBase):
         # *code*: the mixing row is w_i itself (eq. 29), a softmax over self and the peers
         self._row = {k: float(v) for k, v in zip(ids, w)}
         # gossip-average the encoder with the peers contacted (*decentral* for the global φ)
-        mine = C.vec_to_wire(C.encoder_current(self.encoder))
-        replies = await gather_bounded({q: self.net.gossip(q, "encoder", {"vec": mine}) for q in snaps})
+        vec = C.vec_to_wire(C.encoder_current(self.encoder))
+        replies = await gather_bounded({q: self.net.gossip(q, "encoder", {"vec": vec}) for q in snaps})
         C.encoder_average(self.encoder, replies.values())
 
     def public_state(self) -> dict[str, Any]:

@@ -104,7 +104,7 @@ def aligned_buffer(size: int, data_offset: int = 0) -> memoryview:
     """A writable ``size``-byte buffer whose byte ``data_offset`` sits on an ``ALIGN`` boundary."""
     raw = np.empty(size + ALIGN, dtype=np.uint8)
     skip = (-(raw.ctypes.data + data_offset)) % ALIGN
-    return memoryview(raw[skip:skip + size])
+    return raw[skip:skip + size].data
 
 
 def data_offset(prefix: bytes | memoryview) -> int:
@@ -179,7 +179,7 @@ def _entry(g: str, e: Any) -> tuple[str, str, list[int]]:
     return name, dt, shape
 
 
-def _tensors(table: dict, data: bytes | memoryview, pos: int, copy: bool | None) -> tuple[Groups, int]:
+def _tensors(table: dict, data: bytes | bytearray | memoryview, pos: int, copy: bool | None) -> tuple[Groups, int]:
     out: Groups = {}
     mv = memoryview(data)
     if copy is None:
