@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 
 
 class PrivacyConfig(BaseModel):
-    """What this node lets out about its private data (README "Privacy"). Everything computed on
+    """What this node lets out about its private data (docs/privacy.md). Everything computed on
     it and sent to a peer (served cross-losses/-gradients, COBO's alignment vector, FedeRiCo's
     pushed gradients) is a sampled Gaussian mechanism: Poisson batch of expected size >= min_batch,
     per-sample clipping, Gaussian noise of noise_multiplier x the clip bound; the ledger
