@@ -19,8 +19,10 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 
-def closure(root: str, extras: set[str]) -> dict[str, str]:
+def closure(root: str, extras: set[str]) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """The installed version of every package ``root[extras]`` needs, and what each is required as."""
     pins: dict[str, str] = {}
+    wanted: dict[str, list[str]] = {}
     todo: list[tuple[str, frozenset[str]]] = [(root, frozenset(extras))]
     seen: set[tuple[str, frozenset[str]]] = set()
     while todo:
@@ -41,8 +43,9 @@ def closure(root: str, extras: set[str]) -> dict[str, str]:
                 md.distribution(req.name)
             except md.PackageNotFoundError:
                 raise SystemExit(f"{req.name} (needed by {name}) is not installed: install the extras first")
+            wanted.setdefault(canonicalize_name(req.name), []).append(f"{name} needs {req}")
             todo.append((req.name, frozenset(req.extras)))
-    return pins
+    return pins, wanted
 
 
 def main() -> int:
@@ -51,16 +54,24 @@ def main() -> int:
     ap.add_argument("--out", default="constraints.txt")
     args = ap.parse_args()
     extras = {e for e in args.extras.split(",") if e}
-    pins = closure("coterie", extras)
+    pins, wanted = closure("coterie", extras)
+    # a pin that breaks a requirement in the closure (e.g. a venv's own old setuptools shadowing the
+    # system's) would make the file uninstallable: leave that package to pip and say so
+    broken = {}
+    for k, v in pins.items():
+        bad = [w for w in wanted.get(k, []) if not Requirement(w.split(" needs ", 1)[1]).specifier.contains(
+            v.split("+")[0], prereleases=True)]
+        if bad:
+            broken[k] = f"# {k} not pinned: {v} is installed here, but " + "; ".join(bad)
     head = [f"# coterie[{','.join(sorted(extras))}]'s dependency closure as installed and tested",
             f"# (python {platform.python_version()}, {sys.platform}); regenerate: python .ci/constraints.py",
             "# use: python3 -m pip install -c constraints.txt -e '.[test,ray,docs]'"]
     lines = []
     for k, v in sorted(pins.items()):
         v = v.split("+")[0]  # torch 2.13.0+cpu: the local label names the build, pip matches 2.13.0
-        lines.append(f"{k}=={v}")
+        lines.append(broken[k] if k in broken else f"{k}=={v}")
     Path(args.out).write_text("\n".join(head + lines) + "\n")
-    print(f"{len(lines)} pins -> {args.out}")
+    print(f"{len(lines) - len(broken)} pins -> {args.out}" + "".join(f"\n{b}" for b in broken.values()))
     return 0
 
 
