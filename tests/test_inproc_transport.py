@@ -177,7 +177,11 @@ def test_deadlines_and_stopped_peers(tmp_path):
             # the same call with a long deadline fails as soon as b stops, not after the wait
             call = asyncio.ensure_future(a.client.get_snapshot(b.address, "n0", min_round=10**6, wait_s=30,
                                                                timeout=40))
-            await asyncio.sleep(0.3)
+            # waiting at b for the round: it holds one of n0's admission slots there
+            async def waiting_at_b():
+                while b.admission.view().get("n0", {}).get("in_flight") != 1:
+                    await asyncio.sleep(0.01)
+            await asyncio.wait_for(waiting_at_b(), 10)
             assert not call.done()
             t0 = time.monotonic()
             await b.stop()
