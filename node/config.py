@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 
 
 class PrivacyConfig(BaseModel):
-    """What this node lets out about its private data (README "Privacy"). Everything computed on
+    """What this node lets out about its private data (docs/privacy.md). Everything computed on
     it and sent to a peer (served cross-losses/-gradients, COBO's alignment vector, FedeRiCo's
     pushed gradients) is a sampled Gaussian mechanism: Poisson batch of expected size >= min_batch,
     per-sample clipping, Gaussian noise of noise_multiplier x the clip bound; the ledger
@@ -241,14 +241,17 @@ class _NodeEnv(NodeConfig, BaseSettings):
 
 class _EnvSource(EnvSettingsSource):
     """Reads a given mapping (tests, the launcher) instead of os.environ, and keeps the
-    comma-separated form of list fields (``COTERIE_PEERS=a:1,b:2``) next to JSON."""
+    comma-separated form of list fields (``COTERIE_PEERS=a:1,b:2``) next to JSON.
+
+    No private API: the source is built through its public constructor and reads the variables
+    from ``env_vars``, the public attribute its public methods (``get_field_value``,
+    ``explode_env_vars``) consult; the lower-cased keys are what a case-insensitive source
+    expects. tests/test_config.py pins this (a given mapping wins over os.environ, nesting,
+    JSON, the comma form); pyproject bounds pydantic-settings to the major version tested."""
 
     def __init__(self, environ: Mapping[str, str]):
-        self._environ = environ
-        super().__init__(_NodeEnv)
-
-    def _load_env_vars(self) -> Mapping[str, str | None]:
-        return {k.lower(): v for k, v in self._environ.items() if k.upper().startswith(ENV_PREFIX)}
+        super().__init__(_NodeEnv, case_sensitive=False, env_prefix=ENV_PREFIX, env_nested_delimiter="__")
+        self.env_vars = {k.lower(): v for k, v in environ.items() if k.upper().startswith(ENV_PREFIX)}
 
     def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
         try:

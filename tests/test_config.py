@@ -56,3 +56,16 @@ def test_unknown_env_variables_are_named_with_a_suggestion():
     assert "COTERIE_STRATEGIE" in warnings[0] and "did you mean COTERIE_STRATEGY?" in warnings[0]
     assert "COTERIE_ZZZ" in warnings[1] and "did you mean" not in warnings[1]
     assert load_config(environ=env).strategy == "local"  # ignored, not applied
+
+
+def test_a_given_environment_replaces_the_process_one(monkeypatch):
+    """Pins how node/config.py drives pydantic-settings (its EnvSettingsSource through the public
+    constructor and ``env_vars``): a mapping passed in is read instead of os.environ, never merged
+    with it, and without one os.environ is read, with the same nesting and case rules."""
+    monkeypatch.setenv("COTERIE_STRATEGY", "cobo")
+    monkeypatch.setenv("coterie_learner__lr", "0.25")  # case-insensitive, like the rest
+    assert env_overrides({}) == {}
+    assert env_overrides({"COTERIE_SEED": "4"}) == {"seed": "4"}
+    assert env_overrides() == {"strategy": "cobo", "learner": {"lr": "0.25"}}
+    cfg = load_config()
+    assert (cfg.strategy, cfg.learner.lr) == ("cobo", 0.25)

@@ -54,6 +54,14 @@ class FakeTransport:
         return SnapshotHeader(address, 1, 1, ""), {"params": {"w": torch.ones(4)}}
 
 
+async def _in_flight(net, address: str, timeout: float = 5.0) -> None:
+    """Wait until a call to ``address`` has reached the transport (not a fixed sleep)."""
+    async def reached():
+        while not any(a == address for a, _ in net.transport.timeouts):
+            await asyncio.sleep(0.005)
+    await asyncio.wait_for(reached(), timeout)
+
+
 def _network(delays, **kw):
     table = PeerTable("me", 1.0, 2.0)
     for a in delays:
@@ -116,7 +124,7 @@ def test_a_call_to_a_peer_that_turns_suspect_is_abandoned_at_once():
         net, table, _ = _network({"a": 0.01, "frozen": None})
         t0 = time.monotonic()
         pull = asyncio.ensure_future(net.pull("frozen"))  # no history: the 30 s cap applies
-        await asyncio.sleep(0.2)
+        await _in_flight(net, "frozen")
         table.suspect("frozen")  # membership's probe failed
         assert await pull is None
         assert time.monotonic() - t0 < 2.0
@@ -130,7 +138,7 @@ def test_outer_cancellation_still_cancels():
     async def go():
         net, _, _ = _network({"frozen": None})
         task = asyncio.ensure_future(net.pull("frozen"))
-        await asyncio.sleep(0.05)
+        await _in_flight(net, "frozen")
         task.cancel()
         try:
             await task

@@ -31,12 +31,13 @@ GENEROUS = {"requests_per_s": 1e6, "request_burst": 1e6, "compute_share": 1e3, "
 
 class HealthWatch:
     """Polls /healthz every 0.1 s from a process of its own (the test process is busy generating
-    cases: timing it there would measure the fuzzer's GIL, not the node); keeps the slowest
-    answer, a failure or timeout counting as 5 s."""
+    cases: timing it there would measure the fuzzer's GIL, not the node); counts the polls, the
+    ones not answered ``ok`` within 5 s, and keeps the slowest answer (a failure counting as 5 s)
+    for bench/fuzz.py, which holds the node to answering within 1 s."""
 
     SCRIPT = (
         "import sys, time, urllib.request, select\n"
-        "url, worst, polls = sys.argv[1], 0.0, 0\n"
+        "url, worst, polls, failed = sys.argv[1], 0.0, 0, 0\n"
         "while not select.select([sys.stdin], [], [], 0.1)[0]:\n"
         "    t0 = time.monotonic()\n"
         "    try:\n"
@@ -44,18 +45,18 @@ class HealthWatch:
         "            ok = r.read().strip() == b'ok'\n"
         "    except OSError:\n"
         "        ok = False\n"
-        "    worst, polls = max(worst, time.monotonic() - t0 if ok else 5.0), polls + 1\n"
-        "print(worst, polls, flush=True)\n")
+        "    worst, polls, failed = max(worst, time.monotonic() - t0 if ok else 5.0), polls + 1, failed + (not ok)\n"
+        "print(worst, polls, failed, flush=True)\n")
 
     def __init__(self, url: str):
         self.proc = subprocess.Popen([sys.executable, "-c", self.SCRIPT, url], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
-        self.worst, self.polls = 0.0, 0
+        self.worst, self.polls, self.failed = 0.0, 0, 0
 
     def finish(self) -> None:
         out, _ = self.proc.communicate("stop\n", timeout=30)
-        worst, polls = out.split()
-        self.worst, self.polls = float(worst), int(polls)
+        worst, polls, failed = out.split()
+        self.worst, self.polls, self.failed = float(worst), int(polls), int(failed)
 
 
 @pytest.fixture(scope="module")
@@ -124,5 +125,6 @@ def test_fuzz_every_rpc(session):
                                      "CrossLoss", "PushGradient", "CrossGradient"}
     assert summary["OK"] > 0 and summary["INVALID_ARGUMENT"] > 0  # both deep and shallow paths ran
     wait_for(lambda: victim.status()["round"] > round_before + 2, 60, "the victim to keep running rounds")
-    assert watch.polls > 10 and watch.worst < 1.0, f"/healthz took {watch.worst:.2f} s at worst"
+    # behaviour, not speed: /healthz kept answering ok throughout (the 1 s figure is bench/fuzz.py's)
+    assert watch.polls > 10 and watch.failed == 0, f"/healthz failed {watch.failed} of {watch.polls} polls"
     assert "Traceback" not in (victim.dir / "node.log").read_text()

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# the bench runs up to 600 s (its own limit, which fails with its output); the default per-test limit is 300 s
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "kill9.py"
 
 

@@ -107,6 +107,11 @@ def ray_cluster():
     temp = tempfile.mkdtemp(prefix="cray")
     cluster, problems = None, []
     with pytest.MonkeyPatch.context() as mp:
+        # Cluster.add_node also writes the head's address to <default temp>/ray/ray_current_cluster,
+        # whatever temp_dir says: /tmp/ray/..., which fails where no Ray has run before (no
+        # /tmp/ray) and elsewhere overwrites another Ray's. RAY_TMPDIR points that default here too.
+        os.makedirs(os.path.join(temp, "ray"), exist_ok=True)
+        mp.setenv("RAY_TMPDIR", temp)
         mp.setenv(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, "0")
         mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
         try:

@@ -227,22 +227,24 @@ def test_slow_streams_are_cut_off_by_the_server(fed):
         async with peer_channel(root, "mallory", victim.address, expect="victim") as ch:
             stub = rpc.PeerStub(ch)
             stalls = [asyncio.create_task(stalled(stub, 1000)) for _ in range(3)]
-            await asyncio.sleep(0.5)  # the three hold mallory's slots now
+            # the three hold mallory's slots once the victim counts them in flight (/status admission)
+            await asyncio.to_thread(wait_for, lambda: victim.status()["admission"]["mallory"]["in_flight"] == 3,
+                                    20, "mallory's three stalled uploads to be admitted")
             extra = await asyncio.gather(*(stalled(stub, 1000) for _ in range(5)))
             stalls = await asyncio.gather(*stalls)
             trickle = await stalled(stub, 1.0)
             return stalls, extra, trickle
 
     stalls, extra, trickle = asyncio.run(go())
+    # each is cut by the server with the bound it broke named, before the client's 60 s deadline
+    # (which would end it as DEADLINE_EXCEEDED): the codes and details are the behaviour
     for code, details, took in extra:
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in details, (code, details)
-        assert took < 5
     for code, details, took in stalls:
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "stalled for 2 s" in details, (code, details)
-        assert took < 20
     code, details, took = trickle
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "not complete after 6.25 s" in details, (code, details)
-    assert took < 25
+    assert max(t for *_, t in (*extra, *stalls, trickle)) < 60
     r = victim.status()["round"]
     wait_for(lambda: victim.status()["round"] > r, 30, "the victim to keep running rounds")
 
