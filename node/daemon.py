@@ -255,7 +255,7 @@ class Node:
 
     def info(self) -> NodeInfo:
         return NodeInfo(self.node_id, PROTOCOL_VERSION, self.fingerprint, CAPABILITIES, self.address,
-                        self.admin_url, self.labels)
+                        self.admin_url, self.labels, self.learner.task_spec())
 
     def position(self) -> tuple[int, int]:
         """(round, published snapshot version), as heartbeats announce them."""
