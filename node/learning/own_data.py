@@ -277,7 +277,7 @@ def _draw(n: int, cfg: LearnerConfig, missing: list[str]) -> dict[str, np.ndarra
 def load_own_data(cfg: LearnerConfig) -> OwnData:
     """This node's own samples, read, checked, split and labelled (see the module docstring)."""
     names = class_names(cfg.classes)
-    path = Path(cfg.data).expanduser() if cfg.data is not None else None
+    path = Path(cfg.data).expanduser().absolute() if cfg.data is not None else None
     fmt = detect_format(path, cfg.data_format)
     if fmt in ("npz", "csv", "parquet", "images") and (path is None or not path.exists()):
         raise DataError(f"{path}: no such file or folder (learner.data)")
@@ -291,7 +291,7 @@ def load_own_data(cfg: LearnerConfig) -> OwnData:
                             f"network agrees on; output i is classes[i])")
         parts = _read_images(path, cfg.data_params)
     else:
-        parts = _read_loader(fmt, None if path is None else str(path), dict(cfg.data_params))
+        parts = _read_loader(fmt, cfg.data, dict(cfg.data_params))  # as given: a loader's path may be no file
     given = tuple(s for s in SPLITS if s in parts)
     if "all" in parts:
         base = parts.pop("all")
@@ -314,5 +314,5 @@ def load_own_data(cfg: LearnerConfig) -> OwnData:
         shape = tuple(x.shape[1:])
         arrays[f"x_{s}"], arrays[f"y_{s}"] = x, _labels(part, names)
     source = f"{fmt}: {path}" if fmt in ("npz", "csv", "parquet", "images") else f"loader {fmt}" + (
-        f": {path}" if path is not None else "")
+        f": {cfg.data}" if cfg.data is not None else "")
     return OwnData(**arrays, input_shape=shape, class_names=names, source=source, given_splits=given)
