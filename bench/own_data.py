@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results"
 CLASSES = ["sit", "walk", "run", "cycle"]
 B_NAMES = {"sit": "walk", "walk": "run", "run": "cycle", "cycle": "sit"}  # what group B calls each
-DIM, SAMPLES, NODES = 8, 160, 6
+DIM, SAMPLES, NODES = 20, 120, 6  # few samples in many dimensions: peers of the right group help
 
 
 def write_files(folder: Path, seed: int) -> list[int]:
@@ -41,7 +41,7 @@ def write_files(folder: Path, seed: int) -> list[int]:
     import pyarrow.csv as pcsv
 
     folder.mkdir(parents=True, exist_ok=True)
-    means = np.random.default_rng([seed, 1]).normal(0, 1.2, (len(CLASSES), DIM))  # the world: shared
+    means = np.random.default_rng([seed, 1]).normal(0, 0.5, (len(CLASSES), DIM))  # the world: shared
     groups = []
     for i in range(NODES):
         group = 0 if i < NODES // 2 else 1

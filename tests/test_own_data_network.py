@@ -112,3 +112,26 @@ def test_node_start_with_bad_data_fails_in_one_line(tmp_path):
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert "Traceback" not in p.stderr, p.stderr
     assert lines[-1] == f"coterie: cannot start node: {bad} line 3: features hold NaN or Inf (or a missing value)"
+
+
+def test_learner_data_from_toml_environment_and_flags(tmp_path):
+    from coterie.cli.main import build_overrides  # noqa: F401  (the flags go through load_config too)
+    from coterie.node.config import load_config
+
+    toml = tmp_path / "n.toml"
+    toml.write_text('[learner]\ndata = "/from/toml.csv"\nclasses = 3\n')
+    assert load_config(toml, environ={}).learner.data == "/from/toml.csv"
+    cfg = load_config(toml, environ={"COTERIE_LEARNER__DATA": "/from/env.npz", "COTERIE_LEARNER__DATA_FORMAT": "npz"})
+    assert (cfg.learner.data, cfg.learner.data_format, cfg.learner.classes) == ("/from/env.npz", "npz", 3)
+
+
+def test_node_start_refuses_oracle_on_own_files(tmp_path):
+    from typer.testing import CliRunner
+
+    from coterie.cli.main import app
+
+    write_node_file(tmp_path / "d.npz", 60, 0)
+    r = CliRunner().invoke(app, ["node", "start", "--insecure", "--state-dir", str(tmp_path / "st"),
+                                 "--strategy", "oracle", "--data", str(tmp_path / "d.npz"),
+                                 "--data-format", "npz", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+    assert r.exit_code == 2 and "oracle: a node on its own files (learner.data) has no true cluster" in r.stderr
