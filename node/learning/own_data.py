@@ -241,7 +241,6 @@ def _labels(part: Part, names: list[str] | None) -> np.ndarray:
             raise DataError(f"{part.where(int(np.argmax(bad)))}: target is NaN or Inf")
         return t
     index = {n: i for i, n in enumerate(names)}
-    out = np.empty(len(y), dtype=np.int64)
     if y.dtype.kind in "iu":  # integer labels: indices into the agreed class list
         bad = (y < 0) | (y >= len(names))
         if bad.any():
@@ -252,12 +251,15 @@ def _labels(part: Part, names: list[str] | None) -> np.ndarray:
     if y.dtype.kind in "fb":
         raise DataError(f"{part.where(0)}: labels are {y.dtype}; classes take integer indices "
                         f"or class names")
-    for i, v in enumerate(y):
-        k = index.get(v if isinstance(v, str) else str(v))
-        if k is None:
-            raise DataError(f"{part.where(i)}: unknown label {str(v)!r}; the network's classes "
-                            f"are {names} (learner.classes)")
-        out[i] = k
+    values, inverse = np.unique(np.asarray([str(v) for v in y], dtype=object) if y.dtype == object
+                                else y.astype(str), return_inverse=True)  # one lookup per distinct label
+    inverse = inverse.reshape(-1)
+    mapping = np.asarray([index.get(str(v), -1) for v in values], dtype=np.int64)
+    out = mapping[inverse]
+    if (out < 0).any():
+        i = int(np.argmax(out < 0))  # the first unknown label in file order
+        raise DataError(f"{part.where(i)}: unknown label {str(y[i])!r}; the network's classes "
+                        f"are {names} (learner.classes)")
     return out
 
 
