@@ -134,6 +134,9 @@ def preflight(cfg) -> tuple[str, int] | None:
     problem = strategy_problem(cfg.strategy)
     if problem is not None:
         return f"strategy: {problem}", EXIT_CONFIG
+    if cfg.strategy == "oracle" and cfg.learner.data is not None and "cluster" not in cfg.labels:
+        return ("strategy oracle: a node on its own files (learner.data) has no true cluster; "
+                "set labels.cluster on every node, or pick another strategy"), EXIT_CONFIG
     try:
         true_clusters(cfg.learner)
     except ValueError as e:
@@ -209,6 +212,10 @@ def node_start(
                                             "(coterie cert issue): security.cert_dir"),
     insecure: bool = typer.Option(False, "--insecure", help="plaintext peer port, identities unchecked "
                                   "(security.insecure; a trusted network only)"),
+    data: Optional[Path] = typer.Option(None, "--data", help="learn from exactly the samples in this "
+                                        "file or folder (learner.data; docs/own-data.md)"),
+    data_format: Optional[str] = typer.Option(None, "--data-format", help="auto, npz, csv, parquet, "
+                                              "images or a coterie.datasets loader (learner.data_format)"),
 ) -> None:
     """Start a node daemon; it runs until SIGTERM/SIGINT."""
     from coterie.node.config import ConfigError, load_config
@@ -227,6 +234,9 @@ def node_start(
                 overrides["security"]["insecure"] = True
         if reset:
             overrides["reset"] = True
+        for key, value in (("data", str(data) if data is not None else None), ("data_format", data_format)):
+            if value is not None:
+                overrides.setdefault("learner", {})[key] = value
         cfg = load_config(config, overrides)
     except ConfigError as e:
         raise _fail(str(e), EXIT_CONFIG)

@@ -140,6 +140,10 @@ class Node:
         self.private = PrivateData(learner, cfg.privacy, self.ledger)
         self.serves = (tuple(cfg.privacy.serve_purposes) if cfg.privacy.serve_purposes is not None
                        else purposes_of(cfg.strategy))
+        # own files too small for privacy.min_batch: the node learns, but nothing on its data leaves
+        self.withheld = self.private.withheld(tuple({purpose(p).split for p in purposes_of(cfg.strategy) + self.serves}))
+        if self.withheld:
+            self.problems.note("this node (data)", self.withheld)
         self.network = NodeNetwork(self.node_id, self.client, self.peers, self.cache, self.inbox,
                                    lambda: self.board.current, self.spec, self.problems, self.private,
                                    labels=self.labels, request_timeout_s=cfg.request_timeout_s,
@@ -255,7 +259,7 @@ class Node:
 
     def info(self) -> NodeInfo:
         return NodeInfo(self.node_id, PROTOCOL_VERSION, self.fingerprint, CAPABILITIES, self.address,
-                        self.admin_url, self.labels)
+                        self.admin_url, self.labels, self.learner.task_spec())
 
     def position(self) -> tuple[int, int]:
         """(round, published snapshot version), as heartbeats announce them."""
@@ -448,13 +452,15 @@ class Node:
                 "strategy_state": self.strategy.public_state(), "problems": self.problems.recent(10),
                 "faulty": self.cfg.faulty, "mtls": self.transport.mtls,
                 "admission": self.admission.view(),
-                "membership": self.membership_view(), "privacy": self.privacy_view()}
+                "membership": self.membership_view(), "privacy": self.privacy_view(),
+                "data": self.learner.data_info()}
 
     def privacy_view(self) -> dict[str, Any]:
         """The privacy ledger (ε per peer and in total) and the knobs that bound it."""
         p = self.cfg.privacy
         return {"enabled": p.enabled, "noise_multiplier": p.noise_multiplier, "grad_clip": p.grad_clip,
                 "loss_clip": p.loss_clip, "min_batch": p.min_batch, "serves": list(self.serves),
+                "withheld": self.withheld,
                 **self.ledger.view()}
 
     def membership_view(self) -> dict[str, Any]:

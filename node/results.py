@@ -63,6 +63,14 @@ def _sum_kinds(entries: list[dict[str, Any]], key: str) -> dict[str, int]:
 
 
 def true_clusters_of(run: "StrategyRun") -> tuple[list[int] | None, str | None]:
+    if any(s.config.learner.data is not None for s in run.specs):  # own files: only what labels say
+        labels = [s.config.labels.get("cluster") for s in run.specs]
+        if all(v not in (None, "") for v in labels):
+            try:
+                return [int(v) for v in labels], None
+            except ValueError:
+                pass
+        return None, "true clusters unavailable: the nodes learn from their own files (learner.data)"
     try:
         from .learning.partition import true_clusters
         return [int(c) for c in true_clusters(run.specs[0].config.learner)], None

@@ -38,6 +38,10 @@ Scenario file (TOML)
     round_interval_s = 2.0       # a slow node
     delay_ms = 50
 
+Own data (docs/own-data.md): ``learner.data = "folder/{node}.npz"`` gives every node its own file;
+``{node}`` becomes the node id (n0, n1, ...) and ``{index}`` its index. A relative path is taken
+from the scenario file's folder.
+
 The launcher owns these fields and refuses them in ``[node]``/``[learner]``/``[[overrides]]``:
 ``node_id, state_dir, listen, advertise, admin_listen, peers, strategy, rounds`` and
 ``learner.num_nodes, learner.node_index, learner.data_seed, learner.init_seed``.
@@ -149,7 +153,31 @@ def parse_scenario(data: dict[str, Any], *, strategies: list[str] | None = None,
 
 
 def load_scenario(path: str | Path, **overrides: Any) -> Scenario:
-    return parse_scenario(read_toml(path, "scenario"), **overrides)
+    return parse_scenario(_data_paths_from(read_toml(path, "scenario"), Path(path).resolve().parent),
+                          **overrides)
+
+
+def _data_paths_from(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Relative ``learner.data`` paths (shared and per-override) taken from the scenario's folder."""
+    def fix(learner: Any) -> Any:
+        if isinstance(learner, dict) and isinstance(learner.get("data"), str) \
+                and not Path(learner["data"]).expanduser().is_absolute():
+            return {**learner, "data": str(base / learner["data"])}
+        return learner
+    data = dict(data)
+    data["learner"] = fix(data.get("learner"))
+    if isinstance(data.get("overrides"), list):
+        data["overrides"] = [{**ov, "learner": fix(ov["learner"])} if isinstance(ov, dict) and "learner" in ov
+                             else ov for ov in data["overrides"]]
+    return {k: v for k, v in data.items() if v is not None}
+
+
+def _own_data_path(data: dict[str, Any], i: int) -> dict[str, Any]:
+    """``{node}`` / ``{index}`` in ``learner.data`` made node i's."""
+    path = (data.get("learner") or {}).get("data")
+    if isinstance(path, str) and ("{node}" in path or "{index}" in path):
+        data["learner"] = {**data["learner"], "data": path.replace("{node}", f"n{i}").replace("{index}", str(i))}
+    return data
 
 
 def builtin_scenario(name: str = "demo") -> Path:
@@ -190,7 +218,7 @@ def node_config(sc: Scenario, strategy: str, i: int, strat_dir: Path,
     for ov in sc.overrides:
         if i in ov["nodes"]:
             data = deep_merge(data, {k: v for k, v in ov.items() if k != "nodes"})
-    return validate_config(data)
+    return validate_config(_own_data_path(data, i))
 
 
 def _drop_none(obj: Any) -> Any:

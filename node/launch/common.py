@@ -201,7 +201,19 @@ def check_data(sc: Scenario) -> list[str]:
     seen: set[str] = set()
     warnings: list[str] = []
     for i in range(sc.nodes):
-        lc = node_config(sc, sc.strategy[0], i, Path("/nonexistent")).learner
+        cfg = node_config(sc, sc.strategy[0], i, Path("/nonexistent"))
+        lc = cfg.learner
+        if lc.data is not None:  # the node's own files: read and checked as the node will
+            from ..learning.own_data import load_own_data
+            try:
+                load_own_data(lc)
+            except (ValueError, OSError) as e:
+                raise ConfigError(f"scenario, node n{i}: data: {e}") from None
+            if "oracle" in sc.strategy and "cluster" not in cfg.labels:
+                raise ConfigError(f"scenario, node n{i}: strategy oracle needs a true cluster, which own "
+                                  f"files (learner.data) do not have: set labels.cluster per node "
+                                  f"([[overrides]]) or drop oracle")
+            continue
         key = lc.model_dump_json(include={"dataset", "dataset_params", "partition", "partition_params",
                                           "num_nodes", "data_seed", "val_fraction", "test_fraction"})
         if key in seen:

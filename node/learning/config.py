@@ -20,6 +20,11 @@ class LearnerConfig(BaseModel):
     # the class names the network agrees on (a list, or N meaning "0".."N-1"); None: regression
     # or the built-in dataset's own classes
     classes: list[str] | int | None = None
+    # hooks (learning/hooks.py): the loss — auto (cross_entropy for classes, mse for regression),
+    # cross_entropy, mse, or an entry point in group coterie.losses, (output, target, reduction) -> Tensor;
+    # and an input transform — an entry point in group coterie.transforms, x -> x on every batch
+    loss: str = "auto"
+    input_transform: str | None = None
     partition: Literal[
         "iid", "dirichlet", "pathological", "label_permutation", "class_groups", "random_pairs",
         "sine_intervals", "mixture",

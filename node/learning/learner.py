@@ -38,6 +38,18 @@ class Learner(ABC):
     device: str  # "cpu" or "cuda:0"
     true_cluster: int | None  # ground truth from the partitioner; evaluation/oracle only
     class_names: list[str] | None = None  # output i's class name, agreed by the network; None: regression
+    input_shape: tuple[int, ...] = ()  # one sample's shape
+    own_data: bool = False  # True: the node's own files (real data: privacy allows no concession)
+
+    def task_spec(self) -> str:
+        """What this model learns (input shape, class names or regression) as peers compare it in
+        the handshake (``task.py``)."""
+        from .task import describe_task
+        return describe_task(self.input_shape, self.class_names)
+
+    def data_info(self) -> dict:
+        """Where this node's samples come from and how many each split holds (for /status)."""
+        return {}
 
     @abstractmethod
     def get_params(self) -> Params: ...

@@ -27,8 +27,10 @@ from torch.func import functional_call
 
 from .config import LearnerConfig
 from .datasets import Pool, load_pool
+from .hooks import resolve_loss, resolve_transform
 from .learner import EvalResult, Learner, Params, Split, TrainResult
 from .models import build_model
+from .own_data import OwnData, class_names as agreed_names, load_own_data
 from .partition import NodeData, node_data
 
 _EVAL_BATCH = 2048
@@ -157,23 +159,42 @@ class _Sampler:
 
 class TorchLearner(Learner):
     def __init__(self, cfg: LearnerConfig, pool: Pool | None = None,
-                 data: NodeData | None = None):
+                 data: NodeData | OwnData | None = None):
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
         self.device = resolve_device(cfg.device)
-        if pool is None:
-            pool = load_pool(cfg.dataset, cfg.dataset_params, cfg.data_seed)
-        if data is None:
-            data = node_data(pool, cfg)
-        self.task = pool.task
-        self.num_classes = pool.num_classes
-        self.input_shape = pool.input_shape
-        # what output i means, the same on every node of the network (None for regression)
-        self.class_names: list[str] | None = (
-            [str(i) for i in range(pool.num_classes)] if pool.task == "classification" else None)
-        self.true_cluster = int(data.shard.cluster)
-        self.shard = data.shard
-        self.noisy_train = data.noisy
+        if data is None and cfg.data is not None:
+            data = load_own_data(cfg)  # the node's own files: no pool, no partition
+        if isinstance(data, OwnData):
+            if cfg.label_noise > 0:
+                raise ValueError("learner.label_noise is for the built-in datasets, not learner.data")
+            self.own_data, self._data_info = True, data.summary()
+            self.task = data.task
+            self.class_names = data.class_names
+            self.num_classes = len(data.class_names) if data.class_names is not None else 0
+            self.input_shape = tuple(data.input_shape)
+            self.true_cluster, self.shard = None, None  # no partitioner: no ground truth
+            self.noisy_train = np.zeros(0, dtype=np.int64)
+        else:
+            if pool is None:
+                pool = load_pool(cfg.dataset, cfg.dataset_params, cfg.data_seed)
+            if data is None:
+                data = node_data(pool, cfg)
+            self.task = pool.task
+            self.num_classes = pool.num_classes
+            self.input_shape = pool.input_shape
+            # what output i means, the same on every node of the network (None for regression)
+            self.class_names = self._builtin_names(pool)
+            self.true_cluster = int(data.shard.cluster)
+            self.shard = data.shard
+            self.noisy_train = data.noisy
+            self._data_info = {"source": f"built-in: {cfg.dataset}, partition {cfg.partition} "
+                                         f"(node {cfg.node_index} of {cfg.num_nodes})",
+                               "task": pool.task, "input_shape": list(pool.input_shape),
+                               "classes": self.class_names,
+                               "samples": {s: int(len(getattr(data, f"y_{s}"))) for s in ("train", "val", "test")}}
+        self._loss_hook = resolve_loss(cfg.loss, self.task, self.num_classes)
+        self._transform = resolve_transform(cfg.input_transform)
         ydt = torch.int64 if self.task == "classification" else torch.float32
         self._data: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for split in ("train", "val", "test"):
@@ -184,11 +205,11 @@ class TorchLearner(Learner):
         # θ⁰ is the same on every node: seed right before construction, leaving global RNG as is
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)
-            self.model = build_model(cfg.model, pool.input_shape, pool.num_classes,
+            self.model = build_model(cfg.model, self.input_shape, self.num_classes,
                                      **cfg.model_params)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)
-            self._shadow = build_model(cfg.model, pool.input_shape, pool.num_classes,
+            self._shadow = build_model(cfg.model, self.input_shape, self.num_classes,
                                        **cfg.model_params)
         self.model.to(self.device)
         self._shadow.to(self.device).eval()
@@ -202,6 +223,27 @@ class TorchLearner(Learner):
         self._eval_rng = np.random.default_rng(_seed(cfg.data_seed, cfg.node_index, 0xE7A1))
         self._lock = threading.RLock()
         self._eval_lock = threading.Lock()
+
+    def _builtin_names(self, pool: Pool) -> list[str] | None:
+        """The built-in dataset's classes "0".."C-1", or ``learner.classes`` naming them."""
+        if pool.task != "classification":
+            if self.cfg.classes is not None:
+                raise ValueError(f"learner.classes given, but dataset {self.cfg.dataset!r} is regression")
+            return None
+        names = agreed_names(self.cfg.classes)
+        if names is None:
+            return [str(i) for i in range(pool.num_classes)]
+        if len(names) != pool.num_classes:
+            raise ValueError(f"learner.classes names {len(names)} classes; dataset {self.cfg.dataset!r} "
+                             f"has {pool.num_classes}")
+        return names
+
+    def data_info(self) -> dict:
+        return dict(self._data_info)
+
+    def _x(self, x: torch.Tensor) -> torch.Tensor:
+        """A batch as the model sees it: after ``learner.input_transform``, if any."""
+        return x if self._transform is None else self._transform(x)
 
     # ------------------------------------------------------------------ params
     def _make_optimizer(self) -> LocalOptimizer:
@@ -239,9 +281,7 @@ class TorchLearner(Learner):
 
     # ------------------------------------------------------------------ core
     def _loss_fn(self, out: torch.Tensor, y: torch.Tensor, reduction: str) -> torch.Tensor:
-        if self.task == "regression":
-            return F.mse_loss(out.reshape(-1), y.reshape(-1), reduction=reduction)
-        return F.cross_entropy(out, y, reduction=reduction)
+        return self._loss_hook(out, y, reduction)  # learner.loss (hooks.py)
 
     def num_samples(self, split: Split = "train") -> int:
         return len(self._data[split][1])
@@ -261,7 +301,7 @@ class TorchLearner(Learner):
             for _ in range(steps):
                 idx = torch.from_numpy(self._sampler.next(bs)).to(self.device)
                 self.optimizer.zero_grad(set_to_none=True)
-                loss = self._loss_fn(self.model(x[idx]), y[idx], "mean")
+                loss = self._loss_fn(self.model(self._x(x[idx])), y[idx], "mean")
                 loss.backward()
                 self.optimizer.step()
                 total += float(loss.detach())
@@ -319,7 +359,7 @@ class TorchLearner(Learner):
         total, correct = 0.0, 0
         with torch.no_grad():
             for i in range(0, n, _EVAL_BATCH):
-                out = functional_call(self._shadow, p, (x[i:i + _EVAL_BATCH],))
+                out = functional_call(self._shadow, p, (self._x(x[i:i + _EVAL_BATCH]),))
                 yb = y[i:i + _EVAL_BATCH]
                 total += float(self._loss_fn(out, yb, "sum"))
                 if self.task == "classification":
@@ -336,7 +376,7 @@ class TorchLearner(Learner):
             if len(y) == 0:
                 raise ValueError(f"split {split!r} is empty on this node: no gradient")
             with torch.enable_grad():
-                out = functional_call(self._shadow, p, (x,))
+                out = functional_call(self._shadow, p, (self._x(x),))
                 loss = self._loss_fn(out, y, reduction)
                 grads = torch.autograd.grad(loss, [p[n] for n in self._names])
             acc = (float((out.argmax(1) == y).float().mean())
@@ -360,7 +400,7 @@ class TorchLearner(Learner):
         with self._eval_lock, torch.no_grad():
             for i in range(0, len(idx), _EVAL_BATCH):
                 j = idx[i:i + _EVAL_BATCH]
-                out = functional_call(self._shadow, p, (x[j],))
+                out = functional_call(self._shadow, p, (self._x(x[j]),))
                 per = self._loss_fn(out, y[j], "none").reshape(-1)
                 per = torch.nan_to_num(per, nan=clip, posinf=clip, neginf=0.0).clamp(0.0, clip)
                 total += float(per.sum())
@@ -381,7 +421,7 @@ class TorchLearner(Learner):
         total = {n: torch.zeros_like(p[n]) for n in self._names}
 
         def sample_loss(params: Params, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-            out = functional_call(self._shadow, params, (xi.unsqueeze(0),))
+            out = functional_call(self._shadow, params, (self._x(xi.unsqueeze(0)),))
             return self._loss_fn(out, yi.unsqueeze(0), "sum")
 
         per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))
@@ -422,7 +462,7 @@ class TorchLearner(Learner):
                 for wj, pj in zip(w, ps):
                     if wj == 0:
                         continue
-                    out = functional_call(self._shadow, pj, (xb,))
+                    out = functional_call(self._shadow, pj, (self._x(xb),))
                     out = out.softmax(1) if self.task == "classification" else out.reshape(-1)
                     mix = wj * out if mix is None else mix + wj * out
                 if self.task == "classification":

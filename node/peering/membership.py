@@ -33,6 +33,7 @@ from typing import Awaitable, Callable
 from .deadlines import Deadlines
 from .errors import UNKNOWN_PEER, PeerCallError, invalid, refused, unknown_peer
 from .interfaces import PeerTransport
+from ..learning.task import task_difference
 from .loop_lag import LoopLag
 from .messages import ALIVE, DEAD, SUSPECT, Beat, IndirectProbe, MemberUpdate, NodeInfo, PeerEntry
 from .peer_table import PeerTable
@@ -299,6 +300,9 @@ class Membership:
         if remote.protocol_version != me.protocol_version:
             return (f"node {remote.node_id!r} speaks protocol version {remote.protocol_version}, "
                     f"this node speaks {me.protocol_version}")
+        task = task_difference(me.task, remote.task, remote.node_id)  # before shapes: it says more
+        if task:
+            return task
         if remote.arch_fingerprint != me.arch_fingerprint:
             return (f"node {remote.node_id!r} runs another model architecture (fingerprint "
                     f"{remote.arch_fingerprint[:12]}…, this node {me.arch_fingerprint[:12]}…)")

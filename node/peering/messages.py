@@ -28,6 +28,7 @@ class NodeInfo:
     address: str = ""
     admin_url: str = ""
     labels: dict[str, str] = field(default_factory=dict)
+    task: str = ""  # what the model learns: input shape and class names (learning/task.py)
 
 
 @dataclass(frozen=True)

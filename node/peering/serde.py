@@ -12,12 +12,12 @@ from .messages import (ALIVE, DEAD, SUSPECT, Beat, ComputeReply, ComputeRequest,
 def node_info_to_pb(n: NodeInfo) -> pb.NodeInfo:
     return pb.NodeInfo(node_id=n.node_id, protocol_version=n.protocol_version,
                        arch_fingerprint=n.arch_fingerprint, capabilities=list(n.capabilities),
-                       address=n.address, admin_url=n.admin_url, labels=dict(n.labels))
+                       address=n.address, admin_url=n.admin_url, labels=dict(n.labels), task=n.task)
 
 
 def node_info_from_pb(m: pb.NodeInfo) -> NodeInfo:
     return NodeInfo(m.node_id, m.protocol_version, m.arch_fingerprint, tuple(m.capabilities),
-                    m.address, m.admin_url, dict(m.labels))
+                    m.address, m.admin_url, dict(m.labels), m.task)
 
 
 def entries_to_pb(entries: list[PeerEntry]) -> list[pb.PeerEntry]:

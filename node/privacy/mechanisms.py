@@ -4,7 +4,11 @@
 -gradients, COBO's alignment vector, FedeRiCo's pushed gradients all come through here):
 
 1. the purpose fixes the split (``purposes.py``); the expected batch is at least
-   ``min_batch`` samples (the whole split if smaller), never a caller-chosen sample;
+   ``min_batch`` samples, never a caller-chosen sample. A node on its own files (real data)
+   whose split holds fewer than ``min_batch`` samples releases nothing at all
+   (``TooFewSamples``: refused like a spent budget; ``withheld()`` says so for /status). The
+   built-in synthetic pools keep the old concession (the whole split if smaller), so the shipped
+   experiments with small shards run unchanged;
 2. with privacy on, the release is the sampled Gaussian mechanism of DP-SGD (Abadi et al. 2016,
    as opacus implements it): the ledger is charged first (and refuses once the budget is spent),
    then a Poisson sample of the split at rate q = batch/n, per-sample clipping (losses into
@@ -26,8 +30,13 @@ import torch
 
 from ..config import PrivacyConfig
 from ..learning.learner import Learner, Params
-from .ledger import PrivacyLedger
+from .ledger import BudgetSpent, PrivacyLedger
 from .purposes import Purpose
+
+
+class TooFewSamples(BudgetSpent):
+    """The split holds fewer than ``min_batch`` samples of real data: nothing computed on it may
+    leave. A kind of spent budget, so every caller that handles one handles this too."""
 
 
 @dataclass
@@ -52,8 +61,25 @@ class PrivateData:
         n = self.learner.num_samples(split)
         if n == 0:
             raise ValueError(f"split {split!r} is empty on this node")
+        if n < self.cfg.min_batch and self.learner.own_data:
+            raise TooFewSamples(self._too_few(split, n))
         b = n if requested <= 0 else min(n, max(int(requested), self.cfg.min_batch))
         return b, n
+
+    def _too_few(self, split: str, n: int) -> str:
+        return (f"this node's {split} split holds {n} samples, fewer than privacy.min_batch = "
+                f"{self.cfg.min_batch}: it serves no cross-loss/-gradient and sends no gradient "
+                f"computed on its data")
+
+    def withheld(self, splits: tuple[str, ...] = ("train", "val")) -> str | None:
+        """Why this node releases nothing computed on its data (too few samples), or None."""
+        if not self.learner.own_data:
+            return None
+        for split in splits:
+            n = self.learner.num_samples(split)
+            if 0 < n < self.cfg.min_batch:
+                return self._too_few(split, n)
+        return None
 
     def _sample(self, b: int, n: int) -> np.ndarray:
         with self._rng_lock:

@@ -101,4 +101,7 @@ class Oracle(DPSGD):
 
     def candidates(self) -> list[str]:
         mine = self.net.true_cluster(self.node_id)
+        if mine is None and self.learner.own_data:
+            raise ValueError("oracle: this node learns from its own files, which have no true cluster; "
+                             "set labels.cluster on every node or pick another strategy")
         return [p for p in self.net.peers() if mine is not None and self.net.true_cluster(p) == mine]

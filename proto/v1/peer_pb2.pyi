@@ -17,7 +17,7 @@ MEMBER_SUSPECT: MemberState
 MEMBER_DEAD: MemberState
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "protocol_version", "arch_fingerprint", "capabilities", "address", "admin_url", "labels")
+    __slots__ = ("node_id", "protocol_version", "arch_fingerprint", "capabilities", "address", "admin_url", "labels", "task")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class NodeInfo(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ADMIN_URL_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     protocol_version: int
     arch_fingerprint: str
@@ -39,7 +40,8 @@ class NodeInfo(_message.Message):
     address: str
     admin_url: str
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., arch_fingerprint: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., admin_url: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    task: str
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., arch_fingerprint: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., admin_url: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., task: _Optional[str] = ...) -> None: ...
 
 class PeerEntry(_message.Message):
     __slots__ = ("node_id", "address", "last_seen_age_s")
