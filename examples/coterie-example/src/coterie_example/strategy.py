@@ -1,8 +1,8 @@
 """``simavg``: similarity-weighted averaging (group ``coterie.strategies``).
 
 Each round, node i
-  1. pulls the published models of up to ``max_peers`` alive peers (``PeerNetwork.pull``; a peer
-     that does not answer in time is simply left out),
+  1. pulls the published models of up to ``max_peers`` alive peers, of at least round r−1
+     (``PeerNetwork.pull`` with ``min_round``; a peer that does not answer in time is left out),
   2. measures how well each candidate θ_n (its own live model and the pulled ones) predicts its
      *own* validation data, L_n = L_i^val(θ_n) — nothing about i's data leaves the node,
   3. weights them by similarity, w_n ∝ exp(−(L_n − min L) / temperature), and sets
@@ -40,6 +40,7 @@ class SimilarityAveraging(Strategy):
         "temperature": 0.1,   # T: lower = only the best-matching models count
         "max_peers": 8,       # models pulled per round (the alive peers, sorted, first ones)
         "val_samples": None,  # None = the whole validation split
+        "wait_s": 5.0,        # wait this long for a peer's previous round (0: take what it has)
     }
 
     def __init__(self, *a: Any, **kw: Any):
@@ -54,7 +55,11 @@ class SimilarityAveraging(Strategy):
         peers = self.net.peers()
         if len(peers) > int(self.p["max_peers"]):
             peers = [str(p) for p in self.rng.choice(peers, int(self.p["max_peers"]), replace=False)]
-        snaps = await gather_bounded({p: self.net.pull(p) for p in peers})
+        # round-aligned: a peer's model of at least my previous round, so a fast node does not
+        # judge its peers by models they have not trained yet; a peer that is later gets left out
+        wait = float(self.p["wait_s"])
+        snaps = await gather_bounded({p: self.net.pull(p, min_round=rnd - 1, wait_s=wait) if wait > 0
+                                      else self.net.pull(p) for p in peers})
         mine = self.learner.get_params()
         cands = {self.node_id: mine}
         for p, s in snaps.items():
