@@ -282,9 +282,9 @@ def test_the_task_says_what_differs():
     assert task_difference(mine, mine, "n3") is None
     assert task_difference(mine, "", "n3") is None  # an older peer: checked on its architecture
     why = task_difference(mine, describe_task((4,), ["cat", "dog"]), "n3")
-    assert why == "peer 'n3''s task differs: classes ['cat', 'dog'] vs this node's ['0', '1', '2']"
-    why = task_difference(mine, describe_task((1, 2, 2), ["0", "1", "2"]), "n4")
-    assert "input shape [1, 2, 2] vs this node's [4]" in why and "classes" not in why
+    assert why == "peer 'n3''s task differs from this node's: classes ['cat', 'dog'] vs ['0', '1', '2']"
+    why = task_difference(mine, describe_task((1, 2, 2), ["0", "1", "2"]), "n4", "n0")
+    assert why == "peer 'n4''s task differs from node 'n0''s: input shape [1, 2, 2] vs [4]"
     assert "regression" in task_difference(mine, describe_task((4,), None), "n5")
 
 
@@ -303,7 +303,7 @@ def test_a_peer_with_another_task_is_refused_in_the_handshake():
                    heartbeat_interval_s=1.0, request_timeout_s=1.0, rng=random.Random(0), settings=Settings())
     other = NodeInfo("n3", 1, "arch", address="a3", task=describe_task((4,), ["cat", "dog", "eel"]))
     other = node_info_from_pb(node_info_to_pb(other))  # as it arrives over the wire
-    with pytest.raises(Refusal, match=r"peer 'n3''s task differs: classes \['cat', 'dog', 'eel'\] vs"):
+    with pytest.raises(Refusal, match=r"peer 'n3''s task differs from node 'n0''s: classes \['cat', 'dog', 'eel'\] vs \['0', '1', '2'\]"):
         m.on_handshake(other)
     assert "n3" not in m.peers.records
     same = NodeInfo("n4", 1, "arch", address="a4", task=me.task)

@@ -112,3 +112,69 @@ def test_node_start_with_bad_data_fails_in_one_line(tmp_path):
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert "Traceback" not in p.stderr, p.stderr
     assert lines[-1] == f"coterie: cannot start node: {bad} line 3: features hold NaN or Inf (or a missing value)"
+
+
+def test_learner_data_from_toml_environment_and_flags(tmp_path):
+    from coterie.cli.main import build_overrides  # noqa: F401  (the flags go through load_config too)
+    from coterie.node.config import load_config
+
+    toml = tmp_path / "n.toml"
+    toml.write_text('[learner]\ndata = "/from/toml.csv"\nclasses = 3\n')
+    assert load_config(toml, environ={}).learner.data == "/from/toml.csv"
+    cfg = load_config(toml, environ={"COTERIE_LEARNER__DATA": "/from/env.npz", "COTERIE_LEARNER__DATA_FORMAT": "npz"})
+    assert (cfg.learner.data, cfg.learner.data_format, cfg.learner.classes) == ("/from/env.npz", "npz", 3)
+
+
+def test_node_start_refuses_oracle_on_own_files(tmp_path):
+    from typer.testing import CliRunner
+
+    from coterie.cli.main import app
+
+    write_node_file(tmp_path / "d.npz", 60, 0)
+    r = CliRunner().invoke(app, ["node", "start", "--insecure", "--state-dir", str(tmp_path / "st"),
+                                 "--strategy", "oracle", "--data", str(tmp_path / "d.npz"),
+                                 "--data-format", "npz", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+    assert r.exit_code == 2 and "oracle: a node on its own files (learner.data) has no true cluster" in r.stderr
+
+
+def test_two_daemons_whose_classes_differ_never_become_peers(tmp_path):
+    """Same files, same architecture, the class list in another order: a real daemon refuses the
+    other's handshake, says what differs, and both learn alone."""
+    import asyncio
+    import time
+
+    from coterie.node.config import validate_config
+    from coterie.node.daemon import Node
+    from coterie.node.transport.inproc import InProcNetwork
+
+    write_node_file(tmp_path / "d.npz", 120, 0, names=True)
+
+    def config(i, peers, classes):
+        return validate_config({
+            "node_id": f"n{i}", "state_dir": str(tmp_path / f"n{i}"), "strategy": "local", "peers": peers,
+            "heartbeat_interval_s": 0.2, "rounds": 0,
+            "learner": {"data": str(tmp_path / "d.npz"), "classes": classes, "model": "linear", "device": "cpu"}})
+
+    async def go():
+        hub = InProcNetwork()
+        ca = config(0, [], CLASSES)
+        a = Node(ca, transport=hub.transport_for(ca), admin=False)
+        await a.start()
+        cb = config(1, [a.address], ["dog", "cat", "eel"])
+        b = Node(cb, transport=hub.transport_for(cb), admin=False)
+        await b.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not any("task differs" in p["message"] for p in a.problems.recent(50)):
+                assert time.monotonic() < deadline, "n0 never refused n1"
+                await asyncio.sleep(0.05)
+            why = next(p["message"] for p in a.problems.recent(50) if "task differs" in p["message"])
+            assert why == ("handshake: peer 'n1''s task differs from node 'n0''s: classes ['dog', 'cat', 'eel'] "
+                           "vs ['cat', 'dog', 'eel']")
+            assert a.peers.alive() == [] and b.peers.alive() == []
+            assert a.status()["data"]["classes"] == CLASSES and b.status()["data"]["classes"] == ["dog", "cat", "eel"]
+        finally:
+            await b.stop()
+            await a.stop()
+
+    asyncio.run(go())

@@ -241,7 +241,6 @@ def _labels(part: Part, names: list[str] | None) -> np.ndarray:
             raise DataError(f"{part.where(int(np.argmax(bad)))}: target is NaN or Inf")
         return t
     index = {n: i for i, n in enumerate(names)}
-    out = np.empty(len(y), dtype=np.int64)
     if y.dtype.kind in "iu":  # integer labels: indices into the agreed class list
         bad = (y < 0) | (y >= len(names))
         if bad.any():
@@ -252,12 +251,15 @@ def _labels(part: Part, names: list[str] | None) -> np.ndarray:
     if y.dtype.kind in "fb":
         raise DataError(f"{part.where(0)}: labels are {y.dtype}; classes take integer indices "
                         f"or class names")
-    for i, v in enumerate(y):
-        k = index.get(v if isinstance(v, str) else str(v))
-        if k is None:
-            raise DataError(f"{part.where(i)}: unknown label {str(v)!r}; the network's classes "
-                            f"are {names} (learner.classes)")
-        out[i] = k
+    values, inverse = np.unique(np.asarray([str(v) for v in y], dtype=object) if y.dtype == object
+                                else y.astype(str), return_inverse=True)  # one lookup per distinct label
+    inverse = inverse.reshape(-1)
+    mapping = np.asarray([index.get(str(v), -1) for v in values], dtype=np.int64)
+    out = mapping[inverse]
+    if (out < 0).any():
+        i = int(np.argmax(out < 0))  # the first unknown label in file order
+        raise DataError(f"{part.where(i)}: unknown label {str(y[i])!r}; the network's classes "
+                        f"are {names} (learner.classes)")
     return out
 
 
@@ -277,7 +279,7 @@ def _draw(n: int, cfg: LearnerConfig, missing: list[str]) -> dict[str, np.ndarra
 def load_own_data(cfg: LearnerConfig) -> OwnData:
     """This node's own samples, read, checked, split and labelled (see the module docstring)."""
     names = class_names(cfg.classes)
-    path = Path(cfg.data).expanduser() if cfg.data is not None else None
+    path = Path(cfg.data).expanduser().absolute() if cfg.data is not None else None
     fmt = detect_format(path, cfg.data_format)
     if fmt in ("npz", "csv", "parquet", "images") and (path is None or not path.exists()):
         raise DataError(f"{path}: no such file or folder (learner.data)")
@@ -291,7 +293,7 @@ def load_own_data(cfg: LearnerConfig) -> OwnData:
                             f"network agrees on; output i is classes[i])")
         parts = _read_images(path, cfg.data_params)
     else:
-        parts = _read_loader(fmt, None if path is None else str(path), dict(cfg.data_params))
+        parts = _read_loader(fmt, cfg.data, dict(cfg.data_params))  # as given: a loader's path may be no file
     given = tuple(s for s in SPLITS if s in parts)
     if "all" in parts:
         base = parts.pop("all")
@@ -314,5 +316,5 @@ def load_own_data(cfg: LearnerConfig) -> OwnData:
         shape = tuple(x.shape[1:])
         arrays[f"x_{s}"], arrays[f"y_{s}"] = x, _labels(part, names)
     source = f"{fmt}: {path}" if fmt in ("npz", "csv", "parquet", "images") else f"loader {fmt}" + (
-        f": {path}" if path is not None else "")
+        f": {cfg.data}" if cfg.data is not None else "")
     return OwnData(**arrays, input_shape=shape, class_names=names, source=source, given_splits=given)

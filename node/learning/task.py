@@ -33,7 +33,7 @@ def _classes(c: Any) -> str:
     return repr(c)
 
 
-def task_difference(mine: str, theirs: str, peer: str) -> str | None:
+def task_difference(mine: str, theirs: str, peer: str, me: str = "") -> str | None:
     """None when the tasks match (or the peer announces none: an older build, checked on its
     architecture alone), else one line saying what differs."""
     if not theirs or theirs == mine:
@@ -45,9 +45,11 @@ def task_difference(mine: str, theirs: str, peer: str) -> str | None:
         return None
     diffs = []
     if b.get("input_shape") != a.get("input_shape"):
-        diffs.append(f"input shape {b.get('input_shape')} vs this node's {a.get('input_shape')}")
+        diffs.append(f"input shape {b.get('input_shape')} vs {a.get('input_shape')}")
     if b.get("classes") != a.get("classes"):
-        diffs.append(f"classes {_classes(b.get('classes'))} vs this node's {_classes(a.get('classes'))}")
+        diffs.append(f"classes {_classes(b.get('classes'))} vs {_classes(a.get('classes'))}")
     if not diffs:
         return None
-    return f"peer {peer!r}'s task differs: " + "; ".join(diffs)
+    # the refused peer reads this too: name both ends
+    return f"peer {peer!r}'s task differs from node {me!r}'s: " + "; ".join(diffs) if me else \
+        f"peer {peer!r}'s task differs from this node's: " + "; ".join(diffs)

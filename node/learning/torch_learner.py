@@ -1,4 +1,7 @@
-"""TorchLearner: the ``Learner`` interface on a torch model and this node's shard.
+"""TorchLearner: the ``Learner`` interface on a torch model and this node's shard — or, with
+``learner.data`` set, exactly the samples of the node's own files (``own_data.py``; no pool, no
+partition, ``true_cluster`` None). Output i means ``class_names[i]`` (``learner.classes``, the
+same on every node); the loss and an input transform are hooks (``hooks.py``).
 
 Threading: the live model and optimizer are guarded by ``_lock`` (train, set_params,
 apply_gradient, save/load, snapshots). Methods taking ``params`` never touch the live model:
@@ -544,6 +547,7 @@ def _json_default(o):
 
 
 def build_learner(cfg: LearnerConfig, pool: Pool | None = None) -> TorchLearner:
-    """The learner for ``cfg.node_index``: loads the pool (cached in-process), partitions it,
-    builds θ⁰ from ``cfg.init_seed``. Pass ``pool`` to reuse one already loaded."""
+    """The learner for ``cfg.node_index``: reads the node's own files (``cfg.data``) or loads the
+    pool (cached in-process) and partitions it; builds θ⁰ from ``cfg.init_seed``. Pass ``pool`` to
+    reuse one already loaded."""
     return TorchLearner(cfg, pool=pool)

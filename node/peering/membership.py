@@ -300,7 +300,7 @@ class Membership:
         if remote.protocol_version != me.protocol_version:
             return (f"node {remote.node_id!r} speaks protocol version {remote.protocol_version}, "
                     f"this node speaks {me.protocol_version}")
-        task = task_difference(me.task, remote.task, remote.node_id)  # before shapes: it says more
+        task = task_difference(me.task, remote.task, remote.node_id, me.node_id)  # before shapes: it says more
         if task:
             return task
         if remote.arch_fingerprint != me.arch_fingerprint:
