@@ -142,6 +142,24 @@ def test_register_in_process(plugins):
         registry.register_strategy("fedfomo", plugin_strats.Echo)
 
 
+@pytest.mark.slow
+def test_a_broken_plugin_does_not_stop_coterie_run(tmp_path):
+    """The launcher's fork server preloads the built-in strategies only: an installed plugin that
+    fails to import cannot take it down, and a network of built-in strategies still runs."""
+    site = tmp_path / "site"
+    site.mkdir()
+    install_fake_dist(site, "broken_plugin", {"broken_strats": "raise RuntimeError('plugin bug')\n"},
+                      {"coterie.strategies": {"broken": "broken_strats:Thing"}})
+    sc = tmp_path / "sc.toml"
+    sc.write_text('nodes = 2\nrounds = 1\nstrategy = "local"\n[learner]\ndataset = "gaussian"\n'
+                  'dataset_params = { num_samples = 400 }\npartition_params = { num_clusters = 2 }\n'
+                  'model = "linear"\n[node]\nround_interval_s = 0.0\n')
+    r = subprocess.run([sys.executable, "-m", "coterie.cli.main", "run", str(sc), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=300, env=_env(site), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert json.loads((tmp_path / "o" / "results.json").read_text())["strategies"]["local"]["nodes"]["n1"]["rounds"] == [1]
+
+
 # ------------------------------------------------------------------ the worked example package
 def _pip_install(target: Path) -> None:
     """pip install examples/coterie-example into ``target`` (no index needed when this
