@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -161,10 +162,13 @@ def test_a_broken_plugin_does_not_stop_coterie_run(tmp_path):
 
 
 # ------------------------------------------------------------------ the worked example package
-def _pip_install(target: Path) -> None:
+def _pip_install(target: Path, workdir: Path) -> None:
     """pip install examples/coterie-example into ``target`` (no index needed when this
-    environment's setuptools can build it; otherwise pip fetches a build backend)."""
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(EXAMPLE)]
+    environment's setuptools can build it; otherwise pip fetches a build backend). Built from a
+    copy: a build leaves build/ and *.egg-info behind, which do not belong in the checkout."""
+    src = workdir / "coterie-example"
+    shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(src)]
     try:
         import setuptools
         import wheel  # noqa: F401  (bdist_wheel for setuptools < 70.1)
@@ -181,7 +185,7 @@ def _pip_install(target: Path) -> None:
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
     target = tmp_path_factory.mktemp("site")
-    _pip_install(target)
+    _pip_install(target, tmp_path_factory.mktemp("build"))
     assert (target / "coterie_example").is_dir()
     return target
 
