@@ -42,6 +42,25 @@ def test_a_long_node_id_still_fits_a_certificate(tmp_path):
     assert load_credentials(issue_cert(tmp_path / "ca", long_id, tmp_path / "n")).node_id == long_id
 
 
+def test_node_dns_names_are_readable_for_dns_labels_and_never_collide():
+    # a pod name is a DNS label: a certificate template (cert-manager csi-driver) can write its name
+    assert node_dns_name("coterie-0") == "coterie-0.node.coterie"
+    for other in ("Coterie-0", "n-0.example:7", "n" * 64, "-x"):  # not a lowercase DNS label: hashed
+        name = node_dns_name(other)
+        assert name.endswith(".node.coterie") and len(name.split(".")[0]) == 32
+    # a node named like another's hash gets a hash of its own, not the other's name
+    victim = node_dns_name("n-0.example:7")
+    assert node_dns_name(victim.split(".")[0]) != victim
+
+
+def test_another_nodes_key_is_refused_at_load(tmp_path):
+    init_ca(tmp_path / "ca")
+    a = issue_cert(tmp_path / "ca", "a", tmp_path / "a")
+    b = issue_cert(tmp_path / "ca", "b", tmp_path / "b")
+    with pytest.raises(PKIError, match="not the private key of the certificate"):
+        load_credentials(a, key=b / "node.key")
+
+
 def test_certificate_problems_are_named(tmp_path):
     init_ca(tmp_path / "ca")
     with pytest.raises(PKIError, match="refusing to replace"):

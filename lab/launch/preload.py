@@ -27,11 +27,14 @@ import coterie.node.logs  # noqa: F401
 import coterie.node.learning.torch_learner  # noqa: F401
 import coterie.node.transport.grpc_transport  # noqa: F401  (grpc, cryptography via tls.py)
 from coterie.node.privacy import accountant
-from coterie.node.strategies.registry import available, get_strategy
+from coterie.node.strategies.registry import builtin, get_strategy
 
 accountant.warm()  # opacus' RDP analysis, imported and ready
 
-for _name in available():  # every strategy module: a child imports only what it runs, but shares it all
+# every built-in strategy module: a child imports only what it runs, but shares it all. Not the
+# installed plugins: one that fails to import would take the fork server down with it (the child
+# that runs a plugin imports it, and reports its error, itself)
+for _name in builtin():
     get_strategy(_name)
 
 gc.freeze()

@@ -9,12 +9,18 @@ from the TLS handshake to know who calls; the subject CN repeats it for people, 
 characters) and two DNS SANs: ``coterie-peer`` (shared by every node, used only for the first
 contact with an address whose owner is not known yet) and ``node_dns_name(id)`` (what a client
 asks for when it dials a known peer, so that TLS itself checks it reached that node and no other). Addresses are never in a certificate: the same cert
-works on loopback, in containers and behind k8s services, whatever the peer is dialled as."""
+works on loopback, in containers and behind k8s services, whatever the peer is dialled as.
+
+Any CA that writes these SANs can issue node certificates, not only ``coterie cert issue``: on
+Kubernetes, cert-manager's csi-driver does it per pod from volume attributes (deploy/k8s). That is
+why ``node_dns_name`` of an id that is a DNS label (a pod name) is the readable ``<id>.node.coterie``
+— a template can write it — and only other ids use a hash."""
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,8 +49,17 @@ def check_node_id(node_id: str) -> str:
     return node_id
 
 
+_DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+_HASH_LABEL = re.compile(r"[0-9a-f]{32}")
+
+
 def node_dns_name(node_id: str) -> str:
-    """The DNS SAN that names one node (node ids need not be DNS labels, a hash always is)."""
+    """The DNS SAN that names one node: ``<id>.node.coterie`` when the id is a lowercase DNS label
+    (a Kubernetes pod name: a certificate template can write it), else a hash of the id, which
+    always is one. An id that looks like a hash (32 hex digits) is hashed too, so a node named
+    like another's hash can never match that other's name."""
+    if _DNS_LABEL.fullmatch(node_id) and not _HASH_LABEL.fullmatch(node_id):
+        return f"{node_id}.node.coterie"
     return f"{hashlib.sha256(node_id.encode()).hexdigest()[:32]}.node.coterie"
 
 
@@ -185,7 +200,12 @@ def load_credentials(cert_dir: str | Path | None = None, *, ca: str | Path | Non
     except (ValueError, TypeError, InvalidSignature) as e:
         raise PKIError(f"{cert_p} is not issued by the CA in {ca_p}: {type(e).__name__} {e}") from None
     try:
-        serialization.load_pem_private_key(key_pem, password=None)
+        private = serialization.load_pem_private_key(key_pem, password=None)
     except (ValueError, TypeError) as e:
         raise PKIError(f"{key_p} is not an unencrypted PEM private key: {e}") from None
+    # another node's key (a mixed-up mount) would only fail at the first handshake: fail here
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if (private.public_key().public_bytes(*spki)
+            != x509.load_pem_x509_certificate(cert_pem).public_key().public_bytes(*spki)):
+        raise PKIError(f"{key_p} is not the private key of the certificate {cert_p} (node {node_id!r})")
     return NodeCredentials(node_id, ca_pem, cert_pem, key_pem)

@@ -3,6 +3,9 @@
 A strategy decides whom to learn from and how much. It never sees gRPC: it asks its
 ``PeerNetwork`` (implemented by the daemon) for snapshots, cross-losses and cross-gradients, and
 gets ``None`` back when a peer is slow, dead or refuses — it must then carry on without it.
+
+This is the contract third-party strategies (entry point group ``coterie.strategies``,
+``registry.py``) are written against; docs/extending.md spells it out.
 """
 from __future__ import annotations
 
@@ -45,7 +48,11 @@ class PushedGradient:
 
 
 class PeerNetwork(Protocol):
-    """What the node offers a strategy. All calls are bounded by the node's request timeout."""
+    """What the node offers a strategy. All calls are bounded by the node's request timeout and
+    return None for a peer that is slow, dead, refuses or answers nonsense. Call them from the
+    strategy's coroutines only (the node's event loop). What is computed on a peer's data
+    (cross_loss, cross_gradient) comes back DP-noised and charged to that peer's privacy budget;
+    it names a ``purpose`` the peer serves (privacy/purposes.py, ``privacy.serve_purposes``)."""
 
     node_id: str
 
@@ -122,6 +129,11 @@ class Strategy(ABC):
     ``run_round`` does the whole round: local training (through ``self.learner``, CPU work via
     ``await self.compute(fn, ...)``), peer selection, exchange and the update of the live model.
     The node then publishes the model with ``published_extras()`` and persists ``state_dict()``.
+
+    Built as ``cls(node_id, learner, network, params, seed=...)``; ``params`` must be keys of
+    ``defaults``. ``run_round``, the ``on_*`` hooks, ``weights`` and ``state_dict`` run on the
+    node's event loop (never block it; the hooks may run while ``run_round`` awaits);
+    ``evaluate`` runs in a worker thread. Randomness from ``self.rng`` only (reproducible runs).
     """
 
     name: ClassVar[str]
