@@ -97,8 +97,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--from-runs", action="store_true", help="only summarise the run dirs already there")
     args = ap.parse_args()
-    from coterie.node.launch import run_scenario
-    from coterie.node.scenario import parse_scenario
+    from coterie.lab.launch import run_scenario
+    from coterie.lab.scenario import parse_scenario
 
     strategies = args.strategies.split(",")
     runs = {}

@@ -127,7 +127,7 @@ def test_a_factory_that_returns_something_else_is_refused_when_called(plugins):
 
 
 def test_one_broken_plugin_does_not_hide_the_others(plugins):
-    from coterie.node.launcher import strategy_problem
+    from coterie.lab.launcher import strategy_problem
     assert strategy_problem("echo") is None and strategy_problem("local") is None
     assert "failed to load" in strategy_problem("broken")
 

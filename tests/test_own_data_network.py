@@ -13,7 +13,7 @@ import pytest
 import tomli_w
 
 from coterie.node.config import ConfigError
-from coterie.node.scenario import load_scenario, parse_scenario
+from coterie.lab.scenario import load_scenario, parse_scenario
 
 CLASSES = ["cat", "dog", "eel"]
 
@@ -61,7 +61,7 @@ def test_coterie_run_on_each_nodes_own_file(tmp_path):
 
 
 def test_scenario_paths_and_data_checks_before_any_node_starts(tmp_path):
-    from coterie.node.launch.common import check_data
+    from coterie.lab.launch.common import check_data
 
     d = scenario(tmp_path, ["local", "oracle"])
     toml = tmp_path / "s.toml"
@@ -83,7 +83,7 @@ def test_scenario_paths_and_data_checks_before_any_node_starts(tmp_path):
 def test_a_node_with_too_few_samples_runs_but_releases_nothing(tmp_path):
     """SCool asks every peer for the loss of its model on their training data (a cross-loss);
     n2 holds 30 training samples < min_batch 64: it learns, refuses those requests, says why."""
-    from coterie.node.launch import inproc
+    from coterie.lab.launch import inproc
 
     sc = parse_scenario({**scenario(tmp_path, ["scool-sbm"], sizes=(300, 300, 50)),
                          "learner": {**scenario(tmp_path, [], sizes=(300, 300, 50))["learner"],

@@ -195,7 +195,7 @@ def check_data(sc: Scenario) -> list[str]:
         cfg = node_config(sc, sc.strategy[0], i, Path("/nonexistent"))
         lc = cfg.learner
         if lc.data is not None:  # the node's own files: read and checked as the node will
-            from ..learning.own_data import load_own_data
+            from coterie.node.learning.own_data import load_own_data
             try:
                 load_own_data(lc)
             except (ValueError, OSError) as e:
