@@ -146,11 +146,13 @@ async def _auth(request: web.Request, handler):
     auth: AdminAuth | None = request.app[AUTH_KEY]
     if auth is None or request.path in AdminAuth.OPEN_PATHS:
         return await handler(request)
+    # the dashboard bootstrap, and only there: elsewhere a token in a URL ends up in logs and history
+    if request.path == "/" and request.method == "GET" and "token" in request.query:
+        if auth.token_ok(request.query.get("token")):
+            raise auth.login()  # also with a valid cookie: the token must leave the address bar
+        return _unauthorized(request)
     if auth.allows(request):
         return await handler(request)
-    # the dashboard bootstrap, and only there: elsewhere a token in a URL ends up in logs and history
-    if request.path == "/" and request.method == "GET" and auth.token_ok(request.query.get("token")):
-        raise auth.login()
     return _unauthorized(request)
 
 

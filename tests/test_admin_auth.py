@@ -104,6 +104,8 @@ async def test_dashboard_opens_with_the_token_then_lives_on_a_strict_httponly_co
         assert r.status == 200 and "<html" in (await r.text()).lower()
         r = await client.get("/status", cookies={name: value})  # the dashboard's own fetches
         assert r.status == 200 and (await r.json())["node_id"] == "n9"
+        r = await client.get(f"/?token={TOKEN}", cookies={name: value}, allow_redirects=False)
+        assert r.status == 303  # logged in already: the token still leaves the address bar
     finally:
         await client.close()
 
