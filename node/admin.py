@@ -287,10 +287,18 @@ async def dashboard(request: web.Request) -> web.Response:
     return web.Response(text=html, content_type="text/html")
 
 
+async def _export(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+    from .persistence import StateError
+    try:
+        return await _call(request.app[NODE_KEY].export_model)
+    except StateError as e:  # e.g. a checkpoint written before model export existed
+        raise web.HTTPServiceUnavailable(reason=str(e).encode("ascii", "replace").decode()[:300]) from None
+
+
 async def model(request: web.Request) -> web.Response:
     """The personalised model of the last checkpoint (node.export_model: safetensors bytes with
     the model card in their metadata, and the card)."""
-    data, card = await _call(request.app[NODE_KEY].export_model)
+    data, card = await _export(request)
     name = f"{card['node_id']}-round{card['round']}.safetensors"
     return web.Response(body=data, content_type="application/octet-stream",
                         headers={"Content-Disposition": f'attachment; filename="{name}"',
@@ -298,7 +306,7 @@ async def model(request: web.Request) -> web.Response:
 
 
 async def model_card(request: web.Request) -> web.Response:
-    _, card = await _call(request.app[NODE_KEY].export_model)
+    _, card = await _export(request)
     return _json(card)
 
 

@@ -230,3 +230,19 @@ async def test_a_real_node_makes_its_token_and_the_cli_finds_it(tmp_path, monkey
         assert r.exit_code == 0, r.output  # node.json names the configured file
     finally:
         await node.stop()
+
+
+async def test_model_route_names_an_unusable_checkpoint():
+    from coterie.node.persistence import StateError
+
+    node = FakeNode("n9")
+
+    def broken():
+        raise StateError("ckpt-000003.safetensors was written by a coterie without model export")
+    node.export_model = broken
+    client = await _client(node)
+    try:
+        r = await client.get("/model", headers=bearer(TOKEN))
+        assert r.status == 503 and "without model export" in (await r.json())["error"]
+    finally:
+        await client.close()
