@@ -146,9 +146,14 @@ async def test_export_while_the_node_checkpoints_every_round(tmp_path):
     try:
         await _until(lambda: node.saved["round"] >= 2, "a few rounds")
         rounds = []
-        for _ in range(25):
-            _, card = await asyncio.to_thread(export_state_dir, node.store.dir)
+        x, y = node.learner._data["test"]
+        for k in range(25):
+            data, card = await asyncio.to_thread(export_state_dir, node.store.dir)
             rounds.append(card["round"])
+            if card["round"] > 0:  # each mid-run export is its round's model: the accuracy reported then
+                (tmp_path / f"{k}.safetensors").write_bytes(data)
+                acc = _accuracy(load_model(tmp_path / f"{k}.safetensors").model, x, y)
+                assert acc == pytest.approx(card["eval"]["test_acc"], abs=1e-3), card["round"]
         assert rounds == sorted(rounds) and rounds[-1] > rounds[0]  # the node went on meanwhile
     finally:
         await node.stop()
