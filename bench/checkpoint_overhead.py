@@ -36,6 +36,8 @@ from typing import Any
 
 import tomli_w
 
+from coterie.node.admin_token import bearer, token_for_state_dir
+
 REPO = Path(__file__).resolve().parent.parent
 MODELS = {
     "small MLP (8k params)": {"model_params": {"hidden": [64, 64]}, "local_steps": 40, "rounds": 40},
@@ -87,9 +89,12 @@ def run_node(workdir: Path, name: str, model: dict[str, Any], unsaved: int | Non
                 raise RuntimeError(f"{name} exited or timed out; see {workdir / (name + '.log')}")
             try:
                 info = json.loads((state / "node.json").read_text())
-                with urllib.request.urlopen(info["admin_url"] + "/status", timeout=5) as r:
+                auth = bearer(token_for_state_dir(state))  # the admin API wants the node's token
+                with urllib.request.urlopen(urllib.request.Request(info["admin_url"] + "/status", headers=auth),
+                                            timeout=5) as r:
                     if json.loads(r.read()).get("done") and info.get("pid") == p.pid:
-                        with urllib.request.urlopen(info["admin_url"] + "/metrics", timeout=5) as m:
+                        with urllib.request.urlopen(urllib.request.Request(info["admin_url"] + "/metrics",
+                                                                           headers=auth), timeout=5) as m:
                             metrics = m.read().decode()
                         break
             except (OSError, ValueError, KeyError):

@@ -33,6 +33,7 @@ from typing import Any
 
 import tomli_w
 
+from coterie.node.admin_token import bearer, token_for_state_dir
 from coterie.node.learning.config import LearnerConfig
 from coterie.node.learning.torch_learner import build_learner
 from coterie.node.persistence import StateError, StateStore
@@ -64,7 +65,8 @@ def admin_status(state_dir: Path, pid: int) -> dict[str, Any] | None:
         info = json.loads((state_dir / "node.json").read_text())
         if info.get("pid") != pid:
             return None
-        with urllib.request.urlopen(info["admin_url"] + "/status", timeout=2) as r:
+        req = urllib.request.Request(info["admin_url"] + "/status", headers=bearer(token_for_state_dir(state_dir)))
+        with urllib.request.urlopen(req, timeout=2) as r:
             return json.loads(r.read())
     except (OSError, ValueError, KeyError):
         return None

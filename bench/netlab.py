@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import tomli_w
 
+from coterie.node.admin_token import bearer, token_for_state_dir
+
 
 def mnist1d_mlp(num_nodes: int, index: int, *, hidden: list[int] | None = None, steps: int = 40,
                 samples: int = 400, clusters: int = 2) -> dict[str, Any]:
@@ -51,8 +53,8 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}" + (f" ({last})" if last else ""))
 
 
-def http_json(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def http_json(url: str, timeout: float = 5.0, token: str | None = None) -> Any:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=bearer(token)), timeout=timeout) as r:
         return json.loads(r.read())
 
 
@@ -112,7 +114,7 @@ class Daemon:
         return self.info["address"]
 
     def get(self, path: str, timeout: float = 5.0) -> Any:
-        return http_json(self.info["admin_url"] + path, timeout)
+        return http_json(self.info["admin_url"] + path, timeout, token_for_state_dir(self.state_dir))
 
     def history(self) -> list[dict[str, Any]]:
         p = self.state_dir / "history.jsonl"

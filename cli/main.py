@@ -2,6 +2,8 @@
 
   coterie node start [--config FILE] [flags]      run one node daemon (blocks)
   coterie status|peers|weights|history            inspect a running node (--json for raw JSON)
+  coterie model export --state-dir D --out F      the node's personalised model (+ F.json card)
+  coterie predict --model F INPUT                 score inputs with an exported model (CSV out)
   coterie run SCENARIO.toml --out DIR [--backend processes|inproc|ray [--address A] [--groups G]]
                                                   launch a local network, write results.json
   coterie demo [--out DIR]                        the built-in scenario: personalised vs local
@@ -9,7 +11,8 @@
   coterie ca init DIR / coterie cert issue ...    the network CA and node certificates (cli/security.py)
 
 Config precedence for ``node start``: flags > COTERIE_* environment > TOML file. The inspecting
-commands take the node's admin URL from ``--admin`` or ``COTERIE_ADMIN``. Errors are one line on
+commands take the node's admin URL from ``--admin`` or ``COTERIE_ADMIN`` and its token from
+``--token`` or ``COTERIE_ADMIN_TOKEN``, or both from ``--state-dir`` of a node on this machine. Errors are one line on
 stderr, never a traceback: exit 1 for a node or network problem, 2 for bad input.
 """
 from __future__ import annotations
@@ -216,6 +219,8 @@ def node_start(
                                         "file or folder (learner.data; docs/own-data.md)"),
     data_format: Optional[str] = typer.Option(None, "--data-format", help="auto, npz, csv, parquet, "
                                               "images or a coterie.datasets loader (learner.data_format)"),
+    admin_no_auth: bool = typer.Option(False, "--admin-no-auth", help="admin API without a token "
+                                       "(security.admin_auth = false): loopback admin_listen only"),
 ) -> None:
     """Start a node daemon; it runs until SIGTERM/SIGINT."""
     from coterie.node.config import ConfigError, load_config
@@ -232,6 +237,8 @@ def node_start(
                 {"cert_dir": str(cert_dir)} if cert_dir is not None else {})
             if insecure:
                 overrides["security"]["insecure"] = True
+        if admin_no_auth:
+            overrides.setdefault("security", {})["admin_auth"] = False
         if reset:
             overrides["reset"] = True
         for key, value in (("data", str(data) if data is not None else None), ("data_format", data_format)):
@@ -263,18 +270,56 @@ class AdminError(Exception):
 
 def admin_base(admin: str | None) -> str:
     if not admin:
-        raise AdminError("no admin URL: pass --admin URL or set COTERIE_ADMIN (a node prints its "
-                         "admin URL at start and writes it to <state-dir>/node.json)")
+        raise AdminError("no admin URL: pass --admin URL, set COTERIE_ADMIN, or --state-dir DIR of a "
+                         "node on this machine (a node prints its admin URL at start and writes it "
+                         "to <state-dir>/node.json)")
     return (admin if "://" in admin else f"http://{admin}").rstrip("/")
 
 
-def admin_get(client, admin: str | None, path: str) -> Any:
-    """GET a JSON admin endpoint with httpx; every failure becomes one AdminError line."""
-    import httpx
+class Admin:
+    """Where a node's admin API is and the token it wants: ``--admin``/COTERIE_ADMIN, or the
+    admin_url in ``--state-dir``'s node.json; the token from ``--token``, else the state dir's
+    token file (node/admin_token.py), else COTERIE_ADMIN_TOKEN (the flag that names a node beats
+    a variable that may be left over from another)."""
 
-    url = admin_base(admin) + path
+    def __init__(self, url: str | None, token: str | None = None, state_dir: Path | None = None):
+        import os
+
+        from coterie.node.admin_token import TOKEN_ENV, TokenError, token_for_state_dir
+        self.url, self.token = url, token
+        if state_dir is not None:
+            if not self.url:
+                try:
+                    self.url = json.loads((state_dir / "node.json").read_text()).get("admin_url") or None
+                except (OSError, ValueError, AttributeError):
+                    raise AdminError(f"--state-dir {state_dir}: no node.json of a started node there")
+            if self.token is None:
+                try:
+                    self.token = token_for_state_dir(state_dir)
+                except TokenError as e:
+                    raise AdminError(str(e))
+        if self.token is None:
+            self.token = os.environ.get(TOKEN_ENV) or None
+
+
+def admin_get(client, admin: "Admin | str | None", path: str) -> Any:
+    """GET a JSON admin endpoint with httpx; every failure becomes one AdminError line."""
+    r = admin_request(client, admin, path)
     try:
-        r = client.get(url)
+        return r.json()
+    except ValueError:
+        raise AdminError(f"{r.url} did not answer JSON: {r.text[:200]!r}")
+
+
+def admin_request(client, admin: "Admin | str | None", path: str):
+    """GET an admin endpoint with the token; the response, or one AdminError line."""
+    import httpx
+    from coterie.node.admin_token import bearer
+
+    admin = admin if isinstance(admin, Admin) else Admin(admin)
+    url = admin_base(admin.url) + path
+    try:
+        r = client.get(url, headers=bearer(admin.token))
     except httpx.ConnectError as e:
         raise AdminError(f"cannot reach the node's admin API at {url}: {e or 'connection failed'}")
     except httpx.TimeoutException:
@@ -283,15 +328,17 @@ def admin_get(client, admin: str | None, path: str) -> Any:
         raise AdminError(f"{url} does not answer HTTP: is this the node's peer (gRPC) port? "
                          f"The admin URL is admin_url in /status or <state-dir>/node.json")
     except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
-        raise AdminError(f"not a usable admin URL {admin!r}: {e}")
+        raise AdminError(f"not a usable admin URL {admin.url!r}: {e}")
     except httpx.HTTPError as e:
         raise AdminError(f"cannot reach the node's admin API at {url}: {type(e).__name__}: {e}")
+    if r.status_code == 401:
+        raise AdminError(f"{url} answered 401: the node wants its admin token"
+                         + (" and this one is not it" if admin.token else "")
+                         + ": pass --token, set COTERIE_ADMIN_TOKEN, or --state-dir DIR of the node "
+                         "(the token is in <state-dir>/admin.token)")
     if r.status_code >= 400:
         raise AdminError(f"{url} answered HTTP {r.status_code}: {r.text[:300]}")
-    try:
-        return r.json()
-    except ValueError:
-        raise AdminError(f"{url} did not answer JSON: {r.text[:200]!r}")
+    return r
 
 
 def _client(timeout: float = 5.0):
@@ -301,6 +348,10 @@ def _client(timeout: float = 5.0):
 
 ADMIN_OPT = typer.Option(None, "--admin", "-a", envvar="COTERIE_ADMIN", show_envvar=True,
                          help="admin URL of the node, e.g. http://127.0.0.1:8000")
+TOKEN_OPT = typer.Option(None, "--token", help="the node's admin token (default: from --state-dir, "
+                         "else $COTERIE_ADMIN_TOKEN)")
+STATE_DIR_OPT = typer.Option(None, "--state-dir", help="state dir of a node on this machine: its "
+                             "admin URL and token, when --admin/--token are not given")
 JSON_OPT = typer.Option(False, "--json", help="print JSON instead of a table")
 WATCH_OPT = typer.Option(False, "--watch", "-w", help="refresh until Ctrl-C")
 INTERVAL_OPT = typer.Option(2.0, "--interval", min=0.1, help="seconds between refreshes (--watch)")
@@ -313,7 +364,14 @@ def _show(data: Any, as_json: bool, table: Callable[[Any], Any]) -> None:
         _console().print(table(data))
 
 
-def _inspect(admin: str | None, path: str, as_json: bool, table: Callable[[Any], Any],
+def _admin(admin: str | None, token: str | None, state_dir: Path | None) -> Admin:
+    try:
+        return Admin(admin, token, state_dir)
+    except AdminError as e:
+        raise _fail(str(e))
+
+
+def _inspect(admin: Admin, path: str, as_json: bool, table: Callable[[Any], Any],
              watch: bool = False, interval: float = 2.0) -> None:
     with _client() as client:
         if not watch:
@@ -354,35 +412,40 @@ def _watch(fetch: Callable[[], Any], as_json: bool, table: Callable[[Any], Any],
 
 @app.command()
 def status(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT, watch: bool = WATCH_OPT,
-           interval: float = INTERVAL_OPT) -> None:
+           interval: float = INTERVAL_OPT, token: Optional[str] = TOKEN_OPT,
+           state_dir: Optional[Path] = STATE_DIR_OPT) -> None:
     """Round, model version, strategy, health and recent problems of a running node."""
     from .render import status_table
-    _inspect(admin, "/status", as_json, status_table, watch, interval)
+    _inspect(_admin(admin, token, state_dir), "/status", as_json, status_table, watch, interval)
 
 
 @app.command()
 def peers(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT, watch: bool = WATCH_OPT,
-          interval: float = INTERVAL_OPT) -> None:
+          interval: float = INTERVAL_OPT, token: Optional[str] = TOKEN_OPT,
+          state_dir: Optional[Path] = STATE_DIR_OPT) -> None:
     """The node's peer table."""
     from .render import peers_table
-    _inspect(admin, "/peers", as_json, peers_table, watch, interval)
+    _inspect(_admin(admin, token, state_dir), "/peers", as_json, peers_table, watch, interval)
 
 
 @app.command()
-def weights(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT) -> None:
+def weights(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT, token: Optional[str] = TOKEN_OPT,
+            state_dir: Optional[Path] = STATE_DIR_OPT) -> None:
     """The node's collaborator weights."""
     from .render import weights_table
-    _inspect(admin, "/weights", as_json, weights_table)
+    _inspect(_admin(admin, token, state_dir), "/weights", as_json, weights_table)
 
 
 @app.command()
 def history(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT,
             last: int = typer.Option(20, "--last", "-n", min=0,
                                      help="only the last N rounds (0: all)"),
-            since: Optional[int] = typer.Option(None, "--since", help="only rounds after this one")) -> None:
+            since: Optional[int] = typer.Option(None, "--since", help="only rounds after this one"),
+            token: Optional[str] = TOKEN_OPT, state_dir: Optional[Path] = STATE_DIR_OPT) -> None:
     """The node's rounds: accuracy, loss, duration, traffic and top collaborators per round."""
     from .render import history_table
     path = "/history" + (f"?since={since}" if since is not None else "")
+    admin = _admin(admin, token, state_dir)
     with _client() as client:
         try:
             entries = admin_get(client, admin, path)
@@ -390,6 +453,54 @@ def history(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT,
         except AdminError as e:
             raise _fail(str(e))
     _show(entries[-last:] if last else entries, as_json, lambda es: history_table(es, node_id))
+
+
+model_app = typer.Typer(help="A node's personalised model.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+
+@model_app.command("export")
+def model_export(
+    state_dir: Path = typer.Option(..., "--state-dir", help="the node's state dir (it may be running)"),
+    out: Path = typer.Option(..., "--out", "-o", help="model file to write; its card goes to OUT.json"),
+    fmt: str = typer.Option("safetensors", "--format", help="safetensors, or onnx (pip install 'coterie\\[onnx]')"),
+) -> None:
+    """Write the node's personalised model of its last checkpoint, and its model card (OUT.json)."""
+    from coterie.node.persistence import StateError
+    if fmt not in ("safetensors", "onnx"):
+        raise _fail(f"--format must be safetensors or onnx, got {fmt!r}", EXIT_CONFIG)
+    from coterie.node.modelfile import sidecar_path, write_export
+    try:
+        card = write_export(state_dir, out, fmt)
+    except StateError as e:
+        raise _fail(str(e))
+    except (ValueError, OSError) as e:
+        raise _fail(str(e), EXIT_CONFIG if isinstance(e, ValueError) else 1)
+    acc = (card.get("eval") or {}).get("own_test_acc", (card.get("eval") or {}).get("test_acc"))
+    typer.echo(f"{out}: {card['architecture']} of node {card['node_id']} at round {card['round']}"
+               + (f" (test accuracy {acc:.4f})" if isinstance(acc, (int, float)) else "")
+               + f"; card: {sidecar_path(out)}")
+
+
+@app.command()
+def predict(
+    model: Path = typer.Option(..., "--model", "-m", help="an exported model (coterie model export, GET /model)"),
+    inputs: Path = typer.Argument(..., help="npz with x, a CSV/Parquet table of feature columns, or an image folder"),
+    label_column: Optional[str] = typer.Option(None, "--label-column", help="a table column to ignore "
+                                               "(default: the model's learner.data_label, 'label')"),
+) -> None:
+    """Score INPUTS with an exported model: CSV on stdout, one row per input, the predicted class last."""
+    import sys
+
+    from coterie.node.modelfile import load_model
+    from coterie.node.predict import predict_csv
+    try:
+        loaded = load_model(model)
+        predict_csv(loaded, inputs, sys.stdout, label_column=label_column)
+    except ValueError as e:
+        raise _fail(str(e), EXIT_CONFIG)
+    except OSError as e:
+        raise _fail(f"{inputs}: {e.strerror or e}")
 
 
 @app.command()

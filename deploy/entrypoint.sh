@@ -43,12 +43,14 @@ if [ -n "${TESTBED_JOIN_AFTER_ROUND:-}" ]; then
     watch="${TESTBED_JOIN_WATCH:?TESTBED_JOIN_WATCH (admin URL) is required with TESTBED_JOIN_AFTER_ROUND}"
     log "joining late: waiting for $watch round >= $TESTBED_JOIN_AFTER_ROUND"
     python3 - "$watch" "$TESTBED_JOIN_AFTER_ROUND" "${TESTBED_JOIN_TIMEOUT_S:-600}" <<'EOF'
-import json, sys, time, urllib.request
+import json, os, sys, time, urllib.request
 url, want, timeout = sys.argv[1].rstrip("/") + "/status", int(sys.argv[2]), float(sys.argv[3])
 deadline, last = time.monotonic() + timeout, None
 while time.monotonic() < deadline:
-    try:
-        with urllib.request.urlopen(url, timeout=3) as r:
+    try:  # the testbed's shared admin token (deploy/pki.sh)
+        token = open(os.environ["COTERIE_SECURITY__ADMIN_TOKEN_FILE"]).read().strip()
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=3) as r:
             last = json.load(r).get("round")
         if last is not None and int(last) >= want:
             print(f"entrypoint: {url} at round {last}; joining", file=sys.stderr)

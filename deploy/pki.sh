@@ -5,6 +5,13 @@
 # another identity. A new run (`docker compose down -v && up`) gets a new CA.
 set -eu
 dir="${TESTBED_PKI_DIR:-/pki}"
+# the admin API token all testbed nodes share (COTERIE_SECURITY__ADMIN_TOKEN_FILE=/pki/admin.token
+# in docker-compose.yml); tests/testbed/check.py reads it with `compose exec node1 cat`
+if [ ! -s "$dir/admin.token" ]; then
+    mkdir -p "$dir"
+    (umask 077 && python3 -c 'import secrets; print(secrets.token_urlsafe(32))' > "$dir/admin.token.tmp")
+    mv "$dir/admin.token.tmp" "$dir/admin.token"
+fi
 if [ -f "$dir/ca/ca.pem" ]; then
     echo "pki: the CA in $dir/ca exists already; keeping its certificates" >&2
     exit 0

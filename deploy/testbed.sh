@@ -140,7 +140,7 @@ cmd_test() {
     net_up --profile faulty
     python3 tests/testbed/check.py faulty --baseline "$STATE/baseline.json" || { dump_logs; return 1; }
     phase_end
-    echo "testbed: try it yourself: coterie peers --admin http://127.0.0.1:8101"
+    echo "testbed: try it yourself: coterie peers --admin http://127.0.0.1:8101 --token \"\$($c exec -T node1 cat /pki/admin.token)\""
 }
 
 cmd_down() {

@@ -48,7 +48,7 @@ def main() -> None:
             opts.add_argument(flag)
         driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
         try:
-            driver.get(nodes[0].admin + "/")
+            driver.get(f"{nodes[0].admin}/?token={nodes[0].token}")  # the admin token's dashboard bootstrap
             wait_for(lambda: len(driver.find_elements("css selector", "#heatmap rect.cell"))
                      == a.nodes * (a.nodes - 1), 30, "the heatmap")
             raw = root / "raw.png"

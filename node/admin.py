@@ -11,9 +11,19 @@ Routes (all GET):
   /network   the whole network's collaborator-weight matrix: this node's rows plus every peer's,
              fetched server-side from the admin URLs peers advertise (the browser may not reach
              them, and this avoids CORS), diagonal apart, rows in block order (node/clusters.py)
+  /model     the node's personalised model of its last checkpoint: a safetensors file whose
+             metadata holds the model card (node/modelfile.py); /model.json is the card alone
   /          the dashboard (node/static/dashboard.html: plain HTML + JS + SVG, no build step, no
              CDN), polling /status, /peers, /history and /network
 Anything else answers 404 with a JSON error body.
+
+Authentication (docs/admin-and-export.md): every route but /healthz wants the node's bearer token
+(node/admin_token.py) as ``Authorization: Bearer <token>``, or the dashboard's cookie. The
+dashboard opens with ``/?token=<token>`` (as Jupyter does): the node answers with an HttpOnly,
+SameSite=Strict cookie and a redirect to ``/``, so the token leaves the address bar and the
+browser's history. A token anywhere else in a query string is not accepted. Every refusal is the
+same 401 with nothing in it about the node. Without auth (``security.admin_auth = false``) the
+API only listens on loopback.
 
 The node is duck-typed: ``node_id``, ``status()``, ``peers_table()``, ``weights_view()``,
 ``metrics``, ``history_view(since)``, ``healthy()``. Node methods may be plain or async.
@@ -21,9 +31,12 @@ The node is duck-typed: ``node_id``, ``status()``, ``peers_table()``, ``weights_
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import inspect
 import json
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +45,7 @@ import httpx
 from aiohttp import web
 
 from . import clusters
+from .admin_token import is_loopback
 from .fsutil import json_safe
 
 log = logging.getLogger(__name__)
@@ -39,6 +53,7 @@ log = logging.getLogger(__name__)
 DASHBOARD = Path(__file__).with_name("static") / "dashboard.html"
 NODE_KEY: web.AppKey[Any] = web.AppKey("node")  # the Node (daemon.py imports this module, not back)
 NETWORK_KEY = web.AppKey("network", dict)
+AUTH_KEY = web.AppKey("auth", object)
 
 NETWORK_MAX_PEERS = 64  # peers queried for /network (the matrix is n x n; a browser draws it)
 NETWORK_CONCURRENCY = 16
@@ -73,6 +88,72 @@ async def _errors(request: web.Request, handler):
         log.exception("admin %s failed", request.path)
         return _json({"error": f"{type(e).__name__}: {e}", "status": 500, "path": request.path},
                      status=500)
+
+
+class AdminAuth:
+    """The node's admin token and the dashboard cookie derived from it. Every comparison is
+    hmac.compare_digest on bytes: its time does not depend on where a guess first differs."""
+    OPEN_PATHS = frozenset({"/healthz"})  # probes (docker, kubernetes) carry no token
+
+    def __init__(self, token: str, node_id: str = "node"):
+        self._token = token.encode()
+        # the cookie holds a value derived from the token, not the token itself; its name carries
+        # the node id because cookies are per host, not per port: two local nodes keep their own
+        self._cookie = hmac.new(self._token, b"coterie admin dashboard cookie", hashlib.sha256).hexdigest()
+        self.cookie_name = "coterie_admin_" + re.sub(r"[^A-Za-z0-9_.-]", "_", node_id)[:64]
+
+    @staticmethod
+    def _same(given: str, want: bytes) -> bool:
+        return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), want)
+
+    def token_ok(self, token: str | None) -> bool:
+        return token is not None and self._same(token, self._token)
+
+    def header_ok(self, header: str | None) -> bool:
+        scheme, _, cred = (header or "").strip().partition(" ")
+        return scheme.lower() == "bearer" and self.token_ok(cred.strip())
+
+    def cookie_ok(self, value: str | None) -> bool:
+        return value is not None and self._same(value, self._cookie.encode())
+
+    def allows(self, request: web.Request) -> bool:
+        return (self.header_ok(request.headers.get("Authorization"))
+                or self.cookie_ok(request.cookies.get(self.cookie_name)))
+
+    def login(self) -> web.HTTPException:
+        """The dashboard bootstrap's answer: the cookie, and ``/`` without the token in the URL."""
+        resp = web.HTTPSeeOther("/")
+        resp.set_cookie(self.cookie_name, self._cookie, httponly=True, samesite="Strict", path="/")
+        return resp
+
+
+_UNAUTHORIZED_HTML = ("<html><body><p>401: this node's admin API wants its token. Open the "
+                      "dashboard as <code>/?token=&lt;token&gt;</code> (the token is in "
+                      "&lt;state-dir&gt;/admin.token).</p></body></html>")
+
+
+def _unauthorized(request: web.Request) -> web.Response:
+    """The one refusal: the same for no token, a wrong one or one in the wrong place, and
+    nothing in it about the node."""
+    headers = {"WWW-Authenticate": 'Bearer realm="coterie-admin"'}
+    if request.path == "/":
+        return web.Response(text=_UNAUTHORIZED_HTML, content_type="text/html", status=401, headers=headers)
+    return web.json_response({"error": "unauthorized", "status": 401}, status=401, headers=headers)
+
+
+@web.middleware
+async def _auth(request: web.Request, handler):
+    auth: AdminAuth | None = request.app[AUTH_KEY]
+    if auth is None or request.path in AdminAuth.OPEN_PATHS:
+        return await handler(request)
+    # the dashboard bootstrap, and only there: elsewhere a token in a URL ends up in logs and history
+    if request.path == "/" and request.method == "GET" and "token" in request.query:
+        if auth.token_ok(request.query.get("token")):
+            raise auth.login()  # also with a valid cookie: the token must leave the address bar
+        return _unauthorized(request)
+    if auth.allows(request):
+        return await handler(request)
+    return _unauthorized(request)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -206,10 +287,35 @@ async def dashboard(request: web.Request) -> web.Response:
     return web.Response(text=html, content_type="text/html")
 
 
-def make_admin_app(node: Any) -> web.Application:
-    app = web.Application(middlewares=[_errors])
+async def _export(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+    from .persistence import StateError
+    try:
+        return await _call(request.app[NODE_KEY].export_model)
+    except StateError as e:  # e.g. a checkpoint written before model export existed
+        raise web.HTTPServiceUnavailable(reason=str(e).encode("ascii", "replace").decode()[:300]) from None
+
+
+async def model(request: web.Request) -> web.Response:
+    """The personalised model of the last checkpoint (node.export_model: safetensors bytes with
+    the model card in their metadata, and the card)."""
+    data, card = await _export(request)
+    name = f"{card['node_id']}-round{card['round']}.safetensors"
+    return web.Response(body=data, content_type="application/octet-stream",
+                        headers={"Content-Disposition": f'attachment; filename="{name}"',
+                                 "X-Coterie-Round": str(card["round"])})
+
+
+async def model_card(request: web.Request) -> web.Response:
+    _, card = await _export(request)
+    return _json(card)
+
+
+def make_admin_app(node: Any, *, auth: AdminAuth | None) -> web.Application:
+    """``auth=None`` serves without authentication: only ``start_admin`` on loopback may ask so."""
+    app = web.Application(middlewares=[_errors, _auth])
     app[NODE_KEY] = node
     app[NETWORK_KEY] = {"lock": asyncio.Lock(), "view": None, "at": 0.0}
+    app[AUTH_KEY] = auth
     app.router.add_get("/", dashboard)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/status", status)
@@ -218,13 +324,20 @@ def make_admin_app(node: Any) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/history", history)
     app.router.add_get("/network", network)
+    app.router.add_get("/model", model)
+    app.router.add_get("/model.json", model_card)
     return app
 
 
-async def start_admin(node: Any, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve the admin API on host:port (0 = a free port). Returns the runner (``await
-    runner.cleanup()`` stops it) and the bound port."""
-    runner = web.AppRunner(make_admin_app(node), access_log=None, handle_signals=False)
+async def start_admin(node: Any, host: str, port: int, *, token: str | None) -> tuple[web.AppRunner, int]:
+    """Serve the admin API on host:port (0 = a free port) behind ``token`` (None: no auth, refused
+    unless ``host`` is loopback). Returns the runner (``await runner.cleanup()`` stops it) and the
+    bound port."""
+    if token is None and not is_loopback(host):
+        raise ValueError(f"admin API on {host}:{port} without a token: an address other than "
+                         "loopback needs authentication (security.admin_auth = true)")
+    auth = AdminAuth(token, str(getattr(node, "node_id", "node"))) if token is not None else None
+    runner = web.AppRunner(make_admin_app(node, auth=auth), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     try:

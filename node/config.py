@@ -80,6 +80,8 @@ class SecurityConfig(BaseModel):
     allow_ids: list[str] | None = None  # only these node ids may connect or be dialled (None: any the CA issued)
     # the admin API's bearer token; None: <state_dir>/admin.token, generated (0600) on first start
     admin_token_file: Path | None = None
+    # false: the admin API without a token, allowed only on a loopback admin_listen (docs/admin-and-export.md)
+    admin_auth: bool = True
 
     @model_validator(mode="after")
     def _configured(self) -> "SecurityConfig":
@@ -196,6 +198,15 @@ class NodeConfig(BaseModel):
     checkpoint_max_unsaved_rounds: int = Field(1, ge=0)
     reset: bool = False  # start at round 0, moving any old state aside (into reset-<time>/)
 
+    @model_validator(mode="after")
+    def _admin_auth_on_loopback_only(self) -> "NodeConfig":
+        from .admin_token import is_loopback
+        host = self.admin_listen.rpartition(":")[0]
+        if not self.security.admin_auth and not is_loopback(host):
+            raise ValueError(f"security.admin_auth = false with admin_listen {self.admin_listen}: an "
+                             "admin API without a token may only listen on loopback (127.0.0.1, ::1)")
+        return self
+
     @field_validator("listen", "admin_listen")
     @classmethod
     def _hostport(cls, v: str) -> str:
@@ -223,6 +234,7 @@ def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
 OTHER_ENV = {
     "COTERIE_CONFIG": "config file of `coterie node start`",
     "COTERIE_ADMIN": "default admin URL of `coterie status|peers|weights|history`",
+    "COTERIE_ADMIN_TOKEN": "admin API token of `coterie status|peers|weights|history|model`",
     "COTERIE_LOG_FORMAT": "node log format (text or json)",
     "COTERIE_CACHE_DIR": "where generated datasets are cached",
     "COTERIE_SKIP_TESTBED": "CI: skip the docker testbed",

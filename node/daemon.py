@@ -26,6 +26,7 @@ from .learning.learner import Learner
 from .logfilter import install_log_filter
 from .logs import RoundLog
 from .metrics import Metrics
+from .modelfile import describe_model, export_state_dir
 from .peering.admission import Admission
 from .peering.faults import with_fault
 from .peering.deadlines import Deadlines
@@ -84,6 +85,7 @@ class Node:
             from .learning.torch_learner import build_learner  # torch-specific code stays behind the interface
             learner = build_learner(cfg.learner)
         self.learner = learner
+        self.model_card = describe_model(cfg.learner, learner)  # in every checkpoint: `coterie model export`
         self.spec = learner.param_spec()
         self.fingerprint = learner.fingerprint()
         self.labels = dict(cfg.labels)
@@ -194,13 +196,20 @@ class Node:
         handler = with_fault(self.served, self.cfg.faulty)
         self._server = await self.transport.serve(handler, self.traffic)
         self.address = self._server.address
+        token_file = None
         if self.serve_admin:
             from .admin import start_admin
+            from .admin_token import ensure_token, token_path
             ahost, aport = _hostport(self.cfg.admin_listen)
-            self._admin, bound = await start_admin(self, ahost, aport)
+            token = None
+            if self.cfg.security.admin_auth:
+                token_file = token_path(self.store.dir, self.cfg.security.admin_token_file).resolve()
+                token = ensure_token(token_file)
+            self._admin, bound = await start_admin(self, ahost, aport, token=token)
             self.admin_url = f"http://{'127.0.0.1' if ahost in ('0.0.0.0', '::', '') else ahost}:{bound}"
         atomic_write_json(self.store.dir / "node.json", {
             "node_id": self.node_id, "address": self.address, "admin_url": self.admin_url,
+            "admin_token_file": str(token_file) if token_file else None,
             "pid": os.getpid(), "started": self.started})
         log.info("node %s up: peer %s, admin %s, strategy %s, device %s, round %d",
                  self.node_id, self.address, self.admin_url, self.cfg.strategy, self.learner.device, self.round)
@@ -328,6 +337,7 @@ class Node:
         strategy_state = self.strategy.state_dict()
         peers = self.peers.to_json()
         meta = {"fingerprint": self.fingerprint, "strategy": self.cfg.strategy, "time": time.time(),
+                "model": self.model_card,
                 "weights": self.strategy.weights(), "public_state": self.strategy.public_state()}
         reuse, self._spare_tensors = self._spare_tensors, None
         learner_state = await asyncio.to_thread(self.learner.export_state, reuse)
@@ -355,6 +365,10 @@ class Node:
         last = batch[-1]
         self._set_saved(last.round, last.version, last.state, records[-1] if records else None)
         self.m_ckpt_s.observe(seconds)
+
+    async def export_model(self) -> tuple[bytes, dict[str, Any]]:
+        """The personalised model of the last checkpoint, as `coterie model export` writes it."""
+        return await asyncio.to_thread(export_state_dir, self.store.dir)
 
     async def history_view(self, since: int | None) -> list[dict[str, Any]]:
         """Checkpointed rounds after ``since`` (default: the in-memory tail), from the file when

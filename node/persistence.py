@@ -222,6 +222,57 @@ def read_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(path, state, tensors)
 
 
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The ``ckpt-N.safetensors`` files of a state dir, oldest first."""
+    found = []
+    for p in Path(directory).iterdir():
+        m = _CKPT.match(p.name)
+        if m:
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def read_latest(directory: str | Path, attempts: int = 5) -> Checkpoint:
+    """The newest verified checkpoint of a state dir, for readers (``coterie model export``):
+    no lock taken and nothing repaired, so the node that owns the directory may be running. A
+    commit that replaces the file between listing and reading is met by listing again."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise StateError(f"state dir {directory} does not exist")
+    for _ in range(attempts):
+        ckpts = checkpoint_files(directory)
+        if not ckpts:
+            raise StateError(f"{directory} holds no checkpoint (ckpt-NNNNNN.safetensors): not a "
+                             "node's state dir, or its node has not started yet")
+        try:
+            return read_checkpoint(ckpts[-1])
+        except StateError:
+            if ckpts[-1].exists():
+                raise
+    raise StateError(f"{directory}: the newest checkpoint kept being replaced while read "
+                     f"({attempts} tries)")
+
+
+def last_record(ckpt: Checkpoint, directory: str | Path) -> dict[str, Any] | None:
+    """The history line of the checkpoint's own round (its eval), read from the end of the bytes
+    the checkpoint pins; None when there is none (round 0) or it cannot be found."""
+    covered = int((ckpt.state.get("history") or {}).get("bytes") or 0)
+    if not covered:
+        return None
+    try:
+        with open(Path(directory) / "history.jsonl", "rb") as f:
+            start = max(0, covered - (1 << 20))
+            f.seek(start)
+            tail = f.read(covered - start)
+    except OSError:
+        return None
+    try:
+        row = json.loads(tail.rstrip(b"\n").rsplit(b"\n", 1)[-1])
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) and row.get("round") == ckpt.round else None
+
+
 def _parse_line(path: Path, lineno: int, line: bytes) -> dict[str, Any]:
     try:
         row = json.loads(line)
@@ -277,12 +328,7 @@ class StateStore:
 
     # --- opening ---
     def checkpoints(self) -> list[Path]:
-        found = []
-        for p in self.dir.iterdir():
-            m = _CKPT.match(p.name)
-            if m:
-                found.append((int(m.group(1)), p))
-        return [p for _, p in sorted(found)]
+        return checkpoint_files(self.dir)
 
     def _read_identity(self) -> str | None:
         try:

@@ -2,7 +2,8 @@
 
     python fake_daemon.py CONFIG.toml MODE
 
-Modes: ok (write node.json + history.jsonl, serve /status done=true until SIGTERM), crash_n1
+Modes: ok (write node.json + history.jsonl, serve /status done=true to a request with the token
+in state_dir/admin.token, 401 to any other, until SIGTERM), crash_n1
 (node n1 exits 3 at once, the others behave as ok), hang (writes node.json, never done; ignores
 SIGTERM). Every
 mode also starts a grandchild (`sleep`) in its process group and records its pid in
@@ -57,8 +58,16 @@ with open(state / "history.jsonl", "w") as f:
                             "bytes_received": {"snapshot": 200}, "info": {"r": r}}) + "\n")
 
 
+token = f"fake-admin-token-{nid}-0123456789"
+(state / "admin.token").write_text(token + "\n")  # like the real daemon: the launcher must send it
+
+
 class H(BaseHTTPRequestHandler):
     def do_GET(self):
+        if self.headers.get("Authorization") != f"Bearer {token}":
+            self.send_response(401)
+            self.end_headers()
+            return
         body = json.dumps({"node_id": nid, "round": rounds, "done": True,
                            "last_eval": {"test_acc": 0.5}}).encode()
         self.send_response(200)

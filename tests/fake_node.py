@@ -36,3 +36,6 @@ class FakeNode:
 
     def healthy(self) -> bool:
         return self.is_healthy
+
+    def export_model(self) -> tuple[bytes, dict]:
+        return b"model bytes of " + self.node_id.encode(), {"node_id": self.node_id, "round": 3}

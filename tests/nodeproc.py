@@ -29,8 +29,10 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float
     raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
 
 
-def http_json(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def http_json(url: str, timeout: float = 5.0, token: str | None = None) -> Any:
+    """GET JSON from an admin API, with the node's admin token when given."""
+    from coterie.node.admin_token import bearer
+    with urllib.request.urlopen(urllib.request.Request(url, headers=bearer(token)), timeout=timeout) as r:
         return json.loads(r.read())
 
 
@@ -121,11 +123,19 @@ class NodeProc:
     def admin(self) -> str:
         return self.info["admin_url"]
 
+    @property
+    def token(self) -> str | None:
+        """The node's admin token (node/admin_token.py: from its state dir)."""
+        from coterie.node.admin_token import token_for_state_dir
+        return token_for_state_dir(self.state_dir)
+
     def get(self, path: str) -> Any:
-        return http_json(self.admin + path)
+        return http_json(self.admin + path, token=self.token)
 
     def get_text(self, path: str) -> str:
-        with urllib.request.urlopen(self.admin + path, timeout=5) as r:
+        from coterie.node.admin_token import bearer
+        req = urllib.request.Request(self.admin + path, headers=bearer(self.token))
+        with urllib.request.urlopen(req, timeout=5) as r:
             return r.read().decode()
 
     def status(self) -> dict[str, Any]:

@@ -6,13 +6,17 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from coterie.node.admin import make_admin_app, start_admin
+from coterie.node.admin import AdminAuth, make_admin_app, start_admin
+from coterie.node.admin_token import bearer
 from coterie.node.metrics import parse_text, sample
 from fake_node import FakeNode
 
+TOKEN = "test-admin-token-0123456789abcdef"  # the routes here; tests/test_admin_auth.py attacks the auth
+
 
 async def _client(node):
-    client = TestClient(TestServer(make_admin_app(node)))
+    client = TestClient(TestServer(make_admin_app(node, auth=AdminAuth(TOKEN, node.node_id))),
+                        headers=bearer(TOKEN))
     await client.start_server()
     return client
 
@@ -144,7 +148,7 @@ async def test_network_matrix_from_peers_admin_apis():
     for node, w in ((a, {"n0": 0.6, "n1": 0.3, "n2": 0.1}), (b, {"n0": 0.2, "n1": 0.8})):
         for e in node.history:
             e["weights"] = w
-    runner_b, port_b = await start_admin(b, "127.0.0.1", 0)
+    runner_b, port_b = await start_admin(b, "127.0.0.1", 0, token=None)  # peers' /history, unauthenticated
     with socket.socket() as dead:  # bound, not listening: refused
         dead.bind(("127.0.0.1", 0))
         a.peers_table = lambda: [
@@ -172,10 +176,10 @@ async def test_network_matrix_from_peers_admin_apis():
 
 
 async def test_start_admin_binds_free_port():
-    runner, port = await start_admin(FakeNode("n7"), "127.0.0.1", 0)
+    runner, port = await start_admin(FakeNode("n7"), "127.0.0.1", 0, token=TOKEN)
     try:
         assert port > 0
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(headers=bearer(TOKEN)) as s:
             async with s.get(f"http://127.0.0.1:{port}/status") as r:
                 assert (await r.json())["node_id"] == "n7"
     finally:

@@ -96,6 +96,16 @@ def test_node_start_missing_or_broken_file(tmp_path, captured):
 
 
 # -------------------------------------------------------------------- status / peers / weights
+ADMIN_TOKEN = "cli-test-admin-token-0123456789"
+
+
+@pytest.fixture(autouse=True)
+def _admin_token(monkeypatch):
+    """The inspecting commands here find the fake node's token in COTERIE_ADMIN_TOKEN (--token and
+    --state-dir: tests/test_admin_auth.py)."""
+    monkeypatch.setenv("COTERIE_ADMIN_TOKEN", ADMIN_TOKEN)
+
+
 @pytest.fixture(scope="module")
 def admin_url():
     """A real admin server with a fake node, on loopback, in a background event loop."""
@@ -103,7 +113,7 @@ def admin_url():
     t = threading.Thread(target=loop.run_forever, daemon=True)
     t.start()
     runner_, port = asyncio.run_coroutine_threadsafe(
-        start_admin(FakeNode("n5"), "127.0.0.1", 0), loop).result(timeout=10)
+        start_admin(FakeNode("n5"), "127.0.0.1", 0, token=ADMIN_TOKEN), loop).result(timeout=10)
     yield f"http://127.0.0.1:{port}"
     asyncio.run_coroutine_threadsafe(runner_.cleanup(), loop).result(timeout=10)
     loop.call_soon_threadsafe(loop.stop)

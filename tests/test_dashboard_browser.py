@@ -69,7 +69,8 @@ def _attrs(driver, css: str, *names: str) -> list[dict[str, str | None]]:
 
 def test_dashboard_draws_live_network(network, browser):
     n0 = network[0]
-    browser.get(n0.admin + "/")
+    browser.get(f"{n0.admin}/?token={n0.token}")  # the bootstrap: a cookie, then / without the token
+    wait_for(lambda: browser.current_url.rstrip("/") == n0.admin, 10, "the redirect to / without the token")
 
     def drawn():
         cells = _attrs(browser, "#heatmap rect.cell", "data-row", "data-col", "data-value")

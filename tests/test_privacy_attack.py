@@ -242,7 +242,7 @@ def test_budget_refusal_and_ledger_survive_kill_9(tmp_path, truth):
         before = node.status()["privacy"]
         assert before["epsilon"] <= 3.0 and before["releases"] == answered and before["budget_refusals"] >= 1
         assert "coterie_privacy_epsilon " in node.get_text("/metrics")
-        shown = CliRunner().invoke(app, ["status", "--admin", node.admin])
+        shown = CliRunner().invoke(app, ["status", "--admin", node.admin, "--state-dir", str(node.state_dir)])
         assert shown.exit_code == 0 and "budget spent" in shown.output and "mallory" in shown.output
 
         node.kill(signal.SIGKILL)

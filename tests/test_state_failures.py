@@ -77,7 +77,8 @@ def _grpc_health(node: NodeProc) -> int:
 
 
 def _cli_status(node: NodeProc) -> str:
-    return subprocess.run([sys.executable, "-m", "coterie.cli.main", "status", "--admin", node.admin],
+    return subprocess.run([sys.executable, "-m", "coterie.cli.main", "status", "--admin", node.admin,
+                           "--state-dir", str(node.state_dir)],
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, "COLUMNS": "400"}).stdout
 

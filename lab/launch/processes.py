@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, cast
 
+from coterie.node.admin_token import TokenError, bearer, token_for_state_dir
 from coterie.node.config import NodeConfig
 from ..scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
 from .common import LauncherError, LiveView, NodeProgress, collect, fresh_strategy_dir, network_done, read_history
@@ -179,8 +180,9 @@ def read_node_info(spec: NodeSpec, pid: int) -> dict[str, Any] | None:
     return info if isinstance(info, dict) and info.get("pid") == pid else None
 
 
-def fetch_json(url: str, timeout: float = 2.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def fetch_json(url: str, timeout: float = 2.0, token: str | None = None) -> Any:
+    req = urllib.request.Request(url, headers=bearer(token))  # the node's admin token
+    with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read().decode())
 
 
@@ -274,9 +276,10 @@ class Network:
                 spec.info = read_node_info(spec, proc.pid) or {}
             if not spec.admin_url:
                 return None
-            try:
-                return fetch_json(spec.admin_url + "/status", timeout=2.0)
-            except (OSError, ValueError):
+            try:  # the token file is written before node.json, which names it
+                return fetch_json(spec.admin_url + "/status", timeout=2.0,
+                                  token=token_for_state_dir(spec.state_dir))
+            except (OSError, ValueError, TokenError):
                 return None
 
         statuses = list(pool.map(one, self.specs, self.procs))

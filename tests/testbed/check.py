@@ -61,10 +61,29 @@ def admin(node: str) -> str:
     return f"http://127.0.0.1:{PREFIX}{idx:02d}"
 
 
+_TOKEN: list[str] = []
+
+
+def token() -> str:
+    """The admin token every testbed node shares: deploy/pki.sh wrote it into the pki volume,
+    which the host cannot read directly; node1 (never killed here) can. TESTBED_ADMIN_TOKEN wins."""
+    if not _TOKEN:
+        t = os.environ.get("TESTBED_ADMIN_TOKEN", "")
+        if not t:
+            r = subprocess.run(COMPOSE + ["exec", "-T", "node1", "cat", "/pki/admin.token"],
+                               capture_output=True, text=True, timeout=60)
+            if r.returncode != 0 or not r.stdout.strip():
+                raise CheckFailed(f"cannot read the admin token from node1: {r.stderr[-500:]}")
+            t = r.stdout.strip()
+        _TOKEN.append(t)
+    return _TOKEN[0]
+
+
 def get(node: str, path: str, timeout: float = 3.0) -> Any:
-    """JSON from a node's admin API, or None when it does not answer (yet)."""
+    """JSON from a node's admin API (with the testbed's token), or None when it does not answer (yet)."""
     try:
-        with urllib.request.urlopen(admin(node) + path, timeout=timeout) as r:
+        req = urllib.request.Request(admin(node) + path, headers={"Authorization": f"Bearer {token()}"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             body = r.read()
         return json.loads(body) if path != "/metrics" else body.decode()
     except Exception:

@@ -1,0 +1,167 @@
+"""``coterie predict``: an exported model's answers for a file of inputs, as CSV.
+
+Inputs, in the model's input space (what the node's learner trained on):
+  - ``.npz`` with an array ``x`` (n, *input_shape) (or n rows of as many numbers);
+  - a ``.csv`` / ``.parquet`` table of numeric feature columns, in the order the model was
+    trained on; the label column (``--label-column``, default the model's learner.data_label)
+    is ignored if present;
+  - a folder of images (png, jpg, ...; searched recursively), each converted to the model's
+    channels (1: grey, 3: RGB), resized to its H×W and scaled to [0, 1].
+Output: one row per input: ``index`` (row number) or ``file`` (an image's path in the folder),
+then ``score_<class>`` per class (softmax probabilities) and ``predicted`` (the class name),
+or ``value`` for a regression model.
+
+The readers here are deliberately small. The node's own-data readers (node/learning/: tables,
+images) read the same formats for training; they should become the one reader of both once
+they can read a table without its label column (see the report of the export work).
+"""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+BATCH = 1024
+
+
+def _numeric_table_csv(path: Path, skip: str) -> np.ndarray:
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        try:
+            header = next(reader)
+        except StopIteration:
+            raise ValueError(f"{path}: empty file (a header line of column names, then rows)") from None
+        keep = [i for i, name in enumerate(header) if name.strip() != skip]
+        if not keep:
+            raise ValueError(f"{path}: no feature columns besides {skip!r}")
+        rows = []
+        for line, row in enumerate(reader, start=2):
+            if not row:
+                continue
+            if len(row) != len(header):
+                raise ValueError(f"{path} line {line}: {len(row)} values, the header names {len(header)} columns")
+            try:
+                rows.append([float(row[i]) for i in keep])
+            except ValueError:
+                bad = next(i for i in keep if not _is_number(row[i]))
+                raise ValueError(f"{path} line {line}: column {header[bad]!r} is not a number "
+                                 f"({row[bad]!r})") from None
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return np.asarray(rows, dtype=np.float32)
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def _numeric_table_parquet(path: Path, skip: str) -> np.ndarray:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors vary; one line naming the file
+        raise ValueError(f"{path}: cannot read it as Parquet: {str(e).strip().splitlines()[0]}") from None
+    cols = []
+    for name in table.column_names:
+        if name == skip:
+            continue
+        arr = table.column(name).to_numpy(zero_copy_only=False)
+        if not np.issubdtype(arr.dtype, np.number) and arr.dtype != bool:
+            raise ValueError(f"{path}: column {name!r} is not numeric ({table.column(name).type})")
+        cols.append(arr.astype(np.float32))
+    if not cols:
+        raise ValueError(f"{path}: no feature columns besides {skip!r}")
+    return np.stack(cols, axis=1)
+
+
+def _images(folder: Path, shape: tuple[int, ...]) -> tuple[np.ndarray, list[str]]:
+    from PIL import Image, UnidentifiedImageError
+    if len(shape) != 3 or shape[0] not in (1, 3):
+        raise ValueError(f"{folder} is an image folder, but the model's input is {list(shape)} "
+                         "(images need (1 or 3, H, W))")
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise ValueError(f"{folder}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    c, h, w = shape
+    out = np.empty((len(files), c, h, w), dtype=np.float32)
+    for i, f in enumerate(files):
+        try:
+            with Image.open(f) as im:
+                im = im.convert("L" if c == 1 else "RGB").resize((w, h))
+                a = np.asarray(im, dtype=np.float32) / 255.0
+        except (UnidentifiedImageError, OSError) as e:
+            raise ValueError(f"{f}: not a readable image ({e})") from None
+        out[i] = a[None] if c == 1 else a.transpose(2, 0, 1)
+    return out, [str(f.relative_to(folder)) for f in files]
+
+
+def read_inputs(path: str | Path, input_shape: tuple[int, ...],
+                label_column: str = "label") -> tuple[np.ndarray, list[str], str]:
+    """(x shaped (n, *input_shape), one id per input, the id column's name)."""
+    path = Path(path)
+    if path.is_dir():
+        x, ids = _images(path, input_shape)
+        return x, ids, "file"
+    suffix = path.suffix.lower()
+    if suffix == ".npz":
+        with np.load(path, allow_pickle=False) as z:
+            if "x" not in z.files:
+                raise ValueError(f"{path}: no array 'x' (it holds {sorted(z.files)})")
+            x = np.asarray(z["x"], dtype=np.float32)
+    elif suffix == ".csv":
+        x = _numeric_table_csv(path, label_column)
+    elif suffix in (".parquet", ".pq"):
+        x = _numeric_table_parquet(path, label_column)
+    elif not path.exists():
+        raise ValueError(f"{path} does not exist")
+    else:
+        raise ValueError(f"{path}: unknown input kind {suffix!r} (npz, csv, parquet, or a folder of images)")
+    want = int(np.prod(input_shape)) if input_shape else None
+    if x.ndim == 0 or len(x) == 0:
+        raise ValueError(f"{path}: no inputs")
+    if tuple(x.shape[1:]) != tuple(input_shape):
+        per = int(np.prod(x.shape[1:]))
+        if want is None or per != want:
+            raise ValueError(f"{path}: each input has shape {list(x.shape[1:])} ({per} numbers); the "
+                             f"model takes {list(input_shape)} ({want} numbers)")
+        x = x.reshape(len(x), *input_shape)  # the same numbers in the model's layout (flat rows)
+    return x, [str(i) for i in range(len(x))], "index"
+
+
+def scores(loaded: Any, x: np.ndarray) -> np.ndarray:
+    """Softmax probabilities (n, classes), or the regression value (n,)."""
+    outs = []
+    with torch.no_grad():
+        for i in range(0, len(x), BATCH):
+            out = loaded.model(torch.from_numpy(np.ascontiguousarray(x[i:i + BATCH])))
+            outs.append(out.softmax(1) if loaded.class_names is not None else out.reshape(-1))
+    return torch.cat(outs).numpy()
+
+
+def predict_csv(loaded: Any, inputs: str | Path, out: IO[str], label_column: str | None = None) -> int:
+    """Write the predictions for ``inputs`` as CSV to ``out``; returns the number of rows."""
+    label = label_column or (loaded.card.get("learner") or {}).get("data_label") or "label"
+    x, ids, id_name = read_inputs(inputs, loaded.input_shape, label)
+    s = scores(loaded, x)
+    w = csv.writer(out, lineterminator="\n")
+    names = loaded.class_names
+    if names is None:
+        w.writerow([id_name, "value"])
+        for i, v in zip(ids, s):
+            w.writerow([i, f"{float(v):.6g}"])
+    else:
+        w.writerow([id_name, *(f"score_{c}" for c in names), "predicted"])
+        for i, row in zip(ids, s):
+            w.writerow([i, *(f"{float(p):.6f}" for p in row), names[int(row.argmax())]])
+    return len(ids)
