@@ -135,7 +135,12 @@ class Node:
                               mult=cfg.deadline_mult)
         # privacy: everything computed on my data that leaves (served or sent) goes through one door
         self.ledger = PrivacyLedger(self.store.dir, delta=cfg.privacy.delta, budget=cfg.privacy.budget_epsilon,
-                                    peer_budget=cfg.privacy.peer_budget_epsilon, on_change=self._privacy_gauges)
+                                    peer_budget=cfg.privacy.peer_budget_epsilon, expected_peers=cfg.privacy.expected_peers,
+                                    peer_rate=cfg.privacy.peer_release_rate, peer_burst=cfg.privacy.peer_release_burst,
+                                    on_change=self._privacy_gauges)
+        if self._checkpoint is not None:  # the ledger is verified state: it must cover the checkpoint's pin
+            self.ledger.verify(self._checkpoint.state.get("privacy_ledger"), checkpoint=self._checkpoint.path.name,
+                               reset=cfg.reset_privacy_ledger)
         self._privacy_gauges()
         self.private = PrivateData(learner, cfg.privacy, self.ledger)
         self.serves = (tuple(cfg.privacy.serve_purposes) if cfg.privacy.serve_purposes is not None
@@ -324,7 +329,8 @@ class Node:
         strategy_state = self.strategy.state_dict()
         peers = self.peers.to_json()
         meta = {"fingerprint": self.fingerprint, "strategy": self.cfg.strategy, "time": time.time(),
-                "weights": self.strategy.weights(), "public_state": self.strategy.public_state()}
+                "weights": self.strategy.weights(), "public_state": self.strategy.public_state(),
+                "privacy_ledger": self.ledger.pin()}
         reuse, self._spare_tensors = self._spare_tensors, None
         learner_state = await asyncio.to_thread(self.learner.export_state, reuse)
         published = self.board.current

@@ -1,0 +1,187 @@
+"""The certified insider (issue 22), attacked on real daemons over mTLS.
+
+The attacker holds a valid certificate from the network's CA and has handshaken: it is a
+compromised or buggy device. What it may cost the others is bounded; each test names the
+defence it attacks and would fail without it."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from coterie.node.config import PROTOCOL_VERSION
+from coterie.node.peering.errors import PeerCallError
+from coterie.node.peering.messages import CROSS_LOSS, ComputeRequest, NodeInfo
+from coterie.node.privacy.ledger import FILE as LEDGER_FILE
+from coterie.node.privacy.ledger import PrivacyLedger, ReleaseRateLimited
+from coterie.node.security.pki import load_credentials
+from coterie.node.transport.client import PeerClient
+from coterie.node.transport.tls import TLS
+from nodeproc import NodeProc, node_certs, tiny_learner, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+class _NoTraffic:
+    def record(self, *a, **k): pass
+    def latency(self, *a, **k): pass
+
+
+class Insider:
+    """A peer with a valid certificate, speaking through Coterie's own client."""
+
+    def __init__(self, root, target: NodeProc, node_id: str):
+        self.target, self.node_id = target, node_id
+        self.client = PeerClient(node_id, _NoTraffic(), chunk_bytes=1 << 20, max_model_bytes=1 << 30,
+                                 max_gossip_bytes=1 << 20, timeout_s=30,
+                                 tls=TLS(load_credentials(node_certs(root, node_id))))
+
+    async def join(self) -> None:
+        fp = self.target.status()["fingerprint"]
+        await self.client.handshake(self.target.address, NodeInfo(
+            self.node_id, PROTOCOL_VERSION, fp, address="127.0.0.1:1"), timeout=10)
+
+    async def params(self) -> dict[str, torch.Tensor]:
+        _, groups = await self.client.get_snapshot(self.target.address, self.node_id, peer=self.target.node_id)
+        return groups["params"]
+
+    async def evidence(self, params) -> str:
+        """One SCool evidence request (a loss on the target's training data): 'ok' or the refusal."""
+        try:
+            await self.client.compute(self.target.address, ComputeRequest(
+                CROSS_LOSS, self.node_id, groups={"params": params}, max_samples=64,
+                purpose="scool-evidence"), peer=self.target.node_id)
+            return "ok"
+        except PeerCallError as e:
+            return f"{e.kind}: {e}"
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+# ------------------------------------------------------------------------- privacy budget
+def _victim(root, node_id: str = "victim", **privacy) -> NodeProc:
+    return NodeProc(root, node_id, {
+        "strategy": "local", "learner": tiny_learner(1, 0, samples=300),
+        "limits": {"compute_share": 50.0},
+        "privacy": {"serve_purposes": ["scool-evidence"], "peer_release_rate": 1000.0,
+                    "peer_release_burst": 1000, **privacy}})
+
+
+async def _drain(root, victim: NodeProc, who: str, most: int) -> list[str]:
+    """``who`` asks for evidence until refused for the budget (or ``most`` answers)."""
+    m = Insider(root, victim, who)
+    try:
+        await m.join()
+        params = await m.params()
+        out = []
+        for _ in range(most):
+            out.append(await m.evidence(params))
+            if out[-1] != "ok":
+                break
+        return out
+    finally:
+        await m.close()
+
+
+def test_one_peer_cannot_drain_the_budget_and_honest_peers_still_get_answers(tmp_path):
+    """Mallory asks for releases as fast as it can. Without the per-peer share (expected_peers = 1,
+    the old default of no per-peer cap) it spends the node's whole budget (~170 releases here) and
+    every honest peer is refused from then on; with the default share it is refused after its
+    1/10 and an honest peer is still answered."""
+    victim = _victim(tmp_path).start()
+    try:
+        mallory = asyncio.run(_drain(tmp_path, victim, "mallory", 400))
+        honest = asyncio.run(_drain(tmp_path, victim, "honest", 3))
+        priv = victim.status()["privacy"]
+    finally:
+        victim.stop()
+    answered = mallory.count("ok")
+    assert mallory[-1].startswith("privacy_budget") and "share" in mallory[-1], mallory[-3:]
+    assert 1 <= answered <= 40, answered
+    assert honest == ["ok"] * 3, honest
+    assert priv["epsilon"] < priv["budget_epsilon"] / 2, priv
+    print(f"one insider draining: answered {answered}, then refused ({mallory[-1][:90]}); "
+          f"ε total {priv['epsilon']:.2f} of {priv['budget_epsilon']}; honest peer: {honest}")
+
+
+def test_releases_to_one_peer_are_rate_limited():
+    """A token bucket per peer: a burst, then refusals until it refills (a fake clock)."""
+    import tempfile
+    now = [0.0]
+    with tempfile.TemporaryDirectory() as d:
+        ledger = PrivacyLedger(d, delta=1e-5, peer_rate=2.0, peer_burst=3, clock=lambda: now[0])
+        for _ in range(3):
+            ledger.charge("mallory", "scool-evidence", 2.0, 0.01)
+        with pytest.raises(ReleaseRateLimited, match="mallory"):
+            ledger.charge("mallory", "scool-evidence", 2.0, 0.01)
+        ledger.charge("honest", "scool-evidence", 2.0, 0.01)  # another peer's bucket is its own
+        now[0] += 0.5  # one release's worth at 2/s
+        ledger.charge("mallory", "scool-evidence", 2.0, 0.01)
+        with pytest.raises(ReleaseRateLimited):
+            ledger.charge("mallory", "scool-evidence", 2.0, 0.01)
+        assert ledger.total.releases == 5 and ledger.rate_refusals == 2
+
+
+@pytest.fixture
+def spent_victim(tmp_path):
+    """A victim that has released to a peer, with those releases checkpointed; stopped."""
+    victim = _victim(tmp_path)
+    victim.start()
+    try:
+        out = asyncio.run(_drain(tmp_path, victim, "peer", 5))
+        assert out == ["ok"] * 5, out
+        r = victim.status()["round"]
+        wait_for(lambda: victim.status()["saved"]["round"] >= r + 2, 60, "a checkpoint after the releases")
+        eps = victim.status()["privacy"]["epsilon"]
+    finally:
+        victim.stop()
+    assert eps > 0
+    return victim, eps
+
+
+def _refuses_to_start(node: NodeProc, *words: str) -> str:
+    with pytest.raises(RuntimeError) as e:
+        node.start(timeout=60)
+    msg = str(e.value)
+    for w in words:
+        assert w in msg, msg
+    return msg
+
+
+def test_a_deleted_ledger_refuses_to_start_naming_the_file(spent_victim):
+    """Deleting privacy-ledger.json used to reset ε to 0 silently on the next start."""
+    victim, eps = spent_victim
+    (victim.state_dir / LEDGER_FILE).unlink()
+    _refuses_to_start(victim, LEDGER_FILE, "is missing", "--reset-privacy-ledger")
+
+
+def test_a_ledger_rewritten_with_less_refuses_to_start_and_reset_restores_the_pin(spent_victim, tmp_path):
+    """A consistent ledger (valid format and checksum) that records fewer releases than the
+    checkpoint pinned is refused; --reset-privacy-ledger starts, logged, from the pin (not 0)."""
+    victim, eps = spent_victim
+    forged = PrivacyLedger(tmp_path / "forged", delta=1e-5)
+    forged.charge("peer", "scool-evidence", 2.0, 0.5)  # one release instead of five
+    shutil.copy(forged.path, victim.state_dir / LEDGER_FILE)
+    _refuses_to_start(victim, LEDGER_FILE, "fewer than", "rewritten")
+    victim.start(extra_args=["--reset-privacy-ledger"])
+    try:
+        priv = victim.status()["privacy"]
+        assert priv["epsilon"] >= eps * 0.999 and priv["peers"]["peer"]["releases"] >= 5, priv
+        assert "reset-privacy-ledger" in (victim.dir / "node.log").read_text()
+        assert list(victim.state_dir.glob(LEDGER_FILE + ".bad-*")), "the bad ledger is kept aside"
+    finally:
+        victim.stop()
+
+
+def test_a_tampered_ledger_fails_its_checksum(spent_victim):
+    victim, _ = spent_victim
+    path = victim.state_dir / LEDGER_FILE
+    data = json.loads(path.read_text())
+    data["total"]["releases"] = 0  # an edit that leaves the JSON valid
+    path.write_text(json.dumps(data))
+    _refuses_to_start(victim, LEDGER_FILE, "checksum")
