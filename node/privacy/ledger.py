@@ -141,16 +141,16 @@ class PrivacyLedger:
         self._recompute()
 
     @staticmethod
-    def _parse(data: Any, where: Path | str) -> tuple[_Account, dict[str, _Account]]:
+    def _parse(data: Any, where: Path | str, checksummed: bool = True) -> tuple[_Account, dict[str, _Account]]:
         try:
             if not isinstance(data, dict):
                 raise ValueError("not a JSON object")
             fmt = data.get("format")
-            if fmt == FORMAT:
+            if fmt == FORMAT and checksummed:
                 body = {k: v for k, v in data.items() if k != "sha256"}
                 if data.get("sha256") != _checksum(body):
                     raise ValueError("checksum mismatch: the file changed after it was written")
-            elif fmt not in _OLD_FORMATS:
+            elif fmt != FORMAT and fmt not in _OLD_FORMATS:
                 raise ValueError(f"format {fmt!r}, expected {FORMAT!r}")
             total = _Account.from_json(data["total"])
             peers = {str(k): _Account.from_json(v) for k, v in data["peers"].items()}
@@ -188,7 +188,7 @@ class PrivacyLedger:
                 log.warning("%s: no privacy ledger and no pin in %s (written before ledgers were "
                             "pinned); starting a new ledger", self.path, checkpoint)
             return
-        total, peers = self._parse(pinned, f"the ledger pinned in {checkpoint}")
+        total, peers = self._parse(pinned, f"the ledger pinned in {checkpoint}", checksummed=False)
         problem = None
         if not self.found:
             if total.releases or any(a.releases for a in peers.values()):
