@@ -86,6 +86,9 @@ class SecurityConfig(BaseModel):
     cert: Path | None = None
     key: Path | None = None
     allow_ids: list[str] | None = None  # only these node ids may connect or be dialled (None: any the CA issued)
+    # revocation list from `coterie cert revoke` (signed by the CA); None: crl.pem in cert_dir if there
+    crl: Path | None = None
+    reflection: bool = False  # gRPC server reflection on the peer port (grpcurl list); off: less to attack
     # the admin API's bearer token; None: <state_dir>/admin.token, generated (0600) on first start
     admin_token_file: Path | None = None
 

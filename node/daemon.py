@@ -121,6 +121,10 @@ class Node:
         self.loop_lag = LoopLag()  # how late the event loop runs: stalls show per round
         self.peers = PeerTable(self.node_id, cfg.suspect_after_s, cfg.dead_after_s,
                                reconnect_min_s=mcfg.reconnect_min_s, reconnect_max_s=mcfg.reconnect_max_s)
+        revocation = getattr(getattr(self.transport, "tls", None), "revocation", None)
+        if revocation is not None:  # a node the network CA revoked leaves membership for good
+            revocation.listeners.append(self._revoked)
+            self.peers.ban(revocation.revoked_ids)
         self.problems = ProblemLog(on_rejected=lambda: self.m_rejected.labels(kind="input").inc())
         self.board = PublishBoard()
         self.cache = SnapshotCache(cfg.snapshot_cache_bytes)
@@ -288,6 +292,10 @@ class Node:
         if now - self._budget_noted.get((peer, why), -1e9) >= 10.0:  # a flood is one problem, not 50
             self._budget_noted[(peer, why)] = now
             self.problems.note(peer, f"over its {why} budget: requests refused (RESOURCE_EXHAUSTED)")
+
+    def _revoked(self, node_ids) -> None:
+        for node_id in self.peers.ban(node_ids):
+            log.warning("peer %s: revoked by the network CA's revocation list; dropped", node_id)
 
     def _peer_gauges(self, counts: dict[str, int]) -> None:
         for state, n in counts.items():

@@ -189,3 +189,127 @@ def test_a_tampered_ledger_fails_its_checksum(spent_victim):
     data["total"]["releases"] = 0  # an edit that leaves the JSON valid
     path.write_text(json.dumps(data))
     _refuses_to_start(victim, LEDGER_FILE, "checksum")
+
+
+# ------------------------------------------------------------------------- revocation
+def _peer_state(node: NodeProc, node_id: str) -> str | None:
+    return next((p["state"] for p in node.get("/peers") if p["node_id"] == node_id), None)
+
+
+def test_a_revoked_node_is_refused_and_dropped_from_membership(tmp_path):
+    """n1 holds a valid certificate; the CA revokes it (`coterie cert revoke`, a signed CRL) and
+    the operator drops the CRL into n0's cert dir. n1's next call is refused (FORBIDDEN, naming
+    the revocation), n0 marks it dead and it stays dead. Without the CRL check n1 stays alive and
+    answered."""
+    n0 = NodeProc(tmp_path, "n0", {"strategy": "local", "learner": tiny_learner(2, 0)}).start()
+    n1 = NodeProc(tmp_path, "n1", {"strategy": "local", "learner": tiny_learner(2, 1),
+                                   "peers": [n0.address]}).start()
+    try:
+        wait_for(lambda: _peer_state(n0, "n1") == "alive", 60, "n0 to see n1")
+        r = subprocess.run([sys.executable, "-m", "coterie.cli.main", "cert", "revoke", "--ca",
+                            str(tmp_path / "pki" / "ca"), "--node-id", "n1"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        shutil.copy(tmp_path / "pki" / "ca" / "crl.pem", node_certs(tmp_path, "n0") / "crl.pem")
+        wait_for(lambda: _peer_state(n0, "n1") == "dead", 60, "n0 to drop the revoked n1")
+
+        async def call_as_n1():
+            m = Insider(tmp_path, n0, "n1")
+            try:
+                await m.join()
+            except PeerCallError as e:
+                return e.kind, str(e)
+            finally:
+                await m.close()
+            return "ok", ""
+
+        kind, msg = asyncio.run(call_as_n1())
+        assert kind == "forbidden" and "revoked" in msg, (kind, msg)
+        for _ in range(20):  # n1 keeps calling (heartbeats, handshakes): it never comes back
+            assert _peer_state(n0, "n1") == "dead"
+            wait_for(lambda: True, 1, "a poll")
+        log = (n0.dir / "node.log").read_text()
+        assert "revoked by the network CA" in log and "Traceback" not in log
+    finally:
+        n1.stop()
+        n0.stop()
+
+
+def test_an_expired_or_revoked_own_certificate_refuses_to_start(tmp_path):
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    from coterie.node.security.pki import NODE_CERT, PKIError, _load_ca
+    d = node_certs(tmp_path, "old")
+    ca_cert, ca_key = _load_ca(tmp_path / "pki" / "ca")
+    cert = x509.load_pem_x509_certificate((d / NODE_CERT).read_bytes())
+    past = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=2)
+    b = (x509.CertificateBuilder().subject_name(cert.subject).issuer_name(ca_cert.subject)
+         .public_key(cert.public_key()).serial_number(x509.random_serial_number())
+         .not_valid_before(past - dt.timedelta(days=30)).not_valid_after(past))
+    for ext in cert.extensions:
+        b = b.add_extension(ext.value, ext.critical)
+    (d / NODE_CERT).write_bytes(b.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+    with pytest.raises(PKIError, match="expired"):
+        load_credentials(d)
+    node = NodeProc(tmp_path, "old", {"strategy": "local", "learner": tiny_learner(1, 0)})
+    _refuses_to_start(node, "expired", NODE_CERT)
+
+
+# ------------------------------------------------------------------------- health, reflection
+def test_health_and_reflection_answer_garbage_cleanly(tmp_path):
+    """Malformed bytes to the standard gRPC health service (and to reflection, off by default)
+    gave UNKNOWN and library tracebacks in the node's log. Now: a clean status, no traceback."""
+    import grpc
+
+    from nodeproc import peer_channel
+    n0 = NodeProc(tmp_path, "n0", {"strategy": "local", "learner": tiny_learner(1, 0)}).start()
+    garbage = [b"\xff" * 7, b"\x0a\xff\xff\xff\xff\x0f", b"\x08" * 33, bytes(range(256)), b"\x12\x05ab"]
+    codes: dict[str, set] = {}
+    try:
+        async def go():
+            ch = peer_channel(tmp_path, "prober", n0.address)
+            try:
+                for method in ("/grpc.health.v1.Health/Check",):
+                    call = ch.unary_unary(method)
+                    for g in garbage:
+                        try:
+                            await call(g, timeout=5)
+                            codes.setdefault(method, set()).add("OK")
+                        except grpc.aio.AioRpcError as e:
+                            codes.setdefault(method, set()).add(e.code().name)
+                for method in ("/grpc.health.v1.Health/Watch",):
+                    for g in garbage:
+                        try:
+                            async for _ in ch.unary_stream(method)(g, timeout=2):
+                                break
+                            codes.setdefault(method, set()).add("OK")
+                        except grpc.aio.AioRpcError as e:
+                            codes.setdefault(method, set()).add(e.code().name)
+                for method in ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                               "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"):
+                    try:
+                        async for _ in ch.stream_stream(method)(iter(garbage), timeout=5):
+                            pass
+                        codes.setdefault(method, set()).add("OK")
+                    except grpc.aio.AioRpcError as e:
+                        codes.setdefault(method, set()).add(e.code().name)
+                # a well-formed check still answers
+                from grpc_health.v1 import health_pb2, health_pb2_grpc
+                reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                return reply.status
+            finally:
+                await ch.close()
+
+        status = asyncio.run(go())
+        alive = n0.status()
+    finally:
+        n0.stop()
+    log = (n0.dir / "node.log").read_text()
+    print("garbage to health/reflection:", codes)
+    assert status == 1 and alive["node_id"] == "n0"  # SERVING
+    assert all("UNKNOWN" not in c for c in codes.values()), codes
+    assert codes["/grpc.health.v1.Health/Check"] <= {"INVALID_ARGUMENT", "OK"}, codes
+    assert all(codes[m] == {"UNIMPLEMENTED"} for m in codes if "reflection" in m), codes
+    assert "Traceback" not in log, log[-3000:]

@@ -132,6 +132,8 @@ def issue_cert(ca_dir: str | Path, node_id: str, out_dir: str | Path, days: int 
             .sign(ca_key, hashes.SHA256()))
     _write(out / NODE_KEY, _key_pem(key), private=True)
     _write(out / NODE_CERT, cert.public_bytes(serialization.Encoding.PEM))
+    from .revocation import record_issued  # (revocation builds on this module)
+    record_issued(ca_dir, node_id, cert)  # so that `cert revoke --node-id` finds its serial
     _write(out / CA_CERT, ca_cert.public_bytes(serialization.Encoding.PEM))
     return out
 
@@ -186,4 +188,8 @@ def load_credentials(cert_dir: str | Path | None = None, *, ca: str | Path | Non
         serialization.load_pem_private_key(key_pem, password=None)
     except (ValueError, TypeError) as e:
         raise PKIError(f"{key_p} is not an unencrypted PEM private key: {e}") from None
+    from .revocation import certificate_problem
+    why = certificate_problem(x509.load_pem_x509_certificate(cert_pem))
+    if why:  # peers refuse it anyway: say so at start, not as refusals later
+        raise PKIError(f"{cert_p}: {why}; issue a new one (coterie cert issue)")
     return NodeCredentials(node_id, ca_pem, cert_pem, key_pem)
