@@ -42,6 +42,8 @@ from .peering.snapshots import PublishBoard, SnapshotCache
 from .peering.traffic import TrafficStats
 from .privacy import accountant
 from .privacy.ledger import PrivacyLedger
+from .security import crl_gossip
+from .security.crl_gossip import CrlHooks
 from .privacy.mechanisms import PrivateData
 from .privacy.purposes import LOSS, purpose, purposes_of
 from .persistence import HISTORY_TAIL, Snapshot, StateError, StateStore, make_snapshot
@@ -158,8 +160,10 @@ class Node:
                                                    cfg.strategy_params, seed=seed)
         self._budget_noted: dict[tuple[str, str], float] = {}
         self.admission = Admission(cfg.limits, on_refused=self._over_budget)
+        self._revocation = revocation
+        hooks = CrlHooks(self.strategy, revocation) if revocation is not None else self.strategy
         self.served = ServedRequests(self.node_id, self.info, self.membership, learner, self.spec,
-                                     self.strategy, self.board, self.cache, self.inbox, self.problems,
+                                     hooks, self.board, self.cache, self.inbox, self.problems,
                                      self.private, self.serves,
                                      on_refused=lambda kind: self.m_rejected.labels(kind=kind).inc(),
                                      admission=self.admission, push_policy=cfg.limits,
@@ -213,6 +217,9 @@ class Node:
         if self.cfg.privacy.enabled and purposes_of(self.cfg.strategy) + self.serves:
             self._tasks.append(asyncio.create_task(asyncio.to_thread(self._warm_privacy), name="privacy-warmup"))
         self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))
+        if self._revocation is not None:  # the CA's revocation list reaches every node (security/crl_gossip.py)
+            self._tasks.append(asyncio.create_task(
+                crl_gossip.spread(self._revocation, self.peers.alive, self._crl_exchange), name="crl-gossip"))
         self._round_task = asyncio.create_task(self._round_loop(), name="rounds")
         self._round_task.add_done_callback(self._round_loop_ended)
         self._tasks.append(self._round_task)
@@ -292,6 +299,18 @@ class Node:
         if now - self._budget_noted.get((peer, why), -1e9) >= 10.0:  # a flood is one problem, not 50
             self._budget_noted[(peer, why)] = now
             self.problems.note(peer, f"over its {why} budget: requests refused (RESOURCE_EXHAUSTED)")
+
+    async def _crl_exchange(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
+        """One CRL exchange, outside any round's exchange phase (it is not the round's work)."""
+        rec = self.peers.records.get(peer)
+        if rec is None or not rec.address:
+            return None
+        try:
+            return await self.client.gossip(rec.address, self.node_id, key, payload,
+                                            self.cfg.request_timeout_s, peer=peer)
+        except Exception as e:  # noqa: BLE001 - unreachable, refused, or an old peer: the next period tries another
+            log.debug("CRL exchange with %s failed: %s", peer, e)
+            return None
 
     def _revoked(self, node_ids) -> None:
         for node_id in self.peers.ban(node_ids):

@@ -201,16 +201,22 @@ def test_a_revoked_node_is_refused_and_dropped_from_membership(tmp_path):
     the operator drops the CRL into n0's cert dir. n1's next call is refused (FORBIDDEN, naming
     the revocation), n0 marks it dead and it stays dead. Without the CRL check n1 stays alive and
     answered."""
-    n0 = NodeProc(tmp_path, "n0", {"strategy": "local", "learner": tiny_learner(2, 0)}).start()
-    n1 = NodeProc(tmp_path, "n1", {"strategy": "local", "learner": tiny_learner(2, 1),
+    n0 = NodeProc(tmp_path, "n0", {"strategy": "local", "learner": tiny_learner(3, 0)}).start()
+    n1 = NodeProc(tmp_path, "n1", {"strategy": "local", "learner": tiny_learner(3, 1),
+                                   "peers": [n0.address]}).start()
+    n2 = NodeProc(tmp_path, "n2", {"strategy": "local", "learner": tiny_learner(3, 2),
                                    "peers": [n0.address]}).start()
     try:
         wait_for(lambda: _peer_state(n0, "n1") == "alive", 60, "n0 to see n1")
+        wait_for(lambda: _peer_state(n2, "n1") == "alive", 60, "n2 to see n1")
         r = subprocess.run([sys.executable, "-m", "coterie.cli.main", "cert", "revoke", "--ca",
                             str(tmp_path / "pki" / "ca"), "--node-id", "n1"], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         shutil.copy(tmp_path / "pki" / "ca" / "crl.pem", node_certs(tmp_path, "n0") / "crl.pem")
         wait_for(lambda: _peer_state(n0, "n1") == "dead", 60, "n0 to drop the revoked n1")
+        # n2 was given no file: the signed list reaches it from n0 by gossip, and it drops n1 too
+        wait_for(lambda: _peer_state(n2, "n1") == "dead", 60, "n2 to learn the revocation by gossip")
+        assert (n2.state_dir / "crl.pem").exists()  # kept across a restart
 
         async def call_as_n1():
             m = Insider(tmp_path, n0, "n1")
@@ -230,7 +236,9 @@ def test_a_revoked_node_is_refused_and_dropped_from_membership(tmp_path):
             wait_for(lambda: True, 1, "a poll")
         log = (n0.dir / "node.log").read_text()
         assert "revoked by the network CA" in log and "Traceback" not in log
+        assert "revocation list 1 from peer n0" in (n2.dir / "node.log").read_text()
     finally:
+        n2.stop()
         n1.stop()
         n0.stop()
 
