@@ -28,22 +28,14 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import ObjectIdentifier
 
-from .pki import CA_CERT, PKIError, _load_ca, cert_node_id, check_node_id
+from .pki import CA_CERT, ISSUED_FILE, PKIError, _load_ca, cert_node_id, certificate_problem, check_node_id, record_issued
 
 log = logging.getLogger("coterie.security")
 
 CRL_FILE = "crl.pem"
-ISSUED_FILE = "issued.jsonl"
 # revoked node ids, JSON, inside the signed CRL (a private arc: non-critical, others ignore it)
 REVOKED_IDS_OID = ObjectIdentifier("1.3.6.1.4.1.59999.22.1")
 MAX_CRL_BYTES = 4 << 20
-
-
-def record_issued(ca_dir: str | Path, node_id: str, cert: x509.Certificate) -> None:
-    """Note a certificate ``cert issue`` handed out (so ``revoke --node-id`` finds its serial)."""
-    with open(Path(ca_dir) / ISSUED_FILE, "a") as f:
-        f.write(json.dumps({"node_id": node_id, "serial": format(cert.serial_number, "x"),
-                            "not_after": cert.not_valid_after_utc.isoformat()}) + "\n")
 
 
 def issued_serials(ca_dir: str | Path, node_id: str) -> list[int]:
@@ -131,16 +123,6 @@ def revoke(ca_dir: str | Path, *, node_id: str | None = None, serials: list[int]
     crl = builder.sign(ca_key, hashes.SHA256())
     path.write_bytes(crl.public_bytes(serialization.Encoding.PEM))
     return path, RevocationList.parse(path.read_bytes(), ca_cert, str(path))
-
-
-def certificate_problem(cert: x509.Certificate, now: dt.datetime | None = None) -> str | None:
-    """Why a certificate is not valid now (expired, not yet valid), or None."""
-    now = now or dt.datetime.now(dt.timezone.utc)
-    if now > cert.not_valid_after_utc:
-        return f"its certificate expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC"
-    if now < cert.not_valid_before_utc:
-        return f"its certificate is not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC"
-    return None
 
 
 class Revocation:
