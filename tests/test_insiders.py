@@ -129,6 +129,18 @@ def test_releases_to_one_peer_are_rate_limited():
         assert ledger.total.releases == 5 and ledger.rate_refusals == 2
 
 
+def test_the_share_and_rate_bound_what_a_peer_asks_not_what_the_node_sends(tmp_path):
+    """A FedeRiCo push or COBO alignment vector is this node's own choice, paced by its rounds: the
+    total bounds it, the per-peer share and rate (against a peer asking) do not."""
+    ledger = PrivacyLedger(tmp_path, delta=1e-5, budget=8.0, expected_peers=10, peer_rate=1.0, peer_burst=1)
+    ledger.charge("n1", "scool-evidence", 2.0, 0.5)
+    with pytest.raises(ReleaseRateLimited):
+        ledger.charge("n1", "scool-evidence", 2.0, 0.5)
+    for _ in range(5):  # past n1's share (2 such releases) and its rate, all sent by this node
+        ledger.charge("n1", "federico-push", 2.0, 0.5, requested=False)
+    assert ledger.peers["n1"].releases == 6 and ledger.epsilon() <= 8.0
+
+
 @pytest.fixture
 def spent_victim(tmp_path):
     """A victim that has released to a peer, with those releases checkpointed; stopped."""

@@ -236,10 +236,13 @@ class PrivacyLedger:
         return True
 
     def charge(self, peer: str, purpose: str, noise_multiplier: float, sample_rate: float,
-               enforce: bool = True) -> float:
+               enforce: bool = True, requested: bool = True) -> float:
         """Record one release to ``peer`` (σ, q) and return the new total ε; with ``enforce``,
         raise ``BudgetSpent`` instead if it would take the total or the peer past its budget,
-        or ``ReleaseRateLimited`` if the peer asks faster than its rate."""
+        or ``ReleaseRateLimited`` if the peer asks faster than its rate. ``requested=False``: a
+        release this node chose to send (a FedeRiCo push, COBO's alignment vector), paced by its
+        own rounds — the total and ``peer_budget`` bound it, the per-peer share and rate (which
+        stop a peer *asking* the budget away) do not."""
         sigma, q = float(noise_multiplier), float(sample_rate)
         with self._lock:
             acc = self.peers.get(peer) or _Account()
@@ -256,14 +259,14 @@ class PrivacyLedger:
                 raise BudgetSpent(f"privacy budget spent: {peer} has been released ε = {acc.epsilon:.3g} "
                                   f"of the per-peer budget {self.peer_budget:.3g} (δ = {self.delta:g})")
             k = self.expected_peers
-            if enforce and k > 1 and math.isfinite(self.budget):
+            if enforce and requested and k > 1 and math.isfinite(self.budget):
                 eps_share = accountant.epsilon([(s, r, n * k) for s, r, n in acc.with_step(sigma, q)], self.delta)
                 if eps_share > self.budget:
                     self.refusals += 1
                     raise BudgetSpent(f"privacy budget spent: {peer} has had its share of this node's budget "
                                       f"(1/{k} of ε = {self.budget:g}: {k} peers released what it has would "
                                       f"compose to ε = {eps_share:.3g}); it has been released ε = {acc.epsilon:.3g}")
-            if enforce and not self._take_token(peer):
+            if enforce and requested and not self._take_token(peer):
                 self.rate_refusals += 1
                 raise ReleaseRateLimited(f"release rate: {peer} asks for more than {self.peer_rate:g} "
                                          f"releases/s (bursts of {self.peer_burst}); ask again later")
