@@ -205,6 +205,9 @@ def node_start(
     rounds: Optional[int] = typer.Option(None, "--rounds"),
     reset: bool = typer.Option(False, "--reset", help="start at round 0, moving the state dir's old state "
                                "aside (needed when it holds history or identity but no usable checkpoint)"),
+    reset_privacy_ledger: bool = typer.Option(
+        False, "--reset-privacy-ledger", help="start even if the privacy ledger is missing or behind the "
+        "checkpoint: restore it from the checkpoint's copy (logged; releases since then are lost)"),
     sets: Optional[list[str]] = typer.Option(None, "--set",
                                              help="any field: key.path=value (JSON value or text)"),
     log_format: str = LOG_FORMAT_OPT,
@@ -244,6 +247,8 @@ def node_start(
         for key, value in (("data", str(data) if data is not None else None), ("data_format", data_format)):
             if value is not None:
                 overrides.setdefault("learner", {})[key] = value
+        if reset_privacy_ledger:
+            overrides["reset_privacy_ledger"] = True
         cfg = load_config(config, overrides)
     except ConfigError as e:
         raise _fail(str(e), EXIT_CONFIG)

@@ -3,6 +3,7 @@
   coterie ca init DIR                                   a new CA: DIR/ca.pem, DIR/ca.key (0600)
   coterie cert issue --ca DIR --node-id ID --out OUT    OUT/node.pem, node.key, ca.pem for node ID
   coterie cert show OUT                                 whose certificate, issued by whom, until when
+  coterie cert revoke --ca DIR --node-id ID             DIR/crl.pem: a CA-signed revocation list for the nodes
 
 A node then runs with ``security.cert_dir = OUT`` (``--set security.cert_dir=OUT``). Keep ca.key
 off the nodes: only ``cert issue`` needs it.
@@ -62,6 +63,29 @@ def cert_show(directory: Path = typer.Argument(..., help="a node's certificate d
     except PKIError as e:
         raise _fail(str(e))
     cert = x509.load_pem_x509_certificate(creds.cert_pem)
-    typer.echo(f"node id:  {creds.node_id}\nissuer:   {cert.issuer.rfc4514_string()}\n"
+    typer.echo(f"node id:  {creds.node_id}\nserial:   {cert.serial_number:x}\nissuer:   {cert.issuer.rfc4514_string()}\n"
                f"valid:    {cert.not_valid_before_utc:%Y-%m-%d} .. {cert.not_valid_after_utc:%Y-%m-%d}\n"
                f"file:     {Path(directory) / NODE_CERT} (issued by the CA in ca.pem: yes)")
+
+
+@cert_app.command("revoke")
+def cert_revoke(ca: Path = typer.Option(..., "--ca", help="CA directory (coterie ca init)"),
+                node_id: str = typer.Option(None, "--node-id", help="revoke every certificate issued to this node id"),
+                serial: list[str] = typer.Option(None, "--serial", help="a certificate serial (hex), repeatable"),
+                days: int = typer.Option(30, "--days", min=1, help="when nodes should expect a newer list")) -> None:
+    """Revoke a node's certificate: CA_DIR/crl.pem, a revocation list signed by the CA. Give it to
+    the nodes (security.crl, or crl.pem in their cert dir): they refuse the revoked node on its
+    next call and drop it from membership."""
+    from coterie.node.security.pki import PKIError
+    from coterie.node.security.revocation import revoke
+    try:
+        serials = [int(s, 16) for s in serial or ()]
+    except ValueError:
+        raise _fail(f"--serial takes hexadecimal serials, got {serial}")
+    try:
+        path, crl = revoke(ca, node_id=node_id, serials=serials, days=days)
+    except (PKIError, OSError) as e:
+        raise _fail(str(e))
+    typer.echo(f"revocation list {crl.number} written to {path}: {len(crl.serials)} certificates revoked"
+               f"{', node ids ' + ', '.join(sorted(crl.node_ids)) if crl.node_ids else ''}. Copy it to each "
+               "node's cert dir as crl.pem (or security.crl); nodes pick up a newer one within a second")

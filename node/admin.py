@@ -8,9 +8,11 @@ Routes (all GET):
   /metrics   Prometheus text exposition (node.metrics.render())
   /history   checkpointed rounds (node.history_view): the recent tail, or ``?since=N`` the rounds
              after N (from the file when they go back further); ``?last=N`` the last N
-  /network   the whole network's collaborator-weight matrix: this node's rows plus every peer's,
-             fetched server-side from the admin URLs peers advertise (the browser may not reach
-             them, and this avoids CORS), diagonal apart, rows in block order (node/clusters.py)
+  /network   this node's part of the network's collaborator-weight matrix: its own mean row, and
+             the peers it knows (id, state, labels, the admin URL each advertises). The node never
+             fetches what a peer advertises (a certified insider could point it at any internal
+             URL); the dashboard fetches each peer's /history itself, from the user's browser with
+             the user's own credentials, and draws the matrix (rows in block order)
   /model     the node's personalised model of its last checkpoint: a safetensors file whose
              metadata holds the model card (node/modelfile.py); /model.json is the card alone
   /          the dashboard (node/static/dashboard.html: plain HTML + JS + SVG, no build step, no
@@ -41,10 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from aiohttp import web
 
-from . import clusters
 from .admin_token import is_loopback
 from .fsutil import json_safe
 
@@ -55,11 +55,26 @@ NODE_KEY: web.AppKey[Any] = web.AppKey("node")  # the Node (daemon.py imports th
 NETWORK_KEY = web.AppKey("network", dict)
 AUTH_KEY = web.AppKey("auth", object)
 
-NETWORK_MAX_PEERS = 64  # peers queried for /network (the matrix is n x n; a browser draws it)
-NETWORK_CONCURRENCY = 16
-NETWORK_TIMEOUT_S = 2.0  # per peer: a slow or dead peer shows as missing, not as a slow page
-NETWORK_CACHE_S = 1.0  # several dashboards polling one node share one round of peer queries
+NETWORK_MAX_PEERS = 64  # peers listed by /network (the matrix is n x n; a browser draws it)
+NETWORK_CACHE_S = 1.0  # several dashboards polling one node share one view
 NETWORK_ROUNDS = 10  # each row is the node's weights averaged over its last rounds (less noisy)
+MAX_ROUND = 10 ** 12  # query parameters are bounded: a round number or a count, never more digits
+_INT = re.compile(r"-?[0-9]{1,13}")
+
+
+class BadParam(ValueError):
+    """A query parameter out of its bounds: a 400 naming it, never a 500."""
+
+
+def int_param(request: web.Request, name: str, lo: int, hi: int) -> int | None:
+    """Query parameter ``name`` as an int in [lo, hi] (None when absent), or BadParam."""
+    raw = request.query.get(name)
+    if raw is None:
+        return None
+    if not _INT.fullmatch(raw) or not lo <= int(raw) <= hi:
+        shown = raw if len(raw) <= 40 else f"{raw[:40]}... ({len(raw)} characters)"
+        raise BadParam(f"{name} must be an integer from {lo} to {hi}, got {shown!r}")
+    return int(raw)
 
 
 
@@ -84,6 +99,8 @@ async def _errors(request: web.Request, handler):
         if e.status < 400:
             raise
         return _json({"error": e.reason, "status": e.status, "path": request.path}, status=e.status)
+    except BadParam as e:
+        return _json({"error": str(e), "status": 400, "path": request.path}, status=400)
     except Exception as e:  # a node bug must not take the admin plane down
         log.exception("admin %s failed", request.path)
         return _json({"error": f"{type(e).__name__}: {e}", "status": 500, "path": request.path},
@@ -182,22 +199,27 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def history(request: web.Request) -> web.Response:
     node = request.app[NODE_KEY]
-    raw = request.query.get("since")
-    since = None
-    if raw is not None:
-        try:
-            since = int(raw)
-        except ValueError:
-            return _json({"error": f"since must be an integer round number, got {raw!r}",
-                          "status": 400, "path": request.path}, status=400)
+    since = int_param(request, "since", -MAX_ROUND, MAX_ROUND)
+    last = int_param(request, "last", 0, MAX_ROUND)
     entries = await _call(node.history_view, since)
-    raw = request.query.get("last")
-    if raw is not None:
-        if not raw.isdigit():
-            return _json({"error": f"last must be a non-negative integer, got {raw!r}",
-                          "status": 400, "path": request.path}, status=400)
-        entries = entries[-int(raw):] if int(raw) else []
-    return _json(entries)
+    if last is not None:
+        entries = entries[-last:] if last else []
+    resp = _json(entries)
+    origin = request.headers.get("Origin")
+    if origin and origin in await _peer_origins(node):  # a peer's dashboard draws the network
+        resp.headers["Access-Control-Allow-Origin"] = origin
+        resp.headers["Vary"] = "Origin"
+    return resp
+
+
+async def _peer_origins(node: Any) -> set[str]:
+    """The origins of the admin URLs known peers advertise: only compared, never fetched."""
+    out = set()
+    for p in await _call(node.peers_table):
+        m = re.fullmatch(r"(https?://[^/?#]+)/?", str(p.get("admin_url") or ""))
+        if m:
+            out.add(m.group(1))
+    return out
 
 
 def _mean_row(entries: list[dict[str, Any]]) -> dict[str, float]:
@@ -212,59 +234,21 @@ def _mean_row(entries: list[dict[str, Any]]) -> dict[str, float]:
     return {k: v / len(rows) for k, v in sums.items()} if rows else {}
 
 
-async def _peer_rows(peers: list[dict[str, Any]]) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
-    """Each peer's mean weight row from its own admin API: {node_id: row}, {node_id: error}."""
-    rows: dict[str, dict[str, float]] = {}
-    errors: dict[str, str] = {}
-    sem = asyncio.Semaphore(NETWORK_CONCURRENCY)
-
-    async def one(client: httpx.AsyncClient, p: dict[str, Any]) -> None:
-        url = str(p.get("admin_url") or "").rstrip("/")
-        if not url:
-            errors[p["node_id"]] = "advertises no admin URL"
-            return
-        async with sem:
-            try:
-                r = await client.get(f"{url}/history", params={"last": NETWORK_ROUNDS})
-                r.raise_for_status()
-                entries = r.json()
-            except (httpx.HTTPError, ValueError) as e:
-                errors[p["node_id"]] = f"{url}: {type(e).__name__}: {e}"[:200]
-                return
-        if isinstance(entries, list):
-            rows[p["node_id"]] = _mean_row([e for e in entries if isinstance(e, dict)])
-
-    async with httpx.AsyncClient(timeout=NETWORK_TIMEOUT_S) as client:
-        await asyncio.gather(*(one(client, p) for p in peers))
-    return rows, errors
-
-
 async def network_view(node: Any) -> dict[str, Any]:
-    """This node and its peers as one weight matrix (see the module docstring)."""
+    """This node's row of the weight matrix and the peers it knows (see the module docstring).
+    Nothing here calls out: the rows of peers are the browser's to fetch."""
     status_ = await _call(node.status)
     table = await _call(node.peers_table)
     me = status_["node_id"]
     peers = sorted((p for p in table if p.get("state") != "dead"), key=lambda p: p["node_id"])
     skipped = max(0, len(peers) - NETWORK_MAX_PEERS)
-    peers = peers[:NETWORK_MAX_PEERS]
-    rows, errors = await _peer_rows(peers)
-    rows[me] = _mean_row(list(node.history)[-NETWORK_ROUNDS:])
-    ids = sorted({me, *(p["node_id"] for p in peers)})
-    labels = {p["node_id"]: p.get("labels") or {} for p in table}
-    labels[me] = status_.get("labels") or {}
-    matrix = [[rows[i].get(j, 0.0) for j in ids] if i in rows else None for i in ids]
-    order = clusters.block_order(matrix)
-    ordered = [ids[k] for k in order]
-    full = clusters.reorder(matrix, order)
     return {
         "node_id": me, "round": status_.get("round"), "rounds_averaged": NETWORK_ROUNDS,
-        "nodes": ordered,
-        "clusters": {i: labels.get(i, {}).get("cluster") for i in ordered},
-        "self_weights": [full[k][k] for k in range(len(ordered))],
-        # peers' weights only: the diagonal is in self_weights, and null here
-        "matrix": [None if ordered[r] not in rows else [None if r == c else v for c, v in enumerate(row)]
-                   for r, row in enumerate(full)],
-        "errors": errors, "skipped_peers": skipped, "t": time.time(),
+        "row": _mean_row(list(node.history)[-NETWORK_ROUNDS:]),
+        "labels": status_.get("labels") or {},
+        "peers": [{"node_id": p["node_id"], "state": p.get("state"), "labels": p.get("labels") or {},
+                   "admin_url": str(p.get("admin_url") or "")} for p in peers[:NETWORK_MAX_PEERS]],
+        "skipped_peers": skipped, "t": time.time(),
     }
 
 

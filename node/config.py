@@ -46,6 +46,14 @@ class PrivacyConfig(BaseModel):
     delta: float = Field(1e-5, gt=0, lt=1)  # ε is reported at this δ (keep it << 1/samples)
     budget_epsilon: float = Field(8.0, gt=0)  # total ε; a release that would pass it is refused (inf = no limit)
     peer_budget_epsilon: float = Field(math.inf, gt=0)  # ε released to any one peer (inf = no limit)
+    # one peer may take at most a 1/expected_peers share of budget_epsilon, measured where ε adds
+    # up (RDP): expected_peers peers releasing what it did would compose to at most the budget. So
+    # one peer (a compromised one, say) cannot spend the whole budget and lock every other out.
+    expected_peers: int = Field(10, ge=1)
+    # releases to one peer: a token bucket of peer_release_burst, refilled at peer_release_rate
+    # per second (inf = no limit); one peer cannot spend even its own share in a burst
+    peer_release_rate: float = Field(4.0, gt=0)
+    peer_release_burst: int = Field(16, ge=1)
     min_batch: int = Field(64, ge=1)  # expected samples behind any answer (whole split if smaller)
     serve_purposes: list[str] | None = None  # None = the purposes of this node's strategy
 
@@ -78,6 +86,9 @@ class SecurityConfig(BaseModel):
     cert: Path | None = None
     key: Path | None = None
     allow_ids: list[str] | None = None  # only these node ids may connect or be dialled (None: any the CA issued)
+    # revocation list from `coterie cert revoke` (signed by the CA); None: crl.pem in cert_dir if there
+    crl: Path | None = None
+    reflection: bool = False  # gRPC server reflection on the peer port (grpcurl list); off: less to attack
     # the admin API's bearer token; None: <state_dir>/admin.token, generated (0600) on first start
     admin_token_file: Path | None = None
     # false: the admin API without a token, allowed only on a loopback admin_listen (docs/admin-and-export.md)
@@ -197,6 +208,9 @@ class NodeConfig(BaseModel):
     # round trains (what a kill -9 can lose); 0 = every round waits for its own checkpoint
     checkpoint_max_unsaved_rounds: int = Field(1, ge=0)
     reset: bool = False  # start at round 0, moving any old state aside (into reset-<time>/)
+    # accept a privacy ledger that is missing or behind the checkpoint: restore it from the
+    # checkpoint's copy (logged); without it such a node refuses to start
+    reset_privacy_ledger: bool = False
 
     @model_validator(mode="after")
     def _admin_auth_on_loopback_only(self) -> "NodeConfig":

@@ -43,6 +43,8 @@ from .peering.snapshots import PublishBoard, SnapshotCache
 from .peering.traffic import TrafficStats
 from .privacy import accountant
 from .privacy.ledger import PrivacyLedger
+from .security import crl_gossip
+from .security.crl_gossip import CrlHooks
 from .privacy.mechanisms import PrivateData
 from .privacy.purposes import LOSS, purpose, purposes_of
 from .persistence import HISTORY_TAIL, Snapshot, StateError, StateStore, make_snapshot
@@ -123,6 +125,10 @@ class Node:
         self.loop_lag = LoopLag()  # how late the event loop runs: stalls show per round
         self.peers = PeerTable(self.node_id, cfg.suspect_after_s, cfg.dead_after_s,
                                reconnect_min_s=mcfg.reconnect_min_s, reconnect_max_s=mcfg.reconnect_max_s)
+        revocation = getattr(getattr(self.transport, "tls", None), "revocation", None)
+        if revocation is not None:  # a node the network CA revoked leaves membership for good
+            revocation.listeners.append(self._revoked)
+            self.peers.ban(revocation.revoked_ids)
         self.problems = ProblemLog(on_rejected=lambda: self.m_rejected.labels(kind="input").inc())
         self.board = PublishBoard()
         self.cache = SnapshotCache(cfg.snapshot_cache_bytes)
@@ -137,7 +143,12 @@ class Node:
                               mult=cfg.deadline_mult)
         # privacy: everything computed on my data that leaves (served or sent) goes through one door
         self.ledger = PrivacyLedger(self.store.dir, delta=cfg.privacy.delta, budget=cfg.privacy.budget_epsilon,
-                                    peer_budget=cfg.privacy.peer_budget_epsilon, on_change=self._privacy_gauges)
+                                    peer_budget=cfg.privacy.peer_budget_epsilon, expected_peers=cfg.privacy.expected_peers,
+                                    peer_rate=cfg.privacy.peer_release_rate, peer_burst=cfg.privacy.peer_release_burst,
+                                    on_change=self._privacy_gauges)
+        if self._checkpoint is not None:  # the ledger is verified state: it must cover the checkpoint's pin
+            self.ledger.verify(self._checkpoint.state.get("privacy_ledger"), checkpoint=self._checkpoint.path.name,
+                               reset=cfg.reset_privacy_ledger)
         self._privacy_gauges()
         self.private = PrivateData(learner, cfg.privacy, self.ledger)
         self.serves = (tuple(cfg.privacy.serve_purposes) if cfg.privacy.serve_purposes is not None
@@ -155,8 +166,10 @@ class Node:
                                                    cfg.strategy_params, seed=seed)
         self._budget_noted: dict[tuple[str, str], float] = {}
         self.admission = Admission(cfg.limits, on_refused=self._over_budget)
+        self._revocation = revocation
+        hooks = CrlHooks(self.strategy, revocation) if revocation is not None else self.strategy
         self.served = ServedRequests(self.node_id, self.info, self.membership, learner, self.spec,
-                                     self.strategy, self.board, self.cache, self.inbox, self.problems,
+                                     hooks, self.board, self.cache, self.inbox, self.problems,
                                      self.private, self.serves,
                                      on_refused=lambda kind: self.m_rejected.labels(kind=kind).inc(),
                                      admission=self.admission, push_policy=cfg.limits,
@@ -217,6 +230,9 @@ class Node:
         if self.cfg.privacy.enabled and purposes_of(self.cfg.strategy) + self.serves:
             self._tasks.append(asyncio.create_task(asyncio.to_thread(self._warm_privacy), name="privacy-warmup"))
         self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))
+        if self._revocation is not None:  # the CA's revocation list reaches every node (security/crl_gossip.py)
+            self._tasks.append(asyncio.create_task(
+                crl_gossip.spread(self._revocation, self.peers.alive, self._crl_exchange), name="crl-gossip"))
         self._round_task = asyncio.create_task(self._round_loop(), name="rounds")
         self._round_task.add_done_callback(self._round_loop_ended)
         self._tasks.append(self._round_task)
@@ -297,6 +313,22 @@ class Node:
             self._budget_noted[(peer, why)] = now
             self.problems.note(peer, f"over its {why} budget: requests refused (RESOURCE_EXHAUSTED)")
 
+    async def _crl_exchange(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
+        """One CRL exchange, outside any round's exchange phase (it is not the round's work)."""
+        rec = self.peers.records.get(peer)
+        if rec is None or not rec.address:
+            return None
+        try:
+            return await self.client.gossip(rec.address, self.node_id, key, payload,
+                                            self.cfg.request_timeout_s, peer=peer)
+        except Exception as e:  # noqa: BLE001 - unreachable, refused, or an old peer: the next period tries another
+            log.debug("CRL exchange with %s failed: %s", peer, e)
+            return None
+
+    def _revoked(self, node_ids) -> None:
+        for node_id in self.peers.ban(node_ids):
+            log.warning("peer %s: revoked by the network CA's revocation list; dropped", node_id)
+
     def _peer_gauges(self, counts: dict[str, int]) -> None:
         for state, n in counts.items():
             self.m_peers.labels(state=state).set(n)
@@ -338,7 +370,8 @@ class Node:
         peers = self.peers.to_json()
         meta = {"fingerprint": self.fingerprint, "strategy": self.cfg.strategy, "time": time.time(),
                 "model": self.model_card,
-                "weights": self.strategy.weights(), "public_state": self.strategy.public_state()}
+                "weights": self.strategy.weights(), "public_state": self.strategy.public_state(),
+                "privacy_ledger": self.ledger.pin()}
         reuse, self._spare_tensors = self._spare_tensors, None
         learner_state = await asyncio.to_thread(self.learner.export_state, reuse)
         published = self.board.current

@@ -48,7 +48,7 @@ _CKPT = re.compile(r"^ckpt-(\d{6,})\.safetensors$")
 _LEGACY = ("CURRENT",)  # the pre-v2 layout: CURRENT -> ckpt-N/ directories
 # not round state: kept where they are by --reset (the privacy ledger counts what this data has
 # already released, whatever model is trained on it next)
-_NOT_STATE = {"LOCK", "node.json", "privacy-ledger.json"}
+_NOT_STATE = {"LOCK", "node.json", "privacy-ledger.json", "crl.pem"}
 
 
 class StateError(RuntimeError):

@@ -1,6 +1,5 @@
 import asyncio
 import json
-import socket
 
 import aiohttp
 import pytest
@@ -141,38 +140,79 @@ async def test_history_last():
         await client.close()
 
 
-async def test_network_matrix_from_peers_admin_apis():
-    """/network asks each peer's advertised admin URL for its recent weights and assembles the
-    whole matrix, diagonal apart; a peer that does not answer is listed, not fatal."""
-    a, b = FakeNode("n0"), FakeNode("n1")
-    for node, w in ((a, {"n0": 0.6, "n1": 0.3, "n2": 0.1}), (b, {"n0": 0.2, "n1": 0.8})):
-        for e in node.history:
-            e["weights"] = w
-    runner_b, port_b = await start_admin(b, "127.0.0.1", 0, token=None)  # peers' /history, unauthenticated
-    with socket.socket() as dead:  # bound, not listening: refused
-        dead.bind(("127.0.0.1", 0))
-        a.peers_table = lambda: [
-            {"node_id": "n1", "address": "x:1", "state": "alive", "admin_url": f"http://127.0.0.1:{port_b}",
-             "labels": {"cluster": "1"}},
-            {"node_id": "n2", "address": "x:2", "state": "alive",
-             "admin_url": f"http://127.0.0.1:{dead.getsockname()[1]}"},
-            {"node_id": "n3", "address": "x:3", "state": "dead", "admin_url": "http://127.0.0.1:9"}]
-        client = await _client(a)
-        try:
-            net = await (await client.get("/network")).json()
-        finally:
-            await client.close()
-            await runner_b.cleanup()
-    assert sorted(net["nodes"]) == ["n0", "n1", "n2"]  # the dead peer is not queried
-    idx = {n: i for i, n in enumerate(net["nodes"])}
-    m = net["matrix"]
-    assert m[idx["n0"]][idx["n1"]] == pytest.approx(0.3) and m[idx["n0"]][idx["n2"]] == pytest.approx(0.1)
-    assert m[idx["n1"]][idx["n0"]] == pytest.approx(0.2) and m[idx["n1"]][idx["n2"]] == 0.0
-    assert m[idx["n2"]] is None and "n2" in net["errors"]  # no answer: a missing row, named
-    assert all(m[i][i] is None for i in range(3) if m[i] is not None)  # the diagonal is apart
-    assert net["self_weights"][idx["n0"]] == pytest.approx(0.6)
-    assert net["self_weights"][idx["n1"]] == pytest.approx(0.8)
-    assert net["clusters"]["n1"] == "1"
+async def test_network_never_fetches_what_peers_advertise():
+    """A certified insider advertised an internal URL as its admin URL and /network used to GET it
+    from the node (a listener received ``GET /internal-only/history?last=10``). Now /network lists
+    the peers and this node's own row only; the browser fetches peers' rows itself."""
+    received: list[str] = []
+
+    async def record(request):
+        received.append(request.path_qs)
+        return aiohttp.web.json_response([])
+
+    app = aiohttp.web.Application()
+    app.router.add_route("*", "/{tail:.*}", record)
+    listener = TestServer(app)
+    await listener.start_server()
+    a = FakeNode("n0")
+    for e in a.history:
+        e["weights"] = {"n0": 0.6, "n1": 0.3, "n2": 0.1}
+    a.peers_table = lambda: [
+        {"node_id": "n1", "address": "x:1", "state": "alive", "labels": {"cluster": "1"},
+         "admin_url": f"http://127.0.0.1:{listener.port}/internal-only"},
+        {"node_id": "n2", "address": "x:2", "state": "alive", "admin_url": f"http://127.0.0.1:{listener.port}"},
+        {"node_id": "n3", "address": "x:3", "state": "dead", "admin_url": "http://127.0.0.1:9"}]
+    client = await _client(a)
+    try:
+        net = await (await client.get("/network")).json()
+        await asyncio.sleep(0)  # (nothing is in flight to wait for: the view is built locally)
+    finally:
+        await client.close()
+        await listener.close()
+    assert received == []
+    assert [p["node_id"] for p in net["peers"]] == ["n1", "n2"]  # the dead peer is not listed
+    assert net["peers"][0]["labels"] == {"cluster": "1"} and net["peers"][0]["admin_url"].endswith("/internal-only")
+    assert net["row"] == pytest.approx({"n0": 0.6, "n1": 0.3, "n2": 0.1})
+
+
+async def test_history_is_readable_cross_origin_by_peer_dashboards_only():
+    a = FakeNode("n0")
+    a.peers_table = lambda: [{"node_id": "n1", "address": "x:1", "state": "alive",
+                              "admin_url": "http://127.0.0.1:4242"}]
+    client = await _client(a)
+    try:
+        peer = await client.get("/history?last=1", headers={"Origin": "http://127.0.0.1:4242"})
+        other = await client.get("/history?last=1", headers={"Origin": "http://evil.example"})
+    finally:
+        await client.close()
+    assert peer.headers.get("Access-Control-Allow-Origin") == "http://127.0.0.1:4242"
+    assert "Access-Control-Allow-Origin" not in other.headers
+
+
+async def test_query_parameters_are_bounded_never_500():
+    """``/history?last=<5000 digits>`` answered 500 with a traceback (int() refuses > 4300 digits)."""
+    import random
+    rng = random.Random(0)
+    values = ["9" * 5000, "-" + "9" * 5000, "1e9", "0x10", "\u00b2", "\u0663", " 1", "1 ", "", "-", "+1",
+              "nan", "inf", "1.5", "%00", "9" * 14, "-9" * 7, "\x00", "[]", "{}", "'", '"']
+    values += ["".join(rng.choice("0123456789-+e. x\u00b2") for _ in range(rng.randint(1, 30))) for _ in range(60)]
+    client = await _client(FakeNode())
+    statuses = {}
+    try:
+        for path in ("/history", "/network", "/status", "/peers", "/weights", "/metrics", "/healthz"):
+            for name in ("last", "since", "x"):
+                for v in values:
+                    r = await client.get(path, params={name: v})
+                    statuses.setdefault(r.status, []).append((path, name, v[:20]))
+                    if r.status == 400:
+                        body = await r.json()
+                        assert name in body["error"] and "Traceback" not in body["error"], body
+        r = await client.get("/history", params={"last": "9" * 5000})
+        assert r.status == 400 and "5000 characters" in (await r.json())["error"]
+    finally:
+        await client.close()
+    assert 500 not in statuses, statuses[500][:5]
+    assert statuses.get(400), "out-of-bounds values are refused"
 
 
 async def test_start_admin_binds_free_port():

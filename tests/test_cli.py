@@ -396,7 +396,9 @@ def test_real_node_problems_reflection_and_wrong_port(tmp_path):
         dead.bind(("127.0.0.1", 0))  # bound, not listening: nobody answers there
         down = f"127.0.0.1:{dead.getsockname()[1]}"
         node = NodeProc(tmp_path, "solo", {"peers": [down], "learner": tiny_learner(1, 0),
-                                           "heartbeat_interval_s": 0.2}).start()
+                                           "heartbeat_interval_s": 0.2,  # reflection is opt-in
+                                           "security": {"cert_dir": str(node_certs(tmp_path, "solo")),
+                                                        "reflection": True}}).start()
         try:
             problems = wait_for(lambda: [p for p in node.status()["problems"] if down in p["message"]],
                                 30, "the unreachable bootstrap peer in /status problems")

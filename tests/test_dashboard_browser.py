@@ -92,14 +92,19 @@ def test_dashboard_draws_live_network(network, browser):
     weights = _attrs(browser, "#weights-chart path.line", "data-series", "data-n")
     assert len(weights) >= 2 and all(int(w["data-n"]) == ROUNDS for w in weights)
 
-    # heatmap: the 3x3 network matrix without its diagonal, values as /network reports them
+    # heatmap: the 3x3 network matrix without its diagonal, each row the mean of that node's last
+    # rounds as its own /history reports them (the browser fetched them; the node fetches nothing)
     net = n0.get("/network")
-    idx = {n: i for i, n in enumerate(net["nodes"])}
-    assert sorted(idx) == ["n0", "n1", "n2"] and not net["errors"]
+    assert sorted([net["node_id"], *(p["node_id"] for p in net["peers"])]) == ["n0", "n1", "n2"]
+    rows = {}
+    for n in network:
+        hist = [h["weights"] for h in n.get(f"/history?last={net['rounds_averaged']}")]
+        rows[n.node_id] = {k: sum(w.get(k, 0.0) for w in hist) / len(hist) for k in ("n0", "n1", "n2")}
+    rows_shown = _attrs(browser, "#heatmap text[data-row]", "data-row")
+    idx = {r["data-row"]: i for i, r in enumerate(rows_shown)}
     for c in cells:
         assert c["data-row"] != c["data-col"]
-        expected = net["matrix"][idx[c["data-row"]]][idx[c["data-col"]]]
-        assert float(c["data-value"]) == pytest.approx(expected)
+        assert float(c["data-value"]) == pytest.approx(rows[c["data-row"]][c["data-col"]])
     by = {(c["data-row"], c["data-col"]): float(c["data-value"]) for c in cells}
     # oracle: n0 and n1 (cluster 0) weight each other, nobody weights across clusters
     assert by[("n0", "n1")] > 0 and by[("n1", "n0")] > 0

@@ -9,8 +9,10 @@ refusal naming it:
 - concurrency: at most ``max_concurrent`` of the peer's requests in flight;
 - compute: a token bucket in *seconds of compute on my data*, refilled at ``compute_share`` per
   second (burst ``compute_burst_s``). A request is admitted while the peer's bucket is positive
-  and charged afterwards with the time it really took (``charge``), so the budget holds whatever
-  the model costs — a 30 ms CNN gradient and a 2 ms MLP one alike.
+  and charged afterwards with the CPU time it really took (``charge``; the worker thread's
+  ``time.thread_time``, which is all of it with the default one torch thread), so the budget holds
+  whatever the model costs — a 30 ms CNN gradient and a 2 ms MLP one alike — and a request that
+  only waited (for the CPU, a lock, a warm-up) costs its peer nothing.
 
 It lives here, in peering, rather than in the gRPC servicer: it is policy about peers (who gets
 how much of this node), keyed by a domain identity, and any transport (the in-process one too)

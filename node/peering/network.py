@@ -434,7 +434,7 @@ class NodeNetwork:
         if p.kind not in (PUSH, ALIGNMENT):
             raise ValueError(f"purpose {purpose!r} does not send this node's own gradient out")
         try:
-            rel, _ = await asyncio.to_thread(self.private.gradient, peer, p, params, max_samples or 0)
+            rel, _ = await asyncio.to_thread(self.private.gradient, peer, p, params, max_samples or 0, True)
         except BudgetSpent as e:
             log.info("not sending %s to %s: %s", p.name, peer, e)
             self.problems.note(peer, f"{p.name}: {e}")

@@ -72,6 +72,21 @@ class PeerTable:
         # is a million steps a second
         self._by_address: dict[str, str] = {}  # address -> node_id
         self._in_state: dict[str, set[str]] = {ALIVE: set(), SUSPECT: set(), DEAD: set()}
+        self.banned: set[str] = set()  # revoked by the network CA: dead for good, never revived
+
+    def ban(self, node_ids) -> list[str]:
+        """Members the network CA revoked: dead now and never alive again (no gossip, call or
+        reconnect revives them). Returns those that were known and not dead."""
+        dropped = []
+        for node_id in node_ids:
+            self.banned.add(node_id)
+            rec = self.records.get(node_id)
+            if rec is not None and rec.state != DEAD:
+                self._move(rec, DEAD)
+                dropped.append(node_id)
+            if rec is not None:
+                rec.reconnect_at = math.inf
+        return dropped
 
     # ------------------------------------------------------------------ transitions
     def _move(self, rec: PeerRecord, new: str, now: float | None = None) -> None:
@@ -95,7 +110,8 @@ class PeerTable:
         rec = self.records.get(node_id)
         if rec is None:
             now = time.monotonic()
-            rec = PeerRecord(node_id, address, last_seen=now if seen else 0.0, state=ALIVE if seen else DEAD,
+            rec = PeerRecord(node_id, address, last_seen=now if seen else 0.0,
+                             state=ALIVE if seen and node_id not in self.banned else DEAD,
                              state_since=now, reconnect_at=now)
             self.records[node_id] = rec
             self._in_state[rec.state].add(node_id)
@@ -123,7 +139,7 @@ class PeerTable:
         (last seen, round, version noted; a suspect or dead member must refute or answer a
         probe — a process that calls out but cannot be reached is no use as a peer)."""
         rec = self.records.get(node_id)
-        if rec is None:
+        if rec is None or node_id in self.banned:
             return False
         now = time.monotonic()
         rec.last_seen = now
@@ -146,7 +162,7 @@ class PeerTable:
         new accuser of a suspicion). Never changes an address: that takes the member's own
         handshake."""
         rec = self.records.get(u.node_id)
-        if rec is None or u.node_id == self.self_id:
+        if rec is None or u.node_id == self.self_id or u.node_id in self.banned:
             return False
         newer = u.incarnation > rec.incarnation
         same = u.incarnation == rec.incarnation
@@ -207,11 +223,14 @@ class PeerTable:
     # ------------------------------------------------------------------ dead members
     def due_reconnects(self, now: float | None = None) -> list[PeerRecord]:
         now = time.monotonic() if now is None else now
-        return [r for r in map(self.records.__getitem__, self._in_state[DEAD]) if r.reconnect_at <= now]
+        return [r for r in map(self.records.__getitem__, self._in_state[DEAD])
+                if r.reconnect_at <= now and r.node_id not in self.banned]
 
     def reconnect_failed(self, node_id: str) -> None:
         rec = self.records.get(node_id)
         if rec is not None and rec.state == DEAD:
+            if node_id in self.banned:
+                return
             rec.reconnect_backoff_s = min(max(rec.reconnect_backoff_s * 2, self.reconnect_min_s),
                                           self.reconnect_max_s)
             rec.reconnect_at = time.monotonic() + rec.reconnect_backoff_s

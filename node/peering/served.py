@@ -93,14 +93,16 @@ class ServedRequests:
         return self.admission.admit(peer, kind)
 
     async def _run(self, peer: str | None, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn`` on the served-compute threads; its own run time is billed to ``peer``."""
+        """``fn`` on the served-compute threads; the CPU time it took is billed to ``peer`` (not
+        wall time: on a loaded node a request waiting for the CPU, a lock or a warm-up would be
+        billed for everyone else's work, and one slow request locked its peer out for ~36 s)."""
         def timed():
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             try:
                 return fn(*args)
             finally:
                 if peer is not None:
-                    spent = time.perf_counter() - t0
+                    spent = time.thread_time() - t0
                     loop.call_soon_threadsafe(self.admission.charge, peer, spent)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, timed)

@@ -9,16 +9,33 @@ under-count one that did.
 
 File ``privacy-ledger.json`` in the state dir::
 
-    {"format": "coterie-privacy-ledger/1",
+    {"format": "coterie-privacy-ledger/2", "sha256": "<over the rest, canonical JSON>",
      "total": {"releases": 12, "steps": [[σ, q, count], ...]},
      "peers": {"n3": {"releases": 4, "steps": [...], "purposes": {"scool-evidence": 4}}}}
 
 δ and the budgets come from the config (a restart may change them; the steps are the record).
-A corrupt ledger stops the node with the file named: starting from zero would forget releases."""
+
+The ledger is part of the node's verified state: each checkpoint pins a copy of it (``pin()``,
+in the checkpoint's checksummed state), and since a ledger only grows, the file must record at
+least every release the pin does (``verify``). A corrupt ledger, a missing one next to a
+checkpoint that pins releases, or one rewritten with fewer releases (even with a valid checksum)
+stops the node with the file named: starting from less would forget releases. Only an explicit
+reset (``--reset-privacy-ledger``, logged) goes on: it moves the bad file aside and restores the
+ledger from the checkpoint's pin, the last record known good.
+
+One peer cannot drain the node's budget: it may take at most a 1/``expected_peers`` share of it,
+measured where privacy loss adds up (RDP composes linearly in steps: ``expected_peers`` peers
+each released what this one was would together stay within the budget), optionally an explicit
+ε cap too (``peer_budget``); and its releases are rate-limited (a token bucket per peer:
+``peer_rate`` per second, bursts of ``peer_burst``)."""
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -26,12 +43,35 @@ from typing import Any, Callable
 from .. import fsutil
 from . import accountant
 
-FORMAT = "coterie-privacy-ledger/1"
+FORMAT = "coterie-privacy-ledger/2"
+_OLD_FORMATS = ("coterie-privacy-ledger/1",)  # before the checksum: read once, rewritten as /2
 FILE = "privacy-ledger.json"
+
+log = logging.getLogger("coterie.privacy")
 
 
 class BudgetSpent(Exception):
     """A release would take the total (or one peer's) ε past its budget."""
+
+
+class ReleaseRateLimited(BudgetSpent):
+    """A peer asked for releases faster than its per-peer rate (it may ask again later)."""
+
+
+class LedgerError(ValueError):
+    """A ledger that cannot be trusted (missing, corrupt, or behind its checkpoint); names the file."""
+
+
+def _checksum(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class _Bucket:
+    """A token bucket: ``burst`` releases at once, refilled at ``rate`` per second."""
+    __slots__ = ("tokens", "at")
+
+    def __init__(self, burst: float, now: float):
+        self.tokens, self.at = burst, now
 
 
 @dataclass
@@ -49,6 +89,11 @@ class _Account:
         steps = dict(self.steps)
         steps[(sigma, q)] = steps.get((sigma, q), 0) + 1
         return [(s, r, n) for (s, r), n in steps.items()]
+
+    def covers(self, other: "_Account") -> bool:
+        """Whether this account records at least every release ``other`` does."""
+        return (self.releases >= other.releases
+                and all(self.steps.get(k, 0) >= n for k, n in other.steps.items()))
 
     def add(self, sigma: float, q: float, purpose: str, eps: float) -> None:
         self.steps[(sigma, q)] = self.steps.get((sigma, q), 0) + 1
@@ -73,41 +118,131 @@ class _Account:
 
 class PrivacyLedger:
     def __init__(self, state_dir: str | Path, *, delta: float, budget: float = math.inf,
-                 peer_budget: float = math.inf, on_change: Callable[[str, str], None] | None = None):
+                 peer_budget: float = math.inf, expected_peers: int = 1,
+                 peer_rate: float = math.inf, peer_burst: int = 1,
+                 on_change: Callable[[str, str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.path = Path(state_dir) / FILE
         self.delta, self.budget, self.peer_budget = delta, budget, peer_budget
+        self.expected_peers = max(1, int(expected_peers))
+        self.peer_rate, self.peer_burst = peer_rate, max(1, int(peer_burst))
         self.on_change = on_change or (lambda peer, purpose: None)  # after each recorded release
+        self._clock = clock
         self._lock = threading.Lock()
         self.total = _Account()
         self.peers: dict[str, _Account] = {}
+        self._buckets: dict[str, _Bucket] = {}
         self.refusals = 0
+        self.rate_refusals = 0
         self.refusing = False  # the last release asked for was refused (until one fits again)
-        self._load()
+        self.found = self.path.exists()  # False: no file (a fresh node, or one deleted)
+        if self.found:
+            self.total, self.peers = self._parse(fsutil.read_json(self.path), self.path)
+        self._recompute()
 
-    def _load(self) -> None:
-        if not self.path.exists():
-            return
-        data = fsutil.read_json(self.path)
+    @staticmethod
+    def _parse(data: Any, where: Path | str, checksummed: bool = True) -> tuple[_Account, dict[str, _Account]]:
         try:
-            if data.get("format") != FORMAT:
-                raise ValueError(f"format {data.get('format')!r}, expected {FORMAT!r}")
-            self.total = _Account.from_json(data["total"])
-            self.peers = {str(k): _Account.from_json(v) for k, v in data["peers"].items()}
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            fmt = data.get("format")
+            if fmt == FORMAT and checksummed:
+                body = {k: v for k, v in data.items() if k != "sha256"}
+                if data.get("sha256") != _checksum(body):
+                    raise ValueError("checksum mismatch: the file changed after it was written")
+            elif fmt != FORMAT and fmt not in _OLD_FORMATS:
+                raise ValueError(f"format {fmt!r}, expected {FORMAT!r}")
+            total = _Account.from_json(data["total"])
+            peers = {str(k): _Account.from_json(v) for k, v in data["peers"].items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"{self.path} is corrupt ({e}); it records what this node has released "
-                             "about its data, so it is never reset silently") from None
+            raise LedgerError(f"{where} is corrupt ({e}); it records what this node has released "
+                              "about its data, so it is never reset silently") from None
+        return total, peers
+
+    def _recompute(self) -> None:
         for acc in [self.total, *self.peers.values()]:
             acc.epsilon = accountant.epsilon(acc.history(), self.delta)
 
+    def _body(self, total: _Account, peers: dict[str, _Account]) -> dict[str, Any]:
+        return {"format": FORMAT, "total": total.to_json(),
+                "peers": {k: v.to_json() for k, v in sorted(peers.items())}}
+
     def _save(self) -> None:
-        fsutil.atomic_write_json(self.path, {
-            "format": FORMAT, "total": self.total.to_json(),
-            "peers": {k: v.to_json() for k, v in sorted(self.peers.items())}})
+        body = self._body(self.total, self.peers)
+        fsutil.atomic_write_json(self.path, {**body, "sha256": _checksum(body)})
+        self.found = True
+
+    # --- the ledger as verified state ---
+    def pin(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the ledger: the ledger itself (small: accounts × distinct
+        (σ, q)); the file must always cover it."""
+        with self._lock:
+            return self._body(self.total, self.peers)
+
+    def verify(self, pinned: dict[str, Any] | None, *, checkpoint: str, reset: bool = False) -> None:
+        """Check the ledger against the pin of the checkpoint it sits next to; raise LedgerError
+        naming the file if it is missing or records fewer releases. With ``reset`` (the
+        operator's explicit choice), move the file aside and restore the pin instead, logged."""
+        if pinned is None:  # a checkpoint from before ledgers were pinned: nothing to check against
+            if not self.found:
+                log.warning("%s: no privacy ledger and no pin in %s (written before ledgers were "
+                            "pinned); starting a new ledger", self.path, checkpoint)
+            return
+        total, peers = self._parse(pinned, f"the ledger pinned in {checkpoint}", checksummed=False)
+        problem = None
+        if not self.found:
+            if total.releases or any(a.releases for a in peers.values()):
+                problem = (f"{self.path} is missing, but {checkpoint} records {total.releases} releases "
+                           f"of this node's data (ε = {accountant.epsilon(total.history(), self.delta):.3g})")
+        elif not self.total.covers(total):
+            problem = (f"{self.path} records {self.total.releases} releases (ε = {self.total.epsilon:.3g}), "
+                       f"fewer than the {total.releases} (ε = {accountant.epsilon(total.history(), self.delta):.3g}) "
+                       f"{checkpoint} pins: it was rewritten or restored from an older copy")
+        else:
+            short = sorted(p for p, acc in peers.items() if not self.peers.get(p, _Account()).covers(acc))
+            if short:
+                problem = (f"{self.path} records fewer releases to {', '.join(short[:5])} than {checkpoint} "
+                           "pins: it was rewritten or restored from an older copy")
+        if problem is None:
+            return
+        if not reset:
+            raise LedgerError(f"{problem}. Refusing to start: a node that forgets releases promises more "
+                              "privacy than it has. Restore the file, or start with --reset-privacy-ledger "
+                              "to restore the ledger from the checkpoint's copy (releases since then are lost)")
+        if self.found:
+            aside = self.path.with_name(f"{FILE}.bad-{time.strftime('%Y%m%d-%H%M%S')}")
+            self.path.rename(aside)
+            log.warning("reset-privacy-ledger: moved %s aside to %s", self.path, aside.name)
+        before = self.total.epsilon if self.found else 0.0
+        self.total, self.peers = total, peers
+        self._recompute()
+        self._save()
+        log.warning("reset-privacy-ledger: %s; the ledger was restored from %s: ε %.3g -> %.3g, "
+                    "%d releases (any made after that checkpoint are not counted)", problem, checkpoint,
+                    before, self.total.epsilon, self.total.releases)
+
+    def _take_token(self, peer: str) -> bool:
+        if math.isinf(self.peer_rate):
+            return True
+        now = self._clock()
+        b = self._buckets.get(peer)
+        if b is None:
+            b = self._buckets[peer] = _Bucket(self.peer_burst, now)
+        b.tokens = min(self.peer_burst, b.tokens + (now - b.at) * self.peer_rate)
+        b.at = now
+        if b.tokens < 1:
+            return False
+        b.tokens -= 1
+        return True
 
     def charge(self, peer: str, purpose: str, noise_multiplier: float, sample_rate: float,
-               enforce: bool = True) -> float:
+               enforce: bool = True, requested: bool = True) -> float:
         """Record one release to ``peer`` (σ, q) and return the new total ε; with ``enforce``,
-        raise ``BudgetSpent`` instead if it would take the total or the peer past its budget."""
+        raise ``BudgetSpent`` instead if it would take the total or the peer past its budget,
+        or ``ReleaseRateLimited`` if the peer asks faster than its rate. ``requested=False``: a
+        release this node chose to send (a FedeRiCo push, COBO's alignment vector), paced by its
+        own rounds — the total and ``peer_budget`` bound it, the per-peer share and rate (which
+        stop a peer *asking* the budget away) do not."""
         sigma, q = float(noise_multiplier), float(sample_rate)
         with self._lock:
             acc = self.peers.get(peer) or _Account()
@@ -122,12 +257,35 @@ class PrivacyLedger:
             if enforce and eps_peer > self.peer_budget:
                 self.refusals += 1
                 raise BudgetSpent(f"privacy budget spent: {peer} has been released ε = {acc.epsilon:.3g} "
-                                  f"of the per-peer budget {self.peer_budget:g} (δ = {self.delta:g})")
+                                  f"of the per-peer budget {self.peer_budget:.3g} (δ = {self.delta:g})")
+            k = self.expected_peers
+            if enforce and requested and k > 1 and math.isfinite(self.budget):
+                eps_share = accountant.epsilon([(s, r, n * k) for s, r, n in acc.with_step(sigma, q)], self.delta)
+                if eps_share > self.budget:
+                    self.refusals += 1
+                    raise BudgetSpent(f"privacy budget spent: {peer} has had its share of this node's budget "
+                                      f"(1/{k} of ε = {self.budget:g}: {k} peers released what it has would "
+                                      f"compose to ε = {eps_share:.3g}); it has been released ε = {acc.epsilon:.3g}")
+            if enforce and requested and not self._take_token(peer):
+                self.rate_refusals += 1
+                raise ReleaseRateLimited(f"release rate: {peer} asks for more than {self.peer_rate:g} "
+                                         f"releases/s (bursts of {self.peer_burst}); ask again later")
             self.refusing = False
-            self.total.add(sigma, q, purpose, eps_total)
-            acc.add(sigma, q, purpose, eps_peer)
-            self.peers[peer] = acc
-            self._save()  # before the release is even computed: see the module docstring
+            total, new = _Account(dict(self.total.steps), self.total.releases, dict(self.total.purposes)), \
+                _Account(dict(acc.steps), acc.releases, dict(acc.purposes))
+            total.add(sigma, q, purpose, eps_total)
+            new.add(sigma, q, purpose, eps_peer)
+            old = self.total, self.peers.get(peer)
+            self.total, self.peers[peer] = total, new
+            try:
+                self._save()  # before the release is even computed: see the module docstring
+            except BaseException:  # not on disk: not released, and not counted as if it were
+                self.total = old[0]
+                if old[1] is None:
+                    self.peers.pop(peer, None)
+                else:
+                    self.peers[peer] = old[1]
+                raise
         self.on_change(peer, purpose)
         return eps_total
 
@@ -146,6 +304,8 @@ class PrivacyLedger:
                     "budget_epsilon": self.budget, "peer_budget_epsilon": self.peer_budget,
                     "budget_left": max(0.0, self.budget - self.total.epsilon),
                     "releases": self.total.releases, "purposes": dict(self.total.purposes),
-                    "budget_refusals": self.refusals, "refusing": self.refusing,
+                    "expected_peers": self.expected_peers, "peer_release_rate": self.peer_rate, "peer_release_burst": self.peer_burst,
+                    "budget_refusals": self.refusals, "rate_refusals": self.rate_refusals,
+                    "refusing": self.refusing,
                     "peers": {k: {"epsilon": v.epsilon, "releases": v.releases, "purposes": dict(v.purposes)}
                               for k, v in sorted(self.peers.items())}}

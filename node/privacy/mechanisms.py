@@ -92,9 +92,9 @@ class PrivateData:
         with self._rng_lock:
             return self._rng.normal(0.0, std, size=shape)
 
-    def _charge(self, peer: str, purpose: Purpose, b: int, n: int) -> None:
+    def _charge(self, peer: str, purpose: Purpose, b: int, n: int, own: bool = False) -> None:
         sigma = self.cfg.noise_multiplier if self.cfg.enabled else 0.0
-        self.ledger.charge(peer, purpose.name, sigma, b / n, enforce=self.cfg.enabled)
+        self.ledger.charge(peer, purpose.name, sigma, b / n, enforce=self.cfg.enabled, requested=not own)
 
     def loss(self, peer: str, purpose: Purpose, params: Params | None, requested: int = 0,
              reduction: Literal["mean", "sum"] = "mean") -> Released:
@@ -113,11 +113,11 @@ class PrivateData:
         return Released(noisy / b, b, sigma * c / b)
 
     def gradient(self, peer: str, purpose: Purpose, params: Params | None,
-                 requested: int = 0) -> tuple[Released, float]:
+                 requested: int = 0, own: bool = False) -> tuple[Released, float]:
         """Mean gradient of ``params`` on a batch of ``purpose.split``, for ``peer``; and the
         batch's loss when it is exact (privacy off), else NaN (it would be a second release)."""
         b, n = self.batch_size(purpose.split, requested)
-        self._charge(peer, purpose, b, n)
+        self._charge(peer, purpose, b, n, own)  # own: this node chose to send it (a push, its alignment vector)
         if not self.cfg.enabled:
             g, r = self.learner.gradient(params, purpose.split, b if b < n else None, "mean")
             return Released(g, b, 0.0), float(r.loss)

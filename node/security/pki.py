@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from .ids import node_id_problem
 
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 NODE_CERT, NODE_KEY = "node.pem", "node.key"
+ISSUED_FILE = "issued.jsonl"  # in the CA dir: the serials `cert issue` handed out, per node id
 GENERIC_NAME = "coterie-peer"  # in every node certificate; first contact only
 URI_PREFIX = "coterie:node:"  # the URI SAN that carries the node id (what peers read)
 
@@ -149,8 +151,26 @@ def issue_cert(ca_dir: str | Path, node_id: str, out_dir: str | Path, days: int 
             .sign(ca_key, hashes.SHA256()))
     _write(out / NODE_KEY, _key_pem(key), private=True)
     _write(out / NODE_CERT, cert.public_bytes(serialization.Encoding.PEM))
+    record_issued(ca_dir, node_id, cert)  # so that `cert revoke --node-id` finds its serial
     _write(out / CA_CERT, ca_cert.public_bytes(serialization.Encoding.PEM))
     return out
+
+
+def record_issued(ca_dir: str | Path, node_id: str, cert: x509.Certificate) -> None:
+    """Note a certificate ``cert issue`` handed out (so ``revoke --node-id`` finds its serial)."""
+    with open(Path(ca_dir) / ISSUED_FILE, "a") as f:
+        f.write(json.dumps({"node_id": node_id, "serial": format(cert.serial_number, "x"),
+                            "not_after": cert.not_valid_after_utc.isoformat()}) + "\n")
+
+
+def certificate_problem(cert: x509.Certificate, now: dt.datetime | None = None) -> str | None:
+    """Why a certificate is not valid now (expired, not yet valid), or None."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    if now > cert.not_valid_after_utc:
+        return f"its certificate expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC"
+    if now < cert.not_valid_before_utc:
+        return f"its certificate is not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC"
+    return None
 
 
 @dataclass(frozen=True)
@@ -208,4 +228,7 @@ def load_credentials(cert_dir: str | Path | None = None, *, ca: str | Path | Non
     if (private.public_key().public_bytes(*spki)
             != x509.load_pem_x509_certificate(cert_pem).public_key().public_bytes(*spki)):
         raise PKIError(f"{key_p} is not the private key of the certificate {cert_p} (node {node_id!r})")
+    why = certificate_problem(x509.load_pem_x509_certificate(cert_pem))
+    if why:  # peers refuse it anyway: say so at start, not as refusals later
+        raise PKIError(f"{cert_p}: {why}; issue a new one (coterie cert issue)")
     return NodeCredentials(node_id, ca_pem, cert_pem, key_pem)

@@ -54,8 +54,10 @@ class GrpcTransport:
                  chunk_bytes: int = 1 << 20, max_model_bytes: int = UNSET_MODEL_BYTES,
                  max_gossip_bytes: int = 1 << 20, timeout_s: float = 30.0, delay_ms: float = 0.0,
                  streams: StreamLimits = StreamLimits(), max_rpcs: int | None = None,
-                 idle_channel_s: float = 120.0, health: HealthStatus | None = None, sessions: bool = True):
+                 idle_channel_s: float = 120.0, health: HealthStatus | None = None, sessions: bool = True,
+                 reflection: bool = False):
         self.tls = tls
+        self.reflection = reflection  # gRPC server reflection (security.reflection, off by default)
         self.listen, self.advertise = listen, advertise
         self.chunk_bytes, self._max_model_bytes, self.max_gossip_bytes = chunk_bytes, max_model_bytes, max_gossip_bytes
         self.timeout_s, self.delay_ms = timeout_s, delay_ms
@@ -77,7 +79,7 @@ class GrpcTransport:
                    streams=StreamLimits(lim.upload_timeout_s, lim.upload_idle_s, lim.send_timeout_s,
                                         lim.min_stream_bytes_per_s, lim.max_watches),
                    max_rpcs=lim.max_rpcs, idle_channel_s=cfg.membership.idle_channel_s, health=health,
-                   sessions=cfg.pull_sessions)
+                   sessions=cfg.pull_sessions, reflection=cfg.security.reflection)
 
     # --- TransportFactory ---
     @property
@@ -113,6 +115,7 @@ class GrpcTransport:
                         "claim any node id; use only on a network you trust")
         server, port = await serve(handler, traffic, self.listen, tls=self.tls, chunk_bytes=self.chunk_bytes,
                                    max_model_bytes=self.max_model_bytes, max_gossip_bytes=self.max_gossip_bytes,
-                                   streams=self.streams, max_rpcs=self.max_rpcs, health_status=self.health)
+                                   streams=self.streams, max_rpcs=self.max_rpcs, health_status=self.health,
+                                   reflection_on=self.reflection)
         host, _ = hostport(self.listen)
         return GrpcServer(self.advertise or f"{dialable(host)}:{port}", server, port)

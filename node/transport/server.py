@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Callable, Iterable
 import grpc
 import msgpack
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from ...proto.v1 import peer_pb2 as pb
@@ -37,6 +37,7 @@ from ..security.ids import node_id_problem
 from ..wire.codec import WireError, decode, encode
 from .chunks import Assembler, collect, data_frames, sha256, split
 from .errors import status_of
+from .health_service import add_health_service
 from .tls import TLS, caller_identity
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,9 @@ class PeerService:
             raise forbidden(f"{what}: claims to be node {claimed!r}, but its certificate is for {ident!r}")
         if not self.tls.allowed(ident):
             raise forbidden(f"{what}: node {ident!r} is not on this node's allow-list")
+        refused = self.tls.refusal(context)  # revoked by the CA, or expired (security/revocation.py)
+        if refused:
+            raise forbidden(f"{what}: node {ident!r} is refused: {refused}")
         return ident
 
     async def _upload(self, frames: AsyncIterator[Any], who: str) -> AsyncIterator[Any]:
@@ -541,7 +545,7 @@ async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, tls: TL
                 chunk_bytes: int = 1 << 20, max_model_bytes: int = 1 << 31,
                 max_gossip_bytes: int = 1 << 20, streams: StreamLimits = StreamLimits(),
                 max_rpcs: int | None = None,
-                health_status: HealthStatus | None = None) -> tuple[grpc.aio.Server, int]:
+                health_status: HealthStatus | None = None, reflection_on: bool = False) -> tuple[grpc.aio.Server, int]:
     """Start the peer server (and the standard gRPC health service) on ``address``: mTLS with
     ``tls``, plaintext only when the caller passes ``tls=None`` on purpose."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
@@ -551,10 +555,11 @@ async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, tls: TL
                           max_gossip_bytes=max_gossip_bytes, tls=tls, streams=streams)
     server.add_generic_rpc_handlers((_handlers(service),))
     health_status = health_status or HealthStatus()
-    health_pb2_grpc.add_HealthServicer_to_server(health_status.servicer, server)
-    reflection.enable_server_reflection(  # lets grpcurl/grpcui list and call the peer service
-        (pb.DESCRIPTOR.services_by_name["Peer"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
-        server)  # (over mTLS too: grpcurl -cacert ca.pem -cert node.pem -key node.key -authority coterie-peer)
+    add_health_service(health_status.servicer, server)  # malformed requests: INVALID_ARGUMENT, no traceback
+    if reflection_on:  # security.reflection: lets grpcurl/grpcui list and call the peer service
+        reflection.enable_server_reflection(
+            (pb.DESCRIPTOR.services_by_name["Peer"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            server)  # (over mTLS too: grpcurl -cacert ca.pem -cert node.pem -key node.key -authority coterie-peer)
     try:
         if tls is None:
             port = server.add_insecure_port(address)

@@ -8,18 +8,54 @@ TLS itself refuses anyone else at that address — loopback, container or k8s se
 alike, since no address is ever in a certificate."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
 from ..config import ConfigError, NodeConfig
 from ..security.pki import GENERIC_NAME, URI_PREFIX, NodeCredentials, PKIError, load_credentials, node_dns_name
+from ..security.revocation import Revocation, revocation_for
+
+RELOAD_CRL_S = 1.0  # how often the configured CRL file is looked at for a newer list
 
 
 @dataclass(frozen=True)
 class TLS:
     creds: NodeCredentials
     allow_ids: frozenset[str] | None = None  # None: any node the CA issued a certificate for
+    revocation: Revocation | None = None  # the CA's revocation list, checked on every caller
+    crl_path: Path | None = None  # the operator's CRL file, reloaded when it changes
+    _watch: dict = field(default_factory=lambda: {"at": 0.0, "mtime": None}, compare=False, repr=False)
+
+    def refusal(self, context: grpc.aio.ServicerContext) -> str | None:
+        """Why the caller's TLS-verified certificate is refused although the CA signed it:
+        revoked (the CA's CRL), expired or not yet valid. gRPC's TLS layer in Python takes no
+        CRL, so this runs where the server reads the caller's identity; None: accepted."""
+        if self.revocation is None:
+            return None
+        self._reload()
+        pem = (context.auth_context() or {}).get("x509_pem_cert") or [b""]
+        return self.revocation.problem(pem[0])
+
+    def _reload(self) -> None:
+        """Pick up a newer CRL the operator put in place (at most once a second, one stat)."""
+        now = time.monotonic()
+        if self.crl_path is None or now - self._watch["at"] < RELOAD_CRL_S:
+            return
+        self._watch["at"] = now
+        try:
+            mtime = self.crl_path.stat().st_mtime_ns
+        except OSError:
+            return
+        if mtime != self._watch["mtime"]:
+            self._watch["mtime"] = mtime
+            try:
+                self.revocation.load(self.crl_path)
+            except (PKIError, OSError) as e:  # a bad file never replaces the list held
+                import logging
+                logging.getLogger("coterie.security").warning("%s not taken: %s", self.crl_path, e)
 
     @property
     def node_id(self) -> str:
@@ -70,4 +106,14 @@ def load_tls(cfg: NodeConfig) -> TLS | None:
     if cfg.node_id is not None and cfg.node_id != creds.node_id:
         raise ConfigError(f"security: the certificate is for node {creds.node_id!r}, but node_id is "
                           f"{cfg.node_id!r}")
-    return TLS(creds, frozenset(sec.allow_ids) if sec.allow_ids is not None else None)
+    crl = sec.crl or (Path(sec.cert_dir) / "crl.pem" if sec.cert_dir is not None else None)
+    try:
+        revocation = revocation_for(creds.ca_pem, crl=sec.crl, cert_dir=sec.cert_dir,
+                                    state_dir=Path(cfg.state_dir) if cfg.state_dir else None)
+    except (PKIError, OSError) as e:
+        raise ConfigError(f"security: {e}") from None
+    own = revocation.problem(creds.cert_pem)
+    if own:
+        raise ConfigError(f"security: this node's certificate is refused: {own}; its peers refuse it too")
+    return TLS(creds, frozenset(sec.allow_ids) if sec.allow_ids is not None else None,
+               revocation=revocation, crl_path=crl)
