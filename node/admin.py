@@ -208,6 +208,7 @@ async def history(request: web.Request) -> web.Response:
     origin = request.headers.get("Origin")
     if origin and origin in await _peer_origins(node):  # a peer's dashboard draws the network
         resp.headers["Access-Control-Allow-Origin"] = origin
+        resp.headers["Access-Control-Allow-Credentials"] = "true"  # the user's cookie for this node
         resp.headers["Vary"] = "Origin"
     return resp
 

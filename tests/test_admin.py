@@ -186,6 +186,7 @@ async def test_history_is_readable_cross_origin_by_peer_dashboards_only():
     finally:
         await client.close()
     assert peer.headers.get("Access-Control-Allow-Origin") == "http://127.0.0.1:4242"
+    assert peer.headers.get("Access-Control-Allow-Credentials") == "true"  # with the user's cookie for this node
     assert "Access-Control-Allow-Origin" not in other.headers
 
 

@@ -69,6 +69,9 @@ def _attrs(driver, css: str, *names: str) -> list[dict[str, str | None]]:
 
 def test_dashboard_draws_live_network(network, browser):
     n0 = network[0]
+    for peer in network[1:]:  # the user's credentials for each peer: the browser reads their rows itself
+        browser.get(f"{peer.admin}/?token={peer.token}")
+        wait_for(lambda p=peer: browser.current_url.rstrip("/") == p.admin, 10, "the peer's token redirect")
     browser.get(f"{n0.admin}/?token={n0.token}")  # the bootstrap: a cookie, then / without the token
     wait_for(lambda: browser.current_url.rstrip("/") == n0.admin, 10, "the redirect to / without the token")
 
