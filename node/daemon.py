@@ -185,7 +185,7 @@ class Node:
             await asyncio.to_thread(self.store.commit, await self._snapshot(None), [])
         self.checkpointer.start()
         # both ways, for the server and this node's client, now that the model's size is known
-        self.transport.max_model_bytes = self.model_limit()
+        self.transport.limits.max_model_bytes = self.model_limit()
         # a testbed bad actor corrupts what it serves (peering/faults.py); it learns normally
         handler = with_fault(self.served, self.cfg.faulty)
         self._server = await self.transport.serve(handler, self.traffic)

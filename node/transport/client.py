@@ -28,13 +28,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ...proto.v1 import peer_pb2 as pb
 from ...proto.v1 import peer_pb2_grpc as rpc
-from ..peering import serde
 from ..peering.errors import REFUSED, UNAVAILABLE, PeerCallError, Refusal, short
-from ..peering.interfaces import Traffic
+from ..peering.interfaces import UNSET_MODEL_BYTES, SizeLimits, Traffic
 from ..peering.messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest,
                                 IndirectProbe, MemberUpdate, NodeInfo, PeerEntry, SnapshotHeader)
 from ..security.ids import node_id_problem
 from ..wire.codec import OFF_LOOP_BYTES, Groups, WireError, decode, encode, encoded_size
+from . import serde
 from .chunks import Assembler, collect, data_field, sha256, split
 from .errors import call_error
 from .tls import TLS
@@ -113,14 +113,15 @@ def _domain_errors(fn):
 
 
 class PeerClient:
-    def __init__(self, node_id: str, traffic: Traffic, *, chunk_bytes: int, max_model_bytes: int,
-                 max_gossip_bytes: int, timeout_s: float, tls: TLS | None, delay_ms: float = 0.0,
-                 idle_channel_s: float = 120.0, sessions: bool = True):
+    def __init__(self, node_id: str, traffic: Traffic, *, chunk_bytes: int, max_model_bytes: int = UNSET_MODEL_BYTES,
+                 max_gossip_bytes: int = 1 << 20, timeout_s: float, tls: TLS | None, delay_ms: float = 0.0,
+                 idle_channel_s: float = 120.0, sessions: bool = True, limits: SizeLimits | None = None):
+        """``limits``: the node's ``SizeLimits`` (shared with its served side); else one of
+        ``max_model_bytes`` and ``max_gossip_bytes``."""
         self.node_id = node_id
         self.traffic = traffic
         self.chunk_bytes = chunk_bytes
-        self.max_model_bytes = max_model_bytes
-        self.max_gossip_bytes = max_gossip_bytes
+        self.limits = limits if limits is not None else SizeLimits(max_model_bytes, max_gossip_bytes)
         self.timeout_s = timeout_s
         self.delay_s = delay_ms / 1000.0  # emulated one-way link latency (testbed)
         self.idle_channel_s = idle_channel_s
@@ -378,7 +379,7 @@ class PeerClient:
         groups, size = None, 0
         if not h.unchanged:
             asm = Assembler(f"snapshot of {h.node_id or address}", h.total_bytes, h.sha256,
-                            self.max_model_bytes)
+                            self.limits.max_model_bytes)
             if first.inline:  # a small snapshot comes in its header's message (a watch, a session)
                 asm.add(first.inline)
             if whole_stream:
@@ -394,7 +395,7 @@ class PeerClient:
             data = asm.finish()
             size = len(data)
             try:  # zero-copy: the tensors are views of that one buffer
-                groups, _ = decode(data, max_bytes=self.max_model_bytes)
+                groups, _ = decode(data, max_bytes=self.limits.max_model_bytes)
             except WireError as e:
                 raise WireError(f"snapshot v{h.version} of {h.node_id or address} is malformed: {e}") from None
         # (an inline payload is already part of the header's message)
@@ -473,8 +474,8 @@ class PeerClient:
             data = b""
             if gh.total_bytes:
                 data = await collect(it, Assembler(f"gradient from {address}", gh.total_bytes, gh.sha256,
-                                                   self.max_model_bytes))
-                grad, _ = decode(data, max_bytes=self.max_model_bytes)
+                                                   self.limits.max_model_bytes))
+                grad, _ = decode(data, max_bytes=self.limits.max_model_bytes)
             out = ComputeReply(loss=gh.loss, samples=gh.samples, grad=grad, inner_product=gh.inner_product)
             received = first.ByteSize() + len(data)
         else:
@@ -489,13 +490,13 @@ class PeerClient:
         t0 = time.perf_counter()
         await self._link()
         raw = msgpack.packb(payload, use_bin_type=True)
-        if len(raw) > self.max_gossip_bytes:
+        if len(raw) > self.limits.max_gossip_bytes:
             raise PeerCallError("invalid", f"gossip payload for {key!r} is {len(raw)} bytes, "
-                                           f"over the limit of {self.max_gossip_bytes}")
+                                           f"over the limit of {self.limits.max_gossip_bytes}")
         req = pb.GossipMessage(node_id=sender, key=key, payload=raw)
         reply = await self.stub(address, BULK, peer).GossipState(req, timeout=timeout or self.timeout_s)
-        if len(reply.payload) > self.max_gossip_bytes:
-            raise WireError(f"gossip reply from {address} exceeds {self.max_gossip_bytes} bytes")
+        if len(reply.payload) > self.limits.max_gossip_bytes:
+            raise WireError(f"gossip reply from {address} exceeds {self.limits.max_gossip_bytes} bytes")
         self.traffic.record("gossip", sent=req.ByteSize(), received=reply.ByteSize())
         self._timed("gossip", t0)
         try:

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from ...proto.v1 import peer_pb2 as pb
-from .messages import (ALIVE, DEAD, SUSPECT, Beat, ComputeReply, ComputeRequest, IndirectProbe, MemberUpdate,
-                       NodeInfo, PeerEntry, SnapshotHeader, SnapshotRef)
+from ..peering.messages import (ALIVE, DEAD, SUSPECT, Beat, ComputeReply, ComputeRequest, IndirectProbe,
+                                MemberUpdate, NodeInfo, PeerEntry, SnapshotHeader, SnapshotRef)
 
 
 # --- membership ---
