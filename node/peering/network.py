@@ -35,12 +35,13 @@ from ..privacy.mechanisms import PrivateData
 from ..privacy.purposes import ALIGNMENT, GRADIENT, LOSS, PUSH, Purpose
 from ..privacy.purposes import purpose as purpose_table
 from ..strategies.base import GradientReply, PeerSnapshot, PushedGradient
-from ..wire.codec import OFF_LOOP_BYTES, WireError, encoded_size
-from .deadlines import Deadlines, quantile
+from ..wire.codec import OFF_LOOP_BYTES, Groups, WireError, encoded_size
+from .deadlines import Deadlines, Phase, quantile
 from .errors import NOT_CACHED, UNAVAILABLE, PeerCallError
 from .inbox import PushInbox
 from .interfaces import PeerTransport
-from .messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest, LocalSnapshot
+from .messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest, LocalSnapshot,
+                       SnapshotHeader)
 from .peer_table import ALIVE, DEAD, SUSPECT, PeerTable
 from .problems import ProblemLog
 from .snapshots import SnapshotCache
@@ -75,7 +76,7 @@ class NodeNetwork:
         self._timed_out: dict[str, float] = {}  # peer -> when a call to it last timed out
         self._abandoned: set[asyncio.Task] = set()
         self._phases: deque[float] = deque(maxlen=32)  # recent exchange-phase durations
-        self._phase: dict[str, Any] | None = None
+        self._phase: Phase | None = None
         # snapshot subscriptions (see ``_watch``): a transport without them is pulled from only
         self.watch = watch and hasattr(transport, "watch_snapshots")
         self._watches: dict[str, asyncio.Task] = {}
@@ -98,17 +99,16 @@ class NodeNetwork:
         return min(cap, max(2 * d.floor_s, d.mult * quantile(self._phases, 0.9)))
 
     @contextlib.contextmanager
-    def exchange_phase(self) -> Iterator[dict[str, Any]]:
+    def exchange_phase(self) -> Iterator[Phase]:
         """Around a round: its peer calls share one deadline, counted from the first call."""
-        self._phase = phase = {"budget_s": self.exchange_budget(), "first": None, "last": None,
-                               "calls": 0, "call_s": 0.0, "failed": 0, "abandoned": 0, "skipped": 0}
+        self._phase = phase = Phase(self.exchange_budget())
         try:
             yield phase
         finally:
             self._phase = None
-            if phase["first"] is not None:
-                phase["exchange_s"] = phase["last"] - phase["first"]
-                self._phases.append(phase["exchange_s"])
+            took = phase.close()
+            if took is not None:
+                self._phases.append(took)
 
     def _on_state(self, node_id: str, old: str, new: str) -> None:
         if new in (SUSPECT, DEAD):  # abandon what is in flight to it: the round goes on without it
@@ -126,12 +126,10 @@ class NodeNetwork:
         phase = self._phase
         now = time.monotonic()
         if phase is not None:
-            if phase["first"] is None:
-                phase["first"] = now
-            left = phase["first"] + phase["budget_s"] - now
+            left = phase.begin(now)
             if left <= 0:
-                phase["skipped"] += 1
-                raise PeerCallError(UNAVAILABLE, f"the round's exchange phase ({phase['budget_s']:.1f}s) is over")
+                phase.skipped += 1
+                raise PeerCallError(UNAVAILABLE, f"the round's exchange phase ({phase.budget_s:.1f}s) is over")
             timeout = min(timeout, left)
         task = asyncio.ensure_future(make(timeout + wait_s))
         calls = self._inflight.setdefault(peer, set())
@@ -145,7 +143,7 @@ class NodeNetwork:
             me = asyncio.current_task()
             if task in self._abandoned and not (me is not None and me.cancelling()):
                 if phase is not None:
-                    phase["abandoned"] += 1
+                    phase.abandoned += 1
                 rec = self.table.records.get(peer)
                 raise PeerCallError(UNAVAILABLE, f"{peer} turned {rec.state if rec else 'unknown'}: "
                                                  f"call abandoned") from None
@@ -164,10 +162,15 @@ class NodeNetwork:
             if ok and not wait_s:
                 self.deadlines.observe(peer, kind, end - now)
             if phase is not None:
-                phase["last"] = end
-                phase["calls"] += 1
-                phase["call_s"] += end - now
-                phase["failed"] += not ok
+                phase.ended(now, end, ok)
+
+    async def _validated(self, peer: str, header: SnapshotHeader, groups: Groups) -> PeerSnapshot:
+        """A received snapshot of ``peer``, once its architecture and finiteness are checked (a
+        whole model: a large one in a worker thread)."""
+        what = f"snapshot v{header.version} of {peer}"
+        params, extras = (await asyncio.to_thread(snapshot_groups, groups, self.spec, what)
+                          if encoded_size(groups) > OFF_LOOP_BYTES else snapshot_groups(groups, self.spec, what))
+        return PeerSnapshot(peer, header.version, header.round, params, extras, header.digest)
 
     # --- views ---
     def peers(self) -> list[str]:
@@ -226,11 +229,7 @@ class NodeNetwork:
             if groups is None:
                 snap = cached
             else:
-                what = f"snapshot v{header.version} of {peer}"
-                # architecture and finiteness checks over a whole model: a large one in a worker thread
-                params, extras = (await asyncio.to_thread(snapshot_groups, groups, self.spec, what)
-                                  if encoded_size(groups) > OFF_LOOP_BYTES else snapshot_groups(groups, self.spec, what))
-                snap = PeerSnapshot(peer, header.version, header.round, params, extras, header.digest)
+                snap = await self._validated(peer, header, groups)
         except (PeerCallError, WireError) as e:
             self._failed("snapshot pull", peer, e)
             return None
@@ -286,10 +285,7 @@ class NodeNetwork:
                 async for header, groups in stream:
                     if header.node_id != peer:
                         raise WireError(f"snapshot claims to be from {header.node_id!r}, expected {peer!r}")
-                    what = f"snapshot v{header.version} of {peer}"
-                    params, extras = (await asyncio.to_thread(snapshot_groups, groups, self.spec, what)
-                                      if encoded_size(groups) > OFF_LOOP_BYTES else snapshot_groups(groups, self.spec, what))
-                    self.cache.put(PeerSnapshot(peer, header.version, header.round, params, extras, header.digest))
+                    self.cache.put(await self._validated(peer, header, groups))
                     self.table.seen(peer, version=header.version)
                     delivered += 1
                     news = self._watch_news.pop(peer, None)
@@ -319,9 +315,7 @@ class NodeNetwork:
         now = time.monotonic()
         wait = self.request_timeout_s if wait_s is None else max(0.0, wait_s)
         if phase is not None:
-            if phase["first"] is None:
-                phase["first"] = now
-            wait = min(wait, phase["first"] + phase["budget_s"] - now)
+            wait = min(wait, phase.begin(now))
         deadline = now + wait
         snap = cached
         while snap is not None and snap.round < min_round and peer in self._watches:
@@ -335,9 +329,7 @@ class NodeNetwork:
                 break
             snap = self.cache.get(peer)
         if phase is not None:
-            phase["last"] = time.monotonic()
-            phase["calls"] += 1
-            phase["call_s"] += phase["last"] - now
+            phase.ended(now, time.monotonic())
         if snap is None or snap.round < min_round:
             if peer not in self._watches and snap is not None and self._address(peer):
                 return await self.pull(peer, min_round=min_round, wait_s=max(0.0, deadline - time.monotonic()))
