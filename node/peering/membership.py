@@ -27,9 +27,10 @@ import math
 import random
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 from typing import Awaitable, Callable
 
+from ..config import MembershipConfig
 from .deadlines import Deadlines
 from .errors import UNKNOWN_PEER, PeerCallError, invalid, refused, unknown_peer
 from .interfaces import PeerTransport
@@ -44,28 +45,15 @@ HANDSHAKE_ENTRIES = 64  # addresses a handshake reply carries at most (a random 
 PUSH_PULL_SCALE_THRESHOLD = 32  # members beyond which the full exchange is spaced out (log2 N)
 
 
-@dataclass
-class Settings:
-    """Tunables (``config.MembershipConfig`` carries the same names)."""
-    indirect_probes: int = 3
-    probe_timeout_s: float = 0.5
-    suspicion_mult: float = 4.0
-    suspicion_max_mult: float = 6.0
-    retransmit_mult: float = 4.0
-    max_piggyback: int = 8
-    push_pull_interval_s: float = 10.0
-    handshakes_per_period: int = 4
-    max_candidates: int = 512
-    max_candidates_per_source: int = 128
-    candidate_attempts: int = 3
-    forget_failed_s: float = 600.0
-    reconnect_min_s: float = 1.0
-    reconnect_max_s: float = 60.0
-    idle_channel_s: float = 120.0
+def _from_config(cls, cfg) -> "Settings":
+    return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
 
-    @classmethod
-    def from_config(cls, cfg) -> "Settings":
-        return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
+
+# Tunables: ``config.MembershipConfig``'s fields, with its defaults (defined there, once), as a
+# plain record the protocol reads.
+Settings = make_dataclass(
+    "Settings", [(name, f.annotation, field(default=f.default)) for name, f in MembershipConfig.model_fields.items()],
+    namespace={"from_config": classmethod(_from_config), "__module__": __name__})
 
 
 # ---------------------------------------------------------------------------------- candidates

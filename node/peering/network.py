@@ -35,7 +35,8 @@ from ..privacy.mechanisms import PrivateData
 from ..privacy.purposes import ALIGNMENT, GRADIENT, LOSS, PUSH, Purpose
 from ..privacy.purposes import purpose as purpose_table
 from ..strategies.base import GradientReply, PeerSnapshot, PushedGradient
-from ..wire.codec import OFF_LOOP_BYTES, Groups, WireError, encoded_size
+from ..offload import OFF_LOOP_BYTES
+from ..wire.codec import Groups, WireError, encoded_size
 from .deadlines import Deadlines, Phase, quantile
 from .errors import NOT_CACHED, UNAVAILABLE, PeerCallError
 from .inbox import PushInbox

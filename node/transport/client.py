@@ -33,7 +33,8 @@ from ..peering.interfaces import UNSET_MODEL_BYTES, SizeLimits, Traffic
 from ..peering.messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest,
                                 IndirectProbe, MemberUpdate, NodeInfo, PeerEntry, SnapshotHeader)
 from ..security.ids import node_id_problem
-from ..wire.codec import OFF_LOOP_BYTES, Groups, WireError, decode, encode, encoded_size
+from ..offload import OFF_LOOP_BYTES
+from ..wire.codec import Groups, WireError, decode, encode, encoded_size
 from . import serde
 from .chunks import Assembler, collect, data_field, sha256, split
 from .errors import call_error
