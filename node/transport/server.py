@@ -12,7 +12,8 @@ What it adds for gRPC:
   sessions are bounded (``max_watches``);
 - what: requests arrive as raw bytes and are parsed here, so a malformed message is an
   INVALID_ARGUMENT with a one-line reason, never gRPC's UNKNOWN or INTERNAL with a traceback.
-Every refusal's detail is at most ``errors.MAX_MESSAGE`` characters."""
+Every refusal's detail is at most ``errors.MAX_MESSAGE`` characters. The compute and gossip RPCs
+are in ``compute_rpcs.py``."""
 from __future__ import annotations
 
 import asyncio
@@ -21,22 +22,21 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ...proto.v1 import peer_pb2 as pb
 from ..peering.errors import exhausted, forbidden, invalid, short
 from ..peering.interfaces import PeerHandler, SizeLimits, Traffic
-from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT
-from ..wire.codec import WireError, decode, encode
 from . import serde
-from .chunks import Assembler, collect, data_frames, sha256, split
+from .chunks import data_frames
+from .compute_rpcs import ComputeRpcs
 from .errors import status_of
 from .gate import Gate, refusal_of
+from .serde import parse as _parse
 from .tls import TLS, caller_identity
 
 log = logging.getLogger(__name__)
@@ -86,18 +86,6 @@ class StreamLimits:
         return self.send_timeout_s + size / self.min_bytes_per_s
 
 
-def _parse(cls, raw: bytes, what: str):
-    try:
-        return cls.FromString(raw)
-    except (DecodeError, ValueError, TypeError) as e:
-        raise invalid(f"{what}: not a valid {cls.__name__} message ({short(str(e), 200)})") from None
-
-
-async def _parsed(raw_frames, cls, what: str) -> AsyncIterator[Any]:
-    async for raw in raw_frames:
-        yield _parse(cls, raw, what)
-
-
 class _GrpcCaller:
     """The caller of one gRPC request (``gate.Caller``): with mTLS, the node its certificate
     names (and allows); without, whoever it claims to be."""
@@ -119,7 +107,7 @@ class _GrpcCaller:
         return ident
 
 
-class PeerService:
+class PeerService(ComputeRpcs):
     def __init__(self, gate: Gate, traffic: Traffic, *, chunk_bytes: int, tls: TLS | None,
                  streams: StreamLimits = StreamLimits()):
         self.gate = gate
@@ -154,33 +142,6 @@ class PeerService:
 
     def _caller(self, context: grpc.aio.ServicerContext) -> _GrpcCaller:
         return _GrpcCaller(context, self.tls)
-
-    async def _upload(self, frames: AsyncIterator[Any], who: str) -> AsyncIterator[Any]:
-        """``frames`` under the server's deadlines: no gap longer than ``upload_idle_s``, and the
-        whole upload within ``upload_timeout_s`` (stretched for a large announced payload once
-        the header says how large: a slow or stalled sender is cut off)."""
-        loop = asyncio.get_running_loop()
-        total, idle = self.streams.upload_timeout_s, self.streams.upload_idle_s
-        start = loop.time()
-        deadline = start + total
-        it = frames.__aiter__()
-        first = True
-        while True:
-            left = min(idle, deadline - loop.time())
-            if left <= 0:
-                raise exhausted(f"{who}: upload not complete after {total:g} s")
-            try:
-                msg = await asyncio.wait_for(it.__anext__(), left)
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:
-                raise exhausted(f"{who}: upload stalled for {idle:g} s" if loop.time() < deadline
-                                else f"{who}: upload not complete after {total:g} s") from None
-            if first and getattr(msg, "WhichOneof", None) and msg.WhichOneof("body") == "header":
-                total = self.streams.upload_deadline(msg.header.total_bytes)
-                deadline = start + total  # the size is checked against the limit right after
-            first = False
-            yield msg
 
     async def _send(self, context, messages, what: str, size: int | None = None) -> int:
         """Write a reply stream, all of it within ``send_timeout_s``: a reader that stops taking
@@ -384,69 +345,6 @@ class PeerService:
         finally:
             self._watchers.discard(who)
 
-    # --- compute on my data ---
-    async def _read_compute(self, context, raw_frames, kind: str, slot: contextlib.ExitStack):
-        """The request a compute stream carries: header (within ``upload_idle_s``), caller
-        authenticated and known, one of its admission slots taken (held by ``slot``), then the
-        payload under the upload deadlines."""
-        it = self._upload(_parsed(raw_frames, pb.ComputeFrame, kind), kind).__aiter__()
-        try:
-            first = await it.__anext__()
-        except StopAsyncIteration:
-            first = None
-        if first is None or first.WhichOneof("body") != "header":
-            raise invalid(f"{kind}: stream must start with a header frame")
-        h = first.header
-        req = self.gate.admit_compute(self._caller(context), serde.compute_request_from_pb(kind, h), h.total_bytes,
-                                      slot, announced=True)
-        who = f"{kind} from {req.requester}"
-        limit = self.gate.limits.max_model_bytes
-        asm = None if req.ref is not None else Assembler(who, h.total_bytes, h.sha256, limit)
-        if asm is None:
-            self.traffic.record(kind, received=first.ByteSize())
-            return req
-        data = await collect(it, asm)
-        self.traffic.record(kind, received=first.ByteSize() + len(data))
-        try:
-            req.groups, _ = decode(data, max_bytes=limit)
-        except WireError as e:
-            raise invalid(f"{who}: {e}") from None
-        return req
-
-    async def _computed(self, context, raw_frames, kind: str):
-        with contextlib.ExitStack() as slot:
-            return await self.gate.compute(await self._read_compute(context, raw_frames, kind, slot))
-
-    async def CrossLoss(self, raw_frames, context):
-        async def go():
-            reply = await self._computed(context, raw_frames, CROSS_LOSS)
-            out = serde.loss_reply_to_pb(reply)
-            self.traffic.record(CROSS_LOSS, sent=out.ByteSize())
-            return out
-        return await self._guard(context, CROSS_LOSS, go(), raw_frames)
-
-    async def CrossGradient(self, raw_frames, context):
-        reply = await self._guard(context, CROSS_GRADIENT, self._computed(context, raw_frames, CROSS_GRADIENT),
-                                  raw_frames)
-        data = encode(reply.grad) if reply.grad is not None else b""
-        header = serde.gradient_header_to_pb(reply, len(data), sha256(data) if data else "")
-        frames = (pb.GradientChunk(header=header), *(pb.GradientChunk(data=p) for p in split(data, self.chunk_bytes)))
-        await self._send(context, frames, "gradient")
-        self.traffic.record(CROSS_GRADIENT, sent=header.ByteSize() + len(data))
-
-    async def PushGradient(self, raw_frames, context):
-        async def go():
-            return serde.ack_to_pb(await self._computed(context, raw_frames, PUSH_GRADIENT))
-        return await self._guard(context, PUSH_GRADIENT, go(), raw_frames)
-
-    async def GossipState(self, raw: bytes, context):
-        async def go():
-            request = _parse(pb.GossipMessage, raw, "gossip")
-            reply = await self.gate.gossip(self._caller(context), request.node_id, request.key, request.payload)
-            out = pb.GossipMessage(node_id=self.gate.node_id, key=request.key, payload=reply)
-            self.traffic.record("gossip", received=len(raw), sent=out.ByteSize())
-            return out
-        return await self._guard(context, "gossip", go())
 
 
 class _Session:
