@@ -30,9 +30,10 @@ from .datasets import Pool, load_pool
 from .learner import EvalResult, Learner, Params, Split, TrainResult
 from .models import build_model
 from .partition import NodeData, node_data
+from .torch_private import EVAL_BATCH as _EVAL_BATCH
+from .torch_private import PerSampleTerms
+from .torch_state import TorchState
 
-_EVAL_BATCH = 2048
-_PER_SAMPLE_BATCH = 256  # per-sample gradients held at once (memory: this × model size)
 
 
 def resolve_device(device: str) -> str:
@@ -155,7 +156,7 @@ class _Sampler:
         self.perm, self.pos = perm, pos
 
 
-class TorchLearner(Learner):
+class TorchLearner(PerSampleTerms, TorchState, Learner):
     def __init__(self, cfg: LearnerConfig, pool: Pool | None = None,
                  data: NodeData | None = None):
         self.cfg = cfg
@@ -344,61 +345,6 @@ class TorchLearner(Learner):
         g = {n: t.detach().to("cpu", torch.float32) for n, t in zip(self._names, grads)}
         return g, EvalResult(loss=float(loss.detach()), n=len(y), accuracy=acc)
 
-    # ------------------------------------------------------------------ per-sample (privacy)
-    def _index(self, split: Split, indices) -> torch.Tensor:
-        n = self.num_samples(split)
-        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64).reshape(-1), device=self.device)
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
-            raise ValueError(f"sample index out of range for split {split!r} of {n} samples")
-        return idx
-
-    def clipped_loss_sum(self, params: Params | None, split: Split, indices, clip: float) -> float:
-        p = self._device_params(params)
-        idx = self._index(split, indices)
-        x, y = self._data[split]
-        total = 0.0
-        with self._eval_lock, torch.no_grad():
-            for i in range(0, len(idx), _EVAL_BATCH):
-                j = idx[i:i + _EVAL_BATCH]
-                out = functional_call(self._shadow, p, (x[j],))
-                per = self._loss_fn(out, y[j], "none").reshape(-1)
-                per = torch.nan_to_num(per, nan=clip, posinf=clip, neginf=0.0).clamp(0.0, clip)
-                total += float(per.sum())
-        return total
-
-    def clipped_gradient_sum(self, params: Params | None, split: Split, indices, clip: float) -> Params:
-        """Per-sample gradients by ``torch.func.vmap(grad(...))`` over ``functional_call`` on the
-        shadow model — not opacus' GradSampleModule, whose hooks keep counters on the module's own
-        nn.Parameters and fail on the tensors functional_call swaps in (AttributeError
-        '_forward_counter'); the shadow path is what lets a request thread differentiate a peer's
-        model while training runs. torch.func is also what opacus itself falls back to for layers
-        its hooks do not know, and it works for any registered model. Clipping as opacus does it:
-        factor min(1, C / (‖g_i‖ + 1e-6)) on the whole-model norm."""
-        from torch.func import grad, vmap
-        p = self._device_params(params)
-        idx = self._index(split, indices)
-        x, y = self._data[split]
-        total = {n: torch.zeros_like(p[n]) for n in self._names}
-
-        def sample_loss(params: Params, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-            out = functional_call(self._shadow, params, (xi.unsqueeze(0),))
-            return self._loss_fn(out, yi.unsqueeze(0), "sum")
-
-        per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))
-        with self._eval_lock, torch.no_grad():
-            for i in range(0, len(idx), _PER_SAMPLE_BATCH):
-                j = idx[i:i + _PER_SAMPLE_BATCH]
-                with torch.enable_grad():
-                    g = per_sample(p, x[j], y[j])
-                flat = torch.cat([g[n].reshape(len(j), -1) for n in self._names], dim=1)
-                norms = flat.norm(dim=1)
-                factor = (clip / (norms + 1e-6)).clamp(max=1.0)
-                factor = torch.where(torch.isfinite(norms), factor, torch.zeros_like(factor))
-                for n in self._names:
-                    gn = torch.nan_to_num(g[n], nan=0.0, posinf=0.0, neginf=0.0)
-                    total[n] += torch.einsum("b,b...->...", factor, gn)
-        return {n: t.detach().to("cpu", torch.float32) for n, t in total.items()}
-
     def evaluate_mixture(self, members: list[tuple[float, Params]],
                          split: Split = "test") -> EvalResult:
         """Σ_j w_j p(y|x; θ_j) with the weights normalised to sum to 1 (classification: softmax
@@ -434,73 +380,6 @@ class TorchLearner(Learner):
         acc = correct / n if self.task == "classification" else None
         return EvalResult(loss=total / n, n=n, accuracy=acc)
 
-    # ------------------------------------------------------------------ persistence
-    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-        """Private copies of everything a resume needs, taken under the lock (a memcpy of the
-        parameters and optimizer state, into ``reuse``'s buffers where they fit; encoding and
-        writing happen elsewhere, off the lock)."""
-        reuse = reuse or {}
-
-        def copy(key: str, t: torch.Tensor) -> torch.Tensor:
-            t = t.detach()
-            old = reuse.get(key)
-            if old is not None and old.shape == t.shape and old.dtype == t.dtype:
-                return old.copy_(t)
-            return t.to("cpu", copy=True)
-
-        with self._lock:
-            tensors = {f"model/{n}": copy(f"model/{n}", p) for n, p in self.model.named_parameters()}
-            tensors.update({f"optim/{k}/{n}": copy(f"optim/{k}/{n}", t)
-                            for n, st in self.optimizer.state.items() for k, t in st.items()})
-            tensors["sampler/perm"] = torch.from_numpy(self._sampler.perm.copy())
-            meta = {
-                "fingerprint": self.fingerprint(),
-                "optimizer": self.optimizer.hyper(),
-                "sampler": {"rng": self._sampler.rng.bit_generator.state, "pos": int(self._sampler.pos)},
-                "eval_rng": self._eval_rng.bit_generator.state,
-            }
-        return tensors, json.loads(json.dumps(meta, default=_json_default))
-
-    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        """Restore what ``export_state`` returned; ValueError says what does not fit (the live
-        model is untouched then)."""
-        params = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
-        opt_tensors = {k[len("optim/"):]: v for k, v in tensors.items() if k.startswith("optim/")}
-        self._check(params, "saved parameters")
-        try:
-            if meta["fingerprint"] != self.fingerprint():
-                raise ValueError("architecture fingerprint differs from this model's")
-            kind = meta["optimizer"]["kind"]
-            if kind != self.cfg.optimizer:
-                raise ValueError(f"saved optimizer {kind!r} != configured {self.cfg.optimizer!r}")
-            steps = int(meta["optimizer"]["steps"])
-            sampler = {"rng": meta["sampler"]["rng"], "pos": meta["sampler"]["pos"],
-                       "perm": tensors["sampler/perm"].numpy()}
-            eval_rng = meta["eval_rng"]
-        except (KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"learner state is malformed (missing or malformed {e})") from None
-        with self._lock:
-            opt = self._make_optimizer()  # hyper-parameters come from the config, state from disk
-            opt.load_state(opt_tensors, steps)
-            old_sampler = self._sampler.state()
-            try:
-                self._sampler.set_state(sampler)
-                self._eval_rng.bit_generator.state = eval_rng
-            except (KeyError, TypeError, ValueError) as e:
-                self._sampler.set_state(old_sampler)
-                raise ValueError(f"learner state is malformed (sampler state: {e})") from None
-            self.set_params(params)
-            self.optimizer = opt
-
-
-def _json_default(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, tuple):
-        return list(o)
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
 def build_learner(cfg: LearnerConfig, pool: Pool | None = None) -> TorchLearner:
