@@ -335,3 +335,18 @@ async def start_admin(node: Any, host: str, port: int, *, token: str | None) -> 
     if server is not None and server.sockets:
         bound = server.sockets[0].getsockname()[1]
     return runner, bound
+
+
+async def serve_node_admin(node: Any, cfg: Any, state_dir: Path) -> tuple[web.AppRunner, str, Path | None]:
+    """A daemon's admin API on ``cfg.admin_listen`` behind its token (``security.admin_auth``: the
+    file ``security.admin_token_file`` names, else ``<state_dir>/admin.token``, made on first
+    start). Returns the runner, the admin URL peers and tools reach it at, and the token file."""
+    from .admin_token import ensure_token, token_path
+    host, _, port = cfg.admin_listen.rpartition(":")
+    host = host.strip("[]")
+    token_file = token = None
+    if cfg.security.admin_auth:
+        token_file = token_path(state_dir, cfg.security.admin_token_file).resolve()
+        token = ensure_token(token_file)
+    runner, bound = await start_admin(node, host, int(port), token=token)
+    return runner, f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{bound}", token_file

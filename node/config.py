@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDic
 from pydantic_settings.exceptions import SettingsError
 
 from .learning.config import LearnerConfig
+from .privacy.purposes import PURPOSES
 from .security.ids import node_id_problem
 
 PROTOCOL_VERSION = 1
@@ -60,7 +61,6 @@ class PrivacyConfig(BaseModel):
     @field_validator("serve_purposes")
     @classmethod
     def _known_purposes(cls, v: list[str] | None) -> list[str] | None:
-        from .privacy.purposes import PURPOSES
         unknown = sorted(set(v or ()) - set(PURPOSES))
         if unknown:
             raise ValueError(f"unknown purpose(s) {unknown}; known: {sorted(PURPOSES)}")

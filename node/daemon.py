@@ -1,54 +1,44 @@
 """The node daemon: one long-lived asyncio process per device.
 
-``Node`` is the composition root and the lifecycle: it wires local learning (``learning``), the
-collaboration strategy (``strategies``), the peer plane (``peering``: membership, served requests,
-the ``NodeNetwork`` a strategy sees; carried by ``transport``), persistence and the admin API, and
-runs the loops: membership, rounds (train → exchange → publish → checkpoint), and the servers.
-Compute runs in worker threads, so heartbeats and requests keep flowing while a round trains."""
+``Node`` is the composition root and the lifecycle: identity and state dir, local learning
+(``learning``), the transport, persistence (checkpoint restore and snapshots) and the admin API;
+it starts and stops the loops: membership, rounds and the servers. Its parts live next to it:
+``builder.py`` wires the peer plane (``peering``: membership, served requests, the ``NodeNetwork``
+a strategy sees; carried by ``transport``) and the strategy; ``rounds.py`` runs the rounds
+(train → exchange → publish → checkpoint) and types their records; ``views.py`` is the admin read
+model; ``node_metrics.py`` its metrics. Compute runs in worker threads, so heartbeats and
+requests keep flowing while a round trains."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
-import random
 import signal
 import sys
 import time
 from collections import deque
 from typing import Any
 
+from .builder import wire_peer_plane
 from .checkpointing import Checkpointer
 from .config import PROTOCOL_VERSION, ConfigError, NodeConfig
-from .failures import Backoff, Failures
+from .failures import Failures
 from .fsutil import atomic_write_json
 from .learning.learner import Learner
 from .logfilter import install_log_filter
 from .logs import RoundLog
 from .metrics import Metrics
-from .modelfile import describe_model, export_state_dir
-from .peering.admission import Admission
+from .modelfile import describe_model
+from .node_metrics import NodeMetrics
 from .peering.faults import with_fault
-from .peering.deadlines import Deadlines
-from .peering.inbox import PushInbox
-from .peering.loop_lag import LoopLag
-from .peering.membership import Membership, Settings
 from .peering.messages import LocalSnapshot, NodeInfo
 from .peering.interfaces import PeerServer, TransportFactory
-from .peering.network import NodeNetwork
-from .peering.peer_table import PeerTable
-from .peering.problems import ProblemLog
-from .peering.served import ServedRequests
-from .peering.snapshots import PublishBoard, SnapshotCache
 from .peering.traffic import TrafficStats
 from .privacy import accountant
-from .privacy.ledger import PrivacyLedger
-from .security import crl_gossip
-from .security.crl_gossip import CrlHooks
-from .privacy.mechanisms import PrivateData
 from .privacy.purposes import LOSS, purpose, purposes_of
 from .persistence import HISTORY_TAIL, Snapshot, StateError, StateStore, make_snapshot
-from .strategies.registry import get_strategy
+from .rounds import RoundLoop
+from .views import NodeViews
 
 log = logging.getLogger("coterie.node")
 
@@ -56,12 +46,7 @@ CAPABILITIES = ("snapshot", "cross-loss", "cross-gradient", "push-gradient", "go
 MODEL_BYTES_FACTOR, MODEL_BYTES_SLACK = 4, 1 << 20  # default max_model_bytes: 4× my model + 1 MiB
 
 
-def _hostport(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-class Node:
+class Node(NodeViews):
     """``transport`` carries the peer plane (default: gRPC on ``cfg.listen``; the in-process
     launcher passes ``transport/inproc.py``'s). ``admin=False`` runs without the HTTP admin API
     (in-process nodes: their launcher reads ``status()`` directly)."""
@@ -98,82 +83,9 @@ class Node:
 
         self.metrics = Metrics()
         self.traffic = TrafficStats(self.metrics)
-        self.m_rounds = self.metrics.counter("coterie_rounds_total", "Completed rounds")
-        self.m_round_s = self.metrics.histogram("coterie_round_duration_seconds", "Round wall time",
-                                                buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
-        self.m_peers = self.metrics.gauge("coterie_peers", "Known peers by state", ("state",))
-        self.m_rejected = self.metrics.counter("coterie_rejected_total", "Peer inputs rejected", ("kind",))
-        self.m_round = self.metrics.gauge("coterie_round", "Current round")
-        self.m_acc = self.metrics.gauge("coterie_test_accuracy_ratio", "Test accuracy after the last round (0..1)")
-        self.m_eps = self.metrics.gauge("coterie_privacy_epsilon",
-                                        "ε released about this node's data, all peers composed (at privacy.delta)")
-        self.m_eps_peer = self.metrics.gauge("coterie_privacy_peer_epsilon",
-                                             "ε released about this node's data to one peer", ("peer",))
-        self.m_eps_budget = self.metrics.gauge("coterie_privacy_budget_epsilon", "Configured total ε budget")
-        self.m_releases = self.metrics.counter("coterie_privacy_releases_total",
-                                               "Answers computed on this node's data that left it", ("purpose",))
-        self.m_ckpt_s = self.metrics.histogram("coterie_checkpoint_write_seconds",
-                                               "Checkpoint write (background thread)",
-                                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
-        self.m_ckpt_wait = self.metrics.histogram("coterie_checkpoint_wait_seconds",
-                                                  "Round loop time spent on checkpoints (snapshot + waiting for the writer)",
-                                                  buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+        self.m = NodeMetrics(self.metrics)
 
-        seed = int(hashlib.sha256(f"{cfg.seed}:{self.node_id}".encode()).hexdigest()[:8], 16)
-        # the peer plane: who is out there, what this node publishes, what it pulled and was pushed
-        mcfg = cfg.membership
-        self.loop_lag = LoopLag()  # how late the event loop runs: stalls show per round
-        self.peers = PeerTable(self.node_id, cfg.suspect_after_s, cfg.dead_after_s,
-                               reconnect_min_s=mcfg.reconnect_min_s, reconnect_max_s=mcfg.reconnect_max_s)
-        revocation = getattr(getattr(self.transport, "tls", None), "revocation", None)
-        if revocation is not None:  # a node the network CA revoked leaves membership for good
-            revocation.listeners.append(self._revoked)
-            self.peers.ban(revocation.revoked_ids)
-        self.problems = ProblemLog(on_rejected=lambda: self.m_rejected.labels(kind="input").inc())
-        self.board = PublishBoard()
-        self.cache = SnapshotCache(cfg.snapshot_cache_bytes)
-        self.inbox = PushInbox()
-        self.client = self.transport.connect(self.node_id, self.traffic)
-        self.membership = Membership(self.info, self.position, self.peers, self.client, self.problems,
-                                     bootstrap=cfg.peers, heartbeat_interval_s=cfg.heartbeat_interval_s,
-                                     request_timeout_s=cfg.request_timeout_s, link_delay_s=cfg.delay_ms / 1000,
-                                     rng=random.Random(seed), on_gauges=self._peer_gauges,
-                                     settings=Settings.from_config(mcfg), loop_lag=self.loop_lag)
-        deadlines = Deadlines(cfg.request_timeout_s + 2 * cfg.delay_ms / 1000, floor_s=cfg.deadline_floor_s,
-                              mult=cfg.deadline_mult)
-        # privacy: everything computed on my data that leaves (served or sent) goes through one door
-        self.ledger = PrivacyLedger(self.store.dir, delta=cfg.privacy.delta, budget=cfg.privacy.budget_epsilon,
-                                    peer_budget=cfg.privacy.peer_budget_epsilon, expected_peers=cfg.privacy.expected_peers,
-                                    peer_rate=cfg.privacy.peer_release_rate, peer_burst=cfg.privacy.peer_release_burst,
-                                    on_change=self._privacy_gauges)
-        if self._checkpoint is not None:  # the ledger is verified state: it must cover the checkpoint's pin
-            self.ledger.verify(self._checkpoint.state.get("privacy_ledger"), checkpoint=self._checkpoint.path.name,
-                               reset=cfg.reset_privacy_ledger)
-        self._privacy_gauges()
-        self.private = PrivateData(learner, cfg.privacy, self.ledger)
-        self.serves = (tuple(cfg.privacy.serve_purposes) if cfg.privacy.serve_purposes is not None
-                       else purposes_of(cfg.strategy))
-        # own files too small for privacy.min_batch: the node learns, but nothing on its data leaves
-        self.withheld = self.private.withheld(tuple({purpose(p).split for p in purposes_of(cfg.strategy) + self.serves}))
-        if self.withheld:
-            self.problems.note("this node (data)", self.withheld)
-        self.network = NodeNetwork(self.node_id, self.client, self.peers, self.cache, self.inbox,
-                                   lambda: self.board.current, self.spec, self.problems, self.private,
-                                   labels=self.labels, request_timeout_s=cfg.request_timeout_s,
-                                   deadlines=deadlines, exchange_timeout_s=cfg.exchange_timeout_s,
-                                   on_call_failed=self.membership.suspect_hint, watch=cfg.watch_snapshots)
-        self.strategy = get_strategy(cfg.strategy)(self.node_id, learner, self.network,
-                                                   cfg.strategy_params, seed=seed)
-        self._budget_noted: dict[tuple[str, str], float] = {}
-        self.admission = Admission(cfg.limits, on_refused=self._over_budget)
-        self._revocation = revocation
-        hooks = CrlHooks(self.strategy, revocation) if revocation is not None else self.strategy
-        self.served = ServedRequests(self.node_id, self.info, self.membership, learner, self.spec,
-                                     hooks, self.board, self.cache, self.inbox, self.problems,
-                                     self.private, self.serves,
-                                     on_refused=lambda kind: self.m_rejected.labels(kind=kind).inc(),
-                                     admission=self.admission, push_policy=cfg.limits,
-                                     compute_workers=cfg.limits.compute_workers)
+        wire_peer_plane(self, cfg, learner)  # membership, served side, NodeNetwork, strategy (builder.py)
 
         self.round = 0
         self.version = 0
@@ -193,6 +105,7 @@ class Node:
         self._round_task: asyncio.Task | None = None
         self._health_tasks: set[asyncio.Task] = set()
         self.failures = Failures(self._set_serving, lambda part, msg: self.problems.note(f"this node ({part})", msg))
+        self.rounds = RoundLoop(self)
         self.checkpointer = Checkpointer(self.store, cfg.checkpoint_max_unsaved_rounds, self.failures,
                                          self._on_saved)
 
@@ -204,22 +117,15 @@ class Node:
             await asyncio.to_thread(self.store.commit, await self._snapshot(None), [])
         self.checkpointer.start()
         # both ways, for the server and this node's client, now that the model's size is known
-        self.transport.max_model_bytes = self.model_limit()
+        self.transport.limits.max_model_bytes = self.model_limit()
         # a testbed bad actor corrupts what it serves (peering/faults.py); it learns normally
         handler = with_fault(self.served, self.cfg.faulty)
         self._server = await self.transport.serve(handler, self.traffic)
         self.address = self._server.address
         token_file = None
         if self.serve_admin:
-            from .admin import start_admin
-            from .admin_token import ensure_token, token_path
-            ahost, aport = _hostport(self.cfg.admin_listen)
-            token = None
-            if self.cfg.security.admin_auth:
-                token_file = token_path(self.store.dir, self.cfg.security.admin_token_file).resolve()
-                token = ensure_token(token_file)
-            self._admin, bound = await start_admin(self, ahost, aport, token=token)
-            self.admin_url = f"http://{'127.0.0.1' if ahost in ('0.0.0.0', '::', '') else ahost}:{bound}"
+            from .admin import serve_node_admin
+            self._admin, self.admin_url, token_file = await serve_node_admin(self, self.cfg, self.store.dir)
         atomic_write_json(self.store.dir / "node.json", {
             "node_id": self.node_id, "address": self.address, "admin_url": self.admin_url,
             "admin_token_file": str(token_file) if token_file else None,
@@ -230,10 +136,9 @@ class Node:
         if self.cfg.privacy.enabled and purposes_of(self.cfg.strategy) + self.serves:
             self._tasks.append(asyncio.create_task(asyncio.to_thread(self._warm_privacy), name="privacy-warmup"))
         self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))
-        if self._revocation is not None:  # the CA's revocation list reaches every node (security/crl_gossip.py)
-            self._tasks.append(asyncio.create_task(
-                crl_gossip.spread(self._revocation, self.peers.alive, self._crl_exchange), name="crl-gossip"))
-        self._round_task = asyncio.create_task(self._round_loop(), name="rounds")
+        if self.revocations is not None:  # the CA's revocation list reaches every node (security/crl_gossip.py)
+            self._tasks.append(asyncio.create_task(self.revocations.spread(), name="crl-gossip"))
+        self._round_task = asyncio.create_task(self.rounds.run(), name="rounds")
         self._round_task.add_done_callback(self._round_loop_ended)
         self._tasks.append(self._round_task)
 
@@ -291,12 +196,12 @@ class Node:
         return self.round, self.version
 
     def _privacy_gauges(self, peer: str | None = None, purpose: str | None = None) -> None:
-        self.m_eps.set(self.ledger.epsilon())
-        self.m_eps_budget.set(self.ledger.budget)
+        self.m.eps.set(self.ledger.epsilon())
+        self.m.eps_budget.set(self.ledger.budget)
         for p in ([peer] if peer else list(self.ledger.peers)):
-            self.m_eps_peer.labels(peer=p).set(self.ledger.epsilon(p))
+            self.m.eps_peer.labels(peer=p).set(self.ledger.epsilon(p))
         if purpose:
-            self.m_releases.labels(purpose=purpose).inc()
+            self.m.releases.labels(purpose=purpose).inc()
 
     def model_limit(self) -> int:
         """Largest model a peer may send or serve: configured, else a small multiple of this node's
@@ -307,31 +212,15 @@ class Node:
         return MODEL_BYTES_FACTOR * len(own) + MODEL_BYTES_SLACK
 
     def _over_budget(self, peer: str, why: str) -> None:
-        self.m_rejected.labels(kind=f"limit_{why}").inc()
+        self.m.rejected.labels(kind=f"limit_{why}").inc()
         now = time.monotonic()
         if now - self._budget_noted.get((peer, why), -1e9) >= 10.0:  # a flood is one problem, not 50
             self._budget_noted[(peer, why)] = now
             self.problems.note(peer, f"over its {why} budget: requests refused (RESOURCE_EXHAUSTED)")
 
-    async def _crl_exchange(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
-        """One CRL exchange, outside any round's exchange phase (it is not the round's work)."""
-        rec = self.peers.records.get(peer)
-        if rec is None or not rec.address:
-            return None
-        try:
-            return await self.client.gossip(rec.address, self.node_id, key, payload,
-                                            self.cfg.request_timeout_s, peer=peer)
-        except Exception as e:  # noqa: BLE001 - unreachable, refused, or an old peer: the next period tries another
-            log.debug("CRL exchange with %s failed: %s", peer, e)
-            return None
-
-    def _revoked(self, node_ids) -> None:
-        for node_id in self.peers.ban(node_ids):
-            log.warning("peer %s: revoked by the network CA's revocation list; dropped", node_id)
-
     def _peer_gauges(self, counts: dict[str, int]) -> None:
         for state, n in counts.items():
-            self.m_peers.labels(state=state).set(n)
+            self.m.peers.labels(state=state).set(n)
 
     # ------------------------------------------------------------------ persistence
     def _restore(self) -> bool:
@@ -388,7 +277,7 @@ class Node:
                       "public_state": state.get("public_state", {})}
         if record is not None:
             self.last_eval = record.get("eval", {})
-        self.m_round.set(rnd)
+        self.m.round.set(rnd)
 
     def _on_saved(self, batch: list[Snapshot], seconds: float) -> None:
         """The writer made these snapshots durable: the admin API now shows them."""
@@ -397,20 +286,8 @@ class Node:
         self._spare_tensors = batch[-1].learner_tensors
         last = batch[-1]
         self._set_saved(last.round, last.version, last.state, records[-1] if records else None)
-        self.m_ckpt_s.observe(seconds)
+        self.m.ckpt_s.observe(seconds)
 
-    async def export_model(self) -> tuple[bytes, dict[str, Any]]:
-        """The personalised model of the last checkpoint, as `coterie model export` writes it."""
-        return await asyncio.to_thread(export_state_dir, self.store.dir)
-
-    async def history_view(self, since: int | None) -> list[dict[str, Any]]:
-        """Checkpointed rounds after ``since`` (default: the in-memory tail), from the file when
-        they go back further than the tail."""
-        if since is None or (self.history and since >= self.history[0]["round"] - 1) or self.saved["round"] <= since:
-            return [r for r in self.history if since is None or r["round"] > since]
-        return await asyncio.to_thread(lambda: list(self.store.history_since(since)))
-
-    # ------------------------------------------------------------------ publishing
     def publish(self) -> None:
         shared = self.strategy.shared_params()
         groups = {"params": shared if shared is not None else self.learner.get_params()}
@@ -419,118 +296,6 @@ class Node:
         self.version += 1
         self.board.publish(LocalSnapshot(self.node_id, self.version, self.round, groups))
 
-    # ------------------------------------------------------------------ round loop
-    async def _wait_for_peers(self) -> None:
-        deadline = time.monotonic() + self.cfg.start_timeout_s
-        while len(self.peers.alive()) < self.cfg.min_peers and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)  # poll membership, bounded by start_timeout_s
-        if len(self.peers.alive()) < self.cfg.min_peers:
-            log.warning("starting with %d peers (wanted %d)", len(self.peers.alive()), self.cfg.min_peers)
-
-    async def _round_loop(self) -> None:
-        if self.cfg.rounds is None or self.round < self.cfg.rounds:
-            await self._wait_for_peers()
-        backoff = Backoff()
-        while self.cfg.rounds is None or self.round < self.cfg.rounds:
-            t0 = time.monotonic()
-            stall0 = self.loop_lag.total_s
-            rnd = self.round + 1
-            try:
-                with self.network.exchange_phase() as phase:  # peer calls share the round's deadline
-                    report = await self.strategy.run_round(rnd)
-                t_strategy = time.monotonic() - t0
-                evaluation = await asyncio.to_thread(self.strategy.evaluate)
-                t_eval = time.monotonic() - t0 - t_strategy
-                t1, done_at = time.monotonic(), time.time()  # the round's own work ends here
-                await self.checkpointer.room()  # at most max_unsaved published rounds not yet on disk
-                waited = time.monotonic() - t1
-                self.round = rnd
-                self.publish()
-                sent, received = self.traffic.take_round()
-                record = {"round": rnd, "t": done_at, "duration_s": round(t1 - t0, 4),
-                          "model_version": self.version, "train_loss": report.train_loss, "eval": evaluation,
-                          "weights": self.strategy.weights(), "contacted": report.contacted,
-                          "bytes_sent": sent, "bytes_received": received, "info": report.info,
-                          "peers_alive": len(self.peers.alive()),
-                          "timing": {"strategy_s": round(t_strategy, 4), "eval_s": round(t_eval, 4),
-                                     "peer_calls": phase["calls"],
-                                     "exchange_s": round(phase.get("exchange_s", 0.0), 4),
-                                     "exchange_budget_s": round(phase["budget_s"], 3),
-                                     "calls_failed": phase["failed"], "calls_abandoned": phase["abandoned"],
-                                     "calls_skipped": phase["skipped"],
-                                     "loop_stall_s": round(self.loop_lag.total_s - stall0, 4)}}
-                # a copy now; the writer thread encodes and writes it while the next round trains
-                t2 = time.monotonic()
-                await self.checkpointer.submit(await self._snapshot(record))
-                self.m_ckpt_wait.observe(waited + time.monotonic() - t2)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - reported (log, /status, health), then retried
-                self.round = rnd - 1  # not checkpointed: the round is run again
-                delay = backoff.next()
-                self.failures.failed("rounds", e, delay)
-                await asyncio.sleep(delay)
-                continue
-            backoff.reset()
-            self.failures.recovered("rounds")
-            self.m_rounds.inc()
-            self.m_round_s.observe(time.monotonic() - t0)
-            if "test_acc" in evaluation:
-                self.m_acc.set(evaluation["test_acc"])
-            self.round_log.round_done(rnd, time.monotonic() - t0, evaluation)
-            wait = self.cfg.round_interval_s - (time.monotonic() - t0)
-            if wait > 0:
-                await asyncio.sleep(wait)  # pacing: a deliberately slow node
-        await self.checkpointer.flush()  # done means durable
-        self.done = True
-        log.info("node %s finished its %d rounds; still serving peers", self.node_id, self.round)
-
-    # ------------------------------------------------------------------ admin views
-    def status(self) -> dict[str, Any]:
-        # round/model_version are the checkpointed ones: a restart never rolls back what is shown
-        return {"node_id": self.node_id, "round": self.saved["round"], "model_version": self.saved["version"],
-                "unsaved_rounds": self.round - self.saved["round"],
-                "health": "ok" if self.healthy() else "failing", "failures": self.failures.view(),
-                "strategy": self.cfg.strategy, "device": self.learner.device,
-                "peers_alive": len(self.peers.alive()), "peers_known": len(self.peers.records),
-                "uptime_s": round(time.time() - self.started, 3), "done": self.done,
-                "rounds_target": self.cfg.rounds, "address": self.address, "admin_url": self.admin_url,
-                "fingerprint": self.fingerprint, "labels": self.labels, "last_eval": self.last_eval,
-                "strategy_state": self.strategy.public_state(), "problems": self.problems.recent(10),
-                "faulty": self.cfg.faulty, "mtls": self.transport.mtls,
-                "admission": self.admission.view(),
-                "membership": self.membership_view(), "privacy": self.privacy_view(),
-                "data": self.learner.data_info()}
-
-    def privacy_view(self) -> dict[str, Any]:
-        """The privacy ledger (ε per peer and in total) and the knobs that bound it."""
-        p = self.cfg.privacy
-        return {"enabled": p.enabled, "noise_multiplier": p.noise_multiplier, "grad_clip": p.grad_clip,
-                "loss_clip": p.loss_clip, "min_batch": p.min_batch, "serves": list(self.serves),
-                "withheld": self.withheld,
-                **self.ledger.view()}
-
-    def membership_view(self) -> dict[str, Any]:
-        """The peer plane's own health: SWIM counters, candidate set, channels, loop lag."""
-        m = self.membership
-        return {"incarnation": m.incarnation, "candidates": len(m.pending),
-                "candidates_dropped": m.pending.dropped, "candidates_forgotten": m.pending.forgotten_total,
-                "channels": self.client.channels(), "channels_evicted": self.client.evicted,
-                "snapshot_cache_bytes": self.cache.bytes, "loop_lag_max_s": round(self.loop_lag.max_s, 4),
-                **m.stats}
-
-    def peers_table(self) -> list[dict[str, Any]]:
-        weights = self.strategy.weights()
-        rows = self.peers.view()
-        for r in rows:
-            r["weight"] = weights.get(r["node_id"], 0.0)
-            snap = self.cache.get(r["node_id"])
-            r["cached_version"] = snap.version if snap else None
-        return rows
-
-    def weights_view(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "round": self.saved["round"], "strategy": self.cfg.strategy,
-                "weights": self.saved["weights"], "strategy_state": self.saved["public_state"]}
 
 
 def run_node(cfg: NodeConfig) -> int:

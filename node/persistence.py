@@ -283,6 +283,49 @@ def _parse_line(path: Path, lineno: int, line: bytes) -> dict[str, Any]:
         raise StateError(f"{path} line {lineno} is corrupt ({type(e).__name__}: {e})") from None
 
 
+def verify_history(path: Path, ckpt: Checkpoint) -> tuple[list[dict[str, Any]], int, int, Any]:
+    """Check the history at ``path`` against the checkpoint (its first N bytes hash to the
+    pinned sha256); return the tail of rounds, the file's size (more: lines a crash left), and
+    the bytes covered with their running sha256 (what the next commit extends)."""
+    pinned = ckpt.state.get("history") or {}
+    try:
+        covered, want = int(pinned["bytes"]), str(pinned["sha256"])
+    except (KeyError, TypeError, ValueError):
+        raise StateError(f"{ckpt.path} is corrupt (no history pin)") from None
+    h, pos, tail, lineno = hashlib.sha256(), 0, deque(maxlen=HISTORY_TAIL), 0
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            for line in f:
+                if pos >= covered:
+                    break
+                lineno += 1
+                if pos + len(line) > covered:
+                    raise StateError(f"{path} does not match {ckpt.path.name}: line {lineno} "
+                                     f"crosses the {covered} bytes the checkpoint covers")
+                h.update(line)
+                pos += len(line)
+                tail.append((lineno, line))
+    except FileNotFoundError:
+        if covered:
+            raise StateError(f"{path} is missing, but {ckpt.path.name} covers {covered} bytes "
+                             f"({ckpt.round} rounds) of it") from None
+        size = 0
+    except OSError as e:
+        raise StateError(f"{path} cannot be read: {e.strerror or e}") from None
+    if pos < covered:
+        raise StateError(f"{path} is shorter ({pos} bytes) than the {covered} bytes "
+                         f"{ckpt.path.name} covers: truncated or rewritten")
+    if h.hexdigest() != want:
+        raise StateError(f"{path} does not match {ckpt.path.name}: its first {covered} bytes "
+                         "changed after they were written")
+    rows = [_parse_line(path, n, line) for n, line in tail]
+    if ckpt.round and (not rows or rows[-1]["round"] != ckpt.round):
+        raise StateError(f"{path} ends at round {rows[-1]['round'] if rows else 0}, "
+                         f"{ckpt.path.name} at round {ckpt.round}")
+    return rows, size, covered, h
+
+
 class StateStore:
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
@@ -398,7 +441,7 @@ class StateStore:
         if identity is not None and identity != ckpt.node_id:
             raise StateError(f"{self.identity_path} says node {identity!r} but {ckpt.path} belongs to "
                              f"node {ckpt.node_id!r}")
-        ckpt.history, size = self._open_history(ckpt)
+        ckpt.history, size, self._hist_bytes, self._hist_hash = verify_history(self.history_path, ckpt)
         # verified: now the repairs a crash calls for (nothing is written before this point)
         if identity is None:
             log.warning("%s was missing; node id %r restored from %s", self.identity_path,
@@ -417,50 +460,6 @@ class StateStore:
         self._node_id = ckpt.node_id
         self.round = ckpt.round
         return ckpt.node_id, ckpt
-
-    def _open_history(self, ckpt: Checkpoint) -> tuple[list[dict[str, Any]], int]:
-        """Check the history against the checkpoint (its first N bytes hash to the pinned
-        sha256); return the tail of rounds and the file's size (more: lines a crash left)."""
-        pinned = ckpt.state.get("history") or {}
-        try:
-            covered, want = int(pinned["bytes"]), str(pinned["sha256"])
-        except (KeyError, TypeError, ValueError):
-            raise StateError(f"{ckpt.path} is corrupt (no history pin)") from None
-        path = self.history_path
-        h, pos, lineno = hashlib.sha256(), 0, 0
-        tail: deque[tuple[int, bytes]] = deque(maxlen=HISTORY_TAIL)
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                for line in f:
-                    if pos >= covered:
-                        break
-                    lineno += 1
-                    if pos + len(line) > covered:
-                        raise StateError(f"{path} does not match {ckpt.path.name}: line {lineno} "
-                                         f"crosses the {covered} bytes the checkpoint covers")
-                    h.update(line)
-                    pos += len(line)
-                    tail.append((lineno, line))
-        except FileNotFoundError:
-            if covered:
-                raise StateError(f"{path} is missing, but {ckpt.path.name} covers {covered} bytes "
-                                 f"({ckpt.round} rounds) of it") from None
-            size = 0
-        except OSError as e:
-            raise StateError(f"{path} cannot be read: {e.strerror or e}") from None
-        if pos < covered:
-            raise StateError(f"{path} is shorter ({pos} bytes) than the {covered} bytes "
-                             f"{ckpt.path.name} covers: truncated or rewritten")
-        if h.hexdigest() != want:
-            raise StateError(f"{path} does not match {ckpt.path.name}: its first {covered} bytes "
-                             "changed after they were written")
-        rows = [_parse_line(path, n, line) for n, line in tail]
-        if ckpt.round and (not rows or rows[-1]["round"] != ckpt.round):
-            raise StateError(f"{path} ends at round {rows[-1]['round'] if rows else 0}, "
-                             f"{ckpt.path.name} at round {ckpt.round}")
-        self._hist_bytes, self._hist_hash = covered, h
-        return rows, size
 
     # --- writing ---
     def commit(self, snap: Snapshot, records: list[dict[str, Any]]) -> Path:

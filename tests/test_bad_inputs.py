@@ -18,7 +18,7 @@ from coterie.node.learning.config import LearnerConfig
 from coterie.node.learning.torch_learner import build_learner
 from coterie.node.transport.chunks import sha256, split
 from coterie.node.peering.messages import Beat, LocalSnapshot, NodeInfo
-from coterie.node.peering.serde import node_info_to_pb
+from coterie.node.transport.serde import node_info_to_pb
 from coterie.node.security.pki import load_credentials
 from coterie.node.transport.server import serve
 from coterie.node.transport.tls import TLS

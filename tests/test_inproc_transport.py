@@ -1,9 +1,8 @@
 """The in-process transport keeps the gRPC transport's contract: the handler's checks run,
 refusals and failures arrive as PeerCallError of the same kinds, deadlines and stopped peers are
-honoured, size limits apply; shared snapshots cannot be corrupted by a receiver; and in mixed
-mode a node reaches its own process's nodes through memory and every other one over gRPC.
-(The strategy and peering suites run against both transports: test_strategies_daemon.py,
-test_peering.py.)"""
+honoured, size limits apply; shared snapshots cannot be corrupted by a receiver. (Mixed mode,
+memory inside a process and gRPC between: test_routing_transport.py. The strategy and peering
+suites run against both transports: test_strategies_daemon.py, test_peering.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -19,10 +18,9 @@ from coterie.node.metrics import Metrics
 from coterie.node.peering.errors import PeerCallError
 from coterie.node.peering.messages import CROSS_LOSS, Beat, ComputeRequest, IndirectProbe, NodeInfo
 from coterie.node.peering.traffic import TrafficStats
-from coterie.node.transport.grpc_transport import GrpcTransport
 from coterie.node.transport.inproc import InProcNetwork
 from coterie.node.wire.codec import WireError
-from nodeproc import node_certs, tiny_learner
+from nodeproc import tiny_learner
 
 pytestmark = pytest.mark.slow
 
@@ -257,37 +255,4 @@ def test_size_limits_apply_in_memory(tmp_path):
         finally:
             await a.stop()
             await b.stop()
-    asyncio.run(go())
-
-
-def test_mixed_mode_memory_inside_a_process_grpc_between(tmp_path):
-    """Two switchboards stand for two processes (Ray actors): each node also serves gRPC and
-    registers under its gRPC address. A node reaches its own switchboard's nodes through memory
-    and the other's over real gRPC."""
-    async def go():
-        hubs = [InProcNetwork(), InProcNetwork()]
-        nodes: list[Node] = []
-        try:
-            for i in range(4):
-                hub = hubs[i // 2]
-                cfg = _config(tmp_path, i, [nodes[0].address] if nodes else [], listen="127.0.0.1:0",
-                              security={"cert_dir": str(node_certs(tmp_path, f"n{i}"))})  # mTLS between hubs
-                node = Node(cfg, transport=hub.transport_for(cfg, grpc=GrpcTransport.from_config(cfg)), admin=False)
-                await node.start()
-                nodes.append(node)
-            a0, a1, b0, b1 = nodes
-            assert all(n.address.startswith("127.0.0.1:") and n.transport.mtls for n in nodes)
-            assert hubs[0].addresses() == sorted([a0.address, a1.address])
-            await _wait(lambda: all(len(n.peers.alive()) == 3 for n in nodes), "full membership across hubs")
-            # take a1's gRPC server down: a0 still reaches it through memory, b0 cannot
-            await a1._server.also.stop()
-            assert await a0.network.pull("n1") is not None
-            assert await b0.network.pull("n1") is None
-            # b1 is in the other switchboard: a0 reaches it over gRPC (it is nowhere in hub 0)
-            assert hubs[0].lookup(b1.address) is None
-            snap = await a0.network.pull("n3")
-            assert snap is not None and a0.traffic.round_received["snapshot"] > 0
-        finally:
-            for n in nodes:
-                await n.stop()
     asyncio.run(go())

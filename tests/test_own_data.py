@@ -296,7 +296,7 @@ def test_a_peer_with_another_task_is_refused_in_the_handshake():
     from coterie.node.peering.messages import NodeInfo
     from coterie.node.peering.peer_table import PeerTable
     from coterie.node.peering.problems import ProblemLog
-    from coterie.node.peering.serde import node_info_from_pb, node_info_to_pb
+    from coterie.node.transport.serde import node_info_from_pb, node_info_to_pb
 
     me = NodeInfo("n0", 1, "arch", address="a0", task=describe_task((4,), ["0", "1", "2"]))
     m = Membership(lambda: me, lambda: (0, 0), PeerTable("n0", 1.0, 3.0), None, ProblemLog(), bootstrap=[],

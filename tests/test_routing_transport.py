@@ -48,7 +48,8 @@ def test_memory_inside_a_process_grpc_between_and_counted(tmp_path):
                 nodes.append(node)
                 transports.append(t)
             a0, a1, b0, b1 = nodes
-            assert all(n.address.startswith("127.0.0.1:") for n in nodes)  # gRPC addresses, also in memory
+            assert all(n.address.startswith("127.0.0.1:") and n.transport.mtls for n in nodes)  # gRPC addresses,
+            assert hubs[0].addresses() == sorted([a0.address, a1.address])  # also in memory
             assert hubs[1].addresses() == sorted([b0.address, b1.address])
             await _wait(lambda: all(len(n.peers.alive()) == 3 for n in nodes), "full membership across hubs")
 
@@ -57,7 +58,8 @@ def test_memory_inside_a_process_grpc_between_and_counted(tmp_path):
             assert await a0.network.pull("n1") is not None  # same process: memory
             mem = transports[0].stats.received[MEMORY] - before[MEMORY]
             assert mem > 0 and transports[0].stats.received[GRPC] == before[GRPC]
-            assert await a0.network.pull("n3") is not None  # the other process: gRPC
+            assert hubs[0].lookup(b1.address) is None  # the other process: nowhere in this one's memory
+            assert await a0.network.pull("n3") is not None  # so over gRPC
             assert transports[0].stats.received[GRPC] - before[GRPC] > 0
             # a0's own traffic accounting saw both (the route tally forwards, it does not divert)
             assert a0.traffic.round_received["snapshot"] >= mem + transports[0].stats.received[GRPC] - before[GRPC]

@@ -29,15 +29,17 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from .config import LearnerConfig
-from .datasets import Pool, load_pool
+from .datasets import Pool
 from .hooks import resolve_loss, resolve_transform
 from .learner import EvalResult, Learner, Params, Split, TrainResult
 from .models import build_model
-from .own_data import OwnData, class_names as agreed_names, load_own_data
-from .partition import NodeData, node_data
+from .own_data import OwnData
+from .partition import NodeData
+from .sources import node_source
+from .torch_private import EVAL_BATCH as _EVAL_BATCH
+from .torch_private import PerSampleTerms
+from .torch_state import TorchState
 
-_EVAL_BATCH = 2048
-_PER_SAMPLE_BATCH = 256  # per-sample gradients held at once (memory: this × model size)
 
 
 def resolve_device(device: str) -> str:
@@ -160,42 +162,18 @@ class _Sampler:
         self.perm, self.pos = perm, pos
 
 
-class TorchLearner(Learner):
+class TorchLearner(PerSampleTerms, TorchState, Learner):
     def __init__(self, cfg: LearnerConfig, pool: Pool | None = None,
                  data: NodeData | OwnData | None = None):
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
         self.device = resolve_device(cfg.device)
-        if data is None and cfg.data is not None:
-            data = load_own_data(cfg)  # the node's own files: no pool, no partition
-        if isinstance(data, OwnData):
-            if cfg.label_noise > 0:
-                raise ValueError("learner.label_noise is for the built-in datasets, not learner.data")
-            self.own_data, self._data_info = True, data.summary()
-            self.task = data.task
-            self.class_names = data.class_names
-            self.num_classes = len(data.class_names) if data.class_names is not None else 0
-            self.input_shape = tuple(data.input_shape)
-            self.true_cluster, self.shard = None, None  # no partitioner: no ground truth
-            self.noisy_train = np.zeros(0, dtype=np.int64)
-        else:
-            if pool is None:
-                pool = load_pool(cfg.dataset, cfg.dataset_params, cfg.data_seed)
-            if data is None:
-                data = node_data(pool, cfg)
-            self.task = pool.task
-            self.num_classes = pool.num_classes
-            self.input_shape = pool.input_shape
-            # what output i means, the same on every node of the network (None for regression)
-            self.class_names = self._builtin_names(pool)
-            self.true_cluster = int(data.shard.cluster)
-            self.shard = data.shard
-            self.noisy_train = data.noisy
-            self._data_info = {"source": f"built-in: {cfg.dataset}, partition {cfg.partition} "
-                                         f"(node {cfg.node_index} of {cfg.num_nodes})",
-                               "task": pool.task, "input_shape": list(pool.input_shape),
-                               "classes": self.class_names,
-                               "samples": {s: int(len(getattr(data, f"y_{s}"))) for s in ("train", "val", "test")}}
+        src = node_source(cfg, pool, data)
+        data = src.arrays
+        self.own_data, self._data_info = src.own_data, src.info
+        self.task, self.class_names, self.num_classes = src.task, src.class_names, src.num_classes
+        self.input_shape = src.input_shape
+        self.true_cluster, self.shard, self.noisy_train = src.true_cluster, src.shard, src.noisy_train
         self._loss_hook = resolve_loss(cfg.loss, self.task, self.num_classes)
         self._transform = resolve_transform(cfg.input_transform)
         ydt = torch.int64 if self.task == "classification" else torch.float32
@@ -226,20 +204,6 @@ class TorchLearner(Learner):
         self._eval_rng = np.random.default_rng(_seed(cfg.data_seed, cfg.node_index, 0xE7A1))
         self._lock = threading.RLock()
         self._eval_lock = threading.Lock()
-
-    def _builtin_names(self, pool: Pool) -> list[str] | None:
-        """The built-in dataset's classes "0".."C-1", or ``learner.classes`` naming them."""
-        if pool.task != "classification":
-            if self.cfg.classes is not None:
-                raise ValueError(f"learner.classes given, but dataset {self.cfg.dataset!r} is regression")
-            return None
-        names = agreed_names(self.cfg.classes)
-        if names is None:
-            return [str(i) for i in range(pool.num_classes)]
-        if len(names) != pool.num_classes:
-            raise ValueError(f"learner.classes names {len(names)} classes; dataset {self.cfg.dataset!r} "
-                             f"has {pool.num_classes}")
-        return names
 
     def data_info(self) -> dict:
         return dict(self._data_info)
@@ -387,61 +351,6 @@ class TorchLearner(Learner):
         g = {n: t.detach().to("cpu", torch.float32) for n, t in zip(self._names, grads)}
         return g, EvalResult(loss=float(loss.detach()), n=len(y), accuracy=acc)
 
-    # ------------------------------------------------------------------ per-sample (privacy)
-    def _index(self, split: Split, indices) -> torch.Tensor:
-        n = self.num_samples(split)
-        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64).reshape(-1), device=self.device)
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
-            raise ValueError(f"sample index out of range for split {split!r} of {n} samples")
-        return idx
-
-    def clipped_loss_sum(self, params: Params | None, split: Split, indices, clip: float) -> float:
-        p = self._device_params(params)
-        idx = self._index(split, indices)
-        x, y = self._data[split]
-        total = 0.0
-        with self._eval_lock, torch.no_grad():
-            for i in range(0, len(idx), _EVAL_BATCH):
-                j = idx[i:i + _EVAL_BATCH]
-                out = functional_call(self._shadow, p, (self._x(x[j]),))
-                per = self._loss_fn(out, y[j], "none").reshape(-1)
-                per = torch.nan_to_num(per, nan=clip, posinf=clip, neginf=0.0).clamp(0.0, clip)
-                total += float(per.sum())
-        return total
-
-    def clipped_gradient_sum(self, params: Params | None, split: Split, indices, clip: float) -> Params:
-        """Per-sample gradients by ``torch.func.vmap(grad(...))`` over ``functional_call`` on the
-        shadow model — not opacus' GradSampleModule, whose hooks keep counters on the module's own
-        nn.Parameters and fail on the tensors functional_call swaps in (AttributeError
-        '_forward_counter'); the shadow path is what lets a request thread differentiate a peer's
-        model while training runs. torch.func is also what opacus itself falls back to for layers
-        its hooks do not know, and it works for any registered model. Clipping as opacus does it:
-        factor min(1, C / (‖g_i‖ + 1e-6)) on the whole-model norm."""
-        from torch.func import grad, vmap
-        p = self._device_params(params)
-        idx = self._index(split, indices)
-        x, y = self._data[split]
-        total = {n: torch.zeros_like(p[n]) for n in self._names}
-
-        def sample_loss(params: Params, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-            out = functional_call(self._shadow, params, (self._x(xi.unsqueeze(0)),))
-            return self._loss_fn(out, yi.unsqueeze(0), "sum")
-
-        per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))
-        with self._eval_lock, torch.no_grad():
-            for i in range(0, len(idx), _PER_SAMPLE_BATCH):
-                j = idx[i:i + _PER_SAMPLE_BATCH]
-                with torch.enable_grad():
-                    g = per_sample(p, x[j], y[j])
-                flat = torch.cat([g[n].reshape(len(j), -1) for n in self._names], dim=1)
-                norms = flat.norm(dim=1)
-                factor = (clip / (norms + 1e-6)).clamp(max=1.0)
-                factor = torch.where(torch.isfinite(norms), factor, torch.zeros_like(factor))
-                for n in self._names:
-                    gn = torch.nan_to_num(g[n], nan=0.0, posinf=0.0, neginf=0.0)
-                    total[n] += torch.einsum("b,b...->...", factor, gn)
-        return {n: t.detach().to("cpu", torch.float32) for n, t in total.items()}
-
     def evaluate_mixture(self, members: list[tuple[float, Params]],
                          split: Split = "test") -> EvalResult:
         """Σ_j w_j p(y|x; θ_j) with the weights normalised to sum to 1 (classification: softmax
@@ -478,73 +387,6 @@ class TorchLearner(Learner):
         acc = correct / n if self.task == "classification" else None
         return EvalResult(loss=total / n, n=n, accuracy=acc)
 
-    # ------------------------------------------------------------------ persistence
-    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-        """Private copies of everything a resume needs, taken under the lock (a memcpy of the
-        parameters and optimizer state, into ``reuse``'s buffers where they fit; encoding and
-        writing happen elsewhere, off the lock)."""
-        reuse = reuse or {}
-
-        def copy(key: str, t: torch.Tensor) -> torch.Tensor:
-            t = t.detach()
-            old = reuse.get(key)
-            if old is not None and old.shape == t.shape and old.dtype == t.dtype:
-                return old.copy_(t)
-            return t.to("cpu", copy=True)
-
-        with self._lock:
-            tensors = {f"model/{n}": copy(f"model/{n}", p) for n, p in self.model.named_parameters()}
-            tensors.update({f"optim/{k}/{n}": copy(f"optim/{k}/{n}", t)
-                            for n, st in self.optimizer.state.items() for k, t in st.items()})
-            tensors["sampler/perm"] = torch.from_numpy(self._sampler.perm.copy())
-            meta = {
-                "fingerprint": self.fingerprint(),
-                "optimizer": self.optimizer.hyper(),
-                "sampler": {"rng": self._sampler.rng.bit_generator.state, "pos": int(self._sampler.pos)},
-                "eval_rng": self._eval_rng.bit_generator.state,
-            }
-        return tensors, json.loads(json.dumps(meta, default=_json_default))
-
-    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        """Restore what ``export_state`` returned; ValueError says what does not fit (the live
-        model is untouched then)."""
-        params = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
-        opt_tensors = {k[len("optim/"):]: v for k, v in tensors.items() if k.startswith("optim/")}
-        self._check(params, "saved parameters")
-        try:
-            if meta["fingerprint"] != self.fingerprint():
-                raise ValueError("architecture fingerprint differs from this model's")
-            kind = meta["optimizer"]["kind"]
-            if kind != self.cfg.optimizer:
-                raise ValueError(f"saved optimizer {kind!r} != configured {self.cfg.optimizer!r}")
-            steps = int(meta["optimizer"]["steps"])
-            sampler = {"rng": meta["sampler"]["rng"], "pos": meta["sampler"]["pos"],
-                       "perm": tensors["sampler/perm"].numpy()}
-            eval_rng = meta["eval_rng"]
-        except (KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"learner state is malformed (missing or malformed {e})") from None
-        with self._lock:
-            opt = self._make_optimizer()  # hyper-parameters come from the config, state from disk
-            opt.load_state(opt_tensors, steps)
-            old_sampler = self._sampler.state()
-            try:
-                self._sampler.set_state(sampler)
-                self._eval_rng.bit_generator.state = eval_rng
-            except (KeyError, TypeError, ValueError) as e:
-                self._sampler.set_state(old_sampler)
-                raise ValueError(f"learner state is malformed (sampler state: {e})") from None
-            self.set_params(params)
-            self.optimizer = opt
-
-
-def _json_default(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, tuple):
-        return list(o)
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
 def build_learner(cfg: LearnerConfig, pool: Pool | None = None) -> TorchLearner:

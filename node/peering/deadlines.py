@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Any
 
 
 def quantile(samples, q: float) -> float:
@@ -43,3 +45,40 @@ class Deadlines:
     def forget(self, peer: str) -> None:
         for key in [k for k in self._by_peer if k[0] == peer]:
             del self._by_peer[key]
+
+
+@dataclass
+class Phase:
+    """A round's exchange phase: its peer calls share one deadline, ``budget_s`` counted from
+    the first call. Read by the round loop for the round record (``RoundRecord.timing``)."""
+    budget_s: float
+    first: float | None = None
+    last: float | None = None
+    calls: int = 0
+    call_s: float = 0.0
+    failed: int = 0
+    abandoned: int = 0
+    skipped: int = 0
+    exchange_s: float = 0.0  # first call to last answer, once the phase is over
+
+    def begin(self, now: float) -> float:
+        """A call starts at ``now``: the seconds the phase has left for it."""
+        if self.first is None:
+            self.first = now
+        return self.first + self.budget_s - now
+
+    def ended(self, started: float, end: float, ok: bool = True) -> None:
+        self.last = end
+        self.calls += 1
+        self.call_s += end - started
+        self.failed += not ok
+
+    def close(self) -> float | None:
+        """The phase's length (None: it made no call)."""
+        if self.first is None:
+            return None
+        self.exchange_s = self.last - self.first
+        return self.exchange_s
+
+    def __getitem__(self, key: str) -> Any:  # (read as a mapping by older callers: phase["failed"])
+        return getattr(self, key)

@@ -10,11 +10,24 @@ to its own wire, so a second transport (in-process, ...) plugs in without touchi
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..wire.codec import Groups
 from .messages import (Beat, ComputeReply, ComputeRequest, IndirectProbe, LocalSnapshot, MemberUpdate, NodeInfo,
                        PeerEntry, SnapshotHeader)
+
+
+UNSET_MODEL_BYTES = 1 << 31  # until the node fixes its limit from its own model size (Node.model_limit)
+
+
+@dataclass
+class SizeLimits:
+    """The largest payloads this node takes or sends, one object per node: its transport's gate
+    (served side) and every client it opens read it, so the node sets ``max_model_bytes`` once —
+    when its own model's size is known — and every side follows."""
+    max_model_bytes: int = UNSET_MODEL_BYTES  # a snapshot, a compute payload, a gradient
+    max_gossip_bytes: int = 1 << 20  # one gossip payload (msgpack bytes)
 
 
 class Traffic(Protocol):
@@ -53,7 +66,7 @@ class PeerTransport(Protocol):
     talk to anyone else there. ``handshake`` learns and authenticates the id at an address; a
     secure transport then holds every later call to that address to it."""
 
-    max_model_bytes: int  # largest model (snapshot, gradient) accepted from a peer
+    limits: SizeLimits  # largest model (snapshot, gradient) and gossip accepted from a peer
     @property
     def evicted(self) -> int: ...  # connections closed for being idle, for /status (0 where there are none)
 
@@ -104,13 +117,14 @@ class TransportFactory(Protocol):
 
     ``identity``: the node id the transport's credentials prove (gRPC with mTLS: the certificate's),
     ``None`` when it has none; ``mtls``: whether peers are authenticated by certificates.
-    ``max_model_bytes``: the largest model sent or served either way — the node sets it once its own
-    model's size is known, before ``serve``; clients already opened follow it."""
+    ``limits``: the largest model sent or served either way (``SizeLimits``, shared by the served
+    side and every client) — the node sets ``limits.max_model_bytes`` once its own model's size is
+    known, before ``serve``; clients already opened follow it."""
 
     identity: str | None
     mtls: bool
     health: Health
-    max_model_bytes: int
+    limits: SizeLimits
 
     def connect(self, node_id: str, traffic: Traffic) -> PeerTransport: ...
     async def serve(self, handler: PeerHandler, traffic: Traffic) -> PeerServer: ...

@@ -18,7 +18,12 @@ period, backed off and forgotten when they fail — one peer listing thousands o
 costs a handful of failed dials per period.
 
 Probes run as their own tasks with their own short deadlines, never behind an exchange or a
-snapshot pull; a probe that failed while this node's own event loop was stalled is inconclusive."""
+snapshot pull; a probe that failed while this node's own event loop was stalled is inconclusive.
+
+``Membership`` is the state and the period (``tick``, ``run``) and the served side; its parts
+are mixed in from their own modules: ``probes.py`` (the failure detector), ``dissemination.py``
+(piggybacked news, refutation, push-pull) and ``handshakes.py`` (compatibility, candidates,
+contact and reconnects)."""
 from __future__ import annotations
 
 import asyncio
@@ -27,46 +32,35 @@ import math
 import random
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Awaitable, Callable
+from dataclasses import dataclass, field, make_dataclass
+from typing import Callable
 
+from ..config import MembershipConfig
 from .deadlines import Deadlines
-from .errors import UNKNOWN_PEER, PeerCallError, invalid, refused, unknown_peer
+from .dissemination import Dissemination
+from .errors import invalid, refused, unknown_peer
+from .handshakes import Handshakes
 from .interfaces import PeerTransport
-from ..learning.task import task_difference
 from .loop_lag import LoopLag
-from .messages import ALIVE, DEAD, Beat, IndirectProbe, MemberUpdate, NodeInfo, PeerEntry
+from .messages import Beat, IndirectProbe, MemberUpdate, NodeInfo, PeerEntry
 from .peer_table import PeerTable
+from .probes import Probes
 from .problems import ProblemLog
 
 log = logging.getLogger("coterie.node")
 
 HANDSHAKE_ENTRIES = 64  # addresses a handshake reply carries at most (a random sample)
-PUSH_PULL_SCALE_THRESHOLD = 32  # members beyond which the full exchange is spaced out (log2 N)
 
 
-@dataclass
-class Settings:
-    """Tunables (``config.MembershipConfig`` carries the same names)."""
-    indirect_probes: int = 3
-    probe_timeout_s: float = 0.5
-    suspicion_mult: float = 4.0
-    suspicion_max_mult: float = 6.0
-    retransmit_mult: float = 4.0
-    max_piggyback: int = 8
-    push_pull_interval_s: float = 10.0
-    handshakes_per_period: int = 4
-    max_candidates: int = 512
-    max_candidates_per_source: int = 128
-    candidate_attempts: int = 3
-    forget_failed_s: float = 600.0
-    reconnect_min_s: float = 1.0
-    reconnect_max_s: float = 60.0
-    idle_channel_s: float = 120.0
+def _from_config(cls, cfg) -> "Settings":
+    return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
 
-    @classmethod
-    def from_config(cls, cfg) -> "Settings":
-        return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
+
+# Tunables: ``config.MembershipConfig``'s fields, with its defaults (defined there, once), as a
+# plain record the protocol reads.
+Settings = make_dataclass(
+    "Settings", [(name, f.annotation, field(default=f.default)) for name, f in MembershipConfig.model_fields.items()],
+    namespace={"from_config": classmethod(_from_config), "__module__": __name__})
 
 
 # ---------------------------------------------------------------------------------- candidates
@@ -217,28 +211,8 @@ class Broadcasts:
         return len(self._sent)
 
 
-async def first_ack(attempts: list[Awaitable[bool | None]]) -> tuple[bool, int]:
-    """Run the attempts until one returns True (the rest are cancelled). Returns (acked, how
-    many returned False: a *nack*, i.e. the helper answered but the target did not)."""
-    tasks = [asyncio.ensure_future(a) for a in attempts]
-    nacks = 0
-    try:
-        pending = set(tasks)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                r = None if t.cancelled() or t.exception() is not None else t.result()
-                if r is True:
-                    return True, nacks
-                nacks += r is False
-        return False, nacks
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
 # ---------------------------------------------------------------------------------- membership
-class Membership:
+class Membership(Dissemination, Handshakes, Probes):
     def __init__(self, info: Callable[[], NodeInfo], position: Callable[[], tuple[int, int]],
                  peers: PeerTable, transport: PeerTransport, problems: ProblemLog, *,
                  bootstrap: list[str], heartbeat_interval_s: float, request_timeout_s: float,
@@ -288,104 +262,8 @@ class Membership:
     def probe_budget_s(self) -> float:
         return self.peers.suspect_after_s + 2 * self.link_delay_s
 
-    def _retransmit_limit(self) -> int:
-        return max(1, math.ceil(self.s.retransmit_mult * math.log10(len(self.peers.records) + 2)))
-
     def _log_transition(self, node_id: str, old: str, new: str) -> None:
         log.info("peer %s: %s -> %s", node_id, old, new)
-
-    # ------------------------------------------------------------------ compatibility
-    def incompatible(self, remote: NodeInfo) -> str | None:
-        me = self.info()
-        if remote.protocol_version != me.protocol_version:
-            return (f"node {remote.node_id!r} speaks protocol version {remote.protocol_version}, "
-                    f"this node speaks {me.protocol_version}")
-        task = task_difference(me.task, remote.task, remote.node_id, me.node_id)  # before shapes: it says more
-        if task:
-            return task
-        if remote.arch_fingerprint != me.arch_fingerprint:
-            return (f"node {remote.node_id!r} runs another model architecture (fingerprint "
-                    f"{remote.arch_fingerprint[:12]}…, this node {me.arch_fingerprint[:12]}…)")
-        return None
-
-    def entries(self, limit: int | None = None) -> list[PeerEntry]:
-        """The members not dead, as addresses to pass on; ``limit``: a random sample of at most
-        that many (a handshake's reply: the full view travels only in the push-pull exchange, or
-        N joins would each carry N entries to every member they meet — O(N³) in all)."""
-        now = time.monotonic()
-        records = self.peers.records
-        ids = list(records)
-        if limit is not None and len(ids) > limit:
-            # a window at a random offset of the table (join order): O(limit), where sampling
-            # the whole table costs O(N) per handshake
-            start = self.rng.randrange(len(ids))
-            ids = (ids[start:] + ids[:start])[:2 * limit]
-        out = [PeerEntry(n, r.address, r.age(now)) for n in ids if (r := records[n]).state != DEAD]
-        return out if limit is None else out[:limit]
-
-    def learn(self, entries: list[PeerEntry], source: str = "") -> None:
-        """Addresses a peer told us about: unknown members become handshake candidates (as many
-        as that peer's share of the candidate set allows; the rest of a long list is not read)."""
-        for e in entries:
-            if not self.pending.room(source):
-                self.pending.dropped += 1
-                return
-            if e.node_id != self.node_id and e.node_id not in self.peers.records and e.address \
-                    and self.peers.by_address(e.address) is None:
-                self.pending.add(e.address, source=source, node_id=e.node_id)
-
-    # ------------------------------------------------------------------ gossip
-    def _announce(self, node_id: str) -> None:
-        u = self.peers.update_of(node_id)
-        if u is not None:
-            self.broadcasts.add(u)
-
-    def _refute(self, u: MemberUpdate) -> None:
-        """Someone believes this node suspect or dead: outbid that belief."""
-        if u.incarnation >= self.incarnation:
-            self.incarnation = u.incarnation + 1
-        self.stats["refuted"] += 1
-        self.broadcasts.add(self.me())
-
-    def me(self) -> MemberUpdate:
-        return MemberUpdate(self.node_id, self.info().address, self.incarnation, ALIVE)
-
-    def merge(self, updates, source: str = "") -> None:
-        """Apply piggybacked news; what changed our view is passed on."""
-        for u in updates:
-            if u.node_id == self.node_id:
-                if u.state != ALIVE:
-                    self._refute(u)
-                continue
-            rec = self.peers.records.get(u.node_id)
-            if rec is None:
-                if u.state != DEAD and u.address:
-                    self.pending.add(u.address, source=source, node_id=u.node_id)
-                continue
-            if u.address and u.address != rec.address and u.incarnation > rec.incarnation and u.state == ALIVE:
-                self.pending.add(u.address, source=source, node_id=u.node_id)  # it moved: its handshake decides
-            if self.peers.apply(u):
-                self.broadcasts.add(u)
-
-    def _piggyback(self, counterpart: str, belief: MemberUpdate | None = None) -> tuple[MemberUpdate, ...]:
-        """News for a message to/from ``counterpart``; when we (believed we) suspect or buried it,
-        that belief goes first, so it can refute at once."""
-        out = self.broadcasts.take(self.s.max_piggyback, exclude=counterpart)
-        belief = belief or self.peers.update_of(counterpart)
-        if belief is not None and belief.state != ALIVE:
-            out = [belief] + out[: self.s.max_piggyback - 1]
-        return tuple(out)
-
-    def _evidence(self, node_id: str, incarnation: int, *, revive: bool, **seen) -> None:
-        """``node_id`` answered us (``revive``: alive) or called us (noted; a new incarnation is
-        its refutation and counts either way)."""
-        rec = self.peers.records.get(node_id)
-        if rec is None:
-            return
-        if incarnation > rec.incarnation:
-            if self.peers.apply(MemberUpdate(node_id, rec.address, incarnation, ALIVE)):
-                self._announce(node_id)
-        self.peers.seen(node_id, revive=revive, **seen)
 
     # ------------------------------------------------------------------ calling side
     def _spawn(self, coro) -> asyncio.Task:
@@ -393,182 +271,6 @@ class Membership:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         return t
-
-    async def contact(self, address: str) -> bool:
-        """Handshake an address (a candidate, or a dead member's last address)."""
-        if address == self.info().address:
-            self.pending.discard(address)
-            return False
-        timeout = max(2.0, self.period * 2) + 2 * self.link_delay_s
-        try:
-            remote, entries = await self.transport.handshake(address, self.info(), timeout=timeout)
-        except PeerCallError as e:
-            if e.kind == "refused":
-                self.problems.note(address, f"handshake refused: {e.message}")
-                log.error("peer at %s refused us: %s", address, e.message)
-            elif address not in self.unreachable and (address in self.bootstrap or self.peers.by_address(address)):
-                # once per address, and only for addresses this node was told to use or a member's:
-                # what peers merely mention could be thousands of bogus ones
-                self.unreachable.add(address)
-                what = "bootstrap peer" if address in self.bootstrap else "peer"
-                msg = f"cannot reach {what} at {address} ({e.kind}: {e.message}); still trying"
-                log.warning(msg)
-                self.problems.note(address, msg)
-            self.stats["handshakes_failed"] += 1
-            return False
-        if address in self.unreachable:
-            self.unreachable.discard(address)
-            log.info("reached peer at %s", address)
-        why = self.incompatible(remote)
-        if why:
-            self.problems.note(address, f"handshake: {why}")
-            log.error("refusing peer at %s: %s", address, why)
-            return False
-        self.pending.discard(address)
-        if remote.node_id != self.node_id:
-            new = remote.node_id not in self.peers.records
-            self.peers.upsert(remote.node_id, remote.address or address, labels=dict(remote.labels),
-                              admin_url=remote.admin_url)
-            if new:
-                self._announce(remote.node_id)
-        self.learn(entries, source=remote.node_id)
-        return True
-
-    async def _contact_candidate(self, address: str) -> None:
-        self.pending.in_flight.add(address)
-        try:
-            if not await self.contact(address) and address in self.pending:
-                if self.pending.failed(address) and self.peers.by_address(address) is None:
-                    await self.transport.forget(address)  # no member lives there: drop the channel
-        finally:
-            self.pending.in_flight.discard(address)
-
-    async def _reconnect(self, node_id: str, address: str) -> None:
-        self._probing.add(node_id)
-        try:
-            if not await self.contact(address):
-                self.peers.reconnect_failed(node_id)
-        finally:
-            self._probing.discard(node_id)
-
-    def ping_timeout(self, node_id: str) -> float:
-        return self.rtts.timeout(node_id, "ping") + 2 * self.link_delay_s
-
-    async def _ping(self, node_id: str, address: str, timeout: float) -> bool:
-        """One direct ping; True when ``node_id`` answered."""
-        rnd, version = self.position()
-        beat = Beat(self.node_id, rnd, version, time.time(), self.incarnation, self._piggyback(node_id))
-        try:
-            reply, rtt = await self.transport.heartbeat(address, beat, timeout=timeout, peer=node_id)
-        except PeerCallError as e:
-            if e.kind == UNKNOWN_PEER:  # whoever answers there does not know us: handshake to see
-                self.pending.add(address, source="self", node_id=node_id)
-            return False
-        if reply.node_id != node_id:  # someone else lives at that address now
-            self.pending.add(address, source="self")
-            return False
-        self.rtts.observe(node_id, "ping", rtt)
-        self.merge(reply.updates, source=node_id)
-        self._evidence(node_id, reply.incarnation, revive=True, round=reply.round, version=reply.version, rtt_s=rtt)
-        return True
-
-    async def _ask(self, helper: str, target: str, timeout: float) -> bool | None:
-        """Ask ``helper`` to ping ``target``: True (it answered the helper), False (the helper
-        answered that it did not: a nack), None (the helper did not answer either)."""
-        rec = self.peers.records.get(helper)
-        if rec is None:
-            return None
-        req = IndirectProbe(self.node_id, target, max(0.05, timeout - 2 * self.link_delay_s) * 0.8,
-                            self.incarnation, self._piggyback(helper))
-        try:
-            ack, updates = await self.transport.indirect_probe(rec.address, req, timeout=timeout, peer=helper)
-        except PeerCallError:
-            return None
-        self.merge(updates, source=helper)
-        self.peers.seen(helper)
-        return bool(ack)
-
-    async def probe(self, node_id: str) -> None:
-        """One SWIM probe: ping; on no answer, ping again and ask k members to ping it, within
-        the probe budget. No answer → suspect, unless the evidence points at this node itself:
-        its own loop was stalled, or none of the helpers answered it either (Lifeguard's nacks:
-        a node cut off from everyone must not accuse everyone)."""
-        rec = self.peers.records.get(node_id)
-        if rec is None or rec.state == DEAD or node_id in self._probing:
-            return
-        self._probing.add(node_id)
-        try:
-            self.stats["probes"] += 1
-            loop = asyncio.get_running_loop()
-            t0, m0 = loop.time(), time.monotonic()
-            budget = self.probe_budget_s
-            direct = min(self.ping_timeout(node_id), budget / 2)
-            if await self._ping(node_id, rec.address, direct):
-                return
-            left = budget - (loop.time() - t0)
-            helpers = [p for p in self.peers.alive() if p != node_id]
-            helpers = self.rng.sample(helpers, min(self.s.indirect_probes, len(helpers)))
-            self.stats["indirect"] += 1
-            nacks = 0
-            if left > 0:
-                async def again() -> bool | None:  # a second direct try is no helper: never a nack
-                    return await self._ping(node_id, rec.address, left) or None
-                acked, nacks = await first_ack([again()] + [self._ask(h, node_id, left) for h in helpers])
-                if acked:
-                    return
-            if self._stalled_since(m0) or (helpers and not nacks):
-                self.stats["inconclusive"] += 1  # no evidence against it, only against us
-                return
-            if self.peers.records.get(node_id) is rec and self.peers.suspect(node_id):
-                self.stats["suspected"] += 1
-                self._announce(node_id)
-        finally:
-            self._probing.discard(node_id)
-
-    def _stalled_since(self, t: float) -> bool:
-        """Was this node's own loop blocked (beyond a ping's floor) since monotonic time ``t``?"""
-        return self.loop_lag is not None and self.loop_lag.worst_since(t) > self.s.probe_timeout_s
-
-    def suspect_hint(self, node_id: str) -> None:
-        """A request to ``node_id`` just failed (timeout, unreachable): probe it now, out of turn."""
-        rec = self.peers.records.get(node_id)
-        if rec is not None and rec.state == ALIVE and node_id not in self._probing:
-            self._spawn(self.probe(node_id))
-
-    def _next_target(self) -> str | None:
-        records = self.peers.records
-        while self._order:
-            nid = self._order.pop()
-            rec = records.get(nid)
-            if rec is not None and rec.state != DEAD:
-                return nid
-        order = sorted(self.peers.probe_targets())  # a new shuffled pass: O(N) once per N periods
-        self.rng.shuffle(order)
-        self._order = order
-        return self._order.pop() if self._order else None
-
-    async def _push_pull(self) -> None:
-        alive = self.peers.alive()
-        if not alive:
-            return
-        target = self.peers.records[self.rng.choice(alive)]
-        try:
-            entries, members, inc = await self.transport.exchange_peers(
-                target.address, self.node_id, self.entries(), timeout=self.probe_budget_s * 2,
-                members=self.peers.members() + [self.me()], incarnation=self.incarnation,
-                peer=target.node_id)
-        except PeerCallError:
-            return
-        self.learn(entries, source=target.node_id)
-        self.merge(members, source=target.node_id)
-        self._evidence(target.node_id, inc, revive=True)
-
-    def push_pull_interval_s(self, n: int) -> float:
-        """A full exchange carries the whole view (O(N)): past 32 members its interval grows with
-        log2 N, as memberlist's ``pushPullScale`` does, so the network's total stays ~O(N log N)."""
-        if n <= PUSH_PULL_SCALE_THRESHOLD:
-            return self.s.push_pull_interval_s
-        return self.s.push_pull_interval_s * (math.ceil(math.log2(n) - math.log2(PUSH_PULL_SCALE_THRESHOLD)) + 1)
 
     def tick(self) -> None:
         """One protocol period's work; every call it starts runs as its own task."""

@@ -5,7 +5,8 @@ import asyncio
 from collections import OrderedDict
 
 from ..strategies.base import PeerSnapshot
-from ..wire.codec import OFF_LOOP_BYTES, encoded_size
+from ..offload import OFF_LOOP_BYTES
+from ..wire.codec import encoded_size
 from .messages import LocalSnapshot, SnapshotRef
 
 

@@ -24,15 +24,24 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
 
-from ..config import PrivacyConfig
 from ..learning.learner import Learner, Params, Split
 from .ledger import BudgetSpent, PrivacyLedger
 from .purposes import Purpose
+
+
+class PrivacySettings(Protocol):
+    """The knobs the mechanisms read (``config.PrivacyConfig`` has them; privacy does not import
+    the config, the config imports privacy's purposes)."""
+    enabled: bool
+    noise_multiplier: float
+    grad_clip: float
+    loss_clip: float
+    min_batch: int
 
 
 class TooFewSamples(BudgetSpent):
@@ -48,7 +57,7 @@ class Released:
 
 
 class PrivateData:
-    def __init__(self, learner: Learner, cfg: PrivacyConfig, ledger: PrivacyLedger,
+    def __init__(self, learner: Learner, cfg: PrivacySettings, ledger: PrivacyLedger,
                  rng: np.random.Generator | None = None):
         self.learner = learner
         self.cfg = cfg

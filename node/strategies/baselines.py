@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from ..learning.learner import Params
-from ..wire.codec import OFF_LOOP_BYTES
+from ..offload import OFF_LOOP_BYTES
 from .base import RoundReport, Strategy, gather_bounded
 
 

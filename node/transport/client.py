@@ -13,14 +13,16 @@ TLS checks the server's certificate names that node. A handshake to an address w
 known yet goes over a channel that accepts any CA-issued node; the id the reply claims is then
 proven by a second connection that asks for that id's certificate, and from then on every call to
 that address is held to it. So a node's address book only ever binds an address to a node id that
-node's certificate proved."""
+node's certificate proved.
+
+Snapshots travel by stream (``pulls.py``: plain pulls, pull sessions, subscriptions); the
+errors every call maps to the domain's are in ``errors.py``."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator
 
 import grpc
 import msgpack
@@ -28,15 +30,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ...proto.v1 import peer_pb2 as pb
 from ...proto.v1 import peer_pb2_grpc as rpc
-from ..peering import serde
-from ..peering.errors import REFUSED, UNAVAILABLE, PeerCallError, Refusal, short
-from ..peering.interfaces import Traffic
+from ..peering.errors import REFUSED, PeerCallError, short
+from ..peering.interfaces import UNSET_MODEL_BYTES, SizeLimits, Traffic
 from ..peering.messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest,
-                                IndirectProbe, MemberUpdate, NodeInfo, PeerEntry, SnapshotHeader)
+                                IndirectProbe, MemberUpdate, NodeInfo, PeerEntry)
+from ..offload import OFF_LOOP_BYTES
 from ..security.ids import node_id_problem
-from ..wire.codec import OFF_LOOP_BYTES, Groups, WireError, decode, encode, encoded_size
-from .chunks import Assembler, collect, data_field, sha256, split
-from .errors import call_error
+from ..wire.codec import WireError, decode, encode, encoded_size
+from . import serde
+from .chunks import Assembler, collect, sha256, split
+from .errors import domain_errors as _domain_errors
+from .pulls import BULK, CONTROL, SnapshotStreams, _Session
 from .tls import TLS
 
 _CHANNEL_OPTIONS = [
@@ -48,79 +52,19 @@ _CHANNEL_OPTIONS = [
     # each channel its own connection: the membership channel must not share the bulk one's
     ("grpc.use_local_subchannel_pool", 1),
 ]
-CONTROL, BULK = "control", "bulk"  # the two channels to each peer
-# Pull sessions (PullSnapshots): a peer pulled from again gets one long-lived stream on which each
-# pull is a request and its answer. A gRPC call costs ~0.5 ms of CPU on each end on this kind of
-# machine, a request and answer on an open stream ~0.2 ms: most of a small model's pull.
-SESSION_AFTER_S = 60.0  # open one for an address pulled again within this (once is not a habit)
-SESSION_IDLE_S = 60.0  # close one unused this long (the server ends its side at 120 s)
-SESSION_RETRY_S = 30.0  # after a server refused one (its limit): plain calls there for this long
 _ANY = ""  # expected node id "any node of the CA": a first contact, before a handshake proves who
 
 
-@contextlib.contextmanager
-def _in_flight(client: "PeerClient", address: str) -> Iterator[None]:
-    """gRPC failures become PeerCallError; a malformed stream (bad chunk, size, hash) a WireError.
-    The call counts as in flight on its address meanwhile (idle channel eviction spares it)."""
-    client._busy[address] = client._busy.get(address, 0) + 1
-    try:
-        yield
-    except grpc.aio.AioRpcError as e:
-        raise call_error(e) from None
-    except Refusal as e:
-        raise WireError(e.message) from None
-    except (StopAsyncIteration, ValueError) as e:
-        if isinstance(e, WireError):
-            raise
-        raise WireError(f"malformed reply: {e}") from None
-    except OSError as e:
-        raise PeerCallError("unavailable", str(e)) from None
-    finally:
-        client._busy[address] -= 1
-        if not client._busy[address]:
-            del client._busy[address]
-
-
-class _Session:
-    """One pull session: its bidirectional call, read one reply message at a time."""
-    __slots__ = ("call", "busy", "used", "served")
-
-    def __init__(self, call):
-        self.call, self.busy, self.used, self.served = call, False, time.monotonic(), 0
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        msg = await self.call.read()
-        if msg is grpc.aio.EOF:
-            raise StopAsyncIteration
-        return msg
-
-
-class _SessionGone(Exception):
-    """The session ended under a request (the server closed it, or refused opening it): the
-    request was not answered and goes out as a plain call instead."""
-
-
-def _domain_errors(fn):
-    """A call under ``_in_flight``."""
-    @functools.wraps(fn)
-    async def wrapper(self, address, *args, **kwargs):
-        with _in_flight(self, address):
-            return await fn(self, address, *args, **kwargs)
-    return wrapper
-
-
-class PeerClient:
-    def __init__(self, node_id: str, traffic: Traffic, *, chunk_bytes: int, max_model_bytes: int,
-                 max_gossip_bytes: int, timeout_s: float, tls: TLS | None, delay_ms: float = 0.0,
-                 idle_channel_s: float = 120.0, sessions: bool = True):
+class PeerClient(SnapshotStreams):
+    def __init__(self, node_id: str, traffic: Traffic, *, chunk_bytes: int, max_model_bytes: int = UNSET_MODEL_BYTES,
+                 max_gossip_bytes: int = 1 << 20, timeout_s: float, tls: TLS | None, delay_ms: float = 0.0,
+                 idle_channel_s: float = 120.0, sessions: bool = True, limits: SizeLimits | None = None):
+        """``limits``: the node's ``SizeLimits`` (shared with its served side); else one of
+        ``max_model_bytes`` and ``max_gossip_bytes``."""
         self.node_id = node_id
         self.traffic = traffic
         self.chunk_bytes = chunk_bytes
-        self.max_model_bytes = max_model_bytes
-        self.max_gossip_bytes = max_gossip_bytes
+        self.limits = limits if limits is not None else SizeLimits(max_model_bytes, max_gossip_bytes)
         self.timeout_s = timeout_s
         self.delay_s = delay_ms / 1000.0  # emulated one-way link latency (testbed)
         self.idle_channel_s = idle_channel_s
@@ -270,166 +214,6 @@ class PeerClient:
         self.traffic.record("peers", sent=req.ByteSize(), received=reply.ByteSize())
         return serde.entries_from_pb(reply.peers), serde.updates_from_pb(reply.members), reply.incarnation
 
-    # --- snapshots ---
-    @_domain_errors
-    async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
-                           min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
-                           peer: str | None = None) -> tuple[SnapshotHeader, Groups | None]:
-        """The peer's current snapshot; groups is None when it is still ``have_version``. On the
-        peer's pull session when it has one (see ``_session``), else a call of its own."""
-        t0 = time.perf_counter()
-        await self._link()
-        request = pb.SnapshotRequest(requester=requester, have_version=have_version, chunk_bytes=self.chunk_bytes,
-                                     min_round=min_round, wait_ms=int(wait_s * 1000))
-        deadline = time.monotonic() + (timeout or self.timeout_s)
-        h = None
-        session = self._session(address, peer)
-        if session is not None:
-            try:
-                h, groups = await self._session_pull(session, address, peer, request, deadline)
-            except _SessionGone:
-                h = None  # not answered: a plain call asks again
-        if h is None:
-            call = self._raw_snapshot_call(address, peer)(request, timeout=max(deadline - time.monotonic(), 0.001))
-            h, groups, _ = await self._read_snapshot(address, call.__aiter__(), whole_stream=True)
-        self._timed("snapshot", t0)
-        return serde.snapshot_header_from_pb(h), groups
-
-    # --- pull sessions ---
-    def _session(self, address: str, peer: str | None) -> _Session | None:
-        """The open pull session to ``peer`` at ``address`` for a pull to use, opening one for a
-        peer pulled again within ``SESSION_AFTER_S``; None: make a call (no session yet, one
-        already carrying a pull, sessions off or refused there lately)."""
-        if not self.sessions:
-            return None
-        key, now = (address, peer), time.monotonic()
-        s = self._sessions.get(key)
-        if s is not None:
-            if s.busy:
-                return None
-            if not s.call.done() and now - s.used <= SESSION_IDLE_S:
-                return s
-            self._drop_session(key)
-        last, self._pulled[key] = self._pulled.get(key), now
-        if (last is None or now - last > SESSION_AFTER_S
-                or now - self._session_refused.get(address, float("-inf")) < SESSION_RETRY_S):
-            return None
-        call = self._channel(address, BULK, peer)[0].stream_stream(
-            "/coterie.v1.Peer/PullSnapshots", request_serializer=pb.SnapshotRequest.SerializeToString,
-            response_deserializer=None)()
-        s = self._sessions[key] = _Session(call)
-        return s
-
-    async def _session_pull(self, s: _Session, address: str, peer: str | None, request,
-                            deadline: float) -> tuple[Any, Groups | None]:
-        """One request and its answer on ``s``. A session whose answer did not come in full
-        (deadline, refusal, broken stream, the caller gave up) is closed: what is still in
-        flight on it is unknown. ``_SessionGone``: it ended before answering, or its server
-        refused to open it (a plain call takes the request)."""
-        s.busy = True
-        try:
-            try:
-                await s.call.write(request)
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
-                raise _SessionGone(str(e)) from None
-            try:
-                h, groups, _ = await asyncio.wait_for(self._read_snapshot(address, s, whole_stream=False),
-                                                      max(deadline - time.monotonic(), 0.001))
-            except asyncio.TimeoutError:
-                raise PeerCallError(UNAVAILABLE, f"snapshot of {peer or address}: deadline exceeded") from None
-            except StopAsyncIteration:
-                raise _SessionGone("ended by the server") from None
-            except grpc.aio.AioRpcError as e:
-                if not s.served and (e.code() == grpc.StatusCode.UNIMPLEMENTED or (
-                        e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "snapshot session" in (e.details() or ""))):
-                    self._session_refused[address] = time.monotonic()
-                    raise _SessionGone(e.details() or e.code().name) from None
-                raise
-        except BaseException:
-            self._drop_session((address, peer))
-            raise
-        finally:
-            s.busy, s.used = False, time.monotonic()
-        s.served += 1
-        return h, groups
-
-    def _drop_session(self, key: tuple[str, str | None]) -> Any:
-        """Close the session (its call is cancelled); the call, or None if there was none."""
-        s = self._sessions.pop(key, None)
-        if s is not None:
-            s.call.cancel()
-            return s.call
-        return None
-
-    def _drop_sessions(self, address: str) -> list[Any]:
-        calls = [self._drop_session(key) for key in [k for k in self._sessions if k[0] == address]]
-        for key in [k for k in self._pulled if k[0] == address]:
-            del self._pulled[key]
-        return calls
-
-    async def _read_snapshot(self, address: str, it, *, whole_stream: bool) -> tuple[Any, Groups | None, int]:
-        """One snapshot off a stream: its header, then chunks up to the announced size (size and
-        sha256 checked while reassembling), decoded as zero-copy views of the one buffer.
-        ``whole_stream``: the stream ends after it (a pull), else more snapshots follow (a watch)."""
-        first = pb.SnapshotChunk.FromString(await it.__anext__())
-        if first.WhichOneof("body") != "header":
-            raise WireError(f"snapshot stream from {address} did not start with a header")
-        h = first.header
-        groups, size = None, 0
-        if not h.unchanged:
-            asm = Assembler(f"snapshot of {h.node_id or address}", h.total_bytes, h.sha256,
-                            self.max_model_bytes)
-            if first.inline:  # a small snapshot comes in its header's message (a watch, a session)
-                asm.add(first.inline)
-            if whole_stream:
-                async for raw in it:
-                    asm.add(data_field(raw))  # copied once, into the snapshot's own buffer
-            else:
-                try:
-                    while asm.size < asm.total:
-                        asm.add(data_field(await it.__anext__()))
-                except StopAsyncIteration:
-                    raise WireError(f"snapshot v{h.version} of {h.node_id or address}: stream ended "
-                                    f"after {asm.size} of {asm.total} bytes") from None
-            data = asm.finish()
-            size = len(data)
-            try:  # zero-copy: the tensors are views of that one buffer
-                groups, _ = decode(data, max_bytes=self.max_model_bytes)
-            except WireError as e:
-                raise WireError(f"snapshot v{h.version} of {h.node_id or address} is malformed: {e}") from None
-        # (an inline payload is already part of the header's message)
-        self.traffic.record("snapshot", received=first.ByteSize() + (0 if first.inline else size))
-        return h, groups, size
-
-    async def watch_snapshots(self, address: str, requester: str, *, min_round: int = 0,
-                              peer: str | None = None) -> AsyncIterator[tuple[SnapshotHeader, Groups]]:
-        """Every snapshot the peer publishes from ``min_round`` on, as it publishes it: one
-        long-lived stream instead of a call a round. Checked like a pull; ends by raising
-        ``PeerCallError`` / ``WireError`` (or when the caller stops iterating: the call is
-        cancelled). The channel counts as busy meanwhile, so idle eviction spares it."""
-        call = None
-        try:
-            with _in_flight(self, address):
-                await self._link()
-                call = self._channel(address, BULK, peer)[0].unary_stream(
-                    "/coterie.v1.Peer/WatchSnapshots", request_serializer=pb.SnapshotRequest.SerializeToString,
-                    response_deserializer=None)(
-                    pb.SnapshotRequest(requester=requester, chunk_bytes=self.chunk_bytes, min_round=min_round))
-                it = call.__aiter__()
-                while True:
-                    try:
-                        h, groups, _ = await self._read_snapshot(address, it, whole_stream=False)
-                    except StopAsyncIteration:  # the server ended it between two snapshots
-                        return
-                    if groups is None:
-                        raise WireError(f"snapshot watch on {address}: an empty snapshot (only a header)")
-                    self._used[address] = time.monotonic()
-                    await self._link()  # the emulated link delays every snapshot, as it does a pull
-                    yield serde.snapshot_header_from_pb(h), groups
-        finally:
-            if call is not None:
-                call.cancel()
-
     # --- compute requests ---
     def _frames(self, header: pb.ComputeHeader, payload: bytes | None) -> AsyncIterator[pb.ComputeFrame]:
         async def gen():
@@ -473,8 +257,8 @@ class PeerClient:
             data = b""
             if gh.total_bytes:
                 data = await collect(it, Assembler(f"gradient from {address}", gh.total_bytes, gh.sha256,
-                                                   self.max_model_bytes))
-                grad, _ = decode(data, max_bytes=self.max_model_bytes)
+                                                   self.limits.max_model_bytes))
+                grad, _ = decode(data, max_bytes=self.limits.max_model_bytes)
             out = ComputeReply(loss=gh.loss, samples=gh.samples, grad=grad, inner_product=gh.inner_product)
             received = first.ByteSize() + len(data)
         else:
@@ -489,13 +273,13 @@ class PeerClient:
         t0 = time.perf_counter()
         await self._link()
         raw = msgpack.packb(payload, use_bin_type=True)
-        if len(raw) > self.max_gossip_bytes:
+        if len(raw) > self.limits.max_gossip_bytes:
             raise PeerCallError("invalid", f"gossip payload for {key!r} is {len(raw)} bytes, "
-                                           f"over the limit of {self.max_gossip_bytes}")
+                                           f"over the limit of {self.limits.max_gossip_bytes}")
         req = pb.GossipMessage(node_id=sender, key=key, payload=raw)
         reply = await self.stub(address, BULK, peer).GossipState(req, timeout=timeout or self.timeout_s)
-        if len(reply.payload) > self.max_gossip_bytes:
-            raise WireError(f"gossip reply from {address} exceeds {self.max_gossip_bytes} bytes")
+        if len(reply.payload) > self.limits.max_gossip_bytes:
+            raise WireError(f"gossip reply from {address} exceeds {self.limits.max_gossip_bytes} bytes")
         self.traffic.record("gossip", sent=req.ByteSize(), received=reply.ByteSize())
         self._timed("gossip", t0)
         try:

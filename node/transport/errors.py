@@ -1,9 +1,15 @@
 """gRPC status codes for the peer plane's refusal kinds (``peering/errors.py``), both ways."""
 from __future__ import annotations
 
+import contextlib
+import functools
+from typing import Any, Iterator
+
 import grpc
 
 from ..peering import errors as e
+from ..peering.errors import PeerCallError, Refusal
+from ..wire.codec import WireError
 
 _CODES = {
     e.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -32,3 +38,35 @@ def call_error(err: grpc.aio.AioRpcError) -> e.PeerCallError:
     if kind == e.EXHAUSTED and "privacy budget" in (err.details() or ""):
         kind = e.PRIVACY_BUDGET
     return e.PeerCallError(kind, err.details() or err.code().name)
+
+
+@contextlib.contextmanager
+def in_flight(client: Any, address: str) -> Iterator[None]:
+    """gRPC failures become PeerCallError; a malformed stream (bad chunk, size, hash) a WireError.
+    The call counts as in flight on its address meanwhile (idle channel eviction spares it)."""
+    client._busy[address] = client._busy.get(address, 0) + 1
+    try:
+        yield
+    except grpc.aio.AioRpcError as e:
+        raise call_error(e) from None
+    except Refusal as e:
+        raise WireError(e.message) from None
+    except (StopAsyncIteration, ValueError) as e:
+        if isinstance(e, WireError):
+            raise
+        raise WireError(f"malformed reply: {e}") from None
+    except OSError as e:
+        raise PeerCallError("unavailable", str(e)) from None
+    finally:
+        client._busy[address] -= 1
+        if not client._busy[address]:
+            del client._busy[address]
+
+
+def domain_errors(fn):
+    """A call under ``in_flight``."""
+    @functools.wraps(fn)
+    async def wrapper(self, address, *args, **kwargs):
+        with in_flight(self, address):
+            return await fn(self, address, *args, **kwargs)
+    return wrapper

@@ -14,14 +14,13 @@ from typing import Any
 
 import grpc
 
-from ..peering.interfaces import PeerHandler, Traffic
+from ..peering.interfaces import UNSET_MODEL_BYTES, PeerHandler, SizeLimits, Traffic
 from .client import PeerClient
 from .server import HealthStatus, StreamLimits, serve
 from .tls import TLS, load_tls
 
 log = logging.getLogger(__name__)
 
-UNSET_MODEL_BYTES = 1 << 31  # until the node fixes its limit from its own model size (Node.model_limit)
 _FROM_CONFIG = object()
 
 
@@ -59,12 +58,12 @@ class GrpcTransport:
         self.tls = tls
         self.reflection = reflection  # gRPC server reflection (security.reflection, off by default)
         self.listen, self.advertise = listen, advertise
-        self.chunk_bytes, self._max_model_bytes, self.max_gossip_bytes = chunk_bytes, max_model_bytes, max_gossip_bytes
+        self.chunk_bytes = chunk_bytes
+        self.limits = SizeLimits(max_model_bytes, max_gossip_bytes)  # the server's and every client's
         self.timeout_s, self.delay_ms = timeout_s, delay_ms
         self.streams, self.max_rpcs, self.idle_channel_s = streams, max_rpcs, idle_channel_s
         self.health = health or HealthStatus()
         self.sessions = sessions
-        self._clients: list[PeerClient] = []
 
     @classmethod
     def from_config(cls, cfg: Any, *, tls: Any = _FROM_CONFIG, health: HealthStatus | None = None) -> "GrpcTransport":
@@ -91,31 +90,17 @@ class GrpcTransport:
     def mtls(self) -> bool:
         return self.tls is not None
 
-    @property
-    def max_model_bytes(self) -> int:
-        return self._max_model_bytes
-
-    @max_model_bytes.setter
-    def max_model_bytes(self, value: int) -> None:
-        """The largest model both ways: for the server started later and every client opened."""
-        self._max_model_bytes = value
-        for client in self._clients:
-            client.max_model_bytes = value
-
     def connect(self, node_id: str, traffic: Traffic) -> PeerClient:
-        client = PeerClient(node_id, traffic, chunk_bytes=self.chunk_bytes, max_model_bytes=self.max_model_bytes,
-                            max_gossip_bytes=self.max_gossip_bytes, timeout_s=self.timeout_s, tls=self.tls,
-                            delay_ms=self.delay_ms, idle_channel_s=self.idle_channel_s, sessions=self.sessions)
-        self._clients.append(client)
-        return client
+        return PeerClient(node_id, traffic, chunk_bytes=self.chunk_bytes, limits=self.limits, timeout_s=self.timeout_s,
+                          tls=self.tls, delay_ms=self.delay_ms, idle_channel_s=self.idle_channel_s,
+                          sessions=self.sessions)
 
     async def serve(self, handler: PeerHandler, traffic: Traffic) -> GrpcServer:
         if self.tls is None:
             log.warning("peer port WITHOUT TLS (security.insecure = true): anyone who can reach it can "
                         "claim any node id; use only on a network you trust")
         server, port = await serve(handler, traffic, self.listen, tls=self.tls, chunk_bytes=self.chunk_bytes,
-                                   max_model_bytes=self.max_model_bytes, max_gossip_bytes=self.max_gossip_bytes,
-                                   streams=self.streams, max_rpcs=self.max_rpcs, health_status=self.health,
-                                   reflection_on=self.reflection)
+                                   limits=self.limits, streams=self.streams, max_rpcs=self.max_rpcs,
+                                   health_status=self.health, reflection_on=self.reflection)
         host, _ = hostport(self.listen)
         return GrpcServer(self.advertise or f"{dialable(host)}:{port}", server, port)

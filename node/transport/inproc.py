@@ -15,14 +15,14 @@ tensors — with the gRPC transport's semantics:
   mismatch is on gRPC). Whoever can run code in the process can of course reach every node's
   memory: the in-process backend is for simulations on one machine, not for mutually distrustful
   parties. (Mixed mode's gRPC side keeps the node's certificates.)
-- **The same checks and budgets.** The handler's own checks run exactly as behind the gRPC server
-  (known peer, protocol and architecture, purposes, tensor shapes and finiteness, splits); compute,
-  snapshot and gossip requests pass the handler's per-peer admission (``admit(peer, kind)``:
-  request rate, concurrency, compute share) at the same points, held until the call ends; the
-  size limits the gRPC transport applies (``max_model_bytes`` for snapshots, compute payloads and
-  gradients, ``max_gossip_bytes`` and the key length for gossip) are applied here too. Gossip
-  payloads still go through msgpack: msgpack defines what a payload may hold, and the receiver gets
-  its own copy.
+- **The same checks and budgets.** A call goes through the same ``gate`` (``gate.py``) as a gRPC
+  request, then to the handler, whose own checks run exactly as behind the gRPC server (protocol
+  and architecture, purposes, tensor shapes and finiteness, splits): claimed id, known peer,
+  references and sizes (``max_model_bytes`` for compute payloads, ``max_gossip_bytes`` and the key
+  length for gossip), per-peer admission (``admit(peer, kind)``: request rate, concurrency,
+  compute share) held until the call ends. The caller's side applies its own ``max_model_bytes``
+  to snapshots and gradients it receives, as the gRPC client does. Gossip payloads still go
+  through msgpack: msgpack defines what a payload may hold, and the receiver gets its own copy.
 - **The same failures.** A refusal arrives as ``PeerCallError`` of its kind (``invalid``,
   ``refused``, ``unknown_peer``, ``not_cached``, ``unavailable``, ``exhausted`` for an admission
   limit, ``privacy_budget`` for a spent privacy budget, ``forbidden`` for a claimed id that is
@@ -48,13 +48,13 @@ tensors — with the gRPC transport's semantics:
 Addresses are ``inproc:<n>`` (a node configured to listen on ``inproc:<n>`` gets exactly that,
 otherwise the next free number), so configs and bootstrap lists look as they do for gRPC.
 
-Mixed networks (a group of in-process nodes in one Ray actor, say): give ``transport()`` a
-gRPC transport factory as ``grpc``. The node then also serves over gRPC (mTLS with its
-certificate), registers here under its gRPC address, and its client reaches the nodes of this
-process through memory and every other address over gRPC."""
+Mixed networks (a group of in-process nodes in one Ray actor, say) run on ``routing.py``, which
+serves a node over gRPC too, registers it here under its gRPC address (``InProcTransport.bind``)
+and routes each call to memory or gRPC."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import weakref
@@ -64,19 +64,17 @@ from typing import Any, Awaitable, Callable
 import msgpack
 
 from ..peering.errors import (EXHAUSTED, FORBIDDEN, INVALID, NOT_CACHED, PRIVACY_BUDGET, REFUSED, UNAVAILABLE,
-                              UNKNOWN_PEER, PeerCallError, Refusal, forbidden, invalid)
-from ..peering.interfaces import Health, PeerHandler, PeerServer, PeerTransport, Traffic, TransportFactory
-from ..peering.messages import (CROSS_GRADIENT, CROSS_LOSS, MAX_GOSSIP_KEY, PUSH_GRADIENT, Beat, ComputeReply,
-                                ComputeRequest, IndirectProbe, LocalSnapshot, MemberUpdate, NodeInfo, PeerEntry,
-                                SnapshotHeader)
-from ..security.ids import node_id_problem
+                              UNKNOWN_PEER, PeerCallError, forbidden)
+from ..peering.interfaces import UNSET_MODEL_BYTES, Health, PeerHandler, SizeLimits, Traffic
+from ..peering.messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest,
+                                IndirectProbe, LocalSnapshot, MemberUpdate, NodeInfo, PeerEntry, SnapshotHeader)
 from ..wire.codec import Groups, WireError
+from .gate import Gate, refusal_of
 
 log = logging.getLogger(__name__)
 
 HOST = "inproc"
 _KINDS = (INVALID, REFUSED, UNKNOWN_PEER, NOT_CACHED, UNAVAILABLE, EXHAUSTED, PRIVACY_BUDGET, FORBIDDEN)
-UNSET_MODEL_BYTES = 1 << 31  # until the node fixes its limit from its own model size (Node.model_limit)
 
 
 def nbytes(groups: Groups | None) -> int:
@@ -91,26 +89,36 @@ def _call_error(e: Exception, kind: str) -> PeerCallError:
     """What the caller sees of an exception raised by the peer's handler (as gRPC maps it)."""
     if isinstance(e, PeerCallError):
         return e
-    if isinstance(e, Refusal):
-        return PeerCallError(e.kind if e.kind in _KINDS else INVALID, e.message)
-    if isinstance(e, WireError):
-        return PeerCallError(INVALID, str(e))
+    refusal = refusal_of(e)
+    if refusal is not None:
+        return PeerCallError(refusal.kind if refusal.kind in _KINDS else INVALID, refusal.message)
     return PeerCallError(UNAVAILABLE, f"{kind} failed at the peer: {type(e).__name__}: {e}")
 
 
 @dataclass
 class _Served:
-    """One node's handler as the switchboard holds it."""
-    handler: PeerHandler
+    """One node's served side as the switchboard holds it: its gate (handler and limits)."""
+    gate: Gate
     traffic: Traffic
-    max_gossip_bytes: int
     stopped: asyncio.Future  # resolved when the node stops serving: in-flight calls fail
-    limits: "InProcTransport"  # its max_model_bytes, as the node sets it (also after serving)
 
     @property
-    def max_model_bytes(self) -> int:
-        return self.limits.max_model_bytes
+    def node_id(self) -> str:
+        return self.gate.node_id
 
+
+class _Caller:
+    """The caller of an in-process call (``gate.Caller``): the node its client was opened for —
+    the mTLS check of the gRPC server, here by construction."""
+    __slots__ = ("node_id",)
+
+    def __init__(self, node_id: str):
+        self.node_id = node_id
+
+    def vouch(self, claimed: str, what: str) -> str:
+        if claimed != self.node_id:
+            raise forbidden(f"{what}: claims to be node {claimed!r}, but the caller is {self.node_id!r}")
+        return claimed
 
 
 class Serving:
@@ -136,16 +144,17 @@ class InProcNetwork:
 
     def transport(self, *, listen: str | None = None, timeout_s: float = 30.0, delay_ms: float = 0.0,
                   max_model_bytes: int | None = None, max_gossip_bytes: int = 1 << 20,
-                  grpc: TransportFactory | None = None) -> "InProcTransport":
-        return InProcTransport(self, listen=listen, timeout_s=timeout_s, delay_ms=delay_ms,
-                               max_model_bytes=max_model_bytes or UNSET_MODEL_BYTES,
-                               max_gossip_bytes=max_gossip_bytes, grpc=grpc)
+                  limits: SizeLimits | None = None) -> "InProcTransport":
+        """``limits``: the node's ``SizeLimits`` where another transport shares them (routing);
+        else one of ``max_model_bytes`` and ``max_gossip_bytes``."""
+        if limits is None:
+            limits = SizeLimits(max_model_bytes or UNSET_MODEL_BYTES, max_gossip_bytes)
+        return InProcTransport(self, listen=listen, timeout_s=timeout_s, delay_ms=delay_ms, limits=limits)
 
-    def transport_for(self, cfg: Any, grpc: TransportFactory | None = None) -> "InProcTransport":
+    def transport_for(self, cfg: Any) -> "InProcTransport":
         """A node's transport from its ``NodeConfig`` (listen address, timeout, limits, delay)."""
         return self.transport(listen=cfg.listen, timeout_s=cfg.request_timeout_s, delay_ms=cfg.delay_ms,
-                              max_model_bytes=cfg.max_model_bytes, max_gossip_bytes=cfg.max_gossip_bytes,
-                              grpc=grpc)
+                              max_model_bytes=cfg.max_model_bytes, max_gossip_bytes=cfg.max_gossip_bytes)
 
     def addresses(self) -> list[str]:
         return sorted(self._served)
@@ -190,120 +199,67 @@ class InProcServer:
     address: str
     network: InProcNetwork
     served: _Served
-    also: PeerServer | None = None  # mixed mode: the node's gRPC server
 
     async def stop(self) -> None:
         self.network._unbind(self.address, self.served)
-        if self.also is not None:
-            await self.also.stop()
 
 
 class InProcTransport:
     """One node's in-process transport (``peering.interfaces.TransportFactory``). No credentials:
-    ``identity`` is None (mixed mode: the gRPC side's certificate), ``mtls`` False (mixed mode: the
-    gRPC side's)."""
+    ``identity`` is None, ``mtls`` False."""
 
     def __init__(self, network: InProcNetwork, *, listen: str | None, timeout_s: float, delay_ms: float,
-                 max_model_bytes: int, max_gossip_bytes: int, grpc: TransportFactory | None):
-        self.network, self.listen, self.grpc = network, listen, grpc
+                 limits: SizeLimits):
+        self.network, self.listen = network, listen
         self.timeout_s, self.delay_ms = timeout_s, delay_ms
-        self._max_model_bytes, self.max_gossip_bytes = max_model_bytes, max_gossip_bytes
-        self._clients: list[InProcClient] = []
-        self.identity = grpc.identity if grpc is not None else None
-        self.mtls = grpc.mtls if grpc is not None else False
-        self.health: Health = grpc.health if grpc is not None else Serving()
-
-    @property
-    def max_model_bytes(self) -> int:
-        return self._max_model_bytes
-
-    @max_model_bytes.setter
-    def max_model_bytes(self, value: int) -> None:
-        """Both ways: what this node accepts served and pulled (its clients follow)."""
-        self._max_model_bytes = value
-        for client in self._clients:
-            client.max_model_bytes = value
-        if self.grpc is not None:
-            self.grpc.max_model_bytes = value
+        self.limits = limits  # set once by the node; its served side and clients read it
+        self.identity: str | None = None
+        self.mtls = False
+        self.health: Health = Serving()
 
     def connect(self, node_id: str, traffic: Traffic) -> "InProcClient":
-        fallback = self.grpc.connect(node_id, traffic) if self.grpc is not None else None
-        client = InProcClient(self.network, node_id, traffic, timeout_s=self.timeout_s, delay_ms=self.delay_ms,
-                              max_model_bytes=self.max_model_bytes, max_gossip_bytes=self.max_gossip_bytes,
-                              fallback=fallback)
-        self._clients.append(client)
-        return client
+        return InProcClient(self.network, node_id, traffic, timeout_s=self.timeout_s, delay_ms=self.delay_ms,
+                            limits=self.limits)
+
+    def bind(self, handler: PeerHandler, traffic: Traffic, address: str | None) -> InProcServer:
+        """Serve ``handler`` on the switchboard at ``address`` (None: the next free one)."""
+        served = _Served(Gate(handler, self.limits), traffic, asyncio.get_running_loop().create_future())
+        return InProcServer(self.network._bind(address, served), self.network, served)
 
     async def serve(self, handler: PeerHandler, traffic: Traffic) -> InProcServer:
-        also = await self.grpc.serve(handler, traffic) if self.grpc is not None else None
-        served = _Served(handler, traffic, self.max_gossip_bytes, asyncio.get_running_loop().create_future(), self)
         host, _, port = (self.listen or "").rpartition(":")
-        wanted = also.address if also is not None else (
-            self.listen if host == HOST and port.isdigit() and int(port) > 0 else None)
-        try:
-            address = self.network._bind(wanted, served)
-        except OSError:
-            if also is not None:
-                await also.stop()
-            raise
-        return InProcServer(address, self.network, served, also)
+        return self.bind(handler, traffic, self.listen if host == HOST and port.isdigit() and int(port) > 0 else None)
 
 
 class InProcClient:
     """The calling side (``peering.interfaces.PeerTransport``): addresses served in this process
-    are called in memory, any other through ``fallback`` (gRPC in mixed mode), or fail. Every call
-    is made as ``node_id``, the node this client was opened for."""
+    are called in memory, any other fails (``routing.RoutingClient`` sends those over gRPC).
+    Every call is made as ``node_id``, the node this client was opened for."""
 
     def __init__(self, network: InProcNetwork, node_id: str, traffic: Traffic, *, timeout_s: float,
-                 delay_ms: float = 0.0, max_model_bytes: int = UNSET_MODEL_BYTES, max_gossip_bytes: int = 1 << 20,
-                 fallback: PeerTransport | None = None):
+                 delay_ms: float = 0.0, limits: SizeLimits | None = None):
         self.network, self.node_id, self.traffic = network, node_id, traffic
         self.timeout_s = timeout_s
         self.delay_s = delay_ms / 1000.0  # emulated one-way link latency (testbed)
-        self._max_model_bytes, self.max_gossip_bytes = max_model_bytes, max_gossip_bytes
-        self.fallback = fallback
-
-    @property
-    def max_model_bytes(self) -> int:
-        return self._max_model_bytes
-
-    @max_model_bytes.setter
-    def max_model_bytes(self, value: int) -> None:
-        self._max_model_bytes = value
-        if self.fallback is not None:
-            self.fallback.max_model_bytes = value
+        self.limits = limits if limits is not None else SizeLimits()
+        self.me = _Caller(node_id)
+        self.evicted = 0  # no connections to close
 
     def channels(self) -> int:
-        """Connections held open: none in memory; mixed mode's gRPC channels."""
-        return self.fallback.channels() if self.fallback is not None else 0
+        """Connections held open: none in memory."""
+        return 0
 
-    @property
-    def evicted(self) -> int:
-        return self.fallback.evicted if self.fallback is not None else 0
-
-    # --- routing, identities and the two ways of calling a handler ---
-    def _route(self, address: str, expected: str | None) -> _Served | None:
-        """The node served at ``address`` in this process (None: not here); with ``expected``,
-        it must be that node (as TLS refuses another certificate at the address)."""
+    # --- routing and the two ways of calling a gate ---
+    def _route(self, address: str, expected: str | None) -> _Served:
+        """The node served at ``address`` in this process; with ``expected``, it must be that
+        node (as TLS refuses another certificate at the address)."""
         peer = self.network.lookup(address)
-        if peer is not None and expected is not None and peer.handler.node_id != expected:
-            raise PeerCallError(UNAVAILABLE, f"{address} is node {peer.handler.node_id!r}, not the expected "
+        if peer is None:
+            raise PeerCallError(UNAVAILABLE, f"no node serves {address} in this process")
+        if expected is not None and peer.node_id != expected:
+            raise PeerCallError(UNAVAILABLE, f"{address} is node {peer.node_id!r}, not the expected "
                                              f"{expected!r}")
         return peer
-
-    def _remote(self, address: str) -> PeerTransport:
-        if self.fallback is None:
-            raise PeerCallError(UNAVAILABLE, f"no node serves {address} in this process")
-        return self.fallback
-
-    def _as_me(self, claimed: str, what: str) -> None:
-        """A request may claim only this client's node id (the mTLS check of the gRPC server,
-        here by construction)."""
-        problem = node_id_problem(claimed)
-        if problem:
-            raise invalid(f"{what}: {problem}")
-        if claimed != self.node_id:
-            raise forbidden(f"{what}: claims to be node {claimed!r}, but the caller is {self.node_id!r}")
 
     async def _link(self) -> None:
         if self.delay_s:
@@ -349,7 +305,7 @@ class InProcClient:
         if not isinstance(e, Exception):  # KeyboardInterrupt & co. are not the peer's answer
             raise e
         err = _call_error(e, kind)
-        if isinstance(e, (Refusal, WireError)):
+        if refusal_of(e) is not None:
             log.warning("refused %s at %s: %s", kind, address, err.message)
         elif not isinstance(e, PeerCallError):
             log.error("%s at %s failed", kind, address, exc_info=e)
@@ -361,14 +317,11 @@ class InProcClient:
     # --- membership ---
     async def handshake(self, address: str, info: NodeInfo, timeout: float) -> tuple[NodeInfo, list[PeerEntry]]:
         peer = self._route(address, None)
-        if peer is None:
-            return await self._remote(address).handshake(address, info, timeout)
         t0 = time.perf_counter()
         await self._link()
 
         def answer(remote: NodeInfo) -> tuple[list[PeerEntry], NodeInfo]:
-            self._as_me(remote.node_id, "handshake")
-            return peer.handler.on_handshake(remote), peer.handler.info()
+            return peer.gate.handshake(self.me, remote), peer.gate.info()
 
         entries, remote = self._sync(peer, address, "handshake", answer, replace(info, labels=dict(info.labels)))
         self._timed("handshake", t0)
@@ -377,14 +330,11 @@ class InProcClient:
     async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
                         peer: str | None = None) -> tuple[Beat, float]:
         served = self._route(address, peer)
-        if served is None:
-            return await self._remote(address).heartbeat(address, beat, timeout, peer=peer)
         t0 = time.perf_counter()
         await self._link()
 
         def answer(b: Beat) -> Beat:
-            self._as_me(b.node_id, "heartbeat")
-            return served.handler.on_heartbeat(b)
+            return served.gate.heartbeat(self.me, b)
 
         reply = self._sync(served, address, "heartbeat", answer, beat)  # Beat and its updates are frozen
         rtt = time.perf_counter() - t0
@@ -394,14 +344,11 @@ class InProcClient:
     async def indirect_probe(self, address: str, probe: IndirectProbe, timeout: float, *,
                              peer: str | None = None) -> tuple[bool, tuple[MemberUpdate, ...]]:
         served = self._route(address, peer)
-        if served is None:
-            return await self._remote(address).indirect_probe(address, probe, timeout, peer=peer)
         t0 = time.perf_counter()
         await self._link()
 
         async def answer() -> tuple[bool, tuple[MemberUpdate, ...]]:
-            self._as_me(probe.requester, "indirect probe")
-            return await served.handler.on_indirect_probe(probe)  # it pings the target itself
+            return await served.gate.indirect_probe(self.me, probe)  # it pings the target itself
 
         ack, updates = await self._async(served, address, "probe", answer, timeout)
         self._timed("probe", t0)
@@ -411,14 +358,10 @@ class InProcClient:
                              members: list[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
                              ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]:
         served = self._route(address, peer)
-        if served is None:
-            return await self._remote(address).exchange_peers(address, sender, entries, timeout, members=members,
-                                                              incarnation=incarnation, peer=peer)
         await self._link()
 
         def answer() -> tuple[list[PeerEntry], list[MemberUpdate], int]:
-            self._as_me(sender, "peer exchange")
-            return served.handler.on_peer_list(sender, list(entries), tuple(members), int(incarnation))
+            return served.gate.peer_list(self.me, sender, list(entries), tuple(members), int(incarnation))
 
         theirs, their_members, inc = self._sync(served, address, "peers", answer)
         return list(theirs), tuple(their_members), int(inc)
@@ -428,26 +371,21 @@ class InProcClient:
                            min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
                            peer: str | None = None) -> tuple[SnapshotHeader, Groups | None]:
         served = self._route(address, peer)
-        if served is None:
-            return await self._remote(address).get_snapshot(address, requester, have_version, min_round=min_round,
-                                                            wait_s=wait_s, timeout=timeout, peer=peer)
         t0 = time.perf_counter()
         await self._link()
 
         async def answer() -> LocalSnapshot:
-            self._as_me(requester, "snapshot request")
-            served.handler.check_known(requester)
-            with served.handler.admit(requester, "snapshot"):  # held while it waits for a round
-                snap = await served.handler.snapshot(requester, min_round, wait_s)
+            with contextlib.ExitStack() as slot:  # admitted while it waits for a round
+                _, snap = await served.gate.snapshot(self.me, requester, min_round, wait_s, slot)
                 return await snap.ready()  # encoded off the loop; its groups the zero-copy views
 
         snap: LocalSnapshot = await self._async(served, address, "snapshot", answer, timeout or self.timeout_s)
         unchanged = have_version > 0 and have_version == snap.version
         groups = None if unchanged else self.network.hand_out(snap)  # a modified one: WireError here
         size = nbytes(groups)
-        if size > self.max_model_bytes:
+        if size > self.limits.max_model_bytes:
             raise WireError(f"snapshot of {snap.node_id}: payload of {size} bytes exceeds the limit of "
-                            f"{self.max_model_bytes}")
+                            f"{self.limits.max_model_bytes}")
         served.traffic.record("snapshot", sent=size)
         self.traffic.record("snapshot", received=size)
         self._timed("snapshot", t0)
@@ -457,8 +395,6 @@ class InProcClient:
     async def compute(self, address: str, request: ComputeRequest, timeout: float | None = None, *,
                       peer: str | None = None) -> ComputeReply:
         served = self._route(address, peer)
-        if served is None:
-            return await self._remote(address).compute(address, request, timeout, peer=peer)
         kind = request.kind
         if kind not in (CROSS_LOSS, CROSS_GRADIENT, PUSH_GRADIENT):
             raise ValueError(f"unknown compute request kind {kind!r}")
@@ -472,15 +408,8 @@ class InProcClient:
         size = nbytes(groups)
 
         async def answer() -> ComputeReply:
-            self._as_me(req.requester, kind)
-            served.handler.check_known(req.requester)  # before taking a payload from a stranger
-            who = f"{kind} from {req.requester}"
-            if req.ref is not None and node_id_problem(req.ref.node_id):
-                raise invalid(f"{who}: snapshot reference: {node_id_problem(req.ref.node_id)}")
-            if size > served.max_model_bytes:
-                raise invalid(f"{who}: payload of {size} bytes exceeds the limit of {served.max_model_bytes}")
-            with served.handler.admit(req.requester, kind):
-                return await served.handler.compute(req)
+            with contextlib.ExitStack() as slot:
+                return await served.gate.compute(served.gate.admit_compute(self.me, req, size, slot))
 
         reply: ComputeReply = await self._async(served, address, kind, answer, timeout or self.timeout_s)
         if kind == CROSS_LOSS:
@@ -491,9 +420,9 @@ class InProcClient:
             out = ComputeReply(loss=float(reply.loss), samples=int(reply.samples), grad=reply.grad,
                                inner_product=float(reply.inner_product))
         back = nbytes(out.grad)
-        if back > self.max_model_bytes:
+        if back > self.limits.max_model_bytes:
             raise WireError(f"gradient from {address}: payload of {back} bytes exceeds the limit of "
-                            f"{self.max_model_bytes}")
+                            f"{self.limits.max_model_bytes}")
         served.traffic.record(kind, received=size, sent=back)
         self.traffic.record(kind, sent=size, received=back)
         self._timed(kind, t0)
@@ -502,35 +431,19 @@ class InProcClient:
     async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],
                      timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]:
         served = self._route(address, peer)
-        if served is None:
-            return await self._remote(address).gossip(address, sender, key, payload, timeout, peer=peer)
         t0 = time.perf_counter()
         await self._link()
         raw = msgpack.packb(payload, use_bin_type=True)
-        if len(raw) > self.max_gossip_bytes:
-            raise PeerCallError(INVALID, f"gossip payload for {key!r} is {len(raw)} bytes, "
-                                         f"over the limit of {self.max_gossip_bytes}")
+        limit = self.limits.max_gossip_bytes
+        if len(raw) > limit:
+            raise PeerCallError(INVALID, f"gossip payload for {key!r} is {len(raw)} bytes, over the limit of {limit}")
 
         async def answer() -> bytes:
-            self._as_me(sender, "gossip")
-            served.handler.check_known(sender)
-            if len(key) > MAX_GOSSIP_KEY:
-                raise invalid(f"gossip from {sender}: key of {len(key)} characters, at most {MAX_GOSSIP_KEY}")
-            with served.handler.admit(sender, "gossip"):
-                if len(raw) > served.max_gossip_bytes:
-                    raise invalid(f"gossip from {sender}: {len(raw)} bytes exceeds the limit of "
-                                  f"{served.max_gossip_bytes}")
-                try:
-                    theirs = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-                except Exception as e:  # msgpack raises a zoo of types on garbage
-                    raise invalid(f"gossip from {sender}: payload is not msgpack ({e})") from None
-                if not isinstance(theirs, dict):
-                    raise invalid(f"gossip from {sender}: payload is not a map")
-                return msgpack.packb(await served.handler.gossip(sender, key, theirs), use_bin_type=True)
+            return await served.gate.gossip(self.me, sender, key, raw)
 
         back = await self._async(served, address, "gossip", answer, timeout or self.timeout_s)
-        if len(back) > self.max_gossip_bytes:
-            raise WireError(f"gossip reply from {address} exceeds {self.max_gossip_bytes} bytes")
+        if len(back) > limit:
+            raise WireError(f"gossip reply from {address} exceeds {limit} bytes")
         served.traffic.record("gossip", received=len(raw), sent=len(back))
         self.traffic.record("gossip", sent=len(raw), received=len(back))
         self._timed("gossip", t0)
@@ -540,9 +453,7 @@ class InProcClient:
         return out
 
     async def forget(self, address: str) -> None:
-        if self.fallback is not None and self.network.lookup(address) is None:
-            await self.fallback.forget(address)
+        pass  # no per-address state in memory
 
     async def close(self) -> None:
-        if self.fallback is not None:
-            await self.fallback.close()
+        pass

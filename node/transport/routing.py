@@ -1,8 +1,9 @@
 """The routing transport: a node in a process that runs several (a Ray actor's group of nodes).
 
-It serves the node over gRPC (reachable from other processes and machines) and registers it on
-the process's switchboard (``inproc.InProcNetwork``) under that same gRPC address. A call goes
-where its address is served:
+It is the one mixed mode: it serves the node over gRPC (reachable from other processes and
+machines) and registers it on the process's switchboard (``inproc.InProcNetwork``) under that
+same gRPC address — both served sides behind the same ``gate`` checks and the node's one
+``SizeLimits``. A call goes where its address is served:
 
 - an address some node of this process serves → ``inproc.InProcClient``: through memory, with
   the in-process transport's checks, limits and failures;
@@ -19,11 +20,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..peering.interfaces import PeerHandler, PeerServer, PeerTransport, Traffic, TransportFactory
+from ..peering.interfaces import PeerHandler, PeerServer, PeerTransport, SizeLimits, Traffic, TransportFactory
 from ..peering.messages import (Beat, ComputeReply, ComputeRequest, IndirectProbe, MemberUpdate, NodeInfo,
                                 PeerEntry, SnapshotHeader)
 from ..wire.codec import Groups
-from .inproc import InProcClient, InProcNetwork
+from .inproc import InProcClient, InProcNetwork, InProcServer
 
 MEMORY, GRPC = "memory", "grpc"
 
@@ -56,30 +57,34 @@ class _RouteTraffic:
         self.inner.latency(kind, seconds, side)
 
 
+@dataclass
+class RoutingServer:
+    """The node served both ways (``peering.interfaces.PeerServer``); stopping stops both."""
+    address: str
+    memory: InProcServer
+    also: PeerServer  # the gRPC server
+
+    async def stop(self) -> None:
+        await self.memory.stop()
+        await self.also.stop()
+
+
 class RoutingTransport:
-    """One node's routing transport (``peering.interfaces.TransportFactory``): the in-process
-    transport in mixed mode (memory for this process's nodes, its gRPC factory for the rest), with
-    every call counted by route. Identity, mTLS and health are the gRPC side's."""
+    """One node's routing transport (``peering.interfaces.TransportFactory``): memory for this
+    process's nodes, its gRPC factory for the rest, with every call counted by route. Identity,
+    mTLS and health are the gRPC side's; so are the ``limits``, shared with the memory side."""
 
     def __init__(self, switchboard: InProcNetwork, grpc: TransportFactory, *, timeout_s: float = 30.0,
-                 delay_ms: float = 0.0, max_model_bytes: int | None = None, max_gossip_bytes: int = 1 << 20):
+                 delay_ms: float = 0.0, max_model_bytes: int | None = None, max_gossip_bytes: int | None = None):
         self.switchboard, self.grpc = switchboard, grpc
         self.stats = RouteStats()
-        self._inner = switchboard.transport(timeout_s=timeout_s, delay_ms=delay_ms, max_model_bytes=max_model_bytes,
-                                            max_gossip_bytes=max_gossip_bytes, grpc=grpc)
-        self.identity, self.mtls, self.health = self._inner.identity, self._inner.mtls, self._inner.health
-        self._clients: list[RoutingClient] = []
-
-    @property
-    def max_model_bytes(self) -> int:
-        return self._inner.max_model_bytes
-
-    @max_model_bytes.setter
-    def max_model_bytes(self, value: int) -> None:
-        self._inner.max_model_bytes = value  # the gRPC factory's and both routes' clients follow
-        for c in self._clients:
-            c.memory.max_model_bytes = value
-            c.remote.max_model_bytes = value
+        self.limits = grpc.limits  # one per node: both served sides and both routes' clients read it
+        if max_model_bytes is not None:
+            self.limits.max_model_bytes = max_model_bytes
+        if max_gossip_bytes is not None:
+            self.limits.max_gossip_bytes = max_gossip_bytes
+        self._memory = switchboard.transport(timeout_s=timeout_s, delay_ms=delay_ms, limits=self.limits)
+        self.identity, self.mtls, self.health = grpc.identity, grpc.mtls, grpc.health
 
     @classmethod
     def from_config(cls, switchboard: InProcNetwork, cfg: Any,
@@ -92,18 +97,19 @@ class RoutingTransport:
                    max_model_bytes=cfg.max_model_bytes, max_gossip_bytes=cfg.max_gossip_bytes)
 
     def connect(self, node_id: str, traffic: Traffic) -> "RoutingClient":
-        inner = self._inner
-        memory = InProcClient(self.switchboard, node_id, _RouteTraffic(traffic, self.stats, MEMORY),
-                              timeout_s=inner.timeout_s, delay_ms=inner.delay_ms,
-                              max_model_bytes=inner.max_model_bytes, max_gossip_bytes=inner.max_gossip_bytes)
+        memory = self._memory.connect(node_id, _RouteTraffic(traffic, self.stats, MEMORY))
         remote = self.grpc.connect(node_id, _RouteTraffic(traffic, self.stats, GRPC))
-        client = RoutingClient(self.switchboard, memory, remote, self.stats)
-        self._clients.append(client)
-        return client
+        return RoutingClient(self.switchboard, memory, remote, self.stats)
 
-    async def serve(self, handler: PeerHandler, traffic: Traffic) -> PeerServer:
+    async def serve(self, handler: PeerHandler, traffic: Traffic) -> RoutingServer:
         """Serve over gRPC, and on the switchboard under the gRPC address (stopping stops both)."""
-        return await self._inner.serve(handler, traffic)
+        also = await self.grpc.serve(handler, traffic)
+        try:
+            memory = self._memory.bind(handler, traffic, also.address)
+        except OSError:
+            await also.stop()
+            raise
+        return RoutingServer(also.address, memory, also)
 
 
 class RoutingClient:
@@ -113,13 +119,8 @@ class RoutingClient:
         self.switchboard, self.memory, self.remote, self.stats = switchboard, memory, remote, stats
 
     @property
-    def max_model_bytes(self) -> int:
-        return self.memory.max_model_bytes
-
-    @max_model_bytes.setter
-    def max_model_bytes(self, value: int) -> None:
-        self.memory.max_model_bytes = value
-        self.remote.max_model_bytes = value
+    def limits(self) -> SizeLimits:
+        return self.memory.limits  # (the remote route's are the same object)
 
     def channels(self) -> int:
         return self.remote.channels()

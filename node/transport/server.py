@@ -1,17 +1,19 @@
-"""The gRPC side a node serves to its peers. It moves bytes: protobuf frames in and out (through
-``peering/serde``), chunking, size and hash checks, tensor decoding. What a request *means*
-(whose model, which data, which strategy) is the ``PeerHandler``'s business.
+"""The gRPC side a node serves to its peers: decode → gate → encode. It moves bytes: protobuf
+frames in and out (through ``serde``), chunking, hash checks, tensor decoding; every request then
+goes through the ``gate`` (``gate.py``: claimed id, known peer, references and sizes, admission)
+to the ``PeerHandler``, whose business is what a request *means*.
 
-What it checks before the handler sees anything:
-- who calls: with mTLS (``tls.py``) the node id a request claims (handshake node, heartbeat
-  sender, requester, ...) must be the one in the caller's certificate, and on the allow-list if
-  there is one; otherwise PERMISSION_DENIED. Node ids are bounded (``security/ids.py``);
-- how much: compute and bulk requests pass the handler's per-peer admission (``admit``) before
-  their payload is read; uploads must finish within ``upload_timeout_s`` with no gap over
-  ``upload_idle_s``; reply streams to a slow reader are cut after ``send_timeout_s``;
+What it adds for gRPC:
+- who calls: with mTLS (``tls.py``) the node id a request claims must be the one in the caller's
+  certificate, and on the allow-list if there is one (``_GrpcCaller``, which the gate asks);
+  otherwise PERMISSION_DENIED;
+- how long: uploads must finish within ``upload_timeout_s`` with no gap over ``upload_idle_s``;
+  reply streams to a slow reader are cut after ``send_timeout_s``; subscriptions and pull
+  sessions are bounded (``max_watches``);
 - what: requests arrive as raw bytes and are parsed here, so a malformed message is an
   INVALID_ARGUMENT with a one-line reason, never gRPC's UNKNOWN or INTERNAL with a traceback.
-Every refusal's detail is at most ``errors.MAX_MESSAGE`` characters."""
+Every refusal's detail is at most ``errors.MAX_MESSAGE`` characters. The compute and gossip RPCs
+are in ``compute_rpcs.py``."""
 from __future__ import annotations
 
 import asyncio
@@ -20,24 +22,22 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import grpc
-import msgpack
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from ...proto.v1 import peer_pb2 as pb
-from ..peering import serde
-from ..peering.errors import Refusal, exhausted, forbidden, invalid, short
-from ..peering.interfaces import PeerHandler, Traffic
-from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, MAX_GOSSIP_KEY, PUSH_GRADIENT
-from ..security.ids import node_id_problem
-from ..wire.codec import WireError, decode, encode
-from .chunks import Assembler, collect, data_frames, sha256, split
+from ..peering.errors import exhausted, forbidden, invalid, short
+from ..peering.interfaces import PeerHandler, SizeLimits, Traffic
+from . import serde
+from .chunks import data_frames
+from .compute_rpcs import ComputeRpcs
 from .errors import status_of
+from .gate import Gate, refusal_of
 from .health_service import add_health_service
+from .serde import parse as _parse
 from .tls import TLS, caller_identity
 
 log = logging.getLogger(__name__)
@@ -87,27 +87,36 @@ class StreamLimits:
         return self.send_timeout_s + size / self.min_bytes_per_s
 
 
-def _parse(cls, raw: bytes, what: str):
-    try:
-        return cls.FromString(raw)
-    except (DecodeError, ValueError, TypeError) as e:
-        raise invalid(f"{what}: not a valid {cls.__name__} message ({short(str(e), 200)})") from None
+class _GrpcCaller:
+    """The caller of one gRPC request (``gate.Caller``): with mTLS, the node its certificate
+    names (and allows); without, whoever it claims to be."""
+    __slots__ = ("context", "tls")
+
+    def __init__(self, context: grpc.aio.ServicerContext, tls: TLS | None):
+        self.context, self.tls = context, tls
+
+    def vouch(self, claimed: str, what: str) -> str:
+        if self.tls is None:
+            return claimed
+        ident = caller_identity(self.context)
+        if ident is None:
+            raise forbidden(f"{what}: the caller's certificate names no Coterie node id")
+        if claimed != ident:
+            raise forbidden(f"{what}: claims to be node {claimed!r}, but its certificate is for {ident!r}")
+        if not self.tls.allowed(ident):
+            raise forbidden(f"{what}: node {ident!r} is not on this node's allow-list")
+        refused = self.tls.refusal(self.context)  # revoked by the CA, or expired (security/revocation.py)
+        if refused:
+            raise forbidden(f"{what}: node {ident!r} is refused: {refused}")
+        return ident
 
 
-async def _parsed(raw_frames, cls, what: str) -> AsyncIterator[Any]:
-    async for raw in raw_frames:
-        yield _parse(cls, raw, what)
-
-
-class PeerService:
-    def __init__(self, handler: PeerHandler, traffic: Traffic, *, chunk_bytes: int,
-                 max_model_bytes: int, max_gossip_bytes: int, tls: TLS | None,
+class PeerService(ComputeRpcs):
+    def __init__(self, gate: Gate, traffic: Traffic, *, chunk_bytes: int, tls: TLS | None,
                  streams: StreamLimits = StreamLimits()):
-        self.h = handler
+        self.gate = gate
         self.traffic = traffic
         self.chunk_bytes = chunk_bytes
-        self.max_model_bytes = max_model_bytes
-        self.max_gossip_bytes = max_gossip_bytes
         self.tls = tls
         self.streams = streams
         self._watchers: set[str] = set()  # peers with a snapshot subscription open
@@ -120,67 +129,23 @@ class PeerService:
         t0 = time.perf_counter()
         try:
             return await coro
-        except (Refusal, WireError) as e:
-            code, message = ((status_of(e), e.message) if isinstance(e, Refusal)
-                             else (grpc.StatusCode.INVALID_ARGUMENT, short(str(e))))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:
+            refusal = refusal_of(e)
+            if refusal is None:  # a bug, not the peer's fault: say so briefly, keep the traceback here
+                log.exception("internal error serving %s from %s", kind, context.peer())
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error serving {kind}")
+            message = short(refusal.message)
             log.warning("refused %s from %s: %s", kind, context.peer(), message)
             if stream is not None:
                 await _linger(stream)
-            await context.abort(code, message)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception:  # a bug, not the peer's fault: say so briefly, keep the traceback here
-            log.exception("internal error serving %s from %s", kind, context.peer())
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error serving {kind}")
+            await context.abort(status_of(refusal), message)
         finally:
             self.traffic.latency(kind, time.perf_counter() - t0, "server")
 
-    def _who(self, context: grpc.aio.ServicerContext, claimed: str, what: str) -> str:
-        """The node id a request claims, once it is a well-formed id and — with mTLS — the one
-        the caller's certificate carries (and allowed). Everything after this trusts it."""
-        problem = node_id_problem(claimed)
-        if problem:
-            raise invalid(f"{what}: {problem}")
-        if self.tls is None:
-            return claimed
-        ident = caller_identity(context)
-        if ident is None:
-            raise forbidden(f"{what}: the caller's certificate names no Coterie node id")
-        if claimed != ident:
-            raise forbidden(f"{what}: claims to be node {claimed!r}, but its certificate is for {ident!r}")
-        if not self.tls.allowed(ident):
-            raise forbidden(f"{what}: node {ident!r} is not on this node's allow-list")
-        refused = self.tls.refusal(context)  # revoked by the CA, or expired (security/revocation.py)
-        if refused:
-            raise forbidden(f"{what}: node {ident!r} is refused: {refused}")
-        return ident
-
-    async def _upload(self, frames: AsyncIterator[Any], who: str) -> AsyncIterator[Any]:
-        """``frames`` under the server's deadlines: no gap longer than ``upload_idle_s``, and the
-        whole upload within ``upload_timeout_s`` (stretched for a large announced payload once
-        the header says how large: a slow or stalled sender is cut off)."""
-        loop = asyncio.get_running_loop()
-        total, idle = self.streams.upload_timeout_s, self.streams.upload_idle_s
-        start = loop.time()
-        deadline = start + total
-        it = frames.__aiter__()
-        first = True
-        while True:
-            left = min(idle, deadline - loop.time())
-            if left <= 0:
-                raise exhausted(f"{who}: upload not complete after {total:g} s")
-            try:
-                msg = await asyncio.wait_for(it.__anext__(), left)
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:
-                raise exhausted(f"{who}: upload stalled for {idle:g} s" if loop.time() < deadline
-                                else f"{who}: upload not complete after {total:g} s") from None
-            if first and getattr(msg, "WhichOneof", None) and msg.WhichOneof("body") == "header":
-                total = self.streams.upload_deadline(msg.header.total_bytes)
-                deadline = start + total  # the size is checked against the limit right after
-            first = False
-            yield msg
+    def _caller(self, context: grpc.aio.ServicerContext) -> _GrpcCaller:
+        return _GrpcCaller(context, self.tls)
 
     async def _send(self, context, messages, what: str, size: int | None = None) -> int:
         """Write a reply stream, all of it within ``send_timeout_s``: a reader that stops taking
@@ -211,10 +176,9 @@ class PeerService:
         async def go():
             request = _parse(pb.HandshakeRequest, raw, "handshake")
             remote = serde.node_info_from_pb(request.node)
-            self._who(context, remote.node_id, "handshake")
-            self.traffic.record("handshake", received=len(raw))
-            entries = self.h.on_handshake(remote)
-            reply = pb.HandshakeReply(node=serde.node_info_to_pb(self.h.info()),
+            entries = self.gate.handshake(self._caller(context), remote,
+                                          vouched=lambda: self.traffic.record("handshake", received=len(raw)))
+            reply = pb.HandshakeReply(node=serde.node_info_to_pb(self.gate.info()),
                                       peers=serde.entries_to_pb(entries))
             self.traffic.record("handshake", sent=reply.ByteSize())
             return reply
@@ -223,8 +187,7 @@ class PeerService:
     async def Heartbeat(self, raw: bytes, context):
         async def go():
             request = _parse(pb.HeartbeatRequest, raw, "heartbeat")
-            self._who(context, request.node_id, "heartbeat")
-            reply = serde.beat_to_reply(self.h.on_heartbeat(serde.beat_from_request(request)))
+            reply = serde.beat_to_reply(self.gate.heartbeat(self._caller(context), serde.beat_from_request(request)))
             self.traffic.record("heartbeat", received=len(raw), sent=reply.ByteSize())
             return reply
         return await self._guard(context, "heartbeat", go())
@@ -232,10 +195,10 @@ class PeerService:
     async def ExchangePeers(self, raw: bytes, context):
         async def go():
             request = _parse(pb.PeerList, raw, "peer exchange")
-            sender = self._who(context, request.node_id, "peer exchange")
-            entries, members, inc = self.h.on_peer_list(sender, serde.entries_from_pb(request.peers),
+            entries, members, inc = self.gate.peer_list(self._caller(context), request.node_id,
+                                                        serde.entries_from_pb(request.peers),
                                                         serde.updates_from_pb(request.members), request.incarnation)
-            reply = serde.peer_list_to_pb(self.h.node_id, entries, members, inc)
+            reply = serde.peer_list_to_pb(self.gate.node_id, entries, members, inc)
             self.traffic.record("peers", received=len(raw), sent=reply.ByteSize())
             return reply
         return await self._guard(context, "peers", go())
@@ -243,8 +206,7 @@ class PeerService:
     async def IndirectProbe(self, raw: bytes, context):
         async def go():
             request = _parse(pb.IndirectProbeRequest, raw, "indirect probe")
-            self._who(context, request.node_id, "indirect probe")
-            ack, updates = await self.h.on_indirect_probe(serde.probe_from_pb(request))
+            ack, updates = await self.gate.indirect_probe(self._caller(context), serde.probe_from_pb(request))
             reply = serde.probe_reply_to_pb(ack, updates)
             self.traffic.record("probe", received=len(raw), sent=reply.ByteSize())
             return reply
@@ -256,12 +218,9 @@ class PeerService:
         """Parse, authenticate and admit one snapshot request (its admission slot held by
         ``slot``), then the snapshot to answer it with (waiting for ``min_round`` if asked)."""
         request = _parse(pb.SnapshotRequest, raw, what)
-        who = self._who(context, request.requester, what)
-        self.h.check_known(who)
-        if admit_first is not None:
-            admit_first(who)
-        slot.enter_context(self.h.admit(who, "snapshot"))
-        return request, who, await self.h.snapshot(who, request.min_round, request.wait_ms / 1000.0)
+        who, snap = await self.gate.snapshot(self._caller(context), request.requester, request.min_round,
+                                             request.wait_ms / 1000.0, slot, what, admit_first)
+        return request, who, snap
 
     def _snapshot_frames(self, request, snap, *, inline: bool) -> tuple[Iterable[Any], int]:
         """A snapshot's reply messages and their size: its header alone when the reader already
@@ -353,18 +312,16 @@ class PeerService:
         admitted like a pull; a peer that stops being known ends it (``h.snapshot`` checks that
         for every snapshot), so does a round not published within ``MAX_WATCH_WAIT_S``; a reader
         that stops taking one is cut off like a slow pull."""
-        async def go():
-            request = _parse(pb.SnapshotRequest, raw, "snapshot watch")
-            who = self._who(context, request.requester, "snapshot watch")
-            self.h.check_known(who)
+        def bound(who: str) -> None:
             if who in self._watchers:
                 raise exhausted(f"snapshot watch from {who}: it already has one open")
             if len(self._watchers) >= self.streams.max_watches:
                 raise exhausted(f"snapshot watch from {who}: {len(self._watchers)} open, the limit is "
                                 f"{self.streams.max_watches}")
-            with self.h.admit(who, "snapshot"):  # opening one costs a request from its budget
-                pass
-            return request, who
+
+        async def go():
+            request = _parse(pb.SnapshotRequest, raw, "snapshot watch")
+            return request, self.gate.open_watch(self._caller(context), request.requester, bound)
 
         request, who = await self._guard(context, "watch", go())
         self._watchers.add(who)
@@ -372,7 +329,7 @@ class PeerService:
         async def push():
             next_round, last = request.min_round, 0
             while True:
-                snap = await self.h.snapshot(who, next_round, MAX_WATCH_WAIT_S)
+                snap = await self.gate.watched(who, next_round, MAX_WATCH_WAIT_S)
                 if snap.version == last or snap.round < next_round:
                     return  # nothing new within the wait: end it (the reader pulls, or subscribes again)
                 t0 = time.perf_counter()
@@ -392,87 +349,6 @@ class PeerService:
         finally:
             self._watchers.discard(who)
 
-    # --- compute on my data ---
-    async def _read_compute(self, context, raw_frames, kind: str, slot: contextlib.ExitStack):
-        """The request a compute stream carries: header (within ``upload_idle_s``), caller
-        authenticated and known, one of its admission slots taken (held by ``slot``), then the
-        payload under the upload deadlines."""
-        it = self._upload(_parsed(raw_frames, pb.ComputeFrame, kind), kind).__aiter__()
-        try:
-            first = await it.__anext__()
-        except StopAsyncIteration:
-            first = None
-        if first is None or first.WhichOneof("body") != "header":
-            raise invalid(f"{kind}: stream must start with a header frame")
-        h = first.header
-        req = serde.compute_request_from_pb(kind, h)
-        req.requester = self._who(context, req.requester, kind)
-        self.h.check_known(req.requester)  # before reading a payload from a stranger
-        who = f"{kind} from {req.requester}"
-        if req.ref is not None and node_id_problem(req.ref.node_id):
-            raise invalid(f"{who}: snapshot reference: {node_id_problem(req.ref.node_id)}")
-        asm = None if req.ref is not None else Assembler(who, h.total_bytes, h.sha256, self.max_model_bytes)
-        slot.enter_context(self.h.admit(req.requester, kind))
-        if asm is None:
-            self.traffic.record(kind, received=first.ByteSize())
-            return req
-        data = await collect(it, asm)
-        self.traffic.record(kind, received=first.ByteSize() + len(data))
-        try:
-            req.groups, _ = decode(data, max_bytes=self.max_model_bytes)
-        except WireError as e:
-            raise invalid(f"{who}: {e}") from None
-        return req
-
-    async def _computed(self, context, raw_frames, kind: str):
-        with contextlib.ExitStack() as slot:
-            return await self.h.compute(await self._read_compute(context, raw_frames, kind, slot))
-
-    async def CrossLoss(self, raw_frames, context):
-        async def go():
-            reply = await self._computed(context, raw_frames, CROSS_LOSS)
-            out = serde.loss_reply_to_pb(reply)
-            self.traffic.record(CROSS_LOSS, sent=out.ByteSize())
-            return out
-        return await self._guard(context, CROSS_LOSS, go(), raw_frames)
-
-    async def CrossGradient(self, raw_frames, context):
-        reply = await self._guard(context, CROSS_GRADIENT, self._computed(context, raw_frames, CROSS_GRADIENT),
-                                  raw_frames)
-        data = encode(reply.grad) if reply.grad is not None else b""
-        header = serde.gradient_header_to_pb(reply, len(data), sha256(data) if data else "")
-        frames = (pb.GradientChunk(header=header), *(pb.GradientChunk(data=p) for p in split(data, self.chunk_bytes)))
-        await self._send(context, frames, "gradient")
-        self.traffic.record(CROSS_GRADIENT, sent=header.ByteSize() + len(data))
-
-    async def PushGradient(self, raw_frames, context):
-        async def go():
-            return serde.ack_to_pb(await self._computed(context, raw_frames, PUSH_GRADIENT))
-        return await self._guard(context, PUSH_GRADIENT, go(), raw_frames)
-
-    async def GossipState(self, raw: bytes, context):
-        async def go():
-            request = _parse(pb.GossipMessage, raw, "gossip")
-            sender = self._who(context, request.node_id, "gossip")
-            self.h.check_known(sender)
-            if len(request.key) > MAX_GOSSIP_KEY:
-                raise invalid(f"gossip from {sender}: key of {len(request.key)} characters, at most {MAX_GOSSIP_KEY}")
-            with self.h.admit(sender, "gossip"):
-                if len(request.payload) > self.max_gossip_bytes:
-                    raise invalid(f"gossip from {sender}: {len(request.payload)} bytes exceeds "
-                                  f"the limit of {self.max_gossip_bytes}")
-                try:
-                    payload = msgpack.unpackb(request.payload, raw=False, strict_map_key=False)
-                except Exception as e:  # msgpack raises a zoo of types on garbage
-                    raise invalid(f"gossip from {sender}: payload is not msgpack ({short(str(e), 200)})") from None
-                if not isinstance(payload, dict):
-                    raise invalid(f"gossip from {sender}: payload is not a map")
-                reply = await self.h.gossip(sender, request.key, payload)
-                out = pb.GossipMessage(node_id=self.h.node_id, key=request.key,
-                                       payload=msgpack.packb(reply, use_bin_type=True))
-            self.traffic.record("gossip", received=len(raw), sent=out.ByteSize())
-            return out
-        return await self._guard(context, "gossip", go())
 
 
 class _Session:
@@ -544,15 +420,18 @@ class HealthStatus:
 async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, tls: TLS | None,
                 chunk_bytes: int = 1 << 20, max_model_bytes: int = 1 << 31,
                 max_gossip_bytes: int = 1 << 20, streams: StreamLimits = StreamLimits(),
-                max_rpcs: int | None = None,
-                health_status: HealthStatus | None = None, reflection_on: bool = False) -> tuple[grpc.aio.Server, int]:
+                max_rpcs: int | None = None, health_status: HealthStatus | None = None,
+                limits: SizeLimits | None = None, reflection_on: bool = False) -> tuple[grpc.aio.Server, int]:
     """Start the peer server (and the standard gRPC health service) on ``address``: mTLS with
-    ``tls``, plaintext only when the caller passes ``tls=None`` on purpose."""
+    ``tls``, plaintext only when the caller passes ``tls=None`` on purpose. ``limits``: the
+    node's ``SizeLimits`` (shared with its clients); else one of ``max_model_bytes`` and
+    ``max_gossip_bytes``."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                       ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)],
                              maximum_concurrent_rpcs=max_rpcs)
-    service = PeerService(handler, traffic, chunk_bytes=chunk_bytes, max_model_bytes=max_model_bytes,
-                          max_gossip_bytes=max_gossip_bytes, tls=tls, streams=streams)
+    if limits is None:
+        limits = SizeLimits(max_model_bytes, max_gossip_bytes)
+    service = PeerService(Gate(handler, limits), traffic, chunk_bytes=chunk_bytes, tls=tls, streams=streams)
     server.add_generic_rpc_handlers((_handlers(service),))
     health_status = health_status or HealthStatus()
     add_health_service(health_status.servicer, server)  # malformed requests: INVALID_ARGUMENT, no traceback

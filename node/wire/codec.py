@@ -115,12 +115,6 @@ def data_offset(prefix: bytes | memoryview) -> int:
     return _HEAD.size + hlen if magic == MAGIC and hlen <= MAX_HEADER else 0
 
 
-# Tensor work (encode, hash, validate, average) on more bytes than this goes to a worker thread.
-# Below it, the hop costs more than the work: a thread handing the GIL back and forth with a
-# training thread can wait up to the interpreter's switch interval (5 ms) at each handoff.
-OFF_LOOP_BYTES = 1 << 20
-
-
 def encoded_size(groups: Groups) -> int:
     return sum(t.numel() * t.element_size() for ts in groups.values() for t in ts.values())
 

@@ -3,9 +3,27 @@
 (``wire/codec.py``); chunking and hashing stay in the transport."""
 from __future__ import annotations
 
+from typing import Any, AsyncIterator
+
+from google.protobuf.message import DecodeError
+
 from ...proto.v1 import peer_pb2 as pb
-from .messages import (ALIVE, DEAD, SUSPECT, Beat, ComputeReply, ComputeRequest, IndirectProbe, MemberUpdate,
-                       NodeInfo, PeerEntry, SnapshotHeader, SnapshotRef)
+from ..peering.errors import invalid, short
+from ..peering.messages import (ALIVE, DEAD, SUSPECT, Beat, ComputeReply, ComputeRequest, IndirectProbe,
+                                MemberUpdate, NodeInfo, PeerEntry, SnapshotHeader, SnapshotRef)
+
+
+def parse(cls, raw: bytes, what: str):
+    """A request's raw bytes as a ``cls`` message; malformed: an ``invalid`` refusal naming it."""
+    try:
+        return cls.FromString(raw)
+    except (DecodeError, ValueError, TypeError) as e:
+        raise invalid(f"{what}: not a valid {cls.__name__} message ({short(str(e), 200)})") from None
+
+
+async def parsed(raw_frames, cls, what: str) -> AsyncIterator[Any]:
+    async for raw in raw_frames:
+        yield parse(cls, raw, what)
 
 
 # --- membership ---

@@ -1,0 +1,81 @@
+"""Persistence of ``TorchLearner`` (its state part): ``export_state`` copies the parameters
+(``model/*``), optimizer state (``optim/*``) and the sampler permutation, plus a JSON-able dict
+(optimizer hyper-parameters and step count, RNG states, fingerprint); ``import_state`` restores
+them (the hyper-parameters from the config: a restart may change lr)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, tuple):
+        return list(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+class TorchState:
+    """Mixed into ``torch_learner.TorchLearner`` (its model, optimizer, sampler and lock)."""
+
+    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """Private copies of everything a resume needs, taken under the lock (a memcpy of the
+        parameters and optimizer state, into ``reuse``'s buffers where they fit; encoding and
+        writing happen elsewhere, off the lock)."""
+        reuse = reuse or {}
+
+        def copy(key: str, t: torch.Tensor) -> torch.Tensor:
+            t = t.detach()
+            old = reuse.get(key)
+            if old is not None and old.shape == t.shape and old.dtype == t.dtype:
+                return old.copy_(t)
+            return t.to("cpu", copy=True)
+
+        with self._lock:
+            tensors = {f"model/{n}": copy(f"model/{n}", p) for n, p in self.model.named_parameters()}
+            tensors.update({f"optim/{k}/{n}": copy(f"optim/{k}/{n}", t)
+                            for n, st in self.optimizer.state.items() for k, t in st.items()})
+            tensors["sampler/perm"] = torch.from_numpy(self._sampler.perm.copy())
+            meta = {
+                "fingerprint": self.fingerprint(),
+                "optimizer": self.optimizer.hyper(),
+                "sampler": {"rng": self._sampler.rng.bit_generator.state, "pos": int(self._sampler.pos)},
+                "eval_rng": self._eval_rng.bit_generator.state,
+            }
+        return tensors, json.loads(json.dumps(meta, default=_json_default))
+
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Restore what ``export_state`` returned; ValueError says what does not fit (the live
+        model is untouched then)."""
+        params = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+        opt_tensors = {k[len("optim/"):]: v for k, v in tensors.items() if k.startswith("optim/")}
+        self._check(params, "saved parameters")
+        try:
+            if meta["fingerprint"] != self.fingerprint():
+                raise ValueError("architecture fingerprint differs from this model's")
+            kind = meta["optimizer"]["kind"]
+            if kind != self.cfg.optimizer:
+                raise ValueError(f"saved optimizer {kind!r} != configured {self.cfg.optimizer!r}")
+            steps = int(meta["optimizer"]["steps"])
+            sampler = {"rng": meta["sampler"]["rng"], "pos": meta["sampler"]["pos"],
+                       "perm": tensors["sampler/perm"].numpy()}
+            eval_rng = meta["eval_rng"]
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"learner state is malformed (missing or malformed {e})") from None
+        with self._lock:
+            opt = self._make_optimizer()  # hyper-parameters come from the config, state from disk
+            opt.load_state(opt_tensors, steps)
+            old_sampler = self._sampler.state()
+            try:
+                self._sampler.set_state(sampler)
+                self._eval_rng.bit_generator.state = eval_rng
+            except (KeyError, TypeError, ValueError) as e:
+                self._sampler.set_state(old_sampler)
+                raise ValueError(f"learner state is malformed (sampler state: {e})") from None
+            self.set_params(params)
+            self.optimizer = opt

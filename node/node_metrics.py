@@ -1,0 +1,29 @@
+"""The node's own Prometheus metrics (names and help texts are the public contract: dashboards
+and alerts read them). The peer plane's traffic metrics live in ``peering/traffic.py``."""
+from __future__ import annotations
+
+from .metrics import Metrics
+
+
+class NodeMetrics:
+    def __init__(self, metrics: Metrics):
+        self.rounds = metrics.counter("coterie_rounds_total", "Completed rounds")
+        self.round_s = metrics.histogram("coterie_round_duration_seconds", "Round wall time",
+                                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+        self.peers = metrics.gauge("coterie_peers", "Known peers by state", ("state",))
+        self.rejected = metrics.counter("coterie_rejected_total", "Peer inputs rejected", ("kind",))
+        self.round = metrics.gauge("coterie_round", "Current round")
+        self.acc = metrics.gauge("coterie_test_accuracy_ratio", "Test accuracy after the last round (0..1)")
+        self.eps = metrics.gauge("coterie_privacy_epsilon",
+                                 "ε released about this node's data, all peers composed (at privacy.delta)")
+        self.eps_peer = metrics.gauge("coterie_privacy_peer_epsilon",
+                                      "ε released about this node's data to one peer", ("peer",))
+        self.eps_budget = metrics.gauge("coterie_privacy_budget_epsilon", "Configured total ε budget")
+        self.releases = metrics.counter("coterie_privacy_releases_total",
+                                        "Answers computed on this node's data that left it", ("purpose",))
+        self.ckpt_s = metrics.histogram("coterie_checkpoint_write_seconds",
+                                        "Checkpoint write (background thread)",
+                                        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.ckpt_wait = metrics.histogram("coterie_checkpoint_wait_seconds",
+                                           "Round loop time spent on checkpoints (snapshot + waiting for the writer)",
+                                           buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))

@@ -1,0 +1,114 @@
+"""Per-peer deadlines of the requesting side (``NodeNetwork``'s calls): each call runs under its
+peer's deadline (``deadlines.Deadlines``: a multiple of that peer's recent latency for that kind
+of call, capped by ``request_timeout_s``) and the round's exchange phase (``Phase``: one deadline
+for all of a round's calls, counted from the first); a call to a peer that turns suspect or dead
+meanwhile is abandoned at once; a call that times out asks membership to probe that peer now."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from typing import Awaitable, Callable, Iterator, TypeVar
+
+from .deadlines import Deadlines, Phase, quantile
+from .errors import UNAVAILABLE, PeerCallError
+from .peer_table import PeerTable
+
+T = TypeVar("T")
+
+
+class PeerCalls:
+    def __init__(self, table: PeerTable, deadlines: Deadlines, *, request_timeout_s: float,
+                 exchange_timeout_s: float = 0.0, on_call_failed: Callable[[str], None] | None = None):
+        self.table = table
+        self.deadlines = deadlines
+        self.request_timeout_s = request_timeout_s
+        self.exchange_timeout_s = exchange_timeout_s  # 0: adaptive
+        self.on_call_failed = on_call_failed or (lambda peer: None)
+        self._inflight: dict[str, set[asyncio.Task]] = {}
+        self._timed_out: dict[str, float] = {}  # peer -> when a call to it last timed out
+        self._abandoned: set[asyncio.Task] = set()
+        self._phases: deque[float] = deque(maxlen=32)  # recent exchange-phase durations
+        self._phase: Phase | None = None
+
+    def exchange_budget(self) -> float:
+        """How long a round's exchange phase may last: ``exchange_timeout_s`` if set, else
+        ``deadline_mult`` × the 90th percentile of recent phases (at least twice the deadline
+        floor), capped by the request timeout."""
+        cap = self.request_timeout_s
+        if self.exchange_timeout_s:
+            return min(self.exchange_timeout_s, cap)
+        if len(self._phases) < 5:
+            return cap
+        d = self.deadlines
+        return min(cap, max(2 * d.floor_s, d.mult * quantile(self._phases, 0.9)))
+
+    @contextlib.contextmanager
+    def exchange_phase(self) -> Iterator[Phase]:
+        """Around a round: its peer calls share one deadline, counted from the first call."""
+        self._phase = phase = Phase(self.exchange_budget())
+        try:
+            yield phase
+        finally:
+            self._phase = None
+            took = phase.close()
+            if took is not None:
+                self._phases.append(took)
+
+    def abandon(self, node_id: str) -> None:
+        """``node_id`` turned suspect or dead: what is in flight to it is abandoned (the round
+        goes on without it)."""
+        for t in self._inflight.get(node_id, ()):
+            self._abandoned.add(t)
+            t.cancel()
+
+    def responsive(self, peer: str) -> bool:
+        """Known, and not timed out since it last showed a sign of life."""
+        rec = self.table.records.get(peer)
+        return rec is not None and self._timed_out.get(peer, float("-inf")) < rec.last_seen
+
+    async def call(self, peer: str, kind: str, make: Callable[[float], Awaitable[T]], wait_s: float = 0.0) -> T:
+        """``make(timeout)`` under this peer's deadline and the round's; abandoned if the peer
+        turns suspect or dead meanwhile."""
+        timeout = self.deadlines.timeout(peer, kind)
+        phase = self._phase
+        now = time.monotonic()
+        if phase is not None:
+            left = phase.begin(now)
+            if left <= 0:
+                phase.skipped += 1
+                raise PeerCallError(UNAVAILABLE, f"the round's exchange phase ({phase.budget_s:.1f}s) is over")
+            timeout = min(timeout, left)
+        task = asyncio.ensure_future(make(timeout + wait_s))
+        calls = self._inflight.setdefault(peer, set())
+        calls.add(task)
+        ok = False
+        try:
+            out = await task
+            ok = True
+            return out
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task in self._abandoned and not (me is not None and me.cancelling()):
+                if phase is not None:
+                    phase.abandoned += 1
+                rec = self.table.records.get(peer)
+                raise PeerCallError(UNAVAILABLE, f"{peer} turned {rec.state if rec else 'unknown'}: "
+                                                 f"call abandoned") from None
+            raise
+        except PeerCallError as e:
+            if e.kind == UNAVAILABLE:  # a timeout or refused connection: membership probes it now,
+                self._timed_out[peer] = time.monotonic()  # and it is not called again until it answers
+                self.on_call_failed(peer)
+            raise
+        finally:
+            calls.discard(task)
+            self._abandoned.discard(task)
+            if not calls:
+                self._inflight.pop(peer, None)
+            end = time.monotonic()
+            if ok and not wait_s:
+                self.deadlines.observe(peer, kind, end - now)
+            if phase is not None:
+                phase.ended(now, end, ok)

@@ -1,0 +1,133 @@
+"""The round loop: train → exchange → publish → checkpoint, one round after another, and the
+typed record each round leaves in the history (``RoundRecord``; written as JSON, its keys are the
+persistence format and what ``/history`` shows)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .failures import Backoff
+from .peering.deadlines import Phase
+
+log = logging.getLogger("coterie.node")
+
+
+@dataclass
+class RoundTiming:
+    strategy_s: float
+    eval_s: float
+    peer_calls: int
+    exchange_s: float
+    exchange_budget_s: float
+    calls_failed: int
+    calls_abandoned: int
+    calls_skipped: int
+    loop_stall_s: float
+
+    @classmethod
+    def of(cls, phase: Phase, strategy_s: float, eval_s: float, stall_s: float) -> "RoundTiming":
+        return cls(strategy_s=round(strategy_s, 4), eval_s=round(eval_s, 4), peer_calls=phase.calls,
+                   exchange_s=round(phase.exchange_s, 4), exchange_budget_s=round(phase.budget_s, 3),
+                   calls_failed=phase.failed, calls_abandoned=phase.abandoned, calls_skipped=phase.skipped,
+                   loop_stall_s=round(stall_s, 4))
+
+
+@dataclass
+class RoundRecord:
+    """One round, as the history keeps it (``as_dict``: the JSON line, keys in this order)."""
+    round: int
+    t: float
+    duration_s: float
+    model_version: int
+    train_loss: Any
+    eval: dict[str, float]
+    weights: dict[str, float]
+    contacted: Any
+    bytes_sent: Any
+    bytes_received: Any
+    info: Any
+    peers_alive: int
+    timing: RoundTiming
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}  # (shallow: values stay as given)
+        out["timing"] = asdict(self.timing)
+        return out
+
+
+class RoundLoop:
+    """Drives one ``daemon.Node`` (not imported here: the node owns its loop) through its rounds;
+    a failed round is reported, backed off and run again."""
+
+    def __init__(self, node: Any):
+        self.node = node
+
+    async def wait_for_peers(self) -> None:
+        n, cfg = self.node, self.node.cfg
+        deadline = time.monotonic() + cfg.start_timeout_s
+        while len(n.peers.alive()) < cfg.min_peers and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)  # poll membership, bounded by start_timeout_s
+        if len(n.peers.alive()) < cfg.min_peers:
+            log.warning("starting with %d peers (wanted %d)", len(n.peers.alive()), cfg.min_peers)
+
+    async def one(self, rnd: int, t0: float) -> dict[str, float]:
+        """Round ``rnd``: the strategy's work, evaluation, publishing, and its checkpoint handed
+        to the writer. Returns its evaluation."""
+        n = self.node
+        stall0 = n.loop_lag.total_s
+        with n.network.exchange_phase() as phase:  # peer calls share the round's deadline
+            report = await n.strategy.run_round(rnd)
+        t_strategy = time.monotonic() - t0
+        evaluation = await asyncio.to_thread(n.strategy.evaluate)
+        t_eval = time.monotonic() - t0 - t_strategy
+        t1, done_at = time.monotonic(), time.time()  # the round's own work ends here
+        await n.checkpointer.room()  # at most max_unsaved published rounds not yet on disk
+        waited = time.monotonic() - t1
+        n.round = rnd
+        n.publish()
+        sent, received = n.traffic.take_round()
+        record = RoundRecord(round=rnd, t=done_at, duration_s=round(t1 - t0, 4), model_version=n.version,
+                             train_loss=report.train_loss, eval=evaluation, weights=n.strategy.weights(),
+                             contacted=report.contacted, bytes_sent=sent, bytes_received=received,
+                             info=report.info, peers_alive=len(n.peers.alive()),
+                             timing=RoundTiming.of(phase, t_strategy, t_eval, n.loop_lag.total_s - stall0))
+        # a copy now; the writer thread encodes and writes it while the next round trains
+        t2 = time.monotonic()
+        await n.checkpointer.submit(await n._snapshot(record.as_dict()))
+        n.m.ckpt_wait.observe(waited + time.monotonic() - t2)
+        return evaluation
+
+    async def run(self) -> None:
+        n, cfg = self.node, self.node.cfg
+        if cfg.rounds is None or n.round < cfg.rounds:
+            await self.wait_for_peers()
+        backoff = Backoff()
+        while cfg.rounds is None or n.round < cfg.rounds:
+            t0 = time.monotonic()
+            rnd = n.round + 1
+            try:
+                evaluation = await self.one(rnd, t0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - reported (log, /status, health), then retried
+                n.round = rnd - 1  # not checkpointed: the round is run again
+                delay = backoff.next()
+                n.failures.failed("rounds", e, delay)
+                await asyncio.sleep(delay)
+                continue
+            backoff.reset()
+            n.failures.recovered("rounds")
+            n.m.rounds.inc()
+            n.m.round_s.observe(time.monotonic() - t0)
+            if "test_acc" in evaluation:
+                n.m.acc.set(evaluation["test_acc"])
+            n.round_log.round_done(rnd, time.monotonic() - t0, evaluation)
+            wait = cfg.round_interval_s - (time.monotonic() - t0)
+            if wait > 0:
+                await asyncio.sleep(wait)  # pacing: a deliberately slow node
+        await n.checkpointer.flush()  # done means durable
+        n.done = True
+        log.info("node %s finished its %d rounds; still serving peers", n.node_id, n.round)

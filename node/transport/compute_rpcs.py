@@ -1,0 +1,114 @@
+"""The compute and gossip RPCs of the gRPC server (``server.PeerService``'s part): a peer's
+request on this node's data — cross-loss, cross-gradient, gradient push — as a stream of a
+header and its payload, and strategy gossip. Decode → gate → encode, as everywhere in the server:
+the header is parsed and the gate (claimed id, known peer, reference, announced size, admission)
+passes it before the payload is read, under the upload deadlines (``upload_timeout_s``, no gap
+over ``upload_idle_s``)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, AsyncIterator
+
+from ...proto.v1 import peer_pb2 as pb
+from ..peering.errors import exhausted, invalid
+from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT
+from ..wire.codec import WireError, decode, encode
+from . import serde
+from .chunks import Assembler, collect, sha256, split
+from .serde import parse as _parse
+from .serde import parsed as _parsed
+
+
+class ComputeRpcs:
+    """Mixed into ``server.PeerService`` (its gate, traffic, stream limits and ``_guard``/``_send``)."""
+
+    async def _upload(self, frames: AsyncIterator[Any], who: str) -> AsyncIterator[Any]:
+        """``frames`` under the server's deadlines: no gap longer than ``upload_idle_s``, and the
+        whole upload within ``upload_timeout_s`` (stretched for a large announced payload once
+        the header says how large: a slow or stalled sender is cut off)."""
+        loop = asyncio.get_running_loop()
+        total, idle = self.streams.upload_timeout_s, self.streams.upload_idle_s
+        start = loop.time()
+        deadline = start + total
+        it = frames.__aiter__()
+        first = True
+        while True:
+            left = min(idle, deadline - loop.time())
+            if left <= 0:
+                raise exhausted(f"{who}: upload not complete after {total:g} s")
+            try:
+                msg = await asyncio.wait_for(it.__anext__(), left)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise exhausted(f"{who}: upload stalled for {idle:g} s" if loop.time() < deadline
+                                else f"{who}: upload not complete after {total:g} s") from None
+            if first and getattr(msg, "WhichOneof", None) and msg.WhichOneof("body") == "header":
+                total = self.streams.upload_deadline(msg.header.total_bytes)
+                deadline = start + total  # the size is checked against the limit right after
+            first = False
+            yield msg
+
+    async def _read_compute(self, context, raw_frames, kind: str, slot: contextlib.ExitStack):
+        """The request a compute stream carries: header (within ``upload_idle_s``), caller
+        authenticated and known, one of its admission slots taken (held by ``slot``), then the
+        payload under the upload deadlines."""
+        it = self._upload(_parsed(raw_frames, pb.ComputeFrame, kind), kind).__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            first = None
+        if first is None or first.WhichOneof("body") != "header":
+            raise invalid(f"{kind}: stream must start with a header frame")
+        h = first.header
+        req = self.gate.admit_compute(self._caller(context), serde.compute_request_from_pb(kind, h), h.total_bytes,
+                                      slot, announced=True)
+        who = f"{kind} from {req.requester}"
+        limit = self.gate.limits.max_model_bytes
+        asm = None if req.ref is not None else Assembler(who, h.total_bytes, h.sha256, limit)
+        if asm is None:
+            self.traffic.record(kind, received=first.ByteSize())
+            return req
+        data = await collect(it, asm)
+        self.traffic.record(kind, received=first.ByteSize() + len(data))
+        try:
+            req.groups, _ = decode(data, max_bytes=limit)
+        except WireError as e:
+            raise invalid(f"{who}: {e}") from None
+        return req
+
+    async def _computed(self, context, raw_frames, kind: str):
+        with contextlib.ExitStack() as slot:
+            return await self.gate.compute(await self._read_compute(context, raw_frames, kind, slot))
+
+    async def CrossLoss(self, raw_frames, context):
+        async def go():
+            reply = await self._computed(context, raw_frames, CROSS_LOSS)
+            out = serde.loss_reply_to_pb(reply)
+            self.traffic.record(CROSS_LOSS, sent=out.ByteSize())
+            return out
+        return await self._guard(context, CROSS_LOSS, go(), raw_frames)
+
+    async def CrossGradient(self, raw_frames, context):
+        reply = await self._guard(context, CROSS_GRADIENT, self._computed(context, raw_frames, CROSS_GRADIENT),
+                                  raw_frames)
+        data = encode(reply.grad) if reply.grad is not None else b""
+        header = serde.gradient_header_to_pb(reply, len(data), sha256(data) if data else "")
+        frames = (pb.GradientChunk(header=header), *(pb.GradientChunk(data=p) for p in split(data, self.chunk_bytes)))
+        await self._send(context, frames, "gradient")
+        self.traffic.record(CROSS_GRADIENT, sent=header.ByteSize() + len(data))
+
+    async def PushGradient(self, raw_frames, context):
+        async def go():
+            return serde.ack_to_pb(await self._computed(context, raw_frames, PUSH_GRADIENT))
+        return await self._guard(context, PUSH_GRADIENT, go(), raw_frames)
+
+    async def GossipState(self, raw: bytes, context):
+        async def go():
+            request = _parse(pb.GossipMessage, raw, "gossip")
+            reply = await self.gate.gossip(self._caller(context), request.node_id, request.key, request.payload)
+            out = pb.GossipMessage(node_id=self.gate.node_id, key=request.key, payload=reply)
+            self.traffic.record("gossip", received=len(raw), sent=out.ByteSize())
+            return out
+        return await self._guard(context, "gossip", go())
