@@ -22,6 +22,7 @@ from .checkpointing import Checkpointer
 from .config import PROTOCOL_VERSION, ConfigError, NodeConfig
 from .failures import Backoff, Failures
 from .fsutil import atomic_write_json
+from .learning.guard import RoundGuard
 from .learning.learner import Learner
 from .logfilter import install_log_filter
 from .logs import RoundLog
@@ -148,6 +149,10 @@ class Node:
         self.strategy = get_strategy(cfg.strategy)(self.node_id, learner, self.network,
                                                    cfg.strategy_params, seed=seed)
         self._budget_noted: dict[tuple[str, str], float] = {}
+        m_div = self.metrics.counter("coterie_training_divergences_total",
+                                     "Diverged steps or rounds rolled back", ("where",))
+        self.guard = RoundGuard(learner, self.strategy, lambda where, msg: (
+            m_div.labels(where=where).inc(), self.problems.note("this node (training)", msg)))
         self.admission = Admission(cfg.limits, on_refused=self._over_budget)
         self.served = ServedRequests(self.node_id, self.info, self.membership, learner, self.spec,
                                      self.strategy, self.board, self.cache, self.inbox, self.problems,
@@ -365,6 +370,7 @@ class Node:
         groups = {"params": shared if shared is not None else self.learner.get_params()}
         for name, tensors in self.strategy.published_extras().items():
             groups[f"x:{name}"] = tensors
+        groups = self.guard.publishable(groups)  # nothing non-finite leaves the node
         self.version += 1
         self.board.publish(LocalSnapshot(self.node_id, self.version, self.round, groups))
 
@@ -385,8 +391,10 @@ class Node:
             stall0 = self.loop_lag.total_s
             rnd = self.round + 1
             try:
+                await asyncio.to_thread(self.guard.before_round)
                 with self.network.exchange_phase() as phase:  # peer calls share the round's deadline
                     report = await self.strategy.run_round(rnd)
+                await asyncio.to_thread(self.guard.after_round)  # a diverged round is rolled back
                 t_strategy = time.monotonic() - t0
                 evaluation = await asyncio.to_thread(self.strategy.evaluate)
                 t_eval = time.monotonic() - t0 - t_strategy

@@ -27,6 +27,7 @@ from torch.func import functional_call
 
 from .config import LearnerConfig
 from .datasets import Pool, load_pool
+from .guard import StepGuard
 from .learner import EvalResult, Learner, Params, Split, TrainResult
 from .models import build_model
 from .partition import NodeData, node_data
@@ -202,6 +203,8 @@ class TorchLearner(Learner):
         self._eval_rng = np.random.default_rng(_seed(cfg.data_seed, cfg.node_index, 0xE7A1))
         self._lock = threading.RLock()
         self._eval_lock = threading.Lock()
+        # a diverged step is rolled back and backs off the step size (guard.py)
+        self.step_guard = StepGuard(factor=cfg.divergence_factor)
 
     # ------------------------------------------------------------------ params
     def _make_optimizer(self) -> LocalOptimizer:
@@ -255,25 +258,59 @@ class TorchLearner(Learner):
         if steps <= 0:
             return TrainResult(loss=float("nan"), steps=0, samples=0)
         x, y = self._data["train"]
-        total, samples = 0.0, 0
+        total, samples, done = 0.0, 0, 0
+        guard = self.step_guard
         with self._lock:
+            start = {n: p.detach().clone() for n, p in self.model.named_parameters()}  # last finite state
+            self.optimizer.lr = self.cfg.lr * guard.lr_scale
             self.model.train()
+            problem = None
             for _ in range(steps):
                 idx = torch.from_numpy(self._sampler.next(bs)).to(self.device)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = self._loss_fn(self.model(x[idx]), y[idx], "mean")
+                value = float(loss.detach())
+                problem = guard.loss_problem(value)
+                if problem is not None:
+                    break
                 loss.backward()
+                grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+                norm = (torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+                        if self.cfg.grad_clip else torch.nn.utils.get_total_norm(grads))
+                if not math.isfinite(float(norm)):
+                    problem = f"gradient norm is {float(norm)}"
+                    break
                 self.optimizer.step()
-                total += float(loss.detach())
+                guard.observe(value)
+                total += value
                 samples += len(idx)
+                done += 1
+            if problem is None and not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
+                problem = "non-finite parameters after the local steps"
             self.optimizer.zero_grad(set_to_none=True)
+            if problem is not None:
+                guard.diverged("step", problem)
+                self.reset_after_divergence(start)
+                return TrainResult(loss=total / done if done else float("nan"), steps=done, samples=samples)
+            guard.clean()
         return TrainResult(loss=total / steps, steps=steps, samples=samples)
+
+    def reset_after_divergence(self, params: Params) -> None:
+        """Back to ``params`` (the last finite model) with fresh optimizer state: a momentum or
+        Adam buffer that saw the blow-up would carry it into the next step."""
+        with self._lock:
+            self.set_params(params)
+            self.optimizer = self._make_optimizer()
+            self.optimizer.lr = self.cfg.lr * self.step_guard.lr_scale
 
     def apply_gradient(self, grad: Params) -> None:
         self._check(grad, "grad")
         with self._lock:
             for n, p in self.model.named_parameters():
                 p.grad = grad[n].to(p.device, p.dtype).clone()
+            if self.cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            self.optimizer.lr = self.cfg.lr * self.step_guard.lr_scale
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 

@@ -160,6 +160,9 @@ class COBO(Strategy):
         return RoundReport(train_loss=sum(losses) / len(losses), contacted=sorted(snaps),
                            info={"pairs": sorted(ips), "pair_prob": prob, "pair_scale": scale})
 
+    def on_diverged(self) -> None:
+        self._m = None  # the gradient EMA saw the diverged model
+
     def on_alignment(self, peer: str, inner_product: float) -> None:
         """Served side of a pair update: w_ji moves by the same γ⟨·,·⟩ the requester applies."""
         if math.isfinite(inner_product):
