@@ -67,7 +67,8 @@ def test_one_round_reference():
     for p in contacted:
         ref = n0.learner.loss(hub.nodes[p].snapshot.params, "train").loss
         assert n0.strategy._L[p] == pytest.approx(0.6 * ref, rel=1e-5)
-    assert n0.strategy._L["n0"] == pytest.approx(0.6 * n0.learner.loss(own, "train").loss, rel=1e-5)
+    # Alg. 1: only the sampled neighbours' ℓ move; the own model is not one, ℓ_ii stays 0 (l.3)
+    assert n0.strategy._L["n0"] == 0.0
     for p in set(L_before) - contacted - {"n0"}:
         assert n0.strategy._L[p] == 0.0
     w = n0.strategy.weights()
@@ -97,6 +98,21 @@ def test_receiver_applies_own_plus_received_and_drops_stale():
     for k in theta:  # plain SGD, lr 0.1: θ − 0.1 (w_ii g_own + 1·push)
         assert torch.allclose(after[k], theta[k] - 0.1 * (w_self * g_own[k] + push[k]), atol=1e-6)
     assert s.public_state()["pushed_dropped"] == 1 and s.public_state()["pushed_applied"] == 1
+
+
+def test_own_loss_is_the_prior_not_a_tracked_neighbour():
+    """Alg. 1 l.12-13 update ℓ only for the sampled neighbours: my own model keeps ℓ_ii = 0, so
+    w_ii never drops below an untried peer's and the own model keeps learning from my data (the
+    old reading tracked ℓ_ii every round: w_ii fell below every untried peer's in round 1)."""
+    for mode, own_kept in (("prior", True), ("track", False)):
+        hub = build_network(FedeRiCo, {"num_neighbours": 2, "eps": 0.0, "grad_samples": None,
+                                       "loss_reduction": "sum", "own_loss": mode}, num_nodes=5, num_clusters=1)
+        n0 = hub.nodes["n0"]
+        asyncio.run(n0.strategy.run_round(1))
+        w = n0.strategy.weights()
+        assert (w["n0"] >= max(v for k, v in w.items() if k != "n0") - 1e-12) is own_kept, (mode, w)
+        if mode == "track":
+            assert w["n0"] < 1e-3  # the summed own loss: the own model is all but dropped
 
 
 def _norm(p):
