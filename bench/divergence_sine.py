@@ -68,7 +68,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--lr", type=float, default=LEARNER["lr"])
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--federico", default="{}", help="FedeRiCo parameters over the defaults (JSON)")
+    ap.add_argument("--tag", default="")
     args = ap.parse_args()
+    STRATEGIES["federico"] = {**STRATEGIES["federico"], **json.loads(args.federico)}
     learner = {**LEARNER, "lr": args.lr}
     t0 = time.time()
     out: dict = {"config": {"nodes": NODES, "rounds": args.rounds, "seeds": args.seeds, "learner": learner,
@@ -81,7 +84,7 @@ def main() -> None:
               f"{sum(r['non_finite_rounds'] for r in rows)}  divergences {[r['divergences'] for r in rows]}",
               flush=True)
     out["wall_s"] = round(time.time() - t0, 1)
-    path = RESULTS / f"divergence_sine_lr{args.lr:g}.json"
+    path = RESULTS / f"divergence_sine_lr{args.lr:g}{args.tag}.json"
     path.write_text(json.dumps(out, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else str(o)))
     print("wrote", path)
 
