@@ -27,10 +27,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--strategy", default="cobo")
-    ap.add_argument("--params", default="{}", help="COBO parameters (JSON) over S1's local_steps = 20")
+    ap.add_argument("--params", default="{}", help="strategy parameters (JSON; COBO: over S1's local_steps = 20)")
     ap.add_argument("--out", default=str(RESULTS / "fidelity_cobo_runs.jsonl"))
     args = ap.parse_args()
-    params = {"local_steps": 20, **json.loads(args.params)} if args.strategy == "cobo" else {}
+    params = ({"local_steps": 20, **json.loads(args.params)} if args.strategy == "cobo"
+              else json.loads(args.params))
     hub = build(args.strategy, params, LEARNER, 12, args.seed)
     ids = list(hub.nodes)
     cl = {n: hub.nodes[n].cluster for n in ids}
