@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--strategy", default="cobo")
     ap.add_argument("--params", default="{}", help="strategy parameters (JSON; COBO: over S1's local_steps = 20)")
-    ap.add_argument("--out", default=str(RESULTS / "fidelity_cobo_runs.jsonl"))
+    ap.add_argument("--out", default=str(RESULTS / "fidelity_s1_runs.jsonl"))
     args = ap.parse_args()
     params = ({"local_steps": 20, **json.loads(args.params)} if args.strategy == "cobo"
               else json.loads(args.params))
