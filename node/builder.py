@@ -9,6 +9,7 @@ import random
 from typing import Any
 
 from .config import NodeConfig
+from .learning.guard import RoundGuard
 from .learning.learner import Learner
 from .peering.admission import Admission
 from .peering.deadlines import Deadlines
@@ -75,6 +76,9 @@ def wire_peer_plane(node: Any, cfg: NodeConfig, learner: Learner) -> None:
                                on_call_failed=node.membership.suspect_hint, watch=cfg.watch_snapshots)
     node.strategy = get_strategy(cfg.strategy)(node.node_id, learner, node.network,
                                                cfg.strategy_params, seed=seed)
+    # a diverged step or round is rolled back, counted and noted; nothing non-finite is published
+    node.guard = RoundGuard(learner, node.strategy, lambda where, msg: (
+        node.m.divergences.labels(where=where).inc(), node.problems.note("this node (training)", msg)))
     node._budget_noted: dict[tuple[str, str], float] = {}
     node.admission = Admission(cfg.limits, on_refused=node._over_budget)
     hooks = CrlHooks(node.strategy, revocation) if revocation is not None else node.strategy

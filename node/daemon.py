@@ -293,6 +293,7 @@ class Node(NodeViews):
         groups = {"params": shared if shared is not None else self.learner.get_params()}
         for name, tensors in self.strategy.published_extras().items():
             groups[f"x:{name}"] = tensors
+        groups = self.guard.publishable(groups)  # nothing non-finite leaves the node
         self.version += 1
         self.board.publish(LocalSnapshot(self.node_id, self.version, self.round, groups))
 

@@ -12,6 +12,8 @@ class NodeMetrics:
                                          buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
         self.peers = metrics.gauge("coterie_peers", "Known peers by state", ("state",))
         self.rejected = metrics.counter("coterie_rejected_total", "Peer inputs rejected", ("kind",))
+        self.divergences = metrics.counter("coterie_training_divergences_total",
+                                           "Diverged steps or rounds rolled back", ("where",))
         self.round = metrics.gauge("coterie_round", "Current round")
         self.acc = metrics.gauge("coterie_test_accuracy_ratio", "Test accuracy after the last round (0..1)")
         self.eps = metrics.gauge("coterie_privacy_epsilon",

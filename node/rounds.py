@@ -78,8 +78,10 @@ class RoundLoop:
         to the writer. Returns its evaluation."""
         n = self.node
         stall0 = n.loop_lag.total_s
+        await asyncio.to_thread(n.guard.before_round)
         with n.network.exchange_phase() as phase:  # peer calls share the round's deadline
             report = await n.strategy.run_round(rnd)
+        await asyncio.to_thread(n.guard.after_round)  # a diverged round is rolled back
         t_strategy = time.monotonic() - t0
         evaluation = await asyncio.to_thread(n.strategy.evaluate)
         t_eval = time.monotonic() - t0 - t_strategy

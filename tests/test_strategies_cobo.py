@@ -3,6 +3,7 @@ at the midpoint; in-process network."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -78,8 +79,24 @@ def test_pair_probability_schedule():
     s = hub.nodes["n0"].strategy
     assert s.pair_schedule(20) == pytest.approx((2 * 2 / 20, 1.0))
     assert s.pair_schedule(3) == pytest.approx((1.0, 2 * 2 / 3))  # k > 1: one exchange stands for k
-    s._steps = 1600
-    assert s.pair_schedule(20) == pytest.approx((2 / 40, 1.0))  # S/√t after 800 steps
+    s._steps = 1600  # past the constant phase: min(1, 100/(t+1)) per step, t = 1601, 1602
+    assert s.pair_schedule(20) == pytest.approx((100 / 1602 + 100 / 1603, 1.0))
+    s.p["schedule"] = "code"  # the authors' shipped run: 1/√t after 800 steps
+    assert s.pair_schedule(20) == pytest.approx((1 / math.sqrt(1601) + 1 / math.sqrt(1602), 1.0))
+
+
+def test_the_mixed_schedule_switches_to_O_1_over_t_after_0_2_percent_of_the_iterations():
+    """cobo.txt §4 (Table 1, mixed): O(1/n) for the first 0.2% of the iterations, then O(1/t)
+    (the authors' rate min(1, 100/(t+1))); the old schedule kept 2/n until step 800, then 1/√t."""
+    hub = build_network(COBO, {"local_steps": 1, "total_steps": 10000}, num_nodes=2, num_clusters=1)
+    s = hub.nodes["n0"].strategy
+    n = 12
+    assert [s.pair_rate(t, n) for t in (1, 20)] == pytest.approx([2 / n, 2 / n])  # 0.2% of 10,000 = 20
+    assert s.pair_rate(21, n) == 1.0 and s.pair_rate(99, n) == 1.0  # 100/(t+1) ≥ 1: every pair
+    assert s.pair_rate(400, n) == pytest.approx(100 / 401)
+    assert s.pair_rate(4000, n) * 4001 == pytest.approx(100)  # O(1/t), not 1/√t
+    s._steps = 499
+    assert s.pair_schedule(n) == pytest.approx((100 / 501, 1.0))
 
 
 def test_an_exchange_standing_for_k_pair_updates_moves_both_ends_by_k():
@@ -116,3 +133,23 @@ def test_in_process_network_disconnects_clusters_and_resumes():
     s2 = COBO("n2", s.learner, s.net, {"gamma": 0.1}, seed=8)
     s2.load_state_dict(msgpack_roundtrip_state(s.state_dict()))
     assert s2.public_state() == s.public_state()
+
+
+def test_an_exchange_standing_for_k_updates_draws_k_minibatches_worth_of_samples():
+    """k pair updates of the paper each draw a fresh minibatch; one exchange standing for them
+    takes its two gradients on ⌈k⌉ × grad_samples samples (one minibatch scaled by k would carry
+    k× the noise and throw W between 0 and 1)."""
+    hub = build_network(COBO, {"local_steps": 6, "grad_samples": 8}, num_nodes=3, num_clusters=3)
+    s = hub.nodes["n0"].strategy
+    assert s.pair_schedule(3) == pytest.approx((1.0, 4.0))  # k = 6 · 2/3
+    seen = []
+    orig = s.net.cross_gradient
+
+    async def recording(peer, params=None, **kw):
+        seen.append(kw.get("max_samples"))
+        return await orig(peer, params, **kw)
+
+    s.net.cross_gradient = recording
+    asyncio.run(s.run_round(1))
+    assert seen and set(seen) == {32}
+    assert s.align_samples(0.5) == 8 and s.align_samples(1.0) == 8

@@ -67,7 +67,8 @@ def test_one_round_reference():
     for p in contacted:
         ref = n0.learner.loss(hub.nodes[p].snapshot.params, "train").loss
         assert n0.strategy._L[p] == pytest.approx(0.6 * ref, rel=1e-5)
-    assert n0.strategy._L["n0"] == pytest.approx(0.6 * n0.learner.loss(own, "train").loss, rel=1e-5)
+    # Alg. 1: only the sampled neighbours' ℓ move; the own model is not one, ℓ_ii stays 0 (l.3)
+    assert n0.strategy._L["n0"] == 0.0
     for p in set(L_before) - contacted - {"n0"}:
         assert n0.strategy._L[p] == 0.0
     w = n0.strategy.weights()
@@ -83,7 +84,7 @@ def test_one_round_reference():
 
 
 def test_receiver_applies_own_plus_received_and_drops_stale():
-    params = {"num_neighbours": 0, "grad_samples": None, "max_staleness": 2}
+    params = {"num_neighbours": 0, "grad_samples": None, "max_staleness": 2, "push_norm_factor": 1e9}
     hub = build_network(FedeRiCo, params, num_nodes=2, num_clusters=1, learner_kw={"lr": 0.1})
     n0 = hub.nodes["n0"]
     s = n0.strategy
@@ -97,6 +98,82 @@ def test_receiver_applies_own_plus_received_and_drops_stale():
     for k in theta:  # plain SGD, lr 0.1: θ − 0.1 (w_ii g_own + 1·push)
         assert torch.allclose(after[k], theta[k] - 0.1 * (w_self * g_own[k] + push[k]), atol=1e-6)
     assert s.public_state()["pushed_dropped"] == 1 and s.public_state()["pushed_applied"] == 1
+
+
+def test_own_loss_is_the_prior_not_a_tracked_neighbour():
+    """Alg. 1 l.12-13 update ℓ only for the sampled neighbours: my own model keeps ℓ_ii = 0, so
+    w_ii never drops below an untried peer's and the own model keeps learning from my data (the
+    old reading tracked ℓ_ii every round: w_ii fell below every untried peer's in round 1)."""
+    for mode, own_kept in (("prior", True), ("track", False)):
+        hub = build_network(FedeRiCo, {"num_neighbours": 2, "eps": 0.0, "grad_samples": None,
+                                       "loss_reduction": "sum", "own_loss": mode}, num_nodes=5, num_clusters=1)
+        n0 = hub.nodes["n0"]
+        asyncio.run(n0.strategy.run_round(1))
+        w = n0.strategy.weights()
+        assert (w["n0"] >= max(v for k, v in w.items() if k != "n0") - 1e-12) is own_kept, (mode, w)
+        if mode == "track":
+            assert w["n0"] < 1e-3  # the summed own loss: the own model is all but dropped
+
+
+def _norm(p):
+    return math.sqrt(sum(float((v ** 2).sum()) for v in p.values()))
+
+
+def test_pushes_reach_every_local_step_not_only_the_first():
+    """Alg. 1 l.24 at every M-step of the round: θ_{s+1} = θ_s − η (w_ii ∇L(θ_s) + Σ pushes)."""
+    params = {"num_neighbours": 0, "grad_samples": None, "local_steps": 3, "push_norm_factor": 1e9}
+    hub = build_network(FedeRiCo, params, num_nodes=2, num_clusters=1, learner_kw={"lr": 0.1})
+    n0 = hub.nodes["n0"]
+    theta = n0.learner.get_params()
+    push = {k: 0.01 * torch.ones_like(v) for k, v in theta.items()}
+    n0.inbox = [PushedGradient("n1", 1, push)]
+    asyncio.run(n0.strategy.run_round(1))
+    w_self = n0.strategy.weights()["n0"]
+    ref = dict(theta)
+    for _ in range(3):  # full-batch gradients: the reference is exact
+        g, _ = n0.learner.gradient(ref, "train", None)
+        ref = {k: ref[k] - 0.1 * (w_self * g[k] + push[k]) for k in ref}
+    after = n0.learner.get_params()
+    for k in theta:
+        assert torch.allclose(after[k], ref[k], atol=1e-5)
+
+
+def test_a_stream_of_pushes_moves_the_model_no_more_than_one_honest_push():
+    """200 valid-looking pushes from one peer in one round (each 1000× an honest gradient): one is
+    applied, clipped to push_norm_factor × ‖own gradient‖; the model moves no more than an honest
+    peer's single push of that size can move it."""
+    params = {"num_neighbours": 0, "grad_samples": None, "local_steps": 1}
+    moves = {}
+    for case in ("honest", "flood"):
+        hub = build_network(FedeRiCo, params, num_nodes=3, num_clusters=1, learner_kw={"lr": 0.1})
+        n0 = hub.nodes["n0"]
+        theta = n0.learner.get_params()
+        g_own, _ = n0.learner.gradient(theta, "train", None)
+        limit = 2.0 * _norm(g_own)
+        honest = {k: v * (limit / _norm(g_own)) for k, v in g_own.items()}  # the largest honest push
+        if case == "honest":
+            n0.inbox = [PushedGradient("n1", 1, honest)]
+        else:
+            n0.inbox = [PushedGradient("n1", 1, {k: 1000 * v for k, v in g_own.items()}) for _ in range(200)]
+        asyncio.run(n0.strategy.run_round(1))
+        after = n0.learner.get_params()
+        moves[case] = _norm({k: after[k] - theta[k] for k in theta})
+        st = n0.strategy.public_state()
+        assert st["pushed_applied"] == 1
+    assert st["pushed_dropped"] == 199
+    assert moves["flood"] <= moves["honest"] * (1 + 1e-4)
+
+
+def test_pushes_per_round_are_capped():
+    params = {"num_neighbours": 0, "grad_samples": None, "max_pushes": 2, "push_norm_factor": 1e9}
+    hub = build_network(FedeRiCo, params, num_nodes=5, num_clusters=1)
+    n0 = hub.nodes["n0"]
+    theta = n0.learner.get_params()
+    n0.inbox = [PushedGradient(f"n{i}", 1, {k: 0.01 * torch.ones_like(v) for k, v in theta.items()})
+                for i in range(1, 5)]
+    asyncio.run(n0.strategy.run_round(1))
+    assert n0.strategy.public_state()["pushed_applied"] == 2
+    assert n0.strategy.public_state()["pushed_dropped"] == 2
 
 
 def test_mixture_prediction_uses_cached_peer_models():

@@ -47,4 +47,8 @@ class LearnerConfig(BaseModel):
     val_fraction: float = Field(0.2, ge=0, lt=1)
     test_fraction: float = Field(0.2, ge=0, lt=1)
     label_noise: float = Field(0.0, ge=0, le=1)  # share of this node's train labels replaced at random
+    # the divergence guard (guard.py): clip each step's gradient to this L2 norm (None: no clip);
+    # a step loss above divergence_factor × the running median counts as diverged (0: only non-finite)
+    grad_clip: float | None = Field(None, gt=0)
+    divergence_factor: float = Field(1e3, ge=0)
     torch_threads: int = Field(1, ge=1)  # many daemons share a machine: one intra-op thread each

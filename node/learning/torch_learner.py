@@ -25,11 +25,11 @@ from typing import Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.func import functional_call
 
 from .config import LearnerConfig
 from .datasets import Pool
+from .guard import StepGuard
 from .hooks import resolve_loss, resolve_transform
 from .learner import EvalResult, Learner, Params, Split, TrainResult
 from .models import build_model
@@ -37,6 +37,7 @@ from .own_data import OwnData
 from .partition import NodeData
 from .sources import node_source
 from .torch_private import EVAL_BATCH as _EVAL_BATCH
+from .torch_mixture import MixtureEval
 from .torch_private import PerSampleTerms
 from .torch_state import TorchState
 
@@ -162,7 +163,7 @@ class _Sampler:
         self.perm, self.pos = perm, pos
 
 
-class TorchLearner(PerSampleTerms, TorchState, Learner):
+class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
     def __init__(self, cfg: LearnerConfig, pool: Pool | None = None,
                  data: NodeData | OwnData | None = None):
         self.cfg = cfg
@@ -204,6 +205,8 @@ class TorchLearner(PerSampleTerms, TorchState, Learner):
         self._eval_rng = np.random.default_rng(_seed(cfg.data_seed, cfg.node_index, 0xE7A1))
         self._lock = threading.RLock()
         self._eval_lock = threading.Lock()
+        # a diverged step is rolled back and backs off the step size (guard.py)
+        self.step_guard = StepGuard(factor=cfg.divergence_factor)
 
     def data_info(self) -> dict:
         return dict(self._data_info)
@@ -262,25 +265,59 @@ class TorchLearner(PerSampleTerms, TorchState, Learner):
         if steps <= 0:
             return TrainResult(loss=float("nan"), steps=0, samples=0)
         x, y = self._data["train"]
-        total, samples = 0.0, 0
+        total, samples, done = 0.0, 0, 0
+        guard = self.step_guard
         with self._lock:
+            start = {n: p.detach().clone() for n, p in self.model.named_parameters()}  # last finite state
+            self.optimizer.lr = self.cfg.lr * guard.lr_scale
             self.model.train()
+            problem = None
             for _ in range(steps):
                 idx = torch.from_numpy(self._sampler.next(bs)).to(self.device)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = self._loss_fn(self.model(self._x(x[idx])), y[idx], "mean")
+                value = float(loss.detach())
+                problem = guard.loss_problem(value)
+                if problem is not None:
+                    break
                 loss.backward()
+                grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+                norm = (torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+                        if self.cfg.grad_clip else torch.nn.utils.get_total_norm(grads))
+                if not math.isfinite(float(norm)):
+                    problem = f"gradient norm is {float(norm)}"
+                    break
                 self.optimizer.step()
-                total += float(loss.detach())
+                guard.observe(value)
+                total += value
                 samples += len(idx)
+                done += 1
+            if problem is None and not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
+                problem = "non-finite parameters after the local steps"
             self.optimizer.zero_grad(set_to_none=True)
+            if problem is not None:
+                guard.diverged("step", problem)
+                self.reset_after_divergence(start)
+                return TrainResult(loss=total / done if done else float("nan"), steps=done, samples=samples)
+            guard.clean()
         return TrainResult(loss=total / steps, steps=steps, samples=samples)
+
+    def reset_after_divergence(self, params: Params) -> None:
+        """Back to ``params`` (the last finite model) with fresh optimizer state: a momentum or
+        Adam buffer that saw the blow-up would carry it into the next step."""
+        with self._lock:
+            self.set_params(params)
+            self.optimizer = self._make_optimizer()
+            self.optimizer.lr = self.cfg.lr * self.step_guard.lr_scale
 
     def apply_gradient(self, grad: Params) -> None:
         self._check(grad, "grad")
         with self._lock:
             for n, p in self.model.named_parameters():
                 p.grad = grad[n].to(p.device, p.dtype).clone()
+            if self.cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            self.optimizer.lr = self.cfg.lr * self.step_guard.lr_scale
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
@@ -350,42 +387,6 @@ class TorchLearner(PerSampleTerms, TorchState, Learner):
                    if self.task == "classification" else None)
         g = {n: t.detach().to("cpu", torch.float32) for n, t in zip(self._names, grads)}
         return g, EvalResult(loss=float(loss.detach()), n=len(y), accuracy=acc)
-
-    def evaluate_mixture(self, members: list[tuple[float, Params]],
-                         split: Split = "test") -> EvalResult:
-        """Σ_j w_j p(y|x; θ_j) with the weights normalised to sum to 1 (classification: softmax
-        probabilities, loss = NLL of the mixture; regression: weighted mean prediction, MSE)."""
-        if not members:
-            raise ValueError("evaluate_mixture needs at least one member")
-        w = np.asarray([float(m[0]) for m in members])
-        if np.any(w < 0) or not w.sum() > 0:
-            raise ValueError(f"mixture weights must be >= 0 with a positive sum, got {w.tolist()}")
-        w = w / w.sum()
-        ps = [self._device_params(m[1]) for m in members]
-        x, y = self._data[split]
-        n = len(y)
-        if n == 0:
-            return EvalResult(loss=float("nan"), n=0, accuracy=None)
-        total, correct = 0.0, 0
-        with self._eval_lock, torch.no_grad():
-            for i in range(0, n, _EVAL_BATCH):
-                xb, yb = x[i:i + _EVAL_BATCH], y[i:i + _EVAL_BATCH]
-                mix: torch.Tensor | None = None
-                for wj, pj in zip(w, ps):
-                    if wj == 0:
-                        continue
-                    out = functional_call(self._shadow, pj, (self._x(xb),))
-                    out = out.softmax(1) if self.task == "classification" else out.reshape(-1)
-                    mix = wj * out if mix is None else mix + wj * out
-                assert mix is not None  # the weights were checked to have a positive sum
-                if self.task == "classification":
-                    py = mix.gather(1, yb.view(-1, 1)).clamp_min(1e-12)
-                    total += float(-py.log().sum())
-                    correct += int((mix.argmax(1) == yb).sum())
-                else:
-                    total += float(F.mse_loss(mix, yb.reshape(-1), reduction="sum"))
-        acc = correct / n if self.task == "classification" else None
-        return EvalResult(loss=total / n, n=n, accuracy=acc)
 
 
 

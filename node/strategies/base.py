@@ -185,6 +185,11 @@ class Strategy(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
 
+    def on_diverged(self) -> None:
+        """The node rolled the live model back to the round's start (a non-finite model or loss,
+        ``learning/guard.py``): forget what was derived from the diverged one."""
+        return None
+
     def evaluate(self) -> dict[str, float]:
         """Test metrics of how this node predicts (default: its own model)."""
         r = self.learner.evaluate("test")

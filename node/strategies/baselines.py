@@ -91,6 +91,9 @@ class DPSGD(Strategy):
     def shared_params(self) -> Params | None:
         return self._trained
 
+    def on_diverged(self) -> None:
+        self._trained = None  # share the restored live model until a round trains a finite one
+
     def weights(self) -> dict[str, float]:
         return dict(self._w)
 

@@ -15,12 +15,22 @@ Round at node i:
     breaks eq. 3's balance (ηρ·degree < 1): Adam scales every coordinate to ~lr, so the consensus
     pull, small but consistent, outweighs the noisy gradient, and on IID data (S3) the models
     crawled to a train loss of 1.4 in 600 steps where learning alone reached 0.
-*decentral*: the paper updates W every step with per-pair probability O(1/n); exchanging every step
+*decentral*: the paper updates W every step with per-pair probability p(t); exchanging every step
 is too chatty for a network, so S local steps run between exchanges, and each exchange carries
-the paper's expected number of pair updates over those S steps, k = S·2/n per (unordered) pair
-for the first ``decay_after_steps`` steps (Alg. 1 l.10-11: 1/n per ordered pair), then S/√t
-(*code*: 1/√t): a pair is updated with probability min(1, k), by max(1, k)·γ⟨·,·⟩ (the
-initiator scales the gradient it sends by max(1, k), so both ends apply the same value).
+the paper's expected number of pair updates over those S steps, k = Σ_{t in the S steps} p(t):
+a pair is updated with probability min(1, k), by max(1, k)·γ⟨·,·⟩ (the initiator scales the
+gradient it sends by max(1, k), so both ends apply the same value). The k updates the paper makes
+each draw a fresh minibatch, so their sum has the noise of one minibatch ×√k; one inner product
+scaled by k would have k× the noise (on S1 at k = 20: single updates of ±1, W jumping between 0 and
+1 at random). The exchange's gradients are therefore taken on k minibatches' worth of samples
+(``grad_samples`` × ⌈k⌉, at most the whole split).
+Pair schedule p(t), the paper's *mixed* strategy (§4, Table 1: the best of the four): the constant
+rate O(1/n) — 2/n per unordered pair, Alg. 1 l.11's 1/n per ordered pair — for the first 0.2% of
+the iterations (``warm_fraction`` × ``total_steps``; the paper's run: 40,000), then the
+time-dependent rate O(1/t), p(t) = min(1, c/(t+1)) with c = 100 (*code*: the authors' O(1/t)
+rate, ``p_sample = min(1.0, 100/(self.step+1))`` in grouping.py). W is learnt early (p = 1 until
+step 100, so early pair updates are dense) and then settles (Σ γ p(t) grows like log t).
+``schedule = "code"`` keeps the authors' shipped run instead (2/n, then 1/√t after 800 steps).
 W starts at all ones (Alg. 1 input).
 """
 from __future__ import annotations
@@ -68,8 +78,11 @@ class COBO(Strategy):
         "grad_momentum": 0.9,     # *code*: g_i is a 0.9-momentum EMA of the minibatch gradients
         "lr": 0.1,                # η of eq. 3, ALGORITHMS (COBO lr 0.1)
         "optimizer": "sgd",       # eq. 3's plain step; "learner" = the node's optimizer (module doc)
-        "pair_rate": None,        # per-step pair probability; None = 2/n (ALGORITHMS; Alg. 1 l.11: 1/n per ordered pair)
-        "decay_after_steps": 800,  # *code*: switch to a 1/√t rate after 800 steps (mixed strategy, §4 Table 1)
+        "pair_rate": None,        # constant-phase pair probability; None = 2/n (Alg. 1 l.11: 1/n per ordered pair)
+        "schedule": "mixed",      # §4 Table 1's mixed strategy (module doc); "code": 2/n then 1/√t after 800 steps
+        "total_steps": 40000,     # iterations the 0.2% refers to (the paper's cross-silo run)
+        "warm_fraction": 0.002,   # §4: constant rate for the first 0.2% of the iterations
+        "time_constant": 100.0,   # *code*: the O(1/t) rate min(1, c/(t+1)), c = 100
         "pair_prob": None,        # override the per-exchange probability of a pair (None = derived above)
     }
 
@@ -84,13 +97,19 @@ class COBO(Strategy):
     def _wij(self, peer: str) -> float:
         return self._w.get(peer, 1.0)
 
+    def pair_rate(self, t: int, n_nodes: int) -> float:
+        """p(t): the probability that a pair is updated at model step t (1-based; module doc)."""
+        const = self.p["pair_rate"] if self.p["pair_rate"] is not None else 2.0 / max(n_nodes, 2)
+        if self.p["schedule"] == "code":
+            return float(const) if t <= 800 else 1.0 / math.sqrt(t)
+        if t <= float(self.p["warm_fraction"]) * float(self.p["total_steps"]):
+            return float(const)
+        return min(1.0, float(self.p["time_constant"]) / (t + 1))
+
     def expected_pair_updates(self, n_nodes: int) -> float:
-        """k: the paper's expected number of updates of one pair over my S local steps."""
+        """k: the paper's expected number of updates of one pair over my next S model steps."""
         S = max(1, int(self.p["local_steps"]))
-        rate = self.p["pair_rate"] if self.p["pair_rate"] is not None else 2.0 / max(n_nodes, 2)
-        if self._steps >= int(self.p["decay_after_steps"]):
-            rate = min(rate, 1.0 / math.sqrt(max(self._steps, 1)))
-        return S * float(rate)
+        return sum(self.pair_rate(self._steps + s, n_nodes) for s in range(1, S + 1))
 
     def pair_schedule(self, n_nodes: int) -> tuple[float, float]:
         """(probability that a pair is updated this exchange, how many of the paper's updates
@@ -109,15 +128,21 @@ class COBO(Strategy):
         apply them in the same order."""
         return self.node_id < peer
 
+    def align_samples(self, scale: float) -> int | None:
+        """Samples per gradient of an exchange standing for ``scale`` pair updates (module doc)."""
+        gs = self.p["grad_samples"]
+        return None if gs is None else int(gs) * max(1, math.ceil(scale - 1e-9))
+
     async def _align(self, peer: str, x: Params, xj: Params, scale: float = 1.0) -> float | None:
         z = midpoint(x, xj)
+        ns = self.align_samples(scale)
         # my gradient leaves this node inside the request: released privately, like the peer's
-        g = await self.net.private_gradient(peer, z, purpose="cobo-alignment", max_samples=self.p["grad_samples"])
+        g = await self.net.private_gradient(peer, z, purpose="cobo-alignment", max_samples=ns)
         if g is None:
             return None
         if scale != 1.0:
             g = C.scale(g, scale)
-        rep = await self.net.cross_gradient(peer, z, max_samples=self.p["grad_samples"], align_with=g,
+        rep = await self.net.cross_gradient(peer, z, max_samples=ns, align_with=g,
                                             purpose="cobo-alignment")
         if rep is None or rep.inner_product is None or not math.isfinite(rep.inner_product):
             return None
@@ -159,6 +184,9 @@ class COBO(Strategy):
         self._t += 1
         return RoundReport(train_loss=sum(losses) / len(losses), contacted=sorted(snaps),
                            info={"pairs": sorted(ips), "pair_prob": prob, "pair_scale": scale})
+
+    def on_diverged(self) -> None:
+        self._m = None  # the gradient EMA saw the diverged model
 
     def on_alignment(self, peer: str, inner_product: float) -> None:
         """Served side of a pair update: w_ji moves by the same γ⟨·,·⟩ the requester applies."""

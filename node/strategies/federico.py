@@ -23,9 +23,24 @@ Settled open choices (see ``defaults``):
   round after round, while no evidence about it ever arrives (seen in the container testbed: a
   late joiner put 100% on an unreachable peer and learned alone). Such a peer gets no weight until
   it answers; ε-greedy sampling still tries it again.
-- Self is "sampled" every round: ℓ_ii needs no communication and the own term w_ii needs a
-  current L̂_ii (Alg. 1 is silent on whether i ∈ B^t).
+- Own loss (``own_loss``). Alg. 1 updates ℓ only for the sampled neighbours B^t (l.12-13) and
+  starts every ℓ at 0 (l.3); the own model is not a neighbour, so ℓ_ii stays 0 and exp(−L̂_ii) = 1
+  is the yardstick a peer's model must approach to earn weight ("prior", default). Tracking
+  ℓ_ii every round instead ("track") hands all of i's weight to the still-untried peers (L̂ = 0)
+  in the first rounds: with the summed loss w_ii ≈ 0, i's own data stops training its own model,
+  the models are adopted by whichever clients happen to weight them, and the model ids are
+  permuted (Fig. 1 bench: weight on self + adjacent intervals 0.16 against 0.34 for uniform).
 - Gradients are mean-reduced minibatch gradients (Σ over samples in eq. 8 only rescales η).
+- Several M-steps per round (``local_steps`` > 1; Alg. 1 l.18: "could also do multiple"): every
+  step is Alg. 1 l.24's update, own weighted gradient *and* the gradients peers pushed this round
+  (reused, stale within the round, like COBO's neighbour snapshots). Applying the pushes at the
+  first step only would weigh the own term S times the peers' and turn the M-step into local
+  training after one step.
+- Bounded pushes (*decentral*, a peer's demands are bounded): at most one push per peer per
+  round (its newest), at most ``max_pushes`` in a round (default: one per known peer), each
+  clipped to ``push_norm_factor`` × the norm of my own gradient at the round's first step (an
+  honest push is w_ib ∇ℓ_i(θ_b) with w_ib ≤ 1). A stream of valid-looking pushes then moves the
+  model no more than one honest peer's push can.
 - Staleness: a pushed gradient carries the version of my snapshot the sender differentiated.
   The node does not tell a strategy its own version, so the reference is the newest version any
   push has carried; gradients more than ``max_staleness`` versions older are dropped, the rest are
@@ -81,6 +96,9 @@ class FedeRiCo(Strategy):
         "local_steps": 1,         # M-step gradient steps per round: Alg. 1 l.18 one ("could also do multiple")
         "max_staleness": 2,       # *decentral*: drop pushed gradients > this many versions old
         "mixture_min_weight": 1e-3,  # skip negligible mixture members at prediction (speed only)
+        "own_loss": "prior",      # ℓ_ii: "prior" = Alg. 1 (never sampled, stays 0), "track" = own loss each round
+        "max_pushes": None,       # *decentral*: pushes applied per round (None = one per known peer)
+        "push_norm_factor": 2.0,  # *decentral*: a push is clipped to this × ‖my own gradient‖ (module doc)
     }
 
     def __init__(self, *a: Any, **kw: Any):
@@ -125,7 +143,9 @@ class FedeRiCo(Strategy):
         red, ns, split = self.p["loss_reduction"], self.p["loss_samples"], self.p["loss_split"]
 
         def estep_losses() -> dict[str, float]:
-            out = {self.node_id: self.learner.loss(own, split, ns, red).loss}
+            out = {}
+            if self.p["own_loss"] == "track":
+                out[self.node_id] = self.learner.loss(own, split, ns, red).loss
             for p, s in snaps.items():
                 out[p] = self.learner.loss(s.params, split, ns, red).loss
             return out
@@ -147,29 +167,59 @@ class FedeRiCo(Strategy):
                                       purpose="federico-push")
             for p, g in grads.items()})
 
-        # M-step, receiver side (l.21-24): own weighted gradient + what peers pushed to me
+        # M-step, receiver side (l.21-24): own weighted gradient + what peers pushed to me, in
+        # every step (module doc), the pushes bounded (one per peer, clipped, at most max_pushes)
         received = self._accept(self.net.drain_pushed(), own)
         w_self = self._w.get(self.node_id, 0.0)
         train_losses = []
         for step in range(max(1, int(self.p["local_steps"]))):
             g_own, r = await self.compute(self.learner.gradient, None, "train", gs)
             train_losses.append(r.loss)
-            total = federico_combine(g_own, w_self, received if step == 0 else [])
+            if step == 0:
+                received = self._bound(received, C.l2_norm(g_own))
+            total = federico_combine(g_own, w_self, received)
             await self.compute(self.learner.apply_gradient, total)
         return RoundReport(train_loss=float(np.mean(train_losses)), contacted=sorted(snaps),
                            info={"pushed": sorted(k for k, ok in pushed.items() if ok),
                                  "received": len(received), "w_self": w_self})
 
     def _accept(self, items: list, like: Params) -> list[Params]:
+        """The round's pushes worth applying: fresh enough, the right shapes, and only the newest
+        of each sender (one push per peer per round)."""
         if items:
             self._max_version = max(self._max_version, max(int(it.version) for it in items))
-        out = []
+        newest: dict[str, Any] = {}
         for it in items:
             if int(it.version) < self._max_version - int(self.p["max_staleness"]) or not C.same_shapes(it.grad, like):
                 self._dropped += 1
                 continue
-            out.append(it.grad)
-            self._applied += 1
+            old = newest.get(it.sender)
+            if old is not None:
+                self._dropped += 1
+                if int(old.version) > int(it.version):
+                    continue
+            newest[it.sender] = it
+        cap = self.p["max_pushes"]
+        cap = max(1, len(self.net.known_peers())) if cap is None else int(cap)
+        kept = sorted(newest.values(), key=lambda it: -int(it.version))[:cap]
+        self._dropped += len(newest) - len(kept)
+        self._applied += len(kept)
+        return [it.grad for it in kept]
+
+    def _bound(self, grads: list[Params], own_norm: float) -> list[Params]:
+        """Each push clipped to push_norm_factor × ‖my own gradient‖ (non-finite ones dropped)."""
+        limit = float(self.p["push_norm_factor"]) * own_norm
+        out = []
+        for g in grads:
+            n = C.l2_norm(g)
+            if not math.isfinite(n):
+                self._dropped += 1
+                continue
+            if n > limit:
+                if limit <= 0:  # my gradient is zero: no push may move me either
+                    continue
+                g = C.scale(g, limit / n)
+            out.append(g)
         return out
 
     def weights(self) -> dict[str, float]:
