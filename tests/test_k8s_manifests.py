@@ -208,7 +208,8 @@ def csi_driver_writes(attributes: dict[str, str], pod: str, ca_dir: Path, target
     ca_cert = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
     ca_key = serialization.load_pem_private_key((ca_dir / "ca.key").read_bytes(), password=None)
     key = ec.generate_private_key(ec.SECP256R1())
-    split = lambda name: [s.strip() for s in a.get(name, "").split(",") if s.strip()]
+    def split(name: str) -> list[str]:
+        return [s.strip() for s in a.get(name, "").split(",") if s.strip()]
     sans = [x509.DNSName(d) for d in split("dns-names")] + [x509.UniformResourceIdentifier(u) for u in split("uri-sans")]
     usages = split("key-usages") or ["digital signature", "key encipherment"]
     assert set(usages) <= set(USAGES) | set(EXT_USAGES), usages
@@ -255,7 +256,6 @@ def start_pod(objs: list[dict], index: int, root: Path, ca_dir: Path, *, tls_of:
     ``tls_of``, default its own; ``key_of``: another pod's key swapped in), mount paths rewritten
     into ``root``, then its config and TLS credentials loaded exactly as `coterie node start` and
     the daemon do. Returns (cfg, transport)."""
-    name = f"{one(objs, 'StatefulSet')['metadata']['name']}-{index}"
     cm = one(objs, "ConfigMap")
     env = pod_environment(objs, index)
     for path, (vol, src) in volumes_of(objs).items():

@@ -59,7 +59,6 @@ def test_one_round_reference():
     hub = build_network(FedeRiCo, params, num_nodes=5, num_clusters=1)
     n0 = hub.nodes["n0"]
     L_before = dict(n0.strategy._L)
-    own = n0.learner.get_params()
     asyncio.run(n0.strategy.run_round(1))
     contacted = set(k for k, v in n0.strategy._loss.items() if k != "n0" and v != 0.0)
     assert len(contacted) == 2 and set(n0.strategy._loss) == {"n0", "n1", "n2", "n3", "n4"}

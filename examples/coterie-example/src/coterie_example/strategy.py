@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
 
 from coterie.node.strategies.base import RoundReport, Strategy, gather_bounded
 
