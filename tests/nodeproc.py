@@ -159,3 +159,32 @@ class NodeProc:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode if self.proc else None
+
+
+class _NoTraffic:
+    def record(self, *a, **k): pass
+    def latency(self, *a, **k): pass
+
+
+class CertifiedPeer:
+    """A peer with a valid certificate of ``root``'s CA speaking to ``target`` through Coterie's
+    own client: what the insider and resource-limit attacks are made of."""
+
+    def __init__(self, root, target: "NodeProc", node_id: str):
+        from coterie.node.security.pki import load_credentials
+        from coterie.node.transport.client import PeerClient
+        from coterie.node.transport.tls import TLS
+        self.target, self.node_id = target, node_id
+        self.client = PeerClient(node_id, _NoTraffic(), chunk_bytes=1 << 20, max_model_bytes=1 << 30,
+                                 max_gossip_bytes=1 << 20, timeout_s=30,
+                                 tls=TLS(load_credentials(node_certs(root, node_id))))
+
+    async def join(self) -> None:
+        from coterie.node.config import PROTOCOL_VERSION
+        from coterie.node.peering.messages import NodeInfo
+        fp = self.target.status()["fingerprint"]
+        await self.client.handshake(self.target.address, NodeInfo(
+            self.node_id, PROTOCOL_VERSION, fp, address="127.0.0.1:1"), timeout=10)
+
+    async def close(self) -> None:
+        await self.client.close()

@@ -14,38 +14,18 @@ import sys
 import pytest
 import torch
 
-from coterie.node.config import PROTOCOL_VERSION
 from coterie.node.peering.errors import PeerCallError
-from coterie.node.peering.messages import CROSS_LOSS, ComputeRequest, NodeInfo
+from coterie.node.peering.messages import CROSS_LOSS, ComputeRequest
 from coterie.node.privacy.ledger import FILE as LEDGER_FILE
 from coterie.node.privacy.ledger import PrivacyLedger, ReleaseRateLimited
 from coterie.node.security.pki import load_credentials
-from coterie.node.transport.client import PeerClient
-from coterie.node.transport.tls import TLS
-from nodeproc import NodeProc, node_certs, tiny_learner, wait_for
+from nodeproc import CertifiedPeer, NodeProc, node_certs, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 
 
-class _NoTraffic:
-    def record(self, *a, **k): pass
-    def latency(self, *a, **k): pass
-
-
-class Insider:
+class Insider(CertifiedPeer):
     """A peer with a valid certificate, speaking through Coterie's own client."""
-
-    def __init__(self, root, target: NodeProc, node_id: str):
-        self.target, self.node_id = target, node_id
-        self.client = PeerClient(node_id, _NoTraffic(), chunk_bytes=1 << 20, max_model_bytes=1 << 30,
-                                 max_gossip_bytes=1 << 20, timeout_s=30,
-                                 tls=TLS(load_credentials(node_certs(root, node_id))))
-
-    async def join(self) -> None:
-        fp = self.target.status()["fingerprint"]
-        await self.client.handshake(self.target.address, NodeInfo(
-            self.node_id, PROTOCOL_VERSION, fp, address="127.0.0.1:1"), timeout=10)
-
     async def params(self) -> dict[str, torch.Tensor]:
         _, groups = await self.client.get_snapshot(self.target.address, self.node_id, peer=self.target.node_id)
         return groups["params"]
@@ -60,8 +40,6 @@ class Insider:
         except PeerCallError as e:
             return f"{e.kind}: {e}"
 
-    async def close(self) -> None:
-        await self.client.close()
 
 
 # ------------------------------------------------------------------------- privacy budget

@@ -15,38 +15,21 @@ import grpc
 import pytest
 import torch
 
-from coterie.node.config import PROTOCOL_VERSION
 from coterie.node.peering.errors import PeerCallError
-from coterie.node.peering.messages import CROSS_GRADIENT, PUSH_GRADIENT, ComputeRequest, NodeInfo
-from coterie.node.security.pki import load_credentials
-from coterie.node.transport.client import PeerClient
-from coterie.node.transport.tls import TLS
+from coterie.node.peering.messages import CROSS_GRADIENT, PUSH_GRADIENT, ComputeRequest
 from coterie.proto.v1 import peer_pb2 as pb
 from coterie.proto.v1 import peer_pb2_grpc as rpc
-from nodeproc import NodeProc, node_certs, peer_channel, tiny_learner, wait_for
+from nodeproc import CertifiedPeer, NodeProc, peer_channel, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 PUSH_LAG = 5
 
 
-class _NoTraffic:
-    def record(self, *a, **k): pass
-    def latency(self, *a, **k): pass
-
-
-class Mallory:
+class Mallory(CertifiedPeer):
     """An authenticated peer speaking through Coterie's own client."""
 
     def __init__(self, root, target: NodeProc, node_id: str = "mallory"):
-        self.target, self.node_id = target, node_id
-        self.client = PeerClient(node_id, _NoTraffic(), chunk_bytes=1 << 20, max_model_bytes=1 << 30,
-                                 max_gossip_bytes=1 << 20, timeout_s=30,
-                                 tls=TLS(load_credentials(node_certs(root, node_id))))
-
-    async def join(self) -> None:
-        fp = self.target.status()["fingerprint"]
-        await self.client.handshake(self.target.address, NodeInfo(
-            self.node_id, PROTOCOL_VERSION, fp, address="127.0.0.1:1"), timeout=10)
+        super().__init__(root, target, node_id)
 
     async def params(self) -> tuple[int, dict[str, torch.Tensor]]:
         header, groups = await self.client.get_snapshot(self.target.address, self.node_id, peer=self.target.node_id)
@@ -58,8 +41,6 @@ class Mallory:
             purpose="federico-push"),
             peer=self.target.node_id)
 
-    async def close(self) -> None:
-        await self.client.close()
 
 
 def _norm(params) -> float:
