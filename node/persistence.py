@@ -47,8 +47,8 @@ HISTORY_TAIL = 1000  # rounds of history kept in memory; the file keeps them all
 _CKPT = re.compile(r"^ckpt-(\d{6,})\.safetensors$")
 _LEGACY = ("CURRENT",)  # the pre-v2 layout: CURRENT -> ckpt-N/ directories
 # not round state: kept where they are by --reset (the privacy ledger counts what this data has
-# already released, whatever model is trained on it next)
-_NOT_STATE = {"LOCK", "node.json", "privacy-ledger.json", "crl.pem"}
+# already released, whatever model is trained on it next; the admin token is the operator's)
+_NOT_STATE = {"LOCK", "node.json", "privacy-ledger.json", "crl.pem", "admin.token"}
 
 
 class StateError(RuntimeError):

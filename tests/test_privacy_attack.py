@@ -54,6 +54,9 @@ def truth():
 
 UNLIMITED = {"requests_per_s": 1e6, "request_burst": 1e6, "compute_share": 1e6, "compute_burst_s": 1e6,
              "max_concurrent": 64}
+# likewise the per-peer share of the ε budget and the per-peer release rate (tests/test_insiders.py
+# attacks those): here one peer may spend the whole budget, as fast as it asks
+ONE_PEER = {"expected_peers": 1, "peer_release_rate": 1e6, "peer_release_burst": 1_000_000}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,7 @@ def victim(tmp_path_factory):
     # lifted here, so what is measured is what the privacy mechanism alone lets out.
     node = NodeProc(tmp_path_factory.mktemp("priv"), "victim",
                     {"strategy": "scool-sbm", "rounds": 0, "learner": _learner_cfg(),
-                     "limits": UNLIMITED}).start(timeout=START_S)
+                     "limits": UNLIMITED, "privacy": ONE_PEER}).start(timeout=START_S)
     yield node
     node.stop()
 
@@ -214,7 +217,7 @@ def test_budget_refusal_and_ledger_survive_kill_9(tmp_path, truth):
     """Every answer is on disk before it leaves; a spent budget is refused with a clear error,
     across a kill -9 and a restart."""
     cfg = {"strategy": "scool-sbm", "rounds": 0, "learner": _learner_cfg(), "limits": UNLIMITED,
-           "privacy": {"budget_epsilon": 3.0, "noise_multiplier": 1.0, "min_batch": 32}}
+           "privacy": {"budget_epsilon": 3.0, "noise_multiplier": 1.0, "min_batch": 32, **ONE_PEER}}
     node = NodeProc(tmp_path, "victim", cfg).start(timeout=START_S)
     ledger_path = node.state_dir / FILE
     params = truth.get_params()

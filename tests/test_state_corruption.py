@@ -57,7 +57,7 @@ def _same(a, b) -> bool:
 
 def _snapshot_files(d: Path) -> dict[str, bytes | None]:
     return {p.name: (p.read_bytes() if p.is_file() else None) for p in d.iterdir()
-            if p.name not in ("LOCK", "node.json")}
+            if p.name not in ("LOCK", "node.json", "admin.token")}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def pristine(tmp_path_factory):
 
     asyncio.run(run())
     state = root / "state"
-    assert sorted(p.name for p in state.iterdir() if p.name not in ("LOCK", "node.json")) == sorted(FILES)
+    assert sorted(p.name for p in state.iterdir() if p.name not in ("LOCK", "node.json", "admin.token")) == sorted(FILES)
     return state, _resume(state)
 
 
