@@ -490,7 +490,8 @@ def model_export(
 @app.command()
 def predict(
     model: Path = typer.Option(..., "--model", "-m", help="an exported model (coterie model export, GET /model)"),
-    inputs: Path = typer.Argument(..., help="npz with x, a CSV/Parquet table of feature columns, or an image folder"),
+    inputs: Path = typer.Argument(..., help="npz with x, a CSV/Parquet table of feature columns, an image, "
+                                  "or a folder of images"),
     label_column: Optional[str] = typer.Option(None, "--label-column", help="a table column to ignore "
                                                "(default: the model's learner.data_label, 'label')"),
 ) -> None:
