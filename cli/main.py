@@ -376,17 +376,20 @@ def _admin(admin: str | None, token: str | None, state_dir: Path | None) -> Admi
         raise _fail(str(e))
 
 
-def _inspect(admin: Admin, path: str, as_json: bool, table: Callable[[Any], Any],
-             watch: bool = False, interval: float = 2.0) -> None:
+def _inspect(where: tuple[str | None, str | None, Path | None], path: str, as_json: bool,
+             table: Callable[[Any], Any], watch: bool = False, interval: float = 2.0) -> None:
+    """``where`` is (--admin, --token, --state-dir). --watch resolves it on every refresh, so it
+    may start before the node has written its node.json and token (a node on its first start)."""
     with _client() as client:
         if not watch:
+            admin = _admin(*where)
             try:
                 data = admin_get(client, admin, path)
             except AdminError as e:
                 raise _fail(str(e))
             _show(data, as_json, table)
             return
-        _watch(lambda: admin_get(client, admin, path), as_json, table, interval)
+        _watch(lambda: admin_get(client, Admin(*where), path), as_json, table, interval)
 
 
 def _watch(fetch: Callable[[], Any], as_json: bool, table: Callable[[Any], Any], interval: float) -> None:
@@ -421,7 +424,7 @@ def status(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT, watch: bo
            state_dir: Optional[Path] = STATE_DIR_OPT) -> None:
     """Round, model version, strategy, health and recent problems of a running node."""
     from .render import status_table
-    _inspect(_admin(admin, token, state_dir), "/status", as_json, status_table, watch, interval)
+    _inspect((admin, token, state_dir), "/status", as_json, status_table, watch, interval)
 
 
 @app.command()
@@ -430,7 +433,7 @@ def peers(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT, watch: boo
           state_dir: Optional[Path] = STATE_DIR_OPT) -> None:
     """The node's peer table."""
     from .render import peers_table
-    _inspect(_admin(admin, token, state_dir), "/peers", as_json, peers_table, watch, interval)
+    _inspect((admin, token, state_dir), "/peers", as_json, peers_table, watch, interval)
 
 
 @app.command()
@@ -438,7 +441,7 @@ def weights(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT, token: O
             state_dir: Optional[Path] = STATE_DIR_OPT) -> None:
     """The node's collaborator weights."""
     from .render import weights_table
-    _inspect(_admin(admin, token, state_dir), "/weights", as_json, weights_table)
+    _inspect((admin, token, state_dir), "/weights", as_json, weights_table)
 
 
 @app.command()
@@ -490,7 +493,8 @@ def model_export(
 @app.command()
 def predict(
     model: Path = typer.Option(..., "--model", "-m", help="an exported model (coterie model export, GET /model)"),
-    inputs: Path = typer.Argument(..., help="npz with x, a CSV/Parquet table of feature columns, or an image folder"),
+    inputs: Path = typer.Argument(..., help="npz with x, a CSV/Parquet table of feature columns, an image, "
+                                  "or a folder of images"),
     label_column: Optional[str] = typer.Option(None, "--label-column", help="a table column to ignore "
                                                "(default: the model's learner.data_label, 'label')"),
 ) -> None:

@@ -49,7 +49,7 @@ def cert_issue(ca: Path = typer.Option(..., "--ca", help="CA directory (coterie 
     except (PKIError, OSError) as e:
         raise _fail(str(e))
     typer.echo(f"certificate for node {node_id!r} written to {d} (run the node with "
-               f"--set security.cert_dir={d})")
+               f"--cert-dir {d})")
 
 
 @cert_app.command("show")

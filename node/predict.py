@@ -5,8 +5,8 @@ Inputs, in the model's input space (what the node's learner trained on):
   - a ``.csv`` / ``.parquet`` table of numeric feature columns, in the order the model was
     trained on; the label column (``--label-column``, default the model's learner.data_label)
     is ignored if present;
-  - a folder of images (png, jpg, ...; searched recursively), each converted to the model's
-    channels (1: grey, 3: RGB), resized to its H×W and scaled to [0, 1].
+  - a folder of images (png, jpg, ...; searched recursively), or one image file, each converted
+    to the model's channels (1: grey, 3: RGB), resized to its H×W and scaled to [0, 1].
 Output: one row per input: ``index`` (row number) or ``file`` (an image's path in the folder),
 then ``score_<class>`` per class (softmax probabilities) and ``predicted`` (the class name),
 or ``value`` for a regression model.
@@ -86,11 +86,15 @@ def _numeric_table_parquet(path: Path, skip: str) -> np.ndarray:
 
 
 def _images(folder: Path, shape: tuple[int, ...]) -> tuple[np.ndarray, list[str]]:
+    """The images of a folder (named by their path in it), or one image file (named by its name)."""
     from PIL import Image, UnidentifiedImageError
     if len(shape) != 3 or shape[0] not in (1, 3):
-        raise ValueError(f"{folder} is an image folder, but the model's input is {list(shape)} "
+        raise ValueError(f"{folder} is an image, but the model's input is {list(shape)} "
                          "(images need (1 or 3, H, W))")
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if folder.is_file():
+        files, folder = [folder], folder.parent
+    else:
+        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise ValueError(f"{folder}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
     c, h, w = shape
@@ -110,7 +114,7 @@ def read_inputs(path: str | Path, input_shape: tuple[int, ...],
                 label_column: str = "label") -> tuple[np.ndarray, list[str], str]:
     """(x shaped (n, *input_shape), one id per input, the id column's name)."""
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES):
         x, ids = _images(path, input_shape)
         return x, ids, "file"
     suffix = path.suffix.lower()
@@ -126,7 +130,7 @@ def read_inputs(path: str | Path, input_shape: tuple[int, ...],
     elif not path.exists():
         raise ValueError(f"{path} does not exist")
     else:
-        raise ValueError(f"{path}: unknown input kind {suffix!r} (npz, csv, parquet, or a folder of images)")
+        raise ValueError(f"{path}: unknown input kind {suffix!r} (npz, csv, parquet, an image or a folder of images)")
     want = int(np.prod(input_shape)) if input_shape else None
     if x.ndim == 0 or len(x) == 0:
         raise ValueError(f"{path}: no inputs")

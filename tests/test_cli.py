@@ -288,6 +288,32 @@ def test_status_watch_refreshes_until_interrupted(admin_url):
     assert proc.returncode == 0 and "Traceback" not in err
 
 
+def test_status_watch_waits_for_a_starting_nodes_state_dir(admin_url, tmp_path):
+    """`coterie status --watch --state-dir n0` right after `coterie node start ... &` (the README's
+    walk-through): the node has not written node.json or its token yet. The watch says so and
+    retries, then shows the node once they are there (it used to exit at once)."""
+    st = tmp_path / "n0"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COTERIE_ADMIN")}
+    proc = subprocess.Popen([sys.executable, "-m", "coterie.cli.main", "status", "--state-dir", str(st),
+                             "--watch", "--json", "--interval", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        first = json.loads(proc.stdout.readline())
+        assert "no node.json" in first["error"] and proc.poll() is None
+        st.mkdir()
+        (st / "admin.token").write_text(ADMIN_TOKEN + "\n")
+        (st / "node.json").write_text(json.dumps({"admin_url": admin_url, "node_id": "n5"}))
+        for _ in range(50):  # a refresh every 0.2 s: the node within a few
+            line = json.loads(proc.stdout.readline())
+            if "node_id" in line:
+                break
+        assert line["node_id"] == "n5"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in err
+
+
 def test_unknown_env_variable_is_warned_about(captured, monkeypatch):
     monkeypatch.setenv("COTERIE_STRATEGIE", "dpsgd")
     r = runner.invoke(app, ["node", "start"])

@@ -190,6 +190,9 @@ async def test_predict_inputs_onnx_and_bad_files(tmp_path):
     with torch.no_grad():
         want = [m.class_names[int(k)] for k in m.model(x).argmax(1)]
     assert [row[-1] for row in rows[1:]] == want  # 8-bit rounding does not change these answers
+    r = _cli("predict", "--model", str(out), str(imgs / "03.png"))  # one image file
+    assert r.exit_code == 0, r.output
+    assert list(csv.reader(io.StringIO(r.stdout)))[1:] == [["03.png", *rows[4][1:]]]
 
     # a CSV of flat feature columns plus a label column, which is ignored
     table = tmp_path / "t.csv"
