@@ -135,12 +135,13 @@ class PeerService(ComputeRpcs):
             refusal = refusal_of(e)
             if refusal is None:  # a bug, not the peer's fault: say so briefly, keep the traceback here
                 log.exception("internal error serving %s from %s", kind, context.peer())
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error serving {kind}")
-            message = short(refusal.message)
-            log.warning("refused %s from %s: %s", kind, context.peer(), message)
-            if stream is not None:
-                await _linger(stream)
-            await context.abort(status_of(refusal), message)
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error serving {kind}")  # (raises)
+            else:
+                message = short(refusal.message)
+                log.warning("refused %s from %s: %s", kind, context.peer(), message)
+                if stream is not None:
+                    await _linger(stream)
+                await context.abort(status_of(refusal), message)
         finally:
             self.traffic.latency(kind, time.perf_counter() - t0, "server")
 
