@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     import grpc
 
     from ..peering.interfaces import Traffic
-    from .gate import Gate
-    from .server import StreamLimits, _GrpcCaller
+    from .gate import Caller, Gate
+    from .stream_limits import StreamLimits
 
 
 class ComputeRpcs:
@@ -36,7 +36,7 @@ class ComputeRpcs:
     streams: StreamLimits
     if TYPE_CHECKING:
         async def _guard(self, context: grpc.aio.ServicerContext, kind: str, coro, stream=None): ...
-        def _caller(self, context: grpc.aio.ServicerContext) -> _GrpcCaller: ...
+        def _caller(self, context: grpc.aio.ServicerContext) -> Caller: ...
 
     async def _upload(self, frames: AsyncIterator[Any], who: str) -> AsyncIterator[Any]:
         """``frames`` under the server's deadlines: no gap longer than ``upload_idle_s``, and the
