@@ -453,11 +453,11 @@ def history(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT,
     """The node's rounds: accuracy, loss, duration, traffic and top collaborators per round."""
     from .render import history_table
     path = "/history" + (f"?since={since}" if since is not None else "")
-    admin = _admin(admin, token, state_dir)
+    node = _admin(admin, token, state_dir)
     with _client() as client:
         try:
-            entries = admin_get(client, admin, path)
-            node_id = None if as_json else admin_get(client, admin, "/status").get("node_id")
+            entries = admin_get(client, node, path)
+            node_id = None if as_json else admin_get(client, node, "/status").get("node_id")
         except AdminError as e:
             raise _fail(str(e))
     _show(entries[-last:] if last else entries, as_json, lambda es: history_table(es, node_id))

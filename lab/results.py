@@ -64,8 +64,8 @@ def _sum_kinds(entries: list[dict[str, Any]], key: str) -> dict[str, int]:
 
 def true_clusters_of(run: "StrategyRun") -> tuple[list[int] | None, str | None]:
     if any(s.config.learner.data is not None for s in run.specs):  # own files: only what labels say
-        labels = [s.config.labels.get("cluster") for s in run.specs]
-        if all(v not in (None, "") for v in labels):
+        labels = [s.config.labels.get("cluster") or "" for s in run.specs]
+        if all(labels):
             try:
                 return [int(v) for v in labels], None
             except ValueError:

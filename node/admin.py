@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 DASHBOARD = Path(__file__).with_name("static") / "dashboard.html"
 NODE_KEY: web.AppKey[Any] = web.AppKey("node")  # the Node (daemon.py imports this module, not back)
 NETWORK_KEY = web.AppKey("network", dict)
-AUTH_KEY = web.AppKey("auth", object)
+AUTH_KEY: web.AppKey[AdminAuth | None] = web.AppKey("auth")
 
 NETWORK_MAX_PEERS = 64  # peers listed by /network (the matrix is n x n; a browser draws it)
 NETWORK_CACHE_S = 1.0  # several dashboards polling one node share one view

@@ -26,7 +26,33 @@ from .privacy.mechanisms import PrivateData
 from .privacy.purposes import purpose, purposes_of
 from .revocations import Revocations
 from .security.crl_gossip import CrlHooks
+from .peering.interfaces import PeerTransport
+from .strategies.base import Strategy
 from .strategies.registry import get_strategy
+
+
+class PeerPlane:
+    """What ``wire_peer_plane`` sets on a node, declared for the type checker (``daemon.Node`` is
+    one, through ``views.NodeViews``); nothing at run time."""
+    loop_lag: LoopLag
+    peers: PeerTable
+    revocations: Revocations | None
+    problems: ProblemLog
+    board: PublishBoard
+    cache: SnapshotCache
+    inbox: PushInbox
+    client: PeerTransport  # this node's calling side, from the transport
+    membership: Membership
+    ledger: PrivacyLedger
+    private: PrivateData
+    serves: tuple[str, ...]  # the purposes this node answers
+    withheld: str | None  # why nothing computed on this node's data leaves, if so
+    network: NodeNetwork
+    strategy: Strategy
+    guard: RoundGuard
+    _budget_noted: dict[tuple[str, str], float]
+    admission: Admission
+    served: ServedRequests
 
 
 def wire_peer_plane(node: Any, cfg: NodeConfig, learner: Learner) -> None:
@@ -77,9 +103,12 @@ def wire_peer_plane(node: Any, cfg: NodeConfig, learner: Learner) -> None:
     node.strategy = get_strategy(cfg.strategy)(node.node_id, learner, node.network,
                                                cfg.strategy_params, seed=seed)
     # a diverged step or round is rolled back, counted and noted; nothing non-finite is published
-    node.guard = RoundGuard(learner, node.strategy, lambda where, msg: (
-        node.m.divergences.labels(where=where).inc(), node.problems.note("this node (training)", msg)))
-    node._budget_noted: dict[tuple[str, str], float] = {}
+    def on_divergence(where: str, msg: str) -> None:
+        node.m.divergences.labels(where=where).inc()
+        node.problems.note("this node (training)", msg)
+
+    node.guard = RoundGuard(learner, node.strategy, on_divergence)
+    node._budget_noted = {}
     node.admission = Admission(cfg.limits, on_refused=node._over_budget)
     hooks = CrlHooks(node.strategy, revocation) if revocation is not None else node.strategy
     node.served = ServedRequests(node.node_id, node.info, node.membership, learner, node.spec,

@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .builder import wire_peer_plane
 from .checkpointing import Checkpointer
@@ -40,10 +40,23 @@ from .persistence import HISTORY_TAIL, Snapshot, StateError, StateStore, make_sn
 from .rounds import RoundLoop
 from .views import NodeViews
 
+if TYPE_CHECKING:
+    from aiohttp import web
+
 log = logging.getLogger("coterie.node")
 
 CAPABILITIES = ("snapshot", "cross-loss", "cross-gradient", "push-gradient", "gossip")
 MODEL_BYTES_FACTOR, MODEL_BYTES_SLACK = 4, 1 << 20  # default max_model_bytes: 4× my model + 1 MiB
+
+
+def _snapshot_namer(record: dict[str, Any] | None, published: LocalSnapshot | None) -> Callable[[], None] | None:
+    """What puts the published snapshot's sha256 in the history line (None: no line to put it in)."""
+    if record is None or published is None:  # (a node publishes before its first snapshot)
+        return None
+
+    def name_snapshot() -> None:
+        record["snapshot_sha256"] = published.digest  # encodes it once, off the loop (make_snapshot)
+    return name_snapshot
 
 
 class Node(NodeViews):
@@ -101,7 +114,7 @@ class Node(NodeViews):
         self._tasks: list[asyncio.Task] = []
         self._server: PeerServer | None = None
         self.serve_admin = admin
-        self._admin = None
+        self._admin: web.AppRunner | None = None
         self._round_task: asyncio.Task | None = None
         self._health_tasks: set[asyncio.Task] = set()
         self.failures = Failures(self._set_serving, lambda part, msg: self.problems.note(f"this node ({part})", msg))
@@ -184,8 +197,8 @@ class Node(NodeViews):
         task.add_done_callback(self._health_tasks.discard)
 
     def _round_loop_ended(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            self.failures.failed("rounds", task.exception(), None)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            self.failures.failed("rounds", error, None)
 
     def info(self) -> NodeInfo:
         return NodeInfo(self.node_id, PROTOCOL_VERSION, self.fingerprint, CAPABILITIES, self.address,
@@ -263,14 +276,9 @@ class Node(NodeViews):
                 "privacy_ledger": self.ledger.pin()}
         reuse, self._spare_tensors = self._spare_tensors, None
         learner_state = await asyncio.to_thread(self.learner.export_state, reuse)
-        published = self.board.current
-
-        def name_snapshot() -> None:  # the published snapshot's sha256, for the history line
-            record["snapshot_sha256"] = published.digest  # encodes it once, off the loop
-
         return make_snapshot(round=self.round, version=self.version, node_id=self.node_id,
                              learner_state=learner_state, strategy_state=strategy_state, peers=peers,
-                             meta=meta, record=record, prepare=name_snapshot if record is not None else None)
+                             meta=meta, record=record, prepare=_snapshot_namer(record, self.board.current))
 
     def _set_saved(self, rnd: int, version: int, state: dict[str, Any], record: dict[str, Any] | None) -> None:
         self.saved = {"round": rnd, "version": version, "weights": state.get("weights", {}),

@@ -196,7 +196,10 @@ def onnx_bytes(loaded: ExportedModel) -> bytes:
     example = torch.zeros(1, *loaded.input_shape)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
-        torch.onnx.export(loaded.model, (example,), buf, dynamo=False, opset_version=17,
+        # torch's annotation of ``f`` names paths only, but the TorchScript exporter (dynamo=False)
+        # writes to a file object too, as its docs say: hence the ignore
+        torch.onnx.export(loaded.model, (example,), buf, dynamo=False,  # type: ignore[arg-type]
+                          opset_version=17,
                           input_names=["input"], output_names=["output"],
                           dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}})
     return buf.getvalue()

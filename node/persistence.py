@@ -292,7 +292,8 @@ def verify_history(path: Path, ckpt: Checkpoint) -> tuple[list[dict[str, Any]], 
         covered, want = int(pinned["bytes"]), str(pinned["sha256"])
     except (KeyError, TypeError, ValueError):
         raise StateError(f"{ckpt.path} is corrupt (no history pin)") from None
-    h, pos, tail, lineno = hashlib.sha256(), 0, deque(maxlen=HISTORY_TAIL), 0
+    h, pos, lineno = hashlib.sha256(), 0, 0
+    tail: deque[tuple[int, bytes]] = deque(maxlen=HISTORY_TAIL)  # (line number, line)
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size

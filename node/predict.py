@@ -102,8 +102,8 @@ def _images(folder: Path, shape: tuple[int, ...]) -> tuple[np.ndarray, list[str]
     for i, f in enumerate(files):
         try:
             with Image.open(f) as im:
-                im = im.convert("L" if c == 1 else "RGB").resize((w, h))
-                a = np.asarray(im, dtype=np.float32) / 255.0
+                sized = im.convert("L" if c == 1 else "RGB").resize((w, h))
+                a = np.asarray(sized, dtype=np.float32) / 255.0
         except (UnidentifiedImageError, OSError) as e:
             raise ValueError(f"{f}: not a readable image ({e})") from None
         out[i] = a[None] if c == 1 else a.transpose(2, 0, 1)

@@ -5,13 +5,42 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections import deque
+from typing import TYPE_CHECKING, Any
 
+from .builder import PeerPlane
 from .modelfile import export_state_dir
 
+if TYPE_CHECKING:
+    from .config import NodeConfig
+    from .failures import Failures
+    from .learning.learner import Learner
+    from .peering.interfaces import TransportFactory
+    from .persistence import StateStore
 
-class NodeViews:
+
+class NodeViews(PeerPlane):
     """Mixed into ``daemon.Node``: the views read its attributes and change none."""
+
+    # the node's own state (``Node.__init__``; the peer plane's: ``PeerPlane``), declared for the type checker
+    cfg: NodeConfig
+    learner: Learner
+    transport: TransportFactory
+    store: StateStore
+    node_id: str
+    fingerprint: str
+    labels: dict[str, str]
+    history: deque[dict[str, Any]]
+    saved: dict[str, Any]
+    last_eval: dict[str, float]
+    round: int
+    done: bool
+    started: float
+    address: str
+    admin_url: str
+    failures: Failures
+    if TYPE_CHECKING:
+        def healthy(self) -> bool: ...
 
     async def history_view(self, since: int | None) -> list[dict[str, Any]]:
         """Checkpointed rounds after ``since`` (default: the in-memory tail), from the file when

@@ -129,10 +129,10 @@ class RoundGuard:
         if hook is not None:
             hook()
 
-    def publishable(self, groups: dict[str, Tensors]) -> dict[str, Tensors]:
+    def publishable(self, groups: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
         """What may leave the node: a non-finite ``params`` group is replaced by the live (restored)
         model, other non-finite groups are left out."""
-        out = {}
+        out: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensors in groups.items():
             if all_finite(tensors):
                 out[name] = tensors

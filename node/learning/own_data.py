@@ -35,6 +35,7 @@ label, empty split — is a ``DataError`` (a ValueError) naming the file and row
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import zipfile
 from collections.abc import Mapping
@@ -198,7 +199,7 @@ def _from_arrays(arrays: Mapping[str, Any], source: str, where) -> dict[str, Par
         if x.ndim < 2 or y.ndim != 1 or len(x) != len(y):
             raise DataError(f"{source}: {xk} must be (n, features...) and {yk} (n,); got "
                             f"{x.shape} and {y.shape}")
-        out[split] = Part(x, y, source, lambda i, k=xk: where(k, i))
+        out[split] = Part(x, y, source, functools.partial(where, xk))
     return out
 
 
@@ -267,7 +268,8 @@ def _draw(n: int, cfg: LearnerConfig, missing: list[str]) -> dict[str, np.ndarra
     """Seeded disjoint index sets of the train samples for the missing splits; the rest is train."""
     rng = np.random.default_rng([int(cfg.data_seed) & 0xFFFFFFFF, _SALT, int(cfg.node_index)])
     perm = rng.permutation(n)
-    out, at = {}, 0
+    out: dict[str, np.ndarray] = {}
+    at = 0
     for s in ("test", "val"):
         if s in missing:
             k = int(round((cfg.test_fraction if s == "test" else cfg.val_fraction) * n))
@@ -281,17 +283,18 @@ def load_own_data(cfg: LearnerConfig) -> OwnData:
     names = class_names(cfg.classes)
     path = Path(cfg.data).expanduser().absolute() if cfg.data is not None else None
     fmt = detect_format(path, cfg.data_format)
-    if fmt in ("npz", "csv", "parquet", "images") and (path is None or not path.exists()):
-        raise DataError(f"{path}: no such file or folder (learner.data)")
-    if fmt == "npz":
-        parts = _read_npz(path)
-    elif fmt in ("csv", "parquet"):
-        parts = _read_tables(path, fmt, cfg.data_label, names is None)
-    elif fmt == "images":
-        if names is None:
-            raise DataError(f"{path}: an image folder needs learner.classes (the class names the "
-                            f"network agrees on; output i is classes[i])")
-        parts = _read_images(path, cfg.data_params)
+    if fmt in ("npz", "csv", "parquet", "images"):
+        if path is None or not path.exists():
+            raise DataError(f"{path}: no such file or folder (learner.data)")
+        if fmt == "npz":
+            parts = _read_npz(path)
+        elif fmt in ("csv", "parquet"):
+            parts = _read_tables(path, fmt, cfg.data_label, names is None)
+        else:
+            if names is None:
+                raise DataError(f"{path}: an image folder needs learner.classes (the class names the "
+                                f"network agrees on; output i is classes[i])")
+            parts = _read_images(path, cfg.data_params)
     else:
         parts = _read_loader(fmt, cfg.data, dict(cfg.data_params))  # as given: a loader's path may be no file
     given = tuple(s for s in SPLITS if s in parts)
@@ -317,4 +320,5 @@ def load_own_data(cfg: LearnerConfig) -> OwnData:
         arrays[f"x_{s}"], arrays[f"y_{s}"] = x, _labels(part, names)
     source = f"{fmt}: {path}" if fmt in ("npz", "csv", "parquet", "images") else f"loader {fmt}" + (
         f": {cfg.data}" if cfg.data is not None else "")
-    return OwnData(**arrays, input_shape=shape, class_names=names, source=source, given_splits=given)
+    return OwnData(**arrays, input_shape=tuple(x.shape[1:]),  # (== shape: every split was held to it)
+                   class_names=names, source=source, given_splits=given)

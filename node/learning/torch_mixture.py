@@ -2,6 +2,9 @@
 evaluated on the private shadow model (never the live one)."""
 from __future__ import annotations
 
+import threading
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -13,6 +16,15 @@ from .torch_private import EVAL_BATCH as _EVAL_BATCH
 
 class MixtureEval:
     """Mixed into ``torch_learner.TorchLearner`` (its shadow model, data, input transform, locks)."""
+
+    # the host's state and helpers (``TorchLearner``), declared for the type checker
+    task: str
+    _data: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    _shadow: torch.nn.Module
+    _eval_lock: threading.Lock
+    if TYPE_CHECKING:
+        def _x(self, x: torch.Tensor) -> torch.Tensor: ...
+        def _device_params(self, params: Params | None, requires_grad: bool = False) -> Params: ...
 
     def evaluate_mixture(self, members: list[tuple[float, Params]],
                          split: Split = "test") -> EvalResult:

@@ -3,6 +3,9 @@ by sample, summed, for the DP mechanisms (``privacy/mechanisms.py``) — on the 
 model, never the live one."""
 from __future__ import annotations
 
+import threading
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from torch.func import functional_call
@@ -15,6 +18,18 @@ _PER_SAMPLE_BATCH = 256  # per-sample gradients held at once (memory: this × mo
 
 class PerSampleTerms:
     """Mixed into ``torch_learner.TorchLearner`` (its shadow model, data and locks)."""
+
+    # the host's state and helpers (``TorchLearner``), declared for the type checker
+    device: str
+    _data: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    _shadow: torch.nn.Module
+    _names: list[str]
+    _eval_lock: threading.Lock
+    if TYPE_CHECKING:
+        def num_samples(self, split: Split = "train") -> int: ...
+        def _x(self, x: torch.Tensor) -> torch.Tensor: ...
+        def _loss_fn(self, out: torch.Tensor, y: torch.Tensor, reduction: str) -> torch.Tensor: ...
+        def _device_params(self, params: Params | None, requires_grad: bool = False) -> Params: ...
 
     def _index(self, split: Split, indices) -> torch.Tensor:
         n = self.num_samples(split)

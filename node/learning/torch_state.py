@@ -5,9 +5,16 @@ them (the hyper-parameters from the config: a restart may change lr)."""
 from __future__ import annotations
 
 import json
+import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .config import LearnerConfig
+    from .learner import Params
+    from .local_optim import LocalOptimizer, _Sampler
 
 
 def _json_default(o):
@@ -22,6 +29,19 @@ def _json_default(o):
 
 class TorchState:
     """Mixed into ``torch_learner.TorchLearner`` (its model, optimizer, sampler and lock)."""
+
+    # the host's state and helpers (``TorchLearner``), declared for the type checker
+    cfg: LearnerConfig
+    model: torch.nn.Module
+    optimizer: LocalOptimizer
+    _sampler: _Sampler
+    _eval_rng: np.random.Generator
+    _lock: threading.RLock
+    if TYPE_CHECKING:
+        def _make_optimizer(self) -> LocalOptimizer: ...
+        def _check(self, params: Params, what: str = "params") -> None: ...
+        def set_params(self, params: Params) -> None: ...
+        def fingerprint(self) -> str: ...
 
     def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
         """Private copies of everything a resume needs, taken under the lock (a memcpy of the

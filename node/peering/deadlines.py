@@ -74,8 +74,8 @@ class Phase:
         self.failed += not ok
 
     def close(self) -> float | None:
-        """The phase's length (None: it made no call)."""
-        if self.first is None:
+        """The phase's length (None: it made no call, or none of its calls ended)."""
+        if self.first is None or self.last is None:
             return None
         self.exchange_s = self.last - self.first
         return self.exchange_s

@@ -8,12 +8,13 @@ from __future__ import annotations
 import math
 
 from .errors import PeerCallError
+from .membership_state import MembershipState
 from .messages import ALIVE, DEAD, MemberUpdate
 
 PUSH_PULL_SCALE_THRESHOLD = 32  # members beyond which the full exchange is spaced out (log2 N)
 
 
-class Dissemination:
+class Dissemination(MembershipState):
     """Mixed into ``membership.Membership`` (its table, settings, broadcasts and transport)."""
 
     def _retransmit_limit(self) -> int:

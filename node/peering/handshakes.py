@@ -9,12 +9,13 @@ import time
 
 from ..learning.task import task_difference
 from .errors import PeerCallError
+from .membership_state import MembershipState
 from .messages import DEAD, NodeInfo, PeerEntry
 
 log = logging.getLogger("coterie.node")
 
 
-class Handshakes:
+class Handshakes(MembershipState):
     """Mixed into ``membership.Membership`` (its table, candidates, transport and problems)."""
 
     def incompatible(self, remote: NodeInfo) -> str | None:

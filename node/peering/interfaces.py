@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 from ..wire.codec import Groups
 from .messages import (Beat, ComputeReply, ComputeRequest, IndirectProbe, LocalSnapshot, MemberUpdate, NodeInfo,
@@ -66,7 +66,8 @@ class PeerTransport(Protocol):
     talk to anyone else there. ``handshake`` learns and authenticates the id at an address; a
     secure transport then holds every later call to that address to it."""
 
-    limits: SizeLimits  # largest model (snapshot, gradient) and gossip accepted from a peer
+    @property  # (read-only here: a transport may hold it as a plain attribute or derive it)
+    def limits(self) -> SizeLimits: ...  # largest model (snapshot, gradient) and gossip accepted from a peer
     @property
     def evicted(self) -> int: ...  # connections closed for being idle, for /status (0 where there are none)
 
@@ -78,7 +79,7 @@ class PeerTransport(Protocol):
     async def indirect_probe(self, address: str, probe: IndirectProbe, timeout: float, *,
                              peer: str | None = None) -> tuple[bool, tuple[MemberUpdate, ...]]: ...
     async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
-                             members: list[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
+                             members: Sequence[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
                              ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]: ...
     async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
                            min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
@@ -121,10 +122,15 @@ class TransportFactory(Protocol):
     side and every client) — the node sets ``limits.max_model_bytes`` once its own model's size is
     known, before ``serve``; clients already opened follow it."""
 
-    identity: str | None
-    mtls: bool
-    health: Health
-    limits: SizeLimits
+    # read-only here: a transport may hold them as plain attributes or derive them (properties)
+    @property
+    def identity(self) -> str | None: ...
+    @property
+    def mtls(self) -> bool: ...
+    @property
+    def health(self) -> Health: ...
+    @property
+    def limits(self) -> SizeLimits: ...
 
     def connect(self, node_id: str, traffic: Traffic) -> PeerTransport: ...
     async def serve(self, handler: PeerHandler, traffic: Traffic) -> PeerServer: ...

@@ -31,17 +31,15 @@ import logging
 import math
 import random
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field, make_dataclass
 from typing import Callable
 
-from ..config import MembershipConfig
 from .deadlines import Deadlines
 from .dissemination import Dissemination
 from .errors import invalid, refused, unknown_peer
 from .handshakes import Handshakes
 from .interfaces import PeerTransport
 from .loop_lag import LoopLag
+from .membership_state import Broadcasts, Candidate, Candidates, Settings  # noqa: F401 (re-exported)
 from .messages import Beat, IndirectProbe, MemberUpdate, NodeInfo, PeerEntry
 from .peer_table import PeerTable
 from .probes import Probes
@@ -50,165 +48,6 @@ from .problems import ProblemLog
 log = logging.getLogger("coterie.node")
 
 HANDSHAKE_ENTRIES = 64  # addresses a handshake reply carries at most (a random sample)
-
-
-def _from_config(cls, cfg) -> "Settings":
-    return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
-
-
-# Tunables: ``config.MembershipConfig``'s fields, with its defaults (defined there, once), as a
-# plain record the protocol reads.
-Settings = make_dataclass(
-    "Settings", [(name, f.annotation, field(default=f.default)) for name, f in MembershipConfig.model_fields.items()],
-    namespace={"from_config": classmethod(_from_config), "__module__": __name__})
-
-
-# ---------------------------------------------------------------------------------- candidates
-@dataclass
-class Candidate:
-    address: str
-    node_id: str = ""
-    source: str = ""
-    attempts: int = 0
-    next_try: float = 0.0
-    pinned: bool = False  # a configured bootstrap address: retried (with backoff), never forgotten
-
-
-class Candidates:
-    """Addresses to handshake: bounded in total and per source; each failure backs off, and an
-    address that failed ``attempts`` times is forgotten and ignored for ``forget_s``."""
-
-    def __init__(self, *, max_total: int = 512, max_per_source: int = 128, attempts: int = 3,
-                 forget_s: float = 600.0, backoff_s: float = 1.0, backoff_max_s: float = 60.0):
-        self.max_total, self.max_per_source, self.attempts = max_total, max_per_source, attempts
-        self.forget_s, self.backoff_s, self.backoff_max_s = forget_s, backoff_s, backoff_max_s
-        self._c: OrderedDict[str, Candidate] = OrderedDict()
-        self._per_source: dict[str, int] = {}
-        self._forgotten: OrderedDict[str, float] = OrderedDict()  # address -> ignored until
-        self.in_flight: set[str] = set()
-        self.dropped = 0  # addresses turned away because a bound was full
-        self.forgotten_total = 0
-
-    def add(self, address: str, *, source: str = "", node_id: str = "", pinned: bool = False) -> bool:
-        if not address:
-            return False
-        now = time.monotonic()
-        if address in self._c:
-            if pinned:
-                self._c[address].pinned = True
-            return False
-        until = self._forgotten.get(address)
-        if until is not None and not pinned:
-            if until > now:
-                return False
-            del self._forgotten[address]
-        if not pinned and (len(self._c) >= self.max_total
-                           or self._per_source.get(source, 0) >= self.max_per_source):
-            self.dropped += 1
-            return False
-        self._c[address] = Candidate(address, node_id, source, pinned=pinned)
-        self._per_source[source] = self._per_source.get(source, 0) + 1
-        return True
-
-    def room(self, source: str) -> bool:
-        return len(self._c) < self.max_total and self._per_source.get(source, 0) < self.max_per_source
-
-    # set-like surface (the daemon adds restored peers' addresses with ``update``)
-    def update(self, addresses) -> None:
-        for a in addresses:
-            self.add(a, source="restored")
-
-    def discard(self, address: str) -> None:
-        c = self._c.pop(address, None)
-        if c is not None:
-            self._per_source[c.source] -= 1
-            if not self._per_source[c.source]:
-                del self._per_source[c.source]
-
-    def __contains__(self, address: object) -> bool:
-        return address in self._c
-
-    def __len__(self) -> int:
-        return len(self._c)
-
-    def __iter__(self):
-        return iter(list(self._c))
-
-    def due(self, n: int) -> list[Candidate]:
-        now = time.monotonic()
-        out = []
-        for c in self._c.values():
-            if len(out) >= n:
-                break
-            if c.next_try <= now and c.address not in self.in_flight:
-                out.append(c)
-        return out
-
-    def failed(self, address: str) -> bool:
-        """A handshake with ``address`` failed. True when the address is now forgotten."""
-        c = self._c.get(address)
-        if c is None:
-            return False
-        c.attempts += 1
-        if c.attempts >= self.attempts and not c.pinned:
-            self.discard(address)
-            self._forgotten[address] = time.monotonic() + self.forget_s
-            self._forgotten.move_to_end(address)
-            while len(self._forgotten) > 8 * self.max_total:
-                self._forgotten.popitem(last=False)
-            self.forgotten_total += 1
-            return True
-        c.next_try = time.monotonic() + min(self.backoff_s * 2 ** (c.attempts - 1), self.backoff_max_s)
-        return False
-
-
-# ---------------------------------------------------------------------------------- gossip queue
-class Broadcasts:
-    """Membership news waiting to be piggybacked: one entry per member (newer news replaces
-    older), each sent ``limit()`` times, least-sent first. Kept in buckets by times sent, so a
-    message takes its few updates without sorting the whole queue (which holds up to one entry
-    per member)."""
-
-    def __init__(self, limit: Callable[[], int]):
-        self.limit = limit
-        self._sent: dict[str, int] = {}  # node_id -> times sent
-        self._buckets: dict[int, dict[str, MemberUpdate]] = {}  # times sent -> updates, oldest first
-
-    def add(self, u: MemberUpdate) -> None:
-        self._discard(u.node_id)
-        self._sent[u.node_id] = 0
-        self._buckets.setdefault(0, {})[u.node_id] = u
-
-    def _discard(self, node_id: str) -> None:
-        sent = self._sent.pop(node_id, None)
-        if sent is not None:
-            bucket = self._buckets[sent]
-            del bucket[node_id]
-            if not bucket:
-                del self._buckets[sent]
-
-    def take(self, n: int, exclude: str = "") -> list[MemberUpdate]:
-        if not self._sent:
-            return []
-        limit = self.limit()
-        picked: list[tuple[int, MemberUpdate]] = []
-        for sent in sorted(self._buckets):
-            for nid, u in self._buckets[sent].items():
-                if len(picked) >= n:
-                    break
-                if nid != exclude:
-                    picked.append((sent, u))
-            if len(picked) >= n:
-                break
-        for sent, u in picked:
-            self._discard(u.node_id)
-            if sent + 1 < limit:
-                self._sent[u.node_id] = sent + 1
-                self._buckets.setdefault(sent + 1, {})[u.node_id] = u
-        return [u for _, u in picked]
-
-    def __len__(self) -> int:
-        return len(self._sent)
 
 
 # ---------------------------------------------------------------------------------- membership

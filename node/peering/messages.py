@@ -137,15 +137,17 @@ class LocalSnapshot:
     def params(self) -> dict[str, Any]:
         return self.groups["params"]
 
-    def prepare(self) -> None:
+    def prepare(self) -> memoryview:
+        """Encode (once) and return the encoded snapshot."""
         with self._lock:
             if self._encoded is not None:
-                return
+                return self._encoded
             buf = encode_buffer(self.groups, {"node_id": self.node_id, "version": self.version,
                                               "round": self.round})
             self._digest = hashlib.sha256(buf).hexdigest()
             self.groups, _ = decode(buf)
             self._encoded = buf
+            return buf
 
     async def ready(self) -> "LocalSnapshot":
         if self._encoded is None:
@@ -154,8 +156,7 @@ class LocalSnapshot:
 
     @property
     def encoded(self) -> memoryview:
-        self.prepare()
-        return self._encoded
+        return self.prepare()
 
     @property
     def digest(self) -> str:

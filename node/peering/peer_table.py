@@ -262,7 +262,7 @@ class PeerTable:
         return MemberUpdate(rec.node_id, rec.address, rec.incarnation, rec.state, accuser)
 
     def members(self) -> list[MemberUpdate]:
-        return [self.update_of(n) for n in self.records]
+        return [u for n in self.records if (u := self.update_of(n)) is not None]  # (all: n is known)
 
     def to_json(self) -> list[dict[str, Any]]:
         return [{"node_id": r.node_id, "address": r.address, "labels": r.labels,

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable
+from typing import Awaitable, Sequence
 
 from .errors import UNKNOWN_PEER, PeerCallError
+from .membership_state import MembershipState
 from .messages import ALIVE, DEAD, Beat, IndirectProbe
 
 
-async def first_ack(attempts: list[Awaitable[bool | None]]) -> tuple[bool, int]:
+async def first_ack(attempts: Sequence[Awaitable[bool | None]]) -> tuple[bool, int]:
     """Run the attempts until one returns True (the rest are cancelled). Returns (acked, how
     many returned False: a *nack*, i.e. the helper answered but the target did not)."""
     tasks = [asyncio.ensure_future(a) for a in attempts]
@@ -33,7 +34,7 @@ async def first_ack(attempts: list[Awaitable[bool | None]]) -> tuple[bool, int]:
             t.cancel()
 
 
-class Probes:
+class Probes(MembershipState):
     """Mixed into ``membership.Membership`` (its table, settings, round trips and transport)."""
 
     def ping_timeout(self, node_id: str) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..learning.learner import Params
 from ..offload import OFF_LOOP_BYTES
@@ -23,12 +23,34 @@ from .errors import NOT_CACHED, PeerCallError
 from .messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest
 from .validation import model_tensors
 
+if TYPE_CHECKING:
+    from ..privacy.mechanisms import PrivateData
+    from .calls import PeerCalls
+    from .inbox import PushInbox
+    from .interfaces import PeerTransport
+    from .messages import LocalSnapshot
+    from .problems import ProblemLog
+    from .validation import Spec
+
 log = logging.getLogger("coterie.node.network")
 
 
 class PeerRequests:
     """Mixed into ``NodeNetwork``: its ``calls``, ``transport``, ``_address``, ``_failed``,
     ``published``, ``spec``, ``private``, ``problems`` and ``inbox`` carry these requests."""
+
+    # the host's state and helpers (``NodeNetwork``), declared for the type checker
+    node_id: str
+    transport: PeerTransport
+    calls: PeerCalls
+    inbox: PushInbox
+    published: Callable[[], LocalSnapshot | None]
+    spec: Spec
+    problems: ProblemLog
+    private: PrivateData
+    if TYPE_CHECKING:
+        def _address(self, peer: str) -> str | None: ...
+        def _failed(self, what: str, peer: str, err: Exception) -> None: ...
 
     async def _compute(self, peer: str, req: ComputeRequest) -> ComputeReply | None:
         """Send the request; a request naming my published snapshot by reference is re-sent with
@@ -40,9 +62,9 @@ class PeerRequests:
         try:
             return await self.calls.call(peer, kind, lambda timeout: self.transport.compute(address, req, timeout, peer=peer))
         except PeerCallError as e:
-            if e.kind != NOT_CACHED or req.ref is None:
+            pub = self.published()  # (a request by reference named it: it is there)
+            if e.kind != NOT_CACHED or req.ref is None or pub is None:
                 raise
-        pub = self.published()
         req.ref, req.groups = None, {"params": pub.params}
         return await self.calls.call(peer, kind, lambda timeout: self.transport.compute(address, req, timeout, peer=peer))
 
@@ -52,6 +74,8 @@ class PeerRequests:
             await pub.ready()  # its digest names it: hashed off the loop
             return ComputeRequest(kind, self.node_id, ref=pub.ref(), **fields)
         if params is None:
+            if pub is None:  # (the node publishes its first snapshot before it serves or runs a round)
+                raise RuntimeError("a model request for this node's published model before it published one")
             params = pub.params
         return ComputeRequest(kind, self.node_id, groups={"params": params}, **fields)
 
@@ -95,9 +119,9 @@ class PeerRequests:
                 return None
             if align_with is not None:
                 return GradientReply(None, reply.loss, int(reply.samples), reply.inner_product)
-            check = (model_tensors, reply.grad or {}, "grad", self.spec, f"gradient from {peer}")
-            grad = (await asyncio.to_thread(*check) if encoded_size(reply.grad or {}) > OFF_LOOP_BYTES
-                    else model_tensors(*check[1:]))
+            check = (reply.grad or {}, "grad", self.spec, f"gradient from {peer}")
+            grad = (await asyncio.to_thread(model_tensors, *check) if encoded_size(reply.grad or {}) > OFF_LOOP_BYTES
+                    else model_tensors(*check))
         except (PeerCallError, WireError) as e:
             self._failed("cross-gradient", peer, e)
             return None

@@ -264,6 +264,7 @@ class ServedRequests:
         if target < max(1, current - lag):
             raise self._reject_push(req, f"{who}: target version {target} is more than {lag} versions "
                                          f"behind this node's {current} (or not a version at all)")
+        assert mine is not None  # (else current is 0 and every target was refused above)
         norm = await self._run(req.requester, _norm, grad)
         ceiling = self.push_policy.push_norm_factor * await self._own_norm(mine)
         message = f"queued for the update after version {current}"

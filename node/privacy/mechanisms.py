@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -49,9 +49,12 @@ class TooFewSamples(BudgetSpent):
     leave. A kind of spent budget, so every caller that handles one handles this too."""
 
 
+V = TypeVar("V", float, Params)  # a loss or a gradient
+
+
 @dataclass
-class Released:
-    value: float | Params
+class Released(Generic[V]):
+    value: V
     samples: int        # expected batch size behind the value
     noise_std: float    # std of the noise on each coordinate of the (mean) value; 0 = exact
 
@@ -81,7 +84,7 @@ class PrivateData:
                 f"{self.cfg.min_batch}: it serves no cross-loss/-gradient and sends no gradient "
                 f"computed on its data")
 
-    def withheld(self, splits: tuple[str, ...] = ("train", "val")) -> str | None:
+    def withheld(self, splits: tuple[Split, ...] = ("train", "val")) -> str | None:
         """Why this node releases nothing computed on its data (too few samples), or None."""
         if not self.learner.own_data:
             return None
@@ -106,7 +109,7 @@ class PrivateData:
         self.ledger.charge(peer, purpose.name, sigma, b / n, enforce=self.cfg.enabled, requested=not own)
 
     def loss(self, peer: str, purpose: Purpose, params: Params | None, requested: int = 0,
-             reduction: Literal["mean", "sum"] = "mean") -> Released:
+             reduction: Literal["mean", "sum"] = "mean") -> Released[float]:
         """Mean (or summed) loss of ``params`` on a batch of ``purpose.split``, for ``peer``."""
         b, n = self.batch_size(purpose.split, requested)
         self._charge(peer, purpose, b, n)
@@ -122,7 +125,7 @@ class PrivateData:
         return Released(noisy / b, b, sigma * c / b)
 
     def gradient(self, peer: str, purpose: Purpose, params: Params | None,
-                 requested: int = 0, own: bool = False) -> tuple[Released, float]:
+                 requested: int = 0, own: bool = False) -> tuple[Released[Params], float]:
         """Mean gradient of ``params`` on a batch of ``purpose.split``, for ``peer``; and the
         batch's loss when it is exact (privacy off), else NaN (it would be a second release)."""
         b, n = self.batch_size(purpose.split, requested)

@@ -23,9 +23,11 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence, cast
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPublicKeyTypes
 from cryptography.x509.oid import ObjectIdentifier
 
 from .pki import CA_CERT, ISSUED_FILE, PKIError, _load_ca, cert_node_id, certificate_problem, check_node_id, record_issued
@@ -73,7 +75,9 @@ class RevocationList:
                    else x509.load_der_x509_crl(data))
         except ValueError as e:
             raise PKIError(f"{where} is not a CRL: {e}") from None
-        if crl.issuer != ca_cert.subject or not crl.is_signature_valid(ca_cert.public_key()):
+        # a CA's key signs its certificates: never a key-exchange-only kind (X25519/X448)
+        ca_key = cast(CertificateIssuerPublicKeyTypes, ca_cert.public_key())
+        if crl.issuer != ca_cert.subject or not crl.is_signature_valid(ca_key):
             raise PKIError(f"{where} is not signed by this network's CA ({ca_cert.subject.rfc4514_string()})")
         try:
             number = int(crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number)
@@ -81,7 +85,9 @@ class RevocationList:
             number = 0
         ids: frozenset[str] = frozenset()
         try:
-            raw = crl.extensions.get_extension_for_oid(REVOKED_IDS_OID).value.value
+            # our own OID: cryptography parses it into no class of its own, only UnrecognizedExtension
+            ext = cast(x509.UnrecognizedExtension, crl.extensions.get_extension_for_oid(REVOKED_IDS_OID).value)
+            raw = ext.value
             ids = frozenset(check_node_id(str(i)) for i in json.loads(raw))
         except x509.ExtensionNotFound:
             pass
@@ -91,7 +97,7 @@ class RevocationList:
                    crl.public_bytes(serialization.Encoding.PEM), crl.next_update_utc)
 
 
-def revoke(ca_dir: str | Path, *, node_id: str | None = None, serials: list[int] = (),
+def revoke(ca_dir: str | Path, *, node_id: str | None = None, serials: Sequence[int] = (),
            days: int = 30) -> tuple[Path, RevocationList]:
     """Add ``node_id``'s certificates (from issued.jsonl) and ``serials`` to the CA's CRL, signed
     with a CRL number one higher; returns the file and what it now revokes."""

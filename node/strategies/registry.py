@@ -107,7 +107,8 @@ def get_strategy(name: str) -> StrategyFactory:
     ep = _entry_points().get(name)
     if ep is None:
         raise _unknown(name)
-    where = f"entry point {ep.value!r}" + (f" of {ep.dist.name}" if getattr(ep, "dist", None) else "")
+    dist = getattr(ep, "dist", None)  # (older importlib.metadata: no dist)
+    where = f"entry point {ep.value!r}" + (f" of {dist.name}" if dist else "")
     try:
         obj = ep.load()
     except Exception as e:  # ImportError, AttributeError, or whatever the plugin module raises

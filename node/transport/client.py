@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import grpc
 import msgpack
@@ -206,7 +206,7 @@ class PeerClient(SnapshotStreams):
 
     @_domain_errors
     async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
-                             members: list[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
+                             members: Sequence[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
                              ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]:
         await self._link()
         req = serde.peer_list_to_pb(sender, entries, members, incarnation)
@@ -254,7 +254,7 @@ class PeerClient(SnapshotStreams):
                 raise WireError(f"gradient stream from {address} did not start with a header")
             gh = first.header
             grad = None
-            data = b""
+            data: bytes | memoryview = b""
             if gh.total_bytes:
                 data = await collect(it, Assembler(f"gradient from {address}", gh.total_bytes, gh.sha256,
                                                    self.limits.max_model_bytes))

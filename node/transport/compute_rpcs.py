@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from ...proto.v1 import peer_pb2 as pb
 from ..peering.errors import exhausted, invalid
@@ -19,9 +19,24 @@ from .chunks import Assembler, collect, sha256, split
 from .serde import parse as _parse
 from .serde import parsed as _parsed
 
+if TYPE_CHECKING:
+    import grpc
+
+    from ..peering.interfaces import Traffic
+    from .gate import Caller, Gate
+    from .stream_limits import StreamLimits
+
 
 class ComputeRpcs:
     """Mixed into ``server.PeerService`` (its gate, traffic, stream limits and ``_guard``/``_send``)."""
+
+    # the host's state and plumbing (``PeerService``), declared for the type checker
+    gate: Gate
+    traffic: Traffic
+    streams: StreamLimits
+    if TYPE_CHECKING:
+        async def _guard(self, context: grpc.aio.ServicerContext, kind: str, coro, stream=None): ...
+        def _caller(self, context: grpc.aio.ServicerContext) -> Caller: ...
 
     async def _upload(self, frames: AsyncIterator[Any], who: str) -> AsyncIterator[Any]:
         """``frames`` under the server's deadlines: no gap longer than ``upload_idle_s``, and the

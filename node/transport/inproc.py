@@ -59,7 +59,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import msgpack
 
@@ -355,7 +355,7 @@ class InProcClient:
         return bool(ack), tuple(updates)
 
     async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
-                             members: list[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
+                             members: Sequence[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
                              ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]:
         served = self._route(address, peer)
         await self._link()

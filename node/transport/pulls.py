@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import grpc
 
@@ -18,6 +18,10 @@ from . import serde
 from .chunks import Assembler, data_field
 from .errors import domain_errors as _domain_errors
 from .errors import in_flight as _in_flight
+
+if TYPE_CHECKING:
+    from ...proto.v1 import peer_pb2_grpc as rpc
+    from ..peering.interfaces import SizeLimits, Traffic
 
 # Pull sessions (PullSnapshots): a peer pulled from again gets one long-lived stream on which each
 # pull is a request and its answer. A gRPC call costs ~0.5 ms of CPU on each end on this kind of
@@ -52,6 +56,23 @@ class _SessionGone(Exception):
 
 class SnapshotStreams:
     """Mixed into ``client.PeerClient`` (its channels, limits, traffic and session tables)."""
+
+    # the host's state and plumbing (``PeerClient.__init__`` and methods), declared for the type checker
+    traffic: Traffic
+    chunk_bytes: int
+    limits: SizeLimits
+    timeout_s: float
+    sessions: bool
+    _used: dict[str, float]
+    _sessions: dict[tuple[str, str | None], _Session]
+    _pulled: dict[tuple[str, str | None], float]
+    _session_refused: dict[str, float]
+    if TYPE_CHECKING:
+        def _channel(self, address: str, plane: str, peer: str | None = None
+                     ) -> tuple[grpc.aio.Channel, rpc.PeerStub]: ...
+        def _raw_snapshot_call(self, address: str, peer: str | None = None) -> Callable[..., Any]: ...
+        async def _link(self) -> None: ...
+        def _timed(self, kind: str, t0: float) -> None: ...
 
     @_domain_errors
     async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,

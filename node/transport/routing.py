@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from ..peering.interfaces import PeerHandler, PeerServer, PeerTransport, SizeLimits, Traffic, TransportFactory
 from ..peering.messages import (Beat, ComputeReply, ComputeRequest, IndirectProbe, MemberUpdate, NodeInfo,
@@ -149,7 +149,7 @@ class RoutingClient:
         return await self._via(address).indirect_probe(address, probe, timeout, peer=peer)
 
     async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
-                             members: list[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
+                             members: Sequence[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
                              ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]:
         return await self._via(address).exchange_peers(address, sender, entries, timeout, members=members,
                                                        incarnation=incarnation, peer=peer)

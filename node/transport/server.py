@@ -21,7 +21,6 @@ import contextlib
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import grpc
@@ -38,6 +37,7 @@ from .errors import status_of
 from .gate import Gate, refusal_of
 from .health_service import add_health_service
 from .serde import parse as _parse
+from .stream_limits import StreamLimits
 from .tls import TLS, caller_identity
 
 log = logging.getLogger(__name__)
@@ -69,22 +69,6 @@ async def _linger(frames) -> None:
             drained += len(msg) if isinstance(msg, (bytes, memoryview)) else msg.ByteSize()
     except Exception:  # noqa: BLE001 - done, paused, broken or cancelled: nothing more to drain
         pass
-
-
-@dataclass(frozen=True)
-class StreamLimits:
-    """Server-side deadlines (``config.LimitsConfig`` carries the configured values)."""
-    upload_timeout_s: float = 60.0
-    upload_idle_s: float = 10.0
-    send_timeout_s: float = 120.0
-    min_bytes_per_s: float = 64 * 1024  # deadlines stretch by size / this
-    max_watches: int = 64  # snapshot subscriptions open at once (one per peer)
-
-    def upload_deadline(self, size: int) -> float:
-        return self.upload_timeout_s + size / self.min_bytes_per_s
-
-    def send_deadline(self, size: int) -> float:
-        return self.send_timeout_s + size / self.min_bytes_per_s
 
 
 class _GrpcCaller:
@@ -135,12 +119,13 @@ class PeerService(ComputeRpcs):
             refusal = refusal_of(e)
             if refusal is None:  # a bug, not the peer's fault: say so briefly, keep the traceback here
                 log.exception("internal error serving %s from %s", kind, context.peer())
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error serving {kind}")
-            message = short(refusal.message)
-            log.warning("refused %s from %s: %s", kind, context.peer(), message)
-            if stream is not None:
-                await _linger(stream)
-            await context.abort(status_of(refusal), message)
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error serving {kind}")  # (raises)
+            else:
+                message = short(refusal.message)
+                log.warning("refused %s from %s: %s", kind, context.peer(), message)
+                if stream is not None:
+                    await _linger(stream)
+                await context.abort(status_of(refusal), message)
         finally:
             self.traffic.latency(kind, time.perf_counter() - t0, "server")
 

@@ -42,7 +42,7 @@ class TLS:
     def _reload(self) -> None:
         """Pick up a newer CRL the operator put in place (at most once a second, one stat)."""
         now = time.monotonic()
-        if self.crl_path is None or now - self._watch["at"] < RELOAD_CRL_S:
+        if self.revocation is None or self.crl_path is None or now - self._watch["at"] < RELOAD_CRL_S:
             return
         self._watch["at"] = now
         try:

@@ -1,0 +1,116 @@
+"""The local optimizer and minibatch sampler of ``torch_learner.TorchLearner`` (their own module so
+that its parts mixed in from ``torch_state.py`` can name their types without an import cycle)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+
+class LocalOptimizer:
+    """SGD (momentum, L2 weight decay) and Adam with exactly torch.optim's update rules.
+
+    In-house because constructing any ``torch.optim`` optimizer imports ``torch._dynamo``, which
+    costs seconds of CPU at every daemon start. State is keyed by parameter name, which makes
+    it straightforward to persist."""
+
+    def __init__(self, kind: str, params: list[tuple[str, torch.nn.Parameter]], lr: float,
+                 momentum: float = 0.0, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+        if kind not in ("sgd", "adam"):
+            raise ValueError(f"unknown optimizer {kind!r}")
+        self.kind, self.params = kind, list(params)
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.betas, self.eps = betas, eps
+        self.steps = 0
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        for name, p in self.params:
+            if p.grad is None:
+                continue
+            g = p.grad
+            if self.weight_decay:
+                g = g.add(p, alpha=self.weight_decay)
+            st = self.state.setdefault(name, {})
+            if self.kind == "sgd":
+                if self.momentum:
+                    buf = st.get("momentum_buffer")
+                    if buf is None:
+                        buf = st["momentum_buffer"] = g.clone()
+                    else:
+                        buf.mul_(self.momentum).add_(g)
+                    g = buf
+                p.add_(g, alpha=-self.lr)
+            else:
+                b1, b2 = self.betas
+                if "exp_avg" not in st:
+                    st["exp_avg"] = torch.zeros_like(p)
+                    st["exp_avg_sq"] = torch.zeros_like(p)
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                st["step"] += 1
+                t = float(st["step"])
+                m, v = st["exp_avg"], st["exp_avg_sq"]
+                m.lerp_(g, 1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+                denom = (v.sqrt() / math.sqrt(bc2)).add_(self.eps)
+                p.addcdiv_(m, denom, value=-self.lr / bc1)
+
+    def hyper(self) -> dict:
+        return {"kind": self.kind, "lr": self.lr, "momentum": self.momentum,
+                "weight_decay": self.weight_decay, "betas": list(self.betas), "eps": self.eps,
+                "steps": self.steps}
+
+    def load_state(self, tensors: dict[str, torch.Tensor], steps: int) -> None:
+        devices = {n: p for n, p in self.params}
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        allowed = {"sgd": {"momentum_buffer"}, "adam": {"exp_avg", "exp_avg_sq", "step"}}[self.kind]
+        for key, t in tensors.items():
+            k, _, name = key.partition("/")
+            if name not in devices or k not in allowed:
+                raise ValueError(f"unexpected optimizer state {key!r}")
+            p = devices[name]
+            if k != "step" and tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"optimizer state {key!r} has shape {tuple(t.shape)}")
+            state.setdefault(name, {})[k] = t.to(p.device) if k != "step" else t.clone()
+        self.state, self.steps = state, int(steps)
+
+
+class _Sampler:
+    """Minibatch indices: passes over fresh permutations of the train split."""
+
+    def __init__(self, n: int, seed: int):
+        self.n = n
+        self.rng = np.random.default_rng(seed)
+        self.perm = np.zeros(0, dtype=np.int64)
+        self.pos = 0
+
+    def next(self, batch: int) -> np.ndarray:
+        out = []
+        need = min(batch, self.n)
+        while need > 0:
+            if self.pos >= len(self.perm):
+                self.perm, self.pos = self.rng.permutation(self.n), 0
+            take = self.perm[self.pos:self.pos + need]
+            self.pos += len(take)
+            need -= len(take)
+            out.append(take)
+        return np.concatenate(out)
+
+    def state(self) -> dict:
+        return {"rng": self.rng.bit_generator.state, "perm": self.perm.tolist(), "pos": self.pos}
+
+    def set_state(self, s: dict) -> None:
+        perm, pos = np.asarray(s["perm"], dtype=np.int64), int(s["pos"])
+        if perm.ndim != 1 or not 0 <= pos <= len(perm) or (len(perm) and not 0 <= perm.min() <= perm.max() < self.n):
+            raise ValueError(f"a permutation of {len(perm)} indices at {pos} does not fit {self.n} samples")
+        self.rng.bit_generator.state = s["rng"]
+        self.perm, self.pos = perm, pos

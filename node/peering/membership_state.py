@@ -1,0 +1,232 @@
+"""``membership.Membership``'s state, in a module of its own so that its parts (``probes.py``,
+``dissemination.py``, ``handshakes.py``) can name it without an import cycle: the tunables
+(``Settings``), the handshake candidates (``Candidates``), the gossip queue (``Broadcasts``) and
+``MembershipState``, what ``Membership.__init__`` sets and its parts share, declared for the type
+checker (nothing at run time)."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, make_dataclass
+from typing import TYPE_CHECKING, Callable
+
+from ..config import MembershipConfig
+from .messages import MemberUpdate, NodeInfo, PeerEntry
+
+if TYPE_CHECKING:
+    from .deadlines import Deadlines
+    from .interfaces import PeerTransport
+    from .loop_lag import LoopLag
+    from .peer_table import PeerTable
+    from .problems import ProblemLog
+
+
+def _from_config(cls, cfg) -> "Settings":
+    return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
+
+
+# Tunables: ``config.MembershipConfig``'s fields, with its defaults (defined there, once), as a
+# plain record the protocol reads.
+if TYPE_CHECKING:  # the same fields, names and types, as the type checker can read them
+    class Settings(MembershipConfig):
+        @classmethod
+        def from_config(cls, cfg: MembershipConfig) -> Settings: ...
+else:
+    # __module__: membership.py, where the protocol reads them (and where they always lived)
+    Settings = make_dataclass(
+        "Settings", [(name, f.annotation, field(default=f.default)) for name, f in MembershipConfig.model_fields.items()],
+        namespace={"from_config": classmethod(_from_config), "__module__": "coterie.node.peering.membership"})
+
+
+# ---------------------------------------------------------------------------------- candidates
+@dataclass
+class Candidate:
+    address: str
+    node_id: str = ""
+    source: str = ""
+    attempts: int = 0
+    next_try: float = 0.0
+    pinned: bool = False  # a configured bootstrap address: retried (with backoff), never forgotten
+
+
+class Candidates:
+    """Addresses to handshake: bounded in total and per source; each failure backs off, and an
+    address that failed ``attempts`` times is forgotten and ignored for ``forget_s``."""
+
+    def __init__(self, *, max_total: int = 512, max_per_source: int = 128, attempts: int = 3,
+                 forget_s: float = 600.0, backoff_s: float = 1.0, backoff_max_s: float = 60.0):
+        self.max_total, self.max_per_source, self.attempts = max_total, max_per_source, attempts
+        self.forget_s, self.backoff_s, self.backoff_max_s = forget_s, backoff_s, backoff_max_s
+        self._c: OrderedDict[str, Candidate] = OrderedDict()
+        self._per_source: dict[str, int] = {}
+        self._forgotten: OrderedDict[str, float] = OrderedDict()  # address -> ignored until
+        self.in_flight: set[str] = set()
+        self.dropped = 0  # addresses turned away because a bound was full
+        self.forgotten_total = 0
+
+    def add(self, address: str, *, source: str = "", node_id: str = "", pinned: bool = False) -> bool:
+        if not address:
+            return False
+        now = time.monotonic()
+        if address in self._c:
+            if pinned:
+                self._c[address].pinned = True
+            return False
+        until = self._forgotten.get(address)
+        if until is not None and not pinned:
+            if until > now:
+                return False
+            del self._forgotten[address]
+        if not pinned and (len(self._c) >= self.max_total
+                           or self._per_source.get(source, 0) >= self.max_per_source):
+            self.dropped += 1
+            return False
+        self._c[address] = Candidate(address, node_id, source, pinned=pinned)
+        self._per_source[source] = self._per_source.get(source, 0) + 1
+        return True
+
+    def room(self, source: str) -> bool:
+        return len(self._c) < self.max_total and self._per_source.get(source, 0) < self.max_per_source
+
+    # set-like surface (the daemon adds restored peers' addresses with ``update``)
+    def update(self, addresses) -> None:
+        for a in addresses:
+            self.add(a, source="restored")
+
+    def discard(self, address: str) -> None:
+        c = self._c.pop(address, None)
+        if c is not None:
+            self._per_source[c.source] -= 1
+            if not self._per_source[c.source]:
+                del self._per_source[c.source]
+
+    def __contains__(self, address: object) -> bool:
+        return address in self._c
+
+    def __len__(self) -> int:
+        return len(self._c)
+
+    def __iter__(self):
+        return iter(list(self._c))
+
+    def due(self, n: int) -> list[Candidate]:
+        now = time.monotonic()
+        out: list[Candidate] = []
+        for c in self._c.values():
+            if len(out) >= n:
+                break
+            if c.next_try <= now and c.address not in self.in_flight:
+                out.append(c)
+        return out
+
+    def failed(self, address: str) -> bool:
+        """A handshake with ``address`` failed. True when the address is now forgotten."""
+        c = self._c.get(address)
+        if c is None:
+            return False
+        c.attempts += 1
+        if c.attempts >= self.attempts and not c.pinned:
+            self.discard(address)
+            self._forgotten[address] = time.monotonic() + self.forget_s
+            self._forgotten.move_to_end(address)
+            while len(self._forgotten) > 8 * self.max_total:
+                self._forgotten.popitem(last=False)
+            self.forgotten_total += 1
+            return True
+        c.next_try = time.monotonic() + min(self.backoff_s * 2 ** (c.attempts - 1), self.backoff_max_s)
+        return False
+
+
+# ---------------------------------------------------------------------------------- gossip queue
+class Broadcasts:
+    """Membership news waiting to be piggybacked: one entry per member (newer news replaces
+    older), each sent ``limit()`` times, least-sent first. Kept in buckets by times sent, so a
+    message takes its few updates without sorting the whole queue (which holds up to one entry
+    per member)."""
+
+    def __init__(self, limit: Callable[[], int]):
+        self.limit = limit
+        self._sent: dict[str, int] = {}  # node_id -> times sent
+        self._buckets: dict[int, dict[str, MemberUpdate]] = {}  # times sent -> updates, oldest first
+
+    def add(self, u: MemberUpdate) -> None:
+        self._discard(u.node_id)
+        self._sent[u.node_id] = 0
+        self._buckets.setdefault(0, {})[u.node_id] = u
+
+    def _discard(self, node_id: str) -> None:
+        sent = self._sent.pop(node_id, None)
+        if sent is not None:
+            bucket = self._buckets[sent]
+            del bucket[node_id]
+            if not bucket:
+                del self._buckets[sent]
+
+    def take(self, n: int, exclude: str = "") -> list[MemberUpdate]:
+        if not self._sent:
+            return []
+        limit = self.limit()
+        picked: list[tuple[int, MemberUpdate]] = []
+        for sent in sorted(self._buckets):
+            for nid, u in self._buckets[sent].items():
+                if len(picked) >= n:
+                    break
+                if nid != exclude:
+                    picked.append((sent, u))
+            if len(picked) >= n:
+                break
+        for sent, u in picked:
+            self._discard(u.node_id)
+            if sent + 1 < limit:
+                self._sent[u.node_id] = sent + 1
+                self._buckets.setdefault(sent + 1, {})[u.node_id] = u
+        return [u for _, u in picked]
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+
+class MembershipState:
+    """What ``Membership.__init__`` sets and the methods its parts call on one another, declared
+    for the type checker; ``Membership`` (through its parts) is the only subclass that runs."""
+    info: Callable[[], NodeInfo]  # this node's NodeInfo (its address is known only once serving)
+    position: Callable[[], tuple[int, int]]  # this node's (round, published version)
+    peers: PeerTable
+    transport: PeerTransport
+    problems: ProblemLog
+    s: Settings
+    period: float
+    request_timeout_s: float
+    link_delay_s: float
+    rng: random.Random
+    on_gauges: Callable[[dict[str, int]], None] | None
+    loop_lag: LoopLag | None
+    rtts: Deadlines
+    incarnation: int
+    pending: Candidates
+    bootstrap: set[str]
+    unreachable: set[str]
+    broadcasts: Broadcasts
+    _order: list[str]
+    _probing: set[str]
+    _tasks: set[asyncio.Task]
+    _next_push_pull: float
+    stats: dict[str, int]
+
+    if TYPE_CHECKING:
+        @property
+        def node_id(self) -> str: ...
+        @property
+        def probe_budget_s(self) -> float: ...
+        def _spawn(self, coro) -> asyncio.Task: ...
+        # dissemination.py
+        def _announce(self, node_id: str) -> None: ...
+        def me(self) -> MemberUpdate: ...
+        def merge(self, updates, source: str = "") -> None: ...
+        def _piggyback(self, counterpart: str, belief: MemberUpdate | None = None) -> tuple[MemberUpdate, ...]: ...
+        def _evidence(self, node_id: str, incarnation: int, *, revive: bool, **seen) -> None: ...
+        # handshakes.py
+        def entries(self, limit: int | None = None) -> list[PeerEntry]: ...
+        def learn(self, entries: list[PeerEntry], source: str = "") -> None: ...
