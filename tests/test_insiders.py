@@ -287,12 +287,16 @@ def test_health_and_reflection_answer_garbage_cleanly(tmp_path):
                             codes.setdefault(method, set()).add(e.code().name)
                 for method in ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
                                "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"):
+                    # off: the method does not exist, whatever is sent. Nothing is written: a write
+                    # racing the server's refusal ends the call INTERNAL on the client's side
+                    # ("Internal error from Core"), which is not the server's answer
+                    call = ch.stream_stream(method)(iter(()), timeout=5)
                     try:
-                        async for _ in ch.stream_stream(method)(iter(garbage), timeout=5):
+                        async for _ in call:
                             pass
-                        codes.setdefault(method, set()).add("OK")
-                    except grpc.aio.AioRpcError as e:
-                        codes.setdefault(method, set()).add(e.code().name)
+                    except grpc.aio.AioRpcError:
+                        pass
+                    codes.setdefault(method, set()).add((await call.code()).name)
                 # a well-formed check still answers
                 from grpc_health.v1 import health_pb2, health_pb2_grpc
                 reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
