@@ -84,7 +84,7 @@ def test_cli_ca_and_cert_commands(tmp_path):
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["cert", "issue", "--ca", str(tmp_path / "ca"), "--node-id", "n7",
                             "--out", str(tmp_path / "n7")])
-    assert r.exit_code == 0 and "security.cert_dir" in r.output, r.output
+    assert r.exit_code == 0 and "--cert-dir" in r.output, r.output
     r = runner.invoke(app, ["cert", "show", str(tmp_path / "n7")])
     assert r.exit_code == 0 and "n7" in r.output
     r = runner.invoke(app, ["ca", "init", str(tmp_path / "ca")])
