@@ -79,7 +79,7 @@ build_images() {
     bash deploy/wheelhouse.sh 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
     ls deploy/wheels/torch-*.whl >/dev/null 2>&1 || die "no torch wheel in deploy/wheels"
     docker build -q -f deploy/Dockerfile --build-arg BASE="$BASE" -t "$COTERIE_IMAGE" . 2>&1 \
-        | grep -v -e DEPRECATED -e "legacy builder" -e buildx -e "^ *$" -e "docs.docker.com" || true
+        | grep -v -e DEPRECATED -e "legacy builder" -e buildx -e BuildKit -e "environment-variable" -e "^ *$" -e "docs.docker.com" || true
     docker image inspect "$COTERIE_IMAGE" >/dev/null || die "image build failed"
 }
 
