@@ -67,18 +67,20 @@ def admin(node: str) -> str:
 
 
 _TOKEN: list[str] = []
+TOKEN_FROM = ["node1"]  # a node running in this phase (never killed), whose /pki the token is read from
 
 
 def token() -> str:
     """The admin token every testbed node shares: deploy/pki.sh wrote it into the pki volume,
-    which the host cannot read directly; node1 (never killed here) can. TESTBED_ADMIN_TOKEN wins."""
+    which the host cannot read directly; a node of the phase (TOKEN_FROM: node1, never killed here;
+    filea in phase files) can. TESTBED_ADMIN_TOKEN wins."""
     if not _TOKEN:
         t = os.environ.get("TESTBED_ADMIN_TOKEN", "")
         if not t:
-            r = subprocess.run(COMPOSE + ["exec", "-T", "node1", "cat", "/pki/admin.token"],
+            r = subprocess.run(COMPOSE + ["exec", "-T", TOKEN_FROM[0], "cat", "/pki/admin.token"],
                                capture_output=True, text=True, timeout=60)
             if r.returncode != 0 or not r.stdout.strip():
-                raise CheckFailed(f"cannot read the admin token from node1: {r.stderr[-500:]}")
+                raise CheckFailed(f"cannot read the admin token from {TOKEN_FROM[0]}: {r.stderr[-500:]}")
             t = r.stdout.strip()
         _TOKEN.append(t)
     return _TOKEN[0]
@@ -439,11 +441,18 @@ def export_and_predict(node: str) -> float:
     check(all(r.get("predicted") in FILE_CLASSES for r in pred),
           f"{node}: every prediction names one of the agreed classes")
     acc = sum(p["predicted"] == t["label"] for p, t in zip(pred, truth)) / len(truth)
+    ev = card.get("eval") or {}
+    said = ev.get("own_test_acc", ev.get("test_acc"))
+    # each table is the node's own test split, so the file must reproduce what the node reported
+    check(isinstance(said, (int, float)) and abs(acc - said) < 0.01,
+          f"{node}: the exported model's accuracy on its test table ({acc:.4f}) is what the node reported "
+          f"for that round ({said})")
     return acc
 
 
 def files(args: argparse.Namespace) -> int:
     nodes = FILE_NODES
+    TOKEN_FROM[0] = "filea"  # node1..node9 do not run in this phase
     with phase_timer("nodes on their own files healthy"):
         wait_until("filea and fileb healthy", lambda: all(healthy(n) for n in nodes), timeout=600, every=2,
                    detail=lambda: {n: healthy(n) for n in nodes})
