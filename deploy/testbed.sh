@@ -4,7 +4,8 @@
 #   bash deploy/testbed.sh all     # up + test + down (down also runs on failure); exit status = test result
 #   bash deploy/testbed.sh up      # engine (install/start if needed), images, network of node1..node8
 #   bash deploy/testbed.sh test    # assertions through the admin API (tests/testbed/check.py):
-#                                  #   baseline run, then a fresh run with the faulty profile
+#                                  #   baseline run, then a fresh run with the faulty profile, then
+#                                  #   two nodes learning from their own files (profile files)
 #   bash deploy/testbed.sh down    # containers, networks, volumes, our iptables rule, and dockerd
 #                                  #   if (and only if) this script started it
 #
@@ -79,7 +80,7 @@ build_images() {
     bash deploy/wheelhouse.sh 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
     ls deploy/wheels/torch-*.whl >/dev/null 2>&1 || die "no torch wheel in deploy/wheels"
     docker build -q -f deploy/Dockerfile --build-arg BASE="$BASE" -t "$COTERIE_IMAGE" . 2>&1 \
-        | grep -v -e DEPRECATED -e "legacy builder" -e buildx -e "^ *$" -e "docs.docker.com" || true
+        | grep -v -e DEPRECATED -e "legacy builder" -e buildx -e BuildKit -e "environment-variable" -e "^ *$" -e "docs.docker.com" || true
     docker image inspect "$COTERIE_IMAGE" >/dev/null || die "image build failed"
 }
 
@@ -102,16 +103,20 @@ forward_rule() {  # accept traffic within the testbed bridge when FORWARD drops 
     esac
 }
 
-net_up() {  # $@: extra compose args (profiles)
-    local c; c=$(compose_cmd)
+net_up() {  # $@: extra compose args (profiles), then optionally -- and the services to start
+    local c args=() svcs=(); c=$(compose_cmd)
+    while (($#)); do
+        if [[ "$1" == -- ]]; then shift; svcs=("$@"); break; fi
+        args+=("$1"); shift
+    done
     forward_rule add
-    $c "$@" up -d --no-build 2>&1 | grep -v -e "^$" || true
-    $c "$@" ps
+    $c "${args[@]}" up -d --no-build "${svcs[@]}" 2>&1 | grep -v -e "^$" || true
+    $c "${args[@]}" ps
 }
 
 net_down() {
     local c; c=$(compose_cmd)
-    $c --profile faulty --profile gpu down -v --remove-orphans --timeout 10 2>&1 | grep -v "^$" || true
+    $c --profile faulty --profile gpu --profile files down -v --remove-orphans --timeout 10 2>&1 | grep -v "^$" || true
 }
 
 # ------------------------------------------------------------------ commands
@@ -124,7 +129,7 @@ cmd_up() {
 dump_logs() {
     local c; c=$(compose_cmd)
     echo "testbed: last log lines of every node:"
-    $c --profile faulty logs --no-color --tail=15 2>&1 | tail -n 200 || true
+    $c --profile faulty --profile files logs --no-color --tail=15 2>&1 | tail -n 200 || true
 }
 
 cmd_test() {
@@ -139,6 +144,11 @@ cmd_test() {
     net_down
     net_up --profile faulty
     python3 tests/testbed/check.py faulty --baseline "$STATE/baseline.json" || { dump_logs; return 1; }
+    phase_end
+    phase_start test-files
+    net_down
+    net_up --profile files -- filea fileb
+    python3 tests/testbed/check.py files || { dump_logs; return 1; }
     phase_end
     echo "testbed: try it yourself: coterie peers --admin http://127.0.0.1:8101 --token \"\$($c exec -T node1 cat /pki/admin.token)\""
 }

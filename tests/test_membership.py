@@ -473,3 +473,33 @@ def test_peer_table_indexes_agree_with_a_full_scan_after_any_history(clock):
             found = t.by_address(a)
             assert found is not None and found.address == a, (step, a)
         assert t.by_address("nowhere") is None
+
+
+def test_a_member_that_forgot_us_is_handshaken_again_even_if_its_address_was_forgotten():
+    """Seen in the container testbed: n0's handshake to a slow n1 reached n1 (which took n0 in) but
+    n0 gave up on proving n1's certificate and, after three tries, forgot n1's address; n1's own
+    handshakes to n0 had failed during its slow start, so n1 had forgotten n0's address too. n1's
+    pings were refused ("unknown peer: handshake first") while a helper's indirect pings kept n0
+    alive in n1's view, so nobody handshook again and membership stayed one-sided for ten minutes.
+    A refusal proves the address answers: n1 must handshake it again, forgotten or not."""
+    def forget(m: Membership, address: str) -> None:
+        m.pending.add(address, source="gossip")
+        while address in m.pending:
+            m.pending.failed(address)
+        assert not m.pending.add(address, source="gossip")  # gossip alone does not bring it back
+
+    async def go():
+        net = MemNet()
+        m0, m1, m2 = (_member(net, i, []) for i in range(3))
+        for m, others in ((m0, ["n2"]), (m1, ["n0", "n2"]), (m2, ["n0", "n1"])):
+            for o in others:
+                m.peers.upsert(o, "a" + o[1:])
+        forget(m0, "a1")
+        forget(m1, "a0")
+        tasks = [asyncio.create_task(m.run()) for m in (m0, m1, m2)]
+        try:
+            await _until(lambda: "n1" in m0.peers.records, 10, "n0 taking n1 in")
+            await _until(lambda: all(len(m.peers.alive()) == 2 for m in (m0, m1, m2)), 10, "full membership")
+        finally:
+            await _stop(tasks)
+    asyncio.run(go())

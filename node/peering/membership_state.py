@@ -66,7 +66,11 @@ class Candidates:
         self.dropped = 0  # addresses turned away because a bound was full
         self.forgotten_total = 0
 
-    def add(self, address: str, *, source: str = "", node_id: str = "", pinned: bool = False) -> bool:
+    def add(self, address: str, *, source: str = "", node_id: str = "", pinned: bool = False,
+            revive: bool = False) -> bool:
+        """``revive``: the address has just answered (a member there refused us as unknown), so it
+        is taken up again even if it was forgotten: forgetting is for addresses that never answer,
+        and a member that forgot us while we keep it alive would otherwise stay one-sided."""
         if not address:
             return False
         now = time.monotonic()
@@ -74,6 +78,8 @@ class Candidates:
             if pinned:
                 self._c[address].pinned = True
             return False
+        if revive:
+            self._forgotten.pop(address, None)
         until = self._forgotten.get(address)
         if until is not None and not pinned:
             if until > now:

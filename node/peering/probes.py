@@ -48,7 +48,8 @@ class Probes(MembershipState):
             reply, rtt = await self.transport.heartbeat(address, beat, timeout=timeout, peer=node_id)
         except PeerCallError as e:
             if e.kind == UNKNOWN_PEER:  # whoever answers there does not know us: handshake to see
-                self.pending.add(address, source="self", node_id=node_id)
+                # (even if that address was forgotten after failed handshakes: it answers now)
+                self.pending.add(address, source="self", node_id=node_id, revive=True)
             return False
         if reply.node_id != node_id:  # someone else lives at that address now
             self.pending.add(address, source="self")

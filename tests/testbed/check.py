@@ -9,7 +9,10 @@ Run by ``deploy/testbed.sh test`` on the host, against the compose project it br
 checkpoint, the late joiner, full membership, every node reaching the last round (slow ones
 included), the high-latency node's RTT, the slow link's throughput, cluster-concentrated weights,
 honest accuracy (saved). ``faulty`` (+ node9 publishing garbage): full membership, every node done,
-≈0 weight on node9 at every honest node, honest accuracy no more than 2 points below the baseline.
+≈0 weight on node9 at every honest node, honest accuracy no more than 2 points below the baseline. ``files`` (filea, fileb: their own npz /
+CSV files, the example package's model sensor-net): they find each other, finish, learn (test
+accuracy well above chance, training loss down), and a model exported inside a container
+(``coterie model export``) predicts its test table there (``coterie predict``).
 
 Environment: TESTBED_COMPOSE (the compose command, e.g. "docker-compose -p coterie-testbed"),
 TESTBED_ROUNDS, TESTBED_PORT_PREFIX, TESTBED_JOIN_AFTER_ROUND — as given to compose.
@@ -18,6 +21,8 @@ Every wait is a poll on a condition with a deadline. Not collected by pytest (no
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import os
 import shlex
@@ -57,23 +62,25 @@ def check(cond: bool, msg: str) -> None:
 
 
 def admin(node: str) -> str:
-    idx = 10 if node == "nodegpu" else int(node[4:])
+    idx = {"nodegpu": 10, "filea": 11, "fileb": 12}.get(node) or int(node[4:])
     return f"http://127.0.0.1:{PREFIX}{idx:02d}"
 
 
 _TOKEN: list[str] = []
+TOKEN_FROM = ["node1"]  # a node running in this phase (never killed), whose /pki the token is read from
 
 
 def token() -> str:
     """The admin token every testbed node shares: deploy/pki.sh wrote it into the pki volume,
-    which the host cannot read directly; node1 (never killed here) can. TESTBED_ADMIN_TOKEN wins."""
+    which the host cannot read directly; a node of the phase (TOKEN_FROM: node1, never killed here;
+    filea in phase files) can. TESTBED_ADMIN_TOKEN wins."""
     if not _TOKEN:
         t = os.environ.get("TESTBED_ADMIN_TOKEN", "")
         if not t:
-            r = subprocess.run(COMPOSE + ["exec", "-T", "node1", "cat", "/pki/admin.token"],
+            r = subprocess.run(COMPOSE + ["exec", "-T", TOKEN_FROM[0], "cat", "/pki/admin.token"],
                                capture_output=True, text=True, timeout=60)
             if r.returncode != 0 or not r.stdout.strip():
-                raise CheckFailed(f"cannot read the admin token from node1: {r.stderr[-500:]}")
+                raise CheckFailed(f"cannot read the admin token from {TOKEN_FROM[0]}: {r.stderr[-500:]}")
             t = r.stdout.strip()
         _TOKEN.append(t)
     return _TOKEN[0]
@@ -405,14 +412,92 @@ def faulty(args: argparse.Namespace) -> int:
     return 0
 
 
+
+FILE_NODES = ["filea", "fileb"]   # profile "files": their own files (deploy/filedata.py), model sensor-net
+FILE_ROUNDS = int(os.environ.get("TESTBED_FILE_ROUNDS", "20"))
+FILE_CLASSES = ["idle", "walk", "run", "fall"]
+FILE_MIN_ACC = 0.6       # 4 classes: chance is 0.25; a node that learns gets well above
+FILE_PREDICT = {"filea": "/data/predict/filea-test.csv", "fileb": "/data/fileb/test.csv"}
+
+
+def files_done(nodes: list[str]) -> bool:
+    st = [get(n, "/status") for n in nodes]
+    return all(s and s.get("done") and s.get("round") == FILE_ROUNDS for s in st)
+
+
+def export_and_predict(node: str) -> float:
+    """``coterie model export`` in the node's container, ``coterie predict`` there on a test table
+    (its label column ignored by predict): the share of rows whose predicted class is the label."""
+    out = "/tmp/testbed-model.safetensors"
+    said = compose("exec", "-T", node, "coterie", "model", "export", "--state-dir", "/state", "--out", out)
+    log(f"{node}: {said.strip()}")
+    card = json.loads(compose("exec", "-T", node, "cat", out + ".json"))
+    check(card.get("node_id") == node and card.get("architecture"),
+          f"{node}'s exported model card names it and its architecture ({card.get('architecture')})")
+    table = FILE_PREDICT[node]
+    pred = list(csv.DictReader(io.StringIO(compose("exec", "-T", node, "coterie", "predict", "--model", out, table))))
+    truth = list(csv.DictReader(io.StringIO(compose("exec", "-T", node, "cat", table))))
+    check(len(pred) == len(truth) > 0, f"{node}: coterie predict answered every row of {table} ({len(pred)})")
+    check(all(r.get("predicted") in FILE_CLASSES for r in pred),
+          f"{node}: every prediction names one of the agreed classes")
+    acc = sum(p["predicted"] == t["label"] for p, t in zip(pred, truth)) / len(truth)
+    ev = card.get("eval") or {}
+    said = ev.get("own_test_acc", ev.get("test_acc"))
+    # each table is the node's own test split, so the file must reproduce what the node reported
+    check(isinstance(said, (int, float)) and abs(acc - said) < 0.01,
+          f"{node}: the exported model's accuracy on its test table ({acc:.4f}) is what the node reported "
+          f"for that round ({said})")
+    return acc
+
+
+def files(args: argparse.Namespace) -> int:
+    nodes = FILE_NODES
+    TOKEN_FROM[0] = "filea"  # node1..node9 do not run in this phase
+    with phase_timer("nodes on their own files healthy"):
+        wait_until("filea and fileb healthy", lambda: all(healthy(n) for n in nodes), timeout=600, every=2,
+                   detail=lambda: {n: healthy(n) for n in nodes})
+        for n, fmt in (("filea", "npz"), ("fileb", "csv")):
+            s = status(n)
+            d = s.get("data") or {}
+            check(fmt in str(d.get("source", "")).lower() and d.get("classes") == FILE_CLASSES
+                  and d.get("input_shape") == [12],
+                  f"{n} learns from its own {fmt} files: {d.get('source')}, {d.get('samples')}, "
+                  f"classes {d.get('classes')}, input shape {d.get('input_shape')}")
+            check(s.get("mtls") is True, f"{n} on mTLS with the run's CA")
+    with phase_timer("the file nodes find each other"):
+        wait_until("filea and fileb see each other alive", lambda: full_membership(nodes), timeout=300, every=2,
+                   detail=lambda: membership_detail(nodes))
+    with phase_timer(f"both reach round {FILE_ROUNDS}"):
+        wait_until(f"filea and fileb done with {FILE_ROUNDS} rounds", lambda: files_done(nodes), timeout=600,
+                   every=2, detail=lambda: rounds(nodes))
+    with phase_timer("they learned"):
+        for n in nodes:
+            hist = get(n, "/history", timeout=10) or []
+            accs = [h["eval"]["test_acc"] for h in hist if "test_acc" in (h.get("eval") or {})]
+            losses = [h["train_loss"] for h in hist if isinstance(h.get("train_loss"), (int, float))]
+            check(bool(accs) and accs[-1] >= FILE_MIN_ACC,
+                  f"{n} learned from its files: test accuracy {accs[-1] if accs else float('nan'):.3f} at round "
+                  f"{FILE_ROUNDS} (>= {FILE_MIN_ACC}; chance {1 / len(FILE_CLASSES):.2f}; first round "
+                  f"{accs[0] if accs else float('nan'):.3f})")
+            check(len(losses) >= 2 and losses[-1] < losses[0],
+                  f"{n}'s training loss fell: {losses[0] if losses else 0:.3f} -> {losses[-1] if losses else 0:.3f}")
+        log(f"FedFomo weights at the end: {weights(nodes)}")
+    with phase_timer("a model exported from a container predicts"):
+        for n in nodes:
+            acc = export_and_predict(n)
+            check(acc >= FILE_MIN_ACC, f"{n}'s exported model predicts {acc:.3f} of its test table right "
+                                       f"(>= {FILE_MIN_ACC})")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["baseline", "faulty"])
+    ap.add_argument("phase", choices=["baseline", "faulty", "files"])
     ap.add_argument("--out", help="baseline: write accuracy/weights JSON here")
     ap.add_argument("--baseline", help="faulty: the baseline JSON to compare accuracy with")
     args = ap.parse_args()
     try:
-        return {"baseline": baseline, "faulty": faulty}[args.phase](args)
+        return {"baseline": baseline, "faulty": faulty, "files": files}[args.phase](args)
     except CheckFailed as e:
         log(f"FAILED: {e}")
         return 1
