@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from .config import LearnerConfig
+from .partition import Splits
 from .images import has_images, image_files, image_shape, read_images
 from .samples import DataError, Part, concat
 from .tables import TABLE_SUFFIXES, read_table
@@ -56,14 +57,8 @@ _SALT = 0x0DA7A  # the split stream, apart from the learner's other seeded strea
 
 
 @dataclass
-class OwnData:
+class OwnData(Splits):
     """A node's own samples, split, labels as output indices (or float targets)."""
-    x_train: np.ndarray
-    y_train: np.ndarray
-    x_val: np.ndarray
-    y_val: np.ndarray
-    x_test: np.ndarray
-    y_test: np.ndarray
     input_shape: tuple[int, ...]
     class_names: list[str] | None  # None: regression
     source: str  # what was read, for /status

@@ -99,14 +99,19 @@ class Shard:
 
 
 @dataclass
-class NodeData:
-    """One node's arrays, labels already mapped (and train labels noised) as the node sees them."""
+class Splits:
+    """A node's samples as the learner takes them: inputs and labels of its three splits."""
     x_train: np.ndarray
     y_train: np.ndarray
     x_val: np.ndarray
     y_val: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
+
+
+@dataclass
+class NodeData(Splits):
+    """One node's arrays, labels already mapped (and train labels noised) as the node sees them."""
     shard: Shard
     noisy: np.ndarray  # indices into the train split whose label was replaced
 
