@@ -87,7 +87,7 @@ def _numeric_table_parquet(path: Path, skip: str) -> np.ndarray:
 
 def _images(folder: Path, shape: tuple[int, ...]) -> tuple[np.ndarray, list[str]]:
     """The images of a folder (named by their path in it), or one image file (named by its name)."""
-    from PIL import Image, UnidentifiedImageError
+    from .learning.images import load_image
     if len(shape) != 3 or shape[0] not in (1, 3):
         raise ValueError(f"{folder} is an image, but the model's input is {list(shape)} "
                          "(images need (1 or 3, H, W))")
@@ -97,16 +97,9 @@ def _images(folder: Path, shape: tuple[int, ...]) -> tuple[np.ndarray, list[str]
         files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise ValueError(f"{folder}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
-    c, h, w = shape
-    out = np.empty((len(files), c, h, w), dtype=np.float32)
-    for i, f in enumerate(files):
-        try:
-            with Image.open(f) as im:
-                sized = im.convert("L" if c == 1 else "RGB").resize((w, h))
-                a = np.asarray(sized, dtype=np.float32) / 255.0
-        except (UnidentifiedImageError, OSError) as e:
-            raise ValueError(f"{f}: not a readable image ({e})") from None
-        out[i] = a[None] if c == 1 else a.transpose(2, 0, 1)
+    out = np.empty((len(files), *shape), dtype=np.float32)
+    for i, f in enumerate(files):  # preprocessed exactly as the node's training images were
+        out[i] = load_image(f, (shape[0], shape[1], shape[2]))
     return out, [str(f.relative_to(folder)) for f in files]
 
 

@@ -264,3 +264,21 @@ async def test_regression_model_predicts_values(tmp_path):
     with torch.no_grad():
         want = model(torch.tensor([[0.5], [-1.0], [2.0]])).reshape(-1)
     assert rows[0] == ["index", "value"] and [float(v) for _, v in rows[1:]] == pytest.approx(want.tolist(), rel=1e-5)
+
+
+def test_predict_preprocesses_images_exactly_as_training_does(tmp_path):
+    """A photo larger than the network's input is resized the same way for `coterie predict` as
+    for the node that trained on it (they had two resizers: bilinear in training, Pillow's
+    default bicubic in predict — the model saw other pixels at prediction time)."""
+    from PIL import Image
+
+    from coterie.node.learning.images import read_images
+    from coterie.node.predict import read_inputs
+    rng = np.random.default_rng(0)
+    (tmp_path / "cat").mkdir()
+    Image.fromarray(rng.integers(0, 256, (37, 29, 3), dtype=np.uint8)).save(tmp_path / "cat" / "a.png")
+    shape = (3, 8, 8)
+    trained = read_images(tmp_path, shape).x
+    predicted, ids, _ = read_inputs(tmp_path, shape)
+    assert ids == ["cat/a.png"] and predicted.shape == (1, *shape)
+    np.testing.assert_array_equal(predicted, trained)

@@ -47,25 +47,32 @@ def image_shape(files: list[Path], params: dict) -> tuple[int, int, int]:
 
 def read_images(folder: Path, shape: tuple[int, int, int]) -> Part:
     """Every image under ``folder`` (one level of class folders) as (n, C, H, W) float32."""
-    from PIL import Image
 
     files = image_files(folder)
     if not files:
         raise DataError(f"{folder}: no images (expected {folder}/<class name>/*.png or *.jpg)")
-    c, h, w = shape
-    x = np.empty((len(files), c, h, w), dtype=np.float32)
+    x = np.empty((len(files), *shape), dtype=np.float32)
     for i, (_, f) in enumerate(files):
-        with _open(f) as im:
-            try:
-                im = im.convert("L" if c == 1 else "RGB")
-                if im.size != (w, h):
-                    im = im.resize((w, h), Image.Resampling.BILINEAR)
-                a = np.asarray(im, dtype=np.float32) / 255.0
-            except (OSError, ValueError) as e:  # truncated pixel data surfaces at decode time
-                raise DataError(f"{f}: not a readable image: {e}") from None
-        x[i] = a[None] if c == 1 else a.transpose(2, 0, 1)
+        x[i] = load_image(f, shape)
     labels = np.asarray([name for name, _ in files], dtype=object)
     return Part(x, labels, str(folder), lambda i: str(files[i][1]))
+
+
+def load_image(path: Path, shape: tuple[int, int, int]) -> np.ndarray:
+    """One image as the network sees it, in training and in ``coterie predict`` alike: grey (C=1)
+    or RGB (C=3), resized bilinearly to H×W when it differs, (C, H, W) float32 in [0, 1]."""
+    from PIL import Image
+
+    c, h, w = shape
+    with _open(path) as im:
+        try:
+            im = im.convert("L" if c == 1 else "RGB")
+            if im.size != (w, h):
+                im = im.resize((w, h), Image.Resampling.BILINEAR)
+            a = np.asarray(im, dtype=np.float32) / 255.0
+        except (OSError, ValueError) as e:  # truncated pixel data surfaces at decode time
+            raise DataError(f"{path}: not a readable image: {e}") from None
+    return a[None] if c == 1 else a.transpose(2, 0, 1)
 
 
 def _open(path: Path):
