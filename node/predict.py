@@ -11,9 +11,8 @@ Output: one row per input: ``index`` (row number) or ``file`` (an image's path i
 then ``score_<class>`` per class (softmax probabilities) and ``predicted`` (the class name),
 or ``value`` for a regression model.
 
-The readers here are deliberately small. The node's own-data readers (node/learning/: tables,
-images) read the same formats for training; they should become the one reader of both once
-they can read a table without its label column (see the report of the export work).
+Tables and images are read by the functions training reads them with (node/learning/tables.py,
+images.py), so a deployed model sees the numbers and pixels it trained on.
 """
 from __future__ import annotations
 
@@ -24,65 +23,10 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from .learning.tables import TABLE_SUFFIXES, read_features
+
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 BATCH = 1024
-
-
-def _numeric_table_csv(path: Path, skip: str) -> np.ndarray:
-    with open(path, newline="") as f:
-        reader = csv.reader(f)
-        try:
-            header = next(reader)
-        except StopIteration:
-            raise ValueError(f"{path}: empty file (a header line of column names, then rows)") from None
-        keep = [i for i, name in enumerate(header) if name.strip() != skip]
-        if not keep:
-            raise ValueError(f"{path}: no feature columns besides {skip!r}")
-        rows = []
-        for line, row in enumerate(reader, start=2):
-            if not row:
-                continue
-            if len(row) != len(header):
-                raise ValueError(f"{path} line {line}: {len(row)} values, the header names {len(header)} columns")
-            try:
-                rows.append([float(row[i]) for i in keep])
-            except ValueError:
-                bad = next(i for i in keep if not _is_number(row[i]))
-                raise ValueError(f"{path} line {line}: column {header[bad]!r} is not a number "
-                                 f"({row[bad]!r})") from None
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    return np.asarray(rows, dtype=np.float32)
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s)
-        return True
-    except ValueError:
-        return False
-
-
-def _numeric_table_parquet(path: Path, skip: str) -> np.ndarray:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ValueError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
-    try:
-        table = pq.read_table(path)
-    except Exception as e:  # noqa: BLE001 - pyarrow's errors vary; one line naming the file
-        raise ValueError(f"{path}: cannot read it as Parquet: {str(e).strip().splitlines()[0]}") from None
-    cols = []
-    for name in table.column_names:
-        if name == skip:
-            continue
-        arr = table.column(name).to_numpy(zero_copy_only=False)
-        if not np.issubdtype(arr.dtype, np.number) and arr.dtype != bool:
-            raise ValueError(f"{path}: column {name!r} is not numeric ({table.column(name).type})")
-        cols.append(arr.astype(np.float32))
-    if not cols:
-        raise ValueError(f"{path}: no feature columns besides {skip!r}")
-    return np.stack(cols, axis=1)
 
 
 def _images(folder: Path, shape: tuple[int, ...]) -> tuple[np.ndarray, list[str]]:
@@ -116,10 +60,8 @@ def read_inputs(path: str | Path, input_shape: tuple[int, ...],
             if "x" not in z.files:
                 raise ValueError(f"{path}: no array 'x' (it holds {sorted(z.files)})")
             x = np.asarray(z["x"], dtype=np.float32)
-    elif suffix == ".csv":
-        x = _numeric_table_csv(path, label_column)
-    elif suffix in (".parquet", ".pq"):
-        x = _numeric_table_parquet(path, label_column)
+    elif suffix in TABLE_SUFFIXES:
+        x = read_features(path, TABLE_SUFFIXES[suffix], label_column)
     elif not path.exists():
         raise ValueError(f"{path} does not exist")
     else:

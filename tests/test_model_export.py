@@ -284,3 +284,22 @@ def test_predict_preprocesses_images_exactly_as_training_does(tmp_path):
     predicted, ids, _ = read_inputs(tmp_path, shape)
     assert ids == ["cat/a.png"] and predicted.shape == (1, *shape)
     np.testing.assert_array_equal(predicted, trained)
+
+
+def test_predict_reads_tables_as_training_does(tmp_path):
+    """`coterie predict` reads a table with training's reader: the same feature numbers from the
+    same file, the label column optional, and a missing value refused naming its line (the old
+    reader of its own turned an empty cell into a crash or silently into NaN scores)."""
+    from coterie.node.learning.tables import read_table
+    from coterie.node.predict import read_inputs
+    table = tmp_path / "t.csv"
+    table.write_text("a,b,label\n1,2.5,x\n3,4e-3,y\n")
+    trained = read_table(table, "csv", "label", regression=False).x
+    predicted, ids, _ = read_inputs(table, (2,))
+    np.testing.assert_array_equal(predicted, trained.astype(np.float32))
+    unlabelled = tmp_path / "u.csv"
+    unlabelled.write_text("a,b\n1,2.5\n3,4e-3\n")
+    np.testing.assert_array_equal(read_inputs(unlabelled, (2,))[0], predicted)
+    unlabelled.write_text("a,b\n1,2.5\n3,\n")
+    with pytest.raises(ValueError, match=r"u\.csv line 3: features hold NaN"):
+        read_inputs(unlabelled, (2,))

@@ -122,6 +122,8 @@ def test_parquet_without_classes_is_regression(tmp_path):
     ("f0,f1,label\n1,2,cat\n1,nan,dog\n", r"bad\.csv line 3: features hold NaN"),
     ("f0,f1,label\n1,2,cat\n1,2,3,dog\n", r"bad\.csv: cannot read it as csv:.*(columns|Expected)"),
     ("f0,f1,label\n1,x,cat\n1,2,dog\n", r"bad\.csv: feature column 'f1' is not numeric.*line 2"),
+    # the bad cell further down a column of numbers written as text: named by its own line
+    ("f0,f1,label\n1,2,cat\n1,3,dog\n1,oops,dog\n", r"bad\.csv: feature column 'f1' is not numeric.*line 4"),
     ("f0,f1,label\n1,2,cat\n1,2,cow\n", r"bad\.csv line 3: unknown label 'cow'.*\['cat', 'dog', 'eel'\]"),
     ("f0,f1,kind\n1,2,cat\n", r"bad\.csv: no label column 'label'"),
     ("f0,f1,label\n1,1e999,cat\n", r"bad\.csv line 2: features hold NaN or Inf"),
