@@ -7,6 +7,13 @@ adjacency, weight on the noisy nodes (S3), bytes per node per round and wall tim
 
     python bench/strategy_bench.py                      # all three scenarios, all strategies
     python bench/strategy_bench.py --scenarios s1 --strategies local,fedfomo --rounds 10
+    python bench/strategy_bench.py --seeds 0,1,2 --backend inproc   # the headline: mean ± 95% CI
+
+Several seeds (data, initialisation and peer sampling all follow the seed) write
+bench/results/<scenario>/seed<k>/ (run directories, not committed), bench/results/seeds.json
+(every seed's metrics and the exact configuration) and bench/results/seeds.md: per cell the mean
+± the 95% confidence half-width (Student t over the seeds), the paired gain over local, the
+share of the oracle's gain, and the claims that do not hold in every seed.
 
 Writes bench/results/<scenario>/ (the coterie run directory: node state and logs, not committed),
 bench/results/<scenario>_results.json (its results.json), bench/results/summary.json,
@@ -157,12 +164,122 @@ def markdown(all_metrics: dict) -> str:
     return "\n".join(lines)
 
 
+CI_METRICS = ("mean_acc", "worst10_acc", "in_cluster_mass", "auroc", "bytes_per_node_round")
+
+
+def t95(n: int) -> float:
+    """Two-sided 95% Student t quantile for n samples (n - 1 degrees of freedom)."""
+    from scipy import stats
+    return float(stats.t.ppf(0.975, n - 1)) if n > 1 else float("nan")
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """Mean and the 95% confidence half-width of the mean (nan for one value)."""
+    v = np.asarray([x for x in values if x is not None], dtype=float)
+    if len(v) == 0:
+        return float("nan"), float("nan")
+    half = t95(len(v)) * v.std(ddof=1) / np.sqrt(len(v)) if len(v) > 1 else float("nan")
+    return float(v.mean()), float(half)
+
+
+def across_seeds(per_seed: dict[int, dict]) -> dict:
+    """Per strategy: mean ± CI of each metric, the paired gain over local (same seed, same
+    partition), the share of the oracle's gain it reaches (mean gain / mean oracle gain) and
+    the seeds in which it does not beat local."""
+    seeds = sorted(per_seed)
+    names = list(per_seed[seeds[0]])
+    out = {}
+    for name in names:
+        row: dict = {"seeds": seeds}
+        for m in CI_METRICS:
+            row[m] = mean_ci([per_seed[k][name].get(m) for k in seeds])
+        if all("local" in per_seed[k] for k in seeds):
+            gains = [per_seed[k][name]["mean_acc"] - per_seed[k]["local"]["mean_acc"] for k in seeds]
+            row["gain_over_local"] = mean_ci(gains)
+            row["seeds_not_beating_local"] = [k for k, g in zip(seeds, gains) if g <= 0]
+            if all("oracle" in per_seed[k] for k in seeds):
+                og = np.mean([per_seed[k]["oracle"]["mean_acc"] - per_seed[k]["local"]["mean_acc"] for k in seeds])
+                row["share_of_oracle_gain"] = float(np.mean(gains) / og) if og > 0 else None
+        out[name] = row
+    return out
+
+
+def seeds_markdown(agg: dict, config: dict) -> str:
+    def ci(pair, pct=True, digits=1):
+        mean, half = pair
+        if mean != mean:  # nan: no value in any seed
+            return "–"
+        k = 100 if pct else 1
+        return f"{k * mean:.{digits}f} ± {k * half:.{digits}f}" if half == half else f"{k * mean:.{digits}f}"
+
+    lines = ["# Strategies across seeds (bench/strategy_bench.py --seeds)", "",
+             f"Seeds {config['seeds']}, backend `{config['backend']}`, rounds "
+             f"{config['rounds'] or 'as in the scenario'}. Each cell: mean over the seeds ± the 95% "
+             "confidence half-width of that mean (Student t, n − 1 degrees of freedom; with 3 seeds "
+             "the half-width is 2.48 × the sample std). `gain` is paired: the strategy minus local on "
+             "the same seed's partition. `oracle share`: mean gain / the oracle's mean gain "
+             "(issue 23 asks ≥ 0.75). `fails in`: the seeds where it does not beat local.", ""]
+    for sc, rows in agg.items():
+        lines += [f"## {sc}", "",
+                  "| strategy | mean acc % | worst-10% acc % | gain over local (points) | oracle share | "
+                  "fails in | in-cluster mass | AUROC | KB/node/round |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for name, r in rows.items():
+            share = r.get("share_of_oracle_gain")
+            lines.append(
+                f"| {name} | {ci(r['mean_acc'])} | {ci(r['worst10_acc'])} | "
+                f"{ci(r['gain_over_local']) if 'gain_over_local' in r else '–'} | "
+                f"{'–' if share is None or name in ('local', 'oracle') else f'{share:.2f}'} | "
+                f"{'–' if name == 'local' else (', '.join(map(str, r.get('seeds_not_beating_local', []))) or 'none')} | "
+                f"{ci(r['in_cluster_mass'], False, 3)} | {ci(r['auroc'], False, 3)} | "
+                f"{r['bytes_per_node_round'][0] / 1024:.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run_seeds(args) -> int:
+    """The multi-seed sweep: one `coterie run` per scenario and seed, then the spread."""
+    seeds = [int(k) for k in args.seeds.split(",")]
+    path = args.out / "seeds.json"
+    doc = json.loads(path.read_text()) if path.exists() else {"per_seed": {}, "config": {}}
+    for sc in args.scenarios.split(","):
+        for k in seeds:
+            run_dir = args.out / sc / f"seed{k}"
+            cmd = [sys.executable, "-m", "coterie.cli.main", "run", str(ROOT / "scenarios" / SCENARIOS[sc]),
+                   "--out", str(run_dir), "--seed", str(k), "--backend", args.backend]
+            for flag, v in (("--strategy", args.strategies), ("--rounds", args.rounds)):
+                if v is not None:
+                    cmd += [flag, str(v)]
+            if not args.reuse:
+                print("$", " ".join(cmd), flush=True)
+                subprocess.run(cmd, check=True)
+            res = json.loads((run_dir / "results.json").read_text())
+            seed_rows = doc["per_seed"].setdefault(sc, {}).setdefault(str(k), {})
+            seed_rows.update(metrics(res))  # --strategies reruns replace only their own rows
+            doc["config"][sc] = {  # everything needed to rerun it, next to the figures
+                "scenario": SCENARIOS[sc], "scenario_toml": (ROOT / "scenarios" / SCENARIOS[sc]).read_text(),
+                "seeds": seeds, "backend": args.backend, "rounds": args.rounds,
+                "commands": doc["config"].get(sc, {}).get("commands", {})}
+            doc["config"][sc]["commands"].setdefault(str(k), []).append(" ".join(cmd[2:]))
+            path.write_text(json.dumps(doc, indent=1))
+    agg = {sc: across_seeds({int(k): m for k, m in doc["per_seed"][sc].items()})
+           for sc in args.scenarios.split(",")}
+    doc["across_seeds"] = agg
+    path.write_text(json.dumps(doc, indent=1))
+    md = seeds_markdown(agg, {"seeds": seeds, "backend": args.backend, "rounds": args.rounds})
+    (args.out / "seeds.md").write_text(md)
+    print(md, flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", default="s1,s2,s3")
     ap.add_argument("--strategies", default=None, help="comma list (default: the scenario's)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--seeds", default=None, help="comma list: the multi-seed sweep (seeds.md)")
+    ap.add_argument("--backend", default="processes", help="processes | inproc (with --seeds)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--reuse", action="store_true", help="only recompute metrics from existing results.json")
     ap.add_argument("--merge", action="store_true",
@@ -171,6 +288,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     summary_path = args.out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    if args.seeds:
+        return run_seeds(args)
     for sc in args.scenarios.split(","):
         out = args.out / sc
         run_dir = out.with_name(f"{sc}-rerun") if args.merge else out
