@@ -41,6 +41,7 @@ def compose_scenario(nodes: int, rounds: int, samples: int) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 6 CNN nodes × 15 rounds in one process: ~2-3 min on this box, more under load
 def test_testbed_federico_weights_its_same_cluster_peers_above_chance(tmp_path):
     sc = compose_scenario(nodes=6, rounds=15, samples=6000)
     assert sc["strategy_params"]["federico"]["temperature"] == 0.2  # the setting that exposed the bug
