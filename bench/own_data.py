@@ -90,6 +90,23 @@ def own_group_share(weights, groups: list[int]) -> float | None:
     return float(np.mean(shares)) if shares else None
 
 
+def exported_accuracy(state_dir: Path, out: Path) -> float:
+    """Accuracy, on the node's test split of its own file, of the model `coterie model export`
+    writes from the node's state dir (node/modelfile.write_export): the personalised model a
+    user takes away. The card's learner config rebuilds the node's data, the split included."""
+    import torch
+
+    from coterie.node.learning.config import LearnerConfig
+    from coterie.node.learning.torch_learner import build_learner
+    from coterie.node.modelfile import load_model, write_export
+
+    card = write_export(state_dir, out)
+    model = load_model(out).model
+    x, y = build_learner(LearnerConfig(**card["learner"]))._data["test"]
+    with torch.no_grad():
+        return float((model(x).argmax(1) == y).float().mean())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0,1,2")
@@ -115,9 +132,13 @@ def main() -> int:
         for s in strategies:
             nodes = res["strategies"][s]["nodes"]
             acc = [nodes[f"n{i}"]["test_acc"][-1] for i in range(NODES)]
+            exported = [exported_accuracy(base / "run" / s / "nodes" / f"n{i}", base / "export" / s / f"n{i}.safetensors")
+                        for i in range(NODES)]
             per[s] = {"mean": float(np.mean(acc)), "group_a": float(np.mean(acc[:NODES // 2])),
+                      "exported_mean": float(np.mean(exported)), "exported_nodes": exported,
                       "group_b": float(np.mean(acc[NODES // 2:])), "nodes": acc,
-                      "own_group_share": own_group_share(res["strategies"][s].get("mean_weights"), groups)}
+                      "own_group_share": own_group_share(res["strategies"][s].get("mean_weights"), groups),
+                      "own_group_share_last": own_group_share(res["strategies"][s].get("final_weights"), groups)}
         runs[seed] = {"scenario": sc_dict, "wall_s": None if args.from_runs else round(time.time() - t0, 1),
                       "final_test_acc": per}
         print(f"seed {seed}: " + ", ".join(f"{s} {v['mean']:.3f}" for s, v in per.items()), flush=True)
@@ -128,10 +149,14 @@ def main() -> int:
         gb = np.array([r["final_test_acc"][s]["group_b"] for r in runs.values()])
         diff = vals - np.array([r["final_test_acc"][strategies[0]]["mean"] for r in runs.values()])
         shares = [r["final_test_acc"][s]["own_group_share"] for r in runs.values()]
+        last = [r["final_test_acc"][s].get("own_group_share_last") for r in runs.values()]
+        exp = np.array([r["final_test_acc"][s]["exported_mean"] for r in runs.values()])
         table[s] = {"mean": float(vals.mean()), "std": float(vals.std(ddof=1)) if len(vals) > 1 else 0.0,
                     "group_a": float(ga.mean()), "group_b": float(gb.mean()),
                     "vs_first": float(diff.mean()), "vs_first_std": float(diff.std(ddof=1)) if len(diff) > 1 else 0.0,
-                    "own_group_share": None if None in shares else float(np.mean(shares))}
+                    "own_group_share": None if None in shares else float(np.mean(shares)),
+                    "own_group_share_last": None if None in last else float(np.mean(last)),
+                    "exported": float(exp.mean()), "exported_std": float(exp.std(ddof=1)) if len(exp) > 1 else 0.0}
     (OUT / "own_data.json").write_text(json.dumps({"runs": runs, "summary": table}, indent=1))
     lines = ["# Own files, two label namings (bench/own_data.py)", "",
              f"{NODES} nodes, each on its own file ({SAMPLES} samples, {DIM} features, classes {CLASSES}); "
@@ -141,14 +166,21 @@ def main() -> int:
              f"(sample std).", "",
              f"`− {strategies[0]}`: the paired difference to {strategies[0]} on the same files and seed "
              f"(mean ± std over seeds). `own group`: share of the peer weight a node puts on peers of its "
-             f"own group, averaged over the rounds (chance 2/5; 1 = found its group exactly). In-process "
-             f"networks pull asynchronously: a rerun of the same seed differs by a few points.", "",
-             f"| strategy | mean ± std | − {strategies[0]} | group A | group B | own group |",
-             "|---|---|---|---|---|---|"]
+             f"own group, averaged over the rounds (chance 2/5; 1 = found its group exactly; `last`: in the "
+             f"last round, – where the strategy reports no weights then). In-process "
+             f"networks pull asynchronously: a rerun of the same seed differs by a few points. "
+             f"`exported`: the same nodes' models as `coterie model export` writes them from the state "
+             f"dir (node/modelfile.py), their accuracy on each node's test split of its file (mean ± std "
+             f"over seeds): the node's own model. It equals the reported accuracy where the strategy "
+             f"predicts with its own model; FedeRiCo reports its mixture prediction Σ_j w_ij p(y|x; θ_j) "
+             f"(§2.1), which needs the peers' models and is not what the export holds.", "",
+             f"| strategy | mean ± std | − {strategies[0]} | exported | group A | group B | own group | last |",
+             "|---|---|---|---|---|---|---|---|"]
     for s, v in table.items():
         share = "–" if v["own_group_share"] is None else f"{v['own_group_share']:.2f}"
+        share += " | " + ("–" if v["own_group_share_last"] is None else f"{v['own_group_share_last']:.2f}")
         lines.append(f"| {s} | {v['mean']:.3f} ± {v['std']:.3f} | {v['vs_first']:+.3f} ± {v['vs_first_std']:.3f} "
-                     f"| {v['group_a']:.3f} | {v['group_b']:.3f} | {share} |")
+                     f"| {v['exported']:.3f} ± {v['exported_std']:.3f} | {v['group_a']:.3f} | {v['group_b']:.3f} | {share} |")
     (OUT / "own_data.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

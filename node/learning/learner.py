@@ -71,6 +71,11 @@ class Learner(ABC):
         """Local training of the live model from its current params (optimizer state persists).
         ``steps`` overrides the configured local steps/epochs."""
 
+    def steps_per_round(self) -> int:
+        """The optimizer steps one round of local training takes (``train()`` without ``steps``):
+        strategies that take their own gradient steps match the node's configured budget."""
+        return 1
+
     @abstractmethod
     def loss(self, params: Params | None = None, split: Split = "train",
              max_samples: int | None = None, reduction: Literal["mean", "sum"] = "mean") -> EvalResult:

@@ -149,12 +149,14 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
     def num_samples(self, split: Split = "train") -> int:
         return len(self._data[split][1])
 
+    def steps_per_round(self) -> int:
+        n, bs = self.num_samples("train"), self.cfg.batch_size
+        return self.cfg.local_epochs * math.ceil(n / bs) if self.cfg.local_epochs > 0 else self.cfg.local_steps
+
     def train(self, steps: int | None = None) -> TrainResult:
-        n = self.num_samples("train")
         bs = self.cfg.batch_size
         if steps is None:
-            steps = (self.cfg.local_epochs * math.ceil(n / bs) if self.cfg.local_epochs > 0
-                     else self.cfg.local_steps)
+            steps = self.steps_per_round()
         if steps <= 0:
             return TrainResult(loss=float("nan"), steps=0, samples=0)
         x, y = self._data["train"]

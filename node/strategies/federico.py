@@ -23,13 +23,22 @@ Settled open choices (see ``defaults``):
   round after round, while no evidence about it ever arrives (seen in the container testbed: a
   late joiner put 100% on an unreachable peer and learned alone). Such a peer gets no weight until
   it answers; ε-greedy sampling still tries it again.
-- Own loss (``own_loss``). Alg. 1 updates ℓ only for the sampled neighbours B^t (l.12-13) and
-  starts every ℓ at 0 (l.3); the own model is not a neighbour, so ℓ_ii stays 0 and exp(−L̂_ii) = 1
-  is the yardstick a peer's model must approach to earn weight ("prior", default). Tracking
-  ℓ_ii every round instead ("track") hands all of i's weight to the still-untried peers (L̂ = 0)
-  in the first rounds: with the summed loss w_ii ≈ 0, i's own data stops training its own model,
-  the models are adopted by whichever clients happen to weight them, and the model ids are
-  permuted (Fig. 1 bench: weight on self + adjacent intervals 0.16 against 0.34 for uniform).
+- Own loss (``own_loss``) and untried peers (``untried``). Read literally, Alg. 1 updates ℓ only
+  for the sampled neighbours B^t (l.12-13), starting every ℓ and L̂ at 0 (l.3); the own model is
+  no neighbour, so ℓ_ii would stay 0 and exp(0) = 1 is the bar a peer must clear: w_ij/w_ii =
+  exp(−L̂_ij/T). That bar does not scale with the loss: a same-cluster peer with a mean validation
+  loss of 1.2 at the container testbed's T = 0.2 gets exp(−6) ≈ 0.25% of the own weight, so
+  w_ii ≈ 0.99 and nobody collaborates; with the paper's summed loss it is exp(−n·ℓ) ≈ 0 always.
+  The E-step of §2.1 (eq. 3) compares *models* on my data, mine among them, so the default
+  ("track") measures ℓ_ii of my own model on the same split as the peers', every round; "prior" is
+  the literal reading. The literal L̂ = 0 start is the other half: it makes an untried peer look
+  better than any measured one, and with a tracked own loss it swallowed all of i's weight in
+  round 1 (w_ii ≈ 0: i's data stopped training i's model, the model ids got permuted; Fig. 1
+  bench: weight on self + adjacent 0.16 against 0.34 uniform). Default ``untried = "skip"``: a
+  node gets mixture weight only once there is evidence about it (a measured loss), its L̂ starts
+  at that first loss (no 0-biased EMA that favours whoever was measured last), and the paper's
+  exploration moves to the sampling, where untried peers are picked first. ``"optimistic"`` keeps
+  Alg. 1's zero start.
 - Gradients are mean-reduced minibatch gradients (Σ over samples in eq. 8 only rescales η).
 - Several M-steps per round (``local_steps`` > 1; Alg. 1 l.18: "could also do multiple"): every
   step is Alg. 1 l.24's update, own weighted gradient *and* the gradients peers pushed this round
@@ -93,10 +102,11 @@ class FedeRiCo(Strategy):
         "loss_samples": None,     # None = whole local train split (eq. 3: Σ_{s=1}^{n_i})
         "loss_split": "train",    # ℓ_ij on the local data D_i (eq. 3)
         "grad_samples": 32,       # minibatch for the pushed/own gradients (stochastic M-step, Thm 2.1)
-        "local_steps": 1,         # M-step gradient steps per round: Alg. 1 l.18 one ("could also do multiple")
+        "local_steps": None,      # M-step steps per round; None = the learner's per round (Alg. 1 l.18: one, "could also do multiple")
         "max_staleness": 2,       # *decentral*: drop pushed gradients > this many versions old
         "mixture_min_weight": 1e-3,  # skip negligible mixture members at prediction (speed only)
-        "own_loss": "prior",      # ℓ_ii: "prior" = Alg. 1 (never sampled, stays 0), "track" = own loss each round
+        "own_loss": "track",      # ℓ_ii: "track" = my model's loss each round (eq. 3), "prior" = Alg. 1 literal (stays 0)
+        "untried": "skip",        # no weight before a loss is measured, L̂ starts there; "optimistic" = Alg. 1 l.3 (L̂ = 0)
         "max_pushes": None,       # *decentral*: pushes applied per round (None = one per known peer)
         "push_norm_factor": 2.0,  # *decentral*: a push is clipped to this × ‖my own gradient‖ (module doc)
     }
@@ -107,6 +117,7 @@ class FedeRiCo(Strategy):
         self._loss: dict[str, float] = {}    # ℓ_ij: the last loss seen of every j (Alg. 1 l.11)
         self._w: dict[str, float] = {}       # starts at 1/K (Alg. 1 l.3)
         self._unanswered: set[str] = set()  # sampled, but no snapshot came back: no weight until one does
+        self._seen: set[str] = set()        # nodes with a measured loss (evidence); the others get no weight
         self._max_version = -1
         self._applied = 0
         self._dropped = 0
@@ -123,9 +134,17 @@ class FedeRiCo(Strategy):
             else:
                 self._w = self._weights()
 
+    def _skip_untried(self) -> bool:
+        return self.p["untried"] != "optimistic"
+
     def _weights(self) -> dict[str, float]:
-        """The E-step over the nodes that can have evidence: every known node but the unanswered."""
-        live = {k: v for k, v in self._L.items() if k not in self._unanswered}
+        """The E-step over the nodes with evidence: every known node but the unanswered (and, with
+        ``untried = "skip"``, those never measured)."""
+        known = self._seen | ({self.node_id} if self.p["own_loss"] == "prior" else set())  # prior: ℓ_ii = 0 is known
+        live = {k: v for k, v in self._L.items() if k not in self._unanswered
+                and (k in known or not self._skip_untried())}
+        if not live:  # nothing measured yet: keep my own model
+            live = {self.node_id: self._L.get(self.node_id, 0.0)}
         w = federico_weights(live, float(self.p["temperature"]))
         return {**{k: 0.0 for k in self._L if k not in live}, **w}
 
@@ -133,6 +152,8 @@ class FedeRiCo(Strategy):
         self._sync_known()
         peers = self.net.peers()
         scores = {p: self._w.get(p, 0.0) for p in peers}
+        if self._skip_untried():  # exploration: untried peers first (the role of Alg. 1's L̂ = 0 start)
+            scores.update({p: 2.0 for p in peers if p not in self._seen and p not in self._unanswered})
         chosen = C.eps_greedy(peers, scores, int(self.p["num_neighbours"]), float(self.p["eps"]), self.rng)
         snaps = await gather_bounded({p: self.net.pull(p) for p in chosen})
         self._unanswered = (self._unanswered | set(chosen)) - set(snaps)
@@ -153,6 +174,9 @@ class FedeRiCo(Strategy):
         losses = await self.compute(estep_losses)
         losses = {k: v for k, v in losses.items() if math.isfinite(v)}
         self._L, self._loss = federico_ema(self._L, self._loss, losses, float(self.p["beta"]))
+        if self._skip_untried():  # L̂ starts at the first measured loss, not at Alg. 1's 0
+            self._L.update({k: v for k, v in losses.items() if k not in self._seen})
+        self._seen |= set(losses)
         self._w = self._weights()
 
         # M-step, sender side (l.17-19): push w_ib ∇ loss(θ_b; my data) to each sampled b
@@ -172,7 +196,8 @@ class FedeRiCo(Strategy):
         received = self._accept(self.net.drain_pushed(), own)
         w_self = self._w.get(self.node_id, 0.0)
         train_losses = []
-        for step in range(max(1, int(self.p["local_steps"]))):
+        steps = self.learner.steps_per_round() if self.p["local_steps"] is None else int(self.p["local_steps"])
+        for step in range(max(1, steps)):
             g_own, r = await self.compute(self.learner.gradient, None, "train", gs)
             train_losses.append(r.loss)
             if step == 0:
@@ -253,7 +278,7 @@ class FedeRiCo(Strategy):
                 "pushed_applied": self._applied, "pushed_dropped": self._dropped}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"L": dict(self._L), "loss": dict(self._loss), "w": dict(self._w),
+        return {"L": dict(self._L), "loss": dict(self._loss), "w": dict(self._w), "seen": sorted(self._seen),
                 "max_version": self._max_version, "applied": self._applied, "dropped": self._dropped,
                 "rng": C.rng_state(self.rng)}
 
@@ -261,6 +286,8 @@ class FedeRiCo(Strategy):
         self._L = {str(k): float(v) for k, v in state.get("L", {}).items()}
         self._loss = {str(k): float(v) for k, v in state.get("loss", {}).items()}
         self._w = {str(k): float(v) for k, v in state.get("w", {}).items()}
+        # states written before "seen" existed: a node with a non-zero kept loss was measured
+        self._seen = set(map(str, state.get("seen", [k for k, v in self._loss.items() if v != 0.0])))
         self._max_version = int(state.get("max_version", -1))
         self._applied = int(state.get("applied", 0))
         self._dropped = int(state.get("dropped", 0))

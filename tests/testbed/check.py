@@ -324,6 +324,18 @@ def cluster_weights(nodes: list[str], cols: list[str]) -> dict[str, dict[str, fl
         peers = {k: v for k, v in row.items() if k != n}
         share = sum(v for k, v in peers.items() if cl.get(k) == cl[n]) / (sum(peers.values()) or 1.0)
         other = sum(v for k, v in peers.items() if cl.get(k) != cl[n]) / total
+        if (status(n).get("labels") or {}).get("strategy") == "federico":
+            # FedeRiCo weights every node it has measured: a node that keeps nearly all its weight
+            # (w_ii ≈ 1) is not collaborating, whatever it gives its peers (the own loss once was a
+            # constant 0 that, at T = 0.2, left w_ii ≈ 0.99). Its same-cluster peers must get more
+            # than uniform weights would give them, and more than the other clusters.
+            same = [k for k in row if k != n and cl.get(k) == cl[n]]
+            mass = sum(row[k] for k in same) / total
+            chance = len(same) / max(1, len(row))
+            check(mass > chance and mass > other,
+                  f"{n} [cluster {cl[n]}] puts {mass:.0%} of its weight on its {len(same)} same-cluster "
+                  f"peers (chance {chance:.0%}; other clusters {other:.1%}; itself {row.get(n, 0.0) / total:.0%})")
+            continue
         # most of what it gives its peers goes to its own cluster — a ratio that means nothing when
         # it keeps nearly all to itself (1% to each side of 2% given away is 50%): then what it
         # gives other clusters must be negligible instead
