@@ -59,6 +59,14 @@ def run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return p
 
 
+def code_version() -> str:
+    """Which checkout's node code the daemons run (this interpreter's ``coterie``), and its commit."""
+    import coterie.node
+    where = Path(coterie.node.__file__).resolve().parent.parent
+    commit = run("git", "-C", str(where), "rev-parse", "--short", "HEAD", check=False).stdout.strip()
+    return f"{where}" + (f" @ {commit}" if commit else "")
+
+
 def shaping_problem() -> str | None:
     """Why this machine cannot build shaped namespaces, or None when it can."""
     if os.geteuid() != 0:
@@ -230,8 +238,9 @@ def run_config(args, link_name: str, model: str, strategy: str, codecs: str | No
     row: dict[str, Any] = {"link": link_name, **link, "model": model, "strategy": strategy,
                            "codecs": codecs or "fp32 (default)", "snapshots": snapshots, "nodes": args.nodes,
                            "rounds_asked": rounds, "cap_s": cap, "seed": args.seed, "dir": str(root),
-                           "load_before": load()}
-    with ShapedNet(args.nodes, link["rate_mbit"]) as net:
+                           "code": code_version(), "load_before": load(),
+                           "args": {k: v for k, v in vars(args).items() if k not in ("cleanup", "report")}}
+    with ShapedNet(args.nodes, link["rate_mbit"], prefix=args.prefix, subnet=args.subnet) as net:
         configs = node_configs(args, model, strategy, link, net, snapshots, rounds)
         row["config"] = configs[0]
         with Lab(root, configs, wraps=[net.wrap(i) for i in range(args.nodes)]) as lab:
@@ -310,6 +319,7 @@ def write_md(results: dict[str, Any], path: Path) -> None:
              "final acc (median) | MB recv / node-round | MB sent / node-round | link MB down / up per node-round "
              "(kernel) | round cycle s | capped | load |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    codes = sorted({r.get("code", "?") for r in results["runs"] if "error" not in r})
     for r in results["runs"]:
         if "error" in r:
             lines.append(f"| {r['link']} | {r['model']} | {r['strategy']} | {r['codecs']} | failed: "
@@ -321,7 +331,8 @@ def write_md(results: dict[str, Any], path: Path) -> None:
                      f"{r['recv_mb_per_node_round']:.2f} | {r['sent_mb_per_node_round']:.2f} | "
                      f"{r.get('kernel_down_mb_per_node_round', 0):.2f} / {r.get('kernel_up_mb_per_node_round', 0):.2f} | "
                      f"{_f(r['cycle_median_s'])} | {'yes' if r['timed_out'] else 'no'} | {r['load_before']} |")
-    lines += ["", "Per-node series (time s, test accuracy) and every node's config: `links.json`.", ""]
+    lines += ["", "Node code: " + "; ".join(f"`{c}`" for c in codes) + " (per row in `links.json`).",
+              "Per-node series (time s, test accuracy) and every node's config: `links.json`.", ""]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -342,13 +353,16 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=400, help="samples per node")
     ap.add_argument("--clusters", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix", default=PREFIX, help="names of the namespaces and links (another one lets two "
+                    "runs share the machine; --cleanup removes only this prefix's)")
+    ap.add_argument("--subnet", default="10.231.0", help="first three octets of the nodes' /24")
     ap.add_argument("--out", default=str(RESULTS / "links.json"))
     ap.add_argument("--cleanup", action="store_true", help="only remove leftover namespaces and links, then exit")
     ap.add_argument("--report", action="store_true", help="only rewrite the .md from the .json")
     args = ap.parse_args()
     out_path = Path(args.out)
     if args.cleanup:
-        print("\n".join(cleanup()) or "nothing to clean up")
+        print("\n".join(cleanup(args.prefix)) or "nothing to clean up")
         return 0
     results: dict[str, Any] = json.loads(out_path.read_text()) if out_path.exists() else {"runs": []}
     if args.report:
@@ -361,8 +375,8 @@ def main() -> int:
         check_snapshots_config(parse_codecs(spec))
     results.update({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                     "machine": f"{platform.machine()}, {os.cpu_count()} cores", "args": vars(args),
-                    "commit": run("git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD",
-                                  check=False).stdout.strip()})
+                    "bench_commit": run("git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short",
+                                        "HEAD", check=False).stdout.strip()})
     out_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         for link in args.links.split(","):
@@ -382,7 +396,7 @@ def main() -> int:
                         out_path.write_text(json.dumps(results, indent=2))
                         write_md(results, out_path.with_suffix(".md"))
     finally:
-        cleanup()
+        cleanup(args.prefix)
     print(f"wrote {out_path} and {out_path.with_suffix('.md')}")
     return 0
 
