@@ -293,7 +293,12 @@ def _f(x, fmt: str = ".1f") -> str:
     return "–" if x is None else format(x, fmt)
 
 
+NOTES = "<!-- findings: written by hand, kept when the table above is regenerated -->"
+
+
 def write_md(results: dict[str, Any], path: Path) -> None:
+    old = path.read_text() if path.exists() else ""
+    notes = old[old.index(NOTES):] if NOTES in old else NOTES + "\n"
     a = results["args"]
     lines = [f"# Time-to-accuracy on constrained links ({results['when']}, {results['machine']})", "",
              f"Real daemons (`coterie node start`, mTLS), {a['nodes']} nodes, each in its own network namespace "
@@ -332,8 +337,8 @@ def write_md(results: dict[str, Any], path: Path) -> None:
                      f"{r.get('kernel_down_mb_per_node_round', 0):.2f} / {r.get('kernel_up_mb_per_node_round', 0):.2f} | "
                      f"{_f(r['cycle_median_s'])} | {'yes' if r['timed_out'] else 'no'} | {r['load_before']} |")
     lines += ["", "Node code: " + "; ".join(f"`{c}`" for c in codes) + " (per row in `links.json`).",
-              "Per-node series (time s, test accuracy) and every node's config: `links.json`.", ""]
-    path.write_text("\n".join(lines) + "\n")
+              "Per-node series (time s, test accuracy) and every node's config: `links.json`.", "", notes]
+    path.write_text("\n".join(lines))
 
 
 def main() -> int:
