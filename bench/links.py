@@ -224,6 +224,14 @@ def tta(series: list[tuple[float, float]], frac: float = 0.95) -> float | None:
     return next(t for t, a in series if a >= frac * final)
 
 
+def round_split(h: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Median seconds per round in peer calls (the link's share) and in the rest of the strategy's
+    work (training, CPU-bound: on a shared machine, contention)."""
+    tm = [r["timing"] for r in h if r.get("timing")]
+    return {"exchange_s": med(t.get("exchange_s", 0.0) for t in tm),
+            "train_s": med(t["strategy_s"] - t.get("exchange_s", 0.0) for t in tm)}
+
+
 def med(xs) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -272,6 +280,7 @@ def run_config(args, link_name: str, model: str, strategy: str, codecs: str | No
                          "sent_per_round": statistics.mean(sent) if sent else None,
                          "first_round_s": h[0]["t"] - t0 if h else None,
                          "cycle_s": med([b["t"] - a["t"] for a, b in zip(h, h[1:])]),
+                         **round_split(h),
                          "series": [(round(t, 2), a) for t, a in series]}
     vals = list(per_node.values())
     row.update({"timed_out": timed_out, "wall_s": wall, "load_after": load(),
@@ -280,6 +289,7 @@ def run_config(args, link_name: str, model: str, strategy: str, codecs: str | No
                 "recv_mb_per_node_round": (med(v["recv_per_round"] for v in vals) or 0) / 1e6,
                 "sent_mb_per_node_round": (med(v["sent_per_round"] for v in vals) or 0) / 1e6,
                 "cycle_median_s": med(v["cycle_s"] for v in vals), "per_node": per_node,
+                "exchange_median_s": med(v["exchange_s"] for v in vals), "train_median_s": med(v["train_s"] for v in vals),
                 # what crossed the shaped links from "all up" to the end, per node and round (kernel's count)
                 "kernel_down_mb_per_node_round": med((b["down"] - a["down"]) / max(1, v["rounds"])
                                                      for a, b, v in zip(k0, k1, vals)) / 1e6,
@@ -322,8 +332,8 @@ def write_md(results: dict[str, Any], path: Path) -> None:
              "table); compare rows side by side, not the absolute numbers.", "",
              "| link | model | strategy | codecs | rounds done (min/median) | wall s | time to 95% s (median) | "
              "final acc (median) | MB recv / node-round | MB sent / node-round | link MB down / up per node-round "
-             "(kernel) | round cycle s | capped | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(kernel) | round cycle s | exchange / train s per round | capped | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     codes = sorted({r.get("code", "?") for r in results["runs"] if "error" not in r})
     for r in results["runs"]:
         if "error" in r:
@@ -335,7 +345,8 @@ def write_md(results: dict[str, Any], path: Path) -> None:
                      f"{_f(r['tta_median_s'])} | {_f(r['final_acc_median'], '.3f')} | "
                      f"{r['recv_mb_per_node_round']:.2f} | {r['sent_mb_per_node_round']:.2f} | "
                      f"{r.get('kernel_down_mb_per_node_round', 0):.2f} / {r.get('kernel_up_mb_per_node_round', 0):.2f} | "
-                     f"{_f(r['cycle_median_s'])} | {'yes' if r['timed_out'] else 'no'} | {r['load_before']} |")
+                     f"{_f(r['cycle_median_s'])} | {_f(r.get('exchange_median_s'), '.2f')} / "
+                     f"{_f(r.get('train_median_s'), '.2f')} | {'yes' if r['timed_out'] else 'no'} | {r['load_before']} |")
     lines += ["", "Node code: " + "; ".join(f"`{c}`" for c in codes) + " (per row in `links.json`).",
               "Per-node series (time s, test accuracy) and every node's config: `links.json`.", "", notes]
     path.write_text("\n".join(lines))
