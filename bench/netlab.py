@@ -7,7 +7,7 @@ preloaded fork server the ``processes`` backend of ``coterie run`` uses (``fork=
 another checkout's code or to wrap the daemon in ``lagprobe.py``). Nodes speak mTLS with
 certificates from a throwaway CA made under the root (``tls=False``: plaintext, for an older
 checkout without it; ``legacy=True`` also leaves ``security`` out of the configs, for a checkout
-that predates it). Used by ``frozen_peer.py`` and ``round_overhead.py`` (the tests have their
+that predates it; ``wraps``: a command prefix per node, e.g. ``ip netns exec NS``). Used by ``frozen_peer.py`` and ``round_overhead.py`` (the tests have their
 own harness, ``tests/nodeproc.py``)."""
 from __future__ import annotations
 
@@ -66,10 +66,13 @@ class Daemon:
     e.g. the baseline); ``lag_probe``: run it under ``lagprobe.py`` (event-loop lag to a file)."""
 
     def __init__(self, root: Path, node_id: str, config: dict[str, Any], *, python: str = sys.executable,
-                 lag_probe: bool = False, fork: bool | None = None):
+                 lag_probe: bool = False, fork: bool | None = None, wrap: list[str] | None = None):
         self.python = python
+        # a command the daemon runs under, e.g. ``ip netns exec NS`` (links.py); it must exec the
+        # daemon in place (same pid), and rules out forking from this process
+        self.wrap = list(wrap or [])
         # forking runs this interpreter's code: only when that is the code asked for
-        self.fork = (python == sys.executable and not lag_probe) if fork is None else fork
+        self.fork = (python == sys.executable and not lag_probe and not self.wrap) if fork is None else fork
         self.lag_path = (root / node_id / "lag.json") if lag_probe else None
         self.node_id = node_id
         self.dir = root / node_id
@@ -96,7 +99,7 @@ class Daemon:
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         cmd = ([self.python, str(LAGPROBE), str(self.lag_path)] if self.lag_path
                else [self.python, "-m", "coterie.cli.main"])
-        self.proc = subprocess.Popen([*cmd, "node", "start", "--config", str(self.config_path)], stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen([*self.wrap, *cmd, "node", "start", "--config", str(self.config_path)], stdin=subprocess.DEVNULL,
                                      stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
 
@@ -160,7 +163,7 @@ class Lab:
     """N daemons; a context manager that always stops them."""
 
     def __init__(self, root: Path, configs: list[dict[str, Any]], names: list[str] | None = None, *,
-                 tls: bool = True, legacy: bool = False, **daemon_kw: Any):
+                 tls: bool = True, legacy: bool = False, wraps: list[list[str]] | None = None, **daemon_kw: Any):
         self.root = Path(root)
         names = names or [f"n{i}" for i in range(len(configs))]
         if tls:
@@ -168,7 +171,8 @@ class Lab:
                        for name, c in zip(names, configs)]
         elif not legacy:
             configs = [{**c, "security": {**c.get("security", {}), "insecure": True}} for c in configs]
-        self.nodes = [Daemon(self.root, names[i], c, **daemon_kw) for i, c in enumerate(configs)]
+        self.nodes = [Daemon(self.root, names[i], c, wrap=wraps[i] if wraps else None, **daemon_kw)
+                      for i, c in enumerate(configs)]
 
     def _certificate(self, node_id: str) -> Path:
         from coterie.node.security.pki import CA_KEY, init_ca, issue_cert
