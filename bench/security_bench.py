@@ -73,10 +73,11 @@ def s1_learner(seed: int) -> dict:
     return learner
 
 
-def _flood_process(root: str, victim_info: dict, windows: list[tuple[float, float]], q, insiders: int = 1) -> None:
+def _flood_process(root: str, victim_info: dict, offsets: list[tuple[float, float]], q, insiders: int = 1) -> None:
     """The attacker, in a process of its own at the lowest CPU priority: as from another machine,
     its own CPU use should not be what slows the victim down (they share this one). It floods
-    during each (start, end) window of wall-clock time and idles in between; ``insiders``:
+    during each (start, end) window, in seconds after it is ready (it reports that moment first:
+    on a loaded box its imports and handshakes take a while), and idles in between; ``insiders``:
     certified identities flooding at once (each its own certificate, connection and budget)."""
     os.nice(19)
 
@@ -94,12 +95,16 @@ def _flood_process(root: str, victim_info: dict, windows: list[tuple[float, floa
         for m in ms:
             await m.join()
             _, params = await m.params()
+        t0 = time.time() + 1.0
+        q.put(t0)
+        windows = [(t0 + a, t0 + b) for a, b in offsets]
 
         async def loop(m, stop: float):
             while time.time() < stop:
                 try:
                     await m.client.compute(Victim.address, ComputeRequest(
-                        CROSS_GRADIENT, m.node_id, groups={"params": params}, max_samples=0), peer="victim")
+                        CROSS_GRADIENT, m.node_id, groups={"params": params}, max_samples=0,
+                        purpose="scool-gradient"), peer="victim")
                     codes["ok"] = codes.get("ok", 0) + 1
                 except PeerCallError as e:
                     codes[e.kind] = codes.get(e.kind, 0) + 1
@@ -115,19 +120,25 @@ def _flood_process(root: str, victim_info: dict, windows: list[tuple[float, floa
 def flood_once(root: Path, limits: dict, window_s: float, reps: int, seed: int, insiders: int = 1) -> dict:
     """Alternate ``reps`` quiet and flooded windows of ``window_s`` (load on a shared machine
     drifts; interleaving compares like with like) and compare the victim's rounds in each."""
+    # it answers cross-gradients, exactly (as tests/test_security_limits.py's flood): without a
+    # purpose and the victim serving it, every call was refused as invalid before any compute
     victim = NodeProc(root, "victim", {"strategy": "local", "learner": s1_learner(seed), "round_interval_s": 0.0,
-                                       "seed": seed, "log_level": "WARNING", **({"limits": limits} if limits else {})})
+                                       "seed": seed, "log_level": "WARNING",
+                                       "privacy": {"enabled": False, "serve_purposes": ["scool-gradient"]},
+                                       **({"limits": limits} if limits else {})})
     victim.start(timeout=300)  # a loaded shared box can take minutes to import torch
     try:
         wait_for(lambda: victim.status()["round"] >= 20, 300, "warm-up rounds")
-        t0 = time.time() + 15.0  # the attacker's imports and handshake happen before the first window
-        quiet = [(t0 + 2 * k * window_s, t0 + (2 * k + 1) * window_s) for k in range(reps)]
-        loud = [(t0 + (2 * k + 1) * window_s, t0 + (2 * k + 2) * window_s) for k in range(reps)]
+        quiet = [(2 * k * window_s, (2 * k + 1) * window_s) for k in range(reps)]
+        loud = [((2 * k + 1) * window_s, (2 * k + 2) * window_s) for k in range(reps)]
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         attacker = ctx.Process(target=_flood_process, args=(
             str(root), {"address": victim.address, "fingerprint": victim.status()["fingerprint"]}, loud, q, insiders))
         attacker.start()
+        t0 = q.get(timeout=300)  # the attacker is ready: windows count from here
+        quiet = [(t0 + a, t0 + b) for a, b in quiet]
+        loud = [(t0 + a, t0 + b) for a, b in loud]
         codes = q.get(timeout=2 * reps * window_s + 300)
         attacker.join(30)
         hist = victim.get("/history")
