@@ -76,7 +76,8 @@ def wire_peer_plane(node: Any, cfg: NodeConfig, learner: Learner) -> None:
                                  bootstrap=cfg.peers, heartbeat_interval_s=cfg.heartbeat_interval_s,
                                  request_timeout_s=cfg.request_timeout_s, link_delay_s=cfg.delay_ms / 1000,
                                  rng=random.Random(seed), on_gauges=node._peer_gauges,
-                                 settings=Settings.from_config(mcfg), loop_lag=node.loop_lag)
+                                 settings=Settings.from_config(mcfg), loop_lag=node.loop_lag,
+                                 on_claim_struck=lambda: node.m.rejected.labels(kind="membership_claim").inc())
     deadlines = Deadlines(cfg.request_timeout_s + 2 * cfg.delay_ms / 1000, floor_s=cfg.deadline_floor_s,
                           mult=cfg.deadline_mult)
     # privacy: everything computed on my data that leaves (served or sent) goes through one door

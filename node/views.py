@@ -81,7 +81,7 @@ class NodeViews(PeerPlane):
                 "candidates_dropped": m.pending.dropped, "candidates_forgotten": m.pending.forgotten_total,
                 "channels": self.client.channels(), "channels_evicted": self.client.evicted,
                 "snapshot_cache_bytes": self.cache.bytes, "loop_lag_max_s": round(self.loop_lag.max_s, 4),
-                **m.stats}
+                **m.stats, "claim_strikes": m.claims.view()}
 
     def peers_table(self) -> list[dict[str, Any]]:
         weights = self.strategy.weights()

@@ -299,11 +299,15 @@ def test_a_false_suspicion_is_refuted_before_it_kills():
             dead = []
             for m in members:
                 m.peers.listeners.append(lambda nid, old, new: dead.append(nid) if new == DEAD else None)
-            members[0].merge([MemberUpdate("n2", "a2", inc, SUSPECT)])  # a rumour, n2 is fine
-            members[0].broadcasts.add(MemberUpdate("n2", "a2", inc, SUSPECT))
+            rumour = MemberUpdate("n2", "a2", inc, SUSPECT, "n1")
+            # n1 tells n0 a rumour, n2 is fine: n0 checks it with its own probe, n1 gets a strike
+            members[0].merge([rumour], source="n1")
+            members[0].broadcasts.add(rumour)  # and n0 passes it on: the others check it too
+            target.merge([rumour], source="n1")  # n2 hears it: it outbids it
             await _until(lambda: target.incarnation > inc, 10, "n2 to refute")
-            await _until(lambda: _state(members, "n2") == {ALIVE}, 10, "the refutation to spread")
+            await _until(lambda: members[0].claims.of("n1") >= 1, 10, "n0's probe to refute the rumour")
             await asyncio.sleep(2.0)  # longer than the suspicion timeout
+            assert _state(members, "n2") == {ALIVE}
             assert dead == [] and target.stats["refuted"] >= 1
         finally:
             await _stop(tasks)

@@ -33,6 +33,7 @@ import random
 import time
 from typing import Callable
 
+from .claims import Strikes
 from .deadlines import Deadlines
 from .dissemination import Dissemination
 from .errors import invalid, refused, unknown_peer
@@ -58,7 +59,7 @@ class Membership(Dissemination, Handshakes, Probes):
                  link_delay_s: float = 0.0, rng: random.Random | None = None,
                  on_gauges: Callable[[dict[str, int]], None] | None = None,
                  settings: Settings | None = None, loop_lag: LoopLag | None = None,
-                 rtts: Deadlines | None = None):
+                 rtts: Deadlines | None = None, on_claim_struck: Callable[[], None] | None = None):
         self.info = info  # this node's NodeInfo (its address is known only once serving)
         self.position = position  # this node's (round, published version), sent in heartbeats
         self.peers = peers
@@ -90,7 +91,10 @@ class Membership(Dissemination, Handshakes, Probes):
         self._next_push_pull = 0.0
         peers.suspicion_max_mult = self.s.suspicion_max_mult
         self.stats = {"probes": 0, "indirect": 0, "suspected": 0, "refuted": 0, "inconclusive": 0,
-                      "handshakes_failed": 0}
+                      "handshakes_failed": 0, "claims_checked": 0, "claims_struck": 0, "claims_dropped": 0}
+        # what third parties claim about others is checked, and lies counted (claims.py)
+        self.claims = Strikes(on_strike=on_claim_struck)
+        self._claimants: dict[str, set[str]] = {}
         peers.listeners.append(self._log_transition)
 
     @property

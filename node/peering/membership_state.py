@@ -16,6 +16,7 @@ from ..config import MembershipConfig
 from .messages import MemberUpdate, NodeInfo, PeerEntry
 
 if TYPE_CHECKING:
+    from .claims import Strikes
     from .deadlines import Deadlines
     from .interfaces import PeerTransport
     from .loop_lag import LoopLag
@@ -220,6 +221,8 @@ class MembershipState:
     _tasks: set[asyncio.Task]
     _next_push_pull: float
     stats: dict[str, int]
+    claims: Strikes  # unconfirmed membership claims per source (claims.py)
+    _claimants: dict[str, set[str]]  # member -> sources claiming it down, until a probe settles it
 
     if TYPE_CHECKING:
         @property
@@ -233,6 +236,10 @@ class MembershipState:
         def merge(self, updates, source: str = "") -> None: ...
         def _piggyback(self, counterpart: str, belief: MemberUpdate | None = None) -> tuple[MemberUpdate, ...]: ...
         def _evidence(self, node_id: str, incarnation: int, *, revive: bool, **seen) -> None: ...
+        def _settle_claims(self, node_id: str, answered: bool | None) -> None: ...
+        def _strike(self, source: str, reason: str, *, dropped: bool = False) -> None: ...
+        # probes.py
+        async def probe(self, node_id: str) -> bool | None: ...
         # handshakes.py
         def entries(self, limit: int | None = None) -> list[PeerEntry]: ...
         def learn(self, entries: list[PeerEntry], source: str = "") -> None: ...

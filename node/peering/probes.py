@@ -75,42 +75,53 @@ class Probes(MembershipState):
         self.peers.seen(helper)
         return bool(ack)
 
-    async def probe(self, node_id: str) -> None:
+    async def probe(self, node_id: str) -> bool | None:
         """One SWIM probe: ping; on no answer, ping again and ask k members to ping it, within
         the probe budget. No answer → suspect, unless the evidence points at this node itself:
         its own loop was stalled, or none of the helpers answered it either (Lifeguard's nacks:
-        a node cut off from everyone must not accuse everyone)."""
+        a node cut off from everyone must not accuse everyone). Returns True (it answered),
+        False (no answer: suspected) or None (inconclusive, or not probed); either way the
+        verdict settles the third-party claims about it heard meanwhile (``claims.py``)."""
         rec = self.peers.records.get(node_id)
         if rec is None or rec.state == DEAD or node_id in self._probing:
-            return
+            if rec is None or rec.state == DEAD:
+                self._settle_claims(node_id, None)
+            return None
         self._probing.add(node_id)
+        verdict: bool | None = None
         try:
-            self.stats["probes"] += 1
-            loop = asyncio.get_running_loop()
-            t0, m0 = loop.time(), time.monotonic()
-            budget = self.probe_budget_s
-            direct = min(self.ping_timeout(node_id), budget / 2)
-            if await self._ping(node_id, rec.address, direct):
-                return
-            left = budget - (loop.time() - t0)
-            helpers = [p for p in self.peers.alive() if p != node_id]
-            helpers = self.rng.sample(helpers, min(self.s.indirect_probes, len(helpers)))
-            self.stats["indirect"] += 1
-            nacks = 0
-            if left > 0:
-                async def again() -> bool | None:  # a second direct try is no helper: never a nack
-                    return await self._ping(node_id, rec.address, left) or None
-                acked, nacks = await first_ack([again()] + [self._ask(h, node_id, left) for h in helpers])
-                if acked:
-                    return
-            if self._stalled_since(m0) or (helpers and not nacks):
-                self.stats["inconclusive"] += 1  # no evidence against it, only against us
-                return
-            if self.peers.records.get(node_id) is rec and self.peers.suspect(node_id):
-                self.stats["suspected"] += 1
-                self._announce(node_id)
+            verdict = await self._probe(node_id, rec)
+            return verdict
         finally:
             self._probing.discard(node_id)
+            self._settle_claims(node_id, verdict)
+
+    async def _probe(self, node_id: str, rec) -> bool | None:
+        self.stats["probes"] += 1
+        loop = asyncio.get_running_loop()
+        t0, m0 = loop.time(), time.monotonic()
+        budget = self.probe_budget_s
+        direct = min(self.ping_timeout(node_id), budget / 2)
+        if await self._ping(node_id, rec.address, direct):
+            return True
+        left = budget - (loop.time() - t0)
+        helpers = [p for p in self.peers.alive() if p != node_id]
+        helpers = self.rng.sample(helpers, min(self.s.indirect_probes, len(helpers)))
+        self.stats["indirect"] += 1
+        nacks = 0
+        if left > 0:
+            async def again() -> bool | None:  # a second direct try is no helper: never a nack
+                return await self._ping(node_id, rec.address, left) or None
+            acked, nacks = await first_ack([again()] + [self._ask(h, node_id, left) for h in helpers])
+            if acked:
+                return True
+        if self._stalled_since(m0) or (helpers and not nacks):
+            self.stats["inconclusive"] += 1  # no evidence against it, only against us
+            return None
+        if self.peers.records.get(node_id) is rec and self.peers.suspect(node_id):
+            self.stats["suspected"] += 1
+            self._announce(node_id)
+        return False
 
     def _stalled_since(self, t: float) -> bool:
         """Was this node's own loop blocked (beyond a ping's floor) since monotonic time ``t``?"""

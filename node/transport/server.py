@@ -52,7 +52,12 @@ LINGER_S = 5.0
 LINGER_IDLE_S = 1.0
 MAX_WATCH_WAIT_S = 30.0  # a subscription with no new round for this long ends
 SESSION_IDLE_S = 120.0  # a pull session with no request for this long ends (readers close theirs at 60 s)
-MAX_STREAMS_PER_CONNECTION = 64  # HTTP/2 streams one connection may hold open (gRPC's default: no limit)
+# HTTP/2 streams one connection may hold open (gRPC's default: no limit). A last resort far above
+# the bounds that answer with a reason — the global cap on calls in flight (limits.max_rpcs) and
+# admission's per-peer ones — because gRPC refuses a stream past this cap with a bare RST_STREAM
+# (REFUSED_STREAM: the caller reads UNAVAILABLE), and its client does not wait for the setting: at
+# 64, a burst of 100 calls on one connection lost the refusal reason for 14 of them (issue 22).
+MAX_STREAMS_PER_CONNECTION = 4096
 
 
 async def _linger(frames) -> None:
