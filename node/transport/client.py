@@ -43,8 +43,9 @@ from .errors import domain_errors as _domain_errors
 from .pulls import BULK, CONTROL, SnapshotStreams, _Session
 from .tls import TLS
 
+KEEPALIVE_MS = 20_000  # the server accepts pings this often (server.py); keep the two in step
 _CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     # a dead peer must fail fast instead of sitting in exponential reconnect backoff
     ("grpc.initial_reconnect_backoff_ms", 200),

@@ -32,6 +32,7 @@ from ..peering.errors import exhausted, forbidden, invalid, short
 from ..peering.interfaces import PeerHandler, SizeLimits, Traffic
 from . import serde
 from .chunks import data_frames
+from .client import KEEPALIVE_MS
 from .compute_rpcs import ComputeRpcs
 from .errors import status_of
 from .gate import Gate, refusal_of
@@ -417,7 +418,13 @@ async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, tls: TL
     node's ``SizeLimits`` (shared with its clients); else one of ``max_model_bytes`` and
     ``max_gossip_bytes``."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
-                                      ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)],
+                                      ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+                                      # our clients' keepalive pings (client.KEEPALIVE_MS, also on idle
+                                      # connections) are welcome; by default the server allows one per
+                                      # 5 min and sent GOAWAY too_many_pings during minute-long transfers
+                                      # on a 10 Mbit/s link. A client pinging faster still gets GOAWAY.
+                                      ("grpc.keepalive_permit_without_calls", 1),
+                                      ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2)],
                              maximum_concurrent_rpcs=max_rpcs)
     if limits is None:
         limits = SizeLimits(max_model_bytes, max_gossip_bytes)
