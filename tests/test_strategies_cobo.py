@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from coterie.node.learning.learner import Params
 from coterie.node.strategies import common as C
 from coterie.node.strategies.cobo import COBO, cobo_direction, cobo_model_step, cobo_pair_update
 from strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
@@ -56,22 +57,47 @@ def test_symmetric_pair_update_at_midpoint_matches_reference():
     assert a.strategy.public_state()["last_inner_product"]["n1"] == pytest.approx(ip, rel=1e-5)
 
 
-@pytest.mark.parametrize("optimizer,eta", [("sgd", 0.2), ("learner", 0.1)])
-def test_round_applies_penalised_steps(optimizer, eta):
-    """With ρ > 0, w = 1 and γ = 0 the model step is eq. 3 with the momentum-free gradient: a
-    plain step of COBO's own η = 0.2, or the learner's optimizer (here SGD, lr 0.1)."""
+def _one_penalised_step(optimizer: str, learner_kw: dict, shift: float = 0.0) -> tuple[Params, Params, Params, Params]:
+    """(x before, gradient, neighbour x_1, x after) of one round of one model step, ρ = 0.5,
+    w = 1, γ = 0, η = 0.2, momentum-free."""
     params = {"gamma": 0.0, "rho": 0.5, "local_steps": 1, "grad_samples": None, "grad_momentum": 0.0,
               "lr": 0.2, "optimizer": optimizer}
-    hub = build_network(COBO, params, num_nodes=2, num_clusters=1, learner_kw={"lr": 0.1})
+    hub = build_network(COBO, params, num_nodes=2, num_clusters=1, learner_kw=learner_kw)
     n0 = hub.nodes["n0"]
     hub.nodes["n1"].learner.train(3)
+    if shift:  # a neighbour visibly elsewhere
+        hub.nodes["n1"].learner.set_params({k: v + shift for k, v in hub.nodes["n1"].learner.get_params().items()})
     hub.publish("n1", 0)
     x = n0.learner.get_params()
     g, _ = n0.learner.gradient(x, "train", None)
-    ref = cobo_model_step(x, g, [(1.0, hub.nodes["n1"].snapshot.params)], eta, 0.5)
     asyncio.run(n0.strategy.run_round(1))
-    after = n0.learner.get_params()
+    return x, g, hub.nodes["n1"].snapshot.params, n0.learner.get_params()
+
+
+def test_round_applies_penalised_steps():
+    """With ρ > 0, w = 1 and γ = 0 the model step is eq. 3 with the momentum-free gradient."""
+    x, g, x1, after = _one_penalised_step("sgd", {"lr": 0.1})
+    ref = cobo_model_step(x, g, [(1.0, x1)], 0.2, 0.5)
     assert all(torch.allclose(after[k], ref[k], atol=1e-6) for k in x)
+
+
+def test_with_the_learners_optimizer_the_consensus_term_keeps_eq_3s_step():
+    """``optimizer = "learner"``: eq. 3's consensus term is a plain step of COBO's η (0.2 · 0.5
+    (x − x_1)) and the node's optimizer (SGD, lr 0.1) steps on the gradient alone. The earlier
+    reading handed g + ρ(x − x_1) to the optimizer, so its lr (0.1) scaled the pull too — with
+    Adam, every coordinate of it normalised to ~lr."""
+    x, g, x1, after = _one_penalised_step("learner", {"lr": 0.1})
+    ref = C.lincomb([(1.0, x), (-0.2 * 0.5, x), (0.2 * 0.5, x1), (-0.1, g)], x)
+    assert all(torch.allclose(after[k], ref[k], atol=1e-6) for k in x)
+    # with an SGD learner of COBO's own η it is eq. 3 exactly
+    x, g, x1, after = _one_penalised_step("learner", {"lr": 0.2})
+    ref = cobo_model_step(x, g, [(1.0, x1)], 0.2, 0.5)
+    assert all(torch.allclose(after[k], ref[k], atol=1e-6) for k in x)
+    # with Adam the pull is still exactly η ρ (x − x_1): the optimizer only adds its step on g
+    x, g, x1, after = _one_penalised_step("learner", {"lr": 1e-6, "optimizer": "adam"}, shift=1.0)
+    pulled = C.lincomb([(1.0, x), (-0.2 * 0.5, x), (0.2 * 0.5, x1)], x)
+    assert all(torch.allclose(after[k], pulled[k], atol=1e-5) for k in x)
+    assert all(torch.allclose(pulled[k] - x[k], torch.full_like(x[k], 0.1), atol=1e-3) for k in x)
 
 
 def test_pair_probability_schedule():

@@ -28,13 +28,20 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--strategy", default="cobo")
     ap.add_argument("--params", default="{}", help="strategy parameters (JSON; COBO: over S1's local_steps = 20)")
+    ap.add_argument("--oracle-w", action="store_true",
+                    help="diagnostic: W fixed to the true cluster matrix (γ = 0): the consensus term's ceiling")
     ap.add_argument("--out", default=str(RESULTS / "fidelity_s1_runs.jsonl"))
     args = ap.parse_args()
     params = ({"local_steps": 20, **json.loads(args.params)} if args.strategy == "cobo"
               else json.loads(args.params))
+    if args.oracle_w:
+        params["gamma"] = 0.0
     hub = build(args.strategy, params, LEARNER, 12, args.seed)
     ids = list(hub.nodes)
     cl = {n: hub.nodes[n].cluster for n in ids}
+    if args.oracle_w:
+        for n in ids:
+            hub.nodes[n].strategy._w = {p: float(cl[p] == cl[n]) for p in ids if p != n}
     t0, rows = time.time(), []
     for r in range(1, args.rounds + 1):
         asyncio.run(run_rounds(hub, 1, start=r, synchronous=True))
@@ -54,11 +61,12 @@ def main() -> None:
                 tot = sum(v for p, v in w.items() if p != n)
                 share.append(sum(v for p, v in w.items() if p != n and cl[p] == cl[n]) / tot if tot else 2 / 11)
             row.update({"in_share": float(np.mean(share)), "W_in": float(np.mean(win)), "W_cross": float(np.mean(wcr)),
-                        "ip_in": float(np.mean(ins)) if ins else None, "ip_cross": float(np.mean(crs)) if crs else None})
+                        "ip_in": float(np.mean(ins)) if ins else None, "ip_cross": float(np.mean(crs)) if crs else None,
+                        "ip_cross_positive": float(np.mean(np.array(crs) > 0)) if crs else None})
         rows.append(row)
         print(json.dumps(row), flush=True)
     with open(args.out, "a") as f:
-        f.write(json.dumps({"strategy": args.strategy, "seed": args.seed, "rounds": args.rounds, "params": params,
+        f.write(json.dumps({"strategy": args.strategy, "seed": args.seed, "oracle_w": args.oracle_w, "rounds": args.rounds, "params": params,
                             "learner": LEARNER, "nodes": 12, "harness": "in-process, barrier rounds",
                             "records": rows}) + "\n")
 

@@ -11,10 +11,13 @@ Round at node i:
   Model step (eq. 2/3), S times: x_i ← x_i − η (g_i + ρ Σ_k w_ik (x_i − x_k)), x_k the snapshots
     of the neighbours with w_ik > 0 pulled once this round (stale within the S steps); g_i a
     0.9-momentum EMA of minibatch gradients (*code*); a plain SGD step with η = ``lr`` (eq. 3).
-    ``optimizer = "learner"`` hands the direction to the node's optimizer instead; with Adam that
-    breaks eq. 3's balance (ηρ·degree < 1): Adam scales every coordinate to ~lr, so the consensus
-    pull, small but consistent, outweighs the noisy gradient, and on IID data (S3) the models
-    crawled to a train loss of 1.4 in 600 steps where learning alone reached 0.
+    ``optimizer = "learner"`` splits eq. 3 in its two terms: the consensus term stays eq. 3's plain
+    step x_i ← x_i − ηρ Σ_k w_ik (x_i − x_k) (COBO's η), and the node's own optimizer (S1: Adam, as
+    local and every other strategy) takes the step on the raw minibatch gradient (its own moment
+    estimate replaces the 0.9 EMA). With an SGD learner of lr η and no EMA this is eq. 3 exactly.
+    (Handing the whole direction g + ρΣw(x − x_k) to Adam, the earlier reading, broke eq. 3's
+    balance: Adam scales every coordinate to ~lr, so the small but consistent pull outweighed the
+    noisy gradient; on S3 the models crawled to a train loss of 1.4 in 600 steps.)
 *decentral*: the paper updates W every step with per-pair probability p(t); exchanging every step
 is too chatty for a network, so S local steps run between exchanges, and each exchange carries
 the paper's expected number of pair updates over those S steps, k = Σ_{t in the S steps} p(t):
@@ -57,6 +60,15 @@ def cobo_direction(g: Params, x: Params, neighbours: list[tuple[float, Params]],
 def cobo_model_step(x: Params, g: Params, neighbours: list[tuple[float, Params]], lr: float, rho: float) -> Params:
     """x_i ← x_i − η (g_i + ρ Σ_k w_ik (x_i − x_k)) (eq. 3)."""
     return C.lincomb([(1.0, x), (-lr, cobo_direction(g, x, neighbours, rho))], x)
+
+
+def cobo_consensus_step(x: Params, neighbours: list[tuple[float, Params]], lr: float, rho: float) -> Params:
+    """eq. 3's consensus term alone: x_i ← x_i − ηρ Σ_k w_ik (x_i − x_k)."""
+    terms = [(1.0, x)]
+    for w, xk in neighbours:
+        if w != 0.0:
+            terms += [(-lr * rho * w, x), (lr * rho * w, xk)]
+    return C.lincomb(terms, x)
 
 
 def cobo_pair_update(w: float, inner: float, gamma: float) -> float:
@@ -175,8 +187,10 @@ class COBO(Strategy):
             self._m = g if self._m is None or beta == 0 else C.lincomb([(beta, self._m), (1 - beta, g)], g)
             x_now = self.learner.get_params()
             if self.p["optimizer"] == "learner":
-                d = cobo_direction(self._m, x_now, nbrs, float(self.p["rho"]))
-                await self.compute(self.learner.apply_gradient, d)
+                # eq. 3's consensus term as its own plain step, then the node's optimizer on g
+                self.learner.set_params(cobo_consensus_step(x_now, nbrs, float(self.p["lr"]),
+                                                            float(self.p["rho"])))
+                await self.compute(self.learner.apply_gradient, g)
             else:
                 self.learner.set_params(cobo_model_step(x_now, self._m, nbrs, float(self.p["lr"]),
                                                         float(self.p["rho"])))
