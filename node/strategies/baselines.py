@@ -1,6 +1,9 @@
 """Baselines: learning alone, D-PSGD gossip averaging, and the cluster oracle."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import math
 from typing import Any
 
 import torch
@@ -10,13 +13,10 @@ from ..offload import OFF_LOOP_BYTES
 from .base import RoundReport, Strategy, gather_bounded
 
 
-def weighted_average(members: list[tuple[float, Params]]) -> Params:
-    """Σ_j w_j θ_j for weights that sum to one."""
-    out = {k: torch.zeros_like(v) for k, v in members[0][1].items()}
-    for w, params in members:
-        for k, v in params.items():
-            out[k].add_(v, alpha=w)
-    return out
+def add_into(total: Params, params: Params) -> None:
+    """total += params, tensor by tensor (in place: no model-sized temporary)."""
+    for k, v in params.items():
+        total[k].add_(v)
 
 
 class Local(Strategy):
@@ -54,6 +54,7 @@ class DPSGD(Strategy):
         "max_neighbours": 0,   # 0 = all alive peers
         "max_staleness": 1,    # rounds a mixed model may lag mine; 0 = fully asynchronous
         "sync_wait_s": 10.0,   # longest wait for a lagging peer (then this round goes without it)
+        "big_pulls": 2,        # models over 1 MiB pulled at a time (bounds the exchange's memory); 0 = all at once
     }
 
     def __init__(self, *a: Any, **kw: Any):
@@ -70,23 +71,50 @@ class DPSGD(Strategy):
 
     async def run_round(self, rnd: int) -> RoundReport:
         res = await self.compute(self.learner.train)
-        trained = self.learner.get_params()
+        # float32 estimate from the shapes: only which side of the off-loop threshold it is on
+        big = sum(math.prod(shape) for shape, _ in self.learner.param_spec().values()) * 4 > OFF_LOOP_BYTES
+        trained = await self.compute(self.learner.get_params) if big else self.learner.get_params()
         peers = self.candidates()
         stale = int(self.p["max_staleness"])
         floor = rnd - stale if stale > 0 and rnd - stale >= 1 else None
         wait = float(self.p["sync_wait_s"])
-        snaps = await gather_bounded({p: self.net.pull(p, min_round=floor, wait_s=wait) for p in peers})
-        w = 1.0 / (1 + len(snaps))
-        members = [(w, trained)] + [(w, s.params) for s in snaps.values()]
+        # Stream-averaging: each pulled model is added into one running sum as it arrives and
+        # released at once; for a large model at most ``big_pulls`` of them are pulled at a time,
+        # so the exchange holds a few models, not one per neighbour (issue 24.4).
+        total = {k: v.clone() for k, v in trained.items()}
+        adding = asyncio.Lock()  # one add at a time into the sum (they may run in worker threads)
+        k = int(self.p["big_pulls"])
+        slots = asyncio.Semaphore(k) if big and k > 0 else None
+
+        async def fold(peer: str) -> bool:
+            async with slots if slots is not None else contextlib.nullcontext():
+                snap = await self.net.pull(peer, min_round=floor, wait_s=wait)
+                if snap is None:
+                    return False
+                params, snap = snap.params, None
+                self.net.release(peer)  # the sum has it now: its tensors go with ``params``
+                async with adding:
+                    if big:
+                        await self.compute(add_into, total, params)  # a model-sized sum: off the loop
+                    else:
+                        add_into(total, params)
+                return True
+
+        got = await gather_bounded({p: fold(p) for p in peers})
+        mixed = sorted(p for p, ok in got.items() if ok)
+        w = 1.0 / (1 + len(mixed))
+
         def average() -> None:
-            self.learner.set_params(weighted_average(members))
-        if sum(t.numel() * t.element_size() for t in trained.values()) > OFF_LOOP_BYTES:
-            await self.compute(average)  # a large model-sized sum: off the event loop
+            for v in total.values():
+                v.mul_(w)
+            self.learner.set_params(total)
+        if big:
+            await self.compute(average)
         else:
             average()
         self._trained = trained
-        self._w = {self.node_id: w, **{p: w for p in snaps}}
-        return RoundReport(train_loss=res.loss, contacted=sorted(snaps))
+        self._w = {self.node_id: w, **{p: w for p in mixed}}
+        return RoundReport(train_loss=res.loss, contacted=mixed)
 
     def shared_params(self) -> Params | None:
         return self._trained
