@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
@@ -30,6 +31,7 @@ from .logs import RoundLog
 from .metrics import Metrics
 from .modelfile import describe_model
 from .node_metrics import NodeMetrics
+from .offload import OFF_LOOP_BYTES
 from .peering.faults import with_fault
 from .peering.messages import LocalSnapshot, NodeInfo
 from .peering.interfaces import PeerServer, TransportFactory
@@ -297,11 +299,37 @@ class Node(NodeViews):
         self.m.ckpt_s.observe(seconds)
 
     def publish(self) -> None:
+        self._publish(self.guard.publishable(self._to_publish()))
+
+    async def publish_round(self) -> None:
+        """``publish`` at the end of a round: a large model is copied and checked for finiteness
+        in a worker thread (a model-sized pass must not hold the event loop)."""
+        groups = self._to_publish(copy_live=False)
+        model_bytes = 4 * sum(math.prod(shape) for shape, _ in self.learner.param_spec().values())  # ~float32
+        if model_bytes > OFF_LOOP_BYTES:
+            def check() -> dict[str, Any]:
+                g = dict(groups)
+                if g.get("params") is None:
+                    g["params"] = self.learner.get_params()
+                return self.guard.publishable(g)
+            self._publish(await asyncio.to_thread(check))
+        else:
+            if groups.get("params") is None:
+                groups["params"] = self.learner.get_params()
+            self._publish(self.guard.publishable(groups))
+
+    def _to_publish(self, copy_live: bool = True) -> dict[str, Any]:
+        """What to publish: the strategy's shared model (or the live one: copied now, or left
+        None for the caller to copy where it runs) and its extras."""
         shared = self.strategy.shared_params()
-        groups = {"params": shared if shared is not None else self.learner.get_params()}
+        groups: dict[str, Any] = {"params": shared if shared is not None else
+                                  (self.learner.get_params() if copy_live else None)}
         for name, tensors in self.strategy.published_extras().items():
             groups[f"x:{name}"] = tensors
-        groups = self.guard.publishable(groups)  # nothing non-finite leaves the node
+        return groups
+
+    def _publish(self, groups: dict[str, Any]) -> None:
+        # nothing non-finite leaves the node (the caller ran guard.publishable)
         self.version += 1
         self.board.publish(LocalSnapshot(self.node_id, self.version, self.round, groups))
 

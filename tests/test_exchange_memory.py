@@ -1,7 +1,8 @@
 """What a D-PSGD exchange holds and where its heavy work runs (issue 24.4): each pulled model is
 added into one running sum and released at once (the node keeps no copy of its neighbours'
 models between rounds), a large model is pulled at most ``big_pulls`` at a time, and the
-model-sized work — validating a received model, adding it, averaging — runs in worker threads,
+model-sized work — validating a received model, adding it, averaging, checking the model a
+round publishes — runs in worker threads,
 not on the event loop that carries heartbeats and peer requests."""
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import weakref
 import pytest
 
 from coterie.node.config import validate_config
+from coterie.node.learning.guard import RoundGuard
 from coterie.node.daemon import Node
 from coterie.node.peering import network as network_mod
 from coterie.node.strategies import baselines
@@ -43,6 +45,7 @@ def test_pulled_models_are_released_bounded_and_handled_off_the_loop(tmp_path, m
     pulled: list[weakref.ref] = []
     in_flight, most = [0], [0]
     threads: dict[str, set[str]] = {"validate": set(), "add": set()}
+    publishes: list[str] = []  # the thread of every finiteness check before a publish
 
     real_validate, real_add = network_mod.snapshot_groups, baselines.add_into
 
@@ -54,6 +57,13 @@ def test_pulled_models_are_released_bounded_and_handled_off_the_loop(tmp_path, m
         threads["add"].add(threading.current_thread().name)
         return real_add(*a, **kw)
 
+    real_publishable = RoundGuard.publishable
+
+    def publishable(self, groups):
+        publishes.append(threading.current_thread().name)
+        return real_publishable(self, groups)
+
+    monkeypatch.setattr(RoundGuard, "publishable", publishable)
     monkeypatch.setattr(network_mod, "snapshot_groups", validate)
     monkeypatch.setattr(baselines, "add_into", add)
 
@@ -98,3 +108,5 @@ def test_pulled_models_are_released_bounded_and_handled_off_the_loop(tmp_path, m
     assert most[0] <= baselines.DPSGD.defaults["big_pulls"] < N - 1, most[0]
     assert threads["validate"] and loop_thread not in threads["validate"]
     assert threads["add"] and loop_thread not in threads["add"]
+    # each node publishes once on the loop as it starts, then every round's model from a thread
+    assert publishes.count(loop_thread) == N and len(publishes) - N >= 2 * N, publishes

@@ -6,7 +6,6 @@ import contextlib
 import math
 from typing import Any
 
-import torch
 
 from ..learning.learner import Params
 from ..offload import OFF_LOOP_BYTES
