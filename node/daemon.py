@@ -299,24 +299,23 @@ class Node(NodeViews):
         self.m.ckpt_s.observe(seconds)
 
     def publish(self) -> None:
-        self._publish(self.guard.publishable(self._to_publish()))
+        self._publish(self._snapshot_of(self.guard.publishable(self._to_publish())))
 
     async def publish_round(self) -> None:
-        """``publish`` at the end of a round: a large model is copied and checked for finiteness
-        in a worker thread (a model-sized pass must not hold the event loop)."""
+        """``publish`` at the end of a round. A large model is copied, checked for finiteness and
+        encoded in a worker thread (model-sized passes must not hold the event loop); the strategy
+        then holds the published views instead of its own copy (``Strategy.on_published``)."""
         groups = self._to_publish(copy_live=False)
         model_bytes = 4 * sum(math.prod(shape) for shape, _ in self.learner.param_spec().values())  # ~float32
-        if model_bytes > OFF_LOOP_BYTES:
-            def check() -> dict[str, Any]:
-                g = dict(groups)
-                if g.get("params") is None:
-                    g["params"] = self.learner.get_params()
-                return self.guard.publishable(g)
-            self._publish(await asyncio.to_thread(check))
-        else:
+
+        def build() -> LocalSnapshot:
             if groups.get("params") is None:
                 groups["params"] = self.learner.get_params()
-            self._publish(self.guard.publishable(groups))
+            snap = self._snapshot_of(self.guard.publishable(groups))
+            if model_bytes > OFF_LOOP_BYTES:
+                snap.prepare()  # encoded here: its groups become views of the one buffer it serves
+            return snap
+        self._publish(await asyncio.to_thread(build) if model_bytes > OFF_LOOP_BYTES else build())
 
     def _to_publish(self, copy_live: bool = True) -> dict[str, Any]:
         """What to publish: the strategy's shared model (or the live one: copied now, or left
@@ -328,10 +327,16 @@ class Node(NodeViews):
             groups[f"x:{name}"] = tensors
         return groups
 
-    def _publish(self, groups: dict[str, Any]) -> None:
-        # nothing non-finite leaves the node (the caller ran guard.publishable)
-        self.version += 1
-        self.board.publish(LocalSnapshot(self.node_id, self.version, self.round, groups))
+    def _snapshot_of(self, groups: dict[str, Any]) -> LocalSnapshot:
+        """The next version's snapshot of ``groups`` (checked by ``guard.publishable``: nothing
+        non-finite leaves the node)."""
+        return LocalSnapshot(self.node_id, self.version + 1, self.round, groups)
+
+    def _publish(self, snap: LocalSnapshot) -> None:
+        self.version = snap.version
+        self.board.publish(snap)
+        if "params" in snap.groups:
+            self.strategy.on_published(snap.groups["params"])
 
 
 

@@ -1,5 +1,5 @@
 """What a D-PSGD exchange holds and where its heavy work runs (issue 24.4): each pulled model is
-added into one running sum and released at once (the node keeps no copy of its neighbours'
+added into the live model (the running sum) and released at once (the node keeps no copy of its neighbours'
 models between rounds), a large model is pulled at most ``big_pulls`` at a time, and the
 model-sized work — validating a received model, adding it, averaging, checking the model a
 round publishes — runs in worker threads,
@@ -18,6 +18,7 @@ from coterie.node.config import validate_config
 from coterie.node.learning.guard import RoundGuard
 from coterie.node.daemon import Node
 from coterie.node.peering import network as network_mod
+from coterie.node.learning.torch_learner import TorchLearner
 from coterie.node.strategies import baselines
 from coterie.node.transport.inproc import InProcNetwork
 from nodeproc import tiny_learner
@@ -47,7 +48,7 @@ def test_pulled_models_are_released_bounded_and_handled_off_the_loop(tmp_path, m
     threads: dict[str, set[str]] = {"validate": set(), "add": set()}
     publishes: list[str] = []  # the thread of every finiteness check before a publish
 
-    real_validate, real_add = network_mod.snapshot_groups, baselines.add_into
+    real_validate, real_add = network_mod.snapshot_groups, TorchLearner.add_to_params
 
     def validate(*a, **kw):
         threads["validate"].add(threading.current_thread().name)
@@ -65,7 +66,7 @@ def test_pulled_models_are_released_bounded_and_handled_off_the_loop(tmp_path, m
 
     monkeypatch.setattr(RoundGuard, "publishable", publishable)
     monkeypatch.setattr(network_mod, "snapshot_groups", validate)
-    monkeypatch.setattr(baselines, "add_into", add)
+    monkeypatch.setattr(TorchLearner, "add_to_params", add)
 
     async def go():
         hub = InProcNetwork(share_snapshots=False)  # every pull gets its own copy, as over gRPC
@@ -79,6 +80,9 @@ def test_pulled_models_are_released_bounded_and_handled_off_the_loop(tmp_path, m
                 await nodes[-1].start()
             await _wait(lambda: all(n.done and n.saved["round"] == 2 for n in nodes), "the rounds never finished")
             me = nodes[0]
+            # the model it shares is held once: the strategy keeps the published snapshot's views
+            shared, served = me.strategy.shared_params(), me.board.current.groups["params"]
+            assert all(shared[k].data_ptr() == served[k].data_ptr() for k in served)
             return list(me.cache._by_peer), me.history[-1]["contacted"], threading.main_thread().name
         finally:
             for n in nodes:

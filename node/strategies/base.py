@@ -190,6 +190,12 @@ class Strategy(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
 
+    def on_published(self, params: Params) -> None:
+        """The node published: ``params`` are the published model's tensors (read-only views of
+        the encoded snapshot the node serves). A strategy that keeps the model it shares may hold
+        these instead of its own copy, so the node holds that model once."""
+        return None
+
     def on_diverged(self) -> None:
         """The node rolled the live model back to the round's start (a non-finite model or loss,
         ``learning/guard.py``): forget what was derived from the diverged one."""

@@ -12,12 +12,6 @@ from ..offload import OFF_LOOP_BYTES
 from .base import RoundReport, Strategy, gather_bounded
 
 
-def add_into(total: Params, params: Params) -> None:
-    """total += params, tensor by tensor (in place: no model-sized temporary)."""
-    for k, v in params.items():
-        total[k].add_(v)
-
-
 class Local(Strategy):
     """Never communicates: the floor every collaborative strategy must beat."""
     name = "local"
@@ -77,11 +71,11 @@ class DPSGD(Strategy):
         stale = int(self.p["max_staleness"])
         floor = rnd - stale if stale > 0 and rnd - stale >= 1 else None
         wait = float(self.p["sync_wait_s"])
-        # Stream-averaging: each pulled model is added into one running sum as it arrives and
-        # released at once; for a large model at most ``big_pulls`` of them are pulled at a time,
-        # so the exchange holds a few models, not one per neighbour (issue 24.4).
-        total = {k: v.clone() for k, v in trained.items()}
-        adding = asyncio.Lock()  # one add at a time into the sum (they may run in worker threads)
+        # Stream-averaging into the live model, which holds the trained one now: each pulled model
+        # is added into it as it arrives and released at once, and for a large model at most
+        # ``big_pulls`` are pulled at a time — the exchange holds a few models, not one per
+        # neighbour (issue 24.4); the adds and the final scaling run in worker threads.
+        adding = asyncio.Lock()  # one add at a time into the live model
         k = int(self.p["big_pulls"])
         slots = asyncio.Semaphore(k) if big and k > 0 else None
 
@@ -94,26 +88,30 @@ class DPSGD(Strategy):
                 self.net.release(peer)  # the sum has it now: its tensors go with ``params``
                 async with adding:
                     if big:
-                        await self.compute(add_into, total, params)  # a model-sized sum: off the loop
+                        await self.compute(self.learner.add_to_params, params)
                     else:
-                        add_into(total, params)
+                        self.learner.add_to_params(params)
                 return True
 
-        got = await gather_bounded({p: fold(p) for p in peers})
-        mixed = sorted(p for p, ok in got.items() if ok)
-        w = 1.0 / (1 + len(mixed))
-
-        def average() -> None:
-            for v in total.values():
-                v.mul_(w)
-            self.learner.set_params(total)
-        if big:
-            await self.compute(average)
-        else:
-            average()
+        try:
+            got = await gather_bounded({p: fold(p) for p in peers})
+            mixed = sorted(p for p, ok in got.items() if ok)
+            w = 1.0 / (1 + len(mixed))
+            if big:
+                await self.compute(self.learner.scale_params, w)
+            else:
+                self.learner.scale_params(w)
+        except BaseException:
+            # a round cut short (the node stopping) leaves the trained model, not a partial sum
+            self.learner.set_params(trained)
+            raise
         self._trained = trained
         self._w = {self.node_id: w, **{p: w for p in mixed}}
         return RoundReport(train_loss=res.loss, contacted=mixed)
+
+    def on_published(self, params: Params) -> None:
+        if self._trained is not None:
+            self._trained = params  # the published snapshot's views: the model held once, not twice
 
     def shared_params(self) -> Params | None:
         return self._trained
