@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import signal
 import sys
@@ -30,8 +29,8 @@ from .logfilter import install_log_filter
 from .logs import RoundLog
 from .metrics import Metrics
 from .modelfile import describe_model
+from . import publishing
 from .node_metrics import NodeMetrics
-from .offload import OFF_LOOP_BYTES
 from .peering.faults import with_fault
 from .peering.messages import LocalSnapshot, NodeInfo
 from .peering.interfaces import PeerServer, TransportFactory
@@ -299,45 +298,10 @@ class Node(NodeViews):
         self.m.ckpt_s.observe(seconds)
 
     def publish(self) -> None:
-        self._publish(self._snapshot_of(self.guard.publishable(self._to_publish())))
+        publishing.publish(self)
 
     async def publish_round(self) -> None:
-        """``publish`` at the end of a round. A large model is copied, checked for finiteness and
-        encoded in a worker thread (model-sized passes must not hold the event loop); the strategy
-        then holds the published views instead of its own copy (``Strategy.on_published``)."""
-        groups = self._to_publish(copy_live=False)
-        model_bytes = 4 * sum(math.prod(shape) for shape, _ in self.learner.param_spec().values())  # ~float32
-
-        def build() -> LocalSnapshot:
-            if groups.get("params") is None:
-                groups["params"] = self.learner.get_params()
-            snap = self._snapshot_of(self.guard.publishable(groups))
-            if model_bytes > OFF_LOOP_BYTES:
-                snap.prepare()  # encoded here: its groups become views of the one buffer it serves
-            return snap
-        self._publish(await asyncio.to_thread(build) if model_bytes > OFF_LOOP_BYTES else build())
-
-    def _to_publish(self, copy_live: bool = True) -> dict[str, Any]:
-        """What to publish: the strategy's shared model (or the live one: copied now, or left
-        None for the caller to copy where it runs) and its extras."""
-        shared = self.strategy.shared_params()
-        groups: dict[str, Any] = {"params": shared if shared is not None else
-                                  (self.learner.get_params() if copy_live else None)}
-        for name, tensors in self.strategy.published_extras().items():
-            groups[f"x:{name}"] = tensors
-        return groups
-
-    def _snapshot_of(self, groups: dict[str, Any]) -> LocalSnapshot:
-        """The next version's snapshot of ``groups`` (checked by ``guard.publishable``: nothing
-        non-finite leaves the node)."""
-        return LocalSnapshot(self.node_id, self.version + 1, self.round, groups)
-
-    def _publish(self, snap: LocalSnapshot) -> None:
-        self.version = snap.version
-        self.board.publish(snap)
-        if "params" in snap.groups:
-            self.strategy.on_published(snap.groups["params"])
-
+        await publishing.publish_round(self)  # a large model's passes off the loop
 
 
 def run_node(cfg: NodeConfig) -> int:
