@@ -85,7 +85,8 @@ class DPSGD(Strategy):
                 if snap is None:
                     return False
                 params, snap = snap.params, None
-                self.net.release(peer)  # the sum has it now: its tensors go with ``params``
+                if big:  # the sum has it now: its tensors go with ``params`` (a small model stays
+                    self.net.release(peer)  # cached: its subscription serves the next rounds from there)
                 async with adding:
                     if big:
                         await self.compute(self.learner.add_to_params, params)
