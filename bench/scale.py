@@ -14,6 +14,8 @@ figures within a table, not across runs):
 ``ray``     the same scale scenario at N nodes on processes, inproc and ray (a local Ray instance
             the run starts itself, so its GCS, raylet and worker processes are in the sampled
             tree; ``--groups 2``: two actors, memory inside each and gRPC between them).
+``floor``   the scale scenario in one process (inproc) against its compute floor (every node's
+            training CPU spread over the cores), this checkout beside ``--baseline-python``'s.
 ``s1``      scenarios/s1_label_permuted.toml on both backends (same partitions and seeds) for a
             few strategies, plus a second processes run as the run-to-run noise reference.
 
@@ -22,6 +24,7 @@ figures within a table, not across runs):
     python bench/scale.py --sections daemon
     python bench/scale.py --sections ray --ray-nodes 16,64       # needs pip install -e '.[ray]'
     python bench/scale.py --sections s1 --s1-strategies local,fedfomo
+    python bench/scale.py --sections floor --floor-nodes 200 --baseline-python ../main-venv/bin/python
 
 Writes bench/results/scale.json and bench/results/scale.md (run directories under
 bench/results/scale/, not committed).
@@ -122,12 +125,12 @@ class Sampler(threading.Thread):
 
 # -------------------------------------------------------------------------------------- scale
 def run_coterie(args: list[str], out: Path, sample_interval: float = 0.5,
-                env: dict[str, str] | None = None) -> dict[str, Any]:
+                env: dict[str, str] | None = None, python: str | None = None) -> dict[str, Any]:
     """``coterie run`` as a subprocess, its process tree sampled; returns figures and results."""
     out.parent.mkdir(parents=True, exist_ok=True)
     log = open(out.parent / f"{out.name}.log", "w")
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "coterie.cli.main", "run", *args, "--out", str(out)],
+    proc = subprocess.Popen([python or sys.executable, "-m", "coterie.cli.main", "run", *args, "--out", str(out)],
                             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})})
     sampler = Sampler(proc.pid, sample_interval)
     sampler.start()
@@ -183,6 +186,54 @@ def scale_point(backend: str, nodes: int, rounds: int) -> dict[str, Any]:
             "rounds_done": min(len(h) for _, h in files),
             "median_peers_alive": statistics.median(peers) if peers else 0,
             "median_last_round_s": round(statistics.median(ckpt), 3) if ckpt else None}
+
+
+# -------------------------------------------------------------------------------------- floor
+def node_compute_s(reps: int = 20) -> dict[str, float]:
+    """One scale-scenario node's ``train()`` and ``evaluate()`` in this process, one torch thread
+    (medians of CPU seconds: on a shared machine the CPU time is the figure to trust)."""
+    import tempfile
+
+    import torch
+    import tomllib
+
+    from coterie.lab.scenario import node_config, parse_scenario
+    from coterie.node.learning.torch_learner import build_learner
+    torch.set_num_threads(1)
+    sc = parse_scenario(tomllib.loads(SCALE_SCENARIO.read_text()))
+    learner = build_learner(node_config(sc, "fedfomo", 0, Path(tempfile.mkdtemp(prefix="coterie-floor-"))).learner)
+    learner.train()
+    train, ev = [], []
+    for _ in range(reps):
+        c0 = time.process_time()
+        learner.train()
+        c1 = time.process_time()
+        learner.evaluate("val")
+        learner.evaluate("test")
+        train.append(c1 - c0)
+        ev.append(time.process_time() - c1)
+    return {"train_s": statistics.median(train), "eval_s": statistics.median(ev)}
+
+
+def floor_point(impl: str, python: str, nodes: int, rounds: int, compute: dict[str, float]) -> dict[str, Any]:
+    """The scale scenario on the inproc backend with ``python``'s coterie, against its compute
+    floor: every node's training (and evaluation) CPU, spread over this machine's cores."""
+    out = RUNS / f"floor-{impl}-{nodes}"
+    load0 = os.getloadavg()
+    r = run_coterie([str(SCALE_SCENARIO), "--backend", "inproc", "--nodes", str(nodes), "--rounds", str(rounds)],
+                    out, python=python)
+    s = r["results"]["strategies"]["fedfomo"]
+    cores = os.cpu_count() or 1
+    floor = nodes * rounds * compute["train_s"] / cores
+    floor_eval = nodes * rounds * (compute["train_s"] + compute["eval_s"]) / cores
+    sent, recv = s["summary"]["bytes_sent_total"], s["summary"]["bytes_received_total"]
+    return {"impl": impl, "nodes": nodes, "rounds": rounds, "wall_s": round(r["wall_s"], 1),
+            "network_wall_s": s["wall_time_s"], "floor_train_s": round(floor, 1),
+            "floor_train_eval_s": round(floor_eval, 1),
+            "x_floor": round(s["wall_time_s"] / floor, 2), "x_floor_eval": round(s["wall_time_s"] / floor_eval, 2),
+            "peak_pss_mb": round(r["peak"]["pss"] / MB, 1), "mean_test_acc": s["summary"]["mean_test_acc"],
+            "bytes_sent_mb": round(sent / 1e6, 2), "bytes_received_mb": round(recv / 1e6, 2),
+            "load_before": [round(x, 1) for x in load0], "load_after": [round(x, 1) for x in os.getloadavg()]}
 
 
 # ------------------------------------------------------------------------------------- daemon
@@ -367,6 +418,23 @@ def report(data: dict[str, Any]) -> str:
                          f"{p['peak_rss_mb']} | {p['peak_pss_mb']} | {p['pss_per_node_mb']} | {marginal} | "
                          f"{p['processes']} | {p['rounds_done']} | {pct(p['mean_test_acc'])} | {p['median_peers_alive']} |")
         lines.append("")
+    if data.get("floor"):
+        f = data["floor"]
+        lines += ["## In-process nodes against their compute floor (scenarios/scale_fedfomo.toml, inproc)", "",
+                  f"Compute floor: nodes × rounds × one node's `train()` CPU ({f['compute']['train_s'] * 1000:.1f} ms; "
+                  f"with its two evaluations {(f['compute']['train_s'] + f['compute']['eval_s']) * 1000:.1f} ms, "
+                  f"one torch thread, median) / {os.cpu_count()} cores. Network: first node started to last node "
+                  "done. Side by side in one invocation: " + "; ".join(f"{k} = {v}" for k, v in f["versions"].items())
+                  + ". Bytes: results.json's totals (sent and received must agree).", "",
+                  "| code | nodes | rounds | network s | floor s (train) | × floor | floor s (train+eval) | × floor | "
+                  "wall s | peak PSS MB | sent MB | received MB | mean acc % | load before |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for p in f["points"]:
+            lines.append(f"| {p['impl']} | {p['nodes']} | {p['rounds']} | {p['network_wall_s']:.1f} | {p['floor_train_s']} | "
+                         f"{p['x_floor']} | {p['floor_train_eval_s']} | {p['x_floor_eval']} | {p['wall_s']} | "
+                         f"{p['peak_pss_mb']} | {p['bytes_sent_mb']} | {p['bytes_received_mb']} | "
+                         f"{pct(p['mean_test_acc'])} | {p['load_before']} |")
+        lines.append("")
     if data.get("ray"):
         lines += ["## The ray backend beside the others (scenarios/scale_fedfomo.toml, same nodes, seed, rounds)", "",
                   "ray: a local Ray instance started by the run (GCS, raylet, dashboard and worker processes "
@@ -444,6 +512,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--handshakes", type=int, default=5, help="launches per start method")
     ap.add_argument("--s1-strategies", default="local,dpsgd,fedfomo")
+    ap.add_argument("--floor-nodes", default="200", help="node counts of the floor section (inproc)")
+    ap.add_argument("--baseline-python", help="floor: an interpreter whose coterie is the baseline checkout, "
+                                              "run side by side (alternating) with this one")
     ap.add_argument("--merge", action="store_true",
                     help="scale: keep the points already in scale.json, replacing those measured again "
                          "(one more size without rerunning the rest)")
@@ -466,6 +537,19 @@ def main() -> None:
             points = [p for p in data.get("scale", []) if (p["backend"], p["nodes"]) not in new] + points
             points.sort(key=lambda p: (p["backend"], p["nodes"]))
         data["scale"] = points
+    if "floor" in sections:
+        compute = node_compute_s()
+        print(f"floor: one node's train() {compute['train_s'] * 1000:.1f} ms CPU, evaluations "
+              f"{compute['eval_s'] * 1000:.1f} ms", flush=True)
+        impls = [("this", sys.executable)] + ([("baseline", a.baseline_python)] if a.baseline_python else [])
+        points = []
+        for n in [int(n) for n in a.floor_nodes.split(",") if n]:
+            for impl, python in impls[::-1]:
+                print(f"floor: {impl} {n} nodes ...", flush=True)
+                points.append(floor_point(impl, python, n, a.rounds, compute))
+                print("  ", points[-1], flush=True)
+        data["floor"] = {"compute": compute, "points": points,
+                         "versions": {k: v for k, v in impls}}
     if "ray" in sections:
         points = []
         for n in [int(n) for n in a.ray_nodes.split(",") if n] * a.ray_repeats:

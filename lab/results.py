@@ -13,8 +13,10 @@ results.json (``"format": "coterie-results/1"``)::
       nodes.<node_id>:  rounds, t, train_loss, test_acc, test_loss (lists, one per round),
                         eval (full eval dict per round), info (strategy info per round),
                         final_test_acc, final_test_loss, true_cluster, address, admin_url, pid,
-                        bytes_sent / bytes_received ({kind: total bytes}),
-                        bytes_sent_per_round / bytes_received_per_round (as the node logged them)
+                        bytes_sent / bytes_received ({kind: total bytes}: its rounds' and after),
+                        bytes_sent_per_round / bytes_received_per_round (as the node logged them),
+                        bytes_sent_after_rounds / bytes_received_after_rounds ({kind: bytes} in no
+                        round record: served after its last round, from its final status)
       weights           {"rounds": [1..R], "matrices": [W_r]}: W_r[i][j] = weight node i gave
                         node j in its round r (self included); a row is null if i has no round r
       final_weights     each node's last weight row, as a matrix
@@ -24,7 +26,10 @@ results.json (``"format": "coterie-results/1"``)::
                         routes: {node_id: {calls, bytes_sent, bytes_received} by memory / grpc}
     notes               anything odd (substituted strategies, short histories)
 
-A node's ``bytes_sent`` in history.jsonl is read as the bytes of that round (totals are sums).
+A node's ``bytes_sent`` in history.jsonl is read as the bytes of that round (totals are sums). A
+node keeps serving after its last round — peers that started later pull its model — so the totals
+add the bytes its final status lists as ``traffic_since_last_round``: without them a network whose
+nodes start over minutes (1,000 in one process) showed twice the bytes received as sent.
 """
 from __future__ import annotations
 
@@ -84,7 +89,20 @@ def true_mixture_of(run: "StrategyRun") -> list[list[float]] | None:
     return None if mix is None else mix.tolist()
 
 
-def node_results(history: list[dict[str, Any]]) -> dict[str, Any]:
+def _add_kinds(a: dict[str, int], b: Any) -> dict[str, int]:
+    out = dict(a)
+    for k, v in (b or {}).items() if isinstance(b, dict) else ():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[str(k)] = out.get(str(k), 0) + int(v)
+    return out
+
+
+def node_results(history: list[dict[str, Any]], status: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One node's entry; ``status`` its final status, whose ``traffic_since_last_round`` are the
+    bytes after its last round record."""
+    after = (status or {}).get("traffic_since_last_round")
+    after = after if isinstance(after, dict) else {}
+    sent_after, received_after = _add_kinds({}, after.get("sent")), _add_kinds({}, after.get("received"))
     ev = [e.get("eval") or {} for e in history]
     acc = [_num(x.get("test_acc")) for x in ev]
     loss = [_num(x.get("test_loss")) for x in ev]
@@ -98,10 +116,12 @@ def node_results(history: list[dict[str, Any]]) -> dict[str, Any]:
         "info": [e.get("info") or {} for e in history],
         "final_test_acc": acc[-1] if acc else None,
         "final_test_loss": loss[-1] if loss else None,
-        "bytes_sent": _sum_kinds(history, "bytes_sent"),
-        "bytes_received": _sum_kinds(history, "bytes_received"),
+        "bytes_sent": _add_kinds(_sum_kinds(history, "bytes_sent"), sent_after),
+        "bytes_received": _add_kinds(_sum_kinds(history, "bytes_received"), received_after),
         "bytes_sent_per_round": [e.get("bytes_sent") or {} for e in history],
         "bytes_received_per_round": [e.get("bytes_received") or {} for e in history],
+        "bytes_sent_after_rounds": sent_after,
+        "bytes_received_after_rounds": received_after,
     }
 
 
@@ -147,7 +167,7 @@ def strategy_results(sc: "Scenario", run: "StrategyRun", clusters: list[int] | N
     ids = [s.node_id for s in run.specs]
     nodes = {}
     for i, s in enumerate(run.specs):
-        r = node_results(run.histories.get(s.node_id, []))
+        r = node_results(run.histories.get(s.node_id, []), run.final_status.get(s.node_id))
         info = run.node_info.get(s.node_id) or {}
         r.update({"index": i, "true_cluster": clusters[i] if clusters else None,
                   "address": info.get("address"), "admin_url": info.get("admin_url", s.admin_url),

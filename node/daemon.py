@@ -29,6 +29,7 @@ from .logfilter import install_log_filter
 from .logs import RoundLog
 from .metrics import Metrics
 from .modelfile import describe_model
+from . import publishing
 from .node_metrics import NodeMetrics
 from .peering.faults import with_fault
 from .peering.messages import LocalSnapshot, NodeInfo
@@ -297,14 +298,10 @@ class Node(NodeViews):
         self.m.ckpt_s.observe(seconds)
 
     def publish(self) -> None:
-        shared = self.strategy.shared_params()
-        groups = {"params": shared if shared is not None else self.learner.get_params()}
-        for name, tensors in self.strategy.published_extras().items():
-            groups[f"x:{name}"] = tensors
-        groups = self.guard.publishable(groups)  # nothing non-finite leaves the node
-        self.version += 1
-        self.board.publish(LocalSnapshot(self.node_id, self.version, self.round, groups))
+        publishing.publish(self)
 
+    async def publish_round(self) -> None:
+        await publishing.publish_round(self)  # a large model's passes off the loop
 
 
 def run_node(cfg: NodeConfig) -> int:

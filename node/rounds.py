@@ -89,7 +89,7 @@ class RoundLoop:
         await n.checkpointer.room()  # at most max_unsaved published rounds not yet on disk
         waited = time.monotonic() - t1
         n.round = rnd
-        n.publish()
+        await n.publish_round()  # a large model checked off the loop
         sent, received = n.traffic.take_round()
         record = RoundRecord(round=rnd, t=done_at, duration_s=round(t1 - t0, 4), model_version=n.version,
                              train_loss=report.train_loss, eval=evaluation, weights=n.strategy.weights(),

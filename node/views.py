@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from .failures import Failures
     from .learning.learner import Learner
     from .peering.interfaces import TransportFactory
+    from .peering.traffic import TrafficStats
     from .persistence import StateStore
 
 
@@ -26,6 +27,7 @@ class NodeViews(PeerPlane):
     cfg: NodeConfig
     learner: Learner
     transport: TransportFactory
+    traffic: TrafficStats
     store: StateStore
     node_id: str
     fingerprint: str
@@ -62,7 +64,7 @@ class NodeViews(PeerPlane):
                 "fingerprint": self.fingerprint, "labels": self.labels, "last_eval": self.last_eval,
                 "strategy_state": self.strategy.public_state(), "problems": self.problems.recent(10),
                 "faulty": self.cfg.faulty, "mtls": self.transport.mtls,
-                "admission": self.admission.view(),
+                "admission": self.admission.view(), "traffic_since_last_round": self.traffic.pending(),
                 "membership": self.membership_view(), "privacy": self.privacy_view(),
                 "data": self.learner.data_info()}
 

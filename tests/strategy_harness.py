@@ -296,6 +296,9 @@ class InProcessNetwork:
         n = self.hub.nodes.get(peer)
         return None if n is None or n.snapshot is None else copy.deepcopy(n.snapshot)
 
+    def release(self, peer: str) -> None:
+        self.hub.count("release")  # nothing held here: every pull hands out a copy
+
     async def pull(self, peer: str, *, min_round: int | None = None,
                    wait_s: float | None = None) -> PeerSnapshot | None:
         """As the daemon's: with ``min_round``, a snapshot of round >= min_round, waiting up to

@@ -103,3 +103,51 @@ def test_cli_refuses_an_unknown_backend_or_too_many_processes(tmp_path):
     r = runner.invoke(app, ["run", str(scenario), "--out", str(tmp_path / "o"), "--nodes", "300"])
     assert r.exit_code == 2 and "--backend inproc" in r.stderr
     assert not (tmp_path / "o" / "results.json").exists()
+
+
+def test_nodes_start_in_batches_that_meet_the_network_first(tmp_path):
+    """A batch's nodes start together, and the next batch starts only once each of them (that has
+    a bootstrap peer) has met someone."""
+    import asyncio
+
+    sc = scen(nodes=5, bootstrap="chain")
+    specs = inproc.prepare(sc, "dpsgd", tmp_path)
+    events: list[str] = []
+
+    class FakeNode:
+        def __init__(self, cfg, transport=None, admin=True):
+            self.cfg, self.met, self.node_id = cfg, [], cfg.node_id
+            self.peers = self
+
+        def alive(self):
+            return self.met
+
+        async def start(self):
+            events.append(f"start {self.node_id}")
+            await asyncio.sleep(0)
+
+            async def handshake():  # answered a few loop turns later
+                for _ in range(3):
+                    await asyncio.sleep(0)
+                events.append(f"met {self.node_id}")
+                self.met = ["someone"]
+            if self.cfg.peers:
+                asyncio.get_running_loop().create_task(handshake())
+
+    class Board:
+        def transport_for(self, cfg):
+            return None
+
+    async def go():
+        nodes: list = []
+        for lo in range(0, 5, 2):
+            await inproc._start_batch(FakeNode, Board(), specs[lo:lo + 2], nodes)
+            events.append("batch done")
+        return nodes
+
+    nodes = asyncio.run(go())
+    assert [n.node_id for n in nodes] == ["n0", "n1", "n2", "n3", "n4"]
+    # n0 bootstraps from nobody: its batch waits for n1 only; every later batch for both of its nodes
+    assert events[:4] == ["start n0", "start n1", "met n1", "batch done"]
+    assert events[4:6] == ["start n2", "start n3"] and set(events[6:8]) == {"met n2", "met n3"}
+    assert events[8:] == ["batch done", "start n4", "met n4", "batch done"]

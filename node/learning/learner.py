@@ -58,6 +58,15 @@ class Learner(ABC):
     @abstractmethod
     def set_params(self, params: Params) -> None: ...
 
+    def add_to_params(self, params: Params) -> None:
+        """θ += ``params`` (stream-averaging adds each peer's model into the live one)."""
+        mine = self.get_params()
+        self.set_params({k: v + params[k] for k, v in mine.items()})
+
+    def scale_params(self, w: float) -> None:
+        """θ *= ``w``."""
+        self.set_params({k: v * w for k, v in self.get_params().items()})
+
     @abstractmethod
     def param_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """name -> (shape, dtype name) of every parameter, in order; used to validate peer models."""

@@ -135,6 +135,17 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
             for n, p in self.model.named_parameters():
                 p.copy_(params[n].to(p.device, p.dtype))
 
+    def add_to_params(self, params: Params) -> None:
+        self._check(params)
+        with self._lock, torch.no_grad():  # in place: no model-sized temporary
+            for n, p in self.model.named_parameters():
+                p.add_(params[n].to(p.device, p.dtype))
+
+    def scale_params(self, w: float) -> None:
+        with self._lock, torch.no_grad():
+            for p in self.model.parameters():
+                p.mul_(w)
+
     def param_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return dict(self._spec)
 

@@ -117,6 +117,9 @@ class NodeNetwork(PeerRequests):
     def cached(self, peer: str) -> PeerSnapshot | None:
         return self.cache.get(peer)
 
+    def release(self, peer: str) -> None:
+        self.cache.drop(peer)
+
     def _responsive(self, peer: str) -> bool:
         return self.calls.responsive(peer)
 

@@ -82,6 +82,10 @@ class SnapshotCache:
             self.bytes -= self._size.pop(old)
             self.evicted += 1
 
+    def drop(self, peer: str) -> None:
+        if self._by_peer.pop(peer, None) is not None:
+            self.bytes -= self._size.pop(peer)
+
     def resolve(self, ref: SnapshotRef) -> PeerSnapshot | None:
         snap = self._by_peer.get(ref.node_id)
         if snap is not None and snap.version == ref.version and (not ref.digest or snap.sha256 == ref.digest):

@@ -1,5 +1,10 @@
 """Byte and latency accounting of the peer plane: into Prometheus, and per-round tallies that go
-into each round's history record."""
+into each round's history record.
+
+A node keeps serving after its last round (peers that started later still pull its model), and
+those bytes belong to no round record: ``pending()`` gives them (and anything of a round still
+running) so that a run's totals — the sum of every node's round records plus its pending tallies
+— add up, every byte received counted as sent by someone."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -27,6 +32,10 @@ class TrafficStats:
 
     def latency(self, kind: str, seconds: float, side: str) -> None:
         self.lat.labels(kind=kind, side=side).observe(seconds)
+
+    def pending(self) -> dict[str, dict[str, int]]:
+        """Bytes since the last ``take_round`` (in no round record yet), by direction and kind."""
+        return {"sent": dict(self.round_sent), "received": dict(self.round_received)}
 
     def take_round(self) -> tuple[dict[str, int], dict[str, int]]:
         out = dict(self.round_sent), dict(self.round_received)

@@ -77,6 +77,11 @@ class PeerNetwork(Protocol):
         request timeout) until it publishes that round. None if it does not in time: the strategy
         proceeds without that peer, as for a dead one."""
 
+    def release(self, peer: str) -> None:
+        """Let go of the snapshot of ``peer`` held for ``cached`` and compute references: a
+        strategy that has used it up (D-PSGD, once averaged in) frees its memory now instead of
+        holding a copy of every peer's model until the next pull replaces it."""
+
     async def cross_loss(self, peer: str, params: Params | None = None, *, purpose: str,
                          split: str | None = None, max_samples: int | None = None,
                          reduction: str = "mean") -> tuple[float, int] | None:
@@ -183,6 +188,12 @@ class Strategy(ABC):
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+    def on_published(self, params: Params) -> None:
+        """The node published: ``params`` are the published model's tensors (read-only views of
+        the encoded snapshot the node serves). A strategy that keeps the model it shares may hold
+        these instead of its own copy, so the node holds that model once."""
         return None
 
     def on_diverged(self) -> None:

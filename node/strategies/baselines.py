@@ -1,22 +1,15 @@
 """Baselines: learning alone, D-PSGD gossip averaging, and the cluster oracle."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import math
 from typing import Any
 
-import torch
 
 from ..learning.learner import Params
 from ..offload import OFF_LOOP_BYTES
 from .base import RoundReport, Strategy, gather_bounded
-
-
-def weighted_average(members: list[tuple[float, Params]]) -> Params:
-    """Σ_j w_j θ_j for weights that sum to one."""
-    out = {k: torch.zeros_like(v) for k, v in members[0][1].items()}
-    for w, params in members:
-        for k, v in params.items():
-            out[k].add_(v, alpha=w)
-    return out
 
 
 class Local(Strategy):
@@ -54,6 +47,7 @@ class DPSGD(Strategy):
         "max_neighbours": 0,   # 0 = all alive peers
         "max_staleness": 1,    # rounds a mixed model may lag mine; 0 = fully asynchronous
         "sync_wait_s": 10.0,   # longest wait for a lagging peer (then this round goes without it)
+        "big_pulls": 2,        # models over 1 MiB pulled at a time (bounds the exchange's memory); 0 = all at once
     }
 
     def __init__(self, *a: Any, **kw: Any):
@@ -70,23 +64,55 @@ class DPSGD(Strategy):
 
     async def run_round(self, rnd: int) -> RoundReport:
         res = await self.compute(self.learner.train)
-        trained = self.learner.get_params()
+        # float32 estimate from the shapes: only which side of the off-loop threshold it is on
+        big = sum(math.prod(shape) for shape, _ in self.learner.param_spec().values()) * 4 > OFF_LOOP_BYTES
+        trained = await self.compute(self.learner.get_params) if big else self.learner.get_params()
         peers = self.candidates()
         stale = int(self.p["max_staleness"])
         floor = rnd - stale if stale > 0 and rnd - stale >= 1 else None
         wait = float(self.p["sync_wait_s"])
-        snaps = await gather_bounded({p: self.net.pull(p, min_round=floor, wait_s=wait) for p in peers})
-        w = 1.0 / (1 + len(snaps))
-        members = [(w, trained)] + [(w, s.params) for s in snaps.values()]
-        def average() -> None:
-            self.learner.set_params(weighted_average(members))
-        if sum(t.numel() * t.element_size() for t in trained.values()) > OFF_LOOP_BYTES:
-            await self.compute(average)  # a large model-sized sum: off the event loop
-        else:
-            average()
+        # Stream-averaging into the live model, which holds the trained one now: each pulled model
+        # is added into it as it arrives and released at once, and for a large model at most
+        # ``big_pulls`` are pulled at a time — the exchange holds a few models, not one per
+        # neighbour (issue 24.4); the adds and the final scaling run in worker threads.
+        adding = asyncio.Lock()  # one add at a time into the live model
+        k = int(self.p["big_pulls"])
+        slots = asyncio.Semaphore(k) if big and k > 0 else None
+
+        async def fold(peer: str) -> bool:
+            async with slots if slots is not None else contextlib.nullcontext():
+                snap = await self.net.pull(peer, min_round=floor, wait_s=wait)
+                if snap is None:
+                    return False
+                params, snap = snap.params, None
+                if big:  # the sum has it now: its tensors go with ``params`` (a small model stays
+                    self.net.release(peer)  # cached: its subscription serves the next rounds from there)
+                async with adding:
+                    if big:
+                        await self.compute(self.learner.add_to_params, params)
+                    else:
+                        self.learner.add_to_params(params)
+                return True
+
+        try:
+            got = await gather_bounded({p: fold(p) for p in peers})
+            mixed = sorted(p for p, ok in got.items() if ok)
+            w = 1.0 / (1 + len(mixed))
+            if big:
+                await self.compute(self.learner.scale_params, w)
+            else:
+                self.learner.scale_params(w)
+        except BaseException:
+            # a round cut short (the node stopping) leaves the trained model, not a partial sum
+            self.learner.set_params(trained)
+            raise
         self._trained = trained
-        self._w = {self.node_id: w, **{p: w for p in snaps}}
-        return RoundReport(train_loss=res.loss, contacted=sorted(snaps))
+        self._w = {self.node_id: w, **{p: w for p in mixed}}
+        return RoundReport(train_loss=res.loss, contacted=mixed)
+
+    def on_published(self, params: Params) -> None:
+        if self._trained is not None:
+            self._trained = params  # the published snapshot's views: the model held once, not twice
 
     def shared_params(self) -> Params | None:
         return self._trained
