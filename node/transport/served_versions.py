@@ -99,11 +99,14 @@ class ServedVersions:
         base = self._recon[base_key] if base_key else None
         meta = {"node_id": snap.node_id, "version": snap.version, "round": snap.round}
 
-        def make() -> tuple[Payload, Groups]:
+        def make() -> tuple[Payload, Groups | None]:
             data = codecs.encode(snap.groups, codec, meta, base=base[1] if base else None,
                                  base_ref={"version": base[0], "sha256": base_key} if base else None)
+            made = Payload(data, sha256(data), codec, (base[0], base_key) if base else None)
+            if not self.policy.delta:
+                return made, None
             recon, _ = codecs.decode(data, base=base[1] if base else None)  # what the requester will hold
-            return Payload(data, sha256(data), codec, (base[0], base_key) if base else None), recon
+            return made, recon
 
         big = encoded_size(snap.groups) > OFF_LOOP_BYTES
         made, recon = await asyncio.to_thread(make) if big else make()
@@ -111,6 +114,8 @@ class ServedVersions:
             self.deltas += 1
         else:
             self.wholes += 1
+        if recon is None:
+            return made
         self._recon[made.digest] = (snap.version, recon)
         while len(self._recon) > max(1, self.policy.history):
             self._recon.popitem(last=False)

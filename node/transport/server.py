@@ -212,14 +212,12 @@ class PeerService(ComputeRpcs):
 
     async def _snapshot_frames(self, request, snap, *, inline: bool, have: tuple[int, str] | None = None
                                ) -> tuple[Iterable[Any], int, str]:
-        """A snapshot's reply messages and their size: its header alone when the reader already
-        has this version, else the header and the payload in the codec negotiated with the
-        reader (a delta against what it holds when it asks for one: ``ServedVersions``) — in
-        the header's message when it fits one chunk and ``inline`` (watch, session), else in
-        chunks framed by hand from the payload's one buffer as they go out (one 1 MiB copy at a
-        time per reader instead of a second full copy of every published snapshot). ``have``:
-        (version, payload digest) the reader holds, when this stream knows it better than the
-        request (a watch: what it sent last)."""
+        """A snapshot's reply messages, their size and the payload's digest: its header alone
+        when the reader has this version, else the header and the payload in the codec agreed
+        with the reader (a delta against what it holds if it asks: ``ServedVersions``) — in the
+        header's message when it fits one chunk and ``inline`` (watch, session), else in chunks
+        framed by hand from the payload's one buffer as they go out. ``have``: (version, payload
+        digest) the reader holds when the stream knows better than the request (a watch's last)."""
         have_version, have_sha256 = have if have is not None else (request.have_version, request.have_sha256)
         unchanged = have_version == snap.version and have_version > 0
         if unchanged:
