@@ -90,6 +90,30 @@ def table(rows: list[dict], codecs: list[str]) -> list[str]:
     return out
 
 
+def report(path: Path, data: dict) -> None:
+    """bench/results/codecs.md from the rows of ``data`` (one strategy)."""
+    rows, codecs = data["rows"], list(data["codecs"])
+    seeds = sorted({r["seed"] for r in rows})
+    per = {c: sorted(r["seed"] for r in rows if r["codec"] == c) for c in codecs}
+    lines = [f"# Snapshot codecs on S1 ({data['strategy']})", "",
+             f"`python {data['command']}` — scenario `{data['scenario']}` (12 nodes, 4 label-permutation "
+             f"clusters, MNIST-1D, 1-D CNN of 24k parameters), strategy `{data['strategy']}`, "
+             f"{data['rounds']} rounds, seeds {seeds} (per codec: {per}), real daemons over gRPC on loopback "
+             "(mTLS), on a 2-core machine shared with other work (wall times are not comparable).", "",
+             "Config added to the scenario's `[node]` per codec (`[node.snapshots]`): " +
+             "; ".join(f"`{c}`: codecs = {v['codecs']}, delta = {str(v['delta']).lower()}"
+                       for c, v in data["codecs"].items()) + ".", "",
+             "Accuracy: the mean over nodes of the final test accuracy, then mean ± std over seeds. Bytes: "
+             "everything the nodes sent (snapshots, membership, gossip), per node and round, and the snapshot "
+             "part alone; ratio = fp32's bytes / the codec's.", ""]
+    lines += table(rows, codecs)
+    lines += ["", "Per run:", "", "| codec | seed | mean final accuracy % | KB sent / node-round | wall s |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {r['codec']} | {r['seed']} | {100 * r['mean_acc']:.1f} | {r['bytes_per_node_round'] / 1024:.1f} | "
+              f"{r['wall_s']:.0f} |" for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--strategy", default="fedfomo")
@@ -98,18 +122,31 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--nodes", type=int, default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--merge", action="store_true", help="add these runs to the existing results json")
+    ap.add_argument("--report", action="store_true", help="only write codecs.md from the results json")
     args = ap.parse_args()
     codecs = args.codecs.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
-    rows = []
-    for seed in seeds:  # seed-major: a cut-short bench still has every codec for the first seeds
-        for c in codecs:
-            rows.append(run_one(args.out / "codecs", args.strategy, c, seed, args.rounds, args.nodes))
-            (args.out / f"codecs_{args.strategy}.json").write_text(json.dumps(
-                {"strategy": args.strategy, "rounds": args.rounds, "seeds": seeds, "codecs": {c: CODECS[c] for c in codecs},
-                 "scenario": str(SCENARIO.relative_to(ROOT)), "command": " ".join(sys.argv), "rows": rows}, indent=1))
-    lines = table(rows, codecs)
-    print("\n".join(lines))
+    path = args.out / f"codecs_{args.strategy}.json"
+    data = {"strategy": args.strategy, "rounds": args.rounds, "codecs": {c: CODECS[c] for c in codecs},
+            "scenario": str(SCENARIO.relative_to(ROOT)), "command": "bench/codecs_bench.py " + " ".join(sys.argv[1:]),
+            "rows": []}
+    if args.merge or args.report:
+        data = json.loads(path.read_text())
+        data.setdefault("command", "bench/codecs_bench.py")
+    if not args.report:
+        for seed in seeds:  # seed-major: a cut-short bench still has every codec for the first seeds
+            for c in codecs:
+                row = run_one(args.out / "codecs", args.strategy, c, seed, args.rounds, args.nodes)
+                data["rows"] = [r for r in data["rows"] if (r["codec"], r["seed"]) != (c, seed)] + [row]
+                for k in CODECS:
+                    if k == c or k in data["codecs"]:
+                        data["codecs"][k] = CODECS[k]
+                path.write_text(json.dumps(data, indent=1))
+    order = [c for c in CODECS if c in data["codecs"]]
+    data["codecs"] = {c: CODECS[c] for c in order}
+    report(args.out / "codecs.md", data)
+    print("\n".join(table(data["rows"], order)))
 
 
 if __name__ == "__main__":
