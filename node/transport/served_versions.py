@@ -16,6 +16,7 @@ is added to."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,7 @@ class Payload:
 class ServedVersions:
     def __init__(self, policy: CodecPolicy):
         self.policy = policy
-        self._payloads: OrderedDict[tuple[int, str, str], asyncio.Future] = OrderedDict()
+        self._payloads: OrderedDict[tuple[int, str, str], asyncio.Future[Payload]] = OrderedDict()
         self._recon: OrderedDict[str, tuple[int, Groups]] = OrderedDict()  # payload digest -> (version, decoded)
         self.deltas = self.wholes = 0  # payloads encoded, by kind
 
@@ -71,32 +72,28 @@ class ServedVersions:
         codec = self.choose(wanted)
         if codec == codecs.FP32:
             return Payload(snap.encoded, snap.digest, codec)  # today's bytes: exact, shared by all
-        base_key = ""
+        base_key, base = "", None
         if delta and self.policy.delta and have_version and have_sha256:
             held = self._recon.get(have_sha256)
             if held is not None and held[0] == have_version and have_version < snap.version:
-                base_key = have_sha256
+                base_key, base = have_sha256, held  # (taken now: it may be evicted before the encode runs)
                 self._recon.move_to_end(have_sha256)
         key = (snap.version, codec, base_key)
-        fut = self._payloads.get(key)
-        if fut is None:
-            fut = self._payloads[key] = asyncio.get_running_loop().create_future()
-            try:
-                made = await self._encode(snap, codec, base_key)
-            except BaseException as e:
-                del self._payloads[key]
-                fut.set_exception(e)
-                fut.exception()  # (retrieved: concurrent waiters re-raise it)
-                raise
-            fut.set_result(made)
+        task = self._payloads.get(key)
+        if task is None:  # encoded once, in a task of its own: a requester that gives up stops nothing
+            task = self._payloads[key] = asyncio.ensure_future(self._encode(snap, codec, base_key, base))
+            task.add_done_callback(functools.partial(self._failed, key))
             while len(self._payloads) > 4 * self.policy.history:
                 self._payloads.popitem(last=False)
         else:
             self._payloads.move_to_end(key)
-        return await asyncio.shield(fut)
+        return await asyncio.shield(task)
 
-    async def _encode(self, snap: Any, codec: str, base_key: str) -> Payload:
-        base = self._recon[base_key] if base_key else None
+    def _failed(self, key: tuple[int, str, str], task: asyncio.Future) -> None:
+        if (task.cancelled() or task.exception() is not None) and self._payloads.get(key) is task:
+            del self._payloads[key]  # the next requester tries again
+
+    async def _encode(self, snap: Any, codec: str, base_key: str, base: tuple[int, Groups] | None) -> Payload:
         meta = {"node_id": snap.node_id, "version": snap.version, "round": snap.round}
 
         def make() -> tuple[Payload, Groups | None]:
