@@ -49,6 +49,7 @@ class Board:
         self.w = torch.randn(N, generator=g)
         self.steps = 0
         self.computed: list[dict] = []
+        self.published = asyncio.Event()
         self.publish(1)
 
     def publish(self, v: int) -> None:
@@ -56,8 +57,14 @@ class Board:
             self.w = self.w + 0.01 * torch.randn(N)
         self.snap = LocalSnapshot("p", v, v, {"params": {"w": self.w.clone(), "n": torch.tensor([v])}})
         self.snap.prepare()
+        if hasattr(self, "published"):
+            self.published.set()
+            self.published = asyncio.Event()
 
     async def snapshot(self, requester, min_round=0, wait_s=0.0):
+        with contextlib.suppress(asyncio.TimeoutError):
+            while self.snap.round < min_round:
+                await asyncio.wait_for(self.published.wait(), wait_s)
         return self.snap
 
     def check_known(self, node_id): pass
@@ -125,6 +132,24 @@ def test_the_first_shared_codec_is_used_and_deltas_follow_the_version_held():
             assert held is not None and held.version == 7
             # the identity digest (what references name) is the snapshot's own, whatever the codec
             assert h.digest == board.snap.digest
+    asyncio.run(go())
+
+
+def test_a_subscription_pushes_deltas_against_the_snapshot_it_pushed_before():
+    async def go():
+        board = Board()
+        async with _pair(board) as (client, addr, server):
+            stream = client.watch_snapshots(addr, "me", peer="p")
+            errors = []
+            async with contextlib.aclosing(stream):
+                async for h, g in stream:
+                    errors.append(_err(g, board))
+                    assert g["params"]["n"].tolist() == [h.version]
+                    if h.version == 6:
+                        break
+                    board.publish(h.version + 1)
+            whole = errors[0]
+            assert max(errors[1:]) < whole / 10  # deltas: the move quantised, not the model
     asyncio.run(go())
 
 
