@@ -310,3 +310,41 @@ def test_unknown_codecs_in_config_are_refused():
     assert NodeConfig(snapshots={"codecs": ["q8", "fp32"], "delta": True}).snapshots.delta
     with pytest.raises(ValidationError):
         NodeConfig(snapshots={"codecs": []})
+
+
+def test_a_real_daemon_advertises_its_codecs_and_serves_q8_deltas_over_mtls(tmp_path):
+    """A daemon started with ``snapshots.codecs = [q8, fp32]`` and deltas, over mTLS: its handshake
+    advertises them; a peer asking for q8 gets ~1/4 of the bytes an fp32 peer gets, then deltas;
+    a peer naming no codec (fp32) gets the exact model."""
+    from nodeproc import CertifiedPeer, NodeProc, tiny_learner, wait_for
+
+    node = NodeProc(tmp_path, "n0", {"strategy": "local", "round_interval_s": 0.2, "learner": tiny_learner(1, 0),
+                                     "snapshots": {"codecs": ["q8", "fp32"], "delta": True}}).start()
+    try:
+        async def go():
+            q8, plain = CertifiedPeer(tmp_path, node, "q8peer"), CertifiedPeer(tmp_path, node, "plain")
+            q8.client.codecs = CodecPolicy(("q8", "fp32"), delta=True)
+            for p in (q8, plain):
+                p.client.traffic = _Traffic()
+            try:
+                await q8.join()
+                await plain.join()
+                assert q8.client._peer_codecs[node.address] == ("q8", "fp32")
+                h, exact = await plain.client.get_snapshot(node.address, "plain", peer="n0")
+                hq, g = await q8.client.get_snapshot(node.address, "q8peer", peer="n0")
+                assert q8.client.traffic.received < plain.client.traffic.received / 3.5
+                if hq.version == h.version:
+                    for k, t in exact["params"].items():
+                        assert float((g["params"][k] - t).abs().max()) <= float(t.abs().max()) / 254 * 1.01 + 1e-12
+                v = hq.version
+                wait_for(lambda: node.status()["model_version"] > v, 60, "a newer version")
+                before = q8.client.traffic.received
+                h2, g2 = await q8.client.get_snapshot(node.address, "q8peer", have_version=v, peer="n0")
+                assert h2.version > v and q8.client.held.get("n0").version == h2.version
+                assert q8.client.traffic.received - before < plain.client.traffic.received / 3.5
+            finally:
+                await q8.close()
+                await plain.close()
+        asyncio.run(go())
+    finally:
+        node.stop()
