@@ -90,12 +90,12 @@ def table(rows: list[dict], codecs: list[str]) -> list[str]:
     return out
 
 
-def report(path: Path, data: dict) -> None:
-    """bench/results/codecs.md from the rows of ``data`` (one strategy)."""
+def section(data: dict) -> list[str]:
+    """codecs.md's section for one strategy's results."""
     rows, codecs = data["rows"], list(data["codecs"])
     seeds = sorted({r["seed"] for r in rows})
     per = {c: sorted(r["seed"] for r in rows if r["codec"] == c) for c in codecs}
-    lines = [f"# Snapshot codecs on S1 ({data['strategy']})", "",
+    lines = [f"## {data['strategy']}", "",
              f"`python {data['command']}` — scenario `{data['scenario']}` (12 nodes, 4 label-permutation "
              f"clusters, MNIST-1D, 1-D CNN of 24k parameters), strategy `{data['strategy']}`, "
              f"{data['rounds']} rounds, seeds {seeds} (per codec: {per}), real daemons over gRPC on loopback "
@@ -111,7 +111,17 @@ def report(path: Path, data: dict) -> None:
               "|---|---|---|---|---|"]
     lines += [f"| {r['codec']} | {r['seed']} | {100 * r['mean_acc']:.1f} | {r['bytes_per_node_round'] / 1024:.1f} | "
               f"{r['wall_s']:.0f} |" for r in rows]
-    path.write_text("\n".join(lines) + "\n")
+    return lines + [""]
+
+
+def report(out: Path) -> None:
+    """bench/results/codecs.md: a section per strategy with results (codecs_<strategy>.json)."""
+    lines = ["# Snapshot codecs on S1: bytes against accuracy", "",
+             "Written by `bench/codecs_bench.py` (see docs/codecs.md). Goal (issue 24): q8 + delta within "
+             "0.5 points of fp32's mean accuracy at >= 3.5x fewer bytes per node-round.", ""]
+    for f in sorted(out.glob("codecs_*.json")):
+        lines += section(json.loads(f.read_text()))
+    (out / "codecs.md").write_text("\n".join(lines))
 
 
 def main() -> None:
@@ -145,7 +155,9 @@ def main() -> None:
                 path.write_text(json.dumps(data, indent=1))
     order = [c for c in CODECS if c in data["codecs"]]
     data["codecs"] = {c: CODECS[c] for c in order}
-    report(args.out / "codecs.md", data)
+    if args.report:
+        path.write_text(json.dumps(data, indent=1))
+    report(args.out)
     print("\n".join(table(data["rows"], order)))
 
 
