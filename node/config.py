@@ -150,6 +150,29 @@ class MembershipConfig(BaseModel):
     idle_channel_s: float = Field(120.0, gt=0)  # client channels unused this long are closed
 
 
+class SnapshotsConfig(BaseModel):
+    """How snapshots travel (docs/codecs.md): the codecs this node asks for and serves, preferred
+    first (each peer pair uses the first of the requester's list the server also speaks; fp32 is
+    always understood), and whether a peer's next snapshot may come as a delta against the
+    version this node holds of it."""
+    model_config = ConfigDict(extra="forbid")
+
+    codecs: list[str] = Field(default_factory=lambda: ["fp32"], min_length=1)
+    delta: bool = False
+    delta_history: int = Field(3, ge=1, le=64)  # reconstructions a server keeps to send deltas against
+
+    @field_validator("codecs")
+    @classmethod
+    def _codecs(cls, v: list[str]) -> list[str]:
+        from .wire.codecs import CODECS
+        unknown = [c for c in v if c not in CODECS]
+        if unknown:
+            raise ValueError(f"unknown codec(s) {unknown}; known: {list(CODECS)}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"codec listed twice in {v}")
+        return v
+
+
 class NodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -185,6 +208,7 @@ class NodeConfig(BaseModel):
     watch_snapshots: bool = True
     # other peers pulled from again get a pull session: one stream, a request and answer per pull
     pull_sessions: bool = True
+    snapshots: SnapshotsConfig = Field(default_factory=SnapshotsConfig)
     snapshot_cache_bytes: int = Field(512 << 20, gt=0)  # peers' snapshots held, least recently used evicted
     # largest snapshot/model accepted from a peer; default 4× this node's own model + 1 MiB
     max_model_bytes: int | None = Field(None, gt=0)

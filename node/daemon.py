@@ -90,6 +90,8 @@ class Node(NodeViews):
         self.spec = learner.param_spec()
         self.fingerprint = learner.fingerprint()
         self.labels = dict(cfg.labels)
+        # the snapshot codecs it advertises in its handshake (fp32 always: every node speaks it)
+        self.codecs = tuple(dict.fromkeys([*cfg.snapshots.codecs, "fp32"]))
         if learner.true_cluster is not None:
             self.labels.setdefault("cluster", str(learner.true_cluster))
         self.labels.setdefault("strategy", cfg.strategy)
@@ -203,7 +205,7 @@ class Node(NodeViews):
 
     def info(self) -> NodeInfo:
         return NodeInfo(self.node_id, PROTOCOL_VERSION, self.fingerprint, CAPABILITIES, self.address,
-                        self.admin_url, self.labels, self.learner.task_spec())
+                        self.admin_url, self.labels, self.learner.task_spec(), self.codecs)
 
     def position(self) -> tuple[int, int]:
         """(round, published snapshot version), as heartbeats announce them."""

@@ -29,6 +29,7 @@ class NodeInfo:
     admin_url: str = ""
     labels: dict[str, str] = field(default_factory=dict)
     task: str = ""  # what the model learns: input shape and class names (learning/task.py)
+    codecs: tuple[str, ...] = ()  # snapshot codecs it speaks (wire/codecs.py); () = fp32 only
 
 
 @dataclass(frozen=True)

@@ -36,11 +36,13 @@ from ..peering.messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat,
                                 IndirectProbe, MemberUpdate, NodeInfo, PeerEntry)
 from ..offload import OFF_LOOP_BYTES
 from ..security.ids import node_id_problem
-from ..wire.codec import WireError, decode, encode, encoded_size
+from ..wire import codecs as wire_codecs
+from ..wire.codec import WireError, decode, encoded_size
 from . import serde
 from .chunks import Assembler, collect, sha256, split
 from .errors import domain_errors as _domain_errors
 from .pulls import BULK, CONTROL, SnapshotStreams, _Session
+from .served_versions import CodecPolicy, HeldVersions
 from .tls import TLS
 
 KEEPALIVE_MS = 20_000  # the server accepts pings this often (server.py); keep the two in step
@@ -59,7 +61,8 @@ _ANY = ""  # expected node id "any node of the CA": a first contact, before a ha
 class PeerClient(SnapshotStreams):
     def __init__(self, node_id: str, traffic: Traffic, *, chunk_bytes: int, max_model_bytes: int = UNSET_MODEL_BYTES,
                  max_gossip_bytes: int = 1 << 20, timeout_s: float, tls: TLS | None, delay_ms: float = 0.0,
-                 idle_channel_s: float = 120.0, sessions: bool = True, limits: SizeLimits | None = None):
+                 idle_channel_s: float = 120.0, sessions: bool = True, limits: SizeLimits | None = None,
+                 codecs: CodecPolicy = CodecPolicy()):
         """``limits``: the node's ``SizeLimits`` (shared with its served side); else one of
         ``max_model_bytes`` and ``max_gossip_bytes``."""
         self.node_id = node_id
@@ -79,6 +82,9 @@ class PeerClient(SnapshotStreams):
         self._next_sweep = time.monotonic() + idle_channel_s
         self.evicted = 0
         self.sessions = sessions
+        self.codecs = codecs  # snapshot codecs this node asks for, preferred first; deltas or not
+        self.held = HeldVersions()  # per peer: the snapshot version it holds (a delta's base)
+        self._peer_codecs: dict[str, tuple[str, ...]] = {}  # address -> codecs its handshake advertised
         self._sessions: dict[tuple[str, str | None], _Session] = {}  # (address, peer) -> open session
         self._pulled: dict[tuple[str, str | None], float] = {}  # -> last pull made with a plain call
         self._session_refused: dict[str, float] = {}  # address -> when its server refused one
@@ -130,6 +136,8 @@ class PeerClient(SnapshotStreams):
     async def forget(self, address: str) -> None:
         self._used.pop(address, None)
         self._proven.pop(address, None)
+        self._peer_codecs.pop(address, None)
+        self.held.drop(address)
         for call in self._drop_sessions(address):
             with contextlib.suppress(Exception):  # let each cancelled session finish before its channel closes
                 await asyncio.wait_for(call.code(), 1.0)
@@ -181,6 +189,7 @@ class PeerClient(SnapshotStreams):
         self.traffic.record("handshake", sent=req.ByteSize(), received=reply.ByteSize())
         remote = serde.node_info_from_pb(reply.node)
         await self._prove(address, remote.node_id, timeout)
+        self._peer_codecs[address] = remote.codecs  # what models sent there may be encoded in
         self._timed("handshake", t0)
         return remote, serde.entries_from_pb(reply.peers)
 
@@ -231,13 +240,16 @@ class PeerClient(SnapshotStreams):
         kind = request.kind
         await self._link()
         payload, digest = None, ""
+        # a model sent along travels in the first of this node's codecs the peer advertised
+        codec = wire_codecs.negotiate(self.codecs.codecs, self._peer_codecs.get(address, ()))
         if request.groups is not None and request.ref is None:
             def pack(groups=request.groups):
-                data = encode(groups)
+                data = wire_codecs.encode(groups, codec)
                 return data, sha256(data)
             big = encoded_size(request.groups) > OFF_LOOP_BYTES
             payload, digest = await asyncio.to_thread(pack) if big else pack()
-        header = serde.compute_header_to_pb(request, len(payload) if payload else 0, digest)
+        header = serde.compute_header_to_pb(request, len(payload) if payload else 0, digest,
+                                            "" if codec == wire_codecs.FP32 else codec)
         frames = self._frames(header, payload)
         stub = self.stub(address, BULK, peer)
         sent = header.ByteSize() + (len(payload) if payload else 0)

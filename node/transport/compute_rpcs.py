@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from ...proto.v1 import peer_pb2 as pb
 from ..peering.errors import exhausted, invalid
 from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT
-from ..wire.codec import WireError, decode, encode
+from ..wire import codecs as wire_codecs
+from ..wire.codec import WireError, encode
 from . import serde
 from .chunks import Assembler, collect, sha256, split
 from .serde import parse as _parse
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
     from ..peering.interfaces import Traffic
     from .gate import Caller, Gate
+    from .served_versions import CodecPolicy
     from .stream_limits import StreamLimits
 
 
@@ -34,6 +36,7 @@ class ComputeRpcs:
     gate: Gate
     traffic: Traffic
     streams: StreamLimits
+    codecs: CodecPolicy
     if TYPE_CHECKING:
         async def _guard(self, context: grpc.aio.ServicerContext, kind: str, coro, stream=None): ...
         def _caller(self, context: grpc.aio.ServicerContext) -> Caller: ...
@@ -87,8 +90,15 @@ class ComputeRpcs:
             return req
         data = await collect(it, asm)
         self.traffic.record(kind, received=first.ByteSize() + len(data))
+        codec = h.codec or wire_codecs.FP32
         try:
-            req.groups, _ = decode(data, max_bytes=limit)
+            wire_codecs.check_codec(codec)
+            if codec not in self.codecs.advertised:
+                raise WireError(f"codec {codec!r} is not one this node advertised ({list(self.codecs.advertised)})")
+            req.groups, meta = wire_codecs.decode(data, max_bytes=limit)  # a delta has no base here: refused
+            section = wire_codecs.codec_of(meta)
+            if (section.get("name") if section else wire_codecs.FP32) != codec:
+                raise WireError(f"header says codec {codec!r}, the payload another")
         except WireError as e:
             raise invalid(f"{who}: {e}") from None
         return req

@@ -17,6 +17,7 @@ import grpc
 from ..peering.interfaces import UNSET_MODEL_BYTES, PeerHandler, SizeLimits, Traffic
 from .client import PeerClient
 from .server import HealthStatus, StreamLimits, serve
+from .served_versions import CodecPolicy
 from .tls import TLS, load_tls
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class GrpcTransport:
                  max_gossip_bytes: int = 1 << 20, timeout_s: float = 30.0, delay_ms: float = 0.0,
                  streams: StreamLimits = StreamLimits(), max_rpcs: int | None = None,
                  idle_channel_s: float = 120.0, health: HealthStatus | None = None, sessions: bool = True,
-                 reflection: bool = False):
+                 reflection: bool = False, codecs: CodecPolicy = CodecPolicy()):
         self.tls = tls
         self.reflection = reflection  # gRPC server reflection (security.reflection, off by default)
         self.listen, self.advertise = listen, advertise
@@ -64,6 +65,7 @@ class GrpcTransport:
         self.streams, self.max_rpcs, self.idle_channel_s = streams, max_rpcs, idle_channel_s
         self.health = health or HealthStatus()
         self.sessions = sessions
+        self.codecs = codecs  # snapshots.codecs / .delta: asked for as a client, served as a server
 
     @classmethod
     def from_config(cls, cfg: Any, *, tls: Any = _FROM_CONFIG, health: HealthStatus | None = None) -> "GrpcTransport":
@@ -78,7 +80,8 @@ class GrpcTransport:
                    streams=StreamLimits(lim.upload_timeout_s, lim.upload_idle_s, lim.send_timeout_s,
                                         lim.min_stream_bytes_per_s, lim.max_watches),
                    max_rpcs=lim.max_rpcs, idle_channel_s=cfg.membership.idle_channel_s, health=health,
-                   sessions=cfg.pull_sessions, reflection=cfg.security.reflection)
+                   sessions=cfg.pull_sessions, reflection=cfg.security.reflection,
+                   codecs=CodecPolicy(tuple(cfg.snapshots.codecs), cfg.snapshots.delta, cfg.snapshots.delta_history))
 
     # --- TransportFactory ---
     @property
@@ -93,7 +96,7 @@ class GrpcTransport:
     def connect(self, node_id: str, traffic: Traffic) -> PeerClient:
         return PeerClient(node_id, traffic, chunk_bytes=self.chunk_bytes, limits=self.limits, timeout_s=self.timeout_s,
                           tls=self.tls, delay_ms=self.delay_ms, idle_channel_s=self.idle_channel_s,
-                          sessions=self.sessions)
+                          sessions=self.sessions, codecs=self.codecs)
 
     async def serve(self, handler: PeerHandler, traffic: Traffic) -> GrpcServer:
         if self.tls is None:
@@ -101,6 +104,6 @@ class GrpcTransport:
                         "claim any node id; use only on a network you trust")
         server, port = await serve(handler, traffic, self.listen, tls=self.tls, chunk_bytes=self.chunk_bytes,
                                    limits=self.limits, streams=self.streams, max_rpcs=self.max_rpcs,
-                                   health_status=self.health, reflection_on=self.reflection)
+                                   health_status=self.health, reflection_on=self.reflection, codecs=self.codecs)
         host, _ = hostport(self.listen)
         return GrpcServer(self.advertise or f"{dialable(host)}:{port}", server, port)

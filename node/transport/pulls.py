@@ -13,11 +13,13 @@ import grpc
 from ...proto.v1 import peer_pb2 as pb
 from ..peering.errors import UNAVAILABLE, PeerCallError
 from ..peering.messages import SnapshotHeader
-from ..wire.codec import Groups, WireError, decode
+from ..wire import codecs as wire_codecs
+from ..wire.codec import Groups, WireError
 from . import serde
 from .chunks import Assembler, data_field
 from .errors import domain_errors as _domain_errors
 from .errors import in_flight as _in_flight
+from .served_versions import CodecPolicy, Held, HeldVersions
 
 if TYPE_CHECKING:
     from ...proto.v1 import peer_pb2_grpc as rpc
@@ -63,6 +65,8 @@ class SnapshotStreams:
     limits: SizeLimits
     timeout_s: float
     sessions: bool
+    codecs: CodecPolicy
+    held: HeldVersions
     _used: dict[str, float]
     _sessions: dict[tuple[str, str | None], _Session]
     _pulled: dict[tuple[str, str | None], float]
@@ -82,8 +86,11 @@ class SnapshotStreams:
         peer's pull session when it has one (see ``_session``), else a call of its own."""
         t0 = time.perf_counter()
         await self._link()
-        request = pb.SnapshotRequest(requester=requester, have_version=have_version, chunk_bytes=self.chunk_bytes,
-                                     min_round=min_round, wait_ms=int(wait_s * 1000))
+        request = self._snapshot_request(requester, min_round=min_round, wait_ms=int(wait_s * 1000))
+        request.have_version = have_version
+        held = self.held.get(peer or address)
+        if self.codecs.delta and held is not None and held.version == have_version:
+            request.have_sha256 = held.digest  # a delta against it is welcome
         deadline = time.monotonic() + (timeout or self.timeout_s)
         h = None
         session = self._session(address, peer)
@@ -94,7 +101,7 @@ class SnapshotStreams:
                 h = None  # not answered: a plain call asks again
         if h is None:
             call = self._raw_snapshot_call(address, peer)(request, timeout=max(deadline - time.monotonic(), 0.001))
-            h, groups, _ = await self._read_snapshot(address, call.__aiter__(), whole_stream=True)
+            h, groups, _ = await self._read_snapshot(address, call.__aiter__(), whole_stream=True, peer=peer)
         self._timed("snapshot", t0)
         return serde.snapshot_header_from_pb(h), groups
 
@@ -136,7 +143,7 @@ class SnapshotStreams:
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
                 raise _SessionGone(str(e)) from None
             try:
-                h, groups, _ = await asyncio.wait_for(self._read_snapshot(address, s, whole_stream=False),
+                h, groups, _ = await asyncio.wait_for(self._read_snapshot(address, s, whole_stream=False, peer=peer),
                                                       max(deadline - time.monotonic(), 0.001))
             except asyncio.TimeoutError:
                 raise PeerCallError(UNAVAILABLE, f"snapshot of {peer or address}: deadline exceeded") from None
@@ -170,9 +177,17 @@ class SnapshotStreams:
             del self._pulled[key]
         return calls
 
-    async def _read_snapshot(self, address: str, it, *, whole_stream: bool) -> tuple[Any, Groups | None, int]:
+    def _snapshot_request(self, requester: str, **fields: Any) -> pb.SnapshotRequest:
+        """A snapshot request naming this node's codecs (preferred first) and whether it takes deltas."""
+        return pb.SnapshotRequest(requester=requester, chunk_bytes=self.chunk_bytes, codecs=list(self.codecs.codecs),
+                                  delta=self.codecs.delta, **fields)
+
+    async def _read_snapshot(self, address: str, it, *, whole_stream: bool,
+                             peer: str | None = None) -> tuple[Any, Groups | None, int]:
         """One snapshot off a stream: its header, then chunks up to the announced size (size and
-        sha256 checked while reassembling), decoded as zero-copy views of the one buffer.
+        sha256 of the payload checked while reassembling), decoded in the codec the header names
+        (a plain fp32 payload as zero-copy views of the one buffer; a delta added to the version
+        of ``peer`` this node holds, which must be the one the header names).
         ``whole_stream``: the stream ends after it (a pull), else more snapshots follow (a watch)."""
         first = pb.SnapshotChunk.FromString(await it.__anext__())
         if first.WhichOneof("body") != "header":
@@ -180,7 +195,7 @@ class SnapshotStreams:
         h = first.header
         groups, size = None, 0
         if not h.unchanged:
-            asm = Assembler(f"snapshot of {h.node_id or address}", h.total_bytes, h.sha256,
+            asm = Assembler(f"snapshot of {h.node_id or address}", h.total_bytes, h.payload_sha256 or h.sha256,
                             self.limits.max_model_bytes)
             if first.inline:  # a small snapshot comes in its header's message (a watch, a session)
                 asm.add(first.inline)
@@ -196,13 +211,50 @@ class SnapshotStreams:
                                     f"after {asm.size} of {asm.total} bytes") from None
             data = asm.finish()
             size = len(data)
-            try:  # zero-copy: the tensors are views of that one buffer
-                groups, _ = decode(data, max_bytes=self.limits.max_model_bytes)
+            key = peer or address
+            try:  # fp32: zero-copy, the tensors are views of that one buffer
+                groups = self._decode_snapshot(h, data, self.held.get(key))
             except WireError as e:
+                self.held.drop(key)
                 raise WireError(f"snapshot v{h.version} of {h.node_id or address} is malformed: {e}") from None
+            if self.codecs.delta:
+                self.held.put(key, Held(h.version, h.payload_sha256 or h.sha256, groups))
         # (an inline payload is already part of the header's message)
         self.traffic.record("snapshot", received=first.ByteSize() + (0 if first.inline else size))
         return h, groups, size
+
+    def _watch_request(self, requester: str, min_round: int, key: str) -> pb.SnapshotRequest:
+        request = self._snapshot_request(requester, min_round=min_round)
+        held = self.held.get(key)
+        if self.codecs.delta and held is not None:  # the first snapshot pushed may be a delta against it
+            request.have_version, request.have_sha256 = held.version, held.digest
+        return request
+
+    def _decode_snapshot(self, h: Any, data: memoryview, held: Held | None) -> Groups:
+        """The payload's tensors, checked against what the header says: its codec (one this node
+        asked for), its version, and for a delta the base it applies to (which must be the
+        version this node holds of that peer, by payload digest)."""
+        codec = h.codec or wire_codecs.FP32
+        wire_codecs.check_codec(codec)
+        if codec not in self.codecs.advertised:
+            raise WireError(f"payload in codec {codec!r}, which this node did not ask for")
+        base = None
+        if h.base_version:
+            if held is None or held.version != h.base_version or held.digest != h.base_sha256:
+                holds = f"v{held.version} ({held.digest[:12]})" if held is not None else "no version"
+                raise WireError(f"a delta against v{h.base_version} ({h.base_sha256[:12]}), but this node "
+                                f"holds {holds} of that peer")
+            base = held.groups
+        groups, meta = wire_codecs.decode(data, max_bytes=self.limits.max_model_bytes, base=base)
+        section = wire_codecs.codec_of(meta)
+        sent = section.get("name") if section else wire_codecs.FP32
+        if sent != codec:
+            raise WireError(f"header says codec {codec!r}, payload is {sent!r}")
+        if meta.get("version", h.version) != h.version:
+            raise WireError(f"header says v{h.version}, payload is v{meta.get('version')}")
+        if wire_codecs.delta_base(meta) != ((h.base_version, h.base_sha256) if h.base_version else None):
+            raise WireError("header and payload disagree on the delta's base")
+        return groups
 
     async def watch_snapshots(self, address: str, requester: str, *, min_round: int = 0,
                               peer: str | None = None) -> AsyncIterator[tuple[SnapshotHeader, Groups]]:
@@ -217,11 +269,11 @@ class SnapshotStreams:
                 call = self._channel(address, BULK, peer)[0].unary_stream(
                     "/coterie.v1.Peer/WatchSnapshots", request_serializer=pb.SnapshotRequest.SerializeToString,
                     response_deserializer=None)(
-                    pb.SnapshotRequest(requester=requester, chunk_bytes=self.chunk_bytes, min_round=min_round))
+                    self._watch_request(requester, min_round, peer or address))
                 it = call.__aiter__()
                 while True:
                     try:
-                        h, groups, _ = await self._read_snapshot(address, it, whole_stream=False)
+                        h, groups, _ = await self._read_snapshot(address, it, whole_stream=False, peer=peer)
                     except StopAsyncIteration:  # the server ended it between two snapshots
                         return
                     if groups is None:

@@ -30,12 +30,13 @@ async def parsed(raw_frames, cls, what: str) -> AsyncIterator[Any]:
 def node_info_to_pb(n: NodeInfo) -> pb.NodeInfo:
     return pb.NodeInfo(node_id=n.node_id, protocol_version=n.protocol_version,
                        arch_fingerprint=n.arch_fingerprint, capabilities=list(n.capabilities),
-                       address=n.address, admin_url=n.admin_url, labels=dict(n.labels), task=n.task)
+                       address=n.address, admin_url=n.admin_url, labels=dict(n.labels), task=n.task,
+                       codecs=list(n.codecs))
 
 
 def node_info_from_pb(m: pb.NodeInfo) -> NodeInfo:
     return NodeInfo(m.node_id, m.protocol_version, m.arch_fingerprint, tuple(m.capabilities),
-                    m.address, m.admin_url, dict(m.labels), m.task)
+                    m.address, m.admin_url, dict(m.labels), m.task, tuple(m.codecs))
 
 
 def entries_to_pb(entries: list[PeerEntry]) -> list[pb.PeerEntry]:
@@ -100,9 +101,11 @@ def peer_list_to_pb(sender: str, entries: list[PeerEntry], members, incarnation:
 
 
 # --- snapshots ---
-def snapshot_header_to_pb(h: SnapshotHeader, total_bytes: int) -> pb.SnapshotHeader:
+def snapshot_header_to_pb(h: SnapshotHeader, total_bytes: int,
+                          encoding: dict[str, Any] | None = None) -> pb.SnapshotHeader:
+    """``encoding``: codec, payload_sha256 and a delta's base_version/base_sha256, if any."""
     return pb.SnapshotHeader(node_id=h.node_id, version=h.version, round=h.round, sha256=h.digest,
-                             total_bytes=total_bytes, unchanged=h.unchanged)
+                             total_bytes=total_bytes, unchanged=h.unchanged, **(encoding or {}))
 
 
 def snapshot_header_from_pb(m: pb.SnapshotHeader) -> SnapshotHeader:
@@ -110,10 +113,11 @@ def snapshot_header_from_pb(m: pb.SnapshotHeader) -> SnapshotHeader:
 
 
 # --- compute requests ---
-def compute_header_to_pb(r: ComputeRequest, total_bytes: int = 0, digest: str = "") -> pb.ComputeHeader:
+def compute_header_to_pb(r: ComputeRequest, total_bytes: int = 0, digest: str = "",
+                         codec: str = "") -> pb.ComputeHeader:
     h = pb.ComputeHeader(requester=r.requester, total_bytes=total_bytes, sha256=digest, split=r.split,
                          max_samples=r.max_samples, reduction=r.reduction,
-                         target_version=r.target_version, align=r.align, purpose=r.purpose)
+                         target_version=r.target_version, align=r.align, purpose=r.purpose, codec=codec)
     if r.ref is not None:
         h.ref.CopyFrom(pb.SnapshotRef(node_id=r.ref.node_id, version=r.ref.version, sha256=r.ref.digest))
     return h

@@ -38,6 +38,7 @@ from .errors import status_of
 from .gate import Gate, refusal_of
 from .health_service import add_health_service
 from .serde import parse as _parse
+from .served_versions import CodecPolicy, Payload, ServedVersions
 from .stream_limits import StreamLimits
 from .tls import TLS, caller_identity
 
@@ -103,8 +104,10 @@ class _GrpcCaller:
 
 class PeerService(ComputeRpcs):
     def __init__(self, gate: Gate, traffic: Traffic, *, chunk_bytes: int, tls: TLS | None,
-                 streams: StreamLimits = StreamLimits()):
+                 streams: StreamLimits = StreamLimits(), codecs: CodecPolicy = CodecPolicy()):
         self.gate = gate
+        self.codecs = codecs
+        self.served = ServedVersions(codecs)  # payloads per codec, and the versions deltas start from
         self.traffic = traffic
         self.chunk_bytes = chunk_bytes
         self.tls = tls
@@ -213,26 +216,33 @@ class PeerService(ComputeRpcs):
                                              request.wait_ms / 1000.0, slot, what, admit_first)
         return request, who, snap
 
-    def _snapshot_frames(self, request, snap, *, inline: bool) -> tuple[Iterable[Any], int]:
-        """A snapshot's reply messages and their size: its header alone when the reader already
-        has this version, else the header and the payload — in the header's message when it fits
-        one chunk and ``inline`` (watch, session), else in chunks framed by hand from the
-        snapshot's one buffer as they go out (one 1 MiB copy at a time per reader instead of a
-        second full copy of every published snapshot)."""
-        unchanged = request.have_version == snap.version and request.have_version > 0
-        header = serde.snapshot_header_to_pb(snap.header(unchanged), 0 if unchanged else len(snap.encoded))
-        size = header.ByteSize() + (0 if unchanged else len(snap.encoded))
+    async def _snapshot_frames(self, request, snap, *, inline: bool, have: tuple[int, str] | None = None
+                               ) -> tuple[Iterable[Any], int, str]:
+        """A snapshot's reply messages, their size and the payload's digest: its header alone
+        when the reader has this version, else the header and the payload in the codec agreed
+        with the reader (a delta against what it holds if it asks: ``ServedVersions``) — in the
+        header's message when it fits one chunk and ``inline`` (watch, session), else in chunks
+        framed by hand from the payload's one buffer as they go out. ``have``: (version, payload
+        digest) the reader holds when the stream knows better than the request (a watch's last)."""
+        have_version, have_sha256 = have if have is not None else (request.have_version, request.have_sha256)
+        unchanged = have_version == snap.version and have_version > 0
         if unchanged:
-            return (pb.SnapshotChunk(header=header),), size
-        if inline and len(snap.encoded) <= self.chunk_bytes:
-            return (pb.SnapshotChunk(header=header, inline=bytes(snap.encoded)),), size
-        return itertools.chain((pb.SnapshotChunk(header=header),), data_frames(snap.encoded, self.chunk_bytes)), size
+            header = serde.snapshot_header_to_pb(snap.header(True), 0)
+            return (pb.SnapshotChunk(header=header),), header.ByteSize(), ""
+        payload = await self.served.payload(snap, list(request.codecs), delta=request.delta,
+                                            have_version=have_version, have_sha256=have_sha256)
+        header = serde.snapshot_header_to_pb(snap.header(False), len(payload.data), _payload_fields(request, payload))
+        size = header.ByteSize() + len(payload.data)
+        if inline and len(payload.data) <= self.chunk_bytes:
+            return (pb.SnapshotChunk(header=header, inline=bytes(payload.data)),), size, payload.digest
+        frames = itertools.chain((pb.SnapshotChunk(header=header),), data_frames(payload.data, self.chunk_bytes))
+        return frames, size, payload.digest
 
     async def GetSnapshot(self, raw: bytes, context):
         t0 = time.perf_counter()
         with contextlib.ExitStack() as slot:
             request, who, snap = await self._guard(context, "snapshot", self._pull(context, raw, slot))
-            frames, size = self._snapshot_frames(request, snap, inline=False)
+            frames, size, _ = await self._snapshot_frames(request, snap, inline=False)
             sent = await self._send(context, frames, f"snapshot for {who}", size=size)
         self.traffic.record("snapshot", sent=sent)
         self.traffic.latency("snapshot", time.perf_counter() - t0, "server")
@@ -283,7 +293,7 @@ class PeerService(ComputeRpcs):
                 with contextlib.ExitStack() as slot:
                     request, who, snap = await self._guard(
                         context, "snapshot", self._pull(context, raw, slot, "snapshot session", admit_session))
-                    frames, size = self._snapshot_frames(request, snap, inline=True)
+                    frames, size, _ = await self._snapshot_frames(request, snap, inline=True)
                     try:
                         sent = await self._send(context, frames, f"snapshot for {who}", size=size)
                     except Exception as e:
@@ -319,12 +329,13 @@ class PeerService(ComputeRpcs):
 
         async def push():
             next_round, last = request.min_round, 0
+            have: tuple[int, str] | None = None  # what the reader holds: the last snapshot sent here
             while True:
                 snap = await self.gate.watched(who, next_round, MAX_WATCH_WAIT_S)
                 if snap.version == last or snap.round < next_round:
                     return  # nothing new within the wait: end it (the reader pulls, or subscribes again)
                 t0 = time.perf_counter()
-                frames, size = self._snapshot_frames(request, snap, inline=True)
+                frames, size, digest = await self._snapshot_frames(request, snap, inline=True, have=have)
                 try:
                     sent = await self._send(context, frames, f"snapshot watch of {who}", size=size)
                 except Exception as e:
@@ -334,12 +345,24 @@ class PeerService(ComputeRpcs):
                 self.traffic.record("snapshot", sent=sent)
                 self.traffic.latency("snapshot-push", time.perf_counter() - t0, "server")
                 last, next_round = snap.version, snap.round + 1
+                have = (snap.version, digest)
 
         try:  # a refusal on the way (the peer no longer known, ...) ends it with its status
             await self._guard(context, "watch", push())
         finally:
             self._watchers.discard(who)
 
+
+
+def _payload_fields(request, p: Payload) -> dict[str, Any]:
+    """The header fields that say how the payload is encoded. A request that named no codec
+    (an older peer) gets a whole fp32 payload and a header exactly as before."""
+    if not request.codecs or (p.codec == "fp32" and p.base is None):
+        return {}  # (a whole fp32 payload's digest is the snapshot's own: nothing to add)
+    out: dict[str, Any] = {"codec": p.codec, "payload_sha256": p.digest}
+    if p.base is not None:
+        out["base_version"], out["base_sha256"] = p.base
+    return out
 
 
 class _Session:
@@ -411,6 +434,7 @@ class HealthStatus:
 async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, tls: TLS | None,
                 chunk_bytes: int = 1 << 20, max_model_bytes: int = 1 << 31,
                 max_gossip_bytes: int = 1 << 20, streams: StreamLimits = StreamLimits(),
+                codecs: CodecPolicy = CodecPolicy(),
                 max_rpcs: int | None = None, health_status: HealthStatus | None = None,
                 limits: SizeLimits | None = None, reflection_on: bool = False) -> tuple[grpc.aio.Server, int]:
     """Start the peer server (and the standard gRPC health service) on ``address``: mTLS with
@@ -428,7 +452,8 @@ async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, tls: TL
                              maximum_concurrent_rpcs=max_rpcs)
     if limits is None:
         limits = SizeLimits(max_model_bytes, max_gossip_bytes)
-    service = PeerService(Gate(handler, limits), traffic, chunk_bytes=chunk_bytes, tls=tls, streams=streams)
+    service = PeerService(Gate(handler, limits), traffic, chunk_bytes=chunk_bytes, tls=tls, streams=streams,
+                          codecs=codecs)
     server.add_generic_rpc_handlers((_handlers(service),))
     health_status = health_status or HealthStatus()
     add_health_service(health_status.servicer, server)  # malformed requests: INVALID_ARGUMENT, no traceback

@@ -17,7 +17,7 @@ MEMBER_SUSPECT: MemberState
 MEMBER_DEAD: MemberState
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "protocol_version", "arch_fingerprint", "capabilities", "address", "admin_url", "labels", "task")
+    __slots__ = ("node_id", "protocol_version", "arch_fingerprint", "capabilities", "address", "admin_url", "labels", "task", "codecs")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class NodeInfo(_message.Message):
     ADMIN_URL_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     protocol_version: int
     arch_fingerprint: str
@@ -41,7 +42,8 @@ class NodeInfo(_message.Message):
     admin_url: str
     labels: _containers.ScalarMap[str, str]
     task: str
-    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., arch_fingerprint: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., admin_url: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., task: _Optional[str] = ...) -> None: ...
+    codecs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., arch_fingerprint: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., admin_url: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., task: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PeerEntry(_message.Message):
     __slots__ = ("node_id", "address", "last_seen_age_s")
@@ -158,34 +160,48 @@ class SnapshotRef(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., version: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
-    __slots__ = ("requester", "have_version", "chunk_bytes", "min_round", "wait_ms")
+    __slots__ = ("requester", "have_version", "chunk_bytes", "min_round", "wait_ms", "codecs", "delta", "have_sha256")
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MIN_ROUND_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    HAVE_SHA256_FIELD_NUMBER: _ClassVar[int]
     requester: str
     have_version: int
     chunk_bytes: int
     min_round: int
     wait_ms: int
-    def __init__(self, requester: _Optional[str] = ..., have_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., min_round: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    codecs: _containers.RepeatedScalarFieldContainer[str]
+    delta: bool
+    have_sha256: str
+    def __init__(self, requester: _Optional[str] = ..., have_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., min_round: _Optional[int] = ..., wait_ms: _Optional[int] = ..., codecs: _Optional[_Iterable[str]] = ..., delta: _Optional[bool] = ..., have_sha256: _Optional[str] = ...) -> None: ...
 
 class SnapshotHeader(_message.Message):
-    __slots__ = ("node_id", "version", "round", "sha256", "total_bytes", "unchanged")
+    __slots__ = ("node_id", "version", "round", "sha256", "total_bytes", "unchanged", "codec", "base_version", "base_sha256", "payload_sha256")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_SHA256_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: int
     round: int
     sha256: str
     total_bytes: int
     unchanged: bool
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ..., unchanged: _Optional[bool] = ...) -> None: ...
+    codec: str
+    base_version: int
+    base_sha256: str
+    payload_sha256: str
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ..., unchanged: _Optional[bool] = ..., codec: _Optional[str] = ..., base_version: _Optional[int] = ..., base_sha256: _Optional[str] = ..., payload_sha256: _Optional[str] = ...) -> None: ...
 
 class SnapshotChunk(_message.Message):
     __slots__ = ("header", "data", "inline")
@@ -198,7 +214,7 @@ class SnapshotChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[SnapshotHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., inline: _Optional[bytes] = ...) -> None: ...
 
 class ComputeHeader(_message.Message):
-    __slots__ = ("requester", "ref", "total_bytes", "sha256", "split", "max_samples", "reduction", "target_version", "align", "purpose")
+    __slots__ = ("requester", "ref", "total_bytes", "sha256", "split", "max_samples", "reduction", "target_version", "align", "purpose", "codec")
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +225,7 @@ class ComputeHeader(_message.Message):
     TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
     ALIGN_FIELD_NUMBER: _ClassVar[int]
     PURPOSE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     requester: str
     ref: SnapshotRef
     total_bytes: int
@@ -219,7 +236,8 @@ class ComputeHeader(_message.Message):
     target_version: int
     align: bool
     purpose: str
-    def __init__(self, requester: _Optional[str] = ..., ref: _Optional[_Union[SnapshotRef, _Mapping]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., split: _Optional[str] = ..., max_samples: _Optional[int] = ..., reduction: _Optional[str] = ..., target_version: _Optional[int] = ..., align: _Optional[bool] = ..., purpose: _Optional[str] = ...) -> None: ...
+    codec: str
+    def __init__(self, requester: _Optional[str] = ..., ref: _Optional[_Union[SnapshotRef, _Mapping]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., split: _Optional[str] = ..., max_samples: _Optional[int] = ..., reduction: _Optional[str] = ..., target_version: _Optional[int] = ..., align: _Optional[bool] = ..., purpose: _Optional[str] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class ComputeFrame(_message.Message):
     __slots__ = ("header", "data")

@@ -1,0 +1,145 @@
+"""Which codec a snapshot travels in, and the versions both ends keep for deltas.
+
+``CodecPolicy``: a node's ``snapshots.codecs`` (preferred first) and ``snapshots.delta``.
+
+``ServedVersions`` (the serving side): encodes its published snapshot in the codec a requester
+negotiated — whole, or as a delta against a version the requester says it holds — and keeps
+the last few payloads it sent and what each decodes to (bounded: ``history`` reconstructions).
+A delta is computed against that *reconstruction*, exactly what the requester decoded, never
+against the exact old model: else each q8 delta's rounding error would stay in the requester's
+copy and the next delta would not remove it, so errors would add up round after round. Payloads
+are cached by (version, codec, base), so peers that hold the same base share one encoding.
+
+``HeldVersions`` (the requesting side): per peer, the version it last decoded, the digest of the
+payload it came in (what a delta names as its base) and the tensors — the base the next delta
+is added to."""
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from ..offload import OFF_LOOP_BYTES
+from ..wire import codecs
+from ..wire.codec import Groups, encoded_size
+from .chunks import sha256
+
+
+@dataclass(frozen=True)
+class CodecPolicy:
+    codecs: tuple[str, ...] = (codecs.FP32,)  # preferred first; fp32 is always understood
+    delta: bool = False
+    history: int = 3  # reconstructions a server keeps to send deltas against
+
+    def __post_init__(self) -> None:
+        for c in self.codecs:
+            codecs.check_codec(c)
+
+    @property
+    def advertised(self) -> tuple[str, ...]:
+        """What this node decodes and serves (its list, plus fp32 which every node speaks)."""
+        return self.codecs if codecs.FP32 in self.codecs else (*self.codecs, codecs.FP32)
+
+
+@dataclass(frozen=True)
+class Payload:
+    """A snapshot as sent: its bytes, their sha256 (the commitment), the codec, and for a delta
+    the (version, payload digest) of its base."""
+    data: Any  # bytes or memoryview
+    digest: str
+    codec: str
+    base: tuple[int, str] | None = None
+
+
+class ServedVersions:
+    def __init__(self, policy: CodecPolicy):
+        self.policy = policy
+        self._payloads: OrderedDict[tuple[int, str, str], asyncio.Future[Payload]] = OrderedDict()
+        self._recon: OrderedDict[str, tuple[int, Groups]] = OrderedDict()  # payload digest -> (version, decoded)
+        self.deltas = self.wholes = 0  # payloads encoded, by kind
+
+    def choose(self, wanted: list[str] | tuple[str, ...]) -> str:
+        """The first of the requester's codecs this node serves; fp32 if none (an old peer)."""
+        return codecs.negotiate(list(wanted), self.policy.advertised)
+
+    async def payload(self, snap: Any, wanted: list[str] | tuple[str, ...], *, delta: bool = False,
+                      have_version: int = 0, have_sha256: str = "") -> Payload:
+        """``snap`` (a ``LocalSnapshot``, ready) encoded for a requester that accepts ``wanted``
+        and holds ``have_version`` as the payload ``have_sha256`` (a delta if asked for, this node
+        sends them, the codec is lossy and that reconstruction is still here; else whole)."""
+        codec = self.choose(wanted)
+        if codec == codecs.FP32:
+            return Payload(snap.encoded, snap.digest, codec)  # today's bytes: exact, shared by all
+        base_key, base = "", None
+        if delta and self.policy.delta and have_version and have_sha256:
+            held = self._recon.get(have_sha256)
+            if held is not None and held[0] == have_version and have_version < snap.version:
+                base_key, base = have_sha256, held  # (taken now: it may be evicted before the encode runs)
+                self._recon.move_to_end(have_sha256)
+        key = (snap.version, codec, base_key)
+        task = self._payloads.get(key)
+        if task is None:  # encoded once, in a task of its own: a requester that gives up stops nothing
+            task = self._payloads[key] = asyncio.ensure_future(self._encode(snap, codec, base_key, base))
+            task.add_done_callback(functools.partial(self._failed, key))
+            while len(self._payloads) > 4 * self.policy.history:
+                self._payloads.popitem(last=False)
+        else:
+            self._payloads.move_to_end(key)
+        return await asyncio.shield(task)
+
+    def _failed(self, key: tuple[int, str, str], task: asyncio.Future) -> None:
+        if (task.cancelled() or task.exception() is not None) and self._payloads.get(key) is task:
+            del self._payloads[key]  # the next requester tries again
+
+    async def _encode(self, snap: Any, codec: str, base_key: str, base: tuple[int, Groups] | None) -> Payload:
+        meta = {"node_id": snap.node_id, "version": snap.version, "round": snap.round}
+
+        def make() -> tuple[Payload, Groups | None]:
+            data = codecs.encode(snap.groups, codec, meta, base=base[1] if base else None,
+                                 base_ref={"version": base[0], "sha256": base_key} if base else None)
+            made = Payload(data, sha256(data), codec, (base[0], base_key) if base else None)
+            if not self.policy.delta:
+                return made, None
+            recon, _ = codecs.decode(data, base=base[1] if base else None)  # what the requester will hold
+            return made, recon
+
+        big = encoded_size(snap.groups) > OFF_LOOP_BYTES
+        made, recon = await asyncio.to_thread(make) if big else make()
+        if base:
+            self.deltas += 1
+        else:
+            self.wholes += 1
+        if recon is None:
+            return made
+        self._recon[made.digest] = (snap.version, recon)
+        while len(self._recon) > max(1, self.policy.history):
+            self._recon.popitem(last=False)
+        return made
+
+
+@dataclass(frozen=True)
+class Held:
+    version: int
+    digest: str  # sha256 of the payload it came in
+    groups: Groups
+
+
+class HeldVersions:
+    """The last snapshot decoded from each peer (the base of its next delta)."""
+
+    def __init__(self) -> None:
+        self._by_peer: dict[str, Held] = {}
+
+    def get(self, peer: str) -> Held | None:
+        return self._by_peer.get(peer)
+
+    def put(self, peer: str, held: Held) -> None:
+        self._by_peer[peer] = held
+
+    def drop(self, peer: str) -> None:
+        self._by_peer.pop(peer, None)
+
+    def __len__(self) -> int:
+        return len(self._by_peer)

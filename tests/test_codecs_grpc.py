@@ -1,0 +1,350 @@
+"""Snapshot codecs over real gRPC (a peer server in this process, plaintext, real sockets):
+negotiation per request, fallback to fp32 for peers that name no codec, deltas against the
+version the requester holds (and a whole snapshot when the server forgot it), fewer bytes
+counted; then a hostile server's payloads — bad scales, truncated blocks, an unknown codec, a
+delta against a version the requester never had — refused by the client naming the problem,
+and a hostile client's compute payloads refused by the server."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+
+import grpc
+import pytest
+import torch
+
+from coterie.node.peering.messages import CROSS_LOSS, ComputeReply, ComputeRequest, LocalSnapshot, NodeInfo
+from coterie.node.transport import served_versions
+from coterie.node.transport.chunks import sha256
+from coterie.node.transport.client import PeerClient
+from coterie.node.transport.served_versions import CodecPolicy, Payload
+from coterie.node.transport.server import serve
+from coterie.node.wire import codec as raw_codec
+from coterie.node.wire import codecs as C
+from coterie.node.wire.codec import WireError
+from coterie.proto.v1 import peer_pb2 as pb
+
+N = 50_000
+
+
+class _Traffic:
+    def __init__(self):
+        self.received = self.sent = 0
+
+    def record(self, kind, sent=0, received=0):
+        self.sent += sent
+        self.received += received
+
+    def latency(self, *a, **k): pass
+
+
+class Board:
+    """A peer's publishing side (one model that moves a little each version) and a compute
+    handler that records the models it was sent."""
+    node_id = "p"
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.w = torch.randn(N, generator=g)
+        self.steps = 0
+        self.computed: list[dict] = []
+        self.published = asyncio.Event()
+        self.publish(1)
+
+    def publish(self, v: int) -> None:
+        if v > 1:
+            self.w = self.w + 0.01 * torch.randn(N)
+        self.snap = LocalSnapshot("p", v, v, {"params": {"w": self.w.clone(), "n": torch.tensor([v])}})
+        self.snap.prepare()
+        if hasattr(self, "published"):
+            self.published.set()
+            self.published = asyncio.Event()
+
+    async def snapshot(self, requester, min_round=0, wait_s=0.0):
+        with contextlib.suppress(asyncio.TimeoutError):
+            while self.snap.round < min_round:
+                await asyncio.wait_for(self.published.wait(), wait_s)
+        return self.snap
+
+    def check_known(self, node_id): pass
+
+    def admit(self, peer, kind):
+        return contextlib.nullcontext()
+
+    def info(self):
+        return NodeInfo("p", 1, "", codecs=("q8", "fp16", "fp32"))
+
+    def on_handshake(self, remote):
+        return []
+
+    async def compute(self, req):
+        self.computed.append(req.groups)
+        return ComputeReply(loss=1.0, samples=1)
+
+
+@contextlib.asynccontextmanager
+async def _pair(board: Board, server_codecs=("q8", "fp16", "fp32"), client_codecs=("q8", "fp32"), delta=True,
+                history=3):
+    server, port = await serve(board, _Traffic(), "127.0.0.1:0", tls=None,
+                               codecs=CodecPolicy(tuple(server_codecs), delta, history))
+    client = PeerClient("me", _Traffic(), chunk_bytes=1 << 16, max_model_bytes=1 << 26, max_gossip_bytes=1 << 20,
+                        timeout_s=10, tls=None, sessions=False, codecs=CodecPolicy(tuple(client_codecs), delta))
+    try:
+        yield client, f"127.0.0.1:{port}", server
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+def _err(groups, board):
+    return float((groups["params"]["w"] - board.snap.params["w"]).abs().max())
+
+
+async def _raw_pull(addr: str, request: pb.SnapshotRequest) -> tuple[pb.SnapshotHeader, bytes]:
+    async with grpc.aio.insecure_channel(addr) as ch:
+        frames = [pb.SnapshotChunk.FromString(m) async for m in ch.unary_stream(
+            "/coterie.v1.Peer/GetSnapshot", request_serializer=pb.SnapshotRequest.SerializeToString,
+            response_deserializer=None)(request, timeout=10)]
+    return frames[0].header, b"".join(f.data for f in frames[1:])
+
+
+def test_the_first_shared_codec_is_used_and_deltas_follow_the_version_held():
+    async def go():
+        board = Board()
+        async with _pair(board) as (client, addr, _):
+            h, g = await client.get_snapshot(addr, "me", peer="p")
+            whole_bytes = client.traffic.received
+            assert h.version == 1 and 0 < _err(g, board) <= float(board.w.abs().max()) / 254 * 1.01
+            assert g["params"]["n"].tolist() == [1] and g["params"]["w"].dtype == torch.float32
+            assert whole_bytes < len(board.snap.encoded) / 3.5  # q8: < 1/3.5 of the fp32 bytes
+            errors = []
+            for v in range(2, 8):
+                board.publish(v)
+                before = client.traffic.received
+                h, g = await client.get_snapshot(addr, "me", have_version=h.version, peer="p")
+                assert h.version == v and g["params"]["n"].tolist() == [v]
+                assert client.traffic.received - before < len(board.snap.encoded) / 3.5
+                errors.append(_err(g, board))
+            # each delta quantises the move (~0.04 at most), not the model (~4): far smaller errors
+            assert max(errors) < _err(C.decode(C.encode(board.snap.groups, "q8"))[0], board) / 10
+            held = client.held.get("p")
+            assert held is not None and held.version == 7
+            # the identity digest (what references name) is the snapshot's own, whatever the codec
+            assert h.digest == board.snap.digest
+    asyncio.run(go())
+
+
+def test_a_subscription_pushes_deltas_against_the_snapshot_it_pushed_before():
+    async def go():
+        board = Board()
+        async with _pair(board) as (client, addr, server):
+            stream = client.watch_snapshots(addr, "me", peer="p")
+            errors = []
+            async with contextlib.aclosing(stream):
+                async for h, g in stream:
+                    errors.append(_err(g, board))
+                    assert g["params"]["n"].tolist() == [h.version]
+                    if h.version == 6:
+                        break
+                    board.publish(h.version + 1)
+            whole = errors[0]
+            assert max(errors[1:]) < whole / 10  # deltas: the move quantised, not the model
+    asyncio.run(go())
+
+
+def test_a_request_naming_no_codec_gets_todays_bytes_and_header():
+    async def go():
+        board = Board()
+        async with _pair(board) as (client, addr, _):
+            header, data = await _raw_pull(addr, pb.SnapshotRequest(requester="me"))  # an older peer
+            assert header.codec == "" and header.payload_sha256 == "" and not header.base_version
+            assert data == bytes(board.snap.encoded) and sha256(data) == header.sha256
+            # a client preferring codecs the server lacks: fp32, decoded exactly
+    asyncio.run(go())
+    async def go2():
+        board = Board()
+        async with _pair(board, server_codecs=("fp32",), client_codecs=("q8", "fp16", "fp32")) as (client, addr, _):
+            _, g = await client.get_snapshot(addr, "me", peer="p")
+            assert torch.equal(g["params"]["w"], board.snap.params["w"])
+        async with _pair(board, server_codecs=("q8", "fp16"), client_codecs=("fp16", "q8")) as (client, addr, _):
+            header, data = await _raw_pull(addr, pb.SnapshotRequest(requester="me", codecs=["fp16", "q8"]))
+            assert header.codec == "fp16" and header.payload_sha256 == sha256(data) != header.sha256
+    asyncio.run(go2())
+
+
+def test_a_forgotten_base_gets_a_whole_snapshot():
+    async def go():
+        board = Board()
+        async with _pair(board, history=1) as (client, addr, _):
+            h1, _ = await client.get_snapshot(addr, "me", peer="p")
+            held1 = client.held.get("p")
+            board.publish(2)
+            await _raw_pull(addr, pb.SnapshotRequest(requester="x", codecs=["q8"]))  # someone else: whole v2
+            board.publish(3)
+            await _raw_pull(addr, pb.SnapshotRequest(requester="x", codecs=["q8"]))  # whole v3: v1 forgotten
+            header, _ = await _raw_pull(addr, pb.SnapshotRequest(
+                requester="me", codecs=["q8"], delta=True, have_version=1, have_sha256=held1.digest))
+            assert header.codec == "q8" and not header.base_version  # whole, not a delta
+            h, g = await client.get_snapshot(addr, "me", have_version=h1.version, peer="p")
+            assert h.version == 3 and _err(g, board) <= float(board.w.abs().max()) / 254 * 1.01
+    asyncio.run(go())
+
+
+def _forge(monkeypatch, make):
+    """The server sends ``make(real_payload, snap)`` instead of its real payload (a hostile peer
+    with a patched server: real bytes over a real stream, its digest matching them)."""
+    real = served_versions.ServedVersions.payload
+
+    async def hostile(self, snap, wanted, **kw):
+        p = await real(self, snap, wanted, **kw)
+        data, fields = make(p, snap)
+        return dataclasses.replace(p, data=data, digest=sha256(data), **fields)
+    monkeypatch.setattr(served_versions.ServedVersions, "payload", hostile)
+
+
+def _edit_q8(edit):
+    def make(p, snap):
+        groups, meta = raw_codec.decode(p.data, copy=True)
+        edit(groups, meta)
+        return raw_codec.encode(groups, meta), {}
+    return make
+
+
+@pytest.mark.parametrize("make,problem", [
+    (_edit_q8(lambda g, m: g["params#scales"]["w"].__setitem__(0, float("nan"))), "block scale is NaN"),
+    (_edit_q8(lambda g, m: g["params#scales"]["w"].__setitem__(0, -2.0)), "block scale is negative"),
+    (_edit_q8(lambda g, m: g["params"].__setitem__("w", g["params"]["w"][:N - 100])), "truncated blocks"),
+    (lambda p, s: (bytes(p.data)[:-7], {}), "truncated"),
+    (_edit_q8(lambda g, m: m["codec"].__setitem__("name", "q3")), "unknown codec 'q3'"),
+    (lambda p, s: (p.data, {"codec": "q3"}), "unknown codec 'q3'"),
+    (lambda p, s: (p.data, {"codec": "fp16"}), "payload in codec 'fp16', which this node did not ask for"),
+    (lambda p, s: (bytes(s.encoded), {}), "header says codec 'q8', payload is 'fp32'"),
+    (_edit_q8(lambda g, m: m.__setitem__("version", 99)), "header says v1, payload is v99"),
+    # a delta against a version the requester never had, or against one it has with another digest
+    (lambda p, s: (C.encode(s.groups, "q8", base=s.groups, base_ref={"version": 7, "sha256": "f" * 64}),
+                   {"base": (7, "f" * 64)}), "a delta against v7 \\(ffffffffffff\\), but this node holds no version"),
+])
+def test_a_hostile_servers_payloads_are_refused_naming_the_problem(monkeypatch, make, problem):
+    async def go():
+        board = Board()
+        async with _pair(board) as (client, addr, _):
+            _forge(monkeypatch, make)
+            with pytest.raises(WireError, match=problem):
+                await client.get_snapshot(addr, "me", peer="p")
+            assert client.held.get("p") is None  # nothing held from a refused payload
+    asyncio.run(go())
+
+
+def test_a_delta_against_the_wrong_base_digest_is_refused(monkeypatch):
+    async def go():
+        board = Board()
+        async with _pair(board) as (client, addr, _):
+            await client.get_snapshot(addr, "me", peer="p")
+            held = client.held.get("p")
+            board.publish(2)
+
+            def wrong_base(p, snap):
+                assert p.base == (1, held.digest)  # an honest server would send a delta against it
+                return p.data, {"base": (1, "0" * 64)}
+            _forge(monkeypatch, wrong_base)
+            with pytest.raises(WireError, match=f"a delta against v1 \\(000000000000\\), but this node holds "
+                                                 f"v1 \\({held.digest[:12]}\\)"):
+                await client.get_snapshot(addr, "me", have_version=1, peer="p")
+    asyncio.run(go())
+
+
+def test_models_sent_for_compute_use_the_codec_the_peer_advertised_and_bad_ones_are_refused():
+    async def go():
+        board = Board()
+        model = {"params": {"w": torch.randn(N)}}
+        req = ComputeRequest(CROSS_LOSS, "me", groups=model, purpose="fedfomo-loss")
+        async with _pair(board, server_codecs=("q8", "fp32")) as (client, addr, _):
+            await client.compute(addr, req)  # no handshake yet: the peer's codecs unknown -> fp32
+            assert torch.equal(board.computed[-1]["params"]["w"], model["params"]["w"])
+            sent0 = client.traffic.sent
+            await client.handshake(addr, NodeInfo("me", 1, ""), timeout=5)  # advertises q8
+            await client.compute(addr, dataclasses.replace(req))
+            assert client.traffic.sent - sent0 < 4 * N / 3.5
+            got = board.computed[-1]["params"]["w"]
+            assert 0 < float((got - model["params"]["w"]).abs().max()) <= float(model["params"]["w"].abs().max()) / 127
+
+            async def raw_compute(codec: str, data: bytes):
+                header = pb.ComputeHeader(requester="me", total_bytes=len(data), sha256=sha256(data),
+                                          purpose="fedfomo-loss", codec=codec)
+                frames = [pb.ComputeFrame(header=header), pb.ComputeFrame(data=data)]
+                async with grpc.aio.insecure_channel(addr) as ch:
+                    return await pb_stub(ch).CrossLoss(iter(frames), timeout=10)
+
+            q8 = C.encode(model, "q8")
+            bad_scale = _edit_q8(lambda g, m: g["params#scales"]["w"].__setitem__(3, float("inf")))(
+                Payload(q8, "", "q8"), None)[0]
+            for codec, data, problem in [
+                ("q8", bad_scale, "block scale is NaN or infinite"),
+                ("fp16", C.encode(model, "fp16"), "codec 'fp16' is not one this node advertised"),
+                ("q5", q8, "unknown codec 'q5'"),
+                ("", q8, "header says codec 'fp32', the payload another"),
+                ("q8", C.encode(model, "q8", base=model, base_ref={"version": 1, "sha256": "a"}),
+                 "a delta, but no base"),
+            ]:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await raw_compute(codec, data)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and problem in err.value.details()
+            n = len(board.computed)
+            await client.compute(addr, dataclasses.replace(req))  # the server kept serving
+            assert len(board.computed) == n + 1
+    asyncio.run(go())
+
+
+def pb_stub(ch):
+    from coterie.proto.v1 import peer_pb2_grpc as rpc
+    return rpc.PeerStub(ch)
+
+
+def test_unknown_codecs_in_config_are_refused():
+    from pydantic import ValidationError
+
+    from coterie.node.config import NodeConfig
+    with pytest.raises(Exception, match="unknown codec"):
+        NodeConfig(snapshots={"codecs": ["q8", "zstd"]})
+    assert NodeConfig(snapshots={"codecs": ["q8", "fp32"], "delta": True}).snapshots.delta
+    with pytest.raises(ValidationError):
+        NodeConfig(snapshots={"codecs": []})
+
+
+def test_a_real_daemon_advertises_its_codecs_and_serves_q8_deltas_over_mtls(tmp_path):
+    """A daemon started with ``snapshots.codecs = [q8, fp32]`` and deltas, over mTLS: its handshake
+    advertises them; a peer asking for q8 gets ~1/4 of the bytes an fp32 peer gets, then deltas;
+    a peer naming no codec (fp32) gets the exact model."""
+    from nodeproc import CertifiedPeer, NodeProc, tiny_learner, wait_for
+
+    node = NodeProc(tmp_path, "n0", {"strategy": "local", "round_interval_s": 0.2, "learner": tiny_learner(1, 0),
+                                     "snapshots": {"codecs": ["q8", "fp32"], "delta": True}}).start()
+    try:
+        async def go():
+            q8, plain = CertifiedPeer(tmp_path, node, "q8peer"), CertifiedPeer(tmp_path, node, "plain")
+            q8.client.codecs = CodecPolicy(("q8", "fp32"), delta=True)
+            for p in (q8, plain):
+                p.client.traffic = _Traffic()
+            try:
+                await q8.join()
+                await plain.join()
+                assert q8.client._peer_codecs[node.address] == ("q8", "fp32")
+                h, exact = await plain.client.get_snapshot(node.address, "plain", peer="n0")
+                hq, g = await q8.client.get_snapshot(node.address, "q8peer", peer="n0")
+                assert q8.client.traffic.received < plain.client.traffic.received / 3.5
+                if hq.version == h.version:
+                    for k, t in exact["params"].items():
+                        assert float((g["params"][k] - t).abs().max()) <= float(t.abs().max()) / 254 * 1.01 + 1e-12
+                v = hq.version
+                wait_for(lambda: node.status()["model_version"] > v, 60, "a newer version")
+                before = q8.client.traffic.received
+                h2, g2 = await q8.client.get_snapshot(node.address, "q8peer", have_version=v, peer="n0")
+                assert h2.version > v and q8.client.held.get("n0").version == h2.version
+                assert q8.client.traffic.received - before < plain.client.traffic.received / 3.5
+            finally:
+                await q8.close()
+                await plain.close()
+        asyncio.run(go())
+    finally:
+        node.stop()
