@@ -133,8 +133,9 @@ def markdown(runs: list[dict[str, Any]], config: dict[str, Any]) -> str:
              "in-cluster share after pruning | final acc % | share of oracle's gain over local | blocks |",
              "|---|---|---|---|---|---|---|---|"]
     for name, rs in by.items():
+        # the ratio means nothing where the oracle itself has not gained (≥ 1 point) yet
         gains = [(r["final_acc"] - loc[r["seed"]]) / (orc[r["seed"]] - loc[r["seed"]])
-                 for r in rs if r["seed"] in loc and r["seed"] in orc and orc[r["seed"]] != loc[r["seed"]]]
+                 for r in rs if r["seed"] in loc and r["seed"] in orc and orc[r["seed"]] - loc[r["seed"]] >= 0.01]
         t0r = sorted({x for r in rs for x in r["t0_round"]})
         blocks = sorted({b for r in rs for b in r.get("blocks_per_node", [])})
         lines.append(f"| {name} | {','.join(map(str, t0r)) or '–'} | {cell([r['t0_share'] for r in rs])} | "
