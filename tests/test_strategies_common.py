@@ -128,3 +128,24 @@ def test_normalised_encoder_gives_averaged_cosine_logits():
     raw = C.UpdateEncoder(spec, (10, 5), seed=3)  # eq. 5 as printed: the big update dominates
     lr = C.attention_logits(raw, u, [o, big]).detach()
     assert abs(lr[2].item()) > 10 * max(abs(lr[0].item()), abs(lr[1].item()))
+
+
+def test_layer_normalised_encoder_sums_per_layer_cosines():
+    """normalise="layer" (meta-L2C / SCool-attention default): each layer's embedding φ_l (eq. 7,
+    tanh'd) at unit length, so the logit is Σ_l cos(φ_l^i, φ_l^j) ∈ [−L, L], self = L, and a
+    scaled-up update changes nothing (no hub)."""
+    spec = {"0.weight": torch.zeros(16, 8), "0.bias": torch.zeros(16), "2.weight": torch.zeros(4, 16),
+            "2.bias": torch.zeros(4)}
+    g = torch.Generator().manual_seed(0)
+    u, o = ({k: torch.randn(t.shape, generator=g) for k, t in spec.items()} for _ in range(2))
+    enc = C.UpdateEncoder(spec, (10, 5), seed=3, normalise="layer")
+    lg = C.attention_logits(enc, u, [o, {k: 100 * v for k, v in u.items()}]).detach()
+    assert lg[0].item() == pytest.approx(2.0, abs=1e-5)
+    cos = 0.0
+    for (_, ru), (_, ro), mlp in zip(C.layer_filters(u), C.layer_filters(o), enc.mlps):
+        eu, eo = torch.tanh(mlp(ru)).reshape(-1), torch.tanh(mlp(ro)).reshape(-1)
+        cos += torch.nn.functional.cosine_similarity(eu, eo, dim=0).item()
+    assert lg[1].item() == pytest.approx(cos, abs=1e-5)
+    assert abs(lg[2].item()) <= 2.0 + 1e-5
+    with pytest.raises(ValueError, match="normalise must be"):
+        C.UpdateEncoder(spec, normalise="filters")

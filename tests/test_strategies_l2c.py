@@ -166,7 +166,43 @@ def test_meta_l2c_prunes_on_the_mean_row_not_the_last_one():
     assert s._kept == C.top_keep(means, 0.1)
 
 
-def test_meta_l2c_attention_is_cosine_by_default():
+def test_meta_l2c_attention_is_layer_cosine_by_default():
     hub = build_network(MetaL2C, num_nodes=2, num_clusters=1)
-    assert hub.nodes["n0"].strategy.encoder.normalise
+    assert hub.nodes["n0"].strategy.encoder.normalise == "layer"
+    assert build_network(MetaL2C, {"attention": "cosine"}, num_nodes=2, num_clusters=1).nodes["n0"].strategy.encoder.normalise == "filter"
     assert not build_network(MetaL2C, {"attention": "dot"}, num_nodes=2, num_clusters=1).nodes["n0"].strategy.encoder.normalise
+    with pytest.raises(ValueError, match="attention must be one of"):
+        build_network(MetaL2C, {"attention": "cosin"}, num_nodes=2, num_clusters=1)
+
+
+def _one_layer_tells(big: int = 100, seed: int = 0):
+    """Updates where only a 2-filter layer tells two tasks apart; a 100-filter layer moves the
+    same way for everyone (S1's CNN: shared features, permuted output layer)."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(big, 6, generator=g)
+    x = 10 * torch.randn(2, 6, generator=g)
+    mine = {"a.weight": shared.clone(), "b.weight": x.clone()}
+    same = {"a.weight": shared.clone(), "b.weight": x.clone()}
+    other = {"a.weight": shared.clone(), "b.weight": -x}
+    return mine, same, other
+
+
+def test_meta_l2c_attention_keeps_the_say_of_the_layer_that_tells_tasks_apart():
+    """Issue 23: before pruning the meta-L2C rows were near uniform. With the per-filter average
+    ("cosine") the gap between the logits of a same-task and an other-task peer is at most
+    2·(filters that differ)/(all filters) — here 2·2/102 — whatever the encoder learns; per layer
+    ("layer-cosine", the default) the discriminating layer keeps its whole cosine."""
+    mine, same, other = _one_layer_tells()
+    net = build_network(MetaL2C, num_nodes=2, num_clusters=1)
+    enc = net.nodes["n0"].strategy.encoder
+    layer = C.UpdateEncoder(mine, seed=0, normalise=enc.normalise)
+    filt = C.UpdateEncoder(mine, seed=0, normalise="filter")
+    with torch.no_grad():
+        gap_layer = (lambda lg: float(lg[1] - lg[2]))(C.attention_logits(layer, mine, [same, other]))
+        gap_filter = (lambda lg: float(lg[1] - lg[2]))(C.attention_logits(filt, mine, [same, other]))
+    assert gap_filter <= 2 * 2 / 102 + 1e-6
+    assert gap_layer > 0.5, gap_layer
+    # the softmax row over [self, same, other] gives the same-task peer a real share
+    with torch.no_grad():
+        w = torch.softmax(C.attention_logits(layer, mine, [same, other]), 0)
+    assert float(w[1] / w[2]) > np.exp(0.5)

@@ -10,7 +10,7 @@ import torch
 
 from coterie.node.strategies import common as C
 from coterie.node.strategies.scool import (SCoolAttention, SCoolSBM, attention_estep, attention_weights,
-                                           row_with_self, sbm_alpha_mstep, sbm_B_mstep, sbm_estep_node,
+                                           estimate_num_blocks, evidence_matrix, row_with_self, sbm_alpha_mstep, sbm_B_mstep, sbm_estep_node,
                                            sbm_node_stats, sbm_self_weight)
 from coterie.node.persistence import pack_state, unpack_state
 from strategy_harness import (assert_encoder_resumes, build_network, in_cluster_mass,
@@ -221,7 +221,7 @@ def test_exact_mstep_matches_reference():
 def test_sbm_self_term_is_the_authors_sigmoid():
     """The self weight is σ((Y_ii + Ω_iᵀ logit(B) Ω_i)/τ) with Y_ii = −loss of my published model
     on my own data (not a fixed raw 1, which kept the self share ≥ 0.5 whatever the evidence)."""
-    hub = build_network(SCoolSBM, {"prune_after": 0, "evidence_samples": None}, num_nodes=4, num_clusters=2,
+    hub = build_network(SCoolSBM, {"prune_after": 0, "evidence_samples": None, "num_blocks": 2}, num_nodes=4, num_clusters=2,
                         learner_kw={"local_steps": 20})
     asyncio.run(run_rounds(hub, 3))
     n0 = hub.nodes["n0"]
@@ -314,3 +314,68 @@ def test_attention_prunes_to_its_cluster():
     for nid, node in hub.nodes.items():
         (kept,) = node.strategy._kept
         assert hub.nodes[kept].cluster == node.cluster
+
+
+# --- the number of SBM blocks, estimated (issue 23 item 4) ---
+
+
+@pytest.mark.parametrize("n,K", [(12, 2), (12, 3), (12, 4), (15, 5)])
+def test_estimate_num_blocks_recovers_K_on_a_synthetic_similarity_matrix(n, K):
+    """ICL over K on a noisy block matrix (1 within a block, 0 across, N(0, 0.3²) noise) finds
+    the K it was drawn with, and the blocks themselves."""
+    rng = np.random.default_rng(K)
+    for trial in range(3):
+        z = rng.permutation(np.repeat(np.arange(K), n // K))
+        S = (z[:, None] == z[None, :]).astype(float) + 0.3 * rng.standard_normal((n, n))
+        k, labels = estimate_num_blocks(S, k_max=8, seed=trial)
+        assert k == K, (trial, k)
+        same_true, same_est = z[:, None] == z[None, :], labels[:, None] == labels[None, :]
+        assert (same_true == same_est).all()
+
+
+def test_evidence_matrix_standardises_rows_and_symmetrises():
+    rows = {"a": {"a": -1.0, "b": -1.2, "c": -5.0}, "b": {"a": -0.5, "b": -0.4, "c": -3.0},
+            "c": {"c": -2.0, "a": -9.0}}
+    ids, S = evidence_matrix(rows)
+    assert ids == ["a", "b", "c"]
+    assert np.allclose(S, S.T)
+    assert S[0, 1] > 0 > S[0, 2]   # a and b fit each other's data, c does not fit theirs
+
+
+def test_sbm_estimates_its_blocks_in_process_and_resumes():
+    """num_blocks = "auto" (the default): one block until the blocks_after-th E-step, then each
+    node's ICL estimate from the evidence rows gossiped with Ω, a vote, and the SBM restarts with
+    the agreed K — here the 3 true clusters of 9 nodes, where nobody told it 3."""
+    hub = build_network(SCoolSBM, {"prune_after": 0}, num_nodes=9, num_clusters=3,
+                        learner_kw={"local_steps": 20})
+    s0 = hub.nodes["n0"].strategy
+    assert s0.auto_blocks and s0.num_blocks == 1
+    asyncio.run(run_rounds(hub, 6))
+    ks = {nid: n.strategy.num_blocks for nid, n in hub.nodes.items()}
+    assert set(ks.values()) == {3}, ks
+    assert all(n.strategy.omega.shape == (3,) and n.strategy.B.shape == (3, 3) for n in hub.nodes.values())
+    mass, per_node, chance = in_cluster_mass(hub)
+    assert mass > 1.5 * chance, per_node  # two E-steps with 3 blocks so far
+    s2 = SCoolSBM("n0", s0.learner, s0.net, seed=77)
+    s2.load_state_dict(msgpack_roundtrip_state(s0.state_dict()))
+    assert s2.num_blocks == 3 and s2.public_state() == s0.public_state()
+
+
+def test_sbm_told_blocks_and_bad_num_blocks():
+    hub = build_network(SCoolSBM, {"num_blocks": 4}, num_nodes=4, num_clusters=2)
+    s = hub.nodes["n0"].strategy
+    assert not s.auto_blocks and s.num_blocks == 4 and "y" not in s._omega_payload("n1")
+    for bad in ("three", 0, True, 2.5):
+        with pytest.raises(ValueError, match="num_blocks must be a positive integer or 'auto'"):
+            build_network(SCoolSBM, {"num_blocks": bad}, num_nodes=2, num_clusters=1)
+
+
+def test_sbm_ignores_malformed_gossiped_rows_and_votes():
+    hub = build_network(SCoolSBM, num_nodes=4, num_clusters=2)
+    s = hub.nodes["n0"].strategy
+    for msg in ({"y": {"n1": float("nan")}}, {"y": [1, 2]}, {"y": {str(i): 0.0 for i in range(50)}},
+                {"k": 99}, {"k": True}, {"k": "3"}):
+        s._take_omega("n1", msg)
+    assert s._rows == {} and s._k_votes == {}
+    s._take_omega("n1", {"y": {"n0": -1.0, "n1": -0.5}, "k": 2})
+    assert s._rows == {"n1": {"n0": -1.0, "n1": -0.5}} and s._k_votes == {"n1": 2}

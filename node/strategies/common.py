@@ -207,12 +207,23 @@ class UpdateEncoder(nn.Module):
     and is scaled to unit length, and the concatenation is divided by √(#filters), so
     ⟨E(û_i), E(û_j)⟩ is the *average* over filters of their cosine similarities, in [−1, 1]. The
     raw dot product of eq. 5 grows with the number of filters and the size of the updates: on a
-    610-dim embedding one node's large update made it every node's favourite (a hub)."""
+    610-dim embedding one node's large update made it every node's favourite (a hub).
+
+    ``normalise = "layer"``: each layer's φ_l (eq. 7, tanh'd) is scaled to unit length and the
+    layers are concatenated (eq. 8), so ⟨E(û_i), E(û_j)⟩ = Σ_l cos(φ_l^i, φ_l^j) ∈ [−L, L]: still
+    bounded (no hub), but a layer that tells the tasks apart keeps its whole say. The per-filter
+    average lets every filter of every layer vote equally, and the filters of the shared feature
+    layers outnumber those that differ between tasks (S1's CNN: 10 of 122 filters are the output
+    layer's), so the logits of in- and out-of-cluster peers ended within ~0.2 of each other and the
+    softmax rows stayed near uniform before pruning (issue 23)."""
 
     def __init__(self, spec: Params, dims: tuple[int, int] = (10, 5), seed: int = 0,
-                 normalise: bool = False):
+                 normalise: bool | str = False):
         super().__init__()
-        self.normalise = bool(normalise)
+        # "filter" (True): per-filter unit norm, averaged; "layer": per-layer unit norm, summed
+        self.normalise = "filter" if normalise is True else (normalise or "")
+        if self.normalise not in ("", "filter", "layer"):
+            raise ValueError(f"UpdateEncoder: normalise must be 'filter', 'layer' or off, got {normalise!r}")
         g = torch.Generator().manual_seed(int(seed))
         self.names: list[str] = []
         self.mlps = nn.ModuleList()
@@ -236,10 +247,14 @@ class UpdateEncoder(nn.Module):
         parts = [mlp(filt[n].to(torch.float32)) for n, mlp in zip(self.names, self.mlps)]
         if not parts:
             return torch.zeros(0)
-        if self.normalise:
+        if self.normalise == "filter":
             parts = [nn.functional.normalize(torch.tanh(e), dim=1, eps=1e-12) for e in parts]
             filters = sum(e.shape[0] for e in parts)
             return torch.cat([e.reshape(-1) for e in parts]) / math.sqrt(filters)
+        if self.normalise == "layer":
+            # φ_l (eq. 7) scaled to unit length per layer: ⟨E_i, E_j⟩ = Σ_l cos(φ_l^i, φ_l^j) ∈ [−L, L]
+            return torch.cat([nn.functional.normalize(torch.tanh(e).reshape(-1), dim=0, eps=1e-12)
+                              for e in parts])
         return torch.cat([e.reshape(-1) for e in parts])
 
     def get_vector(self) -> torch.Tensor:
@@ -256,6 +271,16 @@ class UpdateEncoder(nn.Module):
 
     def num_params(self) -> int:
         return sum(q.numel() for q in self.parameters())
+
+
+ENCODER_NORM: dict[str, bool | str] = {"dot": False, "cosine": "filter", "layer-cosine": "layer"}
+"""The strategies' ``attention`` parameter → ``UpdateEncoder``'s ``normalise``."""
+
+
+def encoder_norm(attention: Any, strategy: str) -> bool | str:
+    if attention not in ENCODER_NORM:
+        raise ValueError(f"strategy {strategy!r}: attention must be one of {sorted(ENCODER_NORM)}, got {attention!r}")
+    return ENCODER_NORM[attention]
 
 
 def attention_logits(encoder: UpdateEncoder, mine: Params, others: Sequence[Params]) -> torch.Tensor:

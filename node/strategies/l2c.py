@@ -195,19 +195,23 @@ class L2C(Strategy):
 
 
 class MetaL2C(L2C):
-    """meta-L2C. Two departures from the paper's text, both from the same authors' public SCool
-    code, whose attention prior (SCool eq. 25–26) is meta-L2C's eq. 4–5: the attention is the
-    averaged per-filter cosine of unit-norm tanh embeddings (``attention = "cosine"``) instead of
-    the raw dot product of unnormalised 610-dim embeddings, where one node with large updates
-    became a hub (four S1 nodes put 0.6–0.78 on the same peer); and pruning at T0 ranks the peers
-    by their mean weight over the rounds so far (``prune_on = "mean"``), not by the last row alone,
-    which is one noisy draw (L2C's own pruning ranks α, itself an accumulation over rounds)."""
+    """meta-L2C. Two departures from the paper's text: the attention is the sum over layers of
+    the cosine of their tanh embeddings, ⟨E_i, E_j⟩ = Σ_l cos(φ_l^i, φ_l^j) (``attention =
+    "layer-cosine"``, ``UpdateEncoder`` normalise "layer"), instead of the raw dot product of
+    unnormalised 610-dim embeddings (eq. 5), where one node with large updates became a hub (four
+    S1 nodes put 0.6–0.78 on the same peer); the per-filter average of the SCool authors' code
+    (``"cosine"``) has no hub either but lets the many filters of the shared feature layers
+    outvote the few that differ between tasks, so before pruning the rows stayed near uniform
+    (in-cluster share 0.21 at T0 on S1, chance 0.18; issue 23). And pruning at T0 ranks the
+    peers by their mean weight over the rounds so far (``prune_on = "mean"``), not by the last
+    row alone, which is one noisy draw (L2C's own pruning ranks α, itself an accumulation)."""
     name = "meta-l2c"
     defaults = {
         **L2C.defaults,
         "encoder_dims": [10, 5],  # L2C §4: E_l two FC layers, output dims (10, 5), per filter (eq. 7)
         "encoder_seed": 0,        # *decentral*: common encoder init, like the models' θ⁰
-        "attention": "cosine",    # SCool *code* encoder (class doc); "dot" = eq. 5 as printed
+        "attention": "layer-cosine",  # Σ over layers of cos(φ_l^i, φ_l^j) (UpdateEncoder "layer");
+                                      # "cosine" = the SCool *code*'s per-filter average; "dot" = eq. 5/26
         "prune_on": "mean",       # rank peers at T0 by their mean row weight; "last" = the last row
     }
 
@@ -215,7 +219,7 @@ class MetaL2C(L2C):
         super().__init__(*a, **kw)
         d = self.p["encoder_dims"]
         self.encoder = C.UpdateEncoder(self.theta0, (int(d[0]), int(d[1])), int(self.p["encoder_seed"]),
-                                       normalise=self.p["attention"] == "cosine")
+                                       normalise=C.encoder_norm(self.p["attention"], self.name))
         self._row_sum: dict[str, float] = {}  # Σ over rounds of each peer's row weight
         self._row_cnt: dict[str, int] = {}    # rounds in which it was in the row
         self.opt = torch.optim.Adam(self.encoder.parameters(), lr=float(self.p["lr"]),

@@ -26,6 +26,11 @@ Iteration t at node i:
     ``exact_steps`` steps with my optimizer (each step one cross-gradient request per peer).
   Pruning (App. C.1): after ``prune_after`` E-steps keep the top ``keep_fraction`` peers by w; the
     rest are no longer contacted.
+Number of blocks: ``num_blocks = "auto"`` (default) starts with one block; at E-step
+``blocks_after`` each node picks K by ICL (``estimate_num_blocks``: a Gaussian SBM on the
+standardised evidence rows Y_j· that the nodes gossip with Ω, K = 1..``max_blocks``), at the next
+E-step all adopt the most common estimate among their own and their peers', and the SBM restarts
+with K blocks. An integer tells it K (the code's 2; the scenarios' true cluster counts).
 SBM prior M-step: by default fixed, as in the code (B = [[.8,.2],[.2,.8]], α = 1). With
 ``learn_B`` / ``learn_alpha`` the paper's M-steps run: B = Σ_ij w_ij Ω_i Ω_jᵀ / Σ_ij Ω_i Ω_jᵀ
 (eq. 24 / 52) and a gradient-ascent step on α (eq. 23 / 50). Both are sums over the whole graph;
@@ -121,6 +126,70 @@ def sbm_alpha_mstep(alpha: np.ndarray, s_sum: np.ndarray, K: int, lr: float, flo
     paper prints KΣ_gψ(α_g), but the derivative of the Dirichlet normaliser is Kψ(α_g))."""
     grad = s_sum - K * digamma(alpha) + K * digamma(alpha.sum())
     return np.maximum(alpha + lr * grad, floor)
+
+
+# --- the number of SBM blocks by model selection (ICL over K) ---
+
+
+def sbm_icl(S: np.ndarray, labels: np.ndarray) -> float:
+    """ICL of a Gaussian SBM on the off-diagonal entries of a symmetric similarity matrix S:
+    S_ij ~ N(μ_{z_i z_j}, σ²) (one mean per pair of blocks, a shared variance), with the hard
+    assignment ``labels`` (Daudin, Picard & Robin 2008, "A mixture model for random graphs"):
+    max log L − ½·K(K+1)/2·log(#pairs) − ½·(K−1)·log n. Higher is better."""
+    n = len(S)
+    iu = np.triu_indices(n, 1)
+    vals = S[iu]
+    zi, zj = labels[iu[0]], labels[iu[1]]
+    lo, hi = np.minimum(zi, zj), np.maximum(zi, zj)
+    fit = np.zeros_like(vals)
+    blocks = np.unique(labels)
+    for a in blocks:
+        for b in blocks[blocks >= a]:
+            m = (lo == a) & (hi == b)
+            if m.any():
+                fit[m] = vals[m].mean()
+    pairs = len(vals)
+    # a floor on σ² (relative to the spread of S): a perfect fit must not buy infinite likelihood
+    var = max(float(np.mean((vals - fit) ** 2)), 1e-4 * float(np.var(vals)) + 1e-12)
+    loglik = -0.5 * pairs * (np.log(2 * np.pi * var) + 1.0)
+    K = len(blocks)
+    return float(loglik - 0.25 * K * (K + 1) * np.log(pairs) - 0.5 * (K - 1) * np.log(n))
+
+
+def estimate_num_blocks(S: np.ndarray, k_max: int, seed: int = 0) -> tuple[int, np.ndarray]:
+    """The number of SBM blocks that maximises the ICL (``sbm_icl``) over K = 1..k_max (at most
+    n/2: blocks of one node would fit noise), each K's assignment from k-means on the rows of S
+    (scikit-learn). Returns (K, labels)."""
+    from sklearn.cluster import KMeans
+
+    S = np.asarray(S, dtype=np.float64)
+    S = (S + S.T) / 2
+    n = len(S)
+    best_k, best_labels, best = 1, np.zeros(n, dtype=int), sbm_icl(S, np.zeros(n, dtype=int))
+    for k in range(2, max(1, min(int(k_max), n // 2)) + 1):
+        labels = KMeans(n_clusters=k, n_init=10, random_state=seed).fit_predict(S)
+        score = sbm_icl(S, labels)
+        if score > best:
+            best_k, best_labels, best = len(np.unique(labels)), labels, score
+    return best_k, best_labels
+
+
+def evidence_matrix(rows: dict[str, dict[str, float]]) -> tuple[list[str], np.ndarray]:
+    """The similarity matrix of the nodes whose evidence rows I hold (mine and the peers'
+    gossiped ones): row i is node i's Y_i· (log-likelihood of each node's data under i's model,
+    Y_ii included) standardised over the row, so nodes whose models fit everyone worse or better
+    compare; an entry i does not have is the row mean (0); symmetrised."""
+    ids = sorted(rows)
+    n = len(ids)
+    Z = np.zeros((n, n))
+    for a, i in enumerate(ids):
+        r = rows[i]
+        v = np.array([r[j] for j in ids if j in r], dtype=np.float64)
+        mu, sd = (v.mean(), v.std()) if v.size else (0.0, 1.0)
+        for b, j in enumerate(ids):
+            if j in r:
+                Z[a, b] = (r[j] - mu) / (sd if sd > 1e-12 else 1.0)
+    return ids, (Z + Z.T) / 2
 
 
 # --- attention E-step (eq. 29) ---
@@ -302,7 +371,11 @@ class SCoolSBM(_SCoolBase):
         **_SCoolBase.defaults,
         "tau": 2.0,               # App. C.1 temperature (*code* range 1–2): 2 resists Ω locking in on
                                   # the uninformative evidence of the first rounds (all models ≈ θ⁰)
-        "num_blocks": 2,          # *code*: 2 SBM blocks
+        "num_blocks": "auto",     # "auto": K chosen by ICL (``estimate_num_blocks``) on the gossiped
+                                  # evidence rows; an int = told (*code*: 2 blocks)
+        "max_blocks": 8,          # "auto": K ≤ this (and ≤ n/2)
+        "blocks_after": 2,        # "auto": estimate K at this E-step (the models have trained twice;
+                                  # the first evidence, all models ≈ θ⁰, says nothing), one block before
         "B_in": 0.8,              # *code*: B fixed at [[.8,.2],[.2,.8]]
         "B_out": 0.2,             # (M-step eq. 24 not applied)
         "dirichlet_alpha": 1.0,   # α of π_i ~ Dir(α) (§4.2) at the start
@@ -314,11 +387,23 @@ class SCoolSBM(_SCoolBase):
 
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
-        g = int(self.p["num_blocks"])
+        nb = self.p["num_blocks"]
+        if not (nb == "auto" or (isinstance(nb, int) and not isinstance(nb, bool) and nb >= 1)):
+            raise ValueError(f"strategy 'scool-sbm': num_blocks must be a positive integer or 'auto', got {nb!r}")
+        self.auto_blocks = nb == "auto"
+        self._rows: dict[str, dict[str, float]] = {}  # "auto": peers' gossiped evidence rows Y_j·
+        self._k_hat: int | None = None                # "auto": my ICL estimate, once made
+        self._k_votes: dict[str, int] = {}            # "auto": the peers' estimates
+        self._set_blocks(1 if self.auto_blocks else int(nb))
+
+    def _set_blocks(self, g: int) -> None:
+        """(Re)start the SBM with g blocks: B = B_in on the diagonal, B_out off it, α uniform, Ω
+        random (the draw breaks the blocks' symmetry), the graph-sum trackers at zero."""
+        self.num_blocks = int(g)
         self.B = np.full((g, g), float(self.p["B_out"]))
         np.fill_diagonal(self.B, float(self.p["B_in"]))
         self.alpha = np.full(g, float(self.p["dirichlet_alpha"]))
-        self.omega = self.rng.dirichlet(np.ones(g))  # random init breaks the blocks' symmetry
+        self.omega = self.rng.dirichlet(np.ones(g))
         self.gamma = self.omega + self.alpha
         self._omegas: dict[str, np.ndarray] = {}
         self._w_in: dict[str, float] = {}
@@ -326,12 +411,45 @@ class SCoolSBM(_SCoolBase):
         self._est = {k: v.copy() for k, v in zero.items()}    # my estimate of the network mean
         self._mine = {k: v.copy() for k, v in zero.items()}   # my own current terms
 
+    # --- "auto": the number of blocks by ICL on the evidence rows, agreed by a vote ---
+    def _my_row(self) -> dict[str, float]:
+        return {p: float(v) for p, v in self._Y.items()}
+
+    def _take_row(self, peer: str, msg: dict[str, Any]) -> None:
+        row, k = msg.get("y"), msg.get("k")
+        limit = len(self.net.known_peers()) + 1
+        if isinstance(row, dict) and 0 < len(row) <= limit and all(
+                isinstance(a, str) and isinstance(v, (int, float)) and np.isfinite(v) for a, v in row.items()):
+            self._rows[peer] = {a: float(v) for a, v in row.items()}
+        if isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= int(self.p["max_blocks"]):
+            self._k_votes[peer] = k
+
+    def _choose_blocks(self) -> None:
+        """At E-step ``blocks_after``: my K̂ by ICL over the rows I hold (mine and the peers'); at
+        the next E-step every node adopts the most common K̂ among its own and the peers' (ties:
+        the smaller), so all nodes share Ω's dimension, and restarts the SBM with it."""
+        if self._t + 1 == int(self.p["blocks_after"]) and self._k_hat is None:
+            rows = {**self._rows, self.node_id: self._my_row()}
+            if len(rows) >= 2:
+                _, S = evidence_matrix(rows)
+                self._k_hat, _ = estimate_num_blocks(S, int(self.p["max_blocks"]), seed=0)
+        elif self._k_hat is not None and self._t + 1 == int(self.p["blocks_after"]) + 1:
+            votes = [self._k_hat] + [k for p, k in self._k_votes.items() if p != self.node_id]
+            counts = {k: votes.count(k) for k in set(votes)}
+            k = min(counts, key=lambda c: (-counts[c], c))
+            if k != self.num_blocks:
+                self._set_blocks(k)
+
     @property
     def learns_prior(self) -> bool:
         return bool(self.p["learn_B"]) or bool(self.p["learn_alpha"])
 
     def _omega_payload(self, peer: str, mix: float = 0.0) -> dict[str, Any]:
         msg: dict[str, Any] = {"omega": C.vec_to_wire(self.omega), "w": float(self._raw.get(peer, -1.0))}
+        if self.auto_blocks:
+            msg["y"] = self._my_row()
+            if self._k_hat is not None:
+                msg["k"] = int(self._k_hat)
         if self.learns_prior:
             msg["stats"] = {k: C.vec_to_wire(v) for k, v in self._est.items()}
             msg["mix"] = mix
@@ -364,6 +482,8 @@ class SCoolSBM(_SCoolBase):
     def _take_omega(self, peer: str, msg: dict[str, Any] | None) -> None:
         if not msg:
             return
+        if self.auto_blocks and isinstance(msg, dict):
+            self._take_row(peer, msg)
         om = C.vec_from_wire(msg.get("omega"))
         if om is not None and om.shape == self.omega.shape and np.all(om >= 0) and om.sum() > 0:
             self._omegas[peer] = om / om.sum()
@@ -396,6 +516,8 @@ class SCoolSBM(_SCoolBase):
 
     async def _estep(self, rnd: int, theta_half: Params, snaps: dict) -> None:
         peers = sorted(set(self._Y) & set(self.candidates() if self._kept is None else self._kept))
+        if self.auto_blocks:
+            self._choose_blocks()
         eps = 1.0 / (len(peers) + 1)
         sent = {k: v.copy() for k, v in self._est.items()}
         replies = await gather_bounded({p: self.net.gossip(p, "omega", self._omega_payload(p, eps)) for p in peers})
@@ -422,20 +544,30 @@ class SCoolSBM(_SCoolBase):
         self._row = row_with_self(keep, self.node_id, w_self)
 
     def public_state(self) -> dict[str, Any]:
-        return {"omega": self.omega.tolist(), "gamma": self.gamma.tolist(), "B": self.B.tolist(),
+        return {"num_blocks": self.num_blocks, "k_hat": self._k_hat,
+                "omega": self.omega.tolist(), "gamma": self.gamma.tolist(), "B": self.B.tolist(),
                 "alpha": self.alpha.tolist(), "evidence": dict(self._Y), "w_raw": dict(self._raw), "kept": self._kept,
                 "peer_omega": {k: v.tolist() for k, v in self._omegas.items()}, "rounds": self._t}
 
     def state_dict(self) -> dict[str, Any]:
         return {**self._base_state(), "omega": self.omega.tolist(), "gamma": self.gamma.tolist(),
                 "omegas": {k: v.tolist() for k, v in self._omegas.items()}, "w_in": dict(self._w_in),
-                "B": self.B.tolist(), "alpha": self.alpha.tolist(),
+                "B": self.B.tolist(), "alpha": self.alpha.tolist(), "num_blocks": self.num_blocks,
+                "k_hat": self._k_hat, "k_votes": dict(self._k_votes), "rows": {k: dict(v) for k, v in self._rows.items()},
                 "est": {k: v.tolist() for k, v in self._est.items()},
                 "mine": {k: v.tolist() for k, v in self._mine.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        g = state.get("num_blocks")  # before the rng is restored: _set_blocks draws Ω from it
+        if self.auto_blocks and isinstance(g, int) and 1 <= g <= int(self.p["max_blocks"]) and g != self.num_blocks:
+            self._set_blocks(g)
         self._load_base(state)
-        if "omega" in state:
+        if self.auto_blocks:
+            k = state.get("k_hat")
+            self._k_hat = int(k) if isinstance(k, int) else None
+            self._k_votes = {str(p): int(v) for p, v in (state.get("k_votes") or {}).items()}
+            self._rows = {str(p): {str(a): float(v) for a, v in r.items()} for p, r in (state.get("rows") or {}).items()}
+        if "omega" in state and np.shape(state["omega"]) == self.omega.shape:
             self.omega = np.asarray(state["omega"], dtype=np.float64)
             self.gamma = np.asarray(state["gamma"], dtype=np.float64)
         self._omegas = {str(k): np.asarray(v, dtype=np.float64) for k, v in state.get("omegas", {}).items()}
@@ -455,8 +587,11 @@ class SCoolAttention(_SCoolBase):
     repository itself could not be retrieved here): the encoder is trained towards the
     likelihood-only target softmax(Y_i/τ) over self and peers (eq. 31 with w replaced by the
     likelihood part of eq. 29), the row is the eq. 29 softmax over self *and* peers, τ = 9 in the
-    clustered setting, the unit-norm tanh encoder with averaged logits (``UpdateEncoder``
-    ``normalise``), AdamW lr 0.2, the top 20% of peers kept after round 10."""
+    clustered setting, AdamW lr 0.2, the top 20% of peers kept after round 10. The encoder's
+    logits are Σ over layers of the cosine of their tanh embeddings (``attention =
+    "layer-cosine"``; see ``MetaL2C``): with the code's per-filter average (``"cosine"``) two
+    peers' logits differ by at most 2·(filters that differ)/(all filters), so the rows were near
+    uniform until pruning (issue 23)."""
     name = "scool-attention"
     defaults = {
         **_SCoolBase.defaults,
@@ -466,7 +601,8 @@ class SCoolAttention(_SCoolBase):
         "encoder_lr": 0.2,        # *code*: AdamW lr 0.2 (App. C.1 text: Adam lr 0.1)
         "encoder_wd": 0.01,       # App. C.1: weight decay 0.01 (decoupled, AdamW, in the code)
         "encoder_seed": 0,        # *decentral*: common encoder init, like the models' θ⁰
-        "attention": "cosine",    # *code*: unit-norm tanh embeddings, averaged logits; "dot" = eq. 26 as printed
+        "attention": "layer-cosine",  # Σ over layers of cos(φ_l^i, φ_l^j) (UpdateEncoder "layer");
+                                      # "cosine" = the SCool *code*'s per-filter average; "dot" = eq. 5/26
         "encoder_target": "likelihood",  # *code*: softmax(Y/τ); "posterior" = eq. 31's w_i (eq. 29)
     }
 
@@ -475,7 +611,7 @@ class SCoolAttention(_SCoolBase):
         self.theta0 = self.learner.get_params()
         d = self.p["encoder_dims"]
         self.encoder = C.UpdateEncoder(self.theta0, (int(d[0]), int(d[1])), int(self.p["encoder_seed"]),
-                                       normalise=self.p["attention"] == "cosine")
+                                       normalise=C.encoder_norm(self.p["attention"], self.name))
         self.opt = torch.optim.AdamW(self.encoder.parameters(), lr=float(self.p["encoder_lr"]),
                                      weight_decay=float(self.p["encoder_wd"]))
         self._update: Params | None = None
