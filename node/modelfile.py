@@ -12,9 +12,14 @@ The card: ``format``, ``architecture`` (learner.model) and ``model_params``, ``i
 round), ``eval`` (what the node reported for that round, e.g. test_acc), ``fingerprint``,
 ``exported_at`` (unix time) and ``checkpoint`` (the file it was read from).
 
-The model is the node's own (``learner`` parameters of the last checkpoint). A strategy that
-predicts with a mixture of models (FedeRiCo's test_acc) reports its own model's accuracy as
-``own_test_acc``: that is the number this file reproduces.
+The model is what the node predicts with at its last checkpoint: its own (``learner``
+parameters), or, for a strategy that predicts with a mixture Σ_k w_k p(y|x; θ_k) of its own and
+peers' models (FedeRiCo), every member: the node checkpoints the members its evaluation scored
+(``Strategy.prediction_members``, ``Checkpoint.mixture``), the file names member k's parameters
+``member{k}.<name>`` and the card lists ``mixture: [{node_id, weight}]``. ``load_model`` then
+gives a ``MixtureModel`` whose output is log Σ_k w_k softmax(f_k(x)) (regression: Σ_k w_k f_k(x)),
+so it reproduces the reported ``test_acc``/``test_loss``; ``own=True`` (``--own``) exports the own
+model alone, which reproduces ``own_test_acc``. ONNX export of a mixture exports that module.
 """
 from __future__ import annotations
 
