@@ -171,9 +171,10 @@ def main() -> int:
              f"networks pull asynchronously: a rerun of the same seed differs by a few points. "
              f"`exported`: the same nodes' models as `coterie model export` writes them from the state "
              f"dir (node/modelfile.py), their accuracy on each node's test split of its file (mean ± std "
-             f"over seeds): the node's own model. It equals the reported accuracy where the strategy "
-             f"predicts with its own model; FedeRiCo reports its mixture prediction Σ_j w_ij p(y|x; θ_j) "
-             f"(§2.1), which needs the peers' models and is not what the export holds.", "",
+             f"over seeds): what the node predicts with — its own model, or for FedeRiCo the mixture "
+             f"Σ_j w_ij p(y|x; θ_j) of its own and peers' models (§2.1) it reports, every member in the "
+             f"file. It should equal the reported accuracy (`coterie model export --own` gives "
+             f"FedeRiCo's own model alone).", "",
              f"| strategy | mean ± std | − {strategies[0]} | exported | group A | group B | own group | last |",
              "|---|---|---|---|---|---|---|---|"]
     for s, v in table.items():

@@ -472,20 +472,26 @@ def model_export(
     state_dir: Path = typer.Option(..., "--state-dir", help="the node's state dir (it may be running)"),
     out: Path = typer.Option(..., "--out", "-o", help="model file to write; its card goes to OUT.json"),
     fmt: str = typer.Option("safetensors", "--format", help="safetensors, or onnx (pip install 'coterie\\[onnx]')"),
+    own: bool = typer.Option(False, "--own", help="the node's own model only, where it predicts with a "
+                             "mixture of its own and peers' models (FedeRiCo)"),
 ) -> None:
-    """Write the node's personalised model of its last checkpoint, and its model card (OUT.json)."""
+    """Write the node's personalised model of its last checkpoint (the mixture of models it
+    predicts with, if it uses one), and its model card (OUT.json)."""
     from coterie.node.persistence import StateError
     if fmt not in ("safetensors", "onnx"):
         raise _fail(f"--format must be safetensors or onnx, got {fmt!r}", EXIT_CONFIG)
     from coterie.node.modelfile import sidecar_path, write_export
     try:
-        card = write_export(state_dir, out, fmt)
+        card = write_export(state_dir, out, fmt, own=own)
     except StateError as e:
         raise _fail(str(e))
     except (ValueError, OSError) as e:
         raise _fail(str(e), EXIT_CONFIG if isinstance(e, ValueError) else 1)
-    acc = (card.get("eval") or {}).get("own_test_acc", (card.get("eval") or {}).get("test_acc"))
-    typer.echo(f"{out}: {card['architecture']} of node {card['node_id']} at round {card['round']}"
+    ev = card.get("eval") or {}
+    acc = ev.get("test_acc") if card.get("mixture") else ev.get("own_test_acc", ev.get("test_acc"))
+    what = (f"mixture of {len(card['mixture'])} {card['architecture']} models" if card.get("mixture")
+            else card["architecture"])
+    typer.echo(f"{out}: {what} of node {card['node_id']} at round {card['round']}"
                + (f" (test accuracy {acc:.4f})" if isinstance(acc, (int, float)) else "")
                + f"; card: {sidecar_path(out)}")
 

@@ -281,7 +281,8 @@ class Node(NodeViews):
         learner_state = await asyncio.to_thread(self.learner.export_state, reuse)
         return make_snapshot(round=self.round, version=self.version, node_id=self.node_id,
                              learner_state=learner_state, strategy_state=strategy_state, peers=peers,
-                             meta=meta, record=record, prepare=_snapshot_namer(record, self.board.current))
+                             meta=meta, record=record, prepare=_snapshot_namer(record, self.board.current),
+                             mixture=self.strategy.prediction_members())
 
     def _set_saved(self, rnd: int, version: int, state: dict[str, Any], record: dict[str, Any] | None) -> None:
         self.saved = {"round": rnd, "version": version, "weights": state.get("weights", {}),

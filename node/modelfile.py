@@ -12,9 +12,14 @@ The card: ``format``, ``architecture`` (learner.model) and ``model_params``, ``i
 round), ``eval`` (what the node reported for that round, e.g. test_acc), ``fingerprint``,
 ``exported_at`` (unix time) and ``checkpoint`` (the file it was read from).
 
-The model is the node's own (``learner`` parameters of the last checkpoint). A strategy that
-predicts with a mixture of models (FedeRiCo's test_acc) reports its own model's accuracy as
-``own_test_acc``: that is the number this file reproduces.
+The model is what the node predicts with at its last checkpoint: its own (``learner``
+parameters), or, for a strategy that predicts with a mixture Σ_k w_k p(y|x; θ_k) of its own and
+peers' models (FedeRiCo), every member: the node checkpoints the members its evaluation scored
+(``Strategy.prediction_members``, ``Checkpoint.mixture``), the file names member k's parameters
+``member{k}.<name>`` and the card lists ``mixture: [{node_id, weight}]``. ``load_model`` then
+gives a ``MixtureModel`` whose output is log Σ_k w_k softmax(f_k(x)) (regression: Σ_k w_k f_k(x)),
+so it reproduces the reported ``test_acc``/``test_loss``; ``own=True`` (``--own``) exports the own
+model alone, which reproduces ``own_test_acc``. ONNX export of a mixture exports that module.
 """
 from __future__ import annotations
 
@@ -52,8 +57,9 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def export_checkpoint(ckpt: Checkpoint, directory: str | Path) -> tuple[bytes, dict[str, Any]]:
-    """(safetensors bytes, sidecar card) of a checkpoint's personalised model."""
+def export_checkpoint(ckpt: Checkpoint, directory: str | Path, own: bool = False) -> tuple[bytes, dict[str, Any]]:
+    """(safetensors bytes, sidecar card) of a checkpoint's personalised model: the mixture the
+    node predicted with if it checkpointed one (module doc), else (or with ``own``) its own model."""
     described = ckpt.state.get("model")
     if not isinstance(described, dict):
         raise StateError(f"{ckpt.path} was written by a coterie without model export (no model "
@@ -62,19 +68,27 @@ def export_checkpoint(ckpt: Checkpoint, directory: str | Path) -> tuple[bytes, d
     params = {k[len(_PARAMS):]: t.contiguous() for k, t in ckpt.tensors.items() if k.startswith(_PARAMS)}
     if not params:
         raise StateError(f"{ckpt.path} holds no model parameters ({_PARAMS}*)")
+    members = None if own else ckpt.mixture()
+    mixture = None
+    if members and len(members) > 1:  # a one-member mixture is the own model
+        params = {f"member{k}.{n}": t.contiguous() for k, m in enumerate(members) for n, t in m["params"].items()}
+        mixture = [{"node_id": m["node_id"], "weight": m["weight"]} for m in members]
     record = last_record(ckpt, directory) or {}
     card = json_safe({"format": FORMAT, **described, "node_id": ckpt.node_id, "round": ckpt.round,
             "version": ckpt.version, "strategy": ckpt.state.get("strategy"),
             "weights": ckpt.state.get("weights") or {}, "eval": record.get("eval") or {},
             "fingerprint": ckpt.state.get("fingerprint"), "exported_at": time.time(),
             "checkpoint": ckpt.path.name})  # JSON has no NaN: a NaN loss becomes null
+    if mixture:
+        card["mixture"] = mixture
     data = st_save(params, metadata={META_KEY: json.dumps(card, sort_keys=True)})
     return data, {**card, "file_sha256": _sha256(data)}
 
 
-def export_state_dir(state_dir: str | Path) -> tuple[bytes, dict[str, Any]]:
-    """The personalised model of the newest checkpoint in ``state_dir`` (its node may be running)."""
-    return export_checkpoint(read_latest(state_dir), state_dir)
+def export_state_dir(state_dir: str | Path, own: bool = False) -> tuple[bytes, dict[str, Any]]:
+    """The personalised model of the newest checkpoint in ``state_dir`` (its node may be running);
+    ``own``: the node's own model even where it predicts with a mixture."""
+    return export_checkpoint(read_latest(state_dir), state_dir, own)
 
 
 def sidecar_path(path: str | Path) -> Path:
@@ -82,15 +96,18 @@ def sidecar_path(path: str | Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
-def write_export(state_dir: str | Path, out: str | Path, fmt: str = "safetensors") -> dict[str, Any]:
+def write_export(state_dir: str | Path, out: str | Path, fmt: str = "safetensors",
+                 own: bool = False) -> dict[str, Any]:
     """Write the model (``fmt``: safetensors or onnx) to ``out`` and its card to ``out``.json;
-    return the card."""
-    data, card = export_state_dir(state_dir)
+    return the card. ``own``: the node's own model, not the mixture it predicts with."""
+    data, card = export_state_dir(state_dir, own)
     if fmt == "onnx":
         loaded = _load_bytes(data, str(out))
         data = onnx_bytes(loaded)
+        output_is = "value" if loaded.task != "classification" else \
+            "log_probabilities" if card.get("mixture") else "logits"
         card = {**card, "file_format": "onnx", "onnx": {"input": "input", "output": "output",
-                                                        "output_is": "logits" if loaded.task == "classification" else "value"},
+                                                        "output_is": output_is},
                 "file_sha256": _sha256(data)}
     elif fmt == "safetensors":
         card = {**card, "file_format": "safetensors"}
@@ -138,9 +155,31 @@ def _card_of(data: bytes, where: str) -> tuple[dict[str, Any], dict[str, torch.T
     return card, tensors
 
 
-def _load_bytes(data: bytes, where: str) -> ExportedModel:
+class MixtureModel(torch.nn.Module):
+    """Σ_k w_k p(y|x; θ_k) as one module, computed as the node's own mixture evaluation does
+    (learning/torch_mixture.py). Classification: the log of the mixed softmax probabilities, so
+    its argmax and softmax are the mixture's prediction and probabilities; regression: the
+    weighted mean output. ``members[k]``: the k-th model (tensor names ``member{k}.*``)."""
+
+    def __init__(self, members: list[torch.nn.Module], weights: list[float], task: str):
+        super().__init__()
+        self.members = torch.nn.ModuleList(members)
+        self.weights = [float(w) for w in weights]
+        self.task = task
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mix: torch.Tensor | None = None
+        for w, m in zip(self.weights, self.members):
+            out = m(x)
+            out = out.softmax(1) if self.task == "classification" else out
+            mix = w * out if mix is None else mix + w * out
+        assert mix is not None  # _load_bytes refuses an empty mixture
+        return mix.log() if self.task == "classification" else mix
+
+
+def _build(card: dict[str, Any], params: dict[str, torch.Tensor], where: str, what: str) -> torch.nn.Module:
+    """The card's architecture with ``params`` (exactly its parameters) in it."""
     from .learning.models import build_model
-    card, params = _card_of(data, where)
     try:
         with torch.random.fork_rng(devices=[]):  # the weights are overwritten: leave the caller's RNG alone
             model = build_model(card["architecture"], card["input_shape"], card.get("num_classes", 0),
@@ -150,14 +189,39 @@ def _load_bytes(data: bytes, where: str) -> ExportedModel:
     own = dict(model.named_parameters())
     missing, extra = sorted(set(own) - set(params)), sorted(set(params) - set(own))
     if missing or extra:
-        raise ValueError(f"{where} does not fit architecture {card['architecture']!r}: missing "
+        raise ValueError(f"{where}{what} does not fit architecture {card['architecture']!r}: missing "
                          f"{missing}, unexpected {extra}")
     with torch.no_grad():
         for n, p in own.items():
             if tuple(params[n].shape) != tuple(p.shape):
-                raise ValueError(f"{where}: parameter {n!r} has shape {tuple(params[n].shape)}, the "
+                raise ValueError(f"{where}{what}: parameter {n!r} has shape {tuple(params[n].shape)}, the "
                                  f"architecture wants {tuple(p.shape)}")
             p.copy_(params[n].to(p.dtype))
+    return model
+
+
+def _load_bytes(data: bytes, where: str) -> ExportedModel:
+    card, params = _card_of(data, where)
+    mixture = card.get("mixture")
+    model: torch.nn.Module
+    if mixture is None:
+        model = _build(card, params, where, "")
+    else:
+        try:
+            weights = [float(m["weight"]) for m in mixture]
+        except (TypeError, KeyError, ValueError) as e:
+            raise ValueError(f"{where}: the model card's mixture is malformed ({type(e).__name__}: {e})") from None
+        if not weights or not all(w > 0 and w == w for w in weights):  # w == w: not NaN
+            raise ValueError(f"{where}: the mixture's weights must be positive, got {weights}")
+        members = []
+        for k in range(len(weights)):
+            pre = f"member{k}."
+            members.append(_build(card, {n[len(pre):]: t for n, t in params.items() if n.startswith(pre)},
+                                  where, f" (mixture member {k})"))
+        stray = sorted(n for n in params if not any(n.startswith(f"member{k}.") for k in range(len(weights))))
+        if stray:
+            raise ValueError(f"{where}: tensors {stray[:5]} belong to no mixture member")
+        model = MixtureModel(members, weights, card.get("task", "classification"))
     model.eval()
     return ExportedModel(model, card.get("class_names"), card)
 

@@ -156,13 +156,21 @@ class Snapshot:
 def make_snapshot(*, round: int, version: int, node_id: str,
                   learner_state: tuple[dict[str, torch.Tensor], dict[str, Any]],
                   strategy_state: Any, peers: list[dict[str, Any]], meta: dict[str, Any],
-                  record: dict[str, Any] | None, prepare: Callable[[], None] | None = None) -> Snapshot:
+                  record: dict[str, Any] | None, prepare: Callable[[], None] | None = None,
+                  mixture: list[tuple[str, float, dict[str, torch.Tensor]]] | None = None) -> Snapshot:
+    """``mixture``: the members a strategy predicts with (``Strategy.prediction_members``), kept
+    as ``state["mixture"]`` (node id, weight, params → tensors ``mixture/<n>``) for the export."""
     ltensors, lmeta = learner_state
     skeleton, stensors = flatten_state(strategy_state, "strategy")
     tensors = {f"learner/{k}": v for k, v in ltensors.items()}
     tensors.update(stensors)
     state = {**meta, "round": round, "version": version, "node_id": node_id, "learner": lmeta,
              "strategy_state": skeleton, "peers": peers}
+    if mixture:
+        mskel, mtensors = flatten_state([{"node_id": k, "weight": float(w), "params": p}
+                                         for k, w, p in mixture], "mixture")
+        tensors.update(mtensors)
+        state["mixture"] = mskel
     return Snapshot(round, version, tensors, state, record, prepare, ltensors)
 
 
@@ -189,6 +197,16 @@ class Checkpoint:
     def learner_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return ({k[len("learner/"):]: v for k, v in self.tensors.items() if k.startswith("learner/")},
                 self.state["learner"])
+
+    def mixture(self) -> list[dict[str, Any]] | None:
+        """The mixture members the node predicted with (``make_snapshot``), None if it used its
+        own model."""
+        if not self.state.get("mixture"):
+            return None
+        try:
+            return unflatten_state(self.state["mixture"], self.tensors)
+        except KeyError as e:
+            raise StateError(f"{self.path} is corrupt: its mixture names tensor {e} it lacks") from None
 
     def strategy_state(self) -> Any:
         try:

@@ -303,3 +303,113 @@ def test_predict_reads_tables_as_training_does(tmp_path):
     unlabelled.write_text("a,b\n1,2.5\n3,\n")
     with pytest.raises(ValueError, match=r"u\.csv line 3: features hold NaN"):
         read_inputs(unlabelled, (2,))
+
+
+def _nll(out: torch.Tensor, y: torch.Tensor) -> float:
+    """Mean NLL of log-probabilities ``out`` (the mixture module's output), as the node computes it."""
+    return float(-out.gather(1, y.view(-1, 1)).clamp_min(np.log(1e-12)).sum()) / len(y)
+
+
+@pytest.mark.slow
+async def test_federico_export_is_the_mixture_the_node_predicts_with(tmp_path):
+    """FedeRiCo predicts with Σ_j w_ij p(y|x; θ_j) over its own and cached peer models, and reports
+    that mixture's test_acc/test_loss. The export holds every member: loaded back (and through
+    `coterie predict`, ONNX), it scores node 0's test split as node 0 reported; `--own` exports
+    the own model alone (own_test_acc/own_test_loss). The old export (own model only) fails the
+    first half: its loss is own_test_loss, not the mixture's."""
+    hub = InProcNetwork()
+    nodes = []
+    try:
+        for i in range(3):
+            learner = {"dataset": "digits", "partition": "iid", "num_nodes": 3, "node_index": i,
+                       "model": "mlp", "local_steps": 10, "optimizer": "adam", "lr": 0.01}  # learns in 3 rounds
+            cfg = _config(tmp_path, i, 3, [nodes[0].address] if nodes else [], strategy="federico",
+                          learner=learner)
+            node = Node(cfg, transport=hub.transport_for(cfg), admin=False)
+            await node.start()
+            nodes.append(node)
+        n0 = nodes[0]
+        await _until(lambda: all(n.done for n in nodes), "every node to finish its rounds")
+    finally:
+        for n in nodes:
+            await n.stop()
+    reported = n0.history[-1]["eval"]
+    assert reported["mixture_members"] >= 2  # peers carry weight: a real mixture
+    # ... that predicts unlike the own model (e.g. 1.05 against 0.74 here): the two exports differ
+    assert abs(reported["test_loss"] - reported["own_test_loss"]) > 1e-2
+    x, y = n0.learner._data["test"]
+
+    out = tmp_path / "mix.safetensors"
+    r = await asyncio.to_thread(_cli, "model", "export", "--state-dir", str(n0.store.dir), "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert "mixture of" in r.stdout
+    card = json.loads(sidecar_path(out).read_text())
+    mixture = card["mixture"]
+    assert len(mixture) == reported["mixture_members"] and mixture[0]["node_id"] == "n0"
+    assert {m["node_id"] for m in mixture} <= {"n0", "n1", "n2"}
+    assert sum(m["weight"] for m in mixture) == pytest.approx(1.0)
+    weights = card["weights"]
+    tot = sum(weights[m["node_id"]] for m in mixture)
+    for m in mixture:  # the members are weighted by the node's collaborator weights, normalised
+        assert m["weight"] == pytest.approx(weights[m["node_id"]] / tot)
+    model, class_names = coterie.load_model(out)
+    assert class_names == n0.learner.class_names and not model.training
+    with torch.no_grad():
+        logp = model(x)
+    assert _accuracy(model, x, y) == pytest.approx(reported["test_acc"], abs=1e-3)
+    assert _nll(logp, y) == pytest.approx(reported["test_loss"], rel=1e-4)
+    assert torch.allclose(logp.exp().sum(1), torch.ones(len(y)), atol=1e-5)  # log-probabilities
+
+    # coterie predict scores with the mixture
+    npz = tmp_path / "test.npz"
+    np.savez(npz, x=x.numpy(), y=y.numpy())
+    r = await asyncio.to_thread(_cli, "predict", "--model", str(out), str(npz))
+    assert r.exit_code == 0, r.output
+    predicted = [row[-1] for row in list(csv.reader(io.StringIO(r.stdout)))[1:]]
+    assert np.mean([p == class_names[int(t)] for p, t in zip(predicted, y)]) == pytest.approx(reported["test_acc"], abs=1e-3)
+
+    # --own: the node's own model alone, as before
+    own = tmp_path / "own.safetensors"
+    r = await asyncio.to_thread(_cli, "model", "export", "--own", "--state-dir", str(n0.store.dir), "--out", str(own))
+    assert r.exit_code == 0, r.output
+    own_card = json.loads(sidecar_path(own).read_text())
+    assert "mixture" not in own_card
+    own_model = load_model(own).model
+    assert _accuracy(own_model, x, y) == pytest.approx(reported["own_test_acc"], abs=1e-3)
+    with torch.no_grad():
+        assert float(torch.nn.functional.cross_entropy(own_model(x), y)) == pytest.approx(reported["own_test_loss"], rel=1e-4)
+
+    # ONNX: the mixture module itself, the same log-probabilities from onnxruntime
+    ort = pytest.importorskip("onnxruntime")
+    onnx_out = tmp_path / "mix.onnx"
+    r = await asyncio.to_thread(_cli, "model", "export", "--state-dir", str(n0.store.dir), "--out", str(onnx_out),
+                                "--format", "onnx")
+    assert r.exit_code == 0, r.output
+    assert json.loads(sidecar_path(onnx_out).read_text())["onnx"]["output_is"] == "log_probabilities"
+    got = ort.InferenceSession(str(onnx_out), providers=["CPUExecutionProvider"]).run(["output"], {"input": x.numpy()})[0]
+    np.testing.assert_allclose(got, logp.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_malformed_mixture_export_is_refused(tmp_path):
+    """A mixture card whose members' tensors are missing, or whose weights are not positive, is
+    refused naming the problem (not loaded as a wrong model)."""
+    from safetensors.torch import save as st_save
+
+    from coterie.node.learning.models import build_model
+    from coterie.node.modelfile import META_KEY
+    m = build_model("mlp", [40], 10)
+    params = {f"member{k}.{n}": p.detach().clone() for k in range(2) for n, p in m.named_parameters()}
+    card = {"format": FORMAT, "architecture": "mlp", "model_params": {}, "input_shape": [40],
+            "num_classes": 10, "task": "classification", "class_names": [str(i) for i in range(10)],
+            "mixture": [{"node_id": "a", "weight": 0.5}, {"node_id": "b", "weight": 0.5}]}
+    f = tmp_path / "m.safetensors"
+    f.write_bytes(st_save(params, metadata={META_KEY: json.dumps(card)}))
+    assert isinstance(load_model(f).model, coterie.node.modelfile.MixtureModel)
+    f.write_bytes(st_save({k: v for k, v in params.items() if k.startswith("member0.")},
+                          metadata={META_KEY: json.dumps(card)}))
+    with pytest.raises(ValueError, match="mixture member 1"):
+        load_model(f)
+    bad = {**card, "mixture": [{"node_id": "a", "weight": 1.0}, {"node_id": "b", "weight": 0.0}]}
+    f.write_bytes(st_save(params, metadata={META_KEY: json.dumps(bad)}))
+    with pytest.raises(ValueError, match="weights must be positive"):
+        load_model(f)

@@ -201,6 +201,13 @@ class Strategy(ABC):
         ``learning/guard.py``): forget what was derived from the diverged one."""
         return None
 
+    def prediction_members(self) -> list[tuple[str, float, Params]] | None:
+        """The models this node predicts with, when that is a mixture Σ_k w_k p(y|x; θ_k):
+        (node id, weight, params) of the members ``evaluate`` last scored, weights summing to 1.
+        None (the default) = it predicts with its own model. The node checkpoints the members so
+        ``coterie model export`` writes what the node reports (node/modelfile.py)."""
+        return None
+
     def evaluate(self) -> dict[str, float]:
         """Test metrics of how this node predicts (default: its own model)."""
         r = self.learner.evaluate("test")

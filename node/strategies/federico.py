@@ -121,6 +121,7 @@ class FedeRiCo(Strategy):
         self._max_version = -1
         self._applied = 0
         self._dropped = 0
+        self._prediction: list[tuple[str, float, Params]] = []  # the mixture evaluate() last scored
         self._sync_known()
 
     def _sync_known(self) -> None:
@@ -255,23 +256,31 @@ class FedeRiCo(Strategy):
     def evaluate(self) -> dict[str, float]:
         """Mixture prediction Σ_j w_ij p(y|x; θ_j) with cached peer models (§2.1)."""
         own = self.learner.evaluate("test")
-        members: list[tuple[float, Params]] = [(self._w.get(self.node_id, 1.0), self.learner.get_params())]
+        members: list[tuple[str, float, Params]] = [
+            (self.node_id, self._w.get(self.node_id, 1.0), self.learner.get_params())]
         for p, w in self._w.items():
             if p == self.node_id or w < float(self.p["mixture_min_weight"]):
                 continue
             snap = self.net.cached(p)
-            if snap is not None and C.same_shapes(snap.params, members[0][1]):
-                members.append((w, snap.params))
-        tot = sum(w for w, _ in members)
+            if snap is not None and C.same_shapes(snap.params, members[0][2]):
+                members.append((p, w, snap.params))
+        tot = sum(w for _, w, _ in members)
         if tot <= 0:
-            members, tot = [(1.0, members[0][1])], 1.0
-        r = self.learner.evaluate_mixture([(w / tot, p) for w, p in members], "test")
+            members, tot = [(self.node_id, 1.0, members[0][2])], 1.0
+        # kept for prediction_members: the export holds exactly the mixture scored here
+        self._prediction = [(k, w / tot, p) for k, w, p in members]
+        r = self.learner.evaluate_mixture([(w, p) for _, w, p in self._prediction], "test")
         out = {"test_loss": r.loss, "own_test_loss": own.loss, "mixture_members": float(len(members))}
         if r.accuracy is not None:
             out["test_acc"] = r.accuracy
         if own.accuracy is not None:
             out["own_test_acc"] = own.accuracy
         return out
+
+    def prediction_members(self) -> list[tuple[str, float, Params]] | None:
+        """The mixture the last ``evaluate`` scored (None before the first): the node checkpoints
+        it, so an export predicts as the reported test_acc (own model: ``own_test_acc``)."""
+        return list(self._prediction) if self._prediction else None
 
     def public_state(self) -> dict[str, Any]:
         return {"ema_loss": dict(self._L), "last_loss": dict(self._loss), "weights": dict(self._w),
