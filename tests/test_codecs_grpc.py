@@ -191,6 +191,28 @@ def test_a_forgotten_base_gets_a_whole_snapshot():
     asyncio.run(go())
 
 
+def test_a_delta_against_the_version_held_before_the_newest_still_decodes():
+    """A pull and a subscription to one peer run side by side: the pull asked with v1 held, the
+    subscription brought v2 meanwhile, then the pull's answer — a delta against v1 — arrives. With
+    only the newest version kept, that delta was refused ("holds v2"), and the subscription was
+    dropped along with the held copies (a D-PSGD pair fell back to a pull a round)."""
+    async def go():
+        board = Board()
+        async with _pair(board) as (client, addr, _):
+            h1, _ = await client.get_snapshot(addr, "me", peer="p")
+            held1 = client.held.get("p")
+            board.publish(2)
+            late_header, late = await _raw_pull(addr, pb.SnapshotRequest(  # the pull asked with v1
+                requester="me", codecs=["q8"], delta=True, have_version=1, have_sha256=held1.digest))
+            assert late_header.base_version == 1  # a delta against v1
+            h2, _ = await client.get_snapshot(addr, "me", have_version=h1.version, peer="p")  # v2 came first
+            assert client.held.get("p").version == 2
+            g = client._decode_snapshot(late_header, memoryview(late), "p")
+            assert _err(g, board) < float(board.w.abs().max()) / 254  # v2 rebuilt from the held v1
+            assert client.held.get("p").version == 2  # and v2 is still the newest held
+    asyncio.run(go())
+
+
 def _forge(monkeypatch, make):
     """The server sends ``make(real_payload, snap)`` instead of its real payload (a hostile peer
     with a patched server: real bytes over a real stream, its digest matching them)."""

@@ -213,9 +213,8 @@ class SnapshotStreams:
             size = len(data)
             key = peer or address
             try:  # fp32: zero-copy, the tensors are views of that one buffer
-                groups = self._decode_snapshot(h, data, self.held.get(key))
-            except WireError as e:
-                self.held.drop(key)
+                groups = self._decode_snapshot(h, data, key)
+            except WireError as e:  # (the versions held stay: they are this node's own decoded copies)
                 raise WireError(f"snapshot v{h.version} of {h.node_id or address} is malformed: {e}") from None
             if self.codecs.delta:
                 self.held.put(key, Held(h.version, h.payload_sha256 or h.sha256, groups))
@@ -230,18 +229,20 @@ class SnapshotStreams:
             request.have_version, request.have_sha256 = held.version, held.digest
         return request
 
-    def _decode_snapshot(self, h: Any, data: memoryview, held: Held | None) -> Groups:
+    def _decode_snapshot(self, h: Any, data: memoryview, key: str) -> Groups:
         """The payload's tensors, checked against what the header says: its codec (one this node
         asked for), its version, and for a delta the base it applies to (which must be the
-        version this node holds of that peer, by payload digest)."""
+        versions this node holds of that peer, by payload digest)."""
         codec = h.codec or wire_codecs.FP32
         wire_codecs.check_codec(codec)
         if codec not in self.codecs.advertised:
             raise WireError(f"payload in codec {codec!r}, which this node did not ask for")
         base = None
         if h.base_version:
-            if held is None or held.version != h.base_version or held.digest != h.base_sha256:
-                holds = f"v{held.version} ({held.digest[:12]})" if held is not None else "no version"
+            held = self.held.find(key, h.base_version, h.base_sha256)
+            if held is None:
+                newest = self.held.get(key)
+                holds = f"v{newest.version} ({newest.digest[:12]})" if newest is not None else "no version"
                 raise WireError(f"a delta against v{h.base_version} ({h.base_sha256[:12]}), but this node "
                                 f"holds {holds} of that peer")
             base = held.groups

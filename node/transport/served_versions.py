@@ -127,16 +127,28 @@ class Held:
 
 
 class HeldVersions:
-    """The last snapshot decoded from each peer (the base of its next delta)."""
+    """The last snapshots decoded from each peer (the bases of its next deltas). Two, not one: a
+    pull and a subscription to the same peer run side by side, so a pull's delta can be against
+    the version held when it was asked for while the subscription has already brought the next."""
+
+    KEEP = 2
 
     def __init__(self) -> None:
-        self._by_peer: dict[str, Held] = {}
+        self._by_peer: dict[str, list[Held]] = {}
 
     def get(self, peer: str) -> Held | None:
-        return self._by_peer.get(peer)
+        """The newest version held of ``peer`` (what a request says it has)."""
+        held = self._by_peer.get(peer)
+        return held[-1] if held else None
+
+    def find(self, peer: str, version: int, digest: str) -> Held | None:
+        """The held copy a delta against (``version``, ``digest``) needs, if still kept."""
+        return next((h for h in self._by_peer.get(peer, ()) if h.version == version and h.digest == digest), None)
 
     def put(self, peer: str, held: Held) -> None:
-        self._by_peer[peer] = held
+        kept = {h.version: h for h in self._by_peer.get(peer, ())}
+        kept[held.version] = held
+        self._by_peer[peer] = [kept[v] for v in sorted(kept)][-self.KEEP:]  # the newest, oldest first
 
     def drop(self, peer: str) -> None:
         self._by_peer.pop(peer, None)
