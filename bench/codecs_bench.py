@@ -1,6 +1,6 @@
-"""Snapshot codecs: bytes per node-round against final accuracy, per codec, on S1.
+"""Snapshot codecs: bytes per node-round against final accuracy, per codec, on S1 (or S2, S3).
 
-Runs ``coterie run`` on scenarios/s1_label_permuted.toml (real daemons, gRPC over loopback: the
+Runs ``coterie run`` on scenarios/s1_label_permuted.toml (``--scenario s2|s3``: S2, S3; real daemons, gRPC over loopback: the
 in-process backend shares snapshots without encoding them) once per codec and seed, the
 scenario's ``[node]`` section extended with ``snapshots.codecs`` / ``snapshots.delta``, and
 reports per codec the mean final test accuracy over seeds (mean ± std of the per-seed means) and
@@ -8,10 +8,12 @@ the bytes sent per node and round — all traffic, and snapshots alone — with 
 
     python bench/codecs_bench.py                                    # fedfomo, 4 codecs, seeds 0-2
     python bench/codecs_bench.py --strategy dpsgd --rounds 10 --seeds 0,1
+    python bench/codecs_bench.py --scenario s3 --codecs fp32,q8+delta --rounds 10
 
-Writes bench/results/codecs/<strategy>/<codec>_s<seed>/ (the run directories with the scenario
-file each ran, not committed), bench/results/codecs_<strategy>.json and bench/results/codecs.md
-(a section per strategy, with the command line and the config).
+Writes bench/results/codecs/[<scenario>/]<strategy>/<codec>_s<seed>/ (the run directories with
+the scenario file each ran, not committed), bench/results/codecs_[<scenario>_]<strategy>.json (S1
+without the prefix) and bench/results/codecs.md (a section per scenario and strategy, with the
+command line and the config).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIO = ROOT / "scenarios" / "s1_label_permuted.toml"
+SCENARIOS = {"s1": "s1_label_permuted.toml", "s2": "s2_class_groups.toml", "s3": "s3_noisy_nodes.toml"}
+SCENARIO = ROOT / "scenarios" / SCENARIOS["s1"]
 CODECS = {  # name -> [node.snapshots] settings
     "fp32": {"codecs": ["fp32"], "delta": False},
     "fp16": {"codecs": ["fp16", "fp32"], "delta": False},
@@ -33,18 +36,19 @@ CODECS = {  # name -> [node.snapshots] settings
 }
 
 
-def scenario_for(codec: str) -> str:
+def scenario_for(codec: str, scenario: Path = SCENARIO) -> str:
     s = CODECS[codec]
     codecs = ", ".join(f'"{c}"' for c in s["codecs"])
-    return (SCENARIO.read_text() + f"\n[node.snapshots]  # added by bench/codecs_bench.py\n"
+    return (scenario.read_text() + f"\n[node.snapshots]  # added by bench/codecs_bench.py\n"
             f"codecs = [{codecs}]\ndelta = {'true' if s['delta'] else 'false'}\n")
 
 
-def run_one(out: Path, strategy: str, codec: str, seed: int, rounds: int, nodes: int | None) -> dict:
+def run_one(out: Path, strategy: str, codec: str, seed: int, rounds: int, nodes: int | None,
+            scenario: Path = SCENARIO) -> dict:
     run_dir = out / strategy / f"{codec}_s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     toml = run_dir / "scenario.toml"
-    toml.write_text(scenario_for(codec))
+    toml.write_text(scenario_for(codec, scenario))
     cmd = [sys.executable, "-m", "coterie.cli.main", "run", str(toml), "--out", str(run_dir),
            "--strategy", strategy, "--seed", str(seed), "--rounds", str(rounds)]
     if nodes:
@@ -95,9 +99,11 @@ def section(data: dict) -> list[str]:
     rows, codecs = data["rows"], list(data["codecs"])
     seeds = sorted({r["seed"] for r in rows})
     per = {c: sorted(r["seed"] for r in rows if r["codec"] == c) for c in codecs}
-    lines = [f"## {data['strategy']}", "",
-             f"`python {data['command']}` — scenario `{data['scenario']}` (12 nodes, 4 label-permutation "
-             f"clusters, MNIST-1D, 1-D CNN of 24k parameters), strategy `{data['strategy']}`, "
+    sc = data["scenario"]
+    what = next((line.split("=", 1)[1].strip().strip('"') for line in (ROOT / sc).read_text().splitlines()
+                 if line.startswith("description")), "") if (ROOT / sc).exists() else ""
+    lines = [f"## {Path(sc).stem.split('_')[0].upper()}: {data['strategy']}", "",
+             f"`python {data['command']}` — scenario `{sc}` ({what}), strategy `{data['strategy']}`, "
              f"{data['rounds']} rounds, seeds {seeds} (per codec: {per}), real daemons over gRPC on loopback "
              "(mTLS), on a 2-core machine shared with other work (wall times are not comparable).", "",
              "Config added to the scenario's `[node]` per codec (`[node.snapshots]`): " +
@@ -116,10 +122,11 @@ def section(data: dict) -> list[str]:
 
 def report(out: Path) -> None:
     """bench/results/codecs.md: a section per strategy with results (codecs_<strategy>.json)."""
-    lines = ["# Snapshot codecs on S1: bytes against accuracy", "",
+    lines = ["# Snapshot codecs on S1–S3: bytes against accuracy", "",
              "Written by `bench/codecs_bench.py` (see docs/codecs.md). Goal (issue 24): q8 + delta within "
              "0.5 points of fp32's mean accuracy at >= 3.5x fewer bytes per node-round.", ""]
-    for f in sorted(out.glob("codecs_*.json")):
+    files = sorted(out.glob("codecs_*.json"), key=lambda f: (not f.stem.split("_")[1] in SCENARIOS, f.stem))
+    for f in sorted(files, key=lambda f: f.stem.split("_")[1] if f.stem.split("_")[1] in SCENARIOS else "s1"):
         lines += section(json.loads(f.read_text()))
     (out / "codecs.md").write_text("\n".join(lines))
 
@@ -127,6 +134,7 @@ def report(out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--strategy", default="fedfomo")
+    ap.add_argument("--scenario", default="s1", choices=sorted(SCENARIOS))
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rounds", type=int, default=30)
@@ -137,9 +145,11 @@ def main() -> None:
     args = ap.parse_args()
     codecs = args.codecs.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
-    path = args.out / f"codecs_{args.strategy}.json"
+    scenario = ROOT / "scenarios" / SCENARIOS[args.scenario]
+    prefix = "" if args.scenario == "s1" else f"{args.scenario}_"
+    path = args.out / f"codecs_{prefix}{args.strategy}.json"
     data = {"strategy": args.strategy, "rounds": args.rounds, "codecs": {c: CODECS[c] for c in codecs},
-            "scenario": str(SCENARIO.relative_to(ROOT)), "command": "bench/codecs_bench.py " + " ".join(sys.argv[1:]),
+            "scenario": str(scenario.relative_to(ROOT)), "command": "bench/codecs_bench.py " + " ".join(sys.argv[1:]),
             "rows": []}
     if args.merge or args.report:
         data = json.loads(path.read_text())
@@ -147,7 +157,8 @@ def main() -> None:
     if not args.report:
         for seed in seeds:  # seed-major: a cut-short bench still has every codec for the first seeds
             for c in codecs:
-                row = run_one(args.out / "codecs", args.strategy, c, seed, args.rounds, args.nodes)
+                row = run_one(args.out / "codecs" / args.scenario if prefix else args.out / "codecs",
+                              args.strategy, c, seed, args.rounds, args.nodes, scenario)
                 data["rows"] = [r for r in data["rows"] if (r["codec"], r["seed"]) != (c, seed)] + [row]
                 for k in CODECS:
                     if k == c or k in data["codecs"]:
