@@ -71,7 +71,8 @@ def test_fault_layer_corrupts_what_is_served_not_what_is_learned(tmp_path, make)
             true = b.board.current
             assert snap is not None and snap.version == true.version == 1
             for k, v in true.params.items():
-                assert torch.allclose(snap.params[k], 25.0 * v), k  # served: blown up
+                # served: blown up (to within the q8 snapshot codec's half step, scale / 254 per block)
+                assert torch.allclose(snap.params[k], 25.0 * v, atol=float((25.0 * v).abs().max()) / 250), k
             assert torch.allclose(true.params[k], b.learner.get_params()[k])  # learned: untouched
             assert b.status()["faulty"] == "scale"
         finally:
