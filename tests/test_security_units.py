@@ -176,6 +176,37 @@ def test_admission_compute_budget_is_billed_after_the_fact():
     assert adm.view()["a"]["compute_s"] == 3.0
 
 
+def test_served_compute_is_billed_its_cpu_time_not_its_wall_time():
+    """Issue 22: compute was billed by wall time, so on a loaded node a request that waited (for
+    the CPU, a lock, a warm-up) was billed everyone else's work and locked its peer out for ~36 s.
+    A request that only waits must cost its peer (almost) nothing; one that computes, what it ran."""
+    import asyncio
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coterie.node.peering.served import ServedRequests
+
+    served = ServedRequests.__new__(ServedRequests)  # just its executor and its bill
+    served._pool = ThreadPoolExecutor(1)
+    served.admission = Admission(Limits())
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    async def go():
+        await served._run("waiter", time.sleep, 0.5)  # waits half a second, computes nothing
+        await served._run("worker", spin, 0.2)
+        await asyncio.sleep(0)  # the bill is posted back to the loop
+    try:
+        asyncio.run(go())
+    finally:
+        served._pool.shutdown()
+    assert served.admission.view()["waiter"]["compute_s"] < 0.05
+    assert 0.15 <= served.admission.view()["worker"]["compute_s"] < 0.5
+
+
 # ------------------------------------------------------------------------------ log filter
 def _record(msg: str, line: int = 1, level=logging.WARNING) -> logging.LogRecord:
     return logging.LogRecord("coterie", level, "x.py", line, msg, None, None)
