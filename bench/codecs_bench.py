@@ -125,8 +125,10 @@ def report(out: Path) -> None:
     lines = ["# Snapshot codecs on S1–S3: bytes against accuracy", "",
              "Written by `bench/codecs_bench.py` (see docs/codecs.md). Goal (issue 24): q8 + delta within "
              "0.5 points of fp32's mean accuracy at >= 3.5x fewer bytes per node-round.", ""]
-    files = sorted(out.glob("codecs_*.json"), key=lambda f: (not f.stem.split("_")[1] in SCENARIOS, f.stem))
-    for f in sorted(files, key=lambda f: f.stem.split("_")[1] if f.stem.split("_")[1] in SCENARIOS else "s1"):
+    def scenario_of(f: Path) -> str:  # codecs_<scenario>_<strategy>.json, or codecs_<strategy>.json for S1
+        part = f.stem.split("_")[1]
+        return part if part in SCENARIOS else "s1"
+    for f in sorted(out.glob("codecs_*.json"), key=lambda f: (scenario_of(f), f.stem)):
         lines += section(json.loads(f.read_text()))
     (out / "codecs.md").write_text("\n".join(lines))
 
