@@ -132,23 +132,30 @@ dump_logs() {
     $c --profile faulty --profile files logs --no-color --tail=15 2>&1 | tail -n 200 || true
 }
 
+# Run one check.py phase, its transcript kept in $STATE/check.log: on a failure the node logs are
+# dumped, and summary repeats the transcript's end after them (CI keeps only the output's tail).
+check_phase() {
+    python3 tests/testbed/check.py "$@" 2>&1 | tee -a "$STATE/check.log"
+    [[ ${PIPESTATUS[0]} == 0 ]] || { echo "$1" >"$STATE/check.failed"; dump_logs; return 1; }
+}
+
 cmd_test() {
     local c; c=$(compose_cmd)
     export TESTBED_COMPOSE="$c"
     docker info >/dev/null 2>&1 || die "no Docker engine; run: bash deploy/testbed.sh up"
     [[ -n "$($c ps -q node1 2>/dev/null)" ]] || { phase_start network-up; forward_rule add; net_up; phase_end; }
     phase_start test-baseline
-    python3 tests/testbed/check.py baseline --out "$STATE/baseline.json" || { dump_logs; return 1; }
+    check_phase baseline --out "$STATE/baseline.json" || return 1
     phase_end
     phase_start test-faulty
     net_down
     net_up --profile faulty
-    python3 tests/testbed/check.py faulty --baseline "$STATE/baseline.json" || { dump_logs; return 1; }
+    check_phase faulty --baseline "$STATE/baseline.json" || return 1
     phase_end
     phase_start test-files
     net_down
     net_up --profile files -- filea fileb
-    python3 tests/testbed/check.py files || { dump_logs; return 1; }
+    check_phase files || return 1
     phase_end
     echo "testbed: try it yourself: coterie peers --admin http://127.0.0.1:8101 --token \"\$($c exec -T node1 cat /pki/admin.token)\""
 }
@@ -173,6 +180,10 @@ cmd_down() {
 }
 
 summary() {
+    if [[ -f "$STATE/check.failed" ]]; then
+        echo "=== check.py $(cat "$STATE/check.failed") FAILED; the end of its transcript:"
+        tail -n 25 "$STATE/check.log"
+    fi
     [[ -f "$STATE/timings" ]] || return 0
     echo "=== phase timings (s):"; cat "$STATE/timings"
     echo "=== total: $(( $(date +%s) - T_ALL ))s"
@@ -180,10 +191,10 @@ summary() {
 
 case "${1:-}" in
     up) rm -f "$STATE/timings"; cmd_up; summary ;;
-    test) rm -f "$STATE/timings"; cmd_test; summary ;;
+    test) rm -f "$STATE/timings" "$STATE/check.log" "$STATE/check.failed"; cmd_test; summary ;;
     down) cmd_down ;;
     all)
-        rm -f "$STATE/timings"
+        rm -f "$STATE/timings" "$STATE/check.log" "$STATE/check.failed"
         trap 'rc=$?; trap - EXIT; cmd_down || true; summary; exit $rc' EXIT
         cmd_up
         cmd_test ;;
