@@ -104,16 +104,16 @@ def ledger_epsilons(run_dir: Path, strategy: str, delta: float) -> list[float] |
     return out
 
 
-def run_setting(sc: str, setting: str, strategies: list[str], args) -> Path:
+def run_setting(sc: str, setting: str, strategies: list[str], args, seed: int = 0) -> Path:
     """One ``coterie run`` per strategy (a failed start on a loaded machine is retried, and the
     strategies that finished are kept); their results are merged into run_dir/results.json."""
-    run_dir = args.out / sc / setting
+    run_dir = seed_dir(args.out, seed) / sc / setting
     merged = run_dir / "results.json"
     if args.force and run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     results = json.loads(merged.read_text()) if merged.exists() else None
-    scen = scenario_for(sc, setting, args.rounds, args.seed)
+    scen = scenario_for(sc, setting, args.rounds, seed)
     path = run_dir / "scenario.toml"
     path.write_text(tomli_w.dumps(scen))
     for strat in strategies:
@@ -143,14 +143,20 @@ def run_setting(sc: str, setting: str, strategies: list[str], args) -> Path:
     return run_dir
 
 
-def collect(args) -> dict:
+def seed_dir(out: Path, seed: int) -> Path:
+    """Seed 0's runs sit in out/<scenario>/<setting> (where they always were); seed k's in out/seed<k>/."""
+    return out if seed == 0 else out / f"seed{seed}"
+
+
+def collect(args, seed: int = 0) -> dict:
     table: dict = {}
     before_path = args.report.with_suffix(".json")  # ε of runs whose ledgers are no longer on disk
     before = json.loads(before_path.read_text()) if before_path.exists() else {}
+    before = before.get("per_seed", {}).get(str(seed), {}) if "per_seed" in before else (before if seed == 0 else {})
     for sc in args.scenarios:
         rows: dict = {}
         for setting in SETTINGS:
-            run_dir = args.out / sc / setting
+            run_dir = seed_dir(args.out, seed) / sc / setting
             if not (run_dir / "results.json").exists():
                 continue
             res = json.loads((run_dir / "results.json").read_text())
@@ -179,10 +185,79 @@ def _eps(v):
     return "–" if v is None else ("∞" if not math.isfinite(v) else f"{v:.2f}")
 
 
-def markdown(table: dict, args) -> str:
+def kept_share(rows: dict, strat: str, setting: str) -> float | None:
+    """(acc − local) / (acc_off − local) within one seed's table; None without a positive exact gain."""
+    local = rows.get("local", {}).get("off", {}).get("mean_acc")
+    off = rows.get(strat, {}).get("off", {}).get("mean_acc")
+    r = rows.get(strat, {}).get(setting)
+    if r is None or local is None or off is None or off - local <= 1e-9:
+        return None
+    return (r["mean_acc"] - local) / (off - local)
+
+
+def across_seeds(tables: dict[int, dict]) -> dict:
+    """Per scenario, strategy and setting run in every seed: the seeds' values and mean ± 95% CI."""
+    from strategy_bench import mean_ci
+    seeds = sorted(tables)
+    out: dict = {}
+    for sc in tables[seeds[0]]:
+        for strat, settings in tables[seeds[0]][sc].items():
+            for setting in settings:
+                per = [tables[k].get(sc, {}).get(strat, {}).get(setting) for k in seeds]
+                if any(r is None for r in per):
+                    continue
+                acc = [r["mean_acc"] for r in per]
+                kept = [kept_share(tables[k][sc], strat, setting) for k in seeds]
+                gain = [r["mean_acc"] - tables[k][sc]["local"]["off"]["mean_acc"] for k, r in zip(seeds, per)
+                        if "local" in tables[k][sc]]
+                out.setdefault(sc, {}).setdefault(strat, {})[setting] = {
+                    "seeds": seeds, "mean_acc": acc, "mean_acc_ci": mean_ci(acc),
+                    "gain_over_local": gain, "gain_ci": mean_ci(gain) if len(gain) == len(seeds) else None,
+                    "kept": kept, "kept_of_mean_gains": None,
+                    "in_cluster_mass": [r["in_cluster_mass"] for r in per],
+                    "eps_max": max((r["eps_max"] for r in per if r.get("eps_max") is not None), default=None)}
+        for strat, settings in out.get(sc, {}).items():  # kept from the seeds' mean gains (a ratio of means)
+            off, loc = settings.get("off"), out[sc].get("local", {}).get("off")
+            for setting, r in settings.items():
+                if off and loc and r["gain_ci"] and off["gain_ci"] and off["gain_ci"][0] > 1e-9:
+                    r["kept_of_mean_gains"] = r["gain_ci"][0] / off["gain_ci"][0]
+    return out
+
+
+def seeds_markdown(agg: dict) -> list[str]:
+    if not agg:
+        return []
+    seeds = next(iter(next(iter(next(iter(agg.values())).values())).values()))["seeds"]
+    lines = [f"## Across seeds {seeds}", "",
+             "The settings run with every seed. Accuracy and gain over local (paired: the same seed's "
+             "local run) as mean ± 95% CI (Student t over the seeds); kept = mean gain under privacy / "
+             "mean exact gain (a ratio of the seeds' means), then each seed's own kept in brackets; ε max: "
+             "the largest total ε any node reached in any seed.", ""]
+    for sc, rows in agg.items():
+        lines += [f"### {sc.upper()}", "",
+                  "| strategy | setting | mean acc % | gain over local (points) | kept (per seed) | in-cluster mass (per seed) | ε max |",
+                  "|---|---|---|---|---|---|---|"]
+        for strat, settings in rows.items():
+            for setting in SETTINGS:
+                r = settings.get(setting)
+                if r is None:
+                    continue
+                m, h = r["mean_acc_ci"]
+                gain = "–" if r["gain_ci"] is None or strat == "local" else f"{100 * r['gain_ci'][0]:+.1f} ± {100 * r['gain_ci'][1]:.1f}"
+                kept = ("–" if setting == "off" or r["kept_of_mean_gains"] is None else
+                        f"{100 * r['kept_of_mean_gains']:.0f}% ("
+                        + ", ".join("–" if k is None else f"{100 * k:.0f}%" for k in r["kept"]) + ")")
+                mass = ", ".join("–" if v is None else f"{v:.2f}" for v in r["in_cluster_mass"])
+                eps = "–" if setting == "off" or strat == "local" else _eps(r["eps_max"])
+                lines.append(f"| {strat} | {LABELS[setting]} | {100 * m:.1f} ± {100 * h:.1f} | {gain} | {kept} | {mass} | {eps} |")
+        lines.append("")
+    return lines
+
+
+def markdown(table: dict, args, agg: dict | None = None) -> str:
     d = PrivacyConfig()
     lines = ["# Utility under privacy", "",
-             f"Real daemons on loopback (`coterie run`), {args.rounds or 30} rounds, seed {args.seed}, "
+             f"Real daemons on loopback (`coterie run`), {args.rounds or 30} rounds, "
              "12 nodes, S1/S3 on the 1-D CNN (scenarios/). Mean test accuracy % over the clean nodes; "
              "in-cluster weight mass over the last half of the rounds (chance in brackets); "
              "kept = (acc − local) / (acc_off − local), the share of the non-private gain over local "
@@ -193,11 +268,14 @@ def markdown(table: dict, args) -> str:
              f"`defaults` = as shipped: σ = {d.noise_multiplier:g} over ≥ {d.min_batch} samples, budget "
              f"ε = {d.budget_epsilon:g} (a node refuses once it is spent; the strategy then goes on "
              "without those answers).",
-             "", "Generated by `python bench/privacy_bench.py`; each run's scenario file and results.json "
-             "are in bench/results/privacy/<scenario>/<setting>/.", ""]
+             "", "Generated by `python bench/privacy_bench.py --seeds 0,1,2`; each run's scenario file and "
+             "results.json are in bench/results/privacy/<scenario>/<setting>/ (seed 0) and "
+             "bench/results/privacy/seed<k>/<scenario>/<setting>/ (seed k). The first tables are seed 0's "
+             "full grid; the spread over the seeds follows them.", ""]
+    lines += [f"## Seed 0, every setting", ""]
     for sc, rows in table.items():
         local = rows.get("local", {}).get("off", {}).get("mean_acc")
-        lines += [f"## {sc.upper()}" + (f" (local {_pct(local)})" if local is not None else ""), "",
+        lines += [f"### {sc.upper()}" + (f" (local {_pct(local)})" if local is not None else ""), "",
                   "| strategy | setting | mean acc % | kept | in-cluster mass | ε median / max |",
                   "|---|---|---|---|---|---|"]
         for strat in [s for s in rows if s != "local"]:
@@ -214,7 +292,7 @@ def markdown(table: dict, args) -> str:
                 kept_s = "–" if kept is None or setting == "off" else f"{100 * kept:.0f}%"
                 lines.append(f"| {strat} | {LABELS[setting]} | {_pct(r['mean_acc'])} | {kept_s} | {mass} | {eps} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + seeds_markdown(agg or {}))
 
 
 def main() -> int:
@@ -224,6 +302,7 @@ def main() -> int:
     ap.add_argument("--strategies", default=",".join(PRIVATE_STRATEGIES))
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default=None, help="comma list of seeds (overrides --seed); seed 0's runs stay in --out")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "privacy")
     ap.add_argument("--report", type=Path, default=ROOT / "bench" / "results" / "privacy.md")
     ap.add_argument("--force", action="store_true", help="rerun settings that already have results")
@@ -236,19 +315,28 @@ def main() -> int:
     unknown = set(args.settings.split(",")) - set(SETTINGS)
     if unknown:
         ap.error(f"unknown setting(s) {sorted(unknown)}; known: {list(SETTINGS)}")
+    seeds = [int(k) for k in args.seeds.split(",")] if args.seeds else [args.seed]
     accountant.warm()
+
+    def report() -> str:  # every seed with results on disk (not only this invocation's)
+        have = sorted({0, *seeds, *(int(p.name[4:]) for p in args.out.glob("seed*") if p.name[4:].isdigit())})
+        tables = {k: t for k in have if (t := collect(args, k))
+                  and any(rows for rows in t.values())}
+        agg = across_seeds(tables) if len(tables) > 1 else {}
+        md = markdown(tables.get(0, {}), args, agg)
+        args.report.write_text(md)
+        args.report.with_suffix(".json").write_text(json.dumps(
+            {"per_seed": {str(k): t for k, t in tables.items()}, "across_seeds": agg}, indent=1, default=str))
+        return md
+
     if not args.report_only:
-        for setting in args.settings.split(","):
-            for sc in args.scenarios:
-                strats = (["local"] + strategies) if setting == "off" else strategies
-                run_setting(sc, setting, strats, args)
-                table = collect(args)  # after every run: a long job reports as it goes
-                args.report.write_text(markdown(table, args))
-                (args.report.with_suffix(".json")).write_text(json.dumps(table, indent=1, default=str))
-    table = collect(args)
-    args.report.write_text(markdown(table, args))
-    args.report.with_suffix(".json").write_text(json.dumps(table, indent=1, default=str))
-    print(markdown(table, args))
+        for seed in seeds:
+            for setting in args.settings.split(","):
+                for sc in args.scenarios:
+                    strats = (["local"] + strategies) if setting == "off" else strategies
+                    run_setting(sc, setting, strats, args, seed)
+                    report()  # after every run: a long job reports as it goes
+    print(report())
     return 0
 
 
