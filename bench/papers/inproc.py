@@ -95,7 +95,10 @@ class Run:
         print(f"  paper says: {paper}\n  we get:     {we}", flush=True)
 
     def write(self) -> Path:
-        path = RESULTS / f"papers_{self.name}.json"
+        # seed 0 keeps the plain name (the page's worked example); other seeds sit beside it
+        seed = self.config.get("seed", 0)
+        suffix = "" if not seed or self.name.endswith(f"_s{seed}") else f"_s{seed}"
+        path = RESULTS / f"papers_{self.name}{suffix}.json"
         path.write_text(json.dumps({"name": self.name, "config": self.config, "summary": self.summary,
                                     "claims": self.claims, "rounds": self.rounds, "wall_s": self.wall_s,
                                     "machine": platform.platform(), "torch": torch.__version__},
