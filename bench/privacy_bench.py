@@ -272,7 +272,7 @@ def markdown(table: dict, args, agg: dict | None = None) -> str:
              "results.json are in bench/results/privacy/<scenario>/<setting>/ (seed 0) and "
              "bench/results/privacy/seed<k>/<scenario>/<setting>/ (seed k). The first tables are seed 0's "
              "full grid; the spread over the seeds follows them.", ""]
-    lines += [f"## Seed 0, every setting", ""]
+    lines += ["## Seed 0, every setting", ""]
     for sc, rows in table.items():
         local = rows.get("local", {}).get("off", {}).get("mean_acc")
         lines += [f"### {sc.upper()}" + (f" (local {_pct(local)})" if local is not None else ""), "",
