@@ -116,11 +116,17 @@ def summarise(run: Run, history: list[dict], same: np.ndarray) -> None:
     run.claim("the pair weights start separating by cluster after ~300 iterations (0.75% of training)",
               f"in-cluster minus cross-cluster W > 0.1 first at step {start_sep}; at S1's 600 steps: "
               f"in {at600['W_in']:.2f}, cross {at600['W_cross']:.2f}, accuracy {100 * at600['acc']:.1f}%")
+    W_end = np.array(history[-1]["W"])
+    cross_high = int(((W_end > 0.5) & ~same & off).sum())
+    mates_low = int(((W_end <= 0.5) & same).sum())
+    why_not = (f"not within the run: at the end {cross_high} cross-cluster pairs sit above 0.5 and "
+               f"{mates_low} of {int(same.sum())} mate pairs at or below it")
+    run.summary["final"].update({"cross_pairs_above_half": cross_high, "mate_pairs_at_or_below_half": mates_low})
     run.claim("the matrix converges to the oracle's within 5,000 iterations (12.5%)",
               f"mean cross-cluster W below 0.5 at step {half}; every node ranks its mates above all others "
               f"from step {rank}; W > 0.5 exactly for mates (the oracle matrix) "
               + (f"first at step {match}, then at {100 * run.summary['oracle_match_share_after']:.0f}% of the "
-                 f"later records" if match is not None else "not within the run: a few cross pairs stay high")
+                 f"later records" if match is not None else why_not)
               + f" (run: {history[-1]['steps']} steps); accuracy {100 * history[-1]['acc']:.1f}% at the end")
     run.claim("(S1's budget) COBO is run for 40,000 iterations in the paper; S1 gives it 600 steps",
               f"mean accuracy first ≥ S1's local + 3 points ({100 * (LOCAL_S1 + 0.03):.0f}%) at step {beats}, "
