@@ -150,10 +150,20 @@ def fmt(v, pct=False):
     return f"{100 * v:.1f}" if pct else (f"{v:.3f}" if isinstance(v, float) else str(v))
 
 
-def markdown(all_metrics: dict) -> str:
-    lines = []
+def markdown(all_metrics: dict, runs: dict | None = None) -> str:
+    """summary.md: one seed per scenario. ``runs``: scenario -> its results.json (when and how it ran)."""
+    lines = ["# Strategies, one run per scenario (bench/strategy_bench.py)", "",
+             "One `coterie run` per scenario at the seed given (default: the scenario's own, 0); the "
+             "backend and date of each run are under its heading. A single run is not a result: the "
+             "headline — three seeds, mean ± 95% CI, paired gains, the oracle's share — is "
+             "[seeds.md](seeds.md). Code changed since a run's date is not in its row.", ""]
     for sc, rows in all_metrics.items():
-        lines += [f"### {sc}", "", "| strategy | mean acc % | worst-10% acc % | beats local % | in-cluster mass (chance) | AUROC | max w on noisy | KB/node/round | wall s |",
+        res = (runs or {}).get(sc) or {}
+        lines += [f"### {sc}", ""]
+        if res:
+            lines += [f"Run {res.get('created', '?')}, backend `{res.get('backend', 'processes')}`, "
+                      f"seed {res.get('scenario', {}).get('seed', '?')}.", ""]
+        lines += [ "| strategy | mean acc % | worst-10% acc % | beats local % | in-cluster mass (chance) | AUROC | max w on noisy | KB/node/round | wall s |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for name, r in rows.items():
             lines.append(f"| {name} | {fmt(r['mean_acc'], True)} | {fmt(r['worst10_acc'], True)} | "
@@ -358,7 +368,9 @@ def main() -> int:
         summary[sc] = metrics(res)
         heatmaps(res, args.out, sc)
         summary_path.write_text(json.dumps(summary, indent=2))
-        (args.out / "summary.md").write_text(markdown(summary))
+        runs = {k: json.loads(p.read_text()) for k in summary
+                if (p := args.out / f"{k}_results.json").exists()}
+        (args.out / "summary.md").write_text(markdown(summary, runs))
         print(markdown({sc: summary[sc]}), flush=True)
     return 0
 
