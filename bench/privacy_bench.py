@@ -272,7 +272,12 @@ def markdown(table: dict, args, agg: dict | None = None) -> str:
              "results.json are in bench/results/privacy/<scenario>/<setting>/ (seed 0) and "
              "bench/results/privacy/seed<k>/<scenario>/<setting>/ (seed k). The first tables are seed 0's "
              "full grid; the spread over the seeds follows them.", ""]
-    lines += ["## Seed 0, every setting", ""]
+    ran = {setting for rows in table.values() for r in rows.values() for setting in r}
+    if not ran & {"sigma0", "sigma0.5", "sigma1", "sigma2"}:
+        lines += ["The σ sweep (`--settings sigma1,sigma2`) is not in this version: it last ran on "
+                  "2026-11-26's code (`git show 5715be6:bench/results/privacy.md`), before FedeRiCo's and "
+                  "COBO's fixes, and was dropped rather than mixed with rows of the current code.", ""]
+    lines += ["## Seed 0, every setting run", ""]
     for sc, rows in table.items():
         local = rows.get("local", {}).get("off", {}).get("mean_acc")
         lines += [f"### {sc.upper()}" + (f" (local {_pct(local)})" if local is not None else ""), "",

@@ -238,12 +238,15 @@ BELOW_ORACLE: dict[tuple[str, str], str] = {
     ("s3", "cobo"): "its weights hardly favour the clean nodes (in-cluster mass 0.88 against a chance "
                     "of 0.82): the noisy nodes keep weight (the sign rule, as on S1).",
     ("s3", "l2c"): "every weight it keeps is on clean peers (in-cluster mass 1.00), but L2C keeps "
-                   "⌈10% × 11⌉ = 2 of them at T0 where the oracle averages with all 9; "
-                   "`pruning_s3_keep0.5.md` measures a wider keep on the same seeds.",
-    ("s3", "meta-l2c"): "as L2C: 2 of the 9 clean peers kept at T0 (`pruning_s3_keep0.5.md`).",
-    ("s3", "scool-sbm"): "as L2C: SCool's code keeps int(20% × 11) = 2 of the 9 clean peers "
-                         "(`pruning_s3_keep0.5.md`).",
-    ("s3", "scool-attention"): "as SCool-SBM: 2 of the 9 clean peers kept (`pruning_s3_keep0.5.md`).",
+                   "⌈10% × 11⌉ = 2 of them at T0 where the oracle averages with all 9. Keeping half "
+                   "(6 of 11) on the same seeds: 0.90 of the oracle's gain, in-cluster mass still 1.00 "
+                   "(`pruning_s3_keep0.5.md`).",
+    ("s3", "meta-l2c"): "as L2C: 2 of the 9 clean peers kept at T0; keeping 6 of 11: 0.92 "
+                        "(`pruning_s3_keep0.5.md`).",
+    ("s3", "scool-sbm"): "as L2C: SCool's code keeps int(20% × 11) = 2 of the 9 clean peers; "
+                         "keeping 5 of 11: 0.78 (`pruning_s3_keep0.5.md`).",
+    ("s3", "scool-attention"): "as SCool-SBM: 2 of the 9 clean peers kept; keeping 5 of 11: 0.78 "
+                               "(`pruning_s3_keep0.5.md`).",
 }
 
 
