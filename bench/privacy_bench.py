@@ -41,7 +41,7 @@ import tomli_w
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from strategy_bench import SCENARIOS, metrics  # noqa: E402
+from strategy_bench import SCENARIOS, mean_ci, metrics  # noqa: E402
 
 from coterie.node.config import PrivacyConfig  # noqa: E402
 from coterie.node.privacy import accountant  # noqa: E402
@@ -197,7 +197,6 @@ def kept_share(rows: dict, strat: str, setting: str) -> float | None:
 
 def across_seeds(tables: dict[int, dict]) -> dict:
     """Per scenario, strategy and setting run in every seed: the seeds' values and mean ± 95% CI."""
-    from strategy_bench import mean_ci
     seeds = sorted(tables)
     out: dict = {}
     for sc in tables[seeds[0]]:
@@ -217,17 +216,16 @@ def across_seeds(tables: dict[int, dict]) -> dict:
                     "in_cluster_mass": [r["in_cluster_mass"] for r in per],
                     "eps_max": max((r["eps_max"] for r in per if r.get("eps_max") is not None), default=None)}
         for strat, settings in out.get(sc, {}).items():  # kept from the seeds' mean gains (a ratio of means)
-            off, loc = settings.get("off"), out[sc].get("local", {}).get("off")
+            off = settings.get("off")
             for setting, r in settings.items():
-                if off and loc and r["gain_ci"] and off["gain_ci"] and off["gain_ci"][0] > 1e-9:
+                if off and r["gain_ci"] and off["gain_ci"] and off["gain_ci"][0] > 1e-9:
                     r["kept_of_mean_gains"] = r["gain_ci"][0] / off["gain_ci"][0]
     return out
 
 
-def seeds_markdown(agg: dict) -> list[str]:
+def seeds_markdown(agg: dict, seeds: list[int]) -> list[str]:
     if not agg:
         return []
-    seeds = next(iter(next(iter(next(iter(agg.values())).values())).values()))["seeds"]
     lines = [f"## Across seeds {seeds}", "",
              "The settings run with every seed. Accuracy and gain over local (paired: the same seed's "
              "local run) as mean ± 95% CI (Student t over the seeds); kept = mean gain under privacy / "
@@ -254,7 +252,7 @@ def seeds_markdown(agg: dict) -> list[str]:
     return lines
 
 
-def markdown(table: dict, args, agg: dict | None = None) -> str:
+def markdown(table: dict, args, agg: dict | None = None, seeds: list[int] | None = None) -> str:
     d = PrivacyConfig()
     lines = ["# Utility under privacy", "",
              f"Real daemons on loopback (`coterie run`), {args.rounds or 30} rounds, "
@@ -284,20 +282,17 @@ def markdown(table: dict, args, agg: dict | None = None) -> str:
                   "| strategy | setting | mean acc % | kept | in-cluster mass | ε median / max |",
                   "|---|---|---|---|---|---|"]
         for strat in [s for s in rows if s != "local"]:
-            off = rows[strat].get("off", {}).get("mean_acc")
             for setting in SETTINGS:
                 r = rows[strat].get(setting)
                 if r is None:
                     continue
-                kept = None
-                if local is not None and off is not None and off - local > 1e-9:
-                    kept = (r["mean_acc"] - local) / (off - local)
+                kept = kept_share(rows, strat, setting)
                 mass = "–" if r["in_cluster_mass"] is None else f"{r['in_cluster_mass']:.2f} ({r['in_cluster_chance']:.2f})"
                 eps = "–" if setting == "off" else f"{_eps(r['eps_median'])} / {_eps(r['eps_max'])}"
                 kept_s = "–" if kept is None or setting == "off" else f"{100 * kept:.0f}%"
                 lines.append(f"| {strat} | {LABELS[setting]} | {_pct(r['mean_acc'])} | {kept_s} | {mass} | {eps} |")
         lines.append("")
-    return "\n".join(lines + seeds_markdown(agg or {}))
+    return "\n".join(lines + seeds_markdown(agg or {}, seeds or []))
 
 
 def main() -> int:
@@ -328,7 +323,7 @@ def main() -> int:
         tables = {k: t for k in have if (t := collect(args, k))
                   and any(rows for rows in t.values())}
         agg = across_seeds(tables) if len(tables) > 1 else {}
-        md = markdown(tables.get(0, {}), args, agg)
+        md = markdown(tables.get(0, {}), args, agg, sorted(tables))
         args.report.write_text(md)
         args.report.with_suffix(".json").write_text(json.dumps(
             {"per_seed": {str(k): t for k, t in tables.items()}, "across_seeds": agg}, indent=1, default=str))

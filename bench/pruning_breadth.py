@@ -30,9 +30,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from strategy_bench import SCENARIOS, mean_ci, metrics  # noqa: E402
 
-# strategy -> (its keep parameter, how the keep share maps onto it)
+from coterie.node.strategies.l2c import L2C, MetaL2C  # noqa: E402
+from coterie.node.strategies.scool import SCoolAttention, SCoolSBM  # noqa: E402
+
+# strategy -> (its keep parameter, how a keep share maps onto it and back: L2C removes, SCool keeps)
 KEEP_PARAM = {"l2c": ("prune_fraction", lambda k: 1.0 - k), "meta-l2c": ("prune_fraction", lambda k: 1.0 - k),
               "scool-sbm": ("keep_fraction", lambda k: k), "scool-attention": ("keep_fraction", lambda k: k)}
+# the papers' keep, as the strategies ship it
+PAPER_KEEP = {name: round(KEEP_PARAM[name][1](cls.defaults[KEEP_PARAM[name][0]]), 6)
+              for name, cls in (("l2c", L2C), ("meta-l2c", MetaL2C), ("scool-sbm", SCoolSBM),
+                                ("scool-attention", SCoolAttention))}
 
 
 def main() -> int:
@@ -80,9 +87,8 @@ def main() -> int:
     og = float(np.mean([base[str(k)]["oracle"]["mean_acc"] - base[str(k)]["local"]["mean_acc"] for k in seeds]))
     n_peers = len(json.loads((out / f"seed{seeds[0]}" / "results.json").read_text())["node_ids"]) - 1
     for s in strategies:
-        name, f = KEEP_PARAM[s]
-        default_keep = {"prune_fraction": 0.1, "keep_fraction": 0.2}[name]
-        for label, keep, src in (("paper default", default_keep, base), (f"{args.keep:g}", args.keep, None)):
+        name = KEEP_PARAM[s][0]
+        for label, keep, src in (("paper default", PAPER_KEEP[s], base), (f"{args.keep:g}", args.keep, None)):
             accs, gains, mass = [], [], []
             for k in seeds:
                 m = base[str(k)] if src is not None else per_seed[k]
