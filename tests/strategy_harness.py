@@ -240,6 +240,7 @@ class Hub:
         self.nodes: dict[str, Node] = {}
         self.calls: dict[str, int] = {}
         self.wait_s = wait_s  # default bound of a round-aligned pull (the daemon: its request timeout)
+        self.noised = False  # what releases_noised() answers (the daemon: privacy on and σ > 0)
         self._published: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
 
     def count(self, what: str) -> None:
@@ -380,6 +381,9 @@ class InProcessNetwork:
         me = self.hub.nodes[self.node_id]
         out, me.inbox = me.inbox, []
         return out
+
+    def releases_noised(self) -> bool:
+        return self.hub.noised  # private_gradient here is exact; a test may say it is not
 
     async def gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
         n = self._peer(peer)

@@ -52,7 +52,7 @@ def fed(tmp_path_factory):
     """A FedeRiCo victim and its honest FedeRiCo peer, pushing gradients to each other."""
     root = tmp_path_factory.mktemp("limits")
     base = {"strategy": "federico", "round_interval_s": 0.3, "learner": tiny_learner(2, 0),
-            "strategy_params": {"local_steps": 2}}
+            "strategy_params": {"local_steps": 2, "peer_term": "push"}}  # pushes under DP too: their defences are the subject
     n0 = NodeProc(root, "n0", base).start()
     victim = NodeProc(root, "victim", {
         **base, "learner": tiny_learner(2, 1), "peers": [n0.address],

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coterie.node.strategies.base import PushedGradient
-from coterie.node.strategies.federico import FedeRiCo, federico_combine, federico_ema, federico_weights
+from coterie.node.strategies.federico import FedeRiCo, federico_combine, federico_ema, federico_mix, federico_weights
 from strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
 
 torch.set_num_threads(1)
@@ -286,3 +286,53 @@ def test_the_default_own_loss_keeps_pushes_from_pulling_clusters_together():
     track = accuracy(FedeRiCo, {"local_steps": 10, "own_loss": "track"})
     assert default >= local - 0.01, (default, local)
     assert track < local - 0.03, (track, local)  # the failure mode the default avoids
+
+
+def test_mix_of_sampled_models_weights_them_by_the_estep():
+    own = {"w": torch.tensor([1.0, 0.0])}
+    a, b = {"w": torch.tensor([0.0, 2.0])}, {"w": torch.tensor([4.0, 4.0])}
+    out = federico_mix(own, 0.5, [(0.25, a), (0.0, b)])  # b's zero weight: not mixed in
+    assert torch.allclose(out["w"], (0.5 * own["w"] + 0.25 * a["w"]) / 0.75)
+    assert federico_mix(own, 0.0, [(0.0, a)]) is own  # no weight anywhere: my own model
+
+
+def test_under_dp_noise_the_peer_terms_come_from_published_models_and_nothing_is_released():
+    """``peer_term = "auto"`` with noised releases (privacy on, the node default): a push there is
+    ~98% noise (bench/push_snr.py), so the M-step takes its peer terms from the sampled peers'
+    published models — one E-step-weighted mixing step, then the local steps — and releases
+    nothing computed on my data. On the old code the round pushed a DP gradient to every sampled
+    peer and applied the noisy pushes it received."""
+    params = {"num_neighbours": 2, "eps": 0.0, "grad_samples": None, "local_steps": 1}
+    hub = build_network(FedeRiCo, params, num_nodes=5, num_clusters=1, learner_kw={"lr": 0.1})
+    hub.noised = True
+    for i in range(1, 5):  # peers that have trained apart from n0 (the harness starts everyone at θ⁰)
+        peer = hub.nodes[f"n{i}"]
+        peer.learner.train(steps=3 * i)
+        hub.publish(peer.node_id, 1)
+    n0 = hub.nodes["n0"]
+    s = n0.strategy
+    theta = n0.learner.get_params()
+    n0.inbox = [PushedGradient("n1", 0, {k: 1e3 * torch.ones_like(v) for k, v in theta.items()})]
+    first_step: list = []
+    step = n0.learner.apply_gradient
+    n0.learner.apply_gradient = lambda g: (first_step.append(n0.learner.get_params()) if not first_step else None, step(g))[1]
+    asyncio.run(s.run_round(1))
+    assert hub.calls.get("private_gradient", 0) == 0 and hub.calls.get("push", 0) == 0
+    assert s.public_state()["peer_term"] == "model" and s.public_state()["pushed_applied"] == 0
+    assert n0.inbox == []  # the noisy push was drained, not applied
+    w = s.weights()
+    sampled = [p for p in w if p != "n0" and w[p] > 0]
+    assert len(sampled) == 2
+    ref = federico_mix(theta, w["n0"], [(w[p], hub.nodes[p].snapshot.params) for p in sampled])
+    for k in theta:  # the local step ran on the mix of me and the two sampled models
+        assert torch.allclose(first_step[0][k], ref[k], atol=1e-6)
+        assert not torch.allclose(first_step[0][k], theta[k])
+    # exact releases (privacy off, the papers' setting): the same round pushes, as Alg. 1 does
+    hub2 = build_network(FedeRiCo, params, num_nodes=5, num_clusters=1)
+    asyncio.run(hub2.nodes["n0"].strategy.run_round(1))
+    assert hub2.calls.get("push", 0) == 2 and hub2.nodes["n0"].strategy.public_state()["peer_term"] == "push"
+
+
+def test_peer_term_must_be_known():
+    with pytest.raises(ValueError, match="peer_term"):
+        build_network(FedeRiCo, {"peer_term": "gradients"}, num_nodes=2, num_clusters=1)

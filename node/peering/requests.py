@@ -158,6 +158,9 @@ class PeerRequests:
     def drain_pushed(self) -> list[PushedGradient]:
         return self.inbox.drain()
 
+    def releases_noised(self) -> bool:
+        return bool(self.private.cfg.enabled and self.private.cfg.noise_multiplier > 0)
+
     async def gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
         address = self._address(peer)
         if address is None:
