@@ -159,7 +159,8 @@ class PeerRequests:
         return self.inbox.drain()
 
     def releases_noised(self) -> bool:
-        return bool(self.private.cfg.enabled and self.private.cfg.noise_multiplier > 0)
+        noised = self.private.cfg.enabled and self.private.cfg.noise_multiplier > 0
+        return bool(noised or self.private.withheld() is not None)  # withheld: too few samples to release
 
     async def gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
         address = self._address(peer)

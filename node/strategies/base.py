@@ -111,8 +111,9 @@ class PeerNetwork(Protocol):
 
     def releases_noised(self) -> bool:
         """Whether what this node releases about its data (``private_gradient``, the cross-losses
-        and -gradients it serves) carries DP noise (privacy on, σ > 0): a strategy may then
-        prefer evidence that needs no release (FedeRiCo's ``peer_term = "auto"``)."""
+        and -gradients it serves) carries DP noise (privacy on, σ > 0) or is withheld (its own
+        files hold fewer than ``privacy.min_batch`` samples): a strategy may then prefer evidence
+        that needs no release (FedeRiCo's ``peer_term = "auto"``)."""
 
     async def gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
         """Send a small msgpack-able payload (vectors as lists or float32 ndarrays); get the peer's

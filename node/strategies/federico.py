@@ -78,7 +78,8 @@ Settled open choices (see ``defaults``):
   Σ_b w_ib θ_b) / (w_ii + Σ_b w_ib), then the local steps on my data. The E-step and the mixture
   prediction are the paper's. ``"auto"`` (default) pushes when my releases are exact (privacy
   off: the paper's setting, every scenario under scenarios/) and uses ``"model"`` when they are
-  noised. Mixing over the sampled peers only, not every cached one, keeps the early rounds' weights
+  noised or withheld (own files with fewer samples than privacy.min_batch release nothing).
+  Mixing over the sampled peers only, not every cached one, keeps the early rounds' weights
   (before the clusters show) from averaging across clusters: 65.2% against 60.5% on S1 seed 0.
 """
 from __future__ import annotations
