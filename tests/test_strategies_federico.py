@@ -313,9 +313,14 @@ def test_under_dp_noise_the_peer_terms_come_from_published_models_and_nothing_is
     s = n0.strategy
     theta = n0.learner.get_params()
     n0.inbox = [PushedGradient("n1", 0, {k: 1e3 * torch.ones_like(v) for k, v in theta.items()})]
-    first_step: list = []
+    first_step: list = []  # the parameters the round's first gradient step starts from
     step = n0.learner.apply_gradient
-    n0.learner.apply_gradient = lambda g: (first_step.append(n0.learner.get_params()) if not first_step else None, step(g))[1]
+
+    def recording_step(g):
+        if not first_step:
+            first_step.append(n0.learner.get_params())
+        step(g)
+    n0.learner.apply_gradient = recording_step
     asyncio.run(s.run_round(1))
     assert hub.calls.get("private_gradient", 0) == 0 and hub.calls.get("push", 0) == 0
     assert s.public_state()["peer_term"] == "model" and s.public_state()["pushed_applied"] == 0

@@ -221,9 +221,8 @@ class FedeRiCo(Strategy):
         self._w = self._weights()
 
         gs = self.p["grad_samples"]
-        steps = self.learner.steps_per_round() if self.p["local_steps"] is None else int(self.p["local_steps"])
         if self._peer_term() == "model":
-            return await self._model_mstep(snaps, own, gs, max(1, steps))
+            return await self._model_mstep(snaps, own, gs)
 
         # M-step, sender side (l.17-19): push w_ib ∇ loss(θ_b; my data) to each sampled b
 
@@ -240,17 +239,23 @@ class FedeRiCo(Strategy):
         # every step (module doc), the pushes bounded (one per peer, clipped, at most max_pushes)
         received = self._accept(self.net.drain_pushed(), own)
         w_self = self._w.get(self.node_id, 0.0)
-        train_losses = []
-        for step in range(max(1, steps)):
-            g_own, r = await self.compute(self.learner.gradient, None, "train", gs)
-            train_losses.append(r.loss)
-            if step == 0:
-                received = self._bound(received, C.l2_norm(g_own))
-            total = federico_combine(g_own, w_self, received)
-            await self.compute(self.learner.apply_gradient, total)
+        train_losses = await self._m_steps(gs, w_self, received)
         return RoundReport(train_loss=float(np.mean(train_losses)), contacted=sorted(snaps),
                            info={"peer_term": "push", "pushed": sorted(k for k, ok in pushed.items() if ok),
                                  "received": len(received), "w_self": w_self})
+
+    async def _m_steps(self, gs: int | None, w_self: float, received: list[Params]) -> list[float]:
+        """The round's M-step gradient steps (Alg. 1 l.24): w_ii ∇ℓ_i(θ_i) + the pushes received,
+        in every step, each push bounded by the first step's own gradient. Returns the losses."""
+        steps = self.learner.steps_per_round() if self.p["local_steps"] is None else int(self.p["local_steps"])
+        losses = []
+        for step in range(max(1, steps)):
+            g_own, r = await self.compute(self.learner.gradient, None, "train", gs)
+            losses.append(r.loss)
+            if step == 0:
+                received = self._bound(received, C.l2_norm(g_own))
+            await self.compute(self.learner.apply_gradient, federico_combine(g_own, w_self, received))
+        return losses
 
     def _peer_term(self) -> str:
         term = str(self.p["peer_term"])
@@ -258,23 +263,21 @@ class FedeRiCo(Strategy):
             return "model" if self.net.releases_noised() else "push"
         return term
 
-    async def _model_mstep(self, snaps: dict[str, Any], own: Params, gs: int | None, steps: int) -> RoundReport:
-        """M-step with the peer terms from the sampled peers' published models (module doc):
-        one mixing step, then the local steps on my data. Nothing computed on my data leaves."""
+    async def _model_mstep(self, snaps: dict[str, Any], own: Params, gs: int | None) -> RoundReport:
+        """M-step with the peer terms from the sampled peers' published models (module doc): one
+        mixing step, then the local steps on my data (no pushes). Nothing computed on my data leaves."""
+        w_self = self._w.get(self.node_id, 0.0)
         members = [(self._w.get(p, 0.0), s.params) for p, s in snaps.items()]
-        mixed = federico_mix(own, self._w.get(self.node_id, 0.0), members)
+        mixed = federico_mix(own, w_self, members)
         if mixed is not own:
             self.learner.set_params(mixed)
         ignored = len(self.net.drain_pushed())  # a pushing peer's gradients: not this M-step's
         self._dropped += ignored
-        train_losses = []
-        for _ in range(steps):
-            g_own, r = await self.compute(self.learner.gradient, None, "train", gs)
-            train_losses.append(r.loss)
-            await self.compute(self.learner.apply_gradient, g_own)
+        # my own gradient at full weight: the mixing step has already weighed me against my peers
+        train_losses = await self._m_steps(gs, 1.0, [])
         return RoundReport(train_loss=float(np.mean(train_losses)), contacted=sorted(snaps),
                            info={"peer_term": "model", "mixed": sum(1 for w, _ in members if w > 0),
-                                 "received": ignored, "w_self": self._w.get(self.node_id, 0.0)})
+                                 "received": ignored, "w_self": w_self})
 
     def _accept(self, items: list, like: Params) -> list[Params]:
         """The round's pushes worth applying: fresh enough, the right shapes, and only the newest
