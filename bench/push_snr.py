@@ -27,6 +27,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.func import functional_call, grad, vmap
 
@@ -48,26 +49,29 @@ def s1_learner(index: int, seed: int):
         batch_size=32, device="cpu", init_seed=seed, data_seed=seed))
 
 
-def per_sample(mine, params) -> torch.Tensor:
-    """Per-sample gradients of ``params`` on the whole train split of ``mine`` (n × d)."""
+def per_sample_norms(mine, params) -> torch.Tensor:
+    """The norm of each training sample's gradient of ``params`` on ``mine``'s data (what the
+    mechanism clips, and what adaptive clipping would set C from)."""
     x, y = mine._data["train"]
     p = {k: torch.as_tensor(v) for k, v in params.items()}
 
     def loss(ps, xi, yi):
         return mine._loss_fn(functional_call(mine._shadow, ps, (mine._x(xi.unsqueeze(0)),)), yi.unsqueeze(0), "sum")
     g = vmap(grad(loss), in_dims=(None, 0, 0))(p, x, y)
-    return torch.cat([g[k].reshape(len(x), -1) for k in mine._names], 1).detach()
+    return torch.cat([g[k].reshape(len(x), -1) for k in mine._names], 1).detach().norm(dim=1)
 
 
-def setting(flat: torch.Tensor, clip: float, sigma: float, batch: int) -> dict[str, float]:
-    n, d = flat.shape
-    norms = flat.norm(dim=1)
-    clipped = flat * (clip / (norms + 1e-6)).clamp(max=1.0)[:, None]
-    signal = float(clipped.mean(0).norm())  # E[released] = the clipped mean (Poisson: × n/n)
+def setting(mine, params, clip: float, sigma: float, batch: int) -> dict[str, float]:
+    """Signal (the clipped mean the mechanism's release has as its expectation, computed by the
+    learner's own clipped sum, privacy/mechanisms.py's path), noise norm, SNR and ε."""
+    n = mine.num_samples("train")
+    total = mine.clipped_gradient_sum(params, "train", np.arange(n), clip)
+    signal = math.sqrt(sum(float((t.double() ** 2).sum()) for t in total.values())) / n
+    d = sum(t.numel() for t in total.values())
     noise = sigma * clip * math.sqrt(d) / batch
     eps = accountant.epsilon([(sigma, min(1.0, batch / n), RELEASES)], DELTA)
     return {"clip": clip, "sigma": sigma, "batch": batch, "signal": signal, "noise": noise,
-            "snr": signal / noise, "epsilon_90_releases": eps}
+            "snr": signal / noise, "epsilon_90_releases": eps, "d": d}
 
 
 def main() -> int:
@@ -84,16 +88,17 @@ def main() -> int:
         if step > done:
             mate.train(steps=step - done)
             done = step
-        flat = per_sample(mine, mate.get_params())
-        med = float(flat.norm(dim=1).median())
-        exact = float(flat.mean(0).norm())
+        params = mate.get_params()
+        med = float(per_sample_norms(mine, params).median())
+        g, _ = mine.gradient(params, "train", None, "mean")
+        exact = math.sqrt(sum(float((t.double() ** 2).sum()) for t in g.values()))
         for name, (c, s, b) in {"default": (1.0, 2.0, 64), "whole split": (1.0, 2.0, n),
                                 "adaptive C": (med, 2.0, 64),
                                 "whole split, σ=1": (1.0, 1.0, n)}.items():
             rows.append({"mate_steps": step, "setting": name, "exact_mean_grad_norm": exact,
-                         "median_sample_norm": med, **setting(flat, c, s, b)})
+                         "median_sample_norm": med, **setting(mine, params, c, s, b)})
     print(f"S1 seed {args.seed}: a cluster mate's model differentiated on node 0's {n} training samples, "
-          f"d = {flat.shape[1]}; ε: {RELEASES} releases at δ = {DELTA}")
+          f"d = {rows[0]['d']}; ε: {RELEASES} releases at δ = {DELTA}")
     print(f"{'mate steps':>10} {'setting':>18} {'exact ‖g‖':>10} {'median ‖g_i‖':>12} {'signal':>8} "
           f"{'noise':>8} {'SNR':>7} {'ε':>8}")
     for r in rows:
