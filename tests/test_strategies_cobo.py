@@ -145,7 +145,7 @@ def test_an_exchange_standing_for_k_pair_updates_moves_both_ends_by_k():
 
 
 def test_in_process_network_disconnects_clusters_and_resumes():
-    hub = build_network(COBO, {"gamma": 0.1})
+    hub = build_network(COBO, {"gamma": 0.1, "local_steps": 5})
     # 12 rounds: each pair is updated by its smaller id only, at most once a round
     asyncio.run(run_rounds(hub, 12))
     mass, per_node, chance = in_cluster_mass(hub)
@@ -156,7 +156,7 @@ def test_in_process_network_disconnects_clusters_and_resumes():
             if hub.nodes[p].cluster != node.cluster:
                 assert w < 0.05
     s = hub.nodes["n2"].strategy
-    s2 = COBO("n2", s.learner, s.net, {"gamma": 0.1}, seed=8)
+    s2 = COBO("n2", s.learner, s.net, {"gamma": 0.1, "local_steps": 5}, seed=8)
     s2.load_state_dict(msgpack_roundtrip_state(s.state_dict()))
     assert s2.public_state() == s.public_state()
 
@@ -179,3 +179,49 @@ def test_an_exchange_standing_for_k_updates_draws_k_minibatches_worth_of_samples
     asyncio.run(s.run_round(1))
     assert seen and set(seen) == {32}
     assert s.align_samples(0.5) == 8 and s.align_samples(1.0) == 8
+
+
+def test_by_default_cobo_trains_the_nodes_budget_with_the_nodes_optimizer():
+    """A node that sets its learner (optimizer, steps per round) and picks COBO trains that budget
+    with that optimizer, as under every other strategy: the defaults were 5 plain-SGD steps at
+    COBO's own lr 0.1 a round, which left COBO 20 points below local on the demo network."""
+    hub = build_network(COBO, None, num_nodes=3, num_clusters=1)
+    s = hub.nodes["n0"].strategy
+    s.learner.steps_per_round = lambda: 7
+    applied = []
+    orig = s.learner.apply_gradient
+
+    def counting(grad):
+        applied.append(1)
+        return orig(grad)
+
+    s.learner.apply_gradient = counting
+    asyncio.run(s.run_round(1))
+    assert s.public_state()["steps"] == 7
+    assert len(applied) == 7  # every gradient step went through the node's optimizer
+    assert s.pair_schedule(3) == pytest.approx((1.0, 7 * 2 / 3))  # k counts the same 7 steps
+
+
+@pytest.mark.parametrize("key,value", [("optimizer", "adam"), ("schedule", "cosine")])
+def test_an_unknown_optimizer_or_schedule_is_refused(key, value):
+    with pytest.raises(ValueError, match=key):
+        build_network(COBO, {key: value}, num_nodes=2, num_clusters=1)
+
+
+def test_under_noised_releases_an_exchange_releases_one_minibatch():
+    """Under DP a batch of ⌈k⌉ minibatches (up to the whole split) gives up subsampling's
+    amplification: on a 4-node network at 20 steps a round the first release exceeded a peer's
+    share of the budget and COBO never moved a pair weight. One minibatch per release instead."""
+    hub = build_network(COBO, {"local_steps": 6, "grad_samples": 8}, num_nodes=3, num_clusters=3)
+    hub.noised = True
+    s = hub.nodes["n0"].strategy
+    seen = []
+    orig = s.net.private_gradient
+
+    async def recording(peer, params, **kw):
+        seen.append(kw.get("max_samples"))
+        return await orig(peer, params, **kw)
+
+    s.net.private_gradient = recording
+    asyncio.run(s.run_round(1))
+    assert seen and set(seen) == {8}

@@ -10,8 +10,10 @@ Round at node i:
     w_ij ← clip_[0,1](w_ij + γ ⟨∇f_i(z), ∇f_j(z)⟩). Both ends hold the same value.
   Model step (eq. 2/3), S times: x_i ← x_i − η (g_i + ρ Σ_k w_ik (x_i − x_k)), x_k the snapshots
     of the neighbours with w_ik > 0 pulled once this round (stale within the S steps); g_i a
-    0.9-momentum EMA of minibatch gradients (*code*); a plain SGD step with η = ``lr`` (eq. 3).
-    ``optimizer = "learner"`` splits eq. 3 in its two terms: the consensus term stays eq. 3's plain
+    0.9-momentum EMA of minibatch gradients (*code*); a plain SGD step with η = ``lr`` (eq. 3):
+    ``optimizer = "sgd"``, the paper's and the authors' step (bench/papers pins it).
+    ``optimizer = "learner"`` (default: a node trains with the optimizer its owner configured, as
+    under every other strategy) splits eq. 3 in its two terms: the consensus term stays eq. 3's plain
     step x_i ← x_i − ηρ Σ_k w_ik (x_i − x_k) (COBO's η), and the node's own optimizer (S1: Adam, as
     local and every other strategy) takes the step on the raw minibatch gradient (its own moment
     estimate replaces the 0.9 EMA). With an SGD learner of lr η and no EMA this is eq. 3 exactly.
@@ -19,14 +21,16 @@ Round at node i:
     balance: Adam scales every coordinate to ~lr, so the small but consistent pull outweighed the
     noisy gradient; on S3 the models crawled to a train loss of 1.4 in 600 steps.)
 *decentral*: the paper updates W every step with per-pair probability p(t); exchanging every step
-is too chatty for a network, so S local steps run between exchanges, and each exchange carries
+is too chatty for a network, so S local steps run between exchanges (``local_steps``; default the
+learner's steps per round, so COBO trains the budget local training does), and each exchange carries
 the paper's expected number of pair updates over those S steps, k = Σ_{t in the S steps} p(t):
 a pair is updated with probability min(1, k), by max(1, k)·γ⟨·,·⟩ (the initiator scales the
 gradient it sends by max(1, k), so both ends apply the same value). The k updates the paper makes
 each draw a fresh minibatch, so their sum has the noise of one minibatch ×√k; one inner product
 scaled by k would have k× the noise (on S1 at k = 20: single updates of ±1, W jumping between 0 and
 1 at random). The exchange's gradients are therefore taken on k minibatches' worth of samples
-(``grad_samples`` × ⌈k⌉, at most the whole split).
+(``grad_samples`` × ⌈k⌉, at most the whole split; one minibatch when releases are DP-noised, see
+``align_samples``).
 Pair schedule p(t), the paper's *mixed* strategy (§4, Table 1: the best of the four): the constant
 rate O(1/n) — 2/n per unordered pair, Alg. 1 l.11's 1/n per ordered pair — for the first 0.2% of
 the iterations (``warm_fraction`` × ``total_steps``; the paper's run: 40,000), then the
@@ -85,11 +89,13 @@ class COBO(Strategy):
     defaults = {
         "rho": 0.05,              # ρ consensus penalty (*code* README); keep η·ρ·degree < 1
         "gamma": 0.01,            # γ step of the pair-weight ascent (*code* README)
-        "local_steps": 5,         # *decentral*: S model steps between exchanges (paper: exchange each step)
+        "local_steps": None,      # *decentral*: S model steps between exchanges (paper: exchange each step);
+                                  # None = the learner's steps per round, the budget every strategy trains
         "grad_samples": 32,       # one fresh minibatch per gradient (Alg. 1 l.4, l.13)
         "grad_momentum": 0.9,     # *code*: g_i is a 0.9-momentum EMA of the minibatch gradients
         "lr": 0.1,                # η of eq. 3, ALGORITHMS (COBO lr 0.1)
-        "optimizer": "sgd",       # eq. 3's plain step; "learner" = the node's optimizer (module doc)
+        "optimizer": "learner",   # the node's optimizer on g, eq. 3's consensus pull a plain step; "sgd" =
+                                  # eq. 3 throughout at COBO's lr (the paper, bench/papers; module doc)
         "pair_rate": None,        # constant-phase pair probability; None = 2/n (Alg. 1 l.11: 1/n per ordered pair)
         "schedule": "mixed",      # §4 Table 1's mixed strategy (module doc); "code": 2/n then 1/√t after 800 steps
         "total_steps": 40000,     # iterations the 0.2% refers to (the paper's cross-silo run)
@@ -100,6 +106,9 @@ class COBO(Strategy):
 
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
+        for key, allowed in (("optimizer", ("learner", "sgd")), ("schedule", ("mixed", "code"))):
+            if self.p[key] not in allowed:
+                raise ValueError(f"cobo: {key} must be one of {list(allowed)}, not {self.p[key]!r}")
         self._w: dict[str, float] = {}        # w_ij, starts at 1 (Alg. 1 input W⁰ = 1)
         self._m: Params | None = None         # momentum EMA of gradients
         self._steps = 0
@@ -118,9 +127,14 @@ class COBO(Strategy):
             return float(const)
         return min(1.0, float(self.p["time_constant"]) / (t + 1))
 
+    def steps_per_exchange(self) -> int:
+        """S: model steps between two exchanges (``local_steps``, else the learner's per round)."""
+        S = self.p["local_steps"]
+        return max(1, int(self.learner.steps_per_round() if S is None else S))
+
     def expected_pair_updates(self, n_nodes: int) -> float:
         """k: the paper's expected number of updates of one pair over my next S model steps."""
-        S = max(1, int(self.p["local_steps"]))
+        S = self.steps_per_exchange()
         return sum(self.pair_rate(self._steps + s, n_nodes) for s in range(1, S + 1))
 
     def pair_schedule(self, n_nodes: int) -> tuple[float, float]:
@@ -141,9 +155,16 @@ class COBO(Strategy):
         return self.node_id < peer
 
     def align_samples(self, scale: float) -> int | None:
-        """Samples per gradient of an exchange standing for ``scale`` pair updates (module doc)."""
+        """Samples per gradient of an exchange standing for ``scale`` pair updates (module doc).
+        Under DP-noised releases one minibatch, as each of the paper's updates draws: the release's
+        noise does not shrink with its batch the way sampling noise does, and a batch of ⌈k⌉
+        minibatches (up to the whole split) loses the subsampling that keeps a release affordable
+        — at S = 20 steps a round the first release was over a peer's whole share of the budget and
+        no pair weight ever moved."""
         gs = self.p["grad_samples"]
-        return None if gs is None else int(gs) * max(1, math.ceil(scale - 1e-9))
+        if gs is None:
+            return None
+        return int(gs) if self.net.releases_noised() else int(gs) * max(1, math.ceil(scale - 1e-9))
 
     async def _align(self, peer: str, x: Params, xj: Params, scale: float = 1.0) -> float | None:
         z = midpoint(x, xj)
@@ -181,7 +202,7 @@ class COBO(Strategy):
         nbrs = [(self._wij(p), s.params) for p, s in snaps.items() if self._wij(p) > 0]
         beta = float(self.p["grad_momentum"])
         losses = []
-        for _ in range(max(1, int(self.p["local_steps"]))):
+        for _ in range(self.steps_per_exchange()):
             g, r = await self.compute(self.learner.gradient, None, "train", self.p["grad_samples"])
             losses.append(r.loss)
             self._m = g if self._m is None or beta == 0 else C.lincomb([(beta, self._m), (1 - beta, g)], g)
