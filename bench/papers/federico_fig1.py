@@ -26,15 +26,21 @@ from inproc import Run, build, drive, timer
 NODES = 8
 
 
-def fresh_mse(hub, noise: float, points: int = 200, seed: int = 123) -> dict[str, float]:
-    """Each client's test MSE on fresh points of its own interval (mixture prediction for
-    FedeRiCo, the own model otherwise)."""
+def fresh_points(hub, noise: float, points: int = 200, seed: int = 123):
+    """(node id, node, x, y): fresh test points on each client's own interval, the same draw for
+    every caller with the same seed."""
     rng = np.random.default_rng(seed)
-    out = {}
     edges = np.linspace(-math.pi, math.pi, NODES + 1)
     for i, (nid, node) in enumerate(hub.nodes.items()):
         x = rng.uniform(edges[i], edges[i + 1], points)
-        y = np.sin(x) + noise * rng.standard_normal(points)
+        yield nid, node, x, np.sin(x) + noise * rng.standard_normal(points)
+
+
+def fresh_mse(hub, noise: float) -> dict[str, float]:
+    """Each client's test MSE on fresh points of its own interval (mixture prediction for
+    FedeRiCo, the own model otherwise)."""
+    out = {}
+    for nid, node, x, y in fresh_points(hub, noise):
         lrn = node.learner
         saved = lrn._data["test"]
         lrn._data["test"] = (torch.as_tensor(x, dtype=torch.float32).reshape(-1, 1),
@@ -46,16 +52,12 @@ def fresh_mse(hub, noise: float, points: int = 200, seed: int = 123) -> dict[str
     return out
 
 
-def least_squares_mse(hub, noise: float, points: int = 200, seed: int = 123) -> dict[str, float]:
+def least_squares_mse(hub, noise: float) -> dict[str, float]:
     """Each client's test MSE (the same fresh points as ``fresh_mse``) of the exact least-squares
     line on its own training points: local training run to convergence, with no optimiser in the
     way (a 400-step Adam run from a random θ⁰ stops short of it on the outer intervals)."""
-    rng = np.random.default_rng(seed)
     out = {}
-    edges = np.linspace(-math.pi, math.pi, NODES + 1)
-    for i, (nid, node) in enumerate(hub.nodes.items()):
-        x = rng.uniform(edges[i], edges[i + 1], points)
-        y = np.sin(x) + noise * rng.standard_normal(points)
+    for nid, node, x, y in fresh_points(hub, noise):
         xtr, ytr = (t.numpy().astype(np.float64).ravel() for t in node.learner._data["train"])
         a, b = np.linalg.lstsq(np.c_[xtr, np.ones_like(xtr)], ytr, rcond=None)[0]
         out[nid] = float(np.mean((a * x + b - y) ** 2))
