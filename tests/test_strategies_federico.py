@@ -338,6 +338,10 @@ def test_under_dp_noise_the_peer_terms_come_from_published_models_and_nothing_is
     assert hub2.calls.get("push", 0) == 2 and hub2.nodes["n0"].strategy.public_state()["peer_term"] == "push"
 
 
-def test_peer_term_must_be_known():
-    with pytest.raises(ValueError, match="peer_term"):
-        build_network(FedeRiCo, {"peer_term": "gradients"}, num_nodes=2, num_clusters=1)
+@pytest.mark.parametrize("key,value", [("peer_term", "gradients"), ("own_loss", "measured"),
+                                       ("untried", "pessimistic"), ("loss_reduction", "max")])
+def test_a_choice_parameter_must_be_one_of_its_values(key, value):
+    """A misspelt choice is refused with its name (own_loss and untried used to fall through their
+    if-branches silently, as if some other value had been set)."""
+    with pytest.raises(ValueError, match=f"{key} must be one of"):
+        build_network(FedeRiCo, {key: value}, num_nodes=2, num_clusters=1)

@@ -142,13 +142,15 @@ class Strategy(ABC):
     The node then publishes the model with ``published_extras()`` and persists ``state_dict()``.
 
     Built as ``cls(node_id, learner, network, params, seed=...)``; ``params`` must be keys of
-    ``defaults``. ``run_round``, the ``on_*`` hooks, ``weights`` and ``state_dict`` run on the
-    node's event loop (never block it; the hooks may run while ``run_round`` awaits);
-    ``evaluate`` runs in a worker thread. Randomness from ``self.rng`` only (reproducible runs).
+    ``defaults``, and a key of ``choices`` one of its values. ``run_round``, the ``on_*`` hooks,
+    ``weights`` and ``state_dict`` run on the node's event loop (never block it; the hooks may run
+    while ``run_round`` awaits); ``evaluate`` runs in a worker thread. Randomness from ``self.rng``
+    only (reproducible runs).
     """
 
     name: ClassVar[str]
     defaults: ClassVar[dict[str, Any]] = {}
+    choices: ClassVar[dict[str, tuple[Any, ...]]] = {}  # parameters that take one of a few values
 
     def __init__(self, node_id: str, learner: Learner, network: PeerNetwork,
                  params: dict[str, Any] | None = None, seed: int = 0):
@@ -157,6 +159,10 @@ class Strategy(ABC):
             raise ValueError(f"strategy {self.name!r}: unknown parameter(s) {sorted(unknown)}; "
                              f"known: {sorted(self.defaults)}")
         self.p = {**self.defaults, **(params or {})}
+        for key, allowed in self.choices.items():
+            if self.p[key] not in allowed:
+                raise ValueError(f"strategy {self.name!r}: {key} must be one of {list(allowed)}, "
+                                 f"not {self.p[key]!r}")
         self.node_id = node_id
         self.learner = learner
         self.net = network

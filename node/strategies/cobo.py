@@ -104,11 +104,10 @@ class COBO(Strategy):
         "pair_prob": None,        # override the per-exchange probability of a pair (None = derived above)
     }
 
+    choices = {"optimizer": ("learner", "sgd"), "schedule": ("mixed", "code")}
+
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
-        for key, allowed in (("optimizer", ("learner", "sgd")), ("schedule", ("mixed", "code"))):
-            if self.p[key] not in allowed:
-                raise ValueError(f"cobo: {key} must be one of {list(allowed)}, not {self.p[key]!r}")
         self._w: dict[str, float] = {}        # w_ij, starts at 1 (Alg. 1 input W⁰ = 1)
         self._m: Params | None = None         # momentum EMA of gradients
         self._steps = 0
@@ -156,11 +155,10 @@ class COBO(Strategy):
 
     def align_samples(self, scale: float) -> int | None:
         """Samples per gradient of an exchange standing for ``scale`` pair updates (module doc).
-        Under DP-noised releases one minibatch, as each of the paper's updates draws: the release's
-        noise does not shrink with its batch the way sampling noise does, and a batch of ⌈k⌉
-        minibatches (up to the whole split) loses the subsampling that keeps a release affordable
-        — at S = 20 steps a round the first release was over a peer's whole share of the budget and
-        no pair weight ever moved."""
+        Under DP-noised releases one minibatch, as each of the paper's updates draws: a batch of
+        ⌈k⌉ minibatches (up to the whole split) loses the subsampling that keeps a release
+        affordable — at S = 20 steps a round the first release was over a peer's whole share of
+        the budget and no pair weight ever moved."""
         gs = self.p["grad_samples"]
         if gs is None:
             return None

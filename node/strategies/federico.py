@@ -149,6 +149,9 @@ class FedeRiCo(Strategy):
         "peer_term": "auto",      # "push" = Alg. 1 l.19-24; "model" = from published models, no release; auto: push unless DP-noised (module doc)
     }
 
+    choices = {"peer_term": ("auto", "push", "model"), "own_loss": ("prior", "track"),
+               "untried": ("skip", "optimistic"), "loss_reduction": ("mean", "sum")}
+
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
         self._L: dict[str, float] = {}       # L̂_ij, starts at 0 (Alg. 1 l.3)
@@ -160,8 +163,6 @@ class FedeRiCo(Strategy):
         self._applied = 0
         self._dropped = 0
         self._prediction: list[tuple[str, float, Params]] = []  # the mixture evaluate() last scored
-        if self.p["peer_term"] not in ("auto", "push", "model"):
-            raise ValueError(f"federico: peer_term must be 'auto', 'push' or 'model', not {self.p['peer_term']!r}")
         self._sync_known()
 
     def _sync_known(self) -> None:
