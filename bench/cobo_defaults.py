@@ -21,6 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "papers"))
+from inproc import in_cluster_mass  # noqa: E402
+
 HERE = Path(__file__).resolve().parent / "results" / "cobo_defaults"
 RUNS = {"defaults": "demo_cobo.toml", "old_defaults": "demo_cobo_old_defaults.toml"}
 
@@ -34,11 +37,8 @@ def run(scenario: Path, seed: int, out: Path) -> dict:
 
 def in_cluster(res: dict, strategy: str) -> float:
     ids, tc = res["node_ids"], res["true_clusters"]
-    lab = [tc[i] if isinstance(tc, dict) else tc[k] for k, i in enumerate(ids)]
-    W = np.array(res["strategies"][strategy]["final_weights"])
-    same = np.array([[a == b for b in lab] for a in lab]) & ~np.eye(len(ids), dtype=bool)
-    off = ~np.eye(len(ids), dtype=bool)
-    return float(((W * same).sum(1) / (W * off).sum(1)).mean())
+    labels = [tc[i] if isinstance(tc, dict) else tc[k] for k, i in enumerate(ids)]
+    return in_cluster_mass(np.array(res["strategies"][strategy]["final_weights"]), labels)
 
 
 def main() -> None:
