@@ -136,3 +136,34 @@ def test_in_process_network_finds_clusters_and_resumes():
     s2.load_state_dict(st)
     assert s2.public_state() == s.public_state()
     assert s2.rng.random() == s.rng.random()
+
+
+def test_early_stop_trains_on_instead_of_replaying_the_rejected_steps():
+    """Issue 33: a node whose own training keeps failing the validation check (here the
+    validation labels disagree with the training labels) keeps θ_base every round. Restarting
+    local training from θ_base replayed the rejected steps, so the node never got past its first
+    round's training; with ``early_stop = "continue"`` its training accumulates (train loss keeps
+    falling) while θ_base stays the reference every update compares against."""
+    def run(mode: str) -> tuple[list[bool], list[float]]:
+        hub = build_network(FedFomo, {"early_stop": mode}, num_nodes=1, num_clusters=1)
+        lrn = hub.nodes["n0"].learner
+        x, y = lrn.data["train"]
+        lrn.data["val"] = (x, (y + 1) % 4)  # what training fits, validation calls wrong
+        kept, train_loss = [], []
+        for r in range(1, 9):
+            rep = asyncio.run(hub.nodes["n0"].strategy.run_round(r))
+            hub.publish("n0", r)
+            kept.append(rep.info["kept_base"])
+            train_loss.append(lrn.loss(None, "train").loss)
+        return kept, train_loss
+
+    kept, loss = run("continue")
+    assert all(kept)  # every update was an early stop ...
+    assert loss[-1] < 0.7 * loss[0]  # ... and local training still made progress
+    kept, loss = run("restore")  # the paper as printed: each round restarts from θ⁰
+    assert all(kept) and loss[-1] > 0.9 * loss[0]
+
+
+def test_early_stop_choice_is_checked():
+    with pytest.raises(ValueError, match="early_stop"):
+        build_network(FedFomo, {"early_stop": "rewind"}, num_nodes=1, num_clusters=1)
