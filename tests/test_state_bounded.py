@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -220,21 +221,30 @@ def test_a_rotation_whose_rename_failed_is_finished_by_the_next_commit(tmp_path,
     assert covered_rounds(tmp_path, ckpt) == list(range(1, r + 2))
 
 
-def test_ledger_size_is_constant_and_its_epsilon_exact_over_100k_releases(tmp_path, monkeypatch):
+def test_ledger_size_is_constant_and_its_epsilon_exact_over_many_releases(tmp_path, monkeypatch):
     """The ledger is a count per (σ, q) per account — RDP of identical releases composes as a
-    count — so 100,000 releases leave the file the size it had after the first few, and its ε is
-    what opacus' own RDPAccountant says for the 100,000 steps (the uncompacted history); read back
-    from disk (and from a checkpoint's pin) it is the same."""
+    count — so 100,000 releases leave the file the size it had after the first few (digits aside),
+    and its ε is what opacus' own RDPAccountant says for the 100,000 steps (the uncompacted
+    history); read back from disk (and checked against a checkpoint's pin) it is the same. (Each
+    charge is charged and accounted for for real; the file is written on every 100th: its
+    content is a function of the accounts alone, and a write costs ~2 ms on this disk.)"""
+    import coterie.node.privacy.ledger as L
     monkeypatch.setattr(os, "fsync", lambda fd: None)
     ledger = PrivacyLedger(tmp_path, delta=1e-5)
-    peers, sigma, q, sizes = ["n1", "n2", "n3"], 1.1, 0.01, set()
+    peers, sigma, q, sizes, calls = ["n1", "n2", "n3"], 1.1, 0.01, [], [0]
+    real_save = L.PrivacyLedger._save
+
+    def sampled_save(self):
+        calls[0] += 1
+        if calls[0] % 100 == 0:
+            real_save(self)
+            sizes.append(self.path.stat().st_size)
+    monkeypatch.setattr(L.PrivacyLedger, "_save", sampled_save)
     n = 100_000
     for i in range(n):
         ledger.charge(peers[i % 3], "fedfomo-loss", sigma, q, enforce=False)
-        if i >= 10 and i % 997 == 0:
-            sizes.add(ledger.path.stat().st_size)
     # 12 counters (releases, steps, purposes × 4 accounts) gain digits, nothing else changes
-    assert max(sizes) - min(sizes) <= 12 * 3 and max(sizes) < 1024, f"ledger sizes {sorted(sizes)}"
+    assert len(sizes) == n // 100 and sizes[-1] - sizes[0] <= 12 * 3 and sizes[-1] < 1024, sizes[::20]
     from opacus.accountants import RDPAccountant
     from opacus.accountants.analysis import rdp as rdp_analysis
     orders = list(RDPAccountant.DEFAULT_ALPHAS)
@@ -278,7 +288,7 @@ def test_coterie_history_shows_recent_rounds_and_the_summary(rotated_node, monke
     r = CliRunner().invoke(app, ["history", "--admin", url, "--last", "5"])
     assert r.exit_code == 0, r.output
     assert "296" in r.stdout and "300" in r.stdout  # the recent rounds in full
-    assert "older rounds, summarised" in r.stdout and f"1–{first_kept - 1}" in r.stdout.replace("-", "–")
-    assert f"{first_kept - 1} older rounds" in r.stdout
+    assert f"{first_kept - 1} older rounds, summarised" in r.stdout
+    assert re.search(r"│\s+1–\d+ │", r.stdout) and re.search(rf"│\s+\d+–{first_kept - 1} │", r.stdout)
     data = json.loads(CliRunner().invoke(app, ["history", "--admin", url, "--json", "--last", "0"]).stdout)
     assert [e["round"] for e in data] == list(range(first_kept, 301))  # JSON: the rounds, as before
