@@ -292,3 +292,52 @@ def test_coterie_history_shows_recent_rounds_and_the_summary(rotated_node, monke
     assert re.search(r"│\s+1–\d+ │", r.stdout) and re.search(rf"│\s+\d+–{first_kept - 1} │", r.stdout)
     data = json.loads(CliRunner().invoke(app, ["history", "--admin", url, "--json", "--last", "0"]).stdout)
     assert [e["round"] for e in data] == list(range(first_kept, 301))  # JSON: the rounds, as before
+
+
+def _solo(state_dir: Path, rounds: int):
+    from coterie.node.config import validate_config
+    return validate_config({"node_id": "solo", "security": {"insecure": True}, "state_dir": str(state_dir),
+                            "strategy": "local", "rounds": rounds, "min_peers": 0, "round_interval_s": 0.0,
+                            "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
+                            "history": {"max_bytes": 64 << 10},
+                            "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 600},
+                                        "partition": "iid", "num_nodes": 1, "model": "linear", "local_steps": 1}})
+
+
+async def _until(cond, timeout: float):
+    async def wait():
+        while not cond():
+            await asyncio.sleep(0.02)
+    await asyncio.wait_for(wait(), timeout)
+
+
+async def test_a_real_node_rotates_resumes_and_coterie_history_shows_both(tmp_path, monkeypatch):
+    """A solo daemon at a 64 KiB cap runs past its first rotations; `coterie history --state-dir`
+    against its real admin API shows the recent rounds and the summary; a restart resumes and every
+    round stays accounted for."""
+    from coterie.node.daemon import Node
+    monkeypatch.delenv("COTERIE_ADMIN_TOKEN", raising=False)
+    state = tmp_path / "solo"
+    node = Node(_solo(state, 260))
+    await node.start()
+    try:
+        await _until(lambda: node.done, 240)
+        assert node.store._segment >= 1 and (state / "history.jsonl").stat().st_size <= 64 << 10
+        summary = node.status()["history_summary"]
+        first_kept = summary[-1]["rounds"][1] + 1
+        assert summary[0]["rounds"][0] == 1 and "eval.test_acc" in summary[0]
+        assert [h["round"] for h in node.store.history_since(0)] == list(range(first_kept, 261))
+        assert (await node.history_view(None))[-1]["round"] == 260
+        r = await asyncio.to_thread(CliRunner().invoke, app, ["history", "--state-dir", str(state), "-n", "3"])
+        assert r.exit_code == 0, r.output
+        assert "260" in r.stdout and f"{first_kept - 1} older rounds, summarised" in r.stdout
+    finally:
+        assert await node.stop()
+    node = Node(_solo(state, 270))
+    await node.start()
+    try:
+        await _until(lambda: node.done, 60)
+    finally:
+        assert await node.stop()
+    _, ckpt = StateStore(state).open("solo")
+    assert ckpt.round == 270 and covered_rounds(state, ckpt) == list(range(1, 271))
