@@ -355,6 +355,34 @@ def verify_history(path: Path, ckpt: Checkpoint) -> tuple[list[dict[str, Any]], 
     return rows, size, covered, h
 
 
+def rotated_history(path: Path, covered: int, lines: bytes, summary: list[dict[str, Any]],
+                    max_bytes: int) -> tuple[list[dict[str, Any]], bytes]:
+    """A rotation of the history at ``path`` (its first ``covered`` bytes, then ``lines``): the
+    summary with the oldest rounds folded in, and the newest rounds (half the cap) in full."""
+    old = b""
+    if covered:
+        with open(path, "rb") as f:
+            old = f.read(covered)
+        if len(old) != covered:
+            raise StateError(f"{path} is shorter ({len(old)} bytes) than the {covered} bytes "
+                             "committed: changed under this node")
+    every = old.splitlines(keepends=True) + lines.splitlines(keepends=True)
+    n = summaries.split_for_rotation(every, max_bytes // 2)
+    rows = [_parse_line(path, i + 1, line) for i, line in enumerate(every[:n])]
+    return (summaries.add_block(summary, summaries.fold(rows)) if rows else summary), b"".join(every[n:])
+
+
+def state_leftovers(directory: Path) -> list[str]:
+    """The round state in a directory that has no checkpoint (what a fresh start would shadow)."""
+    names = []
+    for p in sorted(directory.iterdir()):
+        if p.name in _NOT_STATE or p.name.startswith(("reset-", ".")):
+            continue
+        if p.name in ("identity.json", "history.jsonl", *_LEGACY) or p.name.startswith("ckpt-"):
+            names.append(p.name + ("/" if p.is_dir() else ""))
+    return names
+
+
 def _pending_name(segment: int) -> str:
     return f".history-{segment:06d}.jsonl.pending"
 
@@ -450,15 +478,6 @@ class StateStore:
             raise StateError(f"{self.identity_path} is corrupt (node_id {stored!r})")
         return stored
 
-    def _leftovers(self) -> list[str]:
-        names = []
-        for p in sorted(self.dir.iterdir()):
-            if p.name in _NOT_STATE or p.name.startswith(("reset-", ".")):
-                continue
-            if p.name in ("identity.json", "history.jsonl", *_LEGACY) or p.name.startswith("ckpt-"):
-                names.append(p.name + ("/" if p.is_dir() else ""))
-        return names
-
     def _reset(self) -> str | None:
         """Move all state into ``reset-<time>/``; returns the old node id if it was readable."""
         try:
@@ -494,7 +513,7 @@ class StateStore:
             settle_rotation(self.dir, -1)
         identity = self._read_identity()
         if not ckpts:
-            left = self._leftovers()
+            left = state_leftovers(self.dir)
             if left:
                 raise StateError(f"{self.dir} holds {', '.join(left)} but no checkpoint "
                                  "(ckpt-NNNNNN.safetensors): refusing to start fresh over that state. "
@@ -548,7 +567,9 @@ class StateStore:
         lines = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in records)
         segment, summary = self._segment, self.summary
         if self._hist_bytes + len(lines) > self.history_max_bytes:
-            segment, summary, content = self._rotated(lines)
+            summary, content = rotated_history(self.history_path, self._hist_bytes, lines, self.summary,
+                                               self.history_max_bytes)
+            segment = self._segment + 1
             hasher, covered = hashlib.sha256(content), len(content)
             pending: Path | None = self.dir / _pending_name(segment)
         else:
@@ -612,22 +633,6 @@ class StateStore:
             atomic_write_json(self.identity_path, {"node_id": snap.state["node_id"]})
             self._identity_ok = True
         return final
-
-    def _rotated(self, lines: bytes) -> tuple[int, list[dict[str, Any]], bytes]:
-        """The next segment: the summary with the oldest rounds folded in, and the newest rounds
-        (half the cap) in full."""
-        old = b""
-        if self._hist_bytes:
-            with open(self.history_path, "rb") as f:
-                old = f.read(self._hist_bytes)
-            if len(old) != self._hist_bytes:
-                raise StateError(f"{self.history_path} is shorter ({len(old)} bytes) than the "
-                                 f"{self._hist_bytes} bytes committed: changed under this node")
-        every = old.splitlines(keepends=True) + lines.splitlines(keepends=True)
-        n = summaries.split_for_rotation(every, self.history_max_bytes // 2)
-        rows = [_parse_line(self.history_path, i + 1, line) for i, line in enumerate(every[:n])]
-        summary = summaries.add_block(self.summary, summaries.fold(rows)) if rows else self.summary
-        return self._segment + 1, summary, b"".join(every[n:])
 
     def _finish_rotation(self) -> None:
         """Rename the committed rotation's file into place (after its checkpoint's rename)."""
