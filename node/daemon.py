@@ -19,7 +19,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
-from .builder import wire_peer_plane
+from .builder import PeerPlane, PlaneHost, build_peer_plane
 from .checkpointing import Checkpointer
 from .config import PROTOCOL_VERSION, ConfigError, NodeConfig
 from .failures import Failures
@@ -101,7 +101,13 @@ class Node(NodeViews):
         self.traffic = TrafficStats(self.metrics)
         self.m = NodeMetrics(self.metrics)
 
-        wire_peer_plane(self, cfg, learner)  # membership, served side, NodeNetwork, strategy (builder.py)
+        self._budget_noted: dict[tuple[str, str], float] = {}  # (peer, budget) -> when last noted
+        # membership, served side, NodeNetwork, strategy (builder.py)
+        self.plane = self._hold(build_peer_plane(PlaneHost(
+            self.node_id, transport, self.traffic, self.m, self.store, self._checkpoint, self.spec, self.labels,
+            self.info, self.position, on_peer_gauges=self._peer_gauges, on_privacy_change=self._privacy_gauges,
+            on_over_budget=self._over_budget), cfg, learner))
+        self._privacy_gauges()
 
         self.round = 0
         self.version = 0
@@ -124,6 +130,16 @@ class Node(NodeViews):
         self.rounds = RoundLoop(self)
         self.checkpointer = Checkpointer(self.store, cfg.checkpoint_max_unsaved_rounds, self.failures,
                                          self._on_saved)
+
+    def _hold(self, plane: PeerPlane) -> PeerPlane:
+        """The plane's parts as the node's own attributes (declared in ``views.NodeViews``): the
+        rounds, the views and the admin API read them."""
+        self.loop_lag, self.peers, self.revocations, self.problems = plane.loop_lag, plane.peers, plane.revocations, plane.problems
+        self.board, self.cache, self.inbox, self.client = plane.board, plane.cache, plane.inbox, plane.client
+        self.membership, self.ledger, self.private = plane.membership, plane.ledger, plane.private
+        self.serves, self.withheld, self.network, self.strategy = plane.serves, plane.withheld, plane.network, plane.strategy
+        self.guard, self.admission, self.served = plane.guard, plane.admission, plane.served
+        return plane
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -261,7 +277,7 @@ class Node(NodeViews):
             raise StateError(f"{ckpt.path} does not fit this node: {type(e).__name__}: {e}") from None
         self.round = ckpt.round
         self.version = ckpt.version - 1  # publish() re-issues the checkpointed version
-        self.membership.pending.update(p["address"] for p in st["peers"])
+        self.membership.state.pending.update(p["address"] for p in st["peers"])
         self.history.extend(ckpt.history)
         self._set_saved(ckpt.round, ckpt.version, st, ckpt.history[-1] if ckpt.history else None)
         log.info("resumed %s at round %d (version %d) from %s", self.node_id, self.round, ckpt.version, ckpt.path)

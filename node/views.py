@@ -8,20 +8,35 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from .builder import PeerPlane
 from .history import view as history_summary
 from .modelfile import export_state_dir
 
 if TYPE_CHECKING:
+    from .builder import PeerPlane
     from .config import NodeConfig
     from .failures import Failures
     from .learning.learner import Learner
     from .peering.interfaces import TransportFactory
     from .peering.traffic import TrafficStats
+    from .learning.guard import RoundGuard
+    from .peering.admission import Admission
+    from .peering.inbox import PushInbox
+    from .peering.interfaces import PeerTransport
+    from .peering.loop_lag import LoopLag
+    from .peering.membership import Membership
+    from .peering.network import NodeNetwork
+    from .peering.peer_table import PeerTable
+    from .peering.problems import ProblemLog
+    from .peering.served import ServedRequests
+    from .peering.snapshots import PublishBoard, SnapshotCache
     from .persistence import StateStore
+    from .privacy.ledger import PrivacyLedger
+    from .privacy.mechanisms import PrivateData
+    from .revocations import Revocations
+    from .strategies.base import Strategy
 
 
-class NodeViews(PeerPlane):
+class NodeViews:
     """Mixed into ``daemon.Node``: the views read its attributes and change none."""
 
     # the node's own state (``Node.__init__``; the peer plane's: ``PeerPlane``), declared for the type checker
@@ -42,6 +57,26 @@ class NodeViews(PeerPlane):
     address: str
     admin_url: str
     failures: Failures
+    plane: PeerPlane
+    # the plane's parts the node holds as its own (``Node._hold``), typed as ``PeerPlane`` types them
+    loop_lag: LoopLag
+    peers: PeerTable
+    revocations: Revocations | None
+    problems: ProblemLog
+    board: PublishBoard
+    cache: SnapshotCache
+    inbox: PushInbox
+    client: PeerTransport
+    membership: Membership
+    ledger: PrivacyLedger
+    private: PrivateData
+    serves: tuple[str, ...]
+    withheld: str | None
+    network: NodeNetwork
+    strategy: Strategy
+    guard: RoundGuard
+    admission: Admission
+    served: ServedRequests
     if TYPE_CHECKING:
         def healthy(self) -> bool: ...
 
@@ -81,11 +116,11 @@ class NodeViews(PeerPlane):
     def membership_view(self) -> dict[str, Any]:
         """The peer plane's own health: SWIM counters, candidate set, channels, loop lag."""
         m = self.membership
-        return {"incarnation": m.incarnation, "candidates": len(m.pending),
+        return {"incarnation": m.state.incarnation, "candidates": len(m.pending),
                 "candidates_dropped": m.pending.dropped, "candidates_forgotten": m.pending.forgotten_total,
                 "channels": self.client.channels(), "channels_evicted": self.client.evicted,
                 "snapshot_cache_bytes": self.cache.bytes, "loop_lag_max_s": round(self.loop_lag.max_s, 4),
-                **m.stats, "claim_strikes": m.claims.view()}
+                **m.state.stats, "claim_strikes": m.gossip.claims.view()}
 
     def peers_table(self) -> list[dict[str, Any]]:
         weights = self.strategy.weights()
