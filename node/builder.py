@@ -1,11 +1,12 @@
 """The builder: wires one node's peer plane — membership, privacy, the ``NodeNetwork`` its strategy
 sees, the strategy, admission and the served side — and returns it as a ``PeerPlane``, from what
-the node hands it (``PlaneHost``: its identity, transport, metrics and callbacks).
+the node hands it (``PlaneHost``: its identity, transport, state and metrics).
 ``Node.__init__`` calls it once and holds the plane; the node owns the lifecycle and the loops."""
 from __future__ import annotations
 
 import hashlib
 import random
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -38,8 +39,8 @@ from .strategies.registry import get_strategy
 
 @dataclass
 class PlaneHost:
-    """What the node gives the builder: its identity, transport, state and metrics, and the
-    callbacks the plane reports through (called only once the node holds the plane)."""
+    """What the node gives the builder: its identity, transport, state and metrics, and what its
+    heartbeats and handshakes say of it (``info``, ``position``)."""
     node_id: str
     transport: TransportFactory
     traffic: TrafficStats
@@ -50,9 +51,6 @@ class PlaneHost:
     labels: dict[str, str]
     info: Callable[[], NodeInfo]
     position: Callable[[], tuple[int, int]]
-    on_peer_gauges: Callable[[dict[str, int]], None]
-    on_privacy_change: Callable[[str, str], None]
-    on_over_budget: Callable[[str, str], None]
 
 
 @dataclass
@@ -96,7 +94,7 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
     client = host.transport.connect(host.node_id, host.traffic)
     if revocations is not None:
         revocations.client = client
-    observers = Observers(on_gauges=host.on_peer_gauges, loop_lag=loop_lag,
+    observers = Observers(on_gauges=m.peer_counts, loop_lag=loop_lag,
                           on_claim_struck=lambda: m.rejected.labels(kind="membership_claim").inc())
     membership = full_membership(host.info, host.position, peers, client, problems, bootstrap=cfg.peers,
                                  period=cfg.heartbeat_interval_s, settings=Settings.from_config(mcfg),
@@ -107,10 +105,11 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
     ledger = PrivacyLedger(host.store.dir, delta=cfg.privacy.delta, budget=cfg.privacy.budget_epsilon,
                            peer_budget=cfg.privacy.peer_budget_epsilon, expected_peers=cfg.privacy.expected_peers,
                            peer_rate=cfg.privacy.peer_release_rate, peer_burst=cfg.privacy.peer_release_burst,
-                           on_change=host.on_privacy_change)
+                           on_change=lambda peer, purpose: m.privacy(ledger, peer, purpose))
     if host.checkpoint is not None:  # the ledger is verified state: it must cover the checkpoint's pin
         ledger.verify(host.checkpoint.state.get("privacy_ledger"), checkpoint=host.checkpoint.path.name,
                       reset=cfg.reset_privacy_ledger)
+    m.privacy(ledger)
     private = PrivateData(learner, cfg.privacy, ledger)
     serves = (tuple(cfg.privacy.serve_purposes) if cfg.privacy.serve_purposes is not None
               else purposes_of(cfg.strategy))
@@ -130,7 +129,7 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
         problems.note("this node (training)", msg)
 
     guard = RoundGuard(learner, strategy, on_divergence)
-    admission = Admission(cfg.limits, on_refused=host.on_over_budget)
+    admission = Admission(cfg.limits, on_refused=_over_budget_noter(m, problems))
     hooks = CrlHooks(strategy, revocation) if revocation is not None else strategy
     served = ServedRequests(host.node_id, host.info, membership, learner, host.spec,
                             hooks, board, cache, inbox, problems, private, serves,
@@ -139,3 +138,17 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
                             compute_workers=cfg.limits.compute_workers)
     return PeerPlane(loop_lag, peers, revocations, problems, board, cache, inbox, client, membership, ledger,
                      private, serves, withheld, network, strategy, guard, admission, served)
+
+
+def _over_budget_noter(m: NodeMetrics, problems: ProblemLog) -> Callable[[str, str], None]:
+    """What a refusal over a peer's budget does: counted each time, noted once per 10 s per peer
+    and budget (a flood is one problem, not 50)."""
+    noted: dict[tuple[str, str], float] = {}
+
+    def over_budget(peer: str, why: str) -> None:
+        m.rejected.labels(kind=f"limit_{why}").inc()
+        now = time.monotonic()
+        if now - noted.get((peer, why), -1e9) >= 10.0:
+            noted[(peer, why)] = now
+            problems.note(peer, f"over its {why} budget: requests refused (RESOURCE_EXHAUSTED)")
+    return over_budget

@@ -60,7 +60,7 @@ def _snapshot_namer(record: dict[str, Any] | None, published: LocalSnapshot | No
     return name_snapshot
 
 
-class Node(NodeViews):
+class Node:
     """``transport`` carries the peer plane (default: gRPC on ``cfg.listen``; the in-process
     launcher passes ``transport/inproc.py``'s). ``admin=False`` runs without the HTTP admin API
     (in-process nodes: their launcher reads ``status()`` directly)."""
@@ -101,13 +101,10 @@ class Node(NodeViews):
         self.traffic = TrafficStats(self.metrics)
         self.m = NodeMetrics(self.metrics)
 
-        self._budget_noted: dict[tuple[str, str], float] = {}  # (peer, budget) -> when last noted
         # membership, served side, NodeNetwork, strategy (builder.py)
         self.plane = self._hold(build_peer_plane(PlaneHost(
             self.node_id, transport, self.traffic, self.m, self.store, self._checkpoint, self.spec, self.labels,
-            self.info, self.position, on_peer_gauges=self._peer_gauges, on_privacy_change=self._privacy_gauges,
-            on_over_budget=self._over_budget), cfg, learner))
-        self._privacy_gauges()
+            self.info, self.position), cfg, learner))
 
         self.round = 0
         self.version = 0
@@ -128,12 +125,15 @@ class Node(NodeViews):
         self._health_tasks: set[asyncio.Task] = set()
         self.failures = Failures(self._set_serving, lambda part, msg: self.problems.note(f"this node ({part})", msg))
         self.rounds = RoundLoop(self)
+        # the admin API's reads (admin.py: /status, /peers, /weights, /history, /model), answered by the views
+        self.views = views = NodeViews(self)
+        self.status, self.peers_table, self.weights_view = views.status, views.peers_table, views.weights_view
+        self.history_view, self.export_model = views.history_view, views.export_model
         self.checkpointer = Checkpointer(self.store, cfg.checkpoint_max_unsaved_rounds, self.failures,
                                          self._on_saved)
 
     def _hold(self, plane: PeerPlane) -> PeerPlane:
-        """The plane's parts as the node's own attributes (declared in ``views.NodeViews``): the
-        rounds, the views and the admin API read them."""
+        """The plane's parts as the node's own attributes: the rounds and the views read them."""
         self.loop_lag, self.peers, self.revocations, self.problems = plane.loop_lag, plane.peers, plane.revocations, plane.problems
         self.board, self.cache, self.inbox, self.client = plane.board, plane.cache, plane.inbox, plane.client
         self.membership, self.ledger, self.private = plane.membership, plane.ledger, plane.private
@@ -227,14 +227,6 @@ class Node(NodeViews):
         """(round, published snapshot version), as heartbeats announce them."""
         return self.round, self.version
 
-    def _privacy_gauges(self, peer: str | None = None, purpose: str | None = None) -> None:
-        self.m.eps.set(self.ledger.epsilon())
-        self.m.eps_budget.set(self.ledger.budget)
-        for p in ([peer] if peer else list(self.ledger.peers)):
-            self.m.eps_peer.labels(peer=p).set(self.ledger.epsilon(p))
-        if purpose:
-            self.m.releases.labels(purpose=purpose).inc()
-
     def model_limit(self) -> int:
         """Largest model a peer may send or serve: configured, else a small multiple of this node's
         own model (a snapshot carries at most the params and two extra groups of their size)."""
@@ -242,17 +234,6 @@ class Node(NodeViews):
             return self.cfg.max_model_bytes
         own = LocalSnapshot(self.node_id, 0, 0, {"params": self.learner.get_params()}).encoded
         return MODEL_BYTES_FACTOR * len(own) + MODEL_BYTES_SLACK
-
-    def _over_budget(self, peer: str, why: str) -> None:
-        self.m.rejected.labels(kind=f"limit_{why}").inc()
-        now = time.monotonic()
-        if now - self._budget_noted.get((peer, why), -1e9) >= 10.0:  # a flood is one problem, not 50
-            self._budget_noted[(peer, why)] = now
-            self.problems.note(peer, f"over its {why} budget: requests refused (RESOURCE_EXHAUSTED)")
-
-    def _peer_gauges(self, counts: dict[str, int]) -> None:
-        for state, n in counts.items():
-            self.m.peers.labels(state=state).set(n)
 
     # ------------------------------------------------------------------ persistence
     def _restore(self) -> bool:

@@ -2,7 +2,12 @@
 and alerts read them). The peer plane's traffic metrics live in ``peering/traffic.py``."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .metrics import Metrics
+
+if TYPE_CHECKING:
+    from .privacy.ledger import PrivacyLedger
 
 
 class NodeMetrics:
@@ -29,3 +34,17 @@ class NodeMetrics:
         self.ckpt_wait = metrics.histogram("coterie_checkpoint_wait_seconds",
                                            "Round loop time spent on checkpoints (snapshot + waiting for the writer)",
                                            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+
+    def peer_counts(self, counts: dict[str, int]) -> None:
+        """Membership's gauges: members by state."""
+        for state, n in counts.items():
+            self.peers.labels(state=state).set(n)
+
+    def privacy(self, ledger: PrivacyLedger, peer: str | None = None, purpose: str | None = None) -> None:
+        """The ledger's ε (in total and for ``peer``, else every peer) and one more release of ``purpose``."""
+        self.eps.set(ledger.epsilon())
+        self.eps_budget.set(ledger.budget)
+        for p in ([peer] if peer else list(ledger.peers)):
+            self.eps_peer.labels(peer=p).set(ledger.epsilon(p))
+        if purpose:
+            self.releases.labels(purpose=purpose).inc()
