@@ -208,7 +208,7 @@ def across_seeds(tables: dict[int, dict]) -> dict:
                     continue
                 acc = [r["mean_acc"] for r in per]
                 kept = [kept_share(tables[k][sc], strat, setting) for k in seeds]
-                gain = [r["mean_acc"] - tables[k][sc]["local"]["off"]["mean_acc"] for k, r in zip(seeds, per)
+                gain = [r["mean_acc"] - tables[k][sc]["local"]["off"]["mean_acc"] for k, r in zip(seeds, per, strict=True)
                         if "local" in tables[k][sc]]
                 out.setdefault(sc, {}).setdefault(strat, {})[setting] = {
                     "seeds": seeds, "mean_acc": acc, "mean_acc_ci": mean_ci(acc),

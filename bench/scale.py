@@ -338,7 +338,7 @@ def run_daemons(out: Path, nodes: int, rounds: int, fresh: bool) -> dict[str, An
         deadline = time.monotonic() + 900
         while not all(p.done for p in progress) and time.monotonic() < deadline:
             net.poll(pool, rounds, progress)
-            for proc, pr in zip(net.procs, progress):
+            for proc, pr in zip(net.procs, progress, strict=True):
                 phases[proc.pid] = ("idle" if pr.state == "running" and pr.round == 0
                                     else "rounds" if pr.state == "running" else "")
             time.sleep(0.2)

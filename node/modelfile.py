@@ -169,7 +169,7 @@ class MixtureModel(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mix: torch.Tensor | None = None
-        for w, m in zip(self.weights, self.members):
+        for w, m in zip(self.weights, self.members, strict=True):
             out = m(x)
             out = out.softmax(1) if self.task == "classification" else out
             mix = w * out if mix is None else mix + w * out

@@ -156,7 +156,7 @@ class ToyLearner(Learner):
         loss = nn.functional.cross_entropy(out, y, reduction=reduction)
         grads = torch.autograd.grad(loss, list(p.values()))
         acc = float((out.argmax(1) == y).float().mean())
-        return {k: g.detach() for k, g in zip(p, grads)}, EvalResult(loss=loss.item(), n=len(y), accuracy=acc)
+        return {k: g.detach() for k, g in zip(p, grads, strict=True)}, EvalResult(loss=loss.item(), n=len(y), accuracy=acc)
 
     def apply_gradient(self, grad: Params) -> None:
         with self._lock:
@@ -422,7 +422,7 @@ async def run_free(hub: Hub, rounds: int, delay_s: dict[str, float] | None = Non
                 await asyncio.sleep(delay_s[nid])  # a slower node, not a wait for anything
         return out
     reports = await asyncio.gather(*(node_loop(nid) for nid in hub.nodes))
-    return dict(zip(hub.nodes, reports))
+    return dict(zip(hub.nodes, reports, strict=True))
 
 
 async def run_rounds(hub: Hub, rounds: int, start: int = 1, concurrent: bool = False,
@@ -444,7 +444,7 @@ async def run_rounds(hub: Hub, rounds: int, start: int = 1, concurrent: bool = F
                 hub.publish(nid, rnd)
                 return r
             rs = await asyncio.gather(*(one(nid) for nid in hub.nodes))
-            reports.append(dict(zip(hub.nodes, rs)))
+            reports.append(dict(zip(hub.nodes, rs, strict=True)))
         else:
             rep = {}
             for nid, node in hub.nodes.items():

@@ -75,7 +75,7 @@ def test_clipped_gradient_sum_is_the_per_sample_gradient_clipped(learner):
     per = []
     for i in idx:
         loss = torch.nn.functional.cross_entropy(functional_call(learner._shadow, p, (x[i:i + 1],)), y[i:i + 1])
-        per.append(dict(zip(p, torch.autograd.grad(loss, list(p.values())))))
+        per.append(dict(zip(p, torch.autograd.grad(loss, list(p.values())), strict=True)))
     unclipped = learner.clipped_gradient_sum(None, "train", idx, 1e9)
     for k in p:
         assert torch.allclose(unclipped[k], sum(g[k] for g in per).cpu(), atol=1e-5)

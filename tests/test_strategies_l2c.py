@@ -18,7 +18,7 @@ torch.set_num_threads(1)
 
 def _val_loss_of_alpha(learner, theta, deltas, alpha):
     w = C.softmax(alpha)
-    return learner.loss(C.mix_updates(theta, list(zip(w.tolist(), deltas))), "val").loss
+    return learner.loss(C.mix_updates(theta, list(zip(w.tolist(), deltas, strict=True))), "val").loss
 
 
 def test_alpha_gradient_matches_finite_differences():
@@ -33,7 +33,7 @@ def test_alpha_gradient_matches_finite_differences():
     learner.data = {k: (x.double(), y) for k, (x, y) in learner.data.items()}  # float64 for clean FD
     alpha = np.array([0.3, -0.2, 0.1, 0.5])
     w = C.softmax(alpha)
-    g, _ = learner.gradient(C.mix_updates(theta, list(zip(w.tolist(), deltas))), "val", None)
+    g, _ = learner.gradient(C.mix_updates(theta, list(zip(w.tolist(), deltas, strict=True))), "val", None)
     ana = l2c_alpha_grad(alpha, g, deltas)
     h = 1e-5
     fd = np.array([(_val_loss_of_alpha(learner, theta, deltas, alpha + h * e)

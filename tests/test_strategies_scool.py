@@ -281,7 +281,7 @@ def test_attention_row_is_the_eq29_softmax_over_self_and_peers():
     logp = np.log([st["attention"][k] for k in ids])
     ref = np.exp(y / 9.0 + logp)
     ref /= ref.sum()
-    assert s.weights() == pytest.approx(dict(zip(ids, ref.tolist())), rel=1e-4)
+    assert s.weights() == pytest.approx(dict(zip(ids, ref.tolist(), strict=True)), rel=1e-4)
     assert len(ids) == 6 and sum(s.weights().values()) == pytest.approx(1.0)
 
 

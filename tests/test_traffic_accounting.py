@@ -71,7 +71,7 @@ def test_run_totals_add_up_when_nodes_pull_from_finished_ones(tmp_path):
         return statuses, histories
 
     statuses, histories = asyncio.run(go())
-    results = [node_results(h, s) for h, s in zip(histories, statuses)]
+    results = [node_results(h, s) for h, s in zip(histories, statuses, strict=True)]
     assert all(len(h) == 2 for h in histories)
     # the scenario happened: the late nodes pulled models the early ones served after their last round
     late_pulled = sum(r["bytes_received"].get("snapshot", 0) for r in results[EARLY:])
