@@ -439,11 +439,11 @@ async def run_rounds(hub: Hub, rounds: int, start: int = 1, concurrent: bool = F
                 hub.publish(nid, rnd)
             reports.append(rep)
         elif concurrent:
-            async def one(nid: str) -> Any:
+            async def one(nid: str, rnd: int) -> Any:
                 r = await hub.nodes[nid].strategy.run_round(rnd)
                 hub.publish(nid, rnd)
                 return r
-            rs = await asyncio.gather(*(one(nid) for nid in hub.nodes))
+            rs = await asyncio.gather(*(one(nid, rnd) for nid in hub.nodes))
             reports.append(dict(zip(hub.nodes, rs, strict=True)))
         else:
             rep = {}

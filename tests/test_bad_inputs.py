@@ -228,7 +228,7 @@ def test_bad_snapshots_from_a_rogue_peer_are_rejected(target, params):
             for payload, needle in cases:
                 rogue.set_payload(payload)
 
-                def seen():
+                def seen(needle: str = needle) -> bool:
                     return any(p["peer"] == "rogue" and needle in p["message"].lower()
                                for p in target.status()["problems"])
                 await asyncio.to_thread(wait_for, seen, 30, f"victim to reject a {needle} snapshot")

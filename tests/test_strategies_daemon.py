@@ -152,7 +152,7 @@ def test_cobo_pair_updates_cross_the_wire_and_stay_symmetric(tmp_path, transport
 @pytest.mark.slow
 def test_dpsgd_uses_every_peer_and_local_none(tmp_path, transport):
     results = asyncio.run(_network(tmp_path / "d", "dpsgd", transport=transport))
-    for nid, _, w, _, _ in results:
+    for _, _, w, _, _ in results:
         assert len(w) == N and all(abs(v - 1 / N) < 1e-9 for v in w.values())
     results = asyncio.run(_network(tmp_path / "l", "local", transport=transport))
     for nid, _, w, hist, _ in results:

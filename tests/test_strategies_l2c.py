@@ -108,7 +108,7 @@ def test_l2c_in_process_network_prunes_at_T0_and_resumes():
     asyncio.run(run_rounds(hub, 2, start=10))
     mass, per_node, _ = in_cluster_mass(hub)
     assert mass > 0.9, per_node
-    for nid, node in hub.nodes.items():  # T0 = 10: 90% of 5 peers dropped, one kept, in-cluster
+    for node in hub.nodes.values():  # T0 = 10: 90% of 5 peers dropped, one kept, in-cluster
         (kept,) = node.strategy._kept
         assert hub.nodes[kept].cluster == node.cluster
     before = hub.calls["pull"]

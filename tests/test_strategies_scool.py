@@ -183,7 +183,7 @@ def test_sbm_in_process_network_prunes_to_cluster_and_resumes():
     asyncio.run(run_rounds(hub, 12))
     mass, per_node, chance = in_cluster_mass(hub)
     assert mass > 0.8 and min(per_node) > chance, per_node
-    for nid, node in hub.nodes.items():  # pruned after round 10 to the top 20% = 1 peer, in-cluster
+    for node in hub.nodes.values():  # pruned after round 10 to the top 20% = 1 peer, in-cluster
         (kept,) = node.strategy._kept
         assert hub.nodes[kept].cluster == node.cluster
     calls = dict(hub.calls)
@@ -311,7 +311,7 @@ def test_attention_prunes_to_its_cluster():
     asyncio.run(run_rounds(hub, 12))
     mass, per_node, _ = in_cluster_mass(hub)
     assert mass > 0.95, per_node
-    for nid, node in hub.nodes.items():
+    for node in hub.nodes.values():
         (kept,) = node.strategy._kept
         assert hub.nodes[kept].cluster == node.cluster
 
