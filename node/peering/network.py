@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, ContextManager
+from contextlib import AbstractContextManager
+from typing import Callable
 
 from ..offload import OFF_LOOP_BYTES
 from ..privacy.mechanisms import PrivateData
@@ -71,7 +72,7 @@ class NodeNetwork(PeerRequests):
     def exchange_budget(self) -> float:
         return self.calls.exchange_budget()
 
-    def exchange_phase(self) -> ContextManager[Phase]:
+    def exchange_phase(self) -> AbstractContextManager[Phase]:
         """Around a round: its peer calls share one deadline, counted from the first call."""
         return self.calls.exchange_phase()
 
