@@ -23,7 +23,7 @@ from coterie.node.learning.config import LearnerConfig
 from coterie.node.learning.torch_learner import build_learner
 from coterie.node.modelfile import FORMAT, export_state_dir, load_model, sidecar_path
 from coterie.node.transport.inproc import InProcNetwork
-from nodeproc import tiny_learner
+from tests.nodeproc import tiny_learner
 
 runner = CliRunner()
 ROUNDS = 3

@@ -20,7 +20,7 @@ from coterie.node.privacy.ledger import FILE, BudgetSpent, PrivacyLedger
 from coterie.node.privacy.mechanisms import PrivateData
 from coterie.node.privacy.purposes import PURPOSES, SERVED_SPLITS, purpose, purposes_of
 
-from test_architecture import _imports
+from tests.test_architecture import _imports
 
 LEARNER = LearnerConfig(dataset="mnist1d", dataset_params={"num_samples": 2000}, partition="label_permutation",
                         partition_params={"num_clusters": 1, "samples_per_node": 120}, num_nodes=2,

@@ -19,7 +19,7 @@ from coterie.node.peering.errors import PeerCallError
 from coterie.node.peering.messages import CROSS_GRADIENT, PUSH_GRADIENT, ComputeRequest
 from coterie.proto.v1 import peer_pb2 as pb
 from coterie.proto.v1 import peer_pb2_grpc as rpc
-from nodeproc import CertifiedPeer, NodeProc, peer_channel, tiny_learner, wait_for
+from tests.nodeproc import CertifiedPeer, NodeProc, peer_channel, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 PUSH_LAG = 5

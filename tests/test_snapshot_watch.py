@@ -23,8 +23,8 @@ from coterie.node.peering.problems import ProblemLog
 from coterie.node.peering.snapshots import SnapshotCache
 from coterie.node.transport.client import PeerClient
 from coterie.node.transport.server import serve
-from nodeproc import NodeProc, tiny_learner, wait_for
-from test_security_limits import Mallory
+from tests.nodeproc import NodeProc, tiny_learner, wait_for
+from tests.test_security_limits import Mallory
 
 SPEC = {"w": ((4,), "float32")}
 

@@ -15,7 +15,7 @@ import torch
 from coterie.node.config import validate_config
 from coterie.node.daemon import Node
 from coterie.node.persistence import StateError
-from nodeproc import wait_for
+from tests.nodeproc import wait_for
 
 FILES = ["identity.json", "ckpt-000002.safetensors", "history.jsonl"]
 FLIPS = [0, 1, 8, 9, 20, 0.25, 0.5, 0.75, -2, -1]

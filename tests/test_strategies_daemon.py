@@ -12,8 +12,8 @@ import pytest
 from coterie.node.config import validate_config
 from coterie.node.daemon import Node
 from coterie.node.strategies.registry import available
-from nodeproc import node_certs
-from transports import TRANSPORTS, NodeMaker
+from tests.nodeproc import node_certs
+from tests.transports import TRANSPORTS, NodeMaker
 
 N, CLUSTERS = 4, 2
 CHANCE = (N // CLUSTERS - 1) / (N - 1)  # in-cluster share of uniform weights: 1/3

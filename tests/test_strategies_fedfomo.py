@@ -8,7 +8,7 @@ import torch
 
 from coterie.node.strategies import common as C
 from coterie.node.strategies.fedfomo import FedFomo, fomo_affinity, fomo_deltas, fomo_update, fomo_weights
-from strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
+from tests.strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
 
 torch.set_num_threads(1)
 

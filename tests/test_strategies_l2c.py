@@ -10,7 +10,7 @@ import torch
 
 from coterie.node.strategies import common as C
 from coterie.node.strategies.l2c import L2C, MetaL2C, l2c_alpha_grad
-from strategy_harness import (assert_encoder_resumes, build_network, in_cluster_mass,
+from tests.strategy_harness import (assert_encoder_resumes, build_network, in_cluster_mass,
                               msgpack_roundtrip_state, run_free, run_rounds)
 
 torch.set_num_threads(1)

@@ -13,7 +13,7 @@ from coterie.node.strategies.scool import (SCoolAttention, SCoolSBM, attention_e
                                            estimate_num_blocks, evidence_matrix, row_with_self, sbm_alpha_mstep, sbm_B_mstep, sbm_estep_node,
                                            sbm_node_stats, sbm_self_weight)
 from coterie.node.persistence import pack_state, unpack_state
-from strategy_harness import (assert_encoder_resumes, build_network, in_cluster_mass,
+from tests.strategy_harness import (assert_encoder_resumes, build_network, in_cluster_mass,
                               msgpack_roundtrip_state, run_rounds)
 
 torch.set_num_threads(1)

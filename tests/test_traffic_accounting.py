@@ -16,7 +16,7 @@ from coterie.node.daemon import Node
 from coterie.node.metrics import Metrics
 from coterie.node.peering.traffic import TrafficStats
 from coterie.node.transport.inproc import InProcNetwork
-from nodeproc import tiny_learner
+from tests.nodeproc import tiny_learner
 
 pytestmark = pytest.mark.slow
 EARLY, LATE = 3, 2  # nodes that finish first; nodes that start after them and pull their models
