@@ -152,8 +152,3 @@ def build_model(name: str, input_shape, num_classes: int, **model_params) -> nn.
             raise ValueError(f"model {name!r} contains BatchNorm ({type(m).__name__}); use "
                              f"GroupNorm or none: BN statistics cannot be mixed between peers")
     return model
-
-
-def output_dim(model: nn.Module, input_shape) -> int:
-    with torch.no_grad():
-        return int(model(torch.zeros(1, *input_shape)).shape[-1])
