@@ -27,7 +27,6 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Callable
 
-import torch
 from torch import nn
 
 Factory = Callable[..., nn.Module]
