@@ -67,6 +67,7 @@ class NodeViews(PeerPlane):
                 "faulty": self.cfg.faulty, "mtls": self.transport.mtls,
                 "admission": self.admission.view(), "traffic_since_last_round": self.traffic.pending(),
                 "membership": self.membership_view(), "privacy": self.privacy_view(),
+                "collaboration": self.network.releases.view(),
                 "data": self.learner.data_info(), "history_summary": history_summary(self.store.summary)}
 
     def privacy_view(self) -> dict[str, Any]:
