@@ -1,0 +1,27 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReserveRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TunnelOffer(_message.Message):
+    __slots__ = ("tunnel_id", "dialer")
+    TUNNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DIALER_FIELD_NUMBER: _ClassVar[int]
+    tunnel_id: str
+    dialer: str
+    def __init__(self, tunnel_id: _Optional[str] = ..., dialer: _Optional[str] = ...) -> None: ...
+
+class RelayFrame(_message.Message):
+    __slots__ = ("target", "tunnel_id", "data")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    TUNNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    tunnel_id: str
+    data: bytes
+    def __init__(self, target: _Optional[str] = ..., tunnel_id: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
