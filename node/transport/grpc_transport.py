@@ -9,13 +9,20 @@ node's failure tracking sets, and idle-channel eviction (``cfg.membership.idle_c
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from ..peering.interfaces import UNSET_MODEL_BYTES, PeerHandler, SizeLimits, Traffic
 from .client import PeerClient
+from .relay_address import RelayAddress
+from .relay_dialer import RelayDialer
+from .relay_reservations import RelayReservations
+from .relay_service import RelayBudget, RelayService
 from .server import HealthStatus, StreamLimits, serve
 from .served_versions import CodecPolicy
 from .tls import TLS, load_tls
@@ -40,10 +47,16 @@ class GrpcServer:
     """A running gRPC peer server (``peering.interfaces.PeerServer``)."""
     address: str
     server: grpc.aio.Server
-    port: int
+    port: int  # 0: no peer port (outbound-only, reached through relays)
+    reservations: RelayReservations | None = None
+    relay: RelayService | None = None  # the relay this node runs for outbound-only peers
 
     async def stop(self) -> None:
+        if self.reservations is not None:
+            await self.reservations.stop()
         await self.server.stop(grace=0.5)
+        if self.reservations is not None:
+            shutil.rmtree(Path(self.reservations.socket_path).parent, ignore_errors=True)
 
 
 class GrpcTransport:
@@ -55,8 +68,13 @@ class GrpcTransport:
                  max_gossip_bytes: int = 1 << 20, timeout_s: float = 30.0, delay_ms: float = 0.0,
                  streams: StreamLimits = StreamLimits(), max_rpcs: int | None = None,
                  idle_channel_s: float = 120.0, health: HealthStatus | None = None, sessions: bool = True,
-                 reflection: bool = False, codecs: CodecPolicy = CodecPolicy()):
+                 reflection: bool = False, codecs: CodecPolicy = CodecPolicy(),
+                 no_listen: bool = False, relays: tuple[str, ...] = (), relay_budget: RelayBudget | None = RelayBudget()):
+        """``no_listen``: no peer port; reserve at ``relays`` instead. ``relay_budget``: relay for
+        outbound-only peers within it (None: never relay)."""
         self.tls = tls
+        self.no_listen, self.relays, self.relay_budget = no_listen, tuple(relays), relay_budget
+        self.dialer = RelayDialer(tls)  # for peers whose address is a relay address
         self.reflection = reflection  # gRPC server reflection (security.reflection, off by default)
         self.listen, self.advertise = listen, advertise
         self.chunk_bytes = chunk_bytes
@@ -81,7 +99,8 @@ class GrpcTransport:
                                         lim.min_stream_bytes_per_s, lim.max_watches),
                    max_rpcs=lim.max_rpcs, idle_channel_s=cfg.membership.idle_channel_s, health=health,
                    sessions=cfg.pull_sessions, reflection=cfg.security.reflection,
-                   codecs=CodecPolicy(tuple(cfg.snapshots.codecs), cfg.snapshots.delta, cfg.snapshots.delta_history))
+                   codecs=CodecPolicy(tuple(cfg.snapshots.codecs), cfg.snapshots.delta, cfg.snapshots.delta_history),
+                   no_listen=cfg.no_listen, relays=tuple(cfg.relays()), relay_budget=_relay_budget(cfg))
 
     # --- TransportFactory ---
     @property
@@ -96,14 +115,35 @@ class GrpcTransport:
     def connect(self, node_id: str, traffic: Traffic) -> PeerClient:
         return PeerClient(node_id, traffic, chunk_bytes=self.chunk_bytes, limits=self.limits, timeout_s=self.timeout_s,
                           tls=self.tls, delay_ms=self.delay_ms, idle_channel_s=self.idle_channel_s,
-                          sessions=self.sessions, codecs=self.codecs)
+                          sessions=self.sessions, codecs=self.codecs, relay_dialer=self.dialer)
 
     async def serve(self, handler: PeerHandler, traffic: Traffic) -> GrpcServer:
         if self.tls is None:
             log.warning("peer port WITHOUT TLS (security.insecure = true): anyone who can reach it can "
                         "claim any node id; use only on a network you trust")
-        server, port = await serve(handler, traffic, self.listen, tls=self.tls, chunk_bytes=self.chunk_bytes,
+        relay = None
+        if self.relay_budget is not None and self.tls is not None and not self.no_listen:
+            relay = RelayService(self.tls, self.relay_budget)
+        listen = self.listen
+        if self.no_listen:  # a private Unix socket in a fresh 0700 directory: no port at all
+            if self.tls is None:
+                raise ValueError("no_listen needs mTLS: relays know a node only by its certificate")
+            listen = f"unix:{tempfile.mkdtemp(prefix='coterie-peer-')}/peer.sock"
+        server, port = await serve(handler, traffic, listen, tls=self.tls, chunk_bytes=self.chunk_bytes,
                                    limits=self.limits, streams=self.streams, max_rpcs=self.max_rpcs,
-                                   health_status=self.health, reflection_on=self.reflection, codecs=self.codecs)
+                                   health_status=self.health, reflection_on=self.reflection, codecs=self.codecs,
+                                   relay=relay)
+        if self.no_listen:
+            assert self.tls is not None
+            reservations = RelayReservations(self.tls, list(self.relays), listen[len("unix:"):])
+            reservations.start()
+            return GrpcServer(str(RelayAddress(self.relays, self.tls.node_id)), server, 0, reservations=reservations)
         host, _ = hostport(self.listen)
-        return GrpcServer(self.advertise or f"{dialable(host)}:{port}", server, port)
+        return GrpcServer(self.advertise or f"{dialable(host)}:{port}", server, port, relay=relay)
+
+
+def _relay_budget(cfg: Any) -> RelayBudget | None:
+    r = cfg.relay
+    if not r.serve:
+        return None
+    return RelayBudget(r.max_reservations, r.max_tunnels_per_peer, r.max_bytes_per_s, r.accept_timeout_s)
