@@ -29,7 +29,7 @@ from nodeproc import NodeProc, node_certs, wait_for
 
 pytestmark = pytest.mark.slow
 
-SCOOL = {"strategy": "scool", "round_interval_s": 0.3}
+SCOOL = {"strategy": "scool-sbm", "strategy_params": {"mstep": "exact"}, "round_interval_s": 0.3, "privacy": {"budget_epsilon": 1e9}}
 
 
 def learner(i: int) -> dict:
