@@ -74,10 +74,13 @@ class RelayService:
     def reserved(self) -> list[str]:
         return sorted(self._offers)
 
-    def _who(self, context: grpc.aio.ServicerContext) -> str | None:
+    async def _who(self, context: grpc.aio.ServicerContext) -> str:
+        """The node the caller's certificate names, accepted (allow-list, CRL); else the call ends."""
         ident = caller_identity(context)
         if ident is None or not self.tls.allowed(ident) or self.tls.refusal(context):
-            return None
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "relay: the caller's certificate names no "
+                                                                   "accepted Coterie node")
+        assert ident is not None  # (abort raised otherwise)
         return ident
 
     async def forward(self, data: bytes, tunnel: _Tunnel, to_target: bool) -> bytes | None:
@@ -96,10 +99,7 @@ class RelayService:
 
     # ------------------------------------------------------------------ RPCs
     async def Reserve(self, request: pb.ReserveRequest, context) -> AsyncIterator[pb.TunnelOffer]:
-        who = self._who(context)
-        if who is None:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "relay: the caller's certificate names no "
-                                                                   "accepted Coterie node")
+        who = await self._who(context)
         if who not in self._offers and len(self._offers) >= self.budget.max_reservations:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"relay: max_reservations ({self.budget.max_reservations}) reached")
@@ -130,10 +130,7 @@ class RelayService:
         return None
 
     async def Connect(self, frames, context) -> AsyncIterator[pb.RelayFrame]:
-        dialer = self._who(context)
-        if dialer is None:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "relay: the caller's certificate names no "
-                                                                   "accepted Coterie node")
+        dialer = await self._who(context)
         it = frames.__aiter__()
         first = await _first(it, context, "target")
         target = first.target
@@ -166,12 +163,13 @@ class RelayService:
                 self._open[node] -= 1
 
     async def Accept(self, frames, context) -> AsyncIterator[pb.RelayFrame]:
-        who = self._who(context)
+        who = await self._who(context)
         it = frames.__aiter__()
         first = await _first(it, context, "tunnel_id")
         tunnel = self._tunnels.get(first.tunnel_id)
         if tunnel is None or who != tunnel.target or tunnel.accepted.done():
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "relay: no such tunnel offered to this node")
+        assert tunnel is not None  # (abort raised otherwise)
         tunnel.accepted.set_result(True)
         pump = asyncio.ensure_future(self._pump(it, tunnel, to_target=False))
         try:
