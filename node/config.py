@@ -206,7 +206,7 @@ class NodeConfig(BaseModel):
     listen: str = "127.0.0.1:0"  # peer (gRPC) address; port 0 = pick a free one
     advertise: str | None = None  # address peers should dial; default = listen with the bound port
     admin_listen: str = "127.0.0.1:0"  # aiohttp admin API
-    peers: list[str] = Field(default_factory=list)  # bootstrap addresses host:port
+    peers: list[str] = Field(default_factory=list)  # bootstrap addresses host:port (or relay://R,R/ID)
     # outbound-only: no peer port at all; reached through relays (relay.via, else `peers`): docs/nat.md
     no_listen: bool = False
     relay: RelayConfig = Field(default_factory=RelayConfig)
@@ -284,7 +284,8 @@ class NodeConfig(BaseModel):
 
     def relays(self) -> list[str]:
         """The relays an outbound-only node reserves at."""
-        return (self.relay.via or self.peers)[:self.relay.max_relays]
+        from .transport.relay_address import is_relayed
+        return (self.relay.via or [p for p in self.peers if not is_relayed(p)])[:self.relay.max_relays]
 
     @field_validator("listen", "admin_listen")
     @classmethod
@@ -297,8 +298,9 @@ class NodeConfig(BaseModel):
     @field_validator("peers")
     @classmethod
     def _peers(cls, v: list[str]) -> list[str]:
+        from .transport.relay_address import is_relayed, parse
         for p in v:
-            cls._hostport(p)
+            parse(p) if is_relayed(p) else cls._hostport(p)  # an outbound-only node: relay://R/ID
         return v
 
 

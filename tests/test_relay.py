@@ -259,6 +259,20 @@ async def test_a_malicious_relay_sees_ciphertext_only_and_every_tampering_is_ref
             assert e.value.kind != "ok", mode
             assert n9.proc.poll() is None and n9.status()["node_id"] == "n9", f"n9 down after {mode}"
 
+        # a daemon dialling n9 through the tampering relay: refused, and named in its /status
+        evil.mode = "flip"
+        n2 = NodeProc(tmp_path, "n2", {"strategy": "local", "round_interval_s": 0.5, "learner": learner(1),
+                                       "peers": [n9.address]})
+        try:
+            await asyncio.to_thread(n2.start)
+            problems = await asyncio.to_thread(wait_for, lambda: [p for p in n2.status()["problems"]
+                                                                  if n9.address in p["peer"]], 30,
+                                               "n2 to name the relayed n9 in its problems")
+            assert n2.status()["peers_alive"] == 0 and n9.proc.poll() is None
+            assert "Tls handshake failed" in problems[0]["message"]  # the altered record failed TLS's check
+        finally:
+            n2.stop()
+
         evil.mode = "read"  # and the node still answers once the relay behaves
         await client.forget(n9.address)
         assert (await client.handshake(n9.address, me, timeout=5))[0].node_id == "n9"

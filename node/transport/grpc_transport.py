@@ -19,7 +19,7 @@ import grpc
 
 from ..peering.interfaces import UNSET_MODEL_BYTES, PeerHandler, SizeLimits, Traffic
 from .client import PeerClient
-from .relay_address import RelayAddress
+from .relay_address import RelayAddress, reachability
 from .relay_dialer import RelayDialer
 from .relay_reservations import RelayReservations
 from .relay_service import RelayBudget, RelayService
@@ -75,6 +75,7 @@ class GrpcTransport:
         self.tls = tls
         self.no_listen, self.relays, self.relay_budget = no_listen, tuple(relays), relay_budget
         self.dialer = RelayDialer(tls)  # for peers whose address is a relay address
+        self.server: GrpcServer | None = None
         self.reflection = reflection  # gRPC server reflection (security.reflection, off by default)
         self.listen, self.advertise = listen, advertise
         self.chunk_bytes = chunk_bytes
@@ -137,9 +138,25 @@ class GrpcTransport:
             assert self.tls is not None
             reservations = RelayReservations(self.tls, list(self.relays), listen[len("unix:"):])
             reservations.start()
-            return GrpcServer(str(RelayAddress(self.relays, self.tls.node_id)), server, 0, reservations=reservations)
+            self.server = GrpcServer(str(RelayAddress(self.relays, self.tls.node_id)), server, 0,
+                                     reservations=reservations)
+            return self.server
         host, _ = hostport(self.listen)
-        return GrpcServer(self.advertise or f"{dialable(host)}:{port}", server, port, relay=relay)
+        self.server = GrpcServer(self.advertise or f"{dialable(host)}:{port}", server, port, relay=relay)
+        return self.server
+
+    def relay_view(self) -> dict[str, Any]:
+        """For /status: how this node is reached, its reservations, whom it relays for, and why
+        relays failed this node's recent dials."""
+        srv = self.server
+        out: dict[str, Any] = {"reachability": reachability(srv.address) if srv else "not serving"}
+        if srv is not None and srv.reservations is not None:
+            out["reservations"] = dict(srv.reservations.state)
+        if srv is not None and srv.relay is not None:
+            out["relaying_for"] = srv.relay.reserved()
+            out["relayed_bytes"] = srv.relay.relayed_bytes
+        out["dial_problems"] = dict(self.dialer.problems)
+        return out
 
 
 def _relay_budget(cfg: Any) -> RelayBudget | None:

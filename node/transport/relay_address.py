@@ -50,3 +50,13 @@ def parse(address: str) -> RelayAddress:
         if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise RelayAddressError(f"relay address {address!r}: relay {r!r} is not host:port")
     return RelayAddress(relays, node_id)
+
+
+def reachability(address: str) -> str:
+    """How a node at ``address`` is reached: ``direct``, or ``relayed via R1,R2``."""
+    if not is_relayed(address):
+        return "direct"
+    try:
+        return "relayed via " + ",".join(parse(address).relays)
+    except RelayAddressError:
+        return "relayed (malformed address)"
