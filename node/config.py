@@ -278,8 +278,9 @@ class NodeConfig(BaseModel):
         if self.no_listen and self.security.insecure:
             raise ValueError("no_listen needs mTLS certificates: relays and peers know an outbound-only node "
                              "only by its certificate (security.insecure is set)")
-        if self.no_listen and not (self.relay.via or self.peers):
-            raise ValueError("no_listen: no relay to be reached through; set relay.via (--relay) or peers")
+        if self.no_listen and not self.relays():
+            raise ValueError("no_listen: no relay to be reached through; set relay.via (--relay) or a "
+                             "reachable bootstrap peer (host:port) in peers")
         return self
 
     def relays(self) -> list[str]:

@@ -293,3 +293,33 @@ async def _until(cond, timeout: float = 30.0) -> None:
     while not cond():
         assert loop.time() < deadline, "timed out"
         await asyncio.sleep(0.05)
+
+
+def test_scenario_overrides_make_outbound_only_nodes(tmp_path):
+    from coterie.lab.scenario import node_config, parse_scenario
+    base = {"name": "nat", "nodes": 4, "strategy": ["local"], "rounds": 1, "bootstrap": "star",
+            "learner": {"dataset": "mnist1d", "model": "mlp"}}
+    sc = parse_scenario({**base, "overrides": [{"nodes": [2, 3], "no_listen": True}]})
+    cfg = node_config(sc, "local", 3, tmp_path, bootstrap="127.0.0.1:5000")
+    assert cfg.no_listen and cfg.relays() == ["127.0.0.1:5000"]
+    assert not node_config(sc, "local", 1, tmp_path, bootstrap="127.0.0.1:5000").no_listen
+    with pytest.raises(ConfigError, match="no relay"):  # n0 has no bootstrap peer to relay for it
+        parse_scenario({**base, "overrides": [{"nodes": [0], "no_listen": True}]})
+    with pytest.raises(ConfigError, match="n3 is no_listen and so is its bootstrap peer n2"):
+        parse_scenario({**base, "bootstrap": "chain", "overrides": [{"nodes": [2, 3], "no_listen": True}]})
+
+
+def test_cli_no_listen_without_a_relay_is_refused(tmp_path):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "coterie.cli.main", "node", "start", "--no-listen",
+                          "--state-dir", str(tmp_path / "s"), "--cert-dir", str(node_certs(tmp_path, "n5"))],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "no relay to be reached through" in out.stderr + out.stdout
+    out = subprocess.run([sys.executable, "-m", "coterie.cli.main", "node", "start", "--no-listen",
+                          "--relay", "10.0.0.1:7000", "--relay", "nohost", "--state-dir", str(tmp_path / "s")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "relay.via: expected host:port, got 'nohost'" in out.stderr + out.stdout
+    ok = load_config(None, {"no_listen": True, "relay": {"via": ["10.0.0.1:7000", "10.0.0.2:7000"]},
+                            "security": {"cert_dir": str(node_certs(tmp_path, "n5"))}})
+    assert ok.relays() == ["10.0.0.1:7000", "10.0.0.2:7000"]
