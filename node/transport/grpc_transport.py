@@ -50,8 +50,11 @@ class GrpcServer:
     port: int  # 0: no peer port (outbound-only, reached through relays)
     reservations: RelayReservations | None = None
     relay: RelayService | None = None  # the relay this node runs for outbound-only peers
+    dialer: RelayDialer | None = None  # the node's relayed dials: they end with it
 
     async def stop(self) -> None:
+        if self.dialer is not None:
+            await self.dialer.close()
         if self.reservations is not None:
             await self.reservations.stop()
         await self.server.stop(grace=0.5)
@@ -139,10 +142,10 @@ class GrpcTransport:
             reservations = RelayReservations(self.tls, list(self.relays), listen[len("unix:"):])
             reservations.start()
             self.server = GrpcServer(str(RelayAddress(self.relays, self.tls.node_id)), server, 0,
-                                     reservations=reservations)
+                                     reservations=reservations, dialer=self.dialer)
             return self.server
         host, _ = hostport(self.listen)
-        self.server = GrpcServer(self.advertise or f"{dialable(host)}:{port}", server, port, relay=relay)
+        self.server = GrpcServer(self.advertise or f"{dialable(host)}:{port}", server, port, relay=relay, dialer=self.dialer)
         return self.server
 
     def relay_view(self) -> dict[str, Any]:

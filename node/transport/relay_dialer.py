@@ -34,6 +34,7 @@ class RelayDialer:
         self._stubs: dict[str, tuple[grpc.aio.Channel, rpc.RelayStub]] = {}
         self._preferred: dict[str, str] = {}  # node id -> relay that last worked
         self.problems: dict[str, str] = {}  # relay host:port -> why its last tunnel failed
+        self._tunnels: set[asyncio.Task] = set()
 
     def local(self, address: str) -> tuple[str, str]:
         """(loopback address a channel should dial, node id it must reach) for a relay address.
@@ -60,10 +61,15 @@ class RelayDialer:
         return entry[1]
 
     async def _tunnel(self, target: RelayAddress, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tunnels.add(task)
         try:
             await self._through_relays(target, reader, writer)
         except asyncio.CancelledError:  # the node is stopping: this connection ends with it
             writer.close()
+        finally:
+            self._tunnels.discard(task)  # type: ignore[arg-type]
 
     async def _through_relays(self, target: RelayAddress, reader: asyncio.StreamReader,
                               writer: asyncio.StreamWriter) -> None:
@@ -91,6 +97,9 @@ class RelayDialer:
     async def close(self) -> None:
         for server in self._servers:
             server.close()
+        for task in list(self._tunnels):
+            task.cancel()
+        await asyncio.gather(*self._tunnels, return_exceptions=True)
         for ch, _ in self._stubs.values():
             with contextlib.suppress(Exception):
                 await ch.close()

@@ -10,7 +10,7 @@ import grpc
 
 from ...proto.v1 import relay_pb2 as pb
 
-READ_BYTES = 64 << 10  # one frame per read of the local socket, at most this
+READ_BYTES = 256 << 10  # one frame per read of the local socket, at most this
 
 
 async def splice(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, call) -> None:
