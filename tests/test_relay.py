@@ -100,7 +100,11 @@ def test_outbound_only_nodes_are_full_members(net):
         wait_for(lambda k=kind: metric(n7, "coterie_received_bytes_total", k) > 0, 60, f"n7 to be served {kind}")
     peers8 = {p["node_id"]: p for p in n8.get("/peers")}
     assert peers8["n7"]["state"] == "alive" and peers8["n7"]["address"].startswith("relay://")
-    wait_for(lambda: "n7" in n8.get("/weights")["weights"], 60, "n8 to weigh n7 (outbound-only to outbound-only)")
+    wait_for(lambda: {p["node_id"]: p for p in n8.get("/peers")}["n7"]["cached_version"] is not None, 60,
+             "n8 to hold a snapshot of n7 (outbound-only to outbound-only)")
+    assert n8.status()["relay"]["reachability"] == f"relayed via {nodes['n0'].address},{nodes['n1'].address}"
+    assert n8.status()["relay"]["reservations"] == {nodes["n0"].address: "held", nodes["n1"].address: "held"}
+    assert "n8" in nodes["n0"].status()["relay"]["relaying_for"]
     assert not [p for p in n7.status()["problems"] if "relay" in str(p)]
 
 
