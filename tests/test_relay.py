@@ -327,3 +327,37 @@ def test_cli_no_listen_without_a_relay_is_refused(tmp_path):
     ok = load_config(None, {"no_listen": True, "relay": {"via": ["10.0.0.1:7000", "10.0.0.2:7000"]},
                             "security": {"cert_dir": str(node_certs(tmp_path, "n5"))}})
     assert ok.relays() == ["10.0.0.1:7000", "10.0.0.2:7000"]
+
+
+async def test_a_relay_offering_tunnels_without_end_gets_a_bounded_number(tmp_path, monkeypatch):
+    """A hostile relay may offer tunnels as fast as it likes: the node opens at most MAX_TUNNELS."""
+    from coterie.node.transport import relay_reservations as rr
+    monkeypatch.setattr(rr, "MAX_TUNNELS", 3)
+    opened = []
+
+    async def hold(reader, writer):  # the node's own peer socket: connections stay open
+        opened.append(writer)
+        await reader.read()
+    sock = str(tmp_path / "peer.sock")
+    peer = await asyncio.start_unix_server(hold, sock)
+    relay = RelayService(_tls(tmp_path, "r0"), RelayBudget(max_tunnels_per_peer=100, accept_timeout_s=30))
+    server, address = await _relay_server(tmp_path, "r0", relay)
+    node = rr.RelayReservations(_tls(tmp_path, "n7"), [address], sock)
+    try:
+        node.start()
+        await _until(lambda: node.held() == [address])
+        dialer = _stub(tmp_path, "n1", address)
+        calls = []
+        for _ in range(10):
+            c = dialer.Connect()
+            await c.write(pb.RelayFrame(target="n7"))
+            calls.append(c)
+        await _until(lambda: node.ignored == 7)  # every offer seen: seven past the cap
+        assert node.open == 3
+        await _until(lambda: len(opened) == 3)
+        for c in calls:
+            c.cancel()
+    finally:
+        await node.stop()
+        await server.stop(0)
+        peer.close()

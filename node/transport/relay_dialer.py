@@ -69,7 +69,8 @@ class RelayDialer:
         except asyncio.CancelledError:  # the node is stopping: this connection ends with it
             writer.close()
         finally:
-            self._tunnels.discard(task)  # type: ignore[arg-type]
+            if task is not None:
+                self._tunnels.discard(task)
 
     async def _through_relays(self, target: RelayAddress, reader: asyncio.StreamReader,
                               writer: asyncio.StreamWriter) -> None:

@@ -19,6 +19,9 @@ from .tls import TLS
 
 log = logging.getLogger(__name__)
 RETRY_S = (0.2, 2.0)  # first and longest wait before reserving again at a relay that failed
+# tunnels this node has open through all its relays at once: a relay offering more (a hostile one
+# can offer without end) gets its offers ignored until some close
+MAX_TUNNELS = 64
 
 
 class RelayReservations:
@@ -29,6 +32,8 @@ class RelayReservations:
         self.state: dict[str, str] = {r: "reserving" for r in self.relays}  # relay -> "held" or why not
         self._tasks: set[asyncio.Task] = set()
         self._channels: list[grpc.aio.Channel] = []
+        self.open = 0  # tunnels accepted and not yet closed
+        self.ignored = 0  # offers past MAX_TUNNELS
 
     def start(self) -> None:
         for relay in self.relays:
@@ -54,8 +59,11 @@ class RelayReservations:
                         log.info("relay reservation held at %s", relay)
                         self.state[relay] = "held"
                         wait = RETRY_S[0]
-                    if offer.tunnel_id:
+                    if offer.tunnel_id and self.open < MAX_TUNNELS:
                         self._spawn(self._accept(stub, offer.tunnel_id))
+                    elif offer.tunnel_id:
+                        self.ignored += 1
+                        log.warning("relay %s offers a tunnel past this node's %d open ones: ignored", relay, MAX_TUNNELS)
                 self.state[relay] = "the relay ended the reservation"
             except grpc.aio.AioRpcError as e:
                 self.state[relay] = f"{e.code().name}: {e.details()}"
@@ -64,6 +72,13 @@ class RelayReservations:
             wait = min(RETRY_S[1], wait * 2)
 
     async def _accept(self, stub: rpc.RelayStub, tunnel_id: str) -> None:
+        self.open += 1
+        try:
+            await self._bridge(stub, tunnel_id)
+        finally:
+            self.open -= 1
+
+    async def _bridge(self, stub: rpc.RelayStub, tunnel_id: str) -> None:
         try:
             reader, writer = await asyncio.open_unix_connection(self.socket_path)
         except OSError as e:
