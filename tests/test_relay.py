@@ -361,3 +361,18 @@ async def test_a_relay_offering_tunnels_without_end_gets_a_bounded_number(tmp_pa
         await node.stop()
         await server.stop(0)
         peer.close()
+
+
+def test_peers_table_shows_reachability_when_a_peer_is_relayed():
+    from rich.console import Console
+
+    from coterie.cli.render import peers_table
+    rows = [{"node_id": "n1", "address": "127.0.0.1:5001", "state": "alive"},
+            {"node_id": "n7", "address": "relay://127.0.0.1:5001,127.0.0.1:5003/n7", "state": "alive"}]
+    console = Console(width=400, record=True)
+    console.print(peers_table(rows))
+    text = console.export_text()
+    assert "reachability" in text and "relayed via 127.0.0.1:5001,127.0.0.1:5003" in text and "direct" in text
+    console = Console(width=400, record=True)
+    console.print(peers_table(rows[:1]))
+    assert "reachability" not in console.export_text()
