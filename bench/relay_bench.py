@@ -54,10 +54,10 @@ def _relay(q: mp.Queue, pki: Path) -> None:
     async def main():
         import grpc
 
-        from coterie.proto.v1.relay_pb2_grpc import add_RelayServicer_to_server
+        from coterie.node.transport.relay_service import handlers
         tls = _tls(pki, "relay")
         server = grpc.aio.server()
-        add_RelayServicer_to_server(RelayService(tls, RelayBudget(max_bytes_per_s=1e12)), server)
+        server.add_generic_rpc_handlers((handlers(RelayService(tls, RelayBudget(max_bytes_per_s=1e12))),))
         port = server.add_secure_port("127.0.0.1:0", tls.server_credentials())
         await server.start()
         q.put(port)

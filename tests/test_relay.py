@@ -22,6 +22,7 @@ from coterie.node.transport.client import PeerClient
 from coterie.node.transport.relay_address import RelayAddressError, parse
 from coterie.node.transport.relay_dialer import RelayDialer
 from coterie.node.transport.relay_service import RelayBudget, RelayService
+from coterie.node.transport.relay_service import handlers as relay_handlers
 from coterie.node.transport.tls import TLS
 from coterie.proto.v1 import relay_pb2 as pb
 from coterie.proto.v1 import relay_pb2_grpc as rpc
@@ -126,7 +127,7 @@ def test_relay_failover_after_sigkill(net):
 
 async def _relay_server(root: Path, node_id: str, service: RelayService) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
-    rpc.add_RelayServicer_to_server(service, server)
+    server.add_generic_rpc_handlers((relay_handlers(service),))
     port = server.add_secure_port("127.0.0.1:0", service.tls.server_credentials())
     await server.start()
     return server, f"127.0.0.1:{port}"
@@ -376,3 +377,28 @@ def test_peers_table_shows_reachability_when_a_peer_is_relayed():
     console = Console(width=400, record=True)
     console.print(peers_table(rows[:1]))
     assert "reachability" not in console.export_text()
+
+
+async def test_malformed_relay_frames_are_refused_with_a_reason(tmp_path):
+    relay = RelayService(_tls(tmp_path, "r0"))
+    server, address = await _relay_server(tmp_path, "r0", relay)
+    tls = _tls(tmp_path, "n1")
+    ch = grpc.aio.secure_channel(address, tls.channel_credentials(),
+                                 options=[("grpc.ssl_target_name_override", tls.target_name(None))])
+    try:
+        for method in ("Connect", "Accept"):
+            call = ch.stream_stream(f"/coterie.v1.Relay/{method}", request_serializer=None,
+                                    response_deserializer=None)()
+            await call.write(b"\xff\xff\xff\x07garbage")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call.read()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a RelayFrame" in e.value.details()
+        call = ch.stream_stream("/coterie.v1.Relay/Connect", request_serializer=None, response_deserializer=None)()
+        await call.write(pb.RelayFrame(data=b"x").SerializeToString())  # data before the target
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call.read()
+        assert "must start with target, not data" in e.value.details()
+    finally:
+        await ch.close()
+        await server.stop(0)

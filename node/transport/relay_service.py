@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from ...proto.v1 import relay_pb2 as pb
 from ..peering.errors import short
@@ -98,7 +99,7 @@ class RelayService:
         return b
 
     # ------------------------------------------------------------------ RPCs
-    async def Reserve(self, request: pb.ReserveRequest, context) -> AsyncIterator[pb.TunnelOffer]:
+    async def Reserve(self, request: bytes, context) -> AsyncIterator[pb.TunnelOffer]:
         who = await self._who(context)
         if who not in self._offers and len(self._offers) >= self.budget.max_reservations:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -183,9 +184,10 @@ class RelayService:
         """One direction: frames read from one end, forwarded to the other's queue; None at the end."""
         out = tunnel.to_target if to_target else tunnel.to_dialer
         try:
-            async for frame in it:
-                if frame.WhichOneof("body") != "data":
-                    break
+            async for raw in it:
+                frame = _parse(raw)
+                if frame is None or frame.WhichOneof("body") != "data":
+                    break  # malformed or out of place: this tunnel ends
                 data = await self.forward(frame.data, tunnel, to_target)
                 if data is not None:
                     await out.put(data)
@@ -199,13 +201,41 @@ class RelayService:
 
 async def _first(it, context, field_name: str) -> pb.RelayFrame:
     try:
-        first = await asyncio.wait_for(it.__anext__(), 10.0)
+        first = _parse(await asyncio.wait_for(it.__anext__(), 10.0))
     except (StopAsyncIteration, asyncio.TimeoutError):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"relay: the stream must start with {field_name}")
+    if first is None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "relay: the first frame is not a RelayFrame")
+    assert first is not None  # (abort raised otherwise)
     if first.WhichOneof("body") != field_name:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"relay: the stream must start with {field_name}, not {short(str(first.WhichOneof('body')), 40)}")
     return first
+
+
+def _parse(raw: bytes) -> pb.RelayFrame | None:
+    """A frame from the wire; None when malformed (requests arrive as bytes: a bad one ends its
+    stream with a reason, not a deserialisation traceback)."""
+    try:
+        return pb.RelayFrame.FromString(raw)
+    except DecodeError:
+        return None
+
+
+def handlers(service: RelayService) -> grpc.GenericRpcHandler:
+    """The Relay service's method table, requests as raw bytes (parsed by the servicer)."""
+    ser = _serialize
+    return grpc.method_handlers_generic_handler("coterie.v1.Relay", {
+        "Reserve": grpc.unary_stream_rpc_method_handler(service.Reserve, request_deserializer=None,
+                                                        response_serializer=ser),
+        "Connect": grpc.stream_stream_rpc_method_handler(service.Connect, request_deserializer=None,
+                                                         response_serializer=ser),
+        "Accept": grpc.stream_stream_rpc_method_handler(service.Accept, request_deserializer=None,
+                                                        response_serializer=ser)})
+
+
+def _serialize(msg) -> bytes:
+    return msg.SerializeToString()
 
 
 def _shut(queue: asyncio.Queue) -> None:

@@ -459,8 +459,8 @@ async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, tls: TL
     health_status = health_status or HealthStatus()
     add_health_service(health_status.servicer, server)  # malformed requests: INVALID_ARGUMENT, no traceback
     if relay is not None:  # the Relay service (relay_service.py) for outbound-only peers
-        from ...proto.v1.relay_pb2_grpc import add_RelayServicer_to_server
-        add_RelayServicer_to_server(relay, server)
+        from .relay_service import handlers as relay_handlers
+        server.add_generic_rpc_handlers((relay_handlers(relay),))
     if reflection_on:  # security.reflection: lets grpcurl/grpcui list and call the peer service
         reflection.enable_server_reflection(
             (pb.DESCRIPTOR.services_by_name["Peer"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
