@@ -106,6 +106,8 @@ def test_outbound_only_nodes_are_full_members(net):
     assert n8.status()["relay"]["reachability"] == f"relayed via {nodes['n0'].address},{nodes['n1'].address}"
     assert n8.status()["relay"]["reservations"] == {nodes["n0"].address: "held", nodes["n1"].address: "held"}
     assert "n8" in nodes["n0"].status()["relay"]["relaying_for"]
+    dial_back = wait_for(lambda: nodes["n1"].status()["relay"].get("dial_back"), 30, "n1's dial-back check")
+    assert dial_back == {nodes["n0"].address: f"reachable: dialled {nodes['n1'].address}"}
     assert not [p for p in n7.status()["problems"] if "relay" in str(p)]
 
 
@@ -128,6 +130,8 @@ def test_relay_failover_after_sigkill(net):
 async def _relay_server(root: Path, node_id: str, service: RelayService) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((relay_handlers(service),))
+    from grpc_health.v1 import health, health_pb2_grpc
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)  # as a node's port has
     port = server.add_secure_port("127.0.0.1:0", service.tls.server_credentials())
     await server.start()
     return server, f"127.0.0.1:{port}"
@@ -402,3 +406,30 @@ async def test_malformed_relay_frames_are_refused_with_a_reason(tmp_path):
     finally:
         await ch.close()
         await server.stop(0)
+
+
+async def test_dial_back_reaches_only_the_caller_itself(tmp_path):
+    """A peer dials the caller back at the caller's own IP; "reachable" only when the caller's
+    certificate answers there: a closed port, or another node's server at that port, is not."""
+    from coterie.node.transport import dial_back
+    relay = RelayService(_tls(tmp_path, "r0"))
+    server, address = await _relay_server(tmp_path, "r0", relay)
+    other, other_address = await _relay_server(tmp_path, "r9", RelayService(_tls(tmp_path, "r9")))
+    mine, my_address = await _relay_server(tmp_path, "n5", RelayService(_tls(tmp_path, "n5")))
+    try:
+        n5 = _tls(tmp_path, "n5")
+        for port, expect in ((int(my_address.rsplit(":", 1)[1]), "reachable: dialled 127.0.0.1:"),
+                             (int(other_address.rsplit(":", 1)[1]), "unreachable: dialled 127.0.0.1:"),
+                             (_free_port(), "unreachable: dialled 127.0.0.1:")):
+            answer = (await dial_back.check(n5, [address], port))[address]
+            assert answer.startswith(expect), (port, answer)
+    finally:
+        for s in (server, other, mine):
+            await s.stop(0)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -8,10 +8,11 @@ deadlines and the cap on calls in flight (``cfg.limits``), the standard gRPC hea
 node's failure tracking sets, and idle-channel eviction (``cfg.membership.idle_channel_s``)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ import grpc
 
 from ..peering.interfaces import UNSET_MODEL_BYTES, PeerHandler, SizeLimits, Traffic
 from .client import PeerClient
-from .relay_address import RelayAddress, reachability
+from . import dial_back
+from .relay_address import RelayAddress, is_relayed, reachability
 from .relay_dialer import RelayDialer
 from .relay_reservations import RelayReservations
 from .relay_service import RelayBudget, RelayService
@@ -51,8 +53,11 @@ class GrpcServer:
     reservations: RelayReservations | None = None
     relay: RelayService | None = None  # the relay this node runs for outbound-only peers
     dialer: RelayDialer | None = None  # the node's relayed dials: they end with it
+    tasks: list[asyncio.Task] = field(default_factory=list)  # background checks: they end with it
 
     async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
         if self.dialer is not None:
             await self.dialer.close()
         if self.reservations is not None:
@@ -72,13 +77,16 @@ class GrpcTransport:
                  streams: StreamLimits = StreamLimits(), max_rpcs: int | None = None,
                  idle_channel_s: float = 120.0, health: HealthStatus | None = None, sessions: bool = True,
                  reflection: bool = False, codecs: CodecPolicy = CodecPolicy(),
-                 no_listen: bool = False, relays: tuple[str, ...] = (), relay_budget: RelayBudget | None = RelayBudget()):
+                 no_listen: bool = False, relays: tuple[str, ...] = (), relay_budget: RelayBudget | None = RelayBudget(),
+                 dial_back_peers: tuple[str, ...] = ()):
         """``no_listen``: no peer port; reserve at ``relays`` instead. ``relay_budget``: relay for
         outbound-only peers within it (None: never relay)."""
         self.tls = tls
         self.no_listen, self.relays, self.relay_budget = no_listen, tuple(relays), relay_budget
         self.dialer = RelayDialer(tls)  # for peers whose address is a relay address
         self.server: GrpcServer | None = None
+        self.dial_back_peers = dial_back_peers  # asked once serving whether they can dial this node
+        self.dial_back: dict[str, str] = {}  # peer -> its answer
         self.reflection = reflection  # gRPC server reflection (security.reflection, off by default)
         self.listen, self.advertise = listen, advertise
         self.chunk_bytes = chunk_bytes
@@ -104,7 +112,8 @@ class GrpcTransport:
                    max_rpcs=lim.max_rpcs, idle_channel_s=cfg.membership.idle_channel_s, health=health,
                    sessions=cfg.pull_sessions, reflection=cfg.security.reflection,
                    codecs=CodecPolicy(tuple(cfg.snapshots.codecs), cfg.snapshots.delta, cfg.snapshots.delta_history),
-                   no_listen=cfg.no_listen, relays=tuple(cfg.relays()), relay_budget=_relay_budget(cfg))
+                   no_listen=cfg.no_listen, relays=tuple(cfg.relays()), relay_budget=_relay_budget(cfg),
+                   dial_back_peers=tuple(p for p in cfg.peers if not is_relayed(p)))
 
     # --- TransportFactory ---
     @property
@@ -146,7 +155,19 @@ class GrpcTransport:
             return self.server
         host, _ = hostport(self.listen)
         self.server = GrpcServer(self.advertise or f"{dialable(host)}:{port}", server, port, relay=relay, dialer=self.dialer)
+        if self.tls is not None and self.dial_back_peers:
+            self.server.tasks.append(asyncio.ensure_future(self._check_reachable(self.server.address)))
         return self.server
+
+    async def _check_reachable(self, address: str) -> None:
+        """Ask the bootstrap peers to dial this node back (``dial_back.py``); warn when none can."""
+        assert self.tls is not None
+        _, port = hostport(address)
+        self.dial_back = await dial_back.check(self.tls, list(self.dial_back_peers), port)
+        answered = [a for a in self.dial_back.values() if not a.startswith("no answer")]
+        if answered and not any(a.startswith("reachable") for a in answered):
+            log.warning("no peer can dial this node at port %d (%s): behind NAT or a firewall? start it "
+                        "with --no-listen to be reached through relays (docs/nat.md)", port, "; ".join(answered))
 
     def relay_view(self) -> dict[str, Any]:
         """For /status: how this node is reached, its reservations, whom it relays for, and why
@@ -159,6 +180,8 @@ class GrpcTransport:
             out["relaying_for"] = srv.relay.reserved()
             out["relayed_bytes"] = srv.relay.relayed_bytes
         out["dial_problems"] = dict(self.dialer.problems)
+        if self.dial_back:
+            out["dial_back"] = dict(self.dial_back)
         return out
 
 

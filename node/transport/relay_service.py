@@ -71,6 +71,7 @@ class RelayService:
         self._open: dict[str, int] = {}  # node -> tunnels it is an end of
         self._buckets: dict[str, _Bucket] = {}
         self.relayed_bytes = 0
+        self._dialling: set[str] = set()  # nodes with a dial-back in progress
 
     def reserved(self) -> list[str]:
         return sorted(self._offers)
@@ -99,6 +100,27 @@ class RelayService:
         return b
 
     # ------------------------------------------------------------------ RPCs
+    async def DialBack(self, raw: bytes, context) -> pb.DialBackReply:
+        from .dial_back import caller_host, dial
+        who = await self._who(context)
+        try:
+            port = pb.DialBackRequest.FromString(raw).port
+        except DecodeError:
+            port = 0
+        if not 0 < port < 65536:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "relay: dial-back needs a port 1..65535")
+        host = caller_host(context.peer())
+        if host is None:
+            return pb.DialBackReply(reachable=False, detail=f"the caller's address {context.peer()!r} is not IP")
+        if who in self._dialling:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "relay: one dial-back at a time per node")
+        self._dialling.add(who)
+        try:
+            ok, detail = await dial(self.tls, host, port, who)
+        finally:
+            self._dialling.discard(who)
+        return pb.DialBackReply(reachable=ok, detail=detail)
+
     async def Reserve(self, request: bytes, context) -> AsyncIterator[pb.TunnelOffer]:
         who = await self._who(context)
         if who not in self._offers and len(self._offers) >= self.budget.max_reservations:
@@ -231,6 +253,8 @@ def handlers(service: RelayService) -> grpc.GenericRpcHandler:
         "Connect": grpc.stream_stream_rpc_method_handler(service.Connect, request_deserializer=None,
                                                          response_serializer=ser),
         "Accept": grpc.stream_stream_rpc_method_handler(service.Accept, request_deserializer=None,
+                                                        response_serializer=ser),
+        "DialBack": grpc.unary_unary_rpc_method_handler(service.DialBack, request_deserializer=None,
                                                         response_serializer=ser)})
 
 

@@ -4,6 +4,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DialBackRequest(_message.Message):
+    __slots__ = ("port",)
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    def __init__(self, port: _Optional[int] = ...) -> None: ...
+
+class DialBackReply(_message.Message):
+    __slots__ = ("reachable", "detail")
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    reachable: bool
+    detail: str
+    def __init__(self, reachable: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
 class ReserveRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

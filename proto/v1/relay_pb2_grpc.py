@@ -49,6 +49,11 @@ class RelayStub:
                 request_serializer=coterie_dot_v1_dot_relay__pb2.RelayFrame.SerializeToString,
                 response_deserializer=coterie_dot_v1_dot_relay__pb2.RelayFrame.FromString,
                 _registered_method=True)
+        self.DialBack = channel.unary_unary(
+                '/coterie.v1.Relay/DialBack',
+                request_serializer=coterie_dot_v1_dot_relay__pb2.DialBackRequest.SerializeToString,
+                response_deserializer=coterie_dot_v1_dot_relay__pb2.DialBackReply.FromString,
+                _registered_method=True)
 
 
 class RelayServicer:
@@ -78,6 +83,14 @@ class RelayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DialBack(self, request, context):
+        """AutoNAT-style: dial the caller back at its own IP address (as this relay sees it) and the
+        given port, asking for the caller's certificate; says whether that worked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RelayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +108,11 @@ def add_RelayServicer_to_server(servicer, server):
                     servicer.Accept,
                     request_deserializer=coterie_dot_v1_dot_relay__pb2.RelayFrame.FromString,
                     response_serializer=coterie_dot_v1_dot_relay__pb2.RelayFrame.SerializeToString,
+            ),
+            'DialBack': grpc.unary_unary_rpc_method_handler(
+                    servicer.DialBack,
+                    request_deserializer=coterie_dot_v1_dot_relay__pb2.DialBackRequest.FromString,
+                    response_serializer=coterie_dot_v1_dot_relay__pb2.DialBackReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +196,33 @@ class Relay:
             '/coterie.v1.Relay/Accept',
             coterie_dot_v1_dot_relay__pb2.RelayFrame.SerializeToString,
             coterie_dot_v1_dot_relay__pb2.RelayFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DialBack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coterie.v1.Relay/DialBack',
+            coterie_dot_v1_dot_relay__pb2.DialBackRequest.SerializeToString,
+            coterie_dot_v1_dot_relay__pb2.DialBackReply.FromString,
             options,
             channel_credentials,
             insecure,
