@@ -34,6 +34,7 @@ from .interfaces import PeerTransport
 from .messages import LocalSnapshot, SnapshotHeader
 from .peer_table import ALIVE, DEAD, SUSPECT, PeerTable
 from .problems import ProblemLog
+from .releases import PeerReleases, is_privacy_refusal
 from .requests import PeerRequests
 from .snapshots import SnapshotCache
 from .subscriptions import Subscriptions
@@ -58,6 +59,7 @@ class NodeNetwork(PeerRequests):
         self.spec = spec
         self.problems = problems
         self.private = private  # my own gradients leave through it too
+        self.releases = PeerReleases()  # what peers released to me (releases.py)
         self.labels = labels
         self.request_timeout_s = request_timeout_s
         self.deadlines = deadlines or Deadlines(request_timeout_s)
@@ -132,6 +134,8 @@ class NodeNetwork(PeerRequests):
 
     def _failed(self, what: str, peer: str, err: Exception) -> None:
         rejected = isinstance(err, WireError)
+        if what.startswith("cross-") and is_privacy_refusal(str(err)):
+            self.releases.refused(peer, str(err))
         log.warning("%s %s with %s: %s", what, "refused" if rejected else "failed", peer, err)
         self.problems.note(peer, f"{what}: {err}", rejected=rejected)
 
