@@ -26,7 +26,7 @@ from coterie.node.transport.relay_service import handlers as relay_handlers
 from coterie.node.transport.tls import TLS
 from coterie.proto.v1 import relay_pb2 as pb
 from coterie.proto.v1 import relay_pb2_grpc as rpc
-from nodeproc import NodeProc, node_certs, wait_for
+from tests.nodeproc import NodeProc, node_certs, wait_for
 
 pytestmark = pytest.mark.slow
 

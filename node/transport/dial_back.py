@@ -54,4 +54,4 @@ async def check(tls: TLS, peers: list[str], port: int) -> dict[str, str]:
         finally:
             await ch.close()
     answers = await asyncio.gather(*(ask(p) for p in peers))
-    return dict(zip(peers, answers))
+    return dict(zip(peers, answers, strict=True))
