@@ -202,7 +202,7 @@ def strategy_results(sc: "Scenario", run: "StrategyRun", clusters: list[int] | N
     by_cluster: dict[str, float] = {}
     if clusters:
         for c in sorted(set(clusters)):
-            accs = [a for a, k in zip(finals, clusters) if k == c and a is not None]
+            accs = [a for a, k in zip(finals, clusters, strict=True) if k == c and a is not None]
             if accs:
                 by_cluster[str(c)] = sum(accs) / len(accs)
     sent = sum(sum(nodes[n]["bytes_sent"].values()) for n in ids)
@@ -422,10 +422,10 @@ def save_figures(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
     fig, axes = plt.subplots(1, len(strategies), figsize=(4.2 * len(strategies), 3.4), squeeze=False,
                              sharey=True)
     cmap = plt.get_cmap("tab10")
-    for ax, s in zip(axes[0], strategies):
-        for n, c in zip(ids, clusters):
+    for ax, s in zip(axes[0], strategies, strict=True):
+        for n, c in zip(ids, clusters, strict=True):
             r = results["strategies"][s]["nodes"].get(n) or {}
-            xs = [x for x, a in zip(r.get("rounds", []), r.get("test_acc", [])) if a is not None]
+            xs = [x for x, a in zip(r.get("rounds", []), r.get("test_acc", []), strict=True) if a is not None]
             ys = [a for a in r.get("test_acc", []) if a is not None]
             ax.plot(xs, ys, color=cmap(c % 10), lw=1, alpha=0.8)
         ax.set_title(s)

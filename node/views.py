@@ -98,7 +98,13 @@ class NodeViews:
                 "admission": n.admission.view(), "traffic_since_last_round": n.traffic.pending(),
                 "membership": self.membership_view(), "privacy": self.privacy_view(),
                 "collaboration": n.network.releases.view(),
-                "data": n.learner.data_info(), "history_summary": history_summary(n.store.summary)}
+                "data": n.learner.data_info(), "history_summary": history_summary(n.store.summary),
+                "relay": self.relay_view()}
+
+    def relay_view(self) -> dict[str, Any]:
+        """Reachability (``direct`` or ``relayed via ...``) and relaying, from a transport that relays."""
+        view = getattr(self.node.transport, "relay_view", None)
+        return view() if view is not None else {"reachability": "direct"}
 
     def privacy_view(self) -> dict[str, Any]:
         """The privacy ledger (ε per peer and in total) and the knobs that bound it."""

@@ -8,7 +8,7 @@ import torch
 
 from coterie.node.strategies import common as C
 from coterie.node.strategies.fedfomo import FedFomo, fomo_affinity, fomo_deltas, fomo_update, fomo_weights
-from strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
+from tests.strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
 
 torch.set_num_threads(1)
 
@@ -177,7 +177,7 @@ def _sine_network(strategy: str, params: dict | None, seed: int = 2, nodes: int 
     from coterie.node.learning.partition import node_data, partition
     from coterie.node.learning.torch_learner import TorchLearner
     from coterie.node.strategies.registry import get_strategy
-    from strategy_harness import Hub, InProcessNetwork, Node
+    from tests.strategy_harness import Hub, InProcessNetwork, Node
 
     base = LearnerConfig(dataset="sine", dataset_params={"num_samples": 4000, "noise": 0.1},
                          partition="sine_intervals",
