@@ -7,32 +7,33 @@ from __future__ import annotations
 import hashlib
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .config import NodeConfig
 from .learning.guard import RoundGuard
 from .learning.learner import Learner
+from .node_metrics import NodeMetrics
 from .peering.admission import Admission
 from .peering.deadlines import Deadlines
 from .peering.inbox import PushInbox
+from .peering.interfaces import PeerTransport, TransportFactory
 from .peering.loop_lag import LoopLag
 from .peering.membership import Membership, Observers, Settings, full_membership
+from .peering.messages import NodeInfo
 from .peering.network import NodeNetwork
 from .peering.peer_table import PeerTable
 from .peering.problems import ProblemLog
 from .peering.served import ServedRequests
 from .peering.snapshots import PublishBoard, SnapshotCache
+from .peering.traffic import TrafficStats
+from .persistence import Checkpoint, StateStore
 from .privacy.ledger import PrivacyLedger
 from .privacy.mechanisms import PrivateData
 from .privacy.purposes import purpose, purposes_of
 from .revocations import Revocations
 from .security.crl_gossip import CrlHooks
-from .node_metrics import NodeMetrics
-from .peering.interfaces import PeerTransport, TransportFactory
-from .peering.messages import NodeInfo
-from .peering.traffic import TrafficStats
-from .persistence import Checkpoint, StateStore
 from .strategies.base import Strategy
 from .strategies.registry import get_strategy
 

@@ -17,8 +17,10 @@ import signal
 import sys
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from . import publishing
 from .builder import PeerPlane, PlaneHost, build_peer_plane
 from .checkpointing import Checkpointer
 from .config import PROTOCOL_VERSION, ConfigError, NodeConfig
@@ -29,15 +31,14 @@ from .logfilter import install_log_filter
 from .logs import RoundLog
 from .metrics import Metrics
 from .modelfile import describe_model
-from . import publishing
 from .node_metrics import NodeMetrics
 from .peering.faults import with_fault
-from .peering.messages import LocalSnapshot, NodeInfo
 from .peering.interfaces import PeerServer, TransportFactory
+from .peering.messages import LocalSnapshot, NodeInfo
 from .peering.traffic import TrafficStats
+from .persistence import HISTORY_TAIL, Snapshot, StateError, StateStore, make_snapshot
 from .privacy import accountant
 from .privacy.purposes import LOSS, purpose, purposes_of
-from .persistence import HISTORY_TAIL, Snapshot, StateError, StateStore, make_snapshot
 from .rounds import RoundLoop
 from .views import NodeViews
 

@@ -15,16 +15,15 @@ if TYPE_CHECKING:
     from .config import NodeConfig
     from .failures import Failures
     from .learning.learner import Learner
-    from .peering.interfaces import TransportFactory
-    from .peering.traffic import TrafficStats
     from .peering.admission import Admission
-    from .peering.interfaces import PeerTransport
+    from .peering.interfaces import PeerTransport, TransportFactory
     from .peering.loop_lag import LoopLag
     from .peering.membership import Membership
     from .peering.network import NodeNetwork
     from .peering.peer_table import PeerTable
     from .peering.problems import ProblemLog
     from .peering.snapshots import SnapshotCache
+    from .peering.traffic import TrafficStats
     from .persistence import StateStore
     from .privacy.ledger import PrivacyLedger
     from .strategies.base import Strategy

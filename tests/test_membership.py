@@ -159,7 +159,7 @@ class MemNet:
         self.calls: dict[str, int] = {}  # caller node -> calls made
         self.dials: dict[str, int] = {}  # address -> attempts
 
-    def transport(self, me: str) -> "MemTransport":
+    def transport(self, me: str) -> MemTransport:
         return MemTransport(self, me)
 
     def address_of(self, node_id: str) -> str | None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from .claims import MAX_INCARNATION, Strikes, implausible
 from .errors import PeerCallError

@@ -5,7 +5,7 @@ forgotten when they fail; dead members get reconnect attempts with backoff."""
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..learning.task import task_difference
 from .errors import PeerCallError, invalid, refused

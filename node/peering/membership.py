@@ -33,8 +33,8 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 from .claims import Strikes
 from .deadlines import Deadlines
@@ -88,7 +88,7 @@ class Membership:
         n = len(peers.records)
         peers.suspicion_s = max(peers.dead_after_s, st.s.suspicion_mult * math.log10(n + 1) * st.period)
         peers.confirmations = max(1, min(st.s.indirect_probes, n - 1))
-        for node_id, _, new in peers.refresh():
+        for node_id, _, _new in peers.refresh():
             st.announce(node_id)
         target = self.probes.next_target()
         if target is not None and target not in st.probing:

@@ -10,8 +10,9 @@ import math
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field, make_dataclass
-from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterable
+from typing import TYPE_CHECKING, Any
 
 from ..config import MembershipConfig
 from .messages import ALIVE, DEAD, MemberUpdate, NodeInfo, PeerEntry
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from .peer_table import PeerTable
 
 
-def _from_config(cls, cfg) -> "Settings":
+def _from_config(cls, cfg) -> Settings:
     return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
 
 

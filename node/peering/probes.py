@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Sequence
+from collections.abc import Awaitable, Sequence
 
 from .deadlines import Deadlines
 from .dissemination import Dissemination
