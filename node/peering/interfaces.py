@@ -3,7 +3,8 @@
 ``PeerHandler`` is this node as its peers see it: what a transport's server calls when a request
 arrives (implemented by ``served.ServedRequests``). ``PeerTransport`` is how this node reaches
 others: what ``NodeNetwork`` and ``Membership`` call (implemented by the gRPC client in
-``transport/client.py``). Both speak the domain objects of ``messages``; a transport converts them
+``transport/client.py``). The unary calls are declared once in ``api.py``: the named methods here
+are ``api.UnaryCalls``'s, and every transport's client implements its ``call``. Both speak the domain objects of ``messages``; a transport converts them
 to its own wire, so a second transport (in-process, ...) plugs in without touching either side.
 ``TransportFactory`` is the pair of them for one node, chosen by whoever composes the node (gRPC:
 ``transport/grpc_transport.py``; in-process: ``transport/inproc.py``)."""
@@ -15,7 +16,7 @@ from typing import Any, Protocol, Sequence
 
 from ..wire.codec import Groups
 from .messages import (Beat, ComputeReply, ComputeRequest, IndirectProbe, LocalSnapshot, MemberUpdate, NodeInfo,
-                       PeerEntry, SnapshotHeader)
+                       PeerEntry, RevocationList, SnapshotHeader)
 
 
 UNSET_MODEL_BYTES = 1 << 31  # until the node fixes its limit from its own model size (Node.model_limit)
@@ -57,6 +58,7 @@ class PeerHandler(Protocol):
     async def snapshot(self, requester: str, min_round: int = 0, wait_s: float = 0.0) -> LocalSnapshot: ...
     async def compute(self, request: ComputeRequest) -> ComputeReply: ...
     async def gossip(self, requester: str, key: str, payload: dict[str, Any]) -> dict[str, Any]: ...
+    def on_revocations(self, theirs: RevocationList) -> RevocationList: ...
 
 
 class PeerTransport(Protocol):
@@ -73,6 +75,9 @@ class PeerTransport(Protocol):
 
     def channels(self) -> int: ...  # connections held open now, for /status
 
+    async def call(self, rpc: Any, address: str, request: Any, timeout: float | None = None, *,
+                   peer: str | None = None) -> Any: ...  # rpc: an ``api.Unary`` (api imports this module)
+    async def welcomed(self, address: str, remote: NodeInfo, timeout: float) -> None: ...  # after a handshake
     async def handshake(self, address: str, info: NodeInfo, timeout: float) -> tuple[NodeInfo, list[PeerEntry]]: ...
     async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
                         peer: str | None = None) -> tuple[Beat, float]: ...
@@ -91,6 +96,8 @@ class PeerTransport(Protocol):
                       peer: str | None = None) -> ComputeReply: ...
     async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],
                      timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]: ...
+    async def exchange_revocations(self, address: str, mine: RevocationList, timeout: float | None = None, *,
+                                   peer: str | None = None) -> RevocationList: ...
     async def forget(self, address: str) -> None: ...
     async def close(self) -> None: ...
 

@@ -22,18 +22,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import AsyncIterator, TypeVar
 
 import grpc
-import msgpack
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ...proto.v1 import peer_pb2 as pb
 from ...proto.v1 import peer_pb2_grpc as rpc
+from ..peering.api import HANDSHAKE, Unary, UnaryCalls
 from ..peering.errors import REFUSED, PeerCallError, short
 from ..peering.interfaces import UNSET_MODEL_BYTES, SizeLimits, Traffic
-from ..peering.messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest,
-                                IndirectProbe, MemberUpdate, NodeInfo, PeerEntry)
+from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest, NodeInfo
 from ..offload import OFF_LOOP_BYTES
 from ..security.ids import node_id_problem
 from ..wire import codecs as wire_codecs
@@ -41,9 +40,13 @@ from ..wire.codec import WireError, decode, encoded_size
 from . import serde
 from .chunks import Assembler, collect, sha256, split
 from .errors import domain_errors as _domain_errors
+from .errors import in_flight
 from .pulls import BULK, CONTROL, SnapshotStreams, _Session
 from .served_versions import CodecPolicy, HeldVersions
 from .tls import TLS
+
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
 
 KEEPALIVE_MS = 20_000  # the server accepts pings this often (server.py); keep the two in step
 _CHANNEL_OPTIONS = [
@@ -58,7 +61,7 @@ _CHANNEL_OPTIONS = [
 _ANY = ""  # expected node id "any node of the CA": a first contact, before a handshake proves who
 
 
-class PeerClient(SnapshotStreams):
+class PeerClient(SnapshotStreams, UnaryCalls):
     def __init__(self, node_id: str, traffic: Traffic, *, chunk_bytes: int, max_model_bytes: int = UNSET_MODEL_BYTES,
                  max_gossip_bytes: int = 1 << 20, timeout_s: float, tls: TLS | None, delay_ms: float = 0.0,
                  idle_channel_s: float = 120.0, sessions: bool = True, limits: SizeLimits | None = None,
@@ -178,51 +181,26 @@ class PeerClient(SnapshotStreams):
     def _timed(self, kind: str, t0: float) -> None:
         self.traffic.latency(kind, time.perf_counter() - t0, "client")
 
-    # --- membership ---
+    # --- the unary calls (peering/api.py): one path for all; the named ones are UnaryCalls' ---
     @_domain_errors
-    async def handshake(self, address: str, info: NodeInfo, timeout: float) -> tuple[NodeInfo, list[PeerEntry]]:
+    async def call(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
+                   peer: str | None = None) -> Rep:
         t0 = time.perf_counter()
         await self._link()
-        req = pb.HandshakeRequest(node=serde.node_info_to_pb(info))
-        # a fresh look at whoever is at the address now (a restarted node may have another id)
-        reply = await self.stub(address, CONTROL, _ANY if self.tls else None).Handshake(req, timeout=timeout)
-        self.traffic.record("handshake", sent=req.ByteSize(), received=reply.ByteSize())
-        remote = serde.node_info_from_pb(reply.node)
-        await self._prove(address, remote.node_id, timeout)
+        wire = serde.WIRE[rpc.name]
+        req = wire.request_to_pb(request)
+        if rpc is HANDSHAKE:  # a fresh look at whoever is at the address now (a restarted node may have another id)
+            peer = _ANY if self.tls else None
+        stub = self.stub(address, CONTROL if rpc.control else BULK, peer)
+        reply = await getattr(stub, rpc.name)(req, timeout=timeout or self.timeout_s)
+        self.traffic.record(rpc.kind, sent=req.ByteSize(), received=reply.ByteSize())
+        self._timed(rpc.kind, t0)
+        return wire.reply_from_pb(reply)
+
+    async def welcomed(self, address: str, remote: NodeInfo, timeout: float) -> None:
+        with in_flight(self, address):
+            await self._prove(address, remote.node_id, timeout)
         self._peer_codecs[address] = remote.codecs  # what models sent there may be encoded in
-        self._timed("handshake", t0)
-        return remote, serde.entries_from_pb(reply.peers)
-
-    @_domain_errors
-    async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
-                        peer: str | None = None) -> tuple[Beat, float]:
-        t0 = time.perf_counter()
-        await self._link()
-        req = serde.beat_to_request(beat)
-        reply = await self.stub(address, CONTROL, peer).Heartbeat(req, timeout=timeout)
-        rtt = time.perf_counter() - t0
-        self.traffic.record("heartbeat", sent=req.ByteSize(), received=reply.ByteSize())
-        self._timed("heartbeat", t0)
-        return serde.beat_from_reply(reply), rtt
-
-    @_domain_errors
-    async def indirect_probe(self, address: str, probe: IndirectProbe, timeout: float, *,
-                             peer: str | None = None) -> tuple[bool, tuple[MemberUpdate, ...]]:
-        await self._link()
-        req = serde.probe_to_pb(probe)
-        reply = await self.stub(address, CONTROL, peer).IndirectProbe(req, timeout=timeout)
-        self.traffic.record("probe", sent=req.ByteSize(), received=reply.ByteSize())
-        return reply.ack, serde.updates_from_pb(reply.updates)
-
-    @_domain_errors
-    async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
-                             members: Sequence[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
-                             ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]:
-        await self._link()
-        req = serde.peer_list_to_pb(sender, entries, members, incarnation)
-        reply = await self.stub(address, CONTROL, peer).ExchangePeers(req, timeout=timeout)
-        self.traffic.record("peers", sent=req.ByteSize(), received=reply.ByteSize())
-        return serde.entries_from_pb(reply.peers), serde.updates_from_pb(reply.members), reply.incarnation
 
     # --- compute requests ---
     def _frames(self, header: pb.ComputeHeader, payload: bytes | None) -> AsyncIterator[pb.ComputeFrame]:
@@ -278,27 +256,4 @@ class PeerClient(SnapshotStreams):
             raise ValueError(f"unknown compute request kind {kind!r}")
         self.traffic.record(kind, sent=sent, received=received)
         self._timed(kind, t0)
-        return out
-
-    @_domain_errors
-    async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],
-                     timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        await self._link()
-        raw = msgpack.packb(payload, use_bin_type=True)
-        if len(raw) > self.limits.max_gossip_bytes:
-            raise PeerCallError("invalid", f"gossip payload for {key!r} is {len(raw)} bytes, "
-                                           f"over the limit of {self.limits.max_gossip_bytes}")
-        req = pb.GossipMessage(node_id=sender, key=key, payload=raw)
-        reply = await self.stub(address, BULK, peer).GossipState(req, timeout=timeout or self.timeout_s)
-        if len(reply.payload) > self.limits.max_gossip_bytes:
-            raise WireError(f"gossip reply from {address} exceeds {self.limits.max_gossip_bytes} bytes")
-        self.traffic.record("gossip", sent=req.ByteSize(), received=reply.ByteSize())
-        self._timed("gossip", t0)
-        try:
-            out = msgpack.unpackb(reply.payload, raw=False, strict_map_key=False)
-        except Exception as e:  # msgpack raises a zoo of types on garbage
-            raise WireError(f"gossip reply from {address} is not msgpack ({e})") from None
-        if not isinstance(out, dict):
-            raise WireError(f"gossip reply from {address} is not a map")
         return out

@@ -1,6 +1,5 @@
-"""The compute and gossip RPCs of the gRPC server (``server.PeerService``'s part): a peer's
-request on this node's data — cross-loss, cross-gradient, gradient push — as a stream of a
-header and its payload, and strategy gossip. Decode → gate → encode, as everywhere in the server:
+"""The compute RPCs of the gRPC server (``server.PeerService``'s part): a peer's request on this
+node's data — cross-loss, cross-gradient, gradient push — as a stream of a header and its payload. Decode → gate → encode, as everywhere in the server:
 the header is parsed and the gate (claimed id, known peer, reference, announced size, admission)
 passes it before the payload is read, under the upload deadlines (``upload_timeout_s``, no gap
 over ``upload_idle_s``)."""
@@ -17,7 +16,6 @@ from ..wire import codecs as wire_codecs
 from ..wire.codec import WireError, encode
 from . import serde
 from .chunks import Assembler, collect, sha256, split
-from .serde import parse as _parse
 from .serde import parsed as _parsed
 
 if TYPE_CHECKING:
@@ -128,12 +126,3 @@ class ComputeRpcs:
         async def go():
             return serde.ack_to_pb(await self._computed(context, raw_frames, PUSH_GRADIENT))
         return await self._guard(context, PUSH_GRADIENT, go(), raw_frames)
-
-    async def GossipState(self, raw: bytes, context):
-        async def go():
-            request = _parse(pb.GossipMessage, raw, "gossip")
-            reply = await self.gate.gossip(self._caller(context), request.node_id, request.key, request.payload)
-            out = pb.GossipMessage(node_id=self.gate.node_id, key=request.key, payload=reply)
-            self.traffic.record("gossip", received=len(raw), sent=out.ByteSize())
-            return out
-        return await self._guard(context, "gossip", go())

@@ -12,8 +12,9 @@ What it adds for gRPC:
   sessions are bounded (``max_watches``);
 - what: requests arrive as raw bytes and are parsed here, so a malformed message is an
   INVALID_ARGUMENT with a one-line reason, never gRPC's UNKNOWN or INTERNAL with a traceback.
-Every refusal's detail is at most ``errors.MAX_MESSAGE`` characters. The compute and gossip RPCs
-are in ``compute_rpcs.py``."""
+Every refusal's detail is at most ``errors.MAX_MESSAGE`` characters. The unary calls are derived
+from their table (``peering/api.py``, ``unary``); the snapshot streams are written here, the
+compute streams in ``compute_rpcs.py``."""
 from __future__ import annotations
 
 import asyncio
@@ -21,13 +22,15 @@ import contextlib
 import itertools
 import logging
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from ...proto.v1 import peer_pb2 as pb
+from ..peering import api
+from ..peering.api import Unary
 from ..peering.errors import exhausted, forbidden, invalid, short
 from ..peering.interfaces import PeerHandler, SizeLimits, Traffic
 from . import serde
@@ -165,46 +168,21 @@ class PeerService(ComputeRpcs):
             sent += len(msg) if isinstance(msg, bytes) else msg.ByteSize()
         return sent
 
-    # --- membership ---
-    async def Handshake(self, raw: bytes, context):
-        async def go():
-            request = _parse(pb.HandshakeRequest, raw, "handshake")
-            remote = serde.node_info_from_pb(request.node)
-            entries = self.gate.handshake(self._caller(context), remote,
-                                          vouched=lambda: self.traffic.record("handshake", received=len(raw)))
-            reply = pb.HandshakeReply(node=serde.node_info_to_pb(self.gate.info()),
-                                      peers=serde.entries_to_pb(entries))
-            self.traffic.record("handshake", sent=reply.ByteSize())
-            return reply
-        return await self._guard(context, "handshake", go())
+    # --- the unary calls (peering/api.py): parse → gate → encode, one method for all ---
+    def unary(self, rpc: Unary) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
+        """The servicer method of ``rpc``: its request parsed from raw bytes (malformed: a refusal
+        naming it), the gate's one path, the reply encoded; both counted in traffic."""
+        wire = serde.WIRE[rpc.name]
 
-    async def Heartbeat(self, raw: bytes, context):
-        async def go():
-            request = _parse(pb.HeartbeatRequest, raw, "heartbeat")
-            reply = serde.beat_to_reply(self.gate.heartbeat(self._caller(context), serde.beat_from_request(request)))
-            self.traffic.record("heartbeat", received=len(raw), sent=reply.ByteSize())
-            return reply
-        return await self._guard(context, "heartbeat", go())
-
-    async def ExchangePeers(self, raw: bytes, context):
-        async def go():
-            request = _parse(pb.PeerList, raw, "peer exchange")
-            entries, members, inc = self.gate.peer_list(self._caller(context), request.node_id,
-                                                        serde.entries_from_pb(request.peers),
-                                                        serde.updates_from_pb(request.members), request.incarnation)
-            reply = serde.peer_list_to_pb(self.gate.node_id, entries, members, inc)
-            self.traffic.record("peers", received=len(raw), sent=reply.ByteSize())
-            return reply
-        return await self._guard(context, "peers", go())
-
-    async def IndirectProbe(self, raw: bytes, context):
-        async def go():
-            request = _parse(pb.IndirectProbeRequest, raw, "indirect probe")
-            ack, updates = await self.gate.indirect_probe(self._caller(context), serde.probe_from_pb(request))
-            reply = serde.probe_reply_to_pb(ack, updates)
-            self.traffic.record("probe", received=len(raw), sent=reply.ByteSize())
-            return reply
-        return await self._guard(context, "probe", go())
+        async def method(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            async def go():
+                request = wire.request_from_pb(_parse(wire.request, raw, rpc.said))
+                reply = wire.reply_to_pb(await self.gate.unary(rpc, self._caller(context), request))
+                self.traffic.record(rpc.kind, received=len(raw), sent=reply.ByteSize())
+                return reply
+            return await self._guard(context, rpc.kind, go())
+        method.__name__ = rpc.name
+        return method
 
     # --- snapshots ---
     async def _pull(self, context, raw: bytes, slot: contextlib.ExitStack, what: str = "snapshot request",
@@ -400,7 +378,8 @@ def _handlers(servicer: PeerService) -> grpc.GenericRpcHandler:
     """The Peer service's method table, derived from the proto descriptor (as the generated
     ``add_PeerServicer_to_server`` does), but requests arrive as raw bytes (parsed by the
     servicer: a malformed one is refused with a reason, not a deserialisation traceback) and
-    replies may be pre-serialised frames."""
+    replies may be pre-serialised frames. The unary calls are the table's (``api.UNARY``), the
+    streams the servicer's own methods."""
     service = pb.DESCRIPTOR.services_by_name["Peer"]
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
              (False, True): grpc.unary_stream_rpc_method_handler,
@@ -409,8 +388,9 @@ def _handlers(servicer: PeerService) -> grpc.GenericRpcHandler:
     table = {}
     for m in service.methods:
         make = kinds[(m.client_streaming, m.server_streaming)]
-        table[m.name] = make(getattr(servicer, m.name), request_deserializer=None,
-                             response_serializer=_serialize)
+        rpc = api.BY_NAME.get(m.name)
+        method = servicer.unary(rpc) if rpc is not None else getattr(servicer, m.name)
+        table[m.name] = make(method, request_deserializer=None, response_serializer=_serialize)
     return grpc.method_handlers_generic_handler(service.full_name, table)
 
 
