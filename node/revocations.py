@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .peering.messages import RevocationList
+from .peering.api import RevocationList
 from .peering.peer_table import PeerTable
 from .security import crl_gossip
 

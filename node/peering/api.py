@@ -33,13 +33,23 @@ import msgpack
 from .errors import INVALID, PeerCallError, Refusal, invalid, short
 from .interfaces import PeerHandler, SizeLimits
 from .messages import (CROSS_GRADIENT, CROSS_LOSS, MAX_GOSSIP_KEY, PUSH_GRADIENT, Beat, Gossip, IndirectProbe,
-                       MemberUpdate, NodeInfo, PeerEntry, PeerList, ProbeReply, RevocationList, Welcome)
+                       MemberUpdate, NodeInfo, PeerEntry, PeerList, ProbeReply, Welcome)
 from ..wire.codec import WireError
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 
 MAX_CRL_BYTES = 1 << 20  # a revocation list (PEM); a CA revoking ~10^4 certificates fits
+
+
+# --- messages of calls whose types live nowhere else (the membership ones are in messages.py) ---
+@dataclass(frozen=True)
+class RevocationList:
+    """The network CA's certificate revocation list as a node holds it (``number`` 0 and no
+    ``crl``: none), both ways. Self-authenticating: the receiver checks the CA's signature."""
+    sender: str
+    number: int = 0
+    crl: bytes = b""
 
 
 # --- the declaration ---
@@ -69,6 +79,13 @@ class Unary(Generic[Req, Rep]):
 
 
 # --- how the handler answers each (the table's ``serve``) ---
+def answered_by(method: str) -> Callable[[PeerHandler, Any], Any]:
+    """``serve`` for a call the handler answers with one method: request in, reply out (the
+    method need not be on the ``PeerHandler`` protocol; tests/test_architecture.py checks the
+    node's handler has it)."""
+    return lambda h, request: getattr(h, method)(request)
+
+
 def _handshake(h: PeerHandler, remote: NodeInfo) -> Welcome:
     peers = h.on_handshake(remote)
     return Welcome(h.info(), tuple(peers))
@@ -128,7 +145,7 @@ INDIRECT_PROBE = Unary("IndirectProbe", "probe", IndirectProbe, ProbeReply, call
 GOSSIP = Unary("GossipState", "gossip", Gossip, Gossip, caller=lambda r: r.sender, serve=_gossip, known=True,
                admit=True, check=_gossip_fits, waits=True, payload=lambda g: len(g.payload))
 REVOCATIONS = Unary("ExchangeRevocations", "revocations", RevocationList, RevocationList,
-                    caller=lambda r: r.sender, serve=lambda h, r: h.on_revocations(r), known=True, admit=True,
+                    caller=lambda r: r.sender, serve=answered_by("on_revocations"), known=True, admit=True,
                     check=_crl_fits, payload=lambda r: len(r.crl), what="revocation list")
 
 UNARY: tuple[Unary, ...] = (HANDSHAKE, HEARTBEAT, EXCHANGE_PEERS, INDIRECT_PROBE, GOSSIP, REVOCATIONS)
@@ -145,13 +162,14 @@ def check_compute_kind(kind: str) -> None:
 
 class UnaryCalls:
     """The calling side's named unary calls (``interfaces.PeerTransport``), written once for every
-    transport in terms of its ``call``; the checks a caller makes (its own payload within the
+    transport in terms of its ``send``; the checks a caller makes (its own payload within the
     limits it sends, the reply's within those it accepts) are here too."""
 
     limits: SizeLimits
 
-    async def call(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
+    async def send(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
                    peer: str | None = None) -> Rep:
+        """The call as the transport makes it (no checks of the table's: ``call`` makes those)."""
         raise NotImplementedError
 
     def _fits(self, rpc: Unary, msg: Any, address: str, *, reply: bool) -> None:
@@ -164,11 +182,11 @@ class UnaryCalls:
                 raise WireError(f"{rpc.said} reply from {address}: {e.message}") from None
             raise PeerCallError(INVALID, f"{rpc.said} for {address}: {e.message}") from None
 
-    async def checked(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
-                      peer: str | None = None) -> Rep:
-        """``call``, with the table's size checks on what goes out and what comes back."""
+    async def call(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
+                   peer: str | None = None) -> Rep:
+        """Any call of the table, with its size checks on what goes out and what comes back."""
         self._fits(rpc, request, address, reply=False)
-        reply = await self.call(rpc, address, request, timeout, peer=peer)
+        reply = await self.send(rpc, address, request, timeout, peer=peer)
         self._fits(rpc, reply, address, reply=True)
         return reply
 
@@ -176,31 +194,31 @@ class UnaryCalls:
         """After a handshake's answer: a transport with identities proves ``remote`` is at ``address``."""
 
     async def handshake(self, address: str, info: NodeInfo, timeout: float) -> tuple[NodeInfo, list[PeerEntry]]:
-        welcome = await self.checked(HANDSHAKE, address, info, timeout)
+        welcome = await self.call(HANDSHAKE, address, info, timeout)
         await self.welcomed(address, welcome.node, timeout)
         return welcome.node, list(welcome.peers)
 
     async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
                         peer: str | None = None) -> tuple[Beat, float]:
         t0 = time.perf_counter()
-        reply = await self.checked(HEARTBEAT, address, beat, timeout, peer=peer)
+        reply = await self.call(HEARTBEAT, address, beat, timeout, peer=peer)
         return reply, time.perf_counter() - t0
 
     async def indirect_probe(self, address: str, probe: IndirectProbe, timeout: float, *,
                              peer: str | None = None) -> tuple[bool, tuple[MemberUpdate, ...]]:
-        reply = await self.checked(INDIRECT_PROBE, address, probe, timeout, peer=peer)
+        reply = await self.call(INDIRECT_PROBE, address, probe, timeout, peer=peer)
         return reply.ack, reply.updates
 
     async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
                              members: Sequence[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
                              ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]:
-        reply = await self.checked(EXCHANGE_PEERS, address, PeerList(sender, tuple(entries), tuple(members),
+        reply = await self.call(EXCHANGE_PEERS, address, PeerList(sender, tuple(entries), tuple(members),
                                                                      incarnation), timeout, peer=peer)
         return list(reply.entries), reply.members, reply.incarnation
 
     async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],
                      timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]:
-        reply = await self.checked(GOSSIP, address, Gossip(sender, key, pack(payload)), timeout, peer=peer)
+        reply = await self.call(GOSSIP, address, Gossip(sender, key, pack(payload)), timeout, peer=peer)
         try:
             return unpack_map(reply.payload, f"gossip reply from {address}")
         except Refusal as e:
@@ -208,4 +226,4 @@ class UnaryCalls:
 
     async def exchange_revocations(self, address: str, mine: RevocationList, timeout: float | None = None, *,
                                    peer: str | None = None) -> RevocationList:
-        return await self.checked(REVOCATIONS, address, mine, timeout, peer=peer)
+        return await self.call(REVOCATIONS, address, mine, timeout, peer=peer)

@@ -16,7 +16,7 @@ from typing import Any, Protocol, Sequence
 
 from ..wire.codec import Groups
 from .messages import (Beat, ComputeReply, ComputeRequest, IndirectProbe, LocalSnapshot, MemberUpdate, NodeInfo,
-                       PeerEntry, RevocationList, SnapshotHeader)
+                       PeerEntry, SnapshotHeader)
 
 
 UNSET_MODEL_BYTES = 1 << 31  # until the node fixes its limit from its own model size (Node.model_limit)
@@ -58,7 +58,6 @@ class PeerHandler(Protocol):
     async def snapshot(self, requester: str, min_round: int = 0, wait_s: float = 0.0) -> LocalSnapshot: ...
     async def compute(self, request: ComputeRequest) -> ComputeReply: ...
     async def gossip(self, requester: str, key: str, payload: dict[str, Any]) -> dict[str, Any]: ...
-    def on_revocations(self, theirs: RevocationList) -> RevocationList: ...
 
 
 class PeerTransport(Protocol):
@@ -76,7 +75,9 @@ class PeerTransport(Protocol):
     def channels(self) -> int: ...  # connections held open now, for /status
 
     async def call(self, rpc: Any, address: str, request: Any, timeout: float | None = None, *,
-                   peer: str | None = None) -> Any: ...  # rpc: an ``api.Unary`` (api imports this module)
+                   peer: str | None = None) -> Any: ...  # rpc: an ``api.Unary`` (api imports this module), checked as it declares
+    async def send(self, rpc: Any, address: str, request: Any, timeout: float | None = None, *,
+                   peer: str | None = None) -> Any: ...  # ``call`` without its checks (a transport's own)
     async def welcomed(self, address: str, remote: NodeInfo, timeout: float) -> None: ...  # after a handshake
     async def handshake(self, address: str, info: NodeInfo, timeout: float) -> tuple[NodeInfo, list[PeerEntry]]: ...
     async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
@@ -96,8 +97,6 @@ class PeerTransport(Protocol):
                       peer: str | None = None) -> ComputeReply: ...
     async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],
                      timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]: ...
-    async def exchange_revocations(self, address: str, mine: RevocationList, timeout: float | None = None, *,
-                                   peer: str | None = None) -> RevocationList: ...
     async def forget(self, address: str) -> None: ...
     async def close(self) -> None: ...
 

@@ -109,15 +109,6 @@ class Gossip:
 
 
 @dataclass(frozen=True)
-class RevocationList:
-    """The network CA's certificate revocation list as a node holds it (``number`` 0 and no
-    ``crl``: none), both ways. Self-authenticating: the receiver checks the CA's signature."""
-    sender: str
-    number: int = 0
-    crl: bytes = b""
-
-
-@dataclass(frozen=True)
 class SnapshotRef:
     """A snapshot the receiving node already caches, named instead of sent again."""
     node_id: str

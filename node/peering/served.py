@@ -29,11 +29,12 @@ from ..privacy.purposes import ALIGNMENT, GRADIENT, LOSS, PURPOSES, PUSH, Purpos
 from ..strategies.base import PushedGradient
 from ..wire.codec import Groups, WireError
 from .admission import Admission
+from .api import RevocationList
 from .errors import PRIVACY_BUDGET, UNAVAILABLE, Refusal, budget_spent, invalid, not_cached, refused
 from .inbox import PushInbox
 from .membership import Membership
 from .messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest, IndirectProbe,
-                       LocalSnapshot, MemberUpdate, NodeInfo, PeerEntry, RevocationList)
+                       LocalSnapshot, MemberUpdate, NodeInfo, PeerEntry)
 from .problems import ProblemLog
 from .snapshots import PublishBoard, SnapshotCache
 from .validation import Spec, model_tensors

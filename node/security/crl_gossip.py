@@ -14,7 +14,7 @@ import logging
 import random
 from typing import Awaitable, Callable
 
-from ..peering.messages import RevocationList
+from ..peering.api import RevocationList
 from .pki import PKIError
 from .revocation import Revocation
 

@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ...proto.v1 import peer_pb2 as pb
 from ...proto.v1 import peer_pb2_grpc as rpc
-from ..peering.api import HANDSHAKE, Unary, UnaryCalls
+from ..peering.api import HANDSHAKE, Unary, UnaryCalls, check_compute_kind
 from ..peering.errors import REFUSED, PeerCallError, short
 from ..peering.interfaces import UNSET_MODEL_BYTES, SizeLimits, Traffic
 from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest, NodeInfo
@@ -181,9 +181,9 @@ class PeerClient(SnapshotStreams, UnaryCalls):
     def _timed(self, kind: str, t0: float) -> None:
         self.traffic.latency(kind, time.perf_counter() - t0, "client")
 
-    # --- the unary calls (peering/api.py): one path for all; the named ones are UnaryCalls' ---
+    # --- the unary calls (peering/api.py): one path for all; call/the named ones are UnaryCalls' ---
     @_domain_errors
-    async def call(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
+    async def send(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
                    peer: str | None = None) -> Rep:
         t0 = time.perf_counter()
         await self._link()
@@ -216,6 +216,7 @@ class PeerClient(SnapshotStreams, UnaryCalls):
                       peer: str | None = None) -> ComputeReply:
         t0 = time.perf_counter()
         kind = request.kind
+        check_compute_kind(kind)
         await self._link()
         payload, digest = None, ""
         # a model sent along travels in the first of this node's codecs the peer advertised
@@ -252,8 +253,8 @@ class PeerClient(SnapshotStreams, UnaryCalls):
                 grad, _ = decode(data, max_bytes=self.limits.max_model_bytes)
             out = ComputeReply(loss=gh.loss, samples=gh.samples, grad=grad, inner_product=gh.inner_product)
             received = first.ByteSize() + len(data)
-        else:
-            raise ValueError(f"unknown compute request kind {kind!r}")
+        else:  # (check_compute_kind: one of the three)
+            raise AssertionError(kind)
         self.traffic.record(kind, sent=sent, received=received)
         self._timed(kind, t0)
         return out

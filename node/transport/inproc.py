@@ -326,8 +326,8 @@ class InProcClient(UnaryCalls):
     def _timed(self, kind: str, t0: float) -> None:
         self.traffic.latency(kind, time.perf_counter() - t0, "client")
 
-    # --- the unary calls (peering/api.py): one path for all; the named ones are UnaryCalls' ---
-    async def call(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
+    # --- the unary calls (peering/api.py): one path for all; call/the named ones are UnaryCalls' ---
+    async def send(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
                    peer: str | None = None) -> Rep:
         served = self._route(address, None if rpc is HANDSHAKE else peer)
         t0 = time.perf_counter()

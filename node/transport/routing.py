@@ -117,7 +117,7 @@ class RoutingTransport:
 
 class RoutingClient(UnaryCalls):
     """The calling side (``peering.interfaces.PeerTransport``): each call to the client of its
-    route — the unary ones through the one ``call`` (``peering/api.py``), the streams by hand."""
+    route — the unary ones through the one ``send`` (``peering/api.py``), the streams by hand."""
 
     def __init__(self, switchboard: InProcNetwork, memory: InProcClient, remote: PeerTransport, stats: RouteStats):
         self.switchboard, self.memory, self.remote, self.stats = switchboard, memory, remote, stats
@@ -138,9 +138,9 @@ class RoutingClient(UnaryCalls):
         self.stats.calls[route] += 1
         return self.memory if route == MEMORY else self.remote
 
-    async def call(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
+    async def send(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
                    peer: str | None = None) -> Rep:
-        return await self._via(address).call(rpc, address, request, timeout, peer=peer)
+        return await self._via(address).send(rpc, address, request, timeout, peer=peer)
 
     async def welcomed(self, address: str, remote: NodeInfo, timeout: float) -> None:
         route = self.memory if self.route(address) == MEMORY else self.remote

@@ -13,9 +13,10 @@ from typing import Any, AsyncIterator, Callable
 from google.protobuf.message import DecodeError
 
 from ...proto.v1 import peer_pb2 as pb
+from ..peering.api import RevocationList
 from ..peering.errors import invalid, short
 from ..peering.messages import (ALIVE, DEAD, SUSPECT, Beat, ComputeReply, ComputeRequest, Gossip, IndirectProbe,
-                                MemberUpdate, NodeInfo, PeerEntry, PeerList, ProbeReply, RevocationList,
+                                MemberUpdate, NodeInfo, PeerEntry, PeerList, ProbeReply,
                                 SnapshotHeader, SnapshotRef, Welcome)
 
 
