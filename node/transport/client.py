@@ -15,7 +15,7 @@ proven by a second connection that asks for that id's certificate, and from then
 that address is held to it. So a node's address book only ever binds an address to a node id that
 node's certificate proved.
 
-Snapshots travel by stream (``pulls.py``: plain pulls, pull sessions, subscriptions); the
+Snapshots travel by stream (``streams``, ``pulls.py``: plain pulls, pull sessions, subscriptions); the
 errors every call maps to the domain's are in ``errors.py``."""
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from . import serde
 from .chunks import Assembler, collect, sha256, split
 from .errors import domain_errors as _domain_errors
 from .errors import in_flight
-from .pulls import BULK, CONTROL, SnapshotStreams, _Session
+from .pulls import BULK, CONTROL, SnapshotStreams
 from .served_versions import CodecPolicy, HeldVersions
 from .tls import TLS
 
@@ -61,7 +61,7 @@ _CHANNEL_OPTIONS = [
 _ANY = ""  # expected node id "any node of the CA": a first contact, before a handshake proves who
 
 
-class PeerClient(SnapshotStreams, UnaryCalls):
+class PeerClient(UnaryCalls):
     def __init__(self, node_id: str, traffic: Traffic, *, chunk_bytes: int, max_model_bytes: int = UNSET_MODEL_BYTES,
                  max_gossip_bytes: int = 1 << 20, timeout_s: float, tls: TLS | None, delay_ms: float = 0.0,
                  idle_channel_s: float = 120.0, sessions: bool = True, limits: SizeLimits | None = None,
@@ -84,15 +84,16 @@ class PeerClient(SnapshotStreams, UnaryCalls):
         self._busy: dict[str, int] = {}  # address -> calls in flight
         self._next_sweep = time.monotonic() + idle_channel_s
         self.evicted = 0
-        self.sessions = sessions
         self.codecs = codecs  # snapshot codecs this node asks for, preferred first; deltas or not
         self.held = HeldVersions()  # per peer: the snapshot version it holds (a delta's base)
         self._peer_codecs: dict[str, tuple[str, ...]] = {}  # address -> codecs its handshake advertised
-        self._sessions: dict[tuple[str, str | None], _Session] = {}  # (address, peer) -> open session
-        self._pulled: dict[tuple[str, str | None], float] = {}  # -> last pull made with a plain call
-        self._session_refused: dict[str, float] = {}  # address -> when its server refused one
+        # snapshots by stream: pulls, pull sessions, subscriptions (over this client's channels)
+        self.streams = SnapshotStreams(self, traffic, self.limits, codecs, self.held, chunk_bytes=chunk_bytes,
+                                       timeout_s=timeout_s, sessions=sessions)
+        self.get_snapshot = self.streams.get_snapshot
+        self.watch_snapshots = self.streams.watch_snapshots
 
-    def _channel(self, address: str, plane: str, peer: str | None = None) -> tuple[grpc.aio.Channel, rpc.PeerStub]:
+    def channel(self, address: str, plane: str, peer: str | None = None) -> tuple[grpc.aio.Channel, rpc.PeerStub]:
         """The ``plane`` channel to ``address`` that only reaches ``peer`` (default: the node
         proven to be there; none yet: any node of the CA, for a handshake)."""
         now = time.monotonic()
@@ -113,8 +114,11 @@ class PeerClient(SnapshotStreams, UnaryCalls):
             entry = self._stubs[key] = (ch, rpc.PeerStub(ch))
         return entry
 
+    def touch(self, address: str) -> None:
+        self._used[address] = time.monotonic()
+
     def stub(self, address: str, plane: str = BULK, peer: str | None = None) -> rpc.PeerStub:
-        return self._channel(address, plane, peer)[1]
+        return self.channel(address, plane, peer)[1]
 
     def channels(self) -> int:
         return len(self._stubs)
@@ -124,15 +128,15 @@ class PeerClient(SnapshotStreams, UnaryCalls):
         stale = {a for a, t in self._used.items() if now - t > self.idle_channel_s and a not in self._busy}
         for address in stale:
             del self._used[address]
-            self._drop_sessions(address)
+            self.streams.drop_sessions(address)
             for key in [k for k in self._stubs if k[0] == address]:
                 self.evicted += 1
                 asyncio.get_running_loop().create_task(self._stubs.pop(key)[0].close())
 
-    def _raw_snapshot_call(self, address: str, peer: str | None = None):
+    def raw_snapshot_call(self, address: str, peer: str | None = None):
         """GetSnapshot with chunk messages left as raw bytes: the payload is sliced out of each
         message without protobuf building (and copying) a message object per MiB."""
-        return self._channel(address, BULK, peer)[0].unary_stream(
+        return self.channel(address, BULK, peer)[0].unary_stream(
             "/coterie.v1.Peer/GetSnapshot", request_serializer=pb.SnapshotRequest.SerializeToString,
             response_deserializer=None)
 
@@ -141,7 +145,7 @@ class PeerClient(SnapshotStreams, UnaryCalls):
         self._proven.pop(address, None)
         self._peer_codecs.pop(address, None)
         self.held.drop(address)
-        for call in self._drop_sessions(address):
+        for call in self.streams.drop_sessions(address):
             with contextlib.suppress(Exception):  # let each cancelled session finish before its channel closes
                 await asyncio.wait_for(call.code(), 1.0)
         for key in [k for k in self._stubs if k[0] == address]:
@@ -161,7 +165,7 @@ class PeerClient(SnapshotStreams, UnaryCalls):
             raise PeerCallError(REFUSED, f"peer at {address}: {problem}")
         if not self.tls.allowed(node_id):
             raise PeerCallError(REFUSED, f"peer at {address} is node {node_id!r}, not on the allow-list")
-        ch, _ = self._channel(address, CONTROL, node_id)
+        ch, _ = self.channel(address, CONTROL, node_id)
         try:
             await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
@@ -174,11 +178,11 @@ class PeerClient(SnapshotStreams, UnaryCalls):
             for key in [k for k in self._stubs if k[0] == address and k[2] == old]:
                 await self._stubs.pop(key)[0].close()
 
-    async def _link(self) -> None:
+    async def link(self) -> None:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)  # the emulated wire delay itself, not a wait for state
 
-    def _timed(self, kind: str, t0: float) -> None:
+    def timed(self, kind: str, t0: float) -> None:
         self.traffic.latency(kind, time.perf_counter() - t0, "client")
 
     # --- the unary calls (peering/api.py): one path for all; call/the named ones are UnaryCalls' ---
@@ -186,7 +190,7 @@ class PeerClient(SnapshotStreams, UnaryCalls):
     async def send(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
                    peer: str | None = None) -> Rep:
         t0 = time.perf_counter()
-        await self._link()
+        await self.link()
         wire = serde.WIRE[rpc.name]
         req = wire.request_to_pb(request)
         if rpc is HANDSHAKE:  # a fresh look at whoever is at the address now (a restarted node may have another id)
@@ -194,7 +198,7 @@ class PeerClient(SnapshotStreams, UnaryCalls):
         stub = self.stub(address, CONTROL if rpc.control else BULK, peer)
         reply = await getattr(stub, rpc.name)(req, timeout=timeout or self.timeout_s)
         self.traffic.record(rpc.kind, sent=req.ByteSize(), received=reply.ByteSize())
-        self._timed(rpc.kind, t0)
+        self.timed(rpc.kind, t0)
         return wire.reply_from_pb(reply)
 
     async def welcomed(self, address: str, remote: NodeInfo, timeout: float) -> None:
@@ -217,7 +221,7 @@ class PeerClient(SnapshotStreams, UnaryCalls):
         t0 = time.perf_counter()
         kind = request.kind
         check_compute_kind(kind)
-        await self._link()
+        await self.link()
         payload, digest = None, ""
         # a model sent along travels in the first of this node's codecs the peer advertised
         codec = wire_codecs.negotiate(self.codecs.codecs, self._peer_codecs.get(address, ()))
@@ -256,5 +260,5 @@ class PeerClient(SnapshotStreams, UnaryCalls):
         else:  # (check_compute_kind: one of the three)
             raise AssertionError(kind)
         self.traffic.record(kind, sent=sent, received=received)
-        self._timed(kind, t0)
+        self.timed(kind, t0)
         return out
