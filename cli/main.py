@@ -450,17 +450,20 @@ def history(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT,
                                      help="only the last N rounds (0: all)"),
             since: Optional[int] = typer.Option(None, "--since", help="only rounds after this one"),
             token: Optional[str] = TOKEN_OPT, state_dir: Optional[Path] = STATE_DIR_OPT) -> None:
-    """The node's rounds: accuracy, loss, duration, traffic and top collaborators per round."""
-    from .render import history_table
+    """The node's rounds: accuracy, loss, duration, traffic and top collaborators per round; the
+    rounds older than history.jsonl keeps in full, summarised below them."""
+    from .render import history_summary_table, history_table
     path = "/history" + (f"?since={since}" if since is not None else "")
     node = _admin(admin, token, state_dir)
     with _client() as client:
         try:
             entries = admin_get(client, node, path)
-            node_id = None if as_json else admin_get(client, node, "/status").get("node_id")
+            st = {} if as_json else admin_get(client, node, "/status")
         except AdminError as e:
             raise _fail(str(e))
-    _show(entries[-last:] if last else entries, as_json, lambda es: history_table(es, node_id))
+    _show(entries[-last:] if last else entries, as_json, lambda es: history_table(es, st.get("node_id")))
+    if not as_json and st.get("history_summary"):
+        _console().print(history_summary_table(st["history_summary"]))
 
 
 model_app = typer.Typer(help="A node's personalised model.", no_args_is_help=True)
