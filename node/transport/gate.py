@@ -26,7 +26,7 @@ snapshots and compute requests, which are streams, have their own steps below.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from ..peering.api import Unary
 from ..peering.errors import INVALID, Refusal, invalid
@@ -98,27 +98,21 @@ class Gate:
         with self.handler.admit(who, rpc.kind):
             return await rpc.answer(self.handler, request)
 
-    # --- snapshots ---
-    async def snapshot(self, caller: Caller, requester: str, min_round: int, wait_s: float,
-                       slot: contextlib.ExitStack, what: str = "snapshot request",
-                       before_admit: Callable[[str], None] | None = None) -> tuple[str, LocalSnapshot]:
-        """Who asks and the snapshot to answer with (waiting for ``min_round`` if asked); its
-        admission slot is held by ``slot`` (until the answer is out). ``before_admit``: the
-        transport's own bound on the call (a pull session's), checked before admission."""
-        who = self.known(caller, requester, what)
-        if before_admit is not None:
-            before_admit(who)
-        slot.enter_context(self.handler.admit(who, "snapshot"))
-        return who, await self.handler.snapshot(who, min_round, wait_s)
+    # --- snapshots (the transport applies its own bounds on streams between the steps) ---
+    def requester(self, caller: Caller, requester: str, what: str = "snapshot request") -> str:
+        """Who asks for a snapshot: vouched for by ``caller`` and known."""
+        return self.known(caller, requester, what)
 
-    def open_watch(self, caller: Caller, requester: str, bound: Callable[[str], None]) -> str:
-        """Who opens a subscription, once ``bound`` (the transport's count of open ones) lets it:
-        opening one costs a request from the peer's budget."""
-        who = self.known(caller, requester, "snapshot watch")
-        bound(who)
+    async def snapshot(self, who: str, min_round: int, wait_s: float, slot: contextlib.ExitStack) -> LocalSnapshot:
+        """The snapshot to answer ``who`` (a ``requester``) with, waiting for ``min_round`` if
+        asked; its admission slot held by ``slot`` (until the answer is out)."""
+        slot.enter_context(self.handler.admit(who, "snapshot"))
+        return await self.handler.snapshot(who, min_round, wait_s)
+
+    def open_watch(self, who: str) -> None:
+        """``who`` (a ``requester``) opens a subscription: it costs a request from its budget."""
         with self.handler.admit(who, "snapshot"):
             pass
-        return who
 
     async def watched(self, who: str, min_round: int, wait_s: float) -> LocalSnapshot:
         """The next snapshot of a subscription (refused once ``who`` is no longer known)."""

@@ -357,7 +357,8 @@ class InProcClient(UnaryCalls):
 
         async def answer() -> LocalSnapshot:
             with contextlib.ExitStack() as slot:  # admitted while it waits for a round
-                _, snap = await served.gate.snapshot(self.me, requester, min_round, wait_s, slot)
+                who = served.gate.requester(self.me, requester)
+                snap = await served.gate.snapshot(who, min_round, wait_s, slot)
                 return await snap.ready()  # encoded off the loop; its groups the zero-copy views
 
         snap: LocalSnapshot = await self._async(served, address, "snapshot", answer, timeout or self.timeout_s)

@@ -100,9 +100,10 @@ class PeerService:
         """Parse, authenticate and admit one snapshot request (its admission slot held by
         ``slot``), then the snapshot to answer it with (waiting for ``min_round`` if asked)."""
         request = _parse(pb.SnapshotRequest, raw, what)
-        who, snap = await self.gate.snapshot(self.replies.caller(context), request.requester, request.min_round,
-                                             request.wait_ms / 1000.0, slot, what, admit_first)
-        return request, who, snap
+        who = self.gate.requester(self.replies.caller(context), request.requester, what)
+        if admit_first is not None:  # this server's own bound (a pull session's), before admission
+            admit_first(who)
+        return request, who, await self.gate.snapshot(who, request.min_round, request.wait_ms / 1000.0, slot)
 
     async def _snapshot_frames(self, request, snap, *, inline: bool, have: tuple[int, str] | None = None
                                ) -> tuple[Iterable[Any], int, str]:
@@ -210,7 +211,10 @@ class PeerService:
 
         async def go():
             request = _parse(pb.SnapshotRequest, raw, "snapshot watch")
-            return request, self.gate.open_watch(self.replies.caller(context), request.requester, bound)
+            who = self.gate.requester(self.replies.caller(context), request.requester, "snapshot watch")
+            bound(who)  # this server's count of open subscriptions, before admission
+            self.gate.open_watch(who)
+            return request, who
 
         request, who = await self.replies.guard(context, "watch", go())
         self._watchers.add(who)
