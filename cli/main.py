@@ -203,6 +203,10 @@ def node_start(
     peers: Optional[str] = typer.Option(None, "--peers", help="bootstrap peers a:1,b:2"),
     strategy: Optional[str] = typer.Option(None, "--strategy"),
     rounds: Optional[int] = typer.Option(None, "--rounds"),
+    no_listen: bool = typer.Option(False, "--no-listen", help="outbound-only: open no peer port; peers reach "
+                                   "this node through relays (no_listen; docs/nat.md)"),
+    relay: Optional[list[str]] = typer.Option(None, "--relay", help="a reachable peer host:port to be relayed "
+                                              "by (repeatable; relay.via; default: the bootstrap peers)"),
     reset: bool = typer.Option(False, "--reset", help="start at round 0, moving the state dir's old state "
                                "aside (needed when it holds history or identity but no usable checkpoint)"),
     reset_privacy_ledger: bool = typer.Option(
@@ -244,6 +248,10 @@ def node_start(
             overrides.setdefault("security", {})["admin_auth"] = False
         if reset:
             overrides["reset"] = True
+        if no_listen:
+            overrides["no_listen"] = True
+        if relay:
+            overrides.setdefault("relay", {})["via"] = list(relay)
         for key, value in (("data", str(data) if data is not None else None), ("data_format", data_format)):
             if value is not None:
                 overrides.setdefault("learner", {})[key] = value
@@ -251,7 +259,7 @@ def node_start(
             overrides["reset_privacy_ledger"] = True
         cfg = load_config(config, overrides)
     except ConfigError as e:
-        raise _fail(str(e), EXIT_CONFIG)
+        raise _fail(str(e), EXIT_CONFIG) from e
     problem = preflight(cfg)
     if problem is not None:
         raise _fail(*problem)
@@ -259,7 +267,7 @@ def node_start(
         from coterie.node.transport.tls import load_tls
         load_tls(cfg)
     except ConfigError as e:
-        raise _fail(str(e), EXIT_CONFIG)
+        raise _fail(str(e), EXIT_CONFIG) from e
     configure_logging(cfg.log_level, "json" if log_format == "json" else "text")  # run_node's own basicConfig then stands aside
     from coterie.node.daemon import run_node  # lazy: torch and grpc only when a node really starts
     if bootstrap_from:  # after the slow imports: the other node starts up meanwhile
@@ -297,12 +305,12 @@ class Admin:
                 try:
                     self.url = json.loads((state_dir / "node.json").read_text()).get("admin_url") or None
                 except (OSError, ValueError, AttributeError):
-                    raise AdminError(f"--state-dir {state_dir}: no node.json of a started node there")
+                    raise AdminError(f"--state-dir {state_dir}: no node.json of a started node there") from None
             if self.token is None:
                 try:
                     self.token = token_for_state_dir(state_dir)
                 except TokenError as e:
-                    raise AdminError(str(e))
+                    raise AdminError(str(e)) from e
         if self.token is None:
             self.token = os.environ.get(TOKEN_ENV) or None
 
@@ -313,7 +321,7 @@ def admin_get(client, admin: "Admin | str | None", path: str) -> Any:
     try:
         return r.json()
     except ValueError:
-        raise AdminError(f"{r.url} did not answer JSON: {r.text[:200]!r}")
+        raise AdminError(f"{r.url} did not answer JSON: {r.text[:200]!r}") from None
 
 
 def admin_request(client, admin: "Admin | str | None", path: str):
@@ -326,16 +334,16 @@ def admin_request(client, admin: "Admin | str | None", path: str):
     try:
         r = client.get(url, headers=bearer(admin.token))
     except httpx.ConnectError as e:
-        raise AdminError(f"cannot reach the node's admin API at {url}: {e or 'connection failed'}")
+        raise AdminError(f"cannot reach the node's admin API at {url}: {e or 'connection failed'}") from e
     except httpx.TimeoutException:
-        raise AdminError(f"no answer from {url} within {client.timeout.read}s")
+        raise AdminError(f"no answer from {url} within {client.timeout.read}s") from None
     except (httpx.RemoteProtocolError, httpx.LocalProtocolError, httpx.DecodingError):
         raise AdminError(f"{url} does not answer HTTP: is this the node's peer (gRPC) port? "
-                         f"The admin URL is admin_url in /status or <state-dir>/node.json")
+                         f"The admin URL is admin_url in /status or <state-dir>/node.json") from None
     except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
-        raise AdminError(f"not a usable admin URL {admin.url!r}: {e}")
+        raise AdminError(f"not a usable admin URL {admin.url!r}: {e}") from e
     except httpx.HTTPError as e:
-        raise AdminError(f"cannot reach the node's admin API at {url}: {type(e).__name__}: {e}")
+        raise AdminError(f"cannot reach the node's admin API at {url}: {type(e).__name__}: {e}") from e
     if r.status_code == 401:
         raise AdminError(f"{url} answered 401: the node wants its admin token"
                          + (" and this one is not it" if admin.token else "")
@@ -373,7 +381,7 @@ def _admin(admin: str | None, token: str | None, state_dir: Path | None) -> Admi
     try:
         return Admin(admin, token, state_dir)
     except AdminError as e:
-        raise _fail(str(e))
+        raise _fail(str(e)) from e
 
 
 def _inspect(where: tuple[str | None, str | None, Path | None], path: str, as_json: bool,
@@ -386,7 +394,7 @@ def _inspect(where: tuple[str | None, str | None, Path | None], path: str, as_js
             try:
                 data = admin_get(client, admin, path)
             except AdminError as e:
-                raise _fail(str(e))
+                raise _fail(str(e)) from e
             _show(data, as_json, table)
             return
         _watch(lambda: admin_get(client, Admin(*where), path), as_json, table, interval)
@@ -460,7 +468,7 @@ def history(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT,
             entries = admin_get(client, node, path)
             st = {} if as_json else admin_get(client, node, "/status")
         except AdminError as e:
-            raise _fail(str(e))
+            raise _fail(str(e)) from e
     _show(entries[-last:] if last else entries, as_json, lambda es: history_table(es, st.get("node_id")))
     if not as_json and st.get("history_summary"):
         _console().print(history_summary_table(st["history_summary"]))
@@ -487,9 +495,9 @@ def model_export(
     try:
         card = write_export(state_dir, out, fmt, own=own)
     except StateError as e:
-        raise _fail(str(e))
+        raise _fail(str(e)) from e
     except (ValueError, OSError) as e:
-        raise _fail(str(e), EXIT_CONFIG if isinstance(e, ValueError) else 1)
+        raise _fail(str(e), EXIT_CONFIG if isinstance(e, ValueError) else 1) from e
     ev = card.get("eval") or {}
     acc = ev.get("test_acc") if card.get("mixture") else ev.get("own_test_acc", ev.get("test_acc"))
     what = (f"mixture of {len(card['mixture'])} {card['architecture']} models" if card.get("mixture")
@@ -516,9 +524,9 @@ def predict(
         loaded = load_model(model)
         predict_csv(loaded, inputs, sys.stdout, label_column=label_column)
     except ValueError as e:
-        raise _fail(str(e), EXIT_CONFIG)
+        raise _fail(str(e), EXIT_CONFIG) from e
     except OSError as e:
-        raise _fail(f"{inputs}: {e.strerror or e}")
+        raise _fail(f"{inputs}: {e.strerror or e}") from e
 
 
 @app.command()
@@ -554,11 +562,11 @@ def _launch(sc, out: Path, notes: list[str], demo: bool, backend: str = "process
     try:
         r = launcher.run_scenario(sc, out, backend=backend, console=console, notes=notes, **options)
     except KeyboardInterrupt:
-        raise _fail("interrupted; every node was stopped", 130)
+        raise _fail("interrupted; every node was stopped", 130) from None
     except launcher.LauncherError as e:
-        raise _fail(str(e), 1)
+        raise _fail(str(e), 1) from e
     except launcher.ConfigError as e:  # the data check before any process starts
-        raise _fail(str(e), EXIT_CONFIG)
+        raise _fail(str(e), EXIT_CONFIG) from e
     finally:
         signal.signal(signal.SIGTERM, old)
     console.print(res.summary_table(r))
@@ -608,7 +616,7 @@ def run(
         if backend != "ray" and (address is not None or groups is not None):
             raise ConfigError("--address and --groups are options of --backend ray")
     except ConfigError as e:
-        raise _fail(str(e), EXIT_CONFIG)
+        raise _fail(str(e), EXIT_CONFIG) from e
     options = {"address": address, "groups": groups} if backend == "ray" else {}
     _launch(sc, out, [], demo=False, backend=backend, **options)
 
@@ -629,7 +637,7 @@ def demo(
         names, notes = resolve_strategies(sc.strategy, fallback=True)
         sc = sc.model_copy(update={"strategy": names})
     except ConfigError as e:
-        raise _fail(str(e), EXIT_CONFIG)
+        raise _fail(str(e), EXIT_CONFIG) from e
     _launch(sc, out, notes, demo=True)
 
 

@@ -67,7 +67,14 @@ class NodeViews(PeerPlane):
                 "faulty": self.cfg.faulty, "mtls": self.transport.mtls,
                 "admission": self.admission.view(), "traffic_since_last_round": self.traffic.pending(),
                 "membership": self.membership_view(), "privacy": self.privacy_view(),
-                "data": self.learner.data_info(), "history_summary": history_summary(self.store.summary)}
+                "collaboration": self.network.releases.view(),
+                "data": self.learner.data_info(), "history_summary": history_summary(self.store.summary),
+                "relay": self.relay_view()}
+
+    def relay_view(self) -> dict[str, Any]:
+        """Reachability (``direct`` or ``relayed via ...``) and relaying, from a transport that relays."""
+        view = getattr(self.transport, "relay_view", None)
+        return view() if view is not None else {"reachability": "direct"}
 
     def privacy_view(self) -> dict[str, Any]:
         """The privacy ledger (ε per peer and in total) and the knobs that bound it."""

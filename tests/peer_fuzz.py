@@ -165,9 +165,10 @@ def messages(t: Target, cls, depth: int = 0):
     """Any ``cls`` protobuf message, field by field from its descriptor, with hostile values:
     node ids as ``ids``, numbers at the edges of their type, NaN clocks, random bytes or msgpack
     maps — so an RPC added to the table is fuzzed on its own message without a line here."""
-    fields = {}
+    fields: dict[str, Any] = {}
     for f in cls.DESCRIPTOR.fields:
         if f.type == F.TYPE_MESSAGE:
+            one: Any
             if f.message_type.GetOptions().map_entry:
                 one = st.dictionaries(st.text(max_size=10), st.text(max_size=10), max_size=3)
             elif depth >= 2:
@@ -177,6 +178,7 @@ def messages(t: Target, cls, depth: int = 0):
                 one = st.lists(sub, max_size=3) if f.is_repeated else sub
             fields[f.name] = one
             continue
+        value: Any
         if f.type == F.TYPE_STRING:
             value = ids(t) if f.name in ID_FIELDS else st.text(max_size=40)
         elif f.type == F.TYPE_BYTES:

@@ -3,6 +3,7 @@ through the in-process transport (the same gate as gRPC; tests/test_insiders.py 
 between real daemons): a stranger is refused before its list is looked at, a list the CA did not
 sign is not taken, an oversized one is refused by the gate even when the caller skips its own
 check, and a newer signed list is taken and answered with."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +30,7 @@ class _Traffic:
 
 class _Victim:
     """The served side of one node: knows only ``honest``; answers with a real ``CrlExchange``."""
+
     node_id = "victim"
 
     def __init__(self, revocation: Revocation):

@@ -26,7 +26,7 @@ from coterie.node.persistence import HISTORY_MAX_BYTES, StateError, StateStore, 
 from coterie.node.privacy import accountant
 from coterie.node.privacy.ledger import PrivacyLedger
 from coterie.node.views import history_summary
-from fake_node import FakeNode
+from tests.fake_node import FakeNode
 
 ROW = textwrap.dedent("""
     def row(r):
@@ -40,12 +40,14 @@ ROW = textwrap.dedent("""
                 "exchange_s": 0.02, "exchange_budget_s": 1.0, "calls_failed": 0, "calls_abandoned": 0,
                 "calls_skipped": 0, "loop_stall_s": 0.001}}
 """)
-exec(ROW)  # the same rows in this process and in the writer subprocess
+_rows: dict = {}
+exec(ROW, _rows)  # the same rows in this process and in the writer subprocess
+row = _rows["row"]
 
 
 def snap(r: int, rec: dict | None = None):
     return make_snapshot(round=r, version=r, node_id="b", learner_state=({"w": torch.full((4,), float(r))}, {}),
-                         strategy_state={"r": r}, peers=[], meta={}, record=rec or row(r))  # noqa: F821
+                         strategy_state={"r": r}, peers=[], meta={}, record=rec or row(r))
 
 
 def covered_rounds(store_dir: Path, ckpt) -> list[int]:
@@ -73,7 +75,7 @@ def test_100k_rounds_of_a_fast_node_stay_under_the_cap(tmp_path, monkeypatch):
     cap, biggest, rotations, seg = store.history_max_bytes, 0, 0, 0
     n, batch = 100_000, 10
     for first in range(1, n + 1, batch):
-        rows = [row(r) for r in range(first, first + batch)]  # noqa: F821
+        rows = [row(r) for r in range(first, first + batch)]
         store.commit(snap(rows[-1]["round"], rows[-1]), rows)
         size = (tmp_path / "history.jsonl").stat().st_size
         biggest = max(biggest, size)
@@ -84,7 +86,7 @@ def test_100k_rounds_of_a_fast_node_stay_under_the_cap(tmp_path, monkeypatch):
                 ["LOCK", f"ckpt-{first + batch - 1:06d}.safetensors", "history.jsonl", "identity.json"] or \
                 sorted(p.name for p in tmp_path.iterdir()) == \
                 [f"ckpt-{first + batch - 1:06d}.safetensors", "history.jsonl", "identity.json"]
-    written = sum(len(json.dumps(row(r), sort_keys=True)) + 1 for r in range(1, n + 1))  # noqa: F821
+    written = sum(len(json.dumps(row(r), sort_keys=True)) + 1 for r in range(1, n + 1))
     assert written > 3 * cap and rotations >= 3  # unbounded, the file would be 70 MB
     assert cap // 2 <= biggest <= cap
     _, ckpt = StateStore(tmp_path).open("b")  # what a restart reads: at most the cap, verified
@@ -106,7 +108,7 @@ def test_100k_rounds_of_a_fast_node_stay_under_the_cap(tmp_path, monkeypatch):
 def test_summary_blocks_merge_down_and_stay_ordered():
     blocks: list = []
     for first in range(1, 10_001, 100):
-        blocks = summaries.add_block(blocks, summaries.fold([row(r) for r in range(first, first + 100)]))  # noqa: F821
+        blocks = summaries.add_block(blocks, summaries.fold([row(r) for r in range(first, first + 100)]))
         assert len(blocks) <= summaries.MAX_BLOCKS
     summaries.check(blocks, "test")
     assert blocks[0]["rounds"][0] == 1 and blocks[-1]["rounds"][1] == 10_000
@@ -120,7 +122,7 @@ def test_a_tampered_summary_is_refused_by_the_checkpoint_checksum(tmp_path):
     store = StateStore(tmp_path, history_max_bytes=64 << 10)
     store.open("b")
     for r in range(1, 200):
-        store.commit(snap(r), [row(r)])  # noqa: F821
+        store.commit(snap(r), [row(r)])
     ckpt_path = tmp_path / "ckpt-000199.safetensors"
     assert read_checkpoint(ckpt_path).state["history"]["summary"]
     data = bytearray(ckpt_path.read_bytes())
@@ -211,11 +213,11 @@ def test_a_rotation_whose_rename_failed_is_finished_by_the_next_commit(tmp_path,
     with pytest.raises(OSError):
         while True:
             r += 1
-            store.commit(snap(r), [row(r)])  # noqa: F821
+            store.commit(snap(r), [row(r)])
     monkeypatch.setattr(os, "replace", real)
     assert store._rotation_pending is not None
     assert [x["round"] for x in store.history_since(r - 3)] == [r - 2, r - 1, r]  # from the pending file
-    store.commit(snap(r + 1), [row(r + 1)])  # noqa: F821
+    store.commit(snap(r + 1), [row(r + 1)])
     assert [x["round"] for x in store.history_since(r - 3)] == [r - 2, r - 1, r, r + 1]
     _, ckpt = StateStore(tmp_path).open("b")
     assert covered_rounds(tmp_path, ckpt) == list(range(1, r + 2))
@@ -264,7 +266,7 @@ def rotated_node(tmp_path):
     store = StateStore(tmp_path, history_max_bytes=64 << 10)
     store.open("b")
     for r in range(1, 301):
-        store.commit(snap(r), [row(r)])  # noqa: F821
+        store.commit(snap(r), [row(r)])
     node = FakeNode("b")
     node.history_view = lambda since: list(store.history_since(-1 if since is None else since))
     base = node.status

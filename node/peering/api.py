@@ -21,20 +21,35 @@ Adding a unary RPC: its messages in ``proto/coterie/v1/peer.proto`` (stubs: prot
 its domain types and entry here, its serde pair in ``serde.WIRE``, the handler method that answers
 it, and the caller. See docs/extending.md. Streams (snapshot pulls and watches, compute uploads)
 are written by hand where their flow control needs it."""
+
 from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Generic, Sequence, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgpack
 
+from ..wire.codec import WireError
 from .errors import INVALID, PeerCallError, Refusal, invalid, short
 from .interfaces import PeerHandler, SizeLimits
-from .messages import (CROSS_GRADIENT, CROSS_LOSS, MAX_GOSSIP_KEY, PUSH_GRADIENT, Beat, Gossip, IndirectProbe,
-                       MemberUpdate, NodeInfo, PeerEntry, PeerList, ProbeReply, Welcome)
-from ..wire.codec import WireError
+from .messages import (
+    CROSS_GRADIENT,
+    CROSS_LOSS,
+    MAX_GOSSIP_KEY,
+    PUSH_GRADIENT,
+    Beat,
+    Gossip,
+    IndirectProbe,
+    MemberUpdate,
+    NodeInfo,
+    PeerEntry,
+    PeerList,
+    ProbeReply,
+    Welcome,
+)
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -47,6 +62,7 @@ MAX_CRL_BYTES = 1 << 20  # a revocation list (PEM); a CA revoking ~10^4 certific
 class RevocationList:
     """The network CA's certificate revocation list as a node holds it (``number`` 0 and no
     ``crl``: none), both ways. Self-authenticating: the receiver checks the CA's signature."""
+
     sender: str
     number: int = 0
     crl: bytes = b""
@@ -125,8 +141,7 @@ def _gossip_fits(g: Gossip, limits: SizeLimits) -> None:
     if len(g.key) > MAX_GOSSIP_KEY:
         raise invalid(f"gossip from {g.sender}: key of {len(g.key)} characters, at most {MAX_GOSSIP_KEY}")
     if len(g.payload) > limits.max_gossip_bytes:
-        raise invalid(f"gossip from {g.sender}: {len(g.payload)} bytes exceeds the limit of "
-                      f"{limits.max_gossip_bytes}")
+        raise invalid(f"gossip from {g.sender}: {len(g.payload)} bytes exceeds the limit of {limits.max_gossip_bytes}")
 
 
 def _crl_fits(r: RevocationList, limits: SizeLimits) -> None:
@@ -134,19 +149,59 @@ def _crl_fits(r: RevocationList, limits: SizeLimits) -> None:
         raise invalid(f"revocation list from {r.sender}: {len(r.crl)} bytes exceeds the limit of {MAX_CRL_BYTES}")
 
 
-HANDSHAKE = Unary("Handshake", "handshake", NodeInfo, Welcome, caller=lambda r: r.node_id, serve=_handshake,
-                  control=True)
-HEARTBEAT = Unary("Heartbeat", "heartbeat", Beat, Beat, caller=lambda r: r.node_id,
-                  serve=lambda h, b: h.on_heartbeat(b), control=True)
-EXCHANGE_PEERS = Unary("ExchangePeers", "peers", PeerList, PeerList, caller=lambda r: r.sender, serve=_peer_list,
-                       control=True, what="peer exchange")
-INDIRECT_PROBE = Unary("IndirectProbe", "probe", IndirectProbe, ProbeReply, caller=lambda r: r.requester,
-                       serve=_probe, waits=True, control=True, what="indirect probe")
-GOSSIP = Unary("GossipState", "gossip", Gossip, Gossip, caller=lambda r: r.sender, serve=_gossip, known=True,
-               admit=True, check=_gossip_fits, waits=True, payload=lambda g: len(g.payload))
-REVOCATIONS = Unary("ExchangeRevocations", "revocations", RevocationList, RevocationList,
-                    caller=lambda r: r.sender, serve=answered_by("on_revocations"), known=True, admit=True,
-                    check=_crl_fits, payload=lambda r: len(r.crl), what="revocation list")
+HANDSHAKE = Unary(
+    "Handshake", "handshake", NodeInfo, Welcome, caller=lambda r: r.node_id, serve=_handshake, control=True
+)
+HEARTBEAT = Unary(
+    "Heartbeat", "heartbeat", Beat, Beat, caller=lambda r: r.node_id, serve=lambda h, b: h.on_heartbeat(b), control=True
+)
+EXCHANGE_PEERS = Unary(
+    "ExchangePeers",
+    "peers",
+    PeerList,
+    PeerList,
+    caller=lambda r: r.sender,
+    serve=_peer_list,
+    control=True,
+    what="peer exchange",
+)
+INDIRECT_PROBE = Unary(
+    "IndirectProbe",
+    "probe",
+    IndirectProbe,
+    ProbeReply,
+    caller=lambda r: r.requester,
+    serve=_probe,
+    waits=True,
+    control=True,
+    what="indirect probe",
+)
+GOSSIP = Unary(
+    "GossipState",
+    "gossip",
+    Gossip,
+    Gossip,
+    caller=lambda r: r.sender,
+    serve=_gossip,
+    known=True,
+    admit=True,
+    check=_gossip_fits,
+    waits=True,
+    payload=lambda g: len(g.payload),
+)
+REVOCATIONS = Unary(
+    "ExchangeRevocations",
+    "revocations",
+    RevocationList,
+    RevocationList,
+    caller=lambda r: r.sender,
+    serve=answered_by("on_revocations"),
+    known=True,
+    admit=True,
+    check=_crl_fits,
+    payload=lambda r: len(r.crl),
+    what="revocation list",
+)
 
 UNARY: tuple[Unary, ...] = (HANDSHAKE, HEARTBEAT, EXCHANGE_PEERS, INDIRECT_PROBE, GOSSIP, REVOCATIONS)
 BY_NAME = {rpc.name: rpc for rpc in UNARY}
@@ -167,8 +222,9 @@ class UnaryCalls:
 
     limits: SizeLimits
 
-    async def send(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
-                   peer: str | None = None) -> Rep:
+    async def send(
+        self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *, peer: str | None = None
+    ) -> Rep:
         """The call as the transport makes it (no checks of the table's: ``call`` makes those)."""
         raise NotImplementedError
 
@@ -182,8 +238,9 @@ class UnaryCalls:
                 raise WireError(f"{rpc.said} reply from {address}: {e.message}") from None
             raise PeerCallError(INVALID, f"{rpc.said} for {address}: {e.message}") from None
 
-    async def call(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
-                   peer: str | None = None) -> Rep:
+    async def call(
+        self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *, peer: str | None = None
+    ) -> Rep:
         """Any call of the table, with its size checks on what goes out and what comes back."""
         self._fits(rpc, request, address, reply=False)
         reply = await self.send(rpc, address, request, timeout, peer=peer)
@@ -198,32 +255,52 @@ class UnaryCalls:
         await self.welcomed(address, welcome.node, timeout)
         return welcome.node, list(welcome.peers)
 
-    async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
-                        peer: str | None = None) -> tuple[Beat, float]:
+    async def heartbeat(
+        self, address: str, beat: Beat, timeout: float, *, peer: str | None = None
+    ) -> tuple[Beat, float]:
         t0 = time.perf_counter()
         reply = await self.call(HEARTBEAT, address, beat, timeout, peer=peer)
         return reply, time.perf_counter() - t0
 
-    async def indirect_probe(self, address: str, probe: IndirectProbe, timeout: float, *,
-                             peer: str | None = None) -> tuple[bool, tuple[MemberUpdate, ...]]:
+    async def indirect_probe(
+        self, address: str, probe: IndirectProbe, timeout: float, *, peer: str | None = None
+    ) -> tuple[bool, tuple[MemberUpdate, ...]]:
         reply = await self.call(INDIRECT_PROBE, address, probe, timeout, peer=peer)
         return reply.ack, reply.updates
 
-    async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
-                             members: Sequence[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
-                             ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]:
-        reply = await self.call(EXCHANGE_PEERS, address, PeerList(sender, tuple(entries), tuple(members),
-                                                                     incarnation), timeout, peer=peer)
+    async def exchange_peers(
+        self,
+        address: str,
+        sender: str,
+        entries: list[PeerEntry],
+        timeout: float,
+        *,
+        members: Sequence[MemberUpdate] = (),
+        incarnation: int = 0,
+        peer: str | None = None,
+    ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]:
+        reply = await self.call(
+            EXCHANGE_PEERS, address, PeerList(sender, tuple(entries), tuple(members), incarnation), timeout, peer=peer
+        )
         return list(reply.entries), reply.members, reply.incarnation
 
-    async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],
-                     timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]:
+    async def gossip(
+        self,
+        address: str,
+        sender: str,
+        key: str,
+        payload: dict[str, Any],
+        timeout: float | None = None,
+        *,
+        peer: str | None = None,
+    ) -> dict[str, Any]:
         reply = await self.call(GOSSIP, address, Gossip(sender, key, pack(payload)), timeout, peer=peer)
         try:
             return unpack_map(reply.payload, f"gossip reply from {address}")
         except Refusal as e:
             raise WireError(e.message) from None
 
-    async def exchange_revocations(self, address: str, mine: RevocationList, timeout: float | None = None, *,
-                                   peer: str | None = None) -> RevocationList:
+    async def exchange_revocations(
+        self, address: str, mine: RevocationList, timeout: float | None = None, *, peer: str | None = None
+    ) -> RevocationList:
         return await self.call(REVOCATIONS, address, mine, timeout, peer=peer)

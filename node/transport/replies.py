@@ -3,6 +3,7 @@ caller can read (``guard``), who calls (``caller``: with mTLS the certificate's 
 gate asks to vouch for the id a request claims), and reply streams written within their deadline
 (``send``). One ``Replies`` per server, shared by its parts (``server.PeerService`` and its compute
 streams, ``compute_rpcs.ComputeRpcs``)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,6 +29,8 @@ log = logging.getLogger("coterie.node.transport.server")  # (its records read as
 LINGER_BYTES = 64 << 20
 LINGER_S = 5.0
 LINGER_IDLE_S = 1.0
+
+
 async def _linger(frames) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + LINGER_S
@@ -47,6 +50,7 @@ async def _linger(frames) -> None:
 class _GrpcCaller:
     """The caller of one gRPC request (``gate.Caller``): with mTLS, the node its certificate
     names (and allows); without, whoever it claims to be."""
+
     __slots__ = ("context", "tls")
 
     def __init__(self, context: grpc.aio.ServicerContext, tls: TLS | None):
@@ -116,7 +120,8 @@ class Replies:
                 await asyncio.wait_for(context.write(msg), left)
             except asyncio.TimeoutError:
                 log.warning("cut off %s after %.0f s: the reader is not taking it (%s)", what, limit, context.peer())
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"{what}: not taken within {limit:.0f} s; reader too slow")
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what}: not taken within {limit:.0f} s; reader too slow"
+                )
             sent += len(msg) if isinstance(msg, bytes) else msg.ByteSize()
         return sent
