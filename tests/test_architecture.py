@@ -132,7 +132,7 @@ OVER_WITH_BASES = {
     "node/daemon.py: Node", "node/peering/network.py: NodeNetwork", "node/peering/membership.py: Membership",
     "node/strategies/federico.py: FedeRiCo", "node/strategies/cobo.py: COBO", "node/strategies/l2c.py: MetaL2C",
     "node/strategies/scool.py: SCoolSBM", "node/strategies/scool.py: SCoolAttention",
-    "node/transport/client.py: PeerClient", "node/transport/server.py: PeerService",
+    "node/transport/client.py: PeerClient",
     "node/learning/torch_learner.py: TorchLearner",
 }
 

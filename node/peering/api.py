@@ -215,6 +215,18 @@ def check_compute_kind(kind: str) -> None:
         raise ValueError(f"unknown compute request kind {kind!r}")
 
 
+def _fits(rpc: Unary, limits: SizeLimits, msg: Any, address: str, *, reply: bool) -> None:
+    """The calling side's check of the table's size limits on a request or a reply."""
+    if rpc.check is None:
+        return
+    try:
+        rpc.check(msg, limits)
+    except Refusal as e:
+        if reply:  # the peer's answer is over what this node takes
+            raise WireError(f"{rpc.said} reply from {address}: {e.message}") from None
+        raise PeerCallError(INVALID, f"{rpc.said} for {address}: {e.message}") from None
+
+
 class UnaryCalls:
     """The calling side's named unary calls (``interfaces.PeerTransport``), written once for every
     transport in terms of its ``send``; the checks a caller makes (its own payload within the
@@ -224,27 +236,16 @@ class UnaryCalls:
 
     async def send(
         self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *, peer: str | None = None
-    ) -> Rep:
-        """The call as the transport makes it (no checks of the table's: ``call`` makes those)."""
+    ) -> Rep:  # the call as the transport makes it (``call`` adds the table's checks)
         raise NotImplementedError
-
-    def _fits(self, rpc: Unary, msg: Any, address: str, *, reply: bool) -> None:
-        if rpc.check is None:
-            return
-        try:
-            rpc.check(msg, self.limits)
-        except Refusal as e:
-            if reply:  # the peer's answer is over what this node takes
-                raise WireError(f"{rpc.said} reply from {address}: {e.message}") from None
-            raise PeerCallError(INVALID, f"{rpc.said} for {address}: {e.message}") from None
 
     async def call(
         self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *, peer: str | None = None
     ) -> Rep:
         """Any call of the table, with its size checks on what goes out and what comes back."""
-        self._fits(rpc, request, address, reply=False)
+        _fits(rpc, self.limits, request, address, reply=False)
         reply = await self.send(rpc, address, request, timeout, peer=peer)
-        self._fits(rpc, reply, address, reply=True)
+        _fits(rpc, self.limits, reply, address, reply=True)
         return reply
 
     async def welcomed(self, address: str, remote: NodeInfo, timeout: float) -> None:
