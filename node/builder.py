@@ -33,7 +33,7 @@ from .privacy.ledger import PrivacyLedger
 from .privacy.mechanisms import PrivateData
 from .privacy.purposes import purpose, purposes_of
 from .revocations import Revocations
-from .security.crl_gossip import CrlHooks
+from .security.crl_gossip import CrlExchange
 from .strategies.base import Strategy
 from .strategies.registry import get_strategy
 
@@ -131,12 +131,12 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
 
     guard = RoundGuard(learner, strategy, on_divergence)
     admission = Admission(cfg.limits, on_refused=_over_budget_noter(m, problems))
-    hooks = CrlHooks(strategy, revocation) if revocation is not None else strategy
     served = ServedRequests(host.node_id, host.info, membership, learner, host.spec,
-                            hooks, board, cache, inbox, problems, private, serves,
+                            strategy, board, cache, inbox, problems, private, serves,
                             on_refused=lambda kind: m.rejected.labels(kind=kind).inc(),
                             admission=admission, push_policy=cfg.limits,
-                            compute_workers=cfg.limits.compute_workers)
+                            compute_workers=cfg.limits.compute_workers,
+                            revocations=CrlExchange(revocation, host.node_id) if revocation is not None else None)
     return PeerPlane(loop_lag, peers, revocations, problems, board, cache, inbox, client, membership, ledger,
                      private, serves, withheld, network, strategy, guard, admission, served)
 
