@@ -1,0 +1,178 @@
+"""Collaborator discovery: the candidate peers a node's strategy evaluates each round, in a
+network too large to evaluate everyone (T-Man, Jelasity & Babaoglu 2005, applied to learning).
+
+Each round the strategy gets ``settings.candidates`` peers (``NodeNetwork.peers()`` returns them
+past the size threshold; what a strategy does within its candidate set is unchanged):
+
+- *keep*: the peers it weighted most so far (a running score per peer, fed from the strategy's
+  own weights after each round), so a found collaborator stays found;
+- *explore*, at most ``settings.explore`` never-scored peers a round: recommendations first, then
+  a uniform draw from the node's view (the partial view past the threshold, else membership).
+
+Recommendations answer "whom do you weight?": once a round the node asks one of its best
+collaborators for its best-weighted peers — a cluster mate's collaborators are mostly cluster
+mates, so a node that found one finds the rest in a few rounds. They are *hints*: a hint only
+takes an exploring slot, so the node evaluates the peer itself before its strategy can weight
+it; a peer recommends only when asked, never itself, at most ``settings.recommend`` ids an
+answer, of which at most ``per_recommender`` wait at once and at most one is explored per
+round — an insider cannot fill the candidates with itself or a clique. State is bounded
+(``max_scored`` scores, ``max_hints`` hints): O(1) in the network's size.
+"""
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+
+@dataclass(frozen=True)
+class DiscoverySettings:
+    candidates: int = 5        # peers offered to the strategy per round
+    explore: int = 3           # of which never-scored peers, at most
+    recommend: int = 5         # ids one "whom do you weight?" answer carries, at most
+    per_recommender: int = 2   # hints from one peer waiting at once (insider bound)
+    hints_per_recommender_round: int = 1  # hints from one peer explored per round (insider bound)
+    max_hints: int = 32
+    max_scored: int = 256      # peers whose score is remembered (lowest forgotten first)
+    memory: float = 0.5        # weight of the past in a peer's running score
+    ask_among: int = 3         # whom I ask: one of my this many best collaborators
+
+
+@dataclass
+class DiscoveryCounters:
+    rounds: int = 0
+    explored: int = 0
+    hinted: int = 0            # explored because recommended
+    hints_received: int = 0
+    hints_dropped: int = 0     # refused by the caps, or unsolicited
+    asks: int = 0
+
+
+class Discovery:
+    """One node's candidate source. ``view()``: the ids the node currently knows of (its sample
+    of the network); ``usable(peer)``: whether it can be called now (alive, responsive)."""
+
+    def __init__(self, me: str, view: Callable[[], Sequence[str]], *, usable: Callable[[str], bool] = lambda p: True,
+                 settings: DiscoverySettings | None = None, rng: random.Random | None = None):
+        self.me = me
+        self.view = view
+        self.usable = usable
+        self.s = settings or DiscoverySettings()
+        self.rng = rng or random.Random()
+        self.scores: dict[str, float] = {}
+        self.hints: deque[tuple[str, str]] = deque()   # (recommender, peer), oldest first
+        self.counters = DiscoveryCounters()
+        self._current: list[str] = []
+        self._asked: set[str] = set()                  # peers asked this round: answers accepted from them
+
+    # --- a round ---
+    def begin_round(self) -> list[str]:
+        """Pick this round's candidates (kept stable until the next call: ``current``)."""
+        self.counters.rounds += 1
+        best = [p for p in self.best(len(self.scores)) if self.usable(p)]
+        n_explore = min(self.s.explore, self.s.candidates)
+        keep = best[:self.s.candidates - n_explore]
+        picked = list(keep)
+        explore = self._from_hints(n_explore, set(picked))
+        explore += self._from_view(n_explore - len(explore), set(picked) | set(explore))
+        picked += explore
+        # exploring found nothing new: the slots go back to kept peers
+        picked += [p for p in best if p not in picked][:self.s.candidates - len(picked)]
+        self.counters.explored += len(explore)
+        self._current = sorted(picked)
+        return self._current
+
+    def current(self) -> list[str]:
+        return list(self._current)
+
+    def observe(self, weights: dict[str, float], evaluated: Iterable[str] = ()) -> None:
+        """After a round: the strategy's weights of the peers it evaluated (a peer evaluated and
+        not weighted scores 0)."""
+        seen = {p: float(weights.get(p, 0.0)) for p in evaluated if p != self.me}
+        seen.update({p: float(w) for p, w in weights.items() if p != self.me})
+        for p, w in seen.items():
+            old = self.scores.get(p)
+            self.scores[p] = w if old is None else self.s.memory * old + (1 - self.s.memory) * w
+        if len(self.scores) > self.s.max_scored:
+            for p in sorted(self.scores, key=self.scores.__getitem__)[:len(self.scores) - self.s.max_scored]:
+                del self.scores[p]
+
+    def best(self, k: int) -> list[str]:
+        """My ``k`` best-weighted peers (positive score only), best first."""
+        ranked = sorted((p for p, s in self.scores.items() if s > 0), key=lambda p: (-self.scores[p], p))
+        return ranked[:k]
+
+    # --- recommendations ---
+    def whom_to_ask(self) -> str | None:
+        """One of my best collaborators, to ask "whom do you weight?" this round (or None)."""
+        top = [p for p in self.best(self.s.ask_among) if self.usable(p)]
+        if not top:
+            return None
+        peer = self.rng.choice(top)
+        self._asked.add(peer)
+        self.counters.asks += 1
+        return peer
+
+    def recommend(self, asker: str) -> list[str]:
+        """My answer to ``asker``: the peers I weight most (never the asker itself)."""
+        return [p for p in self.best(self.s.recommend + 1) if p != asker][:self.s.recommend]
+
+    def on_recommendations(self, sender: str, peers: Sequence[str]) -> int:
+        """Hints from ``sender``'s answer; returns how many were kept. Unasked answers, ids
+        beyond ``recommend``, the sender itself and peers already scored are dropped; at most
+        ``per_recommender`` from one sender wait at once."""
+        if sender not in self._asked:
+            self.counters.hints_dropped += len(peers)
+            return 0
+        self._asked.discard(sender)
+        waiting = sum(1 for src, _ in self.hints if src == sender)
+        queued = {p for _, p in self.hints}
+        kept = 0
+        for p in list(dict.fromkeys(peers))[:self.s.recommend]:
+            self.counters.hints_received += 1
+            if p in (self.me, sender) or p in self.scores or p in queued or waiting >= self.s.per_recommender:
+                self.counters.hints_dropped += 1
+                continue
+            self.hints.append((sender, p))
+            waiting += 1
+            kept += 1
+        while len(self.hints) > self.s.max_hints:
+            self.hints.popleft()
+        return kept
+
+    # --- internals ---
+    def _from_hints(self, n: int, taken: set[str]) -> list[str]:
+        out: list[str] = []
+        per: dict[str, int] = {}
+        left: deque[tuple[str, str]] = deque()
+        while self.hints:
+            src, p = self.hints.popleft()
+            if p in taken or p in self.scores or len(out) >= n:
+                if p not in taken and p not in self.scores:
+                    left.append((src, p))
+                continue
+            if per.get(src, 0) >= self.s.hints_per_recommender_round or not self.usable(p):
+                left.append((src, p))
+                continue
+            per[src] = per.get(src, 0) + 1
+            out.append(p)
+            taken.add(p)
+        self.hints = left
+        self.counters.hinted += len(out)
+        return out
+
+    def _from_view(self, n: int, taken: set[str]) -> list[str]:
+        if n <= 0:
+            return []
+        pool = [p for p in self.view() if p != self.me and p not in taken and p not in self.scores]
+        if len(pool) < n:  # everyone in view already scored: re-explore the ones scored lowest
+            pool += [p for p in self.view() if p != self.me and p not in taken and p not in pool]
+        self.rng.shuffle(pool)
+        out: list[str] = []
+        for p in pool:
+            if len(out) >= n:
+                break
+            if self.usable(p):
+                out.append(p)
+        return out
