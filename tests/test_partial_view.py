@@ -46,7 +46,7 @@ def test_killing_a_fifth_of_the_nodes_at_once_leaves_one_component():
         o.round()  # one period: the first probes and shuffles hit the dead
         comps = o.components()
         assert len(comps) == 1, [len(c) for c in comps]
-        for _ in range(2 * o.views[next(iter(o.alive))].s.active_size):  # round-robin: every neighbour probed
+        for _ in range(3 * o.views[next(iter(o.alive))].s.active_size):  # round-robin: each probed within 2 cycles
             o.round()
         assert len(o.components()) == 1
         for n in o.alive:  # dead neighbours are gone from active views, which are refilled

@@ -4,14 +4,17 @@ network too large to evaluate everyone (T-Man, Jelasity & Babaoglu 2005, applied
 Each round the strategy gets ``settings.candidates`` peers (``NodeNetwork.peers()`` returns them
 past the size threshold; what a strategy does within its candidate set is unchanged):
 
-- *keep*: the peers it weighted most so far (a running score per peer, fed from the strategy's
-  own weights after each round), so a found collaborator stays found;
-- *explore*, at most ``settings.explore`` never-scored peers a round: recommendations first, then
-  a uniform draw from the node's view (the partial view past the threshold, else membership).
+- *keep*: the peers it weights clearly (a running score per peer, fed from the strategy's own
+  weights after each round; ``collaborators``), so a found collaborator stays found;
+- *explore*: never-scored peers in the other slots (at least ``settings.explore`` a round):
+  recommendations first, then a uniform draw from the node's view (the partial view past the
+  threshold, else membership).
 
-Recommendations answer "whom do you weight?": once a round the node asks one of its best
-collaborators for its best-weighted peers — a cluster mate's collaborators are mostly cluster
-mates, so a node that found one finds the rest in a few rounds. They are *hints*: a hint only
+Recommendations answer "whom do you weight?": once a round the node asks a few of its best
+collaborators for their best-weighted peers — a cluster mate's collaborators are mostly cluster
+mates, so a node that found one finds the rest in a few rounds; and a peer that evaluated me is
+a hint for me (``on_contacted``), so a link found from one side is tried from the other. They
+are *hints*: a hint only
 takes an exploring slot, so the node evaluates the peer itself before its strategy can weight
 it; a peer recommends only when asked, never itself, at most ``settings.recommend`` ids an
 answer, of which at most ``per_recommender`` wait at once and at most one is explored per
@@ -36,7 +39,9 @@ class DiscoverySettings:
     max_hints: int = 32
     max_scored: int = 256      # peers whose score is remembered (lowest forgotten first)
     memory: float = 0.5        # weight of the past in a peer's running score
-    ask_among: int = 3         # whom I ask: one of my this many best collaborators
+    ask_among: int = 3         # whom I ask: among my this many best collaborators ...
+    asks: int = 2              # ... this many a round
+    relative: float = 0.5      # a collaborator: scored at least this share of my best one
 
 
 @dataclass
@@ -70,9 +75,9 @@ class Discovery:
     def begin_round(self) -> list[str]:
         """Pick this round's candidates (kept stable until the next call: ``current``)."""
         self.counters.rounds += 1
-        best = [p for p in self.best(len(self.scores)) if self.usable(p)]
-        n_explore = min(self.s.explore, self.s.candidates)
-        keep = best[:self.s.candidates - n_explore]
+        best = [p for p in self.collaborators(len(self.scores)) if self.usable(p)]
+        keep = best[:self.s.candidates - min(self.s.explore, self.s.candidates)]
+        n_explore = self.s.candidates - len(keep)  # slots nothing good is kept in explore too
         picked = list(keep)
         explore = self._from_hints(n_explore, set(picked))
         explore += self._from_view(n_explore - len(explore), set(picked) | set(explore))
@@ -103,20 +108,24 @@ class Discovery:
         ranked = sorted((p for p, s in self.scores.items() if s > 0), key=lambda p: (-self.scores[p], p))
         return ranked[:k]
 
+    def collaborators(self, k: int) -> list[str]:
+        """My best ``k`` that I weight clearly: at least ``relative`` × my best one's score (peers
+        weighted by noise alone are neither asked nor recommended)."""
+        top = self.best(k)
+        return [p for p in top if self.scores[p] >= self.s.relative * self.scores[top[0]]] if top else []
+
     # --- recommendations ---
-    def whom_to_ask(self) -> str | None:
-        """One of my best collaborators, to ask "whom do you weight?" this round (or None)."""
-        top = [p for p in self.best(self.s.ask_among) if self.usable(p)]
-        if not top:
-            return None
-        peer = self.rng.choice(top)
-        self._asked.add(peer)
-        self.counters.asks += 1
-        return peer
+    def whom_to_ask(self) -> list[str]:
+        """Some of my best collaborators, to ask "whom do you weight?" this round."""
+        top = [p for p in self.collaborators(self.s.ask_among) if self.usable(p)]
+        picked = self.rng.sample(top, min(self.s.asks, len(top)))
+        self._asked.update(picked)
+        self.counters.asks += len(picked)
+        return picked
 
     def recommend(self, asker: str) -> list[str]:
         """My answer to ``asker``: the peers I weight most (never the asker itself)."""
-        return [p for p in self.best(self.s.recommend + 1) if p != asker][:self.s.recommend]
+        return [p for p in self.collaborators(self.s.recommend + 1) if p != asker][:self.s.recommend]
 
     def on_recommendations(self, sender: str, peers: Sequence[str]) -> int:
         """Hints from ``sender``'s answer; returns how many were kept. Unasked answers, ids
@@ -141,24 +150,38 @@ class Discovery:
             self.hints.popleft()
         return kept
 
+    def on_contacted(self, peer: str) -> bool:
+        """``peer`` (authenticated) evaluated me — pulled my model, asked whom I weight: it may be
+        a collaborator, a hint for me too (links found from one side become two-sided). A peer can
+        only put itself forward this way, once until it is scored."""
+        if peer == self.me or peer in self.scores or any(p == peer for _, p in self.hints):
+            return False
+        self.hints.append((peer, peer))
+        while len(self.hints) > self.s.max_hints:
+            self.hints.popleft()
+        return True
+
     # --- internals ---
     def _from_hints(self, n: int, taken: set[str]) -> list[str]:
+        """Up to ``n`` hints: one peer that evaluated me (reciprocity finds mates fastest), then
+        recommendations, then the other such peers; at most ``hints_per_recommender_round`` from
+        one source."""
         out: list[str] = []
         per: dict[str, int] = {}
-        left: deque[tuple[str, str]] = deque()
-        while self.hints:
-            src, p = self.hints.popleft()
-            if p in taken or p in self.scores or len(out) >= n:
-                if p not in taken and p not in self.scores:
-                    left.append((src, p))
-                continue
-            if per.get(src, 0) >= self.s.hints_per_recommender_round or not self.usable(p):
-                left.append((src, p))
-                continue
-            per[src] = per.get(src, 0) + 1
-            out.append(p)
-            taken.add(p)
-        self.hints = left
+        for recommended, most in ((False, 1), (True, n), (False, n)):
+            took = 0
+            for src, p in self.hints:
+                if len(out) >= n or took >= most:
+                    break
+                if (src != p) != recommended or p in taken or p in self.scores or not self.usable(p):
+                    continue
+                if per.get(src, 0) >= self.s.hints_per_recommender_round:
+                    continue
+                per[src] = per.get(src, 0) + 1
+                took += 1
+                out.append(p)
+                taken.add(p)
+        self.hints = deque((src, p) for src, p in self.hints if p not in taken and p not in self.scores)
         self.counters.hinted += len(out)
         return out
 

@@ -110,7 +110,7 @@ def cluster_of(node: str, size: int) -> int:
 
 def simulate_discovery(n: int, cluster_size: int, rounds: int, *, mode: str, seed: int = 0,
                        settings: DiscoverySettings | None = None, checkpoints: Iterable[int] = (10, 20, 30),
-                       noise: float = 0.3, view_settings: ViewSettings | None = None) -> DiscoveryResult:
+                       noise: float = 0.2, view_settings: ViewSettings | None = None) -> DiscoveryResult:
     """``mode``: "discovery" (partial views + recommendations) or "uniform" (each round a uniform
     sample of ``settings.candidates`` of all others, the strategies' draw without discovery).
     A node's weight for a peer it evaluated: 1 for a cluster mate, 0 otherwise, plus Gaussian
@@ -136,10 +136,13 @@ def simulate_discovery(n: int, cluster_size: int, rounds: int, *, mode: str, see
             w = {p: max(0.0, (1.0 if cluster_of(p, cluster_size) == mine else 0.0) + rng.gauss(0, noise))
                  for p in cands}
             d.observe(w, cands)
+            if mode != "uniform":
+                for p in cands:  # they served my evaluation: they learn of me
+                    disc[p].on_contacted(i)
         if mode != "uniform":
             for i in ids:
-                asked = disc[i].whom_to_ask()
-                if asked is not None:
+                for asked in disc[i].whom_to_ask():
+                    disc[asked].on_contacted(i)
                     disc[i].on_recommendations(asked, disc[asked].recommend(i))
             overlay.round()
         if r in marks:

@@ -6,8 +6,8 @@ Why HyParView rather than Cyclon: its *active view* is a small symmetric set of 
 the active view only), and a failed neighbour is replaced at once from the *passive view*
 (≈ 6 × active, refreshed by shuffles) — the paper's evaluation keeps the overlay connected at
 very high failure rates, where pure Cyclon-style shuffling partitions under churn (Baldoni et
-al.). The passive view is shuffled Cyclon-style (an exchange with one active neighbour per
-period, the oldest entries sent first) so it stays a fresh, aging sample of the network.
+al.). The passive view is shuffled Cyclon-style (each period an exchange with its oldest
+entry, the oldest entries sent) so it stays a fresh, mixing sample of the network.
 
 The protocol is a pure object: handlers take a message from an *authenticated* sender and queue
 what to send (``outbox``); a driver (the in-process simulation in tests and ``bench/scale.py``,
@@ -18,7 +18,8 @@ Insider bounds (one peer must not fill a view with itself or a clique):
 - the active view only holds nodes that asked or accepted *themselves* (``Neighbor`` /
   ``NeighborReply`` come from the node they name), so one identity holds at most one slot;
 - hearsay (shuffle entries, forwarded joins) goes to the passive view only, at most
-  ``per_source`` entries of it from one sender, a shuffle's entries truncated to its length;
+  ``per_source`` entries of it from one sender (a new one replaces that sender's oldest, so
+  the view keeps turning over), a shuffle's entries truncated to its length;
 - a full passive view evicts from the source that placed the most entries (then the oldest),
   so the view keeps many sources; promotions to the active view draw uniformly from it.
 """
@@ -111,7 +112,7 @@ class ViewCounters:
     shuffles_received: int = 0
     promotions: int = 0
     failures: int = 0
-    dropped_hearsay: int = 0  # entries refused by the per-source cap
+    replaced_hearsay: int = 0  # a sender at its cap: its own oldest entry made room
 
 
 # ------------------------------------------------------------------------------- protocol
@@ -162,8 +163,12 @@ class PartialView:
         self._asked_at += 1
         if self._asking is not None and self._asked_at > 3:  # no answer: ask someone else
             self._asking = None
-        if self.active:
-            target = self.rng.choice(list(self.active))
+        # Cyclon: shuffle with the oldest passive entry — it answers (and is fresh again) or fails
+        # (and goes), so the passive view keeps mixing and holds no long-dead node; else an
+        # active neighbour
+        target = (max(self.passive, key=lambda p: self.passive[p].age) if self.passive
+                  else self.rng.choice(list(self.active)) if self.active else None)
+        if target is not None:
             self._send(target, Shuffle(self._sample(exclude=target)))
             self.counters.shuffles_sent += 1
         self._refill()
@@ -210,7 +215,7 @@ class PartialView:
             self._send(sender, ShuffleReply(self._sample(exclude=sender)))
             self._integrate(sender, msg.entries)
         elif isinstance(msg, ShuffleReply):
-            self._integrate(sender, msg.entries)
+            self._integrate(sender, (sender, *msg.entries))  # it answered: fresh again
 
     # --- internals ---
     def _send(self, to: str, msg: Message) -> None:
@@ -261,9 +266,11 @@ class PartialView:
             if source == node:  # it spoke for itself: fresh, and no longer anyone's hearsay
                 self.passive[node] = Passive(node)
             return False
-        if source != node and sum(1 for e in self.passive.values() if e.source == source) >= self.s.per_source:
-            self.counters.dropped_hearsay += 1
-            return False
+        if source != node:
+            mine = [n for n, e in self.passive.items() if e.source == source]
+            if len(mine) >= self.s.per_source:  # the sender's share stays capped: its oldest makes room
+                self.counters.replaced_hearsay += 1
+                del self.passive[max(mine, key=lambda n: self.passive[n].age)]
         if len(self.passive) >= self.s.passive_size:
             self._evict()
         self.passive[node] = Passive(source)
