@@ -65,7 +65,8 @@ class NodeViews(PeerPlane):
                 "strategy_state": self.strategy.public_state(), "problems": self.problems.recent(10),
                 "faulty": self.cfg.faulty, "mtls": self.transport.mtls,
                 "admission": self.admission.view(), "traffic_since_last_round": self.traffic.pending(),
-                "membership": self.membership_view(), "privacy": self.privacy_view(),
+                "membership": self.membership_view(), "discovery": self.network.discovery_view(),
+                "privacy": self.privacy_view(),
                 "data": self.learner.data_info()}
 
     def privacy_view(self) -> dict[str, Any]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from node.peering.discovery import Discovery, DiscoverySettings
-from node.peering.overlay_sim import simulate_discovery
+from coterie.node.peering.discovery import Discovery, DiscoverySettings
+from coterie.node.peering.overlay_sim import simulate_discovery
 
 
 def test_discovery_finds_cluster_mates_faster_than_uniform_sampling():

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from node.peering.overlay_sim import SimOverlay
-from node.peering.partial_view import ForwardJoin, Neighbor, PartialView, Shuffle, ViewSettings
+from coterie.node.peering.overlay_sim import SimOverlay
+from coterie.node.peering.partial_view import ForwardJoin, Neighbor, PartialView, Shuffle, ViewSettings
 
 
 def _ids(n: int) -> list[str]:
@@ -58,7 +58,7 @@ class NaiveView(PartialView):
     """A view without the insider defences: no per-source cap, random eviction."""
 
     def _evict(self) -> None:
-        del self.passive[self.rng.choice(list(self.passive))]
+        self._drop(self.rng.choice(list(self.passive)))
 
 
 def _shuffle_attack(view: PartialView, clique: list[str], shuffles: int) -> float:

@@ -26,7 +26,9 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
+
+GOSSIP_KEY = "coterie.discovery.whom"  # "whom do you weight?", asked over the gossip RPC
 
 
 @dataclass(frozen=True)
@@ -199,3 +201,29 @@ class Discovery:
             if self.usable(p):
                 out.append(p)
         return out
+
+
+def recommended_ids(reply: dict[str, Any] | None, limit: int) -> list[str]:
+    """The ids in a peer's answer to ``GOSSIP_KEY``; anything malformed counts as no answer."""
+    peers = (reply or {}).get("peers")
+    if not isinstance(peers, list):
+        return []
+    return [p for p in peers[:limit] if isinstance(p, str) and 0 < len(p) <= 256]
+
+
+class DiscoveryHooks:
+    """The served side of discovery, in front of the strategy's hooks: answers "whom do you
+    weight?" (the asker, authenticated, is a hint itself), passes every other key on."""
+
+    def __init__(self, inner: Any, discovery: Discovery):
+        self.inner = inner
+        self.discovery = discovery
+
+    def on_gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
+        if key != GOSSIP_KEY:
+            return self.inner.on_gossip(peer, key, payload)
+        self.discovery.on_contacted(peer)
+        return {"peers": self.discovery.recommend(peer)}
+
+    def on_alignment(self, peer: str, inner_product: float) -> None:
+        self.inner.on_alignment(peer, inner_product)

@@ -25,8 +25,10 @@ Insider bounds (one peer must not fill a view with itself or a clique):
 """
 from __future__ import annotations
 
+import heapq
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass
 from typing import Union
 
@@ -125,6 +127,7 @@ class PartialView:
         self.rng = rng or random.Random()
         self.active: dict[str, None] = {}      # insertion-ordered set
         self.passive: dict[str, Passive] = {}
+        self._placed: Counter[str] = Counter()  # passive entries per source (kept with every change)
         self.outbox: list[tuple[str, Message]] = []
         self.counters = ViewCounters()
         self._asking: str | None = None        # passive node asked for a slot, awaiting its reply
@@ -177,7 +180,7 @@ class PartialView:
         """A delivery to ``peer`` failed or its probe did: it leaves both views; a replacement is
         asked for."""
         self.counters.failures += 1
-        self.passive.pop(peer, None)
+        self._drop(peer)
         if self._asking == peer:
             self._asking = None
         if self.active.pop(peer, ...) is not ...:
@@ -254,44 +257,53 @@ class PartialView:
             del self.active[dropped]
             self._send(dropped, Disconnect())
             self._add_passive(dropped, dropped)
-        self.passive.pop(node, None)
+        self._drop(node)
         self.active[node] = None
         # probed within this round-robin cycle, at a random place in it (as memberlist does)
         self._probe_order.insert(self.rng.randrange(len(self._probe_order) + 1), node)
+
+    def _put(self, node: str, entry: Passive) -> None:
+        self._drop(node)
+        self.passive[node] = entry
+        self._placed[entry.source] += 1
+
+    def _drop(self, node: str) -> None:
+        entry = self.passive.pop(node, None)
+        if entry is not None:
+            self._placed[entry.source] -= 1
+            if not self._placed[entry.source]:
+                del self._placed[entry.source]
 
     def _add_passive(self, node: str, source: str) -> bool:
         if node == self.me or node in self.active:
             return False
         if node in self.passive:
             if source == node:  # it spoke for itself: fresh, and no longer anyone's hearsay
-                self.passive[node] = Passive(node)
+                self._put(node, Passive(node))
             return False
-        if source != node:
-            mine = [n for n, e in self.passive.items() if e.source == source]
-            if len(mine) >= self.s.per_source:  # the sender's share stays capped: its oldest makes room
-                self.counters.replaced_hearsay += 1
-                del self.passive[max(mine, key=lambda n: self.passive[n].age)]
+        if source != node and self._placed[source] >= self.s.per_source:
+            # the sender's share stays capped: its own oldest entry makes room
+            self.counters.replaced_hearsay += 1
+            self._drop(max((n for n, e in self.passive.items() if e.source == source),
+                           key=lambda n: self.passive[n].age))
         if len(self.passive) >= self.s.passive_size:
             self._evict()
-        self.passive[node] = Passive(source)
+        self._put(node, Passive(source))
         return True
 
     def _evict(self) -> None:
-        """Drop one passive entry: from the source that placed the most (its oldest), so no sender
-        dominates the view."""
-        by_source: dict[str, list[str]] = {}
-        for node, e in self.passive.items():
-            by_source.setdefault(e.source, []).append(node)
-        most = max(len(v) for v in by_source.values())
-        source = self.rng.choice(sorted(s for s, v in by_source.items() if len(v) == most))
-        oldest = max(by_source[source], key=lambda n: self.passive[n].age)
-        del self.passive[oldest]
+        """Drop one passive entry: the oldest of those placed by the sources that placed the
+        most, so no sender dominates the view."""
+        most = max(self._placed.values())
+        self._drop(max((n for n, e in self.passive.items() if self._placed[e.source] == most),
+                       key=lambda n: self.passive[n].age))
 
     def _sample(self, exclude: str) -> tuple[str, ...]:
         act = [p for p in self.active if p != exclude]
-        pas = sorted((p for p in self.passive if p != exclude), key=lambda p: -self.passive[p].age)
         picked = self.rng.sample(act, min(self.s.shuffle_active, len(act)))
-        picked += pas[:self.s.shuffle_passive]  # the oldest: Cyclon's aging keeps the sample fresh
+        # the oldest: Cyclon's aging keeps the sample fresh
+        picked += heapq.nlargest(self.s.shuffle_passive, (p for p in self.passive if p != exclude),
+                                 key=lambda p: self.passive[p].age)
         return (self.me, *picked)
 
     def _integrate(self, sender: str, entries: tuple[str, ...]) -> None:
