@@ -89,3 +89,25 @@ def test_candidates_keep_the_best_and_skip_unusable_peers():
     assert {"node-002", "node-003"} <= set(cands)  # kept: the two best usable
     assert len(cands) == 5
     assert d.current() == cands  # stable within the round
+
+
+def test_served_side_answers_whom_and_passes_other_gossip_to_the_strategy():
+    from coterie.node.peering.discovery import GOSSIP_KEY, DiscoveryHooks, recommended_ids
+
+    class Strategy:
+        def on_gossip(self, peer, key, payload):
+            return {"strategy": key}
+
+        def on_alignment(self, peer, ip):
+            self.ip = ip
+
+    d = Discovery("me", lambda: [], rng=random.Random(1))
+    d.observe({"a": 1.0, "b": 0.9})
+    hooks = DiscoveryHooks(Strategy(), d)
+    assert hooks.on_gossip("asker", GOSSIP_KEY, {}) == {"peers": ["a", "b"]}
+    assert ("asker", "asker") in d.hints  # whoever asks is a hint itself (evaluated before weighted)
+    assert hooks.on_gossip("asker", "crl", {}) == {"strategy": "crl"}
+    # a malformed answer is no answer; ids are bounded in number and length
+    assert recommended_ids(None, 5) == [] and recommended_ids({"peers": "abc"}, 5) == []
+    assert recommended_ids({"peers": ["x", 3, "", "y" * 300, "z", "w"]}, 4) == ["x"]
+    assert recommended_ids({"peers": [f"p{i}" for i in range(100)]}, 5) == ["p0", "p1", "p2", "p3", "p4"]
