@@ -13,7 +13,7 @@ def test_candidates_come_from_discovery_and_peers_answer_whom_they_weight(tmp_pa
     nodes: list[NodeProc] = []
     try:
         for i in range(4):
-            cfg = {"strategy": "fedfomo", "round_interval_s": 0.3, "learner": tiny_learner(4, i, clusters=2),
+            cfg = {"strategy": "fedfomo", "round_interval_s": 0.3, "learner": tiny_learner(4, i),
                    "strategy_params": {"num_models": 2},
                    "discovery": {"above": 0, "candidates": 2, "explore": 1},  # always on, 2 of 3 peers a round
                    "peers": [nodes[0].address] if nodes else []}
@@ -24,7 +24,7 @@ def test_candidates_come_from_discovery_and_peers_answer_whom_they_weight(tmp_pa
         for n, v in zip(nodes, views):
             assert v["active"] and v["above"] == 0
             assert len(v["candidates"]) <= 2 and n.node_id not in v["candidates"]
-            assert v["rounds"] >= 5 and v["scored"] >= 2  # it evaluated peers itself
+            assert v["rounds"] >= 3 and v["scored"] >= 2  # (not before it had a peer) it evaluated peers itself
             assert not [p for p in n.status()["problems"] if "gossip" in str(p)]  # no refused asks
         assert sum(v["asks"] for v in views) > 0  # collaborators were asked ...
         assert sum(v["hints_received"] for v in views) > 0  # ... and answered over the wire
