@@ -42,7 +42,7 @@ def closure(root: str, extras: set[str]) -> tuple[dict[str, str], dict[str, list
             try:
                 md.distribution(req.name)
             except md.PackageNotFoundError:
-                raise SystemExit(f"{req.name} (needed by {name}) is not installed: install the extras first")
+                raise SystemExit(f"{req.name} (needed by {name}) is not installed: install the extras first") from None
             wanted.setdefault(canonicalize_name(req.name), []).append(f"{name} needs {req}")
             todo.append((req.name, frozenset(req.extras)))
     return pins, wanted

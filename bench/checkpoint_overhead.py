@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import itertools
 import os
 import shutil
 import statistics
@@ -107,7 +108,7 @@ def run_node(workdir: Path, name: str, model: dict[str, Any], unsaved: int | Non
     by_round = {r["round"]: r for r in rows}
     rounds = sorted(by_round)
     out = {"duration_s": [], "interval_s": [], "overhead_share": []}
-    for a, b in zip(rounds, rounds[1:]):
+    for a, b in itertools.pairwise(rounds):
         interval = by_round[b]["t"] - by_round[a]["t"]
         out["duration_s"].append(by_round[b]["duration_s"])
         out["interval_s"].append(interval)

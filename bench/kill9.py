@@ -167,7 +167,7 @@ def main() -> int:
     run_to_completion(workdir, workdir / "reference", last, args.seed, "reference", 300)
     got = [h["snapshot_sha256"] for h in history_rounds(state)]
     ref = [h["snapshot_sha256"] for h in history_rounds(workdir / "reference")]
-    first_diff = next((i + 1 for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+    first_diff = next((i + 1 for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), None)
     exact = got == ref and len(ref) == last
     survivors = sum(t["ok"] for t in trials)
     result = {"kills": args.kills, "survivors": survivors, "exact_continuation": exact,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import itertools
 import os
 import platform
 import re
@@ -279,7 +280,7 @@ def run_config(args, link_name: str, model: str, strategy: str, codecs: str | No
                          "recv_per_round": statistics.mean(recv) if recv else None,
                          "sent_per_round": statistics.mean(sent) if sent else None,
                          "first_round_s": h[0]["t"] - t0 if h else None,
-                         "cycle_s": med([b["t"] - a["t"] for a, b in zip(h, h[1:])]),
+                         "cycle_s": med([b["t"] - a["t"] for a, b in itertools.pairwise(h)]),
                          **round_split(h),
                          "series": [(round(t, 2), a) for t, a in series]}
     vals = list(per_node.values())
@@ -292,9 +293,9 @@ def run_config(args, link_name: str, model: str, strategy: str, codecs: str | No
                 "exchange_median_s": med(v["exchange_s"] for v in vals), "train_median_s": med(v["train_s"] for v in vals),
                 # what crossed the shaped links from "all up" to the end, per node and round (kernel's count)
                 "kernel_down_mb_per_node_round": med((b["down"] - a["down"]) / max(1, v["rounds"])
-                                                     for a, b, v in zip(k0, k1, vals)) / 1e6,
+                                                     for a, b, v in zip(k0, k1, vals, strict=True)) / 1e6,
                 "kernel_up_mb_per_node_round": med((b["up"] - a["up"]) / max(1, v["rounds"])
-                                                   for a, b, v in zip(k0, k1, vals)) / 1e6})
+                                                   for a, b, v in zip(k0, k1, vals, strict=True)) / 1e6})
     return row
 
 

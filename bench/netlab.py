@@ -168,7 +168,7 @@ class Lab:
         names = names or [f"n{i}" for i in range(len(configs))]
         if tls:
             configs = [{**c, "security": {**c.get("security", {}), "cert_dir": str(self._certificate(name))}}
-                       for name, c in zip(names, configs)]
+                       for name, c in zip(names, configs, strict=True)]
         elif not legacy:
             configs = [{**c, "security": {**c.get("security", {}), "insecure": True}} for c in configs]
         self.nodes = [Daemon(self.root, names[i], c, wrap=wraps[i] if wraps else None, **daemon_kw)

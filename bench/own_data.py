@@ -67,7 +67,7 @@ def write_files(folder: Path, seed: int, dim: int = DIM, train: int = TRAIN, val
         else:
             np.savez(folder / f"n{i}.npz", **{f"{k}{suffix}": v for split, suffix in
                                              (("train", ""), ("val", "_val"), ("test", "_test"))
-                                             for k, v in zip(("x", "y"), (splits[split][0], np.array(splits[split][1])))})
+                                             for k, v in zip(("x", "y"), (splits[split][0], np.array(splits[split][1])), strict=True)})
         groups.append(group)
     return groups
 

@@ -208,7 +208,7 @@ def across_seeds(tables: dict[int, dict]) -> dict:
                     continue
                 acc = [r["mean_acc"] for r in per]
                 kept = [kept_share(tables[k][sc], strat, setting) for k in seeds]
-                gain = [r["mean_acc"] - tables[k][sc]["local"]["off"]["mean_acc"] for k, r in zip(seeds, per)
+                gain = [r["mean_acc"] - tables[k][sc]["local"]["off"]["mean_acc"] for k, r in zip(seeds, per, strict=True)
                         if "local" in tables[k][sc]]
                 out.setdefault(sc, {}).setdefault(strat, {})[setting] = {
                     "seeds": seeds, "mean_acc": acc, "mean_acc_ci": mean_ci(acc),
@@ -216,9 +216,9 @@ def across_seeds(tables: dict[int, dict]) -> dict:
                     "kept": kept, "kept_of_mean_gains": None,
                     "in_cluster_mass": [r["in_cluster_mass"] for r in per],
                     "eps_max": max((r["eps_max"] for r in per if r.get("eps_max") is not None), default=None)}
-        for strat, settings in out.get(sc, {}).items():  # kept from the seeds' mean gains (a ratio of means)
+        for settings in out.get(sc, {}).values():  # kept from the seeds' mean gains (a ratio of means)
             off = settings.get("off")
-            for setting, r in settings.items():
+            for r in settings.values():
                 if off and r["gain_ci"] and off["gain_ci"] and off["gain_ci"][0] > 1e-9:
                     r["kept_of_mean_gains"] = r["gain_ci"][0] / off["gain_ci"][0]
     return out

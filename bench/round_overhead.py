@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import itertools
 import math
 import os
 import platform
@@ -132,7 +133,7 @@ def run_network(python: str, model: str, strategy: str, nodes: int, rounds: int,
             sts = lab.statuses()
             if not lag0 and all(s and s["round"] >= skip for s in sts):
                 lag0 = {n.node_id: n.lag() for n in lab.nodes}
-                cpu0 = {n.node_id: (cpu_s(n.proc.pid), s["round"]) for n, s in zip(lab.nodes, sts)}
+                cpu0 = {n.node_id: (cpu_s(n.proc.pid), s["round"]) for n, s in zip(lab.nodes, sts, strict=True)}
                 t_lag0 = time.monotonic()
             if all(s and s.get("done") for s in sts):
                 break
@@ -152,7 +153,7 @@ def run_network(python: str, model: str, strategy: str, nodes: int, rounds: int,
     cycles, durations, train, exchange, evals, stalls, ckpt = [], [], [], [], [], [], []
     for h in histories.values():
         h = [r for r in h if r["round"] > skip]
-        for a, b in zip(h, h[1:]):
+        for a, b in itertools.pairwise(h):
             cycles.append(b["t"] - a["t"])
             ckpt.append(b["t"] - a["t"] - b["duration_s"])  # the time between two rounds' loops
         for r in h:
@@ -285,7 +286,7 @@ def scale_one(python: str, n: int, rounds: int, interval: float) -> dict[str, An
             "refutations": sum(m.get("refuted", 0) for m in mstats),
             "all_finished": done_at is not None and all(len(h) >= rounds for h in hist),
             "finish_spread_s": (max(ends) - min(ends)) if ends else None,
-            "round_cycle_s": median([b["t"] - a["t"] for h in hist for a, b in zip(h, h[1:])]),
+            "round_cycle_s": median([b["t"] - a["t"] for h in hist for a, b in itertools.pairwise(h)]),
             "idle_cores": (c1 - c0) / 20.0, "idle_cores_per_node": (c1 - c0) / 20.0 / n,
             "timeline": timeline[::max(1, len(timeline) // 60)], "dir": str(root)}
 

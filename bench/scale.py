@@ -347,7 +347,7 @@ def run_daemons(out: Path, nodes: int, rounds: int, fresh: bool) -> dict[str, An
         deadline = time.monotonic() + 900
         while not all(p.done for p in progress) and time.monotonic() < deadline:
             net.poll(pool, rounds, progress)
-            for proc, pr in zip(net.procs, progress):
+            for proc, pr in zip(net.procs, progress, strict=True):
                 phases[proc.pid] = ("idle" if pr.state == "running" and pr.round == 0
                                     else "rounds" if pr.state == "running" else "")
             time.sleep(0.2)
@@ -500,7 +500,7 @@ def report(data: dict[str, Any]) -> str:
                   "|processes−processes₂| per node |", "|---" * (len(runs) + 3) + "|"]
         by = {r["tag"]: r for r in runs}
         for s in strategies:
-            def dev(a: str, b: str) -> str:
+            def dev(a: str, b: str, s: str = s) -> str:
                 if a not in by or b not in by:
                     return "–"
                 fa, fb = by[a]["strategies"][s]["final_test_acc"], by[b]["strategies"][s]["final_test_acc"]
@@ -584,7 +584,7 @@ def main() -> None:
         import tempfile
         tmp = Path(tempfile.mkdtemp(prefix="coterie-scale-"))
         hs: dict[str, list[float]] = {"fresh": [], "forked": []}
-        for i in range(a.handshakes):  # alternate, so both see the same machine load
+        for _ in range(a.handshakes):  # alternate, so both see the same machine load
             for how in ("fresh", "forked"):
                 hs[how].append(round(first_handshake_s(how, tmp), 3))
                 print(f"first handshake {how}: {hs[how][-1]} s", flush=True)

@@ -206,7 +206,7 @@ def across_seeds(per_seed: dict[int, dict]) -> dict:
         if all("local" in per_seed[k] for k in seeds):
             gains = [per_seed[k][name]["mean_acc"] - per_seed[k]["local"]["mean_acc"] for k in seeds]
             row["gain_over_local"] = mean_ci(gains)
-            row["seeds_not_beating_local"] = [k for k, g in zip(seeds, gains) if g <= 0]
+            row["seeds_not_beating_local"] = [k for k, g in zip(seeds, gains, strict=True) if g <= 0]
             if all("oracle" in per_seed[k] for k in seeds):
                 og = np.mean([per_seed[k]["oracle"]["mean_acc"] - per_seed[k]["local"]["mean_acc"] for k in seeds])
                 row["share_of_oracle_gain"] = float(np.mean(gains) / og) if og > 0 else None

@@ -50,7 +50,7 @@ def full_row(strategy: Any) -> dict[str, float]:
     """The strategy's row over self and *every* candidate at this moment (pruned ones included)."""
     if strategy.name == "l2c":
         ids = list(strategy._alpha)
-        return dict(zip(ids, C.softmax([strategy._alpha[p] for p in ids]).tolist()))
+        return dict(zip(ids, C.softmax([strategy._alpha[p] for p in ids]).tolist(), strict=True))
     return dict(strategy._row)
 
 
@@ -69,7 +69,7 @@ def run_one(name: str, seed: int, rounds: int, learner: dict[str, Any], nodes: i
     hub = build(strat, params, learner, nodes, seed)
     ids = list(hub.nodes)
     cl_list = clusters_of(learner, nodes, seed)
-    cl = dict(zip(ids, cl_list))
+    cl = dict(zip(ids, cl_list, strict=True))
     t0_share: dict[str, float | None] = {}
     kept_ok: dict[str, float] = {}
     t0_round: dict[str, int] = {}

@@ -251,7 +251,7 @@ def node_start(
             overrides["reset_privacy_ledger"] = True
         cfg = load_config(config, overrides)
     except ConfigError as e:
-        raise _fail(str(e), EXIT_CONFIG)
+        raise _fail(str(e), EXIT_CONFIG) from e
     problem = preflight(cfg)
     if problem is not None:
         raise _fail(*problem)
@@ -259,7 +259,7 @@ def node_start(
         from coterie.node.transport.tls import load_tls
         load_tls(cfg)
     except ConfigError as e:
-        raise _fail(str(e), EXIT_CONFIG)
+        raise _fail(str(e), EXIT_CONFIG) from e
     configure_logging(cfg.log_level, "json" if log_format == "json" else "text")  # run_node's own basicConfig then stands aside
     from coterie.node.daemon import run_node  # lazy: torch and grpc only when a node really starts
     if bootstrap_from:  # after the slow imports: the other node starts up meanwhile
@@ -297,12 +297,12 @@ class Admin:
                 try:
                     self.url = json.loads((state_dir / "node.json").read_text()).get("admin_url") or None
                 except (OSError, ValueError, AttributeError):
-                    raise AdminError(f"--state-dir {state_dir}: no node.json of a started node there")
+                    raise AdminError(f"--state-dir {state_dir}: no node.json of a started node there") from None
             if self.token is None:
                 try:
                     self.token = token_for_state_dir(state_dir)
                 except TokenError as e:
-                    raise AdminError(str(e))
+                    raise AdminError(str(e)) from e
         if self.token is None:
             self.token = os.environ.get(TOKEN_ENV) or None
 
@@ -313,7 +313,7 @@ def admin_get(client, admin: "Admin | str | None", path: str) -> Any:
     try:
         return r.json()
     except ValueError:
-        raise AdminError(f"{r.url} did not answer JSON: {r.text[:200]!r}")
+        raise AdminError(f"{r.url} did not answer JSON: {r.text[:200]!r}") from None
 
 
 def admin_request(client, admin: "Admin | str | None", path: str):
@@ -326,16 +326,16 @@ def admin_request(client, admin: "Admin | str | None", path: str):
     try:
         r = client.get(url, headers=bearer(admin.token))
     except httpx.ConnectError as e:
-        raise AdminError(f"cannot reach the node's admin API at {url}: {e or 'connection failed'}")
+        raise AdminError(f"cannot reach the node's admin API at {url}: {e or 'connection failed'}") from e
     except httpx.TimeoutException:
-        raise AdminError(f"no answer from {url} within {client.timeout.read}s")
+        raise AdminError(f"no answer from {url} within {client.timeout.read}s") from None
     except (httpx.RemoteProtocolError, httpx.LocalProtocolError, httpx.DecodingError):
         raise AdminError(f"{url} does not answer HTTP: is this the node's peer (gRPC) port? "
-                         f"The admin URL is admin_url in /status or <state-dir>/node.json")
+                         f"The admin URL is admin_url in /status or <state-dir>/node.json") from None
     except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
-        raise AdminError(f"not a usable admin URL {admin.url!r}: {e}")
+        raise AdminError(f"not a usable admin URL {admin.url!r}: {e}") from e
     except httpx.HTTPError as e:
-        raise AdminError(f"cannot reach the node's admin API at {url}: {type(e).__name__}: {e}")
+        raise AdminError(f"cannot reach the node's admin API at {url}: {type(e).__name__}: {e}") from e
     if r.status_code == 401:
         raise AdminError(f"{url} answered 401: the node wants its admin token"
                          + (" and this one is not it" if admin.token else "")
@@ -373,7 +373,7 @@ def _admin(admin: str | None, token: str | None, state_dir: Path | None) -> Admi
     try:
         return Admin(admin, token, state_dir)
     except AdminError as e:
-        raise _fail(str(e))
+        raise _fail(str(e)) from e
 
 
 def _inspect(where: tuple[str | None, str | None, Path | None], path: str, as_json: bool,
@@ -386,7 +386,7 @@ def _inspect(where: tuple[str | None, str | None, Path | None], path: str, as_js
             try:
                 data = admin_get(client, admin, path)
             except AdminError as e:
-                raise _fail(str(e))
+                raise _fail(str(e)) from e
             _show(data, as_json, table)
             return
         _watch(lambda: admin_get(client, Admin(*where), path), as_json, table, interval)
@@ -450,17 +450,20 @@ def history(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT,
                                      help="only the last N rounds (0: all)"),
             since: Optional[int] = typer.Option(None, "--since", help="only rounds after this one"),
             token: Optional[str] = TOKEN_OPT, state_dir: Optional[Path] = STATE_DIR_OPT) -> None:
-    """The node's rounds: accuracy, loss, duration, traffic and top collaborators per round."""
-    from .render import history_table
+    """The node's rounds: accuracy, loss, duration, traffic and top collaborators per round; the
+    rounds older than history.jsonl keeps in full, summarised below them."""
+    from .render import history_summary_table, history_table
     path = "/history" + (f"?since={since}" if since is not None else "")
     node = _admin(admin, token, state_dir)
     with _client() as client:
         try:
             entries = admin_get(client, node, path)
-            node_id = None if as_json else admin_get(client, node, "/status").get("node_id")
+            st = {} if as_json else admin_get(client, node, "/status")
         except AdminError as e:
-            raise _fail(str(e))
-    _show(entries[-last:] if last else entries, as_json, lambda es: history_table(es, node_id))
+            raise _fail(str(e)) from e
+    _show(entries[-last:] if last else entries, as_json, lambda es: history_table(es, st.get("node_id")))
+    if not as_json and st.get("history_summary"):
+        _console().print(history_summary_table(st["history_summary"]))
 
 
 model_app = typer.Typer(help="A node's personalised model.", no_args_is_help=True)
@@ -484,9 +487,9 @@ def model_export(
     try:
         card = write_export(state_dir, out, fmt, own=own)
     except StateError as e:
-        raise _fail(str(e))
+        raise _fail(str(e)) from e
     except (ValueError, OSError) as e:
-        raise _fail(str(e), EXIT_CONFIG if isinstance(e, ValueError) else 1)
+        raise _fail(str(e), EXIT_CONFIG if isinstance(e, ValueError) else 1) from e
     ev = card.get("eval") or {}
     acc = ev.get("test_acc") if card.get("mixture") else ev.get("own_test_acc", ev.get("test_acc"))
     what = (f"mixture of {len(card['mixture'])} {card['architecture']} models" if card.get("mixture")
@@ -513,9 +516,9 @@ def predict(
         loaded = load_model(model)
         predict_csv(loaded, inputs, sys.stdout, label_column=label_column)
     except ValueError as e:
-        raise _fail(str(e), EXIT_CONFIG)
+        raise _fail(str(e), EXIT_CONFIG) from e
     except OSError as e:
-        raise _fail(f"{inputs}: {e.strerror or e}")
+        raise _fail(f"{inputs}: {e.strerror or e}") from e
 
 
 @app.command()
@@ -551,11 +554,11 @@ def _launch(sc, out: Path, notes: list[str], demo: bool, backend: str = "process
     try:
         r = launcher.run_scenario(sc, out, backend=backend, console=console, notes=notes, **options)
     except KeyboardInterrupt:
-        raise _fail("interrupted; every node was stopped", 130)
+        raise _fail("interrupted; every node was stopped", 130) from None
     except launcher.LauncherError as e:
-        raise _fail(str(e), 1)
+        raise _fail(str(e), 1) from e
     except launcher.ConfigError as e:  # the data check before any process starts
-        raise _fail(str(e), EXIT_CONFIG)
+        raise _fail(str(e), EXIT_CONFIG) from e
     finally:
         signal.signal(signal.SIGTERM, old)
     console.print(res.summary_table(r))
@@ -605,7 +608,7 @@ def run(
         if backend != "ray" and (address is not None or groups is not None):
             raise ConfigError("--address and --groups are options of --backend ray")
     except ConfigError as e:
-        raise _fail(str(e), EXIT_CONFIG)
+        raise _fail(str(e), EXIT_CONFIG) from e
     options = {"address": address, "groups": groups} if backend == "ray" else {}
     _launch(sc, out, [], demo=False, backend=backend, **options)
 
@@ -626,7 +629,7 @@ def demo(
         names, notes = resolve_strategies(sc.strategy, fallback=True)
         sc = sc.model_copy(update={"strategy": names})
     except ConfigError as e:
-        raise _fail(str(e), EXIT_CONFIG)
+        raise _fail(str(e), EXIT_CONFIG) from e
     _launch(sc, out, notes, demo=True)
 
 

@@ -120,3 +120,19 @@ def history_table(entries: list[dict[str, Any]], node_id: str | None = None) -> 
                   _fmt(ev.get("test_acc")), _fmt(ev.get("test_loss")), _fmt(e.get("peers_alive")),
                   f"{sent / 1e3:.1f} kB" if sent else "–", _top_peers(e.get("weights"), node_id))
     return t
+
+
+def history_summary_table(blocks: list[dict[str, Any]]) -> Table:
+    """The older rounds, folded (node/history.py): one row per block, means with their range."""
+    t = Table(title=f"{sum(b.get('count', 0) for b in blocks)} older rounds, summarised")
+    for c in ("rounds", "count", "s (mean)", "train loss (mean)", "test acc (mean, min–max)", "sent (mean)"):
+        t.add_column(c, justify="right")
+    for b in blocks:
+        first, last = (b.get("rounds") or [None, None])[:2]
+        acc = b.get("eval.test_acc") or {}
+        sent = (b.get("sent") or {}).get("mean")
+        t.add_row(f"{first}–{last}", _fmt(b.get("count")), _fmt((b.get("duration_s") or {}).get("mean")),
+                  _fmt((b.get("train_loss") or {}).get("mean")),
+                  f"{_fmt(acc.get('mean'))} ({_fmt(acc.get('min'))}–{_fmt(acc.get('max'))})" if acc else "–",
+                  f"{sent / 1e3:.1f} kB" if sent else "–")
+    return t

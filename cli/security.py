@@ -33,7 +33,7 @@ def ca_init(directory: Path = typer.Argument(..., help="where ca.pem and ca.key 
     try:
         d = init_ca(directory, name=name, days=days, force=force)
     except (PKIError, OSError) as e:
-        raise _fail(str(e))
+        raise _fail(str(e)) from e
     typer.echo(f"CA written: {d / CA_CERT} (certificate), {d / CA_KEY} (private key, keep it off the nodes)")
 
 
@@ -47,7 +47,7 @@ def cert_issue(ca: Path = typer.Option(..., "--ca", help="CA directory (coterie 
     try:
         d = issue_cert(ca, node_id, out, days=days)
     except (PKIError, OSError) as e:
-        raise _fail(str(e))
+        raise _fail(str(e)) from e
     typer.echo(f"certificate for node {node_id!r} written to {d} (run the node with "
                f"--cert-dir {d})")
 
@@ -61,7 +61,7 @@ def cert_show(directory: Path = typer.Argument(..., help="a node's certificate d
     try:
         creds = load_credentials(directory)
     except PKIError as e:
-        raise _fail(str(e))
+        raise _fail(str(e)) from e
     cert = x509.load_pem_x509_certificate(creds.cert_pem)
     typer.echo(f"node id:  {creds.node_id}\nserial:   {cert.serial_number:x}\nissuer:   {cert.issuer.rfc4514_string()}\n"
                f"valid:    {cert.not_valid_before_utc:%Y-%m-%d} .. {cert.not_valid_after_utc:%Y-%m-%d}\n"
@@ -81,11 +81,11 @@ def cert_revoke(ca: Path = typer.Option(..., "--ca", help="CA directory (coterie
     try:
         serials = [int(s, 16) for s in serial or ()]
     except ValueError:
-        raise _fail(f"--serial takes hexadecimal serials, got {serial}")
+        raise _fail(f"--serial takes hexadecimal serials, got {serial}") from None
     try:
         path, crl = revoke(ca, node_id=node_id, serials=serials, days=days)
     except (PKIError, OSError) as e:
-        raise _fail(str(e))
+        raise _fail(str(e)) from e
     typer.echo(f"revocation list {crl.number} written to {path}: {len(crl.serials)} certificates revoked"
                f"{', node ids ' + ', '.join(sorted(crl.node_ids)) if crl.node_ids else ''}. Copy it to each "
                "node's cert dir as crl.pem (or security.crl); nodes pick up a newer one within a second")

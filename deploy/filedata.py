@@ -36,7 +36,7 @@ def write_csv(path: Path, x: np.ndarray, y: np.ndarray) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow([f"f{i}" for i in range(x.shape[1])] + ["label"])
-        for row, label in zip(x.tolist(), y.tolist()):
+        for row, label in zip(x.tolist(), y.tolist(), strict=True):
             w.writerow([f"{v:.6g}" for v in row] + [label])
 
 

@@ -16,12 +16,16 @@ results.json (``"format": "coterie-results/1"``)::
                         bytes_sent / bytes_received ({kind: total bytes}: its rounds' and after),
                         bytes_sent_per_round / bytes_received_per_round (as the node logged them),
                         bytes_sent_after_rounds / bytes_received_after_rounds ({kind: bytes} in no
-                        round record: served after its last round, from its final status)
+                        round record: served after its last round, from its final status),
+                        collaboration (its final status's: peer answers vs privacy refusals),
+                        mixed_nothing (no round gave a peer any weight)
       weights           {"rounds": [1..R], "matrices": [W_r]}: W_r[i][j] = weight node i gave
                         node j in its round r (self included); a row is null if i has no round r
       final_weights     each node's last weight row, as a matrix
       mean_weights      each node's weight row averaged over its rounds (the heatmaps show this)
       summary           mean/min final accuracy, mean accuracy per true cluster, byte totals
+      notes             per strategy: nodes that mixed nothing because their peers released
+                        nothing (privacy refusals), with the reason
       placement         (ray backend) groups: [{group, host, ip, pid, ray_node, nodes}] and
                         routes: {node_id: {calls, bytes_sent, bytes_received} by memory / grpc}
     notes               anything odd (substituted strategies, short histories)
@@ -122,7 +126,26 @@ def node_results(history: list[dict[str, Any]], status: dict[str, Any] | None = 
         "bytes_received_per_round": [e.get("bytes_received") or {} for e in history],
         "bytes_sent_after_rounds": sent_after,
         "bytes_received_after_rounds": received_after,
+        "collaboration": (status or {}).get("collaboration"),
     }
+
+
+def mixed_nothing(history: list[dict[str, Any]], node_id: str) -> bool | None:
+    """True when no logged round gave any peer weight (None: no weights logged)."""
+    rows = [e["weights"] for e in history if isinstance(e.get("weights"), dict)]
+    if not rows:
+        return None
+    return not any(float(v or 0.0) > 0 for w in rows for k, v in w.items() if k != node_id)
+
+
+def collaboration_notes(strategy: str, nodes: dict[str, dict[str, Any]]) -> list[str]:
+    """Nodes that mixed nothing all run while their peers refused to release on privacy grounds."""
+    out = []
+    for nid, r in nodes.items():
+        note = (r.get("collaboration") or {}).get("note")
+        if r.get("mixed_nothing") and note:
+            out.append(f"{strategy} {nid}: mixed nothing for the whole run: {note}")
+    return out
 
 
 def weight_matrices(node_ids: list[str], histories: dict[str, list[dict[str, Any]]],
@@ -168,6 +191,7 @@ def strategy_results(sc: "Scenario", run: "StrategyRun", clusters: list[int] | N
     nodes = {}
     for i, s in enumerate(run.specs):
         r = node_results(run.histories.get(s.node_id, []), run.final_status.get(s.node_id))
+        r["mixed_nothing"] = mixed_nothing(run.histories.get(s.node_id, []), s.node_id)
         info = run.node_info.get(s.node_id) or {}
         r.update({"index": i, "true_cluster": clusters[i] if clusters else None,
                   "address": info.get("address"), "admin_url": info.get("admin_url", s.admin_url),
@@ -178,7 +202,7 @@ def strategy_results(sc: "Scenario", run: "StrategyRun", clusters: list[int] | N
     by_cluster: dict[str, float] = {}
     if clusters:
         for c in sorted(set(clusters)):
-            accs = [a for a, k in zip(finals, clusters) if k == c and a is not None]
+            accs = [a for a, k in zip(finals, clusters, strict=True) if k == c and a is not None]
             if accs:
                 by_cluster[str(c)] = sum(accs) / len(accs)
     sent = sum(sum(nodes[n]["bytes_sent"].values()) for n in ids)
@@ -197,7 +221,7 @@ def strategy_results(sc: "Scenario", run: "StrategyRun", clusters: list[int] | N
             "bytes_sent_total": sent,
             "bytes_received_total": recv,
         },
-        "notes": list(run.notes),
+        "notes": list(run.notes) + collaboration_notes(run.strategy, nodes),
         **({"placement": run.placement} if run.placement is not None else {}),
     }
 
@@ -398,10 +422,10 @@ def save_figures(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
     fig, axes = plt.subplots(1, len(strategies), figsize=(4.2 * len(strategies), 3.4), squeeze=False,
                              sharey=True)
     cmap = plt.get_cmap("tab10")
-    for ax, s in zip(axes[0], strategies):
-        for n, c in zip(ids, clusters):
+    for ax, s in zip(axes[0], strategies, strict=True):
+        for n, c in zip(ids, clusters, strict=True):
             r = results["strategies"][s]["nodes"].get(n) or {}
-            xs = [x for x, a in zip(r.get("rounds", []), r.get("test_acc", [])) if a is not None]
+            xs = [x for x, a in zip(r.get("rounds", []), r.get("test_acc", []), strict=True) if a is not None]
             ys = [a for a in r.get("test_acc", []) if a is not None]
             ax.plot(xs, ys, color=cmap(c % 10), lw=1, alpha=0.8)
         ax.set_title(s)

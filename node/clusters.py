@@ -56,11 +56,6 @@ def block_order(matrix: Matrix) -> list[int]:
     return [int(i) for i in leaves_list(z)]
 
 
-def reorder(matrix: Matrix, order: list[int]) -> list[list[float | None]]:
-    a = as_array(matrix)[np.ix_(order, order)]
-    return [[None if math.isnan(v) else float(v) for v in row] for row in a]
-
-
 def in_block_mass(matrix: Matrix, clusters: Sequence[object]) -> float | None:
     """Share of the peers' weight (diagonal excluded) that stays inside the true clusters."""
     a = np.nan_to_num(off_diagonal(matrix), nan=0.0)

@@ -188,6 +188,17 @@ class SnapshotsConfig(BaseModel):
         return v
 
 
+class HistoryConfig(BaseModel):
+    """How much round history the state dir keeps (docs/state-directory.md): history.jsonl holds
+    the recent rounds in full and never grows past ``max_bytes``; older rounds are folded into a
+    bounded summary (at most 16 blocks) kept in the checkpoint."""
+    model_config = ConfigDict(extra="forbid")
+
+    # 16 MiB: ~20,000 rounds in full at 0.6-0.8 KB a round (after a rotation: the newest half);
+    # a start reads at most this much
+    max_bytes: int = Field(16 << 20, ge=64 << 10)
+
+
 class NodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -247,6 +258,7 @@ class NodeConfig(BaseModel):
     # state dir: completed rounds whose checkpoint may still be being written while the next
     # round trains (what a kill -9 can lose); 0 = every round waits for its own checkpoint
     checkpoint_max_unsaved_rounds: int = Field(1, ge=0)
+    history: HistoryConfig = Field(default_factory=HistoryConfig)
     reset: bool = False  # start at round 0, moving any old state aside (into reset-<time>/)
     # accept a privacy ledger that is missing or behind the checkpoint: restore it from the
     # checkpoint's copy (logged); without it such a node refuses to start

@@ -74,7 +74,7 @@ class Node(NodeViews):
         self.transport = transport
         self.health = transport.health  # what this node tells the transport's health checks
         identity = transport.identity  # the node id the transport's credentials prove, if any
-        self.store = StateStore(cfg.state_dir)
+        self.store = StateStore(cfg.state_dir, cfg.history.max_bytes)
         self.store.lock()  # one owner per state dir, for this process's lifetime
         # verified (or refused) before anything slow: a broken state dir fails in a second
         self.node_id, self._checkpoint = self.store.open(cfg.node_id or identity, reset=cfg.reset)

@@ -29,7 +29,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import torch
 from safetensors import SafetensorError
@@ -169,7 +169,7 @@ class MixtureModel(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mix: torch.Tensor | None = None
-        for w, m in zip(self.weights, self.members):
+        for w, m in zip(self.weights, self.members, strict=True):
             out = m(x)
             out = out.softmax(1) if self.task == "classification" else out
             mix = w * out if mix is None else mix + w * out
@@ -261,8 +261,8 @@ def onnx_bytes(loaded: ExportedModel) -> bytes:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         # torch's annotation of ``f`` names paths only, but the TorchScript exporter (dynamo=False)
-        # writes to a file object too, as its docs say: hence the ignore
-        torch.onnx.export(loaded.model, (example,), buf, dynamo=False,  # type: ignore[arg-type]
+        # writes to a file object too, as its docs say: hence the cast
+        torch.onnx.export(loaded.model, (example,), cast(Any, buf), dynamo=False,
                           opset_version=17,
                           input_names=["input"], output_names=["output"],
                           dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}})

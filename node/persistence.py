@@ -6,13 +6,18 @@
                                sampler, strategy) plus, in its metadata, a JSON ``state`` (round,
                                version, node id, learner and strategy state, peers) and a sha256
                                over that JSON and every tensor
-    history.jsonl              one JSON line per round; the checkpoint pins its first N bytes
-                               (length + sha256), so lines are checked against the checkpoint
+    history.jsonl              one JSON line per recent round; the checkpoint pins its first N
+                               bytes (length + sha256), so lines are checked against the
+                               checkpoint. Kept under ``history_max_bytes``: older rounds are
+                               folded into summary blocks pinned in the checkpoint (history.py)
 
 A commit appends the rounds' history lines, writes ``.ckpt-N.tmp``, fsyncs both (one batch),
 renames it into place, fsyncs the directory and deletes the older checkpoint: after ``kill -9``
 at any moment the newest ``ckpt-*.safetensors`` is complete and the history is at most a few
-uncommitted lines ahead of it (dropped on restart). Anything that does not verify raises
+uncommitted lines ahead of it (dropped on restart). A commit that rotates the history writes the
+new file as ``.history-<segment>.jsonl.pending`` (fsynced with the checkpoint) and renames it
+into place after the checkpoint's rename: a restart finds the pending file of the checkpoint's
+segment and finishes the rotation, or one of an older segment and drops it. Anything that does not verify raises
 ``StateError`` naming the file; a directory with history or identity but no checkpoint is
 refused unless the node is started with ``reset`` (which moves the old state aside).
 """
@@ -24,6 +29,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 from collections import deque
@@ -38,12 +44,15 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from safetensors.torch import save_file as st_save_file
 
+from . import history as summaries
 from .fsutil import atomic_write_json, fsync_dir, read_json
 
 log = logging.getLogger("coterie.state")
 
 FORMAT = "coterie-checkpoint/2"
-HISTORY_TAIL = 1000  # rounds of history kept in memory; the file keeps them all
+HISTORY_TAIL = 1000  # rounds of history kept in memory; the file keeps the recent ones in full
+HISTORY_MAX_BYTES = 16 << 20  # default cap of history.jsonl (config history.max_bytes)
+_PENDING = re.compile(r"^\.history-(\d{6,})\.jsonl\.pending$")
 _CKPT = re.compile(r"^ckpt-(\d{6,})\.safetensors$")
 _LEGACY = ("CURRENT",)  # the pre-v2 layout: CURRENT -> ckpt-N/ directories
 # not round state: kept where they are by --reset (the privacy ledger counts what this data has
@@ -181,6 +190,7 @@ class Checkpoint:
     state: dict[str, Any]
     tensors: dict[str, torch.Tensor]
     history: list[dict[str, Any]] = field(default_factory=list)  # the last HISTORY_TAIL rounds
+    summary: list[dict[str, Any]] = field(default_factory=list)  # older rounds, folded (history.py)
 
     @property
     def round(self) -> int:
@@ -345,8 +355,67 @@ def verify_history(path: Path, ckpt: Checkpoint) -> tuple[list[dict[str, Any]], 
     return rows, size, covered, h
 
 
+def rotated_history(path: Path, covered: int, lines: bytes, summary: list[dict[str, Any]],
+                    max_bytes: int) -> tuple[list[dict[str, Any]], bytes]:
+    """A rotation of the history at ``path`` (its first ``covered`` bytes, then ``lines``): the
+    summary with the oldest rounds folded in, and the newest rounds (half the cap) in full."""
+    old = b""
+    if covered:
+        with open(path, "rb") as f:
+            old = f.read(covered)
+        if len(old) != covered:
+            raise StateError(f"{path} is shorter ({len(old)} bytes) than the {covered} bytes "
+                             "committed: changed under this node")
+    every = old.splitlines(keepends=True) + lines.splitlines(keepends=True)
+    n = summaries.split_for_rotation(every, max_bytes // 2)
+    rows = [_parse_line(path, i + 1, line) for i, line in enumerate(every[:n])]
+    return (summaries.add_block(summary, summaries.fold(rows)) if rows else summary), b"".join(every[n:])
+
+
+def state_leftovers(directory: Path) -> list[str]:
+    """The round state in a directory that has no checkpoint (what a fresh start would shadow)."""
+    names = []
+    for p in sorted(directory.iterdir()):
+        if p.name in _NOT_STATE or p.name.startswith(("reset-", ".")):
+            continue
+        if p.name in ("identity.json", "history.jsonl", *_LEGACY) or p.name.startswith("ckpt-"):
+            names.append(p.name + ("/" if p.is_dir() else ""))
+    return names
+
+
+def _pending_name(segment: int) -> str:
+    return f".history-{segment:06d}.jsonl.pending"
+
+
+def history_pin(ckpt: Checkpoint) -> tuple[int, list[dict[str, Any]]]:
+    """The history segment a checkpoint pins and its summary of older rounds (0 and none for a
+    checkpoint written before rotation)."""
+    pinned = ckpt.state.get("history") or {}
+    try:
+        segment = int(pinned.get("segment", 0))
+        return segment, summaries.check(pinned.get("summary", []), ckpt.path.name)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise StateError(f"{ckpt.path} is corrupt ({e})") from None
+
+
+def settle_rotation(directory: Path, segment: int) -> None:
+    """Finish or drop a rotation a crash interrupted: the pending file of the checkpoint's own
+    segment was complete before that checkpoint's rename (so it becomes history.jsonl); any other
+    belongs to a checkpoint that never landed."""
+    for p in sorted(Path(directory).iterdir()):
+        m = _PENDING.match(p.name)
+        if not m:
+            continue
+        if int(m.group(1)) == segment:
+            log.warning("%s: finishing the history rotation a crash interrupted (segment %d)", directory, segment)
+            os.replace(p, Path(directory) / "history.jsonl")
+        else:
+            p.unlink(missing_ok=True)
+        fsync_dir(directory)
+
+
 class StateStore:
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, history_max_bytes: int = HISTORY_MAX_BYTES):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.history_path = self.dir / "history.jsonl"
@@ -358,6 +427,11 @@ class StateStore:
         self._hist_hash = hashlib.sha256()
         self.round = -1  # round of the last commit (-1: none yet)
         self._dir_unsynced = False
+        self.history_max_bytes = history_max_bytes
+        self._segment = 0  # history.jsonl's generation: each rotation writes the next one
+        self.summary: list[dict[str, Any]] = []  # rounds folded out of history.jsonl (history.py)
+        self._rotation_pending: Path | None = None  # committed, not yet renamed into place
+        self._swap = threading.Lock()  # history readers vs a rotation swapping the file
 
     # --- ownership ---
     def lock(self) -> None:
@@ -404,15 +478,6 @@ class StateStore:
             raise StateError(f"{self.identity_path} is corrupt (node_id {stored!r})")
         return stored
 
-    def _leftovers(self) -> list[str]:
-        names = []
-        for p in sorted(self.dir.iterdir()):
-            if p.name in _NOT_STATE or p.name.startswith(("reset-", ".")):
-                continue
-            if p.name in ("identity.json", "history.jsonl", *_LEGACY) or p.name.startswith("ckpt-"):
-                names.append(p.name + ("/" if p.is_dir() else ""))
-        return names
-
     def _reset(self) -> str | None:
         """Move all state into ``reset-<time>/``; returns the old node id if it was readable."""
         try:
@@ -444,9 +509,11 @@ class StateStore:
         for p in self.dir.glob(".ckpt-*.tmp"):  # an interrupted commit
             p.unlink(missing_ok=True)
         ckpts = self.checkpoints()
+        if not ckpts:
+            settle_rotation(self.dir, -1)
         identity = self._read_identity()
         if not ckpts:
-            left = self._leftovers()
+            left = state_leftovers(self.dir)
             if left:
                 raise StateError(f"{self.dir} holds {', '.join(left)} but no checkpoint "
                                  "(ckpt-NNNNNN.safetensors): refusing to start fresh over that state. "
@@ -460,7 +527,10 @@ class StateStore:
         if identity is not None and identity != ckpt.node_id:
             raise StateError(f"{self.identity_path} says node {identity!r} but {ckpt.path} belongs to "
                              f"node {ckpt.node_id!r}")
+        self._segment, self.summary = history_pin(ckpt)
+        settle_rotation(self.dir, self._segment)
         ckpt.history, size, self._hist_bytes, self._hist_hash = verify_history(self.history_path, ckpt)
+        ckpt.summary = self.summary
         # verified: now the repairs a crash calls for (nothing is written before this point)
         if identity is None:
             log.warning("%s was missing; node id %r restored from %s", self.identity_path,
@@ -483,8 +553,11 @@ class StateStore:
     # --- writing ---
     def commit(self, snap: Snapshot, records: list[dict[str, Any]]) -> Path:
         """Make ``snap`` durable together with the history lines of ``records`` (the rounds
-        since the last commit, in order). Safe to retry after any failure, with the same or a
-        longer batch: rounds an earlier try committed are skipped."""
+        since the last commit, in order), rotating the history when they would take it past
+        ``history_max_bytes``. Safe to retry after any failure, with the same or a longer batch:
+        rounds an earlier try committed are skipped."""
+        if self._rotation_pending is not None:  # an earlier try committed a rotation, not its rename
+            self._finish_rotation()
         if self._dir_unsynced:  # an earlier try renamed its file but could not fsync the directory
             fsync_dir(self.dir)
             self._dir_unsynced = False
@@ -492,26 +565,39 @@ class StateStore:
             return self.dir / f"ckpt-{self.round:06d}.safetensors"
         records = [r for r in records if r["round"] > self.round]
         lines = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in records)
-        hasher = self._hist_hash.copy()
-        hasher.update(lines)
-        covered = self._hist_bytes + len(lines)
-        state = {**snap.state, "format": FORMAT, "history": {"bytes": covered, "sha256": hasher.hexdigest()}}
+        segment, summary = self._segment, self.summary
+        if self._hist_bytes + len(lines) > self.history_max_bytes:
+            summary, content = rotated_history(self.history_path, self._hist_bytes, lines, self.summary,
+                                               self.history_max_bytes)
+            segment = self._segment + 1
+            hasher, covered = hashlib.sha256(content), len(content)
+            pending: Path | None = self.dir / _pending_name(segment)
+        else:
+            hasher = self._hist_hash.copy()
+            hasher.update(lines)
+            covered, content, pending = self._hist_bytes + len(lines), lines, None
+        pin = {"bytes": covered, "sha256": hasher.hexdigest(), "segment": segment, "summary": summary}
+        state = {**snap.state, "format": FORMAT, "history": pin}
         state_json = json.dumps(state, sort_keys=True).encode()
         meta = {"format": FORMAT, "state": state_json.decode(), "sha256": _digest(state_json, snap.tensors)}
         name = f"ckpt-{snap.round:06d}.safetensors"
         tmp, final = self.dir / f".{name}.tmp", self.dir / name
         try:
-            hist = open(self.history_path, "ab") if lines or self.history_path.exists() else None
+            if pending is not None:  # the rotated file, complete, under a name nothing reads yet
+                hist: Any = open(pending, "wb")
+            else:
+                hist = open(self.history_path, "ab") if lines or self.history_path.exists() else None
             try:
                 if hist is not None:
-                    hist.truncate(self._hist_bytes)  # drop what a failed try or a crash left
-                    hist.write(lines)
+                    if pending is None:
+                        hist.truncate(self._hist_bytes)  # drop what a failed try or a crash left
+                    hist.write(content)
                     hist.flush()
                 st_save_file(snap.tensors, str(tmp), metadata=meta)
                 fd = os.open(tmp, os.O_RDONLY)
                 try:
                     os.fsync(fd)  # the batch: checkpoint data and history lines together
-                    if hist is not None and lines:
+                    if hist is not None and content:
                         os.fsync(hist.fileno())
                 finally:
                     os.close(fd)
@@ -520,13 +606,20 @@ class StateStore:
                     hist.close()
             os.replace(tmp, final)
         except BaseException:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
+            for p in (tmp, pending):
+                try:
+                    if p is not None:
+                        p.unlink(missing_ok=True)
+                except OSError:
+                    pass
             raise
         # the new file is in place: its history prefix must never be truncated again
-        self._hist_bytes, self._hist_hash, self.round = covered, hasher, snap.round
+        with self._swap:  # a reader sees the old segment and its bytes, or the new and its
+            self._hist_bytes, self._hist_hash, self.round = covered, hasher, snap.round
+            self._segment, self.summary, self._rotation_pending = segment, summary, pending
+            if pending is not None:  # failing here, the next commit (or open) finishes it
+                os.replace(pending, self.history_path)
+                self._rotation_pending = None
         self._dir_unsynced = True
         fsync_dir(self.dir)
         self._dir_unsynced = False
@@ -541,14 +634,24 @@ class StateStore:
             self._identity_ok = True
         return final
 
+    def _finish_rotation(self) -> None:
+        """Rename the committed rotation's file into place (after its checkpoint's rename)."""
+        with self._swap:
+            if self._rotation_pending is None:
+                return
+            os.replace(self._rotation_pending, self.history_path)
+            self._rotation_pending = None
+        fsync_dir(self.dir)
+
     # --- history ---
     def history_since(self, since: int) -> Iterator[dict[str, Any]]:
         """Committed rounds after ``since``, streamed from the file."""
-        covered, pos = self._hist_bytes, 0
-        try:
-            f = open(self.history_path, "rb")
-        except FileNotFoundError:
-            return
+        with self._swap:  # the file and the bytes it covers, of one segment
+            covered, pos = self._hist_bytes, 0
+            try:  # a rotation committed but not yet renamed into place: its file is the history
+                f = open(self._rotation_pending or self.history_path, "rb")
+            except FileNotFoundError:
+                return
         with f:
             for n, line in enumerate(f, 1):
                 pos += len(line)

@@ -97,10 +97,10 @@ def predict_csv(loaded: Any, inputs: str | Path, out: IO[str], label_column: str
     names = loaded.class_names
     if names is None:
         w.writerow([id_name, "value"])
-        for i, v in zip(ids, s):
+        for i, v in zip(ids, s, strict=True):
             w.writerow([i, f"{float(v):.6g}"])
     else:
         w.writerow([id_name, *(f"score_{c}" for c in names), "predicted"])
-        for i, row in zip(ids, s):
+        for i, row in zip(ids, s, strict=True):
             w.writerow([i, *(f"{float(p):.6f}" for p in row), names[int(row.argmax())]])
     return len(ids)

@@ -9,6 +9,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from .builder import PeerPlane
+from .history import view as history_summary
 from .modelfile import export_state_dir
 
 if TYPE_CHECKING:
@@ -67,7 +68,8 @@ class NodeViews(PeerPlane):
                 "admission": self.admission.view(), "traffic_since_last_round": self.traffic.pending(),
                 "membership": self.membership_view(), "discovery": self.network.discovery_view(),
                 "privacy": self.privacy_view(),
-                "data": self.learner.data_info()}
+                "collaboration": self.network.releases.view(),
+                "data": self.learner.data_info(), "history_summary": history_summary(self.store.summary)}
 
     def privacy_view(self) -> dict[str, Any]:
         """The privacy ledger (ε per peer and in total) and the knobs that bound it."""

@@ -1,6 +1,8 @@
 """A stand-in for the daemon's Node with the surface the admin plane and the CLI rely on."""
 from __future__ import annotations
 
+from typing import Any
+
 from coterie.node.metrics import Metrics
 
 
@@ -11,7 +13,7 @@ class FakeNode:
         self.metrics.counter("coterie_rounds_total", "Completed rounds").inc(3)
         self.metrics.counter("coterie_sent_bytes_total", "Bytes sent", ("kind",)).labels(
             kind="snapshot").inc(4096)
-        self.history = [{"round": r, "t": 1000.0 + r, "train_loss": 1.0 / r,
+        self.history: list[dict[str, Any]] = [{"round": r, "t": 1000.0 + r, "train_loss": 1.0 / r,
                          "eval": {"test_acc": 0.5 + r / 10, "test_loss": 1.0 / r},
                          "weights": {node_id: 0.5, "n1": 0.5}} for r in (1, 2, 3)]
         self.is_healthy = True

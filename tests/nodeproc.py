@@ -92,15 +92,15 @@ class NodeProc:
             old_pid = json.loads(info_path.read_text()).get("pid")
         log = open(self.dir / "node.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "coterie.cli.main", "node", "start",
-                                      "--config", str(self.config_path), *(extra_args or [])],
-                                     stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.proc = proc = subprocess.Popen([sys.executable, "-m", "coterie.cli.main", "node", "start",
+                                             "--config", str(self.config_path), *(extra_args or [])],
+                                            stdout=log, stderr=subprocess.STDOUT, env=env)
 
         def ready():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.node_id} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.node_id} exited with {proc.returncode}:\n{self.log_tail()}")
             info = json.loads(info_path.read_text())
-            if info.get("pid") != self.proc.pid or info.get("pid") == old_pid:
+            if info.get("pid") != proc.pid or info.get("pid") == old_pid:
                 return None
             with urllib.request.urlopen(info["admin_url"] + "/healthz", timeout=5) as r:
                 if r.status != 200:

@@ -14,7 +14,7 @@ import copy
 import hashlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import msgpack
 import numpy as np
@@ -25,6 +25,8 @@ from coterie.node.learning.learner import EvalResult, Learner, Params, TrainResu
 from coterie.node.privacy.purposes import purpose as purpose_table
 from coterie.node.strategies.base import GradientReply, PeerSnapshot, PushedGradient, Strategy
 from coterie.node.persistence import pack_state, unpack_state
+
+Reduction = Literal["mean", "sum"]  # what Learner.loss / gradient take
 
 torch.set_num_threads(1)
 
@@ -140,7 +142,7 @@ class ToyLearner(Learner):
                            samples=steps * self.batch_size)
 
     def loss(self, params: Params | None = None, split: str = "train", max_samples: int | None = None,
-             reduction: Literal["mean", "sum"] = "mean") -> EvalResult:
+             reduction: Reduction = "mean") -> EvalResult:
         x, y = self._batch(split, max_samples)
         with torch.no_grad():
             out = self._logits(params, x)
@@ -149,14 +151,14 @@ class ToyLearner(Learner):
         return EvalResult(loss=loss.item(), n=len(y), accuracy=acc)
 
     def gradient(self, params: Params | None = None, split: str = "train", max_samples: int | None = None,
-                 reduction: Literal["mean", "sum"] = "mean") -> tuple[Params, EvalResult]:
+                 reduction: Reduction = "mean") -> tuple[Params, EvalResult]:
         x, y = self._batch(split, max_samples)
         p = {k: v.detach().clone().requires_grad_(True) for k, v in (params or self.get_params()).items()}
         out = self._logits(p, x)
         loss = nn.functional.cross_entropy(out, y, reduction=reduction)
         grads = torch.autograd.grad(loss, list(p.values()))
         acc = float((out.argmax(1) == y).float().mean())
-        return {k: g.detach() for k, g in zip(p, grads)}, EvalResult(loss=loss.item(), n=len(y), accuracy=acc)
+        return {k: g.detach() for k, g in zip(p, grads, strict=True)}, EvalResult(loss=loss.item(), n=len(y), accuracy=acc)
 
     def apply_gradient(self, grad: Params) -> None:
         with self._lock:
@@ -171,7 +173,7 @@ class ToyLearner(Learner):
     def evaluate_mixture(self, members: list[tuple[float, Params]], split: str = "test") -> EvalResult:
         x, y = self.data[split]
         with torch.no_grad():
-            prob = sum(w * torch.softmax(self._logits(p, x), 1) for w, p in members)
+            prob = torch.stack([w * torch.softmax(self._logits(p, x), 1) for w, p in members]).sum(0)
             loss = float(nn.functional.nll_loss(torch.log(prob.clamp_min(1e-12)), y))
             acc = float((prob.argmax(1) == y).float().mean())
         return EvalResult(loss=loss, n=len(y), accuracy=acc)
@@ -233,6 +235,11 @@ class Node:
     snapshot: PeerSnapshot | None = None
     inbox: list[PushedGradient] = field(default_factory=list)
     alive: bool = True
+
+    def running(self) -> Strategy:
+        """The node's strategy, which build_network sets after making the node."""
+        assert self.strategy is not None, f"{self.node_id} has no strategy yet"
+        return self.strategy
 
 
 class Hub:
@@ -326,7 +333,9 @@ class InProcessNetwork:
         return None if n.snapshot is None else copy.deepcopy(n.snapshot)
 
     def _mine(self) -> Params:
-        return self.hub.nodes[self.node_id].snapshot.params
+        mine = self.hub.nodes[self.node_id].snapshot
+        assert mine is not None, f"{self.node_id} pulls before it published"
+        return mine.params
 
     async def cross_loss(self, peer: str, params: Params | None = None, *, purpose: str,
                          split: str | None = None, max_samples: int | None = None,
@@ -337,7 +346,7 @@ class InProcessNetwork:
         if n is None:
             return None
         r = await asyncio.to_thread(n.learner.loss, params if params is not None else self._mine(),
-                                    split, max_samples, reduction)
+                                    split, max_samples, cast(Reduction, reduction))
         return r.loss, r.n
 
     async def cross_gradient(self, peer: str, params: Params | None = None, *, purpose: str,
@@ -349,7 +358,7 @@ class InProcessNetwork:
         if n is None:
             return None
         g, r = await asyncio.to_thread(n.learner.gradient, params if params is not None else self._mine(),
-                                       split, max_samples, reduction)
+                                       split, max_samples, cast(Reduction, reduction))
         if align_with is not None:
             ip = float(sum(torch.sum(g[k].double() * align_with[k].double()) for k in g))
             if n.strategy is not None:
@@ -416,13 +425,13 @@ async def run_free(hub: Hub, rounds: int, delay_s: dict[str, float] | None = Non
     async def node_loop(nid: str) -> list:
         out = []
         for rnd in range(start, start + rounds):
-            out.append(await hub.nodes[nid].strategy.run_round(rnd))
+            out.append(await hub.nodes[nid].running().run_round(rnd))
             hub.publish(nid, rnd)
-            if (delay_s or {}).get(nid):
-                await asyncio.sleep(delay_s[nid])  # a slower node, not a wait for anything
+            if pause := (delay_s or {}).get(nid):
+                await asyncio.sleep(pause)  # a slower node, not a wait for anything
         return out
     reports = await asyncio.gather(*(node_loop(nid) for nid in hub.nodes))
-    return dict(zip(hub.nodes, reports))
+    return dict(zip(hub.nodes, reports, strict=True))
 
 
 async def run_rounds(hub: Hub, rounds: int, start: int = 1, concurrent: bool = False,
@@ -434,21 +443,21 @@ async def run_rounds(hub: Hub, rounds: int, start: int = 1, concurrent: bool = F
     reports = []
     for rnd in range(start, start + rounds):
         if synchronous:
-            rep = {nid: await node.strategy.run_round(rnd) for nid, node in hub.nodes.items()}
+            rep = {nid: await node.running().run_round(rnd) for nid, node in hub.nodes.items()}
             for nid in hub.nodes:
                 hub.publish(nid, rnd)
             reports.append(rep)
         elif concurrent:
-            async def one(nid: str) -> Any:
-                r = await hub.nodes[nid].strategy.run_round(rnd)
+            async def one(nid: str, rnd: int) -> Any:
+                r = await hub.nodes[nid].running().run_round(rnd)
                 hub.publish(nid, rnd)
                 return r
-            rs = await asyncio.gather(*(one(nid) for nid in hub.nodes))
-            reports.append(dict(zip(hub.nodes, rs)))
+            rs = await asyncio.gather(*(one(nid, rnd) for nid in hub.nodes))
+            reports.append(dict(zip(hub.nodes, rs, strict=True)))
         else:
             rep = {}
             for nid, node in hub.nodes.items():
-                rep[nid] = await node.strategy.run_round(rnd)
+                rep[nid] = await node.running().run_round(rnd)
                 hub.publish(nid, rnd)
             reports.append(rep)
     return reports
@@ -464,7 +473,7 @@ def in_cluster_mass(hub: Hub) -> tuple[float, list[float], float]:
         sizes[node.cluster] = sizes.get(node.cluster, 0) + 1
     chance = float(np.mean([(sizes[nd.cluster] - 1) / (n - 1) for nd in hub.nodes.values()]))
     for nid, node in hub.nodes.items():
-        w = node.strategy.weights()
+        w = node.running().weights()
         tot = sum(max(v, 0.0) for k, v in w.items() if k != nid)
         inc = sum(max(v, 0.0) for k, v in w.items() if k != nid and hub.nodes[k].cluster == node.cluster)
         vals.append(inc / tot if tot > 0 else (sizes[node.cluster] - 1) / (n - 1))
@@ -472,10 +481,10 @@ def in_cluster_mass(hub: Hub) -> tuple[float, list[float], float]:
 
 
 def mean_test_acc(hub: Hub) -> float:
-    return float(np.mean([n.strategy.evaluate().get("test_acc", float("nan")) for n in hub.nodes.values()]))
+    return float(np.mean([n.running().evaluate().get("test_acc", float("nan")) for n in hub.nodes.values()]))
 
 
-def assert_encoder_resumes(s: Strategy) -> None:
+def assert_encoder_resumes(s: Any) -> None:
     """A strategy with a learned encoder, rebuilt from its state_dict through the daemon's on-disk
     format, holds the same encoder and the same Adam state (else lr-sized steps again)."""
     s2 = type(s)(s.node_id, s.learner, s.net, s.p, seed=3)

@@ -8,7 +8,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from coterie.node.admin import AdminAuth, make_admin_app, start_admin
 from coterie.node.admin_token import bearer
 from coterie.node.metrics import parse_text, sample
-from fake_node import FakeNode
+from tests.fake_node import FakeNode
 
 TOKEN = "test-admin-token-0123456789abcdef"  # the routes here; tests/test_admin_auth.py attacks the auth
 

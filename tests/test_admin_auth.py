@@ -21,7 +21,7 @@ from coterie.cli.main import app
 from coterie.node.admin import AdminAuth, make_admin_app, start_admin
 from coterie.node.admin_token import TOKEN_FILE, TokenError, bearer, ensure_token, read_token
 from coterie.node.config import ConfigError, validate_config
-from fake_node import FakeNode
+from tests.fake_node import FakeNode
 
 TOKEN = "right-token-3f9a8b7c6d5e4f30"
 ROUTES = ["/", "/status", "/peers", "/weights", "/metrics", "/history", "/network", "/model",

@@ -103,13 +103,61 @@ def test_config_and_privacy_do_not_import_each_other_both_ways():
     assert _imports("coterie.node.privacy", ("coterie.node.config",)) == []
 
 
-def test_no_class_over_250_lines():
-    big = []
+def _own_classes() -> dict[str, tuple[str, ast.ClassDef]]:
+    """Every class defined in node/ and cli/, by name (a name defined twice is left out: it
+    cannot be told apart from a base's name alone)."""
+    found: dict[str, list[tuple[str, ast.ClassDef]]] = {}
     for path in [*NODE.rglob("*.py"), *CLI.rglob("*.py")]:
         for n in ast.walk(ast.parse(path.read_text())):
-            if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > MAX_CLASS_LINES:
-                big.append(f"{path.relative_to(NODE.parent)}: {n.name} ({n.end_lineno - n.lineno + 1} lines)")
+            if isinstance(n, ast.ClassDef):
+                found.setdefault(n.name, []).append((str(path.relative_to(NODE.parent)), n))
+    return {name: defs[0] for name, defs in found.items() if len(defs) == 1}
+
+
+def _class_lines(cls: ast.ClassDef, own: dict[str, tuple[str, ast.ClassDef]], seen: set[str]) -> int:
+    """A class's own lines plus those of every base it inherits from node/ or cli/ (once each):
+    a class split into mixins that share ``self`` is still one class."""
+    lines = cls.end_lineno - cls.lineno + 1  # type: ignore[operator]
+    for base in cls.bases:
+        name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else None
+        if name in own and name not in seen:
+            seen.add(name)
+            lines += _class_lines(own[name][1], own, seen)
+    return lines
+
+
+# Over the rule once bases are counted, and being split into composed objects (issue 30 item 2).
+# A ratchet: a class may leave this list (the test says when to strike it), none may join it.
+OVER_WITH_BASES = {
+    "node/daemon.py: Node", "node/peering/network.py: NodeNetwork", "node/peering/membership.py: Membership",
+    "node/strategies/federico.py: FedeRiCo", "node/strategies/cobo.py: COBO", "node/strategies/l2c.py: MetaL2C",
+    "node/strategies/scool.py: SCoolSBM", "node/strategies/scool.py: SCoolAttention",
+    "node/transport/client.py: PeerClient", "node/transport/server.py: PeerService",
+    "node/learning/torch_learner.py: TorchLearner",
+}
+
+
+def test_no_class_over_250_lines():
+    own = _own_classes()
+    big, sizes = [], {}
+    for path in [*NODE.rglob("*.py"), *CLI.rglob("*.py")]:
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.ClassDef):
+                key = f"{path.relative_to(NODE.parent)}: {n.name}"
+                sizes[key] = _class_lines(n, own, {n.name})
+                if n.end_lineno - n.lineno + 1 > MAX_CLASS_LINES or (  # type: ignore[operator]
+                        sizes[key] > MAX_CLASS_LINES and key not in OVER_WITH_BASES):
+                    big.append(f"{key} ({sizes[key]} lines with its bases)")
     assert big == [], big
+    fixed = sorted(k for k in OVER_WITH_BASES if sizes.get(k, 0) <= MAX_CLASS_LINES)
+    assert fixed == [], f"under the rule now: strike from OVER_WITH_BASES: {fixed}"
+
+
+def test_the_class_size_rule_counts_what_a_class_mixes_in():
+    tree = ast.parse("class A:\n" + "    x = 1\n" * 200 + "class B:\n" + "    y = 1\n" * 100
+                     + "class C(A, B):\n    pass\n")
+    own = {n.name: ("m.py", n) for n in tree.body if isinstance(n, ast.ClassDef)}
+    assert _class_lines(own["C"][1], own, {"C"}) == 2 + 201 + 101
 
 
 def test_peering_speaks_domain_objects():

@@ -25,7 +25,7 @@ from coterie.node.transport.tls import TLS
 from coterie.node.wire.codec import encode
 from coterie.proto.v1 import peer_pb2 as pb
 from coterie.proto.v1 import peer_pb2_grpc as rpc
-from nodeproc import NodeProc, node_certs, peer_channel, tiny_learner, wait_for
+from tests.nodeproc import NodeProc, node_certs, peer_channel, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 LEARNER = tiny_learner(2, 0)
@@ -228,7 +228,7 @@ def test_bad_snapshots_from_a_rogue_peer_are_rejected(target, params):
             for payload, needle in cases:
                 rogue.set_payload(payload)
 
-                def seen():
+                def seen(needle: str = needle) -> bool:
                     return any(p["peer"] == "rogue" and needle in p["message"].lower()
                                for p in target.status()["problems"])
                 await asyncio.to_thread(wait_for, seen, 30, f"victim to reject a {needle} snapshot")

@@ -19,7 +19,7 @@ from coterie.lab.launch import processes
 from coterie.node.admin import start_admin
 from coterie.node.logs import RoundLog, configure_logging
 import socket
-from fake_node import FakeNode
+from tests.fake_node import FakeNode
 
 FAKE = str(Path(__file__).with_name("fake_daemon.py"))
 runner = CliRunner()
@@ -416,7 +416,7 @@ def test_real_node_problems_reflection_and_wrong_port(tmp_path):
 
     from coterie.node.security.pki import load_credentials
     from coterie.node.transport.tls import TLS
-    from nodeproc import NodeProc, node_certs, tiny_learner, wait_for
+    from tests.nodeproc import NodeProc, node_certs, tiny_learner, wait_for
 
     with socket.socket() as dead:
         dead.bind(("127.0.0.1", 0))  # bound, not listening: nobody answers there

@@ -1,3 +1,4 @@
+import itertools
 import math
 
 from coterie.node.clusters import block_order, diagonal, in_block_mass, off_diagonal
@@ -13,7 +14,7 @@ def test_block_order_groups_interleaved_clusters():
     order = block_order(_matrix(truth))
     seq = [truth[i] for i in order]
     # each cluster is one contiguous run, whatever the node ids
-    assert sum(1 for a, b in zip(seq, seq[1:]) if a != b) == 2 and sorted(order) == list(range(8))
+    assert sum(1 for a, b in itertools.pairwise(seq) if a != b) == 2 and sorted(order) == list(range(8))
 
 
 def test_diagonal_apart_and_block_mass():

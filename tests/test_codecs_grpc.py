@@ -338,7 +338,7 @@ def test_a_real_daemon_advertises_its_codecs_and_serves_q8_deltas_over_mtls(tmp_
     """A daemon started with ``snapshots.codecs = [q8, fp32]`` and deltas, over mTLS: its handshake
     advertises them; a peer asking for q8 gets ~1/4 of the bytes an fp32 peer gets, then deltas;
     a peer naming no codec (fp32) gets the exact model."""
-    from nodeproc import CertifiedPeer, NodeProc, tiny_learner, wait_for
+    from tests.nodeproc import CertifiedPeer, NodeProc, tiny_learner, wait_for
 
     node = NodeProc(tmp_path, "n0", {"strategy": "local", "round_interval_s": 0.2, "learner": tiny_learner(1, 0),
                                      "snapshots": {"codecs": ["q8", "fp32"], "delta": True}}).start()

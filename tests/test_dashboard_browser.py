@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeproc import NodeProc, tiny_learner, wait_for
+from tests.nodeproc import NodeProc, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 

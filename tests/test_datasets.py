@@ -189,7 +189,7 @@ def test_partition_is_computed_once_per_process_and_shared_read_only():
     assert shared_partition(pool, cfg.model_copy(update={"node_index": 3})) is first
     assert shared_partition(pool, cfg.model_copy(update={"data_seed": 3})) is not first
     fresh = partition(pool, cfg)
-    assert all(np.array_equal(a.train, b.train) and np.array_equal(a.test, b.test) for a, b in zip(first, fresh))
+    assert all(np.array_equal(a.train, b.train) and np.array_equal(a.test, b.test) for a, b in zip(first, fresh, strict=True))
     assert not first[0].train.flags.writeable
     with pytest.raises(ValueError):
         first[0].train[0] = 7

@@ -112,11 +112,11 @@ def test_the_exchange_phase_has_its_own_deadline():
 
 def test_adaptive_exchange_budget_follows_recent_phases():
     net, _, _ = _network({"a": 0.01})
-    assert net.exchange_budget() == 30.0  # nothing known: the request timeout
-    net._phases.extend([0.1] * 10)
-    assert net.exchange_budget() == 0.4  # 4 × p90, at least twice the floor (0.4)
-    net._phases.extend([3.0] * 10)
-    assert net.exchange_budget() == 12.0
+    assert net.calls.exchange_budget() == 30.0  # nothing known: the request timeout
+    net.calls._phases.extend([0.1] * 10)
+    assert net.calls.exchange_budget() == 0.4  # 4 × p90, at least twice the floor (0.4)
+    net.calls._phases.extend([3.0] * 10)
+    assert net.calls.exchange_budget() == 12.0
 
 
 def test_a_call_to_a_peer_that_turns_suspect_is_abandoned_at_once():

@@ -16,7 +16,7 @@ from coterie.node.config import validate_config
 from coterie.node.learning.config import LearnerConfig
 from coterie.node.learning.guard import RoundGuard, StepGuard, all_finite
 from coterie.node.learning.torch_learner import build_learner
-from transports import NodeMaker
+from tests.transports import NodeMaker
 
 SINE = {"dataset": "sine", "dataset_params": {"num_samples": 800, "noise": 0.1},
         "partition": "sine_intervals", "partition_params": {"samples_per_node": 100},

@@ -21,7 +21,7 @@ from coterie.node.peering import network as network_mod
 from coterie.node.learning.torch_learner import TorchLearner
 from coterie.node.strategies import baselines
 from coterie.node.transport.inproc import InProcNetwork
-from nodeproc import tiny_learner
+from tests.nodeproc import tiny_learner
 
 pytestmark = pytest.mark.slow
 N = 4

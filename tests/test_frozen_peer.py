@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from nodeproc import NodeProc, tiny_learner, wait_for
+from tests.nodeproc import NodeProc, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 

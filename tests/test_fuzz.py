@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from coterie.node.config import PROTOCOL_VERSION
 from coterie.node.wire.codec import decode
 from coterie.proto.v1 import peer_pb2 as pb
-from nodeproc import NodeProc, peer_channel, tiny_learner, wait_for
-from peer_fuzz import Target, calls, check, send
+from tests.nodeproc import NodeProc, peer_channel, tiny_learner, wait_for
+from tests.peer_fuzz import Target, calls, check, send
 
 pytestmark = pytest.mark.slow
 CASES = int(os.environ.get("FUZZ_CASES", "2000"))

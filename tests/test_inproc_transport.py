@@ -20,7 +20,7 @@ from coterie.node.peering.messages import CROSS_LOSS, Beat, ComputeRequest, Indi
 from coterie.node.peering.traffic import TrafficStats
 from coterie.node.transport.inproc import InProcNetwork
 from coterie.node.wire.codec import WireError
-from nodeproc import tiny_learner
+from tests.nodeproc import tiny_learner
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import pytest
 from coterie.node.peering.claims import MAX_INCARNATION, STRIKE_LIMIT
 from coterie.node.peering.errors import PeerCallError
 from coterie.node.peering.messages import ALIVE, DEAD, SUSPECT, Beat, MemberUpdate
-from nodeproc import CertifiedPeer, NodeProc, tiny_learner, wait_for
+from tests.nodeproc import CertifiedPeer, NodeProc, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 

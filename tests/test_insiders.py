@@ -19,7 +19,7 @@ from coterie.node.peering.messages import CROSS_LOSS, ComputeRequest
 from coterie.node.privacy.ledger import FILE as LEDGER_FILE
 from coterie.node.privacy.ledger import PrivacyLedger, ReleaseRateLimited
 from coterie.node.security.pki import load_credentials
-from nodeproc import CertifiedPeer, NodeProc, node_certs, tiny_learner, wait_for
+from tests.nodeproc import CertifiedPeer, NodeProc, node_certs, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -261,7 +261,7 @@ def test_health_and_reflection_answer_garbage_cleanly(tmp_path):
     gave UNKNOWN and library tracebacks in the node's log. Now: a clean status, no traceback."""
     import grpc
 
-    from nodeproc import peer_channel
+    from tests.nodeproc import peer_channel
     n0 = NodeProc(tmp_path, "n0", {"strategy": "local", "learner": tiny_learner(1, 0)}).start()
     garbage = [b"\xff" * 7, b"\x0a\xff\xff\xff\xff\x0f", b"\x08" * 33, bytes(range(256)), b"\x12\x05ab"]
     codes: dict[str, set] = {}

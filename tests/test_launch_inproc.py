@@ -31,7 +31,7 @@ def test_configs_differ_from_the_processes_backend_only_in_addresses(tmp_path):
     assert [s.config.listen for s in mine] == ["inproc:1", "inproc:2", "inproc:3", "inproc:4"]
     assert [s.config.peers for s in mine] == [[], ["inproc:1"], ["inproc:1"], ["inproc:1"]]
     addresses = {"listen", "admin_listen", "peers", "state_dir", "security"}
-    for a, b in zip(mine, theirs):
+    for a, b in zip(mine, theirs, strict=True):
         assert a.config.model_dump(exclude=addresses) == b.config.model_dump(exclude=addresses)
         # one trusted process without TLS; the daemons each get a certificate from the run's CA
         assert a.config.security.insecure and a.config.security.cert_dir is None

@@ -341,7 +341,7 @@ def test_daemons_are_forked_from_the_preloaded_server_and_share_its_memory(tmp_p
     with Network(specs) as net:
         def up():
             return all((s.state_dir / "node.json").exists() for s in specs) and all(
-                json.loads((s.state_dir / "node.json").read_text())["pid"] == p for s, p in zip(specs, net.pids))
+                json.loads((s.state_dir / "node.json").read_text())["pid"] == p for s, p in zip(specs, net.pids, strict=True))
         deadline = time.monotonic() + 180
         while not up():
             assert time.monotonic() < deadline, "forked daemons did not come up"

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from links import ShapedNet, cleanup, shaping_problem  # noqa: E402
+from bench.links import ShapedNet, cleanup, shaping_problem
 
 PREFIX = "ctlkt"  # not the bench's own prefix: a running benchmark is never touched
 SUBNET = "10.231.7"

@@ -23,7 +23,7 @@ from coterie.node.learning.config import LearnerConfig
 from coterie.node.learning.torch_learner import build_learner
 from coterie.node.modelfile import FORMAT, export_state_dir, load_model, sidecar_path
 from coterie.node.transport.inproc import InProcNetwork
-from nodeproc import tiny_learner
+from tests.nodeproc import tiny_learner
 
 runner = CliRunner()
 ROUNDS = 3
@@ -112,7 +112,7 @@ async def test_exported_model_reproduces_the_reported_accuracy(tmp_path):
         served.write_bytes(got.content)
         loaded = load_model(served)  # no sidecar beside it: the card inside the file is enough
         assert loaded.card["round"] == ROUNDS and served_card["round"] == ROUNDS
-        for (na, pa), (nb, pb) in zip(model.named_parameters(), loaded.model.named_parameters()):
+        for (na, pa), (nb, pb) in zip(model.named_parameters(), loaded.model.named_parameters(), strict=True):
             assert na == nb and torch.equal(pa, pb)
 
         # predict: CSV on stdout, one row per input, the predicted class name last
@@ -124,7 +124,7 @@ async def test_exported_model_reproduces_the_reported_accuracy(tmp_path):
         assert rows[0] == ["index", *(f"score_{c}" for c in class_names), "predicted"]
         assert len(rows) == len(y) + 1
         predicted = [row[-1] for row in rows[1:]]
-        assert np.mean([p == class_names[int(t)] for p, t in zip(predicted, y)]) == pytest.approx(acc)
+        assert np.mean([p == class_names[int(t)] for p, t in zip(predicted, y, strict=True)]) == pytest.approx(acc)
         assert all(abs(sum(float(v) for v in row[1:-1]) - 1) < 1e-4 for row in rows[1:])
     finally:
         for n in nodes:
@@ -366,7 +366,7 @@ async def test_federico_export_is_the_mixture_the_node_predicts_with(tmp_path):
     r = await asyncio.to_thread(_cli, "predict", "--model", str(out), str(npz))
     assert r.exit_code == 0, r.output
     predicted = [row[-1] for row in list(csv.reader(io.StringIO(r.stdout)))[1:]]
-    assert np.mean([p == class_names[int(t)] for p, t in zip(predicted, y)]) == pytest.approx(reported["test_acc"], abs=1e-3)
+    assert np.mean([p == class_names[int(t)] for p, t in zip(predicted, y, strict=True)]) == pytest.approx(reported["test_acc"], abs=1e-3)
 
     # --own: the node's own model alone, as before
     own = tmp_path / "own.safetensors"

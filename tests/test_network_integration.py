@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from coterie.node.persistence import StateStore, read_checkpoint
-from nodeproc import NodeProc, tiny_learner, wait_for
+from tests.nodeproc import NodeProc, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -52,7 +52,7 @@ def test_npz_split_is_seeded_per_node_and_labels_index_the_agreed_classes(tmp_pa
     rows = {r.tobytes() for s in ("train", "val", "test") for r in getattr(a, f"x_{s}")}
     assert len(rows) == 100
     # integer labels are indices into learner.classes: the feature bump sits at the label
-    assert all(int(np.argmax(r)) == k for r, k in zip(a.x_train, a.y_train))
+    assert all(int(np.argmax(r)) == k for r, k in zip(a.x_train, a.y_train, strict=True))
     assert a.class_names == CLASSES and a.input_shape == (4,) and a.given_splits == ("train",)
 
 
@@ -226,7 +226,7 @@ def test_a_coterie_datasets_entry_point_loads_the_data(tmp_path, monkeypatch):
             {"coterie.datasets": {"blobs": "cot_test_loader:load"}})
     d = load_own_data(LearnerConfig(data_format="blobs", data_params={"n": 90}, classes=CLASSES))
     assert len(d.y_train) + len(d.y_val) == 90 and len(d.y_test) == 9 and d.given_splits == ("train", "test")
-    assert all(int(np.argmax(r)) == k for r, k in zip(d.x_train, d.y_train))
+    assert all(int(np.argmax(r)) == k for r, k in zip(d.x_train, d.y_train, strict=True))
     with pytest.raises(DataError, match=r"unexpected arrays \['path_seen'\]"):
         load_own_data(LearnerConfig(data="bad", data_format="blobs", classes=CLASSES))
     with pytest.raises(DataError, match="bad data_params"):

@@ -99,6 +99,44 @@ def test_a_node_with_too_few_samples_runs_but_releases_nothing(tmp_path):
         big["problems"]
 
 
+@pytest.mark.slow
+def test_privacy_off_still_needs_min_batch_and_a_run_that_mixed_nothing_says_why(tmp_path):
+    """Issue 33: every node on its own file with 30 training samples < privacy.min_batch 64 and
+    privacy off. The refusal stands (an exact answer over a few samples gives them away) but names
+    the setting that lifts it; SCool-attention mixes nothing, and /status and results.json say so,
+    with the reason. Lowering min_batch to the node's size lifts it: the nodes mix."""
+    from coterie.lab.launch import inproc
+    from coterie.lab.results import strategy_results
+
+    def run(min_batch: int, out: str):
+        d = scenario(tmp_path, ["scool-attention"], sizes=(50, 50, 50))
+        d["learner"]["data"] = str(tmp_path / "files" / "{node}.npz")
+        d["node"]["privacy"] = {"enabled": False, "min_batch": min_batch}
+        sc = parse_scenario(d)
+        r = inproc.run_strategy(sc, "scool-attention", tmp_path / out)
+        return r, strategy_results(sc, r, None)
+
+    r, res = run(64, "off")
+    for nid in ("n0", "n1", "n2"):
+        st = r.final_status[nid]
+        assert st["round"] == 3 and st["privacy"]["releases"] == 0
+        assert "with privacy on or off; privacy.min_batch = 30 or lower lifts this" in st["privacy"]["withheld"]
+        collab = st["collaboration"]
+        assert collab["peer_answers"] == 0 and collab["privacy_refusals"] > 0, collab
+        assert "no peer released anything computed on its data" in collab["note"]
+        assert res["nodes"][nid]["mixed_nothing"] is True
+        assert any(n.startswith(f"scool-attention {nid}: mixed nothing for the whole run") and
+                   "privacy.min_batch" in n for n in res["notes"]), res["notes"]
+
+    r, res = run(30, "lifted")
+    for nid in ("n0", "n1", "n2"):
+        collab = r.final_status[nid]["collaboration"]
+        assert r.final_status[nid]["privacy"]["withheld"] is None
+        assert collab["peer_answers"] > 0 and collab["privacy_refusals"] == 0 and collab["note"] is None
+        assert res["nodes"][nid]["mixed_nothing"] is False
+    assert not any("mixed nothing" in n for n in res["notes"])
+
+
 def test_node_start_with_bad_data_fails_in_one_line(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("f0,f1,label\n1,2,cat\n1,nan,dog\n")

@@ -200,7 +200,7 @@ def test_same_shards_in_another_process():
                           json.dumps([c.model_dump_json() for c in cfgs])],
                          capture_output=True, text=True, check=True, timeout=120)
     children = json.loads(out.stdout)
-    for c, child in zip(cfgs, children):
+    for c, child in zip(cfgs, children, strict=True):
         mine = node_data(load_pool(c.dataset, c.dataset_params, c.data_seed), c)
         assert child["train"] == mine.shard.train.tolist()
         assert child["test"] == mine.shard.test.tolist()

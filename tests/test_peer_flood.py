@@ -13,7 +13,7 @@ import pytest
 from coterie.node.config import PROTOCOL_VERSION
 from coterie.proto.v1 import peer_pb2 as pb
 from coterie.proto.v1 import peer_pb2_grpc as rpc
-from nodeproc import NodeProc, peer_channel, tiny_learner, wait_for
+from tests.nodeproc import NodeProc, peer_channel, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from coterie.node.config import validate_config
-from nodeproc import node_certs, tiny_learner
-from transports import TRANSPORTS, NodeMaker
+from tests.nodeproc import node_certs, tiny_learner
+from tests.transports import TRANSPORTS, NodeMaker
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from coterie.node.privacy.ledger import FILE, BudgetSpent, PrivacyLedger
 from coterie.node.privacy.mechanisms import PrivateData
 from coterie.node.privacy.purposes import PURPOSES, SERVED_SPLITS, purpose, purposes_of
 
-from test_architecture import _imports
+from tests.test_architecture import _imports
 
 LEARNER = LearnerConfig(dataset="mnist1d", dataset_params={"num_samples": 2000}, partition="label_permutation",
                         partition_params={"num_clusters": 1, "samples_per_node": 120}, num_nodes=2,
@@ -75,7 +75,7 @@ def test_clipped_gradient_sum_is_the_per_sample_gradient_clipped(learner):
     per = []
     for i in idx:
         loss = torch.nn.functional.cross_entropy(functional_call(learner._shadow, p, (x[i:i + 1],)), y[i:i + 1])
-        per.append(dict(zip(p, torch.autograd.grad(loss, list(p.values())))))
+        per.append(dict(zip(p, torch.autograd.grad(loss, list(p.values())), strict=True)))
     unclipped = learner.clipped_gradient_sum(None, "train", idx, 1e9)
     for k in p:
         assert torch.allclose(unclipped[k], sum(g[k] for g in per).cpu(), atol=1e-5)

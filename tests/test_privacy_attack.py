@@ -27,7 +27,7 @@ from coterie.node.privacy.ledger import FILE
 from coterie.node.transport.client import PeerClient
 from coterie.node.fsutil import read_json
 
-from nodeproc import NodeProc, node_certs, tiny_learner, wait_for
+from tests.nodeproc import NodeProc, node_certs, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -23,8 +23,8 @@ from coterie.node.transport import server as server_mod
 from coterie.node.transport.client import PeerClient
 from coterie.node.transport.server import StreamLimits, serve
 from coterie.proto.v1 import peer_pb2 as pb
-from nodeproc import NodeProc, tiny_learner, wait_for
-from test_security_limits import Mallory
+from tests.nodeproc import NodeProc, tiny_learner, wait_for
+from tests.test_security_limits import Mallory
 
 
 class _NoTraffic:

@@ -14,7 +14,7 @@ from coterie.node.peering.errors import PeerCallError
 from coterie.node.peering.messages import Beat
 from coterie.node.transport.inproc import InProcNetwork
 from coterie.node.transport.routing import GRPC, MEMORY, RoutingTransport
-from nodeproc import node_certs, tiny_learner
+from tests.nodeproc import node_certs, tiny_learner
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from coterie.node.transport.server import serve
 from coterie.node.transport.tls import TLS
 from coterie.proto.v1 import peer_pb2 as pb
 from coterie.proto.v1 import peer_pb2_grpc as rpc
-from nodeproc import NodeProc, node_certs, peer_channel, tiny_learner, wait_for
+from tests.nodeproc import NodeProc, node_certs, peer_channel, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 LEARNER = tiny_learner(2, 0)

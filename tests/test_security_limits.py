@@ -19,7 +19,7 @@ from coterie.node.peering.errors import PeerCallError
 from coterie.node.peering.messages import CROSS_GRADIENT, PUSH_GRADIENT, ComputeRequest
 from coterie.proto.v1 import peer_pb2 as pb
 from coterie.proto.v1 import peer_pb2_grpc as rpc
-from nodeproc import CertifiedPeer, NodeProc, peer_channel, tiny_learner, wait_for
+from tests.nodeproc import CertifiedPeer, NodeProc, peer_channel, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 PUSH_LAG = 5
@@ -219,9 +219,9 @@ def test_slow_streams_are_cut_off_by_the_server(fed):
     stalls, extra, trickle = asyncio.run(go())
     # each is cut by the server with the bound it broke named, before the client's 60 s deadline
     # (which would end it as DEADLINE_EXCEEDED): the codes and details are the behaviour
-    for code, details, took in extra:
+    for code, details, _ in extra:
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in details, (code, details)
-    for code, details, took in stalls:
+    for code, details, _ in stalls:
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "stalled for 2 s" in details, (code, details)
     code, details, took = trickle
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "not complete after 6.25 s" in details, (code, details)

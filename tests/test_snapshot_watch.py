@@ -23,8 +23,8 @@ from coterie.node.peering.problems import ProblemLog
 from coterie.node.peering.snapshots import SnapshotCache
 from coterie.node.transport.client import PeerClient
 from coterie.node.transport.server import serve
-from nodeproc import NodeProc, tiny_learner, wait_for
-from test_security_limits import Mallory
+from tests.nodeproc import NodeProc, tiny_learner, wait_for
+from tests.test_security_limits import Mallory
 
 SPEC = {"w": ((4,), "float32")}
 
@@ -78,7 +78,7 @@ def test_a_peer_pulled_round_after_round_is_subscribed_to_and_pulls_become_cache
         t.pushed.put_nowait(t.snapshot(3, 3.0))
         assert (await net.pull("p", min_round=3, wait_s=2.0)).round == 3
         got = asyncio.ensure_future(net.pull("p", min_round=4, wait_s=5.0))  # not published yet: waits
-        await asyncio.wait_for(_until(lambda: "p" in net._watch_news), 2)  # it waits on the subscription
+        await asyncio.wait_for(_until(lambda: "p" in net.subscriptions._watch_news), 2)  # it waits on the subscription
         assert not got.done()
         t.pushed.put_nowait(t.snapshot(4, 4.0))
         snap = await asyncio.wait_for(got, 2)
@@ -90,7 +90,7 @@ def test_a_peer_pulled_round_after_round_is_subscribed_to_and_pulls_become_cache
 
         # a pushed snapshot that fails validation (NaN) ends the subscription; pulls take over
         t.pushed.put_nowait(t.snapshot(5, float("nan")))
-        await asyncio.wait_for(_until(lambda: "p" not in net._watches), 2)
+        await asyncio.wait_for(_until(lambda: "p" not in net.subscriptions._watches), 2)
         assert any(p["peer"] == "p" and p["rejected"] and "snapshot watch" in p["message"]
                    for p in problems.recent()), problems.recent()
         t.round = 5
@@ -110,7 +110,7 @@ def test_sampled_pulls_are_not_subscribed_to():
         for rnd in (1, 2, 3):
             t.round = rnd
             assert (await net.pull("p")).round == rnd
-        assert t.pulls == 3 and not net._watches  # (one is registered the moment it is decided)
+        assert t.pulls == 3 and not net.subscriptions._watches  # (one is registered the moment it is decided)
         await net.close()
     asyncio.run(go())
 
@@ -127,7 +127,7 @@ def test_a_large_model_is_pulled_not_subscribed_to():
         for rnd in (1, 1, 2, 3):
             t.round = rnd
             assert (await net.pull("p", min_round=rnd)).round == rnd
-        assert t.pulls == 3 and not net._watches  # (the second round-1 pull was a cache hit)
+        assert t.pulls == 3 and not net.subscriptions._watches  # (the second round-1 pull was a cache hit)
         await net.close()
     asyncio.run(go())
 
@@ -141,7 +141,7 @@ def test_a_broken_subscription_wakes_its_waiting_pull():
         await net.pull("p", min_round=2)
         await asyncio.wait_for(_until(lambda: t.watches), 2)
         waiting = asyncio.ensure_future(net.pull("p", min_round=3, wait_s=5.0))
-        await asyncio.wait_for(_until(lambda: "p" in net._watch_news), 2)
+        await asyncio.wait_for(_until(lambda: "p" in net.subscriptions._watch_news), 2)
         t.round = 3
         t.pushed.put_nowait(PeerCallError("unavailable", "connection reset"))
         snap = await asyncio.wait_for(waiting, 2)  # not the whole 5 s: the pull takes over at once

@@ -15,7 +15,7 @@ import torch
 from coterie.node.config import validate_config
 from coterie.node.daemon import Node
 from coterie.node.persistence import StateError
-from nodeproc import wait_for
+from tests.nodeproc import wait_for
 
 FILES = ["identity.json", "ckpt-000002.safetensors", "history.jsonl"]
 FLIPS = [0, 1, 8, 9, 20, 0.25, 0.5, 0.75, -2, -1]
@@ -51,7 +51,7 @@ def _same(a, b) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return a == b or (a != a and b != b)  # NaN == NaN here
 
 

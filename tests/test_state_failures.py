@@ -22,7 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coterie.node.persistence import StateError, StateStore
-from nodeproc import NodeProc, node_certs, tiny_learner, wait_for
+from tests.nodeproc import NodeProc, node_certs, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 

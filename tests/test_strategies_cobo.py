@@ -11,7 +11,7 @@ import torch
 from coterie.node.learning.learner import Params
 from coterie.node.strategies import common as C
 from coterie.node.strategies.cobo import COBO, cobo_direction, cobo_model_step, cobo_pair_update
-from strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
+from tests.strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
 
 torch.set_num_threads(1)
 

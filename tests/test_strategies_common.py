@@ -121,7 +121,7 @@ def test_normalised_encoder_gives_averaged_cosine_logits():
     assert lg[0].item() == pytest.approx(1.0, abs=1e-5) and torch.all(lg.abs() <= 1 + 1e-5)
     # reference: average of per-filter cosines of tanh(E_l(filter))
     cos = []
-    for (name, ru), (_, ro), mlp in zip(C.layer_filters(u), C.layer_filters(o), enc.mlps):
+    for (_, ru), (_, ro), mlp in zip(C.layer_filters(u), C.layer_filters(o), enc.mlps, strict=True):
         eu, eo = torch.tanh(mlp(ru)), torch.tanh(mlp(ro))
         cos.append(torch.nn.functional.cosine_similarity(eu, eo, dim=1))
     assert lg[1].item() == pytest.approx(torch.cat(cos).mean().item(), abs=1e-5)
@@ -142,7 +142,7 @@ def test_layer_normalised_encoder_sums_per_layer_cosines():
     lg = C.attention_logits(enc, u, [o, {k: 100 * v for k, v in u.items()}]).detach()
     assert lg[0].item() == pytest.approx(2.0, abs=1e-5)
     cos = 0.0
-    for (_, ru), (_, ro), mlp in zip(C.layer_filters(u), C.layer_filters(o), enc.mlps):
+    for (_, ru), (_, ro), mlp in zip(C.layer_filters(u), C.layer_filters(o), enc.mlps, strict=True):
         eu, eo = torch.tanh(mlp(ru)).reshape(-1), torch.tanh(mlp(ro)).reshape(-1)
         cos += torch.nn.functional.cosine_similarity(eu, eo, dim=0).item()
     assert lg[1].item() == pytest.approx(cos, abs=1e-5)

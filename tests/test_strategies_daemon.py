@@ -12,8 +12,8 @@ import pytest
 from coterie.node.config import validate_config
 from coterie.node.daemon import Node
 from coterie.node.strategies.registry import available
-from nodeproc import node_certs
-from transports import TRANSPORTS, NodeMaker
+from tests.nodeproc import node_certs
+from tests.transports import TRANSPORTS, NodeMaker
 
 N, CLUSTERS = 4, 2
 CHANCE = (N // CLUSTERS - 1) / (N - 1)  # in-cluster share of uniform weights: 1/3
@@ -152,7 +152,7 @@ def test_cobo_pair_updates_cross_the_wire_and_stay_symmetric(tmp_path, transport
 @pytest.mark.slow
 def test_dpsgd_uses_every_peer_and_local_none(tmp_path, transport):
     results = asyncio.run(_network(tmp_path / "d", "dpsgd", transport=transport))
-    for nid, _, w, _, _ in results:
+    for _, _, w, _, _ in results:
         assert len(w) == N and all(abs(v - 1 / N) < 1e-9 for v in w.values())
     results = asyncio.run(_network(tmp_path / "l", "local", transport=transport))
     for nid, _, w, hist, _ in results:

@@ -10,7 +10,7 @@ import torch
 
 from coterie.node.strategies.base import PushedGradient
 from coterie.node.strategies.federico import FedeRiCo, federico_combine, federico_ema, federico_mix, federico_weights
-from strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
+from tests.strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
 
 torch.set_num_threads(1)
 

@@ -8,7 +8,7 @@ import torch
 
 from coterie.node.strategies import common as C
 from coterie.node.strategies.fedfomo import FedFomo, fomo_affinity, fomo_deltas, fomo_update, fomo_weights
-from strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
+from tests.strategy_harness import build_network, in_cluster_mass, msgpack_roundtrip_state, run_rounds
 
 torch.set_num_threads(1)
 
@@ -136,3 +136,82 @@ def test_in_process_network_finds_clusters_and_resumes():
     s2.load_state_dict(st)
     assert s2.public_state() == s.public_state()
     assert s2.rng.random() == s.rng.random()
+
+
+def test_early_stop_trains_on_instead_of_replaying_the_rejected_steps():
+    """Issue 33: a node whose own training keeps failing the validation check (here the
+    validation labels disagree with the training labels) keeps θ_base every round. Restarting
+    local training from θ_base replayed the rejected steps, so the node never got past its first
+    round's training; with ``early_stop = "continue"`` its training accumulates (train loss keeps
+    falling) while θ_base stays the reference every update compares against."""
+    def run(mode: str) -> tuple[list[bool], list[float]]:
+        hub = build_network(FedFomo, {"early_stop": mode}, num_nodes=1, num_clusters=1)
+        lrn = hub.nodes["n0"].learner
+        x, y = lrn.data["train"]
+        lrn.data["val"] = (x, (y + 1) % 4)  # what training fits, validation calls wrong
+        kept, train_loss = [], []
+        for r in range(1, 9):
+            rep = asyncio.run(hub.nodes["n0"].strategy.run_round(r))
+            hub.publish("n0", r)
+            kept.append(rep.info["kept_base"])
+            train_loss.append(lrn.loss(None, "train").loss)
+        return kept, train_loss
+
+    kept, loss = run("continue")
+    assert all(kept)  # every update was an early stop ...
+    assert loss[-1] < 0.7 * loss[0]  # ... and local training still made progress
+    kept, loss = run("restore")  # the paper as printed: each round restarts from θ⁰
+    assert all(kept) and loss[-1] > 0.9 * loss[0]
+
+
+def test_early_stop_choice_is_checked():
+    with pytest.raises(ValueError, match="early_stop"):
+        build_network(FedFomo, {"early_stop": "rewind"}, num_nodes=1, num_clusters=1)
+
+
+def _sine_network(strategy: str, params: dict | None, seed: int = 2, nodes: int = 8):
+    """The regression network of issue 33: 8 nodes on successive intervals of a sine curve, 24–40
+    samples each (≤ 16 training samples: every local step is a full batch), a small MLP, SGD."""
+    from coterie.node.learning.config import LearnerConfig
+    from coterie.node.learning.datasets import load_pool
+    from coterie.node.learning.partition import node_data, partition
+    from coterie.node.learning.torch_learner import TorchLearner
+    from coterie.node.strategies.registry import get_strategy
+    from tests.strategy_harness import Hub, InProcessNetwork, Node
+
+    base = LearnerConfig(dataset="sine", dataset_params={"num_samples": 4000, "noise": 0.1},
+                         partition="sine_intervals",
+                         partition_params={"samples_per_node": [24, 40], "num_intervals": nodes},
+                         model="mlp", model_params={"hidden": [32, 32]}, optimizer="sgd", lr=0.1,
+                         batch_size=16, local_steps=10, num_nodes=nodes, data_seed=seed, init_seed=seed,
+                         device="cpu")
+    pool = load_pool(base.dataset, base.dataset_params, base.data_seed)
+    shards = partition(pool, base)
+    hub = Hub()
+    for i in range(nodes):
+        cfg = base.model_copy(update={"node_index": i})
+        hub.nodes[f"n{i}"] = Node(f"n{i}", int(shards[i].cluster),
+                                  TorchLearner(cfg, pool=pool, data=node_data(pool, cfg, shards)))
+    for i, (nid, node) in enumerate(hub.nodes.items()):
+        node.strategy = get_strategy(strategy)(nid, node.learner, InProcessNetwork(hub, nid), params, seed=seed + i)
+        hub.publish(nid, 0)
+    return hub
+
+
+def test_sine_regression_nodes_do_not_freeze_after_an_early_stop():
+    """Issue 33 item 2, on the network that showed it: with the restart from θ_base a node whose
+    ten full-batch steps overshot once was rejected, retrained to the identical model and
+    published it for the rest of the run (n1 of this seed, barrier-synchronous rounds: ×60 its
+    local-only MSE by round 30 with all its weight on itself). Here (sequential rounds, round 25)
+    the restart ends at 1.4–2.9× local's MSE on five of eight nodes and fails the mean bound;
+    training on after an early stop keeps the mean within it (measured ≈ 1.03×)."""
+    rounds = 25
+    fomo, local = _sine_network("fedfomo", {}), _sine_network("local", {})
+    asyncio.run(run_rounds(fomo, rounds))
+    asyncio.run(run_rounds(local, rounds))
+    mse = {nid: n.strategy.evaluate()["test_loss"] for nid, n in fomo.nodes.items()}
+    alone = {nid: n.strategy.evaluate()["test_loss"] for nid, n in local.nodes.items()}
+    ratio = {nid: round(mse[nid] / alone[nid], 2) for nid in mse}
+    print("fedfomo/local test MSE per node", ratio)
+    assert sum(mse.values()) <= 1.25 * sum(alone.values()), (mse, alone)
+    assert max(ratio.values()) <= 5.0, ratio

@@ -10,7 +10,7 @@ import torch
 
 from coterie.node.strategies import common as C
 from coterie.node.strategies.l2c import L2C, MetaL2C, l2c_alpha_grad
-from strategy_harness import (assert_encoder_resumes, build_network, in_cluster_mass,
+from tests.strategy_harness import (assert_encoder_resumes, build_network, in_cluster_mass,
                               msgpack_roundtrip_state, run_free, run_rounds)
 
 torch.set_num_threads(1)
@@ -18,7 +18,7 @@ torch.set_num_threads(1)
 
 def _val_loss_of_alpha(learner, theta, deltas, alpha):
     w = C.softmax(alpha)
-    return learner.loss(C.mix_updates(theta, list(zip(w.tolist(), deltas))), "val").loss
+    return learner.loss(C.mix_updates(theta, list(zip(w.tolist(), deltas, strict=True))), "val").loss
 
 
 def test_alpha_gradient_matches_finite_differences():
@@ -33,7 +33,7 @@ def test_alpha_gradient_matches_finite_differences():
     learner.data = {k: (x.double(), y) for k, (x, y) in learner.data.items()}  # float64 for clean FD
     alpha = np.array([0.3, -0.2, 0.1, 0.5])
     w = C.softmax(alpha)
-    g, _ = learner.gradient(C.mix_updates(theta, list(zip(w.tolist(), deltas))), "val", None)
+    g, _ = learner.gradient(C.mix_updates(theta, list(zip(w.tolist(), deltas, strict=True))), "val", None)
     ana = l2c_alpha_grad(alpha, g, deltas)
     h = 1e-5
     fd = np.array([(_val_loss_of_alpha(learner, theta, deltas, alpha + h * e)
@@ -108,7 +108,7 @@ def test_l2c_in_process_network_prunes_at_T0_and_resumes():
     asyncio.run(run_rounds(hub, 2, start=10))
     mass, per_node, _ = in_cluster_mass(hub)
     assert mass > 0.9, per_node
-    for nid, node in hub.nodes.items():  # T0 = 10: 90% of 5 peers dropped, one kept, in-cluster
+    for node in hub.nodes.values():  # T0 = 10: 90% of 5 peers dropped, one kept, in-cluster
         (kept,) = node.strategy._kept
         assert hub.nodes[kept].cluster == node.cluster
     before = hub.calls["pull"]

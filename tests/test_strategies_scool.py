@@ -13,7 +13,7 @@ from coterie.node.strategies.scool import (SCoolAttention, SCoolSBM, attention_e
                                            estimate_num_blocks, evidence_matrix, row_with_self, sbm_alpha_mstep, sbm_B_mstep, sbm_estep_node,
                                            sbm_node_stats, sbm_self_weight)
 from coterie.node.persistence import pack_state, unpack_state
-from strategy_harness import (assert_encoder_resumes, build_network, in_cluster_mass,
+from tests.strategy_harness import (assert_encoder_resumes, build_network, in_cluster_mass,
                               msgpack_roundtrip_state, run_rounds)
 
 torch.set_num_threads(1)
@@ -183,7 +183,7 @@ def test_sbm_in_process_network_prunes_to_cluster_and_resumes():
     asyncio.run(run_rounds(hub, 12))
     mass, per_node, chance = in_cluster_mass(hub)
     assert mass > 0.8 and min(per_node) > chance, per_node
-    for nid, node in hub.nodes.items():  # pruned after round 10 to the top 20% = 1 peer, in-cluster
+    for node in hub.nodes.values():  # pruned after round 10 to the top 20% = 1 peer, in-cluster
         (kept,) = node.strategy._kept
         assert hub.nodes[kept].cluster == node.cluster
     calls = dict(hub.calls)
@@ -281,7 +281,7 @@ def test_attention_row_is_the_eq29_softmax_over_self_and_peers():
     logp = np.log([st["attention"][k] for k in ids])
     ref = np.exp(y / 9.0 + logp)
     ref /= ref.sum()
-    assert s.weights() == pytest.approx(dict(zip(ids, ref.tolist())), rel=1e-4)
+    assert s.weights() == pytest.approx(dict(zip(ids, ref.tolist(), strict=True)), rel=1e-4)
     assert len(ids) == 6 and sum(s.weights().values()) == pytest.approx(1.0)
 
 
@@ -311,7 +311,7 @@ def test_attention_prunes_to_its_cluster():
     asyncio.run(run_rounds(hub, 12))
     mass, per_node, _ = in_cluster_mass(hub)
     assert mass > 0.95, per_node
-    for nid, node in hub.nodes.items():
+    for node in hub.nodes.values():
         (kept,) = node.strategy._kept
         assert hub.nodes[kept].cluster == node.cluster
 

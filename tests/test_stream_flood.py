@@ -14,7 +14,7 @@ import pytest
 
 from coterie.node.peering.errors import PeerCallError
 from coterie.node.peering.messages import CROSS_GRADIENT, ComputeRequest
-from nodeproc import CertifiedPeer, NodeProc, tiny_learner
+from tests.nodeproc import CertifiedPeer, NodeProc, tiny_learner
 
 pytestmark = pytest.mark.slow
 STREAMS = 100

@@ -16,7 +16,7 @@ from coterie.node.daemon import Node
 from coterie.node.metrics import Metrics
 from coterie.node.peering.traffic import TrafficStats
 from coterie.node.transport.inproc import InProcNetwork
-from nodeproc import tiny_learner
+from tests.nodeproc import tiny_learner
 
 pytestmark = pytest.mark.slow
 EARLY, LATE = 3, 2  # nodes that finish first; nodes that start after them and pull their models
@@ -71,7 +71,7 @@ def test_run_totals_add_up_when_nodes_pull_from_finished_ones(tmp_path):
         return statuses, histories
 
     statuses, histories = asyncio.run(go())
-    results = [node_results(h, s) for h, s in zip(histories, statuses)]
+    results = [node_results(h, s) for h, s in zip(histories, statuses, strict=True)]
     assert all(len(h) == 2 for h in histories)
     # the scenario happened: the late nodes pulled models the early ones served after their last round
     late_pulled = sum(r["bytes_received"].get("snapshot", 0) for r in results[EARLY:])

@@ -66,8 +66,8 @@ def ceiling(noise: float, points: int, reps: int, rng: np.random.Generator, test
     n = reps * NODES
     return {"noise": noise, "points_per_client": points, "train_points": ntr, "clients_scored": n,
             "local_ls_test_mse": float(np.mean(local_mse)),
-            "mixture_beats_local": {str(w): float(c / n) for w, c in zip(MIX_W, mix)},
-            "pooled_beats_local": {str(lam): float(c / n) for lam, c in zip(POOL_L, pool)},
+            "mixture_beats_local": {str(w): float(c / n) for w, c in zip(MIX_W, mix, strict=True)},
+            "pooled_beats_local": {str(lam): float(c / n) for lam, c in zip(POOL_L, pool, strict=True)},
             "best_share": float(max(mix.max(), pool.max()) / n)}
 
 

@@ -132,7 +132,7 @@ class LiveView:
 
     def update(self, progress: Sequence[NodeProgress]) -> None:
         if self.per_node:
-            for t, pr in zip(self.tasks, progress):
+            for t, pr in zip(self.tasks, progress, strict=True):
                 self.prog.update(t, completed=min(pr.round, self.rounds), state=pr.state,
                                  acc="–" if pr.acc is None else f"{pr.acc:.3f}")
             return
@@ -158,7 +158,7 @@ def network_done(strategy: str, specs: Sequence[NodeSpec], progress: Sequence[No
 def check_deadline(strategy: str, specs: Sequence[NodeSpec], progress: Sequence[NodeProgress],
                    deadline: float, timeout_s: float) -> None:
     if time.monotonic() > deadline:
-        behind = [f"{s.node_id}@{p.round}" for s, p in zip(specs, progress) if not p.done]
+        behind = [f"{s.node_id}@{p.round}" for s, p in zip(specs, progress, strict=True) if not p.done]
         more = f" and {len(behind) - 20} more" if len(behind) > 20 else ""
         raise LauncherError(f"{strategy}: timed out after {timeout_s:.0f}s; not done: "
                             f"{', '.join(behind[:20])}{more}")
@@ -178,7 +178,7 @@ def collect(strategy: str, specs: Sequence[NodeSpec], rounds: int, wall_s: float
     short = [f"{s.node_id} has {len(histories[s.node_id])}/{rounds} rounds in history.jsonl"
              for s in specs if len(histories[s.node_id]) < rounds]
     return StrategyRun(strategy, list(specs), wall_s, histories, info,
-                       {s.node_id: p.status for s, p in zip(specs, progress)}, notes=short)
+                       {s.node_id: p.status for s, p in zip(specs, progress, strict=True)}, notes=short)
 
 
 def check_data(sc: Scenario) -> list[str]:

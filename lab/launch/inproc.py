@@ -114,7 +114,7 @@ async def _start_batch(node_cls: Any, switchboard: Any, batch: list[NodeSpec], n
         nodes.append(node)
         group.append((spec, node))
     started = await asyncio.gather(*(node.start() for _, node in group), return_exceptions=True)
-    for (spec, _), r in zip(group, started):
+    for (spec, _), r in zip(group, started, strict=True):
         if isinstance(r, (OSError, ValueError, RuntimeError)):
             raise LauncherError(f"node {spec.node_id} could not start: {type(r).__name__}: {r}") from r
         if isinstance(r, BaseException):
@@ -144,7 +144,7 @@ async def _run(sc: Scenario, strategy: str, specs: list[NodeSpec], progress: lis
             await _start_batch(Node, switchboard, specs[lo:lo + START_BATCH], nodes)
         deadline = time.monotonic() + sc.timeout_s
         while True:
-            for spec, node, pr in zip(specs, nodes, progress):
+            for spec, node, pr in zip(specs, nodes, progress, strict=True):
                 if not node.healthy():
                     task = node._round_task
                     why = repr(task.exception()) if task is not None and task.done() and not task.cancelled() else "?"
@@ -154,7 +154,7 @@ async def _run(sc: Scenario, strategy: str, specs: list[NodeSpec], progress: lis
             if network_done(strategy, specs, progress, view, deadline, sc.timeout_s):
                 break
             await asyncio.sleep(poll_interval_s)
-        for node, pr in zip(nodes, progress):
+        for node, pr in zip(nodes, progress, strict=True):
             pr.update(node.status())
     finally:
         # a batch at a time, together: one by one, 1,000 nodes took minutes to stop while the rest

@@ -283,7 +283,7 @@ class Network:
                 return None
 
         statuses = list(pool.map(one, self.specs, self.procs))
-        for spec, proc, st, pr in zip(self.specs, self.procs, statuses, progress):
+        for spec, proc, st, pr in zip(self.specs, self.procs, statuses, progress, strict=True):
             if st is not None:
                 pr.update(st)
             rc = proc.poll()

@@ -229,7 +229,7 @@ class NodeGroup:
         host = f"[{ip}]" if ":" in ip else ip
         switchboard = InProcNetwork()
         mine: dict[int, str] = {}
-        for cfg, b in zip(self.configs, self.bootstraps):
+        for cfg, b in zip(self.configs, self.bootstraps, strict=True):
             index = cfg.learner.node_index
             peer = None if b is None else mine.get(b, addresses.get(b))
             if b is not None and peer is None:
@@ -264,7 +264,7 @@ class NodeGroup:
         statuses = [node.status() for node in self.nodes]
         await self.stop()
         out = {}
-        for node, status, t in zip(self.nodes, statuses, self.transports):
+        for node, status, t in zip(self.nodes, statuses, self.transports, strict=True):
             state = Path(node.cfg.state_dir)
             try:
                 info = json.loads((state / "node.json").read_text())
@@ -343,14 +343,14 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
     try:
         where = _get(ray, [a.warm.remote() for a in actors], "starting the groups", left())
         addresses: dict[int, str] = {}
-        for g, actor in zip(placement, actors):
+        for g, actor in zip(placement, actors, strict=True):
             addresses.update(_get(ray, actor.start.remote(addresses), f"starting group {g.index}", left()))
         if view:
             view.__enter__()
         while True:
             reports = _get(ray, [a.progress.remote() for a in actors], "polling the groups", left())
-            for g, report in zip(placement, reports):
-                for i, r in zip(g.nodes, report):
+            for g, report in zip(placement, reports, strict=True):
+                for i, r in zip(g.nodes, report, strict=True):
                     if r["died"]:
                         raise LauncherError(f"node {specs[i].node_id} (group {g.index}): {r['died']} at round "
                                             f"{r['round']}/{sc.rounds}; see {specs[i].log_path} on {where[g.index]['host']}")
@@ -371,7 +371,7 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
                 ray.kill(a)
     wall = time.time() - t0
     routes = {}
-    for g, got in zip(placement, done):
+    for g, got in zip(placement, done, strict=True):
         for i in g.nodes:
             node = got["results"][specs[i].node_id]
             _write_back(specs[i], node)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Callable
 
-import torch
 from torch import nn
 
 Factory = Callable[..., nn.Module]
@@ -152,8 +151,3 @@ def build_model(name: str, input_shape, num_classes: int, **model_params) -> nn.
             raise ValueError(f"model {name!r} contains BatchNorm ({type(m).__name__}); use "
                              f"GroupNorm or none: BN statistics cannot be mixed between peers")
     return model
-
-
-def output_dim(model: nn.Module, input_shape) -> int:
-    with torch.no_grad():
-        return int(model(torch.zeros(1, *input_shape)).shape[-1])

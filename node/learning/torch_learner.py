@@ -291,7 +291,7 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
                 grads = torch.autograd.grad(loss, [p[n] for n in self._names])
             acc = (float((out.argmax(1) == y).float().mean())
                    if self.task == "classification" else None)
-        g = {n: t.detach().to("cpu", torch.float32) for n, t in zip(self._names, grads)}
+        g = {n: t.detach().to("cpu", torch.float32) for n, t in zip(self._names, grads, strict=True)}
         return g, EvalResult(loss=float(loss.detach()), n=len(y), accuracy=acc)
 
 

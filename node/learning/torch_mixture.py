@@ -46,7 +46,7 @@ class MixtureEval:
             for i in range(0, n, _EVAL_BATCH):
                 xb, yb = x[i:i + _EVAL_BATCH], y[i:i + _EVAL_BATCH]
                 mix: torch.Tensor | None = None
-                for wj, pj in zip(w, ps):
+                for wj, pj in zip(w, ps, strict=True):
                     if wj == 0:
                         continue
                     out = functional_call(self._shadow, pj, (self._x(xb),))

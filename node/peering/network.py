@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any, Callable
 
 from ..offload import OFF_LOOP_BYTES
 from ..privacy.mechanisms import PrivateData
@@ -35,6 +36,7 @@ from .interfaces import PeerTransport
 from .messages import LocalSnapshot, SnapshotHeader
 from .peer_table import ALIVE, DEAD, SUSPECT, PeerTable
 from .problems import ProblemLog
+from .releases import PeerReleases, is_privacy_refusal
 from .requests import PeerRequests
 from .snapshots import SnapshotCache
 from .subscriptions import Subscriptions
@@ -59,6 +61,7 @@ class NodeNetwork(PeerRequests):
         self.spec = spec
         self.problems = problems
         self.private = private  # my own gradients leave through it too
+        self.releases = PeerReleases()  # what peers released to me (releases.py)
         self.labels = labels
         self.request_timeout_s = request_timeout_s
         self.deadlines = deadlines or Deadlines(request_timeout_s)
@@ -72,10 +75,7 @@ class NodeNetwork(PeerRequests):
         self.discovery_above = 0
 
     # --- deadlines (calls.py) ---
-    def exchange_budget(self) -> float:
-        return self.calls.exchange_budget()
-
-    def exchange_phase(self) -> ContextManager[Phase]:
+    def exchange_phase(self) -> AbstractContextManager[Phase]:
         """Around a round: its peer calls share one deadline, counted from the first call."""
         return self.calls.exchange_phase()
 
@@ -83,18 +83,6 @@ class NodeNetwork(PeerRequests):
         if new in (SUSPECT, DEAD):  # abandon what is in flight to it: the round goes on without it
             self.calls.abandon(node_id)
             self.subscriptions.end(node_id)
-
-    @property
-    def _phases(self):  # (recent exchange phases, as tests read them)
-        return self.calls._phases
-
-    @property
-    def _watches(self) -> dict[str, asyncio.Task]:
-        return self.subscriptions._watches
-
-    @property
-    def _watch_news(self) -> dict[str, asyncio.Event]:
-        return self.subscriptions._watch_news
 
     async def _validated(self, peer: str, header: SnapshotHeader, groups: Groups) -> PeerSnapshot:
         """A received snapshot of ``peer``, once its architecture and finiteness are checked (a
@@ -171,6 +159,8 @@ class NodeNetwork(PeerRequests):
 
     def _failed(self, what: str, peer: str, err: Exception) -> None:
         rejected = isinstance(err, WireError)
+        if what.startswith("cross-") and is_privacy_refusal(str(err)):
+            self.releases.refused(peer, str(err))
         log.warning("%s %s with %s: %s", what, "refused" if rejected else "failed", peer, err)
         self.problems.note(peer, f"{what}: {err}", rejected=rejected)
 

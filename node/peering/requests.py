@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .interfaces import PeerTransport
     from .messages import LocalSnapshot
     from .problems import ProblemLog
+    from .releases import PeerReleases
     from .validation import Spec
 
 log = logging.getLogger("coterie.node.network")
@@ -48,6 +49,7 @@ class PeerRequests:
     spec: Spec
     problems: ProblemLog
     private: PrivateData
+    releases: PeerReleases
     if TYPE_CHECKING:
         def _address(self, peer: str) -> str | None: ...
         def _failed(self, what: str, peer: str, err: Exception) -> None: ...
@@ -101,7 +103,10 @@ class PeerRequests:
         except (PeerCallError, WireError) as e:
             self._failed("cross-loss", peer, e)
             return None
-        return None if reply is None else (reply.loss, int(reply.samples))
+        if reply is None:
+            return None
+        self.releases.answered(peer)
+        return reply.loss, int(reply.samples)
 
     async def cross_gradient(self, peer: str, params: Params | None = None, *, purpose: str,
                              split: str | None = None, max_samples: int | None = None,
@@ -117,6 +122,7 @@ class PeerRequests:
             reply = await self._compute(peer, req)
             if reply is None:
                 return None
+            self.releases.answered(peer)
             if align_with is not None:
                 return GradientReply(None, reply.loss, int(reply.samples), reply.inner_product)
             check = (reply.grad or {}, "grad", self.spec, f"gradient from {peer}")

@@ -27,7 +27,7 @@ def snapshot_groups(groups: Groups, spec: Spec, what: str) -> tuple[Params, dict
     shapes, all finite. Returns (params, {name: tensors})."""
     params = model_tensors(groups, "params", spec, what)
     extras: dict[str, Params] = {}
-    for key, tensors in groups.items():
+    for key in groups:
         if key == "params":
             continue
         if not key.startswith("x:"):

@@ -40,21 +40,45 @@ def warm() -> None:
     _rdp()
 
 
+def orders() -> tuple[float, ...]:
+    """The RDP orders ε is computed over (opacus' defaults)."""
+    return tuple(float(a) for a in _rdp()[1])  # floats: a ledger's fold reads back as it was written
+
+
 @functools.lru_cache(maxsize=4096)
-def _one_step(sigma: float, q: float) -> np.ndarray:
-    rdp, orders = _rdp()
-    return np.asarray(rdp.compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=orders), dtype=float)
+def _one_step(sigma: float, q: float, at: tuple[float, ...] | None = None) -> np.ndarray:
+    rdp, default = _rdp()
+    return np.asarray(rdp.compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(at or default)),
+                      dtype=float)
 
 
-def epsilon(steps: Steps, delta: float) -> float:
-    """ε at ``delta`` of all ``steps`` composed (RDP, opacus' default orders)."""
+def rdp_of(steps: Steps, at: tuple[float, ...]) -> np.ndarray:
+    """The RDP of all ``steps`` composed, at the orders ``at`` (inf where a step has no noise)."""
+    total = np.zeros(len(at))
+    for s, q, n in steps:
+        if n > 0:
+            one = _one_step(float(s), float(q), None if at == orders() else at)  # one cache entry per (σ, q)
+            total = total + (np.full(len(at), math.inf) if s <= 0 else n * one)
+    return total
+
+
+def epsilon(steps: Steps, delta: float, folded: tuple[tuple[float, ...], np.ndarray] | None = None) -> float:
+    """ε at ``delta`` of all ``steps`` composed (RDP, opacus' default orders), plus ``folded``: the
+    RDP (orders, values) of steps a ledger compacted — composition adds RDP, so this is exact."""
     history = [(float(s), float(q), int(n)) for s, q, n in steps if n > 0]
-    if not history:
+    if not history and folded is None:
         return 0.0
     if any(s <= 0 for s, _, _ in history):
         return math.inf  # a release without noise: no guarantee at all
-    rdp, orders = _rdp()
-    total = sum(n * _one_step(s, q) for s, q, n in history)
-    eps, _ = rdp.get_privacy_spent(orders=orders, rdp=total, delta=delta)
+    analysis, default = _rdp()
+    if folded is None:
+        total = sum(n * _one_step(s, q) for s, q, n in history)
+        at = tuple(default)
+    else:
+        at = folded[0]
+        total = rdp_of(history, at) + folded[1]
+    if not np.all(np.isfinite(total)):
+        return math.inf
+    eps, _ = analysis.get_privacy_spent(orders=list(at), rdp=total, delta=delta)
     eps = float(eps)
     return eps if math.isfinite(eps) else math.inf

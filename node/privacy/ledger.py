@@ -40,10 +40,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from .. import fsutil
 from . import accountant
 
 FORMAT = "coterie-privacy-ledger/2"
+# an account with folded RDP (``_Account.compact``) is written as /3: a release that does not know
+# folds refuses the file (format) instead of reading the counts alone and under-counting
+FORMAT_FOLDED = "coterie-privacy-ledger/3"
 _OLD_FORMATS = ("coterie-privacy-ledger/1",)  # before the checksum: read once, rewritten as /2
 FILE = "privacy-ledger.json"
 
@@ -74,36 +79,81 @@ class _Bucket:
         self.tokens, self.at = burst, now
 
 
+MAX_STEPS = 64  # distinct (σ, q) an account keeps counts of; the rest folded into its RDP
+
+
 @dataclass
 class _Account:
+    """Releases as a count per (σ, q) — RDP of identical releases composes as a count — plus, once
+    more than ``MAX_STEPS`` distinct (σ, q) were seen (a peer asking for ever other batch sizes),
+    the least used folded into their summed RDP per order (``folded``: orders, values): RDP
+    composes by addition, so ε over the fold is the ε over the releases it replaced."""
     steps: dict[tuple[float, float], int] = field(default_factory=dict)
     releases: int = 0
     purposes: dict[str, int] = field(default_factory=dict)
     epsilon: float = 0.0
+    folded: tuple[tuple[float, ...], np.ndarray] | None = None
+    folded_releases: int = 0
 
     def history(self) -> list[tuple[float, float, int]]:
         return [(s, q, n) for (s, q), n in self.steps.items()]
 
-    def with_step(self, sigma: float, q: float) -> list[tuple[float, float, int]]:
-        """The history as it would be after one more release at (σ, q)."""
+    def eps(self, delta: float, step: tuple[float, float] | None = None, scale: int = 1) -> float:
+        """ε of this account (after one more release at ``step``), its releases ``scale`` times."""
         steps = dict(self.steps)
-        steps[(sigma, q)] = steps.get((sigma, q), 0) + 1
-        return [(s, r, n) for (s, r), n in steps.items()]
+        if step is not None:
+            steps[step] = steps.get(step, 0) + 1
+        folded = None if self.folded is None else (self.folded[0], self.folded[1] * scale)
+        return accountant.epsilon([(s, q, n * scale) for (s, q), n in steps.items()], delta, folded)
+
+    def rdp(self, at: tuple[float, ...]) -> np.ndarray:
+        """The account's RDP at the orders ``at`` (those of its fold, if any)."""
+        return accountant.rdp_of(self.history(), at) + (0.0 if self.folded is None else self.folded[1])
 
     def covers(self, other: "_Account") -> bool:
-        """Whether this account records at least every release ``other`` does."""
-        return (self.releases >= other.releases
-                and all(self.steps.get(k, 0) >= n for k, n in other.steps.items()))
+        """Whether this account records at least every release ``other`` does: count for count
+        while neither is folded, else at least its releases and its RDP at every order."""
+        if self.releases < other.releases:
+            return False
+        if self.folded is None and other.folded is None:
+            return all(self.steps.get(k, 0) >= n for k, n in other.steps.items())
+        at = (self.folded or other.folded)[0]  # type: ignore[index]
+        if other.folded is not None and other.folded[0] != at:
+            return False  # folded over other orders (another opacus): not comparable, not trusted
+        mine, theirs = self.rdp(at), other.rdp(at)
+        return bool(np.all(mine >= theirs - 1e-9 * np.abs(theirs)))
 
     def add(self, sigma: float, q: float, purpose: str, eps: float) -> None:
         self.steps[(sigma, q)] = self.steps.get((sigma, q), 0) + 1
         self.releases += 1
         self.purposes[purpose] = self.purposes.get(purpose, 0) + 1
         self.epsilon = eps
+        if len(self.steps) > MAX_STEPS:
+            self.compact(MAX_STEPS // 2)
+
+    def compact(self, keep: int) -> None:
+        """Fold all but the ``keep`` most used (σ, q) into the RDP fold (ε unchanged)."""
+        ranked = sorted(self.steps.items(), key=lambda kv: (-kv[1], kv[0]))
+        out = ranked[keep:]
+        if not out:
+            return
+        at = self.folded[0] if self.folded is not None else accountant.orders()
+        add = accountant.rdp_of([(s, q, n) for (s, q), n in out], at)
+        self.folded = (at, add if self.folded is None else self.folded[1] + add)
+        self.folded_releases += sum(n for _, n in out)
+        self.steps = dict(ranked[:keep])
+
+    def copy(self) -> "_Account":
+        return _Account(dict(self.steps), self.releases, dict(self.purposes), self.epsilon, self.folded,
+                        self.folded_releases)
 
     def to_json(self) -> dict[str, Any]:
-        return {"releases": self.releases, "purposes": dict(self.purposes),
-                "steps": [[s, q, n] for (s, q), n in sorted(self.steps.items())]}
+        out: dict[str, Any] = {"releases": self.releases, "purposes": dict(self.purposes),
+                               "steps": [[s, q, n] for (s, q), n in sorted(self.steps.items())]}
+        if self.folded is not None:
+            out["folded"] = {"orders": list(self.folded[0]), "rdp": [float(x) for x in self.folded[1]],
+                             "releases": self.folded_releases}
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "_Account":
@@ -113,7 +163,17 @@ class _Account:
             if not (s >= 0 and 0 < q <= 1 and n >= 0):
                 raise ValueError(f"bad step {[s, q, n]}")
             steps[(s, q)] = steps.get((s, q), 0) + n
-        return cls(steps, int(d["releases"]), {str(k): int(v) for k, v in d.get("purposes", {}).items()})
+        acc = cls(steps, int(d["releases"]), {str(k): int(v) for k, v in d.get("purposes", {}).items()})
+        if d.get("folded") is not None:
+            f = d["folded"]
+            at, values = tuple(float(x) for x in f["orders"]), np.asarray([float(x) for x in f["rdp"]])
+            if len(at) != len(values) or not len(at) or np.any(values < 0) or np.any(np.isnan(values)):
+                raise ValueError("bad folded RDP")
+            acc.folded, acc.folded_releases = (at, values), int(f["releases"])
+        if acc.releases != sum(steps.values()) + acc.folded_releases:  # every release is a step
+            raise ValueError(f"{acc.releases} releases, but its steps and fold count "
+                             f"{sum(steps.values()) + acc.folded_releases}")
+        return acc
 
 
 class PrivacyLedger:
@@ -146,11 +206,11 @@ class PrivacyLedger:
             if not isinstance(data, dict):
                 raise ValueError("not a JSON object")
             fmt = data.get("format")
-            if fmt == FORMAT and checksummed:
+            if fmt in (FORMAT, FORMAT_FOLDED) and checksummed:
                 body = {k: v for k, v in data.items() if k != "sha256"}
                 if data.get("sha256") != _checksum(body):
                     raise ValueError("checksum mismatch: the file changed after it was written")
-            elif fmt != FORMAT and fmt not in _OLD_FORMATS:
+            elif fmt not in (FORMAT, FORMAT_FOLDED) and fmt not in _OLD_FORMATS:
                 raise ValueError(f"format {fmt!r}, expected {FORMAT!r}")
             total = _Account.from_json(data["total"])
             peers = {str(k): _Account.from_json(v) for k, v in data["peers"].items()}
@@ -161,10 +221,11 @@ class PrivacyLedger:
 
     def _recompute(self) -> None:
         for acc in [self.total, *self.peers.values()]:
-            acc.epsilon = accountant.epsilon(acc.history(), self.delta)
+            acc.epsilon = acc.eps(self.delta)
 
     def _body(self, total: _Account, peers: dict[str, _Account]) -> dict[str, Any]:
-        return {"format": FORMAT, "total": total.to_json(),
+        folded = any(a.folded is not None for a in [total, *peers.values()])
+        return {"format": FORMAT_FOLDED if folded else FORMAT, "total": total.to_json(),
                 "peers": {k: v.to_json() for k, v in sorted(peers.items())}}
 
     def _save(self) -> None:
@@ -193,10 +254,10 @@ class PrivacyLedger:
         if not self.found:
             if total.releases or any(a.releases for a in peers.values()):
                 problem = (f"{self.path} is missing, but {checkpoint} records {total.releases} releases "
-                           f"of this node's data (ε = {accountant.epsilon(total.history(), self.delta):.3g})")
+                           f"of this node's data (ε = {total.eps(self.delta):.3g})")
         elif not self.total.covers(total):
             problem = (f"{self.path} records {self.total.releases} releases (ε = {self.total.epsilon:.3g}), "
-                       f"fewer than the {total.releases} (ε = {accountant.epsilon(total.history(), self.delta):.3g}) "
+                       f"fewer than the {total.releases} (ε = {total.eps(self.delta):.3g}) "
                        f"{checkpoint} pins: it was rewritten or restored from an older copy")
         else:
             short = sorted(p for p, acc in peers.items() if not self.peers.get(p, _Account()).covers(acc))
@@ -246,8 +307,8 @@ class PrivacyLedger:
         sigma, q = float(noise_multiplier), float(sample_rate)
         with self._lock:
             acc = self.peers.get(peer) or _Account()
-            eps_total = accountant.epsilon(self.total.with_step(sigma, q), self.delta)
-            eps_peer = accountant.epsilon(acc.with_step(sigma, q), self.delta)
+            eps_total = self.total.eps(self.delta, (sigma, q))
+            eps_peer = acc.eps(self.delta, (sigma, q))
             if enforce and eps_total > self.budget:
                 self.refusals += 1
                 self.refusing = True
@@ -260,7 +321,7 @@ class PrivacyLedger:
                                   f"of the per-peer budget {self.peer_budget:.3g} (δ = {self.delta:g})")
             k = self.expected_peers
             if enforce and requested and k > 1 and math.isfinite(self.budget):
-                eps_share = accountant.epsilon([(s, r, n * k) for s, r, n in acc.with_step(sigma, q)], self.delta)
+                eps_share = acc.eps(self.delta, (sigma, q), scale=k)
                 if eps_share > self.budget:
                     self.refusals += 1
                     raise BudgetSpent(f"privacy budget spent: {peer} has had its share of this node's budget "
@@ -271,8 +332,7 @@ class PrivacyLedger:
                 raise ReleaseRateLimited(f"release rate: {peer} asks for more than {self.peer_rate:g} "
                                          f"releases/s (bursts of {self.peer_burst}); ask again later")
             self.refusing = False
-            total, new = _Account(dict(self.total.steps), self.total.releases, dict(self.total.purposes)), \
-                _Account(dict(acc.steps), acc.releases, dict(acc.purposes))
+            total, new = self.total.copy(), acc.copy()
             total.add(sigma, q, purpose, eps_total)
             new.add(sigma, q, purpose, eps_peer)
             old = self.total, self.peers.get(peer)

@@ -80,9 +80,12 @@ class PrivateData:
         return b, n
 
     def _too_few(self, split: str, n: int) -> str:
+        # privacy.enabled = false does not lift it: an exact answer over a handful of samples
+        # gives them away (a one-sample gradient *is* the sample), so the minimum holds either way
         return (f"this node's {split} split holds {n} samples, fewer than privacy.min_batch = "
                 f"{self.cfg.min_batch}: it serves no cross-loss/-gradient and sends no gradient "
-                f"computed on its data")
+                f"computed on its data, with privacy on or off; privacy.min_batch = {n} or lower "
+                f"lifts this (its answers then rest on {n} samples)")
 
     def withheld(self, splits: tuple[Split, ...] = ("train", "val")) -> str | None:
         """Why this node releases nothing computed on its data (too few samples), or None."""

@@ -124,7 +124,7 @@ async def gather_bounded(calls: dict[str, Awaitable[T | None]]) -> dict[str, T]:
     """Run peer calls concurrently; keep the ones that answered (not None, no exception)."""
     keys = list(calls)
     results = await asyncio.gather(*calls.values(), return_exceptions=True)
-    return {k: r for k, r in zip(keys, results) if r is not None and not isinstance(r, BaseException)}
+    return {k: r for k, r in zip(keys, results, strict=True) if r is not None and not isinstance(r, BaseException)}
 
 
 @dataclass

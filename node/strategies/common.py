@@ -244,7 +244,7 @@ class UpdateEncoder(nn.Module):
 
     def forward(self, update: Params) -> torch.Tensor:
         filt = dict(layer_filters(update))
-        parts = [mlp(filt[n].to(torch.float32)) for n, mlp in zip(self.names, self.mlps)]
+        parts = [mlp(filt[n].to(torch.float32)) for n, mlp in zip(self.names, self.mlps, strict=True)]
         if not parts:
             return torch.zeros(0)
         if self.normalise == "filter":

@@ -110,7 +110,7 @@ def federico_weights(L_hat: dict[str, float], temperature: float = 1.0) -> dict[
     """E-step: w_ij = exp(−L̂_ij) / Σ_j' exp(−L̂_ij') over every known node (Alg. 1 l.15)."""
     keys = sorted(L_hat)
     w = C.softmax([-L_hat[k] for k in keys], temperature)
-    return {k: float(v) for k, v in zip(keys, w)}
+    return {k: float(v) for k, v in zip(keys, w, strict=True)}
 
 
 def federico_mix(own: Params, w_self: float, members: list[tuple[float, Params]]) -> Params:

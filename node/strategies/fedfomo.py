@@ -10,6 +10,16 @@ Round at node i (the client loop of §3: download → federated update → train
   P_i,n += δ_n / |Σ_n δ_n|   (signed; paper: p ← p + w, *code* normalises by |Σδ|)
   then local training from the new θ_i; the node publishes the trained model.
 
+Ours, not the paper's: where local training resumes after an early stop (``early_stop``). The
+paper keeps θ_base when my own freshly trained model is worse on validation and no peer helps;
+restarting local training from that θ_base (``"restore"``, the paper as printed) replays the
+rejected steps: exactly when the train split fits one batch (full-batch steps are deterministic),
+nearly so otherwise. On small regressions (24–40 samples, 5 in validation) one noisy rejection
+thus froze a node for the rest of the run, publishing the same rejected model every round
+(issue 33: ×6–26 local-only MSE with ~100% self weight). ``"continue"`` (default) keeps θ_base as
+the reference the next update compares and mixes against, but trains on from the live model, so
+the node is never stuck replaying the steps it just rejected.
+
 Nothing is sent back to the peers (pull-only). ``weights()`` is the w* the last federated update
 actually combined with (eq. 3 / 13; {self: 1} whenever it fell back to θ_base, e.g. when local
 training overfits the validation split), so the row logged in history and results is the one that
@@ -76,7 +86,9 @@ class FedFomo(Strategy):
         "distance": "l1",         # ‖θ_n − θ_base‖ in eq. 3; *code* uses the L1 norm ("l2" available)
         "normalise_affinity": True,  # *code*: P += δ/|Σδ| (paper §3.1: P += w)
         "val_samples": None,      # None = whole validation split (eq. 3 uses L_i on D_i^val, §3.1)
+        "early_stop": "continue",  # ours: train on from the live model after an early stop (module doc)
     }
+    choices = {"distance": ("l1", "l2"), "early_stop": ("continue", "restore")}
 
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
@@ -122,9 +134,10 @@ class FedFomo(Strategy):
         delta = fomo_deltas(base_loss, losses, dists)
         w = fomo_weights(delta)
         new = fomo_update(base, cands, w)
-        self.learner.set_params(new)
-        self._base = C.clone(new)
         kept_base = not any(v > 0 for v in w.values())
+        if not (kept_base and self.p["early_stop"] == "continue"):
+            self.learner.set_params(new)
+        self._base = C.clone(new)
 
         self._P = fomo_affinity(self._P, delta, bool(self.p["normalise_affinity"]))
         self._delta = delta

@@ -107,14 +107,14 @@ class L2C(Strategy):
             self._alpha.setdefault(p, 0.0)
         alpha = np.array([self._alpha[p] for p in ids])
         w = C.softmax(alpha)
-        new = C.mix_updates(theta, list(zip(w.tolist(), deltas)))
+        new = C.mix_updates(theta, list(zip(w.tolist(), deltas, strict=True)))
         self.learner.set_params(new)
         for _ in range(max(1, int(self.p["alpha_steps"]))):
-            theta_next = C.mix_updates(theta, list(zip(C.softmax(alpha).tolist(), deltas)))
+            theta_next = C.mix_updates(theta, list(zip(C.softmax(alpha).tolist(), deltas, strict=True)))
             g, r = await self.compute(self.learner.gradient, theta_next, "val", self.p["val_samples"])
             self._val_loss = r.loss
             grad = l2c_alpha_grad(alpha, g, deltas)
-            self._alpha = C.adam_scalars(self._alpha, dict(zip(ids, grad.tolist())), self._adam,
+            self._alpha = C.adam_scalars(self._alpha, dict(zip(ids, grad.tolist(), strict=True)), self._adam,
                                          float(self.p["lr"]), float(self.p["weight_decay"]))
             alpha = np.array([self._alpha[p] for p in ids])
         return w
@@ -144,7 +144,7 @@ class L2C(Strategy):
             deltas = [self._delta] + [snaps[p].extras["delta"] for p in ids[1:]]
             self._aligned = sum(1 for p in ids[1:] if snaps[p].round == self._delta_round)
             w = await self._weights_and_learn(self._base, ids, deltas, snaps)
-            self._row = {p: float(v) for p, v in zip(ids, w)}
+            self._row = {p: float(v) for p, v in zip(ids, w, strict=True)}
             self._observe_row(ids, w)
             self._t += 1
             if self._kept is None and self._t >= int(self.p["prune_round"]) > 0:
@@ -165,7 +165,7 @@ class L2C(Strategy):
         """L2C: softmax(α) over self and every neighbour seen (kept ones after pruning)."""
         ids = [p for p in self._alpha if p == self.node_id or self._kept is None or p in self._kept]
         w = C.softmax([self._alpha[p] for p in ids])
-        return {p: float(v) for p, v in zip(ids, w)}
+        return {p: float(v) for p, v in zip(ids, w, strict=True)}
 
     def public_state(self) -> dict[str, Any]:
         return {"alpha": dict(self._alpha), "last_row": dict(self._row), "kept": self._kept,
@@ -245,7 +245,7 @@ class MetaL2C(L2C):
 
         C.encoder_fold(self.encoder)  # peers' gossip since my last round, before I use the encoder
         w = await self.compute(weights_now)
-        new = C.mix_updates(theta, list(zip(w.tolist(), deltas)))
+        new = C.mix_updates(theta, list(zip(w.tolist(), deltas, strict=True)))
         self.learner.set_params(new)
         # Alone this round (no usable peer), w = [1] whatever the encoder: eq. 6 has no gradient, and
         # Adam would turn the bare weight decay into lr-sized steps on every parameter (it scales
@@ -257,7 +257,7 @@ class MetaL2C(L2C):
             def step() -> float:
                 lg = logits()
                 wt = torch.softmax(lg, 0)
-                theta_next = C.mix_updates(theta, list(zip(wt.detach().double().tolist(), deltas)))
+                theta_next = C.mix_updates(theta, list(zip(wt.detach().double().tolist(), deltas, strict=True)))
                 g, r = self.learner.gradient(theta_next, "val", self.p["val_samples"])
                 c = torch.as_tensor(l2c_weight_grads(g, deltas), dtype=torch.float32)
                 # Σ_j w_j(φ) · ∂L/∂w_j has the exact gradient dL/dφ (chain rule through eq. 2)
@@ -272,14 +272,14 @@ class MetaL2C(L2C):
         return w
 
     def _observe_row(self, ids: list[str], w: np.ndarray) -> None:
-        for p, v in zip(ids, w):
+        for p, v in zip(ids, w, strict=True):
             if p != self.node_id:
                 self._row_sum[p] = self._row_sum.get(p, 0.0) + float(v)
                 self._row_cnt[p] = self._row_cnt.get(p, 0) + 1
 
     def _prune_scores(self, ids: list[str], w: np.ndarray) -> dict[str, float]:
         if self.p["prune_on"] == "last":
-            return {p: float(v) for p, v in zip(ids, w) if p != self.node_id}
+            return {p: float(v) for p, v in zip(ids, w, strict=True) if p != self.node_id}
         return {p: self._row_sum[p] / self._row_cnt[p] for p in self._row_sum}
 
     def on_gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:

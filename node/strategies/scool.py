@@ -643,10 +643,10 @@ class SCoolAttention(_SCoolBase):
         w, p = await self.compute(attention_estep, self.encoder, self.opt, mine, ups, y, tau,
                                   self.p["encoder_target"])
         ids = [self.node_id] + peers
-        self._p = {k: float(v) for k, v in zip(ids, p)}
-        self._raw.update({k: float(v) for k, v in zip(ids, w)})
+        self._p = {k: float(v) for k, v in zip(ids, p, strict=True)}
+        self._raw.update({k: float(v) for k, v in zip(ids, w, strict=True)})
         # *code*: the mixing row is w_i itself (eq. 29), a softmax over self and the peers
-        self._row = {k: float(v) for k, v in zip(ids, w)}
+        self._row = {k: float(v) for k, v in zip(ids, w, strict=True)}
         # gossip-average the encoder with the peers contacted (*decentral* for the global φ)
         vec = C.vec_to_wire(C.encoder_current(self.encoder))
         replies = await gather_bounded({q: self.net.gossip(q, "encoder", {"vec": vec}) for q in snaps})

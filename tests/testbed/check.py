@@ -478,7 +478,7 @@ def export_and_predict(node: str) -> float:
     check(len(pred) == len(truth) > 0, f"{node}: coterie predict answered every row of {table} ({len(pred)})")
     check(all(r.get("predicted") in FILE_CLASSES for r in pred),
           f"{node}: every prediction names one of the agreed classes")
-    acc = sum(p["predicted"] == t["label"] for p, t in zip(pred, truth)) / len(truth)
+    acc = sum(p["predicted"] == t["label"] for p, t in zip(pred, truth, strict=True)) / len(truth)
     ev = card.get("eval") or {}
     said = ev.get("own_test_acc", ev.get("test_acc"))
     # each table is the node's own test split, so the file must reproduce what the node reported
