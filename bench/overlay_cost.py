@@ -15,6 +15,7 @@ Bytes are counted the same way on both sides: 24 bytes of framing per message pl
 the measured periods / (nodes × periods). Partial views are delivered synchronously (no asyncio
 task per call), full membership through the event loop as the daemon runs it: the partial-view
 CPU leaves out that per-message constant, the bytes do not."""
+
 from __future__ import annotations
 
 import asyncio
@@ -46,7 +47,7 @@ class CountingNet:
         self.nodes: dict[str, Membership] = {}
         self.sent: dict[str, int] = {}
 
-    def transport(self, me: str) -> "CountingTransport":
+    def transport(self, me: str) -> CountingTransport:
         return CountingTransport(self, me)
 
 
@@ -95,8 +96,9 @@ class CountingTransport:
         node = self._node(address)
         self._count(self.me, 24 + sum(len(e.node_id) + len(e.address) + 4 for e in entries) + _update_bytes(members))
         theirs, their_members, inc = self._served(node.on_peer_list, sender, entries, members, incarnation)
-        self._count(node.node_id, 24 + sum(len(e.node_id) + len(e.address) + 4 for e in theirs)
-                    + _update_bytes(their_members))
+        self._count(
+            node.node_id, 24 + sum(len(e.node_id) + len(e.address) + 4 for e in theirs) + _update_bytes(their_members)
+        )
         return theirs, tuple(their_members), inc
 
     async def forget(self, address):
@@ -111,9 +113,18 @@ def full_membership_cost(n: int, periods: int, seed: int = 0) -> dict[str, Any]:
         for i, nid in enumerate(ids):
             info = NodeInfo(nid, 1, "arch", address=f"addr-{i:05d}")
             table = PeerTable(nid, suspect_after_s=5.0, dead_after_s=30.0)
-            m = Membership(lambda info=info: info, lambda: (0, 0), table, net.transport(nid), ProblemLog(),
-                           bootstrap=[], heartbeat_interval_s=PERIOD_S, request_timeout_s=5.0,
-                           rng=random.Random(f"{seed}-{i}"), settings=Settings())
+            m = Membership(
+                lambda info=info: info,
+                lambda: (0, 0),
+                table,
+                net.transport(nid),
+                ProblemLog(),
+                bootstrap=[],
+                heartbeat_interval_s=PERIOD_S,
+                request_timeout_s=5.0,
+                rng=random.Random(f"{seed}-{i}"),
+                settings=Settings(),
+            )
             for j, other in enumerate(ids):  # converged: everyone knows everyone, alive
                 if other != nid:
                     table.upsert(other, f"addr-{j:05d}")
@@ -136,8 +147,13 @@ def full_membership_cost(n: int, periods: int, seed: int = 0) -> dict[str, Any]:
             for t in list(m._tasks):
                 t.cancel()
         await asyncio.sleep(0)
-        return {"cpu_ms": 1000 * cpu / (n * periods), "bytes": sum(net.sent.values()) / (n * periods),
-                "state_entries": state, "push_pull_every": every}
+        return {
+            "cpu_ms": 1000 * cpu / (n * periods),
+            "bytes": sum(net.sent.values()) / (n * periods),
+            "state_entries": state,
+            "push_pull_every": every,
+        }
+
     return asyncio.run(go())
 
 
@@ -153,9 +169,14 @@ def partial_view_cost(n: int, periods: int, seed: int = 0, warmup: int = 10) -> 
         o.round()
     cpu = time.process_time() - cpu0
     s = o.views[ids[0]].s
-    return {"cpu_ms": 1000 * cpu / (n * periods), "bytes": sum(o.sent_bytes.values()) / (n * periods),
-            "state_entries": statistics.median(len(v.active) + len(v.passive) for v in o.views.values()),
-            "active": s.active_size, "passive": s.passive_size, "components": len(o.components())}
+    return {
+        "cpu_ms": 1000 * cpu / (n * periods),
+        "bytes": sum(o.sent_bytes.values()) / (n * periods),
+        "state_entries": statistics.median(len(v.active) + len(v.passive) for v in o.views.values()),
+        "active": s.active_size,
+        "passive": s.passive_size,
+        "components": len(o.components()),
+    }
 
 
 def push_pull_periods(n: int) -> int:
@@ -189,8 +210,14 @@ def discovery_section(sizes: list[int], rounds: int, seed: int = 0) -> list[dict
         for mode in ("discovery", "uniform"):
             t0 = time.monotonic()
             r = simulate_discovery(n, 10, rounds, mode=mode, seed=seed, checkpoints=marks)
-            rows.append({"nodes": n, "mode": mode, "found": {str(k): round(v, 2) for k, v in r.mates_found.items()},
-                         "wall_s": round(time.monotonic() - t0, 1)})
+            rows.append(
+                {
+                    "nodes": n,
+                    "mode": mode,
+                    "found": {str(k): round(v, 2) for k, v in r.mates_found.items()},
+                    "wall_s": round(time.monotonic() - t0, 1),
+                }
+            )
             print("  ", rows[-1], flush=True)
     return rows
 
@@ -204,16 +231,25 @@ def merged(old: list[dict[str, Any]], new: list[dict[str, Any]], key: tuple[str,
 def report(data: dict[str, Any]) -> list[str]:
     out: list[str] = []
     if "overlay" in data:
-        out += ["", "## Membership cost per node and period: full membership against partial views", "",
-                "In-process, side by side (`--sections overlay`; " + __doc__.split("\n\n")[1].replace("\n", " ")
-                + ")", "",
-                "| nodes | membership | CPU ms / node-period | bytes / node-period | entries held (median) | view sizes |",
-                "|---|---|---|---|---|---|"]
+        out += [
+            "",
+            "## Membership cost per node and period: full membership against partial views",
+            "",
+            "In-process, side by side (`--sections overlay`; " + __doc__.split("\n\n")[1].replace("\n", " ") + ")",
+            "",
+            "| nodes | membership | CPU ms / node-period | bytes / node-period | entries held (median) | view sizes |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in data["overlay"]:
-            sizes = (f"active {r['active']}, passive {r['passive']}; {r['components']} component(s)"
-                     if "active" in r else f"push-pull every {r['push_pull_every']} periods")
-            out.append(f"| {r['nodes']} | {r['kind']} | {r['cpu_ms']:.3f} | {r['bytes']:.0f} | "
-                       f"{r['state_entries']:.0f} | {sizes} |")
+            sizes = (
+                f"active {r['active']}, passive {r['passive']}; {r['components']} component(s)"
+                if "active" in r
+                else f"push-pull every {r['push_pull_every']} periods"
+            )
+            out.append(
+                f"| {r['nodes']} | {r['kind']} | {r['cpu_ms']:.3f} | {r['bytes']:.0f} | "
+                f"{r['state_entries']:.0f} | {sizes} |"
+            )
         by = {(r["kind"], r["nodes"]): r for r in data["overlay"]}
         ns = sorted({r["nodes"] for r in data["overlay"]})
         if len(ns) >= 2:
@@ -221,32 +257,48 @@ def report(data: dict[str, Any]) -> list[str]:
             for kind in ("full membership", "partial views"):
                 a, b = by.get((kind, lo)), by.get((kind, hi))
                 if a and b:
-                    out.append(f"\n{kind}, {hi} / {lo} nodes: CPU {b['cpu_ms'] / a['cpu_ms']:.2f}x, "
-                               f"bytes {b['bytes'] / a['bytes']:.2f}x.")
-        out += ["", "Issue 32 asks for per-node cost flat from 100 to 3,000 nodes (<= 1.3x). Bytes per node-period "
-                "of partial views are flat (full membership's grow with N: push-pull carries the whole table); "
-                "their CPU per node-period is not yet: the views grow with log2 N (active + passive entries "
-                "above) and each received entry scans the passive view (eviction, per-source cap), and the "
-                "shared machine's load varied between rows. 3,000 nodes did not finish within the 4-minute "
-                "budget of a run (joining them one by one in the simulation), and the per-node CPU of partial "
-                "views leaves out the per-message cost of a real call (they are not yet carried by the RPCs)."]
+                    out.append(
+                        f"\n{kind}, {hi} / {lo} nodes: CPU {b['cpu_ms'] / a['cpu_ms']:.2f}x, "
+                        f"bytes {b['bytes'] / a['bytes']:.2f}x."
+                    )
+        out += [
+            "",
+            "Issue 32 asks for per-node cost flat from 100 to 3,000 nodes (<= 1.3x). Bytes per node-period "
+            "of partial views are flat (full membership's grow with N: push-pull carries the whole table); "
+            "their CPU per node-period is not yet: the views grow with log2 N (active + passive entries "
+            "above) and each received entry scans the passive view (eviction, per-source cap), and the "
+            "shared machine's load varied between rows. 3,000 nodes did not finish within the 4-minute "
+            "budget of a run (joining them one by one in the simulation), and the per-node CPU of partial "
+            "views leaves out the per-message cost of a real call (they are not yet carried by the RPCs).",
+        ]
     if "discovery" in data:
-        out += ["", "## Discovery: cluster mates among a node's top-weighted peers", "",
-                "`simulate_discovery`: N nodes in clusters of 10 (label permutation: only mates help), each "
-                "evaluating 5 candidates a round; a peer's weight is 1 for a mate, 0 otherwise, plus N(0, 0.2) "
-                "noise clipped at 0; top-weighted = a node's 9 best running scores. *discovery*: candidates "
-                "from `Discovery` over the node's partial view with recommendations; *uniform*: 5 of all the "
-                "others drawn uniformly each round (the strategies' draw without discovery). Mean over nodes "
-                "of mates found (of 9).", ""]
+        out += [
+            "",
+            "## Discovery: cluster mates among a node's top-weighted peers",
+            "",
+            "`simulate_discovery`: N nodes in clusters of 10 (label permutation: only mates help), each "
+            "evaluating 5 candidates a round; a peer's weight is 1 for a mate, 0 otherwise, plus N(0, 0.2) "
+            "noise clipped at 0; top-weighted = a node's 9 best running scores. *discovery*: candidates "
+            "from `Discovery` over the node's partial view with recommendations; *uniform*: 5 of all the "
+            "others drawn uniformly each round (the strategies' draw without discovery). Mean over nodes "
+            "of mates found (of 9).",
+            "",
+        ]
         marks = sorted({int(k) for r in data["discovery"] for k in r["found"]})
-        out += ["| nodes | candidates from | " + " | ".join(f"round {m}" for m in marks) + " |",
-                "|---|---|" + "---|" * len(marks)]
+        out += [
+            "| nodes | candidates from | " + " | ".join(f"round {m}" for m in marks) + " |",
+            "|---|---|" + "---|" * len(marks),
+        ]
         for r in data["discovery"]:
-            out.append(f"| {r['nodes']} | {r['mode']} | " + " | ".join(str(r["found"].get(str(m), "–")) for m in marks)
-                       + " |")
-        out += ["", "Issue 32 asks for >= 7 of 9 mates within 30 rounds at 1,000 nodes. Nearly reached at 300 nodes "
-                "(7.0 of 9, about 2x uniform sampling); not at 1,000, where discovery is barely ahead of uniform "
-                "sampling by round 30: with 5 evaluations a round a node first meets a mate by chance "
-                "(9 of 999), and recommendations only spread mates once most nodes have one. Not measured "
-                "yet: the oracle's gain, late joiners, and discovery on real daemons at scale."]
+            out.append(
+                f"| {r['nodes']} | {r['mode']} | " + " | ".join(str(r["found"].get(str(m), "–")) for m in marks) + " |"
+            )
+        out += [
+            "",
+            "Issue 32 asks for >= 7 of 9 mates within 30 rounds at 1,000 nodes. Nearly reached at 300 nodes "
+            "(7.0 of 9, about 2x uniform sampling); not at 1,000, where discovery is barely ahead of uniform "
+            "sampling by round 30: with 5 evaluations a round a node first meets a mate by chance "
+            "(9 of 999), and recommendations only spread mates once most nodes have one. Not measured "
+            "yet: the oracle's gain, late joiners, and discovery on real daemons at scale.",
+        ]
     return out

@@ -1,6 +1,7 @@
 """Collaborator discovery: cluster mates found faster than by uniform sampling, recommendations
 bounded as hints (an insider's attack runs against the bounds and against a discovery without
 them, where it succeeds), state bounded."""
+
 from __future__ import annotations
 
 import random
@@ -35,7 +36,7 @@ def _clique_share(d: Discovery, clique: list[str], rounds: int) -> float:
         total += len(cands)
         d.observe({"insider": 1.0}, cands)  # the victim evaluates them: not helpful
         assert d.whom_to_ask() == ["insider"]
-        d.on_recommendations("insider", clique[5 * r % len(clique):][:5])  # fresh ids each time
+        d.on_recommendations("insider", clique[5 * r % len(clique) :][:5])  # fresh ids each time
     return seen / total
 
 

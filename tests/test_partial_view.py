@@ -1,6 +1,7 @@
 """Partial views (HyParView) in-process: bounded views, one component under churn, and an
 insider's shuffles and forged joins bounded (each attack also run against a view without the
 defence, where it succeeds)."""
+
 from __future__ import annotations
 
 import random

@@ -21,38 +21,40 @@ answer, of which at most ``per_recommender`` wait at once and at most one is exp
 round — an insider cannot fill the candidates with itself or a clique. State is bounded
 (``max_scored`` scores, ``max_hints`` hints): O(1) in the network's size.
 """
+
 from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 GOSSIP_KEY = "coterie.discovery.whom"  # "whom do you weight?", asked over the gossip RPC
 
 
 @dataclass(frozen=True)
 class DiscoverySettings:
-    candidates: int = 5        # peers offered to the strategy per round
-    explore: int = 3           # of which never-scored peers, at most
-    recommend: int = 5         # ids one "whom do you weight?" answer carries, at most
-    per_recommender: int = 2   # hints from one peer waiting at once (insider bound)
+    candidates: int = 5  # peers offered to the strategy per round
+    explore: int = 3  # of which never-scored peers, at most
+    recommend: int = 5  # ids one "whom do you weight?" answer carries, at most
+    per_recommender: int = 2  # hints from one peer waiting at once (insider bound)
     hints_per_recommender_round: int = 1  # hints from one peer explored per round (insider bound)
     max_hints: int = 32
-    max_scored: int = 256      # peers whose score is remembered (lowest forgotten first)
-    memory: float = 0.5        # weight of the past in a peer's running score
-    ask_among: int = 3         # whom I ask: among my this many best collaborators ...
-    asks: int = 2              # ... this many a round
-    relative: float = 0.5      # a collaborator: scored at least this share of my best one
+    max_scored: int = 256  # peers whose score is remembered (lowest forgotten first)
+    memory: float = 0.5  # weight of the past in a peer's running score
+    ask_among: int = 3  # whom I ask: among my this many best collaborators ...
+    asks: int = 2  # ... this many a round
+    relative: float = 0.5  # a collaborator: scored at least this share of my best one
 
 
 @dataclass
 class DiscoveryCounters:
     rounds: int = 0
     explored: int = 0
-    hinted: int = 0            # explored because recommended
+    hinted: int = 0  # explored because recommended
     hints_received: int = 0
-    hints_dropped: int = 0     # refused by the caps, or unsolicited
+    hints_dropped: int = 0  # refused by the caps, or unsolicited
     asks: int = 0
 
 
@@ -60,32 +62,39 @@ class Discovery:
     """One node's candidate source. ``view()``: the ids the node currently knows of (its sample
     of the network); ``usable(peer)``: whether it can be called now (alive, responsive)."""
 
-    def __init__(self, me: str, view: Callable[[], Sequence[str]], *, usable: Callable[[str], bool] = lambda p: True,
-                 settings: DiscoverySettings | None = None, rng: random.Random | None = None):
+    def __init__(
+        self,
+        me: str,
+        view: Callable[[], Sequence[str]],
+        *,
+        usable: Callable[[str], bool] = lambda p: True,
+        settings: DiscoverySettings | None = None,
+        rng: random.Random | None = None,
+    ):
         self.me = me
         self.view = view
         self.usable = usable
         self.s = settings or DiscoverySettings()
         self.rng = rng or random.Random()
         self.scores: dict[str, float] = {}
-        self.hints: deque[tuple[str, str]] = deque()   # (recommender, peer), oldest first
+        self.hints: deque[tuple[str, str]] = deque()  # (recommender, peer), oldest first
         self.counters = DiscoveryCounters()
         self._current: list[str] = []
-        self._asked: set[str] = set()                  # peers asked this round: answers accepted from them
+        self._asked: set[str] = set()  # peers asked this round: answers accepted from them
 
     # --- a round ---
     def begin_round(self) -> list[str]:
         """Pick this round's candidates (kept stable until the next call: ``current``)."""
         self.counters.rounds += 1
         best = [p for p in self.collaborators(len(self.scores)) if self.usable(p)]
-        keep = best[:self.s.candidates - min(self.s.explore, self.s.candidates)]
+        keep = best[: self.s.candidates - min(self.s.explore, self.s.candidates)]
         n_explore = self.s.candidates - len(keep)  # slots nothing good is kept in explore too
         picked = list(keep)
         explore = self._from_hints(n_explore, set(picked))
         explore += self._from_view(n_explore - len(explore), set(picked) | set(explore))
         picked += explore
         # exploring found nothing new: the slots go back to kept peers
-        picked += [p for p in best if p not in picked][:self.s.candidates - len(picked)]
+        picked += [p for p in best if p not in picked][: self.s.candidates - len(picked)]
         self.counters.explored += len(explore)
         self._current = sorted(picked)
         return self._current
@@ -102,7 +111,7 @@ class Discovery:
             old = self.scores.get(p)
             self.scores[p] = w if old is None else self.s.memory * old + (1 - self.s.memory) * w
         if len(self.scores) > self.s.max_scored:
-            for p in sorted(self.scores, key=self.scores.__getitem__)[:len(self.scores) - self.s.max_scored]:
+            for p in sorted(self.scores, key=self.scores.__getitem__)[: len(self.scores) - self.s.max_scored]:
                 del self.scores[p]
 
     def best(self, k: int) -> list[str]:
@@ -127,7 +136,7 @@ class Discovery:
 
     def recommend(self, asker: str) -> list[str]:
         """My answer to ``asker``: the peers I weight most (never the asker itself)."""
-        return [p for p in self.collaborators(self.s.recommend + 1) if p != asker][:self.s.recommend]
+        return [p for p in self.collaborators(self.s.recommend + 1) if p != asker][: self.s.recommend]
 
     def on_recommendations(self, sender: str, peers: Sequence[str]) -> int:
         """Hints from ``sender``'s answer; returns how many were kept. Unasked answers, ids
@@ -140,7 +149,7 @@ class Discovery:
         waiting = sum(1 for src, _ in self.hints if src == sender)
         queued = {p for _, p in self.hints}
         kept = 0
-        for p in list(dict.fromkeys(peers))[:self.s.recommend]:
+        for p in list(dict.fromkeys(peers))[: self.s.recommend]:
             self.counters.hints_received += 1
             if p in (self.me, sender) or p in self.scores or p in queued or waiting >= self.s.per_recommender:
                 self.counters.hints_dropped += 1

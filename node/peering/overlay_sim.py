@@ -5,12 +5,13 @@ each node sends (``partial_view.message_bytes``) and lets a test kill nodes or p
 ``simulate_discovery`` runs discovery among nodes in clusters whose evaluation of each other is
 a noisy "same cluster or not" (the label-permutation setting: only cluster mates help), against
 the baseline a strategy has without discovery: a uniform sample of the network each round."""
+
 from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from .discovery import Discovery, DiscoverySettings
 from .partial_view import Message, PartialView, ViewSettings, message_bytes
@@ -19,8 +20,13 @@ PROBE_BYTES = 2 * 24  # a ping and its ack
 
 
 class SimOverlay:
-    def __init__(self, ids: list[str], settings: ViewSettings, seed: int = 0,
-                 view_factory: Callable[[str, ViewSettings, random.Random], PartialView] | None = None):
+    def __init__(
+        self,
+        ids: list[str],
+        settings: ViewSettings,
+        seed: int = 0,
+        view_factory: Callable[[str, ViewSettings, random.Random], PartialView] | None = None,
+    ):
         make = view_factory or (lambda i, s, r: PartialView(i, s, r))
         self.rng = random.Random(seed)
         self.views: dict[str, PartialView] = {i: make(i, settings, random.Random(f"{seed}-{i}")) for i in ids}
@@ -32,7 +38,7 @@ class SimOverlay:
     def join_all(self, ids: Iterable[str] | None = None) -> None:
         """Each node (in order) joins through a random node that joined before it."""
         joined: list[str] = []
-        for i in (ids if ids is not None else list(self.views)):
+        for i in ids if ids is not None else list(self.views):
             if joined:
                 self.views[i].join(self.rng.choice(joined))
                 self._busy.add(i)
@@ -100,7 +106,7 @@ class SimOverlay:
 # ------------------------------------------------------------------------------ discovery
 @dataclass
 class DiscoveryResult:
-    mates_found: dict[int, float]   # round -> mean cluster mates among a node's top-weighted peers
+    mates_found: dict[int, float]  # round -> mean cluster mates among a node's top-weighted peers
     evaluations_per_round: int
 
 
@@ -108,9 +114,18 @@ def cluster_of(node: str, size: int) -> int:
     return int(node.rsplit("-", 1)[1]) // size
 
 
-def simulate_discovery(n: int, cluster_size: int, rounds: int, *, mode: str, seed: int = 0,
-                       settings: DiscoverySettings | None = None, checkpoints: Iterable[int] = (10, 20, 30),
-                       noise: float = 0.2, view_settings: ViewSettings | None = None) -> DiscoveryResult:
+def simulate_discovery(
+    n: int,
+    cluster_size: int,
+    rounds: int,
+    *,
+    mode: str,
+    seed: int = 0,
+    settings: DiscoverySettings | None = None,
+    checkpoints: Iterable[int] = (10, 20, 30),
+    noise: float = 0.2,
+    view_settings: ViewSettings | None = None,
+) -> DiscoveryResult:
     """``mode``: "discovery" (partial views + recommendations) or "uniform" (each round a uniform
     sample of ``settings.candidates`` of all others, the strategies' draw without discovery).
     A node's weight for a peer it evaluated: 1 for a cluster mate, 0 otherwise, plus Gaussian
@@ -133,8 +148,9 @@ def simulate_discovery(n: int, cluster_size: int, rounds: int, *, mode: str, see
             else:
                 cands = d.begin_round()
             mine = cluster_of(i, cluster_size)
-            w = {p: max(0.0, (1.0 if cluster_of(p, cluster_size) == mine else 0.0) + rng.gauss(0, noise))
-                 for p in cands}
+            w = {
+                p: max(0.0, (1.0 if cluster_of(p, cluster_size) == mine else 0.0) + rng.gauss(0, noise)) for p in cands
+            }
             d.observe(w, cands)
             if mode != "uniform":
                 for p in cands:  # they served my evaluation: they learn of me
@@ -146,6 +162,14 @@ def simulate_discovery(n: int, cluster_size: int, rounds: int, *, mode: str, see
                     disc[i].on_recommendations(asked, disc[asked].recommend(i))
             overlay.round()
         if r in marks:
-            found[r] = sum(sum(cluster_of(p, cluster_size) == cluster_of(i, cluster_size)
-                               for p in disc[i].best(cluster_size - 1)) for i in ids) / n
+            found[r] = (
+                sum(
+                    sum(
+                        cluster_of(p, cluster_size) == cluster_of(i, cluster_size)
+                        for p in disc[i].best(cluster_size - 1)
+                    )
+                    for i in ids
+                )
+                / n
+            )
     return DiscoveryResult(found, s.candidates)

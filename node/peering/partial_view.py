@@ -23,6 +23,7 @@ Insider bounds (one peer must not fill a view with itself or a clique):
 - a full passive view evicts from the source that placed the most entries (then the oldest),
   so the view keeps many sources; promotions to the active view draw uniformly from it.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -30,22 +31,21 @@ import math
 import random
 from collections import Counter
 from dataclasses import dataclass
-from typing import Union
 
 
 # ------------------------------------------------------------------------------- settings
 @dataclass(frozen=True)
 class ViewSettings:
-    active_size: int = 5       # HyParView: log2(N) + 1
-    passive_size: int = 30     # ... and about 6 × that
-    shuffle_active: int = 3    # k_a: active entries a shuffle carries
-    shuffle_passive: int = 4   # k_p: passive entries a shuffle carries
-    join_walk: int = 6         # ARWL: hops a forwarded join travels
-    passive_walk: int = 3      # PRWL: hop at which it is also kept in a passive view
-    per_source: int = 4        # passive entries one sender may have placed (insider bound)
+    active_size: int = 5  # HyParView: log2(N) + 1
+    passive_size: int = 30  # ... and about 6 × that
+    shuffle_active: int = 3  # k_a: active entries a shuffle carries
+    shuffle_passive: int = 4  # k_p: passive entries a shuffle carries
+    join_walk: int = 6  # ARWL: hops a forwarded join travels
+    passive_walk: int = 3  # PRWL: hop at which it is also kept in a passive view
+    per_source: int = 4  # passive entries one sender may have placed (insider bound)
 
     @classmethod
-    def for_network(cls, n: int, **kw) -> "ViewSettings":
+    def for_network(cls, n: int, **kw) -> ViewSettings:
         """Views sized for a network of about ``n`` nodes (O(log N))."""
         active = max(3, math.ceil(math.log2(max(n, 2))) + 1)
         return cls(active_size=active, passive_size=6 * active, **kw)
@@ -57,19 +57,19 @@ class ViewSettings:
 
 # ------------------------------------------------------------------------------- messages
 @dataclass(frozen=True)
-class Join:                # sender wants in; I am its contact
+class Join:  # sender wants in; I am its contact
     pass
 
 
 @dataclass(frozen=True)
-class ForwardJoin:         # ``node`` joined; walk ``ttl`` more hops
+class ForwardJoin:  # ``node`` joined; walk ``ttl`` more hops
     node: str
     ttl: int
 
 
 @dataclass(frozen=True)
-class Neighbor:            # sender asks for a slot in my active view
-    high_priority: bool    # the sender's active view is empty: I must make room
+class Neighbor:  # sender asks for a slot in my active view
+    high_priority: bool  # the sender's active view is empty: I must make room
 
 
 @dataclass(frozen=True)
@@ -78,12 +78,12 @@ class NeighborReply:
 
 
 @dataclass(frozen=True)
-class Disconnect:          # sender dropped me from its active view
+class Disconnect:  # sender dropped me from its active view
     pass
 
 
 @dataclass(frozen=True)
-class Shuffle:             # a sample of the sender's views
+class Shuffle:  # a sample of the sender's views
     entries: tuple[str, ...]
 
 
@@ -92,7 +92,7 @@ class ShuffleReply:
     entries: tuple[str, ...]
 
 
-Message = Union[Join, ForwardJoin, Neighbor, NeighborReply, Disconnect, Shuffle, ShuffleReply]
+Message = Join | ForwardJoin | Neighbor | NeighborReply | Disconnect | Shuffle | ShuffleReply
 
 
 def message_bytes(msg: Message) -> int:
@@ -104,8 +104,8 @@ def message_bytes(msg: Message) -> int:
 
 @dataclass
 class Passive:
-    source: str            # who told me (the node itself when it spoke to me)
-    age: int = 0           # periods since I heard of it
+    source: str  # who told me (the node itself when it spoke to me)
+    age: int = 0  # periods since I heard of it
 
 
 @dataclass
@@ -125,13 +125,13 @@ class PartialView:
         self.me = me
         self.s = settings or ViewSettings()
         self.rng = rng or random.Random()
-        self.active: dict[str, None] = {}      # insertion-ordered set
+        self.active: dict[str, None] = {}  # insertion-ordered set
         self.passive: dict[str, Passive] = {}
         self._placed: Counter[str] = Counter()  # passive entries per source (kept with every change)
         self.outbox: list[tuple[str, Message]] = []
         self.counters = ViewCounters()
-        self._asking: str | None = None        # passive node asked for a slot, awaiting its reply
-        self._asked_at = 0                     # ... since this many periods
+        self._asking: str | None = None  # passive node asked for a slot, awaiting its reply
+        self._asked_at = 0  # ... since this many periods
         self._probe_order: list[str] = []
         self._requested: dict[str, None] = {}  # nodes I asked for a link: only their acceptances count
 
@@ -169,8 +169,13 @@ class PartialView:
         # Cyclon: shuffle with the oldest passive entry — it answers (and is fresh again) or fails
         # (and goes), so the passive view keeps mixing and holds no long-dead node; else an
         # active neighbour
-        target = (max(self.passive, key=lambda p: self.passive[p].age) if self.passive
-                  else self.rng.choice(list(self.active)) if self.active else None)
+        target = (
+            max(self.passive, key=lambda p: self.passive[p].age)
+            if self.passive
+            else self.rng.choice(list(self.active))
+            if self.active
+            else None
+        )
         if target is not None:
             self._send(target, Shuffle(self._sample(exclude=target)))
             self.counters.shuffles_sent += 1
@@ -284,8 +289,9 @@ class PartialView:
         if source != node and self._placed[source] >= self.s.per_source:
             # the sender's share stays capped: its own oldest entry makes room
             self.counters.replaced_hearsay += 1
-            self._drop(max((n for n, e in self.passive.items() if e.source == source),
-                           key=lambda n: self.passive[n].age))
+            self._drop(
+                max((n for n, e in self.passive.items() if e.source == source), key=lambda n: self.passive[n].age)
+            )
         if len(self.passive) >= self.s.passive_size:
             self._evict()
         self._put(node, Passive(source))
@@ -295,20 +301,25 @@ class PartialView:
         """Drop one passive entry: the oldest of those placed by the sources that placed the
         most, so no sender dominates the view."""
         most = max(self._placed.values())
-        self._drop(max((n for n, e in self.passive.items() if self._placed[e.source] == most),
-                       key=lambda n: self.passive[n].age))
+        self._drop(
+            max(
+                (n for n, e in self.passive.items() if self._placed[e.source] == most),
+                key=lambda n: self.passive[n].age,
+            )
+        )
 
     def _sample(self, exclude: str) -> tuple[str, ...]:
         act = [p for p in self.active if p != exclude]
         picked = self.rng.sample(act, min(self.s.shuffle_active, len(act)))
         # the oldest: Cyclon's aging keeps the sample fresh
-        picked += heapq.nlargest(self.s.shuffle_passive, (p for p in self.passive if p != exclude),
-                                 key=lambda p: self.passive[p].age)
+        picked += heapq.nlargest(
+            self.s.shuffle_passive, (p for p in self.passive if p != exclude), key=lambda p: self.passive[p].age
+        )
         return (self.me, *picked)
 
     def _integrate(self, sender: str, entries: tuple[str, ...]) -> None:
         seen: set[str] = set()
-        for node in entries[:self.s.shuffle_length]:
+        for node in entries[: self.s.shuffle_length]:
             if node in seen:
                 continue
             seen.add(node)
