@@ -4,7 +4,8 @@ come from discovery, and "whom do you weight?" is asked and answered over the pe
 from __future__ import annotations
 
 import pytest
-from nodeproc import NodeProc, tiny_learner, wait_for
+
+from tests.nodeproc import NodeProc, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 
