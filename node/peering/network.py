@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import AbstractContextManager
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..offload import OFF_LOOP_BYTES
 from ..privacy.mechanisms import PrivateData
@@ -101,6 +102,8 @@ class NodeNetwork(PeerRequests):
             return alive
         usable = set(alive)
         assert self.discovery is not None
+        if not self.discovery.current():  # the threshold was crossed mid-round: pick them now
+            self.discovery.begin_round()
         return [p for p in self.discovery.current() if p in usable]
 
     # --- discovery (a round's candidates, past the threshold) ---
@@ -128,8 +131,9 @@ class NodeNetwork(PeerRequests):
             return
         d = self.discovery
         d.observe(weights, [p for p in (contacted or ()) if isinstance(p, str)])
-        for peer in d.whom_to_ask():
-            reply = await self.gossip(peer, GOSSIP_KEY, {})
+        asked = d.whom_to_ask()
+        replies = await asyncio.gather(*(self.gossip(peer, GOSSIP_KEY, {}) for peer in asked))
+        for peer, reply in zip(asked, replies, strict=True):
             d.on_recommendations(peer, recommended_ids(reply, d.s.recommend))
 
     def known_peers(self) -> list[str]:
