@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import AbstractContextManager
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from ..offload import OFF_LOOP_BYTES
