@@ -203,6 +203,10 @@ def node_start(
     peers: Optional[str] = typer.Option(None, "--peers", help="bootstrap peers a:1,b:2"),
     strategy: Optional[str] = typer.Option(None, "--strategy"),
     rounds: Optional[int] = typer.Option(None, "--rounds"),
+    no_listen: bool = typer.Option(False, "--no-listen", help="outbound-only: open no peer port; peers reach "
+                                   "this node through relays (no_listen; docs/nat.md)"),
+    relay: Optional[list[str]] = typer.Option(None, "--relay", help="a reachable peer host:port to be relayed "
+                                              "by (repeatable; relay.via; default: the bootstrap peers)"),
     reset: bool = typer.Option(False, "--reset", help="start at round 0, moving the state dir's old state "
                                "aside (needed when it holds history or identity but no usable checkpoint)"),
     reset_privacy_ledger: bool = typer.Option(
@@ -244,6 +248,10 @@ def node_start(
             overrides.setdefault("security", {})["admin_auth"] = False
         if reset:
             overrides["reset"] = True
+        if no_listen:
+            overrides["no_listen"] = True
+        if relay:
+            overrides.setdefault("relay", {})["via"] = list(relay)
         for key, value in (("data", str(data) if data is not None else None), ("data_format", data_format)):
             if value is not None:
                 overrides.setdefault("learner", {})[key] = value

@@ -80,11 +80,13 @@ def privacy_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
 
 def peers_table(peers: list[dict[str, Any]]) -> Table:
     t = Table(title=f"{len(peers)} peers")
+    from coterie.node.transport.relay_address import is_relayed, reachability
     cols = ["node_id", "address", "state", "last_seen_s", "snapshot_version", "weight"]
-    for c in cols:
+    relayed = any(is_relayed(str(p.get("address") or "")) for p in peers)
+    for c in cols + (["reachability"] if relayed else []):  # shown when some peer is reached through relays
         t.add_column(c, justify="right" if c in ("last_seen_s", "snapshot_version", "weight") else "left")
     for p in peers:
-        row = [_fmt(p.get(c)) for c in cols]
+        row = [_fmt(p.get(c)) for c in cols] + ([reachability(str(p.get("address") or ""))] if relayed else [])
         row[2] = f"[{STATE_STYLE.get(str(p.get('state')), 'white')}]{row[2]}[/]"
         t.add_row(*row)
     return t

@@ -122,6 +122,21 @@ def _check_scenario(sc: Scenario) -> None:
                 raise ConfigError(f"scenario: {where}.learner.{k} is set by the launcher")
 
 
+def _check_relays(sc: "Scenario") -> None:
+    """An outbound-only node (``no_listen``) reserves at its bootstrap peer: that one must be reachable."""
+    def no_listen(i: int) -> bool:
+        on = bool(sc.node.get("no_listen", False))
+        for ov in sc.overrides:
+            if i in ov["nodes"] and "no_listen" in ov:
+                on = bool(ov["no_listen"])
+        return on
+    for i in range(sc.nodes):
+        b = bootstrap_index(sc, i)
+        if no_listen(i) and b is not None and no_listen(b):
+            raise ConfigError(f"scenario: n{i} is no_listen and so is its bootstrap peer n{b}, which cannot "
+                              f"relay for it: make n{b} reachable, or use bootstrap = \"star\" with a reachable n0")
+
+
 def parse_scenario(data: dict[str, Any], *, strategies: list[str] | None = None,
                    seed: int | None = None, rounds: int | None = None,
                    nodes: int | None = None) -> Scenario:
@@ -142,6 +157,7 @@ def parse_scenario(data: dict[str, Any], *, strategies: list[str] | None = None,
                              for err in e.errors())
         raise ConfigError(f"invalid scenario: {problems}") from None
     _check_scenario(sc)
+    _check_relays(sc)
     for strat in sc.strategy:
         for i in range(sc.nodes):
             try:

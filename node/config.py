@@ -188,6 +188,29 @@ class SnapshotsConfig(BaseModel):
         return v
 
 
+class RelayConfig(BaseModel):
+    """Relaying for nodes that cannot be dialled (docs/nat.md)."""
+    model_config = ConfigDict(extra="forbid")
+
+    serve: bool = True  # a node with a peer port relays for outbound-only peers, within the budget below
+    # relays an outbound-only node (no_listen) reserves at; default: its bootstrap peers (`peers`)
+    via: list[str] = Field(default_factory=list)
+    max_relays: int = Field(3, ge=1, le=8)  # reservations an outbound-only node holds at once
+    max_reservations: int = Field(128, ge=0)  # outbound-only peers one relay serves at once
+    max_tunnels_per_peer: int = Field(16, ge=1)  # tunnels open at once per dialer and per relayed node
+    max_bytes_per_s: float = Field(64e6, gt=0)  # relayed bytes per second per peer, both directions
+    accept_timeout_s: float = Field(5.0, gt=0)  # a relayed node must accept a tunnel within this
+
+    @field_validator("via")
+    @classmethod
+    def _via(cls, v: list[str]) -> list[str]:
+        for a in v:
+            host, sep, port = a.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"relay.via: expected host:port, got {a!r}")
+        return v
+
+
 class HistoryConfig(BaseModel):
     """How much round history the state dir keeps (docs/state-directory.md): history.jsonl holds
     the recent rounds in full and never grows past ``max_bytes``; older rounds are folded into a
@@ -207,7 +230,10 @@ class NodeConfig(BaseModel):
     listen: str = "127.0.0.1:0"  # peer (gRPC) address; port 0 = pick a free one
     advertise: str | None = None  # address peers should dial; default = listen with the bound port
     admin_listen: str = "127.0.0.1:0"  # aiohttp admin API
-    peers: list[str] = Field(default_factory=list)  # bootstrap addresses host:port
+    peers: list[str] = Field(default_factory=list)  # bootstrap addresses host:port (or relay://R,R/ID)
+    # outbound-only: no peer port at all; reached through relays (relay.via, else `peers`): docs/nat.md
+    no_listen: bool = False
+    relay: RelayConfig = Field(default_factory=RelayConfig)
     labels: dict[str, str] = Field(default_factory=dict)  # free-form, announced in the handshake
 
     strategy: str = "local"
@@ -273,6 +299,21 @@ class NodeConfig(BaseModel):
                              "admin API without a token may only listen on loopback (127.0.0.1, ::1)")
         return self
 
+    @model_validator(mode="after")
+    def _no_listen_has_relays(self) -> "NodeConfig":
+        if self.no_listen and self.security.insecure:
+            raise ValueError("no_listen needs mTLS certificates: relays and peers know an outbound-only node "
+                             "only by its certificate (security.insecure is set)")
+        if self.no_listen and not self.relays():
+            raise ValueError("no_listen: no relay to be reached through; set relay.via (--relay) or a "
+                             "reachable bootstrap peer (host:port) in peers")
+        return self
+
+    def relays(self) -> list[str]:
+        """The relays an outbound-only node reserves at."""
+        from .transport.relay_address import is_relayed
+        return (self.relay.via or [p for p in self.peers if not is_relayed(p)])[:self.relay.max_relays]
+
     @field_validator("listen", "admin_listen")
     @classmethod
     def _hostport(cls, v: str) -> str:
@@ -284,8 +325,9 @@ class NodeConfig(BaseModel):
     @field_validator("peers")
     @classmethod
     def _peers(cls, v: list[str]) -> list[str]:
+        from .transport.relay_address import is_relayed, parse
         for p in v:
-            cls._hostport(p)
+            parse(p) if is_relayed(p) else cls._hostport(p)  # an outbound-only node: relay://R/ID
         return v
 
 

@@ -69,7 +69,13 @@ class NodeViews(PeerPlane):
                 "membership": self.membership_view(), "discovery": self.network.discovery_view(),
                 "privacy": self.privacy_view(),
                 "collaboration": self.network.releases.view(),
-                "data": self.learner.data_info(), "history_summary": history_summary(self.store.summary)}
+                "data": self.learner.data_info(), "history_summary": history_summary(self.store.summary),
+                "relay": self.relay_view()}
+
+    def relay_view(self) -> dict[str, Any]:
+        """Reachability (``direct`` or ``relayed via ...``) and relaying, from a transport that relays."""
+        view = getattr(self.transport, "relay_view", None)
+        return view() if view is not None else {"reachability": "direct"}
 
     def privacy_view(self) -> dict[str, Any]:
         """The privacy ledger (ε per peer and in total) and the knobs that bound it."""

@@ -42,6 +42,7 @@ from . import serde
 from .chunks import Assembler, collect, sha256, split
 from .errors import domain_errors as _domain_errors
 from .pulls import BULK, CONTROL, SnapshotStreams, _Session
+from .relay_address import is_relayed
 from .served_versions import CodecPolicy, HeldVersions
 from .tls import TLS
 
@@ -62,9 +63,10 @@ class PeerClient(SnapshotStreams):
     def __init__(self, node_id: str, traffic: Traffic, *, chunk_bytes: int, max_model_bytes: int = UNSET_MODEL_BYTES,
                  max_gossip_bytes: int = 1 << 20, timeout_s: float, tls: TLS | None, delay_ms: float = 0.0,
                  idle_channel_s: float = 120.0, sessions: bool = True, limits: SizeLimits | None = None,
-                 codecs: CodecPolicy = CodecPolicy()):
+                 codecs: CodecPolicy = CodecPolicy(), relay_dialer: Any = None):
         """``limits``: the node's ``SizeLimits`` (shared with its served side); else one of
-        ``max_model_bytes`` and ``max_gossip_bytes``."""
+        ``max_model_bytes`` and ``max_gossip_bytes``. ``relay_dialer``: reaches peers whose
+        address is a relay address (``relay_dialer.py``)."""
         self.node_id = node_id
         self.traffic = traffic
         self.chunk_bytes = chunk_bytes
@@ -73,6 +75,7 @@ class PeerClient(SnapshotStreams):
         self.delay_s = delay_ms / 1000.0  # emulated one-way link latency (testbed)
         self.idle_channel_s = idle_channel_s
         self.tls = tls
+        self.relay_dialer = relay_dialer
         self._creds = tls.channel_credentials() if tls is not None else None
         # (address, plane, expected node id or None) -> channel, stub
         self._stubs: dict[tuple[str, str, str | None], tuple[grpc.aio.Channel, rpc.PeerStub]] = {}
@@ -98,15 +101,19 @@ class PeerClient(SnapshotStreams):
             self._next_sweep = now + self.idle_channel_s / 4
             self._evict_idle(now)
         expected = None if self.tls is None else (peer if peer is not None else self._proven.get(address, _ANY))
+        dial = address
+        if self.relay_dialer is not None and is_relayed(address):
+            # through a relay: TLS is held to the node the address names, whatever else is asked
+            dial, expected = self.relay_dialer.local(address)
         key = (address, plane, expected)
         entry = self._stubs.get(key)
         if entry is None:
             options = _CHANNEL_OPTIONS + [("coterie.plane", plane)]
             if self.tls is None:
-                ch = grpc.aio.insecure_channel(address, options=options)
+                ch = grpc.aio.insecure_channel(dial, options=options)
             else:
                 name = ("grpc.ssl_target_name_override", self.tls.target_name(expected))
-                ch = grpc.aio.secure_channel(address, self._creds, options=[*options, name])
+                ch = grpc.aio.secure_channel(dial, self._creds, options=[*options, name])
             entry = self._stubs[key] = (ch, rpc.PeerStub(ch))
         return entry
 

@@ -8,14 +8,23 @@ deadlines and the cap on calls in flight (``cfg.limits``), the standard gRPC hea
 node's failure tracking sets, and idle-channel eviction (``cfg.membership.idle_channel_s``)."""
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from ..peering.interfaces import UNSET_MODEL_BYTES, PeerHandler, SizeLimits, Traffic
 from .client import PeerClient
+from . import dial_back
+from .relay_address import RelayAddress, is_relayed, reachability
+from .relay_dialer import RelayDialer
+from .relay_reservations import RelayReservations
+from .relay_service import RelayBudget, RelayService
 from .server import HealthStatus, StreamLimits, serve
 from .served_versions import CodecPolicy
 from .tls import TLS, load_tls
@@ -40,10 +49,22 @@ class GrpcServer:
     """A running gRPC peer server (``peering.interfaces.PeerServer``)."""
     address: str
     server: grpc.aio.Server
-    port: int
+    port: int  # 0: no peer port (outbound-only, reached through relays)
+    reservations: RelayReservations | None = None
+    relay: RelayService | None = None  # the relay this node runs for outbound-only peers
+    dialer: RelayDialer | None = None  # the node's relayed dials: they end with it
+    tasks: list[asyncio.Task] = field(default_factory=list)  # background checks: they end with it
 
     async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        if self.dialer is not None:
+            await self.dialer.close()
+        if self.reservations is not None:
+            await self.reservations.stop()
         await self.server.stop(grace=0.5)
+        if self.reservations is not None:
+            shutil.rmtree(Path(self.reservations.socket_path).parent, ignore_errors=True)
 
 
 class GrpcTransport:
@@ -55,8 +76,17 @@ class GrpcTransport:
                  max_gossip_bytes: int = 1 << 20, timeout_s: float = 30.0, delay_ms: float = 0.0,
                  streams: StreamLimits = StreamLimits(), max_rpcs: int | None = None,
                  idle_channel_s: float = 120.0, health: HealthStatus | None = None, sessions: bool = True,
-                 reflection: bool = False, codecs: CodecPolicy = CodecPolicy()):
+                 reflection: bool = False, codecs: CodecPolicy = CodecPolicy(),
+                 no_listen: bool = False, relays: tuple[str, ...] = (), relay_budget: RelayBudget | None = RelayBudget(),
+                 dial_back_peers: tuple[str, ...] = ()):
+        """``no_listen``: no peer port; reserve at ``relays`` instead. ``relay_budget``: relay for
+        outbound-only peers within it (None: never relay)."""
         self.tls = tls
+        self.no_listen, self.relays, self.relay_budget = no_listen, tuple(relays), relay_budget
+        self.dialer = RelayDialer(tls)  # for peers whose address is a relay address
+        self.server: GrpcServer | None = None
+        self.dial_back_peers = dial_back_peers  # asked once serving whether they can dial this node
+        self.dial_back: dict[str, str] = {}  # peer -> its answer
         self.reflection = reflection  # gRPC server reflection (security.reflection, off by default)
         self.listen, self.advertise = listen, advertise
         self.chunk_bytes = chunk_bytes
@@ -81,7 +111,9 @@ class GrpcTransport:
                                         lim.min_stream_bytes_per_s, lim.max_watches),
                    max_rpcs=lim.max_rpcs, idle_channel_s=cfg.membership.idle_channel_s, health=health,
                    sessions=cfg.pull_sessions, reflection=cfg.security.reflection,
-                   codecs=CodecPolicy(tuple(cfg.snapshots.codecs), cfg.snapshots.delta, cfg.snapshots.delta_history))
+                   codecs=CodecPolicy(tuple(cfg.snapshots.codecs), cfg.snapshots.delta, cfg.snapshots.delta_history),
+                   no_listen=cfg.no_listen, relays=tuple(cfg.relays()), relay_budget=_relay_budget(cfg),
+                   dial_back_peers=tuple(p for p in cfg.peers if not is_relayed(p)))
 
     # --- TransportFactory ---
     @property
@@ -96,14 +128,65 @@ class GrpcTransport:
     def connect(self, node_id: str, traffic: Traffic) -> PeerClient:
         return PeerClient(node_id, traffic, chunk_bytes=self.chunk_bytes, limits=self.limits, timeout_s=self.timeout_s,
                           tls=self.tls, delay_ms=self.delay_ms, idle_channel_s=self.idle_channel_s,
-                          sessions=self.sessions, codecs=self.codecs)
+                          sessions=self.sessions, codecs=self.codecs, relay_dialer=self.dialer)
 
     async def serve(self, handler: PeerHandler, traffic: Traffic) -> GrpcServer:
         if self.tls is None:
             log.warning("peer port WITHOUT TLS (security.insecure = true): anyone who can reach it can "
                         "claim any node id; use only on a network you trust")
-        server, port = await serve(handler, traffic, self.listen, tls=self.tls, chunk_bytes=self.chunk_bytes,
+        relay = None
+        if self.relay_budget is not None and self.tls is not None and not self.no_listen:
+            relay = RelayService(self.tls, self.relay_budget)
+        listen = self.listen
+        if self.no_listen:  # a private Unix socket in a fresh 0700 directory: no port at all
+            if self.tls is None:
+                raise ValueError("no_listen needs mTLS: relays know a node only by its certificate")
+            listen = f"unix:{tempfile.mkdtemp(prefix='coterie-peer-')}/peer.sock"
+        server, port = await serve(handler, traffic, listen, tls=self.tls, chunk_bytes=self.chunk_bytes,
                                    limits=self.limits, streams=self.streams, max_rpcs=self.max_rpcs,
-                                   health_status=self.health, reflection_on=self.reflection, codecs=self.codecs)
+                                   health_status=self.health, reflection_on=self.reflection, codecs=self.codecs,
+                                   relay=relay)
+        if self.no_listen:
+            assert self.tls is not None
+            reservations = RelayReservations(self.tls, list(self.relays), listen[len("unix:"):])
+            reservations.start()
+            self.server = GrpcServer(str(RelayAddress(self.relays, self.tls.node_id)), server, 0,
+                                     reservations=reservations, dialer=self.dialer)
+            return self.server
         host, _ = hostport(self.listen)
-        return GrpcServer(self.advertise or f"{dialable(host)}:{port}", server, port)
+        self.server = GrpcServer(self.advertise or f"{dialable(host)}:{port}", server, port, relay=relay, dialer=self.dialer)
+        if self.tls is not None and self.dial_back_peers:
+            self.server.tasks.append(asyncio.ensure_future(self._check_reachable(self.server.address)))
+        return self.server
+
+    async def _check_reachable(self, address: str) -> None:
+        """Ask the bootstrap peers to dial this node back (``dial_back.py``); warn when none can."""
+        assert self.tls is not None
+        _, port = hostport(address)
+        self.dial_back = await dial_back.check(self.tls, list(self.dial_back_peers), port)
+        answered = [a for a in self.dial_back.values() if not a.startswith("no answer")]
+        if answered and not any(a.startswith("reachable") for a in answered):
+            log.warning("no peer can dial this node at port %d (%s): behind NAT or a firewall? start it "
+                        "with --no-listen to be reached through relays (docs/nat.md)", port, "; ".join(answered))
+
+    def relay_view(self) -> dict[str, Any]:
+        """For /status: how this node is reached, its reservations, whom it relays for, and why
+        relays failed this node's recent dials."""
+        srv = self.server
+        out: dict[str, Any] = {"reachability": reachability(srv.address) if srv else "not serving"}
+        if srv is not None and srv.reservations is not None:
+            out["reservations"] = dict(srv.reservations.state)
+        if srv is not None and srv.relay is not None:
+            out["relaying_for"] = srv.relay.reserved()
+            out["relayed_bytes"] = srv.relay.relayed_bytes
+        out["dial_problems"] = dict(self.dialer.problems)
+        if self.dial_back:
+            out["dial_back"] = dict(self.dial_back)
+        return out
+
+
+def _relay_budget(cfg: Any) -> RelayBudget | None:
+    r = cfg.relay
+    if not r.serve:
+        return None
+    return RelayBudget(r.max_reservations, r.max_tunnels_per_peer, r.max_bytes_per_s, r.accept_timeout_s)

@@ -436,11 +436,12 @@ async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, tls: TL
                 max_gossip_bytes: int = 1 << 20, streams: StreamLimits = StreamLimits(),
                 codecs: CodecPolicy = CodecPolicy(),
                 max_rpcs: int | None = None, health_status: HealthStatus | None = None,
-                limits: SizeLimits | None = None, reflection_on: bool = False) -> tuple[grpc.aio.Server, int]:
+                limits: SizeLimits | None = None, reflection_on: bool = False,
+                relay: Any = None) -> tuple[grpc.aio.Server, int]:
     """Start the peer server (and the standard gRPC health service) on ``address``: mTLS with
     ``tls``, plaintext only when the caller passes ``tls=None`` on purpose. ``limits``: the
     node's ``SizeLimits`` (shared with its clients); else one of ``max_model_bytes`` and
-    ``max_gossip_bytes``."""
+    ``max_gossip_bytes``. ``relay``: a ``RelayService`` served beside Peer."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                       ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
                                       # our clients' keepalive pings (client.KEEPALIVE_MS, also on idle
@@ -457,6 +458,9 @@ async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, tls: TL
     server.add_generic_rpc_handlers((_handlers(service),))
     health_status = health_status or HealthStatus()
     add_health_service(health_status.servicer, server)  # malformed requests: INVALID_ARGUMENT, no traceback
+    if relay is not None:  # the Relay service (relay_service.py) for outbound-only peers
+        from .relay_service import handlers as relay_handlers
+        server.add_generic_rpc_handlers((relay_handlers(relay),))
     if reflection_on:  # security.reflection: lets grpcurl/grpcui list and call the peer service
         reflection.enable_server_reflection(
             (pb.DESCRIPTOR.services_by_name["Peer"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),

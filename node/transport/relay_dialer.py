@@ -1,0 +1,107 @@
+"""The dialing side of relayed connections: a grpc channel to ``relay://R1,R2/n7`` targets a
+loopback listener of this node (one per relayed address); each connection gRPC opens to it
+becomes a ``Connect`` stream through the first relay that answers, naming n7. The channel's TLS
+runs through that pipe and asks for n7's certificate (``PeerClient`` pins the name the address
+carries), so the session is end to end between this node and n7; the relay sees ciphertext.
+
+A relay that fails or refuses is remembered (``problems``) and the next one tried; the one that
+last worked is tried first."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+import grpc
+
+from ...proto.v1 import relay_pb2 as pb
+from ...proto.v1 import relay_pb2_grpc as rpc
+from ..security.pki import GENERIC_NAME
+from .relay_address import RelayAddress, parse
+from .relay_pipe import relay_channel, splice
+from .tls import TLS
+
+log = logging.getLogger(__name__)
+CONNECT_TIMEOUT_S = 10.0  # a relay must confirm a tunnel (its target accepted) within this
+
+
+class RelayDialer:
+    def __init__(self, tls: TLS | None):
+        self._creds = tls.channel_credentials() if tls is not None else None
+        self._local: dict[str, str] = {}  # relay address -> loopback host:port of its listener
+        self._servers: list[asyncio.AbstractServer] = []
+        self._stubs: dict[str, tuple[grpc.aio.Channel, rpc.RelayStub]] = {}
+        self._preferred: dict[str, str] = {}  # node id -> relay that last worked
+        self.problems: dict[str, str] = {}  # relay host:port -> why its last tunnel failed
+        self._tunnels: set[asyncio.Task] = set()
+
+    def local(self, address: str) -> tuple[str, str]:
+        """(loopback address a channel should dial, node id it must reach) for a relay address.
+        Called from a synchronous channel lookup: the socket is bound and listening now, and
+        the connections queued on it are served once the loop gets to the server task."""
+        target = parse(address)
+        if address not in self._local:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(64)
+            self._local[address] = f"127.0.0.1:{sock.getsockname()[1]}"
+
+            async def start(sock=sock, target=target):
+                server = await asyncio.start_server(lambda r, w: self._tunnel(target, r, w), sock=sock)
+                self._servers.append(server)
+            asyncio.get_running_loop().create_task(start())
+        return self._local[address], target.node_id
+
+    def _stub(self, relay: str) -> rpc.RelayStub:
+        entry = self._stubs.get(relay)
+        if entry is None:
+            ch = relay_channel(relay, self._creds, GENERIC_NAME)
+            entry = self._stubs[relay] = (ch, rpc.RelayStub(ch))
+        return entry[1]
+
+    async def _tunnel(self, target: RelayAddress, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tunnels.add(task)
+        try:
+            await self._through_relays(target, reader, writer)
+        except asyncio.CancelledError:  # the node is stopping: this connection ends with it
+            writer.close()
+        finally:
+            if task is not None:
+                self._tunnels.discard(task)
+
+    async def _through_relays(self, target: RelayAddress, reader: asyncio.StreamReader,
+                              writer: asyncio.StreamWriter) -> None:
+        preferred = self._preferred.get(target.node_id)
+        order = sorted(target.relays, key=lambda r: r != preferred)
+        for relay in order:
+            call = self._stub(relay).Connect()
+            try:
+                await call.write(pb.RelayFrame(target=target.node_id))
+                first = await asyncio.wait_for(call.read(), CONNECT_TIMEOUT_S)
+                if first is grpc.aio.EOF or first.WhichOneof("body") != "tunnel_id":
+                    raise ConnectionError("the relay ended the tunnel before it opened")
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError) as e:
+                call.cancel()
+                why = e.details() if isinstance(e, grpc.aio.AioRpcError) else (str(e) or "no answer")
+                self.problems[relay] = f"relay {relay} to {target.node_id}: {why}"
+                log.info("%s", self.problems[relay])
+                continue
+            self._preferred[target.node_id] = relay
+            self.problems.pop(relay, None)
+            await splice(reader, writer, call)
+            return
+        writer.close()  # no relay reached the node: the TLS handshake on this connection fails
+
+    async def close(self) -> None:
+        for server in self._servers:
+            server.close()
+        for task in list(self._tunnels):
+            task.cancel()
+        await asyncio.gather(*self._tunnels, return_exceptions=True)
+        for ch, _ in self._stubs.values():
+            with contextlib.suppress(Exception):
+                await ch.close()
+        self._stubs.clear()

@@ -1,0 +1,101 @@
+"""The outbound-only side (``no_listen``): this node's peer server listens on a private Unix
+socket only, and it holds a ``Reserve`` stream to each of its relays. Each tunnel a relay offers
+is accepted and spliced to a fresh connection to that socket, so the peer server (and its mTLS)
+serves relayed callers exactly as it serves direct ones. A lost reservation is retried with
+backoff, while the other relays keep this node reachable."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from ...proto.v1 import relay_pb2 as pb
+from ...proto.v1 import relay_pb2_grpc as rpc
+from ..security.pki import GENERIC_NAME
+from .relay_pipe import relay_channel, splice
+from .tls import TLS
+
+log = logging.getLogger(__name__)
+RETRY_S = (0.2, 2.0)  # first and longest wait before reserving again at a relay that failed
+# tunnels this node has open through all its relays at once: a relay offering more (a hostile one
+# can offer without end) gets its offers ignored until some close
+MAX_TUNNELS = 64
+
+
+class RelayReservations:
+    def __init__(self, tls: TLS | None, relays: list[str], socket_path: str):
+        self.relays = list(relays)
+        self.socket_path = socket_path
+        self._creds = tls.channel_credentials() if tls is not None else None
+        self.state: dict[str, str] = {r: "reserving" for r in self.relays}  # relay -> "held" or why not
+        self._tasks: set[asyncio.Task] = set()
+        self._channels: list[grpc.aio.Channel] = []
+        self.open = 0  # tunnels accepted and not yet closed
+        self.ignored = 0  # offers past MAX_TUNNELS
+
+    def start(self) -> None:
+        for relay in self.relays:
+            self._spawn(self._hold(relay))
+
+    def held(self) -> list[str]:
+        return [r for r, s in self.state.items() if s == "held"]
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _hold(self, relay: str) -> None:
+        ch = relay_channel(relay, self._creds, GENERIC_NAME)
+        self._channels.append(ch)
+        stub = rpc.RelayStub(ch)
+        wait = RETRY_S[0]
+        while True:
+            try:
+                async for offer in stub.Reserve(pb.ReserveRequest()):
+                    if self.state[relay] != "held":
+                        log.info("relay reservation held at %s", relay)
+                        self.state[relay] = "held"
+                        wait = RETRY_S[0]
+                    if offer.tunnel_id and self.open < MAX_TUNNELS:
+                        self._spawn(self._accept(stub, offer.tunnel_id))
+                    elif offer.tunnel_id:
+                        self.ignored += 1
+                        log.warning("relay %s offers a tunnel past this node's %d open ones: ignored", relay, MAX_TUNNELS)
+                self.state[relay] = "the relay ended the reservation"
+            except grpc.aio.AioRpcError as e:
+                self.state[relay] = f"{e.code().name}: {e.details()}"
+            log.info("relay reservation at %s lost (%s); again in %.1f s", relay, self.state[relay], wait)
+            await asyncio.sleep(wait)  # backoff before reserving again
+            wait = min(RETRY_S[1], wait * 2)
+
+    async def _accept(self, stub: rpc.RelayStub, tunnel_id: str) -> None:
+        self.open += 1
+        try:
+            await self._bridge(stub, tunnel_id)
+        finally:
+            self.open -= 1
+
+    async def _bridge(self, stub: rpc.RelayStub, tunnel_id: str) -> None:
+        try:
+            reader, writer = await asyncio.open_unix_connection(self.socket_path)
+        except OSError as e:
+            log.warning("relayed tunnel %s: own peer socket unreachable: %s", tunnel_id, e)
+            return
+        call = stub.Accept()
+        try:
+            await call.write(pb.RelayFrame(tunnel_id=tunnel_id))
+        except grpc.aio.AioRpcError:
+            writer.close()
+            return
+        await splice(reader, writer, call)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for ch in self._channels:
+            with contextlib.suppress(Exception):
+                await ch.close()

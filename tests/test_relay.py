@@ -1,0 +1,435 @@
+"""Outbound-only nodes (``no_listen``) and relays (docs/nat.md), on real daemons and real sockets:
+an outbound-only node opens no peer port yet is a full member (served and serving, through a
+relay); two outbound-only nodes reach each other; relays are end-to-end blind (a malicious relay
+that reads, flips, drops, replays or impersonates gets nothing and breaks nothing); a relay's
+budget refuses with the limit's name; a SIGKILLed relay's nodes stay reachable through another."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+
+from coterie.node.config import PROTOCOL_VERSION, ConfigError, load_config
+from coterie.node.peering.errors import PeerCallError
+from coterie.node.peering.messages import NodeInfo
+from coterie.node.security.pki import load_credentials
+from coterie.node.transport.client import PeerClient
+from coterie.node.transport.relay_address import RelayAddressError, parse
+from coterie.node.transport.relay_dialer import RelayDialer
+from coterie.node.transport.relay_service import RelayBudget, RelayService
+from coterie.node.transport.relay_service import handlers as relay_handlers
+from coterie.node.transport.tls import TLS
+from coterie.proto.v1 import relay_pb2 as pb
+from coterie.proto.v1 import relay_pb2_grpc as rpc
+from tests.nodeproc import NodeProc, node_certs, wait_for
+
+pytestmark = pytest.mark.slow
+
+SCOOL = {"strategy": "scool-sbm", "strategy_params": {"mstep": "exact"}, "round_interval_s": 0.3, "privacy": {"budget_epsilon": 1e9}}
+
+
+def learner(i: int) -> dict:
+    return {"dataset": "mnist1d", "partition": "label_permutation", "num_nodes": 4, "node_index": i,
+            "model": "mlp", "local_steps": 3, "dataset_params": {"num_samples": 2000},
+            "partition_params": {"num_clusters": 1, "samples_per_node": 100}}
+
+
+def listening_tcp_ports(pid: int) -> set[int]:
+    """TCP ports process ``pid`` listens on (from /proc: its socket inodes in LISTEN state)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        m = re.match(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.exists(f"/proc/{pid}/fd/{fd}") else "")
+        if m:
+            inodes.add(m.group(1))
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def metric(node: NodeProc, name: str, kind: str) -> float:
+    text = node.get_text("/metrics")
+    m = re.search(rf'^{name}{{kind="{kind}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory):
+    """n0, n1 reachable; n7, n8 outbound-only, relayed by n0 and n1 (bootstrap: n0)."""
+    root = tmp_path_factory.mktemp("relay")
+    nodes: dict[str, NodeProc] = {}
+    try:
+        nodes["n0"] = NodeProc(root, "n0", {**SCOOL, "learner": learner(0)}).start()
+        nodes["n1"] = NodeProc(root, "n1", {**SCOOL, "learner": learner(1), "peers": [nodes["n0"].address]}).start()
+        relays = [nodes["n0"].address, nodes["n1"].address]
+        for i, name in ((2, "n7"), (3, "n8")):
+            nodes[name] = NodeProc(root, name, {**SCOOL, "learner": learner(i), "peers": [relays[0]],
+                                                "no_listen": True, "relay": {"via": relays}}).start()
+        yield root, nodes
+    finally:
+        for n in nodes.values():
+            n.stop()
+
+
+def test_outbound_only_node_opens_no_peer_port_and_advertises_its_relays(net):
+    _, nodes = net
+    n7 = nodes["n7"]
+    assert parse(n7.address).relays == (nodes["n0"].address, nodes["n1"].address)
+    assert parse(n7.address).node_id == "n7"
+    admin_port = int(n7.admin.rsplit(":", 1)[1].strip("/"))
+    assert listening_tcp_ports(n7.proc.pid) == {admin_port}  # the admin port only, on loopback
+    assert listening_tcp_ports(nodes["n0"].proc.pid) > {int(nodes["n0"].address.rsplit(":", 1)[1])} - {0}
+
+
+def test_outbound_only_nodes_are_full_members(net):
+    """Peers pull n7's snapshots and get its cross-loss/-gradient answers through the relay, n7 is
+    served, and the two outbound-only nodes reach each other."""
+    _, nodes = net
+    for n in nodes.values():
+        wait_for(lambda n=n: n.status()["peers_alive"] == 3, 60, f"{n.node_id} to know the three others alive")
+    n7, n8 = nodes["n7"], nodes["n8"]
+    for kind in ("snapshot", "cross_loss", "cross_gradient"):  # n7 serves: what it sent went through a relay
+        wait_for(lambda k=kind: metric(n7, "coterie_sent_bytes_total", k) > 0, 60, f"n7 to serve {kind}")
+        wait_for(lambda k=kind: metric(n7, "coterie_received_bytes_total", k) > 0, 60, f"n7 to be served {kind}")
+    peers8 = {p["node_id"]: p for p in n8.get("/peers")}
+    assert peers8["n7"]["state"] == "alive" and peers8["n7"]["address"].startswith("relay://")
+    wait_for(lambda: {p["node_id"]: p for p in n8.get("/peers")}["n7"]["cached_version"] is not None, 60,
+             "n8 to hold a snapshot of n7 (outbound-only to outbound-only)")
+    assert n8.status()["relay"]["reachability"] == f"relayed via {nodes['n0'].address},{nodes['n1'].address}"
+    assert n8.status()["relay"]["reservations"] == {nodes["n0"].address: "held", nodes["n1"].address: "held"}
+    assert "n8" in nodes["n0"].status()["relay"]["relaying_for"]
+    dial_back = wait_for(lambda: nodes["n1"].status()["relay"].get("dial_back"), 30, "n1's dial-back check")
+    assert dial_back == {nodes["n0"].address: f"reachable: dialled {nodes['n1'].address}"}
+    assert not [p for p in n7.status()["problems"] if "relay" in str(p)]
+
+
+def test_relay_failover_after_sigkill(net):
+    """SIGKILL the first relay: n7 stays reachable through n1 within a few heartbeat periods."""
+    _, nodes = net
+    n1, n7 = nodes["n1"], nodes["n7"]
+    wait_for(lambda: metric(n7, "coterie_sent_bytes_total", "snapshot") > 0, 60, "n7 to be pulled from")
+    nodes["n0"].kill(signal.SIGKILL)
+    before = metric(n7, "coterie_sent_bytes_total", "snapshot")
+    wait_for(lambda: metric(n7, "coterie_sent_bytes_total", "snapshot") > before, 20,
+             "n7 to serve a snapshot again, through n1")
+    peers1 = {p["node_id"]: p["state"] for p in n1.get("/peers")}
+    assert peers1["n7"] == "alive" and peers1["n8"] == "alive"
+    assert n7.proc.poll() is None
+
+
+# ---------------------------------------------------------------- relay budget, in-process relay
+
+async def _relay_server(root: Path, node_id: str, service: RelayService) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((relay_handlers(service),))
+    from grpc_health.v1 import health, health_pb2_grpc
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)  # as a node's port has
+    port = server.add_secure_port("127.0.0.1:0", service.tls.server_credentials())
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def _tls(root: Path, node_id: str) -> TLS:
+    return TLS(load_credentials(node_certs(root, node_id)))
+
+
+def _stub(root: Path, node_id: str, address: str) -> rpc.RelayStub:
+    tls = _tls(root, node_id)
+    ch = grpc.aio.secure_channel(address, tls.channel_credentials(),
+                                 options=[("grpc.ssl_target_name_override", tls.target_name(None))])
+    return rpc.RelayStub(ch)
+
+
+async def test_relay_budget_refusals_name_the_limit(tmp_path):
+    relay = RelayService(_tls(tmp_path, "r0"), RelayBudget(max_reservations=1, max_tunnels_per_peer=1,
+                                                           accept_timeout_s=30))
+    server, address = await _relay_server(tmp_path, "r0", relay)
+    try:
+        held = _stub(tmp_path, "n7", address).Reserve(pb.ReserveRequest())
+        assert (await held.read()).tunnel_id == ""  # reservation confirmed
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in _stub(tmp_path, "n8", address).Reserve(pb.ReserveRequest()):
+                pass
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_reservations (1)" in e.value.details()
+
+        dialer = _stub(tmp_path, "n1", address)
+        first = dialer.Connect()
+        await first.write(pb.RelayFrame(target="n7"))
+        assert (await held.read()).tunnel_id  # offered to n7, which never accepts: the tunnel stays open
+        second = dialer.Connect()
+        await second.write(pb.RelayFrame(target="n7"))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await second.read()
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_tunnels_per_peer (1)" in e.value.details()
+
+        nobody = dialer.Connect()
+        await nobody.write(pb.RelayFrame(target="n9"))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await nobody.read()
+        assert "'n9' holds no reservation" in e.value.details()
+        first.cancel()
+        held.cancel()
+    finally:
+        await server.stop(0)
+
+
+def test_relay_addresses_and_config_are_checked(tmp_path):
+    assert parse("relay://h:1,[::1]:2/n7").relays == ("h:1", "[::1]:2")
+    for bad in ("relay://h:1", "relay:///n7", "relay://h/n7", "relay://h:1/bad id", "h:1"):
+        with pytest.raises(RelayAddressError):
+            parse(bad)
+    with pytest.raises(ConfigError, match="no relay"):
+        load_config(None, {"no_listen": True, "state_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="needs mTLS"):
+        load_config(None, {"no_listen": True, "peers": ["h:1"], "security": {"insecure": True}})
+
+
+# ---------------------------------------------------------------- a malicious relay
+
+class EvilRelay(RelayService):
+    """A relay with a valid certificate that reads everything it forwards and, by ``mode``,
+    flips a byte, drops the node's answers, replays frames, or answers itself (its own cert)."""
+    mode = "read"
+    port = 0
+
+    def __init__(self, tls: TLS):
+        super().__init__(tls)
+        self.seen = bytearray()
+
+    async def forward(self, data: bytes, tunnel, to_target: bool) -> bytes | None:
+        self.seen += data
+        if self.mode == "flip" and not to_target and len(data) > 32:
+            flipped = bytearray(data)
+            flipped[len(flipped) // 2] ^= 0x01
+            return bytes(flipped)
+        if self.mode == "drop" and not to_target:
+            return None
+        if self.mode == "replay":
+            return data + data
+        return data
+
+    async def Connect(self, frames, context):
+        if self.mode != "impersonate":
+            async for frame in super().Connect(frames, context):
+                yield frame
+            return
+        it = frames.__aiter__()
+        await it.__anext__()
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)  # its own TLS server
+
+        async def up():
+            async for f in it:
+                writer.write(f.data)
+        task = asyncio.ensure_future(up())
+        yield pb.RelayFrame(tunnel_id="evil")
+        try:
+            while data := await reader.read(65536):
+                yield pb.RelayFrame(data=data)
+        finally:
+            task.cancel()
+            writer.close()
+
+
+async def test_a_malicious_relay_sees_ciphertext_only_and_every_tampering_is_refused(tmp_path):
+    evil = EvilRelay(_tls(tmp_path, "evil"))
+    server, evil_address = await _relay_server(tmp_path, "evil", evil)
+    evil.port = int(evil_address.rsplit(":", 1)[1])
+    n9 = NodeProc(tmp_path, "n9", {"strategy": "local", "round_interval_s": 0.5, "learner": learner(0),
+                                   "no_listen": True, "relay": {"via": [evil_address]}})
+    tls = _tls(tmp_path, "n1")
+    client = PeerClient("n1", _Quiet(), chunk_bytes=1 << 20, timeout_s=5, tls=tls, relay_dialer=RelayDialer(tls))
+    marker = "PLAINTEXT-" + "7e57" * 64
+    me = NodeInfo("n1", PROTOCOL_VERSION, "", address="127.0.0.1:1", labels={"secret": marker})
+    try:
+        await asyncio.to_thread(n9.start)
+        fp = n9.status()["fingerprint"]
+        me = NodeInfo("n1", PROTOCOL_VERSION, fp, address="127.0.0.1:1", labels={"secret": marker})
+        await _until(lambda: "n9" in evil.reserved())
+        remote, _ = await client.handshake(n9.address, me, timeout=5)  # reading only: the call works
+        assert remote.node_id == "n9"
+        assert len(evil.seen) > 1000
+        assert marker.encode() not in evil.seen and b"7e577e577e57" not in evil.seen
+        assert fp.encode() not in evil.seen and b"mnist1d" not in evil.seen
+
+        for mode in ("flip", "drop", "replay", "impersonate"):
+            evil.mode = mode
+            await client.forget(n9.address)  # a fresh TLS session through the relay
+            with pytest.raises(PeerCallError) as e:
+                await client.handshake(n9.address, me, timeout=3)
+            assert e.value.kind != "ok", mode
+            assert n9.proc.poll() is None and n9.status()["node_id"] == "n9", f"n9 down after {mode}"
+
+        # a daemon dialling n9 through the tampering relay: refused, and named in its /status
+        evil.mode = "flip"
+        n2 = NodeProc(tmp_path, "n2", {"strategy": "local", "round_interval_s": 0.5, "learner": learner(1),
+                                       "peers": [n9.address]})
+        try:
+            await asyncio.to_thread(n2.start)
+            problems = await asyncio.to_thread(wait_for, lambda: [p for p in n2.status()["problems"]
+                                                                  if n9.address in p["peer"]], 30,
+                                               "n2 to name the relayed n9 in its problems")
+            assert n2.status()["peers_alive"] == 0 and n9.proc.poll() is None
+            assert "Tls handshake failed" in problems[0]["message"]  # the altered record failed TLS's check
+        finally:
+            n2.stop()
+
+        evil.mode = "read"  # and the node still answers once the relay behaves
+        await client.forget(n9.address)
+        assert (await client.handshake(n9.address, me, timeout=5))[0].node_id == "n9"
+    finally:
+        await client.close()
+        n9.stop()
+        await server.stop(0)
+
+
+class _Quiet:
+    def record(self, *a, **k): pass
+    def latency(self, *a, **k): pass
+
+
+async def _until(cond, timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def test_scenario_overrides_make_outbound_only_nodes(tmp_path):
+    from coterie.lab.scenario import node_config, parse_scenario
+    base = {"name": "nat", "nodes": 4, "strategy": ["local"], "rounds": 1, "bootstrap": "star",
+            "learner": {"dataset": "mnist1d", "model": "mlp"}}
+    sc = parse_scenario({**base, "overrides": [{"nodes": [2, 3], "no_listen": True}]})
+    cfg = node_config(sc, "local", 3, tmp_path, bootstrap="127.0.0.1:5000")
+    assert cfg.no_listen and cfg.relays() == ["127.0.0.1:5000"]
+    assert not node_config(sc, "local", 1, tmp_path, bootstrap="127.0.0.1:5000").no_listen
+    with pytest.raises(ConfigError, match="no relay"):  # n0 has no bootstrap peer to relay for it
+        parse_scenario({**base, "overrides": [{"nodes": [0], "no_listen": True}]})
+    with pytest.raises(ConfigError, match="n3 is no_listen and so is its bootstrap peer n2"):
+        parse_scenario({**base, "bootstrap": "chain", "overrides": [{"nodes": [2, 3], "no_listen": True}]})
+
+
+def test_cli_no_listen_without_a_relay_is_refused(tmp_path):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "coterie.cli.main", "node", "start", "--no-listen",
+                          "--state-dir", str(tmp_path / "s"), "--cert-dir", str(node_certs(tmp_path, "n5"))],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "no relay to be reached through" in out.stderr + out.stdout
+    out = subprocess.run([sys.executable, "-m", "coterie.cli.main", "node", "start", "--no-listen",
+                          "--relay", "10.0.0.1:7000", "--relay", "nohost", "--state-dir", str(tmp_path / "s")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "relay.via: expected host:port, got 'nohost'" in out.stderr + out.stdout
+    ok = load_config(None, {"no_listen": True, "relay": {"via": ["10.0.0.1:7000", "10.0.0.2:7000"]},
+                            "security": {"cert_dir": str(node_certs(tmp_path, "n5"))}})
+    assert ok.relays() == ["10.0.0.1:7000", "10.0.0.2:7000"]
+
+
+async def test_a_relay_offering_tunnels_without_end_gets_a_bounded_number(tmp_path, monkeypatch):
+    """A hostile relay may offer tunnels as fast as it likes: the node opens at most MAX_TUNNELS."""
+    from coterie.node.transport import relay_reservations as rr
+    monkeypatch.setattr(rr, "MAX_TUNNELS", 3)
+    opened = []
+
+    async def hold(reader, writer):  # the node's own peer socket: connections stay open
+        opened.append(writer)
+        await reader.read()
+    sock = str(tmp_path / "peer.sock")
+    peer = await asyncio.start_unix_server(hold, sock)
+    relay = RelayService(_tls(tmp_path, "r0"), RelayBudget(max_tunnels_per_peer=100, accept_timeout_s=30))
+    server, address = await _relay_server(tmp_path, "r0", relay)
+    node = rr.RelayReservations(_tls(tmp_path, "n7"), [address], sock)
+    try:
+        node.start()
+        await _until(lambda: node.held() == [address])
+        dialer = _stub(tmp_path, "n1", address)
+        calls = []
+        for _ in range(10):
+            c = dialer.Connect()
+            await c.write(pb.RelayFrame(target="n7"))
+            calls.append(c)
+        await _until(lambda: node.ignored == 7)  # every offer seen: seven past the cap
+        assert node.open == 3
+        await _until(lambda: len(opened) == 3)
+        for c in calls:
+            c.cancel()
+    finally:
+        await node.stop()
+        await server.stop(0)
+        peer.close()
+
+
+def test_peers_table_shows_reachability_when_a_peer_is_relayed():
+    from rich.console import Console
+
+    from coterie.cli.render import peers_table
+    rows = [{"node_id": "n1", "address": "127.0.0.1:5001", "state": "alive"},
+            {"node_id": "n7", "address": "relay://127.0.0.1:5001,127.0.0.1:5003/n7", "state": "alive"}]
+    console = Console(width=400, record=True)
+    console.print(peers_table(rows))
+    text = console.export_text()
+    assert "reachability" in text and "relayed via 127.0.0.1:5001,127.0.0.1:5003" in text and "direct" in text
+    console = Console(width=400, record=True)
+    console.print(peers_table(rows[:1]))
+    assert "reachability" not in console.export_text()
+
+
+async def test_malformed_relay_frames_are_refused_with_a_reason(tmp_path):
+    relay = RelayService(_tls(tmp_path, "r0"))
+    server, address = await _relay_server(tmp_path, "r0", relay)
+    tls = _tls(tmp_path, "n1")
+    ch = grpc.aio.secure_channel(address, tls.channel_credentials(),
+                                 options=[("grpc.ssl_target_name_override", tls.target_name(None))])
+    try:
+        for method in ("Connect", "Accept"):
+            call = ch.stream_stream(f"/coterie.v1.Relay/{method}", request_serializer=None,
+                                    response_deserializer=None)()
+            await call.write(b"\xff\xff\xff\x07garbage")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call.read()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a RelayFrame" in e.value.details()
+        call = ch.stream_stream("/coterie.v1.Relay/Connect", request_serializer=None, response_deserializer=None)()
+        await call.write(pb.RelayFrame(data=b"x").SerializeToString())  # data before the target
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call.read()
+        assert "must start with target, not data" in e.value.details()
+    finally:
+        await ch.close()
+        await server.stop(0)
+
+
+async def test_dial_back_reaches_only_the_caller_itself(tmp_path):
+    """A peer dials the caller back at the caller's own IP; "reachable" only when the caller's
+    certificate answers there: a closed port, or another node's server at that port, is not."""
+    from coterie.node.transport import dial_back
+    relay = RelayService(_tls(tmp_path, "r0"))
+    server, address = await _relay_server(tmp_path, "r0", relay)
+    other, other_address = await _relay_server(tmp_path, "r9", RelayService(_tls(tmp_path, "r9")))
+    mine, my_address = await _relay_server(tmp_path, "n5", RelayService(_tls(tmp_path, "n5")))
+    try:
+        n5 = _tls(tmp_path, "n5")
+        for port, expect in ((int(my_address.rsplit(":", 1)[1]), "reachable: dialled 127.0.0.1:"),
+                             (int(other_address.rsplit(":", 1)[1]), "unreachable: dialled 127.0.0.1:"),
+                             (_free_port(), "unreachable: dialled 127.0.0.1:")):
+            answer = (await dial_back.check(n5, [address], port))[address]
+            assert answer.startswith(expect), (port, answer)
+    finally:
+        for s in (server, other, mine):
+            await s.stop(0)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
