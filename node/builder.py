@@ -17,6 +17,7 @@ from .learning.learner import Learner
 from .node_metrics import NodeMetrics
 from .peering.admission import Admission
 from .peering.deadlines import Deadlines
+from .peering.discovery import Discovery, DiscoveryHooks, DiscoverySettings
 from .peering.inbox import PushInbox
 from .peering.interfaces import PeerTransport, TransportFactory
 from .peering.loop_lag import LoopLag
@@ -122,6 +123,12 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
                           private, labels=host.labels, request_timeout_s=cfg.request_timeout_s,
                           deadlines=deadlines, exchange_timeout_s=cfg.exchange_timeout_s,
                           on_call_failed=membership.suspect_hint, watch=cfg.watch_snapshots)
+    d = cfg.discovery
+    network.discovery = Discovery(
+        host.node_id, peers.alive, usable=lambda p: network._address(p) is not None,
+        settings=DiscoverySettings(candidates=d.candidates, explore=d.explore, recommend=d.recommend,
+                                   per_recommender=d.per_recommender), rng=random.Random(f"discovery-{seed}"))
+    network.discovery_above = d.above
     strategy = get_strategy(cfg.strategy)(host.node_id, learner, network, cfg.strategy_params, seed=seed)
 
     # a diverged step or round is rolled back, counted and noted; nothing non-finite is published
@@ -131,8 +138,9 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
 
     guard = RoundGuard(learner, strategy, on_divergence)
     admission = Admission(cfg.limits, on_refused=_over_budget_noter(m, problems))
+    hooks = DiscoveryHooks(strategy, network.discovery)  # "whom do you weight?" before the strategy
     served = ServedRequests(host.node_id, host.info, membership, learner, host.spec,
-                            strategy, board, cache, inbox, problems, private, serves,
+                            hooks, board, cache, inbox, problems, private, serves,
                             on_refused=lambda kind: m.rejected.labels(kind=kind).inc(),
                             admission=admission, push_policy=cfg.limits,
                             compute_workers=cfg.limits.compute_workers,

@@ -95,7 +95,8 @@ class NodeViews:
                 "strategy_state": n.strategy.public_state(), "problems": n.problems.recent(10),
                 "faulty": n.cfg.faulty, "mtls": n.transport.mtls,
                 "admission": n.admission.view(), "traffic_since_last_round": n.traffic.pending(),
-                "membership": self.membership_view(), "privacy": self.privacy_view(),
+                "membership": self.membership_view(), "discovery": n.network.discovery_view(),
+                "privacy": self.privacy_view(),
                 "collaboration": n.network.releases.view(),
                 "data": n.learner.data_info(), "history_summary": history_summary(n.store.summary),
                 "relay": self.relay_view()}
