@@ -1,6 +1,6 @@
 """The NAT testbed, run by CI (.ci/run, "NAT testbed (network namespaces)"; docs/nat.md):
 
-    sudo python -m tests.natbed.run            # NATBED_SITE_SIZE (default 3), NATBED_ROUNDS (4)
+    sudo python -m tests.natbed.run            # NATBED_SITE_SIZE (default 3), NATBED_ROUNDS (6)
 
 Real daemons in network namespaces (netns.py): two reachable nodes p0, p1 on a public segment;
 two sites of outbound-only nodes (``--no-listen --relay p0 --relay p1``) behind routers doing
@@ -75,7 +75,7 @@ def node_config(n: int, index: int, rounds: int, peers: list[str]) -> dict[str, 
         "request_timeout_s": 30.0, "strategy": "fedfomo",
         "strategy_params": {"num_models": n - 1, "eps": 0.0},  # pull every peer every round
         "learner": {"dataset": "mnist1d", "partition": "label_permutation", "num_nodes": n, "node_index": index,
-                    "model": "mlp", "local_steps": 5, "dataset_params": {"num_samples": 2000},
+                    "model": "mlp", "local_steps": 20, "dataset_params": {"num_samples": 2000},
                     "partition_params": {"num_clusters": 1, "samples_per_node": 120}},
     }
 
@@ -129,9 +129,12 @@ def check_full_members(topo: Topology, nodes: dict[str, NsNode], rounds: int) ->
                   f"weighs {sorted(weighted[h] & set(others)) or 'none'} across the NAT")
     cross = sum(bool(weighted[h] & (set(natted) - set(_site(topo, h).hosts))) for h in natted)
     assert cross, "no NAT'd node gave a positive FedFomo weight to a model from the other site"
-    last = {h: (hist[-1].get("eval") or {}) for h, hist in history.items() if hist}
-    print(f"  {cross}/{len(natted)} NAT'd nodes weigh a model from the other site; last eval: "
-          + ", ".join(f"{h} {_acc(e)}" for h, e in sorted(last.items())))
+    print(f"  {cross}/{len(natted)} NAT'd nodes weigh a model from the other site")
+    loss = [[float(hist[k]["eval"]["test_loss"]) for hist in history.values()] for k in (0, -1)]
+    acc = [sum(float(hist[k]["eval"]["test_acc"]) for hist in history.values()) / len(history) for k in (0, -1)]
+    print(f"  mean test loss round 1 -> {rounds}: {_mean(loss[0]):.3f} -> {_mean(loss[1]):.3f}; "
+          f"mean test accuracy {acc[0]:.3f} -> {acc[1]:.3f}")
+    assert _mean(loss[1]) < _mean(loss[0]), "the network did not learn: mean test loss did not fall"
     for h in natted:
         problems = [p for p in nodes[h].get("/status")["problems"] if "relay" in str(p)]
         assert not problems, f"{h}: relay problems {problems}"
@@ -143,16 +146,15 @@ def _site(topo: Topology, host: str) -> Site:
     return site
 
 
-def _acc(e: dict[str, Any]) -> str:
-    acc = next((v for k, v in e.items() if "acc" in k and isinstance(v, (int, float))), None)
-    return f"{acc:.2f}" if acc is not None else "-"
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
 
 
 def main() -> int:
     if os.geteuid() != 0:
         print("natbed: needs root (network namespaces, iptables)", file=sys.stderr)
         return 2
-    size, rounds = int(os.environ.get("NATBED_SITE_SIZE", "3")), int(os.environ.get("NATBED_ROUNDS", "4"))
+    size, rounds = int(os.environ.get("NATBED_SITE_SIZE", "3")), int(os.environ.get("NATBED_ROUNDS", "6"))
     topo = Topology(prefix=os.environ.get("NATBED_PREFIX", "cnb"), site_size=size)
     nodes: dict[str, NsNode] = {}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below cleans up
