@@ -1,6 +1,7 @@
 """Real ``coterie node start`` daemons, each inside its own network namespace (``ip netns exec``),
 with certificates from ``coterie ca init`` / ``coterie cert issue``; their admin APIs, on each
 namespace's own loopback, are read from a thread inside that namespace (netns.Topology.in_netns)."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import tomli_w
 
@@ -55,17 +57,39 @@ class NsNode:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.state_dir = self.dir / "state"
         self.config_path = self.dir / "node.toml"
-        self.config_path.write_text(tomli_w.dumps({
-            "node_id": host, "state_dir": str(self.state_dir), "admin_listen": ADMIN,
-            "security": {"cert_dir": str(root / "pki" / host)}, "log_level": "INFO", **config}))
+        self.config_path.write_text(
+            tomli_w.dumps(
+                {
+                    "node_id": host,
+                    "state_dir": str(self.state_dir),
+                    "admin_listen": ADMIN,
+                    "security": {"cert_dir": str(root / "pki" / host)},
+                    "log_level": "INFO",
+                    **config,
+                }
+            )
+        )
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "NsNode":
+    def start(self) -> NsNode:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         with open(self.dir / "node.log", "ab") as log:
             self.proc = subprocess.Popen(
-                [*self.topo.exec_prefix(self.host), sys.executable, "-m", "coterie.cli.main", "node", "start",
-                 "--config", str(self.config_path), *self.args], stdout=log, stderr=subprocess.STDOUT, env=env)
+                [
+                    *self.topo.exec_prefix(self.host),
+                    sys.executable,
+                    "-m",
+                    "coterie.cli.main",
+                    "node",
+                    "start",
+                    "--config",
+                    str(self.config_path),
+                    *self.args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         return self
 
     def ready(self) -> bool:
@@ -78,6 +102,7 @@ class NsNode:
     @property
     def token(self) -> str:
         from coterie.node.admin_token import token_for_state_dir
+
         return token_for_state_dir(self.state_dir) or ""
 
     def get_text(self, path: str) -> str:
@@ -85,6 +110,7 @@ class NsNode:
             req = urllib.request.Request(f"http://{ADMIN}{path}", headers={"Authorization": f"Bearer {self.token}"})
             with urllib.request.urlopen(req, timeout=10) as r:
                 return r.read().decode()
+
         return self.topo.in_netns(self.host, fetch)
 
     def get(self, path: str) -> Any:
@@ -93,6 +119,10 @@ class NsNode:
     def log_tail(self, n: int = 30) -> str:
         p = self.dir / "node.log"
         return "\n".join(p.read_text(errors="replace").splitlines()[-n:]) if p.exists() else ""
+
+    def terminate(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

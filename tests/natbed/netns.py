@@ -15,14 +15,16 @@ even have routes to the sites through their routers, so the firewall alone stand
 Everything is made inside namespaces whose names start with the prefix: nothing is added to the
 host's own network. ``in_netns`` runs a function on a thread that has entered one namespace,
 so the checker can open sockets there (admin APIs listen on each namespace's own loopback)."""
+
 from __future__ import annotations
 
 import ctypes
 import os
 import subprocess
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 CLONE_NEWNET = 0x40000000
 PUBLIC_NET = "10.77.0"
@@ -41,8 +43,8 @@ def sh(*args: str) -> str:
 
 @dataclass
 class Site:
-    name: str        # "a", "b"
-    index: int       # 1, 2: router r<index>, LAN 10.77.<index>.0/24
+    name: str  # "a", "b"
+    index: int  # 1, 2: router r<index>, LAN 10.77.<index>.0/24
     size: int
 
     @property
@@ -136,8 +138,21 @@ class Topology:
         sh(*ipt, "-P", "FORWARD", "DROP")
         sh(*ipt, "-A", "FORWARD", "-i", "lan", "-o", "lan", "-j", "ACCEPT")  # within the site (br_netfilter)
         sh(*ipt, "-A", "FORWARD", "-i", "lan", "-o", "wan", "-j", "ACCEPT")  # out: anything
-        sh(*ipt, "-A", "FORWARD", "-i", "wan", "-o", "lan", "-m", "conntrack",
-           "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")  # in: answers only; the rest: policy DROP
+        sh(
+            *ipt,
+            "-A",
+            "FORWARD",
+            "-i",
+            "wan",
+            "-o",
+            "lan",
+            "-m",
+            "conntrack",
+            "--ctstate",
+            "ESTABLISHED,RELATED",
+            "-j",
+            "ACCEPT",
+        )  # in: answers only; the rest: policy DROP
         sh(*ipt, "-A", "INPUT", "-i", "wan", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
         sh(*ipt, "-A", "INPUT", "-i", "wan", "-j", "DROP")
 

@@ -10,9 +10,11 @@ and a site host's outbound connection arrives from its router's public address),
 NAT'd node is a full member: relayed via both public nodes, it pulls snapshots of nodes at the
 other site and they pull its, and FedFomo weighs models across the NAT. Exit status 0 = all held;
 namespaces and daemons are removed on any exit (SIGTERM and SIGINT included)."""
+
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -53,8 +55,7 @@ def check_nat_is_real(topo: Topology) -> None:
             assert got != "ok", f"p0 connected to {inside} behind {site.router}: the NAT lets new inbound in"
             assert topo.dropped_inbound(site) > before, f"{site.router}'s firewall dropped nothing ({got})"
             assert topo.in_netns(other, _connect, topo.address(inside), 5.0) == "ok", "no control connect in the site"
-            print(f"  site {site.name}: public -> {inside} refused by {site.router} ({got}); "
-                  f"{other} -> {inside} ok")
+            print(f"  site {site.name}: public -> {inside} refused by {site.router} ({got}); {other} -> {inside} ok")
         finally:
             topo.in_netns(inside, server.close)
         server = topo.in_netns("p0", _listen, p0_ip)
@@ -70,21 +71,35 @@ def check_nat_is_real(topo: Topology) -> None:
 
 def node_config(n: int, index: int, rounds: int, peers: list[str]) -> dict[str, Any]:
     return {
-        "peers": peers, "rounds": rounds, "min_peers": n - 1, "start_timeout_s": 90.0,
-        "round_interval_s": 0.0, "heartbeat_interval_s": 0.5, "suspect_after_s": 4.0, "dead_after_s": 10.0,
-        "request_timeout_s": 30.0, "strategy": "fedfomo",
+        "peers": peers,
+        "rounds": rounds,
+        "min_peers": n - 1,
+        "start_timeout_s": 90.0,
+        "round_interval_s": 0.0,
+        "heartbeat_interval_s": 0.5,
+        "suspect_after_s": 4.0,
+        "dead_after_s": 10.0,
+        "request_timeout_s": 30.0,
+        "strategy": "fedfomo",
         "strategy_params": {"num_models": n - 1, "eps": 0.0},  # pull every peer every round
-        "learner": {"dataset": "mnist1d", "partition": "label_permutation", "num_nodes": n, "node_index": index,
-                    "model": "mlp", "local_steps": 20, "dataset_params": {"num_samples": 2000},
-                    "partition_params": {"num_clusters": 1, "samples_per_node": 120}},
+        "learner": {
+            "dataset": "mnist1d",
+            "partition": "label_permutation",
+            "num_nodes": n,
+            "node_index": index,
+            "model": "mlp",
+            "local_steps": 20,
+            "dataset_params": {"num_samples": 2000},
+            "partition_params": {"num_clusters": 1, "samples_per_node": 120},
+        },
     }
 
 
-def start_nodes(topo: Topology, root: Path, rounds: int) -> dict[str, NsNode]:
+def start_nodes(topo: Topology, root: Path, rounds: int, nodes: dict[str, NsNode]) -> None:
+    """Into ``nodes`` as each starts, so that the caller's clean-up finds every one."""
     hosts = [*topo.public, *(h for s in topo.sites for h in s.hosts)]
     make_pki(root, hosts)
     relays = [f"{topo.address(p)}:{PEER_PORT}" for p in topo.public]
-    nodes: dict[str, NsNode] = {}
     for i, host in enumerate(hosts):
         cfg = node_config(len(hosts), i, rounds, [relays[0]] if host != "p0" else [])
         if host in topo.public:
@@ -98,26 +113,33 @@ def start_nodes(topo: Topology, root: Path, rounds: int) -> dict[str, NsNode]:
             wait_for(node.ready, 120, f"{node.host} to come up")
         except AssertionError:
             raise AssertionError(f"{node.host} did not come up:\n{node.log_tail()}") from None
-    return nodes
 
 
 def check_full_members(topo: Topology, nodes: dict[str, NsNode], rounds: int) -> None:
     relays = ",".join(f"{topo.address(p)}:{PEER_PORT}" for p in topo.public)
     natted = [h for s in topo.sites for h in s.hosts]
     for h in natted:
-        relay = wait_for(lambda h=h: (r := nodes[h].get("/status")["relay"])["reachability"] != "direct" and r,
-                         60, f"{h} to reserve at its relays")
+        relay = wait_for(
+            lambda h=h: (r := nodes[h].get("/status")["relay"])["reachability"] != "direct" and r,
+            60,
+            f"{h} to reserve at its relays",
+        )
         assert relay["reachability"] == f"relayed via {relays}", f"{h}: {relay}"
-        wait_for(lambda h=h: set(nodes[h].get("/status")["relay"]["reservations"].values()) == {"held"}, 60,
-                 f"{h} to hold a reservation at both relays")
+        wait_for(
+            lambda h=h: set(nodes[h].get("/status")["relay"]["reservations"].values()) == {"held"},
+            60,
+            f"{h} to hold a reservation at both relays",
+        )
     t0 = time.monotonic()
     for h, node in nodes.items():
         wait_for(lambda node=node: node.get("/status")["round"] >= rounds, 180, f"{h} to finish {rounds} rounds")
     print(f"  {rounds} rounds on all {len(nodes)} nodes {time.monotonic() - t0:.1f} s after every relay was held")
     history = {h: n.get("/history") for h, n in nodes.items()}
     contacted = {h: {p for e in hist for p in (e.get("contacted") or [])} for h, hist in history.items()}
-    weighted = {h: {p for e in hist for p, w in (e.get("weights") or {}).items() if p != h and (w or 0) > 0}
-                for h, hist in history.items()}
+    weighted = {
+        h: {p for e in hist for p, w in (e.get("weights") or {}).items() if p != h and (w or 0) > 0}
+        for h, hist in history.items()
+    }
     for site in topo.sites:
         others = [h for h in natted if h not in site.hosts]
         for h in site.hosts:
@@ -125,15 +147,19 @@ def check_full_members(topo: Topology, nodes: dict[str, NsNode], rounds: int) ->
             assert pulled, f"{h} pulled no snapshot from the other site (contacted: {sorted(contacted[h])})"
             pulled_by = {o for o in others if h in contacted[o]}
             assert pulled_by, f"no node at the other site pulled {h}'s snapshot"
-            print(f"  {h}: pulled {sorted(pulled)}, pulled by {sorted(pulled_by)}, "
-                  f"weighs {sorted(weighted[h] & set(others)) or 'none'} across the NAT")
+            print(
+                f"  {h}: pulled {sorted(pulled)}, pulled by {sorted(pulled_by)}, "
+                f"weighs {sorted(weighted[h] & set(others)) or 'none'} across the NAT"
+            )
     cross = sum(bool(weighted[h] & (set(natted) - set(_site(topo, h).hosts))) for h in natted)
     assert cross, "no NAT'd node gave a positive FedFomo weight to a model from the other site"
     print(f"  {cross}/{len(natted)} NAT'd nodes weigh a model from the other site")
     loss = [[float(hist[k]["eval"]["test_loss"]) for hist in history.values()] for k in (0, -1)]
     acc = [sum(float(hist[k]["eval"]["test_acc"]) for hist in history.values()) / len(history) for k in (0, -1)]
-    print(f"  mean test loss round 1 -> {rounds}: {_mean(loss[0]):.3f} -> {_mean(loss[1]):.3f}; "
-          f"mean test accuracy {acc[0]:.3f} -> {acc[1]:.3f}")
+    print(
+        f"  mean test loss round 1 -> {rounds}: {_mean(loss[0]):.3f} -> {_mean(loss[1]):.3f}; "
+        f"mean test accuracy {acc[0]:.3f} -> {acc[1]:.3f}"
+    )
     assert _mean(loss[1]) < _mean(loss[0]), "the network did not learn: mean test loss did not fall"
     for h in natted:
         problems = [p for p in nodes[h].get("/status")["problems"] if "relay" in str(p)]
@@ -162,14 +188,16 @@ def main() -> int:
     keep = os.environ.get("NATBED_DIR")
     root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="natbed-"))
     root.mkdir(parents=True, exist_ok=True)
+    ok = False
     try:
         topo.up()
         print(f"natbed: {len(topo.made)} namespaces up ({time.monotonic() - t0:.1f} s); checking the NAT")
         check_nat_is_real(topo)
-        nodes = start_nodes(topo, root, rounds)
+        start_nodes(topo, root, rounds, nodes)
         print(f"natbed: {len(nodes)} daemons up ({time.monotonic() - t0:.1f} s); {2 * size} behind NAT")
         check_full_members(topo, nodes, rounds)
         print(f"natbed: ok ({time.monotonic() - t0:.1f} s)")
+        ok = True
         return 0
     except AssertionError as e:
         print(f"natbed: FAILED: {e}", file=sys.stderr)
@@ -177,10 +205,14 @@ def main() -> int:
             print(f"--- {n.host} log tail\n{n.log_tail(15)}", file=sys.stderr)
         return 1
     finally:
+        for n in nodes.values():  # all at once, then wait for each
+            n.terminate()
         for n in nodes.values():
             n.stop()
         topo.down()
-        print(f"natbed: cleaned up; logs and state in {root}")
+        if ok and not keep:
+            shutil.rmtree(root, ignore_errors=True)
+        print("natbed: namespaces and daemons removed" + ("" if ok and not keep else f"; logs and state in {root}"))
 
 
 if __name__ == "__main__":
