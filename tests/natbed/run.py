@@ -20,6 +20,7 @@ import socket
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -119,20 +120,12 @@ def check_full_members(topo: Topology, nodes: dict[str, NsNode], rounds: int) ->
     relays = ",".join(f"{topo.address(p)}:{PEER_PORT}" for p in topo.public)
     natted = [h for s in topo.sites for h in s.hosts]
     for h in natted:
-        relay = wait_for(
-            lambda h=h: (r := nodes[h].get("/status")["relay"])["reachability"] != "direct" and r,
-            60,
-            f"{h} to reserve at its relays",
-        )
+        relay = wait_for(partial(_relayed, nodes[h]), 60, f"{h} to reserve at its relays")
         assert relay["reachability"] == f"relayed via {relays}", f"{h}: {relay}"
-        wait_for(
-            lambda h=h: set(nodes[h].get("/status")["relay"]["reservations"].values()) == {"held"},
-            60,
-            f"{h} to hold a reservation at both relays",
-        )
+        wait_for(partial(_all_held, nodes[h]), 60, f"{h} to hold a reservation at both relays")
     t0 = time.monotonic()
     for h, node in nodes.items():
-        wait_for(lambda node=node: node.get("/status")["round"] >= rounds, 180, f"{h} to finish {rounds} rounds")
+        wait_for(partial(_finished, node, rounds), 180, f"{h} to finish {rounds} rounds")
     print(f"  {rounds} rounds on all {len(nodes)} nodes {time.monotonic() - t0:.1f} s after every relay was held")
     history = {h: n.get("/history") for h, n in nodes.items()}
     contacted = {h: {p for e in hist for p in (e.get("contacted") or [])} for h, hist in history.items()}
@@ -164,6 +157,19 @@ def check_full_members(topo: Topology, nodes: dict[str, NsNode], rounds: int) ->
     for h in natted:
         problems = [p for p in nodes[h].get("/status")["problems"] if "relay" in str(p)]
         assert not problems, f"{h}: relay problems {problems}"
+
+
+def _relayed(node: NsNode) -> dict[str, Any] | None:
+    relay: dict[str, Any] = node.get("/status")["relay"]
+    return relay if relay["reachability"] != "direct" else None
+
+
+def _all_held(node: NsNode) -> bool:
+    return set(node.get("/status")["relay"]["reservations"].values()) == {"held"}
+
+
+def _finished(node: NsNode, rounds: int) -> bool:
+    return int(node.get("/status")["round"]) >= rounds
 
 
 def _site(topo: Topology, host: str) -> Site:
