@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import subprocess
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -167,7 +168,10 @@ class Topology:
     def dropped_inbound(self, s: Site) -> int:
         """Packets the router's FORWARD policy dropped (new connections from the WAN)."""
         out = sh("ip", "netns", "exec", self.ns(s.router), "iptables", "-L", "FORWARD", "-v", "-x", "-n")
-        return int(out.splitlines()[0].split("policy DROP ")[1].split()[0])
+        m = re.search(r"\(policy (\w+) (\d+) packets", out)
+        if not m:
+            raise NetnsError(f"{s.router}: no FORWARD policy counter in {out.splitlines()[:1]}")
+        return int(m.group(2)) if m.group(1) == "DROP" else 0
 
     # ------------------------------------------------------------------ acting inside
     def in_netns(self, host: str, fn: Callable[..., Any], *args: Any, timeout: float = 60) -> Any:
