@@ -25,7 +25,7 @@ from .privacy.ledger import PrivacyLedger
 from .privacy.mechanisms import PrivateData
 from .privacy.purposes import purpose, purposes_of
 from .revocations import Revocations
-from .security.crl_gossip import CrlHooks
+from .security.crl_gossip import CrlExchange
 from .peering.interfaces import PeerTransport
 from .strategies.base import Strategy
 from .strategies.registry import get_strategy
@@ -111,10 +111,10 @@ def wire_peer_plane(node: Any, cfg: NodeConfig, learner: Learner) -> None:
     node.guard = RoundGuard(learner, node.strategy, on_divergence)
     node._budget_noted = {}
     node.admission = Admission(cfg.limits, on_refused=node._over_budget)
-    hooks = CrlHooks(node.strategy, revocation) if revocation is not None else node.strategy
     node.served = ServedRequests(node.node_id, node.info, node.membership, learner, node.spec,
-                                 hooks, node.board, node.cache, node.inbox, node.problems,
+                                 node.strategy, node.board, node.cache, node.inbox, node.problems,
                                  node.private, node.serves,
                                  on_refused=lambda kind: node.m.rejected.labels(kind=kind).inc(),
                                  admission=node.admission, push_policy=cfg.limits,
-                                 compute_workers=cfg.limits.compute_workers)
+                                 compute_workers=cfg.limits.compute_workers,
+                                 revocations=CrlExchange(revocation, node.node_id) if revocation is not None else None)

@@ -1,11 +1,12 @@
 """A node's side of certificate revocation (``security/revocation.py`` holds the CA-signed list):
-revoked peers leave membership for good, and the list spreads by gossip outside any round
+revoked peers leave membership for good, and the list spreads peer to peer outside any round
 (``security/crl_gossip.py``). Wired by the builder; the daemon only starts ``spread()``."""
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from .peering.api import RevocationList
 from .peering.peer_table import PeerTable
 from .security import crl_gossip
 
@@ -23,16 +24,16 @@ class Revocations:
         for node_id in self.peers.ban(node_ids):
             log.warning("peer %s: revoked by the network CA's revocation list; dropped", node_id)
 
-    async def exchange(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
+    async def exchange(self, peer: str, mine: RevocationList) -> RevocationList | None:
         """One CRL exchange, outside any round's exchange phase (it is not the round's work)."""
         rec = self.peers.records.get(peer)
         if rec is None or not rec.address or self.client is None:
             return None
         try:
-            return await self.client.gossip(rec.address, self.node_id, key, payload, self.timeout_s, peer=peer)
+            return await self.client.exchange_revocations(rec.address, mine, self.timeout_s, peer=peer)
         except Exception as e:  # noqa: BLE001 - unreachable, refused, or an old peer: the next period tries another
             log.debug("CRL exchange with %s failed: %s", peer, e)
             return None
 
     async def spread(self) -> None:
-        await crl_gossip.spread(self.revocation, self.peers.alive, self.exchange)
+        await crl_gossip.spread(self.revocation, self.node_id, self.peers.alive, self.exchange)

@@ -21,12 +21,17 @@ import msgpack
 import torch
 from hypothesis import strategies as st
 
+from google.protobuf.descriptor import FieldDescriptor as F
+
 from coterie.node.config import PROTOCOL_VERSION
+from coterie.node.peering import api
+from coterie.node.transport.serde import WIRE
 from coterie.node.wire.codec import MAGIC, encode
 from coterie.proto.v1 import peer_pb2 as pb
 
-UNARY = ("Handshake", "Heartbeat", "ExchangePeers", "GossipState")
-METHODS = (*UNARY, "GetSnapshot", "CrossLoss", "PushGradient", "CrossGradient")
+UNARY = tuple(rpc.name for rpc in api.UNARY)  # every unary call of the table, fuzzed without a list to keep
+STREAMS = ("GetSnapshot", "CrossLoss", "PushGradient", "CrossGradient")
+METHODS = (*UNARY, *STREAMS)
 # codes a refusal may carry (plus OK); UNKNOWN or INTERNAL is a bug. DEADLINE_EXCEEDED is the
 # client's own timeout; NOT_FOUND a snapshot reference the node does not hold.
 ACCEPTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
@@ -153,6 +158,52 @@ def message_calls(t: Target):
     )
 
 
+ID_FIELDS = {"node_id", "requester", "target_id", "accuser"}
+
+
+def messages(t: Target, cls, depth: int = 0):
+    """Any ``cls`` protobuf message, field by field from its descriptor, with hostile values:
+    node ids as ``ids``, numbers at the edges of their type, NaN clocks, random bytes or msgpack
+    maps — so an RPC added to the table is fuzzed on its own message without a line here."""
+    fields: dict[str, Any] = {}
+    for f in cls.DESCRIPTOR.fields:
+        if f.type == F.TYPE_MESSAGE:
+            one: Any
+            if f.message_type.GetOptions().map_entry:
+                one = st.dictionaries(st.text(max_size=10), st.text(max_size=10), max_size=3)
+            elif depth >= 2:
+                continue
+            else:
+                sub = messages(t, getattr(pb, f.message_type.name), depth + 1)
+                one = st.lists(sub, max_size=3) if f.is_repeated else sub
+            fields[f.name] = one
+            continue
+        value: Any
+        if f.type == F.TYPE_STRING:
+            value = ids(t) if f.name in ID_FIELDS else st.text(max_size=40)
+        elif f.type == F.TYPE_BYTES:
+            value = st.binary(max_size=256) | st.builds(lambda d: msgpack.packb(d), st.dictionaries(
+                st.text(max_size=5), st.integers(-2**63, 2**64 - 1) | st.text(max_size=5), max_size=4))
+        elif f.type in (F.TYPE_UINT64, F.TYPE_FIXED64):
+            value = U64
+        elif f.type in (F.TYPE_UINT32, F.TYPE_FIXED32, F.TYPE_ENUM):
+            value = U32 if f.type != F.TYPE_ENUM else st.integers(0, 5)
+        elif f.type in (F.TYPE_DOUBLE, F.TYPE_FLOAT):
+            value = FLOATS
+        elif f.type == F.TYPE_BOOL:
+            value = st.booleans()
+        else:
+            value = st.integers(-2**31, 2**31 - 1)
+        fields[f.name] = st.lists(value, max_size=3) if f.is_repeated else value
+    return st.fixed_dictionaries({}, optional=fields).map(lambda kw: cls(**kw))
+
+
+def table_calls(t: Target):
+    """Every unary call of ``api.UNARY``, its request message (``serde.WIRE``) filled with hostile values."""
+    return st.one_of(*(st.builds(lambda m, name=rpc.name: (name, [_frame_bytes(m)]), messages(t, WIRE[rpc.name].request))
+                       for rpc in api.UNARY))
+
+
 def raw_calls():
     return st.tuples(st.sampled_from(METHODS), st.lists(st.binary(max_size=300), min_size=1, max_size=3))
 
@@ -161,7 +212,7 @@ def calls(t: Target):
     """One call of any method, in a mix that reaches every layer: raw bytes (the parser),
     well-formed messages with hostile values (the servicer and handler), compute streams (the
     chunk assembler, the tensor decoder, the validation and the push checks)."""
-    return st.one_of(raw_calls(), message_calls(t), compute_calls(t, "CrossLoss"),
+    return st.one_of(raw_calls(), message_calls(t), table_calls(t), compute_calls(t, "CrossLoss"),
                      compute_calls(t, "PushGradient"), compute_calls(t, "CrossGradient"))
 
 

@@ -132,7 +132,7 @@ OVER_WITH_BASES = {
     "node/daemon.py: Node", "node/peering/network.py: NodeNetwork", "node/peering/membership.py: Membership",
     "node/strategies/federico.py: FedeRiCo", "node/strategies/cobo.py: COBO", "node/strategies/l2c.py: MetaL2C",
     "node/strategies/scool.py: SCoolSBM", "node/strategies/scool.py: SCoolAttention",
-    "node/transport/client.py: PeerClient", "node/transport/server.py: PeerService",
+    "node/transport/client.py: PeerClient",
     "node/learning/torch_learner.py: TorchLearner",
 }
 
@@ -191,3 +191,50 @@ def test_no_import_cycles():
         if m not in state:
             visit(m, [m])
     assert cycles == [], cycles
+
+
+def _attrs_of(tree: ast.AST, name: str) -> set[str]:
+    """The attributes read off variable ``name`` anywhere in ``tree``."""
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == name}
+
+
+def test_every_declared_rpc_is_served_gated_and_called_by_every_transport():
+    """The table (peering/api.py) is the peer API's unary calls: each has a serde pair matching
+    the proto, the gRPC servicer and the in-process client derive it (through the gate's one
+    path), every client takes it through one ``call``, and the handler answers it."""
+    from coterie.node.peering import api
+    from coterie.node.peering.interfaces import PeerHandler
+    from coterie.node.peering.served import ServedRequests
+    from coterie.node.transport import client, inproc, routing, serde, server
+    from coterie.proto.v1 import peer_pb2 as pb
+
+    service = pb.DESCRIPTOR.services_by_name["Peer"]
+    unary = {m.name for m in service.methods if not m.client_streaming and not m.server_streaming}
+    assert {rpc.name for rpc in api.UNARY} == unary, "a unary RPC of peer.proto is not in the table (or the reverse)"
+    named = {n for n in vars(api.UnaryCalls) if not n.startswith("_")} - {"call", "send", "welcomed"}
+    for rpc in api.UNARY:
+        wire = serde.WIRE[rpc.name]  # its serde pair
+        method = service.methods_by_name[rpc.name]
+        assert wire.request.DESCRIPTOR is method.input_type and wire.reply.DESCRIPTOR is method.output_type, rpc.name
+        assert not hasattr(server.PeerService, rpc.name), f"{rpc.name} is hand-written in the servicer"
+    for cls in (client.PeerClient, inproc.InProcClient, routing.RoutingClient):
+        assert issubclass(cls, api.UnaryCalls) and "send" in vars(cls), cls
+        assert not named & set(vars(cls)), f"{cls.__name__} writes a unary call by hand"
+    # the derived servicer method and the in-process call both go through the gate's one path
+    for path, fn in ((NODE / "transport" / "server.py", "unary"), (NODE / "transport" / "inproc.py", "send")):
+        body = next(n for n in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(n, ast.AsyncFunctionDef | ast.FunctionDef) and n.name == fn)
+        assert "unary" in _attrs_of(body, "self") | {n.attr for n in ast.walk(body) if isinstance(n, ast.Attribute)
+                                                    and n.attr == "unary"}, path
+    # what the table asks of the handler, the PeerHandler protocol and the node's handler have
+    tree = ast.parse((NODE / "peering" / "api.py").read_text())
+    asked = _attrs_of(tree, "h") | {n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call)
+                                    and isinstance(n.func, ast.Name) and n.func.id == "answered_by"}
+    assert asked, "the table asks nothing of the handler?"
+    served_attrs = _attrs_of(ast.parse((NODE / "peering" / "served.py").read_text()), "self")  # (set in __init__ too)
+    missing = sorted(a for a in asked if not (hasattr(ServedRequests, a) or a in served_attrs))
+    assert "on_revocations" in asked and "on_heartbeat" in asked  # (both ways of declaring it are seen)
+    typed = _attrs_of(tree, "h")  # what is called on the protocol itself is on it
+    assert sorted(a for a in typed if not (hasattr(PeerHandler, a) or a in PeerHandler.__annotations__)) == []
+    assert missing == [], missing

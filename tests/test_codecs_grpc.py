@@ -207,7 +207,7 @@ def test_a_delta_against_the_version_held_before_the_newest_still_decodes():
             assert late_header.base_version == 1  # a delta against v1
             h2, _ = await client.get_snapshot(addr, "me", have_version=h1.version, peer="p")  # v2 came first
             assert client.held.get("p").version == 2
-            g = client._decode_snapshot(late_header, memoryview(late), "p")
+            g = client.streams._decode_snapshot(late_header, memoryview(late), "p")
             assert _err(g, board) < float(board.w.abs().max()) / 254  # v2 rebuilt from the held v1
             assert client.held.get("p").version == 2  # and v2 is still the newest held
     asyncio.run(go())
@@ -345,9 +345,9 @@ def test_a_real_daemon_advertises_its_codecs_and_serves_q8_deltas_over_mtls(tmp_
     try:
         async def go():
             q8, plain = CertifiedPeer(tmp_path, node, "q8peer"), CertifiedPeer(tmp_path, node, "plain")
-            q8.client.codecs = CodecPolicy(("q8", "fp32"), delta=True)
-            for p in (q8, plain):
-                p.client.traffic = _Traffic()
+            q8.client.codecs = q8.client.streams.codecs = CodecPolicy(("q8", "fp32"), delta=True)
+            for p in (q8, plain):  # (the client's snapshot streams hold the same collaborators)
+                p.client.traffic = p.client.streams.traffic = _Traffic()
             try:
                 await q8.join()
                 await plain.join()

@@ -85,7 +85,7 @@ async def _pair(board: Board, *, max_watches: int = 64, chunk_bytes: int = 1 << 
 
 
 def _session(client: PeerClient):
-    return next(iter(client._sessions.values()), None)
+    return next(iter(client.streams._sessions.values()), None)
 
 
 async def _pulled_twice(client: PeerClient, addr: str):
@@ -159,7 +159,7 @@ def test_a_session_the_server_ended_or_refused_falls_back_to_a_plain_call(monkey
             for _ in range(4):
                 h, g = await client.get_snapshot(addr, "me")
                 assert h.version == 1 and g is not None
-            assert _session(client) is None and addr in client._session_refused  # tried once, not again
+            assert _session(client) is None and addr in client.streams._session_refused  # tried once, not again
     asyncio.run(go())
 
 
@@ -167,7 +167,7 @@ def test_sessions_are_one_per_peer_and_bounded_in_all_on_the_server():
     """One per peer (a newer session replaces the older: a peer cannot hold two), ``max_watches``
     in all, none for a stranger, none carrying another peer's requests."""
     async def open_session(client: PeerClient, addr: str, requester: str):
-        call = client._channel(addr, "bulk")[0].stream_stream(
+        call = client.channel(addr, "bulk")[0].stream_stream(
             "/coterie.v1.Peer/PullSnapshots", request_serializer=pb.SnapshotRequest.SerializeToString,
             response_deserializer=pb.SnapshotChunk.FromString)()
         await call.write(pb.SnapshotRequest(requester=requester))
@@ -225,7 +225,7 @@ def test_a_daemon_serves_pulls_on_sessions_within_its_bounds_over_mtls(victim):
         assert s is not None and s.served == 4 and versions == sorted(versions)
         for _ in range(3):  # max_watches = 1: eve's session is refused, its pulls still answered
             await b.params()
-        assert _session(b.client) is None and node.address in b.client._session_refused
+        assert _session(b.client) is None and node.address in b.client.streams._session_refused
         await s.call.write(pb.SnapshotRequest(requester="eve"))  # mallory's certificate, eve's name
         with pytest.raises(grpc.aio.AioRpcError) as e:
             while True:

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
 from .errors import exhausted
-from .messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT
+from .api import COMPUTE
 
-COMPUTE_KINDS = (CROSS_LOSS, CROSS_GRADIENT, PUSH_GRADIENT)
+COMPUTE_KINDS = tuple(COMPUTE)  # billed in compute seconds too
 MAX_TRACKED_PEERS = 4096  # budgets kept; the least recently seen are forgotten first
 
 

@@ -3,7 +3,8 @@
 ``PeerHandler`` is this node as its peers see it: what a transport's server calls when a request
 arrives (implemented by ``served.ServedRequests``). ``PeerTransport`` is how this node reaches
 others: what ``NodeNetwork`` and ``Membership`` call (implemented by the gRPC client in
-``transport/client.py``). Both speak the domain objects of ``messages``; a transport converts them
+``transport/client.py``). The unary calls are declared once in ``api.py``: the named methods here
+are ``api.UnaryCalls``'s, and every transport's client implements its ``call``. Both speak the domain objects of ``messages``; a transport converts them
 to its own wire, so a second transport (in-process, ...) plugs in without touching either side.
 ``TransportFactory`` is the pair of them for one node, chosen by whoever composes the node (gRPC:
 ``transport/grpc_transport.py``; in-process: ``transport/inproc.py``)."""
@@ -73,6 +74,11 @@ class PeerTransport(Protocol):
 
     def channels(self) -> int: ...  # connections held open now, for /status
 
+    async def call(self, rpc: Any, address: str, request: Any, timeout: float | None = None, *,
+                   peer: str | None = None) -> Any: ...  # rpc: an ``api.Unary`` (api imports this module), checked as it declares
+    async def send(self, rpc: Any, address: str, request: Any, timeout: float | None = None, *,
+                   peer: str | None = None) -> Any: ...  # ``call`` without its checks (a transport's own)
+    async def welcomed(self, address: str, remote: NodeInfo, timeout: float) -> None: ...  # after a handshake
     async def handshake(self, address: str, info: NodeInfo, timeout: float) -> tuple[NodeInfo, list[PeerEntry]]: ...
     async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
                         peer: str | None = None) -> tuple[Beat, float]: ...

@@ -76,6 +76,38 @@ class IndirectProbe:
     updates: tuple[MemberUpdate, ...] = ()
 
 
+# --- the unary calls' own messages (peering/api.py declares the calls) ---
+@dataclass(frozen=True)
+class Welcome:
+    """A handshake's answer: who answers, and some peers it knows (peer exchange piggybacks)."""
+    node: NodeInfo
+    peers: tuple[PeerEntry, ...] = ()
+
+
+@dataclass(frozen=True)
+class PeerList:
+    """Push-pull peer exchange, both ways: the sender's peers and its whole membership view."""
+    sender: str
+    entries: tuple[PeerEntry, ...] = ()
+    members: tuple[MemberUpdate, ...] = ()
+    incarnation: int = 0
+
+
+@dataclass(frozen=True)
+class ProbeReply:
+    ack: bool
+    updates: tuple[MemberUpdate, ...] = ()
+
+
+@dataclass(frozen=True)
+class Gossip:
+    """A strategy's gossip, both ways: ``payload`` is msgpack (a map) — msgpack says what a
+    payload may hold, and its size is what the limit bounds, whatever the transport."""
+    sender: str
+    key: str
+    payload: bytes
+
+
 @dataclass(frozen=True)
 class SnapshotRef:
     """A snapshot the receiving node already caches, named instead of sent again."""

@@ -29,6 +29,7 @@ from ..privacy.purposes import ALIGNMENT, GRADIENT, LOSS, PURPOSES, PUSH, Purpos
 from ..strategies.base import PushedGradient
 from ..wire.codec import Groups, WireError
 from .admission import Admission
+from .api import RevocationList
 from .errors import PRIVACY_BUDGET, UNAVAILABLE, Refusal, budget_spent, invalid, not_cached, refused
 from .inbox import PushInbox
 from .membership import Membership
@@ -53,6 +54,12 @@ class PushPolicy(Protocol):
     push_norm_factor: float
 
 
+class RevocationExchange(Protocol):
+    """The CA's revocation list exchange (``security/crl_gossip.py``)."""
+
+    def answer(self, theirs: RevocationList) -> RevocationList: ...
+
+
 class StrategyHooks(Protocol):
     """What the served side tells the strategy (it never sees the transport)."""
 
@@ -65,7 +72,8 @@ class ServedRequests:
                  learner: Learner, spec: Spec, hooks: StrategyHooks, board: PublishBoard,
                  cache: SnapshotCache, inbox: PushInbox, problems: ProblemLog, private: PrivateData,
                  serves: tuple[str, ...], on_refused: Callable[[str], None] | None = None, *,
-                 admission: Admission, push_policy: PushPolicy, compute_workers: int = 2):
+                 admission: Admission, push_policy: PushPolicy, compute_workers: int = 2,
+                 revocations: RevocationExchange | None = None):
         self.node_id = node_id
         self.info = info
         self.membership = membership
@@ -81,6 +89,7 @@ class ServedRequests:
         self.on_refused = on_refused or (lambda kind: None)
         self.admission = admission
         self.push_policy = push_policy
+        self.revocations = revocations  # None without a network CA (plaintext)
         self._pool = ThreadPoolExecutor(compute_workers, thread_name_prefix="served-compute")
         self._own_norms: deque[tuple[int, float]] = deque(maxlen=NORM_HISTORY)  # (version, ‖g‖)
         self._norm_lock = asyncio.Lock()
@@ -206,8 +215,7 @@ class ServedRequests:
             raise budget_spent(str(e)) from None
 
     async def compute(self, req: ComputeRequest) -> ComputeReply:
-        self.check_known(req.requester)
-        try:
+        try:  # (the gate checked the requester is known)
             purpose = self._purpose(req)
         except Refusal:
             self.on_refused(req.kind)
@@ -279,8 +287,13 @@ class ServedRequests:
         return ComputeReply(accepted=True, message=message)
 
     async def gossip(self, requester: str, key: str, payload: dict[str, Any]) -> dict[str, Any]:
-        self.check_known(requester)
         reply = self.hooks.on_gossip(requester, key, payload)
         if reply is None:
             raise invalid(f"this node's strategy does not understand gossip key {key!r}")
         return reply
+
+    def on_revocations(self, theirs: RevocationList) -> RevocationList:
+        """A peer's revocation list offered (taken if newer and the CA's), this node's in answer."""
+        if self.revocations is None:
+            raise refused(f"revocation list from {theirs.sender}: this node has no network CA (no mTLS)")
+        return self.revocations.answer(theirs)

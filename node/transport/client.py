@@ -15,25 +15,24 @@ proven by a second connection that asks for that id's certificate, and from then
 that address is held to it. So a node's address book only ever binds an address to a node id that
 node's certificate proved.
 
-Snapshots travel by stream (``pulls.py``: plain pulls, pull sessions, subscriptions); the
+Snapshots travel by stream (``streams``, ``pulls.py``: plain pulls, pull sessions, subscriptions); the
 errors every call maps to the domain's are in ``errors.py``."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, TypeVar
 
 import grpc
-import msgpack
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ...proto.v1 import peer_pb2 as pb
 from ...proto.v1 import peer_pb2_grpc as rpc
+from ..peering.api import HANDSHAKE, Unary, UnaryCalls, check_compute_kind
 from ..peering.errors import REFUSED, PeerCallError, short
 from ..peering.interfaces import UNSET_MODEL_BYTES, SizeLimits, Traffic
-from ..peering.messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest,
-                                IndirectProbe, MemberUpdate, NodeInfo, PeerEntry)
+from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest, NodeInfo
 from ..offload import OFF_LOOP_BYTES
 from ..security.ids import node_id_problem
 from ..wire import codecs as wire_codecs
@@ -41,10 +40,14 @@ from ..wire.codec import WireError, decode, encoded_size
 from . import serde
 from .chunks import Assembler, collect, sha256, split
 from .errors import domain_errors as _domain_errors
-from .pulls import BULK, CONTROL, SnapshotStreams, _Session
+from .errors import in_flight
+from .pulls import BULK, CONTROL, SnapshotStreams
 from .relay_address import is_relayed
 from .served_versions import CodecPolicy, HeldVersions
 from .tls import TLS
+
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
 
 KEEPALIVE_MS = 20_000  # the server accepts pings this often (server.py); keep the two in step
 _CHANNEL_OPTIONS = [
@@ -59,7 +62,7 @@ _CHANNEL_OPTIONS = [
 _ANY = ""  # expected node id "any node of the CA": a first contact, before a handshake proves who
 
 
-class PeerClient(SnapshotStreams):
+class PeerClient(UnaryCalls):
     def __init__(self, node_id: str, traffic: Traffic, *, chunk_bytes: int, max_model_bytes: int = UNSET_MODEL_BYTES,
                  max_gossip_bytes: int = 1 << 20, timeout_s: float, tls: TLS | None, delay_ms: float = 0.0,
                  idle_channel_s: float = 120.0, sessions: bool = True, limits: SizeLimits | None = None,
@@ -84,15 +87,16 @@ class PeerClient(SnapshotStreams):
         self._busy: dict[str, int] = {}  # address -> calls in flight
         self._next_sweep = time.monotonic() + idle_channel_s
         self.evicted = 0
-        self.sessions = sessions
         self.codecs = codecs  # snapshot codecs this node asks for, preferred first; deltas or not
         self.held = HeldVersions()  # per peer: the snapshot version it holds (a delta's base)
         self._peer_codecs: dict[str, tuple[str, ...]] = {}  # address -> codecs its handshake advertised
-        self._sessions: dict[tuple[str, str | None], _Session] = {}  # (address, peer) -> open session
-        self._pulled: dict[tuple[str, str | None], float] = {}  # -> last pull made with a plain call
-        self._session_refused: dict[str, float] = {}  # address -> when its server refused one
+        # snapshots by stream: pulls, pull sessions, subscriptions (over this client's channels)
+        self.streams = SnapshotStreams(self, traffic, self.limits, codecs, self.held, chunk_bytes=chunk_bytes,
+                                       timeout_s=timeout_s, sessions=sessions)
+        self.get_snapshot = self.streams.get_snapshot
+        self.watch_snapshots = self.streams.watch_snapshots
 
-    def _channel(self, address: str, plane: str, peer: str | None = None) -> tuple[grpc.aio.Channel, rpc.PeerStub]:
+    def channel(self, address: str, plane: str, peer: str | None = None) -> tuple[grpc.aio.Channel, rpc.PeerStub]:
         """The ``plane`` channel to ``address`` that only reaches ``peer`` (default: the node
         proven to be there; none yet: any node of the CA, for a handshake)."""
         now = time.monotonic()
@@ -117,8 +121,11 @@ class PeerClient(SnapshotStreams):
             entry = self._stubs[key] = (ch, rpc.PeerStub(ch))
         return entry
 
+    def touch(self, address: str) -> None:
+        self._used[address] = time.monotonic()
+
     def stub(self, address: str, plane: str = BULK, peer: str | None = None) -> rpc.PeerStub:
-        return self._channel(address, plane, peer)[1]
+        return self.channel(address, plane, peer)[1]
 
     def channels(self) -> int:
         return len(self._stubs)
@@ -128,15 +135,15 @@ class PeerClient(SnapshotStreams):
         stale = {a for a, t in self._used.items() if now - t > self.idle_channel_s and a not in self._busy}
         for address in stale:
             del self._used[address]
-            self._drop_sessions(address)
+            self.streams.drop_sessions(address)
             for key in [k for k in self._stubs if k[0] == address]:
                 self.evicted += 1
                 asyncio.get_running_loop().create_task(self._stubs.pop(key)[0].close())
 
-    def _raw_snapshot_call(self, address: str, peer: str | None = None):
+    def raw_snapshot_call(self, address: str, peer: str | None = None):
         """GetSnapshot with chunk messages left as raw bytes: the payload is sliced out of each
         message without protobuf building (and copying) a message object per MiB."""
-        return self._channel(address, BULK, peer)[0].unary_stream(
+        return self.channel(address, BULK, peer)[0].unary_stream(
             "/coterie.v1.Peer/GetSnapshot", request_serializer=pb.SnapshotRequest.SerializeToString,
             response_deserializer=None)
 
@@ -145,7 +152,7 @@ class PeerClient(SnapshotStreams):
         self._proven.pop(address, None)
         self._peer_codecs.pop(address, None)
         self.held.drop(address)
-        for call in self._drop_sessions(address):
+        for call in self.streams.drop_sessions(address):
             with contextlib.suppress(Exception):  # let each cancelled session finish before its channel closes
                 await asyncio.wait_for(call.code(), 1.0)
         for key in [k for k in self._stubs if k[0] == address]:
@@ -165,7 +172,7 @@ class PeerClient(SnapshotStreams):
             raise PeerCallError(REFUSED, f"peer at {address}: {problem}")
         if not self.tls.allowed(node_id):
             raise PeerCallError(REFUSED, f"peer at {address} is node {node_id!r}, not on the allow-list")
-        ch, _ = self._channel(address, CONTROL, node_id)
+        ch, _ = self.channel(address, CONTROL, node_id)
         try:
             await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
@@ -178,58 +185,33 @@ class PeerClient(SnapshotStreams):
             for key in [k for k in self._stubs if k[0] == address and k[2] == old]:
                 await self._stubs.pop(key)[0].close()
 
-    async def _link(self) -> None:
+    async def link(self) -> None:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)  # the emulated wire delay itself, not a wait for state
 
-    def _timed(self, kind: str, t0: float) -> None:
+    def timed(self, kind: str, t0: float) -> None:
         self.traffic.latency(kind, time.perf_counter() - t0, "client")
 
-    # --- membership ---
+    # --- the unary calls (peering/api.py): one path for all; call/the named ones are UnaryCalls' ---
     @_domain_errors
-    async def handshake(self, address: str, info: NodeInfo, timeout: float) -> tuple[NodeInfo, list[PeerEntry]]:
+    async def send(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
+                   peer: str | None = None) -> Rep:
         t0 = time.perf_counter()
-        await self._link()
-        req = pb.HandshakeRequest(node=serde.node_info_to_pb(info))
-        # a fresh look at whoever is at the address now (a restarted node may have another id)
-        reply = await self.stub(address, CONTROL, _ANY if self.tls else None).Handshake(req, timeout=timeout)
-        self.traffic.record("handshake", sent=req.ByteSize(), received=reply.ByteSize())
-        remote = serde.node_info_from_pb(reply.node)
-        await self._prove(address, remote.node_id, timeout)
+        await self.link()
+        wire = serde.WIRE[rpc.name]
+        req = wire.request_to_pb(request)
+        if rpc is HANDSHAKE:  # a fresh look at whoever is at the address now (a restarted node may have another id)
+            peer = _ANY if self.tls else None
+        stub = self.stub(address, CONTROL if rpc.control else BULK, peer)
+        reply = await getattr(stub, rpc.name)(req, timeout=timeout or self.timeout_s)
+        self.traffic.record(rpc.kind, sent=req.ByteSize(), received=reply.ByteSize())
+        self.timed(rpc.kind, t0)
+        return wire.reply_from_pb(reply)
+
+    async def welcomed(self, address: str, remote: NodeInfo, timeout: float) -> None:
+        with in_flight(self, address):
+            await self._prove(address, remote.node_id, timeout)
         self._peer_codecs[address] = remote.codecs  # what models sent there may be encoded in
-        self._timed("handshake", t0)
-        return remote, serde.entries_from_pb(reply.peers)
-
-    @_domain_errors
-    async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
-                        peer: str | None = None) -> tuple[Beat, float]:
-        t0 = time.perf_counter()
-        await self._link()
-        req = serde.beat_to_request(beat)
-        reply = await self.stub(address, CONTROL, peer).Heartbeat(req, timeout=timeout)
-        rtt = time.perf_counter() - t0
-        self.traffic.record("heartbeat", sent=req.ByteSize(), received=reply.ByteSize())
-        self._timed("heartbeat", t0)
-        return serde.beat_from_reply(reply), rtt
-
-    @_domain_errors
-    async def indirect_probe(self, address: str, probe: IndirectProbe, timeout: float, *,
-                             peer: str | None = None) -> tuple[bool, tuple[MemberUpdate, ...]]:
-        await self._link()
-        req = serde.probe_to_pb(probe)
-        reply = await self.stub(address, CONTROL, peer).IndirectProbe(req, timeout=timeout)
-        self.traffic.record("probe", sent=req.ByteSize(), received=reply.ByteSize())
-        return reply.ack, serde.updates_from_pb(reply.updates)
-
-    @_domain_errors
-    async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
-                             members: Sequence[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
-                             ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]:
-        await self._link()
-        req = serde.peer_list_to_pb(sender, entries, members, incarnation)
-        reply = await self.stub(address, CONTROL, peer).ExchangePeers(req, timeout=timeout)
-        self.traffic.record("peers", sent=req.ByteSize(), received=reply.ByteSize())
-        return serde.entries_from_pb(reply.peers), serde.updates_from_pb(reply.members), reply.incarnation
 
     # --- compute requests ---
     def _frames(self, header: pb.ComputeHeader, payload: bytes | None) -> AsyncIterator[pb.ComputeFrame]:
@@ -245,7 +227,8 @@ class PeerClient(SnapshotStreams):
                       peer: str | None = None) -> ComputeReply:
         t0 = time.perf_counter()
         kind = request.kind
-        await self._link()
+        check_compute_kind(kind)
+        await self.link()
         payload, digest = None, ""
         # a model sent along travels in the first of this node's codecs the peer advertised
         codec = wire_codecs.negotiate(self.codecs.codecs, self._peer_codecs.get(address, ()))
@@ -281,31 +264,8 @@ class PeerClient(SnapshotStreams):
                 grad, _ = decode(data, max_bytes=self.limits.max_model_bytes)
             out = ComputeReply(loss=gh.loss, samples=gh.samples, grad=grad, inner_product=gh.inner_product)
             received = first.ByteSize() + len(data)
-        else:
-            raise ValueError(f"unknown compute request kind {kind!r}")
+        else:  # (check_compute_kind: one of the three)
+            raise AssertionError(kind)
         self.traffic.record(kind, sent=sent, received=received)
-        self._timed(kind, t0)
-        return out
-
-    @_domain_errors
-    async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],
-                     timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        await self._link()
-        raw = msgpack.packb(payload, use_bin_type=True)
-        if len(raw) > self.limits.max_gossip_bytes:
-            raise PeerCallError("invalid", f"gossip payload for {key!r} is {len(raw)} bytes, "
-                                           f"over the limit of {self.limits.max_gossip_bytes}")
-        req = pb.GossipMessage(node_id=sender, key=key, payload=raw)
-        reply = await self.stub(address, BULK, peer).GossipState(req, timeout=timeout or self.timeout_s)
-        if len(reply.payload) > self.limits.max_gossip_bytes:
-            raise WireError(f"gossip reply from {address} exceeds {self.limits.max_gossip_bytes} bytes")
-        self.traffic.record("gossip", sent=req.ByteSize(), received=reply.ByteSize())
-        self._timed("gossip", t0)
-        try:
-            out = msgpack.unpackb(reply.payload, raw=False, strict_map_key=False)
-        except Exception as e:  # msgpack raises a zoo of types on garbage
-            raise WireError(f"gossip reply from {address} is not msgpack ({e})") from None
-        if not isinstance(out, dict):
-            raise WireError(f"gossip reply from {address} is not a map")
+        self.timed(kind, t0)
         return out

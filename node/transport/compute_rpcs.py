@@ -1,6 +1,5 @@
-"""The compute and gossip RPCs of the gRPC server (``server.PeerService``'s part): a peer's
-request on this node's data — cross-loss, cross-gradient, gradient push — as a stream of a
-header and its payload, and strategy gossip. Decode → gate → encode, as everywhere in the server:
+"""The compute RPCs of the gRPC server (``server.PeerService``'s part): a peer's request on this
+node's data — cross-loss, cross-gradient, gradient push — as a stream of a header and its payload. Decode → gate → encode, as everywhere in the server:
 the header is parsed and the gate (claimed id, known peer, reference, announced size, admission)
 passes it before the payload is read, under the upload deadlines (``upload_timeout_s``, no gap
 over ``upload_idle_s``)."""
@@ -17,29 +16,24 @@ from ..wire import codecs as wire_codecs
 from ..wire.codec import WireError, encode
 from . import serde
 from .chunks import Assembler, collect, sha256, split
-from .serde import parse as _parse
 from .serde import parsed as _parsed
 
 if TYPE_CHECKING:
-    import grpc
-
     from ..peering.interfaces import Traffic
-    from .gate import Caller, Gate
+    from .gate import Gate
+    from .replies import Replies
     from .served_versions import CodecPolicy
     from .stream_limits import StreamLimits
 
 
 class ComputeRpcs:
-    """Mixed into ``server.PeerService`` (its gate, traffic, stream limits and ``_guard``/``_send``)."""
+    """The compute streams of ``server.PeerService``: its gate, traffic, stream limits, codecs and
+    chunk size, and the server's ``Replies`` (guard, caller, bounded sends)."""
 
-    # the host's state and plumbing (``PeerService``), declared for the type checker
-    gate: Gate
-    traffic: Traffic
-    streams: StreamLimits
-    codecs: CodecPolicy
-    if TYPE_CHECKING:
-        async def _guard(self, context: grpc.aio.ServicerContext, kind: str, coro, stream=None): ...
-        def _caller(self, context: grpc.aio.ServicerContext) -> Caller: ...
+    def __init__(self, gate: Gate, traffic: Traffic, replies: Replies, *, streams: StreamLimits,
+                 codecs: CodecPolicy, chunk_bytes: int):
+        self.gate, self.traffic, self.replies = gate, traffic, replies
+        self.streams, self.codecs, self.chunk_bytes = streams, codecs, chunk_bytes
 
     async def _upload(self, frames: AsyncIterator[Any], who: str) -> AsyncIterator[Any]:
         """``frames`` under the server's deadlines: no gap longer than ``upload_idle_s``, and the
@@ -80,7 +74,7 @@ class ComputeRpcs:
         if first is None or first.WhichOneof("body") != "header":
             raise invalid(f"{kind}: stream must start with a header frame")
         h = first.header
-        req = self.gate.admit_compute(self._caller(context), serde.compute_request_from_pb(kind, h), h.total_bytes,
+        req = self.gate.admit_compute(self.replies.caller(context), serde.compute_request_from_pb(kind, h), h.total_bytes,
                                       slot, announced=True)
         who = f"{kind} from {req.requester}"
         limit = self.gate.limits.max_model_bytes
@@ -113,27 +107,18 @@ class ComputeRpcs:
             out = serde.loss_reply_to_pb(reply)
             self.traffic.record(CROSS_LOSS, sent=out.ByteSize())
             return out
-        return await self._guard(context, CROSS_LOSS, go(), raw_frames)
+        return await self.replies.guard(context, CROSS_LOSS, go(), raw_frames)
 
     async def CrossGradient(self, raw_frames, context):
-        reply = await self._guard(context, CROSS_GRADIENT, self._computed(context, raw_frames, CROSS_GRADIENT),
+        reply = await self.replies.guard(context, CROSS_GRADIENT, self._computed(context, raw_frames, CROSS_GRADIENT),
                                   raw_frames)
         data = encode(reply.grad) if reply.grad is not None else b""
         header = serde.gradient_header_to_pb(reply, len(data), sha256(data) if data else "")
         frames = (pb.GradientChunk(header=header), *(pb.GradientChunk(data=p) for p in split(data, self.chunk_bytes)))
-        await self._send(context, frames, "gradient")
+        await self.replies.send(context, frames, "gradient")
         self.traffic.record(CROSS_GRADIENT, sent=header.ByteSize() + len(data))
 
     async def PushGradient(self, raw_frames, context):
         async def go():
             return serde.ack_to_pb(await self._computed(context, raw_frames, PUSH_GRADIENT))
-        return await self._guard(context, PUSH_GRADIENT, go(), raw_frames)
-
-    async def GossipState(self, raw: bytes, context):
-        async def go():
-            request = _parse(pb.GossipMessage, raw, "gossip")
-            reply = await self.gate.gossip(self._caller(context), request.node_id, request.key, request.payload)
-            out = pb.GossipMessage(node_id=self.gate.node_id, key=request.key, payload=reply)
-            self.traffic.record("gossip", received=len(raw), sent=out.ByteSize())
-            return out
-        return await self._guard(context, "gossip", go())
+        return await self.replies.guard(context, PUSH_GRADIENT, go(), raw_frames)

@@ -4,6 +4,9 @@ Every transport (the gRPC server, the in-process switchboard) decodes a request 
 objects, hands it to the gate with the ``Caller`` it came from, and encodes what comes back. The
 gate applies, once for all of them and in this order, what used to be written once per transport:
 
+The unary calls take one path (``unary``), as their table (``peering/api.py``) declares each;
+snapshots and compute requests, which are streams, have their own steps below.
+
 - **claimed id**: every node id a request claims (handshake node, heartbeat sender, requester,
   ...) must be well formed (``security/ids.py``) and vouched for by the caller — gRPC with mTLS:
   the id in its certificate (and on the allow-list); in-process: the node its client was opened
@@ -11,8 +14,8 @@ gate applies, once for all of them and in this order, what used to be written on
 - **known peer**: snapshot, compute and gossip requests only from a node this one knows, before
   any payload of theirs is read;
 - **references and sizes**: a snapshot reference names a well-formed id; a compute payload fits
-  ``limits.max_model_bytes``; a gossip key ``MAX_GOSSIP_KEY`` and its payload
-  ``limits.max_gossip_bytes`` (msgpack, a map);
+  ``limits.max_model_bytes``; a unary call's payload its entry's ``check`` (gossip: the key
+  ``MAX_GOSSIP_KEY``, the payload ``limits.max_gossip_bytes``);
 - **admission**: the handler's per-peer slot (``admit(peer, kind)``) around the work, held by
   the transport's ``slot`` where the call outlives one step (a payload still to read, a reply
   still to send);
@@ -23,16 +26,18 @@ gate applies, once for all of them and in this order, what used to be written on
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Protocol
+from typing import Protocol, TypeVar
 
-import msgpack
-
-from ..peering.errors import INVALID, Refusal, invalid, short
+from ..peering.api import Unary
+from ..peering.errors import INVALID, Refusal, invalid
 from ..peering.interfaces import PeerHandler, SizeLimits
-from ..peering.messages import (MAX_GOSSIP_KEY, Beat, ComputeReply, ComputeRequest, IndirectProbe, LocalSnapshot,
-                                MemberUpdate, NodeInfo, PeerEntry)
+from ..peering.messages import ComputeReply, ComputeRequest, LocalSnapshot
 from ..security.ids import node_id_problem
 from ..wire.codec import WireError
+
+
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
 
 
 class Caller(Protocol):
@@ -78,52 +83,36 @@ class Gate:
         self.handler.check_known(who)
         return who
 
-    # --- membership ---
-    def info(self) -> NodeInfo:
-        return self.handler.info()
+    # --- the unary calls (peering/api.py), one path for all ---
+    async def unary(self, rpc: Unary[Req, Rep], caller: Caller, request: Req) -> Rep:
+        """``request`` answered as ``rpc`` declares: its claimed id vouched for by ``caller``, a
+        known peer's if it must be, within its size limits, in one of the caller's admission
+        slots if it takes one."""
+        who = self.claimed(caller, rpc.caller(request), rpc.said)
+        if rpc.known:
+            self.handler.check_known(who)
+        if rpc.check is not None:
+            rpc.check(request, self.limits)
+        if not rpc.admit:
+            return await rpc.answer(self.handler, request)
+        with self.handler.admit(who, rpc.kind):
+            return await rpc.answer(self.handler, request)
 
-    def handshake(self, caller: Caller, remote: NodeInfo,
-                  vouched: Callable[[], None] | None = None) -> list[PeerEntry]:
-        """``vouched``: called once the caller is who it claims (its request counted)."""
-        self.claimed(caller, remote.node_id, "handshake")
-        if vouched is not None:
-            vouched()
-        return self.handler.on_handshake(remote)
+    # --- snapshots (the transport applies its own bounds on streams between the steps) ---
+    def requester(self, caller: Caller, requester: str, what: str = "snapshot request") -> str:
+        """Who asks for a snapshot: vouched for by ``caller`` and known."""
+        return self.known(caller, requester, what)
 
-    def heartbeat(self, caller: Caller, beat: Beat) -> Beat:
-        self.claimed(caller, beat.node_id, "heartbeat")
-        return self.handler.on_heartbeat(beat)
-
-    def peer_list(self, caller: Caller, sender: str, entries: list[PeerEntry], members: tuple[MemberUpdate, ...],
-                  incarnation: int) -> tuple[list[PeerEntry], list[MemberUpdate], int]:
-        sender = self.claimed(caller, sender, "peer exchange")
-        return self.handler.on_peer_list(sender, entries, members, incarnation)
-
-    async def indirect_probe(self, caller: Caller, probe: IndirectProbe) -> tuple[bool, tuple[MemberUpdate, ...]]:
-        self.claimed(caller, probe.requester, "indirect probe")
-        return await self.handler.on_indirect_probe(probe)
-
-    # --- snapshots ---
-    async def snapshot(self, caller: Caller, requester: str, min_round: int, wait_s: float,
-                       slot: contextlib.ExitStack, what: str = "snapshot request",
-                       before_admit: Callable[[str], None] | None = None) -> tuple[str, LocalSnapshot]:
-        """Who asks and the snapshot to answer with (waiting for ``min_round`` if asked); its
-        admission slot is held by ``slot`` (until the answer is out). ``before_admit``: the
-        transport's own bound on the call (a pull session's), checked before admission."""
-        who = self.known(caller, requester, what)
-        if before_admit is not None:
-            before_admit(who)
+    async def snapshot(self, who: str, min_round: int, wait_s: float, slot: contextlib.ExitStack) -> LocalSnapshot:
+        """The snapshot to answer ``who`` (a ``requester``) with, waiting for ``min_round`` if
+        asked; its admission slot held by ``slot`` (until the answer is out)."""
         slot.enter_context(self.handler.admit(who, "snapshot"))
-        return who, await self.handler.snapshot(who, min_round, wait_s)
+        return await self.handler.snapshot(who, min_round, wait_s)
 
-    def open_watch(self, caller: Caller, requester: str, bound: Callable[[str], None]) -> str:
-        """Who opens a subscription, once ``bound`` (the transport's count of open ones) lets it:
-        opening one costs a request from the peer's budget."""
-        who = self.known(caller, requester, "snapshot watch")
-        bound(who)
+    def open_watch(self, who: str) -> None:
+        """``who`` (a ``requester``) opens a subscription: it costs a request from its budget."""
         with self.handler.admit(who, "snapshot"):
             pass
-        return who
 
     async def watched(self, who: str, min_round: int, wait_s: float) -> LocalSnapshot:
         """The next snapshot of a subscription (refused once ``who`` is no longer known)."""
@@ -150,21 +139,3 @@ class Gate:
     async def compute(self, req: ComputeRequest) -> ComputeReply:
         """An admitted request (``admit_compute``), its payload read."""
         return await self.handler.compute(req)
-
-    # --- gossip ---
-    async def gossip(self, caller: Caller, sender: str, key: str, raw: bytes) -> bytes:
-        """A strategy's gossip: ``raw`` msgpack in, the handler's reply as msgpack out."""
-        sender = self.known(caller, sender, "gossip")
-        if len(key) > MAX_GOSSIP_KEY:
-            raise invalid(f"gossip from {sender}: key of {len(key)} characters, at most {MAX_GOSSIP_KEY}")
-        with self.handler.admit(sender, "gossip"):
-            limit = self.limits.max_gossip_bytes
-            if len(raw) > limit:
-                raise invalid(f"gossip from {sender}: {len(raw)} bytes exceeds the limit of {limit}")
-            try:
-                payload: Any = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-            except Exception as e:  # msgpack raises a zoo of types on garbage
-                raise invalid(f"gossip from {sender}: payload is not msgpack ({short(str(e), 200)})") from None
-            if not isinstance(payload, dict):
-                raise invalid(f"gossip from {sender}: payload is not a map")
-            return msgpack.packb(await self.handler.gossip(sender, key, payload), use_bin_type=True)

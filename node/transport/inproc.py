@@ -59,19 +59,21 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Awaitable, Callable, Sequence
-
-import msgpack
+from typing import Any, Awaitable, Callable, TypeVar
 
 from ..peering.errors import (EXHAUSTED, FORBIDDEN, INVALID, NOT_CACHED, PRIVACY_BUDGET, REFUSED, UNAVAILABLE,
                               UNKNOWN_PEER, PeerCallError, forbidden)
+from ..peering.api import HANDSHAKE, Unary, UnaryCalls, check_compute_kind
 from ..peering.interfaces import UNSET_MODEL_BYTES, Health, PeerHandler, SizeLimits, Traffic
-from ..peering.messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest,
-                                IndirectProbe, LocalSnapshot, MemberUpdate, NodeInfo, PeerEntry, SnapshotHeader)
+from ..peering.messages import (CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest, LocalSnapshot, NodeInfo,
+                                SnapshotHeader, Welcome)
 from ..wire.codec import Groups, WireError
 from .gate import Gate, refusal_of
 
 log = logging.getLogger(__name__)
+
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
 
 HOST = "inproc"
 _KINDS = (INVALID, REFUSED, UNKNOWN_PEER, NOT_CACHED, UNAVAILABLE, EXHAUSTED, PRIVACY_BUDGET, FORBIDDEN)
@@ -79,6 +81,16 @@ _KINDS = (INVALID, REFUSED, UNKNOWN_PEER, NOT_CACHED, UNAVAILABLE, EXHAUSTED, PR
 
 def nbytes(groups: Groups | None) -> int:
     return sum(t.numel() * t.element_size() for g in (groups or {}).values() for t in g.values())
+
+
+def _own(msg: Any) -> Any:
+    """A message as a receiver may keep it: messages are frozen, but a ``NodeInfo``'s labels are a
+    dict (in a handshake and its answer)."""
+    if isinstance(msg, NodeInfo):
+        return replace(msg, labels=dict(msg.labels))
+    if isinstance(msg, Welcome):
+        return Welcome(_own(msg.node), tuple(msg.peers))
+    return msg
 
 
 def _clone(groups: Groups) -> Groups:
@@ -231,7 +243,7 @@ class InProcTransport:
         return self.bind(handler, traffic, self.listen if host == HOST and port.isdigit() and int(port) > 0 else None)
 
 
-class InProcClient:
+class InProcClient(UnaryCalls):
     """The calling side (``peering.interfaces.PeerTransport``): addresses served in this process
     are called in memory, any other fails (``routing.RoutingClient`` sends those over gRPC).
     Every call is made as ``node_id``, the node this client was opened for."""
@@ -265,13 +277,13 @@ class InProcClient:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)  # the emulated wire delay itself, not a wait for state
 
-    def _sync(self, peer: _Served, address: str, kind: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """A membership call: the handler answers at once."""
+    async def _sync(self, peer: _Served, address: str, kind: str, make: Callable[[], Awaitable[Any]]) -> Any:
+        """A call the handler answers at once (membership): no task of its own."""
         if peer.stopped.done():
             raise PeerCallError(UNAVAILABLE, f"{address} stopped serving")
         t0 = time.perf_counter()
         try:
-            return fn(*args)
+            return await make()
         except Exception as e:
             raise self._refused(e, kind, address) from None
         finally:
@@ -314,57 +326,26 @@ class InProcClient:
     def _timed(self, kind: str, t0: float) -> None:
         self.traffic.latency(kind, time.perf_counter() - t0, "client")
 
-    # --- membership ---
-    async def handshake(self, address: str, info: NodeInfo, timeout: float) -> tuple[NodeInfo, list[PeerEntry]]:
-        peer = self._route(address, None)
+    # --- the unary calls (peering/api.py): one path for all; call/the named ones are UnaryCalls' ---
+    async def send(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
+                   peer: str | None = None) -> Rep:
+        served = self._route(address, None if rpc is HANDSHAKE else peer)
         t0 = time.perf_counter()
         await self._link()
+        request = _own(request)  # the receiver's own copy (frozen messages; a NodeInfo's labels)
 
-        def answer(remote: NodeInfo) -> tuple[list[PeerEntry], NodeInfo]:
-            return peer.gate.handshake(self.me, remote), peer.gate.info()
+        async def answer() -> Rep:
+            return await served.gate.unary(rpc, self.me, request)
 
-        entries, remote = self._sync(peer, address, "handshake", answer, replace(info, labels=dict(info.labels)))
-        self._timed("handshake", t0)
-        return replace(remote, labels=dict(remote.labels)), list(entries)
-
-    async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
-                        peer: str | None = None) -> tuple[Beat, float]:
-        served = self._route(address, peer)
-        t0 = time.perf_counter()
-        await self._link()
-
-        def answer(b: Beat) -> Beat:
-            return served.gate.heartbeat(self.me, b)
-
-        reply = self._sync(served, address, "heartbeat", answer, beat)  # Beat and its updates are frozen
-        rtt = time.perf_counter() - t0
-        self._timed("heartbeat", t0)
-        return reply, rtt
-
-    async def indirect_probe(self, address: str, probe: IndirectProbe, timeout: float, *,
-                             peer: str | None = None) -> tuple[bool, tuple[MemberUpdate, ...]]:
-        served = self._route(address, peer)
-        t0 = time.perf_counter()
-        await self._link()
-
-        async def answer() -> tuple[bool, tuple[MemberUpdate, ...]]:
-            return await served.gate.indirect_probe(self.me, probe)  # it pings the target itself
-
-        ack, updates = await self._async(served, address, "probe", answer, timeout)
-        self._timed("probe", t0)
-        return bool(ack), tuple(updates)
-
-    async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
-                             members: Sequence[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
-                             ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]:
-        served = self._route(address, peer)
-        await self._link()
-
-        def answer() -> tuple[list[PeerEntry], list[MemberUpdate], int]:
-            return served.gate.peer_list(self.me, sender, list(entries), tuple(members), int(incarnation))
-
-        theirs, their_members, inc = self._sync(served, address, "peers", answer)
-        return list(theirs), tuple(their_members), int(inc)
+        if rpc.waits:  # (an indirect probe pings its target itself)
+            reply = await self._async(served, address, rpc.kind, answer, timeout or self.timeout_s)
+        else:  # the handler answers at once
+            reply = await self._sync(served, address, rpc.kind, answer)
+        size, back = rpc.payload(request), rpc.payload(reply)
+        served.traffic.record(rpc.kind, received=size, sent=back)
+        self.traffic.record(rpc.kind, sent=size, received=back)
+        self._timed(rpc.kind, t0)
+        return _own(reply)
 
     # --- snapshots ---
     async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
@@ -376,7 +357,8 @@ class InProcClient:
 
         async def answer() -> LocalSnapshot:
             with contextlib.ExitStack() as slot:  # admitted while it waits for a round
-                _, snap = await served.gate.snapshot(self.me, requester, min_round, wait_s, slot)
+                who = served.gate.requester(self.me, requester)
+                snap = await served.gate.snapshot(who, min_round, wait_s, slot)
                 return await snap.ready()  # encoded off the loop; its groups the zero-copy views
 
         snap: LocalSnapshot = await self._async(served, address, "snapshot", answer, timeout or self.timeout_s)
@@ -396,8 +378,7 @@ class InProcClient:
                       peer: str | None = None) -> ComputeReply:
         served = self._route(address, peer)
         kind = request.kind
-        if kind not in (CROSS_LOSS, CROSS_GRADIENT, PUSH_GRADIENT):
-            raise ValueError(f"unknown compute request kind {kind!r}")
+        check_compute_kind(kind)
         t0 = time.perf_counter()
         await self._link()
         # what the wire would carry: a reference instead of the model; the receiver's own dicts
@@ -426,30 +407,6 @@ class InProcClient:
         served.traffic.record(kind, received=size, sent=back)
         self.traffic.record(kind, sent=size, received=back)
         self._timed(kind, t0)
-        return out
-
-    async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],
-                     timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]:
-        served = self._route(address, peer)
-        t0 = time.perf_counter()
-        await self._link()
-        raw = msgpack.packb(payload, use_bin_type=True)
-        limit = self.limits.max_gossip_bytes
-        if len(raw) > limit:
-            raise PeerCallError(INVALID, f"gossip payload for {key!r} is {len(raw)} bytes, over the limit of {limit}")
-
-        async def answer() -> bytes:
-            return await served.gate.gossip(self.me, sender, key, raw)
-
-        back = await self._async(served, address, "gossip", answer, timeout or self.timeout_s)
-        if len(back) > limit:
-            raise WireError(f"gossip reply from {address} exceeds {limit} bytes")
-        served.traffic.record("gossip", received=len(raw), sent=len(back))
-        self.traffic.record("gossip", sent=len(raw), received=len(back))
-        self._timed("gossip", t0)
-        out = msgpack.unpackb(back, raw=False, strict_map_key=False)
-        if not isinstance(out, dict):
-            raise WireError(f"gossip reply from {address} is not a map")
         return out
 
     async def forget(self, address: str) -> None:

@@ -1,4 +1,4 @@
-"""Snapshots by stream on the gRPC calling side (``client.PeerClient``'s part): pull sessions
+"""Snapshots by stream on the gRPC calling side (``client.PeerClient``'s ``streams``): pull sessions
 (``PullSnapshots``: a peer pulled from again gets one long-lived stream on which each pull is a
 request and its answer), subscriptions (``WatchSnapshots``), and reading one snapshot off a
 stream with its size and hash checks, decoded as zero-copy views of one buffer."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 
 import grpc
 
@@ -17,7 +17,6 @@ from ..wire import codecs as wire_codecs
 from ..wire.codec import Groups, WireError
 from . import serde
 from .chunks import Assembler, data_field
-from .errors import domain_errors as _domain_errors
 from .errors import in_flight as _in_flight
 from .served_versions import CodecPolicy, Held, HeldVersions
 
@@ -56,36 +55,44 @@ class _SessionGone(Exception):
     request was not answered and goes out as a plain call instead."""
 
 
+class Channels(Protocol):
+    """What the snapshot streams need of the client that holds the channels (``client.PeerClient``)."""
+
+    _busy: dict[str, int]  # address -> calls in flight (``errors.in_flight`` counts them)
+
+    def channel(self, address: str, plane: str, peer: str | None = None) -> tuple[grpc.aio.Channel, rpc.PeerStub]: ...
+    def raw_snapshot_call(self, address: str, peer: str | None = None) -> Callable[..., Any]: ...
+    def touch(self, address: str) -> None: ...  # in use now (idle eviction spares it)
+    async def link(self) -> None: ...  # the emulated link delay, if any
+    def timed(self, kind: str, t0: float) -> None: ...  # a call's latency, client side
+
+
 class SnapshotStreams:
-    """Mixed into ``client.PeerClient`` (its channels, limits, traffic and session tables)."""
+    """Snapshot pulls (plain calls and pull sessions) and subscriptions over the channels of
+    ``channels``; it owns the pull sessions and what it knows of which peers refuse them."""
 
-    # the host's state and plumbing (``PeerClient.__init__`` and methods), declared for the type checker
-    traffic: Traffic
-    chunk_bytes: int
-    limits: SizeLimits
-    timeout_s: float
-    sessions: bool
-    codecs: CodecPolicy
-    held: HeldVersions
-    _used: dict[str, float]
-    _sessions: dict[tuple[str, str | None], _Session]
-    _pulled: dict[tuple[str, str | None], float]
-    _session_refused: dict[str, float]
-    if TYPE_CHECKING:
-        def _channel(self, address: str, plane: str, peer: str | None = None
-                     ) -> tuple[grpc.aio.Channel, rpc.PeerStub]: ...
-        def _raw_snapshot_call(self, address: str, peer: str | None = None) -> Callable[..., Any]: ...
-        async def _link(self) -> None: ...
-        def _timed(self, kind: str, t0: float) -> None: ...
+    def __init__(self, channels: Channels, traffic: Traffic, limits: SizeLimits, codecs: CodecPolicy,
+                 held: HeldVersions, *, chunk_bytes: int, timeout_s: float, sessions: bool):
+        self.channels, self.traffic, self.limits, self.codecs, self.held = channels, traffic, limits, codecs, held
+        self.chunk_bytes, self.timeout_s, self.sessions = chunk_bytes, timeout_s, sessions
+        self._sessions: dict[tuple[str, str | None], _Session] = {}  # (address, peer) -> open session
+        self._pulled: dict[tuple[str, str | None], float] = {}  # -> last pull made with a plain call
+        self._session_refused: dict[str, float] = {}  # address -> when its server refused one
 
-    @_domain_errors
     async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
+                           min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
+                           peer: str | None = None) -> tuple[SnapshotHeader, Groups | None]:
+        with _in_flight(self.channels, address):
+            return await self._get_snapshot(address, requester, have_version, min_round=min_round, wait_s=wait_s,
+                                            timeout=timeout, peer=peer)
+
+    async def _get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
                            min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
                            peer: str | None = None) -> tuple[SnapshotHeader, Groups | None]:
         """The peer's current snapshot; groups is None when it is still ``have_version``. On the
         peer's pull session when it has one (see ``_session``), else a call of its own."""
         t0 = time.perf_counter()
-        await self._link()
+        await self.channels.link()
         request = self._snapshot_request(requester, min_round=min_round, wait_ms=int(wait_s * 1000))
         request.have_version = have_version
         held = self.held.get(peer or address)
@@ -100,9 +107,9 @@ class SnapshotStreams:
             except _SessionGone:
                 h = None  # not answered: a plain call asks again
         if h is None:
-            call = self._raw_snapshot_call(address, peer)(request, timeout=max(deadline - time.monotonic(), 0.001))
+            call = self.channels.raw_snapshot_call(address, peer)(request, timeout=max(deadline - time.monotonic(), 0.001))
             h, groups, _ = await self._read_snapshot(address, call.__aiter__(), whole_stream=True, peer=peer)
-        self._timed("snapshot", t0)
+        self.channels.timed("snapshot", t0)
         return serde.snapshot_header_from_pb(h), groups
 
     # --- pull sessions ---
@@ -124,7 +131,7 @@ class SnapshotStreams:
         if (last is None or now - last > SESSION_AFTER_S
                 or now - self._session_refused.get(address, float("-inf")) < SESSION_RETRY_S):
             return None
-        call = self._channel(address, BULK, peer)[0].stream_stream(
+        call = self.channels.channel(address, BULK, peer)[0].stream_stream(
             "/coterie.v1.Peer/PullSnapshots", request_serializer=pb.SnapshotRequest.SerializeToString,
             response_deserializer=None)()
         s = self._sessions[key] = _Session(call)
@@ -171,7 +178,7 @@ class SnapshotStreams:
             return s.call
         return None
 
-    def _drop_sessions(self, address: str) -> list[Any]:
+    def drop_sessions(self, address: str) -> list[Any]:
         calls = [self._drop_session(key) for key in [k for k in self._sessions if k[0] == address]]
         for key in [k for k in self._pulled if k[0] == address]:
             del self._pulled[key]
@@ -265,9 +272,9 @@ class SnapshotStreams:
         cancelled). The channel counts as busy meanwhile, so idle eviction spares it."""
         call = None
         try:
-            with _in_flight(self, address):
-                await self._link()
-                call = self._channel(address, BULK, peer)[0].unary_stream(
+            with _in_flight(self.channels, address):
+                await self.channels.link()
+                call = self.channels.channel(address, BULK, peer)[0].unary_stream(
                     "/coterie.v1.Peer/WatchSnapshots", request_serializer=pb.SnapshotRequest.SerializeToString,
                     response_deserializer=None)(
                     self._watch_request(requester, min_round, peer or address))
@@ -279,8 +286,8 @@ class SnapshotStreams:
                         return
                     if groups is None:
                         raise WireError(f"snapshot watch on {address}: an empty snapshot (only a header)")
-                    self._used[address] = time.monotonic()
-                    await self._link()  # the emulated link delays every snapshot, as it does a pull
+                    self.channels.touch(address)
+                    await self.channels.link()  # the emulated link delays every snapshot, as it does a pull
                     yield serde.snapshot_header_from_pb(h), groups
         finally:
             if call is not None:

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, TypeVar
 
-from ..peering.interfaces import PeerHandler, PeerServer, PeerTransport, SizeLimits, Traffic, TransportFactory
-from ..peering.messages import (Beat, ComputeReply, ComputeRequest, IndirectProbe, MemberUpdate, NodeInfo,
-                                PeerEntry, SnapshotHeader)
+from ..peering.api import Unary, UnaryCalls
+from ..peering.interfaces import PeerHandler, PeerServer, PeerTransport, Traffic, TransportFactory
+from ..peering.messages import ComputeReply, ComputeRequest, NodeInfo, SnapshotHeader
 from ..wire.codec import Groups
 from .inproc import InProcClient, InProcNetwork, InProcServer
+
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
 
 MEMORY, GRPC = "memory", "grpc"
 
@@ -112,15 +115,13 @@ class RoutingTransport:
         return RoutingServer(also.address, memory, also)
 
 
-class RoutingClient:
-    """The calling side (``peering.interfaces.PeerTransport``): each call to the client of its route."""
+class RoutingClient(UnaryCalls):
+    """The calling side (``peering.interfaces.PeerTransport``): each call to the client of its
+    route — the unary ones through the one ``send`` (``peering/api.py``), the streams by hand."""
 
     def __init__(self, switchboard: InProcNetwork, memory: InProcClient, remote: PeerTransport, stats: RouteStats):
         self.switchboard, self.memory, self.remote, self.stats = switchboard, memory, remote, stats
-
-    @property
-    def limits(self) -> SizeLimits:
-        return self.memory.limits  # (the remote route's are the same object)
+        self.limits = memory.limits  # (the remote route's are the same object)
 
     def channels(self) -> int:
         return self.remote.channels()
@@ -137,22 +138,13 @@ class RoutingClient:
         self.stats.calls[route] += 1
         return self.memory if route == MEMORY else self.remote
 
-    async def handshake(self, address: str, info: NodeInfo, timeout: float) -> tuple[NodeInfo, list[PeerEntry]]:
-        return await self._via(address).handshake(address, info, timeout)
+    async def send(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
+                   peer: str | None = None) -> Rep:
+        return await self._via(address).send(rpc, address, request, timeout, peer=peer)
 
-    async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
-                        peer: str | None = None) -> tuple[Beat, float]:
-        return await self._via(address).heartbeat(address, beat, timeout, peer=peer)
-
-    async def indirect_probe(self, address: str, probe: IndirectProbe, timeout: float, *,
-                             peer: str | None = None) -> tuple[bool, tuple[MemberUpdate, ...]]:
-        return await self._via(address).indirect_probe(address, probe, timeout, peer=peer)
-
-    async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
-                             members: Sequence[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
-                             ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]:
-        return await self._via(address).exchange_peers(address, sender, entries, timeout, members=members,
-                                                       incarnation=incarnation, peer=peer)
+    async def welcomed(self, address: str, remote: NodeInfo, timeout: float) -> None:
+        route = self.memory if self.route(address) == MEMORY else self.remote
+        await route.welcomed(address, remote, timeout)  # gRPC: the id proven by its certificate
 
     async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
                            min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
@@ -163,10 +155,6 @@ class RoutingClient:
     async def compute(self, address: str, request: ComputeRequest, timeout: float | None = None, *,
                       peer: str | None = None) -> ComputeReply:
         return await self._via(address).compute(address, request, timeout, peer=peer)
-
-    async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],
-                     timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]:
-        return await self._via(address).gossip(address, sender, key, payload, timeout, peer=peer)
 
     async def forget(self, address: str) -> None:
         await self.remote.forget(address)  # only gRPC holds per-address state (a channel)

@@ -1,16 +1,23 @@
-"""Protobuf <-> domain objects: the one place where ``peer_pb2`` messages are built or read
-(Flower's ``common/serde.py`` idea). Tensor payloads travel as Coterie's tensor encoding
-(``wire/codec.py``); chunking and hashing stay in the transport."""
+"""Protobuf <-> domain objects (Flower's ``common/serde.py`` idea): every message with a domain
+counterpart is converted here — ``WIRE`` holds the serde pair of each unary call the table
+``peering/api.py`` declares. The frames of the streams (``SnapshotChunk``, ``ComputeFrame``,
+``GradientChunk``: a header built here, then raw data chunks) are assembled where they are sent,
+in ``server.py``, ``compute_rpcs.py``, ``client.py`` and ``pulls.py``, which also read replies'
+plain scalar fields. Tensor payloads travel as Coterie's tensor encoding (``wire/codec.py``);
+chunking and hashing stay in the transport."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
 
 from google.protobuf.message import DecodeError
 
 from ...proto.v1 import peer_pb2 as pb
+from ..peering.api import RevocationList
 from ..peering.errors import invalid, short
-from ..peering.messages import (ALIVE, DEAD, SUSPECT, Beat, ComputeReply, ComputeRequest, IndirectProbe,
-                                MemberUpdate, NodeInfo, PeerEntry, SnapshotHeader, SnapshotRef)
+from ..peering.messages import (ALIVE, DEAD, SUSPECT, Beat, ComputeReply, ComputeRequest, Gossip, IndirectProbe,
+                                MemberUpdate, NodeInfo, PeerEntry, PeerList, ProbeReply,
+                                SnapshotHeader, SnapshotRef, Welcome)
 
 
 def parse(cls, raw: bytes, what: str):
@@ -91,13 +98,46 @@ def probe_from_pb(m: pb.IndirectProbeRequest) -> IndirectProbe:
     return IndirectProbe(m.node_id, m.target_id, m.timeout_ms / 1000.0, m.incarnation, updates_from_pb(m.updates))
 
 
-def probe_reply_to_pb(ack: bool, updates) -> pb.IndirectProbeReply:
-    return pb.IndirectProbeReply(ack=ack, updates=updates_to_pb(updates))
+def probe_reply_to_pb(r: ProbeReply) -> pb.IndirectProbeReply:
+    return pb.IndirectProbeReply(ack=r.ack, updates=updates_to_pb(r.updates))
 
 
-def peer_list_to_pb(sender: str, entries: list[PeerEntry], members, incarnation: int) -> pb.PeerList:
-    return pb.PeerList(node_id=sender, peers=entries_to_pb(entries), members=updates_to_pb(members),
-                       incarnation=incarnation)
+def probe_reply_from_pb(m: pb.IndirectProbeReply) -> ProbeReply:
+    return ProbeReply(m.ack, updates_from_pb(m.updates))
+
+
+def welcome_to_pb(w: Welcome) -> pb.HandshakeReply:
+    return pb.HandshakeReply(node=node_info_to_pb(w.node), peers=entries_to_pb(list(w.peers)))
+
+
+def welcome_from_pb(m: pb.HandshakeReply) -> Welcome:
+    return Welcome(node_info_from_pb(m.node), tuple(entries_from_pb(m.peers)))
+
+
+def peer_list_to_pb(p: PeerList) -> pb.PeerList:
+    return pb.PeerList(node_id=p.sender, peers=entries_to_pb(list(p.entries)), members=updates_to_pb(p.members),
+                       incarnation=p.incarnation)
+
+
+def peer_list_from_pb(m: pb.PeerList) -> PeerList:
+    return PeerList(m.node_id, tuple(entries_from_pb(m.peers)), updates_from_pb(m.members), m.incarnation)
+
+
+# --- gossip and revocation lists ---
+def gossip_to_pb(g: Gossip) -> pb.GossipMessage:
+    return pb.GossipMessage(node_id=g.sender, key=g.key, payload=g.payload)
+
+
+def gossip_from_pb(m: pb.GossipMessage) -> Gossip:
+    return Gossip(m.node_id, m.key, m.payload)
+
+
+def revocations_to_pb(r: RevocationList) -> pb.RevocationList:
+    return pb.RevocationList(node_id=r.sender, number=r.number, crl=r.crl)
+
+
+def revocations_from_pb(m: pb.RevocationList) -> RevocationList:
+    return RevocationList(m.node_id, m.number, m.crl)
 
 
 # --- snapshots ---
@@ -142,3 +182,31 @@ def gradient_header_to_pb(r: ComputeReply, total_bytes: int, digest: str) -> pb.
 
 def ack_to_pb(r: ComputeReply) -> pb.Ack:
     return pb.Ack(accepted=r.accepted, message=r.message)
+
+
+# --- the unary calls (peering/api.py declares them; the servicer and the client are derived) ---
+@dataclass(frozen=True)
+class Wire:
+    """One unary call's protobuf messages and its serde pair each way."""
+    request: type  # the request's protobuf class (parsed from raw bytes by the servicer)
+    reply: type
+    request_to_pb: Callable[[Any], Any]
+    request_from_pb: Callable[[Any], Any]
+    reply_to_pb: Callable[[Any], Any]
+    reply_from_pb: Callable[[Any], Any]
+
+
+WIRE: dict[str, Wire] = {  # by ``api.Unary.name``
+    "Handshake": Wire(pb.HandshakeRequest, pb.HandshakeReply, lambda n: pb.HandshakeRequest(node=node_info_to_pb(n)),
+                      lambda m: node_info_from_pb(m.node), welcome_to_pb, welcome_from_pb),
+    "Heartbeat": Wire(pb.HeartbeatRequest, pb.HeartbeatReply, beat_to_request, beat_from_request, beat_to_reply,
+                      beat_from_reply),
+    "ExchangePeers": Wire(pb.PeerList, pb.PeerList, peer_list_to_pb, peer_list_from_pb, peer_list_to_pb,
+                          peer_list_from_pb),
+    "IndirectProbe": Wire(pb.IndirectProbeRequest, pb.IndirectProbeReply, probe_to_pb, probe_from_pb,
+                          probe_reply_to_pb, probe_reply_from_pb),
+    "GossipState": Wire(pb.GossipMessage, pb.GossipMessage, gossip_to_pb, gossip_from_pb, gossip_to_pb,
+                        gossip_from_pb),
+    "ExchangeRevocations": Wire(pb.RevocationList, pb.RevocationList, revocations_to_pb, revocations_from_pb,
+                                revocations_to_pb, revocations_from_pb),
+}

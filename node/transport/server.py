@@ -12,46 +12,38 @@ What it adds for gRPC:
   sessions are bounded (``max_watches``);
 - what: requests arrive as raw bytes and are parsed here, so a malformed message is an
   INVALID_ARGUMENT with a one-line reason, never gRPC's UNKNOWN or INTERNAL with a traceback.
-Every refusal's detail is at most ``errors.MAX_MESSAGE`` characters. The compute and gossip RPCs
-are in ``compute_rpcs.py``."""
+Every refusal's detail is at most ``errors.MAX_MESSAGE`` characters. The unary calls are derived
+from their table (``peering/api.py``, ``unary``); the snapshot streams are written here, the
+compute streams in ``compute_rpcs.py``."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import itertools
-import logging
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from ...proto.v1 import peer_pb2 as pb
-from ..peering.errors import exhausted, forbidden, invalid, short
+from ..peering import api
+from ..peering.api import Unary
+from ..peering.errors import exhausted, invalid
 from ..peering.interfaces import PeerHandler, SizeLimits, Traffic
 from . import serde
 from .chunks import data_frames
 from .client import KEEPALIVE_MS
 from .compute_rpcs import ComputeRpcs
-from .errors import status_of
-from .gate import Gate, refusal_of
+from .gate import Gate
 from .health_service import add_health_service
 from .serde import parse as _parse
 from .served_versions import CodecPolicy, Payload, ServedVersions
+from .replies import Replies
 from .stream_limits import StreamLimits
-from .tls import TLS, caller_identity
+from .tls import TLS
 
-log = logging.getLogger(__name__)
-
-# After refusing a streamed request, keep reading (and discarding) what the sender still has in
-# flight before sending the status: if the server closes first, the sender's next write fails and
-# grpc reports a bare INTERNAL "execute_batch" error instead of our reason (HTTP servers do the
-# same "lingering close"). Bounded so a hostile sender cannot keep the call open: at most
-# LINGER_BYTES, LINGER_S in all, and it ends as soon as the sender pauses for LINGER_IDLE_S.
-LINGER_BYTES = 64 << 20
-LINGER_S = 5.0
-LINGER_IDLE_S = 1.0
 MAX_WATCH_WAIT_S = 30.0  # a subscription with no new round for this long ends
 SESSION_IDLE_S = 120.0  # a pull session with no request for this long ends (readers close theirs at 60 s)
 # HTTP/2 streams one connection may hold open (gRPC's default: no limit). A last resort far above
@@ -62,50 +54,17 @@ SESSION_IDLE_S = 120.0  # a pull session with no request for this long ends (rea
 MAX_STREAMS_PER_CONNECTION = 4096
 
 
-async def _linger(frames) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + LINGER_S
-    it = frames.__aiter__()
-    drained = 0
-    try:
-        while drained <= LINGER_BYTES:
-            left = min(LINGER_IDLE_S, deadline - loop.time())
-            if left <= 0:
-                return
-            msg = await asyncio.wait_for(it.__anext__(), left)
-            drained += len(msg) if isinstance(msg, (bytes, memoryview)) else msg.ByteSize()
-    except Exception:  # noqa: BLE001 - done, paused, broken or cancelled: nothing more to drain
-        pass
+class PeerService:
+    """The Peer service: the unary calls derived from their table, the snapshot streams here,
+    the compute streams in its ``compute`` part; both answer through ``replies`` (guard, caller,
+    bounded sends)."""
 
-
-class _GrpcCaller:
-    """The caller of one gRPC request (``gate.Caller``): with mTLS, the node its certificate
-    names (and allows); without, whoever it claims to be."""
-    __slots__ = ("context", "tls")
-
-    def __init__(self, context: grpc.aio.ServicerContext, tls: TLS | None):
-        self.context, self.tls = context, tls
-
-    def vouch(self, claimed: str, what: str) -> str:
-        if self.tls is None:
-            return claimed
-        ident = caller_identity(self.context)
-        if ident is None:
-            raise forbidden(f"{what}: the caller's certificate names no Coterie node id")
-        if claimed != ident:
-            raise forbidden(f"{what}: claims to be node {claimed!r}, but its certificate is for {ident!r}")
-        if not self.tls.allowed(ident):
-            raise forbidden(f"{what}: node {ident!r} is not on this node's allow-list")
-        refused = self.tls.refusal(self.context)  # revoked by the CA, or expired (security/revocation.py)
-        if refused:
-            raise forbidden(f"{what}: node {ident!r} is refused: {refused}")
-        return ident
-
-
-class PeerService(ComputeRpcs):
     def __init__(self, gate: Gate, traffic: Traffic, *, chunk_bytes: int, tls: TLS | None,
                  streams: StreamLimits = StreamLimits(), codecs: CodecPolicy = CodecPolicy()):
         self.gate = gate
+        self.replies = Replies(traffic, tls, streams)
+        self.compute = ComputeRpcs(gate, traffic, self.replies, streams=streams, codecs=codecs,
+                                   chunk_bytes=chunk_bytes)
         self.codecs = codecs
         self.served = ServedVersions(codecs)  # payloads per codec, and the versions deltas start from
         self.traffic = traffic
@@ -115,96 +74,25 @@ class PeerService(ComputeRpcs):
         self._watchers: set[str] = set()  # peers with a snapshot subscription open
         self._sessions: dict[str, _Session] = {}  # peer -> its open pull session
 
-    # ------------------------------------------------------------------ plumbing
-    async def _guard(self, context: grpc.aio.ServicerContext, kind: str, coro, stream=None):
-        """Run a handler call; turn a Refusal/WireError into a status the caller can read.
-        ``stream``: the request stream, drained before refusing (see ``LINGER_BYTES``)."""
-        t0 = time.perf_counter()
-        try:
-            return await coro
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as e:
-            refusal = refusal_of(e)
-            if refusal is None:  # a bug, not the peer's fault: say so briefly, keep the traceback here
-                log.exception("internal error serving %s from %s", kind, context.peer())
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error serving {kind}")  # (raises)
-            else:
-                message = short(refusal.message)
-                log.warning("refused %s from %s: %s", kind, context.peer(), message)
-                if stream is not None:
-                    await _linger(stream)
-                await context.abort(status_of(refusal), message)
-        finally:
-            self.traffic.latency(kind, time.perf_counter() - t0, "server")
+    def method(self, name: str) -> Callable[..., Any]:
+        """The servicer method of a stream RPC (the unary ones: ``unary``)."""
+        return getattr(self.compute, name, None) or getattr(self, name)
 
-    def _caller(self, context: grpc.aio.ServicerContext) -> _GrpcCaller:
-        return _GrpcCaller(context, self.tls)
+    # --- the unary calls (peering/api.py): parse → gate → encode, one method for all ---
+    def unary(self, rpc: Unary) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
+        """The servicer method of ``rpc``: its request parsed from raw bytes (malformed: a refusal
+        naming it), the gate's one path, the reply encoded; both counted in traffic."""
+        wire = serde.WIRE[rpc.name]
 
-    async def _send(self, context, messages, what: str, size: int | None = None) -> int:
-        """Write a reply stream, all of it within ``send_timeout_s``: a reader that stops taking
-        it (flow control blocks the writes) is cut off with RESOURCE_EXHAUSTED instead of holding
-        the call, its admission slot and the buffers for ever."""
-        loop = asyncio.get_running_loop()
-        if size is None:  # (an iterator of frames built as they go out says its size instead)
-            messages = list(messages)
-            size = sum(len(m) if isinstance(m, bytes) else m.ByteSize() for m in messages)
-        limit = self.streams.send_deadline(size)
-        deadline = loop.time() + limit
-        sent = 0
-        for msg in messages:
-            try:
-                left = deadline - loop.time()
-                if left <= 0:
-                    raise asyncio.TimeoutError
-                await asyncio.wait_for(context.write(msg), left)
-            except asyncio.TimeoutError:
-                log.warning("cut off %s after %.0f s: the reader is not taking it (%s)", what, limit, context.peer())
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"{what}: not taken within {limit:.0f} s; reader too slow")
-            sent += len(msg) if isinstance(msg, bytes) else msg.ByteSize()
-        return sent
-
-    # --- membership ---
-    async def Handshake(self, raw: bytes, context):
-        async def go():
-            request = _parse(pb.HandshakeRequest, raw, "handshake")
-            remote = serde.node_info_from_pb(request.node)
-            entries = self.gate.handshake(self._caller(context), remote,
-                                          vouched=lambda: self.traffic.record("handshake", received=len(raw)))
-            reply = pb.HandshakeReply(node=serde.node_info_to_pb(self.gate.info()),
-                                      peers=serde.entries_to_pb(entries))
-            self.traffic.record("handshake", sent=reply.ByteSize())
-            return reply
-        return await self._guard(context, "handshake", go())
-
-    async def Heartbeat(self, raw: bytes, context):
-        async def go():
-            request = _parse(pb.HeartbeatRequest, raw, "heartbeat")
-            reply = serde.beat_to_reply(self.gate.heartbeat(self._caller(context), serde.beat_from_request(request)))
-            self.traffic.record("heartbeat", received=len(raw), sent=reply.ByteSize())
-            return reply
-        return await self._guard(context, "heartbeat", go())
-
-    async def ExchangePeers(self, raw: bytes, context):
-        async def go():
-            request = _parse(pb.PeerList, raw, "peer exchange")
-            entries, members, inc = self.gate.peer_list(self._caller(context), request.node_id,
-                                                        serde.entries_from_pb(request.peers),
-                                                        serde.updates_from_pb(request.members), request.incarnation)
-            reply = serde.peer_list_to_pb(self.gate.node_id, entries, members, inc)
-            self.traffic.record("peers", received=len(raw), sent=reply.ByteSize())
-            return reply
-        return await self._guard(context, "peers", go())
-
-    async def IndirectProbe(self, raw: bytes, context):
-        async def go():
-            request = _parse(pb.IndirectProbeRequest, raw, "indirect probe")
-            ack, updates = await self.gate.indirect_probe(self._caller(context), serde.probe_from_pb(request))
-            reply = serde.probe_reply_to_pb(ack, updates)
-            self.traffic.record("probe", received=len(raw), sent=reply.ByteSize())
-            return reply
-        return await self._guard(context, "probe", go())
+        async def method(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            async def go():
+                request = wire.request_from_pb(_parse(wire.request, raw, rpc.said))
+                reply = wire.reply_to_pb(await self.gate.unary(rpc, self.replies.caller(context), request))
+                self.traffic.record(rpc.kind, received=len(raw), sent=reply.ByteSize())
+                return reply
+            return await self.replies.guard(context, rpc.kind, go())
+        method.__name__ = rpc.name
+        return method
 
     # --- snapshots ---
     async def _pull(self, context, raw: bytes, slot: contextlib.ExitStack, what: str = "snapshot request",
@@ -212,9 +100,10 @@ class PeerService(ComputeRpcs):
         """Parse, authenticate and admit one snapshot request (its admission slot held by
         ``slot``), then the snapshot to answer it with (waiting for ``min_round`` if asked)."""
         request = _parse(pb.SnapshotRequest, raw, what)
-        who, snap = await self.gate.snapshot(self._caller(context), request.requester, request.min_round,
-                                             request.wait_ms / 1000.0, slot, what, admit_first)
-        return request, who, snap
+        who = self.gate.requester(self.replies.caller(context), request.requester, what)
+        if admit_first is not None:  # this server's own bound (a pull session's), before admission
+            admit_first(who)
+        return request, who, await self.gate.snapshot(who, request.min_round, request.wait_ms / 1000.0, slot)
 
     async def _snapshot_frames(self, request, snap, *, inline: bool, have: tuple[int, str] | None = None
                                ) -> tuple[Iterable[Any], int, str]:
@@ -241,9 +130,9 @@ class PeerService(ComputeRpcs):
     async def GetSnapshot(self, raw: bytes, context):
         t0 = time.perf_counter()
         with contextlib.ExitStack() as slot:
-            request, who, snap = await self._guard(context, "snapshot", self._pull(context, raw, slot))
+            request, who, snap = await self.replies.guard(context, "snapshot", self._pull(context, raw, slot))
             frames, size, _ = await self._snapshot_frames(request, snap, inline=False)
-            sent = await self._send(context, frames, f"snapshot for {who}", size=size)
+            sent = await self.replies.send(context, frames, f"snapshot for {who}", size=size)
         self.traffic.record("snapshot", sent=sent)
         self.traffic.latency("snapshot", time.perf_counter() - t0, "server")
 
@@ -291,11 +180,11 @@ class PeerService(ComputeRpcs):
                     raise
                 t0 = time.perf_counter()
                 with contextlib.ExitStack() as slot:
-                    request, who, snap = await self._guard(
+                    request, who, snap = await self.replies.guard(
                         context, "snapshot", self._pull(context, raw, slot, "snapshot session", admit_session))
                     frames, size, _ = await self._snapshot_frames(request, snap, inline=True)
                     try:
-                        sent = await self._send(context, frames, f"snapshot for {who}", size=size)
+                        sent = await self.replies.send(context, frames, f"snapshot for {who}", size=size)
                     except Exception as e:
                         if _reader_gone(context, e):
                             return
@@ -322,9 +211,12 @@ class PeerService(ComputeRpcs):
 
         async def go():
             request = _parse(pb.SnapshotRequest, raw, "snapshot watch")
-            return request, self.gate.open_watch(self._caller(context), request.requester, bound)
+            who = self.gate.requester(self.replies.caller(context), request.requester, "snapshot watch")
+            bound(who)  # this server's count of open subscriptions, before admission
+            self.gate.open_watch(who)
+            return request, who
 
-        request, who = await self._guard(context, "watch", go())
+        request, who = await self.replies.guard(context, "watch", go())
         self._watchers.add(who)
 
         async def push():
@@ -337,7 +229,7 @@ class PeerService(ComputeRpcs):
                 t0 = time.perf_counter()
                 frames, size, digest = await self._snapshot_frames(request, snap, inline=True, have=have)
                 try:
-                    sent = await self._send(context, frames, f"snapshot watch of {who}", size=size)
+                    sent = await self.replies.send(context, frames, f"snapshot watch of {who}", size=size)
                 except Exception as e:
                     if _reader_gone(context, e):
                         return  # the reader closed it (the write in flight fails): nothing to report
@@ -348,7 +240,7 @@ class PeerService(ComputeRpcs):
                 have = (snap.version, digest)
 
         try:  # a refusal on the way (the peer no longer known, ...) ends it with its status
-            await self._guard(context, "watch", push())
+            await self.replies.guard(context, "watch", push())
         finally:
             self._watchers.discard(who)
 
@@ -400,7 +292,8 @@ def _handlers(servicer: PeerService) -> grpc.GenericRpcHandler:
     """The Peer service's method table, derived from the proto descriptor (as the generated
     ``add_PeerServicer_to_server`` does), but requests arrive as raw bytes (parsed by the
     servicer: a malformed one is refused with a reason, not a deserialisation traceback) and
-    replies may be pre-serialised frames."""
+    replies may be pre-serialised frames. The unary calls are the table's (``api.UNARY``), the
+    streams the servicer's own methods."""
     service = pb.DESCRIPTOR.services_by_name["Peer"]
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
              (False, True): grpc.unary_stream_rpc_method_handler,
@@ -409,8 +302,9 @@ def _handlers(servicer: PeerService) -> grpc.GenericRpcHandler:
     table = {}
     for m in service.methods:
         make = kinds[(m.client_streaming, m.server_streaming)]
-        table[m.name] = make(getattr(servicer, m.name), request_deserializer=None,
-                             response_serializer=_serialize)
+        rpc = api.BY_NAME.get(m.name)
+        method = servicer.unary(rpc) if rpc is not None else servicer.method(m.name)
+        table[m.name] = make(method, request_deserializer=None, response_serializer=_serialize)
     return grpc.method_handlers_generic_handler(service.full_name, table)
 
 

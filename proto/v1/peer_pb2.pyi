@@ -294,3 +294,13 @@ class GossipMessage(_message.Message):
     key: str
     payload: bytes
     def __init__(self, node_id: _Optional[str] = ..., key: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class RevocationList(_message.Message):
+    __slots__ = ("node_id", "number", "crl")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    CRL_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    number: int
+    crl: bytes
+    def __init__(self, node_id: _Optional[str] = ..., number: _Optional[int] = ..., crl: _Optional[bytes] = ...) -> None: ...

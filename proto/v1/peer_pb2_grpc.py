@@ -89,6 +89,11 @@ class PeerStub:
                 request_serializer=coterie_dot_v1_dot_peer__pb2.GossipMessage.SerializeToString,
                 response_deserializer=coterie_dot_v1_dot_peer__pb2.GossipMessage.FromString,
                 _registered_method=True)
+        self.ExchangeRevocations = channel.unary_unary(
+                '/coterie.v1.Peer/ExchangeRevocations',
+                request_serializer=coterie_dot_v1_dot_peer__pb2.RevocationList.SerializeToString,
+                response_deserializer=coterie_dot_v1_dot_peer__pb2.RevocationList.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -165,6 +170,12 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExchangeRevocations(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -222,6 +233,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.GossipState,
                     request_deserializer=coterie_dot_v1_dot_peer__pb2.GossipMessage.FromString,
                     response_serializer=coterie_dot_v1_dot_peer__pb2.GossipMessage.SerializeToString,
+            ),
+            'ExchangeRevocations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExchangeRevocations,
+                    request_deserializer=coterie_dot_v1_dot_peer__pb2.RevocationList.FromString,
+                    response_serializer=coterie_dot_v1_dot_peer__pb2.RevocationList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -521,6 +537,33 @@ class Peer:
             '/coterie.v1.Peer/GossipState',
             coterie_dot_v1_dot_peer__pb2.GossipMessage.SerializeToString,
             coterie_dot_v1_dot_peer__pb2.GossipMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExchangeRevocations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coterie.v1.Peer/ExchangeRevocations',
+            coterie_dot_v1_dot_peer__pb2.RevocationList.SerializeToString,
+            coterie_dot_v1_dot_peer__pb2.RevocationList.FromString,
             options,
             channel_credentials,
             insecure,
