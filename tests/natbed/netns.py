@@ -70,6 +70,7 @@ class Site:
 class Topology:
     prefix: str = "cnb"
     site_size: int = 3
+    nat: bool = True  # False: the routers only route (the same network, flat, for comparison)
     public: dict[str, str] = field(default_factory=lambda: {"p0": f"{PUBLIC_NET}.10", "p1": f"{PUBLIC_NET}.11"})
     made: list[str] = field(default_factory=list)  # namespaces this object created, for down()
     _threads: dict[str, ThreadPoolExecutor] = field(default_factory=dict)
@@ -135,6 +136,8 @@ class Topology:
             sh("ip", "-n", ns, "route", "add", "default", "via", f"{s.lan}.1")
         ipt = ("ip", "netns", "exec", r, "iptables")
         sh("ip", "netns", "exec", r, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        if not self.nat:
+            return
         sh(*ipt, "-t", "nat", "-A", "POSTROUTING", "-s", f"{s.lan}.0/24", "-o", "wan", "-j", "MASQUERADE")
         sh(*ipt, "-P", "FORWARD", "DROP")
         sh(*ipt, "-A", "FORWARD", "-i", "lan", "-o", "lan", "-j", "ACCEPT")  # within the site (br_netfilter)

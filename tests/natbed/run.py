@@ -97,13 +97,14 @@ def node_config(n: int, index: int, rounds: int, peers: list[str]) -> dict[str, 
 
 
 def start_nodes(topo: Topology, root: Path, rounds: int, nodes: dict[str, NsNode]) -> None:
-    """Into ``nodes`` as each starts, so that the caller's clean-up finds every one."""
+    """Into ``nodes`` as each starts, so that the caller's clean-up finds every one. Without NAT
+    (``topo.nat`` false) the site nodes listen on their own addresses, as in a flat network."""
     hosts = [*topo.public, *(h for s in topo.sites for h in s.hosts)]
     make_pki(root, hosts)
     relays = [f"{topo.address(p)}:{PEER_PORT}" for p in topo.public]
     for i, host in enumerate(hosts):
         cfg = node_config(len(hosts), i, rounds, [relays[0]] if host != "p0" else [])
-        if host in topo.public:
+        if host in topo.public or not topo.nat:
             cfg["listen"] = f"{topo.address(host)}:{PEER_PORT}"
             args: list[str] = []
         else:  # outbound-only, as a user behind NAT starts it
@@ -125,7 +126,7 @@ def check_full_members(topo: Topology, nodes: dict[str, NsNode], rounds: int) ->
         wait_for(partial(_all_held, nodes[h]), 60, f"{h} to hold a reservation at both relays")
     t0 = time.monotonic()
     for h, node in nodes.items():
-        wait_for(partial(_finished, node, rounds), 180, f"{h} to finish {rounds} rounds")
+        wait_for(partial(finished_rounds, node, rounds), 180, f"{h} to finish {rounds} rounds")
     print(f"  {rounds} rounds on all {len(nodes)} nodes {time.monotonic() - t0:.1f} s after every relay was held")
     history = {h: n.get("/history") for h, n in nodes.items()}
     contacted = {h: {p for e in hist for p in (e.get("contacted") or [])} for h, hist in history.items()}
@@ -169,7 +170,7 @@ def _all_held(node: NsNode) -> bool:
     return set(node.get("/status")["relay"]["reservations"].values()) == {"held"}
 
 
-def _finished(node: NsNode, rounds: int) -> bool:
+def finished_rounds(node: NsNode, rounds: int) -> bool:
     return int(node.get("/status")["round"]) >= rounds
 
 
