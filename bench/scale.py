@@ -16,6 +16,11 @@ figures within a table, not across runs):
             tree; ``--groups 2``: two actors, memory inside each and gRPC between them).
 ``floor``   the scale scenario in one process (inproc) against its compute floor (every node's
             training CPU spread over the cores), this checkout beside ``--baseline-python``'s.
+``overlay``  membership's cost per node and protocol period (CPU, bytes, entries held), full
+            membership (SWIM + push-pull) against partial views (HyParView), in-process side by
+            side at N nodes (``bench/overlay_cost.py``).
+``discovery`` cluster mates among each node's top-weighted peers after K rounds, candidates from
+            discovery against a uniform draw (``bench/overlay_cost.py``).
 ``s1``      scenarios/s1_label_permuted.toml on both backends (same partitions and seeds) for a
             few strategies, plus a second processes run as the run-to-run noise reference.
 
@@ -24,6 +29,7 @@ figures within a table, not across runs):
     python bench/scale.py --sections daemon
     python bench/scale.py --sections ray --ray-nodes 16,64       # needs pip install -e '.[ray]'
     python bench/scale.py --sections s1 --s1-strategies local,fedfomo
+    python bench/scale.py --sections overlay,discovery --merge
     python bench/scale.py --sections floor --floor-nodes 200 --baseline-python ../main-venv/bin/python
 
 Writes bench/results/scale.json and bench/results/scale.md (run directories under
@@ -47,6 +53,9 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import overlay_cost  # noqa: E402 (bench/ beside this file)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -499,6 +508,7 @@ def report(data: dict[str, Any]) -> str:
             lines.append(f"| {s} | " + " | ".join(pct(r["strategies"][s]["mean_test_acc"]) for r in runs)
                          + f" | {dev('inproc', 'processes')} | {dev('processes', 'processes-2')} |")
         lines += ["", "Wall time s: " + ", ".join(f"{r['tag']} {r['wall_s']}" for r in runs), ""]
+    lines += overlay_cost.report(data)
     return "\n".join(lines)
 
 
@@ -515,6 +525,10 @@ def main() -> None:
     ap.add_argument("--floor-nodes", default="200", help="node counts of the floor section (inproc)")
     ap.add_argument("--baseline-python", help="floor: an interpreter whose coterie is the baseline checkout, "
                                               "run side by side (alternating) with this one")
+    ap.add_argument("--overlay-nodes", default="100,1000,3000",
+                    help="overlay: node counts (full membership up to 1,000; partial views at all)")
+    ap.add_argument("--discovery-nodes", default="300,1000", help="discovery: node counts")
+    ap.add_argument("--discovery-rounds", type=int, default=30)
     ap.add_argument("--merge", action="store_true",
                     help="scale: keep the points already in scale.json, replacing those measured again "
                          "(one more size without rerunning the rest)")
@@ -558,6 +572,14 @@ def main() -> None:
                 points.append(scale_point(backend, n, a.rounds))
                 print("  ", points[-1], flush=True)
         data["ray"] = points
+    if "overlay" in sections:
+        print("overlay: membership cost per node-period ...", flush=True)
+        rows = overlay_cost.overlay_section([int(n) for n in a.overlay_nodes.split(",") if n])
+        data["overlay"] = overlay_cost.merged(data.get("overlay", []) if a.merge else [], rows, ("kind", "nodes"))
+    if "discovery" in sections:
+        print("discovery: cluster mates found ...", flush=True)
+        rows = overlay_cost.discovery_section([int(n) for n in a.discovery_nodes.split(",") if n], a.discovery_rounds)
+        data["discovery"] = overlay_cost.merged(data.get("discovery", []) if a.merge else [], rows, ("mode", "nodes"))
     if "daemon" in sections:
         import tempfile
         tmp = Path(tempfile.mkdtemp(prefix="coterie-scale-"))

@@ -13,6 +13,7 @@ from .learning.guard import RoundGuard
 from .learning.learner import Learner
 from .peering.admission import Admission
 from .peering.deadlines import Deadlines
+from .peering.discovery import Discovery, DiscoveryHooks, DiscoverySettings
 from .peering.inbox import PushInbox
 from .peering.loop_lag import LoopLag
 from .peering.membership import Membership, Settings
@@ -101,6 +102,12 @@ def wire_peer_plane(node: Any, cfg: NodeConfig, learner: Learner) -> None:
                                labels=node.labels, request_timeout_s=cfg.request_timeout_s,
                                deadlines=deadlines, exchange_timeout_s=cfg.exchange_timeout_s,
                                on_call_failed=node.membership.suspect_hint, watch=cfg.watch_snapshots)
+    d = cfg.discovery
+    node.network.discovery = Discovery(
+        node.node_id, node.peers.alive, usable=lambda p: node.network._address(p) is not None,
+        settings=DiscoverySettings(candidates=d.candidates, explore=d.explore, recommend=d.recommend,
+                                   per_recommender=d.per_recommender), rng=random.Random(f"discovery-{seed}"))
+    node.network.discovery_above = d.above
     node.strategy = get_strategy(cfg.strategy)(node.node_id, learner, node.network,
                                                cfg.strategy_params, seed=seed)
     # a diverged step or round is rolled back, counted and noted; nothing non-finite is published
@@ -111,8 +118,9 @@ def wire_peer_plane(node: Any, cfg: NodeConfig, learner: Learner) -> None:
     node.guard = RoundGuard(learner, node.strategy, on_divergence)
     node._budget_noted = {}
     node.admission = Admission(cfg.limits, on_refused=node._over_budget)
+    hooks = DiscoveryHooks(node.strategy, node.network.discovery)  # "whom do you weight?" before the strategy
     node.served = ServedRequests(node.node_id, node.info, node.membership, learner, node.spec,
-                                 node.strategy, node.board, node.cache, node.inbox, node.problems,
+                                 hooks, node.board, node.cache, node.inbox, node.problems,
                                  node.private, node.serves,
                                  on_refused=lambda kind: node.m.rejected.labels(kind=kind).inc(),
                                  admission=node.admission, push_policy=cfg.limits,

@@ -150,6 +150,19 @@ class MembershipConfig(BaseModel):
     idle_channel_s: float = Field(120.0, gt=0)  # client channels unused this long are closed
 
 
+class DiscoveryConfig(BaseModel):
+    """Collaborator discovery (peering/discovery.py): past ``above`` alive peers a strategy's
+    candidates (``peers()``) are the peers it weights most plus a bounded number of new ones a
+    round — recommended by its best collaborators, or drawn from its view — instead of everyone."""
+    model_config = ConfigDict(extra="forbid")
+
+    above: int = Field(200, ge=0)  # alive peers past which discovery supplies the candidates (0: always)
+    candidates: int = Field(8, ge=1)  # peers offered per round
+    explore: int = Field(3, ge=0)  # of which never-weighted ones, at least
+    recommend: int = Field(5, ge=0)  # ids one "whom do you weight?" answer carries
+    per_recommender: int = Field(2, ge=1)  # hints from one peer waiting at once
+
+
 class SnapshotsConfig(BaseModel):
     """How snapshots travel (docs/codecs.md): the codecs this node asks for and serves, preferred
     first (each peer pair uses the first of the requester's list the server also speaks; fp32 is
@@ -239,6 +252,7 @@ class NodeConfig(BaseModel):
     suspect_after_s: float = Field(3.0, gt=0)  # a probe unanswered this long (direct + indirect): suspect
     dead_after_s: float = Field(8.0, gt=0)  # suspicion timeout floor: a suspect not refuting is dead
     membership: MembershipConfig = Field(default_factory=MembershipConfig)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     request_timeout_s: float = Field(30.0, gt=0)  # cap of every peer call's deadline
     deadline_mult: float = Field(4.0, gt=0)  # per-peer deadline: mult × p99 of its recent latencies,
     deadline_floor_s: float = Field(1.0, gt=0)  # at least this, at most request_timeout_s

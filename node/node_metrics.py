@@ -29,3 +29,9 @@ class NodeMetrics:
         self.ckpt_wait = metrics.histogram("coterie_checkpoint_wait_seconds",
                                            "Round loop time spent on checkpoints (snapshot + waiting for the writer)",
                                            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+        # collaborator discovery (peering/discovery.py), set after each round past its threshold
+        self.discovery = metrics.gauge("coterie_discovery", "Collaborator discovery: candidates offered this "
+                                       "round, hints waiting, peers scored", ("what",))
+        self.discovery_events = metrics.gauge("coterie_discovery_events", "Collaborator discovery so far: peers "
+                                              "explored, explored on a recommendation (hits), asks, hints "
+                                              "received and dropped", ("what",))

@@ -79,9 +79,12 @@ class RoundLoop:
         n = self.node
         stall0 = n.loop_lag.total_s
         await asyncio.to_thread(n.guard.before_round)
+        n.network.begin_round()  # past the discovery threshold: this round's candidates
         with n.network.exchange_phase() as phase:  # peer calls share the round's deadline
             report = await n.strategy.run_round(rnd)
         await asyncio.to_thread(n.guard.after_round)  # a diverged round is rolled back
+        await n.network.end_round(n.strategy.weights(), report.contacted)
+        self.discovery_metrics()
         t_strategy = time.monotonic() - t0
         evaluation = await asyncio.to_thread(n.strategy.evaluate)
         t_eval = time.monotonic() - t0 - t_strategy
@@ -101,6 +104,17 @@ class RoundLoop:
         await n.checkpointer.submit(await n._snapshot(record.as_dict()))
         n.m.ckpt_wait.observe(waited + time.monotonic() - t2)
         return evaluation
+
+    def discovery_metrics(self) -> None:
+        view = self.node.network.discovery_view()
+        if not view["active"]:
+            return
+        m = self.node.m
+        m.discovery.labels(what="candidates").set(len(view["candidates"]))
+        m.discovery.labels(what="hints").set(view["hints"])
+        m.discovery.labels(what="scored").set(view["scored"])
+        for what in ("explored", "hinted", "asks", "hints_received", "hints_dropped"):
+            m.discovery_events.labels(what=what).set(view[what])
 
     async def run(self) -> None:
         n, cfg = self.node, self.node.cfg

@@ -66,7 +66,8 @@ class NodeViews(PeerPlane):
                 "strategy_state": self.strategy.public_state(), "problems": self.problems.recent(10),
                 "faulty": self.cfg.faulty, "mtls": self.transport.mtls,
                 "admission": self.admission.view(), "traffic_since_last_round": self.traffic.pending(),
-                "membership": self.membership_view(), "privacy": self.privacy_view(),
+                "membership": self.membership_view(), "discovery": self.network.discovery_view(),
+                "privacy": self.privacy_view(),
                 "collaboration": self.network.releases.view(),
                 "data": self.learner.data_info(), "history_summary": history_summary(self.store.summary),
                 "relay": self.relay_view()}

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Callable
+from typing import Any
 
 from ..offload import OFF_LOOP_BYTES
 from ..privacy.mechanisms import PrivateData
@@ -29,6 +30,7 @@ from ..strategies.base import PeerSnapshot
 from ..wire.codec import Groups, WireError, encoded_size
 from .calls import PeerCalls
 from .deadlines import Deadlines, Phase
+from .discovery import GOSSIP_KEY, Discovery, recommended_ids
 from .errors import PeerCallError
 from .inbox import PushInbox
 from .interfaces import PeerTransport
@@ -69,6 +71,9 @@ class NodeNetwork(PeerRequests):
         # snapshot subscriptions: a transport without them is pulled from only
         self.subscriptions = Subscriptions(self, self.calls, enabled=watch and hasattr(transport, "watch_snapshots"))
         peers.listeners.append(self._on_state)
+        # past ``discovery_above`` alive peers, a strategy's candidates come from discovery
+        self.discovery: Discovery | None = None
+        self.discovery_above = 0
 
     # --- deadlines (calls.py) ---
     def exchange_phase(self) -> AbstractContextManager[Phase]:
@@ -90,8 +95,46 @@ class NodeNetwork(PeerRequests):
 
     # --- views ---
     def peers(self) -> list[str]:
-        """Alive peers, less those whose last call timed out with no sign of life since."""
-        return [p for p in self.table.alive() if self._responsive(p)]
+        """Alive peers, less those whose last call timed out with no sign of life since; past
+        the discovery threshold, this round's candidates among them (``discovery.py``)."""
+        alive = [p for p in self.table.alive() if self._responsive(p)]
+        if not self.discovering(len(alive)):
+            return alive
+        usable = set(alive)
+        assert self.discovery is not None
+        if not self.discovery.current():  # the threshold was crossed mid-round: pick them now
+            self.discovery.begin_round()
+        return [p for p in self.discovery.current() if p in usable]
+
+    # --- discovery (a round's candidates, past the threshold) ---
+    def discovering(self, alive: int | None = None) -> bool:
+        n = len(self.table.alive()) if alive is None else alive
+        return self.discovery is not None and n > self.discovery_above
+
+    def begin_round(self) -> None:
+        if self.discovering() and self.discovery is not None:
+            self.discovery.begin_round()
+
+    def discovery_view(self) -> dict[str, Any]:
+        """For ``/status`` and metrics: whether discovery supplies the candidates, and its state."""
+        d = self.discovery
+        if d is None:
+            return {"active": False}
+        return {"active": self.discovering(), "above": self.discovery_above, "candidates": d.current(),
+                "collaborators": d.collaborators(5), "hints": len(d.hints), "scored": len(d.scores),
+                **vars(d.counters)}
+
+    async def end_round(self, weights: dict[str, float], contacted) -> None:
+        """The strategy's weights feed discovery; then a few of my best collaborators are asked
+        whom they weight (hints for the next rounds)."""
+        if not self.discovering() or self.discovery is None:
+            return
+        d = self.discovery
+        d.observe(weights, [p for p in (contacted or ()) if isinstance(p, str)])
+        asked = d.whom_to_ask()
+        replies = await asyncio.gather(*(self.gossip(peer, GOSSIP_KEY, {}) for peer in asked))
+        for peer, reply in zip(asked, replies, strict=True):
+            d.on_recommendations(peer, recommended_ids(reply, d.s.recommend))
 
     def known_peers(self) -> list[str]:
         return self.table.known()

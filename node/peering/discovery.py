@@ -1,0 +1,238 @@
+"""Collaborator discovery: the candidate peers a node's strategy evaluates each round, in a
+network too large to evaluate everyone (T-Man, Jelasity & Babaoglu 2005, applied to learning).
+
+Each round the strategy gets ``settings.candidates`` peers (``NodeNetwork.peers()`` returns them
+past the size threshold; what a strategy does within its candidate set is unchanged):
+
+- *keep*: the peers it weights clearly (a running score per peer, fed from the strategy's own
+  weights after each round; ``collaborators``), so a found collaborator stays found;
+- *explore*: never-scored peers in the other slots (at least ``settings.explore`` a round):
+  recommendations first, then a uniform draw from the node's view (the partial view past the
+  threshold, else membership).
+
+Recommendations answer "whom do you weight?": once a round the node asks a few of its best
+collaborators for their best-weighted peers — a cluster mate's collaborators are mostly cluster
+mates, so a node that found one finds the rest in a few rounds; and a peer that evaluated me is
+a hint for me (``on_contacted``), so a link found from one side is tried from the other. They
+are *hints*: a hint only
+takes an exploring slot, so the node evaluates the peer itself before its strategy can weight
+it; a peer recommends only when asked, never itself, at most ``settings.recommend`` ids an
+answer, of which at most ``per_recommender`` wait at once and at most one is explored per
+round — an insider cannot fill the candidates with itself or a clique. State is bounded
+(``max_scored`` scores, ``max_hints`` hints): O(1) in the network's size.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+GOSSIP_KEY = "coterie.discovery.whom"  # "whom do you weight?", asked over the gossip RPC
+
+
+@dataclass(frozen=True)
+class DiscoverySettings:
+    candidates: int = 5  # peers offered to the strategy per round
+    explore: int = 3  # of which never-scored peers, at most
+    recommend: int = 5  # ids one "whom do you weight?" answer carries, at most
+    per_recommender: int = 2  # hints from one peer waiting at once (insider bound)
+    hints_per_recommender_round: int = 1  # hints from one peer explored per round (insider bound)
+    max_hints: int = 32
+    max_scored: int = 256  # peers whose score is remembered (lowest forgotten first)
+    memory: float = 0.5  # weight of the past in a peer's running score
+    ask_among: int = 3  # whom I ask: among my this many best collaborators ...
+    asks: int = 2  # ... this many a round
+    relative: float = 0.5  # a collaborator: scored at least this share of my best one
+
+
+@dataclass
+class DiscoveryCounters:
+    rounds: int = 0
+    explored: int = 0
+    hinted: int = 0  # explored because recommended
+    hints_received: int = 0
+    hints_dropped: int = 0  # refused by the caps, or unsolicited
+    asks: int = 0
+
+
+class Discovery:
+    """One node's candidate source. ``view()``: the ids the node currently knows of (its sample
+    of the network); ``usable(peer)``: whether it can be called now (alive, responsive)."""
+
+    def __init__(
+        self,
+        me: str,
+        view: Callable[[], Sequence[str]],
+        *,
+        usable: Callable[[str], bool] = lambda p: True,
+        settings: DiscoverySettings | None = None,
+        rng: random.Random | None = None,
+    ):
+        self.me = me
+        self.view = view
+        self.usable = usable
+        self.s = settings or DiscoverySettings()
+        self.rng = rng or random.Random()
+        self.scores: dict[str, float] = {}
+        self.hints: deque[tuple[str, str]] = deque()  # (recommender, peer), oldest first
+        self.counters = DiscoveryCounters()
+        self._current: list[str] = []
+        self._asked: set[str] = set()  # peers asked this round: answers accepted from them
+
+    # --- a round ---
+    def begin_round(self) -> list[str]:
+        """Pick this round's candidates (kept stable until the next call: ``current``)."""
+        self.counters.rounds += 1
+        best = [p for p in self.collaborators(len(self.scores)) if self.usable(p)]
+        keep = best[: self.s.candidates - min(self.s.explore, self.s.candidates)]
+        n_explore = self.s.candidates - len(keep)  # slots nothing good is kept in explore too
+        picked = list(keep)
+        explore = self._from_hints(n_explore, set(picked))
+        explore += self._from_view(n_explore - len(explore), set(picked) | set(explore))
+        picked += explore
+        # exploring found nothing new: the slots go back to kept peers
+        picked += [p for p in best if p not in picked][: self.s.candidates - len(picked)]
+        self.counters.explored += len(explore)
+        self._current = sorted(picked)
+        return self._current
+
+    def current(self) -> list[str]:
+        return list(self._current)
+
+    def observe(self, weights: dict[str, float], evaluated: Iterable[str] = ()) -> None:
+        """After a round: the strategy's weights of the peers it evaluated (a peer evaluated and
+        not weighted scores 0)."""
+        seen = {p: float(weights.get(p, 0.0)) for p in evaluated if p != self.me}
+        seen.update({p: float(w) for p, w in weights.items() if p != self.me})
+        for p, w in seen.items():
+            old = self.scores.get(p)
+            self.scores[p] = w if old is None else self.s.memory * old + (1 - self.s.memory) * w
+        if len(self.scores) > self.s.max_scored:
+            for p in sorted(self.scores, key=self.scores.__getitem__)[: len(self.scores) - self.s.max_scored]:
+                del self.scores[p]
+
+    def best(self, k: int) -> list[str]:
+        """My ``k`` best-weighted peers (positive score only), best first."""
+        ranked = sorted((p for p, s in self.scores.items() if s > 0), key=lambda p: (-self.scores[p], p))
+        return ranked[:k]
+
+    def collaborators(self, k: int) -> list[str]:
+        """My best ``k`` that I weight clearly: at least ``relative`` × my best one's score (peers
+        weighted by noise alone are neither asked nor recommended)."""
+        top = self.best(k)
+        return [p for p in top if self.scores[p] >= self.s.relative * self.scores[top[0]]] if top else []
+
+    # --- recommendations ---
+    def whom_to_ask(self) -> list[str]:
+        """Some of my best collaborators, to ask "whom do you weight?" this round."""
+        top = [p for p in self.collaborators(self.s.ask_among) if self.usable(p)]
+        picked = self.rng.sample(top, min(self.s.asks, len(top)))
+        self._asked.update(picked)
+        self.counters.asks += len(picked)
+        return picked
+
+    def recommend(self, asker: str) -> list[str]:
+        """My answer to ``asker``: the peers I weight most (never the asker itself)."""
+        return [p for p in self.collaborators(self.s.recommend + 1) if p != asker][: self.s.recommend]
+
+    def on_recommendations(self, sender: str, peers: Sequence[str]) -> int:
+        """Hints from ``sender``'s answer; returns how many were kept. Unasked answers, ids
+        beyond ``recommend``, the sender itself and peers already scored are dropped; at most
+        ``per_recommender`` from one sender wait at once."""
+        if sender not in self._asked:
+            self.counters.hints_dropped += len(peers)
+            return 0
+        self._asked.discard(sender)
+        waiting = sum(1 for src, _ in self.hints if src == sender)
+        queued = {p for _, p in self.hints}
+        kept = 0
+        for p in list(dict.fromkeys(peers))[: self.s.recommend]:
+            self.counters.hints_received += 1
+            if p in (self.me, sender) or p in self.scores or p in queued or waiting >= self.s.per_recommender:
+                self.counters.hints_dropped += 1
+                continue
+            self.hints.append((sender, p))
+            waiting += 1
+            kept += 1
+        while len(self.hints) > self.s.max_hints:
+            self.hints.popleft()
+        return kept
+
+    def on_contacted(self, peer: str) -> bool:
+        """``peer`` (authenticated) evaluated me — pulled my model, asked whom I weight: it may be
+        a collaborator, a hint for me too (links found from one side become two-sided). A peer can
+        only put itself forward this way, once until it is scored."""
+        if peer == self.me or peer in self.scores or any(p == peer for _, p in self.hints):
+            return False
+        self.hints.append((peer, peer))
+        while len(self.hints) > self.s.max_hints:
+            self.hints.popleft()
+        return True
+
+    # --- internals ---
+    def _from_hints(self, n: int, taken: set[str]) -> list[str]:
+        """Up to ``n`` hints: one peer that evaluated me (reciprocity finds mates fastest), then
+        recommendations, then the other such peers; at most ``hints_per_recommender_round`` from
+        one source."""
+        out: list[str] = []
+        per: dict[str, int] = {}
+        for recommended, most in ((False, 1), (True, n), (False, n)):
+            took = 0
+            for src, p in self.hints:
+                if len(out) >= n or took >= most:
+                    break
+                if (src != p) != recommended or p in taken or p in self.scores or not self.usable(p):
+                    continue
+                if per.get(src, 0) >= self.s.hints_per_recommender_round:
+                    continue
+                per[src] = per.get(src, 0) + 1
+                took += 1
+                out.append(p)
+                taken.add(p)
+        self.hints = deque((src, p) for src, p in self.hints if p not in taken and p not in self.scores)
+        self.counters.hinted += len(out)
+        return out
+
+    def _from_view(self, n: int, taken: set[str]) -> list[str]:
+        if n <= 0:
+            return []
+        pool = [p for p in self.view() if p != self.me and p not in taken and p not in self.scores]
+        if len(pool) < n:  # everyone in view already scored: re-explore the ones scored lowest
+            pool += [p for p in self.view() if p != self.me and p not in taken and p not in pool]
+        self.rng.shuffle(pool)
+        out: list[str] = []
+        for p in pool:
+            if len(out) >= n:
+                break
+            if self.usable(p):
+                out.append(p)
+        return out
+
+
+def recommended_ids(reply: dict[str, Any] | None, limit: int) -> list[str]:
+    """The ids in a peer's answer to ``GOSSIP_KEY``; anything malformed counts as no answer."""
+    peers = (reply or {}).get("peers")
+    if not isinstance(peers, list):
+        return []
+    return [p for p in peers[:limit] if isinstance(p, str) and 0 < len(p) <= 256]
+
+
+class DiscoveryHooks:
+    """The served side of discovery, in front of the strategy's hooks: answers "whom do you
+    weight?" (the asker, authenticated, is a hint itself), passes every other key on."""
+
+    def __init__(self, inner: Any, discovery: Discovery):
+        self.inner = inner
+        self.discovery = discovery
+
+    def on_gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
+        if key != GOSSIP_KEY:
+            return self.inner.on_gossip(peer, key, payload)
+        self.discovery.on_contacted(peer)
+        return {"peers": self.discovery.recommend(peer)}
+
+    def on_alignment(self, peer: str, inner_product: float) -> None:
+        self.inner.on_alignment(peer, inner_product)

@@ -1,0 +1,114 @@
+"""Collaborator discovery: cluster mates found faster than by uniform sampling, recommendations
+bounded as hints (an insider's attack runs against the bounds and against a discovery without
+them, where it succeeds), state bounded."""
+
+from __future__ import annotations
+
+import random
+
+from coterie.node.peering.discovery import Discovery, DiscoverySettings
+from coterie.node.peering.overlay_sim import simulate_discovery
+
+
+def test_discovery_finds_cluster_mates_faster_than_uniform_sampling():
+    kw = dict(n=300, cluster_size=10, rounds=30, checkpoints=(30,), seed=4)
+    found = simulate_discovery(mode="discovery", **kw).mates_found[30]
+    uniform = simulate_discovery(mode="uniform", **kw).mates_found[30]
+    # 5 evaluations a round: uniform sampling meets ~9 * 5 * 30 / 299 = 4.5 mates in 30 rounds,
+    # fewer among its top 9 (noise ranks some strangers above them)
+    assert uniform < 4.5
+    assert found >= 5.5 and found >= 1.4 * uniform, (found, uniform)
+
+
+def _victim(settings: DiscoverySettings, honest: list[str]) -> Discovery:
+    d = Discovery("victim", lambda: honest, settings=settings, rng=random.Random(5))
+    d.observe({"insider": 1.0})  # the insider made itself the victim's best collaborator
+    return d
+
+
+def _clique_share(d: Discovery, clique: list[str], rounds: int) -> float:
+    """Each round the victim asks the insider (its best collaborator), which answers with its
+    clique; the share of the victim's candidates that are clique members."""
+    seen = total = 0
+    for r in range(rounds):
+        cands = d.begin_round()
+        seen += sum(p in clique for p in cands)
+        total += len(cands)
+        d.observe({"insider": 1.0}, cands)  # the victim evaluates them: not helpful
+        assert d.whom_to_ask() == ["insider"]
+        d.on_recommendations("insider", clique[5 * r % len(clique) :][:5])  # fresh ids each time
+    return seen / total
+
+
+def test_an_insiders_recommendations_take_at_most_one_exploring_slot_a_round():
+    honest = [f"node-{i:03d}" for i in range(200)]
+    clique = [f"sybil-{k:02d}" for k in range(60)]
+    share = _clique_share(_victim(DiscoverySettings(), honest), clique, rounds=15)
+    assert share <= 1 / 5  # one of the five candidates a round at most; the rest is the view
+    naive = DiscoverySettings(per_recommender=1000, hints_per_recommender_round=1000, max_hints=1000)
+    assert _clique_share(_victim(naive, honest), clique, rounds=15) >= 0.5  # unbounded: the clique crowds out the view
+
+
+def test_recommendations_are_hints_only_when_asked_never_the_sender_and_bounded():
+    d = Discovery("me", lambda: ["a", "b"], rng=random.Random(1))
+    assert d.on_recommendations("stranger", ["x", "y"]) == 0  # unsolicited: dropped
+    d.observe({"friend": 1.0})
+    assert d.whom_to_ask() == ["friend"]
+    kept = d.on_recommendations("friend", ["friend", "me", "x", "x", "y", "z", "w"])
+    assert kept == 2 and [p for _, p in d.hints] == ["x", "y"]  # itself, me, duplicates, beyond the cap: dropped
+    assert d.on_recommendations("friend", ["q"]) == 0  # one answer per question
+    # a hint is a candidate to evaluate, not a weight: it has no score until the strategy weights it
+    cands = d.begin_round()
+    assert "x" in cands and "x" not in d.scores
+
+
+def test_recommend_answers_with_my_best_weighted_peers_not_the_asker():
+    d = Discovery("me", lambda: [], settings=DiscoverySettings(recommend=3), rng=random.Random(1))
+    d.observe({"a": 0.9, "b": 0.8, "c": 0.1, "d": 0.5, "e": 0.0})
+    assert d.recommend("a") == ["b", "d"]  # c: weighted by noise (< relative × the best), not recommended
+    assert d.recommend("zz") == ["a", "b", "d"]
+
+
+def test_discovery_state_is_bounded_whatever_the_network():
+    view = [f"node-{i:05d}" for i in range(5000)]
+    d = Discovery("me", lambda: view, settings=DiscoverySettings(max_scored=64), rng=random.Random(2))
+    rng = random.Random(3)
+    for _ in range(200):
+        cands = d.begin_round()
+        assert len(cands) == 5 and len(set(cands)) == 5 and "me" not in cands
+        d.observe({p: rng.random() for p in cands}, cands)
+    assert len(d.scores) <= 64 and len(d.hints) <= d.s.max_hints
+
+
+def test_candidates_keep_the_best_and_skip_unusable_peers():
+    down = {"node-001"}
+    view = [f"node-{i:03d}" for i in range(50)]
+    d = Discovery("me", lambda: view, usable=lambda p: p not in down, rng=random.Random(4))
+    d.observe({"node-001": 1.0, "node-002": 0.9, "node-003": 0.8})
+    cands = d.begin_round()
+    assert "node-001" not in cands  # best, but down
+    assert {"node-002", "node-003"} <= set(cands)  # kept: the two best usable
+    assert len(cands) == 5
+    assert d.current() == cands  # stable within the round
+
+
+def test_served_side_answers_whom_and_passes_other_gossip_to_the_strategy():
+    from coterie.node.peering.discovery import GOSSIP_KEY, DiscoveryHooks, recommended_ids
+
+    class Strategy:
+        def on_gossip(self, peer, key, payload):
+            return {"strategy": key}
+
+        def on_alignment(self, peer, ip):
+            self.ip = ip
+
+    d = Discovery("me", lambda: [], rng=random.Random(1))
+    d.observe({"a": 1.0, "b": 0.9})
+    hooks = DiscoveryHooks(Strategy(), d)
+    assert hooks.on_gossip("asker", GOSSIP_KEY, {}) == {"peers": ["a", "b"]}
+    assert ("asker", "asker") in d.hints  # whoever asks is a hint itself (evaluated before weighted)
+    assert hooks.on_gossip("asker", "crl", {}) == {"strategy": "crl"}
+    # a malformed answer is no answer; ids are bounded in number and length
+    assert recommended_ids(None, 5) == [] and recommended_ids({"peers": "abc"}, 5) == []
+    assert recommended_ids({"peers": ["x", 3, "", "y" * 300, "z", "w"]}, 4) == ["x"]
+    assert recommended_ids({"peers": [f"p{i}" for i in range(100)]}, 5) == ["p0", "p1", "p2", "p3", "p4"]

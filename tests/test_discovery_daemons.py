@@ -1,0 +1,40 @@
+"""Discovery on real daemons (gRPC, mTLS, processes): past the threshold a strategy's candidates
+come from discovery, and "whom do you weight?" is asked and answered over the peer RPCs."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.nodeproc import NodeProc, tiny_learner, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def test_candidates_come_from_discovery_and_peers_answer_whom_they_weight(tmp_path):
+    nodes: list[NodeProc] = []
+    try:
+        for i in range(4):
+            cfg = {
+                "strategy": "fedfomo",
+                "round_interval_s": 0.3,
+                "learner": tiny_learner(4, i),
+                "strategy_params": {"num_models": 2},
+                "discovery": {"above": 0, "candidates": 2, "explore": 1},  # always on, 2 of 3 peers a round
+                "peers": [nodes[0].address] if nodes else [],
+            }
+            nodes.append(NodeProc(tmp_path, f"n{i}", cfg).start())
+        for n in nodes:
+            wait_for(lambda n=n: n.status()["round"] >= 5, 90, f"{n.node_id} to run 5 rounds")
+        views = [n.status()["discovery"] for n in nodes]
+        for n, v in zip(nodes, views, strict=True):
+            assert v["active"] and v["above"] == 0
+            assert len(v["candidates"]) <= 2 and n.node_id not in v["candidates"]
+            assert v["rounds"] >= 3 and v["scored"] >= 2  # (not before it had a peer) it evaluated peers itself
+            assert not [p for p in n.status()["problems"] if "gossip" in str(p)]  # no refused asks
+        assert sum(v["asks"] for v in views) > 0  # collaborators were asked ...
+        assert sum(v["hints_received"] for v in views) > 0  # ... and answered over the wire
+        metrics = nodes[0].get_text("/metrics")
+        assert 'coterie_discovery{what="candidates"}' in metrics
+    finally:
+        for n in nodes:
+            n.stop()
