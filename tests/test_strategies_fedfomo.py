@@ -144,8 +144,9 @@ def test_early_stop_trains_on_instead_of_replaying_the_rejected_steps():
     local training from θ_base replayed the rejected steps, so the node never got past its first
     round's training; with ``early_stop = "continue"`` its training accumulates (train loss keeps
     falling) while θ_base stays the reference every update compares against."""
-    def run(mode: str) -> tuple[list[bool], list[float]]:
-        hub = build_network(FedFomo, {"early_stop": mode}, num_nodes=1, num_clusters=1)
+    def run(mode: str, batch_size: int = 16) -> tuple[list[bool], list[float]]:
+        hub = build_network(FedFomo, {"early_stop": mode}, num_nodes=1, num_clusters=1,
+                            learner_kw={"batch_size": batch_size})
         lrn = hub.nodes["n0"].learner
         x, y = lrn.data["train"]
         lrn.data["val"] = (x, (y + 1) % 4)  # what training fits, validation calls wrong
@@ -162,6 +163,11 @@ def test_early_stop_trains_on_instead_of_replaying_the_rejected_steps():
     assert loss[-1] < 0.7 * loss[0]  # ... and local training still made progress
     kept, loss = run("restore")  # the paper as printed: each round restarts from θ⁰
     assert all(kept) and loss[-1] > 0.9 * loss[0]
+    # where the train split is one batch the restart replays the rejected steps exactly
+    kept, loss = run("restore", batch_size=10_000)
+    assert all(kept) and loss[1:] == pytest.approx([loss[0]] * 7)
+    kept, loss = run("continue", batch_size=10_000)
+    assert all(kept) and loss[-1] < 0.7 * loss[0]
 
 
 def test_early_stop_choice_is_checked():
