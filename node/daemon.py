@@ -17,9 +17,11 @@ import signal
 import sys
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from .builder import wire_peer_plane
+from . import publishing
+from .builder import PeerPlane, PlaneHost, build_peer_plane
 from .checkpointing import Checkpointer
 from .config import PROTOCOL_VERSION, ConfigError, NodeConfig
 from .failures import Failures
@@ -29,15 +31,14 @@ from .logfilter import install_log_filter
 from .logs import RoundLog
 from .metrics import Metrics
 from .modelfile import describe_model
-from . import publishing
 from .node_metrics import NodeMetrics
 from .peering.faults import with_fault
-from .peering.messages import LocalSnapshot, NodeInfo
 from .peering.interfaces import PeerServer, TransportFactory
+from .peering.messages import LocalSnapshot, NodeInfo
 from .peering.traffic import TrafficStats
+from .persistence import HISTORY_TAIL, Snapshot, StateError, StateStore, make_snapshot
 from .privacy import accountant
 from .privacy.purposes import LOSS, purpose, purposes_of
-from .persistence import HISTORY_TAIL, Snapshot, StateError, StateStore, make_snapshot
 from .rounds import RoundLoop
 from .views import NodeViews
 
@@ -60,7 +61,7 @@ def _snapshot_namer(record: dict[str, Any] | None, published: LocalSnapshot | No
     return name_snapshot
 
 
-class Node(NodeViews):
+class Node:
     """``transport`` carries the peer plane (default: gRPC on ``cfg.listen``; the in-process
     launcher passes ``transport/inproc.py``'s). ``admin=False`` runs without the HTTP admin API
     (in-process nodes: their launcher reads ``status()`` directly)."""
@@ -101,7 +102,10 @@ class Node(NodeViews):
         self.traffic = TrafficStats(self.metrics)
         self.m = NodeMetrics(self.metrics)
 
-        wire_peer_plane(self, cfg, learner)  # membership, served side, NodeNetwork, strategy (builder.py)
+        # membership, served side, NodeNetwork, strategy (builder.py)
+        self.plane = self._hold(build_peer_plane(PlaneHost(
+            self.node_id, transport, self.traffic, self.m, self.store, self._checkpoint, self.spec, self.labels,
+            self.info, self.position), cfg, learner))
 
         self.round = 0
         self.version = 0
@@ -122,8 +126,21 @@ class Node(NodeViews):
         self._health_tasks: set[asyncio.Task] = set()
         self.failures = Failures(self._set_serving, lambda part, msg: self.problems.note(f"this node ({part})", msg))
         self.rounds = RoundLoop(self)
+        # the admin API's reads (admin.py: /status, /peers, /weights, /history, /model), answered by the views
+        self.views = views = NodeViews(self)
+        self.status, self.peers_table, self.weights_view = views.status, views.peers_table, views.weights_view
+        self.history_view, self.export_model = views.history_view, views.export_model
         self.checkpointer = Checkpointer(self.store, cfg.checkpoint_max_unsaved_rounds, self.failures,
                                          self._on_saved)
+
+    def _hold(self, plane: PeerPlane) -> PeerPlane:
+        """The plane's parts as the node's own attributes: the rounds and the views read them."""
+        self.loop_lag, self.peers, self.revocations, self.problems = plane.loop_lag, plane.peers, plane.revocations, plane.problems
+        self.board, self.cache, self.inbox, self.client = plane.board, plane.cache, plane.inbox, plane.client
+        self.membership, self.ledger, self.private = plane.membership, plane.ledger, plane.private
+        self.serves, self.withheld, self.network, self.strategy = plane.serves, plane.withheld, plane.network, plane.strategy
+        self.guard, self.admission, self.served = plane.guard, plane.admission, plane.served
+        return plane
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -211,14 +228,6 @@ class Node(NodeViews):
         """(round, published snapshot version), as heartbeats announce them."""
         return self.round, self.version
 
-    def _privacy_gauges(self, peer: str | None = None, purpose: str | None = None) -> None:
-        self.m.eps.set(self.ledger.epsilon())
-        self.m.eps_budget.set(self.ledger.budget)
-        for p in ([peer] if peer else list(self.ledger.peers)):
-            self.m.eps_peer.labels(peer=p).set(self.ledger.epsilon(p))
-        if purpose:
-            self.m.releases.labels(purpose=purpose).inc()
-
     def model_limit(self) -> int:
         """Largest model a peer may send or serve: configured, else a small multiple of this node's
         own model (a snapshot carries at most the params and two extra groups of their size)."""
@@ -226,17 +235,6 @@ class Node(NodeViews):
             return self.cfg.max_model_bytes
         own = LocalSnapshot(self.node_id, 0, 0, {"params": self.learner.get_params()}).encoded
         return MODEL_BYTES_FACTOR * len(own) + MODEL_BYTES_SLACK
-
-    def _over_budget(self, peer: str, why: str) -> None:
-        self.m.rejected.labels(kind=f"limit_{why}").inc()
-        now = time.monotonic()
-        if now - self._budget_noted.get((peer, why), -1e9) >= 10.0:  # a flood is one problem, not 50
-            self._budget_noted[(peer, why)] = now
-            self.problems.note(peer, f"over its {why} budget: requests refused (RESOURCE_EXHAUSTED)")
-
-    def _peer_gauges(self, counts: dict[str, int]) -> None:
-        for state, n in counts.items():
-            self.m.peers.labels(state=state).set(n)
 
     # ------------------------------------------------------------------ persistence
     def _restore(self) -> bool:
@@ -261,7 +259,7 @@ class Node(NodeViews):
             raise StateError(f"{ckpt.path} does not fit this node: {type(e).__name__}: {e}") from None
         self.round = ckpt.round
         self.version = ckpt.version - 1  # publish() re-issues the checkpointed version
-        self.membership.pending.update(p["address"] for p in st["peers"])
+        self.membership.state.pending.update(p["address"] for p in st["peers"])
         self.history.extend(ckpt.history)
         self._set_saved(ckpt.round, ckpt.version, st, ckpt.history[-1] if ckpt.history else None)
         log.info("resumed %s at round %d (version %d) from %s", self.node_id, self.round, ckpt.version, ckpt.path)

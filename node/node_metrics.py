@@ -2,7 +2,12 @@
 and alerts read them). The peer plane's traffic metrics live in ``peering/traffic.py``."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .metrics import Metrics
+
+if TYPE_CHECKING:
+    from .privacy.ledger import PrivacyLedger
 
 
 class NodeMetrics:
@@ -35,3 +40,17 @@ class NodeMetrics:
         self.discovery_events = metrics.gauge("coterie_discovery_events", "Collaborator discovery so far: peers "
                                               "explored, explored on a recommendation (hits), asks, hints "
                                               "received and dropped", ("what",))
+
+    def peer_counts(self, counts: dict[str, int]) -> None:
+        """Membership's gauges: members by state."""
+        for state, n in counts.items():
+            self.peers.labels(state=state).set(n)
+
+    def privacy(self, ledger: PrivacyLedger, peer: str | None = None, purpose: str | None = None) -> None:
+        """The ledger's ε (in total and for ``peer``, else every peer) and one more release of ``purpose``."""
+        self.eps.set(ledger.epsilon())
+        self.eps_budget.set(ledger.budget)
+        for p in ([peer] if peer else list(ledger.peers)):
+            self.eps_peer.labels(peer=p).set(ledger.epsilon(p))
+        if purpose:
+            self.releases.labels(purpose=purpose).inc()

@@ -12,7 +12,7 @@ import pytest
 
 from coterie.node.peering import peer_table as table_mod
 from coterie.node.peering.errors import UNKNOWN_PEER, PeerCallError, Refusal
-from coterie.node.peering.membership import Broadcasts, Candidates, Membership, Settings
+from coterie.node.peering.membership import Broadcasts, Candidates, Membership, Settings, full_membership
 from coterie.node.peering.messages import ALIVE, DEAD, SUSPECT, MemberUpdate, NodeInfo, PeerEntry
 from coterie.node.peering.peer_table import PeerTable
 from coterie.node.peering.problems import ProblemLog
@@ -159,7 +159,7 @@ class MemNet:
         self.calls: dict[str, int] = {}  # caller node -> calls made
         self.dials: dict[str, int] = {}  # address -> attempts
 
-    def transport(self, me: str) -> "MemTransport":
+    def transport(self, me: str) -> MemTransport:
         return MemTransport(self, me)
 
     def address_of(self, node_id: str) -> str | None:
@@ -192,7 +192,7 @@ class MemTransport:
     async def handshake(self, address, info, timeout):
         node = await self._reach(address, timeout)
         entries = self._served(node.on_handshake, info)
-        return node.info(), entries
+        return node.state.info(), entries
 
     async def heartbeat(self, address, beat, timeout, *, peer=None):
         node = await self._reach(address, timeout)
@@ -224,8 +224,8 @@ def _member(net: MemNet, i: int, bootstrap: list[str], settings: Settings = FAST
     info = NodeInfo(nid, 1, "arch", address=address)
     table = PeerTable(nid, suspect_after_s=0.3, dead_after_s=1.0, reconnect_min_s=settings.reconnect_min_s,
                       reconnect_max_s=settings.reconnect_max_s)
-    m = Membership(lambda: info, lambda: (0, 0), table, net.transport(nid), ProblemLog(), bootstrap=bootstrap,
-                   heartbeat_interval_s=PERIOD, request_timeout_s=5.0, rng=random.Random(i), settings=settings)
+    m = full_membership(lambda: info, lambda: (0, 0), table, net.transport(nid), ProblemLog(), bootstrap=bootstrap,
+                        period=PERIOD, rng=random.Random(i), settings=settings)
     net.nodes[address] = m
     return m
 
@@ -283,7 +283,7 @@ def test_a_silent_member_is_suspected_then_dead_and_comes_back_when_it_answers()
             assert all(len(m.peers.alive()) == 6 for m in others)  # nobody healthy went down with it
             net.frozen.discard("a3")
             await _until(lambda: _state(members, "n3") == {ALIVE}, 20, "n3 alive again everywhere")
-            assert victim.incarnation > 0 and all(len(m.peers.alive()) == 7 for m in members)
+            assert victim.state.incarnation > 0 and all(len(m.peers.alive()) == 7 for m in members)
         finally:
             await _stop(tasks)
     asyncio.run(go())
@@ -295,20 +295,20 @@ def test_a_false_suspicion_is_refuted_before_it_kills():
         try:
             await _until(lambda: all(len(m.peers.alive()) == 5 for m in members), 20, "full membership")
             target = members[2]
-            inc = target.incarnation
+            inc = target.state.incarnation
             dead = []
             for m in members:
                 m.peers.listeners.append(lambda nid, old, new: dead.append(nid) if new == DEAD else None)
             rumour = MemberUpdate("n2", "a2", inc, SUSPECT, "n1")
             # n1 tells n0 a rumour, n2 is fine: n0 checks it with its own probe, n1 gets a strike
-            members[0].merge([rumour], source="n1")
-            members[0].broadcasts.add(rumour)  # and n0 passes it on: the others check it too
-            target.merge([rumour], source="n1")  # n2 hears it: it outbids it
-            await _until(lambda: target.incarnation > inc, 10, "n2 to refute")
-            await _until(lambda: members[0].claims.of("n1") >= 1, 10, "n0's probe to refute the rumour")
+            members[0].gossip.merge([rumour], source="n1")
+            members[0].state.broadcasts.add(rumour)  # and n0 passes it on: the others check it too
+            target.gossip.merge([rumour], source="n1")  # n2 hears it: it outbids it
+            await _until(lambda: target.state.incarnation > inc, 10, "n2 to refute")
+            await _until(lambda: members[0].gossip.claims.of("n1") >= 1, 10, "n0's probe to refute the rumour")
             await asyncio.sleep(2.0)  # longer than the suspicion timeout
             assert _state(members, "n2") == {ALIVE}
-            assert dead == [] and target.stats["refuted"] >= 1
+            assert dead == [] and target.state.stats["refuted"] >= 1
         finally:
             await _stop(tasks)
     asyncio.run(go())
@@ -325,12 +325,12 @@ def test_a_probe_that_failed_while_this_node_stalled_is_inconclusive():
             await _until(lambda: all(len(m.peers.alive()) == 3 for m in members), 20, "full membership")
             await _stop(tasks)
             me = members[0]
-            me.loop_lag = Stalled()
+            me.probes.loop_lag = Stalled()
             net.frozen.add("a1")
-            await me.probe("n1")
-            assert me.peers.records["n1"].state == ALIVE and me.stats["inconclusive"] == 1
-            me.loop_lag = None
-            await me.probe("n1")
+            await me.probes.probe("n1")
+            assert me.peers.records["n1"].state == ALIVE and me.state.stats["inconclusive"] == 1
+            me.probes.loop_lag = None
+            await me.probes.probe("n1")
             assert me.peers.records["n1"].state == SUSPECT
         finally:
             await _stop(tasks)
@@ -345,7 +345,7 @@ def test_a_restarted_member_with_a_fresh_state_is_handshaken_again():
             tasks[2].cancel()
             await asyncio.gather(tasks[2], return_exceptions=True)
             fresh = _member(net, 2, ["a0"])  # same id and address, no memory of anyone
-            assert fresh.incarnation >= members[2].incarnation
+            assert fresh.state.incarnation >= members[2].state.incarnation
             tasks[2] = asyncio.create_task(fresh.run())
             members[2] = fresh
             await _until(lambda: len(fresh.peers.alive()) == 3 and _state(members, "n2") == {ALIVE}, 20,
@@ -366,7 +366,7 @@ def test_peer_exchange_flood_costs_a_few_dials_per_period():
             target, flooder = members[0], members[1]
             bogus = [PeerEntry(f"x{i}", f"bogus:{i}") for i in range(2000)]
             target.on_peer_list(flooder.node_id, bogus)
-            s = target.s
+            s = target.state.s
             assert len(target.pending) <= s.max_candidates_per_source
             t0 = time.monotonic()
             await asyncio.sleep(30 * PERIOD)
@@ -439,7 +439,7 @@ def test_a_handshake_reply_carries_a_bounded_sample_and_the_full_view_travels_in
 
 def test_push_pull_spacing_grows_with_log_n_past_32_members():
     m = _member(MemNet(), 0, [], Settings(push_pull_interval_s=10.0))
-    assert [m.push_pull_interval_s(n) for n in (1, 32, 33, 64, 128, 1000)] == [10.0, 10.0, 20.0, 20.0, 30.0, 60.0]
+    assert [m.gossip.push_pull_interval_s(n) for n in (1, 32, 33, 64, 128, 1000)] == [10.0, 10.0, 20.0, 20.0, 30.0, 60.0]
 
 
 def test_peer_table_indexes_agree_with_a_full_scan_after_any_history(clock):

@@ -294,15 +294,15 @@ def test_a_peer_with_another_task_is_refused_in_the_handshake():
     import random
 
     from coterie.node.peering.errors import Refusal
-    from coterie.node.peering.membership import Membership, Settings
+    from coterie.node.peering.membership import Settings, full_membership
     from coterie.node.peering.messages import NodeInfo
     from coterie.node.peering.peer_table import PeerTable
     from coterie.node.peering.problems import ProblemLog
     from coterie.node.transport.serde import node_info_from_pb, node_info_to_pb
 
     me = NodeInfo("n0", 1, "arch", address="a0", task=describe_task((4,), ["0", "1", "2"]))
-    m = Membership(lambda: me, lambda: (0, 0), PeerTable("n0", 1.0, 3.0), None, ProblemLog(), bootstrap=[],
-                   heartbeat_interval_s=1.0, request_timeout_s=1.0, rng=random.Random(0), settings=Settings())
+    m = full_membership(lambda: me, lambda: (0, 0), PeerTable("n0", 1.0, 3.0), None, ProblemLog(), bootstrap=[],
+                        period=1.0, rng=random.Random(0), settings=Settings())
     other = NodeInfo("n3", 1, "arch", address="a3", task=describe_task((4,), ["cat", "dog", "eel"]))
     other = node_info_from_pb(node_info_to_pb(other))  # as it arrives over the wire
     with pytest.raises(Refusal, match=r"peer 'n3''s task differs from node 'n0''s: classes \['cat', 'dog', 'eel'\] vs \['0', '1', '2'\]"):

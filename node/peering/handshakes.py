@@ -1,25 +1,40 @@
-"""How members enter (``membership.Membership``'s handshake part): only through their own
+"""How members enter (one part ``membership.Membership`` composes): only through their own
 handshake, protocol and architecture checked both ways (``incompatible``); addresses heard from
 peers are candidates (``membership.Candidates``), handshaken a few per period, backed off and
 forgotten when they fail; dead members get reconnect attempts with backoff."""
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Sequence
 
 from ..learning.task import task_difference
-from .errors import PeerCallError
+from .errors import PeerCallError, invalid, refused
+from .interfaces import PeerTransport
 from .membership_state import MembershipState
-from .messages import DEAD, NodeInfo, PeerEntry
+from .messages import NodeInfo, PeerEntry
+from .problems import ProblemLog
 
 log = logging.getLogger("coterie.node")
 
+HANDSHAKE_ENTRIES = 64  # addresses a handshake reply carries at most (a random sample)
 
-class Handshakes(MembershipState):
-    """Mixed into ``membership.Membership`` (its table, candidates, transport and problems)."""
+
+class Handshakes:
+    """Handshakes both ways over ``transport``: ``contact`` dials a candidate or a dead member's
+    address, ``accept`` answers one; a member enters ``state``'s table only through one."""
+
+    def __init__(self, state: MembershipState, transport: PeerTransport, problems: ProblemLog,
+                 bootstrap: Sequence[str] = ()):
+        self.state = state
+        self.transport = transport
+        self.problems = problems
+        for a in bootstrap:  # in the configured order: the first listed is dialled first
+            state.pending.add(a, source="config", pinned=True)
+        self.bootstrap = set(bootstrap)
+        self.unreachable: set[str] = set()  # addresses already reported as unreachable
 
     def incompatible(self, remote: NodeInfo) -> str | None:
-        me = self.info()
+        me = self.state.info()
         if remote.protocol_version != me.protocol_version:
             return (f"node {remote.node_id!r} speaks protocol version {remote.protocol_version}, "
                     f"this node speaks {me.protocol_version}")
@@ -31,45 +46,37 @@ class Handshakes(MembershipState):
                     f"{remote.arch_fingerprint[:12]}…, this node {me.arch_fingerprint[:12]}…)")
         return None
 
-    def entries(self, limit: int | None = None) -> list[PeerEntry]:
-        """The members not dead, as addresses to pass on; ``limit``: a random sample of at most
-        that many (a handshake's reply: the full view travels only in the push-pull exchange, or
-        N joins would each carry N entries to every member they meet — O(N³) in all)."""
-        now = time.monotonic()
-        records = self.peers.records
-        ids = list(records)
-        if limit is not None and len(ids) > limit:
-            # a window at a random offset of the table (join order): O(limit), where sampling
-            # the whole table costs O(N) per handshake
-            start = self.rng.randrange(len(ids))
-            ids = (ids[start:] + ids[:start])[:2 * limit]
-        out = [PeerEntry(n, r.address, r.age(now)) for n in ids if (r := records[n]).state != DEAD]
-        return out if limit is None else out[:limit]
-
-    def learn(self, entries: list[PeerEntry], source: str = "") -> None:
-        """Addresses a peer told us about: unknown members become handshake candidates (as many
-        as that peer's share of the candidate set allows; the rest of a long list is not read)."""
-        for e in entries:
-            if not self.pending.room(source):
-                self.pending.dropped += 1
-                return
-            if e.node_id != self.node_id and e.node_id not in self.peers.records and e.address \
-                    and self.peers.by_address(e.address) is None:
-                self.pending.add(e.address, source=source, node_id=e.node_id)
+    def accept(self, remote: NodeInfo) -> list[PeerEntry]:
+        """A member's handshake: checked, then into the table (the others learn of it by gossip);
+        the reply is a sample of the members this node knows."""
+        why = self.incompatible(remote)
+        if why:
+            self.problems.note(remote.node_id or "?", f"handshake: {why}")
+            raise refused(why)
+        if remote.node_id == self.state.node_id:
+            raise refused(f"node id {remote.node_id!r} is this node's own id")
+        if not remote.node_id or not remote.address:
+            raise invalid("handshake lacks node_id or address")
+        new = remote.node_id not in self.state.peers.records
+        self.state.peers.upsert(remote.node_id, remote.address, labels=dict(remote.labels), admin_url=remote.admin_url)
+        if new:
+            self.state.announce(remote.node_id)  # SWIM join: the others learn of it by gossip
+        self.state.pending.discard(remote.address)
+        return self.state.entries(limit=HANDSHAKE_ENTRIES)
 
     async def contact(self, address: str) -> bool:
         """Handshake an address (a candidate, or a dead member's last address)."""
-        if address == self.info().address:
-            self.pending.discard(address)
+        if address == self.state.info().address:
+            self.state.pending.discard(address)
             return False
-        timeout = max(2.0, self.period * 2) + 2 * self.link_delay_s
+        timeout = max(2.0, self.state.period * 2) + 2 * self.state.link_delay_s
         try:
-            remote, entries = await self.transport.handshake(address, self.info(), timeout=timeout)
+            remote, entries = await self.transport.handshake(address, self.state.info(), timeout=timeout)
         except PeerCallError as e:
             if e.kind == "refused":
                 self.problems.note(address, f"handshake refused: {e.message}")
                 log.error("peer at %s refused us: %s", address, e.message)
-            elif address not in self.unreachable and (address in self.bootstrap or self.peers.by_address(address)):
+            elif address not in self.unreachable and (address in self.bootstrap or self.state.peers.by_address(address)):
                 # once per address, and only for addresses this node was told to use or a member's:
                 # what peers merely mention could be thousands of bogus ones
                 self.unreachable.add(address)
@@ -77,7 +84,7 @@ class Handshakes(MembershipState):
                 msg = f"cannot reach {what} at {address} ({e.kind}: {e.message}); still trying"
                 log.warning(msg)
                 self.problems.note(address, msg)
-            self.stats["handshakes_failed"] += 1
+            self.state.stats["handshakes_failed"] += 1
             return False
         if address in self.unreachable:
             self.unreachable.discard(address)
@@ -87,29 +94,29 @@ class Handshakes(MembershipState):
             self.problems.note(address, f"handshake: {why}")
             log.error("refusing peer at %s: %s", address, why)
             return False
-        self.pending.discard(address)
-        if remote.node_id != self.node_id:
-            new = remote.node_id not in self.peers.records
-            self.peers.upsert(remote.node_id, remote.address or address, labels=dict(remote.labels),
+        self.state.pending.discard(address)
+        if remote.node_id != self.state.node_id:
+            new = remote.node_id not in self.state.peers.records
+            self.state.peers.upsert(remote.node_id, remote.address or address, labels=dict(remote.labels),
                               admin_url=remote.admin_url)
             if new:
-                self._announce(remote.node_id)
-        self.learn(entries, source=remote.node_id)
+                self.state.announce(remote.node_id)
+        self.state.learn(entries, source=remote.node_id)
         return True
 
-    async def _contact_candidate(self, address: str) -> None:
-        self.pending.in_flight.add(address)
+    async def contact_candidate(self, address: str) -> None:
+        self.state.pending.in_flight.add(address)
         try:
-            if not await self.contact(address) and address in self.pending:
-                if self.pending.failed(address) and self.peers.by_address(address) is None:
+            if not await self.contact(address) and address in self.state.pending:
+                if self.state.pending.failed(address) and self.state.peers.by_address(address) is None:
                     await self.transport.forget(address)  # no member lives there: drop the channel
         finally:
-            self.pending.in_flight.discard(address)
+            self.state.pending.in_flight.discard(address)
 
-    async def _reconnect(self, node_id: str, address: str) -> None:
-        self._probing.add(node_id)
+    async def reconnect(self, node_id: str, address: str) -> None:
+        self.state.probing.add(node_id)
         try:
             if not await self.contact(address):
-                self.peers.reconnect_failed(node_id)
+                self.state.peers.reconnect_failed(node_id)
         finally:
-            self._probing.discard(node_id)
+            self.state.probing.discard(node_id)

@@ -1,30 +1,27 @@
 """``membership.Membership``'s state, in a module of its own so that its parts (``probes.py``,
 ``dissemination.py``, ``handshakes.py``) can name it without an import cycle: the tunables
 (``Settings``), the handshake candidates (``Candidates``), the gossip queue (``Broadcasts``) and
-``MembershipState``, what ``Membership.__init__`` sets and its parts share, declared for the type
-checker (nothing at run time)."""
+``MembershipState``, what this node knows about members, which each part holds (no part reaches
+into another's attributes)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field, make_dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..config import MembershipConfig
-from .messages import MemberUpdate, NodeInfo, PeerEntry
+from .messages import ALIVE, DEAD, MemberUpdate, NodeInfo, PeerEntry
 
 if TYPE_CHECKING:
-    from .claims import Strikes
-    from .deadlines import Deadlines
-    from .interfaces import PeerTransport
-    from .loop_lag import LoopLag
     from .peer_table import PeerTable
-    from .problems import ProblemLog
 
 
-def _from_config(cls, cfg) -> "Settings":
+def _from_config(cls, cfg) -> Settings:
     return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
 
 
@@ -195,51 +192,94 @@ class Broadcasts:
         return len(self._sent)
 
 
-class MembershipState:
-    """What ``Membership.__init__`` sets and the methods its parts call on one another, declared
-    for the type checker; ``Membership`` (through its parts) is the only subclass that runs."""
-    info: Callable[[], NodeInfo]  # this node's NodeInfo (its address is known only once serving)
-    position: Callable[[], tuple[int, int]]  # this node's (round, published version)
-    peers: PeerTable
-    transport: PeerTransport
-    problems: ProblemLog
-    s: Settings
-    period: float
-    request_timeout_s: float
-    link_delay_s: float
-    rng: random.Random
-    on_gauges: Callable[[dict[str, int]], None] | None
-    loop_lag: LoopLag | None
-    rtts: Deadlines
-    incarnation: int
-    pending: Candidates
-    bootstrap: set[str]
-    unreachable: set[str]
-    broadcasts: Broadcasts
-    _order: list[str]
-    _probing: set[str]
-    _tasks: set[asyncio.Task]
-    _next_push_pull: float
-    stats: dict[str, int]
-    claims: Strikes  # unconfirmed membership claims per source (claims.py)
-    _claimants: dict[str, set[str]]  # member -> sources claiming it down, until a probe settles it
+class Tasks:
+    """The calls membership starts as tasks of their own (probes, handshakes, push-pulls): kept
+    so that stopping membership cancels them."""
 
-    if TYPE_CHECKING:
-        @property
-        def node_id(self) -> str: ...
-        @property
-        def probe_budget_s(self) -> float: ...
-        def _spawn(self, coro) -> asyncio.Task: ...
-        # dissemination.py
-        def _announce(self, node_id: str) -> None: ...
-        def me(self) -> MemberUpdate: ...
-        def merge(self, updates, source: str = "") -> None: ...
-        def _piggyback(self, counterpart: str, belief: MemberUpdate | None = None) -> tuple[MemberUpdate, ...]: ...
-        def _evidence(self, node_id: str, incarnation: int, *, revive: bool, **seen) -> None: ...
-        def _settle_claims(self, node_id: str, answered: bool | None) -> None: ...
-        def _strike(self, source: str, reason: str, *, dropped: bool = False) -> None: ...
-        # probes.py
-        async def probe(self, node_id: str) -> bool | None: ...
-        # handshakes.py
-        def entries(self, limit: int | None = None) -> list[PeerEntry]: ...
-        def learn(self, entries: list[PeerEntry], source: str = "") -> None: ...
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    def cancel(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+
+
+class MembershipState:
+    """What this node knows about members and itself: the table (``PeerTable``), its own
+    incarnation, the handshake candidates, the gossip queue, the members being probed and the
+    counters. The protocol's parts (``probes.Probes``, ``dissemination.Dissemination``,
+    ``handshakes.Handshakes``) each hold this one object; a partial view would hold another."""
+
+    def __init__(self, info: Callable[[], NodeInfo], position: Callable[[], tuple[int, int]],
+                 peers: PeerTable, settings: Settings, *, period: float, link_delay_s: float = 0.0,
+                 rng: random.Random | None = None):
+        self.info = info  # this node's NodeInfo (its address is known only once serving)
+        self.position = position  # this node's (round, published version), sent in heartbeats
+        self.peers = peers
+        self.s = settings
+        self.period = period
+        self.link_delay_s = link_delay_s
+        self.rng = rng or random.Random()
+        # SWIM incarnation: only this node raises it. Starting from the clock (ms) makes a
+        # restarted node's news win over what others remember of its previous life at once.
+        self.incarnation = int(time.time() * 1000)
+        self.pending = Candidates(max_total=settings.max_candidates, max_per_source=settings.max_candidates_per_source,
+                                  attempts=settings.candidate_attempts, forget_s=settings.forget_failed_s,
+                                  backoff_s=max(period, 0.5), backoff_max_s=settings.reconnect_max_s)
+        self.broadcasts = Broadcasts(self.retransmit_limit)
+        self.probing: set[str] = set()  # members a probe or a reconnect is under way for
+        self.stats = {"probes": 0, "indirect": 0, "suspected": 0, "refuted": 0, "inconclusive": 0,
+                      "handshakes_failed": 0, "claims_checked": 0, "claims_struck": 0, "claims_dropped": 0}
+        peers.suspicion_max_mult = settings.suspicion_max_mult
+
+    @property
+    def node_id(self) -> str:
+        return self.peers.self_id
+
+    @property
+    def probe_budget_s(self) -> float:
+        return self.peers.suspect_after_s + 2 * self.link_delay_s
+
+    def retransmit_limit(self) -> int:
+        return max(1, math.ceil(self.s.retransmit_mult * math.log10(len(self.peers.records) + 2)))
+
+    def announce(self, node_id: str) -> None:
+        """Queue what this node believes of ``node_id`` for piggybacking."""
+        u = self.peers.update_of(node_id)
+        if u is not None:
+            self.broadcasts.add(u)
+
+    def me(self) -> MemberUpdate:
+        return MemberUpdate(self.node_id, self.info().address, self.incarnation, ALIVE)
+
+    def entries(self, limit: int | None = None) -> list[PeerEntry]:
+        """The members not dead, as addresses to pass on; ``limit``: a random sample of at most
+        that many (a handshake's reply: the full view travels only in the push-pull exchange, or
+        N joins would each carry N entries to every member they meet — O(N³) in all)."""
+        now = time.monotonic()
+        records = self.peers.records
+        ids = list(records)
+        if limit is not None and len(ids) > limit:
+            # a window at a random offset of the table (join order): O(limit), where sampling
+            # the whole table costs O(N) per handshake
+            start = self.rng.randrange(len(ids))
+            ids = (ids[start:] + ids[:start])[:2 * limit]
+        out = [PeerEntry(n, r.address, r.age(now)) for n in ids if (r := records[n]).state != DEAD]
+        return out if limit is None else out[:limit]
+
+    def learn(self, entries: Iterable[PeerEntry], source: str = "") -> None:
+        """Addresses a peer told us about: unknown members become handshake candidates (as many
+        as that peer's share of the candidate set allows; the rest of a long list is not read)."""
+        for e in entries:
+            if not self.pending.room(source):
+                self.pending.dropped += 1
+                return
+            if e.node_id != self.node_id and e.node_id not in self.peers.records and e.address \
+                    and self.peers.by_address(e.address) is None:
+                self.pending.add(e.address, source=source, node_id=e.node_id)

@@ -11,7 +11,8 @@ so a strategy simply carries on without that peer. Its concerns live in their ow
 - ``subscriptions.py``: a peer with a small model that a strategy pulls round-aligned again is
   subscribed to (``watch_snapshots``), and pulls are served from the cache;
 - ``requests.py``: compute requests on peers' data and gossip, each naming a purpose
-  (``privacy/purposes.py``), and ``private_gradient``, the door my own gradients leave through.
+  (``privacy/purposes.py``), and ``private_gradient``, the door my own gradients leave through
+  (an object the network holds; its methods are the network's).
 
 Here: the views of the peer table, snapshot pulls, and snapshot validation (architecture,
 finiteness; in a worker thread for a large model, over tensors that are views of the received
@@ -46,7 +47,7 @@ from .validation import Spec, snapshot_groups
 log = logging.getLogger("coterie.node.network")
 
 
-class NodeNetwork(PeerRequests):
+class NodeNetwork:
     def __init__(self, node_id: str, transport: PeerTransport, peers: PeerTable, cache: SnapshotCache,
                  inbox: PushInbox, published: Callable[[], LocalSnapshot | None], spec: Spec,
                  problems: ProblemLog, private: PrivateData, *, labels: dict[str, str],
@@ -70,6 +71,13 @@ class NodeNetwork(PeerRequests):
                                exchange_timeout_s=exchange_timeout_s, on_call_failed=on_call_failed)
         # snapshot subscriptions: a transport without them is pulled from only
         self.subscriptions = Subscriptions(self, self.calls, enabled=watch and hasattr(transport, "watch_snapshots"))
+        self.requests = PeerRequests(node_id, transport, self.calls, inbox, published, spec, private,
+                                     self.releases, problems, address_of=self._address, failed=self._failed)
+        # compute on peers' data and gossip (requests.py), as the PeerNetwork a strategy sees
+        req = self.requests
+        self.cross_loss, self.cross_gradient, self.private_gradient = req.cross_loss, req.cross_gradient, req.private_gradient
+        self.push_gradient, self.drain_pushed, self.gossip = req.push_gradient, req.drain_pushed, req.gossip
+        self.releases_noised = req.releases_noised
         peers.listeners.append(self._on_state)
         # past ``discovery_above`` alive peers, a strategy's candidates come from discovery
         self.discovery: Discovery | None = None

@@ -1,4 +1,4 @@
-"""The requests a strategy makes of its peers (``NodeNetwork``'s compute and gossip): compute on
+"""The requests a strategy makes of its peers (``NodeNetwork`` holds them): compute on
 a peer's data — cross-loss, cross-gradient (COBO's alignment), FedeRiCo's gradient push — and
 strategy gossip; and the one door my own gradients leave through (``private_gradient``).
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..learning.learner import Params
 from ..offload import OFF_LOOP_BYTES
@@ -37,27 +38,29 @@ log = logging.getLogger("coterie.node.network")
 
 
 class PeerRequests:
-    """Mixed into ``NodeNetwork``: its ``calls``, ``transport``, ``_address``, ``_failed``,
-    ``published``, ``spec``, ``private``, ``problems`` and ``inbox`` carry these requests."""
+    """Compute requests and gossip, carried by ``calls`` over ``transport`` to the address
+    ``address_of`` gives (None: not called); a failure goes to ``failed``."""
 
-    # the host's state and helpers (``NodeNetwork``), declared for the type checker
-    node_id: str
-    transport: PeerTransport
-    calls: PeerCalls
-    inbox: PushInbox
-    published: Callable[[], LocalSnapshot | None]
-    spec: Spec
-    problems: ProblemLog
-    private: PrivateData
-    releases: PeerReleases
-    if TYPE_CHECKING:
-        def _address(self, peer: str) -> str | None: ...
-        def _failed(self, what: str, peer: str, err: Exception) -> None: ...
+    def __init__(self, node_id: str, transport: PeerTransport, calls: PeerCalls, inbox: PushInbox,
+                 published: Callable[[], LocalSnapshot | None], spec: Spec, private: PrivateData,
+                 releases: PeerReleases, problems: ProblemLog, *, address_of: Callable[[str], str | None],
+                 failed: Callable[[str, str, Exception], None]):
+        self.node_id = node_id
+        self.transport = transport
+        self.calls = calls
+        self.inbox = inbox
+        self.published = published
+        self.spec = spec
+        self.private = private  # my own gradients leave through it too
+        self.releases = releases
+        self.problems = problems
+        self.address_of = address_of
+        self.failed = failed
 
     async def _compute(self, peer: str, req: ComputeRequest) -> ComputeReply | None:
         """Send the request; a request naming my published snapshot by reference is re-sent with
         the snapshot itself when the peer has not cached it."""
-        address = self._address(peer)
+        address = self.address_of(peer)
         if address is None:
             return None
         kind = f"compute:{req.kind}"
@@ -101,7 +104,7 @@ class PeerRequests:
         try:
             reply = await self._compute(peer, req)
         except (PeerCallError, WireError) as e:
-            self._failed("cross-loss", peer, e)
+            self.failed("cross-loss", peer, e)
             return None
         if reply is None:
             return None
@@ -129,7 +132,7 @@ class PeerRequests:
             grad = (await asyncio.to_thread(model_tensors, *check) if encoded_size(reply.grad or {}) > OFF_LOOP_BYTES
                     else model_tensors(*check))
         except (PeerCallError, WireError) as e:
-            self._failed("cross-gradient", peer, e)
+            self.failed("cross-gradient", peer, e)
             return None
         return GradientReply(grad, reply.loss, int(reply.samples))
 
@@ -157,7 +160,7 @@ class PeerRequests:
         try:
             ack = await self._compute(peer, req)
         except (PeerCallError, WireError) as e:
-            self._failed("gradient push", peer, e)
+            self.failed("gradient push", peer, e)
             return False
         return bool(ack and ack.accepted)
 
@@ -169,12 +172,12 @@ class PeerRequests:
         return bool(noised or self.private.withheld() is not None)  # withheld: too few samples to release
 
     async def gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
-        address = self._address(peer)
+        address = self.address_of(peer)
         if address is None:
             return None
         try:
             return await self.calls.call(peer, "gossip", lambda timeout: self.transport.gossip(
                 address, self.node_id, key, payload, timeout, peer=peer))
         except (PeerCallError, WireError) as e:
-            self._failed(f"gossip {key!r}", peer, e)
+            self.failed(f"gossip {key!r}", peer, e)
             return None
