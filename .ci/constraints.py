@@ -7,6 +7,7 @@ importlib.metadata, following each requirement whose environment marker holds he
 each package to the version installed in this environment. Use it with
 `pip install -c constraints.txt -e '.[test,ray,docs]'` to install the set that was tested.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,13 +60,18 @@ def main() -> int:
     # system's) would make the file uninstallable: leave that package to pip and say so
     broken = {}
     for k, v in pins.items():
-        bad = [w for w in wanted.get(k, []) if not Requirement(w.split(" needs ", 1)[1]).specifier.contains(
-            v.split("+")[0], prereleases=True)]
+        bad = [
+            w
+            for w in wanted.get(k, [])
+            if not Requirement(w.split(" needs ", 1)[1]).specifier.contains(v.split("+")[0], prereleases=True)
+        ]
         if bad:
             broken[k] = f"# {k} not pinned: {v} is installed here, but " + "; ".join(bad)
-    head = [f"# coterie[{','.join(sorted(extras))}]'s dependency closure as installed and tested",
-            f"# (python {platform.python_version()}, {sys.platform}); regenerate: python .ci/constraints.py",
-            "# use: python3 -m pip install -c constraints.txt -e '.[test,ray,docs]'"]
+    head = [
+        f"# coterie[{','.join(sorted(extras))}]'s dependency closure as installed and tested",
+        f"# (python {platform.python_version()}, {sys.platform}); regenerate: python .ci/constraints.py",
+        "# use: python3 -m pip install -c constraints.txt -e '.[test,ray,docs]'",
+    ]
     lines = []
     for k, v in sorted(pins.items()):
         v = v.split("+")[0]  # torch 2.13.0+cpu: the local label names the build, pip matches 2.13.0

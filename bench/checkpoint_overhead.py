@@ -19,11 +19,12 @@ with Adam (the checkpoint holds the model and two moment buffers).
 
     python bench/checkpoint_overhead.py --reps 2      # writes bench/results/checkpoint_overhead.{json,md}
 """
+
 from __future__ import annotations
 
 import argparse
-import json
 import itertools
+import json
 import os
 import shutil
 import statistics
@@ -52,26 +53,46 @@ def baseline_tree(ref: str, root: Path) -> Path:
     src, pkg = root / "src", root / "pkg" / "coterie"
     src.mkdir(parents=True)
     pkg.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "node", "cli", "proto"],
-                             capture_output=True, check=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", ref, "node", "cli", "proto"], capture_output=True, check=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
     for d in ("node", "cli", "proto"):
         (pkg / d).symlink_to(src / d)
     return root / "pkg"
 
 
-def run_node(workdir: Path, name: str, model: dict[str, Any], unsaved: int | None,
-             pythonpath: Path | None, seed: int) -> dict[str, Any]:
+def run_node(
+    workdir: Path, name: str, model: dict[str, Any], unsaved: int | None, pythonpath: Path | None, seed: int
+) -> dict[str, Any]:
     state = workdir / name
     shutil.rmtree(state, ignore_errors=True)
-    cfg = {"node_id": "bench", "state_dir": str(state), "strategy": "local", "rounds": model["rounds"], "security": {"insecure": True},
-           "min_peers": 0, "round_interval_s": 0.0, "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
-           "seed": seed,
-           "log_level": "WARNING",
-           "learner": {"dataset": "mnist1d", "partition": "iid", "num_nodes": 1, "model": "mlp",
-                       "model_params": model["model_params"], "optimizer": "adam", "lr": 0.001,
-                       "batch_size": 32, "local_steps": model["local_steps"], "init_seed": seed,
-                       "data_seed": seed}}
+    cfg = {
+        "node_id": "bench",
+        "state_dir": str(state),
+        "strategy": "local",
+        "rounds": model["rounds"],
+        "security": {"insecure": True},
+        "min_peers": 0,
+        "round_interval_s": 0.0,
+        "listen": "127.0.0.1:0",
+        "admin_listen": "127.0.0.1:0",
+        "seed": seed,
+        "log_level": "WARNING",
+        "learner": {
+            "dataset": "mnist1d",
+            "partition": "iid",
+            "num_nodes": 1,
+            "model": "mlp",
+            "model_params": model["model_params"],
+            "optimizer": "adam",
+            "lr": 0.001,
+            "batch_size": 32,
+            "local_steps": model["local_steps"],
+            "init_seed": seed,
+            "data_seed": seed,
+        },
+    }
     if unsaved is not None:
         cfg["checkpoint_max_unsaved_rounds"] = unsaved
     path = workdir / f"{name}.toml"
@@ -80,8 +101,12 @@ def run_node(workdir: Path, name: str, model: dict[str, Any], unsaved: int | Non
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
     log = open(workdir / f"{name}.log", "wb")
-    p = subprocess.Popen([sys.executable, "-m", "coterie.cli.main", "node", "start", "--config", str(path)],
-                         stdout=log, stderr=subprocess.STDOUT, env=env)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "coterie.cli.main", "node", "start", "--config", str(path)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     metrics = ""
     try:
         deadline = time.monotonic() + 900
@@ -91,11 +116,13 @@ def run_node(workdir: Path, name: str, model: dict[str, Any], unsaved: int | Non
             try:
                 info = json.loads((state / "node.json").read_text())
                 auth = bearer(token_for_state_dir(state))  # the admin API wants the node's token
-                with urllib.request.urlopen(urllib.request.Request(info["admin_url"] + "/status", headers=auth),
-                                            timeout=5) as r:
+                with urllib.request.urlopen(
+                    urllib.request.Request(info["admin_url"] + "/status", headers=auth), timeout=5
+                ) as r:
                     if json.loads(r.read()).get("done") and info.get("pid") == p.pid:
-                        with urllib.request.urlopen(urllib.request.Request(info["admin_url"] + "/metrics",
-                                                                           headers=auth), timeout=5) as m:
+                        with urllib.request.urlopen(
+                            urllib.request.Request(info["admin_url"] + "/metrics", headers=auth), timeout=5
+                        ) as m:
                             metrics = m.read().decode()
                         break
             except (OSError, ValueError, KeyError):
@@ -138,12 +165,16 @@ def main() -> int:
         for rep in range(args.reps):
             for mname, model in MODELS.items():
                 for vname, unsaved in VARIANTS.items():
-                    r = run_node(workdir, f"{vname}-{rep}", model, unsaved,
-                                 base if vname == "before" else None, args.seed)
+                    r = run_node(
+                        workdir, f"{vname}-{rep}", model, unsaved, base if vname == "before" else None, args.seed
+                    )
                     runs[mname][vname].append(r)
-                    print(f"rep {rep} {mname:24s} {vname:6s}: round {statistics.median(r['interval_s']):.4f}s, "
-                          f"compute {statistics.median(r['duration_s']):.4f}s, checkpoint share "
-                          f"{statistics.median(r['overhead_share']):.1%}", flush=True)
+                    print(
+                        f"rep {rep} {mname:24s} {vname:6s}: round {statistics.median(r['interval_s']):.4f}s, "
+                        f"compute {statistics.median(r['duration_s']):.4f}s, checkpoint share "
+                        f"{statistics.median(r['overhead_share']):.1%}",
+                        flush=True,
+                    )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -152,32 +183,50 @@ def main() -> int:
         for vname in VARIANTS:
             rs = runs[mname][vname]
             pool = {k: [x for r in rs for x in r[k]] for k in ("duration_s", "interval_s", "overhead_share")}
-            row = {"model": mname, "variant": vname,
-                   "round_s": statistics.median(pool["interval_s"]),
-                   "compute_s": statistics.median(pool["duration_s"]),
-                   "checkpoint_share": statistics.median(pool["overhead_share"]),
-                   "checkpoint_bytes": rs[-1]["checkpoint_bytes"]}
+            row = {
+                "model": mname,
+                "variant": vname,
+                "round_s": statistics.median(pool["interval_s"]),
+                "compute_s": statistics.median(pool["duration_s"]),
+                "checkpoint_share": statistics.median(pool["overhead_share"]),
+                "checkpoint_bytes": rs[-1]["checkpoint_bytes"],
+            }
             for k in ("write_s", "wait_s"):
                 if all(k in r for r in rs):
                     row[f"checkpoint_{k}"] = statistics.median(r[k] for r in rs)
             row["round_over_compute"] = row["round_s"] / row["compute_s"]
             summary.append(row)
-    result = {"summary": summary, "runs": runs,
-              "config": {"reps": args.reps, "seed": args.seed, "baseline_ref": args.baseline_ref,
-                         "models": MODELS, "variants": VARIANTS, "python": sys.version.split()[0]}}
+    result = {
+        "summary": summary,
+        "runs": runs,
+        "config": {
+            "reps": args.reps,
+            "seed": args.seed,
+            "baseline_ref": args.baseline_ref,
+            "models": MODELS,
+            "variants": VARIANTS,
+            "python": sys.version.split()[0],
+        },
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    lines = ["| model | variant | round (median) | compute | round ÷ compute | checkpoint share of the round "
-             "| background write | loop waits on checkpoint |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | variant | round (median) | compute | round ÷ compute | checkpoint share of the round "
+        "| background write | loop waits on checkpoint |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in summary:
-        lines.append(f"| {r['model']} | {r['variant']} | {r['round_s'] * 1000:.1f} ms | {r['compute_s'] * 1000:.1f} ms "
-                     f"| {r['round_over_compute']:.2f} | {r['checkpoint_share']:.1%} "
-                     f"| {r.get('checkpoint_write_s', float('nan')) * 1000:.1f} ms "
-                     f"| {r.get('checkpoint_wait_s', float('nan')) * 1000:.1f} ms |")
+        lines.append(
+            f"| {r['model']} | {r['variant']} | {r['round_s'] * 1000:.1f} ms | {r['compute_s'] * 1000:.1f} ms "
+            f"| {r['round_over_compute']:.2f} | {r['checkpoint_share']:.1%} "
+            f"| {r.get('checkpoint_write_s', float('nan')) * 1000:.1f} ms "
+            f"| {r.get('checkpoint_wait_s', float('nan')) * 1000:.1f} ms |"
+        )
     table = "\n".join(lines).replace("nan ms", "–")
     args.out.with_suffix(".md").write_text(
         f"# Checkpoint share of a round (bench/checkpoint_overhead.py, {args.reps} interleaved reps, "
-        f"seed {args.seed}; before = {args.baseline_ref})\n\n{table}\n")
+        f"seed {args.seed}; before = {args.baseline_ref})\n\n{table}\n"
+    )
     print("\n" + table)
     return 0
 

@@ -10,6 +10,7 @@ Each seed runs ``coterie run`` (in-process backend) on the two scenario files be
 
     python bench/cobo_defaults.py --seeds 0,1,2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,23 @@ RUNS = {"defaults": "demo_cobo.toml", "old_defaults": "demo_cobo_old_defaults.to
 
 def run(scenario: Path, seed: int, out: Path) -> dict:
     if not (out / "results.json").exists():
-        subprocess.run([sys.executable, "-m", "coterie.cli.main", "run", str(scenario), "--seed", str(seed),
-                        "--out", str(out), "--backend", "inproc"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "coterie.cli.main",
+                "run",
+                str(scenario),
+                "--seed",
+                str(seed),
+                "--out",
+                str(out),
+                "--backend",
+                "inproc",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return json.loads((out / "results.json").read_text())
 
 
@@ -54,29 +70,44 @@ def main() -> None:
             res = run(HERE / toml, seed, Path(args.work) / f"{label}_s{seed}")
             for strat, s in res["strategies"].items():
                 key = strat if strat == "local" else f"cobo_{label}"
-                row[key] = {"mean_test_acc": s["summary"]["mean_test_acc"],
-                            "in_cluster_share": None if strat == "local" else in_cluster(res, strat),
-                            "scenario": res["scenario"]}
+                row[key] = {
+                    "mean_test_acc": s["summary"]["mean_test_acc"],
+                    "in_cluster_share": None if strat == "local" else in_cluster(res, strat),
+                    "scenario": res["scenario"],
+                }
                 if strat == "cobo":  # the weights row is {self: 1} ∪ {k: w_ik}, normalised: w_ik = W[i,k] / W[i,i]
                     W = np.array(s["final_weights"])
                     raw = W / np.diag(W)[:, None]
                     row[key]["raw_w_mean"] = float(raw[~np.eye(len(W), dtype=bool)].mean())
         rows.append(row)
     cols = ["local", "cobo_defaults", "cobo_old_defaults"]
-    stat = {c: (statistics.mean(100 * r[c]["mean_test_acc"] for r in rows),
-                statistics.stdev(100 * r[c]["mean_test_acc"] for r in rows) if len(rows) > 1 else 0.0) for c in cols}
-    lines = ["# COBO at its defaults on the demo network", "",
-             f"`python bench/cobo_defaults.py --seeds {args.seeds}` (in-process, 30 rounds; ± = sample std over the seeds; "
-             "in-cluster = share of a node's peer weight on its cluster mates, chance 3/7 = 0.43; raw w = mean pair "
-             "weight w_ij, which starts at 1).", "",
-             "| seed | local | COBO defaults (learner's optimizer and steps) | in-cluster / raw w | COBO old defaults (5 plain-SGD steps, lr 0.1) |",
-             "|---|---|---|---|---|"]
+    stat = {
+        c: (
+            statistics.mean(100 * r[c]["mean_test_acc"] for r in rows),
+            statistics.stdev(100 * r[c]["mean_test_acc"] for r in rows) if len(rows) > 1 else 0.0,
+        )
+        for c in cols
+    }
+    lines = [
+        "# COBO at its defaults on the demo network",
+        "",
+        f"`python bench/cobo_defaults.py --seeds {args.seeds}` (in-process, 30 rounds; ± = sample std over the seeds; "
+        "in-cluster = share of a node's peer weight on its cluster mates, chance 3/7 = 0.43; raw w = mean pair "
+        "weight w_ij, which starts at 1).",
+        "",
+        "| seed | local | COBO defaults (learner's optimizer and steps) | in-cluster / raw w | COBO old defaults (5 plain-SGD steps, lr 0.1) |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['seed']} | {100 * r['local']['mean_test_acc']:.1f} | {100 * r['cobo_defaults']['mean_test_acc']:.1f} | "
-                     f"{r['cobo_defaults']['in_cluster_share']:.2f} / {r['cobo_defaults']['raw_w_mean']:.2f} | {100 * r['cobo_old_defaults']['mean_test_acc']:.1f} |")
-    lines.append(f"| mean ± std | {stat['local'][0]:.1f} ± {stat['local'][1]:.1f} | "
-                 f"{stat['cobo_defaults'][0]:.1f} ± {stat['cobo_defaults'][1]:.1f} | | "
-                 f"{stat['cobo_old_defaults'][0]:.1f} ± {stat['cobo_old_defaults'][1]:.1f} |")
+        lines.append(
+            f"| {r['seed']} | {100 * r['local']['mean_test_acc']:.1f} | {100 * r['cobo_defaults']['mean_test_acc']:.1f} | "
+            f"{r['cobo_defaults']['in_cluster_share']:.2f} / {r['cobo_defaults']['raw_w_mean']:.2f} | {100 * r['cobo_old_defaults']['mean_test_acc']:.1f} |"
+        )
+    lines.append(
+        f"| mean ± std | {stat['local'][0]:.1f} ± {stat['local'][1]:.1f} | "
+        f"{stat['cobo_defaults'][0]:.1f} ± {stat['cobo_defaults'][1]:.1f} | | "
+        f"{stat['cobo_old_defaults'][0]:.1f} ± {stat['cobo_old_defaults'][1]:.1f} |"
+    )
     HERE.joinpath("summary.json").write_text(json.dumps({"seeds": seeds, "rows": rows}, indent=1))
     HERE.joinpath("summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

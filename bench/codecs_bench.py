@@ -15,6 +15,7 @@ the scenario file each ran, not committed), bench/results/codecs_[<scenario>_]<s
 without the prefix) and bench/results/codecs.md (a section per scenario and strategy, with the
 command line and the config).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,18 +40,34 @@ CODECS = {  # name -> [node.snapshots] settings
 def scenario_for(codec: str, scenario: Path = SCENARIO) -> str:
     s = CODECS[codec]
     codecs = ", ".join(f'"{c}"' for c in s["codecs"])
-    return (scenario.read_text() + f"\n[node.snapshots]  # added by bench/codecs_bench.py\n"
-            f"codecs = [{codecs}]\ndelta = {'true' if s['delta'] else 'false'}\n")
+    return (
+        scenario.read_text() + f"\n[node.snapshots]  # added by bench/codecs_bench.py\n"
+        f"codecs = [{codecs}]\ndelta = {'true' if s['delta'] else 'false'}\n"
+    )
 
 
-def run_one(out: Path, strategy: str, codec: str, seed: int, rounds: int, nodes: int | None,
-            scenario: Path = SCENARIO) -> dict:
+def run_one(
+    out: Path, strategy: str, codec: str, seed: int, rounds: int, nodes: int | None, scenario: Path = SCENARIO
+) -> dict:
     run_dir = out / strategy / f"{codec}_s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     toml = run_dir / "scenario.toml"
     toml.write_text(scenario_for(codec, scenario))
-    cmd = [sys.executable, "-m", "coterie.cli.main", "run", str(toml), "--out", str(run_dir),
-           "--strategy", strategy, "--seed", str(seed), "--rounds", str(rounds)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "coterie.cli.main",
+        "run",
+        str(toml),
+        "--out",
+        str(run_dir),
+        "--strategy",
+        strategy,
+        "--seed",
+        str(seed),
+        "--rounds",
+        str(rounds),
+    ]
     if nodes:
         cmd += ["--nodes", str(nodes)]
     print("$", " ".join(cmd), flush=True)
@@ -61,9 +78,16 @@ def run_one(out: Path, strategy: str, codec: str, seed: int, rounds: int, nodes:
     n = len(res["node_ids"])
     snap = sum(s["nodes"][k]["bytes_sent"].get("snapshot", 0) for k in res["node_ids"])
     accs = [s["nodes"][k]["final_test_acc"] for k in res["node_ids"] if s["nodes"][k]["final_test_acc"] is not None]
-    row = {"codec": codec, "seed": seed, "rounds": rounds, "nodes": n, "wall_s": time.time() - t0,
-           "mean_acc": sum(accs) / len(accs), "bytes_per_node_round": s["summary"]["bytes_sent_total"] / n / rounds,
-           "snapshot_bytes_per_node_round": snap / n / rounds}
+    row = {
+        "codec": codec,
+        "seed": seed,
+        "rounds": rounds,
+        "nodes": n,
+        "wall_s": time.time() - t0,
+        "mean_acc": sum(accs) / len(accs),
+        "bytes_per_node_round": s["summary"]["bytes_sent_total"] / n / rounds,
+        "snapshot_bytes_per_node_round": snap / n / rounds,
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -78,9 +102,11 @@ def table(rows: list[dict], codecs: list[str]) -> list[str]:
     b_all = statistics.mean(r["bytes_per_node_round"] for r in base) if base else None
     b_snap = statistics.mean(r["snapshot_bytes_per_node_round"] for r in base) if base else None
     a0 = statistics.mean(r["mean_acc"] for r in base) if base else None
-    out = ["| codec | seeds | mean final accuracy % (± std over seeds) | Δ vs fp32 (points) | KB sent / node-round "
-           "(all) | × fewer than fp32 | KB of snapshots / node-round | × fewer than fp32 |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| codec | seeds | mean final accuracy % (± std over seeds) | Δ vs fp32 (points) | KB sent / node-round "
+        "(all) | × fewer than fp32 | KB of snapshots / node-round | × fewer than fp32 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for c, rs in by.items():
         if not rs:
             continue
@@ -88,9 +114,11 @@ def table(rows: list[dict], codecs: list[str]) -> list[str]:
         b = statistics.mean(r["bytes_per_node_round"] for r in rs)
         sb = statistics.mean(r["snapshot_bytes_per_node_round"] for r in rs)
         d = f"{100 * (statistics.mean(acc) - a0):+.1f}" if a0 is not None else "–"
-        out.append(f"| {c} | {len(rs)} | {_ms(acc)} | {d} | {b / 1024:.1f} | "
-                   f"{(b_all / b) if b_all else float('nan'):.2f} | {sb / 1024:.1f} | "
-                   f"{(b_snap / sb) if b_snap and sb else float('nan'):.2f} |")
+        out.append(
+            f"| {c} | {len(rs)} | {_ms(acc)} | {d} | {b / 1024:.1f} | "
+            f"{(b_all / b) if b_all else float('nan'):.2f} | {sb / 1024:.1f} | "
+            f"{(b_snap / sb) if b_snap and sb else float('nan'):.2f} |"
+        )
     return out
 
 
@@ -100,34 +128,66 @@ def section(data: dict) -> list[str]:
     seeds = sorted({r["seed"] for r in rows})
     per = {c: sorted(r["seed"] for r in rows if r["codec"] == c) for c in codecs}
     sc = data["scenario"]
-    what = next((line.split("=", 1)[1].strip().strip('"') for line in (ROOT / sc).read_text().splitlines()
-                 if line.startswith("description")), "") if (ROOT / sc).exists() else ""
-    lines = [f"## {Path(sc).stem.split('_')[0].upper()}: {data['strategy']}", "",
-             f"`python {data['command']}` — scenario `{sc}` ({what}), strategy `{data['strategy']}`, "
-             f"{data['rounds']} rounds, seeds {seeds} (per codec: {per}), real daemons over gRPC on loopback "
-             "(mTLS), on a 2-core machine shared with other work (wall times are not comparable).", "",
-             "Config added to the scenario's `[node]` per codec (`[node.snapshots]`): " +
-             "; ".join(f"`{c}`: codecs = {v['codecs']}, delta = {str(v['delta']).lower()}"
-                       for c, v in data["codecs"].items()) + ".", "",
-             "Accuracy: the mean over nodes of the final test accuracy, then mean ± std over seeds. Bytes: "
-             "everything the nodes sent (snapshots, membership, gossip), per node and round, and the snapshot "
-             "part alone; ratio = fp32's bytes / the codec's.", ""]
+    what = (
+        next(
+            (
+                line.split("=", 1)[1].strip().strip('"')
+                for line in (ROOT / sc).read_text().splitlines()
+                if line.startswith("description")
+            ),
+            "",
+        )
+        if (ROOT / sc).exists()
+        else ""
+    )
+    lines = [
+        f"## {Path(sc).stem.split('_')[0].upper()}: {data['strategy']}",
+        "",
+        f"`python {data['command']}` — scenario `{sc}` ({what}), strategy `{data['strategy']}`, "
+        f"{data['rounds']} rounds, seeds {seeds} (per codec: {per}), real daemons over gRPC on loopback "
+        "(mTLS), on a 2-core machine shared with other work (wall times are not comparable).",
+        "",
+        "Config added to the scenario's `[node]` per codec (`[node.snapshots]`): "
+        + "; ".join(
+            f"`{c}`: codecs = {v['codecs']}, delta = {str(v['delta']).lower()}" for c, v in data["codecs"].items()
+        )
+        + ".",
+        "",
+        "Accuracy: the mean over nodes of the final test accuracy, then mean ± std over seeds. Bytes: "
+        "everything the nodes sent (snapshots, membership, gossip), per node and round, and the snapshot "
+        "part alone; ratio = fp32's bytes / the codec's.",
+        "",
+    ]
     lines += table(rows, codecs)
-    lines += ["", "Per run:", "", "| codec | seed | mean final accuracy % | KB sent / node-round | wall s |",
-              "|---|---|---|---|---|"]
-    lines += [f"| {r['codec']} | {r['seed']} | {100 * r['mean_acc']:.1f} | {r['bytes_per_node_round'] / 1024:.1f} | "
-              f"{r['wall_s']:.0f} |" for r in rows]
+    lines += [
+        "",
+        "Per run:",
+        "",
+        "| codec | seed | mean final accuracy % | KB sent / node-round | wall s |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['codec']} | {r['seed']} | {100 * r['mean_acc']:.1f} | {r['bytes_per_node_round'] / 1024:.1f} | "
+        f"{r['wall_s']:.0f} |"
+        for r in rows
+    ]
     return lines + [""]
 
 
 def report(out: Path) -> None:
     """bench/results/codecs.md: a section per strategy with results (codecs_<strategy>.json)."""
-    lines = ["# Snapshot codecs on S1–S3: bytes against accuracy", "",
-             "Written by `bench/codecs_bench.py` (see docs/codecs.md). Goal (issue 24): q8 + delta within "
-             "0.5 points of fp32's mean accuracy at >= 3.5x fewer bytes per node-round.", ""]
+    lines = [
+        "# Snapshot codecs on S1–S3: bytes against accuracy",
+        "",
+        "Written by `bench/codecs_bench.py` (see docs/codecs.md). Goal (issue 24): q8 + delta within "
+        "0.5 points of fp32's mean accuracy at >= 3.5x fewer bytes per node-round.",
+        "",
+    ]
+
     def scenario_of(f: Path) -> str:  # codecs_<scenario>_<strategy>.json, or codecs_<strategy>.json for S1
         part = f.stem.split("_")[1]
         return part if part in SCENARIOS else "s1"
+
     for f in sorted(out.glob("codecs_*.json"), key=lambda f: (scenario_of(f), f.stem)):
         lines += section(json.loads(f.read_text()))
     (out / "codecs.md").write_text("\n".join(lines))
@@ -150,17 +210,29 @@ def main() -> None:
     scenario = ROOT / "scenarios" / SCENARIOS[args.scenario]
     prefix = "" if args.scenario == "s1" else f"{args.scenario}_"
     path = args.out / f"codecs_{prefix}{args.strategy}.json"
-    data = {"strategy": args.strategy, "rounds": args.rounds, "codecs": {c: CODECS[c] for c in codecs},
-            "scenario": str(scenario.relative_to(ROOT)), "command": "bench/codecs_bench.py " + " ".join(sys.argv[1:]),
-            "rows": []}
+    data = {
+        "strategy": args.strategy,
+        "rounds": args.rounds,
+        "codecs": {c: CODECS[c] for c in codecs},
+        "scenario": str(scenario.relative_to(ROOT)),
+        "command": "bench/codecs_bench.py " + " ".join(sys.argv[1:]),
+        "rows": [],
+    }
     if args.merge or args.report:
         data = json.loads(path.read_text())
         data.setdefault("command", "bench/codecs_bench.py")
     if not args.report:
         for seed in seeds:  # seed-major: a cut-short bench still has every codec for the first seeds
             for c in codecs:
-                row = run_one(args.out / "codecs" / args.scenario if prefix else args.out / "codecs",
-                              args.strategy, c, seed, args.rounds, args.nodes, scenario)
+                row = run_one(
+                    args.out / "codecs" / args.scenario if prefix else args.out / "codecs",
+                    args.strategy,
+                    c,
+                    seed,
+                    args.rounds,
+                    args.nodes,
+                    scenario,
+                )
                 data["rows"] = [r for r in data["rows"] if (r["codec"], r["seed"]) != (c, seed)] + [row]
                 for k in CODECS:
                     if k == c or k in data["codecs"]:

@@ -12,6 +12,7 @@ In-process (bench/papers/inproc.py): real learners, barrier-synchronous rounds.
 
     python bench/divergence_sine.py --seeds 0 1 2 --rounds 30
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,18 +31,30 @@ from inproc import RESULTS, build  # noqa: E402
 from coterie.node.learning.guard import RoundGuard, all_finite  # noqa: E402
 
 NODES = 8
-LEARNER = {"dataset": "sine", "dataset_params": {"num_samples": 2000, "noise": 0.1},
-           "partition": "sine_intervals", "partition_params": {"samples_per_node": 100, "num_intervals": 4},
-           "model": "mlp", "model_params": {"hidden": [32, 32]}, "optimizer": "sgd", "lr": 0.1,
-           "batch_size": 16, "local_steps": 10, "val_fraction": 0.2, "test_fraction": 0.2}
+LEARNER = {
+    "dataset": "sine",
+    "dataset_params": {"num_samples": 2000, "noise": 0.1},
+    "partition": "sine_intervals",
+    "partition_params": {"samples_per_node": 100, "num_intervals": 4},
+    "model": "mlp",
+    "model_params": {"hidden": [32, 32]},
+    "optimizer": "sgd",
+    "lr": 0.1,
+    "batch_size": 16,
+    "local_steps": 10,
+    "val_fraction": 0.2,
+    "test_fraction": 0.2,
+}
 STRATEGIES = {"local": {}, "dpsgd": {}, "fedfomo": {}, "federico": {"local_steps": 10}}
 
 
 def run(strategy: str, params: dict, seed: int, rounds: int, learner: dict) -> dict:
     hub = build(strategy, params, learner, NODES, seed)
     events: list[tuple[str, str, str]] = []
-    guards = {nid: RoundGuard(n.learner, n.strategy, lambda w, m, nid=nid: events.append((nid, w, m)))
-              for nid, n in hub.nodes.items()}
+    guards = {
+        nid: RoundGuard(n.learner, n.strategy, lambda w, m, nid=nid: events.append((nid, w, m)))
+        for nid, n in hub.nodes.items()
+    }
     non_finite = 0
 
     async def one_round(r: int) -> None:
@@ -57,9 +70,14 @@ def run(strategy: str, params: dict, seed: int, rounds: int, learner: dict) -> d
     for r in range(1, rounds + 1):
         asyncio.run(one_round(r))
     mse = [float(n.strategy.evaluate()["test_loss"]) for n in hub.nodes.values()]
-    return {"mse_mean": float(np.mean(mse)), "mse": mse, "non_finite_rounds": non_finite,
-            "divergences": len(events), "first_events": [list(e) for e in events[:3]],
-            "lr_scale": [n.learner.step_guard.lr_scale for n in hub.nodes.values()]}
+    return {
+        "mse_mean": float(np.mean(mse)),
+        "mse": mse,
+        "non_finite_rounds": non_finite,
+        "divergences": len(events),
+        "first_events": [list(e) for e in events[:3]],
+        "lr_scale": [n.learner.step_guard.lr_scale for n in hub.nodes.values()],
+    }
 
 
 def main() -> None:
@@ -74,18 +92,30 @@ def main() -> None:
     STRATEGIES["federico"] = {**STRATEGIES["federico"], **json.loads(args.federico)}
     learner = {**LEARNER, "lr": args.lr}
     t0 = time.time()
-    out: dict = {"config": {"nodes": NODES, "rounds": args.rounds, "seeds": args.seeds, "learner": learner,
-                            "strategies": STRATEGIES}, "results": {}}
+    out: dict = {
+        "config": {
+            "nodes": NODES,
+            "rounds": args.rounds,
+            "seeds": args.seeds,
+            "learner": learner,
+            "strategies": STRATEGIES,
+        },
+        "results": {},
+    }
     for name in args.strategies.split(","):
         rows = [run(name, STRATEGIES[name], s, args.rounds, learner) for s in args.seeds]
         out["results"][name] = {"per_seed": rows}
         m = [r["mse_mean"] for r in rows]
-        print(f"{name:9s} MSE {np.mean(m):.4f} ± {np.std(m):.4f}  non-finite rounds "
-              f"{sum(r['non_finite_rounds'] for r in rows)}  divergences {[r['divergences'] for r in rows]}",
-              flush=True)
+        print(
+            f"{name:9s} MSE {np.mean(m):.4f} ± {np.std(m):.4f}  non-finite rounds "
+            f"{sum(r['non_finite_rounds'] for r in rows)}  divergences {[r['divergences'] for r in rows]}",
+            flush=True,
+        )
     out["wall_s"] = round(time.time() - t0, 1)
     path = RESULTS / f"divergence_sine_lr{args.lr:g}{args.tag}.json"
-    path.write_text(json.dumps(out, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else str(o)))
+    path.write_text(
+        json.dumps(out, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else str(o))
+    )
     print("wrote", path)
 
 

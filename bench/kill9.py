@@ -15,6 +15,7 @@ the same config: equal means every resume continued exactly (optimizer moments, 
 
     python bench/kill9.py --kills 36 --seed 0      # writes bench/results/kill9.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,14 +40,32 @@ from coterie.node.learning.torch_learner import build_learner
 from coterie.node.persistence import StateError, StateStore
 from coterie.node.wire.codec import encode
 
-LEARNER = {"dataset": "mnist1d", "dataset_params": {"num_samples": 2000}, "partition": "iid",
-           "num_nodes": 1, "model": "mlp", "optimizer": "adam", "lr": 0.003, "local_steps": 10}
+LEARNER = {
+    "dataset": "mnist1d",
+    "dataset_params": {"num_samples": 2000},
+    "partition": "iid",
+    "num_nodes": 1,
+    "model": "mlp",
+    "optimizer": "adam",
+    "lr": 0.003,
+    "local_steps": 10,
+}
 
 
 def node_config(state_dir: Path, rounds: int | None, seed: int) -> dict[str, Any]:
-    cfg = {"node_id": "k9", "state_dir": str(state_dir), "strategy": "local", "min_peers": 0, "security": {"insecure": True}, "round_interval_s": 0.0,
-           "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", "seed": seed,
-           "learner": {**LEARNER, "init_seed": seed, "data_seed": seed}, "log_level": "WARNING"}
+    cfg = {
+        "node_id": "k9",
+        "state_dir": str(state_dir),
+        "strategy": "local",
+        "min_peers": 0,
+        "security": {"insecure": True},
+        "round_interval_s": 0.0,
+        "listen": "127.0.0.1:0",
+        "admin_listen": "127.0.0.1:0",
+        "seed": seed,
+        "learner": {**LEARNER, "init_seed": seed, "data_seed": seed},
+        "log_level": "WARNING",
+    }
     if rounds is not None:
         cfg["rounds"] = rounds
     return cfg
@@ -56,8 +75,11 @@ def spawn(workdir: Path, cfg: dict[str, Any], name: str) -> subprocess.Popen:
     path = workdir / f"{name}.toml"
     path.write_text(tomli_w.dumps(cfg))
     log = open(workdir / f"{name}.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "coterie.cli.main", "node", "start", "--config", str(path)],
-                            stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "coterie.cli.main", "node", "start", "--config", str(path)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def admin_status(state_dir: Path, pid: int) -> dict[str, Any] | None:
@@ -105,8 +127,7 @@ def check_after_kill(state_dir: Path, durable_seen: int, learner) -> tuple[bool,
         return False, f"history rounds {rounds[:3]}..{rounds[-3:]} for checkpoint {ckpt.round}", ckpt.round
     if ckpt.round:
         learner.import_state(*ckpt.learner_state())
-        data = encode({"params": learner.get_params()},
-                      {"node_id": "k9", "version": ckpt.version, "round": ckpt.round})
+        data = encode({"params": learner.get_params()}, {"node_id": "k9", "version": ckpt.version, "round": ckpt.round})
         want = history_rounds(state_dir)[-1]["snapshot_sha256"]
         if hashlib.sha256(data).hexdigest() != want:
             return False, f"checkpoint {ckpt.round} weights differ from the ones published", ckpt.round
@@ -116,8 +137,12 @@ def check_after_kill(state_dir: Path, durable_seen: int, learner) -> tuple[bool,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=36)
-    ap.add_argument("--max-wait", type=float, default=3.0,
-                    help="kill up to this long after the node serves (half that after spawn for start-up kills)")
+    ap.add_argument(
+        "--max-wait",
+        type=float,
+        default=3.0,
+        help="kill up to this long after the node serves (half that after spawn for start-up kills)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kill9.json")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the state dirs and logs here")
@@ -140,8 +165,11 @@ def main() -> int:
         durable, t_spawn = 0, time.monotonic()
         if phase == "running":  # once it serves and has checkpointed a round of its own
             resumed_at = trials[-1]["checkpoint_round"] if trials else 0
-            while p.poll() is None and time.monotonic() - t_spawn < 300 and \
-                    int((admin_status(state, p.pid) or {}).get("round", -1)) <= max(resumed_at, 0):
+            while (
+                p.poll() is None
+                and time.monotonic() - t_spawn < 300
+                and int((admin_status(state, p.pid) or {}).get("round", -1)) <= max(resumed_at, 0)
+            ):
                 time.sleep(0.02)
         deadline = time.monotonic() + (wait / 2 if phase == "start-up" else wait)
         while time.monotonic() < deadline and p.poll() is None:
@@ -156,10 +184,22 @@ def main() -> int:
         ok, why, ckpt_round = check_after_kill(state, durable, learner)
         if exited is not None:
             ok, why = False, f"exited by itself with {exited} before the kill; see trial{k:03d}.log"
-        trials.append({"trial": k, "phase": phase, "kill_after_s": round(wait, 3), "durable_seen": durable,
-                       "checkpoint_round": ckpt_round, "ok": ok, "problem": why if not ok else ""})
-        print(f"kill {k + 1:3d}/{args.kills} {phase:8s} {wait:5.2f}s after spawn: /status showed round {durable:4d}, "
-              f"checkpoint {ckpt_round:3d}: {'ok' if ok else 'FAILED ' + why}", flush=True)
+        trials.append(
+            {
+                "trial": k,
+                "phase": phase,
+                "kill_after_s": round(wait, 3),
+                "durable_seen": durable,
+                "checkpoint_round": ckpt_round,
+                "ok": ok,
+                "problem": why if not ok else "",
+            }
+        )
+        print(
+            f"kill {k + 1:3d}/{args.kills} {phase:8s} {wait:5.2f}s after spawn: /status showed round {durable:4d}, "
+            f"checkpoint {ckpt_round:3d}: {'ok' if ok else 'FAILED ' + why}",
+            flush=True,
+        )
 
     # past the last kill, then the uninterrupted reference over the same rounds
     last = max([t["checkpoint_round"] for t in trials] + [0]) + 3
@@ -170,17 +210,28 @@ def main() -> int:
     first_diff = next((i + 1 for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), None)
     exact = got == ref and len(ref) == last
     survivors = sum(t["ok"] for t in trials)
-    result = {"kills": args.kills, "survivors": survivors, "exact_continuation": exact,
-              "rounds_compared": len(ref), "first_differing_round": first_diff,
-              "wall_s": round(time.monotonic() - t0, 1), "trials": trials,
-              "config": {"seed": args.seed, "max_wait_s": args.max_wait,
-                         "node": node_config(Path("<state>"), None, args.seed)}}
+    result = {
+        "kills": args.kills,
+        "survivors": survivors,
+        "exact_continuation": exact,
+        "rounds_compared": len(ref),
+        "first_differing_round": first_diff,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "trials": trials,
+        "config": {
+            "seed": args.seed,
+            "max_wait_s": args.max_wait,
+            "node": node_config(Path("<state>"), None, args.seed),
+        },
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(f"\n{survivors} of {args.kills} kills resumed exactly at their last checkpoint; "
-          f"{len(ref)} rounds across {args.kills + 1} processes "
-          f"{'bit-identical to' if exact else 'DIFFER from'} the uninterrupted run"
-          f"{'' if exact else f' (first at round {first_diff})'}  -> {args.out}")
+    print(
+        f"\n{survivors} of {args.kills} kills resumed exactly at their last checkpoint; "
+        f"{len(ref)} rounds across {args.kills + 1} processes "
+        f"{'bit-identical to' if exact else 'DIFFER from'} the uninterrupted run"
+        f"{'' if exact else f' (first at round {first_diff})'}  -> {args.out}"
+    )
     if args.workdir is None and survivors == args.kills and exact:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0 if survivors == args.kills and exact else 1

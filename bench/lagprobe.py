@@ -7,6 +7,7 @@ by how much the loop thread's own CPU time between two wake-ups exceeded 20 ms (
 on the loop itself that kept it from its other callbacks; waiting for a CPU or the GIL does not
 count). Sums and maxima go to OUT.json once a second and at exit. Nothing else in the process
 changes."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,8 +21,14 @@ INTERVAL_S = 0.02
 
 def main() -> None:
     out, args = sys.argv[1], sys.argv[2:]
-    stats = {"lag_total_s": 0.0, "lag_max_s": 0.0, "busy_total_s": 0.0, "busy_max_s": 0.0, "sampled_s": 0.0,
-             "pid": os.getpid()}
+    stats = {
+        "lag_total_s": 0.0,
+        "lag_max_s": 0.0,
+        "busy_total_s": 0.0,
+        "busy_max_s": 0.0,
+        "sampled_s": 0.0,
+        "pid": os.getpid(),
+    }
 
     async def sampler() -> None:
         loop = asyncio.get_running_loop()
@@ -59,11 +66,13 @@ def main() -> None:
             finally:
                 task.cancel()
                 dump()
+
         return real_run(wrapped(), **kw)
 
     asyncio.run = run
     sys.argv = ["coterie", *args]
     from coterie.cli.main import app
+
     app()
 
 

@@ -25,11 +25,12 @@ bytes sent/received per node-round, rounds completed, wall time.
     python bench/links.py --codecs fp32 --codecs q8,fp32+delta  # snapshot codecs side by side
     python bench/links.py --cleanup                            # remove leftover namespaces/links
 Results: bench/results/links.json (full config, seeds, per-node series) and links.md."""
+
 from __future__ import annotations
 
 import argparse
-import json
 import itertools
+import json
 import os
 import platform
 import re
@@ -63,6 +64,7 @@ def run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 def code_version() -> str:
     """Which checkout's node code the daemons run (this interpreter's ``coterie``), and its commit."""
     import coterie.node
+
     where = Path(coterie.node.__file__).resolve().parent.parent
     commit = run("git", "-C", str(where), "rev-parse", "--short", "HEAD", check=False).stdout.strip()
     return f"{where}" + (f" @ {commit}" if commit else "")
@@ -104,10 +106,25 @@ class ShapedNet:
     def _tbf(self, ns: str, dev: str) -> None:
         # burst: at least one timer tick's worth at this rate (HZ ≥ 100), and ≥ 4 KB
         burst = max(4096, int(self.rate_mbit * 1e6 / 8 / 100))
-        run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.rate_mbit}mbit",
-            "burst", str(burst), "latency", "400ms")
+        run(
+            "tc",
+            "-n",
+            ns,
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{self.rate_mbit}mbit",
+            "burst",
+            str(burst),
+            "latency",
+            "400ms",
+        )
 
-    def up(self) -> "ShapedNet":
+    def up(self) -> ShapedNet:
         cleanup(self.prefix)  # leftovers of a killed run
         run("ip", "netns", "add", self.hub)
         run("ip", "-n", self.hub, "link", "set", "lo", "up")
@@ -136,15 +153,17 @@ class ShapedNet:
     def kernel_bytes(self, i: int) -> dict[str, int]:
         """Bytes the kernel's shapers passed for node ``i`` so far (TLS, gRPC framing, heartbeats and
         admin polling included): ``up`` its upload, ``down`` its download."""
+
         def sent(ns: str, dev: str) -> int:
             m = re.search(r"Sent (\d+) bytes", run("tc", "-s", "-n", ns, "qdisc", "show", "dev", dev).stdout)
             return int(m.group(1)) if m else 0
+
         return {"up": sent(self.ns(i), f"{self.prefix}{i}n"), "down": sent(self.hub, f"{self.prefix}{i}h")}
 
     def down(self) -> list[str]:
         return cleanup(self.prefix)
 
-    def __enter__(self) -> "ShapedNet":
+    def __enter__(self) -> ShapedNet:
         try:
             return self.up()
         except BaseException:
@@ -184,31 +203,52 @@ def check_snapshots_config(snapshots: dict[str, Any]) -> None:
     """Refuse ``--codecs`` up front when this checkout's node config has no such keys (its models
     forbid unknown keys: every daemon would exit with a config error)."""
     from coterie.node.config import NodeConfig
+
     if "snapshots" not in NodeConfig.model_fields:
-        raise SystemExit("--codecs: this checkout's node config has no `snapshots` section (snapshot codecs "
-                         "not merged here): run without --codecs (fp32, today's wire format)")
+        raise SystemExit(
+            "--codecs: this checkout's node config has no `snapshots` section (snapshot codecs "
+            "not merged here): run without --codecs (fp32, today's wire format)"
+        )
     try:
         NodeConfig.model_validate({"snapshots": snapshots})
     except ValueError as e:
         raise SystemExit(f"--codecs: the node config refuses snapshots = {snapshots}: {e}") from None
 
 
-def node_configs(args, model: str, strategy: str, link: dict[str, Any], net: ShapedNet,
-                 snapshots: dict[str, Any] | None, rounds: int) -> list[dict[str, Any]]:
+def node_configs(
+    args, model: str, strategy: str, link: dict[str, Any], net: ShapedNet, snapshots: dict[str, Any] | None, rounds: int
+) -> list[dict[str, Any]]:
     spec = MODELS[model]
     out = []
     for i in range(args.nodes):
         c: dict[str, Any] = {
-            "strategy": strategy, "round_interval_s": 0.0, "rounds": rounds, "seed": args.seed,
-            "min_peers": args.nodes - 1, "start_timeout_s": 300,
-            "listen": f"{net.ip(i)}:7000", "admin_listen": f"{net.ip(i)}:0",
+            "strategy": strategy,
+            "round_interval_s": 0.0,
+            "rounds": rounds,
+            "seed": args.seed,
+            "min_peers": args.nodes - 1,
+            "start_timeout_s": 300,
+            "listen": f"{net.ip(i)}:7000",
+            "admin_listen": f"{net.ip(i)}:0",
             "delay_ms": float(link["rtt_ms"]),  # once per call = the emulated RTT (module docstring)
             # a 20 MB pull at 10 Mbit/s shared by several peers takes minutes, and heartbeats queue
             # behind it in tbf: deadlines and suspicion sized for the link, not for loopback
-            "request_timeout_s": 900.0, "heartbeat_interval_s": 1.0, "suspect_after_s": 15.0, "dead_after_s": 120.0,
+            "request_timeout_s": 900.0,
+            "heartbeat_interval_s": 1.0,
+            "suspect_after_s": 15.0,
+            "dead_after_s": 120.0,
             "log_level": "WARNING",
-            "learner": {**mnist1d_mlp(args.nodes, i, hidden=spec["hidden"], steps=spec["steps"],
-                                      samples=args.samples, clusters=args.clusters)}}
+            "learner": {
+                **mnist1d_mlp(
+                    args.nodes,
+                    i,
+                    hidden=spec["hidden"],
+                    steps=spec["steps"],
+                    samples=args.samples,
+                    clusters=args.clusters,
+                )
+            },
+        }
         if strategy == "fedfomo":
             c["strategy_params"] = {"num_models": 3}  # the demo's
         if snapshots is not None:
@@ -229,8 +269,10 @@ def round_split(h: list[dict[str, Any]]) -> dict[str, float | None]:
     """Median seconds per round in peer calls (the link's share) and in the rest of the strategy's
     work (training, CPU-bound: on a shared machine, contention)."""
     tm = [r["timing"] for r in h if r.get("timing")]
-    return {"exchange_s": med(t.get("exchange_s", 0.0) for t in tm),
-            "train_s": med(t["strategy_s"] - t.get("exchange_s", 0.0) for t in tm)}
+    return {
+        "exchange_s": med(t.get("exchange_s", 0.0) for t in tm),
+        "train_s": med(t["strategy_s"] - t.get("exchange_s", 0.0) for t in tm),
+    }
 
 
 def med(xs) -> float | None:
@@ -244,11 +286,22 @@ def run_config(args, link_name: str, model: str, strategy: str, codecs: str | No
     cap = args.timeout if model == "small" else args.timeout_big
     snapshots = parse_codecs(codecs) if codecs else None
     root = Path(tempfile.mkdtemp(prefix=f"coterie-links-{link_name}-{model}-{strategy}-"))
-    row: dict[str, Any] = {"link": link_name, **link, "model": model, "strategy": strategy,
-                           "codecs": codecs or "fp32 (default)", "snapshots": snapshots, "nodes": args.nodes,
-                           "rounds_asked": rounds, "cap_s": cap, "seed": args.seed, "dir": str(root),
-                           "code": code_version(), "load_before": load(),
-                           "args": {k: v for k, v in vars(args).items() if k not in ("cleanup", "report")}}
+    row: dict[str, Any] = {
+        "link": link_name,
+        **link,
+        "model": model,
+        "strategy": strategy,
+        "codecs": codecs or "fp32 (default)",
+        "snapshots": snapshots,
+        "nodes": args.nodes,
+        "rounds_asked": rounds,
+        "cap_s": cap,
+        "seed": args.seed,
+        "dir": str(root),
+        "code": code_version(),
+        "load_before": load(),
+        "args": {k: v for k, v in vars(args).items() if k not in ("cleanup", "report")},
+    }
     with ShapedNet(args.nodes, link["rate_mbit"], prefix=args.prefix, subnet=args.subnet) as net:
         configs = node_configs(args, model, strategy, link, net, snapshots, rounds)
         row["config"] = configs[0]
@@ -276,26 +329,44 @@ def run_config(args, link_name: str, model: str, strategy: str, codecs: str | No
         series = [(r["t"] - t0, r["eval"]["test_acc"]) for r in h if "test_acc" in (r.get("eval") or {})]
         recv = [sum((r.get("bytes_received") or {}).values()) for r in h]
         sent = [sum((r.get("bytes_sent") or {}).values()) for r in h]
-        per_node[nid] = {"rounds": len(h), "final_acc": series[-1][1] if series else None, "tta_s": tta(series),
-                         "recv_per_round": statistics.mean(recv) if recv else None,
-                         "sent_per_round": statistics.mean(sent) if sent else None,
-                         "first_round_s": h[0]["t"] - t0 if h else None,
-                         "cycle_s": med([b["t"] - a["t"] for a, b in itertools.pairwise(h)]),
-                         **round_split(h),
-                         "series": [(round(t, 2), a) for t, a in series]}
+        per_node[nid] = {
+            "rounds": len(h),
+            "final_acc": series[-1][1] if series else None,
+            "tta_s": tta(series),
+            "recv_per_round": statistics.mean(recv) if recv else None,
+            "sent_per_round": statistics.mean(sent) if sent else None,
+            "first_round_s": h[0]["t"] - t0 if h else None,
+            "cycle_s": med([b["t"] - a["t"] for a, b in itertools.pairwise(h)]),
+            **round_split(h),
+            "series": [(round(t, 2), a) for t, a in series],
+        }
     vals = list(per_node.values())
-    row.update({"timed_out": timed_out, "wall_s": wall, "load_after": load(),
-                "rounds_min": min(v["rounds"] for v in vals), "rounds_median": med(v["rounds"] for v in vals),
-                "tta_median_s": med(v["tta_s"] for v in vals), "final_acc_median": med(v["final_acc"] for v in vals),
-                "recv_mb_per_node_round": (med(v["recv_per_round"] for v in vals) or 0) / 1e6,
-                "sent_mb_per_node_round": (med(v["sent_per_round"] for v in vals) or 0) / 1e6,
-                "cycle_median_s": med(v["cycle_s"] for v in vals), "per_node": per_node,
-                "exchange_median_s": med(v["exchange_s"] for v in vals), "train_median_s": med(v["train_s"] for v in vals),
-                # what crossed the shaped links from "all up" to the end, per node and round (kernel's count)
-                "kernel_down_mb_per_node_round": med((b["down"] - a["down"]) / max(1, v["rounds"])
-                                                     for a, b, v in zip(k0, k1, vals, strict=True)) / 1e6,
-                "kernel_up_mb_per_node_round": med((b["up"] - a["up"]) / max(1, v["rounds"])
-                                                   for a, b, v in zip(k0, k1, vals, strict=True)) / 1e6})
+    row.update(
+        {
+            "timed_out": timed_out,
+            "wall_s": wall,
+            "load_after": load(),
+            "rounds_min": min(v["rounds"] for v in vals),
+            "rounds_median": med(v["rounds"] for v in vals),
+            "tta_median_s": med(v["tta_s"] for v in vals),
+            "final_acc_median": med(v["final_acc"] for v in vals),
+            "recv_mb_per_node_round": (med(v["recv_per_round"] for v in vals) or 0) / 1e6,
+            "sent_mb_per_node_round": (med(v["sent_per_round"] for v in vals) or 0) / 1e6,
+            "cycle_median_s": med(v["cycle_s"] for v in vals),
+            "per_node": per_node,
+            "exchange_median_s": med(v["exchange_s"] for v in vals),
+            "train_median_s": med(v["train_s"] for v in vals),
+            # what crossed the shaped links from "all up" to the end, per node and round (kernel's count)
+            "kernel_down_mb_per_node_round": med(
+                (b["down"] - a["down"]) / max(1, v["rounds"]) for a, b, v in zip(k0, k1, vals, strict=True)
+            )
+            / 1e6,
+            "kernel_up_mb_per_node_round": med(
+                (b["up"] - a["up"]) / max(1, v["rounds"]) for a, b, v in zip(k0, k1, vals, strict=True)
+            )
+            / 1e6,
+        }
+    )
     return row
 
 
@@ -309,47 +380,62 @@ NOTES = "<!-- findings: written by hand, kept when the table above is regenerate
 
 def write_md(results: dict[str, Any], path: Path) -> None:
     old = path.read_text() if path.exists() else ""
-    notes = old[old.index(NOTES):] if NOTES in old else NOTES + "\n"
+    notes = old[old.index(NOTES) :] if NOTES in old else NOTES + "\n"
     a = results["args"]
-    lines = [f"# Time-to-accuracy on constrained links ({results['when']}, {results['machine']})", "",
-             f"Real daemons (`coterie node start`, mTLS), {a['nodes']} nodes, each in its own network namespace "
-             "behind a veth pair to a bridge; every node's link shaped by `tc tbf` in both directions (upload on "
-             "its side, download on the bridge's side). mnist1d, label-permutation clusters "
-             f"({a['clusters']}), {a['samples']} samples per node, seed {a['seed']}.", "",
-             "**Latency is app-level, not per packet.** This kernel has no `netem`; the RTT is the node's own "
-             "`delay_ms`, which the transport sleeps once per outgoing call (handshake, heartbeat, snapshot "
-             "pull, cross-loss request), so `delay_ms` = the RTT. TCP's window growth under a real RTT "
-             "(bandwidth-delay product) is not modelled; the rate is enforced per packet by the kernel.", "",
-             "**Time to 95%**: from the moment all daemons are up (they then find each other and start round 1) "
-             "until a node's test accuracy first reaches 95% of its final (last round's) accuracy; median over "
-             "nodes. **Bytes** per node-round: the node's own per-round counters (round history "
-             "`bytes_received` / `bytes_sent`, summed over peers), mean over its rounds, median over nodes; the "
-             "link columns are what the kernel's shapers passed (TLS, gRPC framing, heartbeats and admin polling "
-             "included) from all-up to the end, per round completed. "
-             f"**Rounds**: small model {a['rounds']} asked, 20 MB model {a['rounds_big']} asked (reduced to keep "
-             f"each run under {a['timeout_big']:.0f} s at 10 Mbit/s); a run that hits its cap "
-             "reports what it completed (final = the last completed round).", "",
-             "**Wall times are under contention**: 2 CPU cores shared with other work (load average in the "
-             "table); compare rows side by side, not the absolute numbers.", "",
-             "| link | model | strategy | codecs | rounds done (min/median) | wall s | time to 95% s (median) | "
-             "final acc (median) | MB recv / node-round | MB sent / node-round | link MB down / up per node-round "
-             "(kernel) | round cycle s | exchange / train s per round | capped | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Time-to-accuracy on constrained links ({results['when']}, {results['machine']})",
+        "",
+        f"Real daemons (`coterie node start`, mTLS), {a['nodes']} nodes, each in its own network namespace "
+        "behind a veth pair to a bridge; every node's link shaped by `tc tbf` in both directions (upload on "
+        "its side, download on the bridge's side). mnist1d, label-permutation clusters "
+        f"({a['clusters']}), {a['samples']} samples per node, seed {a['seed']}.",
+        "",
+        "**Latency is app-level, not per packet.** This kernel has no `netem`; the RTT is the node's own "
+        "`delay_ms`, which the transport sleeps once per outgoing call (handshake, heartbeat, snapshot "
+        "pull, cross-loss request), so `delay_ms` = the RTT. TCP's window growth under a real RTT "
+        "(bandwidth-delay product) is not modelled; the rate is enforced per packet by the kernel.",
+        "",
+        "**Time to 95%**: from the moment all daemons are up (they then find each other and start round 1) "
+        "until a node's test accuracy first reaches 95% of its final (last round's) accuracy; median over "
+        "nodes. **Bytes** per node-round: the node's own per-round counters (round history "
+        "`bytes_received` / `bytes_sent`, summed over peers), mean over its rounds, median over nodes; the "
+        "link columns are what the kernel's shapers passed (TLS, gRPC framing, heartbeats and admin polling "
+        "included) from all-up to the end, per round completed. "
+        f"**Rounds**: small model {a['rounds']} asked, 20 MB model {a['rounds_big']} asked (reduced to keep "
+        f"each run under {a['timeout_big']:.0f} s at 10 Mbit/s); a run that hits its cap "
+        "reports what it completed (final = the last completed round).",
+        "",
+        "**Wall times are under contention**: 2 CPU cores shared with other work (load average in the "
+        "table); compare rows side by side, not the absolute numbers.",
+        "",
+        "| link | model | strategy | codecs | rounds done (min/median) | wall s | time to 95% s (median) | "
+        "final acc (median) | MB recv / node-round | MB sent / node-round | link MB down / up per node-round "
+        "(kernel) | round cycle s | exchange / train s per round | capped | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     codes = sorted({r.get("code", "?") for r in results["runs"] if "error" not in r})
     for r in results["runs"]:
         if "error" in r:
-            lines.append(f"| {r['link']} | {r['model']} | {r['strategy']} | {r['codecs']} | failed: "
-                         f"{r['error'][:200]} |||||||||")
+            lines.append(
+                f"| {r['link']} | {r['model']} | {r['strategy']} | {r['codecs']} | failed: {r['error'][:200]} |||||||||"
+            )
             continue
-        lines.append(f"| {r['link']} | {r['model']} | {r['strategy']} | {r['codecs']} | {r['rounds_min']}/"
-                     f"{_f(r['rounds_median'], '.0f')} of {r['rounds_asked']} | {r['wall_s']:.0f} | "
-                     f"{_f(r['tta_median_s'])} | {_f(r['final_acc_median'], '.3f')} | "
-                     f"{r['recv_mb_per_node_round']:.2f} | {r['sent_mb_per_node_round']:.2f} | "
-                     f"{r.get('kernel_down_mb_per_node_round', 0):.2f} / {r.get('kernel_up_mb_per_node_round', 0):.2f} | "
-                     f"{_f(r['cycle_median_s'])} | {_f(r.get('exchange_median_s'), '.2f')} / "
-                     f"{_f(r.get('train_median_s'), '.2f')} | {'yes' if r['timed_out'] else 'no'} | {r['load_before']} |")
-    lines += ["", "Node code: " + "; ".join(f"`{c}`" for c in codes) + " (per row in `links.json`).",
-              "Per-node series (time s, test accuracy) and every node's config: `links.json`.", "", notes]
+        lines.append(
+            f"| {r['link']} | {r['model']} | {r['strategy']} | {r['codecs']} | {r['rounds_min']}/"
+            f"{_f(r['rounds_median'], '.0f')} of {r['rounds_asked']} | {r['wall_s']:.0f} | "
+            f"{_f(r['tta_median_s'])} | {_f(r['final_acc_median'], '.3f')} | "
+            f"{r['recv_mb_per_node_round']:.2f} | {r['sent_mb_per_node_round']:.2f} | "
+            f"{r.get('kernel_down_mb_per_node_round', 0):.2f} / {r.get('kernel_up_mb_per_node_round', 0):.2f} | "
+            f"{_f(r['cycle_median_s'])} | {_f(r.get('exchange_median_s'), '.2f')} / "
+            f"{_f(r.get('train_median_s'), '.2f')} | {'yes' if r['timed_out'] else 'no'} | {r['load_before']} |"
+        )
+    lines += [
+        "",
+        "Node code: " + "; ".join(f"`{c}`" for c in codes) + " (per row in `links.json`).",
+        "Per-node series (time s, test accuracy) and every node's config: `links.json`.",
+        "",
+        notes,
+    ]
     path.write_text("\n".join(lines))
 
 
@@ -359,9 +445,13 @@ def main() -> int:
     ap.add_argument("--links", default=",".join(LINKS), help=f"of {list(LINKS)}")
     ap.add_argument("--models", default="small,20mb", help=f"of {list(MODELS)}")
     ap.add_argument("--strategies", default="dpsgd,fedfomo")
-    ap.add_argument("--codecs", action="append", metavar="LIST[+delta]",
-                    help="snapshots.codecs for every node, e.g. fp32 or q8,fp32+delta ('+delta': snapshots.delta "
-                         "= true); repeat to compare; left out: no snapshots key at all (today's fp32)")
+    ap.add_argument(
+        "--codecs",
+        action="append",
+        metavar="LIST[+delta]",
+        help="snapshots.codecs for every node, e.g. fp32 or q8,fp32+delta ('+delta': snapshots.delta "
+        "= true); repeat to compare; left out: no snapshots key at all (today's fp32)",
+    )
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=20, help="rounds for the small model")
     ap.add_argument("--rounds-big", type=int, default=4, help="rounds for the 20 MB model")
@@ -370,8 +460,12 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=400, help="samples per node")
     ap.add_argument("--clusters", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prefix", default=PREFIX, help="names of the namespaces and links (another one lets two "
-                    "runs share the machine; --cleanup removes only this prefix's)")
+    ap.add_argument(
+        "--prefix",
+        default=PREFIX,
+        help="names of the namespaces and links (another one lets two "
+        "runs share the machine; --cleanup removes only this prefix's)",
+    )
     ap.add_argument("--subnet", default="10.231.0", help="first three octets of the nodes' /24")
     ap.add_argument("--out", default=str(RESULTS / "links.json"))
     ap.add_argument("--cleanup", action="store_true", help="only remove leftover namespaces and links, then exit")
@@ -390,10 +484,16 @@ def main() -> int:
         raise SystemExit(f"links.py: {problem}")
     for spec in args.codecs or []:
         check_snapshots_config(parse_codecs(spec))
-    results.update({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                    "machine": f"{platform.machine()}, {os.cpu_count()} cores", "args": vars(args),
-                    "bench_commit": run("git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short",
-                                        "HEAD", check=False).stdout.strip()})
+    results.update(
+        {
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "args": vars(args),
+            "bench_commit": run(
+                "git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD", check=False
+            ).stdout.strip(),
+        }
+    )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         for link in args.links.split(","):
@@ -404,11 +504,17 @@ def main() -> int:
                         try:
                             row = run_config(args, link, model, strategy, codecs)
                         except (RuntimeError, TimeoutError, OSError) as e:
-                            row = {"link": link, "model": model, "strategy": strategy,
-                                   "codecs": codecs or "fp32 (default)", "error": str(e)}
+                            row = {
+                                "link": link,
+                                "model": model,
+                                "strategy": strategy,
+                                "codecs": codecs or "fp32 (default)",
+                                "error": str(e),
+                            }
                         # a rerun replaces its own row, keeps the others
-                        results["runs"] = [r for r in results["runs"]
-                                           if (r["link"], r["model"], r["strategy"], r["codecs"]) != key] + [row]
+                        results["runs"] = [
+                            r for r in results["runs"] if (r["link"], r["model"], r["strategy"], r["codecs"]) != key
+                        ] + [row]
                         print(json.dumps({k: v for k, v in row.items() if k not in ("per_node", "config")}), flush=True)
                         out_path.write_text(json.dumps(results, indent=2))
                         write_md(results, out_path.with_suffix(".md"))

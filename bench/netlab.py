@@ -9,6 +9,7 @@ certificates from a throwaway CA made under the root (``tls=False``: plaintext, 
 checkout without it; ``legacy=True`` also leaves ``security`` out of the configs, for a checkout
 that predates it; ``wraps``: a command prefix per node, e.g. ``ip netns exec NS``). Used by ``frozen_peer.py`` and ``round_overhead.py`` (the tests have their
 own harness, ``tests/nodeproc.py``)."""
+
 from __future__ import annotations
 
 import json
@@ -19,24 +20,42 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import tomli_w
 
 from coterie.node.admin_token import bearer, token_for_state_dir
 
 
-def mnist1d_mlp(num_nodes: int, index: int, *, hidden: list[int] | None = None, steps: int = 40,
-                samples: int = 400, clusters: int = 2) -> dict[str, Any]:
+def mnist1d_mlp(
+    num_nodes: int,
+    index: int,
+    *,
+    hidden: list[int] | None = None,
+    steps: int = 40,
+    samples: int = 400,
+    clusters: int = 2,
+) -> dict[str, Any]:
     """The issue's small model (mnist1d MLP 40-64-64-10, 40 steps of batch 32); ``hidden`` wider
     for the ~21 MB model."""
-    return {"dataset": "mnist1d", "dataset_params": {"num_samples": 8000}, "partition": "label_permutation",
-            "partition_params": {"num_clusters": clusters, "samples_per_node": samples},
-            "num_nodes": num_nodes, "node_index": index, "model": "mlp",
-            "model_params": {"hidden": hidden or [64, 64]}, "optimizer": "adam", "lr": 0.003,
-            "batch_size": 32, "local_steps": steps, "device": "cpu"}
+    return {
+        "dataset": "mnist1d",
+        "dataset_params": {"num_samples": 8000},
+        "partition": "label_permutation",
+        "partition_params": {"num_clusters": clusters, "samples_per_node": samples},
+        "num_nodes": num_nodes,
+        "node_index": index,
+        "model": "mlp",
+        "model_params": {"hidden": hidden or [64, 64]},
+        "optimizer": "adam",
+        "lr": 0.003,
+        "batch_size": 32,
+        "local_steps": steps,
+        "device": "cpu",
+    }
 
 
 def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
@@ -65,8 +84,17 @@ class Daemon:
     """One node process. ``python``: the interpreter (another one runs another checkout's code,
     e.g. the baseline); ``lag_probe``: run it under ``lagprobe.py`` (event-loop lag to a file)."""
 
-    def __init__(self, root: Path, node_id: str, config: dict[str, Any], *, python: str = sys.executable,
-                 lag_probe: bool = False, fork: bool | None = None, wrap: list[str] | None = None):
+    def __init__(
+        self,
+        root: Path,
+        node_id: str,
+        config: dict[str, Any],
+        *,
+        python: str = sys.executable,
+        lag_probe: bool = False,
+        fork: bool | None = None,
+        wrap: list[str] | None = None,
+    ):
         self.python = python
         # a command the daemon runs under, e.g. ``ip netns exec NS`` (links.py); it must exec the
         # daemon in place (same pid), and rules out forking from this process
@@ -78,8 +106,13 @@ class Daemon:
         self.dir = root / node_id
         self.dir.mkdir(parents=True, exist_ok=True)
         self.state_dir = self.dir / "state"
-        self.config = {"node_id": node_id, "state_dir": str(self.state_dir), "listen": "127.0.0.1:0",
-                       "admin_listen": "127.0.0.1:0", **config}
+        self.config = {
+            "node_id": node_id,
+            "state_dir": str(self.state_dir),
+            "listen": "127.0.0.1:0",
+            "admin_listen": "127.0.0.1:0",
+            **config,
+        }
         self.config_path = self.dir / "node.toml"
         self.config_path.write_text(tomli_w.dumps(self.config))
         self.log_path = self.dir / "node.log"
@@ -89,19 +122,31 @@ class Daemon:
     def spawn(self) -> None:
         if self.fork:
             from coterie.lab.launch import processes
+
             ctx = processes.fork_context([self.config.get("strategy", "local")])
-            proc = ctx.Process(target=processes._run_forked_node, name=f"coterie-{self.node_id}",
-                               args=(["node", "start", "--config", str(self.config_path)], str(self.log_path)))
+            proc = ctx.Process(
+                target=processes._run_forked_node,
+                name=f"coterie-{self.node_id}",
+                args=(["node", "start", "--config", str(self.config_path)], str(self.log_path)),
+            )
             proc.start()
             self.proc = processes._Forked(proc)
             return
         env = {k: v for k, v in os.environ.items() if not k.startswith("COTERIE_")}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        cmd = ([self.python, str(LAGPROBE), str(self.lag_path)] if self.lag_path
-               else [self.python, "-m", "coterie.cli.main"])
-        self.proc = subprocess.Popen([*self.wrap, *cmd, "node", "start", "--config", str(self.config_path)], stdin=subprocess.DEVNULL,
-                                     stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        cmd = (
+            [self.python, str(LAGPROBE), str(self.lag_path)]
+            if self.lag_path
+            else [self.python, "-m", "coterie.cli.main"]
+        )
+        self.proc = subprocess.Popen(
+            [*self.wrap, *cmd, "node", "start", "--config", str(self.config_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=open(self.log_path, "ab"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
 
     def ready(self) -> dict[str, Any] | None:
         if self.proc.poll() is not None:
@@ -122,7 +167,7 @@ class Daemon:
     def history(self) -> list[dict[str, Any]]:
         p = self.state_dir / "history.jsonl"
         out: dict[int, dict[str, Any]] = {}
-        for line in (p.read_text().splitlines() if p.exists() else []):
+        for line in p.read_text().splitlines() if p.exists() else []:
             try:
                 e = json.loads(line)
             except ValueError:
@@ -162,26 +207,39 @@ class Daemon:
 class Lab:
     """N daemons; a context manager that always stops them."""
 
-    def __init__(self, root: Path, configs: list[dict[str, Any]], names: list[str] | None = None, *,
-                 tls: bool = True, legacy: bool = False, wraps: list[list[str]] | None = None, **daemon_kw: Any):
+    def __init__(
+        self,
+        root: Path,
+        configs: list[dict[str, Any]],
+        names: list[str] | None = None,
+        *,
+        tls: bool = True,
+        legacy: bool = False,
+        wraps: list[list[str]] | None = None,
+        **daemon_kw: Any,
+    ):
         self.root = Path(root)
         names = names or [f"n{i}" for i in range(len(configs))]
         if tls:
-            configs = [{**c, "security": {**c.get("security", {}), "cert_dir": str(self._certificate(name))}}
-                       for name, c in zip(names, configs, strict=True)]
+            configs = [
+                {**c, "security": {**c.get("security", {}), "cert_dir": str(self._certificate(name))}}
+                for name, c in zip(names, configs, strict=True)
+            ]
         elif not legacy:
             configs = [{**c, "security": {**c.get("security", {}), "insecure": True}} for c in configs]
-        self.nodes = [Daemon(self.root, names[i], c, wrap=wraps[i] if wraps else None, **daemon_kw)
-                      for i, c in enumerate(configs)]
+        self.nodes = [
+            Daemon(self.root, names[i], c, wrap=wraps[i] if wraps else None, **daemon_kw) for i, c in enumerate(configs)
+        ]
 
     def _certificate(self, node_id: str) -> Path:
         from coterie.node.security.pki import CA_KEY, init_ca, issue_cert
+
         ca = self.root / "pki" / "ca"
         if not (ca / CA_KEY).exists():
             init_ca(ca, name="netlab CA (throwaway)")
         return issue_cert(ca, node_id, self.root / "pki" / node_id)
 
-    def __enter__(self) -> "Lab":
+    def __enter__(self) -> Lab:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -208,7 +266,7 @@ class Lab:
         rest = self.nodes[seeds:]
         step = batch or len(rest) or 1
         for b in range(0, len(rest), step):
-            group = rest[b:b + step]
+            group = rest[b : b + step]
             for i, n in enumerate(group, start=b):
                 n.config["peers"] = [boot[i % len(boot)]]
                 n.config_path.write_text(tomli_w.dumps(n.config))
@@ -224,6 +282,7 @@ class Lab:
                 return n.get("/status", timeout)
             except (OSError, ValueError):
                 return None
+
         with ThreadPoolExecutor(max_workers=min(32, len(self.nodes))) as pool:
             return list(pool.map(one, self.nodes))
 

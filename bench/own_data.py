@@ -20,6 +20,7 @@ writes bench/results/own_data/seed<k>/ (run dirs, not committed), bench/results/
 (figures, the sizes and the full scenario of every seed) and bench/results/own_data.md (mean ± std over
 seeds of the nodes' mean final test accuracy, per group).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,9 @@ NODES = 6
 DIM, TRAIN, VAL, TEST = 20, 40, 40, 500
 
 
-def write_files(folder: Path, seed: int, dim: int = DIM, train: int = TRAIN, val: int = VAL,
-                test: int = TEST) -> list[int]:
+def write_files(
+    folder: Path, seed: int, dim: int = DIM, train: int = TRAIN, val: int = VAL, test: int = TEST
+) -> list[int]:
     """One data set per node, its splits given in the files: n0..n2 (group A) a CSV folder
     ``n<i>/{train,val,test}.csv``, n3..n5 (group B) ``n<i>.npz`` with ``x``/``y``,
     ``x_val``/``y_val``, ``x_test``/``y_test``. Returns the groups."""
@@ -62,28 +64,52 @@ def write_files(folder: Path, seed: int, dim: int = DIM, train: int = TRAIN, val
         if group == 0:
             (folder / f"n{i}").mkdir(exist_ok=True)
             for split, (x, names) in splits.items():
-                pcsv.write_csv(pa.table({**{f"s{d}": x[:, d] for d in range(dim)}, "activity": names}),
-                               folder / f"n{i}" / f"{split}.csv")
+                pcsv.write_csv(
+                    pa.table({**{f"s{d}": x[:, d] for d in range(dim)}, "activity": names}),
+                    folder / f"n{i}" / f"{split}.csv",
+                )
         else:
-            np.savez(folder / f"n{i}.npz", **{f"{k}{suffix}": v for split, suffix in
-                                             (("train", ""), ("val", "_val"), ("test", "_test"))
-                                             for k, v in zip(("x", "y"), (splits[split][0], np.array(splits[split][1])), strict=True)})
+            np.savez(
+                folder / f"n{i}.npz",
+                **{
+                    f"{k}{suffix}": v
+                    for split, suffix in (("train", ""), ("val", "_val"), ("test", "_test"))
+                    for k, v in zip(("x", "y"), (splits[split][0], np.array(splits[split][1])), strict=True)
+                },
+            )
         groups.append(group)
     return groups
 
 
 def scenario(seed: int, strategies: list[str], rounds: int, files: Path, groups: list[int]) -> dict:
     return {
-        "name": "own-data-two-namings", "seed": seed, "nodes": NODES, "rounds": rounds,
+        "name": "own-data-two-namings",
+        "seed": seed,
+        "nodes": NODES,
+        "rounds": rounds,
         "strategy": strategies,
         "description": "6 nodes on their own files; group B's files name the classes by a permutation",
-        "learner": {"data": str(files / "{node}"), "classes": CLASSES, "data_label": "activity",
-                    "model": "mlp", "model_params": {"hidden": [32]}, "optimizer": "adam", "lr": 0.01,
-                    "local_steps": 10, "batch_size": 16, "device": "cpu"},
+        "learner": {
+            "data": str(files / "{node}"),
+            "classes": CLASSES,
+            "data_label": "activity",
+            "model": "mlp",
+            "model_params": {"hidden": [32]},
+            "optimizer": "adam",
+            "lr": 0.01,
+            "local_steps": 10,
+            "batch_size": 16,
+            "device": "cpu",
+        },
         "node": {"heartbeat_interval_s": 0.3, "start_timeout_s": 120, "log_level": "WARNING"},
-        "overrides": [{"nodes": [i], "labels": {"cluster": str(g)},
-                       **({"learner": {"data": str(files / f"n{i}.npz")}} if g else {})}
-                      for i, g in enumerate(groups)],
+        "overrides": [
+            {
+                "nodes": [i],
+                "labels": {"cluster": str(g)},
+                **({"learner": {"data": str(files / f"n{i}.npz")}} if g else {}),
+            }
+            for i, g in enumerate(groups)
+        ],
     }
 
 
@@ -151,17 +177,26 @@ def main() -> int:
         for s in strategies:
             nodes = res["strategies"][s]["nodes"]
             acc = [nodes[f"n{i}"]["test_acc"][-1] for i in range(NODES)]
-            exported = [exported_accuracy(base / "run" / s / "nodes" / f"n{i}", base / "export" / s / f"n{i}.safetensors")
-                        for i in range(NODES)]
-            per[s] = {"mean": float(np.mean(acc)), "group_a": float(np.mean(acc[:NODES // 2])),
-                      "exported_mean": float(np.mean(exported)), "exported_nodes": exported,
-                      "group_b": float(np.mean(acc[NODES // 2:])), "nodes": acc,
-                      "own_group_share": own_group_share(res["strategies"][s].get("mean_weights"), groups),
-                      "own_group_share_last": own_group_share(res["strategies"][s].get("final_weights"), groups)}
-        runs[seed] = {"scenario": sc_dict, "files": {"dim": args.dim, "train": args.train, "val": args.val,
-                                                     "test": args.test, "seed": seed},
-                      "wall_s": None if args.from_runs else round(time.time() - t0, 1),
-                      "final_test_acc": per}
+            exported = [
+                exported_accuracy(base / "run" / s / "nodes" / f"n{i}", base / "export" / s / f"n{i}.safetensors")
+                for i in range(NODES)
+            ]
+            per[s] = {
+                "mean": float(np.mean(acc)),
+                "group_a": float(np.mean(acc[: NODES // 2])),
+                "exported_mean": float(np.mean(exported)),
+                "exported_nodes": exported,
+                "group_b": float(np.mean(acc[NODES // 2 :])),
+                "nodes": acc,
+                "own_group_share": own_group_share(res["strategies"][s].get("mean_weights"), groups),
+                "own_group_share_last": own_group_share(res["strategies"][s].get("final_weights"), groups),
+            }
+        runs[seed] = {
+            "scenario": sc_dict,
+            "files": {"dim": args.dim, "train": args.train, "val": args.val, "test": args.test, "seed": seed},
+            "wall_s": None if args.from_runs else round(time.time() - t0, 1),
+            "final_test_acc": per,
+        }
         print(f"seed {seed}: " + ", ".join(f"{s} {v['mean']:.3f}" for s, v in per.items()), flush=True)
     table = {}
     for s in strategies:
@@ -172,39 +207,52 @@ def main() -> int:
         shares = [r["final_test_acc"][s]["own_group_share"] for r in runs.values()]
         last = [r["final_test_acc"][s].get("own_group_share_last") for r in runs.values()]
         exp = np.array([r["final_test_acc"][s]["exported_mean"] for r in runs.values()])
-        table[s] = {"mean": float(vals.mean()), "std": float(vals.std(ddof=1)) if len(vals) > 1 else 0.0,
-                    "group_a": float(ga.mean()), "group_b": float(gb.mean()),
-                    "vs_first": float(diff.mean()), "vs_first_std": float(diff.std(ddof=1)) if len(diff) > 1 else 0.0,
-                    "own_group_share": None if None in shares else float(np.mean(shares)),
-                    "own_group_share_last": None if None in last else float(np.mean(last)),
-                    "exported": float(exp.mean()), "exported_std": float(exp.std(ddof=1)) if len(exp) > 1 else 0.0}
+        table[s] = {
+            "mean": float(vals.mean()),
+            "std": float(vals.std(ddof=1)) if len(vals) > 1 else 0.0,
+            "group_a": float(ga.mean()),
+            "group_b": float(gb.mean()),
+            "vs_first": float(diff.mean()),
+            "vs_first_std": float(diff.std(ddof=1)) if len(diff) > 1 else 0.0,
+            "own_group_share": None if None in shares else float(np.mean(shares)),
+            "own_group_share_last": None if None in last else float(np.mean(last)),
+            "exported": float(exp.mean()),
+            "exported_std": float(exp.std(ddof=1)) if len(exp) > 1 else 0.0,
+        }
     (OUT / f"{args.name}.json").write_text(json.dumps({"runs": runs, "summary": table}, indent=1))
-    lines = ["# Own files, two label namings (bench/own_data.py)", "",
-             f"{NODES} nodes, each on its own files ({args.train} train / {args.val} val / {args.test} test "
-             f"samples, given in the files; {args.dim} features; classes {CLASSES}); "
-             f"n0–n2 (group A) write a CSV folder (train/val/test.csv) with the agreed names, n3–n5 "
-             f"(group B) npz (x, y, x_val, …) whose names are a "
-             f"permutation of them ({B_NAMES}). {args.rounds} rounds, in-process backend, "
-             f"seeds {args.seeds}. Mean final test accuracy over the nodes; mean ± std over seeds "
-             f"(sample std).", "",
-             f"`− {strategies[0]}`: the paired difference to {strategies[0]} on the same files and seed "
-             f"(mean ± std over seeds). `own group`: share of the peer weight a node puts on peers of its "
-             f"own group, averaged over the rounds (chance 2/5; 1 = found its group exactly; `last`: in the "
-             f"last round, – where the strategy reports no weights then). In-process "
-             f"networks pull asynchronously: a rerun of the same seed differs by a few points. "
-             f"`exported`: the same nodes' models as `coterie model export` writes them from the state "
-             f"dir (node/modelfile.py), their accuracy on each node's test split of its file (mean ± std "
-             f"over seeds): what the node predicts with — its own model, or for FedeRiCo the mixture "
-             f"Σ_j w_ij p(y|x; θ_j) of its own and peers' models (§2.1) it reports, every member in the "
-             f"file. It should equal the reported accuracy (`coterie model export --own` gives "
-             f"FedeRiCo's own model alone).", "",
-             f"| strategy | mean ± std | − {strategies[0]} | exported | group A | group B | own group | last |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Own files, two label namings (bench/own_data.py)",
+        "",
+        f"{NODES} nodes, each on its own files ({args.train} train / {args.val} val / {args.test} test "
+        f"samples, given in the files; {args.dim} features; classes {CLASSES}); "
+        f"n0–n2 (group A) write a CSV folder (train/val/test.csv) with the agreed names, n3–n5 "
+        f"(group B) npz (x, y, x_val, …) whose names are a "
+        f"permutation of them ({B_NAMES}). {args.rounds} rounds, in-process backend, "
+        f"seeds {args.seeds}. Mean final test accuracy over the nodes; mean ± std over seeds "
+        f"(sample std).",
+        "",
+        f"`− {strategies[0]}`: the paired difference to {strategies[0]} on the same files and seed "
+        f"(mean ± std over seeds). `own group`: share of the peer weight a node puts on peers of its "
+        f"own group, averaged over the rounds (chance 2/5; 1 = found its group exactly; `last`: in the "
+        f"last round, – where the strategy reports no weights then). In-process "
+        f"networks pull asynchronously: a rerun of the same seed differs by a few points. "
+        f"`exported`: the same nodes' models as `coterie model export` writes them from the state "
+        f"dir (node/modelfile.py), their accuracy on each node's test split of its file (mean ± std "
+        f"over seeds): what the node predicts with — its own model, or for FedeRiCo the mixture "
+        f"Σ_j w_ij p(y|x; θ_j) of its own and peers' models (§2.1) it reports, every member in the "
+        f"file. It should equal the reported accuracy (`coterie model export --own` gives "
+        f"FedeRiCo's own model alone).",
+        "",
+        f"| strategy | mean ± std | − {strategies[0]} | exported | group A | group B | own group | last |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s, v in table.items():
         share = "–" if v["own_group_share"] is None else f"{v['own_group_share']:.2f}"
         share += " | " + ("–" if v["own_group_share_last"] is None else f"{v['own_group_share_last']:.2f}")
-        lines.append(f"| {s} | {v['mean']:.3f} ± {v['std']:.3f} | {v['vs_first']:+.3f} ± {v['vs_first_std']:.3f} "
-                     f"| {v['exported']:.3f} ± {v['exported_std']:.3f} | {v['group_a']:.3f} | {v['group_b']:.3f} | {share} |")
+        lines.append(
+            f"| {s} | {v['mean']:.3f} ± {v['std']:.3f} | {v['vs_first']:+.3f} ± {v['vs_first_std']:.3f} "
+            f"| {v['exported']:.3f} ± {v['exported_std']:.3f} | {v['group_a']:.3f} | {v['group_b']:.3f} | {share} |"
+        )
     (OUT / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

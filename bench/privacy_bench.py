@@ -24,6 +24,7 @@ skipped on a rerun (delete the directory to redo one). Writes bench/results/priv
 bench/results/privacy.json. DP noise is drawn from OS entropy on purpose (a seeded noise stream
 could be subtracted), so reruns agree only statistically; partitions and θ⁰ follow --seed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,11 +34,11 @@ import shutil
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import numpy as np
 import tomli_w
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -58,8 +59,14 @@ SETTINGS: dict[str, dict] = {
     "sigma2": {"noise_multiplier": 2.0, "budget_epsilon": INF, "min_batch": 32},
     "default": {},  # as shipped (PrivacyConfig defaults), budget included
 }
-LABELS = {"off": "off (exact)", "sigma0": "σ=0 (clip only)", "sigma0.5": "σ=0.5", "sigma1": "σ=1",
-          "sigma2": "σ=2", "default": "defaults"}
+LABELS = {
+    "off": "off (exact)",
+    "sigma0": "σ=0 (clip only)",
+    "sigma0.5": "σ=0.5",
+    "sigma1": "σ=1",
+    "sigma2": "σ=2",
+    "default": "defaults",
+}
 
 
 def scenario_for(sc: str, setting: str, rounds: int | None, seed: int) -> dict:
@@ -167,13 +174,17 @@ def collect(args, seed: int = 0) -> dict:
                 eps = ledger_epsilons(run_dir, strat, priv.delta) if strat != "local" and priv.enabled else []
                 old = before.get(sc, {}).get(strat, {}).get(setting, {})
                 rows.setdefault(strat, {})[setting] = {
-                    "mean_acc": r["mean_acc"], "in_cluster_mass": r["in_cluster_mass"],
+                    "mean_acc": r["mean_acc"],
+                    "in_cluster_mass": r["in_cluster_mass"],
                     "in_cluster_chance": r["in_cluster_chance"],
                     "eps_median": float(np.median(eps)) if eps else old.get("eps_median"),
-                    "eps_max": float(np.max(eps)) if eps else old.get("eps_max"), "delta": priv.delta,
+                    "eps_max": float(np.max(eps)) if eps else old.get("eps_max"),
+                    "delta": priv.delta,
                     "noise_multiplier": priv.noise_multiplier if priv.enabled else None,
                     "budget_epsilon": priv.budget_epsilon if priv.enabled else None,
-                    "wall_time_s": r["wall_time_s"], "created": res.get("created")}
+                    "wall_time_s": r["wall_time_s"],
+                    "created": res.get("created"),
+                }
         table[sc] = rows
     return table
 
@@ -208,14 +219,22 @@ def across_seeds(tables: dict[int, dict]) -> dict:
                     continue
                 acc = [r["mean_acc"] for r in per]
                 kept = [kept_share(tables[k][sc], strat, setting) for k in seeds]
-                gain = [r["mean_acc"] - tables[k][sc]["local"]["off"]["mean_acc"] for k, r in zip(seeds, per, strict=True)
-                        if "local" in tables[k][sc]]
+                gain = [
+                    r["mean_acc"] - tables[k][sc]["local"]["off"]["mean_acc"]
+                    for k, r in zip(seeds, per, strict=True)
+                    if "local" in tables[k][sc]
+                ]
                 out.setdefault(sc, {}).setdefault(strat, {})[setting] = {
-                    "seeds": seeds, "mean_acc": acc, "mean_acc_ci": mean_ci(acc),
-                    "gain_over_local": gain, "gain_ci": mean_ci(gain) if len(gain) == len(seeds) else None,
-                    "kept": kept, "kept_of_mean_gains": None,
+                    "seeds": seeds,
+                    "mean_acc": acc,
+                    "mean_acc_ci": mean_ci(acc),
+                    "gain_over_local": gain,
+                    "gain_ci": mean_ci(gain) if len(gain) == len(seeds) else None,
+                    "kept": kept,
+                    "kept_of_mean_gains": None,
                     "in_cluster_mass": [r["in_cluster_mass"] for r in per],
-                    "eps_max": max((r["eps_max"] for r in per if r.get("eps_max") is not None), default=None)}
+                    "eps_max": max((r["eps_max"] for r in per if r.get("eps_max") is not None), default=None),
+                }
         for settings in out.get(sc, {}).values():  # kept from the seeds' mean gains (a ratio of means)
             off = settings.get("off")
             for r in settings.values():
@@ -227,75 +246,108 @@ def across_seeds(tables: dict[int, dict]) -> dict:
 def seeds_markdown(agg: dict, seeds: list[int]) -> list[str]:
     if not agg:
         return []
-    lines = [f"## Across seeds {seeds}", "",
-             "The settings run with every seed. Accuracy and gain over local (paired: the same seed's "
-             "local run) as mean ± 95% CI (Student t over the seeds); kept = mean gain under privacy / "
-             "mean exact gain (a ratio of the seeds' means), then each seed's own kept in brackets; ε max: "
-             "the largest total ε any node reached in any seed.", ""]
+    lines = [
+        f"## Across seeds {seeds}",
+        "",
+        "The settings run with every seed. Accuracy and gain over local (paired: the same seed's "
+        "local run) as mean ± 95% CI (Student t over the seeds); kept = mean gain under privacy / "
+        "mean exact gain (a ratio of the seeds' means), then each seed's own kept in brackets; ε max: "
+        "the largest total ε any node reached in any seed.",
+        "",
+    ]
     for sc, rows in agg.items():
-        lines += [f"### {sc.upper()}", "",
-                  "| strategy | setting | mean acc % | gain over local (points) | kept (per seed) | in-cluster mass (per seed) | ε max |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### {sc.upper()}",
+            "",
+            "| strategy | setting | mean acc % | gain over local (points) | kept (per seed) | in-cluster mass (per seed) | ε max |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for strat, settings in rows.items():
             for setting in SETTINGS:
                 r = settings.get(setting)
                 if r is None:
                     continue
                 m, h = r["mean_acc_ci"]
-                gain = "–" if r["gain_ci"] is None or strat == "local" else f"{100 * r['gain_ci'][0]:+.1f} ± {100 * r['gain_ci'][1]:.1f}"
-                kept = ("–" if setting == "off" or r["kept_of_mean_gains"] is None else
-                        f"{100 * r['kept_of_mean_gains']:.0f}% ("
-                        + ", ".join("–" if k is None else f"{100 * k:.0f}%" for k in r["kept"]) + ")")
+                gain = (
+                    "–"
+                    if r["gain_ci"] is None or strat == "local"
+                    else f"{100 * r['gain_ci'][0]:+.1f} ± {100 * r['gain_ci'][1]:.1f}"
+                )
+                kept = (
+                    "–"
+                    if setting == "off" or r["kept_of_mean_gains"] is None
+                    else f"{100 * r['kept_of_mean_gains']:.0f}% ("
+                    + ", ".join("–" if k is None else f"{100 * k:.0f}%" for k in r["kept"])
+                    + ")"
+                )
                 mass = ", ".join("–" if v is None else f"{v:.2f}" for v in r["in_cluster_mass"])
                 eps = "–" if setting == "off" or strat == "local" else _eps(r["eps_max"])
-                lines.append(f"| {strat} | {LABELS[setting]} | {100 * m:.1f} ± {100 * h:.1f} | {gain} | {kept} | {mass} | {eps} |")
+                lines.append(
+                    f"| {strat} | {LABELS[setting]} | {100 * m:.1f} ± {100 * h:.1f} | {gain} | {kept} | {mass} | {eps} |"
+                )
         lines.append("")
     return lines
 
 
 def markdown(table: dict, args, agg: dict | None = None, seeds: list[int] | None = None) -> str:
     d = PrivacyConfig()
-    lines = ["# Utility under privacy", "",
-             f"Real daemons on loopback (`coterie run`), {args.rounds or 30} rounds, "
-             "12 nodes, S1/S3 on the 1-D CNN (scenarios/). Mean test accuracy % over the clean nodes; "
-             "in-cluster weight mass over the last half of the rounds (chance in brackets); "
-             "kept = (acc − local) / (acc_off − local), the share of the non-private gain over local "
-             "that survives; ε = total ε of a node's data (all peers composed, RDP accountant, "
-             f"δ = {d.delta:g}), median / max over the 12 nodes, from their ledgers. "
-             f"Clip bounds: gradient {d.grad_clip:g}, loss {d.loss_clip:g}. The σ rows answer over the "
-             "32-sample batches the strategies ask for, with no budget (the ε that 30 rounds cost); "
-             f"`defaults` = as shipped: σ = {d.noise_multiplier:g} over ≥ {d.min_batch} samples, budget "
-             f"ε = {d.budget_epsilon:g} (a node refuses once it is spent; the strategy then goes on "
-             "without those answers).",
-             "", "Generated by `python bench/privacy_bench.py --seeds 0,1,2` (then `--seeds 3` and `--seeds 4` "
-             "with `--settings off,default --strategies federico,scool-sbm`); the across-seeds tables keep "
-             "the strategies run in every seed. Each run's scenario file and "
-             "results.json are in bench/results/privacy/<scenario>/<setting>/ (seed 0) and "
-             "bench/results/privacy/seed<k>/<scenario>/<setting>/ (seed k). The first tables are seed 0's "
-             "full grid; the spread over the seeds follows them.", "",
-             "FedeRiCo runs its default `peer_term = \"auto\"`: with privacy off (`off`) it pushes "
-             "gradients as Alg. 1 does; under DP noise (every other setting) a push is ~98% noise "
-             "(bench/push_snr.py), so its M-step takes the peer terms from the sampled peers' published "
-             "models and it releases nothing (ε 0). Its rows that pushed under DP (4% / 5% of the gain "
-             "kept at ε 5.6): `git show 187a7f8:bench/results/privacy.md`.", ""]
+    lines = [
+        "# Utility under privacy",
+        "",
+        f"Real daemons on loopback (`coterie run`), {args.rounds or 30} rounds, "
+        "12 nodes, S1/S3 on the 1-D CNN (scenarios/). Mean test accuracy % over the clean nodes; "
+        "in-cluster weight mass over the last half of the rounds (chance in brackets); "
+        "kept = (acc − local) / (acc_off − local), the share of the non-private gain over local "
+        "that survives; ε = total ε of a node's data (all peers composed, RDP accountant, "
+        f"δ = {d.delta:g}), median / max over the 12 nodes, from their ledgers. "
+        f"Clip bounds: gradient {d.grad_clip:g}, loss {d.loss_clip:g}. The σ rows answer over the "
+        "32-sample batches the strategies ask for, with no budget (the ε that 30 rounds cost); "
+        f"`defaults` = as shipped: σ = {d.noise_multiplier:g} over ≥ {d.min_batch} samples, budget "
+        f"ε = {d.budget_epsilon:g} (a node refuses once it is spent; the strategy then goes on "
+        "without those answers).",
+        "",
+        "Generated by `python bench/privacy_bench.py --seeds 0,1,2` (then `--seeds 3` and `--seeds 4` "
+        "with `--settings off,default --strategies federico,scool-sbm`); the across-seeds tables keep "
+        "the strategies run in every seed. Each run's scenario file and "
+        "results.json are in bench/results/privacy/<scenario>/<setting>/ (seed 0) and "
+        "bench/results/privacy/seed<k>/<scenario>/<setting>/ (seed k). The first tables are seed 0's "
+        "full grid; the spread over the seeds follows them.",
+        "",
+        'FedeRiCo runs its default `peer_term = "auto"`: with privacy off (`off`) it pushes '
+        "gradients as Alg. 1 does; under DP noise (every other setting) a push is ~98% noise "
+        "(bench/push_snr.py), so its M-step takes the peer terms from the sampled peers' published "
+        "models and it releases nothing (ε 0). Its rows that pushed under DP (4% / 5% of the gain "
+        "kept at ε 5.6): `git show 187a7f8:bench/results/privacy.md`.",
+        "",
+    ]
     ran = {setting for rows in table.values() for r in rows.values() for setting in r}
     if not ran & {"sigma0", "sigma0.5", "sigma1", "sigma2"}:
-        lines += ["The σ sweep (`--settings sigma1,sigma2`) is not in this version: it last ran on "
-                  "2026-11-26's code (`git show 5715be6:bench/results/privacy.md`), before FedeRiCo's and "
-                  "COBO's fixes, and was dropped rather than mixed with rows of the current code.", ""]
+        lines += [
+            "The σ sweep (`--settings sigma1,sigma2`) is not in this version: it last ran on "
+            "2026-11-26's code (`git show 5715be6:bench/results/privacy.md`), before FedeRiCo's and "
+            "COBO's fixes, and was dropped rather than mixed with rows of the current code.",
+            "",
+        ]
     lines += ["## Seed 0, every setting run", ""]
     for sc, rows in table.items():
         local = rows.get("local", {}).get("off", {}).get("mean_acc")
-        lines += [f"### {sc.upper()}" + (f" (local {_pct(local)})" if local is not None else ""), "",
-                  "| strategy | setting | mean acc % | kept | in-cluster mass | ε median / max |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            f"### {sc.upper()}" + (f" (local {_pct(local)})" if local is not None else ""),
+            "",
+            "| strategy | setting | mean acc % | kept | in-cluster mass | ε median / max |",
+            "|---|---|---|---|---|---|",
+        ]
         for strat in [s for s in rows if s != "local"]:
             for setting in SETTINGS:
                 r = rows[strat].get(setting)
                 if r is None:
                     continue
                 kept = kept_share(rows, strat, setting)
-                mass = "–" if r["in_cluster_mass"] is None else f"{r['in_cluster_mass']:.2f} ({r['in_cluster_chance']:.2f})"
+                mass = (
+                    "–"
+                    if r["in_cluster_mass"] is None
+                    else f"{r['in_cluster_mass']:.2f} ({r['in_cluster_chance']:.2f})"
+                )
                 eps = "–" if setting == "off" else f"{_eps(r['eps_median'])} / {_eps(r['eps_max'])}"
                 kept_s = "–" if kept is None or setting == "off" else f"{100 * kept:.0f}%"
                 lines.append(f"| {strat} | {LABELS[setting]} | {_pct(r['mean_acc'])} | {kept_s} | {mass} | {eps} |")
@@ -313,8 +365,11 @@ def main() -> int:
     ap.add_argument("--seeds", default=None, help="comma list of seeds (overrides --seed); seed 0's runs stay in --out")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "privacy")
     ap.add_argument("--report", type=Path, default=ROOT / "bench" / "results" / "privacy.md")
-    ap.add_argument("--force", action="store_true",
-                    help="rerun --strategies where they already have results (other strategies' results are kept)")
+    ap.add_argument(
+        "--force",
+        action="store_true",
+        help="rerun --strategies where they already have results (other strategies' results are kept)",
+    )
     ap.add_argument("--attempts", type=int, default=3, help="tries per strategy run (a start can time out)")
     ap.add_argument("--quiet", action="store_true", help="no live progress from coterie run")
     ap.add_argument("--report-only", action="store_true")
@@ -329,13 +384,13 @@ def main() -> int:
 
     def report() -> str:  # every seed with results on disk (not only this invocation's)
         have = sorted({0, *seeds, *(int(p.name[4:]) for p in args.out.glob("seed*") if p.name[4:].isdigit())})
-        tables = {k: t for k in have if (t := collect(args, k))
-                  and any(rows for rows in t.values())}
+        tables = {k: t for k in have if (t := collect(args, k)) and any(rows for rows in t.values())}
         agg = across_seeds(tables) if len(tables) > 1 else {}
         md = markdown(tables.get(0, {}), args, agg, sorted(tables))
         args.report.write_text(md)
-        args.report.with_suffix(".json").write_text(json.dumps(
-            {"per_seed": {str(k): t for k, t in tables.items()}, "across_seeds": agg}, indent=1, default=str))
+        args.report.with_suffix(".json").write_text(
+            json.dumps({"per_seed": {str(k): t for k, t in tables.items()}, "across_seeds": agg}, indent=1, default=str)
+        )
         return md
 
     if not args.report_only:

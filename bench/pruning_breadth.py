@@ -14,17 +14,18 @@ rounds and in-process backend, so only the keep differs).
 Writes bench/results/pruning/<scenario>_keep<k>/seed<s>/ (the scenario file used and the run's
 results.json) and bench/results/pruning_<scenario>_keep<k>.{json,md}.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import numpy as np
 import tomli_w
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -34,12 +35,17 @@ from coterie.node.strategies.l2c import L2C, MetaL2C  # noqa: E402
 from coterie.node.strategies.scool import SCoolAttention, SCoolSBM  # noqa: E402
 
 # strategy -> (its keep parameter, how a keep share maps onto it and back: L2C removes, SCool keeps)
-KEEP_PARAM = {"l2c": ("prune_fraction", lambda k: 1.0 - k), "meta-l2c": ("prune_fraction", lambda k: 1.0 - k),
-              "scool-sbm": ("keep_fraction", lambda k: k), "scool-attention": ("keep_fraction", lambda k: k)}
+KEEP_PARAM = {
+    "l2c": ("prune_fraction", lambda k: 1.0 - k),
+    "meta-l2c": ("prune_fraction", lambda k: 1.0 - k),
+    "scool-sbm": ("keep_fraction", lambda k: k),
+    "scool-attention": ("keep_fraction", lambda k: k),
+}
 # the papers' keep, as the strategies ship it
-PAPER_KEEP = {name: round(KEEP_PARAM[name][1](cls.defaults[KEEP_PARAM[name][0]]), 6)
-              for name, cls in (("l2c", L2C), ("meta-l2c", MetaL2C), ("scool-sbm", SCoolSBM),
-                                ("scool-attention", SCoolAttention))}
+PAPER_KEEP = {
+    name: round(KEEP_PARAM[name][1](cls.defaults[KEEP_PARAM[name][0]]), 6)
+    for name, cls in (("l2c", L2C), ("meta-l2c", MetaL2C), ("scool-sbm", SCoolSBM), ("scool-attention", SCoolAttention))
+}
 
 
 def main() -> int:
@@ -69,21 +75,36 @@ def main() -> int:
         path = run_dir / "scenario.toml"
         path.write_text(tomli_w.dumps(scen))
         if not args.reuse:
-            cmd = [sys.executable, "-m", "coterie.cli.main", "run", str(path), "--out", str(run_dir / "run"),
-                   "--seed", str(k), "--backend", "inproc"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "coterie.cli.main",
+                "run",
+                str(path),
+                "--out",
+                str(run_dir / "run"),
+                "--seed",
+                str(k),
+                "--backend",
+                "inproc",
+            ]
             print("$", " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             (run_dir / "results.json").write_text((run_dir / "run" / "results.json").read_text())
         per_seed[k] = metrics(json.loads((run_dir / "results.json").read_text()))
 
     rows = []
-    lines = [f"# Pruning breadth on {args.scenario.upper()}: keep {args.keep:.0%} of the neighbours at T0", "",
-             f"`python bench/pruning_breadth.py --scenario {args.scenario} --seeds {args.seeds} --keep {args.keep:g}`; "
-             "in-process backend, the scenario's rounds; the default-keep rows are the same seeds in "
-             "`seeds.json`. Gain: paired over the same run's local, points, mean ± 95% CI (Student t over "
-             "the seeds); oracle share: mean gain / the oracle's mean gain (from `seeds.json`).", "",
-             "| strategy | keep | peers kept | mean acc % | gain over local | oracle share | in-cluster mass |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Pruning breadth on {args.scenario.upper()}: keep {args.keep:.0%} of the neighbours at T0",
+        "",
+        f"`python bench/pruning_breadth.py --scenario {args.scenario} --seeds {args.seeds} --keep {args.keep:g}`; "
+        "in-process backend, the scenario's rounds; the default-keep rows are the same seeds in "
+        "`seeds.json`. Gain: paired over the same run's local, points, mean ± 95% CI (Student t over "
+        "the seeds); oracle share: mean gain / the oracle's mean gain (from `seeds.json`).",
+        "",
+        "| strategy | keep | peers kept | mean acc % | gain over local | oracle share | in-cluster mass |",
+        "|---|---|---|---|---|---|---|",
+    ]
     og = float(np.mean([base[str(k)]["oracle"]["mean_acc"] - base[str(k)]["local"]["mean_acc"] for k in seeds]))
     n_peers = len(json.loads((out / f"seed{seeds[0]}" / "results.json").read_text())["node_ids"]) - 1
     for s in strategies:
@@ -99,18 +120,43 @@ def main() -> int:
             # L2C keeps ⌈(1−K0)·n⌉, SCool's code int(keep·n) (common.top_keep)
             x = keep * n_peers
             kept_n = max(1, int(np.floor(x + 1e-9) if name == "keep_fraction" else np.ceil(x - 1e-9)))
-            rows.append({"strategy": s, "keep": keep, "seeds": seeds, "mean_acc": accs, "gain": gains,
-                         "oracle_share": g[0] / og if og > 0 else None, "in_cluster_mass": mass})
-            lines.append(f"| {s} | {label} ({keep:.0%}) | {kept_n} of {n_peers} | {100 * a[0]:.1f} ± {100 * a[1]:.1f} | "
-                         f"{100 * g[0]:+.1f} ± {100 * g[1]:.1f} | {g[0] / og:.2f} | "
-                         f"{np.mean([x for x in mass if x is not None]):.2f} |")
+            rows.append(
+                {
+                    "strategy": s,
+                    "keep": keep,
+                    "seeds": seeds,
+                    "mean_acc": accs,
+                    "gain": gains,
+                    "oracle_share": g[0] / og if og > 0 else None,
+                    "in_cluster_mass": mass,
+                }
+            )
+            lines.append(
+                f"| {s} | {label} ({keep:.0%}) | {kept_n} of {n_peers} | {100 * a[0]:.1f} ± {100 * a[1]:.1f} | "
+                f"{100 * g[0]:+.1f} ± {100 * g[1]:.1f} | {g[0] / og:.2f} | "
+                f"{np.mean([x for x in mass if x is not None]):.2f} |"
+            )
     lines += ["", f"Oracle's mean gain over local on these seeds: {100 * og:+.1f} points.", ""]
     report = ROOT / "bench" / "results" / f"pruning_{tag}"  # tag holds a dot: no with_suffix
     Path(f"{report}.md").write_text("\n".join(lines))
-    Path(f"{report}.json").write_text(json.dumps(
-        {"config": {"scenario": args.scenario, "seeds": seeds, "keep": args.keep, "strategies": strategies,
-                    "backend": "inproc", "default_keep_from": "bench/results/seeds.json"},
-         "oracle_gain": og, "rows": rows, "per_seed": {str(k): v for k, v in per_seed.items()}}, indent=1))
+    Path(f"{report}.json").write_text(
+        json.dumps(
+            {
+                "config": {
+                    "scenario": args.scenario,
+                    "seeds": seeds,
+                    "keep": args.keep,
+                    "strategies": strategies,
+                    "backend": "inproc",
+                    "default_keep_from": "bench/results/seeds.json",
+                },
+                "oracle_gain": og,
+                "rows": rows,
+                "per_seed": {str(k): v for k, v in per_seed.items()},
+            },
+            indent=1,
+        )
+    )
     print("\n".join(lines))
     return 0
 

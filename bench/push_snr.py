@@ -20,6 +20,7 @@ would cost at that setting (opacus' RDP accountant, δ = 1e-5). When every sampl
 
 Writes bench/results/push_snr.json (config included) and prints a table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,11 +43,24 @@ DELTA = 1e-5
 
 def s1_learner(index: int, seed: int):
     """S1's learner (scenarios/s1_label_permuted.toml) for node ``index``."""
-    return build_learner(LearnerConfig(
-        dataset="mnist1d", dataset_params={"num_samples": 8000}, partition="label_permutation",
-        partition_params={"num_clusters": 4, "samples_per_node": 500}, num_nodes=12, node_index=index,
-        model="cnn", model_params={"channels": [16, 32], "fc": 64}, optimizer="adam", lr=0.003,
-        batch_size=32, device="cpu", init_seed=seed, data_seed=seed))
+    return build_learner(
+        LearnerConfig(
+            dataset="mnist1d",
+            dataset_params={"num_samples": 8000},
+            partition="label_permutation",
+            partition_params={"num_clusters": 4, "samples_per_node": 500},
+            num_nodes=12,
+            node_index=index,
+            model="cnn",
+            model_params={"channels": [16, 32], "fc": 64},
+            optimizer="adam",
+            lr=0.003,
+            batch_size=32,
+            device="cpu",
+            init_seed=seed,
+            data_seed=seed,
+        )
+    )
 
 
 def per_sample_norms(mine, params) -> torch.Tensor:
@@ -57,6 +71,7 @@ def per_sample_norms(mine, params) -> torch.Tensor:
 
     def loss(ps, xi, yi):
         return mine._loss_fn(functional_call(mine._shadow, ps, (mine._x(xi.unsqueeze(0)),)), yi.unsqueeze(0), "sum")
+
     g = vmap(grad(loss), in_dims=(None, 0, 0))(p, x, y)
     return torch.cat([g[k].reshape(len(x), -1) for k in mine._names], 1).detach().norm(dim=1)
 
@@ -70,8 +85,16 @@ def setting(mine, params, clip: float, sigma: float, batch: int) -> dict[str, fl
     d = sum(t.numel() for t in total.values())
     noise = sigma * clip * math.sqrt(d) / batch
     eps = accountant.epsilon([(sigma, min(1.0, batch / n), RELEASES)], DELTA)
-    return {"clip": clip, "sigma": sigma, "batch": batch, "signal": signal, "noise": noise,
-            "snr": signal / noise, "epsilon_90_releases": eps, "d": d}
+    return {
+        "clip": clip,
+        "sigma": sigma,
+        "batch": batch,
+        "signal": signal,
+        "noise": noise,
+        "snr": signal / noise,
+        "epsilon_90_releases": eps,
+        "d": d,
+    }
 
 
 def main() -> int:
@@ -92,22 +115,45 @@ def main() -> int:
         med = float(per_sample_norms(mine, params).median())
         g, _ = mine.gradient(params, "train", None, "mean")
         exact = math.sqrt(sum(float((t.double() ** 2).sum()) for t in g.values()))
-        for name, (c, s, b) in {"default": (1.0, 2.0, 64), "whole split": (1.0, 2.0, n),
-                                "adaptive C": (med, 2.0, 64),
-                                "whole split, σ=1": (1.0, 1.0, n)}.items():
-            rows.append({"mate_steps": step, "setting": name, "exact_mean_grad_norm": exact,
-                         "median_sample_norm": med, **setting(mine, params, c, s, b)})
-    print(f"S1 seed {args.seed}: a cluster mate's model differentiated on node 0's {n} training samples, "
-          f"d = {rows[0]['d']}; ε: {RELEASES} releases at δ = {DELTA}")
-    print(f"{'mate steps':>10} {'setting':>18} {'exact ‖g‖':>10} {'median ‖g_i‖':>12} {'signal':>8} "
-          f"{'noise':>8} {'SNR':>7} {'ε':>8}")
+        for name, (c, s, b) in {
+            "default": (1.0, 2.0, 64),
+            "whole split": (1.0, 2.0, n),
+            "adaptive C": (med, 2.0, 64),
+            "whole split, σ=1": (1.0, 1.0, n),
+        }.items():
+            rows.append(
+                {
+                    "mate_steps": step,
+                    "setting": name,
+                    "exact_mean_grad_norm": exact,
+                    "median_sample_norm": med,
+                    **setting(mine, params, c, s, b),
+                }
+            )
+    print(
+        f"S1 seed {args.seed}: a cluster mate's model differentiated on node 0's {n} training samples, "
+        f"d = {rows[0]['d']}; ε: {RELEASES} releases at δ = {DELTA}"
+    )
+    print(
+        f"{'mate steps':>10} {'setting':>18} {'exact ‖g‖':>10} {'median ‖g_i‖':>12} {'signal':>8} "
+        f"{'noise':>8} {'SNR':>7} {'ε':>8}"
+    )
     for r in rows:
-        print(f"{r['mate_steps']:>10} {r['setting']:>18} {r['exact_mean_grad_norm']:>10.3f} "
-              f"{r['median_sample_norm']:>12.3f} {r['signal']:>8.3f} {r['noise']:>8.3f} {r['snr']:>7.3f} "
-              f"{r['epsilon_90_releases']:>8.1f}")
-    Path(args.out).write_text(json.dumps({"config": vars(args) | {"releases": RELEASES, "delta": DELTA,
-                                                                  "scenario": "s1_label_permuted (nodes 0, 1)"},
-                                          "rows": rows}, indent=1))
+        print(
+            f"{r['mate_steps']:>10} {r['setting']:>18} {r['exact_mean_grad_norm']:>10.3f} "
+            f"{r['median_sample_norm']:>12.3f} {r['signal']:>8.3f} {r['noise']:>8.3f} {r['snr']:>7.3f} "
+            f"{r['epsilon_90_releases']:>8.1f}"
+        )
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "config": vars(args)
+                | {"releases": RELEASES, "delta": DELTA, "scenario": "s1_label_permuted (nodes 0, 1)"},
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -11,6 +11,7 @@ give its CPU cost per relayed GB.
 
     python bench/relay_bench.py --sizes 100KB,20MB --repeat 7 --out bench/results/relay.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,12 +42,14 @@ def _node(size: int, q: mp.Queue, pki: Path, relay: str | None) -> None:
         address = "127.0.0.1:0"
         if relay is not None:
             address = f"unix:{tempfile.mkdtemp(prefix='coterie-bench-')}/peer.sock"
-        server, port = await serve(BenchHandler(model_groups(size)), _NullStats(), address, tls=tls,
-                                   max_model_bytes=1 << 34)
+        server, port = await serve(
+            BenchHandler(model_groups(size)), _NullStats(), address, tls=tls, max_model_bytes=1 << 34
+        )
         if relay is not None:
-            RelayReservations(tls, [relay], address[len("unix:"):]).start()
+            RelayReservations(tls, [relay], address[len("unix:") :]).start()
         q.put(port)
         await server.wait_for_termination()
+
     asyncio.run(main())
 
 
@@ -55,6 +58,7 @@ def _relay(q: mp.Queue, pki: Path) -> None:
         import grpc
 
         from coterie.node.transport.relay_service import handlers
+
         tls = _tls(pki, "relay")
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((handlers(RelayService(tls, RelayBudget(max_bytes_per_s=1e12))),))
@@ -62,6 +66,7 @@ def _relay(q: mp.Queue, pki: Path) -> None:
         await server.start()
         q.put(port)
         await server.wait_for_termination()
+
     asyncio.run(main())
 
 
@@ -89,8 +94,15 @@ def measure(size: int, repeat: int, pki: Path) -> dict:
     q.get(timeout=120)
     relayed_addr = f"relay://{relay_addr}/server"
     tls = _tls(pki, "bench")
-    client = PeerClient("bench", _NullStats(), chunk_bytes=1 << 20, max_model_bytes=1 << 34, timeout_s=600,
-                        tls=tls, relay_dialer=RelayDialer(tls))
+    client = PeerClient(
+        "bench",
+        _NullStats(),
+        chunk_bytes=1 << 20,
+        max_model_bytes=1 << 34,
+        timeout_s=600,
+        tls=tls,
+        relay_dialer=RelayDialer(tls),
+    )
     loop = asyncio.new_event_loop()
     times: dict[str, list[float]] = {"direct": [], "relayed": []}
     relay_cpu = 0.0
@@ -114,10 +126,14 @@ def measure(size: int, repeat: int, pki: Path) -> dict:
                 if name == "relayed":
                     relay_cpu += cpu_s(relay.pid) - c0
         med = {k: statistics.median(v) for k, v in times.items()}
-        return {"bytes": n, "repeat": repeat, "median_s": med,
-                "mb_per_s": {k: n / v / 1e6 for k, v in med.items()},
-                "relayed_over_direct_throughput": med["direct"] / med["relayed"],
-                "relay_cpu_s_per_gb": relay_cpu / (n * repeat / 1e9)}
+        return {
+            "bytes": n,
+            "repeat": repeat,
+            "median_s": med,
+            "mb_per_s": {k: n / v / 1e6 for k, v in med.items()},
+            "relayed_over_direct_throughput": med["direct"] / med["relayed"],
+            "relay_cpu_s_per_gb": relay_cpu / (n * repeat / 1e9),
+        }
     finally:
         loop.run_until_complete(client.close())
         loop.run_until_complete(client.relay_dialer.close())
@@ -139,9 +155,12 @@ def main() -> None:
     for s in args.sizes.split(","):
         r = measure(parse_size(s), args.repeat, pki)
         results[s] = r
-        print(f"{s:>6}: direct {r['mb_per_s']['direct']:.1f} MB/s, relayed {r['mb_per_s']['relayed']:.1f} MB/s "
-              f"(relayed/direct throughput {r['relayed_over_direct_throughput']:.2f}); relay CPU "
-              f"{r['relay_cpu_s_per_gb']:.2f} s per relayed GB", flush=True)
+        print(
+            f"{s:>6}: direct {r['mb_per_s']['direct']:.1f} MB/s, relayed {r['mb_per_s']['relayed']:.1f} MB/s "
+            f"(relayed/direct throughput {r['relayed_over_direct_throughput']:.2f}); relay CPU "
+            f"{r['relay_cpu_s_per_gb']:.2f} s per relayed GB",
+            flush=True,
+        )
     if args.out:
         args.out.write_text(json.dumps({"cpus": os.cpu_count(), "results": results}, indent=1) + "\n")
 

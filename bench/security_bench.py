@@ -18,6 +18,7 @@
 
 Writes bench/results/security.json (figures and the full configuration).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,17 +35,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from coterie.node.config import read_toml  # noqa: E402
-from coterie.lab.launcher import run_scenario  # noqa: E402
-from coterie.node.peering.errors import PeerCallError  # noqa: E402
-from coterie.node.peering.messages import CROSS_GRADIENT, ComputeRequest  # noqa: E402
-from coterie.lab.scenario import parse_scenario  # noqa: E402
 from nodeproc import NodeProc, wait_for  # noqa: E402
 from test_security_limits import Mallory  # noqa: E402
 
+from coterie.lab.launcher import run_scenario  # noqa: E402
+from coterie.lab.scenario import parse_scenario  # noqa: E402
+from coterie.node.config import read_toml  # noqa: E402
+from coterie.node.peering.errors import PeerCallError  # noqa: E402
+from coterie.node.peering.messages import CROSS_GRADIENT, ComputeRequest  # noqa: E402
+
 S1 = ROOT / "scenarios" / "s1_label_permuted.toml"
-UNLIMITED = {"requests_per_s": 1e6, "request_burst": 1e6, "compute_share": 1e3, "compute_burst_s": 1e3,
-             "max_concurrent": 64}
+UNLIMITED = {
+    "requests_per_s": 1e6,
+    "request_burst": 1e6,
+    "compute_share": 1e3,
+    "compute_burst_s": 1e3,
+    "max_concurrent": 64,
+}
 
 
 def s1_round_times(strategy: str, rounds: int, seed: int, out: Path) -> dict:
@@ -59,10 +66,16 @@ def s1_round_times(strategy: str, rounds: int, seed: int, out: Path) -> dict:
         durations = []
         for f in (out / mode / strategy / "nodes").glob("*/history.jsonl"):  # every node's own rounds
             durations += [json.loads(line)["duration_s"] for line in f.read_text().splitlines() if line.strip()]
-        runs[mode] = {"median_round_s": statistics.median(durations), "rounds_measured": len(durations),
-                      "wall_s": round(time.monotonic() - t0, 1)}
-        print(f"S1 {strategy} {mode}: median round {runs[mode]['median_round_s'] * 1000:.0f} ms "
-              f"over {len(durations)} node-rounds", flush=True)
+        runs[mode] = {
+            "median_round_s": statistics.median(durations),
+            "rounds_measured": len(durations),
+            "wall_s": round(time.monotonic() - t0, 1),
+        }
+        print(
+            f"S1 {strategy} {mode}: median round {runs[mode]['median_round_s'] * 1000:.0f} ms "
+            f"over {len(durations)} node-rounds",
+            flush=True,
+        )
     runs["ratio_mtls_over_plaintext"] = runs["mtls"]["median_round_s"] / runs["plaintext"]["median_round_s"]
     return runs
 
@@ -102,18 +115,28 @@ def _flood_process(root: str, victim_info: dict, offsets: list[tuple[float, floa
         async def loop(m, stop: float):
             while time.time() < stop:
                 try:
-                    await m.client.compute(Victim.address, ComputeRequest(
-                        CROSS_GRADIENT, m.node_id, groups={"params": params}, max_samples=0,
-                        purpose="scool-gradient"), peer="victim")
+                    await m.client.compute(
+                        Victim.address,
+                        ComputeRequest(
+                            CROSS_GRADIENT,
+                            m.node_id,
+                            groups={"params": params},
+                            max_samples=0,
+                            purpose="scool-gradient",
+                        ),
+                        peer="victim",
+                    )
                     codes["ok"] = codes.get("ok", 0) + 1
                 except PeerCallError as e:
                     codes[e.kind] = codes.get(e.kind, 0) + 1
+
         for start, stop in windows:
             await asyncio.sleep(max(0.0, start - time.time()))  # the schedule: idle until the window
             await asyncio.gather(*(loop(m, stop) for m in ms for _ in range(6)))
         for m in ms:
             await m.close()
         return codes
+
     q.put(asyncio.run(go()))
 
 
@@ -122,10 +145,19 @@ def flood_once(root: Path, limits: dict, window_s: float, reps: int, seed: int, 
     drifts; interleaving compares like with like) and compare the victim's rounds in each."""
     # it answers cross-gradients, exactly (as tests/test_security_limits.py's flood): without a
     # purpose and the victim serving it, every call was refused as invalid before any compute
-    victim = NodeProc(root, "victim", {"strategy": "local", "learner": s1_learner(seed), "round_interval_s": 0.0,
-                                       "seed": seed, "log_level": "WARNING",
-                                       "privacy": {"enabled": False, "serve_purposes": ["scool-gradient"]},
-                                       **({"limits": limits} if limits else {})})
+    victim = NodeProc(
+        root,
+        "victim",
+        {
+            "strategy": "local",
+            "learner": s1_learner(seed),
+            "round_interval_s": 0.0,
+            "seed": seed,
+            "log_level": "WARNING",
+            "privacy": {"enabled": False, "serve_purposes": ["scool-gradient"]},
+            **({"limits": limits} if limits else {}),
+        },
+    )
     victim.start(timeout=300)  # a loaded shared box can take minutes to import torch
     try:
         wait_for(lambda: victim.status()["round"] >= 20, 300, "warm-up rounds")
@@ -133,8 +165,16 @@ def flood_once(root: Path, limits: dict, window_s: float, reps: int, seed: int, 
         loud = [((2 * k + 1) * window_s, (2 * k + 2) * window_s) for k in range(reps)]
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        attacker = ctx.Process(target=_flood_process, args=(
-            str(root), {"address": victim.address, "fingerprint": victim.status()["fingerprint"]}, loud, q, insiders))
+        attacker = ctx.Process(
+            target=_flood_process,
+            args=(
+                str(root),
+                {"address": victim.address, "fingerprint": victim.status()["fingerprint"]},
+                loud,
+                q,
+                insiders,
+            ),
+        )
         attacker.start()
         t0 = q.get(timeout=300)  # the attacker is ready: windows count from here
         quiet = [(t0 + a, t0 + b) for a, b in quiet]
@@ -149,12 +189,22 @@ def flood_once(root: Path, limits: dict, window_s: float, reps: int, seed: int, 
 
     def rounds_in(windows):  # rounds that started and ended inside a window
         return [h["duration_s"] for h in hist if any(a <= h["t"] - h["duration_s"] and h["t"] <= b for a, b in windows)]
+
     before, during = rounds_in(quiet), rounds_in(loud)
-    out = {"median_round_quiet_s": statistics.median(before), "median_round_flood_s": statistics.median(during),
-           "rounds_quiet": len(before), "rounds_flood": len(during), "calls": codes,
-           "billed_compute_s": billed, "flooded_s": reps * window_s, "window_s": window_s, "insiders": insiders,
-           # round rate: rounds that started and ended inside the windows, per second of window
-           "rate_quiet_per_s": len(before) / (reps * window_s), "rate_flood_per_s": len(during) / (reps * window_s)}
+    out = {
+        "median_round_quiet_s": statistics.median(before),
+        "median_round_flood_s": statistics.median(during),
+        "rounds_quiet": len(before),
+        "rounds_flood": len(during),
+        "calls": codes,
+        "billed_compute_s": billed,
+        "flooded_s": reps * window_s,
+        "window_s": window_s,
+        "insiders": insiders,
+        # round rate: rounds that started and ended inside the windows, per second of window
+        "rate_quiet_per_s": len(before) / (reps * window_s),
+        "rate_flood_per_s": len(during) / (reps * window_s),
+    }
     out["ratio"] = out["median_round_flood_s"] / out["median_round_quiet_s"]
     out["rate_loss"] = 1 - out["rate_flood_per_s"] / out["rate_quiet_per_s"]
     return out
@@ -169,10 +219,13 @@ def flood(window_s: float, reps: int, seed: int, insiders: list[int], unlimited:
         with tempfile.TemporaryDirectory(prefix="coterie-flood-") as d:
             r = flood_once(Path(d), limits or {}, window_s, reps, seed, n)
         res[name] = r
-        print(f"flood, {name}: {r['rate_quiet_per_s']:.2f} rounds/s quiet, {r['rate_flood_per_s']:.2f} flooded "
-              f"(loss {r['rate_loss']:.0%}); median round {r['median_round_quiet_s'] * 1000:.0f} ms quiet, "
-              f"{r['median_round_flood_s'] * 1000:.0f} ms flooded (x{r['ratio']:.2f}); calls {r['calls']}, "
-              f"billed {r['billed_compute_s']} s of compute in {r['flooded_s']:.0f} s of flood", flush=True)
+        print(
+            f"flood, {name}: {r['rate_quiet_per_s']:.2f} rounds/s quiet, {r['rate_flood_per_s']:.2f} flooded "
+            f"(loss {r['rate_loss']:.0%}); median round {r['median_round_quiet_s'] * 1000:.0f} ms quiet, "
+            f"{r['median_round_flood_s'] * 1000:.0f} ms flooded (x{r['ratio']:.2f}); calls {r['calls']}, "
+            f"billed {r['billed_compute_s']} s of compute in {r['flooded_s']:.0f} s of flood",
+            flush=True,
+        )
     return res
 
 
@@ -190,13 +243,18 @@ def main() -> int:
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "security.json"))
     args = ap.parse_args()
     import platform
-    report: dict = {"config": vars(args), "machine": f"{platform.node()}: {os.cpu_count()} CPUs, load "
-                    f"{os.getloadavg()[0]:.1f} at start; loopback, all processes on this machine"}
+
+    report: dict = {
+        "config": vars(args),
+        "machine": f"{platform.node()}: {os.cpu_count()} CPUs, load "
+        f"{os.getloadavg()[0]:.1f} at start; loopback, all processes on this machine",
+    }
     if args.only in (None, "s1"):
         report["s1"] = s1_round_times(args.strategy, args.rounds, args.seed, Path(args.out))
     if args.only in (None, "flood"):
-        report["flood"] = flood(args.window_s, args.reps, args.seed, [int(n) for n in args.insiders.split(",")],
-                                not args.no_unlimited)
+        report["flood"] = flood(
+            args.window_s, args.reps, args.seed, [int(n) for n in args.insiders.split(",")], not args.no_unlimited
+        )
     path = Path(args.json)
     path.write_text(json.dumps(report, indent=2))
     print(f"written: {path}")

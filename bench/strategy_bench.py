@@ -19,6 +19,7 @@ Writes bench/results/<scenario>/ (the coterie run directory: node state and logs
 bench/results/<scenario>_results.json (its results.json), bench/results/summary.json,
 bench/results/summary.md and PNG heatmaps of the weight matrices over rounds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,7 +64,7 @@ def auroc(scores: np.ndarray, labels: np.ndarray) -> float | None:
     for v in np.unique(allv):
         idx = allv == v
         ranks[idx] = ranks[idx].mean()
-    return float((ranks[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
+    return float((ranks[: len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
 
 
 def mixture_corr(W: np.ndarray, mix: np.ndarray) -> float | None:
@@ -117,8 +118,10 @@ def metrics(res: dict) -> dict:
 
 def heatmaps(res: dict, out: Path, title: str) -> Path:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     names = list(res["strategies"])
     n = len(res["node_ids"])
     snaps = 4
@@ -152,24 +155,35 @@ def fmt(v, pct=False):
 
 def markdown(all_metrics: dict, runs: dict | None = None) -> str:
     """summary.md: one seed per scenario. ``runs``: scenario -> its results.json (when and how it ran)."""
-    lines = ["# Strategies, one run per scenario (bench/strategy_bench.py)", "",
-             "One `coterie run` per scenario at the seed given (default: the scenario's own, 0); the "
-             "backend and date of each run are under its heading. A single run is not a result: the "
-             "headline — three seeds, mean ± 95% CI, paired gains, the oracle's share — is "
-             "[seeds.md](seeds.md). Code changed since a run's date is not in its row.", ""]
+    lines = [
+        "# Strategies, one run per scenario (bench/strategy_bench.py)",
+        "",
+        "One `coterie run` per scenario at the seed given (default: the scenario's own, 0); the "
+        "backend and date of each run are under its heading. A single run is not a result: the "
+        "headline — three seeds, mean ± 95% CI, paired gains, the oracle's share — is "
+        "[seeds.md](seeds.md). Code changed since a run's date is not in its row.",
+        "",
+    ]
     for sc, rows in all_metrics.items():
         res = (runs or {}).get(sc) or {}
         lines += [f"### {sc}", ""]
         if res:
-            lines += [f"Run {res.get('created', '?')}, backend `{res.get('backend', 'processes')}`, "
-                      f"seed {res.get('scenario', {}).get('seed', '?')}.", ""]
-        lines += [ "| strategy | mean acc % | worst-10% acc % | beats local % | in-cluster mass (chance) | AUROC | max w on noisy | KB/node/round | wall s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+            lines += [
+                f"Run {res.get('created', '?')}, backend `{res.get('backend', 'processes')}`, "
+                f"seed {res.get('scenario', {}).get('seed', '?')}.",
+                "",
+            ]
+        lines += [
+            "| strategy | mean acc % | worst-10% acc % | beats local % | in-cluster mass (chance) | AUROC | max w on noisy | KB/node/round | wall s |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for name, r in rows.items():
-            lines.append(f"| {name} | {fmt(r['mean_acc'], True)} | {fmt(r['worst10_acc'], True)} | "
-                         f"{fmt(r.get('beats_local_share'), True)} | {fmt(r['in_cluster_mass'])} ({r['in_cluster_chance']:.2f}) | "
-                         f"{fmt(r['auroc'])} | {fmt(r.get('max_weight_on_noisy'))} | {r['bytes_per_node_round'] / 1024:.0f} | "
-                         f"{r['wall_time_s']:.0f} |")
+            lines.append(
+                f"| {name} | {fmt(r['mean_acc'], True)} | {fmt(r['worst10_acc'], True)} | "
+                f"{fmt(r.get('beats_local_share'), True)} | {fmt(r['in_cluster_mass'])} ({r['in_cluster_chance']:.2f}) | "
+                f"{fmt(r['auroc'])} | {fmt(r.get('max_weight_on_noisy'))} | {r['bytes_per_node_round'] / 1024:.0f} | "
+                f"{r['wall_time_s']:.0f} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -180,6 +194,7 @@ CI_METRICS = ("mean_acc", "worst10_acc", "in_cluster_mass", "auroc", "bytes_per_
 def t95(n: int) -> float:
     """Two-sided 95% Student t quantile for n samples (n - 1 degrees of freedom)."""
     from scipy import stats
+
     return float(stats.t.ppf(0.975, n - 1)) if n > 1 else float("nan")
 
 
@@ -217,36 +232,35 @@ def across_seeds(per_seed: dict[int, dict]) -> dict:
 # Why a paper method stays under 0.75 of the oracle's gain (issue 23): what was measured, where.
 BELOW_ORACLE: dict[tuple[str, str], str] = {
     ("s1", "cobo"): "its pair weights do not separate the clusters within S1's 600 model steps "
-                    "(in-cluster mass 0.24, chance 0.18): the sign of the midpoint gradients' inner "
-                    "product, on which COBO's weight ascent turns, is positive for most cross-cluster pairs "
-                    "once the clusters' models drift apart (7% at round 5, 87% at round 15, W held at the "
-                    "true clusters); `docs/strategy-cobo.md`, `fidelity.md`. With the paper's 5,000 steps "
-                    "see `papers.md` (Fig. 3).",
+    "(in-cluster mass 0.24, chance 0.18): the sign of the midpoint gradients' inner "
+    "product, on which COBO's weight ascent turns, is positive for most cross-cluster pairs "
+    "once the clusters' models drift apart (7% at round 5, 87% at round 15, W held at the "
+    "true clusters); `docs/strategy-cobo.md`, `fidelity.md`. With the paper's 5,000 steps "
+    "see `papers.md` (Fig. 3).",
     ("s1", "scool-sbm"): "the graph is exact (in-cluster mass and AUROC 1.00) and it keeps both cluster "
-                         "mates after pruning, so the shortfall is in how it mixes, not whom it picks "
-                         "(update mixing of the peers' Δθ at the SBM weights, where the oracle averages "
-                         "the models); not measured further.",
+    "mates after pruning, so the shortfall is in how it mixes, not whom it picks "
+    "(update mixing of the peers' Δθ at the SBM weights, where the oracle averages "
+    "the models); not measured further.",
     ("s2", "fedfomo"): "S2's oracle gains only 3.9 ± 2.9 points (local is already 72.8% on two-class "
-                       "tasks), so the ratio of two small, noisy gains is loose: FedFomo's gain is "
-                       "1.9 ± 3.3 and its interval holds the oracle's. Its weights barely rank the "
-                       "groups (AUROC 0.58): its weights are loss improvements on a node's validation "
-                       "split, which S2's 40–80-sample nodes keep small.",
+    "tasks), so the ratio of two small, noisy gains is loose: FedFomo's gain is "
+    "1.9 ± 3.3 and its interval holds the oracle's. Its weights barely rank the "
+    "groups (AUROC 0.58): its weights are loss improvements on a node's validation "
+    "split, which S2's 40–80-sample nodes keep small.",
     ("s2", "l2c"): "S2's oracle gains only 3.9 ± 2.9 points, and L2C's 1.6 ± 0.1 lies inside that "
-                   "interval. At T0 L2C keeps ⌈10% × 19⌉ = 2 neighbours, so at most 2 of the 3 group "
-                   "mates the oracle averages with.",
+    "interval. At T0 L2C keeps ⌈10% × 19⌉ = 2 neighbours, so at most 2 of the 3 group "
+    "mates the oracle averages with.",
     ("s2", "cobo"): "S2's oracle gains only 3.9 ± 2.9 points; COBO's 2.8 ± 3.3 lies inside that interval.",
     ("s3", "cobo"): "its weights hardly favour the clean nodes (in-cluster mass 0.88 against a chance "
-                    "of 0.82): the noisy nodes keep weight (the sign rule, as on S1).",
+    "of 0.82): the noisy nodes keep weight (the sign rule, as on S1).",
     ("s3", "l2c"): "every weight it keeps is on clean peers (in-cluster mass 1.00), but L2C keeps "
-                   "⌈10% × 11⌉ = 2 of them at T0 where the oracle averages with all 9. Keeping half "
-                   "(6 of 11) on the same seeds: 0.90 of the oracle's gain, in-cluster mass still 1.00 "
-                   "(`pruning_s3_keep0.5.md`).",
-    ("s3", "meta-l2c"): "as L2C: 2 of the 9 clean peers kept at T0; keeping 6 of 11: 0.92 "
-                        "(`pruning_s3_keep0.5.md`).",
+    "⌈10% × 11⌉ = 2 of them at T0 where the oracle averages with all 9. Keeping half "
+    "(6 of 11) on the same seeds: 0.90 of the oracle's gain, in-cluster mass still 1.00 "
+    "(`pruning_s3_keep0.5.md`).",
+    ("s3", "meta-l2c"): "as L2C: 2 of the 9 clean peers kept at T0; keeping 6 of 11: 0.92 (`pruning_s3_keep0.5.md`).",
     ("s3", "scool-sbm"): "as L2C: SCool's code keeps int(20% × 11) = 2 of the 9 clean peers; "
-                         "keeping 5 of 11: 0.78 (`pruning_s3_keep0.5.md`).",
+    "keeping 5 of 11: 0.78 (`pruning_s3_keep0.5.md`).",
     ("s3", "scool-attention"): "as SCool-SBM: 2 of the 9 clean peers kept; keeping 5 of 11: 0.78 "
-                               "(`pruning_s3_keep0.5.md`).",
+    "(`pruning_s3_keep0.5.md`).",
 }
 
 
@@ -258,18 +272,25 @@ def seeds_markdown(agg: dict, config: dict) -> str:
         k = 100 if pct else 1
         return f"{k * mean:.{digits}f} ± {k * half:.{digits}f}" if half == half else f"{k * mean:.{digits}f}"
 
-    lines = ["# Strategies across seeds (bench/strategy_bench.py --seeds)", "",
-             f"Seeds {config['seeds']}, backend `{config['backend']}`, rounds "
-             f"{config['rounds'] or 'as in the scenario'}. Each cell: mean over the seeds ± the 95% "
-             "confidence half-width of that mean (Student t, n − 1 degrees of freedom; with 3 seeds "
-             "the half-width is 2.48 × the sample std). `gain` is paired: the strategy minus local on "
-             "the same seed's partition. `oracle share`: mean gain / the oracle's mean gain "
-             "(issue 23 asks ≥ 0.75). `fails in`: the seeds where it does not beat local.", ""]
+    lines = [
+        "# Strategies across seeds (bench/strategy_bench.py --seeds)",
+        "",
+        f"Seeds {config['seeds']}, backend `{config['backend']}`, rounds "
+        f"{config['rounds'] or 'as in the scenario'}. Each cell: mean over the seeds ± the 95% "
+        "confidence half-width of that mean (Student t, n − 1 degrees of freedom; with 3 seeds "
+        "the half-width is 2.48 × the sample std). `gain` is paired: the strategy minus local on "
+        "the same seed's partition. `oracle share`: mean gain / the oracle's mean gain "
+        "(issue 23 asks ≥ 0.75). `fails in`: the seeds where it does not beat local.",
+        "",
+    ]
     for sc, rows in agg.items():
-        lines += [f"## {sc}", "",
-                  "| strategy | mean acc % | worst-10% acc % | gain over local (points) | oracle share | "
-                  "fails in | in-cluster mass | AUROC | KB/node/round |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {sc}",
+            "",
+            "| strategy | mean acc % | worst-10% acc % | gain over local (points) | oracle share | "
+            "fails in | in-cluster mass | AUROC | KB/node/round |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for name, r in rows.items():
             share = r.get("share_of_oracle_gain")
             lines.append(
@@ -278,13 +299,18 @@ def seeds_markdown(agg: dict, config: dict) -> str:
                 f"{'–' if share is None or name in ('local', 'oracle') else f'{share:.2f}'} | "
                 f"{'–' if name == 'local' else (', '.join(map(str, r.get('seeds_not_beating_local', []))) or 'none')} | "
                 f"{ci(r['in_cluster_mass'], False, 3)} | {ci(r['auroc'], False, 3)} | "
-                f"{r['bytes_per_node_round'][0] / 1024:.0f} |")
+                f"{r['bytes_per_node_round'][0] / 1024:.0f} |"
+            )
         lines.append("")
         if config.get(sc, {}).get("reruns"):
             lines += [f"Reruns: {config[sc]['reruns']}.", ""]
-        below = [(name, r.get("share_of_oracle_gain")) for name, r in rows.items()
-                 if name not in ("local", "oracle", "dpsgd") and r.get("share_of_oracle_gain") is not None
-                 and r["share_of_oracle_gain"] < 0.75]
+        below = [
+            (name, r.get("share_of_oracle_gain"))
+            for name, r in rows.items()
+            if name not in ("local", "oracle", "dpsgd")
+            and r.get("share_of_oracle_gain") is not None
+            and r["share_of_oracle_gain"] < 0.75
+        ]
         if below:
             lines += ["Below 0.75 of the oracle's gain, and why:", ""]
             for name, share in below:
@@ -298,11 +324,22 @@ def run_seeds(args) -> int:
     seeds = [int(k) for k in args.seeds.split(",")]
     path = args.out / "seeds.json"
     doc = json.loads(path.read_text()) if path.exists() else {"per_seed": {}, "config": {}}
-    for sc in ([] if args.report_only else args.scenarios.split(",")):
+    for sc in [] if args.report_only else args.scenarios.split(","):
         for k in seeds:
             run_dir = args.out / sc / f"seed{k}"
-            cmd = [sys.executable, "-m", "coterie.cli.main", "run", str(ROOT / "scenarios" / SCENARIOS[sc]),
-                   "--out", str(run_dir), "--seed", str(k), "--backend", args.backend]
+            cmd = [
+                sys.executable,
+                "-m",
+                "coterie.cli.main",
+                "run",
+                str(ROOT / "scenarios" / SCENARIOS[sc]),
+                "--out",
+                str(run_dir),
+                "--seed",
+                str(k),
+                "--backend",
+                args.backend,
+            ]
             for flag, v in (("--strategy", args.strategies), ("--rounds", args.rounds)):
                 if v is not None:
                     cmd += [flag, str(v)]
@@ -313,13 +350,16 @@ def run_seeds(args) -> int:
             seed_rows = doc["per_seed"].setdefault(sc, {}).setdefault(str(k), {})
             seed_rows.update(metrics(res))  # --strategies reruns replace only their own rows
             doc["config"][sc] = {  # everything needed to rerun it, next to the figures
-                "scenario": SCENARIOS[sc], "scenario_toml": (ROOT / "scenarios" / SCENARIOS[sc]).read_text(),
-                "seeds": seeds, "backend": args.backend, "rounds": args.rounds,
-                "commands": doc["config"].get(sc, {}).get("commands", {})}
+                "scenario": SCENARIOS[sc],
+                "scenario_toml": (ROOT / "scenarios" / SCENARIOS[sc]).read_text(),
+                "seeds": seeds,
+                "backend": args.backend,
+                "rounds": args.rounds,
+                "commands": doc["config"].get(sc, {}).get("commands", {}),
+            }
             doc["config"][sc]["commands"].setdefault(str(k), []).append(" ".join(cmd[2:]))
             path.write_text(json.dumps(doc, indent=1))
-    agg = {sc: across_seeds({int(k): m for k, m in doc["per_seed"][sc].items()})
-           for sc in args.scenarios.split(",")}
+    agg = {sc: across_seeds({int(k): m for k, m in doc["per_seed"][sc].items()}) for sc in args.scenarios.split(",")}
     doc["across_seeds"] = agg
     path.write_text(json.dumps(doc, indent=1))
     md = seeds_markdown(agg, {"seeds": seeds, "backend": args.backend, "rounds": args.rounds, **doc["config"]})
@@ -338,10 +378,14 @@ def main() -> int:
     ap.add_argument("--backend", default="processes", help="processes | inproc (with --seeds)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--reuse", action="store_true", help="only recompute metrics from existing results.json")
-    ap.add_argument("--report-only", action="store_true",
-                    help="with --seeds: re-render seeds.md from seeds.json (no runs, no run directories read)")
-    ap.add_argument("--merge", action="store_true",
-                    help="rerun only --strategies and replace their entries in the existing results")
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="with --seeds: re-render seeds.md from seeds.json (no runs, no run directories read)",
+    )
+    ap.add_argument(
+        "--merge", action="store_true", help="rerun only --strategies and replace their entries in the existing results"
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     summary_path = args.out / "summary.json"
@@ -352,8 +396,15 @@ def main() -> int:
         out = args.out / sc
         run_dir = out.with_name(f"{sc}-rerun") if args.merge else out
         if not args.reuse:
-            cmd = [sys.executable, "-m", "coterie.cli.main", "run", str(ROOT / "scenarios" / SCENARIOS[sc]),
-                   "--out", str(run_dir)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "coterie.cli.main",
+                "run",
+                str(ROOT / "scenarios" / SCENARIOS[sc]),
+                "--out",
+                str(run_dir),
+            ]
             for flag, v in (("--strategy", args.strategies), ("--rounds", args.rounds), ("--seed", args.seed)):
                 if v is not None:
                     cmd += [flag, str(v)]
@@ -371,8 +422,7 @@ def main() -> int:
         summary[sc] = metrics(res)
         heatmaps(res, args.out, sc)
         summary_path.write_text(json.dumps(summary, indent=2))
-        runs = {k: json.loads(p.read_text()) for k in summary
-                if (p := args.out / f"{k}_results.json").exists()}
+        runs = {k: json.loads(p.read_text()) for k in summary if (p := args.out / f"{k}_results.json").exists()}
         (args.out / "summary.md").write_text(markdown(summary, runs))
         print(markdown({sc: summary[sc]}), flush=True)
     return 0

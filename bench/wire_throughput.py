@@ -20,6 +20,7 @@ back on one TCP socket; per-snapshot medians.
 
     python bench/wire_throughput.py --sizes 1MB,100MB,1GB --repeat 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,7 @@ def parse_size(s: str) -> int:
     s = s.strip().upper()
     for u, m in UNITS.items():
         if s.endswith(u):
-            return int(float(s[:-len(u)]) * m)
+            return int(float(s[: -len(u)]) * m)
     return int(s)
 
 
@@ -59,12 +60,16 @@ def model_groups(n: int) -> dict:
 
 
 class _NullStats:
-    def record(self, *a, **k): pass
-    def latency(self, *a, **k): pass
+    def record(self, *a, **k):
+        pass
+
+    def latency(self, *a, **k):
+        pass
 
 
 class BenchHandler:
     """Serves one snapshot to anyone (the peering.interfaces.PeerHandler surface a pull uses)."""
+
     node_id = "server"
 
     def __init__(self, groups: dict):
@@ -104,10 +109,17 @@ def _tls(pki: Path | None, node_id: str) -> TLS | None:
 
 def _grpc_server(size: int, port_q: mp.Queue, pki: Path | None, chunk: int = 1 << 20) -> None:
     async def main():
-        server, port = await serve(BenchHandler(model_groups(size)), _NullStats(), "127.0.0.1:0",
-                                   tls=_tls(pki, "server"), max_model_bytes=1 << 34, chunk_bytes=chunk)
+        server, port = await serve(
+            BenchHandler(model_groups(size)),
+            _NullStats(),
+            "127.0.0.1:0",
+            tls=_tls(pki, "server"),
+            max_model_bytes=1 << 34,
+            chunk_bytes=chunk,
+        )
         port_q.put(port)
         await server.wait_for_termination()
+
     asyncio.run(main())
 
 
@@ -164,14 +176,27 @@ def measure(size: int, repeat: int, pki: Path, chunk: int = 1 << 20, stream: int
     q: mp.Queue = ctx.Queue()
     ports = {}
     procs = []
-    for name, target, args in (("tls", _grpc_server, (size, q, pki, chunk)), ("plain", _grpc_server, (size, q, None, chunk)),
-                               ("tcp", _tcp_server, (size, q))):
+    for name, target, args in (
+        ("tls", _grpc_server, (size, q, pki, chunk)),
+        ("plain", _grpc_server, (size, q, None, chunk)),
+        ("tcp", _tcp_server, (size, q)),
+    ):
         procs.append(ctx.Process(target=target, args=args, daemon=True))
         procs[-1].start()
         ports[name] = q.get(timeout=120)
-    clients = {name: PeerClient("bench", _NullStats(), chunk_bytes=chunk, max_model_bytes=1 << 34,
-                                max_gossip_bytes=1 << 20, timeout_s=600, tls=_tls(p, "bench"), sessions=sessions)
-               for name, p, sessions in (("tls", pki, True), ("plain", None, True), ("tls_call", pki, False))}
+    clients = {
+        name: PeerClient(
+            "bench",
+            _NullStats(),
+            chunk_bytes=chunk,
+            max_model_bytes=1 << 34,
+            max_gossip_bytes=1 << 20,
+            timeout_s=600,
+            tls=_tls(p, "bench"),
+            sessions=sessions,
+        )
+        for name, p, sessions in (("tls", pki, True), ("plain", None, True), ("tls_call", pki, False))
+    }
     ports["tls_call"] = ports["tls"]
     loop = asyncio.new_event_loop()
     times: dict[str, list[float]] = {"tls": [], "plain": [], "tcp": [], "tls_call": []}
@@ -206,12 +231,18 @@ def measure(size: int, repeat: int, pki: Path, chunk: int = 1 << 20, stream: int
         for p in procs:
             p.kill()
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"bytes": n, **{f"{k}_median_s": v for k, v in med.items()},
-            **{f"{k}_MBps": n / v / 1e6 for k, v in med.items()},
-            "ratio_tls_over_plain": med["plain"] / med["tls"], "ratio_tls_over_tcp": med["tcp"] / med["tls"],
-            "ratio_plain_over_tcp": med["tcp"] / med["plain"], "ratio_tls_call_over_tcp": med["tcp"] / med["tls_call"],
-            "ratio_session_over_call": med["tls_call"] / med["tls"], "repeat": repeat,
-            **({"stream": stream, "ratio_watch_over_tcp_stream": med["tcp_stream"] / med["watch"]} if stream else {})}
+    return {
+        "bytes": n,
+        **{f"{k}_median_s": v for k, v in med.items()},
+        **{f"{k}_MBps": n / v / 1e6 for k, v in med.items()},
+        "ratio_tls_over_plain": med["plain"] / med["tls"],
+        "ratio_tls_over_tcp": med["tcp"] / med["tls"],
+        "ratio_plain_over_tcp": med["tcp"] / med["plain"],
+        "ratio_tls_call_over_tcp": med["tcp"] / med["tls_call"],
+        "ratio_session_over_call": med["tls_call"] / med["tls"],
+        "repeat": repeat,
+        **({"stream": stream, "ratio_watch_over_tcp_stream": med["tcp_stream"] / med["watch"]} if stream else {}),
+    }
 
 
 def _load() -> str:
@@ -223,26 +254,40 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1MB,100MB,1GB")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--chunk", default="1MB", help="snapshot chunk size (node config chunk_bytes; the default is 1 MiB)")
-    ap.add_argument("--stream", type=int, default=0,
-                    help="also a subscription: this many snapshots on one mTLS stream vs back to back on TCP")
+    ap.add_argument(
+        "--chunk", default="1MB", help="snapshot chunk size (node config chunk_bytes; the default is 1 MiB)"
+    )
+    ap.add_argument(
+        "--stream",
+        type=int,
+        default=0,
+        help="also a subscription: this many snapshots on one mTLS stream vs back to back on TCP",
+    )
     ap.add_argument("--json", help="also write results here")
     args = ap.parse_args()
     load0 = _load()
     rows = []
     pki = make_pki()
-    print(f"{'size':>8} {'mTLS MB/s':>10} {'plain MB/s':>11} {'TCP MB/s':>9} {'mTLS/plain':>11} "
-          f"{'mTLS/TCP':>9} {'plain/TCP':>10} {'mTLS call MB/s':>15} {'call/TCP':>9}   (medians of {args.repeat})")
+    print(
+        f"{'size':>8} {'mTLS MB/s':>10} {'plain MB/s':>11} {'TCP MB/s':>9} {'mTLS/plain':>11} "
+        f"{'mTLS/TCP':>9} {'plain/TCP':>10} {'mTLS call MB/s':>15} {'call/TCP':>9}   (medians of {args.repeat})"
+    )
     for s in args.sizes.split(","):
         r = measure(parse_size(s), args.repeat, pki, parse_size(args.chunk), args.stream)
         r["size"] = s
         rows.append(r)
-        print(f"{s:>8} {r['tls_MBps']:10.0f} {r['plain_MBps']:11.0f} {r['tcp_MBps']:9.0f} "
-              f"{r['ratio_tls_over_plain']:11.2f} {r['ratio_tls_over_tcp']:9.2f} {r['ratio_plain_over_tcp']:10.2f} "
-              f"{r['tls_call_MBps']:15.0f} {r['ratio_tls_call_over_tcp']:9.2f}", flush=True)
+        print(
+            f"{s:>8} {r['tls_MBps']:10.0f} {r['plain_MBps']:11.0f} {r['tcp_MBps']:9.0f} "
+            f"{r['ratio_tls_over_plain']:11.2f} {r['ratio_tls_over_tcp']:9.2f} {r['ratio_plain_over_tcp']:10.2f} "
+            f"{r['tls_call_MBps']:15.0f} {r['ratio_tls_call_over_tcp']:9.2f}",
+            flush=True,
+        )
         if args.stream:
-            print(f"{'':>8} subscription (mTLS): {r['watch_MBps']:.0f} MB/s per snapshot vs TCP back to back "
-                  f"{r['tcp_stream_MBps']:.0f} MB/s = {r['ratio_watch_over_tcp_stream']:.2f}x", flush=True)
+            print(
+                f"{'':>8} subscription (mTLS): {r['watch_MBps']:.0f} MB/s per snapshot vs TCP back to back "
+                f"{r['tcp_stream_MBps']:.0f} MB/s = {r['ratio_watch_over_tcp_stream']:.2f}x",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "load_before": load0, "load_after": _load(), "rows": rows}, f, indent=2)

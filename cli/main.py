@@ -15,25 +15,31 @@ commands take the node's admin URL from ``--admin`` or ``COTERIE_ADMIN`` and its
 ``--token`` or ``COTERIE_ADMIN_TOKEN``, or both from ``--state-dir`` of a node on this machine. Errors are one line on
 stderr, never a traceback: exit 1 for a node or network problem, 2 for bad input.
 """
+
 from __future__ import annotations
 
 import json
 import signal
 import socket
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-app = typer.Typer(help="Coterie: peer-to-peer decentralized personalised learning.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+app = typer.Typer(
+    help="Coterie: peer-to-peer decentralized personalised learning.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
 node_app = typer.Typer(help="Run a node daemon.", no_args_is_help=True)
 app.add_typer(node_app, name="node")
 from .security import ca_app, cert_app  # noqa: E402 - sub-apps of their own module
+
 app.add_typer(ca_app, name="ca")
 app.add_typer(cert_app, name="cert")
 
@@ -44,7 +50,7 @@ def _console() -> Console:
     return Console()
 
 
-def _fail(msg: str, code: int = 1) -> "typer.Exit":
+def _fail(msg: str, code: int = 1) -> typer.Exit:
     # escape: messages quote paths and commands that may hold brackets ("pip install 'coterie[ray]'")
     Console(stderr=True).print(f"[red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
@@ -68,9 +74,13 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def _main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
-                                       help="Print the version and exit.")) -> None:
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     from coterie.node.config import unknown_env
+
     for w in unknown_env():
         _warn(w)
 
@@ -83,18 +93,31 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
-def build_overrides(*, node_id: str | None = None, state_dir: Path | None = None,
-                    listen: str | None = None, advertise: str | None = None,
-                    admin_listen: str | None = None, peers: str | None = None,
-                    strategy: str | None = None, rounds: int | None = None,
-                    sets: list[str] | None = None) -> dict[str, Any]:
+def build_overrides(
+    *,
+    node_id: str | None = None,
+    state_dir: Path | None = None,
+    listen: str | None = None,
+    advertise: str | None = None,
+    admin_listen: str | None = None,
+    peers: str | None = None,
+    strategy: str | None = None,
+    rounds: int | None = None,
+    sets: list[str] | None = None,
+) -> dict[str, Any]:
     """Command-line flags as a nested override dict for ``load_config``."""
     from coterie.node.config import ConfigError, _set_path
 
     out: dict[str, Any] = {}
-    for key, v in (("node_id", node_id), ("state_dir", str(state_dir) if state_dir else None),
-                   ("listen", listen), ("advertise", advertise), ("admin_listen", admin_listen),
-                   ("strategy", strategy), ("rounds", rounds)):
+    for key, v in (
+        ("node_id", node_id),
+        ("state_dir", str(state_dir) if state_dir else None),
+        ("listen", listen),
+        ("advertise", advertise),
+        ("admin_listen", admin_listen),
+        ("strategy", strategy),
+        ("rounds", rounds),
+    ):
         if v is not None:
             out[key] = v
     if peers is not None:
@@ -138,13 +161,17 @@ def preflight(cfg) -> tuple[str, int] | None:
     if problem is not None:
         return f"strategy: {problem}", EXIT_CONFIG
     if cfg.strategy == "oracle" and cfg.learner.data is not None and "cluster" not in cfg.labels:
-        return ("strategy oracle: a node on its own files (learner.data) has no true cluster; "
-                "set labels.cluster on every node, or pick another strategy"), EXIT_CONFIG
+        return (
+            "strategy oracle: a node on its own files (learner.data) has no true cluster; "
+            "set labels.cluster on every node, or pick another strategy"
+        ), EXIT_CONFIG
     try:
         true_clusters(cfg.learner)
     except ValueError as e:
-        return (f"learner: {e} (a node started by hand is one of learner.num_nodes; set "
-                f"learner.num_nodes/node_index and learner.partition_params)"), EXIT_CONFIG
+        return (
+            f"learner: {e} (a node started by hand is one of learner.num_nodes; set "
+            f"learner.num_nodes/node_index and learner.partition_params)"
+        ), EXIT_CONFIG
     for field in ("listen", "admin_listen"):
         address = getattr(cfg, field)
         if _port_taken(address):
@@ -187,47 +214,70 @@ def bootstrap_addresses(paths: list[Path], timeout_s: float) -> list[str]:
     return out
 
 
-LOG_FORMAT_OPT = typer.Option("text", "--log-format", envvar="COTERIE_LOG_FORMAT",
-                              help="text, or json: one JSON object per log line")
+LOG_FORMAT_OPT = typer.Option(
+    "text", "--log-format", envvar="COTERIE_LOG_FORMAT", help="text, or json: one JSON object per log line"
+)
 
 
 @node_app.command("start")
 def node_start(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", envvar="COTERIE_CONFIG",
-                                          help="TOML config file."),
-    node_id: Optional[str] = typer.Option(None, "--node-id"),
-    state_dir: Optional[Path] = typer.Option(None, "--state-dir"),
-    listen: Optional[str] = typer.Option(None, "--listen", help="peer (gRPC) host:port"),
-    advertise: Optional[str] = typer.Option(None, "--advertise", help="address peers dial"),
-    admin_listen: Optional[str] = typer.Option(None, "--admin-listen", help="admin HTTP host:port"),
-    peers: Optional[str] = typer.Option(None, "--peers", help="bootstrap peers a:1,b:2"),
-    strategy: Optional[str] = typer.Option(None, "--strategy"),
-    rounds: Optional[int] = typer.Option(None, "--rounds"),
-    no_listen: bool = typer.Option(False, "--no-listen", help="outbound-only: open no peer port; peers reach "
-                                   "this node through relays (no_listen; docs/nat.md)"),
-    relay: Optional[list[str]] = typer.Option(None, "--relay", help="a reachable peer host:port to be relayed "
-                                              "by (repeatable; relay.via; default: the bootstrap peers)"),
-    reset: bool = typer.Option(False, "--reset", help="start at round 0, moving the state dir's old state "
-                               "aside (needed when it holds history or identity but no usable checkpoint)"),
+    config: Path | None = typer.Option(None, "--config", "-c", envvar="COTERIE_CONFIG", help="TOML config file."),
+    node_id: str | None = typer.Option(None, "--node-id"),
+    state_dir: Path | None = typer.Option(None, "--state-dir"),
+    listen: str | None = typer.Option(None, "--listen", help="peer (gRPC) host:port"),
+    advertise: str | None = typer.Option(None, "--advertise", help="address peers dial"),
+    admin_listen: str | None = typer.Option(None, "--admin-listen", help="admin HTTP host:port"),
+    peers: str | None = typer.Option(None, "--peers", help="bootstrap peers a:1,b:2"),
+    strategy: str | None = typer.Option(None, "--strategy"),
+    rounds: int | None = typer.Option(None, "--rounds"),
+    no_listen: bool = typer.Option(
+        False,
+        "--no-listen",
+        help="outbound-only: open no peer port; peers reach this node through relays (no_listen; docs/nat.md)",
+    ),
+    relay: list[str] | None = typer.Option(
+        None,
+        "--relay",
+        help="a reachable peer host:port to be relayed by (repeatable; relay.via; default: the bootstrap peers)",
+    ),
+    reset: bool = typer.Option(
+        False,
+        "--reset",
+        help="start at round 0, moving the state dir's old state "
+        "aside (needed when it holds history or identity but no usable checkpoint)",
+    ),
     reset_privacy_ledger: bool = typer.Option(
-        False, "--reset-privacy-ledger", help="start even if the privacy ledger is missing or behind the "
-        "checkpoint: restore it from the checkpoint's copy (logged; releases since then are lost)"),
-    sets: Optional[list[str]] = typer.Option(None, "--set",
-                                             help="any field: key.path=value (JSON value or text)"),
+        False,
+        "--reset-privacy-ledger",
+        help="start even if the privacy ledger is missing or behind the "
+        "checkpoint: restore it from the checkpoint's copy (logged; releases since then are lost)",
+    ),
+    sets: list[str] | None = typer.Option(None, "--set", help="any field: key.path=value (JSON value or text)"),
     log_format: str = LOG_FORMAT_OPT,
-    bootstrap_from: Optional[list[Path]] = typer.Option(
-        None, "--bootstrap-from", help="node.json (or state dir) of a node on this machine to "
-        "bootstrap from; waits for it up to start_timeout_s"),
-    cert_dir: Optional[Path] = typer.Option(None, "--cert-dir", help="this node's certificate directory "
-                                            "(coterie cert issue): security.cert_dir"),
-    insecure: bool = typer.Option(False, "--insecure", help="plaintext peer port, identities unchecked "
-                                  "(security.insecure; a trusted network only)"),
-    data: Optional[Path] = typer.Option(None, "--data", help="learn from exactly the samples in this "
-                                        "file or folder (learner.data; docs/own-data.md)"),
-    data_format: Optional[str] = typer.Option(None, "--data-format", help="auto, npz, csv, parquet, "
-                                              "images or a coterie.datasets loader (learner.data_format)"),
-    admin_no_auth: bool = typer.Option(False, "--admin-no-auth", help="admin API without a token "
-                                       "(security.admin_auth = false): loopback admin_listen only"),
+    bootstrap_from: list[Path] | None = typer.Option(
+        None,
+        "--bootstrap-from",
+        help="node.json (or state dir) of a node on this machine to bootstrap from; waits for it up to start_timeout_s",
+    ),
+    cert_dir: Path | None = typer.Option(
+        None, "--cert-dir", help="this node's certificate directory (coterie cert issue): security.cert_dir"
+    ),
+    insecure: bool = typer.Option(
+        False,
+        "--insecure",
+        help="plaintext peer port, identities unchecked (security.insecure; a trusted network only)",
+    ),
+    data: Path | None = typer.Option(
+        None, "--data", help="learn from exactly the samples in this file or folder (learner.data; docs/own-data.md)"
+    ),
+    data_format: str | None = typer.Option(
+        None, "--data-format", help="auto, npz, csv, parquet, images or a coterie.datasets loader (learner.data_format)"
+    ),
+    admin_no_auth: bool = typer.Option(
+        False,
+        "--admin-no-auth",
+        help="admin API without a token (security.admin_auth = false): loopback admin_listen only",
+    ),
 ) -> None:
     """Start a node daemon; it runs until SIGTERM/SIGINT."""
     from coterie.node.config import ConfigError, load_config
@@ -236,12 +286,19 @@ def node_start(
     if log_format not in ("text", "json"):
         raise _fail(f"--log-format must be text or json, got {log_format!r}", EXIT_CONFIG)
     try:
-        overrides = build_overrides(node_id=node_id, state_dir=state_dir, listen=listen,
-                                    advertise=advertise, admin_listen=admin_listen, peers=peers,
-                                    strategy=strategy, rounds=rounds, sets=sets)
+        overrides = build_overrides(
+            node_id=node_id,
+            state_dir=state_dir,
+            listen=listen,
+            advertise=advertise,
+            admin_listen=admin_listen,
+            peers=peers,
+            strategy=strategy,
+            rounds=rounds,
+            sets=sets,
+        )
         if cert_dir is not None or insecure:
-            overrides.setdefault("security", {}).update(
-                {"cert_dir": str(cert_dir)} if cert_dir is not None else {})
+            overrides.setdefault("security", {}).update({"cert_dir": str(cert_dir)} if cert_dir is not None else {})
             if insecure:
                 overrides["security"]["insecure"] = True
         if admin_no_auth:
@@ -265,11 +322,15 @@ def node_start(
         raise _fail(*problem)
     try:  # certificates before the slow imports: fail closed, and fast
         from coterie.node.transport.tls import load_tls
+
         load_tls(cfg)
     except ConfigError as e:
         raise _fail(str(e), EXIT_CONFIG) from e
-    configure_logging(cfg.log_level, "json" if log_format == "json" else "text")  # run_node's own basicConfig then stands aside
+    configure_logging(
+        cfg.log_level, "json" if log_format == "json" else "text"
+    )  # run_node's own basicConfig then stands aside
     from coterie.node.daemon import run_node  # lazy: torch and grpc only when a node really starts
+
     if bootstrap_from:  # after the slow imports: the other node starts up meanwhile
         extra = bootstrap_addresses(bootstrap_from, cfg.start_timeout_s)
         cfg = cfg.model_copy(update={"peers": [*cfg.peers, *(a for a in extra if a not in cfg.peers)]})
@@ -283,9 +344,11 @@ class AdminError(Exception):
 
 def admin_base(admin: str | None) -> str:
     if not admin:
-        raise AdminError("no admin URL: pass --admin URL, set COTERIE_ADMIN, or --state-dir DIR of a "
-                         "node on this machine (a node prints its admin URL at start and writes it "
-                         "to <state-dir>/node.json)")
+        raise AdminError(
+            "no admin URL: pass --admin URL, set COTERIE_ADMIN, or --state-dir DIR of a "
+            "node on this machine (a node prints its admin URL at start and writes it "
+            "to <state-dir>/node.json)"
+        )
     return (admin if "://" in admin else f"http://{admin}").rstrip("/")
 
 
@@ -299,6 +362,7 @@ class Admin:
         import os
 
         from coterie.node.admin_token import TOKEN_ENV, TokenError, token_for_state_dir
+
         self.url, self.token = url, token
         if state_dir is not None:
             if not self.url:
@@ -315,7 +379,7 @@ class Admin:
             self.token = os.environ.get(TOKEN_ENV) or None
 
 
-def admin_get(client, admin: "Admin | str | None", path: str) -> Any:
+def admin_get(client, admin: Admin | str | None, path: str) -> Any:
     """GET a JSON admin endpoint with httpx; every failure becomes one AdminError line."""
     r = admin_request(client, admin, path)
     try:
@@ -324,9 +388,10 @@ def admin_get(client, admin: "Admin | str | None", path: str) -> Any:
         raise AdminError(f"{r.url} did not answer JSON: {r.text[:200]!r}") from None
 
 
-def admin_request(client, admin: "Admin | str | None", path: str):
+def admin_request(client, admin: Admin | str | None, path: str):
     """GET an admin endpoint with the token; the response, or one AdminError line."""
     import httpx
+
     from coterie.node.admin_token import bearer
 
     admin = admin if isinstance(admin, Admin) else Admin(admin)
@@ -338,17 +403,21 @@ def admin_request(client, admin: "Admin | str | None", path: str):
     except httpx.TimeoutException:
         raise AdminError(f"no answer from {url} within {client.timeout.read}s") from None
     except (httpx.RemoteProtocolError, httpx.LocalProtocolError, httpx.DecodingError):
-        raise AdminError(f"{url} does not answer HTTP: is this the node's peer (gRPC) port? "
-                         f"The admin URL is admin_url in /status or <state-dir>/node.json") from None
+        raise AdminError(
+            f"{url} does not answer HTTP: is this the node's peer (gRPC) port? "
+            f"The admin URL is admin_url in /status or <state-dir>/node.json"
+        ) from None
     except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
         raise AdminError(f"not a usable admin URL {admin.url!r}: {e}") from e
     except httpx.HTTPError as e:
         raise AdminError(f"cannot reach the node's admin API at {url}: {type(e).__name__}: {e}") from e
     if r.status_code == 401:
-        raise AdminError(f"{url} answered 401: the node wants its admin token"
-                         + (" and this one is not it" if admin.token else "")
-                         + ": pass --token, set COTERIE_ADMIN_TOKEN, or --state-dir DIR of the node "
-                         "(the token is in <state-dir>/admin.token)")
+        raise AdminError(
+            f"{url} answered 401: the node wants its admin token"
+            + (" and this one is not it" if admin.token else "")
+            + ": pass --token, set COTERIE_ADMIN_TOKEN, or --state-dir DIR of the node "
+            "(the token is in <state-dir>/admin.token)"
+        )
     if r.status_code >= 400:
         raise AdminError(f"{url} answered HTTP {r.status_code}: {r.text[:300]}")
     return r
@@ -356,15 +425,26 @@ def admin_request(client, admin: "Admin | str | None", path: str):
 
 def _client(timeout: float = 5.0):
     import httpx
+
     return httpx.Client(timeout=timeout, follow_redirects=True)
 
 
-ADMIN_OPT = typer.Option(None, "--admin", "-a", envvar="COTERIE_ADMIN", show_envvar=True,
-                         help="admin URL of the node, e.g. http://127.0.0.1:8000")
-TOKEN_OPT = typer.Option(None, "--token", help="the node's admin token (default: from --state-dir, "
-                         "else $COTERIE_ADMIN_TOKEN)")
-STATE_DIR_OPT = typer.Option(None, "--state-dir", help="state dir of a node on this machine: its "
-                             "admin URL and token, when --admin/--token are not given")
+ADMIN_OPT = typer.Option(
+    None,
+    "--admin",
+    "-a",
+    envvar="COTERIE_ADMIN",
+    show_envvar=True,
+    help="admin URL of the node, e.g. http://127.0.0.1:8000",
+)
+TOKEN_OPT = typer.Option(
+    None, "--token", help="the node's admin token (default: from --state-dir, else $COTERIE_ADMIN_TOKEN)"
+)
+STATE_DIR_OPT = typer.Option(
+    None,
+    "--state-dir",
+    help="state dir of a node on this machine: its admin URL and token, when --admin/--token are not given",
+)
 JSON_OPT = typer.Option(False, "--json", help="print JSON instead of a table")
 WATCH_OPT = typer.Option(False, "--watch", "-w", help="refresh until Ctrl-C")
 INTERVAL_OPT = typer.Option(2.0, "--interval", min=0.1, help="seconds between refreshes (--watch)")
@@ -384,8 +464,14 @@ def _admin(admin: str | None, token: str | None, state_dir: Path | None) -> Admi
         raise _fail(str(e)) from e
 
 
-def _inspect(where: tuple[str | None, str | None, Path | None], path: str, as_json: bool,
-             table: Callable[[Any], Any], watch: bool = False, interval: float = 2.0) -> None:
+def _inspect(
+    where: tuple[str | None, str | None, Path | None],
+    path: str,
+    as_json: bool,
+    table: Callable[[Any], Any],
+    watch: bool = False,
+    interval: float = 2.0,
+) -> None:
     """``where`` is (--admin, --token, --state-dir). --watch resolves it on every refresh, so it
     may start before the node has written its node.json and token (a node on its first start)."""
     with _client() as client:
@@ -427,40 +513,61 @@ def _watch(fetch: Callable[[], Any], as_json: bool, table: Callable[[Any], Any],
 
 
 @app.command()
-def status(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT, watch: bool = WATCH_OPT,
-           interval: float = INTERVAL_OPT, token: Optional[str] = TOKEN_OPT,
-           state_dir: Optional[Path] = STATE_DIR_OPT) -> None:
+def status(
+    admin: str | None = ADMIN_OPT,
+    as_json: bool = JSON_OPT,
+    watch: bool = WATCH_OPT,
+    interval: float = INTERVAL_OPT,
+    token: str | None = TOKEN_OPT,
+    state_dir: Path | None = STATE_DIR_OPT,
+) -> None:
     """Round, model version, strategy, health and recent problems of a running node."""
     from .render import status_table
+
     _inspect((admin, token, state_dir), "/status", as_json, status_table, watch, interval)
 
 
 @app.command()
-def peers(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT, watch: bool = WATCH_OPT,
-          interval: float = INTERVAL_OPT, token: Optional[str] = TOKEN_OPT,
-          state_dir: Optional[Path] = STATE_DIR_OPT) -> None:
+def peers(
+    admin: str | None = ADMIN_OPT,
+    as_json: bool = JSON_OPT,
+    watch: bool = WATCH_OPT,
+    interval: float = INTERVAL_OPT,
+    token: str | None = TOKEN_OPT,
+    state_dir: Path | None = STATE_DIR_OPT,
+) -> None:
     """The node's peer table."""
     from .render import peers_table
+
     _inspect((admin, token, state_dir), "/peers", as_json, peers_table, watch, interval)
 
 
 @app.command()
-def weights(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT, token: Optional[str] = TOKEN_OPT,
-            state_dir: Optional[Path] = STATE_DIR_OPT) -> None:
+def weights(
+    admin: str | None = ADMIN_OPT,
+    as_json: bool = JSON_OPT,
+    token: str | None = TOKEN_OPT,
+    state_dir: Path | None = STATE_DIR_OPT,
+) -> None:
     """The node's collaborator weights."""
     from .render import weights_table
+
     _inspect((admin, token, state_dir), "/weights", as_json, weights_table)
 
 
 @app.command()
-def history(admin: Optional[str] = ADMIN_OPT, as_json: bool = JSON_OPT,
-            last: int = typer.Option(20, "--last", "-n", min=0,
-                                     help="only the last N rounds (0: all)"),
-            since: Optional[int] = typer.Option(None, "--since", help="only rounds after this one"),
-            token: Optional[str] = TOKEN_OPT, state_dir: Optional[Path] = STATE_DIR_OPT) -> None:
+def history(
+    admin: str | None = ADMIN_OPT,
+    as_json: bool = JSON_OPT,
+    last: int = typer.Option(20, "--last", "-n", min=0, help="only the last N rounds (0: all)"),
+    since: int | None = typer.Option(None, "--since", help="only rounds after this one"),
+    token: str | None = TOKEN_OPT,
+    state_dir: Path | None = STATE_DIR_OPT,
+) -> None:
     """The node's rounds: accuracy, loss, duration, traffic and top collaborators per round; the
     rounds older than history.jsonl keeps in full, summarised below them."""
     from .render import history_summary_table, history_table
+
     path = "/history" + (f"?since={since}" if since is not None else "")
     node = _admin(admin, token, state_dir)
     with _client() as client:
@@ -483,15 +590,20 @@ def model_export(
     state_dir: Path = typer.Option(..., "--state-dir", help="the node's state dir (it may be running)"),
     out: Path = typer.Option(..., "--out", "-o", help="model file to write; its card goes to OUT.json"),
     fmt: str = typer.Option("safetensors", "--format", help="safetensors, or onnx (pip install 'coterie\\[onnx]')"),
-    own: bool = typer.Option(False, "--own", help="the node's own model only, where it predicts with a "
-                             "mixture of its own and peers' models (FedeRiCo)"),
+    own: bool = typer.Option(
+        False,
+        "--own",
+        help="the node's own model only, where it predicts with a mixture of its own and peers' models (FedeRiCo)",
+    ),
 ) -> None:
     """Write the node's personalised model of its last checkpoint (the mixture of models it
     predicts with, if it uses one), and its model card (OUT.json)."""
     from coterie.node.persistence import StateError
+
     if fmt not in ("safetensors", "onnx"):
         raise _fail(f"--format must be safetensors or onnx, got {fmt!r}", EXIT_CONFIG)
     from coterie.node.modelfile import sidecar_path, write_export
+
     try:
         card = write_export(state_dir, out, fmt, own=own)
     except StateError as e:
@@ -500,26 +612,34 @@ def model_export(
         raise _fail(str(e), EXIT_CONFIG if isinstance(e, ValueError) else 1) from e
     ev = card.get("eval") or {}
     acc = ev.get("test_acc") if card.get("mixture") else ev.get("own_test_acc", ev.get("test_acc"))
-    what = (f"mixture of {len(card['mixture'])} {card['architecture']} models" if card.get("mixture")
-            else card["architecture"])
-    typer.echo(f"{out}: {what} of node {card['node_id']} at round {card['round']}"
-               + (f" (test accuracy {acc:.4f})" if isinstance(acc, (int, float)) else "")
-               + f"; card: {sidecar_path(out)}")
+    what = (
+        f"mixture of {len(card['mixture'])} {card['architecture']} models"
+        if card.get("mixture")
+        else card["architecture"]
+    )
+    typer.echo(
+        f"{out}: {what} of node {card['node_id']} at round {card['round']}"
+        + (f" (test accuracy {acc:.4f})" if isinstance(acc, (int, float)) else "")
+        + f"; card: {sidecar_path(out)}"
+    )
 
 
 @app.command()
 def predict(
     model: Path = typer.Option(..., "--model", "-m", help="an exported model (coterie model export, GET /model)"),
-    inputs: Path = typer.Argument(..., help="npz with x, a CSV/Parquet table of feature columns, an image, "
-                                  "or a folder of images"),
-    label_column: Optional[str] = typer.Option(None, "--label-column", help="a table column to ignore "
-                                               "(default: the model's learner.data_label, 'label')"),
+    inputs: Path = typer.Argument(
+        ..., help="npz with x, a CSV/Parquet table of feature columns, an image, or a folder of images"
+    ),
+    label_column: str | None = typer.Option(
+        None, "--label-column", help="a table column to ignore (default: the model's learner.data_label, 'label')"
+    ),
 ) -> None:
     """Score INPUTS with an exported model: CSV on stdout, one row per input, the predicted class last."""
     import sys
 
     from coterie.node.modelfile import load_model
     from coterie.node.predict import predict_csv
+
     try:
         loaded = load_model(model)
         predict_csv(loaded, inputs, sys.stdout, label_column=label_column)
@@ -553,7 +673,8 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _launch(sc, out: Path, notes: list[str], demo: bool, backend: str = "processes", **options: Any) -> None:
-    from coterie.lab import launcher, results as res
+    from coterie.lab import launcher
+    from coterie.lab import results as res
 
     console = _console()
     for n in notes:
@@ -589,24 +710,31 @@ def _launch(sc, out: Path, notes: list[str], demo: bool, backend: str = "process
 def run(
     scenario: Path = typer.Argument(..., help="scenario TOML (see scenarios/README.md)"),
     out: Path = typer.Option(..., "--out", "-o", help="output directory"),
-    strategy: Optional[str] = typer.Option(None, "--strategy", help="a,b,c: overrides the scenario"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
-    rounds: Optional[int] = typer.Option(None, "--rounds"),
-    nodes: Optional[int] = typer.Option(None, "--nodes"),
-    backend: str = typer.Option("processes", "--backend",
-                                help="processes: a daemon process per node (gRPC on loopback); "
-                                     "inproc: every node in this process (in-process transport); "
-                                     "ray: groups of in-process nodes as Ray actors (pip install 'coterie\\[ray]')"),
-    address: Optional[str] = typer.Option(None, "--address",
-                                          help="ray: the cluster (ray.init's address: host:port, 'auto'); "
-                                               "default $RAY_ADDRESS, else a new local Ray instance"),
-    groups: Optional[int] = typer.Option(None, "--groups", min=1,
-                                         help="ray: actors to spread the nodes over (default: one per Ray node)"),
+    strategy: str | None = typer.Option(None, "--strategy", help="a,b,c: overrides the scenario"),
+    seed: int | None = typer.Option(None, "--seed"),
+    rounds: int | None = typer.Option(None, "--rounds"),
+    nodes: int | None = typer.Option(None, "--nodes"),
+    backend: str = typer.Option(
+        "processes",
+        "--backend",
+        help="processes: a daemon process per node (gRPC on loopback); "
+        "inproc: every node in this process (in-process transport); "
+        "ray: groups of in-process nodes as Ray actors (pip install 'coterie\\[ray]')",
+    ),
+    address: str | None = typer.Option(
+        None,
+        "--address",
+        help="ray: the cluster (ray.init's address: host:port, 'auto'); "
+        "default $RAY_ADDRESS, else a new local Ray instance",
+    ),
+    groups: int | None = typer.Option(
+        None, "--groups", min=1, help="ray: actors to spread the nodes over (default: one per Ray node)"
+    ),
 ) -> None:
     """Launch every node of a scenario on this machine, per strategy; write OUT/results.json."""
-    from coterie.node.config import ConfigError
     from coterie.lab.launcher import check_backend, resolve_strategies
     from coterie.lab.scenario import load_scenario
+    from coterie.node.config import ConfigError
 
     try:
         strategies_ = [s.strip() for s in strategy.split(",") if s.strip()] if strategy else None
@@ -624,13 +752,13 @@ def run(
 @app.command()
 def demo(
     out: Path = typer.Option(Path("coterie-demo"), "--out", "-o", help="output directory"),
-    rounds: Optional[int] = typer.Option(None, "--rounds"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
+    rounds: int | None = typer.Option(None, "--rounds"),
+    seed: int | None = typer.Option(None, "--seed"),
 ) -> None:
     """The built-in scenario: a personalised strategy against local-only learning."""
-    from coterie.node.config import ConfigError
     from coterie.lab.launcher import resolve_strategies
     from coterie.lab.scenario import builtin_scenario, load_scenario
+    from coterie.node.config import ConfigError
 
     try:
         sc = load_scenario(builtin_scenario("demo"), rounds=rounds, seed=seed)

@@ -1,4 +1,5 @@
 """Rich tables for the admin endpoints (``coterie status|peers|weights|history``)."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,19 @@ def status_table(st: dict[str, Any]) -> Table:
     t = Table(title=f"node {st.get('node_id', '?')}", show_header=False)
     t.add_column("field", style="bold")
     t.add_column("value")
-    first = ["node_id", "health", "failures", "round", "model_version", "strategy", "device", "peers_alive",
-             "uptime_s", "done", "last_eval"]
+    first = [
+        "node_id",
+        "health",
+        "failures",
+        "round",
+        "model_version",
+        "strategy",
+        "device",
+        "peers_alive",
+        "uptime_s",
+        "done",
+        "last_eval",
+    ]
     for k in first + sorted(k for k in st if k not in first and k not in ("strategy_state", "problems", "privacy")):
         if k in st:
             v = st[k]
@@ -47,8 +59,12 @@ def status_table(st: dict[str, Any]) -> Table:
     if st.get("strategy_state"):
         t.add_row("strategy_state", _fmt(st["strategy_state"]))
     problems = st.get("problems") or []
-    t.add_row("problems", "none" if not problems else "\n".join(
-        f"[red]{p.get('peer', '?')}: {p.get('message', '')}[/]" for p in problems[-5:]))
+    t.add_row(
+        "problems",
+        "none"
+        if not problems
+        else "\n".join(f"[red]{p.get('peer', '?')}: {p.get('message', '')}[/]" for p in problems[-5:]),
+    )
     if isinstance(st.get("privacy"), dict):
         for k, v in privacy_rows(st["privacy"]):
             t.add_row(k, v)
@@ -66,10 +82,12 @@ def privacy_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
     else:
         left = p.get("budget_left")
         spent = bool(p.get("refusing")) or (left is not None and left <= 0)
-        head = (f"ε = {_eps(p.get('epsilon'))} of {_eps(p.get('budget_epsilon'))} at δ = {p.get('delta')}"
-                f" ({p.get('releases', 0)} releases; σ = {p.get('noise_multiplier')}, "
-                f"clip {p.get('grad_clip')}/{p.get('loss_clip')}, batch ≥ {p.get('min_batch')})"
-                + (" [red]budget spent: refusing[/]" if spent else ""))
+        head = (
+            f"ε = {_eps(p.get('epsilon'))} of {_eps(p.get('budget_epsilon'))} at δ = {p.get('delta')}"
+            f" ({p.get('releases', 0)} releases; σ = {p.get('noise_multiplier')}, "
+            f"clip {p.get('grad_clip')}/{p.get('loss_clip')}, batch ≥ {p.get('min_batch')})"
+            + (" [red]budget spent: refusing[/]" if spent else "")
+        )
     rows = [("privacy", head), ("privacy serves", ", ".join(p.get("serves") or []) or "nothing")]
     peers = p.get("peers") or {}
     for peer, a in sorted(peers.items(), key=lambda kv: -(kv[1].get("epsilon") or 0)):
@@ -81,6 +99,7 @@ def privacy_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
 def peers_table(peers: list[dict[str, Any]]) -> Table:
     t = Table(title=f"{len(peers)} peers")
     from coterie.node.transport.relay_address import is_relayed, reachability
+
     cols = ["node_id", "address", "state", "last_seen_s", "snapshot_version", "weight"]
     relayed = any(is_relayed(str(p.get("address") or "")) for p in peers)
     for c in cols + (["reachability"] if relayed else []):  # shown when some peer is reached through relays
@@ -105,8 +124,7 @@ def weights_table(w: dict[str, Any]) -> Table:
 
 
 def _top_peers(weights: dict[str, float] | None, self_id: str | None, k: int = 2) -> str:
-    peers = sorted(((p, w) for p, w in (weights or {}).items() if p != self_id and w),
-                   key=lambda kv: -kv[1])[:k]
+    peers = sorted(((p, w) for p, w in (weights or {}).items() if p != self_id and w), key=lambda kv: -kv[1])[:k]
     return ", ".join(f"{p} {w:.2f}" for p, w in peers) or "–"
 
 
@@ -118,9 +136,16 @@ def history_table(entries: list[dict[str, Any]], node_id: str | None = None) -> 
     for e in entries:
         ev = e.get("eval") or {}
         sent = sum((e.get("bytes_sent") or {}).values())
-        t.add_row(_fmt(e.get("round")), _fmt(e.get("duration_s")), _fmt(e.get("train_loss")),
-                  _fmt(ev.get("test_acc")), _fmt(ev.get("test_loss")), _fmt(e.get("peers_alive")),
-                  f"{sent / 1e3:.1f} kB" if sent else "–", _top_peers(e.get("weights"), node_id))
+        t.add_row(
+            _fmt(e.get("round")),
+            _fmt(e.get("duration_s")),
+            _fmt(e.get("train_loss")),
+            _fmt(ev.get("test_acc")),
+            _fmt(ev.get("test_loss")),
+            _fmt(e.get("peers_alive")),
+            f"{sent / 1e3:.1f} kB" if sent else "–",
+            _top_peers(e.get("weights"), node_id),
+        )
     return t
 
 
@@ -133,8 +158,12 @@ def history_summary_table(blocks: list[dict[str, Any]]) -> Table:
         first, last = (b.get("rounds") or [None, None])[:2]
         acc = b.get("eval.test_acc") or {}
         sent = (b.get("sent") or {}).get("mean")
-        t.add_row(f"{first}–{last}", _fmt(b.get("count")), _fmt((b.get("duration_s") or {}).get("mean")),
-                  _fmt((b.get("train_loss") or {}).get("mean")),
-                  f"{_fmt(acc.get('mean'))} ({_fmt(acc.get('min'))}–{_fmt(acc.get('max'))})" if acc else "–",
-                  f"{sent / 1e3:.1f} kB" if sent else "–")
+        t.add_row(
+            f"{first}–{last}",
+            _fmt(b.get("count")),
+            _fmt((b.get("duration_s") or {}).get("mean")),
+            _fmt((b.get("train_loss") or {}).get("mean")),
+            f"{_fmt(acc.get('mean'))} ({_fmt(acc.get('min'))}–{_fmt(acc.get('max'))})" if acc else "–",
+            f"{sent / 1e3:.1f} kB" if sent else "–",
+        )
     return t

@@ -12,6 +12,7 @@ a node reads (docs/own-data.md):
 Written into a temporary folder and renamed into place, so a node never sees half the files; a
 second run keeps what is there.
 """
+
 from __future__ import annotations
 
 import csv
@@ -25,10 +26,22 @@ from coterie_example.data import load_sensors
 
 CLASSES = ["idle", "walk", "run", "fall"]
 DEVICES = {  # same mounting and prototypes (one cluster), own noise and seed
-    "filea": {"classes": CLASSES, "features": 12, "mounting": 0, "noise": 2.0, "seed": 21,
-              "samples": {"train": 256, "val": 128, "test": 256}},
-    "fileb": {"classes": CLASSES, "features": 12, "mounting": 0, "noise": 2.0, "seed": 22,
-              "samples": {"train": 256, "val": 128, "test": 256}},
+    "filea": {
+        "classes": CLASSES,
+        "features": 12,
+        "mounting": 0,
+        "noise": 2.0,
+        "seed": 21,
+        "samples": {"train": 256, "val": 128, "test": 256},
+    },
+    "fileb": {
+        "classes": CLASSES,
+        "features": 12,
+        "mounting": 0,
+        "noise": 2.0,
+        "seed": 22,
+        "samples": {"train": 256, "val": 128, "test": 256},
+    },
 }
 
 
@@ -54,8 +67,10 @@ def main(out: Path) -> None:
         data[name] = load_sensors(str(p))
     a = data["filea"]
     idx = {c: i for i, c in enumerate(CLASSES)}
-    np.savez(tmp / "filea.npz", **{k: (np.array([idx[c] for c in v], dtype=np.int64) if k.startswith("y") else v)
-                                   for k, v in a.items()})
+    np.savez(
+        tmp / "filea.npz",
+        **{k: (np.array([idx[c] for c in v], dtype=np.int64) if k.startswith("y") else v) for k, v in a.items()},
+    )
     (tmp / "fileb").mkdir()
     b = data["fileb"]
     for split, (xk, yk) in {"train": ("x", "y"), "val": ("x_val", "y_val"), "test": ("x_test", "y_test")}.items():

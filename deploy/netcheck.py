@@ -5,6 +5,7 @@
 
 Used by tests/testbed/check.py to show that the tc cap on the slow-link node is what a peer
 receives, next to an uncapped node as the control."""
+
 from __future__ import annotations
 
 import json

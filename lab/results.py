@@ -35,6 +35,7 @@ node keeps serving after its last round — peers that started later pull its mo
 add the bytes its final status lists as ``traffic_since_last_round``: without them a network whose
 nodes start over minutes (1,000 in one process) showed twice the bytes received as sent.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -53,8 +54,6 @@ if TYPE_CHECKING:  # pragma: no cover
 FORMAT = "coterie-results/1"
 
 
-
-
 def _num(v: Any) -> float | None:
     try:
         f = float(v)
@@ -71,7 +70,7 @@ def _sum_kinds(entries: list[dict[str, Any]], key: str) -> dict[str, int]:
     return dict(sorted(tot.items()))
 
 
-def true_clusters_of(run: "StrategyRun") -> tuple[list[int] | None, str | None]:
+def true_clusters_of(run: StrategyRun) -> tuple[list[int] | None, str | None]:
     if any(s.config.learner.data is not None for s in run.specs):  # own files: only what labels say
         labels = [s.config.labels.get("cluster") or "" for s in run.specs]
         if all(labels):
@@ -82,13 +81,15 @@ def true_clusters_of(run: "StrategyRun") -> tuple[list[int] | None, str | None]:
         return None, "true clusters unavailable: the nodes learn from their own files (learner.data)"
     try:
         from coterie.node.learning.partition import true_clusters
+
         return [int(c) for c in true_clusters(run.specs[0].config.learner)], None
     except Exception as e:  # partitioner missing or the spec has no clusters
         return None, f"true clusters unavailable: {type(e).__name__}: {e}"
 
 
-def true_mixture_of(run: "StrategyRun") -> list[list[float]] | None:
+def true_mixture_of(run: StrategyRun) -> list[list[float]] | None:
     from coterie.node.learning.partition import true_mixture
+
     mix = true_mixture(run.specs[0].config.learner)
     return None if mix is None else mix.tolist()
 
@@ -148,8 +149,7 @@ def collaboration_notes(strategy: str, nodes: dict[str, dict[str, Any]]) -> list
     return out
 
 
-def weight_matrices(node_ids: list[str], histories: dict[str, list[dict[str, Any]]],
-                    rounds: int) -> dict[str, Any]:
+def weight_matrices(node_ids: list[str], histories: dict[str, list[dict[str, Any]]], rounds: int) -> dict[str, Any]:
     by = {n: {e["round"]: e for e in histories.get(n, [])} for n in node_ids}
     last = max([rounds] + [r for n in node_ids for r in by[n]])
     rs = list(range(1, last + 1))
@@ -159,8 +159,7 @@ def weight_matrices(node_ids: list[str], histories: dict[str, list[dict[str, Any
         for n in node_ids:
             e = by[n].get(r)
             w = (e or {}).get("weights")
-            rows.append(None if not isinstance(w, dict) else
-                        [float(w.get(m, 0.0) or 0.0) for m in node_ids])
+            rows.append(None if not isinstance(w, dict) else [float(w.get(m, 0.0) or 0.0) for m in node_ids])
         mats.append(rows)
     return {"rounds": rs, "matrices": mats}
 
@@ -186,16 +185,22 @@ def mean_weights(matrices: list[list[list[float] | None]]) -> list[list[float] |
     return out
 
 
-def strategy_results(sc: "Scenario", run: "StrategyRun", clusters: list[int] | None) -> dict[str, Any]:
+def strategy_results(sc: Scenario, run: StrategyRun, clusters: list[int] | None) -> dict[str, Any]:
     ids = [s.node_id for s in run.specs]
     nodes = {}
     for i, s in enumerate(run.specs):
         r = node_results(run.histories.get(s.node_id, []), run.final_status.get(s.node_id))
         r["mixed_nothing"] = mixed_nothing(run.histories.get(s.node_id, []), s.node_id)
         info = run.node_info.get(s.node_id) or {}
-        r.update({"index": i, "true_cluster": clusters[i] if clusters else None,
-                  "address": info.get("address"), "admin_url": info.get("admin_url", s.admin_url),
-                  "pid": info.get("pid")})
+        r.update(
+            {
+                "index": i,
+                "true_cluster": clusters[i] if clusters else None,
+                "address": info.get("address"),
+                "admin_url": info.get("admin_url", s.admin_url),
+                "pid": info.get("pid"),
+            }
+        )
         nodes[s.node_id] = r
     finals = [nodes[n]["final_test_acc"] for n in ids]
     have = [a for a in finals if a is not None]
@@ -226,21 +231,23 @@ def strategy_results(sc: "Scenario", run: "StrategyRun", clusters: list[int] | N
     }
 
 
-def build_results(sc: "Scenario", runs: list["StrategyRun"], notes: list[str] | None = None) -> dict[str, Any]:
+def build_results(sc: Scenario, runs: list[StrategyRun], notes: list[str] | None = None) -> dict[str, Any]:
     notes = list(notes or [])
     clusters, why = true_clusters_of(runs[0]) if runs else (None, None)
     if why:
         notes.append(why)
-    return json_safe({
-        "format": FORMAT,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "scenario": sc.model_dump(mode="json"),
-        "node_ids": [s.node_id for s in runs[0].specs] if runs else [],
-        "true_clusters": clusters,
-        **({"true_mixture": mix} if runs and (mix := true_mixture_of(runs[0])) is not None else {}),
-        "strategies": {r.strategy: strategy_results(sc, r, clusters) for r in runs},
-        "notes": notes,
-    })
+    return json_safe(
+        {
+            "format": FORMAT,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "scenario": sc.model_dump(mode="json"),
+            "node_ids": [s.node_id for s in runs[0].specs] if runs else [],
+            "true_clusters": clusters,
+            **({"true_mixture": mix} if runs and (mix := true_mixture_of(runs[0])) is not None else {}),
+            "strategies": {r.strategy: strategy_results(sc, r, clusters) for r in runs},
+            "notes": notes,
+        }
+    )
 
 
 def write_results(path: str | Path, results: dict[str, Any]) -> None:
@@ -259,8 +266,7 @@ def summary_table(results: dict[str, Any]):
     strategies = list(results["strategies"])
     ids = results["node_ids"]
     clusters = results.get("true_clusters")
-    t = Table(title=f"{results['scenario'].get('name', 'scenario')}: final test accuracy per node",
-              show_footer=True)
+    t = Table(title=f"{results['scenario'].get('name', 'scenario')}: final test accuracy per node", show_footer=True)
     t.add_column("node", footer="mean")
     t.add_column("cluster", justify="right", footer="")
     best_name = None
@@ -287,8 +293,14 @@ def run_table(results: dict[str, Any]):
         t.add_column(c, justify="left" if c == "strategy" else "right")
     for s, r in results["strategies"].items():
         sm = r["summary"]
-        t.add_row(s, f"{r['wall_time_s']:.1f}s", _mb(sm["bytes_sent_total"]),
-                  _mb(sm["bytes_received_total"]), _pct(sm["mean_test_acc"]), _pct(sm["min_test_acc"]))
+        t.add_row(
+            s,
+            f"{r['wall_time_s']:.1f}s",
+            _mb(sm["bytes_sent_total"]),
+            _mb(sm["bytes_received_total"]),
+            _pct(sm["mean_test_acc"]),
+            _pct(sm["min_test_acc"]),
+        )
     return t
 
 
@@ -335,10 +347,13 @@ def heatmap(results: dict[str, Any], strategy: str):
     width = max(len(label(i)) for i in range(len(ids)))
     txt = Text()
     mass = cl.in_block_mass(mat, truth) if truth else None
-    txt.append(f"clusters found by {strategy}: peer weights, mean over rounds (row: node, column: "
-               f"the peer it weights; diagonal apart; full block = {vmax:.2f})"
-               + (f"; {100 * mass:.0f}% of the peer weight stays in the true cluster" if mass is not None else "")
-               + "\n", style="bold")
+    txt.append(
+        f"clusters found by {strategy}: peer weights, mean over rounds (row: node, column: "
+        f"the peer it weights; diagonal apart; full block = {vmax:.2f})"
+        + (f"; {100 * mass:.0f}% of the peer weight stays in the true cluster" if mass is not None else "")
+        + "\n",
+        style="bold",
+    )
     head = "".join(f"{ids[j][-3:]:>3}" for j in order)
     txt.append(" " * (width + 1) + head + "   self" + ("   true clusters\n" if truth else "\n"))
     for i in order:
@@ -360,8 +375,7 @@ def heatmap(results: dict[str, Any], strategy: str):
             for j in order:
                 same = truth[i] == truth[j]
                 txt.append(" ")
-                txt.append("██" if same and i != j else ("··" if i == j else "  "),
-                           style="grey50" if same else "")
+                txt.append("██" if same and i != j else ("··" if i == j else "  "), style="grey50" if same else "")
         txt.append("\n")
     return txt
 
@@ -372,6 +386,7 @@ def save_figures(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
     next to the true clusters in the same order) and accuracy.png (test accuracy per round, one
     line per node, coloured by true cluster)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -385,8 +400,13 @@ def save_figures(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
 
     # per strategy: the learned peer weights (diagonal apart, block order), then the true clusters
     # in the same order: where the blocks match, the nodes found their clusters
-    fig, axes = plt.subplots(1, 2 * len(strategies), figsize=(4.0 * 2 * len(strategies), 4.2), squeeze=False,
-                             gridspec_kw={"width_ratios": [1.25, 1] * len(strategies)})
+    fig, axes = plt.subplots(
+        1,
+        2 * len(strategies),
+        figsize=(4.0 * 2 * len(strategies), 4.2),
+        squeeze=False,
+        gridspec_kw={"width_ratios": [1.25, 1] * len(strategies)},
+    )
     truth = results.get("true_clusters")
     for k, s in enumerate(strategies):
         mat, order = _matrix_and_order(results, s)
@@ -419,8 +439,7 @@ def save_figures(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
     plt.close(fig)
     paths.append(p)
 
-    fig, axes = plt.subplots(1, len(strategies), figsize=(4.2 * len(strategies), 3.4), squeeze=False,
-                             sharey=True)
+    fig, axes = plt.subplots(1, len(strategies), figsize=(4.2 * len(strategies), 3.4), squeeze=False, sharey=True)
     cmap = plt.get_cmap("tab10")
     for ax, s in zip(axes[0], strategies, strict=True):
         for n, c in zip(ids, clusters, strict=True):

@@ -47,6 +47,7 @@ The launcher owns these fields and refuses them in ``[node]``/``[learner]``/``[[
 ``learner.num_nodes, learner.node_index, learner.data_seed, learner.init_seed``.
 
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,9 +58,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from coterie.node.config import ConfigError, NodeConfig, deep_merge, read_toml, validate_config
 
-RESERVED_NODE = ("node_id", "state_dir", "listen", "advertise", "admin_listen", "peers", "strategy",
-                 "rounds")
+RESERVED_NODE = ("node_id", "state_dir", "listen", "advertise", "admin_listen", "peers", "strategy", "rounds")
 RESERVED_LEARNER = ("num_nodes", "node_index", "data_seed", "init_seed")
+
+
 class Scenario(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -95,21 +97,23 @@ def _check_scenario(sc: Scenario) -> None:
     """Cross-field checks pydantic alone cannot express; messages name the field."""
     for k in RESERVED_NODE + ("learner",):
         if k in sc.node:
-            raise ConfigError(f"scenario: node.{k} is set by the launcher"
-                              + (" (use the [learner] table)" if k == "learner" else ""))
+            raise ConfigError(
+                f"scenario: node.{k} is set by the launcher" + (" (use the [learner] table)" if k == "learner" else "")
+            )
     for k in RESERVED_LEARNER:
         if k in sc.learner:
-            raise ConfigError(f"scenario: learner.{k} is set by the launcher"
-                              + (" (from seed)" if "seed" in k else ""))
+            raise ConfigError(f"scenario: learner.{k} is set by the launcher" + (" (from seed)" if "seed" in k else ""))
     for s in sc.strategy_params:
         if s not in sc.strategy:
-            raise ConfigError(f"scenario: strategy_params.{s} given but {s!r} is not in strategy "
-                              f"{sc.strategy}")
+            raise ConfigError(f"scenario: strategy_params.{s} given but {s!r} is not in strategy {sc.strategy}")
     for n, ov in enumerate(sc.overrides):
         where = f"overrides[{n}]"
         nodes = ov.get("nodes")
-        if (not isinstance(nodes, list) or not nodes
-                or not all(isinstance(i, int) and not isinstance(i, bool) for i in nodes)):
+        if (
+            not isinstance(nodes, list)
+            or not nodes
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in nodes)
+        ):
             raise ConfigError(f"scenario: {where}.nodes must be a non-empty list of node indices")
         bad = [i for i in nodes if not 0 <= i < sc.nodes]
         if bad:
@@ -122,24 +126,33 @@ def _check_scenario(sc: Scenario) -> None:
                 raise ConfigError(f"scenario: {where}.learner.{k} is set by the launcher")
 
 
-def _check_relays(sc: "Scenario") -> None:
+def _check_relays(sc: Scenario) -> None:
     """An outbound-only node (``no_listen``) reserves at its bootstrap peer: that one must be reachable."""
+
     def no_listen(i: int) -> bool:
         on = bool(sc.node.get("no_listen", False))
         for ov in sc.overrides:
             if i in ov["nodes"] and "no_listen" in ov:
                 on = bool(ov["no_listen"])
         return on
+
     for i in range(sc.nodes):
         b = bootstrap_index(sc, i)
         if no_listen(i) and b is not None and no_listen(b):
-            raise ConfigError(f"scenario: n{i} is no_listen and so is its bootstrap peer n{b}, which cannot "
-                              f"relay for it: make n{b} reachable, or use bootstrap = \"star\" with a reachable n0")
+            raise ConfigError(
+                f"scenario: n{i} is no_listen and so is its bootstrap peer n{b}, which cannot "
+                f'relay for it: make n{b} reachable, or use bootstrap = "star" with a reachable n0'
+            )
 
 
-def parse_scenario(data: dict[str, Any], *, strategies: list[str] | None = None,
-                   seed: int | None = None, rounds: int | None = None,
-                   nodes: int | None = None) -> Scenario:
+def parse_scenario(
+    data: dict[str, Any],
+    *,
+    strategies: list[str] | None = None,
+    seed: int | None = None,
+    rounds: int | None = None,
+    nodes: int | None = None,
+) -> Scenario:
     """Validate a scenario dict, with command-line overrides. Every node config it generates is
     validated too, so a bad learner/node field fails here, before any process starts."""
     data = dict(data)
@@ -148,43 +161,52 @@ def parse_scenario(data: dict[str, Any], *, strategies: list[str] | None = None,
             data[k] = v
     if strategies is not None:  # a command-line subset: the file's params for the others stay unused
         chosen = strategies.split(",") if isinstance(strategies, str) else list(strategies)
-        data["strategy_params"] = {k: v for k, v in (data.get("strategy_params") or {}).items()
-                                   if k in chosen}
+        data["strategy_params"] = {k: v for k, v in (data.get("strategy_params") or {}).items() if k in chosen}
     try:
         sc = Scenario.model_validate(data)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}"
-                             for err in e.errors())
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors())
         raise ConfigError(f"invalid scenario: {problems}") from None
     _check_scenario(sc)
     _check_relays(sc)
     for strat in sc.strategy:
         for i in range(sc.nodes):
             try:
-                node_config(sc, strat, i, Path("/nonexistent"),
-                            bootstrap=None if bootstrap_index(sc, i) is None else "127.0.0.1:1")
+                node_config(
+                    sc,
+                    strat,
+                    i,
+                    Path("/nonexistent"),
+                    bootstrap=None if bootstrap_index(sc, i) is None else "127.0.0.1:1",
+                )
             except ConfigError as e:
                 raise ConfigError(f"scenario, node n{i} ({strat}): {e}") from None
     return sc
 
 
 def load_scenario(path: str | Path, **overrides: Any) -> Scenario:
-    return parse_scenario(_data_paths_from(read_toml(path, "scenario"), Path(path).resolve().parent),
-                          **overrides)
+    return parse_scenario(_data_paths_from(read_toml(path, "scenario"), Path(path).resolve().parent), **overrides)
 
 
 def _data_paths_from(data: dict[str, Any], base: Path) -> dict[str, Any]:
     """Relative ``learner.data`` paths (shared and per-override) taken from the scenario's folder."""
+
     def fix(learner: Any) -> Any:
-        if isinstance(learner, dict) and isinstance(learner.get("data"), str) \
-                and not Path(learner["data"]).expanduser().is_absolute():
+        if (
+            isinstance(learner, dict)
+            and isinstance(learner.get("data"), str)
+            and not Path(learner["data"]).expanduser().is_absolute()
+        ):
             return {**learner, "data": str(base / learner["data"])}
         return learner
+
     data = dict(data)
     data["learner"] = fix(data.get("learner"))
     if isinstance(data.get("overrides"), list):
-        data["overrides"] = [{**ov, "learner": fix(ov["learner"])} if isinstance(ov, dict) and "learner" in ov
-                             else ov for ov in data["overrides"]]
+        data["overrides"] = [
+            {**ov, "learner": fix(ov["learner"])} if isinstance(ov, dict) and "learner" in ov else ov
+            for ov in data["overrides"]
+        ]
     return {k: v for k, v in data.items() if v is not None}
 
 
@@ -211,26 +233,29 @@ def bootstrap_index(sc: Scenario, i: int) -> int | None:
     return i - 1 if sc.bootstrap == "chain" else 0
 
 
-def node_config(sc: Scenario, strategy: str, i: int, strat_dir: Path,
-                bootstrap: str | None = None) -> NodeConfig:
+def node_config(sc: Scenario, strategy: str, i: int, strat_dir: Path, bootstrap: str | None = None) -> NodeConfig:
     """The complete config of node ``i`` for ``strategy``, bootstrapping from the peer address
     ``bootstrap``. Ports are 0: the node binds free ones and reports them in its node.json."""
     # experiments run flat out unless the scenario paces them (NodeConfig's default is for hand-started nodes)
     data: dict[str, Any] = {"min_peers": sc.nodes - 1, "start_timeout_s": 120.0, "round_interval_s": 0.0}
     data = deep_merge(data, sc.node)
-    data = deep_merge(data, {
-        "node_id": f"n{i}",
-        "state_dir": str(strat_dir / "nodes" / f"n{i}"),
-        "listen": "127.0.0.1:0",
-        "admin_listen": "127.0.0.1:0",
-        "peers": [bootstrap] if bootstrap else [],
-        "strategy": strategy,
-        "strategy_params": dict(sc.strategy_params.get(strategy, {})),
-        "rounds": sc.rounds,
-        "seed": data.get("seed", sc.seed) + i,
-        "learner": deep_merge(sc.learner, {"num_nodes": sc.nodes, "node_index": i,
-                                           "data_seed": sc.seed, "init_seed": sc.seed}),
-    })
+    data = deep_merge(
+        data,
+        {
+            "node_id": f"n{i}",
+            "state_dir": str(strat_dir / "nodes" / f"n{i}"),
+            "listen": "127.0.0.1:0",
+            "admin_listen": "127.0.0.1:0",
+            "peers": [bootstrap] if bootstrap else [],
+            "strategy": strategy,
+            "strategy_params": dict(sc.strategy_params.get(strategy, {})),
+            "rounds": sc.rounds,
+            "seed": data.get("seed", sc.seed) + i,
+            "learner": deep_merge(
+                sc.learner, {"num_nodes": sc.nodes, "node_index": i, "data_seed": sc.seed, "init_seed": sc.seed}
+            ),
+        },
+    )
     for ov in sc.overrides:
         if i in ov["nodes"]:
             data = deep_merge(data, {k: v for k, v in ov.items() if k != "nodes"})
@@ -247,6 +272,7 @@ def _drop_none(obj: Any) -> Any:
 
 def config_toml(cfg: NodeConfig) -> str:
     import tomli_w
+
     return tomli_w.dumps(_drop_none(cfg.model_dump(mode="json")))
 
 

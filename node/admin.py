@@ -30,6 +30,7 @@ API only listens on loopback.
 The node is duck-typed: ``node_id``, ``status()``, ``peers_table()``, ``weights_view()``,
 ``metrics``, ``history_view(since)``, ``healthy()``. Node methods may be plain or async.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,7 +59,7 @@ AUTH_KEY: web.AppKey[AdminAuth | None] = web.AppKey("auth")
 NETWORK_MAX_PEERS = 64  # peers listed by /network (the matrix is n x n; a browser draws it)
 NETWORK_CACHE_S = 1.0  # several dashboards polling one node share one view
 NETWORK_ROUNDS = 10  # each row is the node's weights averaged over its last rounds (less noisy)
-MAX_ROUND = 10 ** 12  # query parameters are bounded: a round number or a count, never more digits
+MAX_ROUND = 10**12  # query parameters are bounded: a round number or a count, never more digits
 _INT = re.compile(r"-?[0-9]{1,13}")
 
 
@@ -77,11 +78,10 @@ def int_param(request: web.Request, name: str, lo: int, hi: int) -> int | None:
     return int(raw)
 
 
-
-
 def _json(data: Any, status: int = 200) -> web.Response:
-    return web.json_response(json_safe(data), status=status,
-                             dumps=lambda o: json.dumps(o, default=str, allow_nan=False))
+    return web.json_response(
+        json_safe(data), status=status, dumps=lambda o: json.dumps(o, default=str, allow_nan=False)
+    )
 
 
 async def _call(fn: Any, *args: Any) -> Any:
@@ -103,13 +103,13 @@ async def _errors(request: web.Request, handler):
         return _json({"error": str(e), "status": 400, "path": request.path}, status=400)
     except Exception as e:  # a node bug must not take the admin plane down
         log.exception("admin %s failed", request.path)
-        return _json({"error": f"{type(e).__name__}: {e}", "status": 500, "path": request.path},
-                     status=500)
+        return _json({"error": f"{type(e).__name__}: {e}", "status": 500, "path": request.path}, status=500)
 
 
 class AdminAuth:
     """The node's admin token and the dashboard cookie derived from it. Every comparison is
     hmac.compare_digest on bytes: its time does not depend on where a guess first differs."""
+
     OPEN_PATHS = frozenset({"/healthz"})  # probes (docker, kubernetes) carry no token
 
     def __init__(self, token: str, node_id: str = "node"):
@@ -134,8 +134,9 @@ class AdminAuth:
         return value is not None and self._same(value, self._cookie.encode())
 
     def allows(self, request: web.Request) -> bool:
-        return (self.header_ok(request.headers.get("Authorization"))
-                or self.cookie_ok(request.cookies.get(self.cookie_name)))
+        return self.header_ok(request.headers.get("Authorization")) or self.cookie_ok(
+            request.cookies.get(self.cookie_name)
+        )
 
     def login(self) -> web.HTTPException:
         """The dashboard bootstrap's answer: the cookie, and ``/`` without the token in the URL."""
@@ -144,9 +145,11 @@ class AdminAuth:
         return resp
 
 
-_UNAUTHORIZED_HTML = ("<html><body><p>401: this node's admin API wants its token. Open the "
-                      "dashboard as <code>/?token=&lt;token&gt;</code> (the token is in "
-                      "&lt;state-dir&gt;/admin.token).</p></body></html>")
+_UNAUTHORIZED_HTML = (
+    "<html><body><p>401: this node's admin API wants its token. Open the "
+    "dashboard as <code>/?token=&lt;token&gt;</code> (the token is in "
+    "&lt;state-dir&gt;/admin.token).</p></body></html>"
+)
 
 
 def _unauthorized(request: web.Request) -> web.Response:
@@ -244,12 +247,22 @@ async def network_view(node: Any) -> dict[str, Any]:
     peers = sorted((p for p in table if p.get("state") != "dead"), key=lambda p: p["node_id"])
     skipped = max(0, len(peers) - NETWORK_MAX_PEERS)
     return {
-        "node_id": me, "round": status_.get("round"), "rounds_averaged": NETWORK_ROUNDS,
+        "node_id": me,
+        "round": status_.get("round"),
+        "rounds_averaged": NETWORK_ROUNDS,
         "row": _mean_row(list(node.history)[-NETWORK_ROUNDS:]),
         "labels": status_.get("labels") or {},
-        "peers": [{"node_id": p["node_id"], "state": p.get("state"), "labels": p.get("labels") or {},
-                   "admin_url": str(p.get("admin_url") or "")} for p in peers[:NETWORK_MAX_PEERS]],
-        "skipped_peers": skipped, "t": time.time(),
+        "peers": [
+            {
+                "node_id": p["node_id"],
+                "state": p.get("state"),
+                "labels": p.get("labels") or {},
+                "admin_url": str(p.get("admin_url") or ""),
+            }
+            for p in peers[:NETWORK_MAX_PEERS]
+        ],
+        "skipped_peers": skipped,
+        "t": time.time(),
     }
 
 
@@ -274,6 +287,7 @@ async def dashboard(request: web.Request) -> web.Response:
 
 async def _export(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     from .persistence import StateError
+
     try:
         return await _call(request.app[NODE_KEY].export_model)
     except StateError as e:  # e.g. a checkpoint written before model export existed
@@ -285,9 +299,11 @@ async def model(request: web.Request) -> web.Response:
     the model card in their metadata, and the card)."""
     data, card = await _export(request)
     name = f"{card['node_id']}-round{card['round']}.safetensors"
-    return web.Response(body=data, content_type="application/octet-stream",
-                        headers={"Content-Disposition": f'attachment; filename="{name}"',
-                                 "X-Coterie-Round": str(card["round"])})
+    return web.Response(
+        body=data,
+        content_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="{name}"', "X-Coterie-Round": str(card["round"])},
+    )
 
 
 async def model_card(request: web.Request) -> web.Response:
@@ -319,8 +335,10 @@ async def start_admin(node: Any, host: str, port: int, *, token: str | None) -> 
     unless ``host`` is loopback). Returns the runner (``await runner.cleanup()`` stops it) and the
     bound port."""
     if token is None and not is_loopback(host):
-        raise ValueError(f"admin API on {host}:{port} without a token: an address other than "
-                         "loopback needs authentication (security.admin_auth = true)")
+        raise ValueError(
+            f"admin API on {host}:{port} without a token: an address other than "
+            "loopback needs authentication (security.admin_auth = true)"
+        )
     auth = AdminAuth(token, str(getattr(node, "node_id", "node"))) if token is not None else None
     runner = web.AppRunner(make_admin_app(node, auth=auth), access_log=None, handle_signals=False)
     await runner.setup()
@@ -342,6 +360,7 @@ async def serve_node_admin(node: Any, cfg: Any, state_dir: Path) -> tuple[web.Ap
     file ``security.admin_token_file`` names, else ``<state_dir>/admin.token``, made on first
     start). Returns the runner, the admin URL peers and tools reach it at, and the token file."""
     from .admin_token import ensure_token, token_path
+
     host, _, port = cfg.admin_listen.rpartition(":")
     host = host.strip("[]")
     token_file = token = None

@@ -6,6 +6,7 @@ Its node.json names the file (``admin_token_file``), so a client that knows the 
 the token wherever the config put it. Stdlib only: the CLI, the launcher, tests and bench
 scripts import it without pulling in torch or aiohttp.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -39,8 +40,10 @@ def read_token(path: str | Path) -> str:
     except (OSError, UnicodeDecodeError) as e:
         raise TokenError(f"admin token file {path} cannot be read: {e}") from None
     if len(token) < MIN_TOKEN_CHARS or any(c.isspace() or not c.isprintable() for c in token):
-        raise TokenError(f"admin token file {path} does not hold a usable token (one line of at "
-                         f"least {MIN_TOKEN_CHARS} printable characters, no spaces)")
+        raise TokenError(
+            f"admin token file {path} does not hold a usable token (one line of at "
+            f"least {MIN_TOKEN_CHARS} printable characters, no spaces)"
+        )
     return token
 
 

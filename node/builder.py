@@ -2,6 +2,7 @@
 sees, the strategy, admission and the served side — and returns it as a ``PeerPlane``, from what
 the node hands it (``PlaneHost``: its identity, transport, state and metrics).
 ``Node.__init__`` calls it once and holds the plane; the node owns the lifecycle and the loops."""
+
 from __future__ import annotations
 
 import hashlib
@@ -43,6 +44,7 @@ from .strategies.registry import get_strategy
 class PlaneHost:
     """What the node gives the builder: its identity, transport, state and metrics, and what its
     heartbeats and handshakes say of it (``info``, ``position``)."""
+
     node_id: str
     transport: TransportFactory
     traffic: TrafficStats
@@ -58,6 +60,7 @@ class PlaneHost:
 @dataclass
 class PeerPlane:
     """One node's peer plane, as ``build_peer_plane`` wires it."""
+
     loop_lag: LoopLag
     peers: PeerTable
     revocations: Revocations | None
@@ -84,11 +87,19 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
     # the peer plane: who is out there, what this node publishes, what it pulled and was pushed
     mcfg = cfg.membership
     loop_lag = LoopLag()  # how late the event loop runs: stalls show per round
-    peers = PeerTable(host.node_id, cfg.suspect_after_s, cfg.dead_after_s,
-                      reconnect_min_s=mcfg.reconnect_min_s, reconnect_max_s=mcfg.reconnect_max_s)
+    peers = PeerTable(
+        host.node_id,
+        cfg.suspect_after_s,
+        cfg.dead_after_s,
+        reconnect_min_s=mcfg.reconnect_min_s,
+        reconnect_max_s=mcfg.reconnect_max_s,
+    )
     revocation = getattr(getattr(host.transport, "tls", None), "revocation", None)
-    revocations = (None if revocation is None  # a node the network CA revoked leaves membership for good
-                   else Revocations(revocation, host.node_id, peers, cfg.request_timeout_s))
+    revocations = (
+        None
+        if revocation is None  # a node the network CA revoked leaves membership for good
+        else Revocations(revocation, host.node_id, peers, cfg.request_timeout_s)
+    )
     problems = ProblemLog(on_rejected=lambda: m.rejected.labels(kind="input").inc())
     board = PublishBoard()
     cache = SnapshotCache(cfg.snapshot_cache_bytes)
@@ -96,38 +107,78 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
     client = host.transport.connect(host.node_id, host.traffic)
     if revocations is not None:
         revocations.client = client
-    observers = Observers(on_gauges=m.peer_counts, loop_lag=loop_lag,
-                          on_claim_struck=lambda: m.rejected.labels(kind="membership_claim").inc())
-    membership = full_membership(host.info, host.position, peers, client, problems, bootstrap=cfg.peers,
-                                 period=cfg.heartbeat_interval_s, settings=Settings.from_config(mcfg),
-                                 link_delay_s=cfg.delay_ms / 1000, rng=random.Random(seed), observers=observers)
-    deadlines = Deadlines(cfg.request_timeout_s + 2 * cfg.delay_ms / 1000, floor_s=cfg.deadline_floor_s,
-                          mult=cfg.deadline_mult)
+    observers = Observers(
+        on_gauges=m.peer_counts,
+        loop_lag=loop_lag,
+        on_claim_struck=lambda: m.rejected.labels(kind="membership_claim").inc(),
+    )
+    membership = full_membership(
+        host.info,
+        host.position,
+        peers,
+        client,
+        problems,
+        bootstrap=cfg.peers,
+        period=cfg.heartbeat_interval_s,
+        settings=Settings.from_config(mcfg),
+        link_delay_s=cfg.delay_ms / 1000,
+        rng=random.Random(seed),
+        observers=observers,
+    )
+    deadlines = Deadlines(
+        cfg.request_timeout_s + 2 * cfg.delay_ms / 1000, floor_s=cfg.deadline_floor_s, mult=cfg.deadline_mult
+    )
     # privacy: everything computed on my data that leaves (served or sent) goes through one door
-    ledger = PrivacyLedger(host.store.dir, delta=cfg.privacy.delta, budget=cfg.privacy.budget_epsilon,
-                           peer_budget=cfg.privacy.peer_budget_epsilon, expected_peers=cfg.privacy.expected_peers,
-                           peer_rate=cfg.privacy.peer_release_rate, peer_burst=cfg.privacy.peer_release_burst,
-                           on_change=lambda peer, purpose: m.privacy(ledger, peer, purpose))
+    ledger = PrivacyLedger(
+        host.store.dir,
+        delta=cfg.privacy.delta,
+        budget=cfg.privacy.budget_epsilon,
+        peer_budget=cfg.privacy.peer_budget_epsilon,
+        expected_peers=cfg.privacy.expected_peers,
+        peer_rate=cfg.privacy.peer_release_rate,
+        peer_burst=cfg.privacy.peer_release_burst,
+        on_change=lambda peer, purpose: m.privacy(ledger, peer, purpose),
+    )
     if host.checkpoint is not None:  # the ledger is verified state: it must cover the checkpoint's pin
-        ledger.verify(host.checkpoint.state.get("privacy_ledger"), checkpoint=host.checkpoint.path.name,
-                      reset=cfg.reset_privacy_ledger)
+        ledger.verify(
+            host.checkpoint.state.get("privacy_ledger"),
+            checkpoint=host.checkpoint.path.name,
+            reset=cfg.reset_privacy_ledger,
+        )
     m.privacy(ledger)
     private = PrivateData(learner, cfg.privacy, ledger)
-    serves = (tuple(cfg.privacy.serve_purposes) if cfg.privacy.serve_purposes is not None
-              else purposes_of(cfg.strategy))
+    serves = tuple(cfg.privacy.serve_purposes) if cfg.privacy.serve_purposes is not None else purposes_of(cfg.strategy)
     # own files too small for privacy.min_batch: the node learns, but nothing on its data leaves
     withheld = private.withheld(tuple({purpose(p).split for p in purposes_of(cfg.strategy) + serves}))
     if withheld:
         problems.note("this node (data)", withheld)
-    network = NodeNetwork(host.node_id, client, peers, cache, inbox, lambda: board.current, host.spec, problems,
-                          private, labels=host.labels, request_timeout_s=cfg.request_timeout_s,
-                          deadlines=deadlines, exchange_timeout_s=cfg.exchange_timeout_s,
-                          on_call_failed=membership.suspect_hint, watch=cfg.watch_snapshots)
+    network = NodeNetwork(
+        host.node_id,
+        client,
+        peers,
+        cache,
+        inbox,
+        lambda: board.current,
+        host.spec,
+        problems,
+        private,
+        labels=host.labels,
+        request_timeout_s=cfg.request_timeout_s,
+        deadlines=deadlines,
+        exchange_timeout_s=cfg.exchange_timeout_s,
+        on_call_failed=membership.suspect_hint,
+        watch=cfg.watch_snapshots,
+    )
     d = cfg.discovery
     network.discovery = Discovery(
-        host.node_id, peers.alive, usable=lambda p: network._address(p) is not None,
-        settings=DiscoverySettings(candidates=d.candidates, explore=d.explore, recommend=d.recommend,
-                                   per_recommender=d.per_recommender), rng=random.Random(f"discovery-{seed}"))
+        host.node_id,
+        peers.alive,
+        usable=lambda p: network._address(p) is not None,
+        settings=DiscoverySettings(
+            candidates=d.candidates, explore=d.explore, recommend=d.recommend, per_recommender=d.per_recommender
+        ),
+        rng=random.Random(f"discovery-{seed}"),
+    )
     network.discovery_above = d.above
     strategy = get_strategy(cfg.strategy)(host.node_id, learner, network, cfg.strategy_params, seed=seed)
 
@@ -139,14 +190,45 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
     guard = RoundGuard(learner, strategy, on_divergence)
     admission = Admission(cfg.limits, on_refused=_over_budget_noter(m, problems))
     hooks = DiscoveryHooks(strategy, network.discovery)  # "whom do you weight?" before the strategy
-    served = ServedRequests(host.node_id, host.info, membership, learner, host.spec,
-                            hooks, board, cache, inbox, problems, private, serves,
-                            on_refused=lambda kind: m.rejected.labels(kind=kind).inc(),
-                            admission=admission, push_policy=cfg.limits,
-                            compute_workers=cfg.limits.compute_workers,
-                            revocations=CrlExchange(revocation, host.node_id) if revocation is not None else None)
-    return PeerPlane(loop_lag, peers, revocations, problems, board, cache, inbox, client, membership, ledger,
-                     private, serves, withheld, network, strategy, guard, admission, served)
+    served = ServedRequests(
+        host.node_id,
+        host.info,
+        membership,
+        learner,
+        host.spec,
+        hooks,
+        board,
+        cache,
+        inbox,
+        problems,
+        private,
+        serves,
+        on_refused=lambda kind: m.rejected.labels(kind=kind).inc(),
+        admission=admission,
+        push_policy=cfg.limits,
+        compute_workers=cfg.limits.compute_workers,
+        revocations=CrlExchange(revocation, host.node_id) if revocation is not None else None,
+    )
+    return PeerPlane(
+        loop_lag,
+        peers,
+        revocations,
+        problems,
+        board,
+        cache,
+        inbox,
+        client,
+        membership,
+        ledger,
+        private,
+        serves,
+        withheld,
+        network,
+        strategy,
+        guard,
+        admission,
+        served,
+    )
 
 
 def _over_budget_noter(m: NodeMetrics, problems: ProblemLog) -> Callable[[str, str], None]:
@@ -160,4 +242,5 @@ def _over_budget_noter(m: NodeMetrics, problems: ProblemLog) -> Callable[[str, s
         if now - noted.get((peer, why), -1e9) >= 10.0:
             noted[(peer, why)] = now
             problems.note(peer, f"over its {why} budget: requests refused (RESOURCE_EXHAUSTED)")
+
     return over_budget

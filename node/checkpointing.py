@@ -4,12 +4,13 @@ it. At most ``max_unsaved`` completed rounds are ever not yet durable — the ro
 may lose; 0 makes every round wait for its own write. A write that fails is retried with
 backoff (the failure is reported, so health flips) until the disk takes it again; snapshots that
 queue up meanwhile are written as one commit (their history lines, the newest checkpoint)."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .failures import Backoff, Failures
 from .persistence import Snapshot, StateStore
@@ -18,8 +19,9 @@ log = logging.getLogger("coterie.node")
 
 
 class Checkpointer:
-    def __init__(self, store: StateStore, max_unsaved: int, failures: Failures,
-                 on_saved: Callable[[list[Snapshot], float], None]):
+    def __init__(
+        self, store: StateStore, max_unsaved: int, failures: Failures, on_saved: Callable[[list[Snapshot], float], None]
+    ):
         self.store = store
         self.max_unsaved = max_unsaved
         self.failures = failures
@@ -70,8 +72,11 @@ class Checkpointer:
             except asyncio.TimeoutError:
                 pass
         if self._pending:
-            log.error("stopping with %d completed rounds not checkpointed (last durable: round %d)",
-                      len(self._pending), self.store.round)
+            log.error(
+                "stopping with %d completed rounds not checkpointed (last durable: round %d)",
+                len(self._pending),
+                self.store.round,
+            )
             ok = False
         if self._task is not None:
             self._task.cancel()
@@ -103,6 +108,6 @@ class Checkpointer:
             backoff.reset()
             self.failures.recovered("checkpoint")
             async with self._cond:
-                del self._pending[:len(batch)]
+                del self._pending[: len(batch)]
                 self._cond.notify_all()
             self.on_saved(batch, seconds)

@@ -7,10 +7,11 @@ scale the peers' weights on their own. The order comes from average-linkage clus
 symmetrised peer weights (scipy, optimal leaf ordering), which puts mutually weighting nodes next
 to each other whatever their ids.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -20,8 +21,9 @@ Matrix = Sequence[Sequence[float] | None]
 def as_array(matrix: Matrix) -> np.ndarray:
     """Rows of None (a node that reported nothing) become NaN rows."""
     n = len(matrix)
-    return np.array([[math.nan] * n if row is None else [float(v) for v in row] for row in matrix],
-                    dtype=float).reshape(n, n)
+    return np.array(
+        [[math.nan] * n if row is None else [float(v) for v in row] for row in matrix], dtype=float
+    ).reshape(n, n)
 
 
 def off_diagonal(matrix: Matrix) -> np.ndarray:

@@ -4,16 +4,18 @@ The environment layer is pydantic-settings' (prefix ``COTERIE_``, ``__`` descend
 fields); the three layers are deep-merged here so the precedence stays flags > env > file.
 
 A bad value fails fast with the offending field named (``ConfigError``)."""
+
 from __future__ import annotations
 
 import difflib
 import json
 import math
 import os
-import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Mapping, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
@@ -36,6 +38,7 @@ class PrivacyConfig(BaseModel):
     pushed gradients) is a sampled Gaussian mechanism: Poisson batch of expected size >= min_batch,
     per-sample clipping, Gaussian noise of noise_multiplier x the clip bound; the ledger
     (privacy-ledger.json in the state dir) composes them with opacus' RDP accountant."""
+
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = True  # False: exact answers (still purpose-bound, min_batch, never test)
@@ -67,17 +70,20 @@ class PrivacyConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _budget_needs_noise(self) -> "PrivacyConfig":
+    def _budget_needs_noise(self) -> PrivacyConfig:
         finite = math.isfinite(self.budget_epsilon) or math.isfinite(self.peer_budget_epsilon)
         if self.enabled and self.noise_multiplier == 0 and finite:
-            raise ValueError("noise_multiplier = 0 (clipping only) gives no ε guarantee, so no budget "
-                             "can be kept: set budget_epsilon = inf, or a positive noise_multiplier")
+            raise ValueError(
+                "noise_multiplier = 0 (clipping only) gives no ε guarantee, so no budget "
+                "can be kept: set budget_epsilon = inf, or a positive noise_multiplier"
+            )
         return self
 
 
 class SecurityConfig(BaseModel):
     """Who may talk to this node's peer port. mTLS by default: without certificates a node does
     not start, unless ``insecure`` says plaintext on purpose (logged as a warning)."""
+
     model_config = ConfigDict(extra="forbid")
 
     insecure: bool = False  # plaintext peer port, identities unchecked: only where the network is trusted
@@ -95,7 +101,7 @@ class SecurityConfig(BaseModel):
     admin_auth: bool = True
 
     @model_validator(mode="after")
-    def _configured(self) -> "SecurityConfig":
+    def _configured(self) -> SecurityConfig:
         if self.insecure and (self.cert_dir or self.cert or self.key):
             raise ValueError("insecure = true together with certificates: choose one")
         return self
@@ -104,6 +110,7 @@ class SecurityConfig(BaseModel):
 class LimitsConfig(BaseModel):
     """Work one authenticated peer may cause on this node (``peering/admission.py``), and how long
     a stream may take. Refusals are RESOURCE_EXHAUSTED with the limit named."""
+
     model_config = ConfigDict(extra="forbid")
 
     requests_per_s: float = Field(40.0, gt=0)  # compute/snapshot/gossip requests, token-bucket rate
@@ -131,6 +138,7 @@ class MembershipConfig(BaseModel):
     a suspect that does not refute within the suspicion timeout is dead. The timeout is
     ``dead_after_s`` (at least ``suspicion_mult`` × log10(N+1) periods) once ``indirect_probes``
     further members confirm the suspicion, up to ``suspicion_max_mult`` times that with one."""
+
     model_config = ConfigDict(extra="forbid")
 
     indirect_probes: int = Field(3, ge=0)  # k members asked to ping a member that missed a ping
@@ -154,6 +162,7 @@ class DiscoveryConfig(BaseModel):
     """Collaborator discovery (peering/discovery.py): past ``above`` alive peers a strategy's
     candidates (``peers()``) are the peers it weights most plus a bounded number of new ones a
     round — recommended by its best collaborators, or drawn from its view — instead of everyone."""
+
     model_config = ConfigDict(extra="forbid")
 
     above: int = Field(200, ge=0)  # alive peers past which discovery supplies the candidates (0: always)
@@ -168,6 +177,7 @@ class SnapshotsConfig(BaseModel):
     first (each peer pair uses the first of the requester's list the server also speaks; fp32 is
     always understood), and whether a peer's next snapshot may come as a delta against the
     version this node holds of it."""
+
     model_config = ConfigDict(extra="forbid")
 
     # q8 + delta by default: 3.8x fewer snapshot bytes than fp32 at the same accuracy on S1–S3
@@ -180,6 +190,7 @@ class SnapshotsConfig(BaseModel):
     @classmethod
     def _codecs(cls, v: list[str]) -> list[str]:
         from .wire.codecs import CODECS
+
         unknown = [c for c in v if c not in CODECS]
         if unknown:
             raise ValueError(f"unknown codec(s) {unknown}; known: {list(CODECS)}")
@@ -190,6 +201,7 @@ class SnapshotsConfig(BaseModel):
 
 class RelayConfig(BaseModel):
     """Relaying for nodes that cannot be dialled (docs/nat.md)."""
+
     model_config = ConfigDict(extra="forbid")
 
     serve: bool = True  # a node with a peer port relays for outbound-only peers, within the budget below
@@ -215,6 +227,7 @@ class HistoryConfig(BaseModel):
     """How much round history the state dir keeps (docs/state-directory.md): history.jsonl holds
     the recent rounds in full and never grows past ``max_bytes``; older rounds are folded into a
     bounded summary (at most 16 blocks) kept in the checkpoint."""
+
     model_config = ConfigDict(extra="forbid")
 
     # 16 MiB: ~20,000 rounds in full at 0.6-0.8 KB a round (after a rotation: the newest half);
@@ -281,6 +294,7 @@ class NodeConfig(BaseModel):
         if problem:
             raise ValueError(problem)
         return v
+
     # state dir: completed rounds whose checkpoint may still be being written while the next
     # round trains (what a kill -9 can lose); 0 = every round waits for its own checkpoint
     checkpoint_max_unsaved_rounds: int = Field(1, ge=0)
@@ -291,28 +305,36 @@ class NodeConfig(BaseModel):
     reset_privacy_ledger: bool = False
 
     @model_validator(mode="after")
-    def _admin_auth_on_loopback_only(self) -> "NodeConfig":
+    def _admin_auth_on_loopback_only(self) -> NodeConfig:
         from .admin_token import is_loopback
+
         host = self.admin_listen.rpartition(":")[0]
         if not self.security.admin_auth and not is_loopback(host):
-            raise ValueError(f"security.admin_auth = false with admin_listen {self.admin_listen}: an "
-                             "admin API without a token may only listen on loopback (127.0.0.1, ::1)")
+            raise ValueError(
+                f"security.admin_auth = false with admin_listen {self.admin_listen}: an "
+                "admin API without a token may only listen on loopback (127.0.0.1, ::1)"
+            )
         return self
 
     @model_validator(mode="after")
-    def _no_listen_has_relays(self) -> "NodeConfig":
+    def _no_listen_has_relays(self) -> NodeConfig:
         if self.no_listen and self.security.insecure:
-            raise ValueError("no_listen needs mTLS certificates: relays and peers know an outbound-only node "
-                             "only by its certificate (security.insecure is set)")
+            raise ValueError(
+                "no_listen needs mTLS certificates: relays and peers know an outbound-only node "
+                "only by its certificate (security.insecure is set)"
+            )
         if self.no_listen and not self.relays():
-            raise ValueError("no_listen: no relay to be reached through; set relay.via (--relay) or a "
-                             "reachable bootstrap peer (host:port) in peers")
+            raise ValueError(
+                "no_listen: no relay to be reached through; set relay.via (--relay) or a "
+                "reachable bootstrap peer (host:port) in peers"
+            )
         return self
 
     def relays(self) -> list[str]:
         """The relays an outbound-only node reserves at."""
         from .transport.relay_address import is_relayed
-        return (self.relay.via or [p for p in self.peers if not is_relayed(p)])[:self.relay.max_relays]
+
+        return (self.relay.via or [p for p in self.peers if not is_relayed(p)])[: self.relay.max_relays]
 
     @field_validator("listen", "admin_listen")
     @classmethod
@@ -326,6 +348,7 @@ class NodeConfig(BaseModel):
     @classmethod
     def _peers(cls, v: list[str]) -> list[str]:
         from .transport.relay_address import is_relayed, parse
+
         for p in v:
             parse(p) if is_relayed(p) else cls._hostport(p)  # an outbound-only node: relay://R/ID
         return v
@@ -355,8 +378,10 @@ ENV_PREFIX = "COTERIE_"
 class _NodeEnv(NodeConfig, BaseSettings):
     """NodeConfig's fields as pydantic-settings sees them; only its EnvSettingsSource is used,
     so the file and flag layers (and their precedence) stay ours."""
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__",
-                                      case_sensitive=False, extra="forbid")
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False, extra="forbid"
+    )
 
 
 class _EnvSource(EnvSettingsSource):
@@ -426,17 +451,19 @@ def unknown_env(environ: Mapping[str, str] | None = None) -> list[str]:
     """One warning per COTERIE_* variable that is neither a setting nor one of OTHER_ENV: a
     misspelled variable would otherwise be ignored without a word."""
     environ = os.environ if environ is None else environ
-    known = [f.upper() for f in NodeConfig.model_fields] + [k[len(ENV_PREFIX):] for k in OTHER_ENV]
+    known = [f.upper() for f in NodeConfig.model_fields] + [k[len(ENV_PREFIX) :] for k in OTHER_ENV]
     out = []
     for key in sorted(environ):
         if not key.upper().startswith(ENV_PREFIX) or key.upper() in OTHER_ENV:
             continue
-        head = key[len(ENV_PREFIX):].split("__")[0].lower()
+        head = key[len(ENV_PREFIX) :].split("__")[0].lower()
         if head in NodeConfig.model_fields:
             continue
-        near = difflib.get_close_matches(key[len(ENV_PREFIX):].upper(), known, n=1, cutoff=0.75)
-        out.append(f"{key} is not a coterie setting and is ignored"
-                   + (f" (did you mean {ENV_PREFIX}{near[0]}?)" if near else ""))
+        near = difflib.get_close_matches(key[len(ENV_PREFIX) :].upper(), known, n=1, cutoff=0.75)
+        out.append(
+            f"{key} is not a coterie setting and is ignored"
+            + (f" (did you mean {ENV_PREFIX}{near[0]}?)" if near else "")
+        )
     return out
 
 
@@ -457,8 +484,9 @@ def read_toml(path: str | Path, what: str = "config") -> dict[str, Any]:
         raise ConfigError(f"{what} file {p} is not valid TOML: {e}") from None
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
-                environ: Mapping[str, str] | None = None) -> NodeConfig:
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> NodeConfig:
     data: dict[str, Any] = read_toml(path) if path is not None else {}
     data = deep_merge(data, env_overrides(environ))
     data = deep_merge(data, overrides or {})
@@ -469,6 +497,5 @@ def validate_config(data: dict[str, Any]) -> NodeConfig:
     try:
         return NodeConfig.model_validate(data)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}"
-                             for err in e.errors())
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors())
         raise ConfigError(f"invalid node config: {problems}") from None

@@ -8,6 +8,7 @@ a strategy sees; carried by ``transport``) and the strategy; ``rounds.py`` runs 
 (train → exchange → publish → checkpoint) and types their records; ``views.py`` is the admin read
 model; ``node_metrics.py`` its metrics. Compute runs in worker threads, so heartbeats and
 requests keep flowing while a round trains."""
+
 from __future__ import annotations
 
 import asyncio
@@ -58,6 +59,7 @@ def _snapshot_namer(record: dict[str, Any] | None, published: LocalSnapshot | No
 
     def name_snapshot() -> None:
         record["snapshot_sha256"] = published.digest  # encodes it once, off the loop (make_snapshot)
+
     return name_snapshot
 
 
@@ -66,11 +68,18 @@ class Node:
     launcher passes ``transport/inproc.py``'s). ``admin=False`` runs without the HTTP admin API
     (in-process nodes: their launcher reads ``status()`` directly)."""
 
-    def __init__(self, cfg: NodeConfig, learner: Learner | None = None,
-                 transport: TransportFactory | None = None, *, admin: bool = True):
+    def __init__(
+        self,
+        cfg: NodeConfig,
+        learner: Learner | None = None,
+        transport: TransportFactory | None = None,
+        *,
+        admin: bool = True,
+    ):
         self.cfg = cfg
         if transport is None:  # gRPC with the node's certificate (refuses to start without one unless insecure)
             from .transport.grpc_transport import GrpcTransport
+
             transport = GrpcTransport.from_config(cfg)
         self.transport = transport
         self.health = transport.health  # what this node tells the transport's health checks
@@ -81,10 +90,13 @@ class Node:
         self.node_id, self._checkpoint = self.store.open(cfg.node_id or identity, reset=cfg.reset)
         if identity is not None and identity != self.node_id:
             self.store.unlock()
-            raise ConfigError(f"security: the certificate is for node {identity!r}, but the state "
-                              f"dir {cfg.state_dir} belongs to {self.node_id!r}")
+            raise ConfigError(
+                f"security: the certificate is for node {identity!r}, but the state "
+                f"dir {cfg.state_dir} belongs to {self.node_id!r}"
+            )
         if learner is None:
             from .learning.torch_learner import build_learner  # torch-specific code stays behind the interface
+
             learner = build_learner(cfg.learner)
         self.learner = learner
         self.model_card = describe_model(cfg.learner, learner)  # in every checkpoint: `coterie model export`
@@ -103,9 +115,24 @@ class Node:
         self.m = NodeMetrics(self.metrics)
 
         # membership, served side, NodeNetwork, strategy (builder.py)
-        self.plane = self._hold(build_peer_plane(PlaneHost(
-            self.node_id, transport, self.traffic, self.m, self.store, self._checkpoint, self.spec, self.labels,
-            self.info, self.position), cfg, learner))
+        self.plane = self._hold(
+            build_peer_plane(
+                PlaneHost(
+                    self.node_id,
+                    transport,
+                    self.traffic,
+                    self.m,
+                    self.store,
+                    self._checkpoint,
+                    self.spec,
+                    self.labels,
+                    self.info,
+                    self.position,
+                ),
+                cfg,
+                learner,
+            )
+        )
 
         self.round = 0
         self.version = 0
@@ -130,15 +157,24 @@ class Node:
         self.views = views = NodeViews(self)
         self.status, self.peers_table, self.weights_view = views.status, views.peers_table, views.weights_view
         self.history_view, self.export_model = views.history_view, views.export_model
-        self.checkpointer = Checkpointer(self.store, cfg.checkpoint_max_unsaved_rounds, self.failures,
-                                         self._on_saved)
+        self.checkpointer = Checkpointer(self.store, cfg.checkpoint_max_unsaved_rounds, self.failures, self._on_saved)
 
     def _hold(self, plane: PeerPlane) -> PeerPlane:
         """The plane's parts as the node's own attributes: the rounds and the views read them."""
-        self.loop_lag, self.peers, self.revocations, self.problems = plane.loop_lag, plane.peers, plane.revocations, plane.problems
+        self.loop_lag, self.peers, self.revocations, self.problems = (
+            plane.loop_lag,
+            plane.peers,
+            plane.revocations,
+            plane.problems,
+        )
         self.board, self.cache, self.inbox, self.client = plane.board, plane.cache, plane.inbox, plane.client
         self.membership, self.ledger, self.private = plane.membership, plane.ledger, plane.private
-        self.serves, self.withheld, self.network, self.strategy = plane.serves, plane.withheld, plane.network, plane.strategy
+        self.serves, self.withheld, self.network, self.strategy = (
+            plane.serves,
+            plane.withheld,
+            plane.network,
+            plane.strategy,
+        )
         self.guard, self.admission, self.served = plane.guard, plane.admission, plane.served
         return plane
 
@@ -158,13 +194,28 @@ class Node:
         token_file = None
         if self.serve_admin:
             from .admin import serve_node_admin
+
             self._admin, self.admin_url, token_file = await serve_node_admin(self, self.cfg, self.store.dir)
-        atomic_write_json(self.store.dir / "node.json", {
-            "node_id": self.node_id, "address": self.address, "admin_url": self.admin_url,
-            "admin_token_file": str(token_file) if token_file else None,
-            "pid": os.getpid(), "started": self.started})
-        log.info("node %s up: peer %s, admin %s, strategy %s, device %s, round %d",
-                 self.node_id, self.address, self.admin_url, self.cfg.strategy, self.learner.device, self.round)
+        atomic_write_json(
+            self.store.dir / "node.json",
+            {
+                "node_id": self.node_id,
+                "address": self.address,
+                "admin_url": self.admin_url,
+                "admin_token_file": str(token_file) if token_file else None,
+                "pid": os.getpid(),
+                "started": self.started,
+            },
+        )
+        log.info(
+            "node %s up: peer %s, admin %s, strategy %s, device %s, round %d",
+            self.node_id,
+            self.address,
+            self.admin_url,
+            self.cfg.strategy,
+            self.learner.device,
+            self.round,
+        )
         self._tasks.append(asyncio.create_task(self.loop_lag.run(), name="loop-lag"))
         if self.cfg.privacy.enabled and purposes_of(self.cfg.strategy) + self.serves:
             self._tasks.append(asyncio.create_task(asyncio.to_thread(self._warm_privacy), name="privacy-warmup"))
@@ -191,9 +242,14 @@ class Node:
         self.served.close()
         self.store.unlock()
         clean = saved and self.failures.healthy
-        log.log(logging.INFO if clean else logging.ERROR, "node %s stopped at round %d (checkpointed: %d)%s",
-                self.node_id, self.round, self.saved["round"],
-                "" if clean else f" with unresolved failures: {self.failures.summary() or 'unsaved rounds'}")
+        log.log(
+            logging.INFO if clean else logging.ERROR,
+            "node %s stopped at round %d (checkpointed: %d)%s",
+            self.node_id,
+            self.round,
+            self.saved["round"],
+            "" if clean else f" with unresolved failures: {self.failures.summary() or 'unsaved rounds'}",
+        )
         return clean
 
     def _warm_privacy(self) -> None:
@@ -208,8 +264,7 @@ class Node:
             log.exception("privacy warm-up failed")
 
     def healthy(self) -> bool:
-        return (self.failures.healthy and self._round_task is not None
-                and (not self._round_task.done() or self.done))
+        return self.failures.healthy and self._round_task is not None and (not self._round_task.done() or self.done)
 
     def _set_serving(self, serving: bool) -> None:
         task = asyncio.get_running_loop().create_task(self.health.set(serving))
@@ -221,8 +276,17 @@ class Node:
             self.failures.failed("rounds", error, None)
 
     def info(self) -> NodeInfo:
-        return NodeInfo(self.node_id, PROTOCOL_VERSION, self.fingerprint, CAPABILITIES, self.address,
-                        self.admin_url, self.labels, self.learner.task_spec(), self.codecs)
+        return NodeInfo(
+            self.node_id,
+            PROTOCOL_VERSION,
+            self.fingerprint,
+            CAPABILITIES,
+            self.address,
+            self.admin_url,
+            self.labels,
+            self.learner.task_spec(),
+            self.codecs,
+        )
 
     def position(self) -> tuple[int, int]:
         """(round, published snapshot version), as heartbeats announce them."""
@@ -244,11 +308,14 @@ class Node:
             return False
         st = ckpt.state
         if st.get("fingerprint") != self.fingerprint:
-            raise StateError(f"{ckpt.path} is for another architecture "
-                             f"({str(st.get('fingerprint'))[:12]} ≠ {self.fingerprint[:12]})")
+            raise StateError(
+                f"{ckpt.path} is for another architecture ({str(st.get('fingerprint'))[:12]} ≠ {self.fingerprint[:12]})"
+            )
         if st.get("strategy") != self.cfg.strategy:
-            raise StateError(f"{ckpt.path} was written by strategy {st.get('strategy')!r}, this node runs "
-                             f"{self.cfg.strategy!r}: start with --reset to begin again under it")
+            raise StateError(
+                f"{ckpt.path} was written by strategy {st.get('strategy')!r}, this node runs "
+                f"{self.cfg.strategy!r}: start with --reset to begin again under it"
+            )
         try:
             self.learner.import_state(*ckpt.learner_state())
             self.strategy.load_state_dict(ckpt.strategy_state())
@@ -271,20 +338,37 @@ class Node:
         tensors under its lock in a thread, into the buffers of a snapshot already written."""
         strategy_state = self.strategy.state_dict()
         peers = self.peers.to_json()
-        meta = {"fingerprint": self.fingerprint, "strategy": self.cfg.strategy, "time": time.time(),
-                "model": self.model_card,
-                "weights": self.strategy.weights(), "public_state": self.strategy.public_state(),
-                "privacy_ledger": self.ledger.pin()}
+        meta = {
+            "fingerprint": self.fingerprint,
+            "strategy": self.cfg.strategy,
+            "time": time.time(),
+            "model": self.model_card,
+            "weights": self.strategy.weights(),
+            "public_state": self.strategy.public_state(),
+            "privacy_ledger": self.ledger.pin(),
+        }
         reuse, self._spare_tensors = self._spare_tensors, None
         learner_state = await asyncio.to_thread(self.learner.export_state, reuse)
-        return make_snapshot(round=self.round, version=self.version, node_id=self.node_id,
-                             learner_state=learner_state, strategy_state=strategy_state, peers=peers,
-                             meta=meta, record=record, prepare=_snapshot_namer(record, self.board.current),
-                             mixture=self.strategy.prediction_members())
+        return make_snapshot(
+            round=self.round,
+            version=self.version,
+            node_id=self.node_id,
+            learner_state=learner_state,
+            strategy_state=strategy_state,
+            peers=peers,
+            meta=meta,
+            record=record,
+            prepare=_snapshot_namer(record, self.board.current),
+            mixture=self.strategy.prediction_members(),
+        )
 
     def _set_saved(self, rnd: int, version: int, state: dict[str, Any], record: dict[str, Any] | None) -> None:
-        self.saved = {"round": rnd, "version": version, "weights": state.get("weights", {}),
-                      "public_state": state.get("public_state", {})}
+        self.saved = {
+            "round": rnd,
+            "version": version,
+            "weights": state.get("weights", {}),
+            "public_state": state.get("public_state", {}),
+        }
         if record is not None:
             self.last_eval = record.get("eval", {})
         self.m.round.set(rnd)
@@ -307,8 +391,11 @@ class Node:
 
 def run_node(cfg: NodeConfig) -> int:
     """Run a node until SIGTERM/SIGINT. Returns the process exit code."""
-    logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=getattr(logging, cfg.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     install_log_filter()  # peers control much of what gets logged: bounded lines, repeats summarised
 
     async def main() -> int:
@@ -329,8 +416,11 @@ def run_node(cfg: NodeConfig) -> int:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         if not await node.stop():
-            print(f"coterie: node stopped with unresolved failures: "
-                  f"{node.failures.summary() or 'completed rounds not checkpointed'}", file=sys.stderr)
+            print(
+                f"coterie: node stopped with unresolved failures: "
+                f"{node.failures.summary() or 'completed rounds not checkpointed'}",
+                file=sys.stderr,
+            )
             return 1
         return 0
 

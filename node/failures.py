@@ -2,11 +2,13 @@
 the checkpoint writer) is logged with its cause, listed in /status, and flips health (admin
 /healthz and the gRPC health service) to NOT_SERVING until it recovers. The components retry
 with ``Backoff``; nothing fails silently and nothing spins."""
+
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("coterie.node")
 
@@ -45,8 +47,14 @@ class Failures:
         entry["retry_in_s"] = retry_in
         then = f"retrying in {retry_in:.1f}s" if retry_in is not None else "not retrying"
         # the traceback once per outage; later attempts one line each
-        log.error("%s failed (attempt %d): %s; %s", component, entry["attempts"], entry["error"], then,
-                  exc_info=exc if first else None)
+        log.error(
+            "%s failed (attempt %d): %s; %s",
+            component,
+            entry["attempts"],
+            entry["error"],
+            then,
+            exc_info=exc if first else None,
+        )
         if first:
             self._note(component, f"{component} failing: {entry['error']}")
             if len(self.active) == 1:
@@ -56,8 +64,12 @@ class Failures:
         entry = self.active.pop(component, None)
         if entry is None:
             return
-        log.warning("%s recovered after %d failed attempts over %.1fs", component, entry["attempts"],
-                    time.time() - entry["since"])
+        log.warning(
+            "%s recovered after %d failed attempts over %.1fs",
+            component,
+            entry["attempts"],
+            time.time() - entry["since"],
+        )
         self._note(component, f"{component} recovered after {entry['attempts']} failed attempts")
         if not self.active:
             self._on_health(True)

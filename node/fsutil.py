@@ -1,4 +1,5 @@
 """Crash-safe file writes: a reader sees the old file or the new one, never a torn one."""
+
 from __future__ import annotations
 
 import json

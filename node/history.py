@@ -12,11 +12,13 @@ summary never grows with the rounds.
 A block: ``{"rounds": [first, last], "count": n, "t": [first, last], "fields": {name: [n, sum,
 min, max, last]}}`` over the numeric fields of the rows (``duration_s``, ``train_loss``,
 ``peers_alive``, ``eval.<metric>``, ``sent``/``received``: bytes over all peers)."""
+
 from __future__ import annotations
 
 import json
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 MAX_BLOCKS = 16
 _TOP = ("duration_s", "train_loss", "peers_alive")
@@ -55,8 +57,12 @@ def fold(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 f[0] += 1
                 f[1] += v
                 f[2], f[3], f[4] = min(f[2], v), max(f[3], v), v
-    return {"rounds": [rows[0]["round"], rows[-1]["round"]], "count": len(rows),
-            "t": [rows[0].get("t"), rows[-1].get("t")], "fields": fields}
+    return {
+        "rounds": [rows[0]["round"], rows[-1]["round"]],
+        "count": len(rows),
+        "t": [rows[0].get("t"), rows[-1].get("t")],
+        "fields": fields,
+    }
 
 
 def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -65,8 +71,12 @@ def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     for k, (n, s, lo, hi, last) in b["fields"].items():
         f = fields.get(k)
         fields[k] = [n, s, lo, hi, last] if f is None else [f[0] + n, f[1] + s, min(f[2], lo), max(f[3], hi), last]
-    return {"rounds": [a["rounds"][0], b["rounds"][1]], "count": a["count"] + b["count"],
-            "t": [a["t"][0], b["t"][1]], "fields": fields}
+    return {
+        "rounds": [a["rounds"][0], b["rounds"][1]],
+        "count": a["count"] + b["count"],
+        "t": [a["t"][0], b["t"][1]],
+        "fields": fields,
+    }
 
 
 def add_block(blocks: list[dict[str, Any]], block: dict[str, Any]) -> list[dict[str, Any]]:
@@ -74,7 +84,7 @@ def add_block(blocks: list[dict[str, Any]], block: dict[str, Any]) -> list[dict[
     out = [*blocks, block]
     while len(out) > MAX_BLOCKS:
         i = min(range(len(out) - 1), key=lambda j: out[j]["count"] + out[j + 1]["count"])
-        out[i:i + 2] = [merge(out[i], out[i + 1])]
+        out[i : i + 2] = [merge(out[i], out[i + 1])]
     return out
 
 
@@ -90,10 +100,19 @@ def split_for_rotation(lines: list[bytes], keep_bytes: int) -> int:
 
 def view(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The blocks as ``/status`` shows them: per field the mean, min, max and last value."""
-    return [{"rounds": b["rounds"], "count": b["count"], "t": b["t"],
-             **{k: {"mean": s / n, "min": lo, "max": hi, "last": last}
-                for k, (n, s, lo, hi, last) in sorted(b["fields"].items()) if n}}
-            for b in blocks]
+    return [
+        {
+            "rounds": b["rounds"],
+            "count": b["count"],
+            "t": b["t"],
+            **{
+                k: {"mean": s / n, "min": lo, "max": hi, "last": last}
+                for k, (n, s, lo, hi, last) in sorted(b["fields"].items())
+                if n
+            },
+        }
+        for b in blocks
+    ]
 
 
 def check(blocks: Any, where: str) -> list[dict[str, Any]]:
@@ -106,8 +125,7 @@ def check(blocks: Any, where: str) -> list[dict[str, Any]]:
             first, last = int(b["rounds"][0]), int(b["rounds"][1])
             int(b["count"]), dict(b["fields"])
         except (KeyError, TypeError, ValueError, IndexError):
-            raise ValueError(f"history summary in {where} has a malformed block: "
-                             f"{json.dumps(b)[:200]}") from None
+            raise ValueError(f"history summary in {where} has a malformed block: {json.dumps(b)[:200]}") from None
         if first > last or (prev is not None and first <= prev):
             raise ValueError(f"history summary in {where} is out of order at rounds {first}-{last}")
         prev = last

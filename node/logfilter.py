@@ -6,12 +6,13 @@
 - Whatever the text, one call site passes at most ``SITE_BURST`` warnings a window, so a flood of
   *different* bad requests (fuzzing) is bounded too.
 A flood of bad requests costs a few lines a minute, not one per request."""
+
 from __future__ import annotations
 
 import logging
 import re
 import time
-from typing import Callable
+from collections.abc import Callable
 
 MAX_LINE = 2000
 BURST = 3
@@ -29,8 +30,15 @@ class _Window:
 
 
 class BoundedRepeats(logging.Filter):
-    def __init__(self, *, max_line: int = MAX_LINE, burst: int = BURST, site_burst: int = SITE_BURST,
-                 window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        *,
+        max_line: int = MAX_LINE,
+        burst: int = BURST,
+        site_burst: int = SITE_BURST,
+        window_s: float = WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         super().__init__()
         self.max_line, self.burst, self.site_burst = max_line, burst, site_burst
         self.window_s, self.clock = window_s, clock
@@ -52,7 +60,7 @@ class BoundedRepeats(logging.Filter):
         except Exception:  # noqa: BLE001 - a bad format string must not take logging down
             msg = str(record.msg)
         if len(msg) > self.max_line:
-            msg = msg[:self.max_line] + f"… [{len(msg)} chars]"
+            msg = msg[: self.max_line] + f"… [{len(msg)} chars]"
         record.msg, record.args = msg, None
         if record.levelno < logging.WARNING:
             return True

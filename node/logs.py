@@ -3,6 +3,7 @@
 A hand-started node may run many rounds a second; one INFO line per round then buries everything
 else (and fills disks under a process supervisor). ``RoundLog`` writes a line per round only while
 rounds are slow enough to read along, and otherwise one summary per ``summary_s``."""
+
 from __future__ import annotations
 
 import logging
@@ -20,9 +21,13 @@ def configure_logging(level: str = "INFO", fmt: LogFormat = "text", stream: Any 
     handler = logging.StreamHandler(stream or sys.stderr)
     if fmt == "json":
         from pythonjsonlogger.json import JsonFormatter
-        handler.setFormatter(JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s",
-                                           rename_fields={"asctime": "time", "levelname": "level",
-                                                          "name": "logger"}))
+
+        handler.setFormatter(
+            JsonFormatter(
+                "%(asctime)s %(levelname)s %(name)s %(message)s",
+                rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+            )
+        )
     elif fmt == "text":
         handler.setFormatter(logging.Formatter(TEXT_FORMAT))
     else:
@@ -40,8 +45,7 @@ class RoundLog:
     """Per-round INFO lines while rounds are at least ``slow_s`` apart (fewer than 1/slow_s rounds
     a second); faster rounds are logged at DEBUG and summarised at INFO every ``summary_s``."""
 
-    def __init__(self, log: logging.Logger, slow_s: float = 2.0, summary_s: float = 30.0,
-                 clock=time.monotonic):
+    def __init__(self, log: logging.Logger, slow_s: float = 2.0, summary_s: float = 30.0, clock=time.monotonic):
         self.log, self.slow_s, self.summary_s, self.clock = log, slow_s, summary_s, clock
         self._last_round_t: float | None = None
         self._window_start: float | None = None
@@ -69,8 +73,15 @@ class RoundLog:
             self._window_start = None
             return
         span = max(now - self._window_start, 1e-9)
-        self.log.info("rounds %d-%d: %d rounds in %.1fs (%.1f/s)%s", self._window_first, last,
-                      self._window_n, span, self._window_n / span, f"; round {last}: {ev}" if ev else "",
-                      extra={"round": last})
+        self.log.info(
+            "rounds %d-%d: %d rounds in %.1fs (%.1f/s)%s",
+            self._window_first,
+            last,
+            self._window_n,
+            span,
+            self._window_n / span,
+            f"; round {last}: {ev}" if ev else "",
+            extra={"round": last},
+        )
         self._window_start = None
         self._window_n = 0

@@ -14,17 +14,27 @@ Every registry also carries ``coterie_build_info`` (versions of coterie, python,
 standard process and platform collectors (``process_*``, ``python_info``, ``python_gc_*``).
 ``parse_text``/``sample`` read an exposition back (tests, the testbed check).
 """
+
 from __future__ import annotations
 
 import functools
 import platform
 import re
+from collections.abc import Iterable
 from importlib import metadata
-from typing import Iterable
 
 import prometheus_client
-from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, Info,
-                               PlatformCollector, ProcessCollector, generate_latest)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -49,8 +59,12 @@ def _version(dist: str) -> str:  # (~30 ms each: a thousand in-process nodes pai
 
 def build_info() -> dict[str, str]:
     """What this process runs: the labels of ``coterie_build_info``."""
-    return {"version": _version("coterie"), "python": platform.python_version(),
-            "grpcio": _version("grpcio"), "torch": _version("torch")}
+    return {
+        "version": _version("coterie"),
+        "python": platform.python_version(),
+        "grpcio": _version("grpcio"),
+        "torch": _version("torch"),
+    }
 
 
 class Metrics:
@@ -74,8 +88,9 @@ class Metrics:
         existing = self._metrics.get(name)
         if existing is not None:
             if existing[0] is not cls or existing[1] != labelnames:
-                raise ValueError(f"metric {name!r} already registered as {existing[0].__name__} "
-                                 f"with labels {list(existing[1])}")
+                raise ValueError(
+                    f"metric {name!r} already registered as {existing[0].__name__} with labels {list(existing[1])}"
+                )
             return existing[2]
         metric = cls(name, help, labelnames, registry=self.registry, **kw)
         self._metrics[name] = (cls, labelnames, metric)
@@ -87,8 +102,9 @@ class Metrics:
     def gauge(self, name: str, help: str, labelnames: Iterable[str] = ()) -> Gauge:
         return self._register(Gauge, name, help, labelnames)
 
-    def histogram(self, name: str, help: str, labelnames: Iterable[str] = (),
-                  buckets: Iterable[float] = DEFAULT_BUCKETS) -> Histogram:
+    def histogram(
+        self, name: str, help: str, labelnames: Iterable[str] = (), buckets: Iterable[float] = DEFAULT_BUCKETS
+    ) -> Histogram:
         return self._register(Histogram, name, help, labelnames, buckets=tuple(buckets))
 
     def value(self, sample_name: str, **labels: object) -> float | None:

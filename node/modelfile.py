@@ -21,15 +21,17 @@ gives a ``MixtureModel`` whose output is log Σ_k w_k softmax(f_k(x)) (regressio
 so it reproduces the reported ``test_acc``/``test_loss``; ``own=True`` (``--own``) exports the own
 model alone, which reproduces ``own_test_acc``. ONNX export of a mixture exports that module.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, cast
+from typing import Any, cast
 
 import torch
 from safetensors import SafetensorError
@@ -46,11 +48,15 @@ _PARAMS = "learner/model/"  # the learner's parameters inside a checkpoint (torc
 def describe_model(learner_cfg: Any, learner: Any) -> dict[str, Any]:
     """What a checkpoint records so its model can be rebuilt without the node's config (the
     daemon puts it in every checkpoint's state as ``model``)."""
-    return {"architecture": learner_cfg.model, "model_params": dict(learner_cfg.model_params),
-            "input_shape": [int(s) for s in getattr(learner, "input_shape", ())],
-            "num_classes": int(getattr(learner, "num_classes", 0) or 0),
-            "task": getattr(learner, "task", "classification"),
-            "class_names": learner.class_names, "learner": learner_cfg.model_dump(mode="json")}
+    return {
+        "architecture": learner_cfg.model,
+        "model_params": dict(learner_cfg.model_params),
+        "input_shape": [int(s) for s in getattr(learner, "input_shape", ())],
+        "num_classes": int(getattr(learner, "num_classes", 0) or 0),
+        "task": getattr(learner, "task", "classification"),
+        "class_names": learner.class_names,
+        "learner": learner_cfg.model_dump(mode="json"),
+    }
 
 
 def _sha256(data: bytes) -> str:
@@ -62,10 +68,12 @@ def export_checkpoint(ckpt: Checkpoint, directory: str | Path, own: bool = False
     node predicted with if it checkpointed one (module doc), else (or with ``own``) its own model."""
     described = ckpt.state.get("model")
     if not isinstance(described, dict):
-        raise StateError(f"{ckpt.path} was written by a coterie without model export (no model "
-                         "description in it): start the node with this version and let it "
-                         "checkpoint once")
-    params = {k[len(_PARAMS):]: t.contiguous() for k, t in ckpt.tensors.items() if k.startswith(_PARAMS)}
+        raise StateError(
+            f"{ckpt.path} was written by a coterie without model export (no model "
+            "description in it): start the node with this version and let it "
+            "checkpoint once"
+        )
+    params = {k[len(_PARAMS) :]: t.contiguous() for k, t in ckpt.tensors.items() if k.startswith(_PARAMS)}
     if not params:
         raise StateError(f"{ckpt.path} holds no model parameters ({_PARAMS}*)")
     members = None if own else ckpt.mixture()
@@ -74,11 +82,21 @@ def export_checkpoint(ckpt: Checkpoint, directory: str | Path, own: bool = False
         params = {f"member{k}.{n}": t.contiguous() for k, m in enumerate(members) for n, t in m["params"].items()}
         mixture = [{"node_id": m["node_id"], "weight": m["weight"]} for m in members]
     record = last_record(ckpt, directory) or {}
-    card = json_safe({"format": FORMAT, **described, "node_id": ckpt.node_id, "round": ckpt.round,
-            "version": ckpt.version, "strategy": ckpt.state.get("strategy"),
-            "weights": ckpt.state.get("weights") or {}, "eval": record.get("eval") or {},
-            "fingerprint": ckpt.state.get("fingerprint"), "exported_at": time.time(),
-            "checkpoint": ckpt.path.name})  # JSON has no NaN: a NaN loss becomes null
+    card = json_safe(
+        {
+            "format": FORMAT,
+            **described,
+            "node_id": ckpt.node_id,
+            "round": ckpt.round,
+            "version": ckpt.version,
+            "strategy": ckpt.state.get("strategy"),
+            "weights": ckpt.state.get("weights") or {},
+            "eval": record.get("eval") or {},
+            "fingerprint": ckpt.state.get("fingerprint"),
+            "exported_at": time.time(),
+            "checkpoint": ckpt.path.name,
+        }
+    )  # JSON has no NaN: a NaN loss becomes null
     if mixture:
         card["mixture"] = mixture
     data = st_save(params, metadata={META_KEY: json.dumps(card, sort_keys=True)})
@@ -96,19 +114,22 @@ def sidecar_path(path: str | Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
-def write_export(state_dir: str | Path, out: str | Path, fmt: str = "safetensors",
-                 own: bool = False) -> dict[str, Any]:
+def write_export(state_dir: str | Path, out: str | Path, fmt: str = "safetensors", own: bool = False) -> dict[str, Any]:
     """Write the model (``fmt``: safetensors or onnx) to ``out`` and its card to ``out``.json;
     return the card. ``own``: the node's own model, not the mixture it predicts with."""
     data, card = export_state_dir(state_dir, own)
     if fmt == "onnx":
         loaded = _load_bytes(data, str(out))
         data = onnx_bytes(loaded)
-        output_is = "value" if loaded.task != "classification" else \
-            "log_probabilities" if card.get("mixture") else "logits"
-        card = {**card, "file_format": "onnx", "onnx": {"input": "input", "output": "output",
-                                                        "output_is": output_is},
-                "file_sha256": _sha256(data)}
+        output_is = (
+            "value" if loaded.task != "classification" else "log_probabilities" if card.get("mixture") else "logits"
+        )
+        card = {
+            **card,
+            "file_format": "onnx",
+            "onnx": {"input": "input", "output": "output", "output_is": output_is},
+            "file_sha256": _sha256(data),
+        }
     elif fmt == "safetensors":
         card = {**card, "file_format": "safetensors"}
     else:
@@ -123,6 +144,7 @@ def write_export(state_dir: str | Path, out: str | Path, fmt: str = "safetensors
 class ExportedModel:
     """``load_model``'s answer: an eval-mode torch module, the class name of each output (None
     for regression) and the model card. Unpacks as ``model, class_names = coterie.load_model(f)``."""
+
     model: torch.nn.Module
     class_names: list[str] | None
     card: dict[str, Any] = field(default_factory=dict)
@@ -141,17 +163,20 @@ class ExportedModel:
 
 def _card_of(data: bytes, where: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     from safetensors.torch import load as st_load
+
     try:
         tensors = st_load(data)
         hlen = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8:8 + hlen]).get("__metadata__") or {}
+        meta = json.loads(data[8 : 8 + hlen]).get("__metadata__") or {}
         card = json.loads(meta[META_KEY])
     except (SafetensorError, ValueError, KeyError, TypeError, AttributeError) as e:
         what = f"no {e} metadata" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
         raise ValueError(f"{where} is not a coterie model export ({what})") from None
     if not isinstance(card, dict) or card.get("format") != FORMAT:
-        raise ValueError(f"{where}: model card format {card.get('format') if isinstance(card, dict) else card!r}, "
-                         f"expected {FORMAT!r}")
+        raise ValueError(
+            f"{where}: model card format {card.get('format') if isinstance(card, dict) else card!r}, "
+            f"expected {FORMAT!r}"
+        )
     return card, tensors
 
 
@@ -180,22 +205,30 @@ class MixtureModel(torch.nn.Module):
 def _build(card: dict[str, Any], params: dict[str, torch.Tensor], where: str, what: str) -> torch.nn.Module:
     """The card's architecture with ``params`` (exactly its parameters) in it."""
     from .learning.models import build_model
+
     try:
         with torch.random.fork_rng(devices=[]):  # the weights are overwritten: leave the caller's RNG alone
-            model = build_model(card["architecture"], card["input_shape"], card.get("num_classes", 0),
-                                **(card.get("model_params") or {}))
+            model = build_model(
+                card["architecture"],
+                card["input_shape"],
+                card.get("num_classes", 0),
+                **(card.get("model_params") or {}),
+            )
     except KeyError as e:
         raise ValueError(f"{where}: the model card lacks {e}") from None
     own = dict(model.named_parameters())
     missing, extra = sorted(set(own) - set(params)), sorted(set(params) - set(own))
     if missing or extra:
-        raise ValueError(f"{where}{what} does not fit architecture {card['architecture']!r}: missing "
-                         f"{missing}, unexpected {extra}")
+        raise ValueError(
+            f"{where}{what} does not fit architecture {card['architecture']!r}: missing {missing}, unexpected {extra}"
+        )
     with torch.no_grad():
         for n, p in own.items():
             if tuple(params[n].shape) != tuple(p.shape):
-                raise ValueError(f"{where}{what}: parameter {n!r} has shape {tuple(params[n].shape)}, the "
-                                 f"architecture wants {tuple(p.shape)}")
+                raise ValueError(
+                    f"{where}{what}: parameter {n!r} has shape {tuple(params[n].shape)}, the "
+                    f"architecture wants {tuple(p.shape)}"
+                )
             p.copy_(params[n].to(p.dtype))
     return model
 
@@ -216,8 +249,14 @@ def _load_bytes(data: bytes, where: str) -> ExportedModel:
         members = []
         for k in range(len(weights)):
             pre = f"member{k}."
-            members.append(_build(card, {n[len(pre):]: t for n, t in params.items() if n.startswith(pre)},
-                                  where, f" (mixture member {k})"))
+            members.append(
+                _build(
+                    card,
+                    {n[len(pre) :]: t for n, t in params.items() if n.startswith(pre)},
+                    where,
+                    f" (mixture member {k})",
+                )
+            )
         stray = sorted(n for n in params if not any(n.startswith(f"member{k}.") for k in range(len(weights))))
         if stray:
             raise ValueError(f"{where}: tensors {stray[:5]} belong to no mixture member")
@@ -242,8 +281,9 @@ def load_model(path: str | Path) -> ExportedModel:
         except (OSError, ValueError, AttributeError) as e:
             raise ValueError(f"{side} is not a readable model card: {e}") from None
         if want is not None and want != _sha256(data):
-            raise ValueError(f"{side} does not describe {path} (sha256 differs): the two files come "
-                             "from different exports")
+            raise ValueError(
+                f"{side} does not describe {path} (sha256 differs): the two files come from different exports"
+            )
     return _load_bytes(data, str(path))
 
 
@@ -252,6 +292,7 @@ def onnx_bytes(loaded: ExportedModel) -> bytes:
     ``output`` (logits for classification). Uses torch's TorchScript-based exporter, which needs
     only the ``onnx`` package (the newer dynamo one also wants onnxscript)."""
     import io
+
     try:
         import onnx  # noqa: F401 - torch.onnx needs it; say so clearly
     except ImportError:
@@ -262,8 +303,14 @@ def onnx_bytes(loaded: ExportedModel) -> bytes:
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         # torch's annotation of ``f`` names paths only, but the TorchScript exporter (dynamo=False)
         # writes to a file object too, as its docs say: hence the cast
-        torch.onnx.export(loaded.model, (example,), cast(Any, buf), dynamo=False,
-                          opset_version=17,
-                          input_names=["input"], output_names=["output"],
-                          dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}})
+        torch.onnx.export(
+            loaded.model,
+            (example,),
+            cast(Any, buf),
+            dynamo=False,
+            opset_version=17,
+            input_names=["input"],
+            output_names=["output"],
+            dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}},
+        )
     return buf.getvalue()

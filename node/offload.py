@@ -3,6 +3,7 @@
 The event loop carries heartbeats and peer requests, so heavy tensor work must not hold it; light
 work must not pay a thread hop either. Strategies, the peer plane and the transport all follow
 this one rule."""
+
 from __future__ import annotations
 
 # Tensor work (encode, hash, validate, average) on more bytes than this goes to a worker thread.

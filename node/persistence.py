@@ -21,6 +21,7 @@ segment and finishes the rotation, or one of an older segment and drops it. Anyt
 ``StateError`` naming the file; a directory with history or identity but no checkpoint is
 refused unless the node is started with ``reset`` (which moves the old state aside).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -33,9 +34,10 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -84,8 +86,11 @@ def flatten_state(obj: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
         if isinstance(x, np.ndarray):
             return {"__ndarray__": put(torch.from_numpy(np.ascontiguousarray(x)))}
         if isinstance(x, (bytes, bytearray)):
-            return {"__bytes__": put(torch.frombuffer(bytearray(x), dtype=torch.uint8) if x
-                                     else torch.zeros(0, dtype=torch.uint8))}
+            return {
+                "__bytes__": put(
+                    torch.frombuffer(bytearray(x), dtype=torch.uint8) if x else torch.zeros(0, dtype=torch.uint8)
+                )
+            }
         if isinstance(x, dict):
             return {str(k): strip(v) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
@@ -105,10 +110,11 @@ def flatten_state(obj: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
 
 def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """Inverse of ``flatten_state``; raises KeyError for a tensor the skeleton names but lacks."""
+
     def fill(x: Any) -> Any:
         if isinstance(x, dict):
             if len(x) == 1:
-                (tag, key), = x.items()
+                ((tag, key),) = x.items()
                 if tag == "__tensor__":
                     return tensors[key]
                 if tag == "__ndarray__":
@@ -131,7 +137,7 @@ def pack_state(obj: Any) -> bytes:
 
 def unpack_state(data: bytes) -> Any:
     tensors = st_load(data)
-    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
     return unflatten_state(json.loads(header["__metadata__"]["skeleton"]), tensors)
 
 
@@ -153,6 +159,7 @@ def _digest(state_json: bytes, tensors: dict[str, torch.Tensor]) -> str:
 class Snapshot:
     """A consistent in-memory copy of a node's state at the end of a round, ready to write.
     ``tensors`` are private copies (nothing else mutates them); ``state`` is JSON-able."""
+
     round: int
     version: int
     tensors: dict[str, torch.Tensor]
@@ -162,22 +169,38 @@ class Snapshot:
     learner_tensors: dict[str, torch.Tensor] | None = None  # reusable by the next export once written
 
 
-def make_snapshot(*, round: int, version: int, node_id: str,
-                  learner_state: tuple[dict[str, torch.Tensor], dict[str, Any]],
-                  strategy_state: Any, peers: list[dict[str, Any]], meta: dict[str, Any],
-                  record: dict[str, Any] | None, prepare: Callable[[], None] | None = None,
-                  mixture: list[tuple[str, float, dict[str, torch.Tensor]]] | None = None) -> Snapshot:
+def make_snapshot(
+    *,
+    round: int,
+    version: int,
+    node_id: str,
+    learner_state: tuple[dict[str, torch.Tensor], dict[str, Any]],
+    strategy_state: Any,
+    peers: list[dict[str, Any]],
+    meta: dict[str, Any],
+    record: dict[str, Any] | None,
+    prepare: Callable[[], None] | None = None,
+    mixture: list[tuple[str, float, dict[str, torch.Tensor]]] | None = None,
+) -> Snapshot:
     """``mixture``: the members a strategy predicts with (``Strategy.prediction_members``), kept
     as ``state["mixture"]`` (node id, weight, params → tensors ``mixture/<n>``) for the export."""
     ltensors, lmeta = learner_state
     skeleton, stensors = flatten_state(strategy_state, "strategy")
     tensors = {f"learner/{k}": v for k, v in ltensors.items()}
     tensors.update(stensors)
-    state = {**meta, "round": round, "version": version, "node_id": node_id, "learner": lmeta,
-             "strategy_state": skeleton, "peers": peers}
+    state = {
+        **meta,
+        "round": round,
+        "version": version,
+        "node_id": node_id,
+        "learner": lmeta,
+        "strategy_state": skeleton,
+        "peers": peers,
+    }
     if mixture:
-        mskel, mtensors = flatten_state([{"node_id": k, "weight": float(w), "params": p}
-                                         for k, w, p in mixture], "mixture")
+        mskel, mtensors = flatten_state(
+            [{"node_id": k, "weight": float(w), "params": p} for k, w, p in mixture], "mixture"
+        )
         tensors.update(mtensors)
         state["mixture"] = mskel
     return Snapshot(round, version, tensors, state, record, prepare, ltensors)
@@ -186,6 +209,7 @@ def make_snapshot(*, round: int, version: int, node_id: str,
 @dataclass
 class Checkpoint:
     """A checkpoint read back from disk and verified against its checksum."""
+
     path: Path
     state: dict[str, Any]
     tensors: dict[str, torch.Tensor]
@@ -205,8 +229,10 @@ class Checkpoint:
         return str(self.state["node_id"])
 
     def learner_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return ({k[len("learner/"):]: v for k, v in self.tensors.items() if k.startswith("learner/")},
-                self.state["learner"])
+        return (
+            {k[len("learner/") :]: v for k, v in self.tensors.items() if k.startswith("learner/")},
+            self.state["learner"],
+        )
 
     def mixture(self) -> list[dict[str, Any]] | None:
         """The mixture members the node predicted with (``make_snapshot``), None if it used its
@@ -234,7 +260,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
     try:
         tensors = st_load(data)
         hlen = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8:8 + hlen])["__metadata__"]
+        meta = json.loads(data[8 : 8 + hlen])["__metadata__"]
         if meta.get("format") != FORMAT:
             raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
         state_json = meta["state"].encode()
@@ -270,15 +296,16 @@ def read_latest(directory: str | Path, attempts: int = 5) -> Checkpoint:
     for _ in range(attempts):
         ckpts = checkpoint_files(directory)
         if not ckpts:
-            raise StateError(f"{directory} holds no checkpoint (ckpt-NNNNNN.safetensors): not a "
-                             "node's state dir, or its node has not started yet")
+            raise StateError(
+                f"{directory} holds no checkpoint (ckpt-NNNNNN.safetensors): not a "
+                "node's state dir, or its node has not started yet"
+            )
         try:
             return read_checkpoint(ckpts[-1])
         except StateError:
             if ckpts[-1].exists():
                 raise
-    raise StateError(f"{directory}: the newest checkpoint kept being replaced while read "
-                     f"({attempts} tries)")
+    raise StateError(f"{directory}: the newest checkpoint kept being replaced while read ({attempts} tries)")
 
 
 def last_record(ckpt: Checkpoint, directory: str | Path) -> dict[str, Any] | None:
@@ -330,33 +357,40 @@ def verify_history(path: Path, ckpt: Checkpoint) -> tuple[list[dict[str, Any]], 
                     break
                 lineno += 1
                 if pos + len(line) > covered:
-                    raise StateError(f"{path} does not match {ckpt.path.name}: line {lineno} "
-                                     f"crosses the {covered} bytes the checkpoint covers")
+                    raise StateError(
+                        f"{path} does not match {ckpt.path.name}: line {lineno} "
+                        f"crosses the {covered} bytes the checkpoint covers"
+                    )
                 h.update(line)
                 pos += len(line)
                 tail.append((lineno, line))
     except FileNotFoundError:
         if covered:
-            raise StateError(f"{path} is missing, but {ckpt.path.name} covers {covered} bytes "
-                             f"({ckpt.round} rounds) of it") from None
+            raise StateError(
+                f"{path} is missing, but {ckpt.path.name} covers {covered} bytes ({ckpt.round} rounds) of it"
+            ) from None
         size = 0
     except OSError as e:
         raise StateError(f"{path} cannot be read: {e.strerror or e}") from None
     if pos < covered:
-        raise StateError(f"{path} is shorter ({pos} bytes) than the {covered} bytes "
-                         f"{ckpt.path.name} covers: truncated or rewritten")
+        raise StateError(
+            f"{path} is shorter ({pos} bytes) than the {covered} bytes {ckpt.path.name} covers: truncated or rewritten"
+        )
     if h.hexdigest() != want:
-        raise StateError(f"{path} does not match {ckpt.path.name}: its first {covered} bytes "
-                         "changed after they were written")
+        raise StateError(
+            f"{path} does not match {ckpt.path.name}: its first {covered} bytes changed after they were written"
+        )
     rows = [_parse_line(path, n, line) for n, line in tail]
     if ckpt.round and (not rows or rows[-1]["round"] != ckpt.round):
-        raise StateError(f"{path} ends at round {rows[-1]['round'] if rows else 0}, "
-                         f"{ckpt.path.name} at round {ckpt.round}")
+        raise StateError(
+            f"{path} ends at round {rows[-1]['round'] if rows else 0}, {ckpt.path.name} at round {ckpt.round}"
+        )
     return rows, size, covered, h
 
 
-def rotated_history(path: Path, covered: int, lines: bytes, summary: list[dict[str, Any]],
-                    max_bytes: int) -> tuple[list[dict[str, Any]], bytes]:
+def rotated_history(
+    path: Path, covered: int, lines: bytes, summary: list[dict[str, Any]], max_bytes: int
+) -> tuple[list[dict[str, Any]], bytes]:
     """A rotation of the history at ``path`` (its first ``covered`` bytes, then ``lines``): the
     summary with the oldest rounds folded in, and the newest rounds (half the cap) in full."""
     old = b""
@@ -364,8 +398,9 @@ def rotated_history(path: Path, covered: int, lines: bytes, summary: list[dict[s
         with open(path, "rb") as f:
             old = f.read(covered)
         if len(old) != covered:
-            raise StateError(f"{path} is shorter ({len(old)} bytes) than the {covered} bytes "
-                             "committed: changed under this node")
+            raise StateError(
+                f"{path} is shorter ({len(old)} bytes) than the {covered} bytes committed: changed under this node"
+            )
     every = old.splitlines(keepends=True) + lines.splitlines(keepends=True)
     n = summaries.split_for_rotation(every, max_bytes // 2)
     rows = [_parse_line(path, i + 1, line) for i, line in enumerate(every[:n])]
@@ -449,8 +484,10 @@ class StateStore:
                 holder = path.read_text().strip() or "unknown"
             except OSError:
                 holder = "unknown"
-            raise StateError(f"state dir {self.dir} is in use by another coterie node (pid {holder}; "
-                             f"lock {path}): one process per state dir") from None
+            raise StateError(
+                f"state dir {self.dir} is in use by another coterie node (pid {holder}; "
+                f"lock {path}): one process per state dir"
+            ) from None
         try:
             path.write_text(f"{os.getpid()}\n")
         except OSError:
@@ -484,8 +521,7 @@ class StateStore:
             old_id = self._read_identity()
         except StateError:
             old_id = None
-        moved = [p for p in self.dir.iterdir()
-                 if p.name not in _NOT_STATE and not p.name.startswith("reset-")]
+        moved = [p for p in self.dir.iterdir() if p.name not in _NOT_STATE and not p.name.startswith("reset-")]
         if moved:
             dest = self.dir / time.strftime("reset-%Y%m%d-%H%M%S")
             n = 0
@@ -496,8 +532,7 @@ class StateStore:
             for p in moved:
                 p.rename(dest / p.name)
             fsync_dir(self.dir)
-            log.warning("reset: moved %s from %s into %s", ", ".join(sorted(p.name for p in moved)),
-                        self.dir, dest)
+            log.warning("reset: moved %s from %s into %s", ", ".join(sorted(p.name for p in moved)), self.dir, dest)
         return old_id
 
     def open(self, wanted: str | None = None, reset: bool = False) -> tuple[str, Checkpoint | None]:
@@ -515,30 +550,36 @@ class StateStore:
         if not ckpts:
             left = state_leftovers(self.dir)
             if left:
-                raise StateError(f"{self.dir} holds {', '.join(left)} but no checkpoint "
-                                 "(ckpt-NNNNNN.safetensors): refusing to start fresh over that state. "
-                                 "Restore the checkpoint, or start with --reset to move the old state "
-                                 "aside and begin at round 0")
+                raise StateError(
+                    f"{self.dir} holds {', '.join(left)} but no checkpoint "
+                    "(ckpt-NNNNNN.safetensors): refusing to start fresh over that state. "
+                    "Restore the checkpoint, or start with --reset to move the old state "
+                    "aside and begin at round 0"
+                )
             self._node_id = wanted or old_id or f"node-{uuid.uuid4().hex[:8]}"
             return self._node_id, None
         ckpt = read_checkpoint(ckpts[-1])
         if wanted and wanted != ckpt.node_id:
             raise StateError(f"{ckpt.path} belongs to node {ckpt.node_id!r}, but the config says {wanted!r}")
         if identity is not None and identity != ckpt.node_id:
-            raise StateError(f"{self.identity_path} says node {identity!r} but {ckpt.path} belongs to "
-                             f"node {ckpt.node_id!r}")
+            raise StateError(
+                f"{self.identity_path} says node {identity!r} but {ckpt.path} belongs to node {ckpt.node_id!r}"
+            )
         self._segment, self.summary = history_pin(ckpt)
         settle_rotation(self.dir, self._segment)
         ckpt.history, size, self._hist_bytes, self._hist_hash = verify_history(self.history_path, ckpt)
         ckpt.summary = self.summary
         # verified: now the repairs a crash calls for (nothing is written before this point)
         if identity is None:
-            log.warning("%s was missing; node id %r restored from %s", self.identity_path,
-                        ckpt.node_id, ckpt.path.name)
+            log.warning("%s was missing; node id %r restored from %s", self.identity_path, ckpt.node_id, ckpt.path.name)
             atomic_write_json(self.identity_path, {"node_id": ckpt.node_id})
         if size > self._hist_bytes:
-            log.warning("%s: dropping %d bytes past round %d (written before a crash, never "
-                        "checkpointed)", self.history_path, size - self._hist_bytes, ckpt.round)
+            log.warning(
+                "%s: dropping %d bytes past round %d (written before a crash, never checkpointed)",
+                self.history_path,
+                size - self._hist_bytes,
+                ckpt.round,
+            )
             try:
                 os.truncate(self.history_path, self._hist_bytes)
             except OSError as e:  # the next commit truncates too; a read-only dir shows up there
@@ -567,8 +608,9 @@ class StateStore:
         lines = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in records)
         segment, summary = self._segment, self.summary
         if self._hist_bytes + len(lines) > self.history_max_bytes:
-            summary, content = rotated_history(self.history_path, self._hist_bytes, lines, self.summary,
-                                               self.history_max_bytes)
+            summary, content = rotated_history(
+                self.history_path, self._hist_bytes, lines, self.summary, self.history_max_bytes
+            )
             segment = self._segment + 1
             hasher, covered = hashlib.sha256(content), len(content)
             pending: Path | None = self.dir / _pending_name(segment)

@@ -14,6 +14,7 @@ or ``value`` for a regression model.
 Tables and images are read by the functions training reads them with (node/learning/tables.py,
 images.py), so a deployed model sees the numbers and pixels it trained on.
 """
+
 from __future__ import annotations
 
 import csv
@@ -32,9 +33,9 @@ BATCH = 1024
 def _images(folder: Path, shape: tuple[int, ...]) -> tuple[np.ndarray, list[str]]:
     """The images of a folder (named by their path in it), or one image file (named by its name)."""
     from .learning.images import load_image
+
     if len(shape) != 3 or shape[0] not in (1, 3):
-        raise ValueError(f"{folder} is an image, but the model's input is {list(shape)} "
-                         "(images need (1 or 3, H, W))")
+        raise ValueError(f"{folder} is an image, but the model's input is {list(shape)} (images need (1 or 3, H, W))")
     if folder.is_file():
         files, folder = [folder], folder.parent
     else:
@@ -47,8 +48,9 @@ def _images(folder: Path, shape: tuple[int, ...]) -> tuple[np.ndarray, list[str]
     return out, [str(f.relative_to(folder)) for f in files]
 
 
-def read_inputs(path: str | Path, input_shape: tuple[int, ...],
-                label_column: str = "label") -> tuple[np.ndarray, list[str], str]:
+def read_inputs(
+    path: str | Path, input_shape: tuple[int, ...], label_column: str = "label"
+) -> tuple[np.ndarray, list[str], str]:
     """(x shaped (n, *input_shape), one id per input, the id column's name)."""
     path = Path(path)
     if path.is_dir() or (path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES):
@@ -72,8 +74,10 @@ def read_inputs(path: str | Path, input_shape: tuple[int, ...],
     if tuple(x.shape[1:]) != tuple(input_shape):
         per = int(np.prod(x.shape[1:]))
         if want is None or per != want:
-            raise ValueError(f"{path}: each input has shape {list(x.shape[1:])} ({per} numbers); the "
-                             f"model takes {list(input_shape)} ({want} numbers)")
+            raise ValueError(
+                f"{path}: each input has shape {list(x.shape[1:])} ({per} numbers); the "
+                f"model takes {list(input_shape)} ({want} numbers)"
+            )
         x = x.reshape(len(x), *input_shape)  # the same numbers in the model's layout (flat rows)
     return x, [str(i) for i in range(len(x))], "index"
 
@@ -83,7 +87,7 @@ def scores(loaded: Any, x: np.ndarray) -> np.ndarray:
     outs = []
     with torch.no_grad():
         for i in range(0, len(x), BATCH):
-            out = loaded.model(torch.from_numpy(np.ascontiguousarray(x[i:i + BATCH])))
+            out = loaded.model(torch.from_numpy(np.ascontiguousarray(x[i : i + BATCH])))
             outs.append(out.softmax(1) if loaded.class_names is not None else out.reshape(-1))
     return torch.cat(outs).numpy()
 

@@ -4,6 +4,7 @@ At the end of a round a large model is copied, checked for finiteness and encode
 thread (model-sized passes must not hold the event loop); the strategy then holds the published
 views instead of its own copy (``Strategy.on_published``), so the model it shares lives once, in
 the buffer peers are served from."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,6 +32,7 @@ async def publish_round(node: Any) -> None:
         if big:
             snap.prepare()  # encoded here: its groups become views of the one buffer it serves
         return snap
+
     _publish(node, await asyncio.to_thread(build) if big else build())
 
 
@@ -38,8 +40,9 @@ def _to_publish(node: Any, copy_live: bool = True) -> dict[str, Any]:
     """The strategy's shared model (or the live one: copied now, or left None for the caller to
     copy where it runs) and its extras."""
     shared = node.strategy.shared_params()
-    groups: dict[str, Any] = {"params": shared if shared is not None else
-                              (node.learner.get_params() if copy_live else None)}
+    groups: dict[str, Any] = {
+        "params": shared if shared is not None else (node.learner.get_params() if copy_live else None)
+    }
     for name, tensors in node.strategy.published_extras().items():
         groups[f"x:{name}"] = tensors
     return groups

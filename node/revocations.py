@@ -1,6 +1,7 @@
 """A node's side of certificate revocation (``security/revocation.py`` holds the CA-signed list):
 revoked peers leave membership for good, and the list spreads peer to peer outside any round
 (``security/crl_gossip.py``). Wired by the builder; the daemon only starts ``spread()``."""
+
 from __future__ import annotations
 
 import logging

@@ -1,6 +1,7 @@
 """The round loop: train → exchange → publish → checkpoint, one round after another, and the
 typed record each round leaves in the history (``RoundRecord``; written as JSON, its keys are the
 persistence format and what ``/history`` shows)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,16 +29,24 @@ class RoundTiming:
     loop_stall_s: float
 
     @classmethod
-    def of(cls, phase: Phase, strategy_s: float, eval_s: float, stall_s: float) -> "RoundTiming":
-        return cls(strategy_s=round(strategy_s, 4), eval_s=round(eval_s, 4), peer_calls=phase.calls,
-                   exchange_s=round(phase.exchange_s, 4), exchange_budget_s=round(phase.budget_s, 3),
-                   calls_failed=phase.failed, calls_abandoned=phase.abandoned, calls_skipped=phase.skipped,
-                   loop_stall_s=round(stall_s, 4))
+    def of(cls, phase: Phase, strategy_s: float, eval_s: float, stall_s: float) -> RoundTiming:
+        return cls(
+            strategy_s=round(strategy_s, 4),
+            eval_s=round(eval_s, 4),
+            peer_calls=phase.calls,
+            exchange_s=round(phase.exchange_s, 4),
+            exchange_budget_s=round(phase.budget_s, 3),
+            calls_failed=phase.failed,
+            calls_abandoned=phase.abandoned,
+            calls_skipped=phase.skipped,
+            loop_stall_s=round(stall_s, 4),
+        )
 
 
 @dataclass
 class RoundRecord:
     """One round, as the history keeps it (``as_dict``: the JSON line, keys in this order)."""
+
     round: int
     t: float
     duration_s: float
@@ -94,11 +103,21 @@ class RoundLoop:
         n.round = rnd
         await n.publish_round()  # a large model checked off the loop
         sent, received = n.traffic.take_round()
-        record = RoundRecord(round=rnd, t=done_at, duration_s=round(t1 - t0, 4), model_version=n.version,
-                             train_loss=report.train_loss, eval=evaluation, weights=n.strategy.weights(),
-                             contacted=report.contacted, bytes_sent=sent, bytes_received=received,
-                             info=report.info, peers_alive=len(n.peers.alive()),
-                             timing=RoundTiming.of(phase, t_strategy, t_eval, n.loop_lag.total_s - stall0))
+        record = RoundRecord(
+            round=rnd,
+            t=done_at,
+            duration_s=round(t1 - t0, 4),
+            model_version=n.version,
+            train_loss=report.train_loss,
+            eval=evaluation,
+            weights=n.strategy.weights(),
+            contacted=report.contacted,
+            bytes_sent=sent,
+            bytes_received=received,
+            info=report.info,
+            peers_alive=len(n.peers.alive()),
+            timing=RoundTiming.of(phase, t_strategy, t_eval, n.loop_lag.total_s - stall0),
+        )
         # a copy now; the writer thread encodes and writes it while the next round trains
         t2 = time.monotonic()
         await n.checkpointer.submit(await n._snapshot(record.as_dict()))

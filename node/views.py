@@ -1,6 +1,7 @@
 """The node's admin read model: what ``/status``, ``/peers``, ``/weights`` and ``/history`` show
 (``admin.py`` serves it, through the node). Read-only views over a node's state (``ViewedNode``:
 what they read of it); their JSON shapes are the public contract."""
+
 from __future__ import annotations
 
 import asyncio
@@ -84,22 +85,39 @@ class NodeViews:
     def status(self) -> dict[str, Any]:
         # round/model_version are the checkpointed ones: a restart never rolls back what is shown
         n = self.node
-        return {"node_id": n.node_id, "round": n.saved["round"], "model_version": n.saved["version"],
-                "unsaved_rounds": n.round - n.saved["round"],
-                "health": "ok" if n.healthy() else "failing", "failures": n.failures.view(),
-                "strategy": n.cfg.strategy, "device": n.learner.device,
-                "peers_alive": len(n.peers.alive()), "peers_known": len(n.peers.records),
-                "uptime_s": round(time.time() - n.started, 3), "done": n.done,
-                "rounds_target": n.cfg.rounds, "address": n.address, "admin_url": n.admin_url,
-                "fingerprint": n.fingerprint, "labels": n.labels, "last_eval": n.last_eval,
-                "strategy_state": n.strategy.public_state(), "problems": n.problems.recent(10),
-                "faulty": n.cfg.faulty, "mtls": n.transport.mtls,
-                "admission": n.admission.view(), "traffic_since_last_round": n.traffic.pending(),
-                "membership": self.membership_view(), "discovery": n.network.discovery_view(),
-                "privacy": self.privacy_view(),
-                "collaboration": n.network.releases.view(),
-                "data": n.learner.data_info(), "history_summary": history_summary(n.store.summary),
-                "relay": self.relay_view()}
+        return {
+            "node_id": n.node_id,
+            "round": n.saved["round"],
+            "model_version": n.saved["version"],
+            "unsaved_rounds": n.round - n.saved["round"],
+            "health": "ok" if n.healthy() else "failing",
+            "failures": n.failures.view(),
+            "strategy": n.cfg.strategy,
+            "device": n.learner.device,
+            "peers_alive": len(n.peers.alive()),
+            "peers_known": len(n.peers.records),
+            "uptime_s": round(time.time() - n.started, 3),
+            "done": n.done,
+            "rounds_target": n.cfg.rounds,
+            "address": n.address,
+            "admin_url": n.admin_url,
+            "fingerprint": n.fingerprint,
+            "labels": n.labels,
+            "last_eval": n.last_eval,
+            "strategy_state": n.strategy.public_state(),
+            "problems": n.problems.recent(10),
+            "faulty": n.cfg.faulty,
+            "mtls": n.transport.mtls,
+            "admission": n.admission.view(),
+            "traffic_since_last_round": n.traffic.pending(),
+            "membership": self.membership_view(),
+            "discovery": n.network.discovery_view(),
+            "privacy": self.privacy_view(),
+            "collaboration": n.network.releases.view(),
+            "data": n.learner.data_info(),
+            "history_summary": history_summary(n.store.summary),
+            "relay": self.relay_view(),
+        }
 
     def relay_view(self) -> dict[str, Any]:
         """Reachability (``direct`` or ``relayed via ...``) and relaying, from a transport that relays."""
@@ -110,20 +128,33 @@ class NodeViews:
         """The privacy ledger (ε per peer and in total) and the knobs that bound it."""
         n = self.node
         p = n.cfg.privacy
-        return {"enabled": p.enabled, "noise_multiplier": p.noise_multiplier, "grad_clip": p.grad_clip,
-                "loss_clip": p.loss_clip, "min_batch": p.min_batch, "serves": list(n.serves),
-                "withheld": n.withheld,
-                **n.ledger.view()}
+        return {
+            "enabled": p.enabled,
+            "noise_multiplier": p.noise_multiplier,
+            "grad_clip": p.grad_clip,
+            "loss_clip": p.loss_clip,
+            "min_batch": p.min_batch,
+            "serves": list(n.serves),
+            "withheld": n.withheld,
+            **n.ledger.view(),
+        }
 
     def membership_view(self) -> dict[str, Any]:
         """The peer plane's own health: SWIM counters, candidate set, channels, loop lag."""
         n = self.node
         m = n.membership
-        return {"incarnation": m.state.incarnation, "candidates": len(m.pending),
-                "candidates_dropped": m.pending.dropped, "candidates_forgotten": m.pending.forgotten_total,
-                "channels": n.client.channels(), "channels_evicted": n.client.evicted,
-                "snapshot_cache_bytes": n.cache.bytes, "loop_lag_max_s": round(n.loop_lag.max_s, 4),
-                **m.state.stats, "claim_strikes": m.gossip.claims.view()}
+        return {
+            "incarnation": m.state.incarnation,
+            "candidates": len(m.pending),
+            "candidates_dropped": m.pending.dropped,
+            "candidates_forgotten": m.pending.forgotten_total,
+            "channels": n.client.channels(),
+            "channels_evicted": n.client.evicted,
+            "snapshot_cache_bytes": n.cache.bytes,
+            "loop_lag_max_s": round(n.loop_lag.max_s, 4),
+            **m.state.stats,
+            "claim_strikes": m.gossip.claims.view(),
+        }
 
     def peers_table(self) -> list[dict[str, Any]]:
         n = self.node
@@ -137,8 +168,13 @@ class NodeViews:
 
     def weights_view(self) -> dict[str, Any]:
         n = self.node
-        return {"node_id": n.node_id, "round": n.saved["round"], "strategy": n.cfg.strategy,
-                "weights": n.saved["weights"], "strategy_state": n.saved["public_state"]}
+        return {
+            "node_id": n.node_id,
+            "round": n.saved["round"],
+            "strategy": n.cfg.strategy,
+            "weights": n.saved["weights"],
+            "strategy_state": n.saved["public_state"],
+        }
 
     async def export_model(self) -> tuple[bytes, dict[str, Any]]:
         """The personalised model of the last checkpoint, as `coterie model export` writes it."""

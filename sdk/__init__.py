@@ -9,6 +9,7 @@ What ``import coterie`` offers applications:
 Attributes load lazily (PEP 562): every ``import coterie.<sub>`` runs this file first, and the
 CLI must not pay for torch before a command needs it.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,6 +20,7 @@ __all__ = ["load_model", "ExportedModel"]
 def __getattr__(name: str) -> Any:
     if name in __all__:
         from .node import modelfile
+
         return getattr(modelfile, name)
     raise AttributeError(f"module 'coterie' has no attribute {name!r}")
 

@@ -9,15 +9,17 @@ SIGTERM). Every
 mode also starts a grandchild (`sleep`) in its process group and records its pid in
 state_dir/grandchild.pid, so tests can check that it does not outlive the run.
 """
+
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import tomllib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+import tomllib
 
 cfg = tomllib.loads(Path(sys.argv[1]).read_text())
 mode = sys.argv[2]
@@ -35,8 +37,9 @@ if mode == "crash_n1" and nid == "n1":
     sys.exit(3)
 if mode == "hang":  # up (node.json written, as the real daemon after binding) but never done
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    (state / "node.json").write_text(json.dumps({"node_id": nid, "address": "127.0.0.1:9",
-                                                 "admin_url": "http://127.0.0.1:9", "pid": os.getpid()}))
+    (state / "node.json").write_text(
+        json.dumps({"node_id": nid, "address": "127.0.0.1:9", "admin_url": "http://127.0.0.1:9", "pid": os.getpid()})
+    )
     while True:
         time.sleep(1)
 
@@ -52,10 +55,21 @@ me = ids.index(nid)
 with open(state / "history.jsonl", "w") as f:
     for r in range(1, rounds + 1):
         w = {m: (0.5 if m == nid else 0.5 / (n - 1)) for m in ids} if n > 1 else {nid: 1.0}
-        f.write(json.dumps({"round": r, "t": time.time(), "train_loss": 1.0 / r,
-                            "eval": {"test_acc": 0.1 * r + 0.01 * me, "test_loss": 2.0 / r},
-                            "weights": w, "bytes_sent": {"snapshot": 100, "gossip": 1},
-                            "bytes_received": {"snapshot": 200}, "info": {"r": r}}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "round": r,
+                    "t": time.time(),
+                    "train_loss": 1.0 / r,
+                    "eval": {"test_acc": 0.1 * r + 0.01 * me, "test_loss": 2.0 / r},
+                    "weights": w,
+                    "bytes_sent": {"snapshot": 100, "gossip": 1},
+                    "bytes_received": {"snapshot": 200},
+                    "info": {"r": r},
+                }
+            )
+            + "\n"
+        )
 
 
 token = f"fake-admin-token-{nid}-0123456789"
@@ -68,8 +82,7 @@ class H(BaseHTTPRequestHandler):
             self.send_response(401)
             self.end_headers()
             return
-        body = json.dumps({"node_id": nid, "round": rounds, "done": True,
-                           "last_eval": {"test_acc": 0.5}}).encode()
+        body = json.dumps({"node_id": nid, "round": rounds, "done": True, "last_eval": {"test_acc": 0.5}}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -83,9 +96,17 @@ class H(BaseHTTPRequestHandler):
 srv = ThreadingHTTPServer((host, int(port)), H)  # port 0 from the launcher: a free one
 bound = srv.server_address[1]
 # like the real daemon: node.json once the ports are bound (no peer port here: the admin one stands in)
-(state / "node.json").write_text(json.dumps({"node_id": nid, "address": f"{host}:{bound}",
-                                             "admin_url": f"http://{host}:{bound}",
-                                             "pid": os.getpid(), "peers": peers}))
+(state / "node.json").write_text(
+    json.dumps(
+        {
+            "node_id": nid,
+            "address": f"{host}:{bound}",
+            "admin_url": f"http://{host}:{bound}",
+            "pid": os.getpid(),
+            "peers": peers,
+        }
+    )
+)
 signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(SystemExit(0)))
 try:
     srv.serve_forever()

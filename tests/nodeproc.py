@@ -1,4 +1,5 @@
 """Real node daemons as child processes, for integration tests (loopback only)."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import tomli_w
 
@@ -26,12 +28,15 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float
         except Exception as e:  # noqa: BLE001 - the condition may not be observable yet
             last_exc = e
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else "")
+    )
 
 
 def http_json(url: str, timeout: float = 5.0, token: str | None = None) -> Any:
     """GET JSON from an admin API, with the node's admin token when given."""
     from coterie.node.admin_token import bearer
+
     with urllib.request.urlopen(urllib.request.Request(url, headers=bearer(token)), timeout=timeout) as r:
         return json.loads(r.read())
 
@@ -40,6 +45,7 @@ def node_certs(root: Path, node_id: str) -> Path:
     """A certificate for ``node_id`` from the CA of ``root`` (one per test directory, made on
     first use): what a node, or a test playing a peer, presents on the mTLS peer port."""
     from coterie.node.security.pki import CA_KEY, NODE_CERT, init_ca, issue_cert
+
     pki = Path(root) / "pki"
     if not (pki / "ca" / CA_KEY).exists():
         init_ca(pki / "ca", name="coterie test CA")
@@ -56,16 +62,24 @@ def peer_channel(root: Path, node_id: str, address: str, expect: str | None = No
 
     from coterie.node.security.pki import load_credentials
     from coterie.node.transport.tls import TLS
+
     tls = TLS(load_credentials(node_certs(root, node_id)))
-    return grpc.aio.secure_channel(address, tls.channel_credentials(),
-                                   options=[("grpc.ssl_target_name_override", tls.target_name(expect))])
+    return grpc.aio.secure_channel(
+        address, tls.channel_credentials(), options=[("grpc.ssl_target_name_override", tls.target_name(expect))]
+    )
 
 
 def tiny_learner(num_nodes: int, index: int, clusters: int = 1, samples: int = 120) -> dict[str, Any]:
-    return {"dataset": "mnist1d", "partition": "label_permutation", "num_nodes": num_nodes,
-            "node_index": index, "model": "mlp", "local_steps": 5,
-            "dataset_params": {"num_samples": 2000},
-            "partition_params": {"num_clusters": clusters, "samples_per_node": samples}}
+    return {
+        "dataset": "mnist1d",
+        "partition": "label_permutation",
+        "num_nodes": num_nodes,
+        "node_index": index,
+        "model": "mlp",
+        "local_steps": 5,
+        "dataset_params": {"num_samples": 2000},
+        "partition_params": {"num_clusters": clusters, "samples_per_node": samples},
+    }
 
 
 class NodeProc:
@@ -74,10 +88,19 @@ class NodeProc:
         self.dir = root / node_id
         self.dir.mkdir(parents=True, exist_ok=True)
         self.state_dir = self.dir / "state"
-        cfg = {"node_id": node_id, "state_dir": str(self.state_dir), "listen": "127.0.0.1:0",
-               "admin_listen": "127.0.0.1:0", "heartbeat_interval_s": 0.25, "suspect_after_s": 1.0,
-               "dead_after_s": 2.5, "request_timeout_s": 10.0, "log_level": "INFO",
-               "round_interval_s": 0.0, **config}
+        cfg = {
+            "node_id": node_id,
+            "state_dir": str(self.state_dir),
+            "listen": "127.0.0.1:0",
+            "admin_listen": "127.0.0.1:0",
+            "heartbeat_interval_s": 0.25,
+            "suspect_after_s": 1.0,
+            "dead_after_s": 2.5,
+            "request_timeout_s": 10.0,
+            "log_level": "INFO",
+            "round_interval_s": 0.0,
+            **config,
+        }
         if "security" not in config:  # mTLS like a real network; tests that want plaintext say so
             cfg["security"] = {"cert_dir": str(node_certs(root, node_id))}
         self.config_path = self.dir / "node.toml"
@@ -85,16 +108,28 @@ class NodeProc:
         self.proc: subprocess.Popen | None = None
         self.info: dict[str, Any] = {}
 
-    def start(self, timeout: float = 60.0, extra_args: list[str] | None = None) -> "NodeProc":
+    def start(self, timeout: float = 60.0, extra_args: list[str] | None = None) -> NodeProc:
         info_path = self.state_dir / "node.json"
         old_pid = None
         if info_path.exists():
             old_pid = json.loads(info_path.read_text()).get("pid")
         log = open(self.dir / "node.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = proc = subprocess.Popen([sys.executable, "-m", "coterie.cli.main", "node", "start",
-                                             "--config", str(self.config_path), *(extra_args or [])],
-                                            stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.proc = proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "coterie.cli.main",
+                "node",
+                "start",
+                "--config",
+                str(self.config_path),
+                *(extra_args or []),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
         def ready():
             if proc.poll() is not None:
@@ -127,6 +162,7 @@ class NodeProc:
     def token(self) -> str | None:
         """The node's admin token (node/admin_token.py: from its state dir)."""
         from coterie.node.admin_token import token_for_state_dir
+
         return token_for_state_dir(self.state_dir)
 
     def get(self, path: str) -> Any:
@@ -134,6 +170,7 @@ class NodeProc:
 
     def get_text(self, path: str) -> str:
         from coterie.node.admin_token import bearer
+
         req = urllib.request.Request(self.admin + path, headers=bearer(self.token))
         with urllib.request.urlopen(req, timeout=5) as r:
             return r.read().decode()
@@ -162,29 +199,41 @@ class NodeProc:
 
 
 class _NoTraffic:
-    def record(self, *a, **k): pass
-    def latency(self, *a, **k): pass
+    def record(self, *a, **k):
+        pass
+
+    def latency(self, *a, **k):
+        pass
 
 
 class CertifiedPeer:
     """A peer with a valid certificate of ``root``'s CA speaking to ``target`` through Coterie's
     own client: what the insider and resource-limit attacks are made of."""
 
-    def __init__(self, root, target: "NodeProc", node_id: str):
+    def __init__(self, root, target: NodeProc, node_id: str):
         from coterie.node.security.pki import load_credentials
         from coterie.node.transport.client import PeerClient
         from coterie.node.transport.tls import TLS
+
         self.target, self.node_id = target, node_id
-        self.client = PeerClient(node_id, _NoTraffic(), chunk_bytes=1 << 20, max_model_bytes=1 << 30,
-                                 max_gossip_bytes=1 << 20, timeout_s=30,
-                                 tls=TLS(load_credentials(node_certs(root, node_id))))
+        self.client = PeerClient(
+            node_id,
+            _NoTraffic(),
+            chunk_bytes=1 << 20,
+            max_model_bytes=1 << 30,
+            max_gossip_bytes=1 << 20,
+            timeout_s=30,
+            tls=TLS(load_credentials(node_certs(root, node_id))),
+        )
 
     async def join(self) -> None:
         from coterie.node.config import PROTOCOL_VERSION
         from coterie.node.peering.messages import NodeInfo
+
         fp = self.target.status()["fingerprint"]
-        await self.client.handshake(self.target.address, NodeInfo(
-            self.node_id, PROTOCOL_VERSION, fp, address="127.0.0.1:1"), timeout=10)
+        await self.client.handshake(
+            self.target.address, NodeInfo(self.node_id, PROTOCOL_VERSION, fp, address="127.0.0.1:1"), timeout=10
+        )
 
     async def close(self) -> None:
         await self.client.close()

@@ -7,6 +7,7 @@ permutation ("label-permuted clusters"). ``InProcessNetwork`` implements the Pee
 gossip payloads and replies go through a msgpack round trip, so what a strategy sends must be
 msgpack-able, as over the real wire.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,9 +23,9 @@ import torch
 from torch import nn
 
 from coterie.node.learning.learner import EvalResult, Learner, Params, TrainResult
+from coterie.node.persistence import pack_state, unpack_state
 from coterie.node.privacy.purposes import purpose as purpose_table
 from coterie.node.strategies.base import GradientReply, PeerSnapshot, PushedGradient, Strategy
-from coterie.node.persistence import pack_state, unpack_state
 
 Reduction = Literal["mean", "sum"]  # what Learner.loss / gradient take
 
@@ -36,9 +37,17 @@ torch.set_num_threads(1)
 # --------------------------------------------------------------------------------------------
 
 
-def make_partition(num_nodes: int = 6, num_clusters: int = 2, dim: int = 8, num_classes: int = 4,
-                   n_train: int = 64, n_val: int = 32, n_test: int = 64, noise: float = 1.0,
-                   seed: int = 0) -> list[dict[str, Any]]:
+def make_partition(
+    num_nodes: int = 6,
+    num_clusters: int = 2,
+    dim: int = 8,
+    num_classes: int = 4,
+    n_train: int = 64,
+    n_val: int = 32,
+    n_test: int = 64,
+    noise: float = 1.0,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
     """Clusters are contiguous blocks of nodes (0,1,2 | 3,4,5 for 6 nodes, 2 clusters). Class c has
     mean μ_c (shared); cluster k maps class c to label π_k(c), π_0 = identity, π_k a derangement
     for k > 0, so clusters disagree on every label."""
@@ -70,9 +79,19 @@ def make_partition(num_nodes: int = 6, num_clusters: int = 2, dim: int = 8, num_
 
 
 class ToyLearner(Learner):
-    def __init__(self, data: dict[str, tuple[torch.Tensor, torch.Tensor]], cluster: int,
-                 hidden: int = 16, num_classes: int = 4, lr: float = 0.1, batch_size: int = 16,
-                 local_steps: int = 5, init_seed: int = 0, seed: int = 0, optimizer: str = "sgd"):
+    def __init__(
+        self,
+        data: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        cluster: int,
+        hidden: int = 16,
+        num_classes: int = 4,
+        lr: float = 0.1,
+        batch_size: int = 16,
+        local_steps: int = 5,
+        init_seed: int = 0,
+        seed: int = 0,
+        optimizer: str = "sgd",
+    ):
         self.device = "cpu"
         self.true_cluster = cluster
         self.data = data
@@ -138,11 +157,17 @@ class ToyLearner(Learner):
                 loss.backward()
                 self.opt.step()
             losses.append(loss.item())
-        return TrainResult(loss=float(np.mean(losses)) if losses else float("nan"), steps=steps,
-                           samples=steps * self.batch_size)
+        return TrainResult(
+            loss=float(np.mean(losses)) if losses else float("nan"), steps=steps, samples=steps * self.batch_size
+        )
 
-    def loss(self, params: Params | None = None, split: str = "train", max_samples: int | None = None,
-             reduction: Reduction = "mean") -> EvalResult:
+    def loss(
+        self,
+        params: Params | None = None,
+        split: str = "train",
+        max_samples: int | None = None,
+        reduction: Reduction = "mean",
+    ) -> EvalResult:
         x, y = self._batch(split, max_samples)
         with torch.no_grad():
             out = self._logits(params, x)
@@ -150,15 +175,22 @@ class ToyLearner(Learner):
             acc = float((out.argmax(1) == y).float().mean())
         return EvalResult(loss=loss.item(), n=len(y), accuracy=acc)
 
-    def gradient(self, params: Params | None = None, split: str = "train", max_samples: int | None = None,
-                 reduction: Reduction = "mean") -> tuple[Params, EvalResult]:
+    def gradient(
+        self,
+        params: Params | None = None,
+        split: str = "train",
+        max_samples: int | None = None,
+        reduction: Reduction = "mean",
+    ) -> tuple[Params, EvalResult]:
         x, y = self._batch(split, max_samples)
         p = {k: v.detach().clone().requires_grad_(True) for k, v in (params or self.get_params()).items()}
         out = self._logits(p, x)
         loss = nn.functional.cross_entropy(out, y, reduction=reduction)
         grads = torch.autograd.grad(loss, list(p.values()))
         acc = float((out.argmax(1) == y).float().mean())
-        return {k: g.detach() for k, g in zip(p, grads, strict=True)}, EvalResult(loss=loss.item(), n=len(y), accuracy=acc)
+        return {k: g.detach() for k, g in zip(p, grads, strict=True)}, EvalResult(
+            loss=loss.item(), n=len(y), accuracy=acc
+        )
 
     def apply_gradient(self, grad: Params) -> None:
         with self._lock:
@@ -197,18 +229,21 @@ class ToyLearner(Learner):
 
 def _wire(obj: Any) -> Any:
     """msgpack round trip (ndarrays become lists), as the daemon's gossip channel would."""
+
     def default(o: Any) -> Any:
         if isinstance(o, np.ndarray):
             return o.tolist()
         if isinstance(o, (np.floating, np.integer)):
             return o.item()
         raise TypeError(f"not msgpack-able: {type(o).__name__}")
+
     return msgpack.unpackb(msgpack.packb(obj, default=default, use_bin_type=True), raw=False)
 
 
 def msgpack_roundtrip_state(state: dict[str, Any]) -> dict[str, Any]:
     """state_dict values must be msgpack-able; Params dicts (tensors) are allowed: encode them as
     {name: ndarray→list} and back, to check everything else packs."""
+
     def default(o: Any) -> Any:
         if isinstance(o, torch.Tensor):
             return {"__t__": o.detach().cpu().numpy().tolist(), "dtype": str(o.dtype)}
@@ -222,8 +257,10 @@ def msgpack_roundtrip_state(state: dict[str, Any]) -> dict[str, Any]:
         if "__t__" in d:
             return torch.tensor(d["__t__"], dtype=getattr(torch, d["dtype"].replace("torch.", "")))
         return d
-    return msgpack.unpackb(msgpack.packb(state, default=default, use_bin_type=True), raw=False,
-                           object_hook=hook, strict_map_key=False)
+
+    return msgpack.unpackb(
+        msgpack.packb(state, default=default, use_bin_type=True), raw=False, object_hook=hook, strict_map_key=False
+    )
 
 
 @dataclass
@@ -263,10 +300,13 @@ class Hub:
     def publish(self, node_id: str, rnd: int) -> None:
         n = self.nodes[node_id]
         version = 0 if n.snapshot is None else n.snapshot.version + 1
-        extras = {k: {kk: vv.detach().clone() for kk, vv in v.items()}
-                  for k, v in (n.strategy.published_extras() if n.strategy else {}).items()}
-        n.snapshot = PeerSnapshot(node_id=node_id, version=version, round=rnd,
-                                  params=n.learner.get_params(), extras=extras)
+        extras = {
+            k: {kk: vv.detach().clone() for kk, vv in v.items()}
+            for k, v in (n.strategy.published_extras() if n.strategy else {}).items()
+        }
+        n.snapshot = PeerSnapshot(
+            node_id=node_id, version=version, round=rnd, params=n.learner.get_params(), extras=extras
+        )
         if self._published is not None:
             self._published[1].set()
             self._published = None
@@ -307,8 +347,9 @@ class InProcessNetwork:
     def release(self, peer: str) -> None:
         self.hub.count("release")  # nothing held here: every pull hands out a copy
 
-    async def pull(self, peer: str, *, min_round: int | None = None,
-                   wait_s: float | None = None) -> PeerSnapshot | None:
+    async def pull(
+        self, peer: str, *, min_round: int | None = None, wait_s: float | None = None
+    ) -> PeerSnapshot | None:
         """As the daemon's: with ``min_round``, a snapshot of round >= min_round, waiting up to
         ``wait_s`` (default ``hub.wait_s``) for the peer to publish it; else None."""
         n = self._peer(peer)
@@ -337,28 +378,53 @@ class InProcessNetwork:
         assert mine is not None, f"{self.node_id} pulls before it published"
         return mine.params
 
-    async def cross_loss(self, peer: str, params: Params | None = None, *, purpose: str,
-                         split: str | None = None, max_samples: int | None = None,
-                         reduction: str = "mean") -> tuple[float, int] | None:
+    async def cross_loss(
+        self,
+        peer: str,
+        params: Params | None = None,
+        *,
+        purpose: str,
+        split: str | None = None,
+        max_samples: int | None = None,
+        reduction: str = "mean",
+    ) -> tuple[float, int] | None:
         split = _split_of(purpose, "loss", split)
         n = self._peer(peer)
         self.hub.count("cross_loss")
         if n is None:
             return None
-        r = await asyncio.to_thread(n.learner.loss, params if params is not None else self._mine(),
-                                    split, max_samples, cast(Reduction, reduction))
+        r = await asyncio.to_thread(
+            n.learner.loss,
+            params if params is not None else self._mine(),
+            split,
+            max_samples,
+            cast(Reduction, reduction),
+        )
         return r.loss, r.n
 
-    async def cross_gradient(self, peer: str, params: Params | None = None, *, purpose: str,
-                             split: str | None = None, max_samples: int | None = None,
-                             reduction: str = "mean", align_with: Params | None = None) -> GradientReply | None:
+    async def cross_gradient(
+        self,
+        peer: str,
+        params: Params | None = None,
+        *,
+        purpose: str,
+        split: str | None = None,
+        max_samples: int | None = None,
+        reduction: str = "mean",
+        align_with: Params | None = None,
+    ) -> GradientReply | None:
         split = _split_of(purpose, "gradient" if align_with is None else "alignment", split)
         n = self._peer(peer)
         self.hub.count("cross_gradient")
         if n is None:
             return None
-        g, r = await asyncio.to_thread(n.learner.gradient, params if params is not None else self._mine(),
-                                       split, max_samples, cast(Reduction, reduction))
+        g, r = await asyncio.to_thread(
+            n.learner.gradient,
+            params if params is not None else self._mine(),
+            split,
+            max_samples,
+            cast(Reduction, reduction),
+        )
         if align_with is not None:
             ip = float(sum(torch.sum(g[k].double() * align_with[k].double()) for k in g))
             if n.strategy is not None:
@@ -366,8 +432,9 @@ class InProcessNetwork:
             return GradientReply(grad=None, loss=r.loss, n=r.n, inner_product=ip)
         return GradientReply(grad=g, loss=r.loss, n=r.n)
 
-    async def private_gradient(self, peer: str, params: Params, *, purpose: str,
-                               max_samples: int | None = None) -> Params | None:
+    async def private_gradient(
+        self, peer: str, params: Params, *, purpose: str, max_samples: int | None = None
+    ) -> Params | None:
         """My own gradient as sent out; exact here (the DP mechanism is tested on real nodes)."""
         assert purpose_table(purpose).kind in ("push", "alignment"), purpose
         self.hub.count("private_gradient")
@@ -375,15 +442,15 @@ class InProcessNetwork:
         g, _ = await asyncio.to_thread(me.learner.gradient, params, purpose_table(purpose).split, max_samples)
         return g
 
-    async def push_gradient(self, peer: str, version: int, grad: Params, *,
-                            purpose: str = "federico-push") -> bool:
+    async def push_gradient(self, peer: str, version: int, grad: Params, *, purpose: str = "federico-push") -> bool:
         assert purpose_table(purpose).kind == "push", purpose
         n = self._peer(peer)
         self.hub.count("push")
         if n is None:
             return False
-        n.inbox.append(PushedGradient(sender=self.node_id, version=version,
-                                      grad={k: v.detach().clone() for k, v in grad.items()}))
+        n.inbox.append(
+            PushedGradient(sender=self.node_id, version=version, grad={k: v.detach().clone() for k, v in grad.items()})
+        )
         return True
 
     def drain_pushed(self) -> list[PushedGradient]:
@@ -403,9 +470,16 @@ class InProcessNetwork:
         return None if reply is None else _wire(reply)
 
 
-def build_network(strategy_cls: type[Strategy], params: dict[str, Any] | None = None, *,
-                  num_nodes: int = 6, num_clusters: int = 2, learner_kw: dict[str, Any] | None = None,
-                  data_kw: dict[str, Any] | None = None, seed: int = 0) -> Hub:
+def build_network(
+    strategy_cls: type[Strategy],
+    params: dict[str, Any] | None = None,
+    *,
+    num_nodes: int = 6,
+    num_clusters: int = 2,
+    learner_kw: dict[str, Any] | None = None,
+    data_kw: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> Hub:
     hub = Hub()
     shards = make_partition(num_nodes, num_clusters, seed=seed, **(data_kw or {}))
     for i, sh in enumerate(shards):
@@ -418,10 +492,10 @@ def build_network(strategy_cls: type[Strategy], params: dict[str, Any] | None = 
     return hub
 
 
-async def run_free(hub: Hub, rounds: int, delay_s: dict[str, float] | None = None,
-                   start: int = 1) -> dict[str, list]:
+async def run_free(hub: Hub, rounds: int, delay_s: dict[str, float] | None = None, start: int = 1) -> dict[str, list]:
     """Every node runs its own rounds as fast as it can, as daemons do (no global round barrier),
     publishing after each; ``delay_s[node]`` slows a node down by that much per round."""
+
     async def node_loop(nid: str) -> list:
         out = []
         for rnd in range(start, start + rounds):
@@ -430,12 +504,14 @@ async def run_free(hub: Hub, rounds: int, delay_s: dict[str, float] | None = Non
             if pause := (delay_s or {}).get(nid):
                 await asyncio.sleep(pause)  # a slower node, not a wait for anything
         return out
+
     reports = await asyncio.gather(*(node_loop(nid) for nid in hub.nodes))
     return dict(zip(hub.nodes, reports, strict=True))
 
 
-async def run_rounds(hub: Hub, rounds: int, start: int = 1, concurrent: bool = False,
-                     synchronous: bool = False) -> list[dict]:
+async def run_rounds(
+    hub: Hub, rounds: int, start: int = 1, concurrent: bool = False, synchronous: bool = False
+) -> list[dict]:
     """Run ``rounds`` rounds on every node; each node publishes right after its round.
     Sequential by default (deterministic); ``concurrent`` runs the nodes' rounds together;
     ``synchronous`` runs them one after another but publishes only once all are done (a global
@@ -448,10 +524,12 @@ async def run_rounds(hub: Hub, rounds: int, start: int = 1, concurrent: bool = F
                 hub.publish(nid, rnd)
             reports.append(rep)
         elif concurrent:
+
             async def one(nid: str, rnd: int) -> Any:
                 r = await hub.nodes[nid].running().run_round(rnd)
                 hub.publish(nid, rnd)
                 return r
+
             rs = await asyncio.gather(*(one(nid, rnd) for nid in hub.nodes))
             reports.append(dict(zip(hub.nodes, rs, strict=True)))
         else:
@@ -502,4 +580,3 @@ def assert_same_optimizer_state(a: torch.optim.Optimizer, b: torch.optim.Optimiz
         assert sa[k].keys() == sb[k].keys()
         for n in sa[k]:
             assert torch.equal(torch.as_tensor(sa[k][n]), torch.as_tensor(sb[k][n])), (k, n)
-

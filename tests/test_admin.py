@@ -14,8 +14,7 @@ TOKEN = "test-admin-token-0123456789abcdef"  # the routes here; tests/test_admin
 
 
 async def _client(node):
-    client = TestClient(TestServer(make_admin_app(node, auth=AdminAuth(TOKEN, node.node_id))),
-                        headers=bearer(TOKEN))
+    client = TestClient(TestServer(make_admin_app(node, auth=AdminAuth(TOKEN, node.node_id))), headers=bearer(TOKEN))
     await client.start_server()
     return client
 
@@ -158,10 +157,16 @@ async def test_network_never_fetches_what_peers_advertise():
     for e in a.history:
         e["weights"] = {"n0": 0.6, "n1": 0.3, "n2": 0.1}
     a.peers_table = lambda: [
-        {"node_id": "n1", "address": "x:1", "state": "alive", "labels": {"cluster": "1"},
-         "admin_url": f"http://127.0.0.1:{listener.port}/internal-only"},
+        {
+            "node_id": "n1",
+            "address": "x:1",
+            "state": "alive",
+            "labels": {"cluster": "1"},
+            "admin_url": f"http://127.0.0.1:{listener.port}/internal-only",
+        },
         {"node_id": "n2", "address": "x:2", "state": "alive", "admin_url": f"http://127.0.0.1:{listener.port}"},
-        {"node_id": "n3", "address": "x:3", "state": "dead", "admin_url": "http://127.0.0.1:9"}]
+        {"node_id": "n3", "address": "x:3", "state": "dead", "admin_url": "http://127.0.0.1:9"},
+    ]
     client = await _client(a)
     try:
         net = await (await client.get("/network")).json()
@@ -177,8 +182,9 @@ async def test_network_never_fetches_what_peers_advertise():
 
 async def test_history_is_readable_cross_origin_by_peer_dashboards_only():
     a = FakeNode("n0")
-    a.peers_table = lambda: [{"node_id": "n1", "address": "x:1", "state": "alive",
-                              "admin_url": "http://127.0.0.1:4242"}]
+    a.peers_table = lambda: [
+        {"node_id": "n1", "address": "x:1", "state": "alive", "admin_url": "http://127.0.0.1:4242"}
+    ]
     client = await _client(a)
     try:
         peer = await client.get("/history?last=1", headers={"Origin": "http://127.0.0.1:4242"})
@@ -193,9 +199,32 @@ async def test_history_is_readable_cross_origin_by_peer_dashboards_only():
 async def test_query_parameters_are_bounded_never_500():
     """``/history?last=<5000 digits>`` answered 500 with a traceback (int() refuses > 4300 digits)."""
     import random
+
     rng = random.Random(0)
-    values = ["9" * 5000, "-" + "9" * 5000, "1e9", "0x10", "\u00b2", "\u0663", " 1", "1 ", "", "-", "+1",
-              "nan", "inf", "1.5", "%00", "9" * 14, "-9" * 7, "\x00", "[]", "{}", "'", '"']
+    values = [
+        "9" * 5000,
+        "-" + "9" * 5000,
+        "1e9",
+        "0x10",
+        "\u00b2",
+        "\u0663",
+        " 1",
+        "1 ",
+        "",
+        "-",
+        "+1",
+        "nan",
+        "inf",
+        "1.5",
+        "%00",
+        "9" * 14,
+        "-9" * 7,
+        "\x00",
+        "[]",
+        "{}",
+        "'",
+        '"',
+    ]
     values += ["".join(rng.choice("0123456789-+e. x\u00b2") for _ in range(rng.randint(1, 30))) for _ in range(60)]
     client = await _client(FakeNode())
     statuses = {}

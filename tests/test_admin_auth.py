@@ -3,6 +3,7 @@ place (a query string on an API route, a Basic header), a forged cookie. Each is
 401; /healthz stays open; the comparison is constant-time; the dashboard opens with /?token=
 and continues on an HttpOnly, SameSite=Strict cookie. A real node makes its token file (0600)
 and the CLI finds it through --state-dir."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,18 @@ from coterie.node.config import ConfigError, validate_config
 from tests.fake_node import FakeNode
 
 TOKEN = "right-token-3f9a8b7c6d5e4f30"
-ROUTES = ["/", "/status", "/peers", "/weights", "/metrics", "/history", "/network", "/model",
-          "/model.json", "/no-such-route"]
+ROUTES = [
+    "/",
+    "/status",
+    "/peers",
+    "/weights",
+    "/metrics",
+    "/history",
+    "/network",
+    "/model",
+    "/model.json",
+    "/no-such-route",
+]
 
 
 async def _client(node=None):
@@ -142,8 +153,7 @@ async def test_no_auth_only_on_loopback():
     with pytest.raises(ConfigError, match="loopback"):
         validate_config({"admin_listen": "node1.example:8000", "security": {"admin_auth": False}})
     for host in ("127.0.0.1", "[::1]", "localhost"):
-        assert not validate_config({"admin_listen": f"{host}:0",
-                                    "security": {"admin_auth": False}}).security.admin_auth
+        assert not validate_config({"admin_listen": f"{host}:0", "security": {"admin_auth": False}}).security.admin_auth
     runner, port = await start_admin(FakeNode(), "127.0.0.1", 0, token=None)  # loopback: allowed
     try:
         client = TestClient(TestServer(make_admin_app(FakeNode(), auth=None)))
@@ -167,19 +177,35 @@ def test_token_file_is_made_once_0600_and_bad_ones_are_named(tmp_path):
 
 
 def _solo(tmp_path, **extra):
-    return validate_config({"node_id": "solo", "security": {"insecure": True, **extra.pop("security", {})},
-                            "state_dir": str(tmp_path / "solo"), "strategy": "local", "rounds": 1,
-                            "min_peers": 0, "round_interval_s": 0.0, "listen": "127.0.0.1:0",
-                            "admin_listen": "127.0.0.1:0", **extra,
-                            "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 600},
-                                        "partition": "iid", "num_nodes": 1, "model": "linear",
-                                        "local_steps": 2}})
+    return validate_config(
+        {
+            "node_id": "solo",
+            "security": {"insecure": True, **extra.pop("security", {})},
+            "state_dir": str(tmp_path / "solo"),
+            "strategy": "local",
+            "rounds": 1,
+            "min_peers": 0,
+            "round_interval_s": 0.0,
+            "listen": "127.0.0.1:0",
+            "admin_listen": "127.0.0.1:0",
+            **extra,
+            "learner": {
+                "dataset": "mnist1d",
+                "dataset_params": {"num_samples": 600},
+                "partition": "iid",
+                "num_nodes": 1,
+                "model": "linear",
+                "local_steps": 2,
+            },
+        }
+    )
 
 
 async def test_a_real_node_makes_its_token_and_the_cli_finds_it(tmp_path, monkeypatch):
     import httpx
 
     from coterie.node.daemon import Node
+
     monkeypatch.delenv("COTERIE_ADMIN_TOKEN", raising=False)
     monkeypatch.delenv("COTERIE_ADMIN", raising=False)
     cfg = _solo(tmp_path)
@@ -198,6 +224,7 @@ async def test_a_real_node_makes_its_token_and_the_cli_finds_it(tmp_path, monkey
 
         def cli(*args):
             return CliRunner().invoke(app, ["status", "--json", *args])
+
         r = await asyncio.to_thread(cli, "--state-dir", str(cfg.state_dir))  # URL and token from there
         assert r.exit_code == 0, r.output
         assert json.loads(r.stdout)["node_id"] == "solo"
@@ -239,6 +266,7 @@ async def test_model_route_names_an_unusable_checkpoint():
 
     def broken():
         raise StateError("ckpt-000003.safetensors was written by a coterie without model export")
+
     node.export_model = broken
     client = await _client(node)
     try:

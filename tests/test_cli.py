@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +19,6 @@ from coterie.cli.main import app
 from coterie.lab.launch import processes
 from coterie.node.admin import start_admin
 from coterie.node.logs import RoundLog, configure_logging
-import socket
 from tests.fake_node import FakeNode
 
 FAKE = str(Path(__file__).with_name("fake_daemon.py"))
@@ -44,14 +44,32 @@ def captured(monkeypatch):
 # ----------------------------------------------------------------------------- node start
 def test_node_start_precedence_flags_env_toml(tmp_path, monkeypatch, captured):
     cfg = tmp_path / "node.toml"
-    cfg.write_text('strategy = "dpsgd"\nrounds = 3\nlisten = "127.0.0.1:7000"\n'
-                   '[learner]\nlr = 0.2\nbatch_size = 8\n')
+    cfg.write_text('strategy = "dpsgd"\nrounds = 3\nlisten = "127.0.0.1:7000"\n[learner]\nlr = 0.2\nbatch_size = 8\n')
     monkeypatch.setenv("COTERIE_ROUNDS", "5")
     monkeypatch.setenv("COTERIE_LEARNER__BATCH_SIZE", "16")
-    r = runner.invoke(app, ["node", "start", "--config", str(cfg), "--rounds", "7",
-                            "--peers", "127.0.0.1:1,127.0.0.1:2", "--node-id", "alpha",
-                            "--set", "learner.lr=0.5", "--set", "labels.zone=eu",
-                            "--admin-listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "st")])
+    r = runner.invoke(
+        app,
+        [
+            "node",
+            "start",
+            "--config",
+            str(cfg),
+            "--rounds",
+            "7",
+            "--peers",
+            "127.0.0.1:1,127.0.0.1:2",
+            "--node-id",
+            "alpha",
+            "--set",
+            "learner.lr=0.5",
+            "--set",
+            "labels.zone=eu",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--state-dir",
+            str(tmp_path / "st"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     c = captured["cfg"]
     assert c.rounds == 7  # flag beats env beats TOML
@@ -67,16 +85,19 @@ def test_node_start_exit_code_is_run_nodes(monkeypatch, captured):
     assert runner.invoke(app, ["node", "start"]).exit_code == 3
 
 
-@pytest.mark.parametrize("args, env, field", [
-    (["--set", "learner.lr=-1"], {}, "learner.lr"),
-    (["--listen", "nohostport"], {}, "listen"),
-    (["--peers", "a:1,b"], {}, "peers"),
-    (["--rounds", "-2"], {}, "rounds"),
-    (["--set", "no_such_field=1"], {}, "no_such_field"),
-    (["--set", "novalue"], {}, "--set"),
-    ([], {"COTERIE_HEARTBEAT_INTERVAL_S": "0"}, "heartbeat_interval_s"),
-    ([], {"COTERIE_LEARNER__OPTIMIZER": "lbfgs"}, "learner.optimizer"),
-])
+@pytest.mark.parametrize(
+    "args, env, field",
+    [
+        (["--set", "learner.lr=-1"], {}, "learner.lr"),
+        (["--listen", "nohostport"], {}, "listen"),
+        (["--peers", "a:1,b"], {}, "peers"),
+        (["--rounds", "-2"], {}, "rounds"),
+        (["--set", "no_such_field=1"], {}, "no_such_field"),
+        (["--set", "novalue"], {}, "--set"),
+        ([], {"COTERIE_HEARTBEAT_INTERVAL_S": "0"}, "heartbeat_interval_s"),
+        ([], {"COTERIE_LEARNER__OPTIMIZER": "lbfgs"}, "learner.optimizer"),
+    ],
+)
 def test_node_start_bad_config_exits_nonzero_naming_field(monkeypatch, captured, args, env, field):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -113,7 +134,8 @@ def admin_url():
     t = threading.Thread(target=loop.run_forever, daemon=True)
     t.start()
     runner_, port = asyncio.run_coroutine_threadsafe(
-        start_admin(FakeNode("n5"), "127.0.0.1", 0, token=ADMIN_TOKEN), loop).result(timeout=10)
+        start_admin(FakeNode("n5"), "127.0.0.1", 0, token=ADMIN_TOKEN), loop
+    ).result(timeout=10)
     yield f"http://127.0.0.1:{port}"
     asyncio.run_coroutine_threadsafe(runner_.cleanup(), loop).result(timeout=10)
     loop.call_soon_threadsafe(loop.stop)
@@ -172,10 +194,10 @@ def test_strategies_lists_registry():
 # ---------------------------------------------------------------------------- run / demo
 def test_run_bad_scenario_exits_2(tmp_path):
     sc = tmp_path / "s.toml"
-    sc.write_text('nodes = 3\nrounds = 2\n[learner]\nbatch_size = 0\n')
+    sc.write_text("nodes = 3\nrounds = 2\n[learner]\nbatch_size = 0\n")
     r = runner.invoke(app, ["run", str(sc), "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "learner.batch_size" in r.stderr
-    sc.write_text('nodes = 3\nrounds = 2\n')
+    sc.write_text("nodes = 3\nrounds = 2\n")
     r = runner.invoke(app, ["run", str(sc), "--out", str(tmp_path / "o"), "--strategy", "local,nope"])
     assert r.exit_code == 2 and "nope" in r.stderr
     assert not (tmp_path / "o" / "results.json").exists()
@@ -185,8 +207,10 @@ def test_run_oversized_partition_exits_2_before_starting_nodes(tmp_path, monkeyp
     started = []
     monkeypatch.setattr(processes, "default_command", lambda spec: started.append(spec) or ["false"])
     sc = tmp_path / "s.toml"
-    sc.write_text('nodes = 3\nrounds = 2\n[learner]\ndataset = "digits"\n'
-                  'partition_params = { num_clusters = 3, samples_per_node = 900 }\n')
+    sc.write_text(
+        'nodes = 3\nrounds = 2\n[learner]\ndataset = "digits"\n'
+        "partition_params = { num_clusters = 3, samples_per_node = 900 }\n"
+    )
     r = runner.invoke(app, ["run", str(sc), "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "needs 2700 samples" in r.stderr and "node n0" in r.stderr
     assert not started and not (tmp_path / "o" / "results.json").exists()
@@ -194,17 +218,18 @@ def test_run_oversized_partition_exits_2_before_starting_nodes(tmp_path, monkeyp
 
 @pytest.fixture
 def fake_nodes(monkeypatch):
-    monkeypatch.setattr(processes, "default_command",
-                        lambda spec: [sys.executable, FAKE, str(spec.config_path), "ok"])
+    monkeypatch.setattr(processes, "default_command", lambda spec: [sys.executable, FAKE, str(spec.config_path), "ok"])
 
 
 def test_run_with_overrides_prints_table(tmp_path, fake_nodes):
     sc = tmp_path / "s.toml"
-    sc.write_text('name = "tiny"\nnodes = 2\nrounds = 2\nstrategy = "local"\n'
-                  '[learner]\npartition_params = { num_clusters = 2 }\n')
+    sc.write_text(
+        'name = "tiny"\nnodes = 2\nrounds = 2\nstrategy = "local"\n[learner]\npartition_params = { num_clusters = 2 }\n'
+    )
     out = tmp_path / "o"
-    r = runner.invoke(app, ["run", str(sc), "--out", str(out), "--strategy", "local,dpsgd",
-                            "--rounds", "4", "--seed", "9"])
+    r = runner.invoke(
+        app, ["run", str(sc), "--out", str(out), "--strategy", "local,dpsgd", "--rounds", "4", "--seed", "9"]
+    )
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())
     assert res["scenario"]["rounds"] == 4 and res["scenario"]["seed"] == 9
@@ -215,10 +240,11 @@ def test_run_with_overrides_prints_table(tmp_path, fake_nodes):
 
 
 def test_run_reports_dead_node(tmp_path, monkeypatch):
-    monkeypatch.setattr(processes, "default_command",
-                        lambda spec: [sys.executable, FAKE, str(spec.config_path), "crash_n1"])
+    monkeypatch.setattr(
+        processes, "default_command", lambda spec: [sys.executable, FAKE, str(spec.config_path), "crash_n1"]
+    )
     sc = tmp_path / "s.toml"
-    sc.write_text('nodes = 2\nrounds = 1\n[learner]\npartition_params = { num_clusters = 2 }\n')
+    sc.write_text("nodes = 2\nrounds = 1\n[learner]\npartition_params = { num_clusters = 2 }\n")
     r = runner.invoke(app, ["run", str(sc), "--out", str(tmp_path / "o")])
     assert r.exit_code == 1 and "node n1 exited with code 3" in r.stderr and "boom" in r.stderr
 
@@ -232,8 +258,11 @@ def test_demo_shows_heatmap_and_saves_png(tmp_path, fake_nodes):
     assert names[0] == "local" and len(names) == 2
     assert f"clusters found by {names[1]}" in r.stdout  # the terminal heatmap
     ids = res["node_ids"]
-    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines()
-            if line.split()[:1] and line.split()[0] in ids and line.split()[1].startswith("c")}
+    rows = {
+        line.split()[0]: line.split()
+        for line in r.stdout.splitlines()
+        if line.split()[:1] and line.split()[0] in ids and line.split()[1].startswith("c")
+    }
     assert list(rows) == ids  # uniform peer weights: no blocks to find, the nodes' own order
     # fake nodes keep 0.5 for themselves: shown apart as a number, the diagonal as a dot
     assert all(row[2 + 8] == "0.50" for row in rows.values())
@@ -276,9 +305,23 @@ def test_strategies_json():
 
 
 def test_status_watch_refreshes_until_interrupted(admin_url):
-    proc = subprocess.Popen([sys.executable, "-m", "coterie.cli.main", "status", "--admin", admin_url,
-                             "--watch", "--json", "--interval", "0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "coterie.cli.main",
+            "status",
+            "--admin",
+            admin_url,
+            "--watch",
+            "--json",
+            "--interval",
+            "0.2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = [proc.stdout.readline() for _ in range(3)]  # three refreshes, one JSON line each
         assert all(json.loads(line)["node_id"] == "n5" for line in lines)
@@ -294,9 +337,24 @@ def test_status_watch_waits_for_a_starting_nodes_state_dir(admin_url, tmp_path):
     retries, then shows the node once they are there (it used to exit at once)."""
     st = tmp_path / "n0"
     env = {k: v for k, v in os.environ.items() if not k.startswith("COTERIE_ADMIN")}
-    proc = subprocess.Popen([sys.executable, "-m", "coterie.cli.main", "status", "--state-dir", str(st),
-                             "--watch", "--json", "--interval", "0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "coterie.cli.main",
+            "status",
+            "--state-dir",
+            str(st),
+            "--watch",
+            "--json",
+            "--interval",
+            "0.2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         first = json.loads(proc.stdout.readline())
         assert "no node.json" in first["error"] and proc.poll() is None
@@ -331,12 +389,17 @@ def test_defaults_pass_preflight(captured):
     assert cfg.learner.num_nodes == 1 and cfg.round_interval_s > 0
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--strategy", "nope"], ["unknown strategy 'nope'", "fedfomo"]),
-    (["--set", "learner.num_nodes=3", "--set", "learner.partition_params.num_clusters=5"],
-     ["num_clusters=5", "num_nodes=3"]),
-    (["--log-format", "xml"], ["--log-format"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--strategy", "nope"], ["unknown strategy 'nope'", "fedfomo"]),
+        (
+            ["--set", "learner.num_nodes=3", "--set", "learner.partition_params.num_clusters=5"],
+            ["num_clusters=5", "num_nodes=3"],
+        ),
+        (["--log-format", "xml"], ["--log-format"]),
+    ],
+)
 def test_node_start_refuses_before_starting(captured, args, words):
     r = runner.invoke(app, ["node", "start", *args])
     assert r.exit_code == 2, r.output
@@ -360,6 +423,7 @@ async def test_peer_server_bind_failure_is_an_oserror():
     """Past the preflight (a port taken in between): grpc's RuntimeError becomes the OSError that
     run_node reports as one line."""
     from coterie.node.transport.server import serve
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -410,9 +474,8 @@ def test_real_node_problems_reflection_and_wrong_port(tmp_path):
     """A hand-started node whose bootstrap peer is down says so (log and /status problems); the
     CLI pointed at its gRPC port gives one line, not a traceback; gRPC reflection lists the
     peer service; a second node on the same peer port fails in one line."""
-    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import \
-        ProtoReflectionDescriptorDatabase
     import grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
     from coterie.node.security.pki import load_credentials
     from coterie.node.transport.tls import TLS
@@ -421,31 +484,57 @@ def test_real_node_problems_reflection_and_wrong_port(tmp_path):
     with socket.socket() as dead:
         dead.bind(("127.0.0.1", 0))  # bound, not listening: nobody answers there
         down = f"127.0.0.1:{dead.getsockname()[1]}"
-        node = NodeProc(tmp_path, "solo", {"peers": [down], "learner": tiny_learner(1, 0),
-                                           "heartbeat_interval_s": 0.2,  # reflection is opt-in
-                                           "security": {"cert_dir": str(node_certs(tmp_path, "solo")),
-                                                        "reflection": True}}).start()
+        node = NodeProc(
+            tmp_path,
+            "solo",
+            {
+                "peers": [down],
+                "learner": tiny_learner(1, 0),
+                "heartbeat_interval_s": 0.2,  # reflection is opt-in
+                "security": {"cert_dir": str(node_certs(tmp_path, "solo")), "reflection": True},
+            },
+        ).start()
         try:
-            problems = wait_for(lambda: [p for p in node.status()["problems"] if down in p["message"]],
-                                30, "the unreachable bootstrap peer in /status problems")
+            problems = wait_for(
+                lambda: [p for p in node.status()["problems"] if down in p["message"]],
+                30,
+                "the unreachable bootstrap peer in /status problems",
+            )
             assert "cannot reach bootstrap peer" in problems[0]["message"]
             assert len(problems) == 1  # reported once, not every heartbeat
-            wait_for(lambda: "cannot reach bootstrap peer at " + down in node.log_tail(200), 10,
-                     "the warning in the log")
+            wait_for(
+                lambda: "cannot reach bootstrap peer at " + down in node.log_tail(200), 10, "the warning in the log"
+            )
 
             r = runner.invoke(app, ["status", "--admin", f"http://{node.address}"])
             assert r.exit_code == 1 and "Traceback" not in r.output
             assert "does not answer HTTP" in r.stderr and "gRPC" in r.stderr
 
             tls = TLS(load_credentials(node_certs(tmp_path, "cli")))  # the peer port is mTLS
-            with grpc.secure_channel(node.address, tls.channel_credentials(),
-                                     options=[("grpc.ssl_target_name_override", TLS.target_name("solo"))]) as ch:
+            with grpc.secure_channel(
+                node.address,
+                tls.channel_credentials(),
+                options=[("grpc.ssl_target_name_override", TLS.target_name("solo"))],
+            ) as ch:
                 services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
             assert {"coterie.v1.Peer", "grpc.health.v1.Health"} <= services
 
             second = subprocess.run(
-                [sys.executable, "-m", "coterie.cli.main", "node", "start", "--listen", node.address,
-                 "--state-dir", str(tmp_path / "second")], capture_output=True, text=True, timeout=120)
+                [
+                    sys.executable,
+                    "-m",
+                    "coterie.cli.main",
+                    "node",
+                    "start",
+                    "--listen",
+                    node.address,
+                    "--state-dir",
+                    str(tmp_path / "second"),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert second.returncode == 1 and "already in use" in second.stderr
             assert "Traceback" not in second.stderr
         finally:
@@ -462,11 +551,11 @@ def test_bootstrap_from_a_running_nodes_node_json(tmp_path, captured):
     assert r.exit_code == 0, r.output
     assert captured["cfg"].peers == ["127.0.0.1:9", "127.0.0.1:7123"]
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     (st / "node.json").write_text(json.dumps({"address": "127.0.0.1:7123", "pid": int(gone)}))
     del captured["cfg"]
-    r = runner.invoke(app, ["node", "start", "--set", "start_timeout_s=0.3",
-                            "--bootstrap-from", str(st / "node.json")])
+    r = runner.invoke(app, ["node", "start", "--set", "start_timeout_s=0.3", "--bootstrap-from", str(st / "node.json")])
     assert r.exit_code == 1 and "no running node wrote" in r.stderr and "Traceback" not in r.output
     assert "cfg" not in captured

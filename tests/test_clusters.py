@@ -5,8 +5,9 @@ from coterie.node.clusters import block_order, diagonal, in_block_mass, off_diag
 
 
 def _matrix(truth, own=0.6, same=0.15, other=0.01):
-    return [[own if i == j else (same if ci == cj else other) for j, cj in enumerate(truth)]
-            for i, ci in enumerate(truth)]
+    return [
+        [own if i == j else (same if ci == cj else other) for j, cj in enumerate(truth)] for i, ci in enumerate(truth)
+    ]
 
 
 def test_block_order_groups_interleaved_clusters():

@@ -1,4 +1,5 @@
 """Property tests of the tensor wire codec: exact round trips, and garbage never crashes it."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +10,18 @@ from hypothesis import strategies as st
 
 from coterie.node.wire.codec import WireError, check_finite, check_spec, decode, encode
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-          torch.int16, torch.int8, torch.uint8, torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)
 
@@ -29,13 +40,15 @@ def tensors(draw):
     return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g, dtype=torch.int64).to(dtype)
 
 
-groups = st.dictionaries(st.text(min_size=1, max_size=8),
-                         st.dictionaries(st.text(min_size=1, max_size=12), tensors(), max_size=4),
-                         max_size=3)
+groups = st.dictionaries(
+    st.text(min_size=1, max_size=8),
+    st.dictionaries(st.text(min_size=1, max_size=12), tensors(), max_size=4),
+    max_size=3,
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(groups, st.dictionaries(st.text(max_size=5), st.integers(-2**63, 2**63 - 1) | st.text(max_size=5), max_size=3))
+@given(groups, st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**63 - 1) | st.text(max_size=5), max_size=3))
 def test_round_trip_any_dtype_and_shape(g, meta):
     out, meta_out = decode(encode(g, meta))
     assert meta_out == meta
@@ -95,7 +108,6 @@ def test_finite_and_spec_checks_name_the_tensor():
         check_spec({"w": torch.zeros(3, 2), "b": torch.zeros(3)}, spec)
     with pytest.raises(WireError, match="missing"):
         check_spec({"w": torch.zeros(2, 3)}, spec)
-
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])

@@ -1,6 +1,7 @@
 """Snapshot codecs (``wire/codecs.py``) and the server's delta history
 (``transport/served_versions.py``), without a network: q8's per-block error bound, every codec's
 round trip, negotiation, refusals of malformed payloads, and deltas that do not accumulate error."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,16 +19,18 @@ from coterie.node.wire.codec import WireError
 
 def _model(seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return {"params": {
-        "w": torch.randn(37, 101, generator=g) * 3,  # not a multiple of the block size
-        "tiny": torch.randn(5, generator=g) * 1e-6,
-        "mixed": torch.cat([torch.randn(300, generator=g) * 100, torch.randn(300, generator=g) * 1e-3]),
-        "d": torch.randn(17, generator=g, dtype=torch.float64),
-        "h": torch.randn(9, generator=g).to(torch.float16),
-        "zeros": torch.zeros(700),
-        "steps": torch.tensor([3, 1, 4], dtype=torch.int64),
-        "mask": torch.tensor([True, False]),
-    }}
+    return {
+        "params": {
+            "w": torch.randn(37, 101, generator=g) * 3,  # not a multiple of the block size
+            "tiny": torch.randn(5, generator=g) * 1e-6,
+            "mixed": torch.cat([torch.randn(300, generator=g) * 100, torch.randn(300, generator=g) * 1e-3]),
+            "d": torch.randn(17, generator=g, dtype=torch.float64),
+            "h": torch.randn(9, generator=g).to(torch.float16),
+            "zeros": torch.zeros(700),
+            "steps": torch.tensor([3, 1, 4], dtype=torch.int64),
+            "mask": torch.tensor([True, False]),
+        }
+    }
 
 
 @pytest.mark.parametrize("block", [64, 256, 4096])
@@ -38,9 +41,9 @@ def test_q8_error_is_bounded_per_block_by_half_a_step_of_its_scale(block):
         back = C.dequantize(codes, scales, block)
         flat = t.reshape(-1)
         for b in range(scales.numel()):
-            part = flat[b * block:(b + 1) * block]
+            part = flat[b * block : (b + 1) * block]
             assert float(scales[b]) == float(part.abs().max())  # the scale is the block's absmax
-            err = float((back[b * block:(b + 1) * block] - part).abs().max())
+            err = float((back[b * block : (b + 1) * block] - part).abs().max())
             assert err <= float(scales[b]) / 254 * (1 + 1e-5) + 1e-12  # half a step...
             assert err <= float(scales[b]) / 127  # ...so well within one step
     # per block: the small values of "mixed" are not drowned by the large ones (a per-tensor
@@ -100,31 +103,37 @@ def _q8() -> bytes:
 def _set_scale(value):
     def edit(groups, meta):
         groups["params#scales"]["w"][1] = value
+
     return edit
 
 
-@pytest.mark.parametrize("edit,problem", [
-    (_set_scale(float("nan")), "block scale is NaN or infinite"),
-    (_set_scale(float("inf")), "block scale is NaN or infinite"),
-    (_set_scale(-1.0), "block scale is negative"),
-    (lambda g, m: g["params#scales"].__setitem__("w", torch.ones(2)), "expected 4 float32 block scales, got"),
-    (lambda g, m: g["params#scales"].__setitem__("w", torch.ones(4, dtype=torch.float64)), "expected 4 float32"),
-    (lambda g, m: g["params#scales"].pop("w"), "expected 4 float32 block scales, got none"),
-    (lambda g, m: g["params"].__setitem__("w", g["params"]["w"][:999]), "999 values sent, 1000 announced"),
-    (lambda g, m: g["params"]["w"].__setitem__(0, -128), "code -128"),
-    (lambda g, m: g["params"].__setitem__("w", g["params"]["w"].to(torch.int16)), "codes are torch.int16"),
-    (lambda g, m: m["codec"].__setitem__("name", "q4"), "unknown codec 'q4'"),
-    (lambda g, m: m["codec"].__setitem__("name", 7), "names no codec"),
-    (lambda g, m: m["codec"].__setitem__("block", 0), "block size 0"),
-    (lambda g, m: m["codec"].__setitem__("block", True), "block size True"),
-    (lambda g, m: m["codec"]["tensors"]["params"].__setitem__("w", ["float32", [10, 10, 100]]),
-     "1000 values sent, 10000 announced"),
-    (lambda g, m: m["codec"]["tensors"]["params"].__setitem__("w", ["complex", [1000]]), "unknown dtype"),
-    (lambda g, m: m["codec"].__setitem__("base", {"version": 1, "sha256": "ab"}), "a delta, but no base"),
-    (lambda g, m: m["codec"].__setitem__("base", [1]), "delta base is malformed"),
-    (lambda g, m: g.__setitem__("extra", {"x": torch.ones(1)}), "unexpected groups"),
-    (lambda g, m: m.__setitem__("codec", "q8"), "codec section is not a map"),
-])
+@pytest.mark.parametrize(
+    "edit,problem",
+    [
+        (_set_scale(float("nan")), "block scale is NaN or infinite"),
+        (_set_scale(float("inf")), "block scale is NaN or infinite"),
+        (_set_scale(-1.0), "block scale is negative"),
+        (lambda g, m: g["params#scales"].__setitem__("w", torch.ones(2)), "expected 4 float32 block scales, got"),
+        (lambda g, m: g["params#scales"].__setitem__("w", torch.ones(4, dtype=torch.float64)), "expected 4 float32"),
+        (lambda g, m: g["params#scales"].pop("w"), "expected 4 float32 block scales, got none"),
+        (lambda g, m: g["params"].__setitem__("w", g["params"]["w"][:999]), "999 values sent, 1000 announced"),
+        (lambda g, m: g["params"]["w"].__setitem__(0, -128), "code -128"),
+        (lambda g, m: g["params"].__setitem__("w", g["params"]["w"].to(torch.int16)), "codes are torch.int16"),
+        (lambda g, m: m["codec"].__setitem__("name", "q4"), "unknown codec 'q4'"),
+        (lambda g, m: m["codec"].__setitem__("name", 7), "names no codec"),
+        (lambda g, m: m["codec"].__setitem__("block", 0), "block size 0"),
+        (lambda g, m: m["codec"].__setitem__("block", True), "block size True"),
+        (
+            lambda g, m: m["codec"]["tensors"]["params"].__setitem__("w", ["float32", [10, 10, 100]]),
+            "1000 values sent, 10000 announced",
+        ),
+        (lambda g, m: m["codec"]["tensors"]["params"].__setitem__("w", ["complex", [1000]]), "unknown dtype"),
+        (lambda g, m: m["codec"].__setitem__("base", {"version": 1, "sha256": "ab"}), "a delta, but no base"),
+        (lambda g, m: m["codec"].__setitem__("base", [1]), "delta base is malformed"),
+        (lambda g, m: g.__setitem__("extra", {"x": torch.ones(1)}), "unexpected groups"),
+        (lambda g, m: m.__setitem__("codec", "q8"), "codec section is not a map"),
+    ],
+)
 def test_malformed_q8_payloads_are_refused_naming_the_problem(edit, problem):
     with pytest.raises(WireError, match=problem.replace("(", r"\(")):
         C.decode(_rewrite(_q8(), edit))
@@ -155,6 +164,7 @@ def _drift(steps: int, *, fixed: bool) -> list[float]:
     """Max reconstruction error after each of ``steps`` published versions pulled as q8 deltas.
     ``fixed``: the server diffs against what the requester decoded (``ServedVersions``);
     otherwise against its exact previous version (the naive way)."""
+
     async def go():
         torch.manual_seed(0)
         served = ServedVersions(CodecPolicy(("q8",), delta=True))
@@ -178,6 +188,7 @@ def _drift(steps: int, *, fixed: bool) -> list[float]:
             errors.append(float((held["params"]["w"] - w).abs().max()))
         assert not fixed or served.deltas == steps - 1
         return errors
+
     return asyncio.run(go())
 
 
@@ -220,6 +231,7 @@ def test_the_server_keeps_a_bounded_history_and_sends_a_whole_snapshot_for_a_for
         # a requester speaking only fp32 gets today's bytes, whatever it holds
         p = await served.payload(snaps[-1], [], delta=True, have_version=4, have_sha256=digests[3])
         assert p.codec == "fp32" and p.data is snaps[-1].encoded and p.digest == snaps[-1].digest
+
     asyncio.run(go())
 
 

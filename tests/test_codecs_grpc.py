@@ -4,6 +4,7 @@ version the requester holds (and a whole snapshot when the server forgot it), fe
 counted; then a hostile server's payloads — bad scales, truncated blocks, an unknown codec, a
 delta against a version the requester never had — refused by the client naming the problem,
 and a hostile client's compute payloads refused by the server."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,12 +37,14 @@ class _Traffic:
         self.sent += sent
         self.received += received
 
-    def latency(self, *a, **k): pass
+    def latency(self, *a, **k):
+        pass
 
 
 class Board:
     """A peer's publishing side (one model that moves a little each version) and a compute
     handler that records the models it was sent."""
+
     node_id = "p"
 
     def __init__(self):
@@ -67,7 +70,8 @@ class Board:
                 await asyncio.wait_for(self.published.wait(), wait_s)
         return self.snap
 
-    def check_known(self, node_id): pass
+    def check_known(self, node_id):
+        pass
 
     def admit(self, peer, kind):
         return contextlib.nullcontext()
@@ -84,12 +88,23 @@ class Board:
 
 
 @contextlib.asynccontextmanager
-async def _pair(board: Board, server_codecs=("q8", "fp16", "fp32"), client_codecs=("q8", "fp32"), delta=True,
-                history=3):
-    server, port = await serve(board, _Traffic(), "127.0.0.1:0", tls=None,
-                               codecs=CodecPolicy(tuple(server_codecs), delta, history))
-    client = PeerClient("me", _Traffic(), chunk_bytes=1 << 16, max_model_bytes=1 << 26, max_gossip_bytes=1 << 20,
-                        timeout_s=10, tls=None, sessions=False, codecs=CodecPolicy(tuple(client_codecs), delta))
+async def _pair(
+    board: Board, server_codecs=("q8", "fp16", "fp32"), client_codecs=("q8", "fp32"), delta=True, history=3
+):
+    server, port = await serve(
+        board, _Traffic(), "127.0.0.1:0", tls=None, codecs=CodecPolicy(tuple(server_codecs), delta, history)
+    )
+    client = PeerClient(
+        "me",
+        _Traffic(),
+        chunk_bytes=1 << 16,
+        max_model_bytes=1 << 26,
+        max_gossip_bytes=1 << 20,
+        timeout_s=10,
+        tls=None,
+        sessions=False,
+        codecs=CodecPolicy(tuple(client_codecs), delta),
+    )
     try:
         yield client, f"127.0.0.1:{port}", server
     finally:
@@ -103,9 +118,14 @@ def _err(groups, board):
 
 async def _raw_pull(addr: str, request: pb.SnapshotRequest) -> tuple[pb.SnapshotHeader, bytes]:
     async with grpc.aio.insecure_channel(addr) as ch:
-        frames = [pb.SnapshotChunk.FromString(m) async for m in ch.unary_stream(
-            "/coterie.v1.Peer/GetSnapshot", request_serializer=pb.SnapshotRequest.SerializeToString,
-            response_deserializer=None)(request, timeout=10)]
+        frames = [
+            pb.SnapshotChunk.FromString(m)
+            async for m in ch.unary_stream(
+                "/coterie.v1.Peer/GetSnapshot",
+                request_serializer=pb.SnapshotRequest.SerializeToString,
+                response_deserializer=None,
+            )(request, timeout=10)
+        ]
     return frames[0].header, b"".join(f.data for f in frames[1:])
 
 
@@ -132,6 +152,7 @@ def test_the_first_shared_codec_is_used_and_deltas_follow_the_version_held():
             assert held is not None and held.version == 7
             # the identity digest (what references name) is the snapshot's own, whatever the codec
             assert h.digest == board.snap.digest
+
     asyncio.run(go())
 
 
@@ -150,6 +171,7 @@ def test_a_subscription_pushes_deltas_against_the_snapshot_it_pushed_before():
                     board.publish(h.version + 1)
             whole = errors[0]
             assert max(errors[1:]) < whole / 10  # deltas: the move quantised, not the model
+
     asyncio.run(go())
 
 
@@ -161,7 +183,9 @@ def test_a_request_naming_no_codec_gets_todays_bytes_and_header():
             assert header.codec == "" and header.payload_sha256 == "" and not header.base_version
             assert data == bytes(board.snap.encoded) and sha256(data) == header.sha256
             # a client preferring codecs the server lacks: fp32, decoded exactly
+
     asyncio.run(go())
+
     async def go2():
         board = Board()
         async with _pair(board, server_codecs=("fp32",), client_codecs=("q8", "fp16", "fp32")) as (client, addr, _):
@@ -170,6 +194,7 @@ def test_a_request_naming_no_codec_gets_todays_bytes_and_header():
         async with _pair(board, server_codecs=("q8", "fp16"), client_codecs=("fp16", "q8")) as (client, addr, _):
             header, data = await _raw_pull(addr, pb.SnapshotRequest(requester="me", codecs=["fp16", "q8"]))
             assert header.codec == "fp16" and header.payload_sha256 == sha256(data) != header.sha256
+
     asyncio.run(go2())
 
 
@@ -183,11 +208,14 @@ def test_a_forgotten_base_gets_a_whole_snapshot():
             await _raw_pull(addr, pb.SnapshotRequest(requester="x", codecs=["q8"]))  # someone else: whole v2
             board.publish(3)
             await _raw_pull(addr, pb.SnapshotRequest(requester="x", codecs=["q8"]))  # whole v3: v1 forgotten
-            header, _ = await _raw_pull(addr, pb.SnapshotRequest(
-                requester="me", codecs=["q8"], delta=True, have_version=1, have_sha256=held1.digest))
+            header, _ = await _raw_pull(
+                addr,
+                pb.SnapshotRequest(requester="me", codecs=["q8"], delta=True, have_version=1, have_sha256=held1.digest),
+            )
             assert header.codec == "q8" and not header.base_version  # whole, not a delta
             h, g = await client.get_snapshot(addr, "me", have_version=h1.version, peer="p")
             assert h.version == 3 and _err(g, board) <= float(board.w.abs().max()) / 254 * 1.01
+
     asyncio.run(go())
 
 
@@ -196,20 +224,26 @@ def test_a_delta_against_the_version_held_before_the_newest_still_decodes():
     subscription brought v2 meanwhile, then the pull's answer — a delta against v1 — arrives. With
     only the newest version kept, that delta was refused ("holds v2"), and the subscription was
     dropped along with the held copies (a D-PSGD pair fell back to a pull a round)."""
+
     async def go():
         board = Board()
         async with _pair(board) as (client, addr, _):
             h1, _ = await client.get_snapshot(addr, "me", peer="p")
             held1 = client.held.get("p")
             board.publish(2)
-            late_header, late = await _raw_pull(addr, pb.SnapshotRequest(  # the pull asked with v1
-                requester="me", codecs=["q8"], delta=True, have_version=1, have_sha256=held1.digest))
+            late_header, late = await _raw_pull(
+                addr,
+                pb.SnapshotRequest(  # the pull asked with v1
+                    requester="me", codecs=["q8"], delta=True, have_version=1, have_sha256=held1.digest
+                ),
+            )
             assert late_header.base_version == 1  # a delta against v1
             h2, _ = await client.get_snapshot(addr, "me", have_version=h1.version, peer="p")  # v2 came first
             assert client.held.get("p").version == 2
             g = client.streams._decode_snapshot(late_header, memoryview(late), "p")
             assert _err(g, board) < float(board.w.abs().max()) / 254  # v2 rebuilt from the held v1
             assert client.held.get("p").version == 2  # and v2 is still the newest held
+
     asyncio.run(go())
 
 
@@ -222,6 +256,7 @@ def _forge(monkeypatch, make):
         p = await real(self, snap, wanted, **kw)
         data, fields = make(p, snap)
         return dataclasses.replace(p, data=data, digest=sha256(data), **fields)
+
     monkeypatch.setattr(served_versions.ServedVersions, "payload", hostile)
 
 
@@ -230,23 +265,32 @@ def _edit_q8(edit):
         groups, meta = raw_codec.decode(p.data, copy=True)
         edit(groups, meta)
         return raw_codec.encode(groups, meta), {}
+
     return make
 
 
-@pytest.mark.parametrize("make,problem", [
-    (_edit_q8(lambda g, m: g["params#scales"]["w"].__setitem__(0, float("nan"))), "block scale is NaN"),
-    (_edit_q8(lambda g, m: g["params#scales"]["w"].__setitem__(0, -2.0)), "block scale is negative"),
-    (_edit_q8(lambda g, m: g["params"].__setitem__("w", g["params"]["w"][:N - 100])), "truncated blocks"),
-    (lambda p, s: (bytes(p.data)[:-7], {}), "truncated"),
-    (_edit_q8(lambda g, m: m["codec"].__setitem__("name", "q3")), "unknown codec 'q3'"),
-    (lambda p, s: (p.data, {"codec": "q3"}), "unknown codec 'q3'"),
-    (lambda p, s: (p.data, {"codec": "fp16"}), "payload in codec 'fp16', which this node did not ask for"),
-    (lambda p, s: (bytes(s.encoded), {}), "header says codec 'q8', payload is 'fp32'"),
-    (_edit_q8(lambda g, m: m.__setitem__("version", 99)), "header says v1, payload is v99"),
-    # a delta against a version the requester never had, or against one it has with another digest
-    (lambda p, s: (C.encode(s.groups, "q8", base=s.groups, base_ref={"version": 7, "sha256": "f" * 64}),
-                   {"base": (7, "f" * 64)}), "a delta against v7 \\(ffffffffffff\\), but this node holds no version"),
-])
+@pytest.mark.parametrize(
+    "make,problem",
+    [
+        (_edit_q8(lambda g, m: g["params#scales"]["w"].__setitem__(0, float("nan"))), "block scale is NaN"),
+        (_edit_q8(lambda g, m: g["params#scales"]["w"].__setitem__(0, -2.0)), "block scale is negative"),
+        (_edit_q8(lambda g, m: g["params"].__setitem__("w", g["params"]["w"][: N - 100])), "truncated blocks"),
+        (lambda p, s: (bytes(p.data)[:-7], {}), "truncated"),
+        (_edit_q8(lambda g, m: m["codec"].__setitem__("name", "q3")), "unknown codec 'q3'"),
+        (lambda p, s: (p.data, {"codec": "q3"}), "unknown codec 'q3'"),
+        (lambda p, s: (p.data, {"codec": "fp16"}), "payload in codec 'fp16', which this node did not ask for"),
+        (lambda p, s: (bytes(s.encoded), {}), "header says codec 'q8', payload is 'fp32'"),
+        (_edit_q8(lambda g, m: m.__setitem__("version", 99)), "header says v1, payload is v99"),
+        # a delta against a version the requester never had, or against one it has with another digest
+        (
+            lambda p, s: (
+                C.encode(s.groups, "q8", base=s.groups, base_ref={"version": 7, "sha256": "f" * 64}),
+                {"base": (7, "f" * 64)},
+            ),
+            "a delta against v7 \\(ffffffffffff\\), but this node holds no version",
+        ),
+    ],
+)
 def test_a_hostile_servers_payloads_are_refused_naming_the_problem(monkeypatch, make, problem):
     async def go():
         board = Board()
@@ -255,6 +299,7 @@ def test_a_hostile_servers_payloads_are_refused_naming_the_problem(monkeypatch, 
             with pytest.raises(WireError, match=problem):
                 await client.get_snapshot(addr, "me", peer="p")
             assert client.held.get("p") is None  # nothing held from a refused payload
+
     asyncio.run(go())
 
 
@@ -269,10 +314,14 @@ def test_a_delta_against_the_wrong_base_digest_is_refused(monkeypatch):
             def wrong_base(p, snap):
                 assert p.base == (1, held.digest)  # an honest server would send a delta against it
                 return p.data, {"base": (1, "0" * 64)}
+
             _forge(monkeypatch, wrong_base)
-            with pytest.raises(WireError, match=f"a delta against v1 \\(000000000000\\), but this node holds "
-                                                 f"v1 \\({held.digest[:12]}\\)"):
+            with pytest.raises(
+                WireError,
+                match=f"a delta against v1 \\(000000000000\\), but this node holds v1 \\({held.digest[:12]}\\)",
+            ):
                 await client.get_snapshot(addr, "me", have_version=1, peer="p")
+
     asyncio.run(go())
 
 
@@ -292,22 +341,27 @@ def test_models_sent_for_compute_use_the_codec_the_peer_advertised_and_bad_ones_
             assert 0 < float((got - model["params"]["w"]).abs().max()) <= float(model["params"]["w"].abs().max()) / 127
 
             async def raw_compute(codec: str, data: bytes):
-                header = pb.ComputeHeader(requester="me", total_bytes=len(data), sha256=sha256(data),
-                                          purpose="fedfomo-loss", codec=codec)
+                header = pb.ComputeHeader(
+                    requester="me", total_bytes=len(data), sha256=sha256(data), purpose="fedfomo-loss", codec=codec
+                )
                 frames = [pb.ComputeFrame(header=header), pb.ComputeFrame(data=data)]
                 async with grpc.aio.insecure_channel(addr) as ch:
                     return await pb_stub(ch).CrossLoss(iter(frames), timeout=10)
 
             q8 = C.encode(model, "q8")
             bad_scale = _edit_q8(lambda g, m: g["params#scales"]["w"].__setitem__(3, float("inf")))(
-                Payload(q8, "", "q8"), None)[0]
+                Payload(q8, "", "q8"), None
+            )[0]
             for codec, data, problem in [
                 ("q8", bad_scale, "block scale is NaN or infinite"),
                 ("fp16", C.encode(model, "fp16"), "codec 'fp16' is not one this node advertised"),
                 ("q5", q8, "unknown codec 'q5'"),
                 ("", q8, "header says codec 'fp32', the payload another"),
-                ("q8", C.encode(model, "q8", base=model, base_ref={"version": 1, "sha256": "a"}),
-                 "a delta, but no base"),
+                (
+                    "q8",
+                    C.encode(model, "q8", base=model, base_ref={"version": 1, "sha256": "a"}),
+                    "a delta, but no base",
+                ),
             ]:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await raw_compute(codec, data)
@@ -315,11 +369,13 @@ def test_models_sent_for_compute_use_the_codec_the_peer_advertised_and_bad_ones_
             n = len(board.computed)
             await client.compute(addr, dataclasses.replace(req))  # the server kept serving
             assert len(board.computed) == n + 1
+
     asyncio.run(go())
 
 
 def pb_stub(ch):
     from coterie.proto.v1 import peer_pb2_grpc as rpc
+
     return rpc.PeerStub(ch)
 
 
@@ -327,6 +383,7 @@ def test_unknown_codecs_in_config_are_refused():
     from pydantic import ValidationError
 
     from coterie.node.config import NodeConfig
+
     with pytest.raises(Exception, match="unknown codec"):
         NodeConfig(snapshots={"codecs": ["q8", "zstd"]})
     assert NodeConfig(snapshots={"codecs": ["q8", "fp32"], "delta": True}).snapshots.delta
@@ -340,9 +397,18 @@ def test_a_real_daemon_advertises_its_codecs_and_serves_q8_deltas_over_mtls(tmp_
     a peer naming no codec (fp32) gets the exact model."""
     from tests.nodeproc import CertifiedPeer, NodeProc, tiny_learner, wait_for
 
-    node = NodeProc(tmp_path, "n0", {"strategy": "local", "round_interval_s": 0.2, "learner": tiny_learner(1, 0),
-                                     "snapshots": {"codecs": ["q8", "fp32"], "delta": True}}).start()
+    node = NodeProc(
+        tmp_path,
+        "n0",
+        {
+            "strategy": "local",
+            "round_interval_s": 0.2,
+            "learner": tiny_learner(1, 0),
+            "snapshots": {"codecs": ["q8", "fp32"], "delta": True},
+        },
+    ).start()
     try:
+
         async def go():
             q8, plain = CertifiedPeer(tmp_path, node, "q8peer"), CertifiedPeer(tmp_path, node, "plain")
             q8.client.codecs = q8.client.streams.codecs = CodecPolicy(("q8", "fp32"), delta=True)
@@ -367,6 +433,7 @@ def test_a_real_daemon_advertises_its_codecs_and_serves_q8_deltas_over_mtls(tmp_
             finally:
                 await q8.close()
                 await plain.close()
+
         asyncio.run(go())
     finally:
         node.stop()

@@ -4,6 +4,7 @@ accuracy/loss/weights charts, the network heatmap and the traffic bars from live
 
 A screenshot goes to $ARTIFACTS_DIR (default: artifacts/ in the repository) for CI to keep.
 Skipped only when no chromium/chromedriver is installed (``.ci/run`` installs both)."""
+
 from __future__ import annotations
 
 import os
@@ -29,9 +30,14 @@ def network(tmp_path_factory):
     nodes: list[NodeProc] = []
     try:
         for i in range(3):
-            cfg = {"strategy": "oracle", "rounds": ROUNDS, "min_peers": 2, "start_timeout_s": 60,
-                   "learner": tiny_learner(3, i, clusters=2),
-                   "peers": [nodes[-1].address] if nodes else []}
+            cfg = {
+                "strategy": "oracle",
+                "rounds": ROUNDS,
+                "min_peers": 2,
+                "start_timeout_s": 60,
+                "learner": tiny_learner(3, i, clusters=2),
+                "peers": [nodes[-1].address] if nodes else [],
+            }
             nodes.append(NodeProc(root, f"n{i}", cfg).start())
         for n in nodes:
             wait_for(lambda n=n: n.status()["done"], 120, f"{n.node_id} to finish {ROUNDS} rounds")
@@ -50,9 +56,17 @@ def browser():
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run",
-                 "--disable-dev-shm-usage", "--window-size=1400,1500"):
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1500",
+    ):
         opts.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     try:
@@ -64,7 +78,10 @@ def browser():
 def _attrs(driver, css: str, *names: str) -> list[dict[str, str | None]]:
     return driver.execute_script(
         "return [...document.querySelectorAll(arguments[0])].map(e => Object.fromEntries("
-        "arguments[1].map(n => [n, e.getAttribute(n)])))", css, list(names))
+        "arguments[1].map(n => [n, e.getAttribute(n)])))",
+        css,
+        list(names),
+    )
 
 
 def test_dashboard_draws_live_network(network, browser):
@@ -117,7 +134,8 @@ def test_dashboard_draws_live_network(network, browser):
     selfs = _attrs(browser, "#heatmap rect.self", "data-row", "data-value")
     assert len(selfs) == 3 and all(0 < float(s["data-value"]) <= 1 for s in selfs)
     fills = browser.execute_script(
-        "return [...document.querySelectorAll('#heatmap rect.cell')].map(e => e.getAttribute('fill'))")
+        "return [...document.querySelectorAll('#heatmap rect.cell')].map(e => e.getAttribute('fill'))"
+    )
     assert len(set(fills)) >= 2  # weighted and unweighted peers are drawn differently
 
     # traffic: bars with bytes for the snapshots the nodes pulled from each other
@@ -125,7 +143,8 @@ def test_dashboard_draws_live_network(network, browser):
     assert any(float(b["data-bytes"]) > 0 for b in bars)
     # peers table and header
     states = browser.execute_script(
-        "return [...document.querySelectorAll('#peers tbody tr td:nth-child(3)')].map(e => e.textContent)")
+        "return [...document.querySelectorAll('#peers tbody tr td:nth-child(3)')].map(e => e.textContent)"
+    )
     # both peers listed with a state (alive, or suspect for a moment on a loaded machine)
     assert len(states) == 2 and set(states) <= {"alive", "suspect"}
     assert browser.find_element("id", "h-round").text.startswith(str(ROUNDS))

@@ -70,8 +70,7 @@ def test_sine_regression():
 
 
 def test_gaussian_params_and_separability():
-    p = load_pool("gaussian", {"num_samples": 600, "dim": 5, "num_classes": 3,
-                               "separation": 10.0}, 0)
+    p = load_pool("gaussian", {"num_samples": 600, "dim": 5, "num_classes": 3, "separation": 10.0}, 0)
     assert p.x.shape == (600, 5) and p.num_classes == 3
     assert np.bincount(p.y).tolist() == [200, 200, 200]
     means = np.stack([p.x[p.y == c].mean(0) for c in range(3)])
@@ -130,6 +129,7 @@ def test_no_pickle_in_loader():
     import inspect
 
     from coterie.node.learning import datasets
+
     src = inspect.getsource(datasets)
     assert "import pickle" not in src and "pickle.load" not in src and "allow_pickle=True" not in src
     assert "get_dataset(" not in src
@@ -137,11 +137,14 @@ def test_no_pickle_in_loader():
 
 def test_disk_cache_returns_the_generated_pool_memory_mapped(tmp_path, monkeypatch):
     from coterie.node.learning import datasets as ds
+
     monkeypatch.setenv("COTERIE_CACHE_DIR", str(tmp_path))
     fresh = ds._mnist1d({"num_samples": 300}, 5)
     first = ds._disk_cached("mnist1d", '{"num_samples": 300}', 5, lambda: fresh)
     assert len(list(tmp_path.glob("pool-mnist1d-*.json"))) == 1
-    again = ds._disk_cached("mnist1d", '{"num_samples": 300}', 5, lambda: (_ for _ in ()).throw(AssertionError("regenerated")))
+    again = ds._disk_cached(
+        "mnist1d", '{"num_samples": 300}', 5, lambda: (_ for _ in ()).throw(AssertionError("regenerated"))
+    )
     # one copy per machine: the arrays are read-only maps of the cache files, not private copies
     assert isinstance(again.x, np.memmap) and isinstance(again.y, np.memmap) and not again.x.flags.writeable
     assert np.array_equal(again.x, first.x) and np.array_equal(again.y, first.y) and np.array_equal(again.x, fresh.x)
@@ -153,6 +156,7 @@ def test_disk_cache_returns_the_generated_pool_memory_mapped(tmp_path, monkeypat
 
 def test_regression_pool_round_trips_the_cache(tmp_path, monkeypatch):
     from coterie.node.learning import datasets as ds
+
     monkeypatch.setenv("COTERIE_CACHE_DIR", str(tmp_path))
     fresh = ds._sine({"num_samples": 50, "x_range": [0, 2]}, 1)
     ds._disk_cached("sine", "k", 1, lambda: fresh)
@@ -166,10 +170,13 @@ def test_a_node_with_a_cached_pool_imports_no_generator(tmp_path):
     whose pool is in the machine's cache imports none of them."""
     import subprocess
     import sys
+
     env = {**__import__("os").environ, "COTERIE_CACHE_DIR": str(tmp_path)}
-    code = ("import sys; from coterie.node.learning.datasets import load_pool; "
-            "[load_pool(n, p, 3) for n, p in (('mnist1d', {'num_samples': 200}), ('digits', {}))]; "
-            "print(sorted(m for m in ('mnist1d', 'matplotlib', 'scipy', 'sklearn') if m in sys.modules))")
+    code = (
+        "import sys; from coterie.node.learning.datasets import load_pool; "
+        "[load_pool(n, p, 3) for n, p in (('mnist1d', {'num_samples': 200}), ('digits', {}))]; "
+        "print(sorted(m for m in ('mnist1d', 'matplotlib', 'scipy', 'sklearn') if m in sys.modules))"
+    )
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert "mnist1d" in first.stdout and "sklearn" in first.stdout  # the first load generates
     second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -183,13 +190,16 @@ def test_partition_is_computed_once_per_process_and_shared_read_only():
     from coterie.node.learning.partition import node_data, partition, shared_partition
 
     pool = load_pool("gaussian", {"num_samples": 400}, 2)
-    cfg = LearnerConfig(dataset="gaussian", dataset_params={"num_samples": 400}, partition="iid",
-                        num_nodes=4, data_seed=2)
+    cfg = LearnerConfig(
+        dataset="gaussian", dataset_params={"num_samples": 400}, partition="iid", num_nodes=4, data_seed=2
+    )
     first = shared_partition(pool, cfg)
     assert shared_partition(pool, cfg.model_copy(update={"node_index": 3})) is first
     assert shared_partition(pool, cfg.model_copy(update={"data_seed": 3})) is not first
     fresh = partition(pool, cfg)
-    assert all(np.array_equal(a.train, b.train) and np.array_equal(a.test, b.test) for a, b in zip(first, fresh, strict=True))
+    assert all(
+        np.array_equal(a.train, b.train) and np.array_equal(a.test, b.test) for a, b in zip(first, fresh, strict=True)
+    )
     assert not first[0].train.flags.writeable
     with pytest.raises(ValueError):
         first[0].train[0] = 7

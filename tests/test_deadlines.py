@@ -1,6 +1,7 @@
 """Deadlines that follow the peer, and a round's exchange phase that goes on with the peers that
 answered: ``Deadlines`` itself, then ``NodeNetwork`` over a transport whose peers answer, stall
 or freeze (real asyncio timing)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +44,9 @@ class FakeTransport:
         self.delays = delays
         self.timeouts: list[tuple[str, float]] = []
 
-    async def get_snapshot(self, address, requester, have_version=0, *, min_round=0, wait_s=0.0, timeout=None,
-                           peer=None):
+    async def get_snapshot(
+        self, address, requester, have_version=0, *, min_round=0, wait_s=0.0, timeout=None, peer=None
+    ):
         self.timeouts.append((address, timeout))
         delay = self.delays[address]
         if delay is None or delay > timeout:
@@ -56,9 +58,11 @@ class FakeTransport:
 
 async def _in_flight(net, address: str, timeout: float = 5.0) -> None:
     """Wait until a call to ``address`` has reached the transport (not a fixed sleep)."""
+
     async def reached():
         while not any(a == address for a, _ in net.transport.timeouts):
             await asyncio.sleep(0.005)
+
     await asyncio.wait_for(reached(), timeout)
 
 
@@ -67,9 +71,22 @@ def _network(delays, **kw):
     for a in delays:
         table.upsert(a, a)
     hints = []
-    net = NodeNetwork("me", FakeTransport(delays), table, SnapshotCache(), PushInbox(), lambda: None, SPEC,
-                      ProblemLog(), None, labels={}, request_timeout_s=30.0,  # no private data released here
-                      deadlines=Deadlines(30.0, floor_s=0.2, mult=4.0), on_call_failed=hints.append, **kw)
+    net = NodeNetwork(
+        "me",
+        FakeTransport(delays),
+        table,
+        SnapshotCache(),
+        PushInbox(),
+        lambda: None,
+        SPEC,
+        ProblemLog(),
+        None,
+        labels={},
+        request_timeout_s=30.0,  # no private data released here
+        deadlines=Deadlines(30.0, floor_s=0.2, mult=4.0),
+        on_call_failed=hints.append,
+        **kw,
+    )
     return net, table, hints
 
 
@@ -94,6 +111,7 @@ def test_a_frozen_peer_costs_a_round_a_few_times_the_usual_latency_not_the_reque
         assert await net.pull("p2") is None and time.monotonic() - t0 < 0.1
         table.seen("p2")  # e.g. membership's probe got an ack
         assert net.peers() == ["p1", "p2", "p3"]
+
     asyncio.run(go())
 
 
@@ -107,6 +125,7 @@ def test_the_exchange_phase_has_its_own_deadline():
         assert set(got) == {"fast"} and late is None and phase["skipped"] == 1
         assert time.monotonic() - t0 < 2.0
         assert all(t <= 0.31 for _, t in net.transport.timeouts)
+
     asyncio.run(go())
 
 
@@ -131,6 +150,7 @@ def test_a_call_to_a_peer_that_turns_suspect_is_abandoned_at_once():
         assert table.records["frozen"].state == SUSPECT
         assert await net.pull("frozen") is None  # suspect peers are not called at all
         assert len(net.transport.timeouts) == 1
+
     asyncio.run(go())
 
 
@@ -145,4 +165,5 @@ def test_outer_cancellation_still_cancels():
         except asyncio.CancelledError:
             return
         raise AssertionError("a cancelled round must stay cancelled")
+
     asyncio.run(go())

@@ -3,6 +3,7 @@ model. A step that produces NaN (a poisoned sample) or an exploding loss (plain 
 far too large) is rolled back to the last finite model and backs off the step size; a strategy's
 merge that yields a non-finite model is rolled back too; a real node then publishes only finite
 tensors, says so in /status and counts coterie_training_divergences_total."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,10 +19,19 @@ from coterie.node.learning.guard import RoundGuard, StepGuard, all_finite
 from coterie.node.learning.torch_learner import build_learner
 from tests.transports import NodeMaker
 
-SINE = {"dataset": "sine", "dataset_params": {"num_samples": 800, "noise": 0.1},
-        "partition": "sine_intervals", "partition_params": {"samples_per_node": 100},
-        "model": "mlp", "optimizer": "sgd", "lr": 0.05, "batch_size": 16, "local_steps": 10,
-        "num_nodes": 2, "device": "cpu"}
+SINE = {
+    "dataset": "sine",
+    "dataset_params": {"num_samples": 800, "noise": 0.1},
+    "partition": "sine_intervals",
+    "partition_params": {"samples_per_node": 100},
+    "model": "mlp",
+    "optimizer": "sgd",
+    "lr": 0.05,
+    "batch_size": 16,
+    "local_steps": 10,
+    "num_nodes": 2,
+    "device": "cpu",
+}
 
 
 def _learner(**kw):
@@ -119,11 +129,22 @@ def test_a_non_finite_merge_is_rolled_back_and_never_published():
 
 
 def _node_cfg(tmp, i, peers, rounds):
-    return validate_config({
-        "node_id": f"n{i}", "state_dir": str(tmp / f"n{i}"), "strategy": "dpsgd", "rounds": rounds,
-        "peers": peers, "heartbeat_interval_s": 0.2, "min_peers": 1, "start_timeout_s": 20, "seed": 1,
-        "security": {"insecure": True}, "round_interval_s": 0.0,
-        "learner": {**SINE, "node_index": i}})
+    return validate_config(
+        {
+            "node_id": f"n{i}",
+            "state_dir": str(tmp / f"n{i}"),
+            "strategy": "dpsgd",
+            "rounds": rounds,
+            "peers": peers,
+            "heartbeat_interval_s": 0.2,
+            "min_peers": 1,
+            "start_timeout_s": 20,
+            "seed": 1,
+            "security": {"insecure": True},
+            "round_interval_s": 0.0,
+            "learner": {**SINE, "node_index": i},
+        }
+    )
 
 
 def test_a_node_whose_step_produces_nan_rolls_back_and_publishes_only_finite_models(tmp_path):

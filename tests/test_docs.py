@@ -1,4 +1,5 @@
 """The README stays a front page and CI runs what it says; the documentation site builds."""
+
 from __future__ import annotations
 
 import re
@@ -34,15 +35,21 @@ def test_ci_runs_the_readme_test_command_verbatim():
     """.ci/run reads its test command out of the README: run that line of .ci/run and compare."""
     ci = (ROOT / ".ci" / "run").read_text()
     line = next(ln for ln in ci.splitlines() if ln.startswith("test_cmd=$("))
-    got = subprocess.run(["bash", "-c", f"{line}; printf %s \"$test_cmd\""], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout
+    got = subprocess.run(
+        ["bash", "-c", f'{line}; printf %s "$test_cmd"'], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     assert got == _setup_block()[1]
     assert 'bash -c "$test_cmd"' in ci
 
 
 def test_the_docs_site_builds_in_strict_mode(tmp_path):
     pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip install -e '.[docs]'")
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "site" / "index.html").exists() and (tmp_path / "site" / "dashboard.png").exists()

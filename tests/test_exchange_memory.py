@@ -4,6 +4,7 @@ models between rounds), a large model is pulled at most ``big_pulls`` at a time,
 model-sized work — validating a received model, adding it, averaging, checking the model a
 round publishes — runs in worker threads,
 not on the event loop that carries heartbeats and peer requests."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,10 +16,10 @@ import weakref
 import pytest
 
 from coterie.node.config import validate_config
-from coterie.node.learning.guard import RoundGuard
 from coterie.node.daemon import Node
-from coterie.node.peering import network as network_mod
+from coterie.node.learning.guard import RoundGuard
 from coterie.node.learning.torch_learner import TorchLearner
+from coterie.node.peering import network as network_mod
 from coterie.node.strategies import baselines
 from coterie.node.transport.inproc import InProcNetwork
 from tests.nodeproc import tiny_learner
@@ -29,10 +30,20 @@ N = 4
 
 def _config(tmp, i, peers):
     learner = {**tiny_learner(N, i), "model_params": {"hidden": [600, 600]}, "local_steps": 2}  # 1.6 MB: "big"
-    return validate_config({
-        "node_id": f"n{i}", "state_dir": str(tmp / f"n{i}"), "strategy": "dpsgd", "peers": peers,
-        "heartbeat_interval_s": 0.2, "request_timeout_s": 20, "rounds": 2, "min_peers": N - 1,
-        "strategy_params": {"sync_wait_s": 5.0}, "learner": learner})
+    return validate_config(
+        {
+            "node_id": f"n{i}",
+            "state_dir": str(tmp / f"n{i}"),
+            "strategy": "dpsgd",
+            "peers": peers,
+            "heartbeat_interval_s": 0.2,
+            "request_timeout_s": 20,
+            "rounds": 2,
+            "min_peers": N - 1,
+            "strategy_params": {"sync_wait_s": 5.0},
+            "learner": learner,
+        }
+    )
 
 
 async def _wait(cond, what, timeout=120.0):
@@ -101,6 +112,7 @@ def test_pulled_models_are_released_bounded_and_handled_off_the_loop(tmp_path, m
             if snap is not None:
                 pulled.extend(weakref.ref(t) for t in snap.params.values())
             return snap
+
         net.pull = pull  # the strategy's view of the network is this object
 
     held, contacted, loop_thread = asyncio.run(go())

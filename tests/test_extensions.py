@@ -4,6 +4,7 @@ example package (examples/coterie-example) installed with pip and trained on a 3
 
 Entry points here are real: a package's ``*.dist-info/entry_points.txt`` on ``sys.path``, found by
 ``importlib.metadata`` exactly as for a pip-installed one."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -32,8 +33,9 @@ def install_fake_dist(where: Path, dist: str, modules: dict[str, str], entry_poi
     info = where / f"{dist}-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("".join(
-        f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) for group, eps in entry_points.items()))
+    (info / "entry_points.txt").write_text(
+        "".join(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) for group, eps in entry_points.items())
+    )
 
 
 PLUGIN = """
@@ -65,12 +67,23 @@ class Half(Strategy):  # forgets weights()
 
 @pytest.fixture
 def plugins(tmp_path, monkeypatch):
-    install_fake_dist(tmp_path, "plugin_strats", {"plugin_strats": PLUGIN, "broken_strats": "import not_there_at_all\n"},
-                      {"coterie.strategies": {
-                          "echo": "plugin_strats:Echo", "echo-factory": "plugin_strats:make_echo",
-                          "returns-junk": "plugin_strats:make_nothing", "not-strategy": "plugin_strats:NotAStrategy",
-                          "half": "plugin_strats:Half", "broken": "broken_strats:Thing",
-                          "missing-attr": "plugin_strats:NoSuchThing", "local": "plugin_strats:Echo"}})
+    install_fake_dist(
+        tmp_path,
+        "plugin_strats",
+        {"plugin_strats": PLUGIN, "broken_strats": "import not_there_at_all\n"},
+        {
+            "coterie.strategies": {
+                "echo": "plugin_strats:Echo",
+                "echo-factory": "plugin_strats:make_echo",
+                "returns-junk": "plugin_strats:make_nothing",
+                "not-strategy": "plugin_strats:NotAStrategy",
+                "half": "plugin_strats:Half",
+                "broken": "broken_strats:Thing",
+                "missing-attr": "plugin_strats:NoSuchThing",
+                "local": "plugin_strats:Echo",
+            }
+        },
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path
     for m in ("plugin_strats", "broken_strats"):
@@ -106,12 +119,15 @@ def test_unknown_name_lists_builtin_and_installed(plugins):
     assert "unknown strategy 'nope'" in msg and "fedfomo" in msg and "echo" in msg and "coterie.strategies" in msg
 
 
-@pytest.mark.parametrize("name, expect", [
-    ("broken", ["'broken'", "broken_strats:Thing", "failed to load", "ModuleNotFoundError", "not_there_at_all"]),
-    ("missing-attr", ["failed to load", "AttributeError", "NoSuchThing"]),
-    ("not-strategy", ["NotAStrategy", "not a coterie Strategy subclass"]),
-    ("half", ["does not implement", "weights"]),
-])
+@pytest.mark.parametrize(
+    "name, expect",
+    [
+        ("broken", ["'broken'", "broken_strats:Thing", "failed to load", "ModuleNotFoundError", "not_there_at_all"]),
+        ("missing-attr", ["failed to load", "AttributeError", "NoSuchThing"]),
+        ("not-strategy", ["NotAStrategy", "not a coterie Strategy subclass"]),
+        ("half", ["does not implement", "weights"]),
+    ],
+)
 def test_bad_entry_points_say_what_is_wrong(plugins, name, expect):
     with pytest.raises(StrategyError) as e:
         get_strategy(name)
@@ -128,12 +144,14 @@ def test_a_factory_that_returns_something_else_is_refused_when_called(plugins):
 
 def test_one_broken_plugin_does_not_hide_the_others(plugins):
     from coterie.lab.launcher import strategy_problem
+
     assert strategy_problem("echo") is None and strategy_problem("local") is None
     assert "failed to load" in strategy_problem("broken")
 
 
 def test_register_in_process(plugins):
     import plugin_strats
+
     registry.register_strategy("echo-inproc", plugin_strats.Echo)
     try:
         assert get_strategy("echo-inproc") is plugin_strats.Echo and "echo-inproc" in available()
@@ -149,16 +167,30 @@ def test_a_broken_plugin_does_not_stop_coterie_run(tmp_path):
     fails to import cannot take it down, and a network of built-in strategies still runs."""
     site = tmp_path / "site"
     site.mkdir()
-    install_fake_dist(site, "broken_plugin", {"broken_strats": "raise RuntimeError('plugin bug')\n"},
-                      {"coterie.strategies": {"broken": "broken_strats:Thing"}})
+    install_fake_dist(
+        site,
+        "broken_plugin",
+        {"broken_strats": "raise RuntimeError('plugin bug')\n"},
+        {"coterie.strategies": {"broken": "broken_strats:Thing"}},
+    )
     sc = tmp_path / "sc.toml"
-    sc.write_text('nodes = 2\nrounds = 1\nstrategy = "local"\n[learner]\ndataset = "gaussian"\n'
-                  'dataset_params = { num_samples = 400 }\npartition_params = { num_clusters = 2 }\n'
-                  'model = "linear"\n[node]\nround_interval_s = 0.0\n')
-    r = subprocess.run([sys.executable, "-m", "coterie.cli.main", "run", str(sc), "--out", str(tmp_path / "o")],
-                       capture_output=True, text=True, timeout=300, env=_env(site), cwd=tmp_path)
+    sc.write_text(
+        'nodes = 2\nrounds = 1\nstrategy = "local"\n[learner]\ndataset = "gaussian"\n'
+        "dataset_params = { num_samples = 400 }\npartition_params = { num_clusters = 2 }\n"
+        'model = "linear"\n[node]\nround_interval_s = 0.0\n'
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "coterie.cli.main", "run", str(sc), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(site),
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert json.loads((tmp_path / "o" / "results.json").read_text())["strategies"]["local"]["nodes"]["n1"]["rounds"] == [1]
+    assert json.loads((tmp_path / "o" / "results.json").read_text())["strategies"]["local"]["nodes"]["n1"][
+        "rounds"
+    ] == [1]
 
 
 # ------------------------------------------------------------------ the worked example package
@@ -172,9 +204,11 @@ def _pip_install(target: Path, workdir: Path) -> None:
     try:
         import setuptools
         import wheel  # noqa: F401  (bdist_wheel for setuptools < 70.1)
+
         can_build = int(setuptools.__version__.split(".")[0]) >= 61
     except ImportError:
         import setuptools
+
         can_build = tuple(int(p) for p in setuptools.__version__.split(".")[:2]) >= (70, 1)
     if can_build:
         cmd.insert(4, "--no-build-isolation")
@@ -220,6 +254,7 @@ def test_example_registers_a_model_a_loader_and_a_strategy(example):
 def test_example_loader_keeps_its_contract(example, monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(example))
     from coterie_example.data import load_sensors
+
     spec = json.loads((EXAMPLE / "devices" / "garage.json").read_text())
     a = load_sensors(str(EXAMPLE / "devices" / "garage.json"))
     b = load_sensors(str(EXAMPLE / "devices" / "garage.json"))
@@ -242,9 +277,25 @@ def _results(out: Path, strategy: str) -> dict:
 
 
 def _run(example: Path, scenario: Path, out: Path, *args: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "coterie.cli.main", "run", str(scenario), "--out", str(out),
-                        "--strategy", "simavg", *args], capture_output=True, text=True, timeout=600,
-                       env=_env(example), cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coterie.cli.main",
+            "run",
+            str(scenario),
+            "--out",
+            str(out),
+            "--strategy",
+            "simavg",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(example),
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
@@ -253,7 +304,8 @@ def test_example_model_and_strategy_train_a_3_node_network(example, tmp_path):
     """The example's model and strategy on a built-in dataset in two label-permutation clusters:
     real daemons over mTLS; each node leans on the peer of its own cluster."""
     sc = tmp_path / "sc.toml"
-    sc.write_text(textwrap.dedent("""
+    sc.write_text(
+        textwrap.dedent("""
         name = "example-builtin-data"
         nodes = 3
         rounds = 4
@@ -273,7 +325,8 @@ def test_example_model_and_strategy_train_a_3_node_network(example, tmp_path):
         local_steps = 10
         [node]
         round_interval_s = 0.0
-    """))
+    """)
+    )
     out = tmp_path / "out"
     _run(example, sc, out)
     res = _results(out, "simavg")
@@ -291,8 +344,10 @@ def test_example_model_and_strategy_train_a_3_node_network(example, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("coterie.node.learning.own_data") is None,
-                    reason="learner.data_format entry points arrive with the own-data work (branch owndata)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("coterie.node.learning.own_data") is None,
+    reason="learner.data_format entry points arrive with the own-data work (branch owndata)",
+)
 def test_example_scenario_all_three_plugins(example, tmp_path):
     """The shipped scenario as a user runs it: each node reads its own device file through the
     example's loader, learns the example's model with the example's strategy."""

@@ -7,6 +7,7 @@ real TorchLearners) with fewer nodes, samples and rounds.
 Before the fix the own model's loss was Alg. 1's constant prior ℓ_ii = 0: at the testbed's
 temperature 0.2 a same-cluster peer with validation loss ~1.2 got exp(−6) of the own weight,
 w_ii ≈ 0.99, and this test failed (same-cluster weight ~0.003 against chance 1/6)."""
+
 from __future__ import annotations
 
 import json
@@ -28,16 +29,28 @@ def compose_env() -> dict[str, str]:
 def compose_scenario(nodes: int, rounds: int, samples: int) -> dict:
     env = compose_env()
     assert env["COTERIE_STRATEGY"].endswith(":-federico}")  # the testbed's default strategy
-    learner = {"dataset": env["COTERIE_LEARNER__DATASET"],
-               "dataset_params": {**json.loads(env["COTERIE_LEARNER__DATASET_PARAMS"]), "num_samples": samples},
-               "partition": env["COTERIE_LEARNER__PARTITION"],
-               "partition_params": json.loads(env["COTERIE_LEARNER__PARTITION_PARAMS"]),
-               "model": env["COTERIE_LEARNER__MODEL"], "model_params": json.loads(env["COTERIE_LEARNER__MODEL_PARAMS"]),
-               "optimizer": env["COTERIE_LEARNER__OPTIMIZER"], "lr": float(env["COTERIE_LEARNER__LR"]),
-               "local_steps": int(env["COTERIE_LEARNER__LOCAL_STEPS"]), "device": "cpu"}
-    return {"name": "testbed-federico", "seed": 0, "nodes": nodes, "rounds": rounds, "strategy": ["federico"],
-            "strategy_params": {"federico": json.loads(env["COTERIE_STRATEGY_PARAMS"])},
-            "learner": learner, "node": {"heartbeat_interval_s": 0.3, "start_timeout_s": 120, "log_level": "WARNING"}}
+    learner = {
+        "dataset": env["COTERIE_LEARNER__DATASET"],
+        "dataset_params": {**json.loads(env["COTERIE_LEARNER__DATASET_PARAMS"]), "num_samples": samples},
+        "partition": env["COTERIE_LEARNER__PARTITION"],
+        "partition_params": json.loads(env["COTERIE_LEARNER__PARTITION_PARAMS"]),
+        "model": env["COTERIE_LEARNER__MODEL"],
+        "model_params": json.loads(env["COTERIE_LEARNER__MODEL_PARAMS"]),
+        "optimizer": env["COTERIE_LEARNER__OPTIMIZER"],
+        "lr": float(env["COTERIE_LEARNER__LR"]),
+        "local_steps": int(env["COTERIE_LEARNER__LOCAL_STEPS"]),
+        "device": "cpu",
+    }
+    return {
+        "name": "testbed-federico",
+        "seed": 0,
+        "nodes": nodes,
+        "rounds": rounds,
+        "strategy": ["federico"],
+        "strategy_params": {"federico": json.loads(env["COTERIE_STRATEGY_PARAMS"])},
+        "learner": learner,
+        "node": {"heartbeat_interval_s": 0.3, "start_timeout_s": 120, "log_level": "WARNING"},
+    }
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 from an authenticated peer. Every reply is OK or a refusal with a short reason — never UNKNOWN
 or INTERNAL — while the node keeps running rounds and its /healthz answers within 1 s
 throughout. ``FUZZ_CASES`` sets the count (default 2,000; bench/fuzz.py runs 10,000+)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,13 @@ from tests.peer_fuzz import METHODS, Target, calls, check, send
 pytestmark = pytest.mark.slow
 CASES = int(os.environ.get("FUZZ_CASES", "2000"))
 # parsing and refusing are under test, not the budget: a budget this size never refuses
-GENEROUS = {"requests_per_s": 1e6, "request_burst": 1e6, "compute_share": 1e3, "compute_burst_s": 1e3,
-            "max_concurrent": 64}
+GENEROUS = {
+    "requests_per_s": 1e6,
+    "request_burst": 1e6,
+    "compute_share": 1e3,
+    "compute_burst_s": 1e3,
+    "max_concurrent": 64,
+}
 
 
 class HealthWatch:
@@ -46,11 +52,13 @@ class HealthWatch:
         "    except OSError:\n"
         "        ok = False\n"
         "    worst, polls, failed = max(worst, time.monotonic() - t0 if ok else 5.0), polls + 1, failed + (not ok)\n"
-        "print(worst, polls, failed, flush=True)\n")
+        "print(worst, polls, failed, flush=True)\n"
+    )
 
     def __init__(self, url: str):
-        self.proc = subprocess.Popen([sys.executable, "-c", self.SCRIPT, url], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", self.SCRIPT, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         self.worst, self.polls, self.failed = 0.0, 0, 0
 
     def finish(self) -> None:
@@ -62,29 +70,45 @@ class HealthWatch:
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
-    victim = NodeProc(root, "victim", {"strategy": "federico", "learner": tiny_learner(2, 0),
-                                       "round_interval_s": 0.2, "limits": GENEROUS}).start()
+    victim = NodeProc(
+        root,
+        "victim",
+        {"strategy": "federico", "learner": tiny_learner(2, 0), "round_interval_s": 0.2, "limits": GENEROUS},
+    ).start()
     loop = asyncio.new_event_loop()
     fp = victim.status()["fingerprint"]
 
     async def open_channel():  # a grpc.aio channel belongs to the loop it was made in
         return peer_channel(root, "fuzzer", victim.address, expect="victim")
+
     channel = loop.run_until_complete(open_channel())
 
     async def setup():
-        await channel.unary_unary("/coterie.v1.Peer/Handshake")(pb.HandshakeRequest(node=pb.NodeInfo(
-            node_id="fuzzer", protocol_version=PROTOCOL_VERSION, arch_fingerprint=fp,
-            address="127.0.0.1:1")).SerializeToString(), timeout=10)
+        await channel.unary_unary("/coterie.v1.Peer/Handshake")(
+            pb.HandshakeRequest(
+                node=pb.NodeInfo(
+                    node_id="fuzzer", protocol_version=PROTOCOL_VERSION, arch_fingerprint=fp, address="127.0.0.1:1"
+                )
+            ).SerializeToString(),
+            timeout=10,
+        )
         chunks = []
         async for raw in channel.unary_stream("/coterie.v1.Peer/GetSnapshot")(
-                pb.SnapshotRequest(requester="fuzzer").SerializeToString(), timeout=10):
+            pb.SnapshotRequest(requester="fuzzer").SerializeToString(), timeout=10
+        ):
             chunks.append(pb.SnapshotChunk.FromString(raw))
         groups, _ = decode(b"".join(c.data for c in chunks[1:]))
         return groups["params"]
 
     params = loop.run_until_complete(setup())
     watch = HealthWatch(victim.admin + "/healthz")
-    yield victim, loop, channel, Target("fuzzer", "victim", fp, {k: torch.as_tensor(v) for k, v in params.items()}), watch
+    yield (
+        victim,
+        loop,
+        channel,
+        Target("fuzzer", "victim", fp, {k: torch.as_tensor(v) for k, v in params.items()}),
+        watch,
+    )
     if watch.proc.poll() is None:
         watch.proc.kill()
     loop.run_until_complete(channel.close())
@@ -99,8 +123,9 @@ def test_fuzz_every_rpc(session):
     round_before = victim.status()["round"]
     strategy = calls(target)  # built once: building it per example costs more than the call
 
-    @settings(max_examples=CASES, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=CASES, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
     @given(st.data())
     def one(data):
         method, frames = data.draw(strategy)
@@ -117,8 +142,10 @@ def test_fuzz_every_rpc(session):
     summary = collections.Counter()
     for (_, code), n in codes.items():
         summary[code] += n
-    print(f"\nfuzz: {sum(codes.values())} calls in {took:.0f} s: {dict(summary)}; "
-          f"/healthz worst {watch.worst * 1000:.0f} ms over {watch.polls} polls")
+    print(
+        f"\nfuzz: {sum(codes.values())} calls in {took:.0f} s: {dict(summary)}; "
+        f"/healthz worst {watch.worst * 1000:.0f} ms over {watch.polls} polls"
+    )
     assert not bad, bad[:10]
     assert sum(codes.values()) >= CASES
     assert {m for m, _ in codes} == set(METHODS)  # every unary call of the table, and the streams

@@ -3,6 +3,7 @@ refusals and failures arrive as PeerCallError of the same kinds, deadlines and s
 honoured, size limits apply; shared snapshots cannot be corrupted by a receiver. (Mixed mode,
 memory inside a process and gRPC between: test_routing_transport.py. The strategy and peering
 suites run against both transports: test_strategies_daemon.py, test_peering.py.)"""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,11 +27,21 @@ pytestmark = pytest.mark.slow
 
 
 def _config(tmp, i, peers, **extra):
-    return validate_config({
-        "node_id": f"n{i}", "state_dir": str(tmp / f"n{i}"), "strategy": "local", "peers": peers,
-        "heartbeat_interval_s": 0.2, "request_timeout_s": 10, "rounds": 0, "learner": tiny_learner(2, i % 2),
-        # "local" serves no compute on its data; these tests need one purpose open (exact answers)
-        "privacy": {"serve_purposes": ["scool-evidence"], "enabled": False}, **extra})
+    return validate_config(
+        {
+            "node_id": f"n{i}",
+            "state_dir": str(tmp / f"n{i}"),
+            "strategy": "local",
+            "peers": peers,
+            "heartbeat_interval_s": 0.2,
+            "request_timeout_s": 10,
+            "rounds": 0,
+            "learner": tiny_learner(2, i % 2),
+            # "local" serves no compute on its data; these tests need one purpose open (exact answers)
+            "privacy": {"serve_purposes": ["scool-evidence"], "enabled": False},
+            **extra,
+        }
+    )
 
 
 async def _wait(cond, what, timeout=30.0):
@@ -62,8 +73,9 @@ def test_refusals_and_failures_arrive_as_on_grpc(tmp_path):
         try:
             assert a.address.startswith("inproc:") and b.address != a.address
             out = _stranger(hub)
-            req = ComputeRequest(CROSS_LOSS, "stranger", groups={"params": b.learner.get_params()},
-                                 purpose="scool-evidence")
+            req = ComputeRequest(
+                CROSS_LOSS, "stranger", groups={"params": b.learner.get_params()}, purpose="scool-evidence"
+            )
             with pytest.raises(PeerCallError) as e:
                 await out.compute(a.address, req)
             assert e.value.kind == "unknown_peer" and "stranger" in e.value.message
@@ -76,8 +88,9 @@ def test_refusals_and_failures_arrive_as_on_grpc(tmp_path):
             # a known peer sending NaN weights: the served side's validation refuses it
             bad = {k: torch.full_like(v, float("nan")) for k, v in b.learner.get_params().items()}
             with pytest.raises(PeerCallError) as e:
-                await b.client.compute(a.address, ComputeRequest(CROSS_LOSS, "n1", groups={"params": bad},
-                                                                 purpose="scool-evidence"))
+                await b.client.compute(
+                    a.address, ComputeRequest(CROSS_LOSS, "n1", groups={"params": bad}, purpose="scool-evidence")
+                )
             assert e.value.kind == "invalid" and "n1" in e.value.message
             assert any("n1" in p["peer"] and p["rejected"] for p in a.problems.recent())
             # a gossip key the strategy does not understand
@@ -89,6 +102,7 @@ def test_refusals_and_failures_arrive_as_on_grpc(tmp_path):
         finally:
             await a.stop()
             await b.stop()
+
     asyncio.run(go())
 
 
@@ -96,6 +110,7 @@ def test_a_node_speaks_only_for_itself(tmp_path):
     """No TLS in one process, but the same rule mTLS enforces on gRPC: a node's client may claim
     only its own node id, in every kind of request (else ``forbidden``, before the handler sees
     it); and a call that expects a node at an address reaches only that node."""
+
     async def go():
         hub = InProcNetwork()
         a, b = await _pair(tmp_path, hub)
@@ -107,8 +122,9 @@ def test_a_node_speaks_only_for_itself(tmp_path):
                 b.client.exchange_peers(a.address, "n0", [], 5),
                 b.client.indirect_probe(a.address, IndirectProbe("n0", "n1", 1.0), 5),
                 b.client.get_snapshot(a.address, "n0"),
-                b.client.compute(a.address, ComputeRequest(CROSS_LOSS, "n0", groups={"params": params},
-                                                           purpose="scool-evidence")),
+                b.client.compute(
+                    a.address, ComputeRequest(CROSS_LOSS, "n0", groups={"params": params}, purpose="scool-evidence")
+                ),
                 b.client.gossip(a.address, "n0", "x", {}),
             ]
             for call in spoofs:
@@ -123,6 +139,7 @@ def test_a_node_speaks_only_for_itself(tmp_path):
         finally:
             await a.stop()
             await b.stop()
+
     asyncio.run(go())
 
 
@@ -130,15 +147,23 @@ def test_admission_and_privacy_budgets_hold_in_memory(tmp_path):
     """The per-peer budgets apply to in-process callers as to gRPC ones: a peer over its
     concurrency limit is refused (``exhausted``) and gets its slots back when its calls end
     (deadline: the peer side is cancelled); a spent privacy budget is ``privacy_budget``."""
+
     async def go():
         hub = InProcNetwork()
-        a, b = await _pair(tmp_path, hub, extra_a={"limits": {"max_concurrent": 2},
-                                                   "privacy": {"serve_purposes": ["scool-evidence"],
-                                                               "budget_epsilon": 1e-3}})
+        a, b = await _pair(
+            tmp_path,
+            hub,
+            extra_a={
+                "limits": {"max_concurrent": 2},
+                "privacy": {"serve_purposes": ["scool-evidence"], "budget_epsilon": 1e-3},
+            },
+        )
         try:
             # two round-aligned pulls waiting for a round a never reaches hold both of n1's slots
-            held = [asyncio.ensure_future(b.client.get_snapshot(a.address, "n1", min_round=10**6, wait_s=30,
-                                                                timeout=2)) for _ in range(2)]
+            held = [
+                asyncio.ensure_future(b.client.get_snapshot(a.address, "n1", min_round=10**6, wait_s=30, timeout=2))
+                for _ in range(2)
+            ]
             await _wait(lambda: a.admission.budget("n1").in_flight == 2, "two slots taken")
             with pytest.raises(PeerCallError) as e:
                 await b.client.gossip(a.address, "n1", "x", {})
@@ -154,13 +179,18 @@ def test_admission_and_privacy_budgets_hold_in_memory(tmp_path):
             # waits for a's background privacy warm-up (importing opacus), which took over the
             # default 10 s on a loaded 2-core box
             with pytest.raises(PeerCallError) as e:
-                await b.client.compute(a.address, ComputeRequest(CROSS_LOSS, "n1", purpose="scool-evidence",
-                                                                 groups={"params": b.learner.get_params()}),
-                                       timeout=120)
+                await b.client.compute(
+                    a.address,
+                    ComputeRequest(
+                        CROSS_LOSS, "n1", purpose="scool-evidence", groups={"params": b.learner.get_params()}
+                    ),
+                    timeout=120,
+                )
             assert e.value.kind == "privacy_budget" and "budget" in e.value.message, (e.value.kind, e.value.message)
         finally:
             await a.stop()
             await b.stop()
+
     asyncio.run(go())
 
 
@@ -177,12 +207,13 @@ def test_deadlines_and_stopped_peers(tmp_path):
             assert e.value.kind == "unavailable" and "deadline" in e.value.message
             assert time.monotonic() - t0 < 5
             # the same call with a long deadline fails as soon as b stops, not after the wait
-            call = asyncio.ensure_future(a.client.get_snapshot(b.address, "n0", min_round=10**6, wait_s=30,
-                                                               timeout=40))
+            call = asyncio.ensure_future(a.client.get_snapshot(b.address, "n0", min_round=10**6, wait_s=30, timeout=40))
+
             # waiting at b for the round: it holds one of n0's admission slots there
             async def waiting_at_b():
                 while b.admission.view().get("n0", {}).get("in_flight") != 1:
                     await asyncio.sleep(0.01)
+
             await asyncio.wait_for(waiting_at_b(), 10)
             assert not call.done()
             t0 = time.monotonic()
@@ -200,12 +231,14 @@ def test_deadlines_and_stopped_peers(tmp_path):
             await a.stop()
             if not stopped:
                 await b.stop()
+
     asyncio.run(go())
 
 
 def test_a_receiver_cannot_corrupt_a_shared_snapshot(tmp_path):
     """Pullers share the publisher's tensors. One that modifies them in place (an attack, or a
     strategy bug) must not reach the others: the next hand-out is refused, naming the snapshot."""
+
     async def go():
         hub = InProcNetwork()
         a, b = await _pair(tmp_path, hub)
@@ -231,6 +264,7 @@ def test_a_receiver_cannot_corrupt_a_shared_snapshot(tmp_path):
         finally:
             await a.stop()
             await b.stop()
+
     asyncio.run(go())
 
 
@@ -243,8 +277,12 @@ def test_size_limits_apply_in_memory(tmp_path):
             assert await a.network.pull("n1") is None  # a refuses b's oversized snapshot
             assert any("exceeds the limit of 4096" in p["message"] for p in a.problems.recent())
             with pytest.raises(PeerCallError) as e:  # and b's oversized model in a request
-                await b.client.compute(a.address, ComputeRequest(CROSS_LOSS, "n1", purpose="scool-evidence",
-                                                                 groups={"params": b.learner.get_params()}))
+                await b.client.compute(
+                    a.address,
+                    ComputeRequest(
+                        CROSS_LOSS, "n1", purpose="scool-evidence", groups={"params": b.learner.get_params()}
+                    ),
+                )
             assert e.value.kind == "invalid" and "exceeds the limit of 4096" in e.value.message
             with pytest.raises(PeerCallError) as e:  # a's own gossip limit, before anything is sent
                 await a.client.gossip(b.address, "n0", "x", {"blob": b"x" * 100})
@@ -255,4 +293,5 @@ def test_size_limits_apply_in_memory(tmp_path):
         finally:
             await a.stop()
             await b.stop()
+
     asyncio.run(go())

@@ -5,6 +5,7 @@ what it says about *itself* counts; what it says about others is checked (``peer
 Each test would fail on the code before: "n2 is DEAD" every 0.5 s kept n2 dead at n1 in 15 of
 15 polls, and a suspicion at incarnation 2^64 − 1 made n2 refute with 2^64, after which every
 heartbeat failed (``ValueError: Value out of range``) and n2 flapped at its peers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,12 @@ class Mallory(CertifiedPeer):
     """A certified insider that gossips lies in its own (authenticated) heartbeats."""
 
     async def beat(self, updates, incarnation: int = 1) -> Beat:
-        reply, _ = await self.client.heartbeat(self.target.address, Beat(
-            self.node_id, 0, 0, time.time(), incarnation, tuple(updates)), timeout=5, peer=self.target.node_id)
+        reply, _ = await self.client.heartbeat(
+            self.target.address,
+            Beat(self.node_id, 0, 0, time.time(), incarnation, tuple(updates)),
+            timeout=5,
+            peer=self.target.node_id,
+        )
         return reply
 
 
@@ -45,8 +50,11 @@ def pair(tmp_path_factory):
     base = {"strategy": "local", "round_interval_s": 0.3}
     n1 = NodeProc(root, "n1", {**base, "learner": tiny_learner(2, 0)}).start()
     n2 = NodeProc(root, "n2", {**base, "learner": tiny_learner(2, 1), "peers": [n1.address]}).start()
-    wait_for(lambda: _peer(n1, "n2")["state"] == ALIVE and any(p["node_id"] == "n1" for p in n2.get("/peers")),
-             30, "n1 and n2 to know each other")
+    wait_for(
+        lambda: _peer(n1, "n2")["state"] == ALIVE and any(p["node_id"] == "n1" for p in n2.get("/peers")),
+        30,
+        "n1 and n2 to know each other",
+    )
     yield root, n1, n2
     n2.stop()
     n1.stop()
@@ -68,8 +76,9 @@ def test_a_repeated_death_claim_is_checked_not_believed_and_mutes_its_source(pai
             end = time.monotonic() + 10
             while time.monotonic() < end:
                 inc = _peer(n1, "n2")["incarnation"]
-                await m.beat([MemberUpdate("n2", n2.address, inc, DEAD),
-                              MemberUpdate("n2", n2.address, inc, SUSPECT, "mallory")])
+                await m.beat(
+                    [MemberUpdate("n2", n2.address, inc, DEAD), MemberUpdate("n2", n2.address, inc, SUSPECT, "mallory")]
+                )
                 polls.append(_peer(n1, "n2"))  # at once, and half a period on
                 await asyncio.sleep(0.5)
                 polls.append(_peer(n1, "n2"))
@@ -81,7 +90,7 @@ def test_a_repeated_death_claim_is_checked_not_believed_and_mutes_its_source(pai
     states = [p["state"] for p in polls]
     assert states.count(ALIVE) == len(states), states
     assert _falls(n1, "n2") == falls, n1.log_tail(40)  # not even briefly (n2 refuting at once)
-    assert max(p["last_seen_s"] for p in polls[len(polls) // 2:]) < 3.0, polls  # still in contact
+    assert max(p["last_seen_s"] for p in polls[len(polls) // 2 :]) < 3.0, polls  # still in contact
     ms = n1.status()["membership"]
     strikes = ms["claim_strikes"]["mallory"]
     assert strikes["strikes"] >= STRIKE_LIMIT and strikes["dropped"] > 0 and strikes["muted"], strikes

@@ -3,6 +3,7 @@
 The attacker holds a valid certificate from the network's CA and has handshaken: it is a
 compromised or buggy device. What it may cost the others is bounded; each test names the
 defence it attacks and would fail without it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 class Insider(CertifiedPeer):
     """A peer with a valid certificate, speaking through Coterie's own client."""
+
     async def params(self) -> dict[str, torch.Tensor]:
         _, groups = await self.client.get_snapshot(self.target.address, self.node_id, peer=self.target.node_id)
         return groups["params"]
@@ -33,22 +35,35 @@ class Insider(CertifiedPeer):
     async def evidence(self, params) -> str:
         """One SCool evidence request (a loss on the target's training data): 'ok' or the refusal."""
         try:
-            await self.client.compute(self.target.address, ComputeRequest(
-                CROSS_LOSS, self.node_id, groups={"params": params}, max_samples=64,
-                purpose="scool-evidence"), peer=self.target.node_id)
+            await self.client.compute(
+                self.target.address,
+                ComputeRequest(
+                    CROSS_LOSS, self.node_id, groups={"params": params}, max_samples=64, purpose="scool-evidence"
+                ),
+                peer=self.target.node_id,
+            )
             return "ok"
         except PeerCallError as e:
             return f"{e.kind}: {e}"
 
 
-
 # ------------------------------------------------------------------------- privacy budget
 def _victim(root, node_id: str = "victim", **privacy) -> NodeProc:
-    return NodeProc(root, node_id, {
-        "strategy": "local", "learner": tiny_learner(1, 0, samples=300),
-        "limits": {"compute_share": 50.0},
-        "privacy": {"serve_purposes": ["scool-evidence"], "peer_release_rate": 1000.0,
-                    "peer_release_burst": 1000, **privacy}})
+    return NodeProc(
+        root,
+        node_id,
+        {
+            "strategy": "local",
+            "learner": tiny_learner(1, 0, samples=300),
+            "limits": {"compute_share": 50.0},
+            "privacy": {
+                "serve_purposes": ["scool-evidence"],
+                "peer_release_rate": 1000.0,
+                "peer_release_burst": 1000,
+                **privacy,
+            },
+        },
+    )
 
 
 async def _drain(root, victim: NodeProc, who: str, most: int) -> list[str]:
@@ -84,13 +99,16 @@ def test_one_peer_cannot_drain_the_budget_and_honest_peers_still_get_answers(tmp
     assert 1 <= answered <= 40, answered
     assert honest == ["ok"] * 3, honest
     assert priv["epsilon"] < priv["budget_epsilon"] / 2, priv
-    print(f"one insider draining: answered {answered}, then refused ({mallory[-1][:90]}); "
-          f"ε total {priv['epsilon']:.2f} of {priv['budget_epsilon']}; honest peer: {honest}")
+    print(
+        f"one insider draining: answered {answered}, then refused ({mallory[-1][:90]}); "
+        f"ε total {priv['epsilon']:.2f} of {priv['budget_epsilon']}; honest peer: {honest}"
+    )
 
 
 def test_releases_to_one_peer_are_rate_limited():
     """A token bucket per peer: a burst, then refusals until it refills (a fake clock)."""
     import tempfile
+
     now = [0.0]
     with tempfile.TemporaryDirectory() as d:
         ledger = PrivacyLedger(d, delta=1e-5, peer_rate=2.0, peer_burst=3, clock=lambda: now[0])
@@ -137,8 +155,12 @@ def spent_victim(tmp_path):
 
 def _refuses_to_start(node: NodeProc, *words: str) -> str:
     """Start the node's daemon as NodeProc does; it must exit at once, saying ``words``."""
-    r = subprocess.run([sys.executable, "-m", "coterie.cli.main", "node", "start", "--config",
-                        str(node.config_path)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "coterie.cli.main", "node", "start", "--config", str(node.config_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     msg = r.stdout + r.stderr
     assert r.returncode != 0, msg
     for w in words:
@@ -191,15 +213,26 @@ def test_a_revoked_node_is_refused_and_dropped_from_membership(tmp_path):
     the revocation), n0 marks it dead and it stays dead. Without the CRL check n1 stays alive and
     answered."""
     n0 = NodeProc(tmp_path, "n0", {"strategy": "local", "learner": tiny_learner(3, 0)}).start()
-    n1 = NodeProc(tmp_path, "n1", {"strategy": "local", "learner": tiny_learner(3, 1),
-                                   "peers": [n0.address]}).start()
-    n2 = NodeProc(tmp_path, "n2", {"strategy": "local", "learner": tiny_learner(3, 2),
-                                   "peers": [n0.address]}).start()
+    n1 = NodeProc(tmp_path, "n1", {"strategy": "local", "learner": tiny_learner(3, 1), "peers": [n0.address]}).start()
+    n2 = NodeProc(tmp_path, "n2", {"strategy": "local", "learner": tiny_learner(3, 2), "peers": [n0.address]}).start()
     try:
         wait_for(lambda: _peer_state(n0, "n1") == "alive", 60, "n0 to see n1")
         wait_for(lambda: _peer_state(n2, "n1") == "alive", 60, "n2 to see n1")
-        r = subprocess.run([sys.executable, "-m", "coterie.cli.main", "cert", "revoke", "--ca",
-                            str(tmp_path / "pki" / "ca"), "--node-id", "n1"], capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "coterie.cli.main",
+                "cert",
+                "revoke",
+                "--ca",
+                str(tmp_path / "pki" / "ca"),
+                "--node-id",
+                "n1",
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert r.returncode == 0, r.stderr
         shutil.copy(tmp_path / "pki" / "ca" / "crl.pem", node_certs(tmp_path, "n0") / "crl.pem")
         wait_for(lambda: _peer_state(n0, "n1") == "dead", 60, "n0 to drop the revoked n1")
@@ -239,13 +272,20 @@ def test_an_expired_or_revoked_own_certificate_refuses_to_start(tmp_path):
     from cryptography.hazmat.primitives import hashes, serialization
 
     from coterie.node.security.pki import NODE_CERT, PKIError, _load_ca
+
     d = node_certs(tmp_path, "old")
     ca_cert, ca_key = _load_ca(tmp_path / "pki" / "ca")
     cert = x509.load_pem_x509_certificate((d / NODE_CERT).read_bytes())
     past = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=2)
-    b = (x509.CertificateBuilder().subject_name(cert.subject).issuer_name(ca_cert.subject)
-         .public_key(cert.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(past - dt.timedelta(days=30)).not_valid_after(past))
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(cert.subject)
+        .issuer_name(ca_cert.subject)
+        .public_key(cert.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(past - dt.timedelta(days=30))
+        .not_valid_after(past)
+    )
     for ext in cert.extensions:
         b = b.add_extension(ext.value, ext.critical)
     (d / NODE_CERT).write_bytes(b.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
@@ -262,10 +302,12 @@ def test_health_and_reflection_answer_garbage_cleanly(tmp_path):
     import grpc
 
     from tests.nodeproc import peer_channel
+
     n0 = NodeProc(tmp_path, "n0", {"strategy": "local", "learner": tiny_learner(1, 0)}).start()
     garbage = [b"\xff" * 7, b"\x0a\xff\xff\xff\xff\x0f", b"\x08" * 33, bytes(range(256)), b"\x12\x05ab"]
     codes: dict[str, set] = {}
     try:
+
         async def go():
             ch = peer_channel(tmp_path, "prober", n0.address)
             try:
@@ -285,8 +327,10 @@ def test_health_and_reflection_answer_garbage_cleanly(tmp_path):
                             codes.setdefault(method, set()).add("OK")
                         except grpc.aio.AioRpcError as e:
                             codes.setdefault(method, set()).add(e.code().name)
-                for method in ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-                               "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"):
+                for method in (
+                    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                ):
                     # off: the method does not exist, whatever is sent. Nothing is written: a write
                     # racing the server's refusal ends the call INTERNAL on the client's side
                     # ("Internal error from Core"), which is not the server's answer
@@ -299,6 +343,7 @@ def test_health_and_reflection_answer_garbage_cleanly(tmp_path):
                     codes.setdefault(method, set()).add((await call.code()).name)
                 # a well-formed check still answers
                 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
                 reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
                 return reply.status
             finally:

@@ -7,6 +7,7 @@ credentials loaded as the daemon loads them, its node id the pod's name.
 
 The overlay is rendered here as kustomize does (its resources + its JSON 6902 patches, with the
 ``jsonpatch`` library); where ``kubectl`` is installed its own ``kubectl kustomize`` must agree."""
+
 from __future__ import annotations
 
 import copy
@@ -53,8 +54,11 @@ def render(directory: Path) -> list[dict]:
         path = (directory / res).resolve()
         objs += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
     for p in k.get("patches", []):
-        targets = [o for o in objs if all(o.get("kind") == v if f == "kind" else o["metadata"].get(f) == v
-                                           for f, v in p["target"].items())]
+        targets = [
+            o
+            for o in objs
+            if all(o.get("kind") == v if f == "kind" else o["metadata"].get(f) == v for f, v in p["target"].items())
+        ]
         assert targets, f"patch target {p['target']} matches nothing"
         ops = jsonpatch.JsonPatch(yaml.safe_load(p["patch"]))
         objs = [ops.apply(o) if o in targets else o for o in objs]
@@ -84,13 +88,20 @@ def pod_environment(objs: list[dict], index: int) -> dict[str, str]:
         if "valueFrom" in e:
             env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
-            env[e["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)),
-                                    e["value"])
+            env[e["name"]] = re.sub(
+                r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), e["value"]
+            )
     assert container["command"] == ["/bin/sh", "-c"]
     script = container["args"][0]
     assert "exec /src/deploy/entrypoint.sh" in script
-    out = subprocess.run(["/bin/sh", "-c", script.replace("exec /src/deploy/entrypoint.sh", "exec env -0")],
-                         env=env, capture_output=True, text=True, timeout=30, check=True).stdout
+    out = subprocess.run(
+        ["/bin/sh", "-c", script.replace("exec /src/deploy/entrypoint.sh", "exec env -0")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     return dict(line.split("=", 1) for line in out.split("\0") if "=" in line)
 
 
@@ -128,8 +139,12 @@ def volumes_of(objs: list[dict]) -> dict[str, tuple[str, dict]]:
     sts = one(objs, "StatefulSet")
     pod = sts["spec"]["template"]["spec"]
     sources = {v["name"]: v for v in pod.get("volumes", [])}
-    sources.update({c["metadata"]["name"]: {"name": c["metadata"]["name"], "persistentVolumeClaim": c}
-                    for c in sts["spec"].get("volumeClaimTemplates", [])})
+    sources.update(
+        {
+            c["metadata"]["name"]: {"name": c["metadata"]["name"], "persistentVolumeClaim": c}
+            for c in sts["spec"].get("volumeClaimTemplates", [])
+        }
+    )
     return {m["mountPath"]: (m["name"], sources[m["name"]]) for m in pod["containers"][0]["volumeMounts"]}
 
 
@@ -185,12 +200,34 @@ def test_the_pieces_fit_together(variant):
 
 # ------------------------------------------------------------------- a pod, started for real
 CSI = "csi.cert-manager.io/"
-CSI_ATTRIBUTES = {"issuer-name", "issuer-kind", "issuer-group", "common-name", "dns-names", "ip-sans",
-                  "uri-sans", "duration", "is-ca", "key-usages", "key-encoding", "certificate-file",
-                  "privatekey-file", "ca-file", "renew-before", "reuse-private-key", "fs-group"}
-USAGES = {"digital signature": "digital_signature", "key encipherment": "key_encipherment",
-          "content commitment": "content_commitment", "data encipherment": "data_encipherment",
-          "key agreement": "key_agreement", "cert sign": "key_cert_sign", "crl sign": "crl_sign"}
+CSI_ATTRIBUTES = {
+    "issuer-name",
+    "issuer-kind",
+    "issuer-group",
+    "common-name",
+    "dns-names",
+    "ip-sans",
+    "uri-sans",
+    "duration",
+    "is-ca",
+    "key-usages",
+    "key-encoding",
+    "certificate-file",
+    "privatekey-file",
+    "ca-file",
+    "renew-before",
+    "reuse-private-key",
+    "fs-group",
+}
+USAGES = {
+    "digital signature": "digital_signature",
+    "key encipherment": "key_encipherment",
+    "content commitment": "content_commitment",
+    "data encipherment": "data_encipherment",
+    "key agreement": "key_agreement",
+    "cert sign": "key_cert_sign",
+    "crl sign": "crl_sign",
+}
 EXT_USAGES = {"server auth": ExtendedKeyUsageOID.SERVER_AUTH, "client auth": ExtendedKeyUsageOID.CLIENT_AUTH}
 
 
@@ -199,44 +236,61 @@ def csi_driver_writes(attributes: dict[str, str], pod: str, ca_dir: Path, target
     documented behaviour): ${POD_NAME} & co. substituted, a fresh key (ECDSA P-256), a certificate
     with the common name, DNS/URI SANs and key usages asked for, signed by the Issuer's CA, written
     as certificate-file / privatekey-file / ca-file (default tls.crt, tls.key, ca.crt)."""
-    pod_vars = {"POD_NAME": pod, "POD_NAMESPACE": "default", "POD_UID": "00000000-0000-0000-0000-000000000000",
-                "SERVICE_ACCOUNT_NAME": "default"}
+    pod_vars = {
+        "POD_NAME": pod,
+        "POD_NAMESPACE": "default",
+        "POD_UID": "00000000-0000-0000-0000-000000000000",
+        "SERVICE_ACCOUNT_NAME": "default",
+    }
     a = {}
     for k, v in attributes.items():
-        assert k.startswith(CSI) and k[len(CSI):] in CSI_ATTRIBUTES, f"the csi-driver knows no attribute {k}"
-        a[k[len(CSI):]] = re.sub(r"\$\{(\w+)\}", lambda m: pod_vars[m.group(1)], v)
+        assert k.startswith(CSI) and k[len(CSI) :] in CSI_ATTRIBUTES, f"the csi-driver knows no attribute {k}"
+        a[k[len(CSI) :]] = re.sub(r"\$\{(\w+)\}", lambda m: pod_vars[m.group(1)], v)
     ca_cert = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
     ca_key = serialization.load_pem_private_key((ca_dir / "ca.key").read_bytes(), password=None)
     key = ec.generate_private_key(ec.SECP256R1())
+
     def split(name: str) -> list[str]:
         return [s.strip() for s in a.get(name, "").split(",") if s.strip()]
-    sans = [x509.DNSName(d) for d in split("dns-names")] + [x509.UniformResourceIdentifier(u) for u in split("uri-sans")]
+
+    sans = [x509.DNSName(d) for d in split("dns-names")] + [
+        x509.UniformResourceIdentifier(u) for u in split("uri-sans")
+    ]
     usages = split("key-usages") or ["digital signature", "key encipherment"]
     assert set(usages) <= set(USAGES) | set(EXT_USAGES), usages
     ku = {v: USAGES[u] == v for u in usages for v in USAGES.values() if USAGES.get(u) == v}
     hours = float(a.get("duration", "2160h").rstrip("h"))
     now = dt.datetime.now(dt.timezone.utc)
-    builder = (x509.CertificateBuilder()
-               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, a["common-name"])]
-                                       if a.get("common-name") else []))
-               .issuer_name(ca_cert.subject).public_key(key.public_key())
-               .serial_number(x509.random_serial_number())
-               .not_valid_before(now).not_valid_after(now + dt.timedelta(hours=hours))
-               .add_extension(x509.BasicConstraints(ca=a.get("is-ca") == "true", path_length=None), critical=True)
-               .add_extension(x509.KeyUsage(**{v: ku.get(v, False) for v in USAGES.values()},
-                                            encipher_only=False, decipher_only=False), critical=True))
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(
+            x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, a["common-name"])] if a.get("common-name") else [])
+        )
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + dt.timedelta(hours=hours))
+        .add_extension(x509.BasicConstraints(ca=a.get("is-ca") == "true", path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(**{v: ku.get(v, False) for v in USAGES.values()}, encipher_only=False, decipher_only=False),
+            critical=True,
+        )
+    )
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
     ext = [EXT_USAGES[u] for u in usages if u in EXT_USAGES]
     if ext:
         builder = builder.add_extension(x509.ExtendedKeyUsage(ext), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())
-    fmt = {"PKCS1": serialization.PrivateFormat.TraditionalOpenSSL,
-           "PKCS8": serialization.PrivateFormat.PKCS8}[a.get("key-encoding", "PKCS1")]
+    fmt = {"PKCS1": serialization.PrivateFormat.TraditionalOpenSSL, "PKCS8": serialization.PrivateFormat.PKCS8}[
+        a.get("key-encoding", "PKCS1")
+    ]
     target.mkdir(parents=True, exist_ok=True)
     (target / a.get("certificate-file", "tls.crt")).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     (target / a.get("privatekey-file", "tls.key")).write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, fmt, serialization.NoEncryption()))
+        key.private_bytes(serialization.Encoding.PEM, fmt, serialization.NoEncryption())
+    )
     (target / a.get("ca-file", "ca.crt")).write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
 
 
@@ -244,13 +298,16 @@ def write_own_data(directory: Path, classes: list[str], seed: int) -> None:
     """A device's samples as the operator puts them on its volume: train.csv, features + label."""
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True, exist_ok=True)
-    rows = ["f0,f1,f2,label"] + [f"{x[0]:.4f},{x[1]:.4f},{x[2]:.4f},{classes[k % len(classes)]}"
-                                 for k, x in enumerate(rng.normal(size=(3 * len(classes), 3)))]
+    rows = ["f0,f1,f2,label"] + [
+        f"{x[0]:.4f},{x[1]:.4f},{x[2]:.4f},{classes[k % len(classes)]}"
+        for k, x in enumerate(rng.normal(size=(3 * len(classes), 3)))
+    ]
     (directory / "train.csv").write_text("\n".join(rows) + "\n")
 
 
-def start_pod(objs: list[dict], index: int, root: Path, ca_dir: Path, *, tls_of: int | None = None,
-              key_of: int | None = None):
+def start_pod(
+    objs: list[dict], index: int, root: Path, ca_dir: Path, *, tls_of: int | None = None, key_of: int | None = None
+):
     """Pod ``index`` up to the point where its daemon would serve: its environment rendered, the
     files its volumes provide created under ``root`` (the csi-driver's certificate for pod
     ``tls_of``, default its own; ``key_of``: another pod's key swapped in), mount paths rewritten
@@ -295,6 +352,7 @@ def start_pod(objs: list[dict], index: int, root: Path, ca_dir: Path, *, tls_of:
         assert len(token) >= 16
     if importlib.util.find_spec("coterie.node.learning.own_data") is not None:
         from coterie.node.learning.own_data import load_own_data
+
         data = load_own_data(cfg.learner)
         assert data.class_names == cfg.learner.classes and len(data.y_train) > 0
     return cfg, transport
@@ -317,6 +375,7 @@ def test_every_pod_can_start_with_its_own_certificate(variant, tmp_path, network
 def _handshake(server: TLS, client: TLS, ask_for: str | None) -> None:
     """A TLS handshake between two nodes' credentials, the client asking for ``ask_for``'s name
     as the node's client does (TLS.target_name); raises ssl.SSLError when it is refused."""
+
     def ctx(creds, side):
         c = ssl.SSLContext(side)
         d = Path(tempfile.mkdtemp())
@@ -326,6 +385,7 @@ def _handshake(server: TLS, client: TLS, ask_for: str | None) -> None:
         c.load_verify_locations(cadata=creds.ca_pem.decode())
         c.verify_mode = ssl.CERT_REQUIRED
         return c
+
     a, b = socket.socketpair()
     srv = ctx(server.creds, ssl.PROTOCOL_TLS_SERVER)
     cli = ctx(client.creds, ssl.PROTOCOL_TLS_CLIENT)
@@ -337,6 +397,7 @@ def _handshake(server: TLS, client: TLS, ask_for: str | None) -> None:
                 s.recv(1)
         except (ssl.SSLError, OSError) as e:
             errors.append(e)
+
     t = threading.Thread(target=serve)
     t.start()
     try:
@@ -367,11 +428,14 @@ def test_a_pod_with_another_pods_certificate_or_key_does_not_start(tmp_path, net
         start_pod(objs, 0, tmp_path / "b", network_ca, key_of=1)
 
 
-@pytest.mark.parametrize("attribute, value, error", [
-    ("uri-sans", None, "names 0 node ids"),  # the node id lives in the URI SAN, not the CN
-    ("certificate-file", None, "node.pem does not exist"),  # the driver's default name is tls.crt
-    ("privatekey-file", "key.pem", "node.key does not exist"),
-])
+@pytest.mark.parametrize(
+    "attribute, value, error",
+    [
+        ("uri-sans", None, "names 0 node ids"),  # the node id lives in the URI SAN, not the CN
+        ("certificate-file", None, "node.pem does not exist"),  # the driver's default name is tls.crt
+        ("privatekey-file", "key.pem", "node.key does not exist"),
+    ],
+)
 def test_the_certificate_attributes_are_what_the_node_reads(tmp_path, network_ca, attribute, value, error):
     """The csi-driver rendering above follows the attributes: change one the node depends on and the
     pod no longer starts (so the test passing means the manifest's attributes are right)."""

@@ -1,5 +1,6 @@
 """`coterie run --backend inproc`: the whole network in this process, same configs (but for the
 addresses), same partitions and seeds, same results.json as the processes backend."""
+
 from __future__ import annotations
 
 import json
@@ -7,15 +8,28 @@ import os
 
 import pytest
 
-from coterie.node.config import ConfigError, validate_config
 from coterie.lab.launch import check_backend, inproc, processes
 from coterie.lab.scenario import parse_scenario
+from coterie.node.config import ConfigError, validate_config
 
-BASE = {"name": "t", "seed": 3, "nodes": 4, "rounds": 3, "strategy": ["local", "dpsgd"],
-        "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 1200}, "partition": "label_permutation",
-                    "partition_params": {"num_clusters": 2}, "model": "mlp", "model_params": {"hidden": [16]},
-                    "local_steps": 3, "device": "cpu"},
-        "node": {"heartbeat_interval_s": 0.3, "start_timeout_s": 60}}
+BASE = {
+    "name": "t",
+    "seed": 3,
+    "nodes": 4,
+    "rounds": 3,
+    "strategy": ["local", "dpsgd"],
+    "learner": {
+        "dataset": "mnist1d",
+        "dataset_params": {"num_samples": 1200},
+        "partition": "label_permutation",
+        "partition_params": {"num_clusters": 2},
+        "model": "mlp",
+        "model_params": {"hidden": [16]},
+        "local_steps": 3,
+        "device": "cpu",
+    },
+    "node": {"heartbeat_interval_s": 0.3, "start_timeout_s": 60},
+}
 
 
 def scen(**kw):
@@ -65,6 +79,7 @@ def test_coterie_run_inproc_writes_results_from_one_process(tmp_path):
 
     scenario = tmp_path / "four.toml"
     import tomli_w
+
     scenario.write_text(tomli_w.dumps(BASE))
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["run", str(scenario), "--out", str(out), "--backend", "inproc"])
@@ -81,8 +96,7 @@ def test_coterie_run_inproc_writes_results_from_one_process(tmp_path):
             assert list((out / s / "nodes" / n).glob("ckpt-*.safetensors"))  # real checkpoints, per node
         mats = r["weights"]["matrices"]
         assert all(abs(sum(row) - 1.0) < 1e-6 for row in mats[-1])
-    assert res["strategies"]["local"]["final_weights"] == [[1.0 if i == j else 0.0 for j in range(4)]
-                                                           for i in range(4)]
+    assert res["strategies"]["local"]["final_weights"] == [[1.0 if i == j else 0.0 for j in range(4)] for i in range(4)]
     dpsgd = res["strategies"]["dpsgd"]
     assert dpsgd["summary"]["bytes_received_total"] > 0  # snapshots moved, through memory
     assert all(len([w for w in row if w > 0]) > 1 for row in dpsgd["final_weights"])
@@ -90,11 +104,11 @@ def test_coterie_run_inproc_writes_results_from_one_process(tmp_path):
 
 
 def test_cli_refuses_an_unknown_backend_or_too_many_processes(tmp_path):
+    import tomli_w
     from typer.testing import CliRunner
 
     from coterie.cli.main import app
 
-    import tomli_w
     scenario = tmp_path / "s.toml"
     scenario.write_text(tomli_w.dumps(BASE))
     runner = CliRunner()
@@ -131,6 +145,7 @@ def test_nodes_start_in_batches_that_meet_the_network_first(tmp_path):
                     await asyncio.sleep(0)
                 events.append(f"met {self.node_id}")
                 self.met = ["someone"]
+
             if self.cfg.peers:
                 asyncio.get_running_loop().create_task(handshake())
 
@@ -141,7 +156,7 @@ def test_nodes_start_in_batches_that_meet_the_network_first(tmp_path):
     async def go():
         nodes: list = []
         for lo in range(0, 5, 2):
-            await inproc._start_batch(FakeNode, Board(), specs[lo:lo + 2], nodes)
+            await inproc._start_batch(FakeNode, Board(), specs[lo : lo + 2], nodes)
             events.append("batch done")
         return nodes
 

@@ -8,16 +8,21 @@ import numpy as np
 import pytest
 
 from coterie.lab import launcher
-from coterie.node.config import ConfigError, load_config
 from coterie.lab.launcher import LauncherError, Network, prepare, run_scenario, run_strategy
 from coterie.lab.scenario import builtin_scenario, load_scenario, parse_scenario
+from coterie.node.config import ConfigError, load_config
 
 FAKE = str(Path(__file__).with_name("fake_daemon.py"))
 REPO = Path(__file__).resolve().parents[1]
 
-BASE = {"name": "t", "seed": 7, "nodes": 4, "rounds": 3, "strategy": "local",
-        "learner": {"dataset": "mnist1d", "partition": "label_permutation",
-                    "partition_params": {"num_clusters": 2}}}
+BASE = {
+    "name": "t",
+    "seed": 7,
+    "nodes": 4,
+    "rounds": 3,
+    "strategy": "local",
+    "learner": {"dataset": "mnist1d", "partition": "label_permutation", "partition_params": {"num_clusters": 2}},
+}
 
 
 def scen(**kw):
@@ -67,22 +72,25 @@ def test_scenario_defaults_and_strategy_forms():
     assert (sc.strategy, sc.seed, sc.rounds, sc.nodes) == (["dpsgd"], 3, 9, 5)
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"nodes": 0}, "nodes"),
-    ({"rounds": None}, "rounds"),
-    ({"bogus": 1}, "bogus"),
-    ({"bootstrap": "ring"}, "bootstrap"),
-    ({"strategy": ["local", "local"]}, "strategy"),
-    ({"learner": {"lr": -1}}, "learner.lr"),
-    ({"learner": {"num_nodes": 3}}, "learner.num_nodes"),
-    ({"node": {"listen": "127.0.0.1:1"}}, "node.listen"),
-    ({"node": {"heartbeat_interval_s": 0}}, "heartbeat_interval_s"),
-    ({"overrides": [{"nodes": [9], "delay_ms": 5}]}, "overrides[0].nodes"),
-    ({"overrides": [{"delay_ms": 5}]}, "overrides[0].nodes"),
-    ({"overrides": [{"nodes": [1], "peers": []}]}, "overrides[0].peers"),
-    ({"overrides": [{"nodes": [1], "learner": {"lr": 0}}]}, "learner.lr"),
-    ({"strategy_params": {"fedfomo": {"eps": 1}}}, "strategy_params.fedfomo"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"nodes": 0}, "nodes"),
+        ({"rounds": None}, "rounds"),
+        ({"bogus": 1}, "bogus"),
+        ({"bootstrap": "ring"}, "bootstrap"),
+        ({"strategy": ["local", "local"]}, "strategy"),
+        ({"learner": {"lr": -1}}, "learner.lr"),
+        ({"learner": {"num_nodes": 3}}, "learner.num_nodes"),
+        ({"node": {"listen": "127.0.0.1:1"}}, "node.listen"),
+        ({"node": {"heartbeat_interval_s": 0}}, "heartbeat_interval_s"),
+        ({"overrides": [{"nodes": [9], "delay_ms": 5}]}, "overrides[0].nodes"),
+        ({"overrides": [{"delay_ms": 5}]}, "overrides[0].nodes"),
+        ({"overrides": [{"nodes": [1], "peers": []}]}, "overrides[0].peers"),
+        ({"overrides": [{"nodes": [1], "learner": {"lr": 0}}]}, "learner.lr"),
+        ({"strategy_params": {"fedfomo": {"eps": 1}}}, "strategy_params.fedfomo"),
+    ],
+)
 def test_scenario_errors_name_the_field(change, field):
     d = json.loads(json.dumps(BASE))
     for k, v in change.items():
@@ -116,10 +124,15 @@ def test_shipped_demo_scenario_is_valid_and_packaged():
 
 # ------------------------------------------------------------------------- config generation
 def test_prepare_writes_complete_configs(tmp_path):
-    sc = scen(nodes=5, strategy_params={"local": {}},
-              node={"round_interval_s": 0.1},
-              overrides=[{"nodes": [3], "learner": {"label_noise": 1.0}},
-                         {"nodes": [4], "round_interval_s": 2.0, "delay_ms": 50}])
+    sc = scen(
+        nodes=5,
+        strategy_params={"local": {}},
+        node={"round_interval_s": 0.1},
+        overrides=[
+            {"nodes": [3], "learner": {"label_noise": 1.0}},
+            {"nodes": [4], "round_interval_s": 2.0, "delay_ms": 50},
+        ],
+    )
     specs = prepare(sc, "local", tmp_path)
     cfgs = [load_config(s.config_path, environ={}) for s in specs]  # the files load as NodeConfig
     assert [c.node_id for c in cfgs] == [f"n{i}" for i in range(5)]
@@ -152,10 +165,15 @@ def test_bootstrap_addresses_come_from_node_json(tmp_path):
     """Nodes bind port 0; a node's bootstrap peer is the address its bootstrap node wrote to its
     node.json, so no port is picked (and raced for) by the launcher."""
     sc = scen(nodes=3)
-    run = run_strategy(sc, "local", tmp_path, poll_interval_s=0.05, stop_timeout_s=2,
-                       command=lambda s: fake("ok")(s) + ([str(s.bootstrap_from)] if s.bootstrap_from else []))
-    infos = [json.loads((tmp_path / "local" / "nodes" / f"n{i}" / "node.json").read_text())
-             for i in range(3)]
+    run = run_strategy(
+        sc,
+        "local",
+        tmp_path,
+        poll_interval_s=0.05,
+        stop_timeout_s=2,
+        command=lambda s: fake("ok")(s) + ([str(s.bootstrap_from)] if s.bootstrap_from else []),
+    )
+    infos = [json.loads((tmp_path / "local" / "nodes" / f"n{i}" / "node.json").read_text()) for i in range(3)]
     assert len({i["address"] for i in infos}) == 3 and all(not i["address"].endswith(":0") for i in infos)
     assert infos[0]["peers"] == [] and infos[1]["peers"] == [infos[0]["address"]]
     assert infos[2]["peers"] == [infos[1]["address"]]
@@ -189,9 +207,11 @@ def test_resolve_strategies():
 
 # ---------------------------------------------------------------------- processes (fake node)
 def test_run_collects_results_and_leaves_no_process(tmp_path, monkeypatch):
-    sc = scen(nodes=3, strategy=["local", "dpsgd"],
-              learner={"dataset": "mnist1d", "partition": "label_permutation",
-                       "partition_params": {"num_clusters": 3}})
+    sc = scen(
+        nodes=3,
+        strategy=["local", "dpsgd"],
+        learner={"dataset": "mnist1d", "partition": "label_permutation", "partition_params": {"num_clusters": 3}},
+    )
     seen = []
     orig = Network.start
 
@@ -232,8 +252,15 @@ def test_early_death_names_node_and_log_tail(tmp_path):
     sc = scen(nodes=3)
     pids = []
     with pytest.raises(LauncherError) as e:
-        run_strategy(sc, "local", tmp_path, command=fake("crash_n1"), poll_interval_s=0.05,
-                     stop_timeout_s=5, on_start=lambda net: pids.extend(net.pids))
+        run_strategy(
+            sc,
+            "local",
+            tmp_path,
+            command=fake("crash_n1"),
+            poll_interval_s=0.05,
+            stop_timeout_s=5,
+            on_start=lambda net: pids.extend(net.pids),
+        )
     msg = str(e.value)
     assert "node n1 exited with code 3" in msg and "boom: fake node failed on purpose" in msg
     assert_all_gone(pids + grandchildren(tmp_path, "local", 3))
@@ -243,8 +270,15 @@ def test_timeout_kills_nodes_that_ignore_sigterm(tmp_path):
     sc = scen(nodes=2, timeout_s=0.5)
     pids = []
     with pytest.raises(LauncherError, match="timed out.*n0@0"):
-        run_strategy(sc, "local", tmp_path, command=fake("hang"), poll_interval_s=0.05,
-                     stop_timeout_s=0.5, on_start=lambda net: pids.extend(net.pids))
+        run_strategy(
+            sc,
+            "local",
+            tmp_path,
+            command=fake("hang"),
+            poll_interval_s=0.05,
+            stop_timeout_s=0.5,
+            on_start=lambda net: pids.extend(net.pids),
+        )
     assert_all_gone(pids + grandchildren(tmp_path, "local", 2))
 
 
@@ -257,8 +291,9 @@ def test_ctrl_c_stops_everything(tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_strategy(sc, "local", tmp_path, command=fake("hang"), poll_interval_s=0.05,
-                     stop_timeout_s=0.5, on_start=interrupt)
+        run_strategy(
+            sc, "local", tmp_path, command=fake("hang"), poll_interval_s=0.05, stop_timeout_s=0.5, on_start=interrupt
+        )
     assert len(pids) == 3
     assert_all_gone(pids)
 
@@ -323,8 +358,14 @@ start_timeout_s = 60
 
 def test_strategy_subset_from_the_command_line_drops_params_of_the_others():
     from coterie.lab.scenario import parse_scenario
-    data = {"name": "x", "nodes": 2, "rounds": 1, "strategy": ["local", "fedfomo"],
-            "strategy_params": {"fedfomo": {"num_models": 2}}}
+
+    data = {
+        "name": "x",
+        "nodes": 2,
+        "rounds": 1,
+        "strategy": ["local", "fedfomo"],
+        "strategy_params": {"fedfomo": {"num_models": 2}},
+    }
     assert parse_scenario(data, strategies=["local"]).strategy_params == {}
     assert parse_scenario(data).strategy_params == {"fedfomo": {"num_models": 2}}
 
@@ -333,15 +374,29 @@ def test_strategy_subset_from_the_command_line_drops_params_of_the_others():
 def test_daemons_are_forked_from_the_preloaded_server_and_share_its_memory(tmp_path):
     """The default processes backend forks each daemon from a fork server that imported torch
     once: the daemon is the server's child, and most of what it maps stays shared with it."""
-    sc = scen(nodes=2, rounds=1, learner={"dataset": "mnist1d", "dataset_params": {"num_samples": 1200},
-                                          "partition": "label_permutation", "partition_params": {"num_clusters": 2},
-                                          "model": "mlp", "local_steps": 2, "device": "cpu"},
-              node={"heartbeat_interval_s": 0.3})
+    sc = scen(
+        nodes=2,
+        rounds=1,
+        learner={
+            "dataset": "mnist1d",
+            "dataset_params": {"num_samples": 1200},
+            "partition": "label_permutation",
+            "partition_params": {"num_clusters": 2},
+            "model": "mlp",
+            "local_steps": 2,
+            "device": "cpu",
+        },
+        node={"heartbeat_interval_s": 0.3},
+    )
     specs = prepare(sc, "local", tmp_path)
     with Network(specs) as net:
+
         def up():
             return all((s.state_dir / "node.json").exists() for s in specs) and all(
-                json.loads((s.state_dir / "node.json").read_text())["pid"] == p for s, p in zip(specs, net.pids, strict=True))
+                json.loads((s.state_dir / "node.json").read_text())["pid"] == p
+                for s, p in zip(specs, net.pids, strict=True)
+            )
+
         deadline = time.monotonic() + 180
         while not up():
             assert time.monotonic() < deadline, "forked daemons did not come up"
@@ -367,16 +422,25 @@ def test_oversized_partition_fails_before_any_process_starts(tmp_path, monkeypat
     the sizes, and no node process is ever started."""
     started = []
     monkeypatch.setattr(Network, "start", lambda self: started.append(self))
-    sc = scen(nodes=4, learner={"dataset": "digits", "partition": "label_permutation",
-                                "partition_params": {"num_clusters": 2, "samples_per_node": 600}})
+    sc = scen(
+        nodes=4,
+        learner={
+            "dataset": "digits",
+            "partition": "label_permutation",
+            "partition_params": {"num_clusters": 2, "samples_per_node": 600},
+        },
+    )
     with pytest.raises(ConfigError, match=r"node n0: data: .*needs 2400 samples in all but the pool has only 1797"):
         run_scenario(sc, tmp_path, command=fake("ok"))
     assert not started and not (tmp_path / "results.json").exists()
 
 
 def test_oracle_without_meaning_is_warned(tmp_path):
-    sc = scen(nodes=3, strategy=["local", "oracle"],
-              learner={"dataset": "digits", "partition": "dirichlet", "partition_params": {"alpha": 0.5}})
+    sc = scen(
+        nodes=3,
+        strategy=["local", "oracle"],
+        learner={"dataset": "digits", "partition": "dirichlet", "partition_params": {"alpha": 0.5}},
+    )
     assert any("oracle has no meaning" in w for w in launcher.check_data(sc))
     assert launcher.check_data(scen(nodes=3, strategy=["local", "oracle"])) == []  # 2 clusters: fine
     res = run_scenario(sc, tmp_path, command=fake("ok"), poll_interval_s=0.05, stop_timeout_s=5)
@@ -386,28 +450,36 @@ def test_oracle_without_meaning_is_warned(tmp_path):
 def test_rerunning_a_subset_keeps_the_other_strategies(tmp_path):
     sc = scen(nodes=3, strategy=["local", "dpsgd"])
     first = run_scenario(sc, tmp_path, command=fake("ok"), poll_interval_s=0.05, stop_timeout_s=5)
-    again = run_scenario(scen(nodes=3, strategy=["dpsgd"]), tmp_path, command=fake("ok"),
-                         poll_interval_s=0.05, stop_timeout_s=5)
+    again = run_scenario(
+        scen(nodes=3, strategy=["dpsgd"]), tmp_path, command=fake("ok"), poll_interval_s=0.05, stop_timeout_s=5
+    )
     assert set(again["strategies"]) == {"local", "dpsgd"}
     assert again["strategies"]["local"] == first["strategies"]["local"]
-    assert again["strategies"]["dpsgd"]["wall_time_s"] != first["strategies"]["dpsgd"]["wall_time_s"] or \
-        again["strategies"]["dpsgd"]["nodes"]["n0"]["pid"] != first["strategies"]["dpsgd"]["nodes"]["n0"]["pid"]
+    assert (
+        again["strategies"]["dpsgd"]["wall_time_s"] != first["strategies"]["dpsgd"]["wall_time_s"]
+        or again["strategies"]["dpsgd"]["nodes"]["n0"]["pid"] != first["strategies"]["dpsgd"]["nodes"]["n0"]["pid"]
+    )
     assert any("kept earlier results of ['local']" in n for n in again["notes"])
     assert json.loads((tmp_path / "results.json").read_text()) == again
     # another scenario configuration (other seed): the earlier entries are not mixed in
-    other = run_scenario(scen(nodes=3, seed=8, strategy=["dpsgd"]), tmp_path, command=fake("ok"),
-                         poll_interval_s=0.05, stop_timeout_s=5)
+    other = run_scenario(
+        scen(nodes=3, seed=8, strategy=["dpsgd"]), tmp_path, command=fake("ok"), poll_interval_s=0.05, stop_timeout_s=5
+    )
     assert set(other["strategies"]) == {"dpsgd"}
     assert any("another scenario configuration" in n for n in other["notes"])
 
 
 def test_results_carry_the_true_mixture(tmp_path):
     from coterie.node.learning.partition import true_mixture
-    sc = scen(nodes=3, learner={"dataset": "digits", "partition": "mixture",
-                                "partition_params": {"num_components": 2, "alpha": 1.0}})
+
+    sc = scen(
+        nodes=3,
+        learner={"dataset": "digits", "partition": "mixture", "partition_params": {"num_components": 2, "alpha": 1.0}},
+    )
     res = run_scenario(sc, tmp_path, command=fake("ok"), poll_interval_s=0.05, stop_timeout_s=5)
     lc = prepare(sc, "local", tmp_path / "x")[0].config.learner
     assert np.allclose(res["true_mixture"], true_mixture(lc))
     assert res["true_clusters"] == [int(max(range(2), key=lambda k: r[k])) for r in res["true_mixture"]]
-    assert "true_mixture" not in run_scenario(scen(nodes=3), tmp_path / "y", command=fake("ok"),
-                                              poll_interval_s=0.05, stop_timeout_s=5)
+    assert "true_mixture" not in run_scenario(
+        scen(nodes=3), tmp_path / "y", command=fake("ok"), poll_interval_s=0.05, stop_timeout_s=5
+    )

@@ -16,9 +16,19 @@ GAUSS = {"num_samples": 800, "dim": 6, "num_classes": 3, "separation": 2.0}
 
 
 def cfg(**kw):
-    base = dict(dataset="gaussian", dataset_params=GAUSS, partition="iid", num_nodes=4,
-                node_index=1, model="mlp", model_params={"hidden": [16]}, lr=0.1,
-                batch_size=16, local_steps=10, device="cpu")
+    base = dict(
+        dataset="gaussian",
+        dataset_params=GAUSS,
+        partition="iid",
+        num_nodes=4,
+        node_index=1,
+        model="mlp",
+        model_params={"hidden": [16]},
+        lr=0.1,
+        batch_size=16,
+        local_steps=10,
+        device="cpu",
+    )
     base.update(kw)
     return LearnerConfig(**base)
 
@@ -81,8 +91,16 @@ def test_local_epochs_and_steps_override():
 def test_mlp_mnist1d_ten_steps():
     """Ten explicit steps on the MNIST-1D MLP take ten minibatches and move every parameter
     (how fast they run is bench/learner_steps.py's question, not a test's)."""
-    lrn = build_learner(LearnerConfig(dataset="mnist1d", dataset_params={"num_samples": 200},
-                                      partition="iid", num_nodes=2, model="mlp", device="cpu"))
+    lrn = build_learner(
+        LearnerConfig(
+            dataset="mnist1d",
+            dataset_params={"num_samples": 200},
+            partition="iid",
+            num_nodes=2,
+            model="mlp",
+            device="cpu",
+        )
+    )
     before = lrn.get_params()
     r = lrn.train(steps=10)
     assert r.steps == 10 and 0 < r.samples <= 10 * lrn.cfg.batch_size and math.isfinite(r.loss)
@@ -207,8 +225,9 @@ def test_mixture_averages_probabilities():
 
 
 def test_regression_sine_linear():
-    c = LearnerConfig(dataset="sine", partition="sine_intervals", num_nodes=4, node_index=3,
-                      model="linear", lr=0.05, device="cpu")
+    c = LearnerConfig(
+        dataset="sine", partition="sine_intervals", num_nodes=4, node_index=3, model="linear", lr=0.05, device="cpu"
+    )
     lrn = build_learner(c)
     assert lrn.true_cluster == 3
     before = lrn.evaluate("test")
@@ -225,12 +244,19 @@ def test_regression_sine_linear():
 
 
 def test_label_permutation_node_trains_on_its_own_labels():
-    c = LearnerConfig(dataset="digits", partition="label_permutation",
-                      partition_params={"num_clusters": 2}, num_nodes=4, node_index=3,
-                      model="mlp", device="cpu")
+    c = LearnerConfig(
+        dataset="digits",
+        partition="label_permutation",
+        partition_params={"num_clusters": 2},
+        num_nodes=4,
+        node_index=3,
+        model="mlp",
+        device="cpu",
+    )
     lrn = build_learner(c)
     assert lrn.true_cluster == 1 and lrn.shard.label_map is not None
     from coterie.node.learning.datasets import load_pool
+
     pool = load_pool("digits", {}, 0)
     raw = torch.as_tensor(pool.y[lrn.shard.test])
     assert torch.equal(lrn._data["test"][1], torch.as_tensor(lrn.shard.label_map)[raw])
@@ -263,7 +289,7 @@ def test_import_rejects_what_does_not_fit_and_leaves_the_model_alone():
     tensors, meta = build_learner(cfg(momentum=0.5)).export_state()
     with pytest.raises(ValueError, match="optimizer"):
         build_learner(cfg(optimizer="adam")).import_state(tensors, meta)
-    tensors["sampler/perm"] = torch.arange(10 ** 6)
+    tensors["sampler/perm"] = torch.arange(10**6)
     with pytest.raises(ValueError, match="sampler"):
         lrn.import_state(tensors, meta)
     del meta["eval_rng"]
@@ -293,6 +319,7 @@ def test_eval_from_another_thread_while_training():
 
 # ---------------------------------------------------------------------------- models
 
+
 def test_stock_models_shapes_and_no_batchnorm():
     for shape, conv in [((40,), nn.Conv1d), ((1, 8, 8), nn.Conv2d), ((3, 32, 32), nn.Conv2d)]:
         for name, kw in [("cnn", {"norm": "group"}), ("cnn2", {"channels": 16}), ("cnn", {})]:
@@ -304,8 +331,9 @@ def test_stock_models_shapes_and_no_batchnorm():
     gn = models.build_model("cnn", (1, 8, 8), 10, norm="group")
     assert sum(isinstance(x, nn.GroupNorm) for x in gn.modules()) == 2
     c2 = models.build_model("cnn2", (3, 32, 32), 10)
-    assert sum(isinstance(x, nn.Conv2d) and x.out_channels == 128 and x.kernel_size == (3, 3)
-               for x in c2.modules()) == 3
+    assert (
+        sum(isinstance(x, nn.Conv2d) and x.out_channels == 128 and x.kernel_size == (3, 3) for x in c2.modules()) == 3
+    )
     assert sum(isinstance(x, nn.Linear) for x in c2.modules()) == 1
     assert models.build_model("linear", (1,), 0)(torch.zeros(5, 1)).shape == (5, 1)
     assert models.build_model("mlp", (40,), 10, hidden=[8, 4])(torch.zeros(3, 40)).shape == (3, 10)
@@ -325,8 +353,9 @@ def test_batchnorm_model_rejected():
 
 
 def test_entry_point_model(monkeypatch):
-    ep = importlib.metadata.EntryPoint(name="my_linear", group="coterie.models",
-                                       value="coterie.node.learning.models:linear")
+    ep = importlib.metadata.EntryPoint(
+        name="my_linear", group="coterie.models", value="coterie.node.learning.models:linear"
+    )
     real = importlib.metadata.entry_points
 
     def fake(**kw):

@@ -3,6 +3,7 @@
 same before and after (RDP composes by addition), the integrity checks of issue 22 still refuse a
 ledger that records less than its checkpoint's pin, and kill -9 during a compaction resumes with
 every release that left still counted."""
+
 from __future__ import annotations
 
 import json
@@ -84,6 +85,7 @@ def test_a_folded_ledger_that_records_less_than_its_pin_is_refused(tmp_path):
 
     def lower_fold(body):
         body["total"]["folded"]["rdp"] = [x * 0.5 for x in body["total"]["folded"]["rdp"]]
+
     _rewrite(ledger.path, lower_fold)
     with pytest.raises(LedgerError, match="fewer than"):
         PrivacyLedger(tmp_path, delta=DELTA).verify(pin, checkpoint="ckpt-000009.safetensors")
@@ -92,6 +94,7 @@ def test_a_folded_ledger_that_records_less_than_its_pin_is_refused(tmp_path):
 
     def drop_fold(body):  # forget the folded releases: the counts alone would under-count
         body["total"].pop("folded")
+
     _rewrite(tmp_path / "b" / "privacy-ledger.json", drop_fold)
     with pytest.raises(LedgerError, match="corrupt"):
         PrivacyLedger(tmp_path / "b", delta=DELTA)
@@ -134,8 +137,9 @@ WRITER = textwrap.dedent("""
 
 
 def _run(script, state, crash, stop):
-    p = subprocess.run([sys.executable, str(script), str(state), crash, str(stop)], capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, str(script), str(state), crash, str(stop)], capture_output=True, text=True, timeout=120
+    )
     out = p.stdout.split()
     return p.returncode, int(out[-1]) if out else 0
 

@@ -1,6 +1,7 @@
 """bench/links.py's shaped namespaces really limit the rate: 2 MB from one namespace to another
 at 10 Mbit/s cannot take less than 1.6 s (1.3 s allowed for the shaper's burst); the same path at
 1000 Mbit/s moves it in well under a second. Needs root and iproute2 (`ip`, `tc`)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -30,17 +31,24 @@ c.sendall(b"x" * int(sys.argv[2])); c.shutdown(socket.SHUT_WR); got = c.recv(32)
 print(got, time.monotonic() - t0)
 """
 
-pytestmark = [pytest.mark.timeout(20),
-              pytest.mark.skipif(bool(shaping_problem()), reason=f"shaped namespaces: {shaping_problem()}")]
+pytestmark = [
+    pytest.mark.timeout(20),
+    pytest.mark.skipif(bool(shaping_problem()), reason=f"shaped namespaces: {shaping_problem()}"),
+]
 
 
 def transfer_s(net: ShapedNet, nbytes: int) -> float:
-    server = subprocess.Popen([*net.wrap(1), sys.executable, "-c", SERVER, net.ip(1)], stdout=subprocess.PIPE,
-                              text=True)
+    server = subprocess.Popen(
+        [*net.wrap(1), sys.executable, "-c", SERVER, net.ip(1)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert server.stdout and server.stdout.readline().strip() == "listening"
-        got = subprocess.run([*net.wrap(0), sys.executable, "-c", CLIENT, net.ip(1), str(nbytes)],
-                             capture_output=True, text=True, timeout=15)
+        got = subprocess.run(
+            [*net.wrap(0), sys.executable, "-c", CLIENT, net.ip(1), str(nbytes)],
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
         received, took = got.stdout.split() if got.stdout.strip() else ("", "")
         assert received == str(nbytes), got.stderr
         return float(took)  # connected to all bytes acknowledged: no interpreter start-up in it

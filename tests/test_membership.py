@@ -2,6 +2,7 @@
 queue, and the protocol itself over an in-memory transport (real asyncio timing, short periods):
 joining through one seed, detecting a silent member, refuting a false suspicion, coming back
 after a stall, O(1) messages per node per period, and the peer-exchange flood."""
+
 from __future__ import annotations
 
 import asyncio
@@ -222,10 +223,24 @@ FAST = Settings(probe_timeout_s=0.05, push_pull_interval_s=1.0, reconnect_min_s=
 def _member(net: MemNet, i: int, bootstrap: list[str], settings: Settings = FAST) -> Membership:
     nid, address = f"n{i}", f"a{i}"
     info = NodeInfo(nid, 1, "arch", address=address)
-    table = PeerTable(nid, suspect_after_s=0.3, dead_after_s=1.0, reconnect_min_s=settings.reconnect_min_s,
-                      reconnect_max_s=settings.reconnect_max_s)
-    m = full_membership(lambda: info, lambda: (0, 0), table, net.transport(nid), ProblemLog(), bootstrap=bootstrap,
-                        period=PERIOD, rng=random.Random(i), settings=settings)
+    table = PeerTable(
+        nid,
+        suspect_after_s=0.3,
+        dead_after_s=1.0,
+        reconnect_min_s=settings.reconnect_min_s,
+        reconnect_max_s=settings.reconnect_max_s,
+    )
+    m = full_membership(
+        lambda: info,
+        lambda: (0, 0),
+        table,
+        net.transport(nid),
+        ProblemLog(),
+        bootstrap=bootstrap,
+        period=PERIOD,
+        rng=random.Random(i),
+        settings=settings,
+    )
     net.nodes[address] = m
     return m
 
@@ -268,6 +283,7 @@ def test_everyone_learns_everyone_through_one_seed_and_messages_stay_o1():
             assert all(len(m.peers.alive()) == 23 for m in members)  # and nobody flapped
         finally:
             await _stop(tasks)
+
     asyncio.run(go())
 
 
@@ -286,6 +302,7 @@ def test_a_silent_member_is_suspected_then_dead_and_comes_back_when_it_answers()
             assert victim.state.incarnation > 0 and all(len(m.peers.alive()) == 7 for m in members)
         finally:
             await _stop(tasks)
+
     asyncio.run(go())
 
 
@@ -311,6 +328,7 @@ def test_a_false_suspicion_is_refuted_before_it_kills():
             assert dead == [] and target.state.stats["refuted"] >= 1
         finally:
             await _stop(tasks)
+
     asyncio.run(go())
 
 
@@ -334,6 +352,7 @@ def test_a_probe_that_failed_while_this_node_stalled_is_inconclusive():
             assert me.peers.records["n1"].state == SUSPECT
         finally:
             await _stop(tasks)
+
     asyncio.run(go())
 
 
@@ -348,10 +367,14 @@ def test_a_restarted_member_with_a_fresh_state_is_handshaken_again():
             assert fresh.state.incarnation >= members[2].state.incarnation
             tasks[2] = asyncio.create_task(fresh.run())
             members[2] = fresh
-            await _until(lambda: len(fresh.peers.alive()) == 3 and _state(members, "n2") == {ALIVE}, 20,
-                         "the restarted n2 to be back in everyone's view")
+            await _until(
+                lambda: len(fresh.peers.alive()) == 3 and _state(members, "n2") == {ALIVE},
+                20,
+                "the restarted n2 to be back in everyone's view",
+            )
         finally:
             await _stop(tasks)
+
     asyncio.run(go())
 
 
@@ -359,6 +382,7 @@ def test_peer_exchange_flood_costs_a_few_dials_per_period():
     """One peer lists 2,000 unreachable addresses: the candidate set stays bounded, a handful
     are dialled per period, each a bounded number of times, then forgotten (a re-sent list adds
     nothing). Without the bounds every address was dialled every period, forever."""
+
     async def go():
         net, members, tasks = await _network(3)
         try:
@@ -385,6 +409,7 @@ def test_peer_exchange_flood_costs_a_few_dials_per_period():
             assert len(target.peers.alive()) == 2  # the real members are untouched
         finally:
             await _stop(tasks)
+
     asyncio.run(go())
 
 
@@ -394,16 +419,19 @@ def test_unknown_callers_are_refused_and_the_caller_rehandshakes():
         try:
             await _until(lambda: all(len(m.peers.alive()) == 1 for m in members), 20, "the pair to meet")
             from coterie.node.peering.messages import Beat
+
             with pytest.raises(Refusal) as e:
                 members[0].on_heartbeat(Beat("stranger", 0, 0))
             assert e.value.kind == UNKNOWN_PEER
         finally:
             await _stop(tasks)
+
     asyncio.run(go())
 
 
 def test_membership_settings_come_from_the_node_config():
     from coterie.node.config import ConfigError, MembershipConfig, validate_config
+
     assert set(Settings.__dataclass_fields__) == set(MembershipConfig.model_fields)  # no drift
     cfg = validate_config({"membership": {"indirect_probes": 5, "max_candidates": 64}})
     s = Settings.from_config(cfg.membership)
@@ -419,6 +447,7 @@ def test_a_handshake_reply_carries_a_bounded_sample_and_the_full_view_travels_in
     """A join answered with the whole table makes N joins cost O(N²) entries per member (O(N³)
     in all): a thousand in-process nodes starting stalled on it. The reply is a bounded sample."""
     from coterie.node.peering.membership import HANDSHAKE_ENTRIES
+
     net = MemNet()
     seed = _member(net, 0, [])
     for i in range(1, 3 * HANDSHAKE_ENTRIES):
@@ -439,7 +468,14 @@ def test_a_handshake_reply_carries_a_bounded_sample_and_the_full_view_travels_in
 
 def test_push_pull_spacing_grows_with_log_n_past_32_members():
     m = _member(MemNet(), 0, [], Settings(push_pull_interval_s=10.0))
-    assert [m.gossip.push_pull_interval_s(n) for n in (1, 32, 33, 64, 128, 1000)] == [10.0, 10.0, 20.0, 20.0, 30.0, 60.0]
+    assert [m.gossip.push_pull_interval_s(n) for n in (1, 32, 33, 64, 128, 1000)] == [
+        10.0,
+        10.0,
+        20.0,
+        20.0,
+        30.0,
+        60.0,
+    ]
 
 
 def test_peer_table_indexes_agree_with_a_full_scan_after_any_history(clock):
@@ -459,7 +495,9 @@ def test_peer_table_indexes_agree_with_a_full_scan_after_any_history(clock):
             t.seen(nid, revive=True)
         elif op == 3 and nid in t.records:
             r = t.records[nid]
-            t.apply(MemberUpdate(nid, r.address, r.incarnation + rng.randrange(2), rng.choice([ALIVE, SUSPECT, DEAD]), "x"))
+            t.apply(
+                MemberUpdate(nid, r.address, r.incarnation + rng.randrange(2), rng.choice([ALIVE, SUSPECT, DEAD]), "x")
+            )
         elif op == 4:
             clock[0] += rng.uniform(0, 3)
             t.refresh()
@@ -471,8 +509,9 @@ def test_peer_table_indexes_agree_with_a_full_scan_after_any_history(clock):
         assert t.counts() == {s: sum(r.state == s for r in recs) for s in (ALIVE, SUSPECT, DEAD)}
         assert t.alive() == sorted(r.node_id for r in recs if r.state == ALIVE)
         now = time.monotonic()
-        assert sorted(r.node_id for r in t.due_reconnects(now)) == \
-            sorted(r.node_id for r in recs if r.state == DEAD and r.reconnect_at <= now)
+        assert sorted(r.node_id for r in t.due_reconnects(now)) == sorted(
+            r.node_id for r in recs if r.state == DEAD and r.reconnect_at <= now
+        )
         for a in {r.address for r in recs}:
             found = t.by_address(a)
             assert found is not None and found.address == a, (step, a)
@@ -486,6 +525,7 @@ def test_a_member_that_forgot_us_is_handshaken_again_even_if_its_address_was_for
     pings were refused ("unknown peer: handshake first") while a helper's indirect pings kept n0
     alive in n1's view, so nobody handshook again and membership stayed one-sided for ten minutes.
     A refusal proves the address answers: n1 must handshake it again, forgotten or not."""
+
     def forget(m: Membership, address: str) -> None:
         m.pending.add(address, source="gossip")
         while address in m.pending:
@@ -506,4 +546,5 @@ def test_a_member_that_forgot_us_is_handshaken_again_even_if_its_address_was_for
             await _until(lambda: all(len(m.peers.alive()) == 2 for m in (m0, m1, m2)), 10, "full membership")
         finally:
             await _stop(tasks)
+
     asyncio.run(go())

@@ -1,6 +1,7 @@
 """The personalised model out: `coterie model export` from a (running) node's state dir,
 `coterie.load_model`, `coterie predict`, GET /model, ONNX. The exported model of round r must
 give, on the node's own test split, the accuracy the node reported for round r."""
+
 from __future__ import annotations
 
 import asyncio
@@ -30,11 +31,22 @@ ROUNDS = 3
 
 
 def _config(tmp, i, n, peers, **extra):
-    return validate_config({
-        "node_id": f"n{i}", "state_dir": str(tmp / f"n{i}"), "strategy": "fedfomo", "peers": peers,
-        "heartbeat_interval_s": 0.2, "request_timeout_s": 10, "rounds": ROUNDS, "min_peers": n - 1,
-        "round_interval_s": 0.0, "admin_listen": "127.0.0.1:0",
-        "learner": tiny_learner(n, i, clusters=2, samples=200), **extra})
+    return validate_config(
+        {
+            "node_id": f"n{i}",
+            "state_dir": str(tmp / f"n{i}"),
+            "strategy": "fedfomo",
+            "peers": peers,
+            "heartbeat_interval_s": 0.2,
+            "request_timeout_s": 10,
+            "rounds": ROUNDS,
+            "min_peers": n - 1,
+            "round_interval_s": 0.0,
+            "admin_listen": "127.0.0.1:0",
+            "learner": tiny_learner(n, i, clusters=2, samples=200),
+            **extra,
+        }
+    )
 
 
 async def _until(cond, what, timeout=120.0):
@@ -132,12 +144,29 @@ async def test_exported_model_reproduces_the_reported_accuracy(tmp_path):
 
 
 def _solo(tmp_path, **extra):
-    learner = {"dataset": "digits", "partition": "iid", "num_nodes": 1, "model": "cnn",
-               "model_params": {"channels": [4, 8], "fc": 16}, "local_steps": 2}
+    learner = {
+        "dataset": "digits",
+        "partition": "iid",
+        "num_nodes": 1,
+        "model": "cnn",
+        "model_params": {"channels": [4, 8], "fc": 16},
+        "local_steps": 2,
+    }
     learner.update(extra.pop("learner", {}))
-    return validate_config({"node_id": "solo", "security": {"insecure": True}, "state_dir": str(tmp_path / "solo"),
-                            "strategy": "local", "min_peers": 0, "round_interval_s": 0.0,
-                            "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", "learner": learner, **extra})
+    return validate_config(
+        {
+            "node_id": "solo",
+            "security": {"insecure": True},
+            "state_dir": str(tmp_path / "solo"),
+            "strategy": "local",
+            "min_peers": 0,
+            "round_interval_s": 0.0,
+            "listen": "127.0.0.1:0",
+            "admin_listen": "127.0.0.1:0",
+            "learner": learner,
+            **extra,
+        }
+    )
 
 
 async def test_export_while_the_node_checkpoints_every_round(tmp_path):
@@ -180,6 +209,7 @@ async def test_predict_inputs_onnx_and_bad_files(tmp_path):
 
     # an image folder: 8x8 grey PNGs of the same numbers (0..1 -> 0..255), named in the output
     from PIL import Image
+
     imgs = tmp_path / "imgs" / "sub"
     imgs.mkdir(parents=True)
     for i in range(len(x)):
@@ -247,8 +277,7 @@ async def test_predict_inputs_onnx_and_bad_files(tmp_path):
 
 
 async def test_regression_model_predicts_values(tmp_path):
-    node = Node(_solo(tmp_path, rounds=1, learner={"dataset": "sine", "model": "mlp", "model_params": {}}),
-                admin=False)
+    node = Node(_solo(tmp_path, rounds=1, learner={"dataset": "sine", "model": "mlp", "model_params": {}}), admin=False)
     await node.start()
     try:
         await _until(lambda: node.done, "a round")
@@ -276,6 +305,7 @@ def test_predict_preprocesses_images_exactly_as_training_does(tmp_path):
 
     from coterie.node.learning.images import read_images
     from coterie.node.predict import read_inputs
+
     rng = np.random.default_rng(0)
     (tmp_path / "cat").mkdir()
     Image.fromarray(rng.integers(0, 256, (37, 29, 3), dtype=np.uint8)).save(tmp_path / "cat" / "a.png")
@@ -292,6 +322,7 @@ def test_predict_reads_tables_as_training_does(tmp_path):
     reader of its own turned an empty cell into a crash or silently into NaN scores)."""
     from coterie.node.learning.tables import read_table
     from coterie.node.predict import read_inputs
+
     table = tmp_path / "t.csv"
     table.write_text("a,b,label\n1,2.5,x\n3,4e-3,y\n")
     trained = read_table(table, "csv", "label", regression=False).x
@@ -321,10 +352,17 @@ async def test_federico_export_is_the_mixture_the_node_predicts_with(tmp_path):
     nodes = []
     try:
         for i in range(3):
-            learner = {"dataset": "digits", "partition": "iid", "num_nodes": 3, "node_index": i,
-                       "model": "mlp", "local_steps": 10, "optimizer": "adam", "lr": 0.01}  # learns in 3 rounds
-            cfg = _config(tmp_path, i, 3, [nodes[0].address] if nodes else [], strategy="federico",
-                          learner=learner)
+            learner = {
+                "dataset": "digits",
+                "partition": "iid",
+                "num_nodes": 3,
+                "node_index": i,
+                "model": "mlp",
+                "local_steps": 10,
+                "optimizer": "adam",
+                "lr": 0.01,
+            }  # learns in 3 rounds
+            cfg = _config(tmp_path, i, 3, [nodes[0].address] if nodes else [], strategy="federico", learner=learner)
             node = Node(cfg, transport=hub.transport_for(cfg), admin=False)
             await node.start()
             nodes.append(node)
@@ -366,7 +404,9 @@ async def test_federico_export_is_the_mixture_the_node_predicts_with(tmp_path):
     r = await asyncio.to_thread(_cli, "predict", "--model", str(out), str(npz))
     assert r.exit_code == 0, r.output
     predicted = [row[-1] for row in list(csv.reader(io.StringIO(r.stdout)))[1:]]
-    assert np.mean([p == class_names[int(t)] for p, t in zip(predicted, y, strict=True)]) == pytest.approx(reported["test_acc"], abs=1e-3)
+    assert np.mean([p == class_names[int(t)] for p, t in zip(predicted, y, strict=True)]) == pytest.approx(
+        reported["test_acc"], abs=1e-3
+    )
 
     # --own: the node's own model alone, as before
     own = tmp_path / "own.safetensors"
@@ -377,16 +417,21 @@ async def test_federico_export_is_the_mixture_the_node_predicts_with(tmp_path):
     own_model = load_model(own).model
     assert _accuracy(own_model, x, y) == pytest.approx(reported["own_test_acc"], abs=1e-3)
     with torch.no_grad():
-        assert float(torch.nn.functional.cross_entropy(own_model(x), y)) == pytest.approx(reported["own_test_loss"], rel=1e-4)
+        assert float(torch.nn.functional.cross_entropy(own_model(x), y)) == pytest.approx(
+            reported["own_test_loss"], rel=1e-4
+        )
 
     # ONNX: the mixture module itself, the same log-probabilities from onnxruntime
     ort = pytest.importorskip("onnxruntime")
     onnx_out = tmp_path / "mix.onnx"
-    r = await asyncio.to_thread(_cli, "model", "export", "--state-dir", str(n0.store.dir), "--out", str(onnx_out),
-                                "--format", "onnx")
+    r = await asyncio.to_thread(
+        _cli, "model", "export", "--state-dir", str(n0.store.dir), "--out", str(onnx_out), "--format", "onnx"
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(sidecar_path(onnx_out).read_text())["onnx"]["output_is"] == "log_probabilities"
-    got = ort.InferenceSession(str(onnx_out), providers=["CPUExecutionProvider"]).run(["output"], {"input": x.numpy()})[0]
+    got = ort.InferenceSession(str(onnx_out), providers=["CPUExecutionProvider"]).run(["output"], {"input": x.numpy()})[
+        0
+    ]
     np.testing.assert_allclose(got, logp.numpy(), rtol=1e-4, atol=1e-5)
 
 
@@ -397,16 +442,25 @@ def test_a_malformed_mixture_export_is_refused(tmp_path):
 
     from coterie.node.learning.models import build_model
     from coterie.node.modelfile import META_KEY
+
     m = build_model("mlp", [40], 10)
     params = {f"member{k}.{n}": p.detach().clone() for k in range(2) for n, p in m.named_parameters()}
-    card = {"format": FORMAT, "architecture": "mlp", "model_params": {}, "input_shape": [40],
-            "num_classes": 10, "task": "classification", "class_names": [str(i) for i in range(10)],
-            "mixture": [{"node_id": "a", "weight": 0.5}, {"node_id": "b", "weight": 0.5}]}
+    card = {
+        "format": FORMAT,
+        "architecture": "mlp",
+        "model_params": {},
+        "input_shape": [40],
+        "num_classes": 10,
+        "task": "classification",
+        "class_names": [str(i) for i in range(10)],
+        "mixture": [{"node_id": "a", "weight": 0.5}, {"node_id": "b", "weight": 0.5}],
+    }
     f = tmp_path / "m.safetensors"
     f.write_bytes(st_save(params, metadata={META_KEY: json.dumps(card)}))
     assert isinstance(load_model(f).model, coterie.node.modelfile.MixtureModel)
-    f.write_bytes(st_save({k: v for k, v in params.items() if k.startswith("member0.")},
-                          metadata={META_KEY: json.dumps(card)}))
+    f.write_bytes(
+        st_save({k: v for k, v in params.items() if k.startswith("member0.")}, metadata={META_KEY: json.dumps(card)})
+    )
     with pytest.raises(ValueError, match="mixture member 1"):
         load_model(f)
     bad = {**card, "mixture": [{"node_id": "a", "weight": 1.0}, {"node_id": "b", "weight": 0.0}]}

@@ -1,4 +1,5 @@
 """Real node processes on loopback: discovery, rounds, crash and resume."""
+
 from __future__ import annotations
 
 import signal
@@ -18,8 +19,12 @@ def chain(tmp_path_factory):
     nodes: list[NodeProc] = []
     try:
         for i in range(3):
-            cfg = {"strategy": "dpsgd", "round_interval_s": 0.3, "learner": tiny_learner(3, i),
-                   "peers": [nodes[-1].address] if nodes else []}
+            cfg = {
+                "strategy": "dpsgd",
+                "round_interval_s": 0.3,
+                "learner": tiny_learner(3, i),
+                "peers": [nodes[-1].address] if nodes else [],
+            }
             nodes.append(NodeProc(root, f"n{i}", cfg).start())
         yield nodes
     finally:
@@ -54,6 +59,7 @@ def test_kill9_is_detected_without_stalling_and_restart_resumes(chain):
 
     def n2_dead_on(n):
         return any(p["node_id"] == "n2" and p["state"] == "dead" for p in n.get("/peers"))
+
     for n in (n0, n1):
         wait_for(lambda n=n: n2_dead_on(n), 20, f"{n.node_id} to mark n2 dead")
     # the survivors keep going while n2 is dead
@@ -69,6 +75,7 @@ def test_kill9_is_detected_without_stalling_and_restart_resumes(chain):
     rounds = [h["round"] for h in history]
     assert rounds == list(range(1, len(rounds) + 1)) and rounds[-1] >= ckpt_round
     for n in (n0, n1):
-        wait_for(lambda n=n: not n2_dead_on(n) and n.status()["peers_alive"] == 2, 20,
-                 f"{n.node_id} to see n2 alive again")
+        wait_for(
+            lambda n=n: not n2_dead_on(n) and n.status()["peers_alive"] == 2, 20, f"{n.node_id} to see n2 alive again"
+        )
     wait_for(lambda: n2.status()["round"] > st["round"], 30, "restarted n2 to run new rounds")

@@ -1,5 +1,6 @@
 """A node learns from its own files: every format on real files written here, splits, agreed class
 names, the errors bad data gets, the hooks, the task in the handshake, too few samples for privacy."""
+
 from __future__ import annotations
 
 import json
@@ -58,8 +59,15 @@ def test_npz_split_is_seeded_per_node_and_labels_index_the_agreed_classes(tmp_pa
 
 def test_npz_given_splits_are_used_as_they_are(tmp_path):
     x, y = blobs(90)
-    np.savez(tmp_path / "d.npz", x=x[:50], y=y[:50], x_val=x[50:70], y_val=y[50:70],
-             x_test=x[70:], y_test=np.array(CLASSES)[y[70:]])  # names or indices, split by split
+    np.savez(
+        tmp_path / "d.npz",
+        x=x[:50],
+        y=y[:50],
+        x_val=x[50:70],
+        y_val=y[50:70],
+        x_test=x[70:],
+        y_test=np.array(CLASSES)[y[70:]],
+    )  # names or indices, split by split
     d = load_own_data(cfg(tmp_path / "d.npz", classes=CLASSES))
     assert np.array_equal(d.x_train, x[:50]) and np.array_equal(d.x_val, x[50:70])
     assert np.array_equal(d.y_test, y[70:]) and d.given_splits == ("train", "val", "test")
@@ -118,16 +126,19 @@ def test_parquet_without_classes_is_regression(tmp_path):
     assert lrn.evaluate("test").loss < 0.05
 
 
-@pytest.mark.parametrize("body,match", [
-    ("f0,f1,label\n1,2,cat\n1,nan,dog\n", r"bad\.csv line 3: features hold NaN"),
-    ("f0,f1,label\n1,2,cat\n1,2,3,dog\n", r"bad\.csv: cannot read it as csv:.*(columns|Expected)"),
-    ("f0,f1,label\n1,x,cat\n1,2,dog\n", r"bad\.csv: feature column 'f1' is not numeric.*line 2"),
-    # the bad cell further down a column of numbers written as text: named by its own line
-    ("f0,f1,label\n1,2,cat\n1,3,dog\n1,oops,dog\n", r"bad\.csv: feature column 'f1' is not numeric.*line 4"),
-    ("f0,f1,label\n1,2,cat\n1,2,cow\n", r"bad\.csv line 3: unknown label 'cow'.*\['cat', 'dog', 'eel'\]"),
-    ("f0,f1,kind\n1,2,cat\n", r"bad\.csv: no label column 'label'"),
-    ("f0,f1,label\n1,1e999,cat\n", r"bad\.csv line 2: features hold NaN or Inf"),
-])
+@pytest.mark.parametrize(
+    "body,match",
+    [
+        ("f0,f1,label\n1,2,cat\n1,nan,dog\n", r"bad\.csv line 3: features hold NaN"),
+        ("f0,f1,label\n1,2,cat\n1,2,3,dog\n", r"bad\.csv: cannot read it as csv:.*(columns|Expected)"),
+        ("f0,f1,label\n1,x,cat\n1,2,dog\n", r"bad\.csv: feature column 'f1' is not numeric.*line 2"),
+        # the bad cell further down a column of numbers written as text: named by its own line
+        ("f0,f1,label\n1,2,cat\n1,3,dog\n1,oops,dog\n", r"bad\.csv: feature column 'f1' is not numeric.*line 4"),
+        ("f0,f1,label\n1,2,cat\n1,2,cow\n", r"bad\.csv line 3: unknown label 'cow'.*\['cat', 'dog', 'eel'\]"),
+        ("f0,f1,kind\n1,2,cat\n", r"bad\.csv: no label column 'label'"),
+        ("f0,f1,label\n1,1e999,cat\n", r"bad\.csv line 2: features hold NaN or Inf"),
+    ],
+)
 def test_bad_tables_are_named_by_file_and_line(tmp_path, body, match):
     (tmp_path / "bad.csv").write_text(body)
     with pytest.raises(DataError, match=match):
@@ -167,8 +178,9 @@ def test_image_folder_follows_the_agreed_classes_and_resizes(tmp_path):
     bright = np.concatenate([d.x_train, d.x_test]).mean(axis=(1, 2, 3)) > 0.5
     labels = np.concatenate([d.y_train, d.y_test])
     assert np.array_equal(labels, np.where(bright, 2, 0))
-    sized = load_own_data(cfg(root, classes=CLASSES, data_params={"image_size": [3, 4, 4]},
-                              val_fraction=0.0, test_fraction=0.5))
+    sized = load_own_data(
+        cfg(root, classes=CLASSES, data_params={"image_size": [3, 4, 4]}, val_fraction=0.0, test_fraction=0.5)
+    )
     assert sized.input_shape == (3, 4, 4)
 
 
@@ -202,8 +214,9 @@ def install(tmp_path, monkeypatch, module: str, source: str, entry_points: dict[
     info = site / f"{module}-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("".join(
-        f"[{group}]\n" + "".join(f"{n} = {t}\n" for n, t in eps.items()) for group, eps in entry_points.items()))
+    (info / "entry_points.txt").write_text(
+        "".join(f"[{group}]\n" + "".join(f"{n} = {t}\n" for n, t in eps.items()) for group, eps in entry_points.items())
+    )
     monkeypatch.syspath_prepend(str(site))
 
 
@@ -222,8 +235,7 @@ LOADER = """
 
 
 def test_a_coterie_datasets_entry_point_loads_the_data(tmp_path, monkeypatch):
-    install(tmp_path, monkeypatch, "cot_test_loader", LOADER,
-            {"coterie.datasets": {"blobs": "cot_test_loader:load"}})
+    install(tmp_path, monkeypatch, "cot_test_loader", LOADER, {"coterie.datasets": {"blobs": "cot_test_loader:load"}})
     d = load_own_data(LearnerConfig(data_format="blobs", data_params={"n": 90}, classes=CLASSES))
     assert len(d.y_train) + len(d.y_val) == 90 and len(d.y_test) == 9 and d.given_splits == ("train", "test")
     assert all(int(np.argmax(r)) == k for r, k in zip(d.x_train, d.y_train, strict=True))
@@ -251,10 +263,18 @@ HOOKS = """
 
 
 def test_loss_and_input_transform_hooks_are_entry_points(tmp_path, monkeypatch):
-    install(tmp_path, monkeypatch, "cot_test_hooks", HOOKS,
-            {"coterie.losses": {"double_ce": "cot_test_hooks:double_ce"},
-             "coterie.transforms": {"zero": "cot_test_hooks:zero"}})
+    install(
+        tmp_path,
+        monkeypatch,
+        "cot_test_hooks",
+        HOOKS,
+        {
+            "coterie.losses": {"double_ce": "cot_test_hooks:double_ce"},
+            "coterie.transforms": {"zero": "cot_test_hooks:zero"},
+        },
+    )
     import cot_test_hooks
+
     x, y = blobs(120)
     np.savez(tmp_path / "d.npz", x=x, y=y)
     plain = TorchLearner(cfg(tmp_path / "d.npz", classes=CLASSES))
@@ -267,8 +287,9 @@ def test_loss_and_input_transform_hooks_are_entry_points(tmp_path, monkeypatch):
     p = zeroed.get_params()
     out = torch.nn.functional.linear(torch.zeros(1, 4), p["1.weight"], p["1.bias"])
     r = zeroed.evaluate("test")
-    expect = float(torch.nn.functional.cross_entropy(out.expand(len(zeroed._data["test"][1]), -1),
-                                                     zeroed._data["test"][1]))
+    expect = float(
+        torch.nn.functional.cross_entropy(out.expand(len(zeroed._data["test"][1]), -1), zeroed._data["test"][1])
+    )
     assert r.loss == pytest.approx(expect, rel=1e-5)
     g = zeroed.clipped_gradient_sum(None, "train", [0, 1, 2], 1.0)  # the transform runs under vmap too
     assert set(g) == set(p)
@@ -301,11 +322,23 @@ def test_a_peer_with_another_task_is_refused_in_the_handshake():
     from coterie.node.transport.serde import node_info_from_pb, node_info_to_pb
 
     me = NodeInfo("n0", 1, "arch", address="a0", task=describe_task((4,), ["0", "1", "2"]))
-    m = full_membership(lambda: me, lambda: (0, 0), PeerTable("n0", 1.0, 3.0), None, ProblemLog(), bootstrap=[],
-                        period=1.0, rng=random.Random(0), settings=Settings())
+    m = full_membership(
+        lambda: me,
+        lambda: (0, 0),
+        PeerTable("n0", 1.0, 3.0),
+        None,
+        ProblemLog(),
+        bootstrap=[],
+        period=1.0,
+        rng=random.Random(0),
+        settings=Settings(),
+    )
     other = NodeInfo("n3", 1, "arch", address="a3", task=describe_task((4,), ["cat", "dog", "eel"]))
     other = node_info_from_pb(node_info_to_pb(other))  # as it arrives over the wire
-    with pytest.raises(Refusal, match=r"peer 'n3''s task differs from node 'n0''s: classes \['cat', 'dog', 'eel'\] vs \['0', '1', '2'\]"):
+    with pytest.raises(
+        Refusal,
+        match=r"peer 'n3''s task differs from node 'n0''s: classes \['cat', 'dog', 'eel'\] vs \['0', '1', '2'\]",
+    ):
         m.on_handshake(other)
     assert "n3" not in m.peers.records
     same = NodeInfo("n4", 1, "arch", address="a4", task=me.task)
@@ -314,8 +347,13 @@ def test_a_peer_with_another_task_is_refused_in_the_handshake():
 
 
 def test_builtin_datasets_have_a_task_and_classes_can_name_them():
-    base = {"dataset": "gaussian", "dataset_params": {"num_samples": 200, "num_classes": 3, "dim": 4},
-            "partition": "iid", "model": "linear", "device": "cpu"}
+    base = {
+        "dataset": "gaussian",
+        "dataset_params": {"num_samples": 200, "num_classes": 3, "dim": 4},
+        "partition": "iid",
+        "model": "linear",
+        "device": "cpu",
+    }
     lrn = TorchLearner(LearnerConfig(**base))
     assert json.loads(lrn.task_spec()) == {"classes": ["0", "1", "2"], "input_shape": [4]}
     named = TorchLearner(LearnerConfig(**base, classes=CLASSES))

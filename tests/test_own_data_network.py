@@ -1,6 +1,7 @@
 """Networks on their own files: a scenario whose nodes each read their own .npz (`coterie run`,
 in-process backend), a node with too few samples for privacy that still runs but releases nothing,
 and `coterie node start --data` on a bad file (one line, no traceback)."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 import tomli_w
 
-from coterie.node.config import ConfigError
 from coterie.lab.scenario import load_scenario, parse_scenario
+from coterie.node.config import ConfigError
 
 CLASSES = ["cat", "dog", "eel"]
 
@@ -30,10 +31,23 @@ def write_node_file(path, n: int, seed: int, names: bool = False) -> None:
 def scenario(tmp_path, strategies, sizes=(240, 240, 240), **extra) -> dict:
     for i, n in enumerate(sizes):
         write_node_file(tmp_path / "files" / f"n{i}.npz", n, seed=i, names=i % 2 == 1)
-    return {"name": "own-files", "seed": 1, "nodes": len(sizes), "rounds": 3, "strategy": strategies,
-            "learner": {"data": "files/{node}.npz", "classes": CLASSES, "model": "linear", "lr": 0.2,
-                        "local_steps": 5, "device": "cpu"},
-            "node": {"heartbeat_interval_s": 0.3, "start_timeout_s": 60, "log_level": "WARNING"}, **extra}
+    return {
+        "name": "own-files",
+        "seed": 1,
+        "nodes": len(sizes),
+        "rounds": 3,
+        "strategy": strategies,
+        "learner": {
+            "data": "files/{node}.npz",
+            "classes": CLASSES,
+            "model": "linear",
+            "lr": 0.2,
+            "local_steps": 5,
+            "device": "cpu",
+        },
+        "node": {"heartbeat_interval_s": 0.3, "start_timeout_s": 60, "log_level": "WARNING"},
+        **extra,
+    }
 
 
 @pytest.mark.slow
@@ -85,9 +99,15 @@ def test_a_node_with_too_few_samples_runs_but_releases_nothing(tmp_path):
     n2 holds 30 training samples < min_batch 64: it learns, refuses those requests, says why."""
     from coterie.lab.launch import inproc
 
-    sc = parse_scenario({**scenario(tmp_path, ["scool-sbm"], sizes=(300, 300, 50)),
-                         "learner": {**scenario(tmp_path, [], sizes=(300, 300, 50))["learner"],
-                                     "data": str(tmp_path / "files" / "{node}.npz")}})
+    sc = parse_scenario(
+        {
+            **scenario(tmp_path, ["scool-sbm"], sizes=(300, 300, 50)),
+            "learner": {
+                **scenario(tmp_path, [], sizes=(300, 300, 50))["learner"],
+                "data": str(tmp_path / "files" / "{node}.npz"),
+            },
+        }
+    )
     run = inproc.run_strategy(sc, "scool-sbm", tmp_path / "out")
     small, big = run.final_status["n2"], run.final_status["n0"]
     assert small["round"] == 3 and big["round"] == 3
@@ -95,8 +115,9 @@ def test_a_node_with_too_few_samples_runs_but_releases_nothing(tmp_path):
     assert big["privacy"]["withheld"] is None and small["data"]["samples"]["train"] == 30
     assert small["privacy"]["releases"] == 0 and big["privacy"]["releases"] > 0  # nothing on n2's data left
     # n0 asked n2 and was refused, with the reason
-    assert any(p["peer"] == "n2" and "fewer than privacy.min_batch" in p["message"] for p in big["problems"]), \
-        big["problems"]
+    assert any(p["peer"] == "n2" and "fewer than privacy.min_batch" in p["message"] for p in big["problems"]), big[
+        "problems"
+    ]
 
 
 @pytest.mark.slow
@@ -125,8 +146,10 @@ def test_privacy_off_still_needs_min_batch_and_a_run_that_mixed_nothing_says_why
         assert collab["peer_answers"] == 0 and collab["privacy_refusals"] > 0, collab
         assert "no peer released anything computed on its data" in collab["note"]
         assert res["nodes"][nid]["mixed_nothing"] is True
-        assert any(n.startswith(f"scool-attention {nid}: mixed nothing for the whole run") and
-                   "privacy.min_batch" in n for n in res["notes"]), res["notes"]
+        assert any(
+            n.startswith(f"scool-attention {nid}: mixed nothing for the whole run") and "privacy.min_batch" in n
+            for n in res["notes"]
+        ), res["notes"]
 
     r, res = run(30, "lifted")
     for nid in ("n0", "n1", "n2"):
@@ -141,11 +164,30 @@ def test_node_start_with_bad_data_fails_in_one_line(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("f0,f1,label\n1,2,cat\n1,nan,dog\n")
     env = {**os.environ, "COTERIE_CACHE_DIR": "off"}
-    p = subprocess.run([sys.executable, "-m", "coterie.cli.main", "node", "start", "--insecure",
-                        "--state-dir", str(tmp_path / "st"), "--listen", "127.0.0.1:0",
-                        "--admin-listen", "127.0.0.1:0", "--data", str(bad),
-                        "--set", 'learner.classes=["cat","dog"]'],
-                       capture_output=True, text=True, timeout=120, env=env)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coterie.cli.main",
+            "node",
+            "start",
+            "--insecure",
+            "--state-dir",
+            str(tmp_path / "st"),
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--data",
+            str(bad),
+            "--set",
+            'learner.classes=["cat","dog"]',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert p.returncode != 0
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert "Traceback" not in p.stderr, p.stderr
@@ -169,9 +211,26 @@ def test_node_start_refuses_oracle_on_own_files(tmp_path):
     from coterie.cli.main import app
 
     write_node_file(tmp_path / "d.npz", 60, 0)
-    r = CliRunner().invoke(app, ["node", "start", "--insecure", "--state-dir", str(tmp_path / "st"),
-                                 "--strategy", "oracle", "--data", str(tmp_path / "d.npz"),
-                                 "--data-format", "npz", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "node",
+            "start",
+            "--insecure",
+            "--state-dir",
+            str(tmp_path / "st"),
+            "--strategy",
+            "oracle",
+            "--data",
+            str(tmp_path / "d.npz"),
+            "--data-format",
+            "npz",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ],
+    )
     assert r.exit_code == 2 and "oracle: a node on its own files (learner.data) has no true cluster" in r.stderr
 
 
@@ -188,10 +247,17 @@ def test_two_daemons_whose_classes_differ_never_become_peers(tmp_path):
     write_node_file(tmp_path / "d.npz", 120, 0, names=True)
 
     def config(i, peers, classes):
-        return validate_config({
-            "node_id": f"n{i}", "state_dir": str(tmp_path / f"n{i}"), "strategy": "local", "peers": peers,
-            "heartbeat_interval_s": 0.2, "rounds": 0,
-            "learner": {"data": str(tmp_path / "d.npz"), "classes": classes, "model": "linear", "device": "cpu"}})
+        return validate_config(
+            {
+                "node_id": f"n{i}",
+                "state_dir": str(tmp_path / f"n{i}"),
+                "strategy": "local",
+                "peers": peers,
+                "heartbeat_interval_s": 0.2,
+                "rounds": 0,
+                "learner": {"data": str(tmp_path / "d.npz"), "classes": classes, "model": "linear", "device": "cpu"},
+            }
+        )
 
     async def go():
         hub = InProcNetwork()
@@ -207,8 +273,10 @@ def test_two_daemons_whose_classes_differ_never_become_peers(tmp_path):
                 assert time.monotonic() < deadline, "n0 never refused n1"
                 await asyncio.sleep(0.05)
             why = next(p["message"] for p in a.problems.recent(50) if "task differs" in p["message"])
-            assert why == ("handshake: peer 'n1''s task differs from node 'n0''s: classes ['dog', 'cat', 'eel'] "
-                           "vs ['cat', 'dog', 'eel']")
+            assert why == (
+                "handshake: peer 'n1''s task differs from node 'n0''s: classes ['dog', 'cat', 'eel'] "
+                "vs ['cat', 'dog', 'eel']"
+            )
             assert a.peers.alive() == [] and b.peers.alive() == []
             assert a.status()["data"]["classes"] == CLASSES and b.status()["data"]["classes"] == ["dog", "cat", "eel"]
         finally:

@@ -35,8 +35,7 @@ def labels_of(pool, s):
 
 
 def test_iid_sizes_splits_and_disjoint(digits):
-    c = cfg(partition="iid", partition_params={"samples_per_node": 100},
-            val_fraction=0.1, test_fraction=0.2)
+    c = cfg(partition="iid", partition_params={"samples_per_node": 100}, val_fraction=0.1, test_fraction=0.2)
     shards = partition(digits, c)
     assert len(shards) == 10
     assert_disjoint(shards)
@@ -62,15 +61,14 @@ def test_size_range(digits):
 
 
 def test_dirichlet_skew(digits):
-    few = partition(digits, cfg(partition="dirichlet", partition_params={"alpha": 0.05,
-                                                                          "samples_per_node": 60}))
-    many = partition(digits, cfg(partition="dirichlet", partition_params={"alpha": 100.0,
-                                                                           "samples_per_node": 60}))
+    few = partition(digits, cfg(partition="dirichlet", partition_params={"alpha": 0.05, "samples_per_node": 60}))
+    many = partition(digits, cfg(partition="dirichlet", partition_params={"alpha": 100.0, "samples_per_node": 60}))
     assert_disjoint(few)
     assert all(len(s) == 60 for s in few)
 
     def top_share(shards):
         return np.mean([np.bincount(digits.y[_all(s)], minlength=10).max() / len(s) for s in shards])
+
     assert top_share(few) > 0.6 > 0.3 > top_share(many)
     assert true_clusters(cfg(partition="dirichlet")) == list(range(10))
 
@@ -98,8 +96,7 @@ def test_random_pairs(digits):
 
 
 def test_label_permutation_blocks_and_maps(digits):
-    c = cfg(partition="label_permutation", partition_params={"num_clusters": 3,
-                                                             "samples_per_node": 100})
+    c = cfg(partition="label_permutation", partition_params={"num_clusters": 3, "samples_per_node": 100})
     shards = partition(digits, c)
     assert_disjoint(shards)
     assert true_clusters(c) == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
@@ -134,8 +131,7 @@ def test_class_groups(digits):
 
 def test_sine_intervals():
     pool = load_pool("sine", {"num_samples": 1000}, 7)
-    c = LearnerConfig(dataset="sine", partition="sine_intervals", num_nodes=4, data_seed=7,
-                      model="linear")
+    c = LearnerConfig(dataset="sine", partition="sine_intervals", num_nodes=4, data_seed=7, model="linear")
     shards = partition(pool, c)
     assert_disjoint(shards)
     lo, hi = pool.meta["x_range"]
@@ -168,8 +164,7 @@ def test_unknown_param_rejected(digits):
 def test_seed_changes_shards(digits):
     a = partition(digits, cfg(partition="pathological"))
     b = partition(digits, cfg(partition="pathological", data_seed=8))
-    assert [s.classes for s in a] != [s.classes for s in b] or \
-        not np.array_equal(a[0].train, b[0].train)
+    assert [s.classes for s in a] != [s.classes for s in b] or not np.array_equal(a[0].train, b[0].train)
 
 
 _CHILD = """
@@ -190,15 +185,24 @@ print(json.dumps(out))
 def test_same_shards_in_another_process():
     """Every node computes its shard alone: a fresh interpreter must agree bit for bit."""
     gauss = {"num_samples": 2000, "dim": 4, "num_classes": 6}
-    cfgs = [cfg(dataset="gaussian", dataset_params=gauss, partition=part, partition_params=pp,
-                node_index=6, label_noise=0.2)
-            for part, pp in [("dirichlet", {"alpha": 0.3, "samples_per_node": [40, 80]}),
-                             ("label_permutation", {"num_clusters": 2}),
-                             ("random_pairs", {"samples_per_node": 50}),
-                             ("class_groups", {"num_groups": 3})]]
-    out = subprocess.run([sys.executable, "-c", _CHILD,
-                          json.dumps([c.model_dump_json() for c in cfgs])],
-                         capture_output=True, text=True, check=True, timeout=120)
+    cfgs = [
+        cfg(
+            dataset="gaussian", dataset_params=gauss, partition=part, partition_params=pp, node_index=6, label_noise=0.2
+        )
+        for part, pp in [
+            ("dirichlet", {"alpha": 0.3, "samples_per_node": [40, 80]}),
+            ("label_permutation", {"num_clusters": 2}),
+            ("random_pairs", {"samples_per_node": 50}),
+            ("class_groups", {"num_groups": 3}),
+        ]
+    ]
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps([c.model_dump_json() for c in cfgs])],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     children = json.loads(out.stdout)
     for c, child in zip(cfgs, children, strict=True):
         mine = node_data(load_pool(c.dataset, c.dataset_params, c.data_seed), c)
@@ -212,14 +216,24 @@ def test_mixture_components_follow_the_true_weights(digits):
     """Every node's splits hold the K label-permutation components in its Dir(α) proportions; the
     labels are the component's relabelling of the class; weights need no data and are seeded."""
     from coterie.node.learning.partition import true_mixture
-    c = cfg(partition="mixture", partition_params={"num_components": 3, "alpha": 0.5, "samples_per_node": 150},
-            val_fraction=0.2, test_fraction=0.2)
+
+    c = cfg(
+        partition="mixture",
+        partition_params={"num_components": 3, "alpha": 0.5, "samples_per_node": 150},
+        val_fraction=0.2,
+        test_fraction=0.2,
+    )
     mix = true_mixture(c)
     assert mix.shape == (10, 3) and np.allclose(mix.sum(1), 1)
-    assert np.array_equal(mix, true_mixture(cfg(partition="mixture", partition_params={
-        "num_components": 3, "alpha": 0.5, "samples_per_node": 150})))  # sizes don't change π
-    assert not np.allclose(mix, true_mixture(cfg(partition="mixture", data_seed=8, partition_params={
-        "num_components": 3, "alpha": 0.5})))
+    assert np.array_equal(
+        mix,
+        true_mixture(
+            cfg(partition="mixture", partition_params={"num_components": 3, "alpha": 0.5, "samples_per_node": 150})
+        ),
+    )  # sizes don't change π
+    assert not np.allclose(
+        mix, true_mixture(cfg(partition="mixture", data_seed=8, partition_params={"num_components": 3, "alpha": 0.5}))
+    )
     shards = partition(digits, c)
     assert_disjoint(shards)
     assert true_clusters(c) == [int(np.argmax(m)) for m in mix]

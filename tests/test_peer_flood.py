@@ -3,6 +3,7 @@ again. Before the defence the target re-handshook every one of them on every hea
 forever (a channel each, never evicted): CPU ×15, rounds −37%. Now addresses learned from peers
 are a bounded candidate set, dialled a few per period, backed off and forgotten when they fail,
 and their channels closed. The strict figure (< 10% of rounds) is ``bench/peer_flood.py``."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +23,12 @@ WINDOW_S = 12.0
 
 def bogus_list(n: int = 2000) -> list[pb.PeerEntry]:
     # closed loopback ports (refused at once) and TEST-NET-1 addresses (nothing answers)
-    return [pb.PeerEntry(node_id=f"ghost{i}", address=(f"127.0.0.1:{1 + i % 900}" if i % 2 else f"192.0.2.{i % 250 + 1}:7000"))
-            for i in range(n)]
+    return [
+        pb.PeerEntry(
+            node_id=f"ghost{i}", address=(f"127.0.0.1:{1 + i % 900}" if i % 2 else f"192.0.2.{i % 250 + 1}:7000")
+        )
+        for i in range(n)
+    ]
 
 
 async def flood(target: NodeProc, fingerprint: str, seconds: float) -> int:
@@ -31,9 +36,17 @@ async def flood(target: NodeProc, fingerprint: str, seconds: float) -> int:
     # a certified member of the network (mTLS): the flood comes from inside, as it would have to
     async with peer_channel(target.dir.parent, "flooder", target.address) as ch:
         stub = rpc.PeerStub(ch)
-        await stub.Handshake(pb.HandshakeRequest(node=pb.NodeInfo(
-            node_id="flooder", protocol_version=PROTOCOL_VERSION, arch_fingerprint=fingerprint,
-            address="127.0.0.1:9")), timeout=10)
+        await stub.Handshake(
+            pb.HandshakeRequest(
+                node=pb.NodeInfo(
+                    node_id="flooder",
+                    protocol_version=PROTOCOL_VERSION,
+                    arch_fingerprint=fingerprint,
+                    address="127.0.0.1:9",
+                )
+            ),
+            timeout=10,
+        )
         entries = bogus_list()
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
@@ -56,12 +69,19 @@ def test_a_peer_exchange_flood_costs_few_rounds_and_stays_bounded(tmp_path):
     nodes: list[NodeProc] = []
     try:
         for i in range(2):
-            cfg = {"strategy": "dpsgd", "round_interval_s": 0.3, "learner": tiny_learner(2, i),
-                   "peers": [nodes[0].address] if nodes else []}
+            cfg = {
+                "strategy": "dpsgd",
+                "round_interval_s": 0.3,
+                "learner": tiny_learner(2, i),
+                "peers": [nodes[0].address] if nodes else [],
+            }
             nodes.append(NodeProc(tmp_path, f"n{i}", cfg).start())
         target = nodes[0]
-        wait_for(lambda: target.status()["peers_alive"] == 1 and target.status()["round"] >= 3, 60,
-                 "the pair to meet and run rounds")
+        wait_for(
+            lambda: target.status()["peers_alive"] == 1 and target.status()["round"] >= 3,
+            60,
+            "the pair to meet and run rounds",
+        )
         fingerprint = target.status()["fingerprint"]
         c0, r0 = _cpu_s(target.proc.pid), target.status()["round"]
         time.sleep(WINDOW_S)
@@ -84,11 +104,13 @@ def test_a_peer_exchange_flood_costs_few_rounds_and_stays_bounded(tmp_path):
         h = target.get("/history")
         before, during = _rate(h, t0 - WINDOW_S, t0), _rate(h, t0, t1)
         assert during >= 0.5 * before, f"{before:.2f} rounds/s before the flood, {during:.2f} during"
-        assert st["peers_alive"] >= 1 and any(p["node_id"] == "n1" and p["state"] == "alive"
-                                              for p in target.get("/peers"))
+        assert st["peers_alive"] >= 1 and any(
+            p["node_id"] == "n1" and p["state"] == "alive" for p in target.get("/peers")
+        )
         # dialled at a bounded rate: a few per period, each address a bounded number of times
-        wait_for(lambda: target.status()["membership"]["candidates_forgotten"] > 0, 30,
-                 "failing addresses to be forgotten")
+        wait_for(
+            lambda: target.status()["membership"]["candidates_forgotten"] > 0, 30, "failing addresses to be forgotten"
+        )
     finally:
         for n in nodes:
             n.stop()

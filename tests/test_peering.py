@@ -1,6 +1,7 @@
 """The peer plane's own mechanisms (node daemons in one event loop), against both transports —
 real gRPC on loopback and the in-process switchboard: round-aligned snapshot pulls and the
 fault-injection layer."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,10 +23,19 @@ def make(request):
 
 
 def _config(tmp, i, peers, **extra):
-    return validate_config({
-        "node_id": f"n{i}", "state_dir": str(tmp / f"n{i}"), "strategy": "local", "peers": peers,
-        "heartbeat_interval_s": 0.2, "request_timeout_s": 10, "learner": tiny_learner(2, i),
-        "security": {"cert_dir": str(node_certs(tmp, f"n{i}"))}, **extra})
+    return validate_config(
+        {
+            "node_id": f"n{i}",
+            "state_dir": str(tmp / f"n{i}"),
+            "strategy": "local",
+            "peers": peers,
+            "heartbeat_interval_s": 0.2,
+            "request_timeout_s": 10,
+            "learner": tiny_learner(2, i),
+            "security": {"cert_dir": str(node_certs(tmp, f"n{i}"))},
+            **extra,
+        }
+    )
 
 
 async def _pair(make, tmp, **extra_second):
@@ -60,6 +70,7 @@ def test_round_aligned_pull_waits_for_the_round_and_gives_up_in_time(tmp_path, m
         finally:
             await a.stop()
             await b.stop()
+
     asyncio.run(go())
 
 
@@ -78,4 +89,5 @@ def test_fault_layer_corrupts_what_is_served_not_what_is_learned(tmp_path, make)
         finally:
             await a.stop()
             await b.stop()
+
     asyncio.run(go())

@@ -1,5 +1,6 @@
 """State directory: checkpoints survive kill -9 at any moment, are written off the round's
 critical path with a bounded number of unsaved rounds, and pin the history they belong to."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +23,7 @@ from coterie.node.daemon import Node
 from coterie.node.failures import Failures
 from coterie.node.learning.config import LearnerConfig
 from coterie.node.learning.torch_learner import build_learner
-from coterie.node.persistence import (StateError, StateStore, make_snapshot, pack_state, read_checkpoint,
-                                      unpack_state)
+from coterie.node.persistence import StateError, StateStore, make_snapshot, pack_state, read_checkpoint, unpack_state
 
 CFG = dict(dataset="gaussian", partition="iid", num_nodes=2, node_index=0, model="mlp")
 
@@ -78,8 +78,19 @@ def test_fresh_dir_opens_empty_and_keeps_its_identity_after_the_first_commit(tmp
     store = StateStore(tmp_path)
     nid, ckpt = store.open(None)
     assert ckpt is None and not (tmp_path / "identity.json").exists()
-    store.commit(make_snapshot(round=0, version=1, node_id=nid, learner_state=learner.export_state(),
-                               strategy_state={}, peers=[], meta={}, record=None), [])
+    store.commit(
+        make_snapshot(
+            round=0,
+            version=1,
+            node_id=nid,
+            learner_state=learner.export_state(),
+            strategy_state={},
+            peers=[],
+            meta={},
+            record=None,
+        ),
+        [],
+    )
     assert json.loads((tmp_path / "identity.json").read_text())["node_id"] == nid
     assert StateStore(tmp_path).open(None)[0] == nid
     with pytest.raises(StateError, match="belongs to node"):
@@ -87,13 +98,21 @@ def test_fresh_dir_opens_empty_and_keeps_its_identity_after_the_first_commit(tmp
 
 
 def test_strategy_state_round_trips_through_the_checkpoint_encoding():
-    state = {"P": {"a": 0.5, "b": -1.0, "nan": float("nan")}, "t": torch.arange(4.0), "arr": np.eye(2),
-             "l": [1, {"x": torch.ones(1)}], "blob": b"\x00\xff", "big": 2 ** 70, "none": None,
-             "bf": torch.ones(2, dtype=torch.bfloat16), "view": torch.arange(10.0)[2:5]}
+    state = {
+        "P": {"a": 0.5, "b": -1.0, "nan": float("nan")},
+        "t": torch.arange(4.0),
+        "arr": np.eye(2),
+        "l": [1, {"x": torch.ones(1)}],
+        "blob": b"\x00\xff",
+        "big": 2**70,
+        "none": None,
+        "bf": torch.ones(2, dtype=torch.bfloat16),
+        "view": torch.arange(10.0)[2:5],
+    }
     out = unpack_state(pack_state(state))
     assert out["P"]["a"] == 0.5 and np.isnan(out["P"]["nan"]) and torch.equal(out["t"], state["t"])
     assert np.array_equal(out["arr"], state["arr"]) and torch.equal(out["l"][1]["x"], torch.ones(1))
-    assert out["blob"] == b"\x00\xff" and out["big"] == 2 ** 70 and out["none"] is None
+    assert out["blob"] == b"\x00\xff" and out["big"] == 2**70 and out["none"] is None
     assert torch.equal(out["bf"], state["bf"]) and torch.equal(out["view"], torch.tensor([2.0, 3.0, 4.0]))
 
 
@@ -102,12 +121,23 @@ def test_one_checkpoint_file_and_the_history_it_pins(tmp_path):
     store = StateStore(tmp_path)
     store.open("a")
     for r in (1, 2, 3):
-        snap = make_snapshot(round=r, version=r + 1, node_id="a", learner_state=learner.export_state(),
-                             strategy_state={}, peers=[], meta={}, record={"round": r})
+        snap = make_snapshot(
+            round=r,
+            version=r + 1,
+            node_id="a",
+            learner_state=learner.export_state(),
+            strategy_state={},
+            peers=[],
+            meta={},
+            record={"round": r},
+        )
         store.commit(snap, [snap.record])
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["LOCK", "ckpt-000003.safetensors", "history.jsonl", "identity.json"] or \
-        files == ["ckpt-000003.safetensors", "history.jsonl", "identity.json"]
+    assert files == ["LOCK", "ckpt-000003.safetensors", "history.jsonl", "identity.json"] or files == [
+        "ckpt-000003.safetensors",
+        "history.jsonl",
+        "identity.json",
+    ]
     ckpt = read_checkpoint(tmp_path / "ckpt-000003.safetensors")
     assert ckpt.state["history"]["bytes"] == (tmp_path / "history.jsonl").stat().st_size
     # a crash after the history append but before the rename leaves lines past the checkpoint
@@ -124,12 +154,26 @@ def test_a_retried_commit_never_duplicates_or_tears_history_lines(tmp_path, monk
     learner = build_learner(LearnerConfig(**CFG))
     store = StateStore(tmp_path)
     store.open("a")
-    snaps = [make_snapshot(round=r, version=r, node_id="a", learner_state=learner.export_state(),
-                           strategy_state={}, peers=[], meta={}, record={"round": r}) for r in (1, 2, 3)]
+    snaps = [
+        make_snapshot(
+            round=r,
+            version=r,
+            node_id="a",
+            learner_state=learner.export_state(),
+            strategy_state={},
+            peers=[],
+            meta={},
+            record={"round": r},
+        )
+        for r in (1, 2, 3)
+    ]
     store.commit(snaps[0], [snaps[0].record])
     import coterie.node.persistence as P
+
     real = P.st_save_file
-    monkeypatch.setattr(P, "st_save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    monkeypatch.setattr(
+        P, "st_save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    )
     with pytest.raises(OSError):
         store.commit(snaps[1], [snaps[1].record])
     monkeypatch.setattr(P, "st_save_file", real)
@@ -153,16 +197,28 @@ class _BlockingStore:
 
 
 def _snap(r):
-    return make_snapshot(round=r, version=r, node_id="x", learner_state=({}, {}), strategy_state={},
-                         peers=[], meta={}, record={"round": r})
+    return make_snapshot(
+        round=r,
+        version=r,
+        node_id="x",
+        learner_state=({}, {}),
+        strategy_state={},
+        peers=[],
+        meta={},
+        record={"round": r},
+    )
 
 
 @pytest.mark.parametrize("max_unsaved", [0, 1, 2])
 async def test_the_round_loop_never_runs_more_than_max_unsaved_rounds_ahead_of_the_disk(max_unsaved):
     store = _BlockingStore()
     saved: list[int] = []
-    ckpt = Checkpointer(store, max_unsaved, Failures(lambda ok: None, lambda *a: None),
-                        lambda batch, s: saved.extend(x.round for x in batch))
+    ckpt = Checkpointer(
+        store,
+        max_unsaved,
+        Failures(lambda ok: None, lambda *a: None),
+        lambda batch, s: saved.extend(x.round for x in batch),
+    )
     ckpt.start()
     try:
         for r in range(1, max_unsaved + 1):  # these return while their writes are still held
@@ -185,12 +241,28 @@ async def test_the_round_loop_never_runs_more_than_max_unsaved_rounds_ahead_of_t
 
 
 def _solo(tmp_path, rounds, **extra):
-    return validate_config({"node_id": "solo", "security": {"insecure": True}, "state_dir": str(tmp_path / "solo"), "strategy": "local",
-                            "rounds": rounds, "min_peers": 0, "round_interval_s": 0.0, "listen": "127.0.0.1:0",
-                            "admin_listen": "127.0.0.1:0", **extra,
-                            "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 600},
-                                        "partition": "iid", "num_nodes": 1, "model": "linear",
-                                        "local_steps": 2}})
+    return validate_config(
+        {
+            "node_id": "solo",
+            "security": {"insecure": True},
+            "state_dir": str(tmp_path / "solo"),
+            "strategy": "local",
+            "rounds": rounds,
+            "min_peers": 0,
+            "round_interval_s": 0.0,
+            "listen": "127.0.0.1:0",
+            "admin_listen": "127.0.0.1:0",
+            **extra,
+            "learner": {
+                "dataset": "mnist1d",
+                "dataset_params": {"num_samples": 600},
+                "partition": "iid",
+                "num_nodes": 1,
+                "model": "linear",
+                "local_steps": 2,
+            },
+        }
+    )
 
 
 async def _run_until_done(node, timeout=60):
@@ -248,6 +320,8 @@ async def test_a_resumed_node_continues_exactly_as_an_uninterrupted_one(tmp_path
     await _run_until_done(ref)
     await _run_until_done(Node(_solo(tmp_path / "cut", 2)))
     await _run_until_done(Node(_solo(tmp_path / "cut", 4)))
-    shas = [[json.loads(x)["snapshot_sha256"] for x in (t / "solo" / "history.jsonl").read_text().splitlines()]
-            for t in (tmp_path / "ref", tmp_path / "cut")]
+    shas = [
+        [json.loads(x)["snapshot_sha256"] for x in (t / "solo" / "history.jsonl").read_text().splitlines()]
+        for t in (tmp_path / "ref", tmp_path / "cut")
+    ]
     assert len(shas[0]) == 4 and shas[0] == shas[1]

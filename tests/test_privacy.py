@@ -1,6 +1,7 @@
 """The privacy mechanism in-process: purposes, the per-sample bounded sums, the DP release, the ledger.
 
 The attacks against a real daemon are in test_privacy_attack.py."""
+
 from __future__ import annotations
 
 import json
@@ -19,12 +20,18 @@ from coterie.node.privacy import accountant
 from coterie.node.privacy.ledger import FILE, BudgetSpent, PrivacyLedger
 from coterie.node.privacy.mechanisms import PrivateData
 from coterie.node.privacy.purposes import PURPOSES, SERVED_SPLITS, purpose, purposes_of
-
 from tests.test_architecture import _imports
 
-LEARNER = LearnerConfig(dataset="mnist1d", dataset_params={"num_samples": 2000}, partition="label_permutation",
-                        partition_params={"num_clusters": 1, "samples_per_node": 120}, num_nodes=2,
-                        node_index=0, model="mlp", model_params={"hidden": [16]})
+LEARNER = LearnerConfig(
+    dataset="mnist1d",
+    dataset_params={"num_samples": 2000},
+    partition="label_permutation",
+    partition_params={"num_clusters": 1, "samples_per_node": 120},
+    num_nodes=2,
+    node_index=0,
+    model="mlp",
+    model_params={"hidden": [16]},
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +60,12 @@ def test_config_is_private_by_default_and_refuses_a_budget_without_noise():
     assert p.enabled and p.noise_multiplier > 0 and math.isfinite(p.budget_epsilon) and p.min_batch >= 32
     with pytest.raises(ConfigError, match="noise_multiplier = 0"):
         load_config(None, overrides={"privacy": {"noise_multiplier": 0}}, environ={})
-    assert load_config(None, overrides={"privacy": {"noise_multiplier": 0, "budget_epsilon": math.inf}},
-                       environ={}).privacy.noise_multiplier == 0
+    assert (
+        load_config(
+            None, overrides={"privacy": {"noise_multiplier": 0, "budget_epsilon": math.inf}}, environ={}
+        ).privacy.noise_multiplier
+        == 0
+    )
     with pytest.raises(ConfigError, match="unknown purpose"):
         load_config(None, overrides={"privacy": {"serve_purposes": ["all-of-it"]}}, environ={})
     env = load_config(None, environ={"COTERIE_PRIVACY__BUDGET_EPSILON": "3.5"}).privacy
@@ -62,9 +73,20 @@ def test_config_is_private_by_default_and_refuses_a_budget_without_noise():
 
 
 def test_privacy_package_stays_below_the_peer_plane():
-    assert _imports("coterie.node.privacy", ("grpc", "coterie.proto", "coterie.node.transport",
-                                             "coterie.node.peering", "coterie.node.strategies",
-                                             "coterie.node.daemon")) == []
+    assert (
+        _imports(
+            "coterie.node.privacy",
+            (
+                "grpc",
+                "coterie.proto",
+                "coterie.node.transport",
+                "coterie.node.peering",
+                "coterie.node.strategies",
+                "coterie.node.daemon",
+            ),
+        )
+        == []
+    )
 
 
 # ---------------------------------------------------------------------------- per-sample sums
@@ -74,7 +96,7 @@ def test_clipped_gradient_sum_is_the_per_sample_gradient_clipped(learner):
     p = {k: v.to(x.device).requires_grad_(True) for k, v in learner.get_params().items()}  # x: on the learner's device
     per = []
     for i in idx:
-        loss = torch.nn.functional.cross_entropy(functional_call(learner._shadow, p, (x[i:i + 1],)), y[i:i + 1])
+        loss = torch.nn.functional.cross_entropy(functional_call(learner._shadow, p, (x[i : i + 1],)), y[i : i + 1])
         per.append(dict(zip(p, torch.autograd.grad(loss, list(p.values())), strict=True)))
     unclipped = learner.clipped_gradient_sum(None, "train", idx, 1e9)
     for k in p:
@@ -91,8 +113,9 @@ def test_clipped_loss_sum_bounds_each_sample(learner):
     x, y = learner._data["train"]
     idx = list(range(10))
     params = {k: v.to(x.device) for k, v in learner.get_params().items()}  # x: on the learner's device
-    per = torch.nn.functional.cross_entropy(functional_call(learner._shadow, params, (x[:10],)),
-                                            y[:10], reduction="none")
+    per = torch.nn.functional.cross_entropy(
+        functional_call(learner._shadow, params, (x[:10],)), y[:10], reduction="none"
+    )
     assert learner.clipped_loss_sum(None, "train", idx, 100.0) == pytest.approx(float(per.sum()), rel=1e-5)
     c = float(per.median())
     assert learner.clipped_loss_sum(None, "train", idx, c) == pytest.approx(float(per.clamp(max=c).sum()), rel=1e-5)
@@ -134,8 +157,9 @@ def test_clip_only_release_is_bounded(learner, tmp_path):
 
 def test_gaussian_noise_has_the_calibrated_scale(learner, tmp_path):
     sigma, clip = 2.0, 0.5
-    priv, ledger = _private(learner, tmp_path, noise_multiplier=sigma, grad_clip=clip, budget_epsilon=math.inf,
-                            min_batch=32)
+    priv, ledger = _private(
+        learner, tmp_path, noise_multiplier=sigma, grad_clip=clip, budget_epsilon=math.inf, min_batch=32
+    )
     rel, _ = priv.gradient("peer", purpose("scool-gradient"), None, 40)
     exact = learner.clipped_gradient_sum(None, "train", np.arange(learner.num_samples("train")), clip)
     assert rel.samples == 40 and rel.noise_std == pytest.approx(sigma * clip / 40)
@@ -158,7 +182,9 @@ def test_ledger_matches_opacus_and_persists(tmp_path):
     assert ledger.epsilon() == pytest.approx(ref.get_epsilon(delta=1e-5))
     assert ledger.epsilon("a") < ledger.epsilon() and ledger.epsilon("b") < ledger.epsilon()
     again = PrivacyLedger(tmp_path, delta=1e-5)
-    assert again.epsilon() == pytest.approx(ledger.epsilon()) and again.epsilon("a") == pytest.approx(ledger.epsilon("a"))
+    assert again.epsilon() == pytest.approx(ledger.epsilon()) and again.epsilon("a") == pytest.approx(
+        ledger.epsilon("a")
+    )
     assert again.view()["peers"]["a"]["purposes"] == {"scool-evidence": 5}
     assert accountant.epsilon([(0.0, 0.5, 1)], 1e-5) == math.inf
 
@@ -186,6 +212,7 @@ def test_budget_is_never_exceeded_and_no_compute_happens_after(tmp_path):
 def test_release_is_charged_before_it_is_computed(learner, tmp_path):
     """A release that would pass the budget computes nothing; one that fails after the charge
     is still counted (over-counting is the safe side)."""
+
     class Exploding:
         def __getattr__(self, name):
             return getattr(learner, name)

@@ -6,6 +6,7 @@ negative entry of the last bias gradient is its label. A staircase model (last-l
 makes a single-sample cross-loss spell out the label. Each attack runs twice with the same code:
 against the unprotected learner function (what the node used to serve; the attack must succeed, so
 the test can fail) and against a daemon with its default privacy settings (it must fail)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,14 +20,13 @@ from typer.testing import CliRunner
 
 from coterie.cli.main import app
 from coterie.node.config import PROTOCOL_VERSION
+from coterie.node.fsutil import read_json
 from coterie.node.learning.config import LearnerConfig
 from coterie.node.learning.torch_learner import build_learner
 from coterie.node.peering.errors import PRIVACY_BUDGET, PeerCallError
 from coterie.node.peering.messages import CROSS_GRADIENT, CROSS_LOSS, ComputeRequest, NodeInfo
 from coterie.node.privacy.ledger import FILE
 from coterie.node.transport.client import PeerClient
-from coterie.node.fsutil import read_json
-
 from tests.nodeproc import NodeProc, node_certs, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
@@ -52,8 +52,13 @@ def truth():
     return lrn
 
 
-UNLIMITED = {"requests_per_s": 1e6, "request_burst": 1e6, "compute_share": 1e6, "compute_burst_s": 1e6,
-             "max_concurrent": 64}
+UNLIMITED = {
+    "requests_per_s": 1e6,
+    "request_burst": 1e6,
+    "compute_share": 1e6,
+    "compute_burst_s": 1e6,
+    "max_concurrent": 64,
+}
 # likewise the per-peer share of the ε budget and the per-peer release rate (tests/test_insiders.py
 # attacks those): here one peer may spend the whole budget, as fast as it asks
 ONE_PEER = {"expected_peers": 1, "peer_release_rate": 1e6, "peer_release_burst": 1_000_000}
@@ -64,9 +69,11 @@ def victim(tmp_path_factory):
     # SCool serves cross-losses and cross-gradients; privacy is left at its defaults. The per-peer
     # compute budget (tests/test_security_limits.py) would cut the attacker off after a few calls:
     # lifted here, so what is measured is what the privacy mechanism alone lets out.
-    node = NodeProc(tmp_path_factory.mktemp("priv"), "victim",
-                    {"strategy": "scool-sbm", "rounds": 0, "learner": _learner_cfg(),
-                     "limits": UNLIMITED, "privacy": ONE_PEER}).start(timeout=START_S)
+    node = NodeProc(
+        tmp_path_factory.mktemp("priv"),
+        "victim",
+        {"strategy": "scool-sbm", "rounds": 0, "learner": _learner_cfg(), "limits": UNLIMITED, "privacy": ONE_PEER},
+    ).start(timeout=START_S)
     yield node
     node.stop()
 
@@ -115,11 +122,20 @@ async def _attacker(node: NodeProc, fingerprint: str) -> PeerClient:
     the insiders that are let in)."""
     from coterie.node.security.pki import load_credentials
     from coterie.node.transport.tls import TLS
+
     tls = TLS(load_credentials(node_certs(node.dir.parent, "mallory")))
-    client = PeerClient("mallory", _NoTraffic(), chunk_bytes=1 << 20, max_model_bytes=1 << 28,
-                        max_gossip_bytes=1 << 20, timeout_s=60, tls=tls)
-    await client.handshake(node.address, NodeInfo("mallory", PROTOCOL_VERSION, fingerprint, address="127.0.0.1:9"),
-                           timeout=30)
+    client = PeerClient(
+        "mallory",
+        _NoTraffic(),
+        chunk_bytes=1 << 20,
+        max_model_bytes=1 << 28,
+        max_gossip_bytes=1 << 20,
+        timeout_s=60,
+        tls=tls,
+    )
+    await client.handshake(
+        node.address, NodeInfo("mallory", PROTOCOL_VERSION, fingerprint, address="127.0.0.1:9"), timeout=30
+    )
     return client
 
 
@@ -144,8 +160,10 @@ def test_gradient_inversion_fails_against_a_daemon(victim, truth):
         client = await _attacker(victim, fp)
         try:
             params = truth.get_params()
-            replies = [await client.compute(victim.address, _request(CROSS_GRADIENT, params, "scool-gradient"))
-                       for _ in range(QUERIES)]
+            replies = [
+                await client.compute(victim.address, _request(CROSS_GRADIENT, params, "scool-gradient"))
+                for _ in range(QUERIES)
+            ]
         finally:
             await client.close()
         return replies
@@ -172,8 +190,10 @@ def test_cross_loss_label_leak(victim, truth):
     async def go():
         client = await _attacker(victim, victim.status()["fingerprint"])
         try:
-            return [await client.compute(victim.address, _request(CROSS_LOSS, stair, "scool-evidence"))
-                    for _ in range(QUERIES)]
+            return [
+                await client.compute(victim.address, _request(CROSS_LOSS, stair, "scool-evidence"))
+                for _ in range(QUERIES)
+            ]
         finally:
             await client.close()
 
@@ -191,12 +211,14 @@ def test_requests_outside_a_purpose_are_refused(victim, truth):
         client = await _attacker(victim, victim.status()["fingerprint"])
         out = []
         try:
-            for req in (_request(CROSS_GRADIENT, params, "scool-gradient", split="test"),
-                        _request(CROSS_GRADIENT, params, "scool-gradient", split="val"),
-                        _request(CROSS_GRADIENT, params, ""),
-                        _request(CROSS_GRADIENT, params, "scool-evidence"),
-                        _request(CROSS_LOSS, params, "federico-push"),
-                        _request(CROSS_GRADIENT, params, "cobo-alignment", align=False)):
+            for req in (
+                _request(CROSS_GRADIENT, params, "scool-gradient", split="test"),
+                _request(CROSS_GRADIENT, params, "scool-gradient", split="val"),
+                _request(CROSS_GRADIENT, params, ""),
+                _request(CROSS_GRADIENT, params, "scool-evidence"),
+                _request(CROSS_LOSS, params, "federico-push"),
+                _request(CROSS_GRADIENT, params, "cobo-alignment", align=False),
+            ):
                 with pytest.raises(PeerCallError) as err:
                     await client.compute(victim.address, req)
                 out.append(err.value.message)
@@ -216,8 +238,13 @@ def test_requests_outside_a_purpose_are_refused(victim, truth):
 def test_budget_refusal_and_ledger_survive_kill_9(tmp_path, truth):
     """Every answer is on disk before it leaves; a spent budget is refused with a clear error,
     across a kill -9 and a restart."""
-    cfg = {"strategy": "scool-sbm", "rounds": 0, "learner": _learner_cfg(), "limits": UNLIMITED,
-           "privacy": {"budget_epsilon": 3.0, "noise_multiplier": 1.0, "min_batch": 32, **ONE_PEER}}
+    cfg = {
+        "strategy": "scool-sbm",
+        "rounds": 0,
+        "learner": _learner_cfg(),
+        "limits": UNLIMITED,
+        "privacy": {"budget_epsilon": 3.0, "noise_multiplier": 1.0, "min_batch": 32, **ONE_PEER},
+    }
     node = NodeProc(tmp_path, "victim", cfg).start(timeout=START_S)
     ledger_path = node.state_dir / FILE
     params = truth.get_params()
@@ -265,10 +292,17 @@ def test_strategies_carry_on_when_a_peer_budget_is_spent(tmp_path):
     nodes: list[NodeProc] = []
     try:
         for i in range(2):
-            cfg = {"strategy": "scool-sbm", "rounds": 4, "learner": tiny_learner(2, i), "min_peers": 1,
-                   "start_timeout_s": 600,  # n0 waits for n1, however long its start takes
-                   "suspect_after_s": 10.0, "dead_after_s": 60.0,  # a loaded box delays heartbeats
-                   "privacy": {"budget_epsilon": 1.0}, "peers": [nodes[-1].address] if nodes else []}
+            cfg = {
+                "strategy": "scool-sbm",
+                "rounds": 4,
+                "learner": tiny_learner(2, i),
+                "min_peers": 1,
+                "start_timeout_s": 600,  # n0 waits for n1, however long its start takes
+                "suspect_after_s": 10.0,
+                "dead_after_s": 60.0,  # a loaded box delays heartbeats
+                "privacy": {"budget_epsilon": 1.0},
+                "peers": [nodes[-1].address] if nodes else [],
+            }
             nodes.append(NodeProc(tmp_path, f"n{i}", cfg).start(timeout=START_S))
         for n in nodes:
             wait_for(lambda n=n: n.status()["done"], 240, f"{n.node_id} to finish its rounds")

@@ -7,6 +7,7 @@ pull that misses its deadline closes the session and the next one works, a sessi
 ended or refused falls back to a plain call. Then a real daemon over mTLS, its bounds attacked by
 authenticated peers: a second session of one peer, one over ``max_watches``, a stranger, a
 request on someone else's session."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,11 @@ from tests.test_security_limits import Mallory
 
 
 class _NoTraffic:
-    def record(self, *a, **k): pass
-    def latency(self, *a, **k): pass
+    def record(self, *a, **k):
+        pass
+
+    def latency(self, *a, **k):
+        pass
 
 
 class _Received(_NoTraffic):
@@ -73,10 +77,23 @@ class Board:
 
 @contextlib.asynccontextmanager
 async def _pair(board: Board, *, max_watches: int = 64, chunk_bytes: int = 1 << 20):
-    server, port = await serve(board, _NoTraffic(), "127.0.0.1:0", tls=None, chunk_bytes=chunk_bytes,
-                               streams=StreamLimits(max_watches=max_watches))
-    client = PeerClient("me", _Received(), chunk_bytes=chunk_bytes, max_model_bytes=1 << 26,
-                        max_gossip_bytes=1 << 20, timeout_s=5, tls=None)
+    server, port = await serve(
+        board,
+        _NoTraffic(),
+        "127.0.0.1:0",
+        tls=None,
+        chunk_bytes=chunk_bytes,
+        streams=StreamLimits(max_watches=max_watches),
+    )
+    client = PeerClient(
+        "me",
+        _Received(),
+        chunk_bytes=chunk_bytes,
+        max_model_bytes=1 << 26,
+        max_gossip_bytes=1 << 20,
+        timeout_s=5,
+        tls=None,
+    )
     try:
         yield client, f"127.0.0.1:{port}", server
     finally:
@@ -120,6 +137,7 @@ def test_pulls_of_a_peer_pulled_again_move_onto_one_session(floats):
             board.publish(8)
             assert (await later)[0].round == 8 and s.served == 7 and _session(client) is s
             assert board.served == 8
+
     asyncio.run(go())
 
 
@@ -135,6 +153,7 @@ def test_a_pull_that_misses_its_deadline_closes_the_session_and_the_next_one_wor
             h, g = await client.get_snapshot(addr, "me")
             h, g = await client.get_snapshot(addr, "me")
             assert h.version == 1 and g is not None and _session(client) not in (None, s)
+
     asyncio.run(go())
 
 
@@ -160,16 +179,20 @@ def test_a_session_the_server_ended_or_refused_falls_back_to_a_plain_call(monkey
                 h, g = await client.get_snapshot(addr, "me")
                 assert h.version == 1 and g is not None
             assert _session(client) is None and addr in client.streams._session_refused  # tried once, not again
+
     asyncio.run(go())
 
 
 def test_sessions_are_one_per_peer_and_bounded_in_all_on_the_server():
     """One per peer (a newer session replaces the older: a peer cannot hold two), ``max_watches``
     in all, none for a stranger, none carrying another peer's requests."""
+
     async def open_session(client: PeerClient, addr: str, requester: str):
         call = client.channel(addr, "bulk")[0].stream_stream(
-            "/coterie.v1.Peer/PullSnapshots", request_serializer=pb.SnapshotRequest.SerializeToString,
-            response_deserializer=pb.SnapshotChunk.FromString)()
+            "/coterie.v1.Peer/PullSnapshots",
+            request_serializer=pb.SnapshotRequest.SerializeToString,
+            response_deserializer=pb.SnapshotChunk.FromString,
+        )()
         await call.write(pb.SnapshotRequest(requester=requester))
         return call, await call.read()
 
@@ -193,6 +216,7 @@ def test_sessions_are_one_per_peer_and_bounded_in_all_on_the_server():
                 await a.read()
             b.cancel()
             assert board.served == 3  # the refused ones never reached the snapshot
+
     asyncio.run(go())
 
 
@@ -200,8 +224,11 @@ def test_sessions_are_one_per_peer_and_bounded_in_all_on_the_server():
 @pytest.fixture(scope="module")
 def victim(tmp_path_factory):
     root = tmp_path_factory.mktemp("sessions")
-    node = NodeProc(root, "victim", {"strategy": "local", "round_interval_s": 0.2, "learner": tiny_learner(1, 0),
-                                     "limits": {"max_watches": 1}}).start()
+    node = NodeProc(
+        root,
+        "victim",
+        {"strategy": "local", "round_interval_s": 0.2, "learner": tiny_learner(1, 0), "limits": {"max_watches": 1}},
+    ).start()
     yield root, node
     node.stop()
 

@@ -4,6 +4,7 @@ memory inside a group, gRPC between them, the same results.json as the other bac
 
 The cluster test is skipped only where Ray is not installed (``pip install -e '.[ray]'``;
 ``.ci/run`` installs it). Placement and the no-Ray paths are tested without a cluster."""
+
 from __future__ import annotations
 
 import json
@@ -12,22 +13,36 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 
 import pytest
 import tomli_w
+import tomllib
 
-from coterie.node.config import ConfigError
 from coterie.lab.launch import check_backend
 from coterie.lab.launch.common import LauncherError
 from coterie.lab.scenario import parse_scenario
+from coterie.node.config import ConfigError
 
-SCENARIO = {"name": "ray", "seed": 5, "nodes": 4, "rounds": 3, "strategy": ["dpsgd"], "bootstrap": "chain",
-            "timeout_s": 300,
-            "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 1200}, "partition": "label_permutation",
-                        "partition_params": {"num_clusters": 2}, "model": "mlp", "model_params": {"hidden": [16]},
-                        "local_steps": 3, "device": "cpu"},
-            "node": {"heartbeat_interval_s": 0.3, "start_timeout_s": 120}}
+SCENARIO = {
+    "name": "ray",
+    "seed": 5,
+    "nodes": 4,
+    "rounds": 3,
+    "strategy": ["dpsgd"],
+    "bootstrap": "chain",
+    "timeout_s": 300,
+    "learner": {
+        "dataset": "mnist1d",
+        "dataset_params": {"num_samples": 1200},
+        "partition": "label_permutation",
+        "partition_params": {"num_clusters": 2},
+        "model": "mlp",
+        "model_params": {"hidden": [16]},
+        "local_steps": 3,
+        "device": "cpu",
+    },
+    "node": {"heartbeat_interval_s": 0.3, "start_timeout_s": 120},
+}
 
 
 def _ray_node(node_id: str, cpus: float = 1.0, alive: bool = True, ip: str = "10.0.0.1") -> dict:
@@ -38,8 +53,12 @@ def _ray_node(node_id: str, cpus: float = 1.0, alive: bool = True, ip: str = "10
 def test_plan_cuts_contiguous_groups_one_per_ray_node():
     from coterie.lab.launch.ray import plan
 
-    nodes = [_ray_node("b", 2, ip="10.0.0.2"), _ray_node("a", 2), _ray_node("dead", 8, alive=False),
-             _ray_node("head", 0)]
+    nodes = [
+        _ray_node("b", 2, ip="10.0.0.2"),
+        _ray_node("a", 2),
+        _ray_node("dead", 8, alive=False),
+        _ray_node("head", 0),
+    ]
     groups = plan(7, nodes)
     assert [g.nodes for g in groups] == [[0, 1, 2, 3], [4, 5, 6]]  # every bootstrap peer in this or an earlier group
     assert [g.ray_node for g in groups] == ["a", "b"]  # alive nodes with CPUs only, in a stable order
@@ -83,9 +102,11 @@ def test_ray_options_belong_to_the_ray_backend(tmp_path):
 
 
 def test_coterie_imports_without_ray():
-    code = ("import sys; sys.modules['ray'] = None\n"
-            "import coterie.cli.main, coterie.lab.launcher, coterie.lab.launch.ray, coterie.node.transport.routing\n"
-            "from coterie.lab.launch.ray import ray_problem; print(ray_problem())")
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "import coterie.cli.main, coterie.lab.launcher, coterie.lab.launch.ray, coterie.node.transport.routing\n"
+        "from coterie.lab.launch.ray import ray_problem; print(ray_problem())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "pip install 'coterie[ray]'" in out.stdout
@@ -151,8 +172,9 @@ def test_coterie_run_on_two_raylets(ray_cluster, tmp_path):
     scenario = tmp_path / "s.toml"
     scenario.write_text(tomli_w.dumps(SCENARIO))
     out = tmp_path / "out"
-    result = CliRunner().invoke(app, ["run", str(scenario), "--out", str(out), "--backend", "ray",
-                                      "--address", ray_cluster.address])
+    result = CliRunner().invoke(
+        app, ["run", str(scenario), "--out", str(out), "--backend", "ray", "--address", ray_cluster.address]
+    )
     assert result.exit_code == 0, result.output
     assert not ray.is_initialized()  # the run's own connection is closed again; the cluster stays up
 
@@ -181,8 +203,10 @@ def test_coterie_run_on_two_raylets(ray_cluster, tmp_path):
 
     # memory inside a group, gRPC across: every node took at least one whole model from the
     # other group over gRPC, and talked to its group mate through memory
-    model_bytes = sum(t.numel() * t.element_size() for t in build_learner(
-        LearnerConfig.model_validate(run["node_configs"]["n0"]["learner"])).get_params().values())
+    model_bytes = sum(
+        t.numel() * t.element_size()
+        for t in build_learner(LearnerConfig.model_validate(run["node_configs"]["n0"]["learner"])).get_params().values()
+    )
     for n in ids:
         routes = run["placement"]["routes"][n]
         assert routes["bytes_received"]["grpc"] >= model_bytes, (n, routes, model_bytes)

@@ -3,6 +3,7 @@ an outbound-only node opens no peer port yet is a full member (served and servin
 relay); two outbound-only nodes reach each other; relays are end-to-end blind (a malicious relay
 that reads, flips, drops, replays or impersonates gets nothing and breaks nothing); a relay's
 budget refuses with the limit's name; a SIGKILLed relay's nodes stay reachable through another."""
+
 from __future__ import annotations
 
 import asyncio
@@ -30,20 +31,34 @@ from tests.nodeproc import NodeProc, node_certs, wait_for
 
 pytestmark = pytest.mark.slow
 
-SCOOL = {"strategy": "scool-sbm", "strategy_params": {"mstep": "exact"}, "round_interval_s": 0.3, "privacy": {"budget_epsilon": 1e9}}
+SCOOL = {
+    "strategy": "scool-sbm",
+    "strategy_params": {"mstep": "exact"},
+    "round_interval_s": 0.3,
+    "privacy": {"budget_epsilon": 1e9},
+}
 
 
 def learner(i: int) -> dict:
-    return {"dataset": "mnist1d", "partition": "label_permutation", "num_nodes": 4, "node_index": i,
-            "model": "mlp", "local_steps": 3, "dataset_params": {"num_samples": 2000},
-            "partition_params": {"num_clusters": 1, "samples_per_node": 100}}
+    return {
+        "dataset": "mnist1d",
+        "partition": "label_permutation",
+        "num_nodes": 4,
+        "node_index": i,
+        "model": "mlp",
+        "local_steps": 3,
+        "dataset_params": {"num_samples": 2000},
+        "partition_params": {"num_clusters": 1, "samples_per_node": 100},
+    }
 
 
 def listening_tcp_ports(pid: int) -> set[int]:
     """TCP ports process ``pid`` listens on (from /proc: its socket inodes in LISTEN state)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
-        m = re.match(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.exists(f"/proc/{pid}/fd/{fd}") else "")
+        m = re.match(
+            r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.exists(f"/proc/{pid}/fd/{fd}") else ""
+        )
         if m:
             inodes.add(m.group(1))
     ports = set()
@@ -71,8 +86,11 @@ def net(tmp_path_factory):
         nodes["n1"] = NodeProc(root, "n1", {**SCOOL, "learner": learner(1), "peers": [nodes["n0"].address]}).start()
         relays = [nodes["n0"].address, nodes["n1"].address]
         for i, name in ((2, "n7"), (3, "n8")):
-            nodes[name] = NodeProc(root, name, {**SCOOL, "learner": learner(i), "peers": [relays[0]],
-                                                "no_listen": True, "relay": {"via": relays}}).start()
+            nodes[name] = NodeProc(
+                root,
+                name,
+                {**SCOOL, "learner": learner(i), "peers": [relays[0]], "no_listen": True, "relay": {"via": relays}},
+            ).start()
         yield root, nodes
     finally:
         for n in nodes.values():
@@ -101,8 +119,11 @@ def test_outbound_only_nodes_are_full_members(net):
         wait_for(lambda k=kind: metric(n7, "coterie_received_bytes_total", k) > 0, 60, f"n7 to be served {kind}")
     peers8 = {p["node_id"]: p for p in n8.get("/peers")}
     assert peers8["n7"]["state"] == "alive" and peers8["n7"]["address"].startswith("relay://")
-    wait_for(lambda: {p["node_id"]: p for p in n8.get("/peers")}["n7"]["cached_version"] is not None, 60,
-             "n8 to hold a snapshot of n7 (outbound-only to outbound-only)")
+    wait_for(
+        lambda: {p["node_id"]: p for p in n8.get("/peers")}["n7"]["cached_version"] is not None,
+        60,
+        "n8 to hold a snapshot of n7 (outbound-only to outbound-only)",
+    )
     assert n8.status()["relay"]["reachability"] == f"relayed via {nodes['n0'].address},{nodes['n1'].address}"
     assert n8.status()["relay"]["reservations"] == {nodes["n0"].address: "held", nodes["n1"].address: "held"}
     assert "n8" in nodes["n0"].status()["relay"]["relaying_for"]
@@ -118,8 +139,11 @@ def test_relay_failover_after_sigkill(net):
     wait_for(lambda: metric(n7, "coterie_sent_bytes_total", "snapshot") > 0, 60, "n7 to be pulled from")
     nodes["n0"].kill(signal.SIGKILL)
     before = metric(n7, "coterie_sent_bytes_total", "snapshot")
-    wait_for(lambda: metric(n7, "coterie_sent_bytes_total", "snapshot") > before, 20,
-             "n7 to serve a snapshot again, through n1")
+    wait_for(
+        lambda: metric(n7, "coterie_sent_bytes_total", "snapshot") > before,
+        20,
+        "n7 to serve a snapshot again, through n1",
+    )
     peers1 = {p["node_id"]: p["state"] for p in n1.get("/peers")}
     assert peers1["n7"] == "alive" and peers1["n8"] == "alive"
     assert n7.proc.poll() is None
@@ -127,10 +151,12 @@ def test_relay_failover_after_sigkill(net):
 
 # ---------------------------------------------------------------- relay budget, in-process relay
 
+
 async def _relay_server(root: Path, node_id: str, service: RelayService) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((relay_handlers(service),))
     from grpc_health.v1 import health, health_pb2_grpc
+
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)  # as a node's port has
     port = server.add_secure_port("127.0.0.1:0", service.tls.server_credentials())
     await server.start()
@@ -143,14 +169,16 @@ def _tls(root: Path, node_id: str) -> TLS:
 
 def _stub(root: Path, node_id: str, address: str) -> rpc.RelayStub:
     tls = _tls(root, node_id)
-    ch = grpc.aio.secure_channel(address, tls.channel_credentials(),
-                                 options=[("grpc.ssl_target_name_override", tls.target_name(None))])
+    ch = grpc.aio.secure_channel(
+        address, tls.channel_credentials(), options=[("grpc.ssl_target_name_override", tls.target_name(None))]
+    )
     return rpc.RelayStub(ch)
 
 
 async def test_relay_budget_refusals_name_the_limit(tmp_path):
-    relay = RelayService(_tls(tmp_path, "r0"), RelayBudget(max_reservations=1, max_tunnels_per_peer=1,
-                                                           accept_timeout_s=30))
+    relay = RelayService(
+        _tls(tmp_path, "r0"), RelayBudget(max_reservations=1, max_tunnels_per_peer=1, accept_timeout_s=30)
+    )
     server, address = await _relay_server(tmp_path, "r0", relay)
     try:
         held = _stub(tmp_path, "n7", address).Reserve(pb.ReserveRequest())
@@ -195,9 +223,11 @@ def test_relay_addresses_and_config_are_checked(tmp_path):
 
 # ---------------------------------------------------------------- a malicious relay
 
+
 class EvilRelay(RelayService):
     """A relay with a valid certificate that reads everything it forwards and, by ``mode``,
     flips a byte, drops the node's answers, replays frames, or answers itself (its own cert)."""
+
     mode = "read"
     port = 0
 
@@ -229,6 +259,7 @@ class EvilRelay(RelayService):
         async def up():
             async for f in it:
                 writer.write(f.data)
+
         task = asyncio.ensure_future(up())
         yield pb.RelayFrame(tunnel_id="evil")
         try:
@@ -243,8 +274,17 @@ async def test_a_malicious_relay_sees_ciphertext_only_and_every_tampering_is_ref
     evil = EvilRelay(_tls(tmp_path, "evil"))
     server, evil_address = await _relay_server(tmp_path, "evil", evil)
     evil.port = int(evil_address.rsplit(":", 1)[1])
-    n9 = NodeProc(tmp_path, "n9", {"strategy": "local", "round_interval_s": 0.5, "learner": learner(0),
-                                   "no_listen": True, "relay": {"via": [evil_address]}})
+    n9 = NodeProc(
+        tmp_path,
+        "n9",
+        {
+            "strategy": "local",
+            "round_interval_s": 0.5,
+            "learner": learner(0),
+            "no_listen": True,
+            "relay": {"via": [evil_address]},
+        },
+    )
     tls = _tls(tmp_path, "n1")
     client = PeerClient("n1", _Quiet(), chunk_bytes=1 << 20, timeout_s=5, tls=tls, relay_dialer=RelayDialer(tls))
     marker = "PLAINTEXT-" + "7e57" * 64
@@ -270,13 +310,17 @@ async def test_a_malicious_relay_sees_ciphertext_only_and_every_tampering_is_ref
 
         # a daemon dialling n9 through the tampering relay: refused, and named in its /status
         evil.mode = "flip"
-        n2 = NodeProc(tmp_path, "n2", {"strategy": "local", "round_interval_s": 0.5, "learner": learner(1),
-                                       "peers": [n9.address]})
+        n2 = NodeProc(
+            tmp_path, "n2", {"strategy": "local", "round_interval_s": 0.5, "learner": learner(1), "peers": [n9.address]}
+        )
         try:
             await asyncio.to_thread(n2.start)
-            problems = await asyncio.to_thread(wait_for, lambda: [p for p in n2.status()["problems"]
-                                                                  if n9.address in p["peer"]], 30,
-                                               "n2 to name the relayed n9 in its problems")
+            problems = await asyncio.to_thread(
+                wait_for,
+                lambda: [p for p in n2.status()["problems"] if n9.address in p["peer"]],
+                30,
+                "n2 to name the relayed n9 in its problems",
+            )
             assert n2.status()["peers_alive"] == 0 and n9.proc.poll() is None
             assert "Tls handshake failed" in problems[0]["message"]  # the altered record failed TLS's check
         finally:
@@ -292,8 +336,11 @@ async def test_a_malicious_relay_sees_ciphertext_only_and_every_tampering_is_ref
 
 
 class _Quiet:
-    def record(self, *a, **k): pass
-    def latency(self, *a, **k): pass
+    def record(self, *a, **k):
+        pass
+
+    def latency(self, *a, **k):
+        pass
 
 
 async def _until(cond, timeout: float = 30.0) -> None:
@@ -306,8 +353,15 @@ async def _until(cond, timeout: float = 30.0) -> None:
 
 def test_scenario_overrides_make_outbound_only_nodes(tmp_path):
     from coterie.lab.scenario import node_config, parse_scenario
-    base = {"name": "nat", "nodes": 4, "strategy": ["local"], "rounds": 1, "bootstrap": "star",
-            "learner": {"dataset": "mnist1d", "model": "mlp"}}
+
+    base = {
+        "name": "nat",
+        "nodes": 4,
+        "strategy": ["local"],
+        "rounds": 1,
+        "bootstrap": "star",
+        "learner": {"dataset": "mnist1d", "model": "mlp"},
+    }
     sc = parse_scenario({**base, "overrides": [{"nodes": [2, 3], "no_listen": True}]})
     cfg = node_config(sc, "local", 3, tmp_path, bootstrap="127.0.0.1:5000")
     assert cfg.no_listen and cfg.relays() == ["127.0.0.1:5000"]
@@ -321,28 +375,67 @@ def test_scenario_overrides_make_outbound_only_nodes(tmp_path):
 def test_cli_no_listen_without_a_relay_is_refused(tmp_path):
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "coterie.cli.main", "node", "start", "--no-listen",
-                          "--state-dir", str(tmp_path / "s"), "--cert-dir", str(node_certs(tmp_path, "n5"))],
-                         capture_output=True, text=True, timeout=60)
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coterie.cli.main",
+            "node",
+            "start",
+            "--no-listen",
+            "--state-dir",
+            str(tmp_path / "s"),
+            "--cert-dir",
+            str(node_certs(tmp_path, "n5")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0 and "no relay to be reached through" in out.stderr + out.stdout
-    out = subprocess.run([sys.executable, "-m", "coterie.cli.main", "node", "start", "--no-listen",
-                          "--relay", "10.0.0.1:7000", "--relay", "nohost", "--state-dir", str(tmp_path / "s")],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coterie.cli.main",
+            "node",
+            "start",
+            "--no-listen",
+            "--relay",
+            "10.0.0.1:7000",
+            "--relay",
+            "nohost",
+            "--state-dir",
+            str(tmp_path / "s"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0 and "relay.via: expected host:port, got 'nohost'" in out.stderr + out.stdout
-    ok = load_config(None, {"no_listen": True, "relay": {"via": ["10.0.0.1:7000", "10.0.0.2:7000"]},
-                            "security": {"cert_dir": str(node_certs(tmp_path, "n5"))}})
+    ok = load_config(
+        None,
+        {
+            "no_listen": True,
+            "relay": {"via": ["10.0.0.1:7000", "10.0.0.2:7000"]},
+            "security": {"cert_dir": str(node_certs(tmp_path, "n5"))},
+        },
+    )
     assert ok.relays() == ["10.0.0.1:7000", "10.0.0.2:7000"]
 
 
 async def test_a_relay_offering_tunnels_without_end_gets_a_bounded_number(tmp_path, monkeypatch):
     """A hostile relay may offer tunnels as fast as it likes: the node opens at most MAX_TUNNELS."""
     from coterie.node.transport import relay_reservations as rr
+
     monkeypatch.setattr(rr, "MAX_TUNNELS", 3)
     opened = []
 
     async def hold(reader, writer):  # the node's own peer socket: connections stay open
         opened.append(writer)
         await reader.read()
+
     sock = str(tmp_path / "peer.sock")
     peer = await asyncio.start_unix_server(hold, sock)
     relay = RelayService(_tls(tmp_path, "r0"), RelayBudget(max_tunnels_per_peer=100, accept_timeout_s=30))
@@ -372,8 +465,11 @@ def test_peers_table_shows_reachability_when_a_peer_is_relayed():
     from rich.console import Console
 
     from coterie.cli.render import peers_table
-    rows = [{"node_id": "n1", "address": "127.0.0.1:5001", "state": "alive"},
-            {"node_id": "n7", "address": "relay://127.0.0.1:5001,127.0.0.1:5003/n7", "state": "alive"}]
+
+    rows = [
+        {"node_id": "n1", "address": "127.0.0.1:5001", "state": "alive"},
+        {"node_id": "n7", "address": "relay://127.0.0.1:5001,127.0.0.1:5003/n7", "state": "alive"},
+    ]
     console = Console(width=400, record=True)
     console.print(peers_table(rows))
     text = console.export_text()
@@ -387,12 +483,14 @@ async def test_malformed_relay_frames_are_refused_with_a_reason(tmp_path):
     relay = RelayService(_tls(tmp_path, "r0"))
     server, address = await _relay_server(tmp_path, "r0", relay)
     tls = _tls(tmp_path, "n1")
-    ch = grpc.aio.secure_channel(address, tls.channel_credentials(),
-                                 options=[("grpc.ssl_target_name_override", tls.target_name(None))])
+    ch = grpc.aio.secure_channel(
+        address, tls.channel_credentials(), options=[("grpc.ssl_target_name_override", tls.target_name(None))]
+    )
     try:
         for method in ("Connect", "Accept"):
-            call = ch.stream_stream(f"/coterie.v1.Relay/{method}", request_serializer=None,
-                                    response_deserializer=None)()
+            call = ch.stream_stream(
+                f"/coterie.v1.Relay/{method}", request_serializer=None, response_deserializer=None
+            )()
             await call.write(b"\xff\xff\xff\x07garbage")
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await call.read()
@@ -412,15 +510,18 @@ async def test_dial_back_reaches_only_the_caller_itself(tmp_path):
     """A peer dials the caller back at the caller's own IP; "reachable" only when the caller's
     certificate answers there: a closed port, or another node's server at that port, is not."""
     from coterie.node.transport import dial_back
+
     relay = RelayService(_tls(tmp_path, "r0"))
     server, address = await _relay_server(tmp_path, "r0", relay)
     other, other_address = await _relay_server(tmp_path, "r9", RelayService(_tls(tmp_path, "r9")))
     mine, my_address = await _relay_server(tmp_path, "n5", RelayService(_tls(tmp_path, "n5")))
     try:
         n5 = _tls(tmp_path, "n5")
-        for port, expect in ((int(my_address.rsplit(":", 1)[1]), "reachable: dialled 127.0.0.1:"),
-                             (int(other_address.rsplit(":", 1)[1]), "unreachable: dialled 127.0.0.1:"),
-                             (_free_port(), "unreachable: dialled 127.0.0.1:")):
+        for port, expect in (
+            (int(my_address.rsplit(":", 1)[1]), "reachable: dialled 127.0.0.1:"),
+            (int(other_address.rsplit(":", 1)[1]), "unreachable: dialled 127.0.0.1:"),
+            (_free_port(), "unreachable: dialled 127.0.0.1:"),
+        ):
             answer = (await dial_back.check(n5, [address], port))[address]
             assert answer.startswith(expect), (port, answer)
     finally:
@@ -430,6 +531,7 @@ async def test_dial_back_reaches_only_the_caller_itself(tmp_path):
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,6 +1,7 @@
 """The routing transport (what a Ray actor's nodes run on): two switchboards stand for two
 processes; every node serves real gRPC and is reached through memory from its own process and
 over gRPC from the other, and its route counters say which is which."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,11 +21,20 @@ pytestmark = pytest.mark.slow
 
 
 def _config(tmp, i, peers):
-    return validate_config({
-        "node_id": f"n{i}", "state_dir": str(tmp / f"n{i}"), "strategy": "local", "peers": peers,
-        "listen": "127.0.0.1:0", "heartbeat_interval_s": 0.2, "request_timeout_s": 10, "rounds": 0,
-        "learner": tiny_learner(2, i % 2),
-        "security": {"cert_dir": str(node_certs(tmp, f"n{i}"))}})  # gRPC between processes: mTLS
+    return validate_config(
+        {
+            "node_id": f"n{i}",
+            "state_dir": str(tmp / f"n{i}"),
+            "strategy": "local",
+            "peers": peers,
+            "listen": "127.0.0.1:0",
+            "heartbeat_interval_s": 0.2,
+            "request_timeout_s": 10,
+            "rounds": 0,
+            "learner": tiny_learner(2, i % 2),
+            "security": {"cert_dir": str(node_certs(tmp, f"n{i}"))},
+        }
+    )  # gRPC between processes: mTLS
 
 
 async def _wait(cond, what, timeout=30.0):
@@ -72,11 +82,14 @@ def test_memory_inside_a_process_grpc_between_and_counted(tmp_path):
 
             # heartbeats to every peer: each node soon calls its own process's peers through
             # memory and the other process's over gRPC
-            await _wait(lambda: all(t.stats.calls[MEMORY] > 0 and t.stats.calls[GRPC] > 0 for t in transports),
-                        "every node calls both ways")
+            await _wait(
+                lambda: all(t.stats.calls[MEMORY] > 0 and t.stats.calls[GRPC] > 0 for t in transports),
+                "every node calls both ways",
+            )
             for t in transports[2:]:
                 assert t.stats.as_dict()["bytes_received"][GRPC] > 0  # b0, b1 handshook a0 over gRPC
         finally:
             for n in nodes:
                 await n.stop()
+
     asyncio.run(go())

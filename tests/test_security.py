@@ -3,6 +3,7 @@ channels with certificates from the network's CA (or none, or another CA's), and
 
 Each test attacks one defence and asserts the attack fails; run against the code before mTLS
 (plaintext, claimed ids trusted) every one of them succeeds."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,11 @@ DENIED, UNAVAILABLE = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAVAIL
 
 
 class _NoTraffic:
-    def record(self, *a, **k): pass
-    def latency(self, *a, **k): pass
+    def record(self, *a, **k):
+        pass
+
+    def latency(self, *a, **k):
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +54,9 @@ def _peer(node: NodeProc, node_id: str) -> dict | None:
 
 
 def _info(node_id: str, fingerprint: str, address: str = "127.0.0.1:1") -> pb.NodeInfo:
-    return pb.NodeInfo(node_id=node_id, protocol_version=PROTOCOL_VERSION, arch_fingerprint=fingerprint,
-                       address=address)
+    return pb.NodeInfo(
+        node_id=node_id, protocol_version=PROTOCOL_VERSION, arch_fingerprint=fingerprint, address=address
+    )
 
 
 async def _code(call) -> tuple[grpc.StatusCode, str]:
@@ -65,6 +70,7 @@ async def _code(call) -> tuple[grpc.StatusCode, str]:
 async def _one_frame_call(method, header: pb.ComputeHeader):
     async def frames():
         yield pb.ComputeFrame(header=header)
+
     return await method(frames(), timeout=10)
 
 
@@ -83,8 +89,9 @@ def test_impostor_with_its_own_certificate_cannot_speak_for_another_node(net):
                 "heartbeat": stub.Heartbeat(pb.HeartbeatRequest(node_id="n0", round=10**6), timeout=10),
                 "peers": stub.ExchangePeers(pb.PeerList(node_id="n0"), timeout=10),
                 "snapshot": stub.GetSnapshot(pb.SnapshotRequest(requester="n0"), timeout=10).read(),
-                "cross-loss": _one_frame_call(stub.CrossLoss, pb.ComputeHeader(
-                    requester="n0", ref=pb.SnapshotRef(node_id="victim", version=1))),
+                "cross-loss": _one_frame_call(
+                    stub.CrossLoss, pb.ComputeHeader(requester="n0", ref=pb.SnapshotRef(node_id="victim", version=1))
+                ),
                 "push": _one_frame_call(stub.PushGradient, pb.ComputeHeader(requester="n0", target_version=1)),
                 "gossip": stub.GossipState(pb.GossipMessage(node_id="n0", key="omega"), timeout=10),
             }
@@ -106,6 +113,7 @@ def test_impostor_with_its_own_certificate_cannot_speak_for_another_node(net):
 
 class _Liar:
     """A server with mallory's (valid) certificate whose handshake reply says it is n0."""
+
     node_id = "n0"
 
     def __init__(self, fingerprint: str):
@@ -139,19 +147,24 @@ def test_a_server_claiming_another_nodes_id_is_not_believed(net):
 
     async def go():
         liar = _Liar(fp)
-        server, port = await serve(liar, _NoTraffic(), "127.0.0.1:0",
-                                   tls=TLS(load_credentials(node_certs(root, "mallory"))))
+        server, port = await serve(
+            liar, _NoTraffic(), "127.0.0.1:0", tls=TLS(load_credentials(node_certs(root, "mallory")))
+        )
         liar.address = f"127.0.0.1:{port}"
         try:
             async with peer_channel(root, "mallory", victim.address, expect="victim") as ch:
                 stub = rpc.PeerStub(ch)
                 await stub.Handshake(pb.HandshakeRequest(node=_info("mallory", fp, "127.0.0.1:2")), timeout=10)
-                await stub.ExchangePeers(pb.PeerList(node_id="mallory", peers=[
-                    pb.PeerEntry(node_id="ghost", address=liar.address)]), timeout=10)
+                await stub.ExchangePeers(
+                    pb.PeerList(node_id="mallory", peers=[pb.PeerEntry(node_id="ghost", address=liar.address)]),
+                    timeout=10,
+                )
 
             def refused():
-                return any("could not prove" in p["message"] and "'n0'" in p["message"]
-                           for p in victim.status()["problems"])
+                return any(
+                    "could not prove" in p["message"] and "'n0'" in p["message"] for p in victim.status()["problems"]
+                )
+
             await asyncio.to_thread(wait_for, refused, 30, "the victim to refuse the liar's claim")
         finally:
             await server.stop(0)
@@ -179,21 +192,23 @@ def test_strangers_without_a_valid_certificate_never_reach_the_node(net, tmp_pat
     channels = {
         "plaintext": lambda: grpc.aio.insecure_channel(victim.address),
         "tls, no client certificate": lambda: grpc.aio.secure_channel(
-            victim.address, grpc.ssl_channel_credentials(ca_pem), options=[target]),
+            victim.address, grpc.ssl_channel_credentials(ca_pem), options=[target]
+        ),
         "certificate from another CA": lambda: grpc.aio.secure_channel(
-            victim.address, grpc.ssl_channel_credentials(ca_pem, other.key_pem, other.cert_pem), options=[target]),
+            victim.address, grpc.ssl_channel_credentials(ca_pem, other.key_pem, other.cert_pem), options=[target]
+        ),
     }
 
     async def attempt(make) -> tuple[grpc.StatusCode, str]:
         async with make() as ch:
-            return await _code(rpc.PeerStub(ch).Handshake(
-                pb.HandshakeRequest(node=_info("stranger", fp)), timeout=5))
+            return await _code(rpc.PeerStub(ch).Handshake(pb.HandshakeRequest(node=_info("stranger", fp)), timeout=5))
 
     async def go():
         out = {name: await attempt(make) for name, make in channels.items()}
         async with peer_channel(root, "stranger", victim.address, expect="victim") as ch:
-            control = await _code(rpc.PeerStub(ch).Handshake(pb.HandshakeRequest(node=_info("stranger", fp)),
-                                                             timeout=10))
+            control = await _code(
+                rpc.PeerStub(ch).Handshake(pb.HandshakeRequest(node=_info("stranger", fp)), timeout=10)
+            )
         return out, control
 
     known_before = {p["node_id"] for p in victim.get("/peers")}
@@ -216,12 +231,22 @@ def test_sybils_need_a_certificate_each(net):
         codes = []
         async with grpc.aio.insecure_channel(victim.address) as ch:  # no certificate at all
             for s in sybils:
-                codes.append(("plain", s, *await _code(rpc.PeerStub(ch).Handshake(
-                    pb.HandshakeRequest(node=_info(s, fp)), timeout=5))))
+                codes.append(
+                    (
+                        "plain",
+                        s,
+                        *await _code(rpc.PeerStub(ch).Handshake(pb.HandshakeRequest(node=_info(s, fp)), timeout=5)),
+                    )
+                )
         async with peer_channel(root, "sybil-master", victim.address, expect="victim") as ch:
             for s in [*sybils, "sybil-master"]:
-                codes.append(("cert", s, *await _code(rpc.PeerStub(ch).Handshake(
-                    pb.HandshakeRequest(node=_info(s, fp)), timeout=10))))
+                codes.append(
+                    (
+                        "cert",
+                        s,
+                        *await _code(rpc.PeerStub(ch).Handshake(pb.HandshakeRequest(node=_info(s, fp)), timeout=10)),
+                    )
+                )
         return codes
 
     codes = asyncio.run(go())
@@ -234,16 +259,25 @@ def test_sybils_need_a_certificate_each(net):
 
 def test_allow_list_keeps_out_certified_nodes_not_on_it(net):
     root, victim, n0 = net
-    gated = NodeProc(root, "gated", {"strategy": "local", "learner": LEARNER, "peers": [n0.address],
-                                     "security": {"cert_dir": str(node_certs(root, "gated")),
-                                                  "allow_ids": ["n0"]}}).start()
+    gated = NodeProc(
+        root,
+        "gated",
+        {
+            "strategy": "local",
+            "learner": LEARNER,
+            "peers": [n0.address],
+            "security": {"cert_dir": str(node_certs(root, "gated")), "allow_ids": ["n0"]},
+        },
+    ).start()
     try:
         fp = gated.status()["fingerprint"]
 
         async def go():
             async with peer_channel(root, "mallory", gated.address, expect="gated") as ch:
-                return await _code(rpc.PeerStub(ch).Handshake(pb.HandshakeRequest(node=_info("mallory", fp)),
-                                                              timeout=10))
+                return await _code(
+                    rpc.PeerStub(ch).Handshake(pb.HandshakeRequest(node=_info("mallory", fp)), timeout=10)
+                )
+
         code, details = asyncio.run(go())
         assert code == DENIED and "allow-list" in details, (code, details)
         wait_for(lambda: (_peer(gated, "n0") or {}).get("state") == "alive", 30, "gated to admit n0")
@@ -257,13 +291,16 @@ def test_no_certificates_no_start_and_insecure_is_explicit_and_loud(tmp_path):
     can talk to it (the explicit insecure path)."""
     cfg = tmp_path / "n.toml"
     cfg.write_text(f'node_id = "bare"\nstate_dir = "{tmp_path / "bare"}"\n')
-    r = subprocess.run([sys.executable, "-m", "coterie.cli.main", "node", "start", "--config", str(cfg)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "coterie.cli.main", "node", "start", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0
     assert "security.cert_dir" in r.stderr and "security.insecure" in r.stderr, r.stderr
 
-    base = {"strategy": "local", "learner": LEARNER, "round_interval_s": 0.3,
-            "security": {"insecure": True}}
+    base = {"strategy": "local", "learner": LEARNER, "round_interval_s": 0.3, "security": {"insecure": True}}
     a = NodeProc(tmp_path, "plain-a", base).start()
     try:
         b = NodeProc(tmp_path, "plain-b", {**base, "peers": [a.address]}).start()

@@ -4,6 +4,7 @@ The attacker, mallory, holds a valid certificate and has handshaken: identity is
 question here, what it may cost the victim is. One test per attack (version-bomb push,
 magnitude-bomb push, compute flood, oversized upload, slow stream); each asserts the defence and
 would fail without it (named in each test)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,11 +37,13 @@ class Mallory(CertifiedPeer):
         return header.version, groups["params"]
 
     async def push(self, grad, version: int):
-        return await self.client.compute(self.target.address, ComputeRequest(
-            PUSH_GRADIENT, self.node_id, groups={"grad": grad}, target_version=version,
-            purpose="federico-push"),
-            peer=self.target.node_id)
-
+        return await self.client.compute(
+            self.target.address,
+            ComputeRequest(
+                PUSH_GRADIENT, self.node_id, groups={"grad": grad}, target_version=version, purpose="federico-push"
+            ),
+            peer=self.target.node_id,
+        )
 
 
 def _norm(params) -> float:
@@ -51,14 +54,26 @@ def _norm(params) -> float:
 def fed(tmp_path_factory):
     """A FedeRiCo victim and its honest FedeRiCo peer, pushing gradients to each other."""
     root = tmp_path_factory.mktemp("limits")
-    base = {"strategy": "federico", "round_interval_s": 0.3, "learner": tiny_learner(2, 0),
-            "strategy_params": {"local_steps": 2, "peer_term": "push"}}  # pushes under DP too: their defences are the subject
+    base = {
+        "strategy": "federico",
+        "round_interval_s": 0.3,
+        "learner": tiny_learner(2, 0),
+        "strategy_params": {"local_steps": 2, "peer_term": "push"},
+    }  # pushes under DP too: their defences are the subject
     n0 = NodeProc(root, "n0", base).start()
-    victim = NodeProc(root, "victim", {
-        **base, "learner": tiny_learner(2, 1), "peers": [n0.address],
-        "limits": {"max_push_lag": PUSH_LAG, "upload_idle_s": 2.0, "upload_timeout_s": 6.0}}).start()
-    wait_for(lambda: victim.status()["strategy_state"].get("pushed_applied", 0) > 0, 60,
-             "honest pushes to reach the victim")
+    victim = NodeProc(
+        root,
+        "victim",
+        {
+            **base,
+            "learner": tiny_learner(2, 1),
+            "peers": [n0.address],
+            "limits": {"max_push_lag": PUSH_LAG, "upload_idle_s": 2.0, "upload_timeout_s": 6.0},
+        },
+    ).start()
+    wait_for(
+        lambda: victim.status()["strategy_state"].get("pushed_applied", 0) > 0, 60, "honest pushes to reach the victim"
+    )
     yield root, victim, n0
     victim.stop()
     n0.stop()
@@ -92,8 +107,11 @@ def test_version_bomb_push_is_refused_and_honest_pushes_keep_landing(fed):
     assert out["ahead"].kind == "invalid" and "ahead of this node's published version" in out["ahead"].message
     assert out["behind"].kind == "invalid" and f"more than {PUSH_LAG} versions behind" in out["behind"].message
     assert ok.accepted
-    wait_for(lambda: victim.status()["strategy_state"]["pushed_applied"] >= applied_before + 3, 60,
-             "honest pushes to keep landing after the bomb")
+    wait_for(
+        lambda: victim.status()["strategy_state"]["pushed_applied"] >= applied_before + 3,
+        60,
+        "honest pushes to keep landing after the bomb",
+    )
 
 
 def test_magnitude_bomb_push_is_clipped_and_noted(fed):
@@ -141,10 +159,12 @@ def test_oversized_upload_is_refused_at_its_header_and_costs_no_memory(fed):
 
     async def upload(stub):
         async def frames():
-            yield pb.ComputeFrame(header=pb.ComputeHeader(requester="mallory", total_bytes=2 << 30,
-                                                          sha256="0" * 64, split="train"))
+            yield pb.ComputeFrame(
+                header=pb.ComputeHeader(requester="mallory", total_bytes=2 << 30, sha256="0" * 64, split="train")
+            )
             for _ in range(sent >> 20):
                 yield pb.ComputeFrame(data=chunk)
+
         try:
             await stub.CrossLoss(frames(), timeout=60)
         except grpc.aio.AioRpcError as e:
@@ -161,6 +181,7 @@ def test_oversized_upload_is_refused_at_its_header_and_costs_no_memory(fed):
             while not done.is_set():
                 peak.append(await asyncio.to_thread(rss_mb))
                 await asyncio.sleep(0.05)
+
         watcher = asyncio.create_task(watch())
         async with peer_channel(root, "mallory", victim.address, expect="victim") as ch:
             results = await asyncio.gather(*(upload(rpc.PeerStub(ch)) for _ in range(6)))
@@ -176,7 +197,9 @@ def test_oversized_upload_is_refused_at_its_header_and_costs_no_memory(fed):
         assert limit < 8 << 20, details  # the derived default, not 2 GiB
     # buffered, six uploads would add at least what was sent (192 MiB); drained, RSS moves by
     # gRPC's and the allocator's buffers only (~50-90 MB measured)
-    assert grown < 0.6 * 6 * sent / 2**20, f"victim RSS rose by {grown:.0f} MB during six refused uploads of {sent >> 20} MiB"
+    assert grown < 0.6 * 6 * sent / 2**20, (
+        f"victim RSS rose by {grown:.0f} MB during six refused uploads of {sent >> 20} MiB"
+    )
 
 
 def test_slow_streams_are_cut_off_by_the_server(fed):
@@ -189,11 +212,13 @@ def test_slow_streams_are_cut_off_by_the_server(fed):
 
     async def stalled(stub, gap_s: float):
         async def frames():
-            yield pb.ComputeFrame(header=pb.ComputeHeader(requester="mallory", total_bytes=16 << 10,
-                                                          sha256="0" * 64, split="train"))
+            yield pb.ComputeFrame(
+                header=pb.ComputeHeader(requester="mallory", total_bytes=16 << 10, sha256="0" * 64, split="train")
+            )
             while True:  # trickle 1 KB every gap_s (or stall, with a long gap), never finishing
                 await asyncio.sleep(gap_s)
                 yield pb.ComputeFrame(data=b"\x00" * 1024)
+
         t0 = time.monotonic()
         try:
             await stub.CrossLoss(frames(), timeout=60)
@@ -209,8 +234,12 @@ def test_slow_streams_are_cut_off_by_the_server(fed):
             stub = rpc.PeerStub(ch)
             stalls = [asyncio.create_task(stalled(stub, 1000)) for _ in range(3)]
             # the three hold mallory's slots once the victim counts them in flight (/status admission)
-            await asyncio.to_thread(wait_for, lambda: victim.status()["admission"]["mallory"]["in_flight"] == 3,
-                                    20, "mallory's three stalled uploads to be admitted")
+            await asyncio.to_thread(
+                wait_for,
+                lambda: victim.status()["admission"]["mallory"]["in_flight"] == 3,
+                20,
+                "mallory's three stalled uploads to be admitted",
+            )
             extra = await asyncio.gather(*(stalled(stub, 1000) for _ in range(5)))
             stalls = await asyncio.gather(*stalls)
             trickle = await stalled(stub, 1.0)
@@ -236,16 +265,26 @@ def test_a_reader_that_stops_reading_is_cut_off(tmp_path):
     cuts it after send_timeout_s (2 s here) with RESOURCE_EXHAUSTED. The model is 67 MB, more
     than the HTTP/2 windows hold, so the writes really block."""
     learner = {**tiny_learner(1, 0), "model_params": {"hidden": [4096, 4096]}, "local_steps": 1}
-    victim = NodeProc(tmp_path, "victim", {"strategy": "local", "learner": learner, "round_interval_s": 2.0,
-                                           "limits": {"send_timeout_s": 2.0, "min_stream_bytes_per_s": 1e9}}).start()
+    victim = NodeProc(
+        tmp_path,
+        "victim",
+        {
+            "strategy": "local",
+            "learner": learner,
+            "round_interval_s": 2.0,
+            "limits": {"send_timeout_s": 2.0, "min_stream_bytes_per_s": 1e9},
+        },
+    ).start()
     try:
+
         async def go():
             m = Mallory(tmp_path, victim)
             await m.join()
             await m.close()
             async with peer_channel(tmp_path, "mallory", victim.address, expect="victim") as ch:
                 call = ch.unary_stream("/coterie.v1.Peer/GetSnapshot")(
-                    pb.SnapshotRequest(requester="mallory").SerializeToString(), timeout=60)
+                    pb.SnapshotRequest(requester="mallory").SerializeToString(), timeout=60
+                )
                 await call.read()  # the header; then stop reading for a while
                 t0 = time.monotonic()
                 await asyncio.sleep(6)
@@ -276,12 +315,25 @@ def test_compute_flood_is_bounded_by_the_peer_budget(tmp_path):
     compute share (0.25 s per second) and RESOURCE_EXHAUSTED for the rest; the victim's own rounds
     stay near their usual time. Without the budget there are no refusals, the billed compute is
     several seconds per second, and the rounds slow down many times over."""
-    learner = {**tiny_learner(1, 0, samples=3000), "model": "cnn", "model_params": {"channels": [16, 32], "fc": 64},
-               "dataset_params": {"num_samples": 4000}, "local_steps": 10}
+    learner = {
+        **tiny_learner(1, 0, samples=3000),
+        "model": "cnn",
+        "model_params": {"channels": [16, 32], "fc": 64},
+        "dataset_params": {"num_samples": 4000},
+        "local_steps": 10,
+    }
     # it answers cross-gradients (exactly: the cost of the work is what is measured, not privacy)
-    victim = NodeProc(tmp_path, "victim", {"strategy": "local", "learner": learner, "round_interval_s": 0.0,
-                                           "limits": {"compute_share": SHARE},
-                                           "privacy": {"enabled": False, "serve_purposes": ["scool-gradient"]}}).start()
+    victim = NodeProc(
+        tmp_path,
+        "victim",
+        {
+            "strategy": "local",
+            "learner": learner,
+            "round_interval_s": 0.0,
+            "limits": {"compute_share": SHARE},
+            "privacy": {"enabled": False, "serve_purposes": ["scool-gradient"]},
+        },
+    ).start()
     try:
         wait_for(lambda: victim.status()["round"] >= 15, 120, "the victim's first rounds")
 
@@ -302,13 +354,21 @@ def test_compute_flood_is_bounded_by_the_peer_budget(tmp_path):
             async def loop():
                 while time.monotonic() < stop:
                     try:
-                        await m.client.compute(victim.address, ComputeRequest(
-                            CROSS_GRADIENT, "mallory", groups={"params": params}, max_samples=0,
-                            purpose="scool-gradient"),
-                            peer="victim")
+                        await m.client.compute(
+                            victim.address,
+                            ComputeRequest(
+                                CROSS_GRADIENT,
+                                "mallory",
+                                groups={"params": params},
+                                max_samples=0,
+                                purpose="scool-gradient",
+                            ),
+                            peer="victim",
+                        )
                         codes["ok"] = codes.get("ok", 0) + 1
                     except PeerCallError as e:
                         codes[e.kind] = codes.get(e.kind, 0) + 1
+
             r_start = victim.status()["round"]
             await asyncio.gather(*(loop() for _ in range(6)))
             r_end = victim.status()["round"]
@@ -324,7 +384,9 @@ def test_compute_flood_is_bounded_by_the_peer_budget(tmp_path):
     assert billed <= SHARE * FLOOD_S + 2.0 + 1.5, (billed, codes)  # share x time + burst + in-flight slack
     assert len(flood) >= 3, (r_start, r_end)
     ratio = statistics.median(flood) / baseline
-    print(f"compute flood: {codes}, billed {billed:.2f} s in {FLOOD_S:.0f} s, round median "
-          f"{baseline * 1000:.0f} ms -> {statistics.median(flood) * 1000:.0f} ms (x{ratio:.2f})")
+    print(
+        f"compute flood: {codes}, billed {billed:.2f} s in {FLOOD_S:.0f} s, round median "
+        f"{baseline * 1000:.0f} ms -> {statistics.median(flood) * 1000:.0f} ms (x{ratio:.2f})"
+    )
     # the slowdown itself is a speed figure (bench/security_bench.py measures it side by side): on a
     # shared CI box the victim's round time moves with everything else running there

@@ -1,5 +1,6 @@
 """The security pieces on their own (no daemons): certificates, the per-peer admission budget,
 the log filter, the tensor decoder on forged tables, the config's fail-closed rules."""
+
 from __future__ import annotations
 
 import logging
@@ -13,13 +14,20 @@ from typer.testing import CliRunner
 
 from coterie.cli.main import app
 from coterie.node.config import ConfigError, load_config
-from coterie.node.transport.tls import load_tls
 from coterie.node.logfilter import BoundedRepeats
 from coterie.node.peering.admission import Admission
 from coterie.node.peering.errors import EXHAUSTED, Refusal
 from coterie.node.security.ids import node_id_problem
-from coterie.node.security.pki import (GENERIC_NAME, PKIError, cert_node_id, init_ca, issue_cert,
-                                       load_credentials, node_dns_name)
+from coterie.node.security.pki import (
+    GENERIC_NAME,
+    PKIError,
+    cert_node_id,
+    init_ca,
+    issue_cert,
+    load_credentials,
+    node_dns_name,
+)
+from coterie.node.transport.tls import load_tls
 from coterie.node.wire.codec import MAGIC, WireError, decode, encode
 
 
@@ -31,8 +39,12 @@ def test_ca_and_node_certificate_round_trip(tmp_path):
     assert creds.node_id == "n-0.example:7" == cert_node_id(creds.cert_pem)
     assert (out / "node.key").stat().st_mode & 0o077 == 0  # the private key is the owner's only
     from cryptography import x509
-    san = x509.load_pem_x509_certificate(creds.cert_pem).extensions.get_extension_for_class(
-        x509.SubjectAlternativeName).value
+
+    san = (
+        x509.load_pem_x509_certificate(creds.cert_pem)
+        .extensions.get_extension_for_class(x509.SubjectAlternativeName)
+        .value
+    )
     assert set(san.get_values_for_type(x509.DNSName)) == {GENERIC_NAME, node_dns_name("n-0.example:7")}
 
 
@@ -82,8 +94,9 @@ def test_cli_ca_and_cert_commands(tmp_path):
     runner = CliRunner()
     r = runner.invoke(app, ["ca", "init", str(tmp_path / "ca")])
     assert r.exit_code == 0, r.output
-    r = runner.invoke(app, ["cert", "issue", "--ca", str(tmp_path / "ca"), "--node-id", "n7",
-                            "--out", str(tmp_path / "n7")])
+    r = runner.invoke(
+        app, ["cert", "issue", "--ca", str(tmp_path / "ca"), "--node-id", "n7", "--out", str(tmp_path / "n7")]
+    )
     assert r.exit_code == 0 and "--cert-dir" in r.output, r.output
     r = runner.invoke(app, ["cert", "show", str(tmp_path / "n7")])
     assert r.exit_code == 0 and "n7" in r.output
@@ -100,8 +113,7 @@ def test_config_fails_closed(tmp_path):
     init_ca(tmp_path / "ca")
     issue_cert(tmp_path / "ca", "n1", tmp_path / "n1")
     with pytest.raises(ConfigError, match="certificate is for node 'n1'"):
-        load_tls(load_config(overrides={"node_id": "n2", "security": {"cert_dir": str(tmp_path / "n1")}},
-                             environ={}))
+        load_tls(load_config(overrides={"node_id": "n2", "security": {"cert_dir": str(tmp_path / "n1")}}, environ={}))
     assert load_tls(load_config(overrides={"security": {"cert_dir": str(tmp_path / "n1")}}, environ={})).node_id == "n1"
     with pytest.raises(ConfigError, match="node_id"):
         load_config(overrides={"node_id": "x" * 200}, environ={})
@@ -199,6 +211,7 @@ def test_served_compute_is_billed_its_cpu_time_not_its_wall_time():
         await served._run("waiter", time.sleep, 0.5)  # waits half a second, computes nothing
         await served._run("worker", spin, 0.2)
         await asyncio.sleep(0)  # the bill is posted back to the loop
+
     try:
         asyncio.run(go())
     finally:
@@ -234,17 +247,20 @@ def _forged(groups: object, body: bytes = b"") -> bytes:
     return MAGIC + struct.pack("<I", len(raw)) + raw + body
 
 
-@pytest.mark.parametrize("entry, needle", [
-    (["w", "float32", [True, 2]], "not a list of sizes"),
-    (["w", "float32", [-1]], "not a list of sizes"),
-    (["w", "float32", [1] * 65], "dimensions"),
-    (["w", "float32", [2**32, 2**32, 2**32]], "needs"),  # overflows int64 in np.prod
-    (["w", "float32", [2**64 - 1]], "not a list of sizes"),
-    (["w", "complex64", [1]], "unknown dtype"),
-    (["w", "float32", [0, 2**62]], "not a list of sizes"),  # zero elements, but no such size
-    (["w", "float32", [0, 7]], "trailing"),  # zero elements is fine, and 4 bytes are left over
-    ("w", "malformed tensor entry"),
-])
+@pytest.mark.parametrize(
+    "entry, needle",
+    [
+        (["w", "float32", [True, 2]], "not a list of sizes"),
+        (["w", "float32", [-1]], "not a list of sizes"),
+        (["w", "float32", [1] * 65], "dimensions"),
+        (["w", "float32", [2**32, 2**32, 2**32]], "needs"),  # overflows int64 in np.prod
+        (["w", "float32", [2**64 - 1]], "not a list of sizes"),
+        (["w", "complex64", [1]], "unknown dtype"),
+        (["w", "float32", [0, 2**62]], "not a list of sizes"),  # zero elements, but no such size
+        (["w", "float32", [0, 7]], "trailing"),  # zero elements is fine, and 4 bytes are left over
+        ("w", "malformed tensor entry"),
+    ],
+)
 def test_decoder_refuses_forged_tables(entry, needle):
     with pytest.raises(WireError, match=needle):
         decode(_forged({"params": [entry]}, b"\x00" * 4))

@@ -5,6 +5,7 @@ snapshot it publishes on one long-lived stream instead of answering a call a rou
 a round not pushed yet is waited for, a bad pushed snapshot ends the subscription and pulls take
 over), then real daemons over mTLS: the stream itself, its bounds attacked by an authenticated
 peer, and a D-PSGD pair whose rounds run on it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +44,9 @@ class WatchingTransport:
     def snapshot(self, rnd: int, value: float = 1.0):
         return SnapshotHeader("p", rnd, rnd, ""), {"params": {"w": torch.full((self.size,), value)}}
 
-    async def get_snapshot(self, address, requester, have_version=0, *, min_round=0, wait_s=0.0, timeout=None,
-                           peer=None):
+    async def get_snapshot(
+        self, address, requester, have_version=0, *, min_round=0, wait_s=0.0, timeout=None, peer=None
+    ):
         self.pulls += 1
         return self.snapshot(self.round)
 
@@ -60,8 +62,19 @@ class WatchingTransport:
 def _net(t, spec=SPEC, problems=None):
     table = PeerTable("me", 1.0, 2.0)
     table.upsert("p", "a")
-    return NodeNetwork("me", t, table, SnapshotCache(), PushInbox(), lambda: None, spec, problems or ProblemLog(),
-                       None, labels={}, request_timeout_s=5.0)
+    return NodeNetwork(
+        "me",
+        t,
+        table,
+        SnapshotCache(),
+        PushInbox(),
+        lambda: None,
+        spec,
+        problems or ProblemLog(),
+        None,
+        labels={},
+        request_timeout_s=5.0,
+    )
 
 
 def test_a_peer_pulled_round_after_round_is_subscribed_to_and_pulls_become_cache_reads():
@@ -91,12 +104,14 @@ def test_a_peer_pulled_round_after_round_is_subscribed_to_and_pulls_become_cache
         # a pushed snapshot that fails validation (NaN) ends the subscription; pulls take over
         t.pushed.put_nowait(t.snapshot(5, float("nan")))
         await asyncio.wait_for(_until(lambda: "p" not in net.subscriptions._watches), 2)
-        assert any(p["peer"] == "p" and p["rejected"] and "snapshot watch" in p["message"]
-                   for p in problems.recent()), problems.recent()
+        assert any(
+            p["peer"] == "p" and p["rejected"] and "snapshot watch" in p["message"] for p in problems.recent()
+        ), problems.recent()
         t.round = 5
         assert (await net.pull("p", min_round=5, wait_s=1.0)).round == 5 and t.pulls == 3
         assert net.cached("p").round == 5 and torch.isfinite(net.cached("p").params["w"]).all()
         await net.close()
+
     asyncio.run(go())
 
 
@@ -104,6 +119,7 @@ def test_sampled_pulls_are_not_subscribed_to():
     """A subscription pushes at the publisher's pace: to a strategy that samples its peers
     (FedFomo, FedeRiCo) that is more snapshots than it uses (in the testbed it saturated the
     slow-link node's 1 Mbit/s and buried its weight), so only round-aligned pulls subscribe."""
+
     async def go():
         t = WatchingTransport()
         net = _net(t)
@@ -112,23 +128,37 @@ def test_sampled_pulls_are_not_subscribed_to():
             assert (await net.pull("p")).round == rnd
         assert t.pulls == 3 and not net.subscriptions._watches  # (one is registered the moment it is decided)
         await net.close()
+
     asyncio.run(go())
 
 
 def test_a_large_model_is_pulled_not_subscribed_to():
     """A subscription pushes every snapshot; for a 2 MB model that is more bytes than pulling
     where a strategy samples its peers, and a call's CPU is small beside the transfer."""
+
     async def go():
         table = PeerTable("me", 1.0, 2.0)
         table.upsert("p", "a")
         t = WatchingTransport(size=1 << 19)
-        net = NodeNetwork("me", t, table, SnapshotCache(), PushInbox(), lambda: None, {"w": ((1 << 19,), "float32")},
-                          ProblemLog(), None, labels={}, request_timeout_s=5.0)
+        net = NodeNetwork(
+            "me",
+            t,
+            table,
+            SnapshotCache(),
+            PushInbox(),
+            lambda: None,
+            {"w": ((1 << 19,), "float32")},
+            ProblemLog(),
+            None,
+            labels={},
+            request_timeout_s=5.0,
+        )
         for rnd in (1, 1, 2, 3):
             t.round = rnd
             assert (await net.pull("p", min_round=rnd)).round == rnd
         assert t.pulls == 3 and not net.subscriptions._watches  # (the second round-1 pull was a cache hit)
         await net.close()
+
     asyncio.run(go())
 
 
@@ -147,6 +177,7 @@ def test_a_broken_subscription_wakes_its_waiting_pull():
         snap = await asyncio.wait_for(waiting, 2)  # not the whole 5 s: the pull takes over at once
         assert snap.round == 3 and t.pulls == 3
         await net.close()
+
     asyncio.run(go())
 
 
@@ -156,14 +187,18 @@ async def _until(cond, interval: float = 0.01):
 
 
 class _NoTraffic:
-    def record(self, *a, **k): pass
-    def latency(self, *a, **k): pass
+    def record(self, *a, **k):
+        pass
+
+    def latency(self, *a, **k):
+        pass
 
 
 def test_a_subscription_to_a_peer_with_nothing_new_ends_instead_of_spinning():
     """A handler that answers at once with the snapshot the reader already has (one that ignores
     the round asked for) used to send the server round a hot loop; the subscription now ends
     cleanly after the one snapshot, and the reader pulls."""
+
     class Still:
         snap = LocalSnapshot("still", 1, 1, {"params": {"w": torch.ones(4)}})
 
@@ -178,15 +213,25 @@ def test_a_subscription_to_a_peer_with_nothing_new_ends_instead_of_spinning():
 
     async def go():
         server, port = await serve(Still(), _NoTraffic(), "127.0.0.1:0", tls=None)  # plaintext: a unit test
-        client = PeerClient("me", _NoTraffic(), chunk_bytes=1 << 20, max_model_bytes=1 << 20,
-                            max_gossip_bytes=1 << 20, timeout_s=5, tls=None)
+        client = PeerClient(
+            "me",
+            _NoTraffic(),
+            chunk_bytes=1 << 20,
+            max_model_bytes=1 << 20,
+            max_gossip_bytes=1 << 20,
+            timeout_s=5,
+            tls=None,
+        )
         try:
-            got = [(h.version, float(g["params"]["w"].sum()))
-                   async for h, g in client.watch_snapshots(f"127.0.0.1:{port}", "me")]
+            got = [
+                (h.version, float(g["params"]["w"].sum()))
+                async for h, g in client.watch_snapshots(f"127.0.0.1:{port}", "me")
+            ]
         finally:
             await client.close()
             await server.stop(0)
         return got
+
     assert asyncio.run(go()) == [(1, 4.0)]
 
 
@@ -194,8 +239,11 @@ def test_a_subscription_to_a_peer_with_nothing_new_ends_instead_of_spinning():
 @pytest.fixture(scope="module")
 def victim(tmp_path_factory):
     root = tmp_path_factory.mktemp("watch")
-    node = NodeProc(root, "victim", {"strategy": "local", "round_interval_s": 0.2, "learner": tiny_learner(1, 0),
-                                     "limits": {"max_watches": 2}}).start()
+    node = NodeProc(
+        root,
+        "victim",
+        {"strategy": "local", "round_interval_s": 0.2, "learner": tiny_learner(1, 0), "limits": {"max_watches": 2}},
+    ).start()
     yield root, node
     node.stop()
 
@@ -263,6 +311,7 @@ def test_subscriptions_are_bounded_per_peer_and_in_all(victim):
             await g.aclose()
         for m in (a, b, c, stranger):
             await m.close()
+
     asyncio.run(go())
     assert node.status()["round"] > 0  # and the node kept running
 

@@ -2,6 +2,7 @@
 with older rounds summarised, rotations that survive kill -9 at each crash point, a privacy ledger
 whose size does not grow with releases and whose ε is exact, and `coterie history` showing both
 the recent rounds and the summary."""
+
 from __future__ import annotations
 
 import asyncio
@@ -46,8 +47,16 @@ row = _rows["row"]
 
 
 def snap(r: int, rec: dict | None = None):
-    return make_snapshot(round=r, version=r, node_id="b", learner_state=({"w": torch.full((4,), float(r))}, {}),
-                         strategy_state={"r": r}, peers=[], meta={}, record=rec or row(r))
+    return make_snapshot(
+        round=r,
+        version=r,
+        node_id="b",
+        learner_state=({"w": torch.full((4,), float(r))}, {}),
+        strategy_state={"r": r},
+        peers=[],
+        meta={},
+        record=rec or row(r),
+    )
 
 
 def covered_rounds(store_dir: Path, ckpt) -> list[int]:
@@ -82,10 +91,16 @@ def test_100k_rounds_of_a_fast_node_stay_under_the_cap(tmp_path, monkeypatch):
         assert size <= cap, f"history.jsonl {size} bytes > cap {cap} at round {first + batch - 1}"
         if store._segment != seg:
             rotations, seg = rotations + 1, store._segment
-            assert sorted(p.name for p in tmp_path.iterdir()) == \
-                ["LOCK", f"ckpt-{first + batch - 1:06d}.safetensors", "history.jsonl", "identity.json"] or \
-                sorted(p.name for p in tmp_path.iterdir()) == \
-                [f"ckpt-{first + batch - 1:06d}.safetensors", "history.jsonl", "identity.json"]
+            assert sorted(p.name for p in tmp_path.iterdir()) == [
+                "LOCK",
+                f"ckpt-{first + batch - 1:06d}.safetensors",
+                "history.jsonl",
+                "identity.json",
+            ] or sorted(p.name for p in tmp_path.iterdir()) == [
+                f"ckpt-{first + batch - 1:06d}.safetensors",
+                "history.jsonl",
+                "identity.json",
+            ]
     written = sum(len(json.dumps(row(r), sort_keys=True)) + 1 for r in range(1, n + 1))
     assert written > 3 * cap and rotations >= 3  # unbounded, the file would be 70 MB
     assert cap // 2 <= biggest <= cap
@@ -100,9 +115,11 @@ def test_100k_rounds_of_a_fast_node_stay_under_the_cap(tmp_path, monkeypatch):
     view = history_summary(ckpt.summary)
     mean = sum(v["eval.test_acc"]["mean"] * v["count"] for v in view) / len(folded)
     assert mean == pytest.approx(sum((r % 100) / 100 for r in folded) / len(folded), rel=1e-9)
-    print(f"\n100k rounds: {written / 1e6:.1f} MB of history written, file at most {biggest / 1e6:.2f} MB "
-          f"(cap {cap / 1e6:.2f} MB), {rotations} rotations, {len(ckpt.summary)} summary blocks, "
-          f"checkpoint {ckpt_bytes} bytes")
+    print(
+        f"\n100k rounds: {written / 1e6:.1f} MB of history written, file at most {biggest / 1e6:.2f} MB "
+        f"(cap {cap / 1e6:.2f} MB), {rotations} rotations, {len(ckpt.summary)} summary blocks, "
+        f"checkpoint {ckpt_bytes} bytes"
+    )
 
 
 def test_summary_blocks_merge_down_and_stay_ordered():
@@ -168,8 +185,9 @@ WRITER = ROW + textwrap.dedent("""
 
 
 def _run(script: Path, state: Path, crash: str, stop: int) -> tuple[int, int]:
-    p = subprocess.run([sys.executable, str(script), str(state), crash, str(stop)], capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, str(script), str(state), crash, str(stop)], capture_output=True, text=True, timeout=120
+    )
     last = int(p.stdout.split()[-1]) if p.stdout.split() else 0
     return p.returncode, last
 
@@ -208,8 +226,11 @@ def test_a_rotation_whose_rename_failed_is_finished_by_the_next_commit(tmp_path,
     store = StateStore(tmp_path, history_max_bytes=64 << 10)
     store.open("b")
     real, r = os.replace, 0
-    monkeypatch.setattr(os, "replace", lambda s, d: (_ for _ in ()).throw(OSError(5, "I/O error"))
-                        if str(d).endswith("history.jsonl") else real(s, d))
+    monkeypatch.setattr(
+        os,
+        "replace",
+        lambda s, d: (_ for _ in ()).throw(OSError(5, "I/O error")) if str(d).endswith("history.jsonl") else real(s, d),
+    )
     with pytest.raises(OSError):
         while True:
             r += 1
@@ -231,6 +252,7 @@ def test_ledger_size_is_constant_and_its_epsilon_exact_over_many_releases(tmp_pa
     charge is charged and accounted for for real; the file is written on every 100th: its
     content is a function of the accounts alone, and a write costs ~2 ms on this disk.)"""
     import coterie.node.privacy.ledger as L
+
     monkeypatch.setattr(os, "fsync", lambda fd: None)
     ledger = PrivacyLedger(tmp_path, delta=1e-5)
     peers, sigma, q, sizes, calls = ["n1", "n2", "n3"], 1.1, 0.01, [], [0]
@@ -241,6 +263,7 @@ def test_ledger_size_is_constant_and_its_epsilon_exact_over_many_releases(tmp_pa
         if calls[0] % 100 == 0:
             real_save(self)
             sizes.append(self.path.stat().st_size)
+
     monkeypatch.setattr(L.PrivacyLedger, "_save", sampled_save)
     n = 100_000
     for i in range(n):
@@ -249,9 +272,11 @@ def test_ledger_size_is_constant_and_its_epsilon_exact_over_many_releases(tmp_pa
     assert len(sizes) == n // 100 and sizes[-1] - sizes[0] <= 12 * 3 and sizes[-1] < 1024, sizes[::20]
     from opacus.accountants import RDPAccountant
     from opacus.accountants.analysis import rdp as rdp_analysis
+
     orders = list(RDPAccountant.DEFAULT_ALPHAS)
-    direct = rdp_analysis.get_privacy_spent(orders=orders, delta=1e-5, rdp=rdp_analysis.compute_rdp(
-        q=q, noise_multiplier=sigma, steps=n, orders=orders))[0]
+    direct = rdp_analysis.get_privacy_spent(
+        orders=orders, delta=1e-5, rdp=rdp_analysis.compute_rdp(q=q, noise_multiplier=sigma, steps=n, orders=orders)
+    )[0]
     assert ledger.epsilon() == pytest.approx(float(direct), rel=1e-9)
     again = PrivacyLedger(tmp_path, delta=1e-5)
     assert again.epsilon() == ledger.epsilon() and again.total.releases == n
@@ -274,8 +299,9 @@ def rotated_node(tmp_path):
     loop = asyncio.new_event_loop()
     t = threading.Thread(target=loop.run_forever, daemon=True)
     t.start()
-    runner_, port = asyncio.run_coroutine_threadsafe(start_admin(node, "127.0.0.1", 0, token=None),
-                                                     loop).result(timeout=10)
+    runner_, port = asyncio.run_coroutine_threadsafe(start_admin(node, "127.0.0.1", 0, token=None), loop).result(
+        timeout=10
+    )
     yield f"http://127.0.0.1:{port}", store
     asyncio.run_coroutine_threadsafe(runner_.cleanup(), loop).result(timeout=10)
     loop.call_soon_threadsafe(loop.stop)
@@ -298,18 +324,36 @@ def test_coterie_history_shows_recent_rounds_and_the_summary(rotated_node, monke
 
 def _solo(state_dir: Path, rounds: int):
     from coterie.node.config import validate_config
-    return validate_config({"node_id": "solo", "security": {"insecure": True}, "state_dir": str(state_dir),
-                            "strategy": "local", "rounds": rounds, "min_peers": 0, "round_interval_s": 0.0,
-                            "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
-                            "history": {"max_bytes": 64 << 10},
-                            "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 600},
-                                        "partition": "iid", "num_nodes": 1, "model": "linear", "local_steps": 1}})
+
+    return validate_config(
+        {
+            "node_id": "solo",
+            "security": {"insecure": True},
+            "state_dir": str(state_dir),
+            "strategy": "local",
+            "rounds": rounds,
+            "min_peers": 0,
+            "round_interval_s": 0.0,
+            "listen": "127.0.0.1:0",
+            "admin_listen": "127.0.0.1:0",
+            "history": {"max_bytes": 64 << 10},
+            "learner": {
+                "dataset": "mnist1d",
+                "dataset_params": {"num_samples": 600},
+                "partition": "iid",
+                "num_nodes": 1,
+                "model": "linear",
+                "local_steps": 1,
+            },
+        }
+    )
 
 
 async def _until(cond, timeout: float):
     async def wait():
         while not cond():
             await asyncio.sleep(0.02)
+
     await asyncio.wait_for(wait(), timeout)
 
 
@@ -318,6 +362,7 @@ async def test_a_real_node_rotates_resumes_and_coterie_history_shows_both(tmp_pa
     against its real admin API shows the recent rounds and the summary; a restart resumes and every
     round stays accounted for."""
     from coterie.node.daemon import Node
+
     monkeypatch.delenv("COTERIE_ADMIN_TOKEN", raising=False)
     state = tmp_path / "solo"
     node = Node(_solo(state, 260))

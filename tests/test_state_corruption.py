@@ -1,6 +1,7 @@
 """Every state file damaged every way: a node either refuses to start with an error naming the
 file, or resumes exactly the checkpointed state — never a silent change. A refused start leaves
 the directory as it was."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,13 +23,30 @@ FLIPS = [0, 1, 8, 9, 20, 0.25, 0.5, 0.75, -2, -1]
 
 
 def _cfg(state_dir: Path, **extra):
-    return validate_config({
-        "node_id": extra.pop("node_id", "solo"), "state_dir": str(state_dir), "strategy": "fedfomo",
-        "rounds": 2, "min_peers": 0, "security": {"insecure": True},  # one node: no peer port in play
-         "round_interval_s": 0.0, "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", **extra,
-        "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 600}, "partition": "iid",
-                    "num_nodes": 1, "model": "mlp", "model_params": {"hidden": [8]}, "optimizer": "adam",
-                    "local_steps": 2}})
+    return validate_config(
+        {
+            "node_id": extra.pop("node_id", "solo"),
+            "state_dir": str(state_dir),
+            "strategy": "fedfomo",
+            "rounds": 2,
+            "min_peers": 0,
+            "security": {"insecure": True},  # one node: no peer port in play
+            "round_interval_s": 0.0,
+            "listen": "127.0.0.1:0",
+            "admin_listen": "127.0.0.1:0",
+            **extra,
+            "learner": {
+                "dataset": "mnist1d",
+                "dataset_params": {"num_samples": 600},
+                "partition": "iid",
+                "num_nodes": 1,
+                "model": "mlp",
+                "model_params": {"hidden": [8]},
+                "optimizer": "adam",
+                "local_steps": 2,
+            },
+        }
+    )
 
 
 def _resume(state_dir: Path, **extra):
@@ -38,9 +56,16 @@ def _resume(state_dir: Path, **extra):
         node._restore()
         tensors, meta = node.learner.export_state()
         strat = node.strategy.state_dict()
-        return {"node_id": node.node_id, "round": node.round, "version": node.version,
-                "learner": tensors, "learner_meta": meta, "strategy": strat,
-                "history": list(node.history), "peers": node.peers.to_json()}
+        return {
+            "node_id": node.node_id,
+            "round": node.round,
+            "version": node.version,
+            "learner": tensors,
+            "learner_meta": meta,
+            "strategy": strat,
+            "history": list(node.history),
+            "peers": node.peers.to_json(),
+        }
     finally:
         node.store.unlock()
 
@@ -56,8 +81,11 @@ def _same(a, b) -> bool:
 
 
 def _snapshot_files(d: Path) -> dict[str, bytes | None]:
-    return {p.name: (p.read_bytes() if p.is_file() else None) for p in d.iterdir()
-            if p.name not in ("LOCK", "node.json", "admin.token")}
+    return {
+        p.name: (p.read_bytes() if p.is_file() else None)
+        for p in d.iterdir()
+        if p.name not in ("LOCK", "node.json", "admin.token")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +103,9 @@ def pristine(tmp_path_factory):
 
     asyncio.run(run())
     state = root / "state"
-    assert sorted(p.name for p in state.iterdir() if p.name not in ("LOCK", "node.json", "admin.token")) == sorted(FILES)
+    assert sorted(p.name for p in state.iterdir() if p.name not in ("LOCK", "node.json", "admin.token")) == sorted(
+        FILES
+    )
     return state, _resume(state)
 
 
@@ -85,13 +115,15 @@ def _damages(size: int):
     yield "truncate-half", lambda b: b[: len(b) // 2]
     yield "truncate-1", lambda b: b[:-1]
     yield "zero", lambda b: bytes(len(b))
-    yield "bad-utf8", lambda b: b[: len(b) // 2] + b"\xff\xfe" + b[len(b) // 2:]
+    yield "bad-utf8", lambda b: b[: len(b) // 2] + b"\xff\xfe" + b[len(b) // 2 :]
     yield "append", lambda b: b + b"\x00garbage\n"
     for mask in (0x01, 0xFF):
         for at in FLIPS:
+
             def flip(b, at=at, mask=mask):
                 i = int(at * len(b)) if isinstance(at, float) else at % len(b)
-                return b[:i] + bytes([b[i] ^ mask]) + b[i + 1:]
+                return b[:i] + bytes([b[i] ^ mask]) + b[i + 1 :]
+
             yield f"flip{mask:02x}@{at}", flip
     yield "directory", "dir"
 
@@ -124,8 +156,7 @@ def test_every_damage_is_refused_naming_the_file_or_resumed_exactly(pristine, tm
         assert _same(got, reference), f"{fname} {damage}: resumed, but not the checkpointed state"
         outcomes[damage] = "exact"
     # the only damages that can resume are the ones a checkpoint makes good again
-    resumable = {"identity.json": {"delete"}, "history.jsonl": {"append"},
-                 "ckpt-000002.safetensors": set()}[fname]
+    resumable = {"identity.json": {"delete"}, "history.jsonl": {"append"}, "ckpt-000002.safetensors": set()}[fname]
     assert {d for d, o in outcomes.items() if o == "exact"} <= resumable, outcomes
 
 
@@ -168,15 +199,35 @@ def test_cli_refuses_then_reset_starts_fresh_and_moves_the_old_state_aside(prist
     d = tmp_path / "state"
     d.mkdir()
     shutil.copy(state / "history.jsonl", d / "history.jsonl")
-    cmd = [sys.executable, "-m", "coterie.cli.main", "node", "start", "--state-dir", str(d), "--rounds", "0",
-           "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--insecure", "--set", "learner.dataset=digits", "--set", "learner.partition=iid"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "coterie.cli.main",
+        "node",
+        "start",
+        "--state-dir",
+        str(d),
+        "--rounds",
+        "0",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--insecure",
+        "--set",
+        "learner.dataset=digits",
+        "--set",
+        "learner.partition=iid",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "history.jsonl" in r.stderr and "--reset" in r.stderr
     p = subprocess.Popen(cmd + ["--reset"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+
         def started():
             assert p.poll() is None, "the reset node exited"
             return list(d.glob("ckpt-000000.safetensors")) and (d / "node.json").exists()
+
         wait_for(started, 120, "the reset node to write its round-0 checkpoint")
     finally:
         p.terminate()

@@ -5,6 +5,7 @@ disk takes writes again; SIGTERM while it is failing exits non-zero. One owner p
 Disk full and read-only use a small tmpfs mounted over the state dir (needs CAP_SYS_ADMIN, as
 root in CI); without it, disk full falls back to RLIMIT_FSIZE on the running process and
 read-only to chmod (non-root only)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -30,8 +31,7 @@ pytestmark = pytest.mark.slow
 def _try_mount(path: Path, size: str = "4m") -> bool:
     if os.geteuid() != 0:
         return False
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
     return r.returncode == 0
 
 
@@ -45,8 +45,7 @@ def disk(tmp_path):
     state = tmp_path / "n1" / "state"
     state.mkdir(parents=True)
     mounted = _try_mount(state)
-    node = NodeProc(tmp_path, "n1", {"strategy": "local", "round_interval_s": 0.1,
-                                     "learner": tiny_learner(1, 0)})
+    node = NodeProc(tmp_path, "n1", {"strategy": "local", "round_interval_s": 0.1, "learner": tiny_learner(1, 0)})
     try:
         yield node, mounted
     finally:
@@ -70,26 +69,33 @@ def _grpc_health(node: NodeProc) -> int:
     """The standard health check, over mTLS as any peer (or a k8s probe with a certificate) asks."""
     from coterie.node.security.pki import load_credentials
     from coterie.node.transport.tls import TLS
+
     tls = TLS(load_credentials(node_certs(node.dir.parent, "prober")))
-    with grpc.secure_channel(node.address, tls.channel_credentials(),
-                             options=[("grpc.ssl_target_name_override", tls.target_name(None))]) as ch:
+    with grpc.secure_channel(
+        node.address, tls.channel_credentials(), options=[("grpc.ssl_target_name_override", tls.target_name(None))]
+    ) as ch:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
 
 
 def _cli_status(node: NodeProc) -> str:
-    return subprocess.run([sys.executable, "-m", "coterie.cli.main", "status", "--admin", node.admin,
-                           "--state-dir", str(node.state_dir)],
-                          capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "COLUMNS": "400"}).stdout
+    return subprocess.run(
+        [sys.executable, "-m", "coterie.cli.main", "status", "--admin", node.admin, "--state-dir", str(node.state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "400"},
+    ).stdout
 
 
 def _assert_failing(node: NodeProc, cause: str) -> int:
     """The failure shows everywhere an operator looks; returns the checkpointed round."""
-    wait_for(lambda: cause in node.log_tail(400) and "checkpoint failed" in node.log_tail(400), 60,
-             f"a log line naming the checkpoint failure ({cause})")
+    wait_for(
+        lambda: cause in node.log_tail(400) and "checkpoint failed" in node.log_tail(400),
+        60,
+        f"a log line naming the checkpoint failure ({cause})",
+    )
     wait_for(lambda: _healthz(node) == 503, 30, "/healthz to answer 503")
-    wait_for(lambda: _grpc_health(node) == health_pb2.HealthCheckResponse.NOT_SERVING, 30,
-             "gRPC health NOT_SERVING")
+    wait_for(lambda: _grpc_health(node) == health_pb2.HealthCheckResponse.NOT_SERVING, 30, "gRPC health NOT_SERVING")
     st = node.status()
     assert st["health"] == "failing" and st["failures"][0]["component"] == "checkpoint"
     assert cause in st["failures"][0]["error"]
@@ -177,12 +183,26 @@ def test_read_only_disk_is_reported_recovers_and_sigterm_while_failing_exits_non
 
 
 def test_a_second_process_on_the_same_state_dir_exits_naming_the_holder(tmp_path):
-    first = NodeProc(tmp_path, "one", {"strategy": "local", "round_interval_s": 0.1,
-                                       "learner": tiny_learner(1, 0)}).start()
+    first = NodeProc(
+        tmp_path, "one", {"strategy": "local", "round_interval_s": 0.1, "learner": tiny_learner(1, 0)}
+    ).start()
     try:
-        r = subprocess.run([sys.executable, "-m", "coterie.cli.main", "node", "start", "--config",
-                            str(first.config_path), "--strategy", "dpsgd"],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "coterie.cli.main",
+                "node",
+                "start",
+                "--config",
+                str(first.config_path),
+                "--strategy",
+                "dpsgd",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode != 0
         assert f"in use by another coterie node (pid {first.proc.pid}" in r.stderr
         # the owner is untouched: still healthy, still checkpointing rounds, the lock still its own
@@ -202,12 +222,29 @@ async def test_a_round_that_raises_is_reported_retried_and_recovers(tmp_path):
     from coterie.node.config import validate_config
     from coterie.node.daemon import Node
 
-    node = Node(validate_config({
-        "node_id": "solo", "state_dir": str(tmp_path / "solo"), "strategy": "local", "rounds": 3,
-        "security": {"insecure": True},  # one node: the state dir is under test, not the peer port
-        "min_peers": 0, "round_interval_s": 0.0, "listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0",
-        "learner": {"dataset": "mnist1d", "dataset_params": {"num_samples": 600}, "partition": "iid",
-                    "num_nodes": 1, "model": "linear", "local_steps": 2}}))
+    node = Node(
+        validate_config(
+            {
+                "node_id": "solo",
+                "state_dir": str(tmp_path / "solo"),
+                "strategy": "local",
+                "rounds": 3,
+                "security": {"insecure": True},  # one node: the state dir is under test, not the peer port
+                "min_peers": 0,
+                "round_interval_s": 0.0,
+                "listen": "127.0.0.1:0",
+                "admin_listen": "127.0.0.1:0",
+                "learner": {
+                    "dataset": "mnist1d",
+                    "dataset_params": {"num_samples": 600},
+                    "partition": "iid",
+                    "num_nodes": 1,
+                    "model": "linear",
+                    "local_steps": 2,
+                },
+            }
+        )
+    )
     broken = {"on": True}
     real = node.strategy.run_round
 
@@ -219,6 +256,7 @@ async def test_a_round_that_raises_is_reported_retried_and_recovers(tmp_path):
     node.strategy.run_round = run_round
     await node.start()
     try:
+
         async def until(cond, what):
             deadline = asyncio.get_running_loop().time() + 60
             while not cond():

@@ -1,5 +1,6 @@
 """COBO (cobo.txt eq. 1–4, Alg. 1): the penalised model step, the projected symmetric pair update
 at the midpoint; in-process network."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,11 @@ torch.set_num_threads(1)
 def test_model_step_by_hand():
     x = {"w": torch.tensor([1.0, 2.0])}
     g = {"w": torch.tensor([0.5, -0.5])}
-    nb = [(1.0, {"w": torch.tensor([0.0, 0.0])}), (0.5, {"w": torch.tensor([3.0, 2.0])}),
-          (0.0, {"w": torch.tensor([100.0, 100.0])})]
+    nb = [
+        (1.0, {"w": torch.tensor([0.0, 0.0])}),
+        (0.5, {"w": torch.tensor([3.0, 2.0])}),
+        (0.0, {"w": torch.tensor([100.0, 100.0])}),
+    ]
     # g + ρ Σ w (x − x_k) = [.5,−.5] + 0.1·(1·[1,2] + .5·[−2,0]) = [0.5, −0.3]
     assert torch.allclose(cobo_direction(g, x, nb, 0.1)["w"], torch.tensor([0.5, -0.3]))
     assert torch.allclose(cobo_model_step(x, g, nb, 0.2, 0.1)["w"], torch.tensor([0.9, 2.06]))
@@ -39,8 +43,10 @@ def test_symmetric_pair_update_at_midpoint_matches_reference():
     # started by the smaller id only (crossing updates would be applied in opposite orders)
     assert hub.calls["cross_gradient"] == 1
     a, b = hub.nodes["n0"], hub.nodes["n1"]
+
     def W(n, p):  # raw w_ij ∈ [0,1]
         return hub.nodes[n].strategy.public_state()["W"][p]
+
     w_ab = W("n0", "n1")
     assert w_ab == W("n1", "n0")
     x0 = a.learner.get_params()
@@ -60,8 +66,15 @@ def test_symmetric_pair_update_at_midpoint_matches_reference():
 def _one_penalised_step(optimizer: str, learner_kw: dict, shift: float = 0.0) -> tuple[Params, Params, Params, Params]:
     """(x before, gradient, neighbour x_1, x after) of one round of one model step, ρ = 0.5,
     w = 1, γ = 0, η = 0.2, momentum-free."""
-    params = {"gamma": 0.0, "rho": 0.5, "local_steps": 1, "grad_samples": None, "grad_momentum": 0.0,
-              "lr": 0.2, "optimizer": optimizer}
+    params = {
+        "gamma": 0.0,
+        "rho": 0.5,
+        "local_steps": 1,
+        "grad_samples": None,
+        "grad_momentum": 0.0,
+        "lr": 0.2,
+        "optimizer": optimizer,
+    }
     hub = build_network(COBO, params, num_nodes=2, num_clusters=1, learner_kw=learner_kw)
     n0 = hub.nodes["n0"]
     hub.nodes["n1"].learner.train(3)
@@ -132,8 +145,10 @@ def test_an_exchange_standing_for_k_pair_updates_moves_both_ends_by_k():
     hub = build_network(COBO, params, num_nodes=3, num_clusters=3)
     asyncio.run(run_rounds(hub, 1))
     a, b = hub.nodes["n0"], hub.nodes["n1"]
+
     def W(n, p):
         return hub.nodes[n].strategy.public_state()["W"][p]
+
     w_ab = W("n0", "n1")
     z = C.lincomb([(0.5, a.learner.get_params()), (0.5, b.snapshot.params)], a.snapshot.params)
     ip = C.dot(a.learner.gradient(z, "train", None)[0], b.learner.gradient(z, "train", None)[0])

@@ -1,4 +1,5 @@
 """Shared strategy math (node/strategies/common.py) against direct references."""
+
 from __future__ import annotations
 
 import math
@@ -74,8 +75,12 @@ def test_top_keep():
 
 
 def test_encoder_shapes_and_vector_roundtrip():
-    spec = {"0.weight": torch.zeros(16, 8), "0.bias": torch.zeros(16), "2.weight": torch.zeros(4, 16),
-            "2.bias": torch.zeros(4)}
+    spec = {
+        "0.weight": torch.zeros(16, 8),
+        "0.bias": torch.zeros(16),
+        "2.weight": torch.zeros(4, 16),
+        "2.bias": torch.zeros(4),
+    }
     enc = C.UpdateEncoder(spec, (10, 5), seed=3)
     assert enc(spec).shape == (16 * 5 + 4 * 5,)
     enc2 = C.UpdateEncoder(spec, (10, 5), seed=3)
@@ -111,8 +116,12 @@ def test_normalised_encoder_gives_averaged_cosine_logits():
     """normalise=True (SCool authors' encoder): per filter tanh then unit length; the logit is the
     mean over filters of the per-filter cosines, in [−1, 1], self = 1. The raw dot product grows
     with the update's size, so one node with a large update became every node's favourite."""
-    spec = {"0.weight": torch.zeros(16, 8), "0.bias": torch.zeros(16), "2.weight": torch.zeros(4, 16),
-            "2.bias": torch.zeros(4)}
+    spec = {
+        "0.weight": torch.zeros(16, 8),
+        "0.bias": torch.zeros(16),
+        "2.weight": torch.zeros(4, 16),
+        "2.bias": torch.zeros(4),
+    }
     g = torch.Generator().manual_seed(0)
     u, o = ({k: torch.randn(t.shape, generator=g) for k, t in spec.items()} for _ in range(2))
     big = {k: 100 * v for k, v in o.items()}
@@ -134,8 +143,12 @@ def test_layer_normalised_encoder_sums_per_layer_cosines():
     """normalise="layer" (meta-L2C / SCool-attention default): each layer's embedding φ_l (eq. 7,
     tanh'd) at unit length, so the logit is Σ_l cos(φ_l^i, φ_l^j) ∈ [−L, L], self = L, and a
     scaled-up update changes nothing (no hub)."""
-    spec = {"0.weight": torch.zeros(16, 8), "0.bias": torch.zeros(16), "2.weight": torch.zeros(4, 16),
-            "2.bias": torch.zeros(4)}
+    spec = {
+        "0.weight": torch.zeros(16, 8),
+        "0.bias": torch.zeros(16),
+        "2.weight": torch.zeros(4, 16),
+        "2.bias": torch.zeros(4),
+    }
     g = torch.Generator().manual_seed(0)
     u, o = ({k: torch.randn(t.shape, generator=g) for k, t in spec.items()} for _ in range(2))
     enc = C.UpdateEncoder(spec, (10, 5), seed=3, normalise="layer")

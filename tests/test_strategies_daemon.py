@@ -2,6 +2,7 @@
 transports — gRPC over loopback sockets and the in-process switchboard (cheaper than processes;
 the process path is covered by the integration tests). Two label-permuted clusters; the
 in-cluster share of each node's weight must end above chance."""
+
 from __future__ import annotations
 
 import asyncio
@@ -30,20 +31,46 @@ FAST = {
 }
 # round-aligned strategies aggregate from round 2 on; FedeRiCo weights a peer only once it has
 # measured its loss (untried = "skip"), so its rows settle a few rounds later
-ROUNDS = {"cobo": 8, "meta-l2c": 10, "scool-sbm": 7, "federico": 10}  # round-aligned strategies aggregate from round 2 on
+ROUNDS = {
+    "cobo": 8,
+    "meta-l2c": 10,
+    "scool-sbm": 7,
+    "federico": 10,
+}  # round-aligned strategies aggregate from round 2 on
 
 
 def _config(tmp, i, strategy, peers, partition="label_permutation", rounds=None, samples=300, clusters=CLUSTERS):
-    return validate_config({
-        "node_id": f"n{i}", "state_dir": str(tmp / f"n{i}"), "strategy": strategy,
-        "strategy_params": FAST.get(strategy, {}), "rounds": rounds or ROUNDS.get(strategy, 6), "peers": peers,
-        "heartbeat_interval_s": 0.2, "min_peers": N - 1, "start_timeout_s": 20, "seed": 1,
-        "security": {"cert_dir": str(node_certs(tmp, f"n{i}"))}, "round_interval_s": 0.0,
-        "learner": {"dataset": "mnist1d", "partition": partition, "num_nodes": N, "node_index": i,
-                    "dataset_params": {"num_samples": 4000}, "model": "mlp", "optimizer": "adam",
-                    "lr": 0.003, "local_steps": 20,
-                    "partition_params": {"samples_per_node": samples, **({"num_clusters": clusters}
-                                                                     if partition == "label_permutation" else {})}}})
+    return validate_config(
+        {
+            "node_id": f"n{i}",
+            "state_dir": str(tmp / f"n{i}"),
+            "strategy": strategy,
+            "strategy_params": FAST.get(strategy, {}),
+            "rounds": rounds or ROUNDS.get(strategy, 6),
+            "peers": peers,
+            "heartbeat_interval_s": 0.2,
+            "min_peers": N - 1,
+            "start_timeout_s": 20,
+            "seed": 1,
+            "security": {"cert_dir": str(node_certs(tmp, f"n{i}"))},
+            "round_interval_s": 0.0,
+            "learner": {
+                "dataset": "mnist1d",
+                "partition": partition,
+                "num_nodes": N,
+                "node_index": i,
+                "dataset_params": {"num_samples": 4000},
+                "model": "mlp",
+                "optimizer": "adam",
+                "lr": 0.003,
+                "local_steps": 20,
+                "partition_params": {
+                    "samples_per_node": samples,
+                    **({"num_clusters": clusters} if partition == "label_permutation" else {}),
+                },
+            },
+        }
+    )
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -51,13 +78,16 @@ def transport(request):
     return request.param
 
 
-async def _network(tmp, strategy, partition="label_permutation", rounds=None, samples=300, clusters=CLUSTERS,
-                   transport="grpc"):
+async def _network(
+    tmp, strategy, partition="label_permutation", rounds=None, samples=300, clusters=CLUSTERS, transport="grpc"
+):
     nodes: list[Node] = []
     make = NodeMaker(transport)
     try:
         for i in range(N):
-            node = make(_config(tmp, i, strategy, [nodes[0].address] if nodes else [], partition, rounds, samples, clusters))
+            node = make(
+                _config(tmp, i, strategy, [nodes[0].address] if nodes else [], partition, rounds, samples, clusters)
+            )
             await node.start()
             nodes.append(node)
         deadline = time.monotonic() + 240
@@ -65,8 +95,10 @@ async def _network(tmp, strategy, partition="label_permutation", rounds=None, sa
             assert time.monotonic() < deadline, f"{strategy}: rounds {[n.round for n in nodes]}"
             assert all(n.healthy() for n in nodes), f"{strategy}: a round loop died"
             await asyncio.sleep(0.1)
-        return [(n.node_id, n.network.true_cluster(n.node_id), n.strategy.weights(), n.history,
-                 n.strategy.public_state()) for n in nodes]
+        return [
+            (n.node_id, n.network.true_cluster(n.node_id), n.strategy.weights(), n.history, n.strategy.public_state())
+            for n in nodes
+        ]
     finally:
         for n in nodes:
             await n.stop()
@@ -78,8 +110,11 @@ def collaborating_row(nid: str, w: dict[str, float], hist: list[dict]) -> dict[s
     rounds that did use one."""
     if any(v > 0 for p, v in w.items() if p != nid):
         return w
-    rows = [h["weights"] for h in hist if isinstance(h.get("weights"), dict)
-            and any(v > 0 for p, v in h["weights"].items() if p != nid)]
+    rows = [
+        h["weights"]
+        for h in hist
+        if isinstance(h.get("weights"), dict) and any(v > 0 for p, v in h["weights"].items() if p != nid)
+    ]
     keys = {k for r in rows for k in r}
     return {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys} if rows else w
 
@@ -163,8 +198,10 @@ def test_dpsgd_uses_every_peer_and_local_none(tmp_path, transport):
 @pytest.mark.slow
 def test_dpsgd_on_iid_data_learns_faster_than_alone(tmp_path, transport):
     """Averaging must carry each round's training: on one distribution the network beats a node alone."""
+
     def mean_acc(results):
         return sum(h[-1]["eval"]["test_acc"] for *_, h, _ in results) / len(results)
+
     local = mean_acc(asyncio.run(_network(tmp_path / "l", "local", "iid", rounds=15, samples=800, transport=transport)))
     dpsgd = mean_acc(asyncio.run(_network(tmp_path / "d", "dpsgd", "iid", rounds=15, samples=800, transport=transport)))
     # Publishing the average instead of the trained model gave 0.356 vs local 0.361.
@@ -175,8 +212,10 @@ def test_dpsgd_on_iid_data_learns_faster_than_alone(tmp_path, transport):
 def test_dpsgd_consensus_fails_on_permuted_labels(tmp_path, transport):
     """The reason personalisation exists: one consensus model cannot serve four label
     permutations, so D-PSGD, evaluated on the model it keeps, ends below learning alone."""
+
     def mean_acc(results):
         return sum(h[-1]["eval"]["test_acc"] for *_, h, _ in results) / len(results)
+
     local = mean_acc(asyncio.run(_network(tmp_path / "l", "local", rounds=10, clusters=N, transport=transport)))
     dpsgd = mean_acc(asyncio.run(_network(tmp_path / "d", "dpsgd", rounds=10, clusters=N, transport=transport)))
     assert dpsgd < local - 0.05, (local, dpsgd)

@@ -1,5 +1,6 @@
 """FedeRiCo (federico.txt §2.2, Alg. 1): EMA over every entry with the kept losses (Alg. 1 l.11/14), softmax over all known incl.
 self, pushed weighted gradients, staleness, mixture prediction; in-process network."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,12 +20,16 @@ def test_ema_updates_every_entry_with_the_kept_losses():
     """Alg. 1 l.11: ℓ_ij kept from the last round; l.14: every L̂_ij moves towards its ℓ_ij, not
     only the sampled ones (an unsampled peer's estimate keeps converging to its last loss)."""
     L = {"me": 0.0, "a": 0.0, "b": 1.0, "c": 2.0, "d": 0.0}
-    last = {"me": 0.4, "a": 3.0, "b": 1.5, "c": 0.5}           # d never seen: ℓ = 0 (l.3)
+    last = {"me": 0.4, "a": 3.0, "b": 1.5, "c": 0.5}  # d never seen: ℓ = 0 (l.3)
     out, loss = federico_ema(L, last, {"me": 0.5, "a": 2.0, "c": 1.0}, beta=0.6)
     assert loss == {"me": 0.5, "a": 2.0, "b": 1.5, "c": 1.0, "d": 0.0}
-    assert out == {"me": pytest.approx(0.3), "a": pytest.approx(1.2),
-                   "b": pytest.approx(0.4 * 1.0 + 0.6 * 1.5),  # unsampled: towards its kept loss
-                   "c": pytest.approx(1.4), "d": 0.0}
+    assert out == {
+        "me": pytest.approx(0.3),
+        "a": pytest.approx(1.2),
+        "b": pytest.approx(0.4 * 1.0 + 0.6 * 1.5),  # unsampled: towards its kept loss
+        "c": pytest.approx(1.4),
+        "d": 0.0,
+    }
     assert L["a"] == 0.0 and last["a"] == 3.0  # pure
     # repeated rounds without sampling b: L̂_b converges to b's last loss (the old rule froze it at 1.0)
     for _ in range(30):
@@ -35,8 +40,12 @@ def test_ema_updates_every_entry_with_the_kept_losses():
 def test_softmax_over_all_known_including_unsampled():
     w = federico_weights({"me": 0.3, "a": 1.2, "b": 1.0, "c": 1.4})
     z = sum(math.exp(-v) for v in (0.3, 1.2, 1.0, 1.4))
-    assert w == {"me": pytest.approx(math.exp(-0.3) / z), "a": pytest.approx(math.exp(-1.2) / z),
-                 "b": pytest.approx(math.exp(-1.0) / z), "c": pytest.approx(math.exp(-1.4) / z)}
+    assert w == {
+        "me": pytest.approx(math.exp(-0.3) / z),
+        "a": pytest.approx(math.exp(-1.2) / z),
+        "b": pytest.approx(math.exp(-1.0) / z),
+        "c": pytest.approx(math.exp(-1.4) / z),
+    }
     assert sum(w.values()) == pytest.approx(1.0)
 
 
@@ -73,8 +82,12 @@ def test_one_round_reference():
         assert n0.strategy._L[p] == 0.0
     w = n0.strategy.weights()
     # the E-step over the measured models only; the untried peers get no weight before evidence
-    assert w == pytest.approx({**federico_weights({k: n0.strategy._L[k] for k in contacted | {"n0"}}),
-                               **{p: 0.0 for p in set(L_before) - contacted - {"n0"}}})
+    assert w == pytest.approx(
+        {
+            **federico_weights({k: n0.strategy._L[k] for k in contacted | {"n0"}}),
+            **{p: 0.0 for p in set(L_before) - contacted - {"n0"}},
+        }
+    )
     for p in contacted:
         (pg,) = hub.nodes[p].inbox
         assert pg.sender == "n0" and pg.version == hub.nodes[p].snapshot.version
@@ -114,8 +127,14 @@ def test_the_own_loss_is_measured_so_a_sharp_temperature_still_collaborates():
     peers' ("track", eq. 3) every node puts more than chance on its same-cluster peers."""
     params = {"local_steps": 10, "temperature": 0.2, "loss_split": "val", "grad_samples": None}
     for mode in ("track", "prior"):
-        hub = build_network(FedeRiCo, {**params, "own_loss": mode}, num_nodes=6, num_clusters=2,
-                            learner_kw={"lr": 0.05}, data_kw={"noise": 2.5})  # losses ~1, as on mnist1d
+        hub = build_network(
+            FedeRiCo,
+            {**params, "own_loss": mode},
+            num_nodes=6,
+            num_clusters=2,
+            learner_kw={"lr": 0.05},
+            data_kw={"noise": 2.5},
+        )  # losses ~1, as on mnist1d
         asyncio.run(run_rounds(hub, 8))
         for nid in hub.nodes:
             mass, chance = _same_cluster_mass(hub, nid)
@@ -160,7 +179,7 @@ def test_m_steps_follow_the_learners_budget_by_default():
 
 
 def _norm(p):
-    return math.sqrt(sum(float((v ** 2).sum()) for v in p.values()))
+    return math.sqrt(sum(float((v**2).sum()) for v in p.values()))
 
 
 def test_pushes_reach_every_local_step_not_only_the_first():
@@ -213,8 +232,9 @@ def test_pushes_per_round_are_capped():
     hub = build_network(FedeRiCo, params, num_nodes=5, num_clusters=1)
     n0 = hub.nodes["n0"]
     theta = n0.learner.get_params()
-    n0.inbox = [PushedGradient(f"n{i}", 1, {k: 0.01 * torch.ones_like(v) for k, v in theta.items()})
-                for i in range(1, 5)]
+    n0.inbox = [
+        PushedGradient(f"n{i}", 1, {k: 0.01 * torch.ones_like(v) for k, v in theta.items()}) for i in range(1, 5)
+    ]
     asyncio.run(n0.strategy.run_round(1))
     assert n0.strategy.public_state()["pushed_applied"] == 2
     assert n0.strategy.public_state()["pushed_dropped"] == 2
@@ -257,6 +277,7 @@ def test_a_sampled_peer_that_never_answers_gets_no_weight_until_it_does():
 
     async def pull(peer, **kw):
         return None if peer == "n1" and blocked else await real_pull(peer, **kw)
+
     s.net.pull = pull
     blocked = True
     asyncio.run(s.run_round(1))
@@ -277,10 +298,10 @@ def test_the_default_own_loss_keeps_pushes_from_pulling_clusters_together():
     from coterie.node.strategies.baselines import Local
 
     def accuracy(cls, params):
-        hub = build_network(cls, params, num_nodes=12, num_clusters=4, learner_kw={"lr": 0.05},
-                            data_kw={"noise": 2.5})
+        hub = build_network(cls, params, num_nodes=12, num_clusters=4, learner_kw={"lr": 0.05}, data_kw={"noise": 2.5})
         asyncio.run(run_rounds(hub, 15))
         return sum(n.learner.evaluate("test").accuracy for n in hub.nodes.values()) / len(hub.nodes)
+
     local = accuracy(Local, {})
     default = accuracy(FedeRiCo, {"local_steps": 10})
     track = accuracy(FedeRiCo, {"local_steps": 10, "own_loss": "track"})
@@ -320,6 +341,7 @@ def test_under_dp_noise_the_peer_terms_come_from_published_models_and_nothing_is
         if not first_step:
             first_step.append(n0.learner.get_params())
         step(g)
+
     n0.learner.apply_gradient = recording_step
     asyncio.run(s.run_round(1))
     assert hub.calls.get("private_gradient", 0) == 0 and hub.calls.get("push", 0) == 0
@@ -338,8 +360,10 @@ def test_under_dp_noise_the_peer_terms_come_from_published_models_and_nothing_is
     assert hub2.calls.get("push", 0) == 2 and hub2.nodes["n0"].strategy.public_state()["peer_term"] == "push"
 
 
-@pytest.mark.parametrize("key,value", [("peer_term", "gradients"), ("own_loss", "measured"),
-                                       ("untried", "pessimistic"), ("loss_reduction", "max")])
+@pytest.mark.parametrize(
+    "key,value",
+    [("peer_term", "gradients"), ("own_loss", "measured"), ("untried", "pessimistic"), ("loss_reduction", "max")],
+)
 def test_a_choice_parameter_must_be_one_of_its_values(key, value):
     """A misspelt choice is refused with its name (own_loss and untried used to fall through their
     if-branches silently, as if some other value had been set)."""

@@ -1,4 +1,5 @@
 """FedFomo (fedfomo.txt §3.1, eq. 3): δ, normalisation, fallback, affinity; in-process network."""
+
 from __future__ import annotations
 
 import asyncio
@@ -144,9 +145,11 @@ def test_early_stop_trains_on_instead_of_replaying_the_rejected_steps():
     local training from θ_base replayed the rejected steps, so the node never got past its first
     round's training; with ``early_stop = "continue"`` its training accumulates (train loss keeps
     falling) while θ_base stays the reference every update compares against."""
+
     def run(mode: str, batch_size: int = 16) -> tuple[list[bool], list[float]]:
-        hub = build_network(FedFomo, {"early_stop": mode}, num_nodes=1, num_clusters=1,
-                            learner_kw={"batch_size": batch_size})
+        hub = build_network(
+            FedFomo, {"early_stop": mode}, num_nodes=1, num_clusters=1, learner_kw={"batch_size": batch_size}
+        )
         lrn = hub.nodes["n0"].learner
         x, y = lrn.data["train"]
         lrn.data["val"] = (x, (y + 1) % 4)  # what training fits, validation calls wrong
@@ -185,19 +188,30 @@ def _sine_network(strategy: str, params: dict | None, seed: int = 2, nodes: int 
     from coterie.node.strategies.registry import get_strategy
     from tests.strategy_harness import Hub, InProcessNetwork, Node
 
-    base = LearnerConfig(dataset="sine", dataset_params={"num_samples": 4000, "noise": 0.1},
-                         partition="sine_intervals",
-                         partition_params={"samples_per_node": [24, 40], "num_intervals": nodes},
-                         model="mlp", model_params={"hidden": [32, 32]}, optimizer="sgd", lr=0.1,
-                         batch_size=16, local_steps=10, num_nodes=nodes, data_seed=seed, init_seed=seed,
-                         device="cpu")
+    base = LearnerConfig(
+        dataset="sine",
+        dataset_params={"num_samples": 4000, "noise": 0.1},
+        partition="sine_intervals",
+        partition_params={"samples_per_node": [24, 40], "num_intervals": nodes},
+        model="mlp",
+        model_params={"hidden": [32, 32]},
+        optimizer="sgd",
+        lr=0.1,
+        batch_size=16,
+        local_steps=10,
+        num_nodes=nodes,
+        data_seed=seed,
+        init_seed=seed,
+        device="cpu",
+    )
     pool = load_pool(base.dataset, base.dataset_params, base.data_seed)
     shards = partition(pool, base)
     hub = Hub()
     for i in range(nodes):
         cfg = base.model_copy(update={"node_index": i})
-        hub.nodes[f"n{i}"] = Node(f"n{i}", int(shards[i].cluster),
-                                  TorchLearner(cfg, pool=pool, data=node_data(pool, cfg, shards)))
+        hub.nodes[f"n{i}"] = Node(
+            f"n{i}", int(shards[i].cluster), TorchLearner(cfg, pool=pool, data=node_data(pool, cfg, shards))
+        )
     for i, (nid, node) in enumerate(hub.nodes.items()):
         node.strategy = get_strategy(strategy)(nid, node.learner, InProcessNetwork(hub, nid), params, seed=seed + i)
         hub.publish(nid, 0)

@@ -1,5 +1,6 @@
 """L2C / meta-L2C (l2c.txt §3.2–3.4, Alg. 1): the α-gradient against finite differences through
 the softmax, mixing, Adam, pruning at T0, encoder training and gossip; in-process network."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,8 +11,14 @@ import torch
 
 from coterie.node.strategies import common as C
 from coterie.node.strategies.l2c import L2C, MetaL2C, l2c_alpha_grad
-from tests.strategy_harness import (assert_encoder_resumes, build_network, in_cluster_mass,
-                              msgpack_roundtrip_state, run_free, run_rounds)
+from tests.strategy_harness import (
+    assert_encoder_resumes,
+    build_network,
+    in_cluster_mass,
+    msgpack_roundtrip_state,
+    run_free,
+    run_rounds,
+)
 
 torch.set_num_threads(1)
 
@@ -26,8 +33,9 @@ def test_alpha_gradient_matches_finite_differences():
     asyncio.run(run_rounds(hub, 1))
     n0 = hub.nodes["n0"]
     theta = {k: v.double() for k, v in n0.learner.get_params().items()}
-    deltas = [{k: v.double() * 20 for k, v in hub.nodes[p].snapshot.extras["delta"].items()}
-              for p in ("n0", "n1", "n2", "n3")]  # enlarged so the loss moves measurably
+    deltas = [
+        {k: v.double() * 20 for k, v in hub.nodes[p].snapshot.extras["delta"].items()} for p in ("n0", "n1", "n2", "n3")
+    ]  # enlarged so the loss moves measurably
     learner = n0.learner
     learner.model.double()
     learner.data = {k: (x.double(), y) for k, (x, y) in learner.data.items()}  # float64 for clean FD
@@ -36,8 +44,16 @@ def test_alpha_gradient_matches_finite_differences():
     g, _ = learner.gradient(C.mix_updates(theta, list(zip(w.tolist(), deltas, strict=True))), "val", None)
     ana = l2c_alpha_grad(alpha, g, deltas)
     h = 1e-5
-    fd = np.array([(_val_loss_of_alpha(learner, theta, deltas, alpha + h * e)
-                    - _val_loss_of_alpha(learner, theta, deltas, alpha - h * e)) / (2 * h) for e in np.eye(4)])
+    fd = np.array(
+        [
+            (
+                _val_loss_of_alpha(learner, theta, deltas, alpha + h * e)
+                - _val_loss_of_alpha(learner, theta, deltas, alpha - h * e)
+            )
+            / (2 * h)
+            for e in np.eye(4)
+        ]
+    )
     assert np.abs(ana).max() > 1e-3  # a non-trivial gradient
     assert np.allclose(ana, fd, rtol=1e-4, atol=1e-7)
     assert abs(ana.sum()) < 1e-9  # softmax: invariant to adding a constant to α
@@ -84,10 +100,12 @@ def test_round_aligned_pull_waits_for_a_slow_neighbour():
     """Daemons run free: a neighbour three times slower still has its Δθ of the same iteration
     mixed every round (the pull waits for it), where the unaligned variant takes whatever
     snapshot is there and reuses or skips the slow node's updates."""
+
     def run(params):
         hub = build_network(L2C, params, num_nodes=3, num_clusters=1)
         reports = asyncio.run(run_free(hub, 6, delay_s={"n2": 0.3}))
         return [r.info for r in reports["n0"][1:]]
+
     aligned = run({})
     assert all(i["mixed"] == 2 and i["same_round"] == 2 for i in aligned), aligned
     unaligned = run({"round_aligned": False})
@@ -129,8 +147,9 @@ def test_meta_l2c_in_process_network_and_encoder_gossip():
     assert mass > 0.8, per_node
     assert hub.calls["gossip"] > 0
     # each node's copy as gossip sees it (served gossip is folded in at the node's next round)
-    vecs = torch.stack([torch.as_tensor(C.encoder_current(n.strategy.encoder), dtype=torch.float32)
-                        for n in hub.nodes.values()])
+    vecs = torch.stack(
+        [torch.as_tensor(C.encoder_current(n.strategy.encoder), dtype=torch.float32) for n in hub.nodes.values()]
+    )
     assert not torch.allclose(vecs[0], enc0)
     assert (vecs - vecs.mean(0)).norm(dim=1).max() < 0.5 * (vecs[0] - enc0).norm()
     snap = hub.nodes["n1"].snapshot
@@ -169,8 +188,17 @@ def test_meta_l2c_prunes_on_the_mean_row_not_the_last_one():
 def test_meta_l2c_attention_is_layer_cosine_by_default():
     hub = build_network(MetaL2C, num_nodes=2, num_clusters=1)
     assert hub.nodes["n0"].strategy.encoder.normalise == "layer"
-    assert build_network(MetaL2C, {"attention": "cosine"}, num_nodes=2, num_clusters=1).nodes["n0"].strategy.encoder.normalise == "filter"
-    assert not build_network(MetaL2C, {"attention": "dot"}, num_nodes=2, num_clusters=1).nodes["n0"].strategy.encoder.normalise
+    assert (
+        build_network(MetaL2C, {"attention": "cosine"}, num_nodes=2, num_clusters=1)
+        .nodes["n0"]
+        .strategy.encoder.normalise
+        == "filter"
+    )
+    assert (
+        not build_network(MetaL2C, {"attention": "dot"}, num_nodes=2, num_clusters=1)
+        .nodes["n0"]
+        .strategy.encoder.normalise
+    )
     with pytest.raises(ValueError, match="attention must be one of"):
         build_network(MetaL2C, {"attention": "cosin"}, num_nodes=2, num_clusters=1)
 

@@ -1,5 +1,6 @@
 """SCool (scool.txt App. C–E): the SBM E-step (eqs. 43–48) against a direct numpy transcription,
 the attention E-step (eq. 29), update mixing, exact M-step, Ω/encoder gossip; in-process network."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,13 +9,29 @@ import numpy as np
 import pytest
 import torch
 
-from coterie.node.strategies import common as C
-from coterie.node.strategies.scool import (SCoolAttention, SCoolSBM, attention_estep, attention_weights,
-                                           estimate_num_blocks, evidence_matrix, row_with_self, sbm_alpha_mstep, sbm_B_mstep, sbm_estep_node,
-                                           sbm_node_stats, sbm_self_weight)
 from coterie.node.persistence import pack_state, unpack_state
-from tests.strategy_harness import (assert_encoder_resumes, build_network, in_cluster_mass,
-                              msgpack_roundtrip_state, run_rounds)
+from coterie.node.strategies import common as C
+from coterie.node.strategies.scool import (
+    SCoolAttention,
+    SCoolSBM,
+    attention_estep,
+    attention_weights,
+    estimate_num_blocks,
+    evidence_matrix,
+    row_with_self,
+    sbm_alpha_mstep,
+    sbm_B_mstep,
+    sbm_estep_node,
+    sbm_node_stats,
+    sbm_self_weight,
+)
+from tests.strategy_harness import (
+    assert_encoder_resumes,
+    build_network,
+    in_cluster_mass,
+    msgpack_roundtrip_state,
+    run_rounds,
+)
 
 torch.set_num_threads(1)
 
@@ -35,10 +52,10 @@ def reference_estep(Y, Om, B, alpha, tau):
             w_hat = Y[i, j]
             for g in range(G):
                 for h in range(G):
-                    w_hat += Om[i, g] * Om[j, h] * np.log(B[g, h])          # eq. 43
+                    w_hat += Om[i, g] * Om[j, h] * np.log(B[g, h])  # eq. 43
                     w_hat -= Om[i, g] * Om[j, h] * np.log(1 - B[g, h])
-            W[i, j] = 1.0 / (1.0 + np.exp(-w_hat / tau))                     # eq. 44 (temperature, App. C.1)
-    gamma = Om + alpha[None, :]                                              # eq. 46
+            W[i, j] = 1.0 / (1.0 + np.exp(-w_hat / tau))  # eq. 44 (temperature, App. C.1)
+    gamma = Om + alpha[None, :]  # eq. 46
     Om_new = np.zeros_like(Om)
     for i in range(K):
         logit = np.zeros(G)
@@ -52,9 +69,9 @@ def reference_estep(Y, Om, B, alpha, tau):
                     s += W[j, i] * Om[j, h] * np.log(B[h, k])
                     s += (1 - W[i, j]) * Om[j, h] * np.log(1 - B[k, h])
                     s += (1 - W[j, i]) * Om[j, h] * np.log(1 - B[h, k])
-            logit[k] = s + _digamma(gamma[i, k]) - _digamma(gamma[i].sum())   # eq. 47–48
+            logit[k] = s + _digamma(gamma[i, k]) - _digamma(gamma[i].sum())  # eq. 47–48
         e = np.exp(logit - logit.max())
-        Om_new[i] = e / e.sum()                                              # normalised (after eq. 48)
+        Om_new[i] = e / e.sum()  # normalised (after eq. 48)
     return W, gamma, Om_new
 
 
@@ -111,41 +128,52 @@ def test_prior_msteps_from_per_node_terms_match_the_graph_sums():
                     for h in range(G):
                         num[g, h] += W[i, j] * Om[i, g] * Om[j, h]
                         den[g, h] += Om[i, g] * Om[j, h]
-    stats = [sbm_node_stats({ids[j]: W[i, j] for j in range(K) if j != i}, Om[i],
-                            {ids[j]: Om[j] for j in range(K) if j != i}, gamma[i]) for i in range(K)]
+    stats = [
+        sbm_node_stats(
+            {ids[j]: W[i, j] for j in range(K) if j != i}, Om[i], {ids[j]: Om[j] for j in range(K) if j != i}, gamma[i]
+        )
+        for i in range(K)
+    ]
     N, D = sum(st["N"] for st in stats), sum(st["D"] for st in stats)
     np.testing.assert_allclose(sbm_B_mstep(N, D, B0), num / den)
     np.testing.assert_allclose(sbm_B_mstep(N / K, D / K, B0), num / den)  # network means do too
     alpha = np.array([0.5, 1.0, 2.0])
     s_ref = sum(_digamma(gamma[i]) - _digamma(gamma[i].sum()) for i in range(K))
     grad = s_ref - K * _digamma(alpha) + K * _digamma(alpha.sum())
-    np.testing.assert_allclose(sbm_alpha_mstep(alpha, sum(st["s"] for st in stats), K, 0.01),
-                               np.maximum(alpha + 0.01 * grad, 1e-3))
+    np.testing.assert_allclose(
+        sbm_alpha_mstep(alpha, sum(st["s"] for st in stats), K, 0.01), np.maximum(alpha + 0.01 * grad, 1e-3)
+    )
 
 
 def test_learned_prior_tracks_the_network_by_gossip():
     """learn_B/learn_alpha: the tracked estimates always sum to the sum of the current per-node
     terms (pairwise exchanges move both ends by opposite amounts), and every node's B ends near
     the B of eq. 24 computed from the whole graph."""
-    hub = build_network(SCoolSBM, {"learn_B": True, "learn_alpha": True, "prune_after": 0},
-                        num_nodes=6, num_clusters=2, learner_kw={"local_steps": 20})
+    hub = build_network(
+        SCoolSBM,
+        {"learn_B": True, "learn_alpha": True, "prune_after": 0},
+        num_nodes=6,
+        num_clusters=2,
+        learner_kw={"local_steps": 20},
+    )
     asyncio.run(run_rounds(hub, 10))
     strategies = [n.strategy for n in hub.nodes.values()]
     for k in ("N", "D", "s"):
         est = sum(s._est[k] for s in strategies)
         mine = sum(s._mine[k] for s in strategies)
         np.testing.assert_allclose(est, mine, rtol=1e-4, atol=1e-4)
-    B_graph = sbm_B_mstep(sum(s._mine["N"] for s in strategies), sum(s._mine["D"] for s in strategies),
-                          strategies[0].B)
+    B_graph = sbm_B_mstep(sum(s._mine["N"] for s in strategies), sum(s._mine["D"] for s in strategies), strategies[0].B)
     for s in strategies:
         assert np.abs(s.B - B_graph).max() < 0.05, (s.B, B_graph)
         assert not np.allclose(s.B, [[0.8, 0.2], [0.2, 0.8]])  # it moved
         assert not np.allclose(s.alpha, 1.0)
     s = strategies[0]
     before = {k: v.copy() for k, v in s._est.items()}
-    for bad in ({"N": [1.0] * 3, "D": [1.0] * 4, "s": [0.0] * 2},            # wrong size
-                {"N": [float("nan")] * 4, "D": [1.0] * 4, "s": [0.0] * 2},   # not finite
-                "garbage"):
+    for bad in (
+        {"N": [1.0] * 3, "D": [1.0] * 4, "s": [0.0] * 2},  # wrong size
+        {"N": [float("nan")] * 4, "D": [1.0] * 4, "s": [0.0] * 2},  # not finite
+        "garbage",
+    ):
         assert "omega" in s.on_gossip("n1", "omega", {"omega": [0.5, 0.5], "stats": bad, "mix": 0.5})
     assert all(np.array_equal(s._est[k], before[k]) for k in before)
     s2 = SCoolSBM(s.node_id, s.learner, s.net, s.p, seed=77)
@@ -198,8 +226,13 @@ def test_sbm_in_process_network_prunes_to_cluster_and_resumes():
 def test_exact_mstep_matches_reference():
     """mstep="exact" (eq. 22): θ ← θ − η(w̄_ii ∇L(D_i;θ) + Σ_j w̄_ij ∇L(D_j;θ)), the peers'
     gradients computed by them on their data (cross-gradient requests)."""
-    hub = build_network(SCoolSBM, {"mstep": "exact", "exact_steps": 1, "grad_samples": None,
-                                   "prune_after": 0}, num_nodes=4, num_clusters=2, learner_kw={"lr": 0.2})
+    hub = build_network(
+        SCoolSBM,
+        {"mstep": "exact", "exact_steps": 1, "grad_samples": None, "prune_after": 0},
+        num_nodes=4,
+        num_clusters=2,
+        learner_kw={"lr": 0.2},
+    )
     asyncio.run(run_rounds(hub, 1))
     n0 = hub.nodes["n0"]
     theta = n0.learner.get_params()
@@ -221,8 +254,13 @@ def test_exact_mstep_matches_reference():
 def test_sbm_self_term_is_the_authors_sigmoid():
     """The self weight is σ((Y_ii + Ω_iᵀ logit(B) Ω_i)/τ) with Y_ii = −loss of my published model
     on my own data (not a fixed raw 1, which kept the self share ≥ 0.5 whatever the evidence)."""
-    hub = build_network(SCoolSBM, {"prune_after": 0, "evidence_samples": None, "num_blocks": 2}, num_nodes=4, num_clusters=2,
-                        learner_kw={"local_steps": 20})
+    hub = build_network(
+        SCoolSBM,
+        {"prune_after": 0, "evidence_samples": None, "num_blocks": 2},
+        num_nodes=4,
+        num_clusters=2,
+        learner_kw={"local_steps": 20},
+    )
     asyncio.run(run_rounds(hub, 3))
     n0 = hub.nodes["n0"]
     s = n0.strategy
@@ -241,8 +279,12 @@ def test_sbm_self_term_is_the_authors_sigmoid():
 def test_attention_estep_targets_the_likelihood_softmax():
     """One encoder step is AdamW on CE(softmax(Y/τ), p(φ)) (*code*), and w is eq. 29 over self
     and the others, from the encoder as it was before the step."""
-    spec = {"0.weight": torch.zeros(6, 4), "0.bias": torch.zeros(6), "2.weight": torch.zeros(3, 6),
-            "2.bias": torch.zeros(3)}
+    spec = {
+        "0.weight": torch.zeros(6, 4),
+        "0.bias": torch.zeros(6),
+        "2.weight": torch.zeros(3, 6),
+        "2.bias": torch.zeros(3),
+    }
     g = torch.Generator().manual_seed(0)
     ups = [{k: torch.randn(v.shape, generator=g) for k, v in spec.items()} for _ in range(4)]
     y = np.array([-0.2, -0.3, -4.0, -5.0])
@@ -334,20 +376,18 @@ def test_estimate_num_blocks_recovers_K_on_a_synthetic_similarity_matrix(n, K):
 
 
 def test_evidence_matrix_standardises_rows_and_symmetrises():
-    rows = {"a": {"a": -1.0, "b": -1.2, "c": -5.0}, "b": {"a": -0.5, "b": -0.4, "c": -3.0},
-            "c": {"c": -2.0, "a": -9.0}}
+    rows = {"a": {"a": -1.0, "b": -1.2, "c": -5.0}, "b": {"a": -0.5, "b": -0.4, "c": -3.0}, "c": {"c": -2.0, "a": -9.0}}
     ids, S = evidence_matrix(rows)
     assert ids == ["a", "b", "c"]
     assert np.allclose(S, S.T)
-    assert S[0, 1] > 0 > S[0, 2]   # a and b fit each other's data, c does not fit theirs
+    assert S[0, 1] > 0 > S[0, 2]  # a and b fit each other's data, c does not fit theirs
 
 
 def test_sbm_estimates_its_blocks_in_process_and_resumes():
     """num_blocks = "auto" (the default): one block until the blocks_after-th E-step, then each
     node's ICL estimate from the evidence rows gossiped with Ω, a vote, and the SBM restarts with
     the agreed K — here the 3 true clusters of 9 nodes, where nobody told it 3."""
-    hub = build_network(SCoolSBM, {"prune_after": 0}, num_nodes=9, num_clusters=3,
-                        learner_kw={"local_steps": 20})
+    hub = build_network(SCoolSBM, {"prune_after": 0}, num_nodes=9, num_clusters=3, learner_kw={"local_steps": 20})
     s0 = hub.nodes["n0"].strategy
     assert s0.auto_blocks and s0.num_blocks == 1
     asyncio.run(run_rounds(hub, 6))
@@ -373,8 +413,14 @@ def test_sbm_told_blocks_and_bad_num_blocks():
 def test_sbm_ignores_malformed_gossiped_rows_and_votes():
     hub = build_network(SCoolSBM, num_nodes=4, num_clusters=2)
     s = hub.nodes["n0"].strategy
-    for msg in ({"y": {"n1": float("nan")}}, {"y": [1, 2]}, {"y": {str(i): 0.0 for i in range(50)}},
-                {"k": 99}, {"k": True}, {"k": "3"}):
+    for msg in (
+        {"y": {"n1": float("nan")}},
+        {"y": [1, 2]},
+        {"y": {str(i): 0.0 for i in range(50)}},
+        {"k": 99},
+        {"k": True},
+        {"k": "3"},
+    ):
         s._take_omega("n1", msg)
     assert s._rows == {} and s._k_votes == {}
     s._take_omega("n1", {"y": {"n0": -1.0, "n1": -0.5}, "k": 2})

@@ -5,6 +5,7 @@ requests run at a time and refuses the rest with RESOURCE_EXHAUSTED naming the l
 the HTTP/2 layer capped a connection at 64 streams and refused the streams past it with a bare
 RST_STREAM, which the caller read as UNAVAILABLE (14 of 100 here): it could not tell "slow down"
 from "the node is gone"."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,9 +22,16 @@ STREAMS = 100
 
 
 def test_a_hundred_concurrent_calls_on_one_connection_are_refused_with_a_reason(tmp_path):
-    victim = NodeProc(tmp_path, "victim", {
-        "strategy": "local", "learner": tiny_learner(1, 0, samples=300), "round_interval_s": 0.3,
-        "privacy": {"enabled": False, "serve_purposes": ["scool-gradient"]}}).start()
+    victim = NodeProc(
+        tmp_path,
+        "victim",
+        {
+            "strategy": "local",
+            "learner": tiny_learner(1, 0, samples=300),
+            "round_interval_s": 0.3,
+            "privacy": {"enabled": False, "serve_purposes": ["scool-gradient"]},
+        },
+    ).start()
 
     async def go():
         m = CertifiedPeer(tmp_path, victim, "mallory")
@@ -34,12 +42,21 @@ def test_a_hundred_concurrent_calls_on_one_connection_are_refused_with_a_reason(
 
             async def one() -> None:
                 try:
-                    await m.client.compute(victim.address, ComputeRequest(
-                        CROSS_GRADIENT, "mallory", groups={"params": groups["params"]}, max_samples=0,
-                        purpose="scool-gradient"), peer="victim")
+                    await m.client.compute(
+                        victim.address,
+                        ComputeRequest(
+                            CROSS_GRADIENT,
+                            "mallory",
+                            groups={"params": groups["params"]},
+                            max_samples=0,
+                            purpose="scool-gradient",
+                        ),
+                        peer="victim",
+                    )
                     outcomes["ok"] += 1
                 except PeerCallError as e:
                     outcomes[(e.kind, str(e))] += 1
+
             await asyncio.gather(*(one() for _ in range(STREAMS)))
             return outcomes
         finally:

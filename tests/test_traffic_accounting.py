@@ -3,6 +3,7 @@ sent and received agree. A node keeps serving after its last round (peers that s
 still pull its model); those bytes are in no round record and reach the run's totals through the
 node's final status (``traffic_since_last_round``). Without them, a 1,000-node in-process run,
 whose nodes start over minutes, reported 1,443 MB received against 663 MB sent."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,10 +24,20 @@ EARLY, LATE = 3, 2  # nodes that finish first; nodes that start after them and p
 
 
 def _config(tmp, i, peers, min_peers):
-    return validate_config({
-        "node_id": f"n{i}", "state_dir": str(tmp / f"n{i}"), "strategy": "dpsgd", "peers": peers,
-        "heartbeat_interval_s": 0.2, "request_timeout_s": 10, "rounds": 2, "min_peers": min_peers,
-        "strategy_params": {"sync_wait_s": 2.0}, "learner": tiny_learner(EARLY + LATE, i)})
+    return validate_config(
+        {
+            "node_id": f"n{i}",
+            "state_dir": str(tmp / f"n{i}"),
+            "strategy": "dpsgd",
+            "peers": peers,
+            "heartbeat_interval_s": 0.2,
+            "request_timeout_s": 10,
+            "rounds": 2,
+            "min_peers": min_peers,
+            "strategy_params": {"sync_wait_s": 2.0},
+            "learner": tiny_learner(EARLY + LATE, i),
+        }
+    )
 
 
 async def _wait(cond, what, timeout=60.0):
@@ -49,6 +60,7 @@ def test_run_totals_add_up_when_nodes_pull_from_finished_ones(tmp_path):
     """Three nodes run their rounds and finish; two more start only then and pull the finished
     nodes' models in their rounds. Totals as results.json computes them must agree exactly (in
     memory both sides of a call are counted at the same moment)."""
+
     async def go():
         hub = InProcNetwork()
         nodes = []

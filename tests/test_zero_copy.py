@@ -1,6 +1,7 @@
 """Snapshots without copies: received chunks land in one aligned buffer and decode as views of
 it; a published snapshot is held once (its tensors are views of its encoding); the frames sent
 are built from that buffer as they go; the peers' snapshot cache is bounded by bytes."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,10 @@ from coterie.proto.v1 import peer_pb2 as pb
 
 def _groups():
     g = torch.Generator().manual_seed(0)
-    return {"params": {"a": torch.randn(300, 7, generator=g), "b": torch.randn(5, generator=g)},
-            "x:delta": {"a": torch.randn(300, 7, generator=g), "b": torch.zeros(5)}}
+    return {
+        "params": {"a": torch.randn(300, 7, generator=g), "b": torch.randn(5, generator=g)},
+        "x:delta": {"a": torch.randn(300, 7, generator=g), "b": torch.zeros(5)},
+    }
 
 
 def _inside(t: torch.Tensor, buf) -> bool:
@@ -73,7 +76,7 @@ def test_assembler_still_refuses_what_it_refused():
 def test_hand_built_frames_are_what_protobuf_would_send():
     data = bytes(range(256)) * 20
     frames = list(data_frames(data, 700))
-    assert frames == [pb.SnapshotChunk(data=data[i:i + 700]).SerializeToString() for i in range(0, len(data), 700)]
+    assert frames == [pb.SnapshotChunk(data=data[i : i + 700]).SerializeToString() for i in range(0, len(data), 700)]
     assert b"".join(bytes(data_field(f)) for f in frames) == data
 
 
@@ -92,6 +95,7 @@ def test_a_published_snapshot_is_held_once():
 def test_snapshot_cache_is_bounded_by_bytes_least_recently_used_first():
     def snap(peer, n_floats):
         return PeerSnapshot(peer, 1, 1, {"w": torch.zeros(n_floats)})
+
     cache = SnapshotCache(max_bytes=1000)
     cache.put(snap("a", 100))  # 400 bytes
     cache.put(snap("b", 100))
@@ -137,8 +141,15 @@ def test_a_pulled_snapshot_arrives_in_one_buffer_over_grpc():
 
     async def go():
         server, port = await serve(_Handler(LocalSnapshot("server", 1, 1, groups)), _Stats(), "127.0.0.1:0", tls=None)
-        client = PeerClient("me", _Stats(), chunk_bytes=1 << 20, max_model_bytes=1 << 30,
-                            max_gossip_bytes=1 << 20, timeout_s=30, tls=None)
+        client = PeerClient(
+            "me",
+            _Stats(),
+            chunk_bytes=1 << 20,
+            max_model_bytes=1 << 30,
+            max_gossip_bytes=1 << 20,
+            timeout_s=30,
+            tls=None,
+        )
         try:
             header, got = await client.get_snapshot(f"127.0.0.1:{port}", "me", 0)
             w = got["params"]["w"]
@@ -151,6 +162,7 @@ def test_a_pulled_snapshot_arrives_in_one_buffer_over_grpc():
         finally:
             await client.close()
             await server.stop(None)
+
     asyncio.run(go())
 
 
@@ -160,8 +172,16 @@ def test_idle_channels_are_evicted_and_busy_ones_kept():
     async def go():
         servers = [await serve(_Handler(snap), _Stats(), "127.0.0.1:0", tls=None) for _ in range(2)]
         a, b = (f"127.0.0.1:{port}" for _, port in servers)
-        client = PeerClient("me", _Stats(), chunk_bytes=1 << 20, max_model_bytes=1 << 30,
-                            max_gossip_bytes=1 << 20, timeout_s=30, tls=None, idle_channel_s=0.3)
+        client = PeerClient(
+            "me",
+            _Stats(),
+            chunk_bytes=1 << 20,
+            max_model_bytes=1 << 30,
+            max_gossip_bytes=1 << 20,
+            timeout_s=30,
+            tls=None,
+            idle_channel_s=0.3,
+        )
         try:
             await client.get_snapshot(a, "me", 0)
             assert client.channels() == 1
@@ -174,11 +194,13 @@ def test_idle_channels_are_evicted_and_busy_ones_kept():
             await client.close()
             for server, _ in servers:
                 await server.stop(None)
+
     asyncio.run(go())
 
 
 def test_large_payloads_are_hashed_off_the_loop_and_still_checked():
     from coterie.node.transport import chunks
+
     data = bytes(np.random.default_rng(0).integers(0, 256, chunks.HASH_IN_THREAD_BYTES + 12345, dtype=np.uint8))
     for flip in (None, len(data) // 2):
         sent = bytearray(data)

@@ -1,5 +1,6 @@
 """The two transports the peer-plane tests run against (as Flower runs one suite against its
 in-memory and its SQL state): real gRPC over loopback sockets, and the in-process switchboard."""
+
 from __future__ import annotations
 
 from typing import Any

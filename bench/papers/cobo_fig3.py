@@ -14,19 +14,27 @@ until every client ranks its cluster mates above all other clients at three cons
 
     python bench/papers/cobo_fig3.py --seed 0 --max-steps 5000 --full
 """
+
 from __future__ import annotations
 
 import argparse
 
 import numpy as np
-
 from inproc import Run, build, clusters_of, drive, timer
 
 NODES, STEPS_PER_ROUND, EVERY = 12, 20, 5
-LEARNER = {"dataset": "mnist1d", "dataset_params": {"num_samples": 8000}, "partition": "label_permutation",
-           "partition_params": {"num_clusters": 4, "samples_per_node": 500}, "model": "cnn",
-           "model_params": {"channels": [16, 32], "fc": 64}, "optimizer": "adam", "lr": 0.003,
-           "batch_size": 32, "local_steps": 20}
+LEARNER = {
+    "dataset": "mnist1d",
+    "dataset_params": {"num_samples": 8000},
+    "partition": "label_permutation",
+    "partition_params": {"num_clusters": 4, "samples_per_node": 500},
+    "model": "cnn",
+    "model_params": {"channels": [16, 32], "fc": 64},
+    "optimizer": "adam",
+    "lr": 0.003,
+    "batch_size": 32,
+    "local_steps": 20,
+}
 COBO = {"local_steps": STEPS_PER_ROUND}
 LOCAL_S1 = 0.42  # S1's local mean accuracy (bench/results/summary.md, seed 0)
 
@@ -46,10 +54,17 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-steps", type=int, default=5000)
     ap.add_argument("--resummarise", action="store_true", help="recompute the summary of the last run")
-    ap.add_argument("--optimizer", choices=["sgd", "learner"], default="sgd",
-                    help="COBO's gradient step: the paper's plain SGD, or the node's optimizer as S1 sets it")
-    ap.add_argument("--full", action="store_true",
-                    help="run all --max-steps (the paper's 5,000) instead of stopping once every node ranks its mates first")
+    ap.add_argument(
+        "--optimizer",
+        choices=["sgd", "learner"],
+        default="sgd",
+        help="COBO's gradient step: the paper's plain SGD, or the node's optimizer as S1 sets it",
+    )
+    ap.add_argument(
+        "--full",
+        action="store_true",
+        help="run all --max-steps (the paper's 5,000) instead of stopping once every node ranks its mates first",
+    )
     args = ap.parse_args()
     if args.resummarise:
         return resummarise(args.seed)
@@ -57,9 +72,19 @@ def main() -> None:
     same = (clusters[:, None] == clusters[None, :]) & ~np.eye(NODES, dtype=bool)
     other = clusters[:, None] != clusters[None, :]
     cobo = {**COBO, "optimizer": args.optimizer}
-    run = Run("cobo_fig3", {"nodes": NODES, "max_steps": args.max_steps, "seed": args.seed, "learner": LEARNER,
-                            "full": args.full, "strategies": {"cobo": cobo}, "true_clusters": clusters.tolist(),
-                            "harness": "in-process, barrier-synchronous rounds"})
+    run = Run(
+        "cobo_fig3",
+        {
+            "nodes": NODES,
+            "max_steps": args.max_steps,
+            "seed": args.seed,
+            "learner": LEARNER,
+            "full": args.full,
+            "strategies": {"cobo": cobo},
+            "true_clusters": clusters.tolist(),
+            "harness": "in-process, barrier-synchronous rounds",
+        },
+    )
     clock = timer()
     hub = build("cobo", cobo, LEARNER, NODES, args.seed)
     history, ranked_since, rnd = [], None, 0
@@ -69,13 +94,23 @@ def main() -> None:
         W = raw_W(hub)
         steps = rnd * STEPS_PER_ROUND
         match = bool(np.all((W > 0.5)[~np.eye(NODES, dtype=bool)] == same[~np.eye(NODES, dtype=bool)]))
-        rec = {"round": rnd, "steps": steps, "W_in": float(W[same].mean()), "W_cross": float(W[other].mean()),
-               "W_cross_max": float(W[other].max()), "W_in_min": float(W[same].min()), "matches_oracle": match,
-               "acc": float(np.mean(list(rows[-1]["test_acc"].values()))), "W": W.round(4).tolist()}
+        rec = {
+            "round": rnd,
+            "steps": steps,
+            "W_in": float(W[same].mean()),
+            "W_cross": float(W[other].mean()),
+            "W_cross_max": float(W[other].max()),
+            "W_in_min": float(W[same].min()),
+            "matches_oracle": match,
+            "acc": float(np.mean(list(rows[-1]["test_acc"].values()))),
+            "W": W.round(4).tolist(),
+        }
         history.append(rec)
-        print(f"step {steps:5d}: W in-cluster {rec['W_in']:.2f} (min {rec['W_in_min']:.2f}), cross "
-              f"{rec['W_cross']:.2f} (max {rec['W_cross_max']:.2f}), oracle match {match}, acc {rec['acc']:.3f}",
-              flush=True)
+        print(
+            f"step {steps:5d}: W in-cluster {rec['W_in']:.2f} (min {rec['W_in_min']:.2f}), cross "
+            f"{rec['W_cross']:.2f} (max {rec['W_cross_max']:.2f}), oracle match {match}, acc {rec['acc']:.3f}",
+            flush=True,
+        )
         rec["ranked"] = bool(all(W[i][same[i]].min() > W[i][other[i]].max() for i in range(NODES)))
         run.rounds, run.wall_s = history, clock()
         summarise(run, history, same)  # written as it goes: a long run stopped early keeps its records
@@ -106,38 +141,57 @@ def summarise(run: Run, history: list[dict], same: np.ndarray) -> None:
     rank = first(ranked)
     match = first(lambda h: h["matches_oracle"])
     beats = first(lambda h: h["acc"] >= LOCAL_S1 + 0.03)
-    run.summary = {"steps_run": history[-1]["steps"], "steps_first_separating": start_sep,
-                   "steps_cross_below_half": half, "steps_first_ranked": rank, "steps_first_oracle_match": match,
-                   "oracle_match_share_after": (None if match is None else float(np.mean(
-                       [h["matches_oracle"] for h in history if h["steps"] >= match]))),
-                   "steps_acc_local_plus_3": beats,
-                   "at_600_steps": {k: at600[k] for k in ("W_in", "W_cross", "acc")},
-                   "final": {k: history[-1][k] for k in ("W_in", "W_cross", "acc", "matches_oracle")}}
-    run.claim("the pair weights start separating by cluster after ~300 iterations (0.75% of training)",
-              f"in-cluster minus cross-cluster W > 0.1 first at step {start_sep}; at S1's 600 steps: "
-              f"in {at600['W_in']:.2f}, cross {at600['W_cross']:.2f}, accuracy {100 * at600['acc']:.1f}%")
+    run.summary = {
+        "steps_run": history[-1]["steps"],
+        "steps_first_separating": start_sep,
+        "steps_cross_below_half": half,
+        "steps_first_ranked": rank,
+        "steps_first_oracle_match": match,
+        "oracle_match_share_after": (
+            None if match is None else float(np.mean([h["matches_oracle"] for h in history if h["steps"] >= match]))
+        ),
+        "steps_acc_local_plus_3": beats,
+        "at_600_steps": {k: at600[k] for k in ("W_in", "W_cross", "acc")},
+        "final": {k: history[-1][k] for k in ("W_in", "W_cross", "acc", "matches_oracle")},
+    }
+    run.claim(
+        "the pair weights start separating by cluster after ~300 iterations (0.75% of training)",
+        f"in-cluster minus cross-cluster W > 0.1 first at step {start_sep}; at S1's 600 steps: "
+        f"in {at600['W_in']:.2f}, cross {at600['W_cross']:.2f}, accuracy {100 * at600['acc']:.1f}%",
+    )
     W_end = np.array(history[-1]["W"])
     cross_high = int(((W_end > 0.5) & ~same & off).sum())
     mates_low = int(((W_end <= 0.5) & same).sum())
-    why_not = (f"not within the run: at the end {cross_high} cross-cluster pairs sit above 0.5 and "
-               f"{mates_low} of {int(same.sum())} mate pairs at or below it")
+    why_not = (
+        f"not within the run: at the end {cross_high} cross-cluster pairs sit above 0.5 and "
+        f"{mates_low} of {int(same.sum())} mate pairs at or below it"
+    )
     run.summary["final"].update({"cross_pairs_above_half": cross_high, "mate_pairs_at_or_below_half": mates_low})
-    run.claim("the matrix converges to the oracle's within 5,000 iterations (12.5%)",
-              f"mean cross-cluster W below 0.5 at step {half}; every node ranks its mates above all others "
-              f"from step {rank}; W > 0.5 exactly for mates (the oracle matrix) "
-              + (f"first at step {match}, then at {100 * run.summary['oracle_match_share_after']:.0f}% of the "
-                 f"later records" if match is not None else why_not)
-              + f" (run: {history[-1]['steps']} steps); accuracy {100 * history[-1]['acc']:.1f}% at the end")
-    run.claim("(S1's budget) COBO is run for 40,000 iterations in the paper; S1 gives it 600 steps",
-              f"mean accuracy first ≥ S1's local + 3 points ({100 * (LOCAL_S1 + 0.03):.0f}%) at step {beats}, "
-              f"i.e. ≈{(beats or 0) // STEPS_PER_ROUND} rounds of {STEPS_PER_ROUND} steps where S1 runs 30: "
-              f"at 600 steps the cross-cluster pull (W ≈ {at600['W_cross']:.2f}) still costs accuracy")
+    run.claim(
+        "the matrix converges to the oracle's within 5,000 iterations (12.5%)",
+        f"mean cross-cluster W below 0.5 at step {half}; every node ranks its mates above all others "
+        f"from step {rank}; W > 0.5 exactly for mates (the oracle matrix) "
+        + (
+            f"first at step {match}, then at {100 * run.summary['oracle_match_share_after']:.0f}% of the later records"
+            if match is not None
+            else why_not
+        )
+        + f" (run: {history[-1]['steps']} steps); accuracy {100 * history[-1]['acc']:.1f}% at the end",
+    )
+    run.claim(
+        "(S1's budget) COBO is run for 40,000 iterations in the paper; S1 gives it 600 steps",
+        f"mean accuracy first ≥ S1's local + 3 points ({100 * (LOCAL_S1 + 0.03):.0f}%) at step {beats}, "
+        f"i.e. ≈{(beats or 0) // STEPS_PER_ROUND} rounds of {STEPS_PER_ROUND} steps where S1 runs 30: "
+        f"at 600 steps the cross-cluster pull (W ≈ {at600['W_cross']:.2f}) still costs accuracy",
+    )
 
 
 def resummarise(seed: int) -> None:
     """Recompute the summary of an existing run's JSON (no training)."""
     import json
+
     from inproc import RESULTS
+
     data = json.loads((RESULTS / "papers_cobo_fig3.json").read_text())
     run = Run("cobo_fig3", data["config"], rounds=data["rounds"], wall_s=data["wall_s"])
     c = np.asarray(data["config"]["true_clusters"])

@@ -7,6 +7,7 @@ gives the floor on the same shards. Appends one JSON line per run to ``--out``.
 
     python bench/papers/cobo_s1_budget.py --seed 0 --rounds 30
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,6 @@ import json
 import time
 
 import numpy as np
-
 from cobo_fig3 import LEARNER
 from inproc import RESULTS, build
 from strategy_harness import run_rounds
@@ -28,14 +28,20 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--strategy", default="cobo")
     ap.add_argument("--params", default="{}", help="strategy parameters (JSON; COBO: over S1's local_steps = 20)")
-    ap.add_argument("--oracle-w", action="store_true",
-                    help="diagnostic: W fixed to the true cluster matrix (γ = 0): the consensus term's ceiling")
+    ap.add_argument(
+        "--oracle-w",
+        action="store_true",
+        help="diagnostic: W fixed to the true cluster matrix (γ = 0): the consensus term's ceiling",
+    )
     ap.add_argument("--out", default=str(RESULTS / "fidelity_s1_runs.jsonl"))
     args = ap.parse_args()
     # the paper's plain SGD unless --params says otherwise (the rows in fidelity.md were run so;
     # the node's default is now the learner's optimizer)
-    params = ({"local_steps": 20, "optimizer": "sgd", **json.loads(args.params)} if args.strategy == "cobo"
-              else json.loads(args.params))
+    params = (
+        {"local_steps": 20, "optimizer": "sgd", **json.loads(args.params)}
+        if args.strategy == "cobo"
+        else json.loads(args.params)
+    )
     if args.oracle_w:
         params["gamma"] = 0.0
     hub = build(args.strategy, params, LEARNER, 12, args.seed)
@@ -62,15 +68,35 @@ def main() -> None:
                 w = hub.nodes[n].strategy.weights()
                 tot = sum(v for p, v in w.items() if p != n)
                 share.append(sum(v for p, v in w.items() if p != n and cl[p] == cl[n]) / tot if tot else 2 / 11)
-            row.update({"in_share": float(np.mean(share)), "W_in": float(np.mean(win)), "W_cross": float(np.mean(wcr)),
-                        "ip_in": float(np.mean(ins)) if ins else None, "ip_cross": float(np.mean(crs)) if crs else None,
-                        "ip_cross_positive": float(np.mean(np.array(crs) > 0)) if crs else None})
+            row.update(
+                {
+                    "in_share": float(np.mean(share)),
+                    "W_in": float(np.mean(win)),
+                    "W_cross": float(np.mean(wcr)),
+                    "ip_in": float(np.mean(ins)) if ins else None,
+                    "ip_cross": float(np.mean(crs)) if crs else None,
+                    "ip_cross_positive": float(np.mean(np.array(crs) > 0)) if crs else None,
+                }
+            )
         rows.append(row)
         print(json.dumps(row), flush=True)
     with open(args.out, "a") as f:
-        f.write(json.dumps({"strategy": args.strategy, "seed": args.seed, "oracle_w": args.oracle_w, "rounds": args.rounds, "params": params,
-                            "learner": LEARNER, "nodes": 12, "harness": "in-process, barrier rounds",
-                            "records": rows}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "strategy": args.strategy,
+                    "seed": args.seed,
+                    "oracle_w": args.oracle_w,
+                    "rounds": args.rounds,
+                    "params": params,
+                    "learner": LEARNER,
+                    "nodes": 12,
+                    "harness": "in-process, barrier rounds",
+                    "records": rows,
+                }
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

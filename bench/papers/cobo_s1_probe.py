@@ -6,6 +6,7 @@ products of clusters whose models drift apart. Prints one JSON line per record.
 
     python bench/papers/cobo_s1_probe.py --params '{"gamma": 0.0}' --oracle_w --tag oracleW
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,6 @@ import json
 import time
 
 import numpy as np
-
 from cobo_fig3 import LEARNER
 from inproc import build
 from strategy_harness import run_rounds
@@ -48,9 +48,21 @@ for r in range(1, a.rounds + 1):
                 (ipi if cl[p] == cl[n] else ipc).append(v)
             w = hub.nodes[n].strategy.weights()
             tot = sum(v for p, v in w.items() if p != n)
-            share.append(sum(v for p, v in w.items() if p != n and cl[p] == cl[n]) / tot if tot else 2/11)
-        print(json.dumps({"tag": a.tag, "r": r, "acc": round(acc, 4), "share": round(float(np.mean(share)), 3),
-              "Win": round(float(np.mean(win)), 3), "Wcr": round(float(np.mean(wcr)), 3),
-              "ipi": round(float(np.mean(ipi)), 2) if ipi else None, "ipc": round(float(np.mean(ipc)), 2) if ipc else None,
-              "ipc_pos": round(float(np.mean(np.array(ipc) > 0)), 2) if ipc else None,
-              "t": round(time.time() - t0)}), flush=True)
+            share.append(sum(v for p, v in w.items() if p != n and cl[p] == cl[n]) / tot if tot else 2 / 11)
+        print(
+            json.dumps(
+                {
+                    "tag": a.tag,
+                    "r": r,
+                    "acc": round(acc, 4),
+                    "share": round(float(np.mean(share)), 3),
+                    "Win": round(float(np.mean(win)), 3),
+                    "Wcr": round(float(np.mean(wcr)), 3),
+                    "ipi": round(float(np.mean(ipi)), 2) if ipi else None,
+                    "ipc": round(float(np.mean(ipc)), 2) if ipc else None,
+                    "ipc_pos": round(float(np.mean(np.array(ipc) > 0)), 2) if ipc else None,
+                    "t": round(time.time() - t0),
+                }
+            ),
+            flush=True,
+        )

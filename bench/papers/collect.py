@@ -6,13 +6,15 @@ Each reproduction is a script in bench/papers/ with a ``--seed``; it writes its 
 results to bench/results/papers_<name>.json and prints "paper says / we get". This renders them
 in one page, with each script's own description of the setting.
 """
+
 from __future__ import annotations
 
 import ast
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parents[1] / "bench" / "results"
@@ -54,17 +56,32 @@ FIGURES: dict[str, list[tuple[str, Callable[[dict[str, Any]], Any]]]] = {
         ("accuracy % at the end", lambda s: 100 * s["final"]["acc"]),
     ],
     "l2c_fig4": [
-        *[(f"{m}: in-cluster share at round {r}" + (" (before pruning)" if r <= 10 else ""),
-           (lambda s, m=m, r=r: _at(s[m]["in_cluster_mass"], r))) for m in ("l2c", "meta-l2c") for r in (2, 10)],
-        *[(f"{m}: kept neighbours of the same task", (lambda s, m=m: s[m]["kept_correct"])) for m in ("l2c", "meta-l2c")],
+        *[
+            (
+                f"{m}: in-cluster share at round {r}" + (" (before pruning)" if r <= 10 else ""),
+                (lambda s, m=m, r=r: _at(s[m]["in_cluster_mass"], r)),
+            )
+            for m in ("l2c", "meta-l2c")
+            for r in (2, 10)
+        ],
+        *[
+            (f"{m}: kept neighbours of the same task", (lambda s, m=m: s[m]["kept_correct"]))
+            for m in ("l2c", "meta-l2c")
+        ],
         *[(f"{m}: final accuracy %", (lambda s, m=m: 100 * s[m]["final_acc"])) for m in ("l2c", "meta-l2c", "local")],
     ],
     "scool_fig6a": [
-        *[(f"{m}: L1 to the true graph at round {r}", (lambda s, m=m, r=r: _at(s[m]["l1"], r)))
-          for m in ("scool-sbm", "scool-attention") for r in (5, 10)],
+        *[
+            (f"{m}: L1 to the true graph at round {r}", (lambda s, m=m, r=r: _at(s[m]["l1"], r)))
+            for m in ("scool-sbm", "scool-attention")
+            for r in (5, 10)
+        ],
         *[(f"{m}: L1 at the end", (lambda s, m=m: _last(s[m]["l1"]))) for m in ("scool-sbm", "scool-attention")],
         ("L1 of uniform weights (reference)", lambda s: s["l1_uniform_weights"]),
-        *[(f"{m}: final accuracy %", (lambda s, m=m: 100 * s[m]["final_acc"])) for m in ("scool-sbm", "scool-attention")],
+        *[
+            (f"{m}: final accuracy %", (lambda s, m=m: 100 * s[m]["final_acc"]))
+            for m in ("scool-sbm", "scool-attention")
+        ],
     ],
     "fedfomo_fig2": [
         ("affinity AUROC (same cluster vs other) at round 5", lambda s: _at(s["affinity_auroc"], 5)),
@@ -100,9 +117,12 @@ def fmt(v: Any) -> str:
 
 def seeds_table(name: str, runs: dict[int, dict[str, Any]]) -> list[str]:
     seeds = list(runs)
-    lines = [f"Across seeds {seeds} (mean ± 95% CI, Student t over the seeds; `–`: never within the run):", "",
-             "| figure | " + " | ".join(f"seed {k}" for k in seeds) + " | mean ± 95% CI |",
-             "|---|" + "---|" * len(seeds) + "---|"]
+    lines = [
+        f"Across seeds {seeds} (mean ± 95% CI, Student t over the seeds; `–`: never within the run):",
+        "",
+        "| figure | " + " | ".join(f"seed {k}" for k in seeds) + " | mean ± 95% CI |",
+        "|---|" + "---|" * len(seeds) + "---|",
+    ]
     for label, get in FIGURES.get(name, []):
         vals = []
         for r in runs.values():
@@ -127,13 +147,17 @@ def doc(name: str) -> str:
 
 
 def main() -> None:
-    lines = ["# The papers' claims, reproduced", "",
-             "One script per paper in `bench/papers/` (scaled to a 2-core CPU box; every script takes "
-             "`--seed` and writes its config and results to `bench/results/papers_<name>.json`). All run "
-             "in-process: real `TorchLearner`s on real partitions with the strategies' code, peer calls "
-             "through the strategy test harness's network (`tests/strategy_harness.py`), not gRPC. "
-             "Regenerate this page with `python bench/papers/collect.py`. Each section shows seed 0's "
-             "run in words, then the figures behind its claims for every seed run, with their spread.", ""]
+    lines = [
+        "# The papers' claims, reproduced",
+        "",
+        "One script per paper in `bench/papers/` (scaled to a 2-core CPU box; every script takes "
+        "`--seed` and writes its config and results to `bench/results/papers_<name>.json`). All run "
+        "in-process: real `TorchLearner`s on real partitions with the strategies' code, peer calls "
+        "through the strategy test harness's network (`tests/strategy_harness.py`), not gRPC. "
+        "Regenerate this page with `python bench/papers/collect.py`. Each section shows seed 0's "
+        "run in words, then the figures behind its claims for every seed run, with their spread.",
+        "",
+    ]
     for name in ORDER:
         path = RESULTS / f"papers_{name}.json"
         if not path.exists():
@@ -141,10 +165,17 @@ def main() -> None:
             continue
         r = json.loads(path.read_text())
         cfg = r["config"]
-        lines += [f"## {name}", "", doc(name), "",
-                  f"Run: `python bench/papers/{name}.py --seed {cfg.get('seed')}` — {r['wall_s']:.0f} s wall "
-                  f"({cfg.get('harness', 'in-process')}).", "",
-                  "| paper says | we get |", "|---|---|"]
+        lines += [
+            f"## {name}",
+            "",
+            doc(name),
+            "",
+            f"Run: `python bench/papers/{name}.py --seed {cfg.get('seed')}` — {r['wall_s']:.0f} s wall "
+            f"({cfg.get('harness', 'in-process')}).",
+            "",
+            "| paper says | we get |",
+            "|---|---|",
+        ]
         for c in r["claims"]:
             lines.append(f"| {c['paper']} | {c['we']} |")
         lines.append("")

@@ -12,6 +12,7 @@ In-process (bench/papers/inproc.py): real learners, the strategy harness's netwo
 
     python bench/papers/federico_fig1.py --seed 0 --rounds 300
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,6 @@ import math
 
 import numpy as np
 import torch
-
 from inproc import Run, build, drive, timer
 
 NODES = 8
@@ -43,8 +43,10 @@ def fresh_mse(hub, noise: float) -> dict[str, float]:
     for nid, node, x, y in fresh_points(hub, noise):
         lrn = node.learner
         saved = lrn._data["test"]
-        lrn._data["test"] = (torch.as_tensor(x, dtype=torch.float32).reshape(-1, 1),
-                             torch.as_tensor(y, dtype=torch.float32))
+        lrn._data["test"] = (
+            torch.as_tensor(x, dtype=torch.float32).reshape(-1, 1),
+            torch.as_tensor(y, dtype=torch.float32),
+        )
         try:
             out[nid] = float(node.strategy.evaluate()["test_loss"])
         finally:
@@ -68,30 +70,64 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=400)
-    ap.add_argument("--samples-per-node", type=int, default=100,
-                    help="points per client (60%% train); the paper's Fig. 1 has 'limited data'")
+    ap.add_argument(
+        "--samples-per-node",
+        type=int,
+        default=100,
+        help="points per client (60%% train); the paper's Fig. 1 has 'limited data'",
+    )
     ap.add_argument("--noise", type=float, default=0.1, help="σ of y = sin x + N(0, σ²)")
-    ap.add_argument("--strategies", default="federico,local,dpsgd",
-                    help="which to run (federico and local are needed for the comparison)")
+    ap.add_argument(
+        "--strategies",
+        default="federico,local,dpsgd",
+        help="which to run (federico and local are needed for the comparison)",
+    )
     ap.add_argument("--federico-params", default="{}", help="JSON merged into FedeRiCo's parameters")
     ap.add_argument("--name", default="federico_fig1", help="results go to bench/results/papers_<name>.json")
     args = ap.parse_args()
-    learner = {"dataset": "sine", "dataset_params": {"num_samples": 2000, "noise": args.noise},
-               "partition": "sine_intervals", "partition_params": {"samples_per_node": args.samples_per_node},
-               "model": "linear", "optimizer": "adam", "lr": 0.01, "batch_size": 32, "local_steps": 1,
-               "val_fraction": 0.2, "test_fraction": 0.2}
-    fed = {"num_neighbours": 3, "eps": 0.3, "beta": 0.6, "loss_reduction": "sum", "local_steps": 1,
-           "grad_samples": None,
-           # Alg. 1 as printed: ℓ_ii is never measured (stays 0, l.3) and untried peers start at
-           # L̂ = 0. The summed loss of a near-noiseless regression makes exp(0) a fair bar (a good
-           # adjacent model's summed MSE is ~1); the node's defaults measure ℓ_ii instead
-           # (docs/federico.md), which with a one-hot summed-loss E-step lets models be adopted
-           # by other clients from the random start (seed 0: fidelity.md §3)
-           "own_loss": "prior", "untried": "optimistic", **json.loads(args.federico_params)}
-    run = Run(args.name, {"nodes": NODES, "rounds": args.rounds, "seed": args.seed, "learner": learner,
-                                "strategies": {k: v for k, v in (("federico", fed), ("local", {}), ("dpsgd", {}))
-                                               if k in args.strategies.split(",")},
-                                "own_init": True, "harness": "in-process, barrier-synchronous rounds"})
+    learner = {
+        "dataset": "sine",
+        "dataset_params": {"num_samples": 2000, "noise": args.noise},
+        "partition": "sine_intervals",
+        "partition_params": {"samples_per_node": args.samples_per_node},
+        "model": "linear",
+        "optimizer": "adam",
+        "lr": 0.01,
+        "batch_size": 32,
+        "local_steps": 1,
+        "val_fraction": 0.2,
+        "test_fraction": 0.2,
+    }
+    fed = {
+        "num_neighbours": 3,
+        "eps": 0.3,
+        "beta": 0.6,
+        "loss_reduction": "sum",
+        "local_steps": 1,
+        "grad_samples": None,
+        # Alg. 1 as printed: ℓ_ii is never measured (stays 0, l.3) and untried peers start at
+        # L̂ = 0. The summed loss of a near-noiseless regression makes exp(0) a fair bar (a good
+        # adjacent model's summed MSE is ~1); the node's defaults measure ℓ_ii instead
+        # (docs/federico.md), which with a one-hot summed-loss E-step lets models be adopted
+        # by other clients from the random start (seed 0: fidelity.md §3)
+        "own_loss": "prior",
+        "untried": "optimistic",
+        **json.loads(args.federico_params),
+    }
+    run = Run(
+        args.name,
+        {
+            "nodes": NODES,
+            "rounds": args.rounds,
+            "seed": args.seed,
+            "learner": learner,
+            "strategies": {
+                k: v for k, v in (("federico", fed), ("local", {}), ("dpsgd", {})) if k in args.strategies.split(",")
+            },
+            "own_init": True,
+            "harness": "in-process, barrier-synchronous rounds",
+        },
+    )
     clock = timer()
     mse: dict[str, dict[str, float]] = {}
     which = args.strategies.split(",")
@@ -111,8 +147,10 @@ def main() -> None:
             M = np.array([[n.learner.loss(p, "train").loss for p in models] for n in hub.nodes.values()])
             # Alg. 1 l.21-24: every M-step applies the pushes that reached the node (one step a round here)
             pub = [n.strategy.public_state() for n in hub.nodes.values()]
-            pushes = {"applied_per_node_round": sum(p["pushed_applied"] for p in pub) / (NODES * args.rounds),
-                      "dropped": int(sum(p["pushed_dropped"] for p in pub))}
+            pushes = {
+                "applied_per_node_round": sum(p["pushed_applied"] for p in pub) / (NODES * args.rounds),
+                "dropped": int(sum(p["pushed_dropped"] for p in pub)),
+            }
     run.wall_s = clock()
     idx = np.arange(NODES)
     near = np.abs(idx[:, None] - idx[None, :]) <= 1
@@ -124,27 +162,38 @@ def main() -> None:
     fit_uniform, fit_best = float(np.mean(M.mean(1))), float(np.mean(M.min(1)))
     beats = float(np.mean([mse["federico"][n] < mse["local"][n] for n in mse["local"]]))
     beats_ls = float(np.mean([mse["federico"][n] < mse["local_least_squares"][n] for n in mse["local"]]))
-    run.summary = {"test_mse": means, "test_mse_per_node": mse, "weight_on_self_and_adjacent": mass_near,
-                   "uniform_weight_on_self_and_adjacent": chance_near,
-                   "top_peer_is_adjacent": argmax_adjacent, "federico_beats_local_share": beats,
-                   "federico_beats_local_least_squares_share": beats_ls,
-                   "model_fit_mse": {"weighted": fit_weighted, "uniform": fit_uniform, "best": fit_best},
-                   "pushes": pushes,
-                   "final_W": W.round(3).tolist()}
+    run.summary = {
+        "test_mse": means,
+        "test_mse_per_node": mse,
+        "weight_on_self_and_adjacent": mass_near,
+        "uniform_weight_on_self_and_adjacent": chance_near,
+        "top_peer_is_adjacent": argmax_adjacent,
+        "federico_beats_local_share": beats,
+        "federico_beats_local_least_squares_share": beats_ls,
+        "model_fit_mse": {"weighted": fit_weighted, "uniform": fit_uniform, "best": fit_best},
+        "pushes": pushes,
+        "final_W": W.round(3).tolist(),
+    }
     print(f"FedeRiCo Fig. 1 (seed {args.seed}, {args.rounds} rounds, {run.wall_s:.0f}s)")
     np.set_printoptions(precision=2, suppress=True, linewidth=160)
     print(W)
-    run.claim("weights concentrate on self and the adjacent intervals (Fig. 1 right)",
-              f"weight on self+adjacent {mass_near:.2f} (uniform {chance_near:.2f}); the top peer is an "
-              f"adjacent interval for {100 * argmax_adjacent:.0f}% of clients")
-    run.claim("clients weight the models that fit their data (the right collaborators)",
-              f"Σ_j w_ij·MSE(θ_j on D_i) = {fit_weighted:.4f} vs {fit_uniform:.4f} for uniform weights "
-              f"(best single model {fit_best:.4f})")
-    run.claim("personalised models fit each interval better than FedAvg's one model and than local",
-              f"test MSE federico {means['federico']:.4f}, local {means['local']:.4f}, "
-              f"dpsgd {means.get('dpsgd', float('nan')):.4f}; federico below local on {100 * beats:.0f}% of clients; "
-              f"below the least-squares line on its own points (local run to convergence, "
-              f"{means['local_least_squares']:.4f}) on {100 * beats_ls:.0f}%")
+    run.claim(
+        "weights concentrate on self and the adjacent intervals (Fig. 1 right)",
+        f"weight on self+adjacent {mass_near:.2f} (uniform {chance_near:.2f}); the top peer is an "
+        f"adjacent interval for {100 * argmax_adjacent:.0f}% of clients",
+    )
+    run.claim(
+        "clients weight the models that fit their data (the right collaborators)",
+        f"Σ_j w_ij·MSE(θ_j on D_i) = {fit_weighted:.4f} vs {fit_uniform:.4f} for uniform weights "
+        f"(best single model {fit_best:.4f})",
+    )
+    run.claim(
+        "personalised models fit each interval better than FedAvg's one model and than local",
+        f"test MSE federico {means['federico']:.4f}, local {means['local']:.4f}, "
+        f"dpsgd {means.get('dpsgd', float('nan')):.4f}; federico below local on {100 * beats:.0f}% of clients; "
+        f"below the least-squares line on its own points (local run to convergence, "
+        f"{means['local_least_squares']:.4f}) on {100 * beats_ls:.0f}%",
+    )
     print("wrote", run.write())
 
 

@@ -16,6 +16,7 @@ of sharing; a client counts as beaten only if its MSE is strictly lower. Same ge
 
     python bench/papers/federico_fig1_ceiling.py --seed 0
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,11 +65,16 @@ def ceiling(noise: float, points: int, reps: int, rng: np.random.Generator, test
                 a, b = lstsq(x, y, wt)
                 pool[k] += np.mean((a * xt + b - yt) ** 2) < loc
     n = reps * NODES
-    return {"noise": noise, "points_per_client": points, "train_points": ntr, "clients_scored": n,
-            "local_ls_test_mse": float(np.mean(local_mse)),
-            "mixture_beats_local": {str(w): float(c / n) for w, c in zip(MIX_W, mix, strict=True)},
-            "pooled_beats_local": {str(lam): float(c / n) for lam, c in zip(POOL_L, pool, strict=True)},
-            "best_share": float(max(mix.max(), pool.max()) / n)}
+    return {
+        "noise": noise,
+        "points_per_client": points,
+        "train_points": ntr,
+        "clients_scored": n,
+        "local_ls_test_mse": float(np.mean(local_mse)),
+        "mixture_beats_local": {str(w): float(c / n) for w, c in zip(MIX_W, mix, strict=True)},
+        "pooled_beats_local": {str(lam): float(c / n) for lam, c in zip(POOL_L, pool, strict=True)},
+        "best_share": float(max(mix.max(), pool.max()) / n),
+    }
 
 
 def main() -> None:
@@ -79,16 +85,24 @@ def main() -> None:
     ap.add_argument("--points", default="100,20", help="points per client (60%% train), as federico_fig1.py")
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
-    rows = [ceiling(float(s), int(p), args.reps, rng)
-            for s in args.noise.split(",") for p in args.points.split(",")]
+    rows = [ceiling(float(s), int(p), args.reps, rng) for s in args.noise.split(",") for p in args.points.split(",")]
     print(f"{'noise':>5} {'points':>6} {'local LS MSE':>12} {'best mixture':>12} {'best pooled':>11} {'ceiling':>7}")
     for r in rows:
-        print(f"{r['noise']:5.2f} {r['points_per_client']:6d} {r['local_ls_test_mse']:12.4f} "
-              f"{max(r['mixture_beats_local'].values()):12.0%} {max(r['pooled_beats_local'].values()):11.0%} "
-              f"{r['best_share']:7.0%}")
+        print(
+            f"{r['noise']:5.2f} {r['points_per_client']:6d} {r['local_ls_test_mse']:12.4f} "
+            f"{max(r['mixture_beats_local'].values()):12.0%} {max(r['pooled_beats_local'].values()):11.0%} "
+            f"{r['best_share']:7.0%}"
+        )
     out = Path(__file__).resolve().parents[1] / "results" / f"federico_fig1_ceiling_s{args.seed}.json"
-    out.write_text(json.dumps({"config": {**vars(args), "nodes": NODES, "mixture_weights": MIX_W,
-                                          "pooled_lambdas": POOL_L}, "rows": rows}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "config": {**vars(args), "nodes": NODES, "mixture_weights": MIX_W, "pooled_lambdas": POOL_L},
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print("wrote", out)
 
 

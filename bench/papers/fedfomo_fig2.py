@@ -13,19 +13,27 @@ In-process (bench/papers/inproc.py), barrier rounds.
 
     python bench/papers/fedfomo_fig2.py --seed 0
 """
+
 from __future__ import annotations
 
 import argparse
 
 import numpy as np
-
 from inproc import Run, build, clusters_of, drive, in_cluster_mass, timer
 
 NODES = 15
-LEARNER = {"dataset": "mnist1d", "dataset_params": {"num_samples": 8000}, "partition": "label_permutation",
-           "partition_params": {"num_clusters": 5, "samples_per_node": 500}, "model": "cnn",
-           "model_params": {"channels": [16, 32], "fc": 64}, "optimizer": "adam", "lr": 0.003,
-           "batch_size": 32, "local_steps": 20}
+LEARNER = {
+    "dataset": "mnist1d",
+    "dataset_params": {"num_samples": 8000},
+    "partition": "label_permutation",
+    "partition_params": {"num_clusters": 5, "samples_per_node": 500},
+    "model": "cnn",
+    "model_params": {"channels": [16, 32], "fc": 64},
+    "optimizer": "adam",
+    "lr": 0.003,
+    "batch_size": 32,
+    "local_steps": 20,
+}
 
 
 def affinity(s) -> dict:
@@ -47,9 +55,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
     clusters = clusters_of(LEARNER, NODES, args.seed)
-    run = Run("fedfomo_fig2", {"nodes": NODES, "rounds": args.rounds, "seed": args.seed, "learner": LEARNER,
-                               "strategies": {"fedfomo": {}, "local": {}}, "true_clusters": clusters,
-                               "harness": "in-process, barrier-synchronous rounds"})
+    run = Run(
+        "fedfomo_fig2",
+        {
+            "nodes": NODES,
+            "rounds": args.rounds,
+            "seed": args.seed,
+            "learner": LEARNER,
+            "strategies": {"fedfomo": {}, "local": {}},
+            "true_clusters": clusters,
+            "harness": "in-process, barrier-synchronous rounds",
+        },
+    )
     clock = timer()
     hub = build("fedfomo", {}, LEARNER, NODES, args.seed)
     ids = list(hub.nodes)
@@ -72,21 +89,33 @@ def main() -> None:
     lacc = float(np.mean(list(lrows[-1]["test_acc"].values())))
     beats = float(np.mean([rows[-1]["test_acc"][n] > lrows[-1]["test_acc"][n] for n in ids]))
     run.rounds = rows
-    run.summary = {"affinity_auroc": aff, "final_mean_P_same": p_same, "final_mean_P_other": p_other, "in_cluster_used_weights": used, "final_acc": acc,
-                   "local_acc": lacc, "beats_local_share": beats, "final_P": P(rows[-1]).round(3).tolist()}
+    run.summary = {
+        "affinity_auroc": aff,
+        "final_mean_P_same": p_same,
+        "final_mean_P_other": p_other,
+        "in_cluster_used_weights": used,
+        "final_acc": acc,
+        "local_acc": lacc,
+        "beats_local_share": beats,
+        "final_P": P(rows[-1]).round(3).tolist(),
+    }
     np.set_printoptions(precision=2, suppress=True, linewidth=200)
     print(P(rows[-1]))
     chance = 2 / 14
     r = args.rounds
-    run.claim("FedFomo up-weights the clients of the same distribution over the rounds (Fig. 2, P)",
-              f"AUROC of P against same-distribution: {aff[1]:.2f} after round 1, {aff[min(5, r)]:.2f} after "
-              f"round {min(5, r)}, {aff[r]:.2f} after round {r} (0.5 = no structure); final mean P "
-              f"{p_same:.2f} on same-distribution clients, {p_other:.2f} on the others")
+    run.claim(
+        "FedFomo up-weights the clients of the same distribution over the rounds (Fig. 2, P)",
+        f"AUROC of P against same-distribution: {aff[1]:.2f} after round 1, {aff[min(5, r)]:.2f} after "
+        f"round {min(5, r)}, {aff[r]:.2f} after round {r} (0.5 = no structure); final mean P "
+        f"{p_same:.2f} on same-distribution clients, {p_other:.2f} on the others",
+    )
     mean_used = float(np.nanmean([v for v in used.values()]))
-    run.claim("(the weights the updates used)",
-              f"in-cluster share of the peer weight, mean over rounds that used a peer: {mean_used:.2f} "
-              f"(chance {chance:.2f}); accuracy "
-              f"{100 * acc:.1f}% vs local {100 * lacc:.1f}%, above local on {100 * beats:.0f}% of clients")
+    run.claim(
+        "(the weights the updates used)",
+        f"in-cluster share of the peer weight, mean over rounds that used a peer: {mean_used:.2f} "
+        f"(chance {chance:.2f}); accuracy "
+        f"{100 * acc:.1f}% vs local {100 * lacc:.1f}%, above local on {100 * beats:.0f}% of clients",
+    )
     print("wrote", run.write())
 
 

@@ -10,6 +10,7 @@ node after the other. One process: CPU only, one torch thread.
 ``Run`` records per round the weight matrix, each node's test metrics and the strategies'
 ``public_state``; ``write`` puts the full config next to the results.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,9 +18,10 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,17 +41,18 @@ RESULTS = ROOT / "bench" / "results"
 torch.set_num_threads(1)
 
 
-def build(strategy: str, params: dict[str, Any] | None, learner: dict[str, Any], nodes: int,
-          seed: int, own_init: bool = False) -> Hub:
+def build(
+    strategy: str, params: dict[str, Any] | None, learner: dict[str, Any], nodes: int, seed: int, own_init: bool = False
+) -> Hub:
     """A hub of ``nodes`` real learners (node i: ``learner`` with node_index i, data/init seed
     ``seed``; ``own_init``: init seed ``seed + i``, each node its own θ⁰), each with its
     ``strategy``; every node has published its θ⁰ (round 0)."""
     hub = Hub()
-    base = LearnerConfig(**{**learner, "num_nodes": nodes, "data_seed": seed, "init_seed": seed,
-                            "device": "cpu"})
+    base = LearnerConfig(**{**learner, "num_nodes": nodes, "data_seed": seed, "init_seed": seed, "device": "cpu"})
     pool = load_pool(base.dataset, base.dataset_params, base.data_seed)
     shards = partition(pool, base)
     from coterie.node.learning.partition import node_data
+
     for i in range(nodes):
         cfg = base.model_copy(update={"node_index": i, **({"init_seed": seed + i} if own_init else {})})
         lrn = TorchLearner(cfg, pool=pool, data=node_data(pool, cfg, shards))
@@ -99,24 +102,46 @@ class Run:
         seed = self.config.get("seed", 0)
         suffix = "" if not seed or self.name.endswith(f"_s{seed}") else f"_s{seed}"
         path = RESULTS / f"papers_{self.name}{suffix}.json"
-        path.write_text(json.dumps({"name": self.name, "config": self.config, "summary": self.summary,
-                                    "claims": self.claims, "rounds": self.rounds, "wall_s": self.wall_s,
-                                    "machine": platform.platform(), "torch": torch.__version__},
-                                   indent=1, default=float))
+        path.write_text(
+            json.dumps(
+                {
+                    "name": self.name,
+                    "config": self.config,
+                    "summary": self.summary,
+                    "claims": self.claims,
+                    "rounds": self.rounds,
+                    "wall_s": self.wall_s,
+                    "machine": platform.platform(),
+                    "torch": torch.__version__,
+                },
+                indent=1,
+                default=float,
+            )
+        )
         return path
 
 
 def record(hub: Hub, rnd: int, metric: str = "test_acc", state: Callable[[Any], Any] | None = None) -> dict:
     evals = {nid: n.strategy.evaluate() for nid, n in hub.nodes.items()}
-    out = {"round": rnd, "W": weight_matrix(hub).round(5).tolist(),
-           metric: {nid: e.get(metric, e.get("test_loss")) for nid, e in evals.items()}}
+    out = {
+        "round": rnd,
+        "W": weight_matrix(hub).round(5).tolist(),
+        metric: {nid: e.get(metric, e.get("test_loss")) for nid, e in evals.items()},
+    }
     if state is not None:
         out["state"] = {nid: state(n.strategy) for nid, n in hub.nodes.items()}
     return out
 
 
-def drive(hub: Hub, rounds: int, synchronous: bool = True, every: int = 1, metric: str = "test_acc",
-          state: Callable[[Any], Any] | None = None, start: int = 1) -> list[dict]:
+def drive(
+    hub: Hub,
+    rounds: int,
+    synchronous: bool = True,
+    every: int = 1,
+    metric: str = "test_acc",
+    state: Callable[[Any], Any] | None = None,
+    start: int = 1,
+) -> list[dict]:
     """Run ``rounds`` rounds, recording after every ``every``-th one (and the last)."""
     out = []
     for r in range(start, start + rounds):

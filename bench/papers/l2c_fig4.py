@@ -10,24 +10,34 @@ In-process (bench/papers/inproc.py): real learners, the strategy harness's netwo
 
     python bench/papers/l2c_fig4.py --seed 0
 """
+
 from __future__ import annotations
 
 import argparse
 
 import numpy as np
-
 from inproc import Run, build, clusters_of, drive, in_cluster_mass, timer
 
 NODES = 15
-LEARNER = {"dataset": "mnist1d", "dataset_params": {"num_samples": 4000}, "partition": "class_groups",
-           "partition_params": {"num_groups": 5, "classes_per_group": 2, "samples_per_node": 150},
-           "model": "mlp", "model_params": {"hidden": [64, 64]}, "optimizer": "adam", "lr": 0.003,
-           "batch_size": 16, "local_steps": 10}
+LEARNER = {
+    "dataset": "mnist1d",
+    "dataset_params": {"num_samples": 4000},
+    "partition": "class_groups",
+    "partition_params": {"num_groups": 5, "classes_per_group": 2, "samples_per_node": 150},
+    "model": "mlp",
+    "model_params": {"hidden": [64, 64]},
+    "optimizer": "adam",
+    "lr": 0.003,
+    "batch_size": 16,
+    "local_steps": 10,
+}
 
 
 def kept_correct(hub, clusters: list[int]) -> float | None:
     ids = list(hub.nodes)
-    picks = [(i, ids.index(k)) for i, n in enumerate(hub.nodes.values()) for k in (getattr(n.strategy, "_kept", None) or [])]
+    picks = [
+        (i, ids.index(k)) for i, n in enumerate(hub.nodes.values()) for k in (getattr(n.strategy, "_kept", None) or [])
+    ]
     return None if not picks else float(np.mean([clusters[i] == clusters[j] for i, j in picks]))
 
 
@@ -37,9 +47,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
     clusters = clusters_of(LEARNER, NODES, args.seed)
-    run = Run("l2c_fig4", {"nodes": NODES, "rounds": args.rounds, "seed": args.seed, "learner": LEARNER,
-                           "strategies": {"l2c": {}, "meta-l2c": {}, "local": {}}, "true_clusters": clusters,
-                           "harness": "in-process, barrier-synchronous rounds, round-aligned pulls"})
+    run = Run(
+        "l2c_fig4",
+        {
+            "nodes": NODES,
+            "rounds": args.rounds,
+            "seed": args.seed,
+            "learner": LEARNER,
+            "strategies": {"l2c": {}, "meta-l2c": {}, "local": {}},
+            "true_clusters": clusters,
+            "harness": "in-process, barrier-synchronous rounds, round-aligned pulls",
+        },
+    )
     clock = timer()
     out: dict[str, dict] = {}
     for name in ("l2c", "meta-l2c", "local"):
@@ -47,9 +66,14 @@ def main() -> None:
         rows = drive(hub, args.rounds)
         mass = {r["round"]: in_cluster_mass(np.array(r["W"]), clusters) for r in rows}
         acc = float(np.mean(list(rows[-1]["test_acc"].values())))
-        out[name] = {"in_cluster_mass": mass, "kept_correct": kept_correct(hub, clusters),
-                     "kept_per_node": [len(getattr(n.strategy, "_kept", None) or []) for n in hub.nodes.values()]
-                     if name != "local" else None, "final_acc": acc}
+        out[name] = {
+            "in_cluster_mass": mass,
+            "kept_correct": kept_correct(hub, clusters),
+            "kept_per_node": [len(getattr(n.strategy, "_kept", None) or []) for n in hub.nodes.values()]
+            if name != "local"
+            else None,
+            "final_acc": acc,
+        }
         if name != "local":
             run.rounds += [{**r, "strategy": name} for r in rows]
         print(name, {k: round(v, 3) for k, v in mass.items()}, "acc", round(acc, 3), flush=True)
@@ -59,11 +83,13 @@ def main() -> None:
     for name in ("l2c", "meta-l2c"):
         o = out[name]
         m10 = o["in_cluster_mass"].get(10)
-        run.claim(f"{name}: after 10 rounds the weights identify the nodes of the same task (Fig. 4)",
-                  f"in-cluster weight share {o['in_cluster_mass'][2]:.2f} at round 2 (the first aggregation), {m10:.2f} at round 10, "
-                  f"{o['in_cluster_mass'][args.rounds]:.2f} at round {args.rounds} (chance {chance:.2f}); "
-                  f"neighbours kept at T0: {100 * o['kept_correct']:.0f}% same task; accuracy "
-                  f"{100 * o['final_acc']:.1f}% vs local {100 * out['local']['final_acc']:.1f}%")
+        run.claim(
+            f"{name}: after 10 rounds the weights identify the nodes of the same task (Fig. 4)",
+            f"in-cluster weight share {o['in_cluster_mass'][2]:.2f} at round 2 (the first aggregation), {m10:.2f} at round 10, "
+            f"{o['in_cluster_mass'][args.rounds]:.2f} at round {args.rounds} (chance {chance:.2f}); "
+            f"neighbours kept at T0: {100 * o['kept_correct']:.0f}% same task; accuracy "
+            f"{100 * o['final_acc']:.1f}% vs local {100 * out['local']['final_acc']:.1f}%",
+        )
     print("wrote", run.write())
 
 

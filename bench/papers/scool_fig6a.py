@@ -12,19 +12,27 @@ pulls. In-process (bench/papers/inproc.py).
 
     python bench/papers/scool_fig6a.py --seed 0
 """
+
 from __future__ import annotations
 
 import argparse
 
 import numpy as np
-
 from inproc import Run, build, clusters_of, drive, in_cluster_mass, timer
 
 NODES, GROUPS = 15, 5
-LEARNER = {"dataset": "mnist1d", "dataset_params": {"num_samples": 4000}, "partition": "class_groups",
-           "partition_params": {"num_groups": GROUPS, "classes_per_group": 2, "samples_per_node": 150},
-           "model": "mlp", "model_params": {"hidden": [64, 64]}, "optimizer": "adam", "lr": 0.003,
-           "batch_size": 16, "local_steps": 10}
+LEARNER = {
+    "dataset": "mnist1d",
+    "dataset_params": {"num_samples": 4000},
+    "partition": "class_groups",
+    "partition_params": {"num_groups": GROUPS, "classes_per_group": 2, "samples_per_node": 150},
+    "model": "mlp",
+    "model_params": {"hidden": [64, 64]},
+    "optimizer": "adam",
+    "lr": 0.003,
+    "batch_size": 16,
+    "local_steps": 10,
+}
 STRATEGIES = {"scool-sbm": {"num_blocks": GROUPS}, "scool-attention": {}}
 
 
@@ -41,18 +49,29 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
     clusters = clusters_of(LEARNER, NODES, args.seed)
-    run = Run("scool_fig6a", {"nodes": NODES, "rounds": args.rounds, "seed": args.seed, "learner": LEARNER,
-                              "strategies": STRATEGIES, "true_clusters": clusters,
-                              "harness": "in-process, barrier-synchronous rounds, round-aligned pulls"})
+    run = Run(
+        "scool_fig6a",
+        {
+            "nodes": NODES,
+            "rounds": args.rounds,
+            "seed": args.seed,
+            "learner": LEARNER,
+            "strategies": STRATEGIES,
+            "true_clusters": clusters,
+            "harness": "in-process, barrier-synchronous rounds, round-aligned pulls",
+        },
+    )
     clock = timer()
     out = {}
     for name, params in STRATEGIES.items():
         hub = build(name, params, LEARNER, NODES, args.seed)
         rows = drive(hub, args.rounds)
         l1 = {r["round"]: l1_to_truth(np.array(r["W"]), clusters) for r in rows}
-        out[name] = {"l1": l1, "in_cluster_mass": {r["round"]: in_cluster_mass(np.array(r["W"]), clusters)
-                                                   for r in rows},
-                     "final_acc": float(np.mean(list(rows[-1]["test_acc"].values())))}
+        out[name] = {
+            "l1": l1,
+            "in_cluster_mass": {r["round"]: in_cluster_mass(np.array(r["W"]), clusters) for r in rows},
+            "final_acc": float(np.mean(list(rows[-1]["test_acc"].values()))),
+        }
         run.rounds += [{**r, "strategy": name} for r in rows]
         print(name, "L1", {k: round(v, 2) for k, v in l1.items()}, flush=True)
     run.wall_s = clock()
@@ -64,15 +83,19 @@ def main() -> None:
         l1 = out[name]["l1"]
         first = min(k for k in l1 if k >= 2)
         below = next((k for k in sorted(l1) if l1[k] < 0.5), None)
-        run.claim(f"{name}: the L1 error of the mixing weights to the true graph falls over 20 rounds (Fig. 6a)",
-                  f"L1 {l1[first]:.2f} at round {first} → {l1[min(10, r)]:.2f} at round {min(10, r)} → "
-                  f"{l1[r]:.2f} at round {r} (uniform weights {uniform:.2f}, self only {alone:.2f}); "
-                  f"first below 0.5 at round {below}")
+        run.claim(
+            f"{name}: the L1 error of the mixing weights to the true graph falls over 20 rounds (Fig. 6a)",
+            f"L1 {l1[first]:.2f} at round {first} → {l1[min(10, r)]:.2f} at round {min(10, r)} → "
+            f"{l1[r]:.2f} at round {r} (uniform weights {uniform:.2f}, self only {alone:.2f}); "
+            f"first below 0.5 at round {below}",
+        )
     sbm, att = out["scool-sbm"]["l1"], out["scool-attention"]["l1"]
     early = [k for k in sbm if 2 <= k <= 10]
-    run.claim("SCool-SBM converges faster than SCool-attention in the non-IID SBM setting, to a similar error",
-              f"mean L1 over rounds 2-10: SBM {np.mean([sbm[k] for k in early]):.2f}, attention "
-              f"{np.mean([att[k] for k in early]):.2f}; at round {r}: SBM {sbm[r]:.2f}, attention {att[r]:.2f}")
+    run.claim(
+        "SCool-SBM converges faster than SCool-attention in the non-IID SBM setting, to a similar error",
+        f"mean L1 over rounds 2-10: SBM {np.mean([sbm[k] for k in early]):.2f}, attention "
+        f"{np.mean([att[k] for k in early]):.2f}; at round {r}: SBM {sbm[r]:.2f}, attention {att[r]:.2f}",
+    )
     print("wrote", run.write())
 
 

@@ -1,17 +1,20 @@
 """What every backend of ``coterie run`` shares: strategy resolution, run directories, the live
 progress view, collecting each node's files into a ``StrategyRun``, and the loop over a
 scenario's strategies that writes ``results.json`` after each one."""
+
 from __future__ import annotations
 
 import json
 import shutil
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from coterie.node.config import ConfigError
 from coterie.node.strategies.registry import strategy_problem
+
 from ..scenario import NodeSpec, Scenario, StrategyRun, node_config
 
 # a personalised strategy to fall back on, in order, when a scenario's choice is not importable
@@ -35,10 +38,10 @@ def resolve_strategies(names: list[str], *, fallback: bool) -> tuple[list[str], 
             continue
         if not fallback:
             raise ConfigError(f"strategy {n!r} cannot run: {problem}")
-        sub = next((f for f in FALLBACK_STRATEGIES
-                    if f not in names and f not in out and strategy_problem(f) is None), None)
-        notes.append(f"strategy {n!r} unavailable ({problem}); "
-                     + (f"using {sub!r} instead" if sub else "skipped"))
+        sub = next(
+            (f for f in FALLBACK_STRATEGIES if f not in names and f not in out and strategy_problem(f) is None), None
+        )
+        notes.append(f"strategy {n!r} unavailable ({problem}); " + (f"using {sub!r} instead" if sub else "skipped"))
         if sub:
             out.append(sub)
     if not out:
@@ -92,8 +95,7 @@ class NodeProgress:
         self.status = status
         ev = status.get("last_eval") or {}
         acc = ev.get("test_acc") if isinstance(ev, dict) else None
-        self.observe(int(status.get("round") or 0), bool(status.get("done")),
-                     None if acc is None else float(acc))
+        self.observe(int(status.get("round") or 0), bool(status.get("done")), None if acc is None else float(acc))
 
     def observe(self, round: int, done: bool, acc: float | None) -> None:
         """Progress read from a node: its round, whether it is done, its last test accuracy (None:
@@ -111,19 +113,28 @@ class LiveView:
 
     def __init__(self, console: Any, strategy: str, specs: Sequence[NodeSpec], rounds: int):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
         self.rounds = rounds
         self.per_node = len(specs) <= PER_NODE_ROWS
-        self.prog = Progress(TextColumn(f"[bold]{strategy}[/] {{task.description:>4}}"), BarColumn(),
-                             MofNCompleteColumn(), TextColumn("acc {task.fields[acc]:>6}"),
-                             TextColumn("{task.fields[state]}"), TimeElapsedColumn(),
-                             console=console, transient=False, refresh_per_second=4)
+        self.prog = Progress(
+            TextColumn(f"[bold]{strategy}[/] {{task.description:>4}}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("acc {task.fields[acc]:>6}"),
+            TextColumn("{task.fields[state]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+            refresh_per_second=4,
+        )
         if self.per_node:
             self.tasks = [self.prog.add_task(s.node_id, total=rounds, acc="–", state="starting") for s in specs]
         else:
-            self.tasks = [self.prog.add_task(f"{len(specs)} nodes", total=rounds * len(specs), acc="–",
-                                             state="starting")]
+            self.tasks = [
+                self.prog.add_task(f"{len(specs)} nodes", total=rounds * len(specs), acc="–", state="starting")
+            ]
 
-    def __enter__(self) -> "LiveView":
+    def __enter__(self) -> LiveView:
         self.prog.start()
         return self
 
@@ -133,18 +144,31 @@ class LiveView:
     def update(self, progress: Sequence[NodeProgress]) -> None:
         if self.per_node:
             for t, pr in zip(self.tasks, progress, strict=True):
-                self.prog.update(t, completed=min(pr.round, self.rounds), state=pr.state,
-                                 acc="–" if pr.acc is None else f"{pr.acc:.3f}")
+                self.prog.update(
+                    t,
+                    completed=min(pr.round, self.rounds),
+                    state=pr.state,
+                    acc="–" if pr.acc is None else f"{pr.acc:.3f}",
+                )
             return
         accs = [p.acc for p in progress if p.acc is not None]
         done = sum(p.done for p in progress)
-        self.prog.update(self.tasks[0], completed=sum(min(p.round, self.rounds) for p in progress),
-                         acc="–" if not accs else f"{sum(accs) / len(accs):.3f}",
-                         state=f"{done}/{len(progress)} done")
+        self.prog.update(
+            self.tasks[0],
+            completed=sum(min(p.round, self.rounds) for p in progress),
+            acc="–" if not accs else f"{sum(accs) / len(accs):.3f}",
+            state=f"{done}/{len(progress)} done",
+        )
 
 
-def network_done(strategy: str, specs: Sequence[NodeSpec], progress: Sequence[NodeProgress],
-                 view: LiveView | None, deadline: float, timeout_s: float) -> bool:
+def network_done(
+    strategy: str,
+    specs: Sequence[NodeSpec],
+    progress: Sequence[NodeProgress],
+    view: LiveView | None,
+    deadline: float,
+    timeout_s: float,
+) -> bool:
     """Every backend's poll, after it read its nodes' progress: show it; True once every node is
     done; LauncherError past the deadline."""
     if view:
@@ -155,18 +179,19 @@ def network_done(strategy: str, specs: Sequence[NodeSpec], progress: Sequence[No
     return False
 
 
-def check_deadline(strategy: str, specs: Sequence[NodeSpec], progress: Sequence[NodeProgress],
-                   deadline: float, timeout_s: float) -> None:
+def check_deadline(
+    strategy: str, specs: Sequence[NodeSpec], progress: Sequence[NodeProgress], deadline: float, timeout_s: float
+) -> None:
     if time.monotonic() > deadline:
         behind = [f"{s.node_id}@{p.round}" for s, p in zip(specs, progress, strict=True) if not p.done]
         more = f" and {len(behind) - 20} more" if len(behind) > 20 else ""
-        raise LauncherError(f"{strategy}: timed out after {timeout_s:.0f}s; not done: "
-                            f"{', '.join(behind[:20])}{more}")
+        raise LauncherError(f"{strategy}: timed out after {timeout_s:.0f}s; not done: {', '.join(behind[:20])}{more}")
 
 
 # ------------------------------------------------------------------------------------- results
-def collect(strategy: str, specs: Sequence[NodeSpec], rounds: int, wall_s: float,
-            progress: Sequence[NodeProgress]) -> StrategyRun:
+def collect(
+    strategy: str, specs: Sequence[NodeSpec], rounds: int, wall_s: float, progress: Sequence[NodeProgress]
+) -> StrategyRun:
     """Each node's history.jsonl and node.json, as results.py reads them."""
     histories, info = {}, {}
     for s in specs:
@@ -175,10 +200,20 @@ def collect(strategy: str, specs: Sequence[NodeSpec], rounds: int, wall_s: float
             info[s.node_id] = json.loads((s.state_dir / "node.json").read_text())
         except (OSError, ValueError):
             info[s.node_id] = {}
-    short = [f"{s.node_id} has {len(histories[s.node_id])}/{rounds} rounds in history.jsonl"
-             for s in specs if len(histories[s.node_id]) < rounds]
-    return StrategyRun(strategy, list(specs), wall_s, histories, info,
-                       {s.node_id: p.status for s, p in zip(specs, progress, strict=True)}, notes=short)
+    short = [
+        f"{s.node_id} has {len(histories[s.node_id])}/{rounds} rounds in history.jsonl"
+        for s in specs
+        if len(histories[s.node_id]) < rounds
+    ]
+    return StrategyRun(
+        strategy,
+        list(specs),
+        wall_s,
+        histories,
+        info,
+        {s.node_id: p.status for s, p in zip(specs, progress, strict=True)},
+        notes=short,
+    )
 
 
 def check_data(sc: Scenario) -> list[str]:
@@ -196,17 +231,30 @@ def check_data(sc: Scenario) -> list[str]:
         lc = cfg.learner
         if lc.data is not None:  # the node's own files: read and checked as the node will
             from coterie.node.learning.own_data import load_own_data
+
             try:
                 load_own_data(lc)
             except (ValueError, OSError) as e:
                 raise ConfigError(f"scenario, node n{i}: data: {e}") from None
             if "oracle" in sc.strategy and "cluster" not in cfg.labels:
-                raise ConfigError(f"scenario, node n{i}: strategy oracle needs a true cluster, which own "
-                                  f"files (learner.data) do not have: set labels.cluster per node "
-                                  f"([[overrides]]) or drop oracle")
+                raise ConfigError(
+                    f"scenario, node n{i}: strategy oracle needs a true cluster, which own "
+                    f"files (learner.data) do not have: set labels.cluster per node "
+                    f"([[overrides]]) or drop oracle"
+                )
             continue
-        key = lc.model_dump_json(include={"dataset", "dataset_params", "partition", "partition_params",
-                                          "num_nodes", "data_seed", "val_fraction", "test_fraction"})
+        key = lc.model_dump_json(
+            include={
+                "dataset",
+                "dataset_params",
+                "partition",
+                "partition_params",
+                "num_nodes",
+                "data_seed",
+                "val_fraction",
+                "test_fraction",
+            }
+        )
         if key in seen:
             continue
         seen.add(key)
@@ -215,8 +263,10 @@ def check_data(sc: Scenario) -> list[str]:
         except (ValueError, OSError) as e:
             raise ConfigError(f"scenario, node n{i}: data: {e}") from None
         if "oracle" in sc.strategy and sc.nodes > 1 and len(set(true_clusters(lc))) == sc.nodes:
-            warnings.append(f"oracle has no meaning here: partition {lc.partition!r} puts every node in "
-                            f"its own cluster, so the oracle learns alone (= local)")
+            warnings.append(
+                f"oracle has no meaning here: partition {lc.partition!r} puts every node in "
+                f"its own cluster, so the oracle learns alone (= local)"
+            )
     return sorted(set(warnings))
 
 
@@ -236,9 +286,16 @@ def _earlier_strategies(path: Path, results: dict[str, Any]) -> tuple[dict[str, 
     return kept, ([f"kept earlier results of {sorted(kept)} (created {old.get('created')})"] if kept else [])
 
 
-def run_strategies(sc: Scenario, out_dir: str | Path, run_strategy: Callable[[str], StrategyRun], *,
-                   console: Any = None, notes: list[str] | None = None, backend: str = "",
-                   check: bool = True) -> dict[str, Any]:
+def run_strategies(
+    sc: Scenario,
+    out_dir: str | Path,
+    run_strategy: Callable[[str], StrategyRun],
+    *,
+    console: Any = None,
+    notes: list[str] | None = None,
+    backend: str = "",
+    check: bool = True,
+) -> dict[str, Any]:
     """Run every strategy of the scenario one after another; write and return results.json.
     Strategies of an earlier results.json in ``out_dir`` for the same scenario that this run does
     not redo are kept in it (rerunning a subset replaces only those)."""
@@ -256,8 +313,11 @@ def run_strategies(sc: Scenario, out_dir: str | Path, run_strategy: Callable[[st
     results: dict[str, Any] = {}
     for strategy in sc.strategy:
         if console:
-            console.print(f"[bold]▶ {sc.name}: strategy {strategy}[/] — {sc.nodes} nodes, {sc.rounds} rounds"
-                          + (f" ({backend})" if backend else "") + f", logs in {out / strategy / 'logs'}")
+            console.print(
+                f"[bold]▶ {sc.name}: strategy {strategy}[/] — {sc.nodes} nodes, {sc.rounds} rounds"
+                + (f" ({backend})" if backend else "")
+                + f", logs in {out / strategy / 'logs'}"
+            )
         runs.append(run_strategy(strategy))
         results = build_results(sc, runs, notes=notes)
         if backend:

@@ -20,6 +20,7 @@ The nodes are the same ``Node`` as a daemon process runs — same configs (writt
   caller's node id instead), so the configs say ``security.insecure = true``;
 - logs of all nodes go to ``DIR/<strategy>/logs/inproc.log``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from coterie.node.config import NodeConfig, SecurityConfig
+
 from ..scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
 from .common import LauncherError, LiveView, NodeProgress, collect, fresh_strategy_dir, network_done
 
@@ -56,8 +58,11 @@ def membership_timing(cfg: NodeConfig, nodes: int) -> dict[str, float]:
     if cfg.heartbeat_interval_s >= floor:
         return {}
     k = floor / cfg.heartbeat_interval_s
-    return {"heartbeat_interval_s": floor, "suspect_after_s": cfg.suspect_after_s * k,
-            "dead_after_s": cfg.dead_after_s * k}
+    return {
+        "heartbeat_interval_s": floor,
+        "suspect_after_s": cfg.suspect_after_s * k,
+        "dead_after_s": cfg.dead_after_s * k,
+    }
 
 
 def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
@@ -69,8 +74,9 @@ def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
     for i in range(sc.nodes):
         b = bootstrap_index(sc, i)
         cfg = node_config(sc, strategy, i, strat_dir, bootstrap=None if b is None else address(b))
-        cfg = cfg.model_copy(update={"listen": address(i), **membership_timing(cfg, sc.nodes),
-                                     "security": SecurityConfig(insecure=True)})
+        cfg = cfg.model_copy(
+            update={"listen": address(i), **membership_timing(cfg, sc.nodes), "security": SecurityConfig(insecure=True)}
+        )
         path = strat_dir / "configs" / f"n{i}.toml"
         path.write_text(config_toml(cfg))
         specs.append(NodeSpec(i, cfg, path, log_path))
@@ -86,7 +92,7 @@ class _NodeLogs:
         self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         self.level = getattr(logging, level.upper(), logging.INFO)
 
-    def __enter__(self) -> "_NodeLogs":
+    def __enter__(self) -> _NodeLogs:
         self.saved = (self.logger.level, self.logger.propagate)
         self.logger.addHandler(self.handler)
         self.logger.setLevel(self.level)
@@ -129,8 +135,15 @@ async def _start_batch(node_cls: Any, switchboard: Any, batch: list[NodeSpec], n
         logging.getLogger("coterie.lab").warning("node %s met no peer within its start timeout", spec.node_id)
 
 
-async def _run(sc: Scenario, strategy: str, specs: list[NodeSpec], progress: list[NodeProgress],
-               view: LiveView | None, poll_interval_s: float, threads: int) -> None:
+async def _run(
+    sc: Scenario,
+    strategy: str,
+    specs: list[NodeSpec],
+    progress: list[NodeProgress],
+    view: LiveView | None,
+    poll_interval_s: float,
+    threads: int,
+) -> None:
     from coterie.node.daemon import Node
     from coterie.node.transport.inproc import InProcNetwork
 
@@ -141,15 +154,17 @@ async def _run(sc: Scenario, strategy: str, specs: list[NodeSpec], progress: lis
     nodes: list[Any] = []
     try:
         for lo in range(0, len(specs), START_BATCH):
-            await _start_batch(Node, switchboard, specs[lo:lo + START_BATCH], nodes)
+            await _start_batch(Node, switchboard, specs[lo : lo + START_BATCH], nodes)
         deadline = time.monotonic() + sc.timeout_s
         while True:
             for spec, node, pr in zip(specs, nodes, progress, strict=True):
                 if not node.healthy():
                     task = node._round_task
                     why = repr(task.exception()) if task is not None and task.done() and not task.cancelled() else "?"
-                    raise LauncherError(f"node {spec.node_id}: its round loop died at round {node.round}/"
-                                        f"{sc.rounds}: {why}; see {spec.log_path}")
+                    raise LauncherError(
+                        f"node {spec.node_id}: its round loop died at round {node.round}/"
+                        f"{sc.rounds}: {why}; see {spec.log_path}"
+                    )
                 pr.observe(node.round, node.done, node.last_eval.get("test_acc"))
             if network_done(strategy, specs, progress, view, deadline, sc.timeout_s):
                 break
@@ -161,15 +176,22 @@ async def _run(sc: Scenario, strategy: str, specs: list[NodeSpec], progress: lis
         # kept gossiping on the same loop (the run's figures wait for it)
         errors = []
         for lo in range(0, len(nodes), START_BATCH):
-            done = await asyncio.gather(*(n.stop() for n in nodes[lo:lo + START_BATCH]), return_exceptions=True)
+            done = await asyncio.gather(*(n.stop() for n in nodes[lo : lo + START_BATCH]), return_exceptions=True)
             errors += [e for e in done if isinstance(e, BaseException)]
         pool.shutdown(wait=True, cancel_futures=True)
         if errors:
             raise errors[0]
 
 
-def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = None,
-                 poll_interval_s: float = 0.5, threads: int | None = None) -> StrategyRun:
+def run_strategy(
+    sc: Scenario,
+    strategy: str,
+    out_dir: Path,
+    *,
+    console: Any = None,
+    poll_interval_s: float = 0.5,
+    threads: int | None = None,
+) -> StrategyRun:
     """Run one strategy's network in this process to completion and collect each node's files."""
     specs = prepare(sc, strategy, out_dir)
     progress = [NodeProgress() for _ in specs]

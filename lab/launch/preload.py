@@ -12,6 +12,7 @@ channel or server, no event loop, no thread pool is created before the fork — 
 its own after it. cryptography (the node certificates) comes in with the gRPC transport's TLS;
 opacus' accountant (which pulls torch.distributed, ~1 s of CPU) is imported here once instead of
 in every daemon's privacy warm-up."""
+
 from __future__ import annotations
 
 import gc
@@ -23,8 +24,8 @@ import coterie.cli.main  # noqa: F401  (the daemons run its `node start`)
 import coterie.cli.render  # noqa: F401
 import coterie.node.admin  # noqa: F401  (aiohttp, httpx)
 import coterie.node.daemon  # noqa: F401
-import coterie.node.logs  # noqa: F401
 import coterie.node.learning.torch_learner  # noqa: F401
+import coterie.node.logs  # noqa: F401
 import coterie.node.transport.grpc_transport  # noqa: F401  (grpc, cryptography via tls.py)
 from coterie.node.privacy import accountant
 from coterie.node.strategies.registry import builtin, get_strategy

@@ -22,6 +22,7 @@ stopped (SIGTERM to each process group, SIGKILL after a grace period) — also o
 or a node that dies early (which is reported with the tail of its log). Each node's
 ``history.jsonl`` then gives the per-round figures that go into ``DIR/results.json``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,12 +36,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, cast
 
 from coterie.node.admin_token import TokenError, bearer, token_for_state_dir
 from coterie.node.config import NodeConfig
+
 from ..scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
 from .common import LauncherError, LiveView, NodeProgress, collect, fresh_strategy_dir, network_done, read_history
 
@@ -54,8 +57,15 @@ def prepare(sc: Scenario, strategy: str, out_dir: Path) -> list[NodeSpec]:
         path = strat_dir / "configs" / f"n{i}.toml"
         path.write_text(config_toml(cfg))
         b = bootstrap_index(sc, i)
-        specs.append(NodeSpec(i, cfg, path, strat_dir / "logs" / f"n{i}.log",
-                              bootstrap_from=None if b is None else specs[b].state_dir / "node.json"))
+        specs.append(
+            NodeSpec(
+                i,
+                cfg,
+                path,
+                strat_dir / "logs" / f"n{i}.log",
+                bootstrap_from=None if b is None else specs[b].state_dir / "node.json",
+            )
+        )
     return specs
 
 
@@ -66,6 +76,7 @@ def with_certificate(cfg: NodeConfig, pki_dir: Path) -> NodeConfig:
     if sec.insecure or sec.cert_dir or sec.cert or cfg.node_id is None:
         return cfg
     from coterie.node.security.pki import CA_KEY, init_ca, issue_cert
+
     if not (pki_dir / "ca" / CA_KEY).exists():
         init_ca(pki_dir / "ca", name="coterie run CA (throwaway)")
     out = issue_cert(pki_dir / "ca", cfg.node_id, pki_dir / cfg.node_id)
@@ -74,8 +85,13 @@ def with_certificate(cfg: NodeConfig, pki_dir: Path) -> NodeConfig:
 
 def node_args(spec: NodeSpec) -> list[str]:
     """The ``coterie`` arguments that start node ``spec``."""
-    return ["node", "start", "--config", str(spec.config_path),
-            *(["--bootstrap-from", str(spec.bootstrap_from)] if spec.bootstrap_from else [])]
+    return [
+        "node",
+        "start",
+        "--config",
+        str(spec.config_path),
+        *(["--bootstrap-from", str(spec.bootstrap_from)] if spec.bootstrap_from else []),
+    ]
 
 
 def node_command(spec: NodeSpec) -> list[str]:
@@ -134,6 +150,7 @@ def _run_forked_node(args: list[str], log_path: str) -> None:
     cast(io.TextIOWrapper, sys.stdout).reconfigure(line_buffering=True)  # the fd-1 text stream
     sys.argv = ["coterie", *args]
     from coterie.cli.main import app
+
     app(args=args, prog_name="coterie")  # exits with the command's code
 
 
@@ -190,15 +207,19 @@ class Network:
     """The processes of one strategy's run. Use as a context manager: leaving it (normally, by an
     exception or by Ctrl-C) stops every process."""
 
-    def __init__(self, specs: list[NodeSpec], command: Callable[[NodeSpec], list[str]] | None = None,
-                 stop_timeout_s: float = 15.0):
+    def __init__(
+        self,
+        specs: list[NodeSpec],
+        command: Callable[[NodeSpec], list[str]] | None = None,
+        stop_timeout_s: float = 15.0,
+    ):
         self.specs = specs
         self.command = command  # None: fork each daemon from the preloaded fork server
         self.stop_timeout_s = stop_timeout_s
         self.procs: list[subprocess.Popen | _Forked] = []
         self._logs: list[Any] = []
 
-    def __enter__(self) -> "Network":
+    def __enter__(self) -> Network:
         try:
             self.start()
         except BaseException:
@@ -214,8 +235,9 @@ class Network:
             ctx = fork_context(sorted({s.config.strategy for s in self.specs}))
             for spec in self.specs:
                 spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-                proc = ctx.Process(target=_run_forked_node, args=(node_args(spec), str(spec.log_path)),
-                                   name=f"coterie-{spec.node_id}")
+                proc = ctx.Process(
+                    target=_run_forked_node, args=(node_args(spec), str(spec.log_path)), name=f"coterie-{spec.node_id}"
+                )
                 proc.start()
                 self.procs.append(_Forked(proc))
             return
@@ -224,9 +246,16 @@ class Network:
             spec.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = open(spec.log_path, "ab")
             self._logs.append(log)
-            self.procs.append(subprocess.Popen(
-                self.command(spec), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True))  # own process group: killpg reaches its children
+            self.procs.append(
+                subprocess.Popen(
+                    self.command(spec),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+            )  # own process group: killpg reaches its children
 
     @property
     def pids(self) -> list[int]:
@@ -267,18 +296,17 @@ class Network:
                 f.close()
             self._logs.clear()
 
-    def poll(self, pool: ThreadPoolExecutor, rounds: int,
-             progress: list[NodeProgress]) -> None:
+    def poll(self, pool: ThreadPoolExecutor, rounds: int, progress: list[NodeProgress]) -> None:
         """Refresh ``progress`` from every node's /status; raise LauncherError for a node that
         died before it was done."""
+
         def one(spec: NodeSpec, proc: subprocess.Popen | _Forked) -> dict[str, Any] | None:
             if not spec.info:
                 spec.info = read_node_info(spec, proc.pid) or {}
             if not spec.admin_url:
                 return None
             try:  # the token file is written before node.json, which names it
-                return fetch_json(spec.admin_url + "/status", timeout=2.0,
-                                  token=token_for_state_dir(spec.state_dir))
+                return fetch_json(spec.admin_url + "/status", timeout=2.0, token=token_for_state_dir(spec.state_dir))
             except (OSError, ValueError, TokenError):
                 return None
 
@@ -295,13 +323,21 @@ class Network:
                 raise LauncherError(
                     f"node {spec.node_id} exited with code {rc} before finishing its rounds "
                     f"(round {pr.round}/{rounds}); last lines of {spec.log_path}:\n"
-                    f"{log_tail(spec.log_path)}")
+                    f"{log_tail(spec.log_path)}"
+                )
 
 
-def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = None,
-                 command: Callable[[NodeSpec], list[str]] | None = None,
-                 poll_interval_s: float = 0.5, stop_timeout_s: float = 15.0,
-                 on_start: Callable[[Network], None] | None = None) -> StrategyRun:
+def run_strategy(
+    sc: Scenario,
+    strategy: str,
+    out_dir: Path,
+    *,
+    console: Any = None,
+    command: Callable[[NodeSpec], list[str]] | None = None,
+    poll_interval_s: float = 0.5,
+    stop_timeout_s: float = 15.0,
+    on_start: Callable[[Network], None] | None = None,
+) -> StrategyRun:
     """Run one strategy's network to completion and collect each node's files."""
     specs = prepare(sc, strategy, out_dir)
     progress = [NodeProgress() for _ in specs]
@@ -310,8 +346,7 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
         fork_context(sc.strategy)  # once per launcher: preloaded for every strategy of the scenario
     t0 = time.time()
     view = LiveView(console, strategy, specs, sc.rounds) if console else None
-    with Network(specs, command, stop_timeout_s) as net, \
-            ThreadPoolExecutor(max_workers=min(32, len(specs))) as pool:
+    with Network(specs, command, stop_timeout_s) as net, ThreadPoolExecutor(max_workers=min(32, len(specs))) as pool:
         if on_start:
             on_start(net)
         if view:

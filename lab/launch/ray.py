@@ -25,6 +25,7 @@ its own ``DIR/<strategy>/nodes/``, so results.json is assembled as for every bac
 group: ``DIR/<strategy>/logs/ray-g{k}.log`` on the actor's machine. Placement, the Ray node and
 process of each group and every node's route counters go into results.json as ``placement``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,13 +35,15 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from coterie.node.config import ConfigError
 from coterie.node.fsutil import atomic_write_json
+
 from ..scenario import NodeSpec, Scenario, StrategyRun, bootstrap_index, config_toml, node_config
 from .common import LauncherError, LiveView, NodeProgress, collect, fresh_strategy_dir, network_done, read_history
 
@@ -75,8 +78,10 @@ def ray_session(address: str | None = None) -> Iterator[Any]:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
     except Exception as e:  # ConnectionError, RuntimeError, ValueError...: all "no cluster there"
         where = address or os.environ.get("RAY_ADDRESS") or "a new local instance"
-        raise LauncherError(f"cannot connect to Ray ({where}): {type(e).__name__}: "
-                            f"{str(e).strip().splitlines()[0] if str(e).strip() else e}") from None
+        raise LauncherError(
+            f"cannot connect to Ray ({where}): {type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else e}"
+        ) from None
     try:
         yield ray
     finally:
@@ -95,11 +100,14 @@ class Group:
 def plan(n: int, ray_nodes: list[dict[str, Any]], groups: int | None = None, cpus: float = 1.0) -> list[Group]:
     """Cut nodes 0..n-1 into contiguous groups over the alive Ray nodes (as ``ray.nodes()`` lists
     them) with ``cpus`` CPUs each; LauncherError when they do not fit."""
-    usable = sorted((r for r in ray_nodes if r.get("Alive") and float(r.get("Resources", {}).get("CPU", 0)) >= cpus),
-                    key=lambda r: (str(r.get("NodeManagerAddress")), str(r["NodeID"])))
+    usable = sorted(
+        (r for r in ray_nodes if r.get("Alive") and float(r.get("Resources", {}).get("CPU", 0)) >= cpus),
+        key=lambda r: (str(r.get("NodeManagerAddress")), str(r["NodeID"])),
+    )
     if not usable:
-        raise LauncherError(f"no alive Ray node has {cpus:g} CPU(s) for a group of nodes "
-                            f"({len(ray_nodes)} Ray node(s) in the cluster)")
+        raise LauncherError(
+            f"no alive Ray node has {cpus:g} CPU(s) for a group of nodes ({len(ray_nodes)} Ray node(s) in the cluster)"
+        )
     g = min(groups or len(usable), n)
     if g < 1:
         raise LauncherError(f"groups must be at least 1 (got {groups})")
@@ -110,8 +118,10 @@ def plan(n: int, ray_nodes: list[dict[str, Any]], groups: int | None = None, cpu
     for r in usable:
         need = per_node.get(r["NodeID"], 0) * cpus
         if need > float(r["Resources"]["CPU"]):
-            raise LauncherError(f"{g} groups of {cpus:g} CPU(s) do not fit: Ray node {r['NodeManagerAddress']} "
-                                f"has {r['Resources']['CPU']:g} CPUs for {per_node[r['NodeID']]} of them")
+            raise LauncherError(
+                f"{g} groups of {cpus:g} CPU(s) do not fit: Ray node {r['NodeManagerAddress']} "
+                f"has {r['Resources']['CPU']:g} CPUs for {per_node[r['NodeID']]} of them"
+            )
     base, extra = divmod(n, g)
     out, start = [], 0
     for k in range(g):
@@ -149,6 +159,7 @@ def certificate_files(cfg: Any) -> dict[str, str] | None:
     if d is None:
         return None
     from coterie.node.security.pki import CA_CERT, NODE_CERT, NODE_KEY
+
     return {name: (Path(d) / name).read_text() for name in (CA_CERT, NODE_CERT, NODE_KEY)}
 
 
@@ -160,6 +171,7 @@ def _local_certs(config: dict[str, Any], files: dict[str, str] | None) -> dict[s
     if not files or not sec.get("cert_dir") or Path(sec["cert_dir"]).is_dir():
         return config
     import tempfile
+
     d = Path(tempfile.mkdtemp(prefix=f"coterie-{config.get('node_id')}-certs-"))
     for name, text in files.items():
         f = d / name
@@ -178,8 +190,15 @@ class NodeGroup:
     """A group of nodes in one process (made a Ray actor by ``ray.remote(NodeGroup)``): the
     inproc backend's event loop and thread pool, each node on a routing transport."""
 
-    def __init__(self, group: int, configs: list[dict[str, Any]], bootstraps: list[int | None],
-                 log_path: str, threads: int | None = None, certs: dict[str, dict[str, str]] | None = None):
+    def __init__(
+        self,
+        group: int,
+        configs: list[dict[str, Any]],
+        bootstraps: list[int | None],
+        log_path: str,
+        threads: int | None = None,
+        certs: dict[str, dict[str, str]] | None = None,
+    ):
         from coterie.node.config import validate_config
 
         self.group, self.log_path = group, log_path
@@ -197,13 +216,20 @@ class NodeGroup:
 
     def whereabouts(self) -> dict[str, Any]:
         import ray
-        return {"group": self.group, "host": socket.gethostname(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "ray_node": ray.get_runtime_context().get_node_id(),
-                "nodes": [c.node_id for c in self.configs]}
+
+        return {
+            "group": self.group,
+            "host": socket.gethostname(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "ray_node": ray.get_runtime_context().get_node_id(),
+            "nodes": [c.node_id for c in self.configs],
+        }
 
     async def warm(self) -> dict[str, Any]:
         """Imports, the dataset pool and the partition, once for the group, before any node starts."""
         from coterie.node.learning.torch_learner import build_learner
+
         from .inproc import _NodeLogs, default_threads
 
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -253,10 +279,12 @@ class NodeGroup:
             died = None
             if not node.healthy():
                 task = node._round_task
-                died = (repr(task.exception()) if task is not None and task.done() and not task.cancelled()
-                        else "its round loop is not running")
-            out.append({"round": node.round, "done": node.done, "acc": node.last_eval.get("test_acc"),
-                        "died": died})
+                died = (
+                    repr(task.exception())
+                    if task is not None and task.done() and not task.cancelled()
+                    else "its round loop is not running"
+                )
+            out.append({"round": node.round, "done": node.done, "acc": node.last_eval.get("test_acc"), "died": died})
         return out
 
     async def finish(self) -> dict[str, Any]:
@@ -270,9 +298,13 @@ class NodeGroup:
                 info = json.loads((state / "node.json").read_text())
             except (OSError, ValueError):
                 info = {}
-            out[node.node_id] = {"status": status, "history": read_history(state / "history.jsonl"),
-                                 "node_json": info, "config": node.cfg.model_dump(mode="json"),
-                                 "routes": t.stats.as_dict()}
+            out[node.node_id] = {
+                "status": status,
+                "history": read_history(state / "history.jsonl"),
+                "node_json": info,
+                "config": node.cfg.model_dump(mode="json"),
+                "routes": t.stats.as_dict(),
+            }
         return {**self.whereabouts(), "results": out}
 
     async def stop(self) -> None:
@@ -318,8 +350,17 @@ def _write_back(spec: NodeSpec, got: dict[str, Any]) -> None:
         atomic_write_json(state / "node.json", got["node_json"])
 
 
-def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = None, groups: int | None = None,
-                 cpus: float = 1.0, threads: int | None = None, poll_interval_s: float = 0.5) -> StrategyRun:
+def run_strategy(
+    sc: Scenario,
+    strategy: str,
+    out_dir: Path,
+    *,
+    console: Any = None,
+    groups: int | None = None,
+    cpus: float = 1.0,
+    threads: int | None = None,
+    poll_interval_s: float = 0.5,
+) -> StrategyRun:
     """Run one strategy's network on the connected Ray cluster (``ray_session``) to completion."""
     ray = import_ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -331,13 +372,22 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
     t0 = time.time()
     deadline = time.monotonic() + sc.timeout_s
     left = lambda: deadline - time.monotonic()  # noqa: E731
-    actors = [actor_cls.options(
-        num_cpus=cpus, name=None, max_restarts=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=g.ray_node, soft=False),
-    ).remote(g.index, [specs[i].config.model_dump(mode="json") for i in g.nodes],
-             [bootstrap_index(sc, i) for i in g.nodes], str(specs[g.nodes[0]].log_path), threads,
-             {specs[i].config.node_id: certificate_files(specs[i].config) for i in g.nodes})
-        for g in placement]
+    actors = [
+        actor_cls.options(
+            num_cpus=cpus,
+            name=None,
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=g.ray_node, soft=False),
+        ).remote(
+            g.index,
+            [specs[i].config.model_dump(mode="json") for i in g.nodes],
+            [bootstrap_index(sc, i) for i in g.nodes],
+            str(specs[g.nodes[0]].log_path),
+            threads,
+            {specs[i].config.node_id: certificate_files(specs[i].config) for i in g.nodes},
+        )
+        for g in placement
+    ]
     view = LiveView(console, strategy, specs, sc.rounds) if console else None
     finished = False
     try:
@@ -352,8 +402,10 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
             for g, report in zip(placement, reports, strict=True):
                 for i, r in zip(g.nodes, report, strict=True):
                     if r["died"]:
-                        raise LauncherError(f"node {specs[i].node_id} (group {g.index}): {r['died']} at round "
-                                            f"{r['round']}/{sc.rounds}; see {specs[i].log_path} on {where[g.index]['host']}")
+                        raise LauncherError(
+                            f"node {specs[i].node_id} (group {g.index}): {r['died']} at round "
+                            f"{r['round']}/{sc.rounds}; see {specs[i].log_path} on {where[g.index]['host']}"
+                        )
                     progress[i].observe(r["round"], r["done"], r["acc"])
             if network_done(strategy, specs, progress, view, deadline, sc.timeout_s):
                 break
@@ -380,5 +432,6 @@ def run_strategy(sc: Scenario, strategy: str, out_dir: Path, *, console: Any = N
     run = collect(strategy, specs, sc.rounds, wall, progress)
     run.placement = {
         "groups": [{k: got[k] for k in ("group", "host", "ip", "pid", "ray_node", "nodes")} for got in done],
-        "routes": routes}
+        "routes": routes,
+    }
     return run

@@ -1,4 +1,5 @@
 """What a node learns: dataset, partition, model, optimiser. Validated by pydantic."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -26,8 +27,14 @@ class LearnerConfig(BaseModel):
     loss: str = "auto"
     input_transform: str | None = None
     partition: Literal[
-        "iid", "dirichlet", "pathological", "label_permutation", "class_groups", "random_pairs",
-        "sine_intervals", "mixture",
+        "iid",
+        "dirichlet",
+        "pathological",
+        "label_permutation",
+        "class_groups",
+        "random_pairs",
+        "sine_intervals",
+        "mixture",
     ] = "label_permutation"
     partition_params: dict[str, Any] = Field(default_factory=dict)  # alpha, k, num_clusters, ...
     num_nodes: int = Field(1, ge=1)

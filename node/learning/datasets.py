@@ -25,14 +25,15 @@ Datasets and their ``dataset_params``:
   merged; inputs ``(3, 32, 32)`` in [0, 1]. ``cifar100`` takes ``label`` = ``"fine"`` (100
   classes, default) or ``"coarse"`` (20). ``max_samples`` keeps only the first N records.
 """
+
 from __future__ import annotations
 
 import functools
 import hashlib
 import io
 import json
-import os
 import math
+import os
 import random
 import threading
 from dataclasses import dataclass, field
@@ -117,9 +118,18 @@ def _disk_cached(name: str, params_key: str, seed: int, make) -> Pool:
     try:
         atomic_write_bytes(f"{base}.x.npy", _npy(pool.x))
         atomic_write_bytes(f"{base}.y.npy", _npy(pool.y))
-        atomic_write_bytes(committed, json.dumps({
-            "n": len(pool.y), "num_classes": pool.num_classes, "input_shape": list(pool.input_shape),
-            "task": pool.task, "meta": pool.meta}).encode())
+        atomic_write_bytes(
+            committed,
+            json.dumps(
+                {
+                    "n": len(pool.y),
+                    "num_classes": pool.num_classes,
+                    "input_shape": list(pool.input_shape),
+                    "task": pool.task,
+                    "meta": pool.meta,
+                }
+            ).encode(),
+        )
     except OSError:
         return pool  # a read-only home only costs the regeneration
     return _read_cached(base, committed) or pool  # the mapped copy: the generated one can go
@@ -131,8 +141,12 @@ def _read_cached(base: Path, committed: Path) -> Pool | None:
         x = np.load(f"{base}.x.npy", mmap_mode="r", allow_pickle=False)  # plain arrays only, never objects
         y = np.load(f"{base}.y.npy", mmap_mode="r", allow_pickle=False)
         n, shape = int(info["n"]), tuple(int(v) for v in info["input_shape"])
-        if len(x) != n or len(y) != n or tuple(x.shape[1:]) != shape or info["task"] not in ("classification",
-                                                                                              "regression"):
+        if (
+            len(x) != n
+            or len(y) != n
+            or tuple(x.shape[1:]) != shape
+            or info["task"] not in ("classification", "regression")
+        ):
             return None
         meta = {k: tuple(v) if isinstance(v, list) else v for k, v in dict(info.get("meta") or {}).items()}
         return Pool(x, y, int(info["num_classes"]), shape, info["task"], meta)
@@ -144,7 +158,8 @@ def _read_cached(base: Path, committed: Path) -> Pool | None:
 def _cached_pool(name: str, params_key: str, seed: int) -> Pool:
     params = json.loads(params_key)
     make = functools.partial(
-        {"mnist1d": _mnist1d, "digits": _digits, "sine": _sine, "gaussian": _gaussian}[name], params, seed)
+        {"mnist1d": _mnist1d, "digits": _digits, "sine": _sine, "gaussian": _gaussian}[name], params, seed
+    )
     pool = _disk_cached(name, params_key, seed, make)
     pool.x.setflags(write=False)
     pool.y.setflags(write=False)
@@ -154,8 +169,7 @@ def _cached_pool(name: str, params_key: str, seed: int) -> Pool:
 def _check_keys(name: str, params: dict, allowed: set[str]) -> None:
     unknown = set(params) - allowed
     if unknown:
-        raise ValueError(f"dataset {name!r}: unknown dataset_params {sorted(unknown)}; "
-                         f"allowed: {sorted(allowed)}")
+        raise ValueError(f"dataset {name!r}: unknown dataset_params {sorted(unknown)}; allowed: {sorted(allowed)}")
 
 
 _MNIST1D_LOCK = threading.Lock()  # the generator reseeds the global random/np.random state
@@ -203,13 +217,11 @@ def _sine(params: dict, seed: int) -> Pool:
     rng = np.random.default_rng([seed, 0x5111E])
     x = rng.uniform(lo, hi, size=n)
     y = np.sin(x) + noise * rng.standard_normal(n)
-    return Pool(x.astype(np.float32).reshape(-1, 1), y.astype(np.float32), 0, (1,),
-                "regression", {"x_range": (lo, hi)})
+    return Pool(x.astype(np.float32).reshape(-1, 1), y.astype(np.float32), 0, (1,), "regression", {"x_range": (lo, hi)})
 
 
 def _gaussian(params: dict, seed: int) -> Pool:
-    _check_keys("gaussian", params,
-                {"num_samples", "dim", "num_classes", "separation", "cluster_std"})
+    _check_keys("gaussian", params, {"num_samples", "dim", "num_classes", "separation", "cluster_std"})
     n = int(params.get("num_samples", 4000))
     dim = int(params.get("dim", 10))
     c = int(params.get("num_classes", 4))
@@ -239,8 +251,10 @@ def _cifar100_label(params: dict) -> str:
 
 def _cifar_dir(name: str, params: dict) -> Path:
     if "data_dir" not in params:
-        raise ValueError(f"dataset {name!r} needs dataset_params.data_dir (a local folder with the "
-                         f"binary release; nothing is downloaded)")
+        raise ValueError(
+            f"dataset {name!r} needs dataset_params.data_dir (a local folder with the "
+            f"binary release; nothing is downloaded)"
+        )
     base = Path(params["data_dir"]).expanduser()
     sub = "cifar-10-batches-bin" if name == "cifar10" else "cifar-100-binary"
     first = (_CIFAR10_FILES if name == "cifar10" else _CIFAR100_FILES)[0]
@@ -263,12 +277,15 @@ def _load_cifar(name: str, params: dict) -> Pool:
     for fname in files:
         path = folder / fname
         if not path.is_file():
-            raise FileNotFoundError(f"{name}: missing {path} (expected the binary release "
-                                    f"files {', '.join(files)} in {folder})")
+            raise FileNotFoundError(
+                f"{name}: missing {path} (expected the binary release files {', '.join(files)} in {folder})"
+            )
         raw = np.fromfile(path, dtype=np.uint8)
         if raw.size == 0 or raw.size % rec:
-            raise ValueError(f"{name}: {path} is not a CIFAR binary file "
-                             f"(size {raw.size} is not a multiple of the {rec}-byte record)")
+            raise ValueError(
+                f"{name}: {path} is not a CIFAR binary file "
+                f"(size {raw.size} is not a multiple of the {rec}-byte record)"
+            )
         raw = raw.reshape(-1, rec)
         ys.append(raw[:, label_off].astype(np.int64))
         xs.append(raw[:, label_bytes:])

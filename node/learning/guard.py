@@ -19,12 +19,14 @@ Two levels, one record:
 Every event counts ``coterie_training_divergences_total{where}`` and is noted as a problem of
 "this node (training)" in ``/status``.
 """
+
 from __future__ import annotations
 
 import math
 import statistics
 from collections import deque
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -39,8 +41,15 @@ def all_finite(tensors: Tensors) -> bool:
 class StepGuard:
     """Per-learner record of the step losses, the step-size scale and the divergences seen."""
 
-    def __init__(self, factor: float = 1e3, window: int = 50, warmup: int = 5,
-                 recover_after: int = 10, min_scale: float = 2.0 ** -12, floor: float = 1e-2):
+    def __init__(
+        self,
+        factor: float = 1e3,
+        window: int = 50,
+        warmup: int = 5,
+        recover_after: int = 10,
+        min_scale: float = 2.0**-12,
+        floor: float = 1e-2,
+    ):
         self.factor, self.warmup, self.floor = float(factor), int(warmup), float(floor)
         self.recover_after, self.min_scale = int(recover_after), float(min_scale)
         self._losses: deque[float] = deque(maxlen=int(window))

@@ -12,10 +12,11 @@
 
 Entry points are found with ``importlib.metadata.entry_points`` (``name = "pkg.module:fn"`` in
 the package's ``[project.entry-points."coterie.losses"]``)."""
+
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +28,10 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]
 def _entry_point(group: str, name: str, what: str) -> Callable:
     eps = {ep.name: ep for ep in importlib.metadata.entry_points(group=group)}
     if name not in eps:
-        raise ValueError(f"learner.{what} {name!r}: no entry point of that name in group {group!r} "
-                         f"(installed: {sorted(eps) or 'none'})")
+        raise ValueError(
+            f"learner.{what} {name!r}: no entry point of that name in group {group!r} "
+            f"(installed: {sorted(eps) or 'none'})"
+        )
     fn = eps[name].load()
     if not callable(fn):
         raise ValueError(f"learner.{what} {name!r}: entry point {eps[name].value} is not callable")
@@ -42,12 +45,14 @@ def cross_entropy(out: torch.Tensor, y: torch.Tensor, reduction: str) -> torch.T
 def make_mse(num_classes: int) -> LossFn:
     """MSE on the targets (regression) or on one-hot classes (classification), summed over the
     outputs of a sample."""
+
     def mse(out: torch.Tensor, y: torch.Tensor, reduction: str) -> torch.Tensor:
         if num_classes > 0:
             per = ((out - F.one_hot(y, num_classes).to(out.dtype)) ** 2).sum(1)
         else:
             per = (out.reshape(-1) - y.reshape(-1)) ** 2
         return per if reduction == "none" else per.sum() if reduction == "sum" else per.mean()
+
     return mse
 
 

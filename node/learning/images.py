@@ -5,6 +5,7 @@ Every image is converted and resized to one input shape ``(C, H, W)``, pixel val
 image's (in sorted path order: grey images give C = 1, any other mode C = 3). The class of an
 image is the name of its folder; which output that is, is ``learner.classes`` (never the folder
 order). A file that is not a readable image (truncated, not an image) is a ``DataError`` naming it."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,16 +29,20 @@ def image_files(folder: Path) -> list[tuple[str, Path]]:
 
 def has_images(folder: Path) -> bool:
     return folder.is_dir() and any(
-        f.suffix.lower() in IMAGE_SUFFIXES for sub in folder.iterdir() if sub.is_dir()
-        for f in sub.iterdir())
+        f.suffix.lower() in IMAGE_SUFFIXES for sub in folder.iterdir() if sub.is_dir() for f in sub.iterdir()
+    )
 
 
 def image_shape(files: list[Path], params: dict) -> tuple[int, int, int]:
     """The input shape every image is brought to (see the module docstring)."""
     if "image_size" in params:
         size = params["image_size"]
-        if (not isinstance(size, (list, tuple)) or len(size) != 3 or int(size[0]) not in (1, 3)
-                or any(int(s) < 1 for s in size)):
+        if (
+            not isinstance(size, (list, tuple))
+            or len(size) != 3
+            or int(size[0]) not in (1, 3)
+            or any(int(s) < 1 for s in size)
+        ):
             raise DataError(f"data_params.image_size must be [C, H, W] with C 1 or 3, got {size!r}")
         return int(size[0]), int(size[1]), int(size[2])
     first = files[0]
@@ -77,6 +82,7 @@ def load_image(path: Path, shape: tuple[int, int, int]) -> np.ndarray:
 
 def _open(path: Path):
     from PIL import Image, UnidentifiedImageError
+
     try:
         return Image.open(path)
     except (UnidentifiedImageError, OSError) as e:

@@ -4,11 +4,13 @@ The daemon and the strategies only see this interface; the torch implementation,
 partitions live beside it. Parameters travel as ``Params``: an ordered ``dict[name, Tensor]`` of
 CPU float tensors (detached copies; mutating them never touches the live model).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -46,6 +48,7 @@ class Learner(ABC):
         """What this model learns (input shape, class names or regression) as peers compare it in
         the handshake (``task.py``)."""
         from .task import describe_task
+
         return describe_task(self.input_shape, self.class_names)
 
     def data_info(self) -> dict:
@@ -86,27 +89,38 @@ class Learner(ABC):
         return 1
 
     @abstractmethod
-    def loss(self, params: Params | None = None, split: Split = "train",
-             max_samples: int | None = None, reduction: Literal["mean", "sum"] = "mean") -> EvalResult:
+    def loss(
+        self,
+        params: Params | None = None,
+        split: Split = "train",
+        max_samples: int | None = None,
+        reduction: Literal["mean", "sum"] = "mean",
+    ) -> EvalResult:
         """Loss of ``params`` (live model if None) on this node's data. ``max_samples`` draws a
         fresh random minibatch of that size instead of the whole split."""
 
     @abstractmethod
-    def gradient(self, params: Params | None = None, split: Split = "train",
-                 max_samples: int | None = None,
-                 reduction: Literal["mean", "sum"] = "mean") -> tuple[Params, EvalResult]:
+    def gradient(
+        self,
+        params: Params | None = None,
+        split: Split = "train",
+        max_samples: int | None = None,
+        reduction: Literal["mean", "sum"] = "mean",
+    ) -> tuple[Params, EvalResult]:
         """Gradient of the loss of ``params`` on this node's data, with that loss."""
 
     # --- per-sample bounded sums: what a differentially private release adds noise to. The caller
     # (node/privacy/mechanisms.py) picks the samples, so a peer never chooses them. ---
-    def clipped_loss_sum(self, params: Params | None, split: Split, indices: Sequence[int] | np.ndarray,
-                         clip: float) -> float:
+    def clipped_loss_sum(
+        self, params: Params | None, split: Split, indices: Sequence[int] | np.ndarray, clip: float
+    ) -> float:
         """Σ over the samples ``indices`` of ``split`` of the per-sample loss clipped into
         [0, clip] (a non-finite loss counts as ``clip``): one sample moves it by at most ``clip``."""
         raise NotImplementedError(f"{type(self).__name__} cannot compute per-sample clipped losses")
 
-    def clipped_gradient_sum(self, params: Params | None, split: Split, indices: Sequence[int] | np.ndarray,
-                             clip: float) -> Params:
+    def clipped_gradient_sum(
+        self, params: Params | None, split: Split, indices: Sequence[int] | np.ndarray, clip: float
+    ) -> Params:
         """Σ_i g_i · min(1, clip / ‖g_i‖) over the samples ``indices`` of ``split``, g_i the
         gradient of sample i's loss (the full parameter vector's L2 norm; a non-finite g_i counts
         as zero): one sample moves it by at most ``clip`` in L2."""

@@ -1,5 +1,6 @@
 """The local optimizer and minibatch sampler of ``torch_learner.TorchLearner`` (their own module so
 that its parts mixed in from ``torch_state.py`` can name their types without an import cycle)."""
+
 from __future__ import annotations
 
 import math
@@ -15,9 +16,16 @@ class LocalOptimizer:
     costs seconds of CPU at every daemon start. State is keyed by parameter name, which makes
     it straightforward to persist."""
 
-    def __init__(self, kind: str, params: list[tuple[str, torch.nn.Parameter]], lr: float,
-                 momentum: float = 0.0, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+    def __init__(
+        self,
+        kind: str,
+        params: list[tuple[str, torch.nn.Parameter]],
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ):
         if kind not in ("sgd", "adam"):
             raise ValueError(f"unknown optimizer {kind!r}")
         self.kind, self.params = kind, list(params)
@@ -60,14 +68,20 @@ class LocalOptimizer:
                 m, v = st["exp_avg"], st["exp_avg_sq"]
                 m.lerp_(g, 1 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+                bc1, bc2 = 1 - b1**t, 1 - b2**t
                 denom = (v.sqrt() / math.sqrt(bc2)).add_(self.eps)
                 p.addcdiv_(m, denom, value=-self.lr / bc1)
 
     def hyper(self) -> dict:
-        return {"kind": self.kind, "lr": self.lr, "momentum": self.momentum,
-                "weight_decay": self.weight_decay, "betas": list(self.betas), "eps": self.eps,
-                "steps": self.steps}
+        return {
+            "kind": self.kind,
+            "lr": self.lr,
+            "momentum": self.momentum,
+            "weight_decay": self.weight_decay,
+            "betas": list(self.betas),
+            "eps": self.eps,
+            "steps": self.steps,
+        }
 
     def load_state(self, tensors: dict[str, torch.Tensor], steps: int) -> None:
         devices = {n: p for n, p in self.params}
@@ -99,7 +113,7 @@ class _Sampler:
         while need > 0:
             if self.pos >= len(self.perm):
                 self.perm, self.pos = self.rng.permutation(self.n), 0
-            take = self.perm[self.pos:self.pos + need]
+            take = self.perm[self.pos : self.pos + need]
             self.pos += len(take)
             need -= len(take)
             out.append(take)

@@ -22,10 +22,11 @@ Third-party models: an entry point in group ``coterie.models`` (``name =
 "pkg.module:factory"``, ``factory(input_shape, num_classes, **model_params) -> nn.Module``), or
 ``register_model(name, factory)`` in-process. Stock names take precedence.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
@@ -65,8 +66,9 @@ class _Unsqueeze(nn.Module):
         return x.unsqueeze(1)
 
 
-def _conv_stack(input_shape, convs: list[int], kernel: int, norm: str, groups: int,
-                pool_then_act: bool) -> tuple[list[nn.Module], int]:
+def _conv_stack(
+    input_shape, convs: list[int], kernel: int, norm: str, groups: int, pool_then_act: bool
+) -> tuple[list[nn.Module], int]:
     if norm not in ("none", "group"):
         raise ValueError(f"norm must be 'none' or 'group' (never BatchNorm), got {norm!r}")
     shape = tuple(int(s) for s in input_shape)
@@ -98,16 +100,14 @@ def _conv_stack(input_shape, convs: list[int], kernel: int, norm: str, groups: i
     return layers, ch * _numel(spatial)
 
 
-def cnn(input_shape, num_classes, channels=(32, 64), kernel=5, fc=512, norm="none",
-        groups=8) -> nn.Module:
+def cnn(input_shape, num_classes, channels=(32, 64), kernel=5, fc=512, norm="none", groups=8) -> nn.Module:
     layers, flat = _conv_stack(input_shape, list(channels), int(kernel), norm, int(groups), False)
     layers += [nn.Linear(flat, int(fc)), nn.ReLU(), nn.Linear(int(fc), _out(num_classes))]
     return nn.Sequential(*layers)
 
 
 def cnn2(input_shape, num_classes, channels=128, kernel=3, norm="none", groups=8) -> nn.Module:
-    layers, flat = _conv_stack(input_shape, [int(channels)] * 3, int(kernel), norm, int(groups),
-                               True)
+    layers, flat = _conv_stack(input_shape, [int(channels)] * 3, int(kernel), norm, int(groups), True)
     layers.append(nn.Linear(flat, _out(num_classes)))
     return nn.Sequential(*layers)
 
@@ -148,6 +148,8 @@ def build_model(name: str, input_shape, num_classes: int, **model_params) -> nn.
         raise ValueError(f"model factory {name!r} returned {type(model).__name__}, not nn.Module")
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            raise ValueError(f"model {name!r} contains BatchNorm ({type(m).__name__}); use "
-                             f"GroupNorm or none: BN statistics cannot be mixed between peers")
+            raise ValueError(
+                f"model {name!r} contains BatchNorm ({type(m).__name__}); use "
+                f"GroupNorm or none: BN statistics cannot be mixed between peers"
+            )
     return model

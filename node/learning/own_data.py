@@ -33,6 +33,7 @@ row. Without ``classes`` the node does regression on float targets (an image fol
 ``classes``). Every problem — unreadable file, NaN/Inf, ragged or non-numeric columns, unknown
 label, empty split — is a ``DataError`` (a ValueError) naming the file and row or image.
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,8 +47,8 @@ from typing import Any
 import numpy as np
 
 from .config import LearnerConfig
-from .partition import Splits
 from .images import has_images, image_files, image_shape, read_images
+from .partition import Splits
 from .samples import DataError, Part, concat
 from .tables import TABLE_SUFFIXES, read_table
 
@@ -59,6 +60,7 @@ _SALT = 0x0DA7A  # the split stream, apart from the learner's other seeded strea
 @dataclass
 class OwnData(Splits):
     """A node's own samples, split, labels as output indices (or float targets)."""
+
     input_shape: tuple[int, ...]
     class_names: list[str] | None  # None: regression
     source: str  # what was read, for /status
@@ -69,9 +71,14 @@ class OwnData(Splits):
         return "regression" if self.class_names is None else "classification"
 
     def summary(self) -> dict[str, Any]:
-        return {"source": self.source, "task": self.task, "input_shape": list(self.input_shape),
-                "classes": self.class_names, "given_splits": list(self.given_splits),
-                "samples": {s: int(len(getattr(self, f"y_{s}"))) for s in SPLITS}}
+        return {
+            "source": self.source,
+            "task": self.task,
+            "input_shape": list(self.input_shape),
+            "classes": self.class_names,
+            "given_splits": list(self.given_splits),
+            "samples": {s: int(len(getattr(self, f"y_{s}"))) for s in SPLITS},
+        }
 
 
 def class_names(classes: list[str] | int | None) -> list[str] | None:
@@ -101,9 +108,11 @@ def detect_format(path: Path | None, fmt: str) -> str:
     if fmt != "auto":
         if fmt in ("npz", "csv", "parquet", "images") or fmt in loader_entry_points():
             return fmt
-        raise DataError(f"learner.data_format {fmt!r}: not a format (npz, csv, parquet, images) "
-                        f"nor an entry point in group {LOADER_GROUP!r} (installed: "
-                        f"{sorted(loader_entry_points()) or 'none'})")
+        raise DataError(
+            f"learner.data_format {fmt!r}: not a format (npz, csv, parquet, images) "
+            f"nor an entry point in group {LOADER_GROUP!r} (installed: "
+            f"{sorted(loader_entry_points()) or 'none'})"
+        )
     if path is None:
         raise DataError("learner.data_format 'auto' needs learner.data (a path)")
     if not path.exists():
@@ -113,15 +122,19 @@ def detect_format(path: Path | None, fmt: str) -> str:
             return "npz"
         if path.suffix.lower() in TABLE_SUFFIXES:
             return TABLE_SUFFIXES[path.suffix.lower()]
-        raise DataError(f"{path}: cannot tell its format from the suffix {path.suffix!r}; "
-                        f"set learner.data_format (npz, csv, parquet, images or a loader)")
+        raise DataError(
+            f"{path}: cannot tell its format from the suffix {path.suffix!r}; "
+            f"set learner.data_format (npz, csv, parquet, images or a loader)"
+        )
     for suffix, kind in TABLE_SUFFIXES.items():
         if any(path.glob(f"*{suffix}")):
             return kind
     if has_images(path) or any(has_images(path / s) for s in SPLITS):
         return "images"
-    raise DataError(f"{path}: a folder with no .csv/.parquet files and no <class>/*.png|*.jpg "
-                    f"images; set learner.data_format if it holds something else")
+    raise DataError(
+        f"{path}: a folder with no .csv/.parquet files and no <class>/*.png|*.jpg "
+        f"images; set learner.data_format if it holds something else"
+    )
 
 
 # ----------------------------------------------------------------------------- reading
@@ -144,8 +157,10 @@ def _read_tables(path: Path, fmt: str, label: str, regression: bool) -> dict[str
     for f in files:
         by_split.setdefault(_split_of(f.stem) or "all", []).append(f)
     if "all" in by_split and len(by_split) > 1:
-        raise DataError(f"{path}: some files name a split (train/val/test) and some do not "
-                        f"({[f.name for f in by_split['all']]}); name them all or none")
+        raise DataError(
+            f"{path}: some files name a split (train/val/test) and some do not "
+            f"({[f.name for f in by_split['all']]}); name them all or none"
+        )
     return {s: concat([read_table(f, fmt, label, regression) for f in fs]) for s, fs in by_split.items()}
 
 
@@ -173,8 +188,9 @@ def _from_arrays(arrays: Mapping[str, Any], source: str, where) -> dict[str, Par
     known = {"x", "y", "x_val", "y_val", "x_test", "y_test"}
     unknown = sorted(set(arrays) - known)
     if unknown:
-        raise DataError(f"{source}: unexpected arrays {unknown}; expected x, y and optionally "
-                        f"x_val/y_val, x_test/y_test")
+        raise DataError(
+            f"{source}: unexpected arrays {unknown}; expected x, y and optionally x_val/y_val, x_test/y_test"
+        )
     out = {}
     for split, suffix in (("train", ""), ("val", "_val"), ("test", "_test")):
         xk, yk = "x" + suffix, "y" + suffix
@@ -183,8 +199,7 @@ def _from_arrays(arrays: Mapping[str, Any], source: str, where) -> dict[str, Par
                 raise DataError(f"{source}: no arrays x and y")
             continue
         if xk not in arrays or yk not in arrays:
-            raise DataError(f"{source}: {xk} and {yk} come together; only "
-                            f"{xk if xk in arrays else yk} is there")
+            raise DataError(f"{source}: {xk} and {yk} come together; only {xk if xk in arrays else yk} is there")
         try:
             x, y = np.asarray(arrays[xk]), np.asarray(arrays[yk])
         except ValueError as e:  # a ragged list from a loader
@@ -192,8 +207,7 @@ def _from_arrays(arrays: Mapping[str, Any], source: str, where) -> dict[str, Par
         if x.dtype == object or x.dtype.kind not in "biuf":
             raise DataError(f"{source}: {xk} holds {x.dtype}, not numbers (a ragged or object array?)")
         if x.ndim < 2 or y.ndim != 1 or len(x) != len(y):
-            raise DataError(f"{source}: {xk} must be (n, features...) and {yk} (n,); got "
-                            f"{x.shape} and {y.shape}")
+            raise DataError(f"{source}: {xk} must be (n, features...) and {yk} (n,); got {x.shape} and {y.shape}")
         out[split] = Part(x, y, source, functools.partial(where, xk))
     return out
 
@@ -204,8 +218,7 @@ def _read_loader(name: str, path: str | None, params: dict) -> dict[str, Part]:
     try:
         arrays = loader(path, **params)
     except TypeError as e:
-        raise DataError(f"data loader {name!r} ({ep.value}): bad data_params "
-                        f"{sorted(params)}: {e}") from None
+        raise DataError(f"data loader {name!r} ({ep.value}): bad data_params {sorted(params)}: {e}") from None
     if not isinstance(arrays, Mapping):
         raise DataError(f"data loader {name!r} returned {type(arrays).__name__}, not a mapping of arrays")
     return _from_arrays(arrays, f"data loader {name!r}", lambda key, i: f"data loader {name!r} {key}[{i}]")
@@ -219,8 +232,7 @@ def _features(part: Part, shape: tuple[int, ...] | None) -> np.ndarray:
         i = int(np.argmax(bad))
         raise DataError(f"{part.where(i)}: features hold NaN or Inf (or a missing value)")
     if shape is not None and tuple(x.shape[1:]) != shape:
-        raise DataError(f"{part.source}: samples shaped {tuple(x.shape[1:])}, other splits "
-                        f"{shape}")
+        raise DataError(f"{part.source}: samples shaped {tuple(x.shape[1:])}, other splits {shape}")
     return x
 
 
@@ -228,9 +240,11 @@ def _labels(part: Part, names: list[str] | None) -> np.ndarray:
     y = part.y
     if names is None:  # regression
         if y.dtype.kind not in "biuf":
-            raise DataError(f"{part.where(0)}: labels are {y.dtype}, not numbers; without "
-                            f"learner.classes the node does regression (set learner.classes "
-                            f"for classification)")
+            raise DataError(
+                f"{part.where(0)}: labels are {y.dtype}, not numbers; without "
+                f"learner.classes the node does regression (set learner.classes "
+                f"for classification)"
+            )
         t = y.astype(np.float32)
         bad = ~np.isfinite(t)
         if bad.any():
@@ -241,21 +255,24 @@ def _labels(part: Part, names: list[str] | None) -> np.ndarray:
         bad = (y < 0) | (y >= len(names))
         if bad.any():
             i = int(np.argmax(bad))
-            raise DataError(f"{part.where(i)}: label {int(y[i])} is not a class index 0..{len(names) - 1} "
-                            f"(learner.classes = {names})")
+            raise DataError(
+                f"{part.where(i)}: label {int(y[i])} is not a class index 0..{len(names) - 1} "
+                f"(learner.classes = {names})"
+            )
         return y.astype(np.int64)
     if y.dtype.kind in "fb":
-        raise DataError(f"{part.where(0)}: labels are {y.dtype}; classes take integer indices "
-                        f"or class names")
-    values, inverse = np.unique(np.asarray([str(v) for v in y], dtype=object) if y.dtype == object
-                                else y.astype(str), return_inverse=True)  # one lookup per distinct label
+        raise DataError(f"{part.where(0)}: labels are {y.dtype}; classes take integer indices or class names")
+    values, inverse = np.unique(
+        np.asarray([str(v) for v in y], dtype=object) if y.dtype == object else y.astype(str), return_inverse=True
+    )  # one lookup per distinct label
     inverse = inverse.reshape(-1)
     mapping = np.asarray([index.get(str(v), -1) for v in values], dtype=np.int64)
     out = mapping[inverse]
     if (out < 0).any():
         i = int(np.argmax(out < 0))  # the first unknown label in file order
-        raise DataError(f"{part.where(i)}: unknown label {str(y[i])!r}; the network's classes "
-                        f"are {names} (learner.classes)")
+        raise DataError(
+            f"{part.where(i)}: unknown label {str(y[i])!r}; the network's classes are {names} (learner.classes)"
+        )
     return out
 
 
@@ -268,7 +285,7 @@ def _draw(n: int, cfg: LearnerConfig, missing: list[str]) -> dict[str, np.ndarra
     for s in ("test", "val"):
         if s in missing:
             k = int(round((cfg.test_fraction if s == "test" else cfg.val_fraction) * n))
-            out[s], at = np.sort(perm[at:at + k]), at + k
+            out[s], at = np.sort(perm[at : at + k]), at + k
     out["train"] = np.sort(perm[at:])
     return out
 
@@ -287,8 +304,10 @@ def load_own_data(cfg: LearnerConfig) -> OwnData:
             parts = _read_tables(path, fmt, cfg.data_label, names is None)
         else:
             if names is None:
-                raise DataError(f"{path}: an image folder needs learner.classes (the class names the "
-                                f"network agrees on; output i is classes[i])")
+                raise DataError(
+                    f"{path}: an image folder needs learner.classes (the class names the "
+                    f"network agrees on; output i is classes[i])"
+                )
             parts = _read_images(path, cfg.data_params)
     else:
         parts = _read_loader(fmt, cfg.data, dict(cfg.data_params))  # as given: a loader's path may be no file
@@ -307,13 +326,24 @@ def load_own_data(cfg: LearnerConfig) -> OwnData:
         part = parts[s]
         fraction = {"val": cfg.val_fraction, "test": cfg.test_fraction}.get(s, 1.0)
         if len(part) == 0 and (s in given or fraction > 0):
-            drawn = "" if s in given else (f" ({len(base)} samples, val_fraction={cfg.val_fraction}, "
-                                           f"test_fraction={cfg.test_fraction})")
+            drawn = (
+                ""
+                if s in given
+                else (f" ({len(base)} samples, val_fraction={cfg.val_fraction}, test_fraction={cfg.test_fraction})")
+            )
             raise DataError(f"{part.source}: the {s} split is empty{drawn}")
         x = _features(part, shape)
         shape = tuple(x.shape[1:])
         arrays[f"x_{s}"], arrays[f"y_{s}"] = x, _labels(part, names)
-    source = f"{fmt}: {path}" if fmt in ("npz", "csv", "parquet", "images") else f"loader {fmt}" + (
-        f": {cfg.data}" if cfg.data is not None else "")
-    return OwnData(**arrays, input_shape=tuple(x.shape[1:]),  # (== shape: every split was held to it)
-                   class_names=names, source=source, given_splits=given)
+    source = (
+        f"{fmt}: {path}"
+        if fmt in ("npz", "csv", "parquet", "images")
+        else f"loader {fmt}" + (f": {cfg.data}" if cfg.data is not None else "")
+    )
+    return OwnData(
+        **arrays,
+        input_shape=tuple(x.shape[1:]),  # (== shape: every split was held to it)
+        class_names=names,
+        source=source,
+        given_splits=given,
+    )

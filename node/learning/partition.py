@@ -48,6 +48,7 @@ Label noise (``cfg.label_noise``) is per node, so it is applied in ``node_data``
 node's own train labels only: that share of them (rounded) is replaced by labels drawn
 uniformly from all classes (which may coincide with the true label).
 """
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,16 @@ import numpy as np
 from .config import LearnerConfig
 from .datasets import Pool, dataset_num_classes
 
-PARTITIONS = ("iid", "dirichlet", "pathological", "label_permutation", "class_groups",
-              "random_pairs", "sine_intervals", "mixture")
+PARTITIONS = (
+    "iid",
+    "dirichlet",
+    "pathological",
+    "label_permutation",
+    "class_groups",
+    "random_pairs",
+    "sine_intervals",
+    "mixture",
+)
 _PARAMS = {
     "iid": set(),
     "dirichlet": {"alpha"},
@@ -101,6 +110,7 @@ class Shard:
 @dataclass
 class Splits:
     """A node's samples as the learner takes them: inputs and labels of its three splits."""
+
     x_train: np.ndarray
     y_train: np.ndarray
     x_val: np.ndarray
@@ -112,6 +122,7 @@ class Splits:
 @dataclass
 class NodeData(Splits):
     """One node's arrays, labels already mapped (and train labels noised) as the node sees them."""
+
     shard: Shard
     noisy: np.ndarray  # indices into the train split whose label was replaced
 
@@ -125,8 +136,9 @@ def _params(cfg: LearnerConfig) -> dict:
     allowed = _PARAMS[cfg.partition] | {"samples_per_node"}
     unknown = set(p) - allowed
     if unknown:
-        raise ValueError(f"partition {cfg.partition!r}: unknown partition_params "
-                         f"{sorted(unknown)}; allowed: {sorted(allowed)}")
+        raise ValueError(
+            f"partition {cfg.partition!r}: unknown partition_params {sorted(unknown)}; allowed: {sorted(allowed)}"
+        )
     return p
 
 
@@ -163,13 +175,14 @@ def _class_sets(cfg: LearnerConfig, num_classes: int) -> list[tuple[int, ...]]:
         cpg = int(p.get("classes_per_group", 2))
         groups = int(p.get("num_groups", num_classes // max(cpg, 1)))
         if cpg < 1 or groups < 1 or groups * cpg > num_classes:
-            raise ValueError(f"class_groups: num_groups={groups} x classes_per_group={cpg} "
-                             f"needs that many distinct classes; the dataset has {num_classes}")
+            raise ValueError(
+                f"class_groups: num_groups={groups} x classes_per_group={cpg} "
+                f"needs that many distinct classes; the dataset has {num_classes}"
+            )
         if groups > n:
             raise ValueError(f"class_groups: num_groups={groups} > num_nodes={n}")
         perm = _rng(cfg, _S_CLASSES).permutation(num_classes)
-        group_classes = [tuple(sorted(int(c) for c in perm[g * cpg:(g + 1) * cpg]))
-                         for g in range(groups)]
+        group_classes = [tuple(sorted(int(c) for c in perm[g * cpg : (g + 1) * cpg])) for g in range(groups)]
         return [group_classes[g] for g in _blocks(n, groups)]
     raise AssertionError(cfg.partition)
 
@@ -235,8 +248,7 @@ def _sizes(cfg: LearnerConfig, default: int) -> list[int]:
     n = cfg.num_nodes
     if spn is None:
         if default < 1:
-            raise ValueError(f"partition {cfg.partition!r}: the pool is too small to give "
-                             f"{n} nodes any samples")
+            raise ValueError(f"partition {cfg.partition!r}: the pool is too small to give {n} nodes any samples")
         return [default] * n
     if isinstance(spn, (list, tuple)):
         if len(spn) != 2 or not 1 <= int(spn[0]) <= int(spn[1]):
@@ -253,16 +265,20 @@ def _split(cfg: LearnerConfig, idx: np.ndarray, node: int) -> tuple[np.ndarray, 
     n_test = int(round(cfg.test_fraction * s))
     n_val = int(round(cfg.val_fraction * s))
     if s - n_test - n_val < 1:
-        raise ValueError(f"node {node}: {s} samples leave no training data after "
-                         f"val_fraction={cfg.val_fraction}, test_fraction={cfg.test_fraction}")
-    test, val, train = idx[:n_test], idx[n_test:n_test + n_val], idx[n_test + n_val:]
+        raise ValueError(
+            f"node {node}: {s} samples leave no training data after "
+            f"val_fraction={cfg.val_fraction}, test_fraction={cfg.test_fraction}"
+        )
+    test, val, train = idx[:n_test], idx[n_test : n_test + n_val], idx[n_test + n_val :]
     return np.sort(train), np.sort(val), np.sort(test)
 
 
 def _short(cfg: LearnerConfig, what: str, need: int, have: int) -> ValueError:
-    return ValueError(f"partition {cfg.partition!r} with {cfg.num_nodes} nodes needs {need} "
-                      f"samples {what} but the pool has only {have}; lower "
-                      f"partition_params.samples_per_node or enlarge the dataset")
+    return ValueError(
+        f"partition {cfg.partition!r} with {cfg.num_nodes} nodes needs {need} "
+        f"samples {what} but the pool has only {have}; lower "
+        f"partition_params.samples_per_node or enlarge the dataset"
+    )
 
 
 def partition(pool: Pool, cfg: LearnerConfig) -> list[Shard]:
@@ -270,8 +286,7 @@ def partition(pool: Pool, cfg: LearnerConfig) -> list[Shard]:
     part, n = cfg.partition, cfg.num_nodes
     p = _params(cfg)
     if pool.task == "regression" and part not in _REGRESSION_OK:
-        raise ValueError(f"partition {part!r} needs class labels; regression pools take "
-                         f"{sorted(_REGRESSION_OK)}")
+        raise ValueError(f"partition {part!r} needs class labels; regression pools take {sorted(_REGRESSION_OK)}")
     if part == "sine_intervals" and pool.task != "regression":
         raise ValueError("partition 'sine_intervals' is for regression pools (dataset 'sine')")
     clusters = true_clusters(cfg)
@@ -286,7 +301,7 @@ def partition(pool: Pool, cfg: LearnerConfig) -> list[Shard]:
             raise _short(cfg, "in all", sum(sizes), len(pool))
         perm = sample_rng.permutation(len(pool))
         offs = np.cumsum([0] + sizes)
-        node_idx = [perm[offs[i]:offs[i + 1]] for i in range(n)]
+        node_idx = [perm[offs[i] : offs[i + 1]] for i in range(n)]
         if part == "label_permutation":
             label_maps = list(_label_maps(cfg, pool.num_classes, clusters))
         if part == "mixture":
@@ -305,9 +320,10 @@ def partition(pool: Pool, cfg: LearnerConfig) -> list[Shard]:
         for i in range(n):
             b = clusters[i]
             if taken[b] + sizes[i] > len(avail[b]):
-                raise _short(cfg, f"in x-interval {b}", sum(s for j, s in enumerate(sizes)
-                                                             if clusters[j] == b), len(avail[b]))
-            node_idx.append(avail[b][taken[b]:taken[b] + sizes[i]])
+                raise _short(
+                    cfg, f"in x-interval {b}", sum(s for j, s in enumerate(sizes) if clusters[j] == b), len(avail[b])
+                )
+            node_idx.append(avail[b][taken[b] : taken[b] + sizes[i]])
             taken[b] += sizes[i]
 
     else:  # class-based: per-class queues of shuffled indices, taken in node order
@@ -352,7 +368,7 @@ def partition(pool: Pool, cfg: LearnerConfig) -> list[Shard]:
         for i in range(n):
             parts = []
             for c in np.flatnonzero(counts[i]).tolist():
-                parts.append(queues[c][class_taken[c]:class_taken[c] + counts[i][c]])
+                parts.append(queues[c][class_taken[c] : class_taken[c] + counts[i][c]])
                 class_taken[c] += counts[i][c]
             idx = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
             node_idx.append(sample_rng.permutation(idx))  # mix classes before the split
@@ -364,15 +380,15 @@ def partition(pool: Pool, cfg: LearnerConfig) -> list[Shard]:
         if part == "mixture":  # every split holds the components in proportion π_i
             crng = _rng(cfg, _S_MIX, 1, i)
             shard.mixture, shard.component_maps = mix[i], comp_maps
-            shard.components = {name: crng.permutation(np.repeat(np.arange(len(mix[i])),
-                                                                 _component_counts(len(idx), mix[i])))
-                                for name, idx in (("train", tr), ("val", va), ("test", te))}
+            shard.components = {
+                name: crng.permutation(np.repeat(np.arange(len(mix[i])), _component_counts(len(idx), mix[i])))
+                for name, idx in (("train", tr), ("val", va), ("test", te))
+            }
         shards.append(shard)
     return shards
 
 
-def _capped_counts(rng: np.random.Generator, size: int, w: np.ndarray,
-                   avail: np.ndarray) -> np.ndarray:
+def _capped_counts(rng: np.random.Generator, size: int, w: np.ndarray, avail: np.ndarray) -> np.ndarray:
     """Multinomial(size, w) counts that never exceed avail; decrements avail."""
     counts = np.minimum(rng.multinomial(size, w), avail)
     short = size - int(counts.sum())
@@ -411,9 +427,17 @@ def shared_partition(pool: Pool, cfg: LearnerConfig) -> list[Shard]:
     """``partition(pool, cfg)``, computed once per pool and partition in this process: the nodes
     of an in-process network would otherwise each recompute every node's shard (O(N²)). The
     shards' index arrays are read-only, as they are shared."""
-    key = (id(pool), cfg.dataset, json.dumps(cfg.dataset_params, sort_keys=True, default=str), cfg.partition,
-           json.dumps(cfg.partition_params, sort_keys=True, default=str), cfg.num_nodes, cfg.data_seed,
-           cfg.val_fraction, cfg.test_fraction)
+    key = (
+        id(pool),
+        cfg.dataset,
+        json.dumps(cfg.dataset_params, sort_keys=True, default=str),
+        cfg.partition,
+        json.dumps(cfg.partition_params, sort_keys=True, default=str),
+        cfg.num_nodes,
+        cfg.data_seed,
+        cfg.val_fraction,
+        cfg.test_fraction,
+    )
     with _SHARDS_LOCK:
         hit = _SHARDS.get(key)
         if hit is not None and hit[0]() is pool:
@@ -452,6 +476,13 @@ def node_data(pool: Pool, cfg: LearnerConfig, shards: list[Shard] | None = None)
         m = int(round(cfg.label_noise * len(y_train)))
         noisy = np.sort(rng.choice(len(y_train), m, replace=False))
         y_train[noisy] = rng.integers(0, pool.num_classes, m)
-    return NodeData(np.array(pool.x[shard.train]), y_train,
-                    np.array(pool.x[shard.val]), labels(shard.val, "val"),
-                    np.array(pool.x[shard.test]), labels(shard.test, "test"), shard, noisy)
+    return NodeData(
+        np.array(pool.x[shard.train]),
+        y_train,
+        np.array(pool.x[shard.val]),
+        labels(shard.val, "val"),
+        np.array(pool.x[shard.test]),
+        labels(shard.test, "test"),
+        shard,
+        noisy,
+    )

@@ -1,9 +1,10 @@
 """What every reader of a node's own files returns: samples that still remember where each one
 came from, so a bad one is named by file and row (or image), and the error they raise."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -15,6 +16,7 @@ class DataError(ValueError):
 @dataclass
 class Part:
     """Samples of one file (or one split of a loader's output), in file order."""
+
     x: np.ndarray  # (n, *input_shape), any numeric dtype
     y: np.ndarray  # labels as the file holds them: text or integers (classes), numbers (regression)
     source: str  # the file (or loader) they came from
@@ -23,7 +25,7 @@ class Part:
     def __len__(self) -> int:
         return len(self.y)
 
-    def take(self, idx: np.ndarray) -> "Part":
+    def take(self, idx: np.ndarray) -> Part:
         idx = np.asarray(idx, dtype=np.int64)
         return Part(self.x[idx], self.y[idx], self.source, lambda i: self.where(int(idx[i])))
 
@@ -38,5 +40,9 @@ def concat(parts: list[Part]) -> Part:
         k = int(np.searchsorted(offsets, i, side="right")) - 1
         return parts[k].where(i - int(offsets[k]))
 
-    return Part(np.concatenate([p.x for p in parts]), np.concatenate([p.y for p in parts]),
-                ", ".join(p.source for p in parts), where)
+    return Part(
+        np.concatenate([p.x for p in parts]),
+        np.concatenate([p.y for p in parts]),
+        ", ".join(p.source for p in parts),
+        where,
+    )

@@ -1,6 +1,7 @@
 """Where a node's samples come from, as ``TorchLearner`` needs it: the node's own files
 (``learner.data``, ``own_data.py``: no pool, no partition, no ground-truth cluster) or its shard
 of a built-in pool (``datasets.py`` + ``partition.py``), with what output i means on both."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,7 +11,8 @@ import numpy as np
 
 from .config import LearnerConfig
 from .datasets import Pool, load_pool
-from .own_data import OwnData, class_names as agreed_names, load_own_data
+from .own_data import OwnData, load_own_data
+from .own_data import class_names as agreed_names
 from .partition import NodeData, Shard, node_data
 
 
@@ -31,8 +33,7 @@ class Source:
         return len(self.class_names) if self.class_names is not None else 0
 
 
-def node_source(cfg: LearnerConfig, pool: Pool | None = None,
-                data: NodeData | OwnData | None = None) -> Source:
+def node_source(cfg: LearnerConfig, pool: Pool | None = None, data: NodeData | OwnData | None = None) -> Source:
     if data is None and cfg.data is not None:
         data = load_own_data(cfg)  # the node's own files: no pool, no partition
     if isinstance(data, OwnData):
@@ -44,12 +45,16 @@ def node_source(cfg: LearnerConfig, pool: Pool | None = None,
     if data is None:
         data = node_data(pool, cfg)
     names = builtin_names(cfg, pool)
-    info = {"source": f"built-in: {cfg.dataset}, partition {cfg.partition} "
-                      f"(node {cfg.node_index} of {cfg.num_nodes})",
-            "task": pool.task, "input_shape": list(pool.input_shape), "classes": names,
-            "samples": {s: int(len(getattr(data, f"y_{s}"))) for s in ("train", "val", "test")}}
-    return Source(data, pool.task, names, tuple(pool.input_shape), False, info,
-                  int(data.shard.cluster), data.shard, data.noisy)
+    info = {
+        "source": f"built-in: {cfg.dataset}, partition {cfg.partition} (node {cfg.node_index} of {cfg.num_nodes})",
+        "task": pool.task,
+        "input_shape": list(pool.input_shape),
+        "classes": names,
+        "samples": {s: int(len(getattr(data, f"y_{s}"))) for s in ("train", "val", "test")},
+    }
+    return Source(
+        data, pool.task, names, tuple(pool.input_shape), False, info, int(data.shard.cluster), data.shard, data.noisy
+    )
 
 
 def builtin_names(cfg: LearnerConfig, pool: Pool) -> list[str] | None:
@@ -62,6 +67,5 @@ def builtin_names(cfg: LearnerConfig, pool: Pool) -> list[str] | None:
     if names is None:
         return [str(i) for i in range(pool.num_classes)]
     if len(names) != pool.num_classes:
-        raise ValueError(f"learner.classes names {len(names)} classes; dataset {cfg.dataset!r} "
-                         f"has {pool.num_classes}")
+        raise ValueError(f"learner.classes names {len(names)} classes; dataset {cfg.dataset!r} has {pool.num_classes}")
     return names

@@ -3,6 +3,7 @@ pyarrow. Every problem is a ``DataError`` naming the file (and the line or row).
 
 A CSV's data row ``i`` (0-based) is reported as its line in the file (``line i + 2``: the header
 is line 1); a Parquet row as ``row i + 1``."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,8 +22,9 @@ def read_table(path: Path, fmt: str, label: str, regression: bool) -> Part:
 
     table, where = _open(path, fmt)
     if label not in table.column_names:
-        raise DataError(f"{path}: no label column {label!r} (columns: {table.column_names}); "
-                        f"learner.data_label names it")
+        raise DataError(
+            f"{path}: no label column {label!r} (columns: {table.column_names}); learner.data_label names it"
+        )
     x = _features(table, path, label, where)
     ycol = table.column(label)
     if ycol.null_count:
@@ -30,8 +32,9 @@ def read_table(path: Path, fmt: str, label: str, regression: bool) -> Part:
         raise DataError(f"{where(i)}: no label (column {label!r} is empty there)")
     if regression:
         if not (pa.types.is_integer(ycol.type) or pa.types.is_floating(ycol.type)):
-            raise DataError(f"{path}: label column {label!r} is {ycol.type}: regression (no "
-                            f"learner.classes) needs numbers")
+            raise DataError(
+                f"{path}: label column {label!r} is {ycol.type}: regression (no learner.classes) needs numbers"
+            )
         y = ycol.to_numpy(zero_copy_only=False).astype(np.float32)
     else:  # class names: the column's values as text, matched against learner.classes
         y = np.asarray([_text(v) for v in ycol.to_pylist()], dtype=object)
@@ -55,9 +58,11 @@ def _open(path: Path, fmt: str):
     try:
         if fmt == "csv":
             import pyarrow.csv as pcsv
+
             table = pcsv.read_csv(path)
         else:
             import pyarrow.parquet as pq
+
             table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:  # ragged rows, a truncated or foreign file
         raise DataError(f"{path}: cannot read it as {fmt}: {str(e).strip().splitlines()[0]}") from None
@@ -77,13 +82,13 @@ def _features(table, path: Path, label: str, where) -> np.ndarray:
     for name in features:
         col = table.column(name)
         t = col.type
-        if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
-                or pa.types.is_null(t)):
+        if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t)):
             # a text column's cells are all str: the first that does not read as a number
-            bad = next((i for i, v in enumerate(col.to_pylist()) if v is not None
-                        and not _is_number(v)), 0)
-            raise DataError(f"{path}: feature column {name!r} is not numeric ({t}; first "
-                            f"non-number at {where(bad).removeprefix(str(path) + ' ')})")
+            bad = next((i for i, v in enumerate(col.to_pylist()) if v is not None and not _is_number(v)), 0)
+            raise DataError(
+                f"{path}: feature column {name!r} is not numeric ({t}; first "
+                f"non-number at {where(bad).removeprefix(str(path) + ' ')})"
+            )
         cols.append(col.to_numpy(zero_copy_only=False).astype(np.float64))  # nulls become NaN
     return np.stack(cols, axis=1)
 

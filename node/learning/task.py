@@ -5,6 +5,7 @@ silently wrong, so a peer with another task is refused, and the refusal says wha
 
 The task travels as canonical JSON: ``{"input_shape": [40], "classes": ["0", ..., "9"]}`` or
 ``{"input_shape": [1], "classes": "regression"}``. Pure Python: the peering layer uses it."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,14 @@ MAX_SHOWN = 12  # class names shown in a refusal; a long list is cut
 
 
 def describe_task(input_shape, class_names: list[str] | None) -> str:
-    return json.dumps({"input_shape": [int(s) for s in input_shape],
-                       "classes": "regression" if class_names is None else [str(c) for c in class_names]},
-                      sort_keys=True, separators=(",", ":"))
+    return json.dumps(
+        {
+            "input_shape": [int(s) for s in input_shape],
+            "classes": "regression" if class_names is None else [str(c) for c in class_names],
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
 
 
 def _parse(task: str) -> dict[str, Any] | None:
@@ -51,5 +57,8 @@ def task_difference(mine: str, theirs: str, peer: str, me: str = "") -> str | No
     if not diffs:
         return None
     # the refused peer reads this too: name both ends
-    return f"peer {peer!r}'s task differs from node {me!r}'s: " + "; ".join(diffs) if me else \
-        f"peer {peer!r}'s task differs from this node's: " + "; ".join(diffs)
+    return (
+        f"peer {peer!r}'s task differs from node {me!r}'s: " + "; ".join(diffs)
+        if me
+        else f"peer {peer!r}'s task differs from this node's: " + "; ".join(diffs)
+    )

@@ -15,6 +15,7 @@ hyper-parameters and step count, RNG states, fingerprint); ``import_state`` rest
 state directory (``node/persistence.py``) writes and verifies them. On import the
 hyper-parameters come from the config (a restart may change lr).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,18 +31,17 @@ from torch.func import functional_call
 from .config import LearnerConfig
 from .datasets import Pool
 from .guard import StepGuard
-from .local_optim import LocalOptimizer, _Sampler
 from .hooks import resolve_loss, resolve_transform
 from .learner import EvalResult, Learner, Params, Split, TrainResult
+from .local_optim import LocalOptimizer, _Sampler
 from .models import build_model
 from .own_data import OwnData
 from .partition import NodeData
 from .sources import node_source
-from .torch_private import EVAL_BATCH as _EVAL_BATCH
 from .torch_mixture import MixtureEval
+from .torch_private import EVAL_BATCH as _EVAL_BATCH
 from .torch_private import PerSampleTerms
 from .torch_state import TorchState
-
 
 
 def resolve_device(device: str) -> str:
@@ -57,8 +57,7 @@ def _seed(*parts: int) -> int:
 
 
 class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
-    def __init__(self, cfg: LearnerConfig, pool: Pool | None = None,
-                 data: NodeData | OwnData | None = None):
+    def __init__(self, cfg: LearnerConfig, pool: Pool | None = None, data: NodeData | OwnData | None = None):
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
         self.device = resolve_device(cfg.device)
@@ -80,19 +79,18 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
         # θ⁰ is the same on every node: seed right before construction, leaving global RNG as is
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)
-            self.model = build_model(cfg.model, self.input_shape, self.num_classes,
-                                     **cfg.model_params)
+            self.model = build_model(cfg.model, self.input_shape, self.num_classes, **cfg.model_params)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)
-            self._shadow = build_model(cfg.model, self.input_shape, self.num_classes,
-                                       **cfg.model_params)
+            self._shadow = build_model(cfg.model, self.input_shape, self.num_classes, **cfg.model_params)
         self.model.to(self.device)
         self._shadow.to(self.device).eval()
         for p in self._shadow.parameters():
             p.requires_grad_(False)
         self._names = [n for n, _ in self.model.named_parameters()]
-        self._spec = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
-                      for n, p in self.model.named_parameters()}
+        self._spec = {
+            n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in self.model.named_parameters()
+        }
         self.optimizer = self._make_optimizer()
         self._sampler = _Sampler(len(self._data["train"][1]), _seed(cfg.data_seed, cfg.node_index))
         self._eval_rng = np.random.default_rng(_seed(cfg.data_seed, cfg.node_index, 0xE7A1))
@@ -111,9 +109,13 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
     # ------------------------------------------------------------------ params
     def _make_optimizer(self) -> LocalOptimizer:
         c = self.cfg
-        return LocalOptimizer(c.optimizer, list(self.model.named_parameters()), lr=c.lr,
-                              momentum=c.momentum if c.optimizer == "sgd" else 0.0,
-                              weight_decay=c.weight_decay)
+        return LocalOptimizer(
+            c.optimizer,
+            list(self.model.named_parameters()),
+            lr=c.lr,
+            momentum=c.momentum if c.optimizer == "sgd" else 0.0,
+            weight_decay=c.weight_decay,
+        )
 
     def get_params(self) -> Params:
         with self._lock:
@@ -122,12 +124,10 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
     def _check(self, params: Params, what: str = "params") -> None:
         if list(params) != self._names and set(params) != set(self._names):
             missing, extra = set(self._names) - set(params), set(params) - set(self._names)
-            raise ValueError(f"{what} do not match the model: missing {sorted(missing)}, "
-                             f"unexpected {sorted(extra)}")
+            raise ValueError(f"{what} do not match the model: missing {sorted(missing)}, unexpected {sorted(extra)}")
         for n in self._names:
             if tuple(params[n].shape) != self._spec[n][0]:
-                raise ValueError(f"{what}[{n!r}] has shape {tuple(params[n].shape)}, "
-                                 f"expected {self._spec[n][0]}")
+                raise ValueError(f"{what}[{n!r}] has shape {tuple(params[n].shape)}, expected {self._spec[n][0]}")
 
     def set_params(self, params: Params) -> None:
         self._check(params)
@@ -188,8 +188,11 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
                     break
                 loss.backward()
                 grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-                norm = (torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-                        if self.cfg.grad_clip else torch.nn.utils.get_total_norm(grads))
+                norm = (
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+                    if self.cfg.grad_clip
+                    else torch.nn.utils.get_total_norm(grads)
+                )
                 if not math.isfinite(float(norm)):
                     problem = f"gradient norm is {float(norm)}"
                     break
@@ -233,8 +236,7 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
                 out = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         else:
             self._check(params)
-            out = {n: params[n].detach().to(self.device, torch.float32, copy=True)
-                   for n in self._names}
+            out = {n: params[n].detach().to(self.device, torch.float32, copy=True) for n in self._names}
         if requires_grad:
             for t in out.values():
                 t.requires_grad_(True)
@@ -248,9 +250,13 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
             return x[t], y[t]
         return x, y
 
-    def loss(self, params: Params | None = None, split: Split = "train",
-             max_samples: int | None = None,
-             reduction: Literal["mean", "sum"] = "mean") -> EvalResult:
+    def loss(
+        self,
+        params: Params | None = None,
+        split: Split = "train",
+        max_samples: int | None = None,
+        reduction: Literal["mean", "sum"] = "mean",
+    ) -> EvalResult:
         p = self._device_params(params)
         with self._eval_lock:
             x, y = self._batch(split, max_samples)
@@ -269,17 +275,21 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
         total, correct = 0.0, 0
         with torch.no_grad():
             for i in range(0, n, _EVAL_BATCH):
-                out = functional_call(self._shadow, p, (self._x(x[i:i + _EVAL_BATCH]),))
-                yb = y[i:i + _EVAL_BATCH]
+                out = functional_call(self._shadow, p, (self._x(x[i : i + _EVAL_BATCH]),))
+                yb = y[i : i + _EVAL_BATCH]
                 total += float(self._loss_fn(out, yb, "sum"))
                 if self.task == "classification":
                     correct += int((out.argmax(1) == yb).sum())
         acc = correct / n if self.task == "classification" else None
         return EvalResult(loss=total / n if reduction == "mean" else total, n=n, accuracy=acc)
 
-    def gradient(self, params: Params | None = None, split: Split = "train",
-                 max_samples: int | None = None,
-                 reduction: Literal["mean", "sum"] = "mean") -> tuple[Params, EvalResult]:
+    def gradient(
+        self,
+        params: Params | None = None,
+        split: Split = "train",
+        max_samples: int | None = None,
+        reduction: Literal["mean", "sum"] = "mean",
+    ) -> tuple[Params, EvalResult]:
         p = self._device_params(params, requires_grad=True)
         with self._eval_lock:
             x, y = self._batch(split, max_samples)
@@ -289,11 +299,9 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
                 out = functional_call(self._shadow, p, (self._x(x),))
                 loss = self._loss_fn(out, y, reduction)
                 grads = torch.autograd.grad(loss, [p[n] for n in self._names])
-            acc = (float((out.argmax(1) == y).float().mean())
-                   if self.task == "classification" else None)
+            acc = float((out.argmax(1) == y).float().mean()) if self.task == "classification" else None
         g = {n: t.detach().to("cpu", torch.float32) for n, t in zip(self._names, grads, strict=True)}
         return g, EvalResult(loss=float(loss.detach()), n=len(y), accuracy=acc)
-
 
 
 def build_learner(cfg: LearnerConfig, pool: Pool | None = None) -> TorchLearner:

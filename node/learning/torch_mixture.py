@@ -1,5 +1,6 @@
 """FedeRiCo's mixture prediction on ``TorchLearner``: Σ_j w_j p(y|x; θ_j) over members' models,
 evaluated on the private shadow model (never the live one)."""
+
 from __future__ import annotations
 
 import threading
@@ -23,11 +24,11 @@ class MixtureEval:
     _shadow: torch.nn.Module
     _eval_lock: threading.Lock
     if TYPE_CHECKING:
+
         def _x(self, x: torch.Tensor) -> torch.Tensor: ...
         def _device_params(self, params: Params | None, requires_grad: bool = False) -> Params: ...
 
-    def evaluate_mixture(self, members: list[tuple[float, Params]],
-                         split: Split = "test") -> EvalResult:
+    def evaluate_mixture(self, members: list[tuple[float, Params]], split: Split = "test") -> EvalResult:
         """Σ_j w_j p(y|x; θ_j) with the weights normalised to sum to 1 (classification: softmax
         probabilities, loss = NLL of the mixture; regression: weighted mean prediction, MSE)."""
         if not members:
@@ -44,7 +45,7 @@ class MixtureEval:
         total, correct = 0.0, 0
         with self._eval_lock, torch.no_grad():
             for i in range(0, n, _EVAL_BATCH):
-                xb, yb = x[i:i + _EVAL_BATCH], y[i:i + _EVAL_BATCH]
+                xb, yb = x[i : i + _EVAL_BATCH], y[i : i + _EVAL_BATCH]
                 mix: torch.Tensor | None = None
                 for wj, pj in zip(w, ps, strict=True):
                     if wj == 0:

@@ -1,6 +1,7 @@
 """Per-sample terms of ``TorchLearner`` (its privacy part): losses and gradients clipped sample
 by sample, summed, for the DP mechanisms (``privacy/mechanisms.py``) — on the private shadow
 model, never the live one."""
+
 from __future__ import annotations
 
 import threading
@@ -26,6 +27,7 @@ class PerSampleTerms:
     _names: list[str]
     _eval_lock: threading.Lock
     if TYPE_CHECKING:
+
         def num_samples(self, split: Split = "train") -> int: ...
         def _x(self, x: torch.Tensor) -> torch.Tensor: ...
         def _loss_fn(self, out: torch.Tensor, y: torch.Tensor, reduction: str) -> torch.Tensor: ...
@@ -45,7 +47,7 @@ class PerSampleTerms:
         total = 0.0
         with self._eval_lock, torch.no_grad():
             for i in range(0, len(idx), EVAL_BATCH):
-                j = idx[i:i + EVAL_BATCH]
+                j = idx[i : i + EVAL_BATCH]
                 out = functional_call(self._shadow, p, (self._x(x[j]),))
                 per = self._loss_fn(out, y[j], "none").reshape(-1)
                 per = torch.nan_to_num(per, nan=clip, posinf=clip, neginf=0.0).clamp(0.0, clip)
@@ -61,6 +63,7 @@ class PerSampleTerms:
         its hooks do not know, and it works for any registered model. Clipping as opacus does it:
         factor min(1, C / (‖g_i‖ + 1e-6)) on the whole-model norm."""
         from torch.func import grad, vmap
+
         p = self._device_params(params)
         idx = self._index(split, indices)
         x, y = self._data[split]
@@ -73,7 +76,7 @@ class PerSampleTerms:
         per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))
         with self._eval_lock, torch.no_grad():
             for i in range(0, len(idx), _PER_SAMPLE_BATCH):
-                j = idx[i:i + _PER_SAMPLE_BATCH]
+                j = idx[i : i + _PER_SAMPLE_BATCH]
                 with torch.enable_grad():
                     g = per_sample(p, x[j], y[j])
                 flat = torch.cat([g[n].reshape(len(j), -1) for n in self._names], dim=1)

@@ -2,6 +2,7 @@
 (``model/*``), optimizer state (``optim/*``) and the sampler permutation, plus a JSON-able dict
 (optimizer hyper-parameters and step count, RNG states, fingerprint); ``import_state`` restores
 them (the hyper-parameters from the config: a restart may change lr)."""
+
 from __future__ import annotations
 
 import json
@@ -38,6 +39,7 @@ class TorchState:
     _eval_rng: np.random.Generator
     _lock: threading.RLock
     if TYPE_CHECKING:
+
         def _make_optimizer(self) -> LocalOptimizer: ...
         def _check(self, params: Params, what: str = "params") -> None: ...
         def set_params(self, params: Params) -> None: ...
@@ -58,8 +60,13 @@ class TorchState:
 
         with self._lock:
             tensors = {f"model/{n}": copy(f"model/{n}", p) for n, p in self.model.named_parameters()}
-            tensors.update({f"optim/{k}/{n}": copy(f"optim/{k}/{n}", t)
-                            for n, st in self.optimizer.state.items() for k, t in st.items()})
+            tensors.update(
+                {
+                    f"optim/{k}/{n}": copy(f"optim/{k}/{n}", t)
+                    for n, st in self.optimizer.state.items()
+                    for k, t in st.items()
+                }
+            )
             tensors["sampler/perm"] = torch.from_numpy(self._sampler.perm.copy())
             meta = {
                 "fingerprint": self.fingerprint(),
@@ -72,8 +79,8 @@ class TorchState:
     def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Restore what ``export_state`` returned; ValueError says what does not fit (the live
         model is untouched then)."""
-        params = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
-        opt_tensors = {k[len("optim/"):]: v for k, v in tensors.items() if k.startswith("optim/")}
+        params = {k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")}
+        opt_tensors = {k[len("optim/") :]: v for k, v in tensors.items() if k.startswith("optim/")}
         self._check(params, "saved parameters")
         try:
             if meta["fingerprint"] != self.fingerprint():
@@ -82,8 +89,11 @@ class TorchState:
             if kind != self.cfg.optimizer:
                 raise ValueError(f"saved optimizer {kind!r} != configured {self.cfg.optimizer!r}")
             steps = int(meta["optimizer"]["steps"])
-            sampler = {"rng": meta["sampler"]["rng"], "pos": meta["sampler"]["pos"],
-                       "perm": tensors["sampler/perm"].numpy()}
+            sampler = {
+                "rng": meta["sampler"]["rng"],
+                "pos": meta["sampler"]["pos"],
+                "perm": tensors["sampler/perm"].numpy(),
+            }
             eval_rng = meta["eval_rng"]
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"learner state is malformed (missing or malformed {e})") from None

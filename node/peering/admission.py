@@ -18,16 +18,18 @@ It lives here, in peering, rather than in the gRPC servicer: it is policy about 
 how much of this node), keyed by a domain identity, and any transport (the in-process one too)
 gets the same budget by calling it. The transport keeps what is about its own wire: message
 sizes, stream deadlines, the global cap on calls in flight."""
+
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
-from .errors import exhausted
 from .api import COMPUTE
+from .errors import exhausted
 
 COMPUTE_KINDS = tuple(COMPUTE)  # billed in compute seconds too
 MAX_TRACKED_PEERS = 4096  # budgets kept; the least recently seen are forgotten first
@@ -79,8 +81,12 @@ class PeerBudget:
 
 
 class Admission:
-    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic,
-                 on_refused: Callable[[str, str], None] | None = None):
+    def __init__(
+        self,
+        limits: Limits,
+        clock: Callable[[], float] = time.monotonic,
+        on_refused: Callable[[str, str], None] | None = None,
+    ):
         self.limits = limits
         self.clock = clock
         self.on_refused = on_refused or (lambda peer, why: None)
@@ -90,8 +96,10 @@ class Admission:
         b = self._budgets.get(peer)
         if b is None:
             now, lim = self.clock(), self.limits
-            b = PeerBudget(TokenBucket(lim.requests_per_s, lim.request_burst, now),
-                           TokenBucket(lim.compute_share, lim.compute_burst_s, now))
+            b = PeerBudget(
+                TokenBucket(lim.requests_per_s, lim.request_burst, now),
+                TokenBucket(lim.compute_share, lim.compute_burst_s, now),
+            )
             self._budgets[peer] = b
             while len(self._budgets) > MAX_TRACKED_PEERS:
                 oldest = next(iter(self._budgets))
@@ -111,16 +119,28 @@ class Admission:
         """Hold one of ``peer``'s slots for a ``kind`` request, or raise an ``exhausted`` refusal."""
         b, now, lim = self.budget(peer), self.clock(), self.limits
         if b.in_flight >= lim.max_concurrent:
-            raise self._refuse(peer, b, "concurrency",
-                               f"{b.in_flight} requests already in flight, the limit is {lim.max_concurrent} per peer")
+            raise self._refuse(
+                peer,
+                b,
+                "concurrency",
+                f"{b.in_flight} requests already in flight, the limit is {lim.max_concurrent} per peer",
+            )
         if kind in COMPUTE_KINDS and b.compute.level(now) <= 0:
-            raise self._refuse(peer, b, "compute",
-                               f"compute budget used up ({lim.compute_share:g} s per second, burst "
-                               f"{lim.compute_burst_s:g} s); retry in {b.compute.wait_s(now, 1e-3):.2f} s")
+            raise self._refuse(
+                peer,
+                b,
+                "compute",
+                f"compute budget used up ({lim.compute_share:g} s per second, burst "
+                f"{lim.compute_burst_s:g} s); retry in {b.compute.wait_s(now, 1e-3):.2f} s",
+            )
         if not b.requests.take(now):
-            raise self._refuse(peer, b, "rate",
-                               f"over {lim.requests_per_s:g} requests per second (burst {lim.request_burst:g}); "
-                               f"retry in {b.requests.wait_s(now, 1):.2f} s")
+            raise self._refuse(
+                peer,
+                b,
+                "rate",
+                f"over {lim.requests_per_s:g} requests per second (burst {lim.request_burst:g}); "
+                f"retry in {b.requests.wait_s(now, 1):.2f} s",
+            )
         b.in_flight += 1
         b.admitted[kind] = b.admitted.get(kind, 0) + 1
         try:
@@ -137,5 +157,6 @@ class Admission:
     def view(self, last: int = 32) -> dict[str, dict[str, float]]:
         """The most recently active peers' use: compute seconds billed, requests refused, in flight."""
         recent = list(self._budgets.items())[-last:]
-        return {p: {"compute_s": round(b.compute_s, 3), "refused": b.refused, "in_flight": b.in_flight}
-                for p, b in recent}
+        return {
+            p: {"compute_s": round(b.compute_s, 3), "refused": b.refused, "in_flight": b.in_flight} for p, b in recent
+        }

@@ -3,13 +3,15 @@ peer's deadline (``deadlines.Deadlines``: a multiple of that peer's recent laten
 of call, capped by ``request_timeout_s``) and the round's exchange phase (``Phase``: one deadline
 for all of a round's calls, counted from the first); a call to a peer that turns suspect or dead
 meanwhile is abandoned at once; a call that times out asks membership to probe that peer now."""
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
 from collections import deque
-from typing import Awaitable, Callable, Iterator, TypeVar
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
 
 from .deadlines import Deadlines, Phase, quantile
 from .errors import UNAVAILABLE, PeerCallError
@@ -19,8 +21,15 @@ T = TypeVar("T")
 
 
 class PeerCalls:
-    def __init__(self, table: PeerTable, deadlines: Deadlines, *, request_timeout_s: float,
-                 exchange_timeout_s: float = 0.0, on_call_failed: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        table: PeerTable,
+        deadlines: Deadlines,
+        *,
+        request_timeout_s: float,
+        exchange_timeout_s: float = 0.0,
+        on_call_failed: Callable[[str], None] | None = None,
+    ):
         self.table = table
         self.deadlines = deadlines
         self.request_timeout_s = request_timeout_s
@@ -94,8 +103,9 @@ class PeerCalls:
                 if phase is not None:
                     phase.abandoned += 1
                 rec = self.table.records.get(peer)
-                raise PeerCallError(UNAVAILABLE, f"{peer} turned {rec.state if rec else 'unknown'}: "
-                                                 f"call abandoned") from None
+                raise PeerCallError(
+                    UNAVAILABLE, f"{peer} turned {rec.state if rec else 'unknown'}: call abandoned"
+                ) from None
             raise
         except PeerCallError as e:
             if e.kind == UNAVAILABLE:  # a timeout or refused connection: membership probes it now,

@@ -17,11 +17,12 @@ taken on trust, so membership (``dissemination.Dissemination.merge``) treats it 
 Signed relayed claims (the subject's certificate key over its incarnation) would let alive news
 travel second-hand; first-hand-only needs no key handling, and loses little: a node hears every
 member it probes first-hand within one round-robin pass."""
+
 from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from typing import Callable
+from collections.abc import Callable
 
 MAX_INCARNATION = 2**63 - 1  # int64's largest: safe in the proto's uint64 and in any +1 check
 MAX_STEP = 16  # a member raises its own incarnation by one per refutation
@@ -47,8 +48,13 @@ def implausible(claimed: int, known: int, *, restart: bool = True) -> str | None
 class Strikes:
     """Unconfirmed claims per source: a sliding window decides who is muted; totals for /status."""
 
-    def __init__(self, limit: int = STRIKE_LIMIT, window_s: float = STRIKE_WINDOW_S,
-                 on_strike: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        limit: int = STRIKE_LIMIT,
+        window_s: float = STRIKE_WINDOW_S,
+        on_strike: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.limit, self.window_s, self.on_strike, self.clock = limit, window_s, on_strike, clock
         self._recent: OrderedDict[str, deque[float]] = OrderedDict()
         self.totals: dict[str, dict[str, int]] = {}  # source -> {"strikes", "dropped"}
@@ -86,5 +92,4 @@ class Strikes:
         return self.totals.get(source, {}).get("strikes", 0)
 
     def view(self) -> dict[str, dict[str, object]]:
-        return {s: {**t, "muted": self.muted(s), "last": self.last_reason.get(s, "")}
-                for s, t in self.totals.items()}
+        return {s: {**t, "muted": self.muted(s), "last": self.last_reason.get(s, "")} for s, t in self.totals.items()}

@@ -2,6 +2,7 @@
 calls of that kind have recently taken, never less than a floor and never more than the cap
 (the node's ``request_timeout_s``). A frozen peer then costs a caller about ``mult ×`` its usual
 latency, not the whole request timeout; a slow but steady one keeps its longer deadline."""
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,16 @@ def quantile(samples, q: float) -> float:
 
 
 class Deadlines:
-    def __init__(self, cap_s: float, *, floor_s: float = 1.0, mult: float = 4.0, q: float = 0.99,
-                 window: int = 64, min_samples: int = 5):
+    def __init__(
+        self,
+        cap_s: float,
+        *,
+        floor_s: float = 1.0,
+        mult: float = 4.0,
+        q: float = 0.99,
+        window: int = 64,
+        min_samples: int = 5,
+    ):
         self.cap_s = cap_s
         self.floor_s = min(floor_s, cap_s)
         self.mult = mult
@@ -51,6 +60,7 @@ class Deadlines:
 class Phase:
     """A round's exchange phase: its peer calls share one deadline, ``budget_s`` counted from
     the first call. Read by the round loop for the round record (``RoundRecord.timing``)."""
+
     budget_s: float
     first: float | None = None
     last: float | None = None

@@ -3,6 +3,7 @@ suspect, dead, with the member's incarnation — piggybacked on pings, acks and 
 bounded number per message, each retransmitted O(log N) times (``membership.Broadcasts``); this
 node refutes a suspicion of itself by raising its incarnation; a full push-pull view exchange
 with one member now and then repairs what gossip missed."""
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,15 @@ class Dissemination:
     with a probe of this node's own, ``probe_soon``), ``piggyback`` news on what this node sends,
     refute suspicions of itself, and the periodic full push-pull exchange over ``transport``."""
 
-    def __init__(self, state: MembershipState, transport: PeerTransport, problems: ProblemLog,
-                 probe_soon: Callable[[str], None], *, claims: Strikes | None = None):
+    def __init__(
+        self,
+        state: MembershipState,
+        transport: PeerTransport,
+        problems: ProblemLog,
+        probe_soon: Callable[[str], None],
+        *,
+        claims: Strikes | None = None,
+    ):
         self.state = state
         self.transport = transport
         self.problems = problems
@@ -59,8 +67,10 @@ class Dissemination:
         self.claims.strike(source, reason, dropped=dropped)
         self.state.stats["claims_dropped" if dropped else "claims_struck"] += bool(source)
         if first and self.claims.muted(source):
-            msg = (f"membership claims from {source} are dropped for {self.claims.window_s:.0f} s: "
-                   f"{self.claims.limit} unconfirmed (last: {reason})")
+            msg = (
+                f"membership claims from {source} are dropped for {self.claims.window_s:.0f} s: "
+                f"{self.claims.limit} unconfirmed (last: {reason})"
+            )
             log.warning(msg)
             self.problems.note(source, msg)
 
@@ -92,7 +102,9 @@ class Dissemination:
             if u.state == ALIVE:
                 if u.incarnation > rec.incarnation:
                     if u.address and u.address != rec.address:
-                        self.state.pending.add(u.address, source=source, node_id=u.node_id)  # it moved: its handshake decides
+                        self.state.pending.add(
+                            u.address, source=source, node_id=u.node_id
+                        )  # it moved: its handshake decides
                     self._hint_alive(u.node_id)
                 continue
             if u.incarnation < rec.incarnation or rec.state == DEAD:
@@ -100,8 +112,9 @@ class Dissemination:
             if rec.state == SUSPECT:
                 # this node suspects it on its own evidence already: another accuser shortens
                 # the suspicion (Lifeguard), a death claim does not skip it
-                if self.state.peers.apply(MemberUpdate(u.node_id, rec.address, rec.incarnation, SUSPECT,
-                                                 u.accuser or source)):
+                if self.state.peers.apply(
+                    MemberUpdate(u.node_id, rec.address, rec.incarnation, SUSPECT, u.accuser or source)
+                ):
                     self.state.announce(u.node_id)
                 continue
             self._check_claim(u.node_id, source)
@@ -164,9 +177,14 @@ class Dissemination:
         target = self.state.peers.records[self.state.rng.choice(alive)]
         try:
             entries, members, inc = await self.transport.exchange_peers(
-                target.address, self.state.node_id, self.state.entries(), timeout=self.state.probe_budget_s * 2,
-                members=self.state.peers.members() + [self.state.me()], incarnation=self.state.incarnation,
-                peer=target.node_id)
+                target.address,
+                self.state.node_id,
+                self.state.entries(),
+                timeout=self.state.probe_budget_s * 2,
+                members=self.state.peers.members() + [self.state.me()],
+                incarnation=self.state.incarnation,
+                peer=target.node_id,
+            )
         except PeerCallError:
             return
         self.state.learn(entries, source=target.node_id)

@@ -3,23 +3,24 @@
 A node refuses a peer's request by raising ``Refusal`` with a kind; each transport maps the kind
 to its own status (gRPC: ``transport/errors.py``). A call to a peer that fails for any reason —
 refused, timed out, unreachable, malformed reply — raises ``PeerCallError`` on the calling side."""
+
 from __future__ import annotations
 
-INVALID = "invalid"            # malformed, oversized, NaN, wrong shape
-REFUSED = "refused"            # incompatible protocol / architecture, a precondition not met
+INVALID = "invalid"  # malformed, oversized, NaN, wrong shape
+REFUSED = "refused"  # incompatible protocol / architecture, a precondition not met
 UNKNOWN_PEER = "unknown_peer"  # the caller never handshook (or is not who it claims)
-NOT_CACHED = "not_cached"      # a referenced snapshot is not held here; send the model
-UNAVAILABLE = "unavailable"    # nothing to serve yet, peer unreachable, deadline passed
+NOT_CACHED = "not_cached"  # a referenced snapshot is not held here; send the model
+UNAVAILABLE = "unavailable"  # nothing to serve yet, peer unreachable, deadline passed
 PRIVACY_BUDGET = "privacy_budget"  # the node's privacy budget (or the caller's share) is spent
-FORBIDDEN = "forbidden"        # the caller claims an identity its certificate does not carry
-EXHAUSTED = "exhausted"        # the caller is over its budget (rate, concurrency, compute, time)
+FORBIDDEN = "forbidden"  # the caller claims an identity its certificate does not carry
+EXHAUSTED = "exhausted"  # the caller is over its budget (rate, concurrency, compute, time)
 
 MAX_MESSAGE = 1000  # a refusal's message stays short whatever a peer put into it (gRPC metadata)
 
 
 def short(text: str, limit: int = MAX_MESSAGE) -> str:
     """``text`` cut to ``limit`` characters, saying so: peer-controlled strings end up in messages."""
-    return text if len(text) <= limit else text[:limit - 20] + f"… [{len(text)} chars]"
+    return text if len(text) <= limit else text[: limit - 20] + f"… [{len(text)} chars]"
 
 
 class Refusal(Exception):

@@ -1,9 +1,11 @@
 """Fault injection: a bad actor on demand, for the testbed and tests (hivemind's ``Fault``
 fixtures are the model). A fault wraps this node's served side and corrupts what it hands out;
 the node itself learns normally and never knows. Switched on by ``faulty = "<name>"``."""
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -15,8 +17,7 @@ from .messages import LocalSnapshot
 def random_weights(params: Params, version: int) -> Params:
     """Plausible-looking garbage of the right shapes (a fresh draw per version)."""
     g = torch.Generator().manual_seed(version)
-    return {k: torch.randn(v.shape, generator=g) * (v.std() if v.numel() > 1 else 1.0)
-            for k, v in params.items()}
+    return {k: torch.randn(v.shape, generator=g) * (v.std() if v.numel() > 1 else 1.0) for k, v in params.items()}
 
 
 def scaled_weights(params: Params, version: int) -> Params:

@@ -2,6 +2,7 @@
 handshake, protocol and architecture checked both ways (``incompatible``); addresses heard from
 peers are candidates (``membership.Candidates``), handshaken a few per period, backed off and
 forgotten when they fail; dead members get reconnect attempts with backoff."""
+
 from __future__ import annotations
 
 import logging
@@ -23,8 +24,9 @@ class Handshakes:
     """Handshakes both ways over ``transport``: ``contact`` dials a candidate or a dead member's
     address, ``accept`` answers one; a member enters ``state``'s table only through one."""
 
-    def __init__(self, state: MembershipState, transport: PeerTransport, problems: ProblemLog,
-                 bootstrap: Sequence[str] = ()):
+    def __init__(
+        self, state: MembershipState, transport: PeerTransport, problems: ProblemLog, bootstrap: Sequence[str] = ()
+    ):
         self.state = state
         self.transport = transport
         self.problems = problems
@@ -36,14 +38,18 @@ class Handshakes:
     def incompatible(self, remote: NodeInfo) -> str | None:
         me = self.state.info()
         if remote.protocol_version != me.protocol_version:
-            return (f"node {remote.node_id!r} speaks protocol version {remote.protocol_version}, "
-                    f"this node speaks {me.protocol_version}")
+            return (
+                f"node {remote.node_id!r} speaks protocol version {remote.protocol_version}, "
+                f"this node speaks {me.protocol_version}"
+            )
         task = task_difference(me.task, remote.task, remote.node_id, me.node_id)  # before shapes: it says more
         if task:
             return task
         if remote.arch_fingerprint != me.arch_fingerprint:
-            return (f"node {remote.node_id!r} runs another model architecture (fingerprint "
-                    f"{remote.arch_fingerprint[:12]}…, this node {me.arch_fingerprint[:12]}…)")
+            return (
+                f"node {remote.node_id!r} runs another model architecture (fingerprint "
+                f"{remote.arch_fingerprint[:12]}…, this node {me.arch_fingerprint[:12]}…)"
+            )
         return None
 
     def accept(self, remote: NodeInfo) -> list[PeerEntry]:
@@ -76,7 +82,9 @@ class Handshakes:
             if e.kind == "refused":
                 self.problems.note(address, f"handshake refused: {e.message}")
                 log.error("peer at %s refused us: %s", address, e.message)
-            elif address not in self.unreachable and (address in self.bootstrap or self.state.peers.by_address(address)):
+            elif address not in self.unreachable and (
+                address in self.bootstrap or self.state.peers.by_address(address)
+            ):
                 # once per address, and only for addresses this node was told to use or a member's:
                 # what peers merely mention could be thousands of bogus ones
                 self.unreachable.add(address)
@@ -97,8 +105,9 @@ class Handshakes:
         self.state.pending.discard(address)
         if remote.node_id != self.state.node_id:
             new = remote.node_id not in self.state.peers.records
-            self.state.peers.upsert(remote.node_id, remote.address or address, labels=dict(remote.labels),
-                              admin_url=remote.admin_url)
+            self.state.peers.upsert(
+                remote.node_id, remote.address or address, labels=dict(remote.labels), admin_url=remote.admin_url
+            )
             if new:
                 self.state.announce(remote.node_id)
         self.state.learn(entries, source=remote.node_id)

@@ -1,4 +1,5 @@
 """Gradients peers pushed to this node (FedeRiCo's M-step), kept until the next round drains them."""
+
 from __future__ import annotations
 
 from ..strategies.base import PushedGradient
@@ -13,7 +14,7 @@ class PushInbox:
 
     def put(self, item: PushedGradient) -> None:
         self._items.append(item)
-        del self._items[:-self.maxlen]
+        del self._items[: -self.maxlen]
 
     def drain(self) -> list[PushedGradient]:
         out, self._items = self._items, []

@@ -8,16 +8,26 @@ are ``api.UnaryCalls``'s, and every transport's client implements its ``call``. 
 to its own wire, so a second transport (in-process, ...) plugs in without touching either side.
 ``TransportFactory`` is the pair of them for one node, chosen by whoever composes the node (gRPC:
 ``transport/grpc_transport.py``; in-process: ``transport/inproc.py``)."""
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from ..wire.codec import Groups
-from .messages import (Beat, ComputeReply, ComputeRequest, IndirectProbe, LocalSnapshot, MemberUpdate, NodeInfo,
-                       PeerEntry, SnapshotHeader)
-
+from .messages import (
+    Beat,
+    ComputeReply,
+    ComputeRequest,
+    IndirectProbe,
+    LocalSnapshot,
+    MemberUpdate,
+    NodeInfo,
+    PeerEntry,
+    SnapshotHeader,
+)
 
 UNSET_MODEL_BYTES = 1 << 31  # until the node fixes its limit from its own model size (Node.model_limit)
 
@@ -27,6 +37,7 @@ class SizeLimits:
     """The largest payloads this node takes or sends, one object per node: its transport's gate
     (served side) and every client it opens read it, so the node sets ``max_model_bytes`` once —
     when its own model's size is known — and every side follows."""
+
     max_model_bytes: int = UNSET_MODEL_BYTES  # a snapshot, a compute payload, a gradient
     max_gossip_bytes: int = 1 << 20  # one gossip payload (msgpack bytes)
 
@@ -51,8 +62,9 @@ class PeerHandler(Protocol):
     def on_handshake(self, remote: NodeInfo) -> list[PeerEntry]: ...
     def on_heartbeat(self, beat: Beat) -> Beat: ...
     async def on_indirect_probe(self, probe: IndirectProbe) -> tuple[bool, tuple[MemberUpdate, ...]]: ...
-    def on_peer_list(self, sender: str, entries: list[PeerEntry], members: tuple[MemberUpdate, ...] = (),
-                     incarnation: int = 0) -> tuple[list[PeerEntry], list[MemberUpdate], int]: ...
+    def on_peer_list(
+        self, sender: str, entries: list[PeerEntry], members: tuple[MemberUpdate, ...] = (), incarnation: int = 0
+    ) -> tuple[list[PeerEntry], list[MemberUpdate], int]: ...
     def check_known(self, node_id: str) -> None: ...
     def admit(self, peer: str, kind: str) -> AbstractContextManager[None]: ...
     async def snapshot(self, requester: str, min_round: int = 0, wait_s: float = 0.0) -> LocalSnapshot: ...
@@ -74,29 +86,58 @@ class PeerTransport(Protocol):
 
     def channels(self) -> int: ...  # connections held open now, for /status
 
-    async def call(self, rpc: Any, address: str, request: Any, timeout: float | None = None, *,
-                   peer: str | None = None) -> Any: ...  # rpc: an ``api.Unary`` (api imports this module), checked as it declares
-    async def send(self, rpc: Any, address: str, request: Any, timeout: float | None = None, *,
-                   peer: str | None = None) -> Any: ...  # ``call`` without its checks (a transport's own)
+    async def call(
+        self, rpc: Any, address: str, request: Any, timeout: float | None = None, *, peer: str | None = None
+    ) -> Any: ...  # rpc: an ``api.Unary`` (api imports this module), checked as it declares
+    async def send(
+        self, rpc: Any, address: str, request: Any, timeout: float | None = None, *, peer: str | None = None
+    ) -> Any: ...  # ``call`` without its checks (a transport's own)
     async def welcomed(self, address: str, remote: NodeInfo, timeout: float) -> None: ...  # after a handshake
     async def handshake(self, address: str, info: NodeInfo, timeout: float) -> tuple[NodeInfo, list[PeerEntry]]: ...
-    async def heartbeat(self, address: str, beat: Beat, timeout: float, *,
-                        peer: str | None = None) -> tuple[Beat, float]: ...
-    async def indirect_probe(self, address: str, probe: IndirectProbe, timeout: float, *,
-                             peer: str | None = None) -> tuple[bool, tuple[MemberUpdate, ...]]: ...
-    async def exchange_peers(self, address: str, sender: str, entries: list[PeerEntry], timeout: float, *,
-                             members: Sequence[MemberUpdate] = (), incarnation: int = 0, peer: str | None = None
-                             ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]: ...
-    async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
-                           min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
-                           peer: str | None = None) -> tuple[SnapshotHeader, Groups | None]: ...
+    async def heartbeat(
+        self, address: str, beat: Beat, timeout: float, *, peer: str | None = None
+    ) -> tuple[Beat, float]: ...
+    async def indirect_probe(
+        self, address: str, probe: IndirectProbe, timeout: float, *, peer: str | None = None
+    ) -> tuple[bool, tuple[MemberUpdate, ...]]: ...
+    async def exchange_peers(
+        self,
+        address: str,
+        sender: str,
+        entries: list[PeerEntry],
+        timeout: float,
+        *,
+        members: Sequence[MemberUpdate] = (),
+        incarnation: int = 0,
+        peer: str | None = None,
+    ) -> tuple[list[PeerEntry], tuple[MemberUpdate, ...], int]: ...
+    async def get_snapshot(
+        self,
+        address: str,
+        requester: str,
+        have_version: int = 0,
+        *,
+        min_round: int = 0,
+        wait_s: float = 0.0,
+        timeout: float | None = None,
+        peer: str | None = None,
+    ) -> tuple[SnapshotHeader, Groups | None]: ...
     # optional: ``watch_snapshots(address, requester, *, min_round, peer)``, an async iterator of
     # (SnapshotHeader, Groups), every snapshot the peer publishes from min_round on (gRPC: the
     # WatchSnapshots stream). ``NodeNetwork`` subscribes where a transport has it, pulls otherwise.
-    async def compute(self, address: str, request: ComputeRequest, timeout: float | None = None, *,
-                      peer: str | None = None) -> ComputeReply: ...
-    async def gossip(self, address: str, sender: str, key: str, payload: dict[str, Any],
-                     timeout: float | None = None, *, peer: str | None = None) -> dict[str, Any]: ...
+    async def compute(
+        self, address: str, request: ComputeRequest, timeout: float | None = None, *, peer: str | None = None
+    ) -> ComputeReply: ...
+    async def gossip(
+        self,
+        address: str,
+        sender: str,
+        key: str,
+        payload: dict[str, Any],
+        timeout: float | None = None,
+        *,
+        peer: str | None = None,
+    ) -> dict[str, Any]: ...
     async def forget(self, address: str) -> None: ...
     async def close(self) -> None: ...
 

@@ -2,6 +2,7 @@
 records by how much it overslept. Long lateness means the loop was blocked (work done on it, a
 GC pause, the process stopped): membership treats probes that failed meanwhile as inconclusive,
 and the round loop reports the stall per round."""
+
 from __future__ import annotations
 
 import asyncio

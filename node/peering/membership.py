@@ -26,6 +26,7 @@ each with its collaborators declared in its constructor: ``membership_state.Memb
 ``dissemination.Dissemination`` (piggybacked news, refutation, push-pull) and
 ``handshakes.Handshakes`` (compatibility, candidates, contact and reconnects).
 ``full_membership`` wires them for a node that knows every member."""
+
 from __future__ import annotations
 
 import asyncio
@@ -58,8 +59,16 @@ def _log_transition(node_id: str, old: str, new: str) -> None:
 
 # ---------------------------------------------------------------------------------- membership
 class Membership:
-    def __init__(self, state: MembershipState, gossip: Dissemination, probes: Probes, handshakes: Handshakes,
-                 tasks: Tasks, *, on_gauges: Callable[[dict[str, int]], None] | None = None):
+    def __init__(
+        self,
+        state: MembershipState,
+        gossip: Dissemination,
+        probes: Probes,
+        handshakes: Handshakes,
+        tasks: Tasks,
+        *,
+        on_gauges: Callable[[dict[str, int]], None] | None = None,
+    ):
         self.state = state
         self.gossip = gossip
         self.probes = probes
@@ -152,8 +161,14 @@ class Membership:
         belief = self._heard_from(beat.node_id, beat.updates, beat.incarnation)
         self.gossip.evidence(beat.node_id, beat.incarnation, revive=False, round=beat.round, version=beat.version)
         rnd, version = self.state.position()
-        return Beat(self.node_id, rnd, version, beat.sent_at, self.state.incarnation,
-                    self.gossip.piggyback(beat.node_id, belief))
+        return Beat(
+            self.node_id,
+            rnd,
+            version,
+            beat.sent_at,
+            self.state.incarnation,
+            self.gossip.piggyback(beat.node_id, belief),
+        )
 
     async def on_indirect_probe(self, req: IndirectProbe) -> tuple[bool, tuple[MemberUpdate, ...]]:
         belief = self._heard_from(req.requester, req.updates, req.incarnation)
@@ -165,8 +180,9 @@ class Membership:
             ack = rec is not None and await self.probes.ping(req.target, rec.address, max(0.05, req.timeout_s))
         return ack, self.gossip.piggyback(req.requester, belief)
 
-    def on_peer_list(self, sender: str, entries: list[PeerEntry], members: Iterable[MemberUpdate] = (),
-                     incarnation: int = 0) -> tuple[list[PeerEntry], list[MemberUpdate], int]:
+    def on_peer_list(
+        self, sender: str, entries: list[PeerEntry], members: Iterable[MemberUpdate] = (), incarnation: int = 0
+    ) -> tuple[list[PeerEntry], list[MemberUpdate], int]:
         if sender not in self.state.peers.records:
             raise unknown_peer(sender)
         self.state.learn(entries, source=sender)
@@ -179,21 +195,34 @@ class Membership:
 class Observers:
     """What membership reports to, beyond its table: the node's gauges and metrics, and the event
     loop's lag (a probe that failed while this node stalled is inconclusive)."""
+
     on_gauges: Callable[[dict[str, int]], None] | None = None
     on_claim_struck: Callable[[], None] | None = None
     loop_lag: LoopLag | None = None
 
 
-def full_membership(info: Callable[[], NodeInfo], position: Callable[[], tuple[int, int]], peers: PeerTable,
-                    transport: PeerTransport, problems: ProblemLog, *, bootstrap: Sequence[str], period: float,
-                    settings: Settings | None = None, link_delay_s: float = 0.0, rng: random.Random | None = None,
-                    observers: Observers | None = None, rtts: Deadlines | None = None) -> Membership:
+def full_membership(
+    info: Callable[[], NodeInfo],
+    position: Callable[[], tuple[int, int]],
+    peers: PeerTable,
+    transport: PeerTransport,
+    problems: ProblemLog,
+    *,
+    bootstrap: Sequence[str],
+    period: float,
+    settings: Settings | None = None,
+    link_delay_s: float = 0.0,
+    rng: random.Random | None = None,
+    observers: Observers | None = None,
+    rtts: Deadlines | None = None,
+) -> Membership:
     """SWIM over every member: the parts wired to one ``MembershipState``. ``period``: the
     protocol period (``heartbeat_interval_s``); ``link_delay_s``: an emulated one-way delay each
     deadline allows for twice."""
     obs = observers or Observers()
-    state = MembershipState(info, position, peers, settings or Settings(), period=period,
-                            link_delay_s=link_delay_s, rng=rng)
+    state = MembershipState(
+        info, position, peers, settings or Settings(), period=period, link_delay_s=link_delay_s, rng=rng
+    )
     tasks = Tasks()
     probes: Probes | None = None
 

@@ -3,6 +3,7 @@
 (``Settings``), the handshake candidates (``Candidates``), the gossip queue (``Broadcasts``) and
 ``MembershipState``, what this node knows about members, which each part holds (no part reaches
 into another's attributes)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,14 +29,17 @@ def _from_config(cls, cfg) -> Settings:
 # Tunables: ``config.MembershipConfig``'s fields, with its defaults (defined there, once), as a
 # plain record the protocol reads.
 if TYPE_CHECKING:  # the same fields, names and types, as the type checker can read them
+
     class Settings(MembershipConfig):
         @classmethod
         def from_config(cls, cfg: MembershipConfig) -> Settings: ...
 else:
     # __module__: membership.py, where the protocol reads them (and where they always lived)
     Settings = make_dataclass(
-        "Settings", [(name, f.annotation, field(default=f.default)) for name, f in MembershipConfig.model_fields.items()],
-        namespace={"from_config": classmethod(_from_config), "__module__": "coterie.node.peering.membership"})
+        "Settings",
+        [(name, f.annotation, field(default=f.default)) for name, f in MembershipConfig.model_fields.items()],
+        namespace={"from_config": classmethod(_from_config), "__module__": "coterie.node.peering.membership"},
+    )
 
 
 # ---------------------------------------------------------------------------------- candidates
@@ -53,8 +57,16 @@ class Candidates:
     """Addresses to handshake: bounded in total and per source; each failure backs off, and an
     address that failed ``attempts`` times is forgotten and ignored for ``forget_s``."""
 
-    def __init__(self, *, max_total: int = 512, max_per_source: int = 128, attempts: int = 3,
-                 forget_s: float = 600.0, backoff_s: float = 1.0, backoff_max_s: float = 60.0):
+    def __init__(
+        self,
+        *,
+        max_total: int = 512,
+        max_per_source: int = 128,
+        attempts: int = 3,
+        forget_s: float = 600.0,
+        backoff_s: float = 1.0,
+        backoff_max_s: float = 60.0,
+    ):
         self.max_total, self.max_per_source, self.attempts = max_total, max_per_source, attempts
         self.forget_s, self.backoff_s, self.backoff_max_s = forget_s, backoff_s, backoff_max_s
         self._c: OrderedDict[str, Candidate] = OrderedDict()
@@ -64,8 +76,9 @@ class Candidates:
         self.dropped = 0  # addresses turned away because a bound was full
         self.forgotten_total = 0
 
-    def add(self, address: str, *, source: str = "", node_id: str = "", pinned: bool = False,
-            revive: bool = False) -> bool:
+    def add(
+        self, address: str, *, source: str = "", node_id: str = "", pinned: bool = False, revive: bool = False
+    ) -> bool:
         """``revive``: the address has just answered (a member there refused us as unknown), so it
         is taken up again even if it was forgotten: forgetting is for addresses that never answer,
         and a member that forgot us while we keep it alive would otherwise stay one-sided."""
@@ -83,8 +96,7 @@ class Candidates:
             if until > now:
                 return False
             del self._forgotten[address]
-        if not pinned and (len(self._c) >= self.max_total
-                           or self._per_source.get(source, 0) >= self.max_per_source):
+        if not pinned and (len(self._c) >= self.max_total or self._per_source.get(source, 0) >= self.max_per_source):
             self.dropped += 1
             return False
         self._c[address] = Candidate(address, node_id, source, pinned=pinned)
@@ -216,9 +228,17 @@ class MembershipState:
     counters. The protocol's parts (``probes.Probes``, ``dissemination.Dissemination``,
     ``handshakes.Handshakes``) each hold this one object; a partial view would hold another."""
 
-    def __init__(self, info: Callable[[], NodeInfo], position: Callable[[], tuple[int, int]],
-                 peers: PeerTable, settings: Settings, *, period: float, link_delay_s: float = 0.0,
-                 rng: random.Random | None = None):
+    def __init__(
+        self,
+        info: Callable[[], NodeInfo],
+        position: Callable[[], tuple[int, int]],
+        peers: PeerTable,
+        settings: Settings,
+        *,
+        period: float,
+        link_delay_s: float = 0.0,
+        rng: random.Random | None = None,
+    ):
         self.info = info  # this node's NodeInfo (its address is known only once serving)
         self.position = position  # this node's (round, published version), sent in heartbeats
         self.peers = peers
@@ -229,13 +249,27 @@ class MembershipState:
         # SWIM incarnation: only this node raises it. Starting from the clock (ms) makes a
         # restarted node's news win over what others remember of its previous life at once.
         self.incarnation = int(time.time() * 1000)
-        self.pending = Candidates(max_total=settings.max_candidates, max_per_source=settings.max_candidates_per_source,
-                                  attempts=settings.candidate_attempts, forget_s=settings.forget_failed_s,
-                                  backoff_s=max(period, 0.5), backoff_max_s=settings.reconnect_max_s)
+        self.pending = Candidates(
+            max_total=settings.max_candidates,
+            max_per_source=settings.max_candidates_per_source,
+            attempts=settings.candidate_attempts,
+            forget_s=settings.forget_failed_s,
+            backoff_s=max(period, 0.5),
+            backoff_max_s=settings.reconnect_max_s,
+        )
         self.broadcasts = Broadcasts(self.retransmit_limit)
         self.probing: set[str] = set()  # members a probe or a reconnect is under way for
-        self.stats = {"probes": 0, "indirect": 0, "suspected": 0, "refuted": 0, "inconclusive": 0,
-                      "handshakes_failed": 0, "claims_checked": 0, "claims_struck": 0, "claims_dropped": 0}
+        self.stats = {
+            "probes": 0,
+            "indirect": 0,
+            "suspected": 0,
+            "refuted": 0,
+            "inconclusive": 0,
+            "handshakes_failed": 0,
+            "claims_checked": 0,
+            "claims_struck": 0,
+            "claims_dropped": 0,
+        }
         peers.suspicion_max_mult = settings.suspicion_max_mult
 
     @property
@@ -269,7 +303,7 @@ class MembershipState:
             # a window at a random offset of the table (join order): O(limit), where sampling
             # the whole table costs O(N) per handshake
             start = self.rng.randrange(len(ids))
-            ids = (ids[start:] + ids[:start])[:2 * limit]
+            ids = (ids[start:] + ids[:start])[: 2 * limit]
         out = [PeerEntry(n, r.address, r.age(now)) for n in ids if (r := records[n]).state != DEAD]
         return out if limit is None else out[:limit]
 
@@ -280,6 +314,10 @@ class MembershipState:
             if not self.pending.room(source):
                 self.pending.dropped += 1
                 return
-            if e.node_id != self.node_id and e.node_id not in self.peers.records and e.address \
-                    and self.peers.by_address(e.address) is None:
+            if (
+                e.node_id != self.node_id
+                and e.node_id not in self.peers.records
+                and e.address
+                and self.peers.by_address(e.address) is None
+            ):
                 self.pending.add(e.address, source=source, node_id=e.node_id)

@@ -3,6 +3,7 @@
 Both transports speak these: the gRPC one converts them to and from protobuf (``serde``), the
 in-process one hands them over as they are. Model-sized payloads are tensor ``Groups``
 ({"params": θ, "x:delta": Δθ, ...}); only the gRPC transport ever encodes them to bytes."""
+
 from __future__ import annotations
 
 import asyncio
@@ -47,6 +48,7 @@ ALIVE, SUSPECT, DEAD = "alive", "suspect", "dead"
 class MemberUpdate:
     """What one node believes about a member: news with a higher incarnation wins; at the same
     incarnation dead > suspect > alive. Only the member itself raises its incarnation."""
+
     node_id: str
     address: str
     incarnation: int
@@ -58,6 +60,7 @@ class MemberUpdate:
 class Beat:
     """A heartbeat (SWIM ping) and its answer: who, at which round and published snapshot
     version, the sender's incarnation and piggybacked membership news."""
+
     node_id: str
     round: int
     version: int
@@ -69,6 +72,7 @@ class Beat:
 @dataclass(frozen=True)
 class IndirectProbe:
     """SWIM's ping-req: ``requester`` asks the receiver to ping ``target`` within ``timeout_s``."""
+
     requester: str
     target: str
     timeout_s: float
@@ -80,6 +84,7 @@ class IndirectProbe:
 @dataclass(frozen=True)
 class Welcome:
     """A handshake's answer: who answers, and some peers it knows (peer exchange piggybacks)."""
+
     node: NodeInfo
     peers: tuple[PeerEntry, ...] = ()
 
@@ -87,6 +92,7 @@ class Welcome:
 @dataclass(frozen=True)
 class PeerList:
     """Push-pull peer exchange, both ways: the sender's peers and its whole membership view."""
+
     sender: str
     entries: tuple[PeerEntry, ...] = ()
     members: tuple[MemberUpdate, ...] = ()
@@ -103,6 +109,7 @@ class ProbeReply:
 class Gossip:
     """A strategy's gossip, both ways: ``payload`` is msgpack (a map) — msgpack says what a
     payload may hold, and its size is what the limit bounds, whatever the transport."""
+
     sender: str
     key: str
     payload: bytes
@@ -111,6 +118,7 @@ class Gossip:
 @dataclass(frozen=True)
 class SnapshotRef:
     """A snapshot the receiving node already caches, named instead of sent again."""
+
     node_id: str
     version: int
     digest: str = ""
@@ -130,6 +138,7 @@ class ComputeRequest:
     """A peer's model (or a reference to a cached snapshot) to evaluate or differentiate on this
     node's private data. ``groups`` holds "params" and, for COBO's alignment, "align"; "grad"
     for a FedeRiCo push."""
+
     kind: str
     requester: str
     groups: Groups | None = None
@@ -175,14 +184,13 @@ class LocalSnapshot:
         with self._lock:
             if self._encoded is not None:
                 return self._encoded
-            buf = encode_buffer(self.groups, {"node_id": self.node_id, "version": self.version,
-                                              "round": self.round})
+            buf = encode_buffer(self.groups, {"node_id": self.node_id, "version": self.version, "round": self.round})
             self._digest = hashlib.sha256(buf).hexdigest()
             self.groups, _ = decode(buf)
             self._encoded = buf
             return buf
 
-    async def ready(self) -> "LocalSnapshot":
+    async def ready(self) -> LocalSnapshot:
         if self._encoded is None:
             await asyncio.to_thread(self.prepare)
         return self

@@ -17,6 +17,7 @@ so a strategy simply carries on without that peer. Its concerns live in their ow
 Here: the views of the peer table, snapshot pulls, and snapshot validation (architecture,
 finiteness; in a worker thread for a large model, over tensors that are views of the received
 buffer), written once for pulled and pushed snapshots."""
+
 from __future__ import annotations
 
 import asyncio
@@ -48,12 +49,25 @@ log = logging.getLogger("coterie.node.network")
 
 
 class NodeNetwork:
-    def __init__(self, node_id: str, transport: PeerTransport, peers: PeerTable, cache: SnapshotCache,
-                 inbox: PushInbox, published: Callable[[], LocalSnapshot | None], spec: Spec,
-                 problems: ProblemLog, private: PrivateData, *, labels: dict[str, str],
-                 request_timeout_s: float, deadlines: Deadlines | None = None,
-                 exchange_timeout_s: float = 0.0, on_call_failed: Callable[[str], None] | None = None,
-                 watch: bool = True):
+    def __init__(
+        self,
+        node_id: str,
+        transport: PeerTransport,
+        peers: PeerTable,
+        cache: SnapshotCache,
+        inbox: PushInbox,
+        published: Callable[[], LocalSnapshot | None],
+        spec: Spec,
+        problems: ProblemLog,
+        private: PrivateData,
+        *,
+        labels: dict[str, str],
+        request_timeout_s: float,
+        deadlines: Deadlines | None = None,
+        exchange_timeout_s: float = 0.0,
+        on_call_failed: Callable[[str], None] | None = None,
+        watch: bool = True,
+    ):
         self.node_id = node_id
         self.transport = transport
         self.table = peers
@@ -67,15 +81,35 @@ class NodeNetwork:
         self.labels = labels
         self.request_timeout_s = request_timeout_s
         self.deadlines = deadlines or Deadlines(request_timeout_s)
-        self.calls = PeerCalls(peers, self.deadlines, request_timeout_s=request_timeout_s,
-                               exchange_timeout_s=exchange_timeout_s, on_call_failed=on_call_failed)
+        self.calls = PeerCalls(
+            peers,
+            self.deadlines,
+            request_timeout_s=request_timeout_s,
+            exchange_timeout_s=exchange_timeout_s,
+            on_call_failed=on_call_failed,
+        )
         # snapshot subscriptions: a transport without them is pulled from only
         self.subscriptions = Subscriptions(self, self.calls, enabled=watch and hasattr(transport, "watch_snapshots"))
-        self.requests = PeerRequests(node_id, transport, self.calls, inbox, published, spec, private,
-                                     self.releases, problems, address_of=self._address, failed=self._failed)
+        self.requests = PeerRequests(
+            node_id,
+            transport,
+            self.calls,
+            inbox,
+            published,
+            spec,
+            private,
+            self.releases,
+            problems,
+            address_of=self._address,
+            failed=self._failed,
+        )
         # compute on peers' data and gossip (requests.py), as the PeerNetwork a strategy sees
         req = self.requests
-        self.cross_loss, self.cross_gradient, self.private_gradient = req.cross_loss, req.cross_gradient, req.private_gradient
+        self.cross_loss, self.cross_gradient, self.private_gradient = (
+            req.cross_loss,
+            req.cross_gradient,
+            req.private_gradient,
+        )
         self.push_gradient, self.drain_pushed, self.gossip = req.push_gradient, req.drain_pushed, req.gossip
         self.releases_noised = req.releases_noised
         peers.listeners.append(self._on_state)
@@ -97,8 +131,11 @@ class NodeNetwork:
         """A received snapshot of ``peer``, once its architecture and finiteness are checked (a
         whole model: a large one in a worker thread)."""
         what = f"snapshot v{header.version} of {peer}"
-        params, extras = (await asyncio.to_thread(snapshot_groups, groups, self.spec, what)
-                          if encoded_size(groups) > OFF_LOOP_BYTES else snapshot_groups(groups, self.spec, what))
+        params, extras = (
+            await asyncio.to_thread(snapshot_groups, groups, self.spec, what)
+            if encoded_size(groups) > OFF_LOOP_BYTES
+            else snapshot_groups(groups, self.spec, what)
+        )
         return PeerSnapshot(peer, header.version, header.round, params, extras, header.digest)
 
     # --- views ---
@@ -128,9 +165,15 @@ class NodeNetwork:
         d = self.discovery
         if d is None:
             return {"active": False}
-        return {"active": self.discovering(), "above": self.discovery_above, "candidates": d.current(),
-                "collaborators": d.collaborators(5), "hints": len(d.hints), "scored": len(d.scores),
-                **vars(d.counters)}
+        return {
+            "active": self.discovering(),
+            "above": self.discovery_above,
+            "candidates": d.current(),
+            "collaborators": d.collaborators(5),
+            "hints": len(d.hints),
+            "scored": len(d.scores),
+            **vars(d.counters),
+        }
 
     async def end_round(self, weights: dict[str, float], contacted) -> None:
         """The strategy's weights feed discovery; then a few of my best collaborators are asked
@@ -148,8 +191,7 @@ class NodeNetwork:
         return self.table.known()
 
     def true_cluster(self, node_id: str) -> int | None:
-        labels = (self.labels if node_id == self.node_id
-                  else getattr(self.table.records.get(node_id), "labels", {}))
+        labels = self.labels if node_id == self.node_id else getattr(self.table.records.get(node_id), "labels", {})
         raw = (labels or {}).get("cluster")
         return int(raw) if raw not in (None, "") else None
 
@@ -177,8 +219,9 @@ class NodeNetwork:
         self.problems.note(peer, f"{what}: {err}", rejected=rejected)
 
     # --- snapshots ---
-    async def pull(self, peer: str, *, min_round: int | None = None,
-                   wait_s: float | None = None) -> PeerSnapshot | None:
+    async def pull(
+        self, peer: str, *, min_round: int | None = None, wait_s: float | None = None
+    ) -> PeerSnapshot | None:
         """The peer's latest snapshot (from cache if its version did not change). With
         ``min_round``: one of round >= min_round, the peer holding the call open up to ``wait_s``
         (default: the request timeout) until it publishes it; None if it does not in time."""
@@ -192,9 +235,20 @@ class NodeNetwork:
             return await self.subscriptions.from_watch(peer, cached, min_round, wait_s)
         wait = (self.request_timeout_s if wait_s is None else max(0.0, wait_s)) if min_round else 0.0
         try:
-            header, groups = await self.calls.call(peer, "snapshot", lambda timeout: self.transport.get_snapshot(
-                address, self.node_id, cached.version if cached else 0, min_round=min_round or 0,
-                wait_s=wait, timeout=timeout, peer=peer), wait_s=wait)
+            header, groups = await self.calls.call(
+                peer,
+                "snapshot",
+                lambda timeout: self.transport.get_snapshot(
+                    address,
+                    self.node_id,
+                    cached.version if cached else 0,
+                    min_round=min_round or 0,
+                    wait_s=wait,
+                    timeout=timeout,
+                    peer=peer,
+                ),
+                wait_s=wait,
+            )
             if header.node_id != peer:
                 raise WireError(f"snapshot claims to be from {header.node_id!r}, expected {peer!r}")
             if groups is None:

@@ -14,12 +14,14 @@ Suspicion timeout (Lifeguard, Dadgar et al. 2018, as memberlist): a suspicion ra
 member alone runs ``suspicion_max_mult`` times the base timeout; each further independent
 accuser shortens it, down to the base with ``k`` of them. One overloaded prober cannot bury a
 healthy member before it refutes; a member everyone finds silent is declared dead quickly."""
+
 from __future__ import annotations
 
-import time
 import math
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .messages import ALIVE, DEAD, SUSPECT, MemberUpdate
 
@@ -54,9 +56,17 @@ class PeerTable:
     """``suspect_after_s`` is the probe budget (how long a member may leave a probe unanswered
     before it is suspected; used by ``membership``); ``dead_after_s`` the suspicion timeout floor."""
 
-    def __init__(self, self_id: str, suspect_after_s: float, dead_after_s: float, *,
-                 reconnect_min_s: float = 1.0, reconnect_max_s: float = 60.0,
-                 suspicion_max_mult: float = 6.0, confirmations: int = 3):
+    def __init__(
+        self,
+        self_id: str,
+        suspect_after_s: float,
+        dead_after_s: float,
+        *,
+        reconnect_min_s: float = 1.0,
+        reconnect_max_s: float = 60.0,
+        suspicion_max_mult: float = 6.0,
+        confirmations: int = 3,
+    ):
         self.self_id = self_id
         self.suspect_after_s = suspect_after_s
         self.dead_after_s = dead_after_s
@@ -104,15 +114,27 @@ class PeerTable:
         for listener in list(self.listeners):
             listener(rec.node_id, old, new)
 
-    def upsert(self, node_id: str, address: str, *, labels: dict[str, str] | None = None,
-               admin_url: str | None = None, seen: bool = True) -> PeerRecord:
+    def upsert(
+        self,
+        node_id: str,
+        address: str,
+        *,
+        labels: dict[str, str] | None = None,
+        admin_url: str | None = None,
+        seen: bool = True,
+    ) -> PeerRecord:
         """A member as its own handshake describes it (``seen``: it is talking to us now)."""
         rec = self.records.get(node_id)
         if rec is None:
             now = time.monotonic()
-            rec = PeerRecord(node_id, address, last_seen=now if seen else 0.0,
-                             state=ALIVE if seen and node_id not in self.banned else DEAD,
-                             state_since=now, reconnect_at=now)
+            rec = PeerRecord(
+                node_id,
+                address,
+                last_seen=now if seen else 0.0,
+                state=ALIVE if seen and node_id not in self.banned else DEAD,
+                state_since=now,
+                reconnect_at=now,
+            )
             self.records[node_id] = rec
             self._in_state[rec.state].add(node_id)
         if address and address != rec.address:
@@ -132,8 +154,16 @@ class PeerTable:
             self.seen(node_id)
         return rec
 
-    def seen(self, node_id: str, *, round: int | None = None, version: int | None = None,
-             rtt_s: float | None = None, incarnation: int | None = None, revive: bool = True) -> bool:
+    def seen(
+        self,
+        node_id: str,
+        *,
+        round: int | None = None,
+        version: int | None = None,
+        rtt_s: float | None = None,
+        incarnation: int | None = None,
+        revive: bool = True,
+    ) -> bool:
         """First-hand evidence of life. True when it changed the member's state. ``revive``:
         it answered us at its address (alive, whatever we believed); without, it only called us
         (last seen, round, version noted; a suspect or dead member must refute or answer a
@@ -223,16 +253,18 @@ class PeerTable:
     # ------------------------------------------------------------------ dead members
     def due_reconnects(self, now: float | None = None) -> list[PeerRecord]:
         now = time.monotonic() if now is None else now
-        return [r for r in map(self.records.__getitem__, self._in_state[DEAD])
-                if r.reconnect_at <= now and r.node_id not in self.banned]
+        return [
+            r
+            for r in map(self.records.__getitem__, self._in_state[DEAD])
+            if r.reconnect_at <= now and r.node_id not in self.banned
+        ]
 
     def reconnect_failed(self, node_id: str) -> None:
         rec = self.records.get(node_id)
         if rec is not None and rec.state == DEAD:
             if node_id in self.banned:
                 return
-            rec.reconnect_backoff_s = min(max(rec.reconnect_backoff_s * 2, self.reconnect_min_s),
-                                          self.reconnect_max_s)
+            rec.reconnect_backoff_s = min(max(rec.reconnect_backoff_s * 2, self.reconnect_min_s), self.reconnect_max_s)
             rec.reconnect_at = time.monotonic() + rec.reconnect_backoff_s
 
     # ------------------------------------------------------------------ views
@@ -265,20 +297,27 @@ class PeerTable:
         return [u for n in self.records if (u := self.update_of(n)) is not None]  # (all: n is known)
 
     def to_json(self) -> list[dict[str, Any]]:
-        return [{"node_id": r.node_id, "address": r.address, "labels": r.labels,
-                 "admin_url": r.admin_url} for r in self.records.values()]
+        return [
+            {"node_id": r.node_id, "address": r.address, "labels": r.labels, "admin_url": r.admin_url}
+            for r in self.records.values()
+        ]
 
     def load_json(self, rows: list[dict[str, Any]]) -> None:
         """Restore known peers as dead: they must answer before they count as alive again (the
         first reconnect attempt is due at once)."""
         for row in rows:
-            self.upsert(row["node_id"], row["address"], labels=row.get("labels", {}),
-                        admin_url=row.get("admin_url"), seen=False)
+            self.upsert(
+                row["node_id"], row["address"], labels=row.get("labels", {}), admin_url=row.get("admin_url"), seen=False
+            )
 
     def view(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         hidden = {"last_seen", "state_since", "reconnect_at", "reconnect_backoff_s", "accusers"}
-        return [{**{k: v for k, v in asdict(r).items() if k not in hidden},
-                 "last_seen_s": round(r.age(now), 3) if r.last_seen else None,
-                 "state_for_s": round(now - r.state_since, 3)}
-                for r in sorted(self.records.values(), key=lambda r: r.node_id)]
+        return [
+            {
+                **{k: v for k, v in asdict(r).items() if k not in hidden},
+                "last_seen_s": round(r.age(now), 3) if r.last_seen else None,
+                "state_for_s": round(now - r.state_since, 3),
+            }
+            for r in sorted(self.records.values(), key=lambda r: r.node_id)
+        ]

@@ -3,6 +3,7 @@ pinged (round-robin over a shuffled list); a member that misses the ping is ping
 the same time, through ``k`` other members (``IndirectProbe``); no answer within the probe budget
 makes it suspect. Probes run as their own tasks with their own short deadlines; a probe that
 failed while this node's own event loop was stalled is inconclusive."""
+
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +44,16 @@ class Probes:
     """Pings members over ``transport`` (round-robin, and out of turn on a hint), news riding on
     each ping through ``gossip``; suspects the ones that do not answer. Probes run as ``tasks``."""
 
-    def __init__(self, state: MembershipState, transport: PeerTransport, gossip: Dissemination, tasks: Tasks,
-                 *, rtts: Deadlines | None = None, loop_lag: LoopLag | None = None):
+    def __init__(
+        self,
+        state: MembershipState,
+        transport: PeerTransport,
+        gossip: Dissemination,
+        tasks: Tasks,
+        *,
+        rtts: Deadlines | None = None,
+        loop_lag: LoopLag | None = None,
+    ):
         self.state = state
         self.transport = transport
         self.gossip = gossip
@@ -60,7 +69,9 @@ class Probes:
     async def ping(self, node_id: str, address: str, timeout: float) -> bool:
         """One direct ping; True when ``node_id`` answered."""
         rnd, version = self.state.position()
-        beat = Beat(self.state.node_id, rnd, version, time.time(), self.state.incarnation, self.gossip.piggyback(node_id))
+        beat = Beat(
+            self.state.node_id, rnd, version, time.time(), self.state.incarnation, self.gossip.piggyback(node_id)
+        )
         try:
             reply, rtt = await self.transport.heartbeat(address, beat, timeout=timeout, peer=node_id)
         except PeerCallError as e:
@@ -73,7 +84,9 @@ class Probes:
             return False
         self.rtts.observe(node_id, "ping", rtt)
         self.gossip.merge(reply.updates, source=node_id)
-        self.gossip.evidence(node_id, reply.incarnation, revive=True, round=reply.round, version=reply.version, rtt_s=rtt)
+        self.gossip.evidence(
+            node_id, reply.incarnation, revive=True, round=reply.round, version=reply.version, rtt_s=rtt
+        )
         return True
 
     async def _ask(self, helper: str, target: str, timeout: float) -> bool | None:
@@ -82,8 +95,13 @@ class Probes:
         rec = self.state.peers.records.get(helper)
         if rec is None:
             return None
-        req = IndirectProbe(self.state.node_id, target, max(0.05, timeout - 2 * self.state.link_delay_s) * 0.8,
-                            self.state.incarnation, self.gossip.piggyback(helper))
+        req = IndirectProbe(
+            self.state.node_id,
+            target,
+            max(0.05, timeout - 2 * self.state.link_delay_s) * 0.8,
+            self.state.incarnation,
+            self.gossip.piggyback(helper),
+        )
         try:
             ack, updates = await self.transport.indirect_probe(rec.address, req, timeout=timeout, peer=helper)
         except PeerCallError:
@@ -127,8 +145,10 @@ class Probes:
         self.state.stats["indirect"] += 1
         nacks = 0
         if left > 0:
+
             async def again() -> bool | None:  # a second direct try is no helper: never a nack
                 return await self.ping(node_id, rec.address, left) or None
+
             acked, nacks = await first_ack([again()] + [self._ask(h, node_id, left) for h in helpers])
             if acked:
                 return True

@@ -1,9 +1,11 @@
 """Recent problems with peers, for ``/status`` and the rejected-input counter."""
+
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class ProblemLog:

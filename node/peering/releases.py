@@ -4,6 +4,7 @@ samples than the peer's ``privacy.min_batch``). A strategy whose evidence is suc
 (SCool's, COBO's alignment) mixes nothing when every peer refuses, and with no trace but WARNING
 lines that looked like a quiet network; ``/status`` → ``collaboration`` says so instead, and the
 lab copies it into results.json."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -36,8 +37,14 @@ class PeerReleases:
         note = None
         if self.refusals and not self.answers:
             peer, why = next(iter(sorted(self.refused_by.items())))
-            note = (f"no peer released anything computed on its data: {self.refusals} requests refused on "
-                    f"privacy grounds by {len(self.refused_by)} peer(s) (e.g. {peer}: {why}); a strategy that "
-                    f"weighs peers by such answers had nothing to mix")
-        return {"peer_answers": self.answers, "privacy_refusals": self.refusals,
-                "refused_by": dict(self.refused_by), "note": note}
+            note = (
+                f"no peer released anything computed on its data: {self.refusals} requests refused on "
+                f"privacy grounds by {len(self.refused_by)} peer(s) (e.g. {peer}: {why}); a strategy that "
+                f"weighs peers by such answers had nothing to mix"
+            )
+        return {
+            "peer_answers": self.answers,
+            "privacy_refusals": self.refusals,
+            "refused_by": dict(self.refused_by),
+            "note": note,
+        }

@@ -6,6 +6,7 @@ Every request on a peer's data names a purpose (``privacy/purposes.py``), checke
 call fails in the strategy's own round; a gradient on *my* data that a strategy sends out is
 released through ``PrivateData`` (privatised, charged to my ledger). Every failure is logged,
 noted and turned into ``None``: a strategy carries on without that peer."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,10 +42,21 @@ class PeerRequests:
     """Compute requests and gossip, carried by ``calls`` over ``transport`` to the address
     ``address_of`` gives (None: not called); a failure goes to ``failed``."""
 
-    def __init__(self, node_id: str, transport: PeerTransport, calls: PeerCalls, inbox: PushInbox,
-                 published: Callable[[], LocalSnapshot | None], spec: Spec, private: PrivateData,
-                 releases: PeerReleases, problems: ProblemLog, *, address_of: Callable[[str], str | None],
-                 failed: Callable[[str, str, Exception], None]):
+    def __init__(
+        self,
+        node_id: str,
+        transport: PeerTransport,
+        calls: PeerCalls,
+        inbox: PushInbox,
+        published: Callable[[], LocalSnapshot | None],
+        spec: Spec,
+        private: PrivateData,
+        releases: PeerReleases,
+        problems: ProblemLog,
+        *,
+        address_of: Callable[[str], str | None],
+        failed: Callable[[str, str, Exception], None],
+    ):
         self.node_id = node_id
         self.transport = transport
         self.calls = calls
@@ -65,13 +77,17 @@ class PeerRequests:
             return None
         kind = f"compute:{req.kind}"
         try:
-            return await self.calls.call(peer, kind, lambda timeout: self.transport.compute(address, req, timeout, peer=peer))
+            return await self.calls.call(
+                peer, kind, lambda timeout: self.transport.compute(address, req, timeout, peer=peer)
+            )
         except PeerCallError as e:
             pub = self.published()  # (a request by reference named it: it is there)
             if e.kind != NOT_CACHED or req.ref is None or pub is None:
                 raise
         req.ref, req.groups = None, {"params": pub.params}
-        return await self.calls.call(peer, kind, lambda timeout: self.transport.compute(address, req, timeout, peer=peer))
+        return await self.calls.call(
+            peer, kind, lambda timeout: self.transport.compute(address, req, timeout, peer=peer)
+        )
 
     async def _model_request(self, kind: str, params: Params | None, **fields: Any) -> ComputeRequest:
         pub = self.published()
@@ -95,12 +111,20 @@ class PeerRequests:
             raise ValueError(f"purpose {name!r} is answered on the {p.split!r} split, not {split!r}")
         return p
 
-    async def cross_loss(self, peer: str, params: Params | None = None, *, purpose: str,
-                         split: str | None = None, max_samples: int | None = None,
-                         reduction: str = "mean") -> tuple[float, int] | None:
+    async def cross_loss(
+        self,
+        peer: str,
+        params: Params | None = None,
+        *,
+        purpose: str,
+        split: str | None = None,
+        max_samples: int | None = None,
+        reduction: str = "mean",
+    ) -> tuple[float, int] | None:
         p = self._purpose(purpose, LOSS, split)
-        req = await self._model_request(CROSS_LOSS, params, split=p.split, max_samples=max_samples or 0,
-                                  reduction=reduction, purpose=p.name)
+        req = await self._model_request(
+            CROSS_LOSS, params, split=p.split, max_samples=max_samples or 0, reduction=reduction, purpose=p.name
+        )
         try:
             reply = await self._compute(peer, req)
         except (PeerCallError, WireError) as e:
@@ -111,14 +135,29 @@ class PeerRequests:
         self.releases.answered(peer)
         return reply.loss, int(reply.samples)
 
-    async def cross_gradient(self, peer: str, params: Params | None = None, *, purpose: str,
-                             split: str | None = None, max_samples: int | None = None,
-                             reduction: str = "mean", align_with: Params | None = None) -> GradientReply | None:
+    async def cross_gradient(
+        self,
+        peer: str,
+        params: Params | None = None,
+        *,
+        purpose: str,
+        split: str | None = None,
+        max_samples: int | None = None,
+        reduction: str = "mean",
+        align_with: Params | None = None,
+    ) -> GradientReply | None:
         p = self._purpose(purpose, GRADIENT if align_with is None else ALIGNMENT, split)
         if reduction != "mean":
             raise ValueError("cross-gradients are mean-reduced (a private sum would reveal the batch size)")
-        req = await self._model_request(CROSS_GRADIENT, params, split=p.split, max_samples=max_samples or 0,
-                                  reduction=reduction, align=align_with is not None, purpose=p.name)
+        req = await self._model_request(
+            CROSS_GRADIENT,
+            params,
+            split=p.split,
+            max_samples=max_samples or 0,
+            reduction=reduction,
+            align=align_with is not None,
+            purpose=p.name,
+        )
         if align_with is not None:
             req.groups = {**(req.groups or {}), "align": align_with}
         try:
@@ -129,15 +168,19 @@ class PeerRequests:
             if align_with is not None:
                 return GradientReply(None, reply.loss, int(reply.samples), reply.inner_product)
             check = (reply.grad or {}, "grad", self.spec, f"gradient from {peer}")
-            grad = (await asyncio.to_thread(model_tensors, *check) if encoded_size(reply.grad or {}) > OFF_LOOP_BYTES
-                    else model_tensors(*check))
+            grad = (
+                await asyncio.to_thread(model_tensors, *check)
+                if encoded_size(reply.grad or {}) > OFF_LOOP_BYTES
+                else model_tensors(*check)
+            )
         except (PeerCallError, WireError) as e:
             self.failed("cross-gradient", peer, e)
             return None
         return GradientReply(grad, reply.loss, int(reply.samples))
 
-    async def private_gradient(self, peer: str, params: Params, *, purpose: str,
-                               max_samples: int | None = None) -> Params | None:
+    async def private_gradient(
+        self, peer: str, params: Params, *, purpose: str, max_samples: int | None = None
+    ) -> Params | None:
         """The gradient of ``params`` on *my* data, released for ``peer`` (FedeRiCo's push,
         COBO's alignment vector): privatised and charged to my ledger; None once my budget is
         spent (the caller then skips that peer, as if it were unreachable)."""
@@ -152,11 +195,9 @@ class PeerRequests:
             return None
         return rel.value
 
-    async def push_gradient(self, peer: str, version: int, grad: Params, *,
-                            purpose: str = "federico-push") -> bool:
+    async def push_gradient(self, peer: str, version: int, grad: Params, *, purpose: str = "federico-push") -> bool:
         p = self._purpose(purpose, PUSH, None)
-        req = ComputeRequest(PUSH_GRADIENT, self.node_id, groups={"grad": grad}, target_version=version,
-                             purpose=p.name)
+        req = ComputeRequest(PUSH_GRADIENT, self.node_id, groups={"grad": grad}, target_version=version, purpose=p.name)
         try:
             ack = await self._compute(peer, req)
         except (PeerCallError, WireError) as e:
@@ -176,8 +217,11 @@ class PeerRequests:
         if address is None:
             return None
         try:
-            return await self.calls.call(peer, "gossip", lambda timeout: self.transport.gossip(
-                address, self.node_id, key, payload, timeout, peer=peer))
+            return await self.calls.call(
+                peer,
+                "gossip",
+                lambda timeout: self.transport.gossip(address, self.node_id, key, payload, timeout, peer=peer),
+            )
         except (PeerCallError, WireError) as e:
             self.failed(f"gossip {key!r}", peer, e)
             return None

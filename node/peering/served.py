@@ -10,15 +10,17 @@ noise, ledger) — a spent privacy budget is a ``PRIVACY_BUDGET`` refusal.
 Peers' compute runs on a small executor of its own (``compute_workers`` threads), so however many
 requests arrive the node's own training never queues behind them, and each request's time is
 billed to the peer that asked (``admission``)."""
+
 from __future__ import annotations
 
 import asyncio
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -33,8 +35,19 @@ from .api import RevocationList
 from .errors import PRIVACY_BUDGET, UNAVAILABLE, Refusal, budget_spent, invalid, not_cached, refused
 from .inbox import PushInbox
 from .membership import Membership
-from .messages import (CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, Beat, ComputeReply, ComputeRequest, IndirectProbe,
-                       LocalSnapshot, MemberUpdate, NodeInfo, PeerEntry)
+from .messages import (
+    CROSS_GRADIENT,
+    CROSS_LOSS,
+    PUSH_GRADIENT,
+    Beat,
+    ComputeReply,
+    ComputeRequest,
+    IndirectProbe,
+    LocalSnapshot,
+    MemberUpdate,
+    NodeInfo,
+    PeerEntry,
+)
 from .problems import ProblemLog
 from .snapshots import PublishBoard, SnapshotCache
 from .validation import Spec, model_tensors
@@ -68,12 +81,27 @@ class StrategyHooks(Protocol):
 
 
 class ServedRequests:
-    def __init__(self, node_id: str, info: Callable[[], NodeInfo], membership: Membership,
-                 learner: Learner, spec: Spec, hooks: StrategyHooks, board: PublishBoard,
-                 cache: SnapshotCache, inbox: PushInbox, problems: ProblemLog, private: PrivateData,
-                 serves: tuple[str, ...], on_refused: Callable[[str], None] | None = None, *,
-                 admission: Admission, push_policy: PushPolicy, compute_workers: int = 2,
-                 revocations: RevocationExchange | None = None):
+    def __init__(
+        self,
+        node_id: str,
+        info: Callable[[], NodeInfo],
+        membership: Membership,
+        learner: Learner,
+        spec: Spec,
+        hooks: StrategyHooks,
+        board: PublishBoard,
+        cache: SnapshotCache,
+        inbox: PushInbox,
+        problems: ProblemLog,
+        private: PrivateData,
+        serves: tuple[str, ...],
+        on_refused: Callable[[str], None] | None = None,
+        *,
+        admission: Admission,
+        push_policy: PushPolicy,
+        compute_workers: int = 2,
+        revocations: RevocationExchange | None = None,
+    ):
         self.node_id = node_id
         self.info = info
         self.membership = membership
@@ -105,6 +133,7 @@ class ServedRequests:
         """``fn`` on the served-compute threads; the CPU time it took is billed to ``peer`` (not
         wall time: on a loaded node a request waiting for the CPU, a lock or a warm-up would be
         billed for everyone else's work, and one slow request locked its peer out for ~36 s)."""
+
         def timed():
             t0 = time.thread_time()
             try:
@@ -113,6 +142,7 @@ class ServedRequests:
                 if peer is not None:
                     spent = time.thread_time() - t0
                     loop.call_soon_threadsafe(self.admission.charge, peer, spent)
+
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, timed)
 
@@ -128,8 +158,9 @@ class ServedRequests:
         self._count_unknown(probe.requester)
         return await self.membership.on_indirect_probe(probe)
 
-    def on_peer_list(self, sender: str, entries: list[PeerEntry], members=(), incarnation: int = 0
-                     ) -> tuple[list[PeerEntry], list[MemberUpdate], int]:
+    def on_peer_list(
+        self, sender: str, entries: list[PeerEntry], members=(), incarnation: int = 0
+    ) -> tuple[list[PeerEntry], list[MemberUpdate], int]:
         self._count_unknown(sender)
         return self.membership.on_peer_list(sender, entries, members, incarnation)
 
@@ -164,8 +195,12 @@ class ServedRequests:
         mine = self.board.current
         if mine is not None and req.ref.node_id == self.node_id:
             await mine.ready()
-        if (req.ref.node_id == self.node_id and mine is not None and req.ref.version == mine.version
-                and (not req.ref.digest or req.ref.digest == mine.digest)):
+        if (
+            req.ref.node_id == self.node_id
+            and mine is not None
+            and req.ref.version == mine.version
+            and (not req.ref.digest or req.ref.digest == mine.digest)
+        ):
             return {"params": mine.params}
         snap = self.cache.resolve(req.ref)
         if snap is None:
@@ -186,8 +221,10 @@ class ServedRequests:
         its split — or refused, naming what was wrong."""
         who = f"{req.kind} from {req.requester}"
         if not req.purpose:
-            raise invalid(f"{who} names no purpose; every request on this node's data must say "
-                          f"which strategy step it serves (one of {sorted(PURPOSES)})")
+            raise invalid(
+                f"{who} names no purpose; every request on this node's data must say "
+                f"which strategy step it serves (one of {sorted(PURPOSES)})"
+            )
         p = PURPOSES.get(req.purpose)
         if p is None:
             raise invalid(f"{who}: unknown purpose {req.purpose!r}; known: {sorted(PURPOSES)}")
@@ -195,13 +232,14 @@ class ServedRequests:
         if p.kind != kind:
             raise invalid(f"{who}: purpose {p.name!r} is for {p.kind} requests, not {kind}")
         if p.name not in self.serves:
-            raise refused(f"{who}: this node does not serve purpose {p.name!r} (it serves "
-                          f"{list(self.serves) or 'none'}: only what its strategy needs)")
+            raise refused(
+                f"{who}: this node does not serve purpose {p.name!r} (it serves "
+                f"{list(self.serves) or 'none'}: only what its strategy needs)"
+            )
         if req.split == "test":
             raise invalid(f"{who}: the test split is never served")
         if req.split and req.split != p.split:
-            raise invalid(f"{who}: purpose {p.name!r} is answered on the {p.split!r} split only, "
-                          f"not {req.split!r}")
+            raise invalid(f"{who}: purpose {p.name!r} is answered on the {p.split!r} split only, not {req.split!r}")
         if req.kind == CROSS_LOSS and req.reduction not in REDUCTIONS:
             raise invalid(f"{who}: unknown reduction {req.reduction!r}")
         return p
@@ -223,14 +261,16 @@ class ServedRequests:
         groups = await self._groups(req)
         if req.kind == CROSS_LOSS:
             params = self._tensors(req, groups, "params")
-            rel = await self._run(req.requester, self._release, req, self.private.loss, purpose, params,
-                                  req.max_samples, req.reduction)
+            rel = await self._run(
+                req.requester, self._release, req, self.private.loss, purpose, params, req.max_samples, req.reduction
+            )
             return ComputeReply(loss=rel.value, samples=rel.samples)
         if req.kind == CROSS_GRADIENT:
             params = self._tensors(req, groups, "params")
             align = self._tensors(req, groups, "align") if req.align else None
-            rel, loss = await self._run(req.requester, self._release, req, self.private.gradient, purpose,
-                                        params, req.max_samples)
+            rel, loss = await self._run(
+                req.requester, self._release, req, self.private.gradient, purpose, params, req.max_samples
+            )
             if align is None:
                 return ComputeReply(loss=loss, samples=rel.samples, grad={"grad": rel.value})
             # COBO: ⟨my released gradient, theirs⟩ is post-processing of the release
@@ -267,11 +307,15 @@ class ServedRequests:
         target, lag = int(req.target_version), self.push_policy.max_push_lag
         who = f"gradient push from {req.requester}"
         if target > current:
-            raise self._reject_push(req, f"{who}: target version {target} is ahead of this node's "
-                                         f"published version {current}")
+            raise self._reject_push(
+                req, f"{who}: target version {target} is ahead of this node's published version {current}"
+            )
         if target < max(1, current - lag):
-            raise self._reject_push(req, f"{who}: target version {target} is more than {lag} versions "
-                                         f"behind this node's {current} (or not a version at all)")
+            raise self._reject_push(
+                req,
+                f"{who}: target version {target} is more than {lag} versions "
+                f"behind this node's {current} (or not a version at all)",
+            )
         assert mine is not None  # (else current is 0 and every target was refused above)
         norm = await self._run(req.requester, _norm, grad)
         ceiling = self.push_policy.push_norm_factor * await self._own_norm(mine)
@@ -279,8 +323,10 @@ class ServedRequests:
         if norm > ceiling:
             scale = ceiling / norm
             grad = await self._run(req.requester, lambda: {k: t * scale for k, t in grad.items()})
-            message = (f"clipped: norm {norm:.3g} exceeds {self.push_policy.push_norm_factor:g}× this "
-                       f"node's own gradient norm ({ceiling:.3g}); {message}")
+            message = (
+                f"clipped: norm {norm:.3g} exceeds {self.push_policy.push_norm_factor:g}× this "
+                f"node's own gradient norm ({ceiling:.3g}); {message}"
+            )
             self.on_refused("push_clipped")
             self.problems.note(req.requester, f"{who}: {message}", rejected=True)
         self.inbox.put(PushedGradient(req.requester, target, grad))

@@ -1,11 +1,12 @@
 """Snapshots on both sides: the one this node publishes, and the peers' it has pulled."""
+
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
 
-from ..strategies.base import PeerSnapshot
 from ..offload import OFF_LOOP_BYTES
+from ..strategies.base import PeerSnapshot
 from ..wire.codec import encoded_size
 from .messages import LocalSnapshot, SnapshotRef
 
@@ -60,8 +61,7 @@ class SnapshotCache:
 
     @staticmethod
     def nbytes(snap: PeerSnapshot) -> int:
-        return sum(t.numel() * t.element_size() for ts in (snap.params, *snap.extras.values())
-                   for t in ts.values())
+        return sum(t.numel() * t.element_size() for ts in (snap.params, *snap.extras.values()) for t in ts.values())
 
     def get(self, peer: str) -> PeerSnapshot | None:
         snap = self._by_peer.get(peer)

@@ -6,6 +6,7 @@ round costs the most CPU of a small model's round (gRPC call set-up on both ends
 snapshot costs a fifth of that. Pushed snapshots are checked like pulled ones. A subscription
 that fails or delivers a bad snapshot ends, and pulls take over for ``WATCH_RETRY_S``; one nobody
 reads for ``WATCH_IDLE_S`` is closed."""
+
 from __future__ import annotations
 
 import asyncio
@@ -58,20 +59,28 @@ class Subscriptions:
         task = self._watches.get(peer)
         if task is not None:
             return True
-        if (last is None or now - last > self.WATCH_AFTER_S or len(self._watches) >= self.MAX_WATCHES
-                or now - self._watch_failed.get(peer, float("-inf")) < self.WATCH_RETRY_S
-                or not aligned or cached is None or self.net.cache.nbytes(cached) > self.WATCH_MAX_BYTES):
+        if (
+            last is None
+            or now - last > self.WATCH_AFTER_S
+            or len(self._watches) >= self.MAX_WATCHES
+            or now - self._watch_failed.get(peer, float("-inf")) < self.WATCH_RETRY_S
+            or not aligned
+            or cached is None
+            or self.net.cache.nbytes(cached) > self.WATCH_MAX_BYTES
+        ):
             return False
-        self._watches[peer] = asyncio.get_running_loop().create_task(self._run_watch(peer, address),
-                                                                     name=f"watch-{peer}")
+        self._watches[peer] = asyncio.get_running_loop().create_task(
+            self._run_watch(peer, address), name=f"watch-{peer}"
+        )
         return False  # this pull still pulls; the subscription serves the next ones
 
     async def _run_watch(self, peer: str, address: str) -> None:
         cached = self.net.cache.get(peer)
         delivered = 0
         try:
-            stream = self.net.transport.watch_snapshots(address, self.net.node_id,
-                                                    min_round=cached.round + 1 if cached else 0, peer=peer)
+            stream = self.net.transport.watch_snapshots(
+                address, self.net.node_id, min_round=cached.round + 1 if cached else 0, peer=peer
+            )
             async with contextlib.aclosing(stream):  # (leaving the loop early cancels the call)
                 async for header, groups in stream:
                     if header.node_id != peer:
@@ -96,8 +105,9 @@ class Subscriptions:
             if news is not None:
                 news.set()  # a pull waiting on it goes on without it
 
-    async def from_watch(self, peer: str, cached: PeerSnapshot, min_round: int | None,
-                          wait_s: float | None) -> PeerSnapshot | None:
+    async def from_watch(
+        self, peer: str, cached: PeerSnapshot, min_round: int | None, wait_s: float | None
+    ) -> PeerSnapshot | None:
         """A pull served by the subscription: the latest pushed snapshot, or — for a round not
         pushed yet — wait for it (within the pull's wait and the round's exchange deadline)."""
         if not min_round:

@@ -5,6 +5,7 @@ A node keeps serving after its last round (peers that started later still pull i
 those bytes belong to no round record: ``pending()`` gives them (and anything of a round still
 running) so that a run's totals — the sum of every node's round records plus its pending tallies
 — add up, every byte received counted as sent by someone."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -16,9 +17,12 @@ class TrafficStats:
     def __init__(self, metrics: Metrics):
         self.sent = metrics.counter("coterie_sent_bytes_total", "Bytes sent to peers", ("kind",))
         self.received = metrics.counter("coterie_received_bytes_total", "Bytes received from peers", ("kind",))
-        self.lat = metrics.histogram("coterie_request_duration_seconds", "Peer request duration",
-                                     ("kind", "side"),
-                                     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.lat = metrics.histogram(
+            "coterie_request_duration_seconds",
+            "Peer request duration",
+            ("kind", "side"),
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
         self.round_sent: dict[str, int] = defaultdict(int)
         self.round_received: dict[str, int] = defaultdict(int)
 

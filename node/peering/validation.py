@@ -1,6 +1,7 @@
 """Tensors that came from a peer: the right architecture and finite, or refused with a reason.
 
 The same checks run whatever carried the tensors (gRPC bytes, or memory in-process)."""
+
 from __future__ import annotations
 
 from ..learning.learner import Params

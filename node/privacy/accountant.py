@@ -10,12 +10,13 @@ of re-deriving the fractional orders' series every time (a node charges on every
 
 opacus is imported on first use: importing it pulls torch.distributed (seconds of CPU), which a
 node that never releases anything should not pay at start. ``warm()`` does it ahead of time."""
+
 from __future__ import annotations
 
 import functools
 import math
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -32,6 +33,7 @@ def _rdp():
         if _analysis is None:
             from opacus.accountants import RDPAccountant
             from opacus.accountants.analysis import rdp
+
             _analysis = (rdp, list(RDPAccountant.DEFAULT_ALPHAS))
     return _analysis
 
@@ -48,8 +50,7 @@ def orders() -> tuple[float, ...]:
 @functools.lru_cache(maxsize=4096)
 def _one_step(sigma: float, q: float, at: tuple[float, ...] | None = None) -> np.ndarray:
     rdp, default = _rdp()
-    return np.asarray(rdp.compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(at or default)),
-                      dtype=float)
+    return np.asarray(rdp.compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(at or default)), dtype=float)
 
 
 def rdp_of(steps: Steps, at: tuple[float, ...]) -> np.ndarray:

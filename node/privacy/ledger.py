@@ -28,6 +28,7 @@ measured where privacy loss adds up (RDP composes linearly in steps: ``expected_
 each released what this one was would together stay within the budget), optionally an explicit
 ε cap too (``peer_budget``); and its releases are rate-limited (a token bucket per peer:
 ``peer_rate`` per second, bursts of ``peer_burst``)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -36,9 +37,10 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -73,6 +75,7 @@ def _checksum(body: dict[str, Any]) -> str:
 
 class _Bucket:
     """A token bucket: ``burst`` releases at once, refilled at ``rate`` per second."""
+
     __slots__ = ("tokens", "at")
 
     def __init__(self, burst: float, now: float):
@@ -88,6 +91,7 @@ class _Account:
     more than ``MAX_STEPS`` distinct (σ, q) were seen (a peer asking for ever other batch sizes),
     the least used folded into their summed RDP per order (``folded``: orders, values): RDP
     composes by addition, so ε over the fold is the ε over the releases it replaced."""
+
     steps: dict[tuple[float, float], int] = field(default_factory=dict)
     releases: int = 0
     purposes: dict[str, int] = field(default_factory=dict)
@@ -110,7 +114,7 @@ class _Account:
         """The account's RDP at the orders ``at`` (those of its fold, if any)."""
         return accountant.rdp_of(self.history(), at) + (0.0 if self.folded is None else self.folded[1])
 
-    def covers(self, other: "_Account") -> bool:
+    def covers(self, other: _Account) -> bool:
         """Whether this account records at least every release ``other`` does: count for count
         while neither is folded, else at least its releases and its RDP at every order."""
         if self.releases < other.releases:
@@ -143,20 +147,27 @@ class _Account:
         self.folded_releases += sum(n for _, n in out)
         self.steps = dict(ranked[:keep])
 
-    def copy(self) -> "_Account":
-        return _Account(dict(self.steps), self.releases, dict(self.purposes), self.epsilon, self.folded,
-                        self.folded_releases)
+    def copy(self) -> _Account:
+        return _Account(
+            dict(self.steps), self.releases, dict(self.purposes), self.epsilon, self.folded, self.folded_releases
+        )
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"releases": self.releases, "purposes": dict(self.purposes),
-                               "steps": [[s, q, n] for (s, q), n in sorted(self.steps.items())]}
+        out: dict[str, Any] = {
+            "releases": self.releases,
+            "purposes": dict(self.purposes),
+            "steps": [[s, q, n] for (s, q), n in sorted(self.steps.items())],
+        }
         if self.folded is not None:
-            out["folded"] = {"orders": list(self.folded[0]), "rdp": [float(x) for x in self.folded[1]],
-                             "releases": self.folded_releases}
+            out["folded"] = {
+                "orders": list(self.folded[0]),
+                "rdp": [float(x) for x in self.folded[1]],
+                "releases": self.folded_releases,
+            }
         return out
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "_Account":
+    def from_json(cls, d: dict[str, Any]) -> _Account:
         steps: dict[tuple[float, float], int] = {}
         for s, q, n in d["steps"]:
             s, q, n = float(s), float(q), int(n)
@@ -171,17 +182,26 @@ class _Account:
                 raise ValueError("bad folded RDP")
             acc.folded, acc.folded_releases = (at, values), int(f["releases"])
         if acc.releases != sum(steps.values()) + acc.folded_releases:  # every release is a step
-            raise ValueError(f"{acc.releases} releases, but its steps and fold count "
-                             f"{sum(steps.values()) + acc.folded_releases}")
+            raise ValueError(
+                f"{acc.releases} releases, but its steps and fold count {sum(steps.values()) + acc.folded_releases}"
+            )
         return acc
 
 
 class PrivacyLedger:
-    def __init__(self, state_dir: str | Path, *, delta: float, budget: float = math.inf,
-                 peer_budget: float = math.inf, expected_peers: int = 1,
-                 peer_rate: float = math.inf, peer_burst: int = 1,
-                 on_change: Callable[[str, str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        state_dir: str | Path,
+        *,
+        delta: float,
+        budget: float = math.inf,
+        peer_budget: float = math.inf,
+        expected_peers: int = 1,
+        peer_rate: float = math.inf,
+        peer_burst: int = 1,
+        on_change: Callable[[str, str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.path = Path(state_dir) / FILE
         self.delta, self.budget, self.peer_budget = delta, budget, peer_budget
         self.expected_peers = max(1, int(expected_peers))
@@ -215,8 +235,10 @@ class PrivacyLedger:
             total = _Account.from_json(data["total"])
             peers = {str(k): _Account.from_json(v) for k, v in data["peers"].items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise LedgerError(f"{where} is corrupt ({e}); it records what this node has released "
-                              "about its data, so it is never reset silently") from None
+            raise LedgerError(
+                f"{where} is corrupt ({e}); it records what this node has released "
+                "about its data, so it is never reset silently"
+            ) from None
         return total, peers
 
     def _recompute(self) -> None:
@@ -225,8 +247,11 @@ class PrivacyLedger:
 
     def _body(self, total: _Account, peers: dict[str, _Account]) -> dict[str, Any]:
         folded = any(a.folded is not None for a in [total, *peers.values()])
-        return {"format": FORMAT_FOLDED if folded else FORMAT, "total": total.to_json(),
-                "peers": {k: v.to_json() for k, v in sorted(peers.items())}}
+        return {
+            "format": FORMAT_FOLDED if folded else FORMAT,
+            "total": total.to_json(),
+            "peers": {k: v.to_json() for k, v in sorted(peers.items())},
+        }
 
     def _save(self) -> None:
         body = self._body(self.total, self.peers)
@@ -246,30 +271,42 @@ class PrivacyLedger:
         operator's explicit choice), move the file aside and restore the pin instead, logged."""
         if pinned is None:  # a checkpoint from before ledgers were pinned: nothing to check against
             if not self.found:
-                log.warning("%s: no privacy ledger and no pin in %s (written before ledgers were "
-                            "pinned); starting a new ledger", self.path, checkpoint)
+                log.warning(
+                    "%s: no privacy ledger and no pin in %s (written before ledgers were "
+                    "pinned); starting a new ledger",
+                    self.path,
+                    checkpoint,
+                )
             return
         total, peers = self._parse(pinned, f"the ledger pinned in {checkpoint}", checksummed=False)
         problem = None
         if not self.found:
             if total.releases or any(a.releases for a in peers.values()):
-                problem = (f"{self.path} is missing, but {checkpoint} records {total.releases} releases "
-                           f"of this node's data (ε = {total.eps(self.delta):.3g})")
+                problem = (
+                    f"{self.path} is missing, but {checkpoint} records {total.releases} releases "
+                    f"of this node's data (ε = {total.eps(self.delta):.3g})"
+                )
         elif not self.total.covers(total):
-            problem = (f"{self.path} records {self.total.releases} releases (ε = {self.total.epsilon:.3g}), "
-                       f"fewer than the {total.releases} (ε = {total.eps(self.delta):.3g}) "
-                       f"{checkpoint} pins: it was rewritten or restored from an older copy")
+            problem = (
+                f"{self.path} records {self.total.releases} releases (ε = {self.total.epsilon:.3g}), "
+                f"fewer than the {total.releases} (ε = {total.eps(self.delta):.3g}) "
+                f"{checkpoint} pins: it was rewritten or restored from an older copy"
+            )
         else:
             short = sorted(p for p, acc in peers.items() if not self.peers.get(p, _Account()).covers(acc))
             if short:
-                problem = (f"{self.path} records fewer releases to {', '.join(short[:5])} than {checkpoint} "
-                           "pins: it was rewritten or restored from an older copy")
+                problem = (
+                    f"{self.path} records fewer releases to {', '.join(short[:5])} than {checkpoint} "
+                    "pins: it was rewritten or restored from an older copy"
+                )
         if problem is None:
             return
         if not reset:
-            raise LedgerError(f"{problem}. Refusing to start: a node that forgets releases promises more "
-                              "privacy than it has. Restore the file, or start with --reset-privacy-ledger "
-                              "to restore the ledger from the checkpoint's copy (releases since then are lost)")
+            raise LedgerError(
+                f"{problem}. Refusing to start: a node that forgets releases promises more "
+                "privacy than it has. Restore the file, or start with --reset-privacy-ledger "
+                "to restore the ledger from the checkpoint's copy (releases since then are lost)"
+            )
         if self.found:
             aside = self.path.with_name(f"{FILE}.bad-{time.strftime('%Y%m%d-%H%M%S')}")
             self.path.rename(aside)
@@ -278,9 +315,15 @@ class PrivacyLedger:
         self.total, self.peers = total, peers
         self._recompute()
         self._save()
-        log.warning("reset-privacy-ledger: %s; the ledger was restored from %s: ε %.3g -> %.3g, "
-                    "%d releases (any made after that checkpoint are not counted)", problem, checkpoint,
-                    before, self.total.epsilon, self.total.releases)
+        log.warning(
+            "reset-privacy-ledger: %s; the ledger was restored from %s: ε %.3g -> %.3g, "
+            "%d releases (any made after that checkpoint are not counted)",
+            problem,
+            checkpoint,
+            before,
+            self.total.epsilon,
+            self.total.releases,
+        )
 
     def _take_token(self, peer: str) -> bool:
         if math.isinf(self.peer_rate):
@@ -296,8 +339,15 @@ class PrivacyLedger:
         b.tokens -= 1
         return True
 
-    def charge(self, peer: str, purpose: str, noise_multiplier: float, sample_rate: float,
-               enforce: bool = True, requested: bool = True) -> float:
+    def charge(
+        self,
+        peer: str,
+        purpose: str,
+        noise_multiplier: float,
+        sample_rate: float,
+        enforce: bool = True,
+        requested: bool = True,
+    ) -> float:
         """Record one release to ``peer`` (σ, q) and return the new total ε; with ``enforce``,
         raise ``BudgetSpent`` instead if it would take the total or the peer past its budget,
         or ``ReleaseRateLimited`` if the peer asks faster than its rate. ``requested=False``: a
@@ -312,25 +362,33 @@ class PrivacyLedger:
             if enforce and eps_total > self.budget:
                 self.refusals += 1
                 self.refusing = True
-                raise BudgetSpent(f"privacy budget spent: this node has released ε = {self.total.epsilon:.3g} "
-                                  f"of its budget {self.budget:g} (δ = {self.delta:g}); one more "
-                                  f"release would make it {eps_total:.3g}")
+                raise BudgetSpent(
+                    f"privacy budget spent: this node has released ε = {self.total.epsilon:.3g} "
+                    f"of its budget {self.budget:g} (δ = {self.delta:g}); one more "
+                    f"release would make it {eps_total:.3g}"
+                )
             if enforce and eps_peer > self.peer_budget:
                 self.refusals += 1
-                raise BudgetSpent(f"privacy budget spent: {peer} has been released ε = {acc.epsilon:.3g} "
-                                  f"of the per-peer budget {self.peer_budget:.3g} (δ = {self.delta:g})")
+                raise BudgetSpent(
+                    f"privacy budget spent: {peer} has been released ε = {acc.epsilon:.3g} "
+                    f"of the per-peer budget {self.peer_budget:.3g} (δ = {self.delta:g})"
+                )
             k = self.expected_peers
             if enforce and requested and k > 1 and math.isfinite(self.budget):
                 eps_share = acc.eps(self.delta, (sigma, q), scale=k)
                 if eps_share > self.budget:
                     self.refusals += 1
-                    raise BudgetSpent(f"privacy budget spent: {peer} has had its share of this node's budget "
-                                      f"(1/{k} of ε = {self.budget:g}: {k} peers released what it has would "
-                                      f"compose to ε = {eps_share:.3g}); it has been released ε = {acc.epsilon:.3g}")
+                    raise BudgetSpent(
+                        f"privacy budget spent: {peer} has had its share of this node's budget "
+                        f"(1/{k} of ε = {self.budget:g}: {k} peers released what it has would "
+                        f"compose to ε = {eps_share:.3g}); it has been released ε = {acc.epsilon:.3g}"
+                    )
             if enforce and requested and not self._take_token(peer):
                 self.rate_refusals += 1
-                raise ReleaseRateLimited(f"release rate: {peer} asks for more than {self.peer_rate:g} "
-                                         f"releases/s (bursts of {self.peer_burst}); ask again later")
+                raise ReleaseRateLimited(
+                    f"release rate: {peer} asks for more than {self.peer_rate:g} "
+                    f"releases/s (bursts of {self.peer_burst}); ask again later"
+                )
             self.refusing = False
             total, new = self.total.copy(), acc.copy()
             total.add(sigma, q, purpose, eps_total)
@@ -360,12 +418,22 @@ class PrivacyLedger:
 
     def view(self) -> dict[str, Any]:
         with self._lock:
-            return {"epsilon": self.total.epsilon, "delta": self.delta,
-                    "budget_epsilon": self.budget, "peer_budget_epsilon": self.peer_budget,
-                    "budget_left": max(0.0, self.budget - self.total.epsilon),
-                    "releases": self.total.releases, "purposes": dict(self.total.purposes),
-                    "expected_peers": self.expected_peers, "peer_release_rate": self.peer_rate, "peer_release_burst": self.peer_burst,
-                    "budget_refusals": self.refusals, "rate_refusals": self.rate_refusals,
-                    "refusing": self.refusing,
-                    "peers": {k: {"epsilon": v.epsilon, "releases": v.releases, "purposes": dict(v.purposes)}
-                              for k, v in sorted(self.peers.items())}}
+            return {
+                "epsilon": self.total.epsilon,
+                "delta": self.delta,
+                "budget_epsilon": self.budget,
+                "peer_budget_epsilon": self.peer_budget,
+                "budget_left": max(0.0, self.budget - self.total.epsilon),
+                "releases": self.total.releases,
+                "purposes": dict(self.total.purposes),
+                "expected_peers": self.expected_peers,
+                "peer_release_rate": self.peer_rate,
+                "peer_release_burst": self.peer_burst,
+                "budget_refusals": self.refusals,
+                "rate_refusals": self.rate_refusals,
+                "refusing": self.refusing,
+                "peers": {
+                    k: {"epsilon": v.epsilon, "releases": v.releases, "purposes": dict(v.purposes)}
+                    for k, v in sorted(self.peers.items())
+                },
+            }

@@ -19,6 +19,7 @@
 
 Noise comes from a generator seeded by the OS (never from the experiment seed: a predictable
 noise stream could be subtracted). It is numpy's PCG64, not a cryptographic generator."""
+
 from __future__ import annotations
 
 import math
@@ -37,6 +38,7 @@ from .purposes import Purpose
 class PrivacySettings(Protocol):
     """The knobs the mechanisms read (``config.PrivacyConfig`` has them; privacy does not import
     the config, the config imports privacy's purposes)."""
+
     enabled: bool
     noise_multiplier: float
     grad_clip: float
@@ -55,13 +57,14 @@ V = TypeVar("V", float, Params)  # a loss or a gradient
 @dataclass
 class Released(Generic[V]):
     value: V
-    samples: int        # expected batch size behind the value
-    noise_std: float    # std of the noise on each coordinate of the (mean) value; 0 = exact
+    samples: int  # expected batch size behind the value
+    noise_std: float  # std of the noise on each coordinate of the (mean) value; 0 = exact
 
 
 class PrivateData:
-    def __init__(self, learner: Learner, cfg: PrivacySettings, ledger: PrivacyLedger,
-                 rng: np.random.Generator | None = None):
+    def __init__(
+        self, learner: Learner, cfg: PrivacySettings, ledger: PrivacyLedger, rng: np.random.Generator | None = None
+    ):
         self.learner = learner
         self.cfg = cfg
         self.ledger = ledger
@@ -82,10 +85,12 @@ class PrivateData:
     def _too_few(self, split: str, n: int) -> str:
         # privacy.enabled = false does not lift it: an exact answer over a handful of samples
         # gives them away (a one-sample gradient *is* the sample), so the minimum holds either way
-        return (f"this node's {split} split holds {n} samples, fewer than privacy.min_batch = "
-                f"{self.cfg.min_batch}: it serves no cross-loss/-gradient and sends no gradient "
-                f"computed on its data, with privacy on or off; privacy.min_batch = {n} or lower "
-                f"lifts this (its answers then rest on {n} samples)")
+        return (
+            f"this node's {split} split holds {n} samples, fewer than privacy.min_batch = "
+            f"{self.cfg.min_batch}: it serves no cross-loss/-gradient and sends no gradient "
+            f"computed on its data, with privacy on or off; privacy.min_batch = {n} or lower "
+            f"lifts this (its answers then rest on {n} samples)"
+        )
 
     def withheld(self, splits: tuple[Split, ...] = ("train", "val")) -> str | None:
         """Why this node releases nothing computed on its data (too few samples), or None."""
@@ -111,8 +116,14 @@ class PrivateData:
         sigma = self.cfg.noise_multiplier if self.cfg.enabled else 0.0
         self.ledger.charge(peer, purpose.name, sigma, b / n, enforce=self.cfg.enabled, requested=not own)
 
-    def loss(self, peer: str, purpose: Purpose, params: Params | None, requested: int = 0,
-             reduction: Literal["mean", "sum"] = "mean") -> Released[float]:
+    def loss(
+        self,
+        peer: str,
+        purpose: Purpose,
+        params: Params | None,
+        requested: int = 0,
+        reduction: Literal["mean", "sum"] = "mean",
+    ) -> Released[float]:
         """Mean (or summed) loss of ``params`` on a batch of ``purpose.split``, for ``peer``."""
         b, n = self.batch_size(purpose.split, requested)
         self._charge(peer, purpose, b, n)
@@ -127,8 +138,9 @@ class PrivateData:
             return Released(noisy, b, sigma * c)
         return Released(noisy / b, b, sigma * c / b)
 
-    def gradient(self, peer: str, purpose: Purpose, params: Params | None,
-                 requested: int = 0, own: bool = False) -> tuple[Released[Params], float]:
+    def gradient(
+        self, peer: str, purpose: Purpose, params: Params | None, requested: int = 0, own: bool = False
+    ) -> tuple[Released[Params], float]:
         """Mean gradient of ``params`` on a batch of ``purpose.split``, for ``peer``; and the
         batch's loss when it is exact (privacy off), else NaN (it would be a second release)."""
         b, n = self.batch_size(purpose.split, requested)
@@ -142,6 +154,7 @@ class PrivateData:
             total = self.learner.clipped_gradient_sum(params, purpose.split, idx, c)
         else:  # an empty Poisson draw still releases (pure noise), as DP-SGD does
             total = {k: torch.zeros(s) for k, (s, _) in self.learner.param_spec().items()}
-        out = {k: (t + torch.from_numpy(self._noise(tuple(t.shape), sigma * c)).to(t.dtype)) / b
-               for k, t in total.items()}
+        out = {
+            k: (t + torch.from_numpy(self._noise(tuple(t.shape), sigma * c)).to(t.dtype)) / b for k, t in total.items()
+        }
         return Released(out, b, sigma * c / b), math.nan

@@ -7,6 +7,7 @@ fewer than ``privacy.min_batch`` samples. Strategies not listed here (local, D-P
 FedFomo, L2C, meta-L2C) ask for no compute on peers' data: they evaluate peers' published models
 on their *own* data (FedFomo, L2C: their own validation split), which sends nothing out.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,19 +31,42 @@ class Purpose:
     why: str  # the paper step it serves, and why that split
 
 
-PURPOSES: dict[str, Purpose] = {p.name: p for p in (
-    Purpose("scool-evidence", LOSS, "train", ("scool-sbm", "scool-attention"),
+PURPOSES: dict[str, Purpose] = {
+    p.name: p
+    for p in (
+        Purpose(
+            "scool-evidence",
+            LOSS,
+            "train",
+            ("scool-sbm", "scool-attention"),
             "SCool's evidence Y_ij = log P(D_j | θ_i) (eq. 18/29): the likelihood of j's local "
-            "training data; the authors' code uses one training minibatch"),
-    Purpose("scool-gradient", GRADIENT, "train", ("scool-sbm", "scool-attention"),
-            "SCool's exact M-step (eq. 22): ∇L(D_j; θ_i), the gradient of j's training loss"),
-    Purpose("cobo-alignment", ALIGNMENT, "train", ("cobo",),
+            "training data; the authors' code uses one training minibatch",
+        ),
+        Purpose(
+            "scool-gradient",
+            GRADIENT,
+            "train",
+            ("scool-sbm", "scool-attention"),
+            "SCool's exact M-step (eq. 22): ∇L(D_j; θ_i), the gradient of j's training loss",
+        ),
+        Purpose(
+            "cobo-alignment",
+            ALIGNMENT,
+            "train",
+            ("cobo",),
             "COBO's client selection (eq. 1/4): ⟨∇f_i(z), ∇f_j(z)⟩, f_j the training objective; "
-            "both ends' gradients are released (the caller's is the vector it sends)"),
-    Purpose("federico-push", PUSH, "train", ("federico",),
+            "both ends' gradients are released (the caller's is the vector it sends)",
+        ),
+        Purpose(
+            "federico-push",
+            PUSH,
+            "train",
+            ("federico",),
             "FedeRiCo's M-step (eq. 8, Alg. 1 l.19): node i pushes w_ib ∇ℓ(θ_b; D_i), the "
-            "gradient of b's model on i's training data"),
-)}
+            "gradient of b's model on i's training data",
+        ),
+    )
+}
 
 for _p in PURPOSES.values():  # the table itself must never expose the test split
     assert _p.split in SERVED_SPLITS, _p

@@ -7,12 +7,13 @@ Every ``CRL_GOSSIP_S`` a node offers its list (number and PEM) to one random ali
 the reply's if newer, so a CRL that one node got from its operator reaches every node in about
 log(n) periods. The served side (``CrlExchange.answer``) takes the offer the same way and answers
 with its own."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from ..peering.api import RevocationList
 from .pki import PKIError
@@ -50,9 +51,14 @@ class CrlExchange:
         return mine(self.revocation, self.node_id)
 
 
-async def spread(revocation: Revocation, node_id: str, alive: Callable[[], list[str]],
-                 exchange: Callable[[str, RevocationList], Awaitable[RevocationList | None]],
-                 period_s: float = CRL_GOSSIP_S, rng: random.Random | None = None) -> None:
+async def spread(
+    revocation: Revocation,
+    node_id: str,
+    alive: Callable[[], list[str]],
+    exchange: Callable[[str, RevocationList], Awaitable[RevocationList | None]],
+    period_s: float = CRL_GOSSIP_S,
+    rng: random.Random | None = None,
+) -> None:
     """Forever: offer this node's list to one random alive peer and take its reply if newer."""
     rng = rng or random.Random()
     while True:

@@ -1,5 +1,6 @@
 """What a node id may look like: it travels in certificates, requests, logs and file names, so
 it is short and plain (no crypto imports here: the servicer checks every claimed id with it)."""
+
 from __future__ import annotations
 
 import re
@@ -15,6 +16,8 @@ def node_id_problem(node_id: str) -> str | None:
     if len(node_id) > MAX_NODE_ID:
         return f"node id is {len(node_id)} characters long, the limit is {MAX_NODE_ID}"
     if not _ID_RE.fullmatch(node_id):
-        return (f"node id {node_id!r} has characters outside letters, digits and . _ : @ + - "
-                "(or does not start with a letter or digit)")
+        return (
+            f"node id {node_id!r} has characters outside letters, digits and . _ : @ + - "
+            "(or does not start with a letter or digit)"
+        )
     return None

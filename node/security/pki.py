@@ -15,6 +15,7 @@ Any CA that writes these SANs can issue node certificates, not only ``coterie ce
 Kubernetes, cert-manager's csi-driver does it per pod from volume attributes (deploy/k8s). That is
 why ``node_dns_name`` of an id that is a DNS label (a pod name) is the readable ``<id>.node.coterie``
 — a template can write it — and only other ids use a hash."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -74,8 +75,9 @@ def _write(path: Path, data: bytes, private: bool = False) -> None:
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _read(path: Path) -> bytes:
@@ -87,27 +89,41 @@ def _read(path: Path) -> bytes:
         raise PKIError(f"cannot read {path}: {e}") from None
 
 
-def init_ca(directory: str | Path, name: str = "coterie network CA", days: int = 3650,
-            force: bool = False) -> Path:
+def init_ca(directory: str | Path, name: str = "coterie network CA", days: int = 3650, force: bool = False) -> Path:
     """Create a CA (EC P-256 key, self-signed) in ``directory``; refuses to overwrite one."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     if (d / CA_KEY).exists() and not force:
-        raise PKIError(f"{d / CA_KEY} exists already; refusing to replace a CA (its certificates "
-                       "would stop verifying)")
+        raise PKIError(f"{d / CA_KEY} exists already; refusing to replace a CA (its certificates would stop verifying)")
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
-                                         key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, key_cert_sign=True, crl_sign=True,
-                                         encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
     _write(d / CA_KEY, _key_pem(key), private=True)
     _write(d / CA_CERT, cert.public_bytes(serialization.Encoding.PEM))
     return d
@@ -134,21 +150,30 @@ def issue_cert(ca_dir: str | Path, node_id: str, out_dir: str | Path, days: int 
     out.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.timezone.utc)
-    san = x509.SubjectAlternativeName([x509.DNSName(GENERIC_NAME), x509.DNSName(node_dns_name(node_id)),
-                                       x509.UniformResourceIdentifier(URI_PREFIX + node_id)])
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id[:64])]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(san, critical=False)
-            # both ends of a peer connection: a node serves and calls
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                  ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    san = x509.SubjectAlternativeName(
+        [
+            x509.DNSName(GENERIC_NAME),
+            x509.DNSName(node_dns_name(node_id)),
+            x509.UniformResourceIdentifier(URI_PREFIX + node_id),
+        ]
+    )
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id[:64])]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(san, critical=False)
+        # both ends of a peer connection: a node serves and calls
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     _write(out / NODE_KEY, _key_pem(key), private=True)
     _write(out / NODE_CERT, cert.public_bytes(serialization.Encoding.PEM))
     record_issued(ca_dir, node_id, cert)  # so that `cert revoke --node-id` finds its serial
@@ -159,8 +184,16 @@ def issue_cert(ca_dir: str | Path, node_id: str, out_dir: str | Path, days: int 
 def record_issued(ca_dir: str | Path, node_id: str, cert: x509.Certificate) -> None:
     """Note a certificate ``cert issue`` handed out (so ``revoke --node-id`` finds its serial)."""
     with open(Path(ca_dir) / ISSUED_FILE, "a") as f:
-        f.write(json.dumps({"node_id": node_id, "serial": format(cert.serial_number, "x"),
-                            "not_after": cert.not_valid_after_utc.isoformat()}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "node_id": node_id,
+                    "serial": format(cert.serial_number, "x"),
+                    "not_after": cert.not_valid_after_utc.isoformat(),
+                }
+            )
+            + "\n"
+        )
 
 
 def certificate_problem(cert: x509.Certificate, now: dt.datetime | None = None) -> str | None:
@@ -176,6 +209,7 @@ def certificate_problem(cert: x509.Certificate, now: dt.datetime | None = None) 
 @dataclass(frozen=True)
 class NodeCredentials:
     """A node's TLS material as PEM bytes, and the node id its certificate names."""
+
     node_id: str
     ca_pem: bytes
     cert_pem: bytes
@@ -191,15 +225,23 @@ def cert_node_id(cert_pem: bytes, where: str = "certificate") -> str:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
         raise PKIError(f"{where} has no subject alternative names: not a Coterie node certificate") from None
-    ids = [u[len(URI_PREFIX):] for u in san.get_values_for_type(x509.UniformResourceIdentifier)
-           if u.startswith(URI_PREFIX)]
+    ids = [
+        u[len(URI_PREFIX) :]
+        for u in san.get_values_for_type(x509.UniformResourceIdentifier)
+        if u.startswith(URI_PREFIX)
+    ]
     if len(ids) != 1:
         raise PKIError(f"{where} names {len(ids)} node ids; a node certificate names exactly one")
     return check_node_id(ids[0])
 
 
-def load_credentials(cert_dir: str | Path | None = None, *, ca: str | Path | None = None,
-                     cert: str | Path | None = None, key: str | Path | None = None) -> NodeCredentials:
+def load_credentials(
+    cert_dir: str | Path | None = None,
+    *,
+    ca: str | Path | None = None,
+    cert: str | Path | None = None,
+    key: str | Path | None = None,
+) -> NodeCredentials:
     """A node's credentials from a ``coterie cert issue`` directory, or from explicit paths (which
     win over the directory's files)."""
     d = Path(cert_dir) if cert_dir is not None else None
@@ -225,8 +267,9 @@ def load_credentials(cert_dir: str | Path | None = None, *, ca: str | Path | Non
         raise PKIError(f"{key_p} is not an unencrypted PEM private key: {e}") from None
     # another node's key (a mixed-up mount) would only fail at the first handshake: fail here
     spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    if (private.public_key().public_bytes(*spki)
-            != x509.load_pem_x509_certificate(cert_pem).public_key().public_bytes(*spki)):
+    if private.public_key().public_bytes(*spki) != x509.load_pem_x509_certificate(cert_pem).public_key().public_bytes(
+        *spki
+    ):
         raise PKIError(f"{key_p} is not the private key of the certificate {cert_p} (node {node_id!r})")
     why = certificate_problem(x509.load_pem_x509_certificate(cert_pem))
     if why:  # peers refuse it anyway: say so at start, not as refusals later

@@ -15,22 +15,33 @@ is at the application level, where the server reads the caller's verified certif
 (``Revocation.problem``: revoked, expired or not yet valid), on every request that names its
 caller — a revoked node is refused on its next handshake or call.
 """
+
 from __future__ import annotations
 
 import datetime as dt
 import json
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, cast
+from typing import cast
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPublicKeyTypes
 from cryptography.x509.oid import ObjectIdentifier
 
-from .pki import CA_CERT, ISSUED_FILE, PKIError, _load_ca, cert_node_id, certificate_problem, check_node_id, record_issued
+from .pki import (
+    CA_CERT,
+    ISSUED_FILE,
+    PKIError,
+    _load_ca,
+    cert_node_id,
+    certificate_problem,
+    check_node_id,
+    record_issued,
+)
 
 log = logging.getLogger("coterie.security")
 
@@ -60,6 +71,7 @@ def issued_serials(ca_dir: str | Path, node_id: str) -> list[int]:
 @dataclass(frozen=True)
 class RevocationList:
     """A CRL whose signature was checked against the network CA."""
+
     number: int
     serials: frozenset[int]
     node_ids: frozenset[str]
@@ -67,12 +79,11 @@ class RevocationList:
     next_update: dt.datetime | None
 
     @classmethod
-    def parse(cls, data: bytes, ca_cert: x509.Certificate, where: str = "CRL") -> "RevocationList":
+    def parse(cls, data: bytes, ca_cert: x509.Certificate, where: str = "CRL") -> RevocationList:
         if len(data) > MAX_CRL_BYTES:
             raise PKIError(f"{where} is {len(data)} bytes, more than {MAX_CRL_BYTES}")
         try:
-            crl = (x509.load_pem_x509_crl(data) if data.lstrip().startswith(b"-----")
-                   else x509.load_der_x509_crl(data))
+            crl = x509.load_pem_x509_crl(data) if data.lstrip().startswith(b"-----") else x509.load_der_x509_crl(data)
         except ValueError as e:
             raise PKIError(f"{where} is not a CRL: {e}") from None
         # a CA's key signs its certificates: never a key-exchange-only kind (X25519/X448)
@@ -93,12 +104,18 @@ class RevocationList:
             pass
         except (ValueError, TypeError, PKIError) as e:
             raise PKIError(f"{where}: its revoked node ids are unreadable: {e}") from None
-        return cls(number, frozenset(r.serial_number for r in crl), ids,
-                   crl.public_bytes(serialization.Encoding.PEM), crl.next_update_utc)
+        return cls(
+            number,
+            frozenset(r.serial_number for r in crl),
+            ids,
+            crl.public_bytes(serialization.Encoding.PEM),
+            crl.next_update_utc,
+        )
 
 
-def revoke(ca_dir: str | Path, *, node_id: str | None = None, serials: Sequence[int] = (),
-           days: int = 30) -> tuple[Path, RevocationList]:
+def revoke(
+    ca_dir: str | Path, *, node_id: str | None = None, serials: Sequence[int] = (), days: int = 30
+) -> tuple[Path, RevocationList]:
     """Add ``node_id``'s certificates (from issued.jsonl) and ``serials`` to the CA's CRL, signed
     with a CRL number one higher; returns the file and what it now revokes."""
     ca_dir = Path(ca_dir)
@@ -111,21 +128,27 @@ def revoke(ca_dir: str | Path, *, node_id: str | None = None, serials: Sequence[
         check_node_id(node_id)
         found = issued_serials(ca_dir, node_id)
         if not found and not serials:
-            raise PKIError(f"no certificate issued to {node_id!r} is recorded in {ca_dir / ISSUED_FILE}; "
-                           "revoke it by --serial (coterie cert show prints it)")
+            raise PKIError(
+                f"no certificate issued to {node_id!r} is recorded in {ca_dir / ISSUED_FILE}; "
+                "revoke it by --serial (coterie cert show prints it)"
+            )
         add.update(found)
         ids.add(node_id)
     if not add and node_id is None:
         raise PKIError("nothing to revoke: give --node-id or --serial")
     now = dt.datetime.now(dt.timezone.utc)
-    builder = (x509.CertificateRevocationListBuilder().issuer_name(ca_cert.subject)
-               .last_update(now).next_update(now + dt.timedelta(days=days))
-               .add_extension(x509.CRLNumber((old.number if old else 0) + 1), critical=False)
-               .add_extension(x509.UnrecognizedExtension(REVOKED_IDS_OID, json.dumps(sorted(ids)).encode()),
-                              critical=False))
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca_cert.subject)
+        .last_update(now)
+        .next_update(now + dt.timedelta(days=days))
+        .add_extension(x509.CRLNumber((old.number if old else 0) + 1), critical=False)
+        .add_extension(x509.UnrecognizedExtension(REVOKED_IDS_OID, json.dumps(sorted(ids)).encode()), critical=False)
+    )
     for serial in sorted((set(old.serials) if old else set()) | add):
         builder = builder.add_revoked_certificate(
-            x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build())
+            x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build()
+        )
     crl = builder.sign(ca_key, hashes.SHA256())
     path.write_bytes(crl.public_bytes(serialization.Encoding.PEM))
     return path, RevocationList.parse(path.read_bytes(), ca_cert, str(path))
@@ -154,8 +177,13 @@ class Revocation:
             if self.current is not None and crl.number <= self.current.number:
                 return False
             self.current = crl
-        log.info("revocation list %d from %s: %d certificates, node ids %s revoked", crl.number, where,
-                 len(crl.serials), sorted(crl.node_ids) or "none")
+        log.info(
+            "revocation list %d from %s: %d certificates, node ids %s revoked",
+            crl.number,
+            where,
+            len(crl.serials),
+            sorted(crl.node_ids) or "none",
+        )
         for listener in list(self.listeners):
             listener(crl.node_ids)
         if self.store is not None:
@@ -187,17 +215,28 @@ class Revocation:
         return why
 
 
-def revocation_for(ca_pem: bytes, *, crl: Path | None, cert_dir: Path | None,
-                   state_dir: Path | None) -> Revocation:
+def revocation_for(ca_pem: bytes, *, crl: Path | None, cert_dir: Path | None, state_dir: Path | None) -> Revocation:
     """The node's revocation state at start: the configured CRL (``security.crl``, else
     ``crl.pem`` in the cert dir) and the newest one kept from peers, whichever is newer."""
     rev = Revocation(ca_pem, store=state_dir / CRL_FILE if state_dir is not None else None)
-    for path in (crl, cert_dir / CRL_FILE if cert_dir is not None and crl is None else None,
-                 state_dir / CRL_FILE if state_dir is not None else None):
+    for path in (
+        crl,
+        cert_dir / CRL_FILE if cert_dir is not None and crl is None else None,
+        state_dir / CRL_FILE if state_dir is not None else None,
+    ):
         if path is not None and path.exists():
             rev.load(path)
     return rev
 
 
-__all__ = ["CA_CERT", "CRL_FILE", "Revocation", "RevocationList", "certificate_problem", "cert_node_id",
-           "record_issued", "revocation_for", "revoke"]
+__all__ = [
+    "CA_CERT",
+    "CRL_FILE",
+    "Revocation",
+    "RevocationList",
+    "certificate_problem",
+    "cert_node_id",
+    "record_issued",
+    "revocation_for",
+    "revoke",
+]

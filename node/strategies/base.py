@@ -7,12 +7,14 @@ gets ``None`` back when a peer is slow, dead or refuses — it must then carry o
 This is the contract third-party strategies (entry point group ``coterie.strategies``,
 ``registry.py``) are written against; docs/extending.md spells it out.
 """
+
 from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
@@ -24,6 +26,7 @@ T = TypeVar("T")
 @dataclass
 class PeerSnapshot:
     """A peer's published model, as cached by this node."""
+
     node_id: str
     version: int
     round: int
@@ -68,8 +71,9 @@ class PeerNetwork(Protocol):
     def cached(self, peer: str) -> PeerSnapshot | None:
         """Latest snapshot of ``peer`` already held, without network traffic."""
 
-    async def pull(self, peer: str, *, min_round: int | None = None,
-                   wait_s: float | None = None) -> PeerSnapshot | None:
+    async def pull(
+        self, peer: str, *, min_round: int | None = None, wait_s: float | None = None
+    ) -> PeerSnapshot | None:
         """Latest snapshot of ``peer`` (from cache if its version did not change).
 
         Round-aligned exchange (for synchronous algorithms): with ``min_round``, a snapshot of
@@ -82,27 +86,42 @@ class PeerNetwork(Protocol):
         strategy that has used it up (D-PSGD, once averaged in) frees its memory now instead of
         holding a copy of every peer's model until the next pull replaces it."""
 
-    async def cross_loss(self, peer: str, params: Params | None = None, *, purpose: str,
-                         split: str | None = None, max_samples: int | None = None,
-                         reduction: str = "mean") -> tuple[float, int] | None:
+    async def cross_loss(
+        self,
+        peer: str,
+        params: Params | None = None,
+        *,
+        purpose: str,
+        split: str | None = None,
+        max_samples: int | None = None,
+        reduction: str = "mean",
+    ) -> tuple[float, int] | None:
         """Loss of ``params`` (default: my current published model) on ``peer``'s data.
         ``purpose`` names the strategy step (``privacy/purposes.py``); it fixes the split, and
         the peer answers over at least its minimum batch, with privacy noise by default."""
 
-    async def cross_gradient(self, peer: str, params: Params | None = None, *, purpose: str,
-                             split: str | None = None, max_samples: int | None = None,
-                             reduction: str = "mean", align_with: Params | None = None) -> GradientReply | None:
+    async def cross_gradient(
+        self,
+        peer: str,
+        params: Params | None = None,
+        *,
+        purpose: str,
+        split: str | None = None,
+        max_samples: int | None = None,
+        reduction: str = "mean",
+        align_with: Params | None = None,
+    ) -> GradientReply | None:
         """Gradient of ``params`` on ``peer``'s data. With ``align_with`` the peer returns only
         ⟨its gradient, align_with⟩ and hands that value to its own strategy (COBO)."""
 
-    async def private_gradient(self, peer: str, params: Params, *, purpose: str,
-                               max_samples: int | None = None) -> Params | None:
+    async def private_gradient(
+        self, peer: str, params: Params, *, purpose: str, max_samples: int | None = None
+    ) -> Params | None:
         """Gradient of ``params`` on *my* data as it may be sent to ``peer`` (FedeRiCo's push,
         COBO's alignment vector): privatised and charged to my privacy ledger; None once my
         privacy budget is spent."""
 
-    async def push_gradient(self, peer: str, version: int, grad: Params, *,
-                            purpose: str = "federico-push") -> bool:
+    async def push_gradient(self, peer: str, version: int, grad: Params, *, purpose: str = "federico-push") -> bool:
         """Send a (weighted) gradient for ``peer``'s snapshot ``version`` (FedeRiCo M-step);
         ``grad`` must come from ``private_gradient``."""
 
@@ -152,17 +171,18 @@ class Strategy(ABC):
     defaults: ClassVar[dict[str, Any]] = {}
     choices: ClassVar[dict[str, tuple[Any, ...]]] = {}  # parameters that take one of a few values
 
-    def __init__(self, node_id: str, learner: Learner, network: PeerNetwork,
-                 params: dict[str, Any] | None = None, seed: int = 0):
+    def __init__(
+        self, node_id: str, learner: Learner, network: PeerNetwork, params: dict[str, Any] | None = None, seed: int = 0
+    ):
         unknown = set(params or {}) - set(self.defaults)
         if unknown:
-            raise ValueError(f"strategy {self.name!r}: unknown parameter(s) {sorted(unknown)}; "
-                             f"known: {sorted(self.defaults)}")
+            raise ValueError(
+                f"strategy {self.name!r}: unknown parameter(s) {sorted(unknown)}; known: {sorted(self.defaults)}"
+            )
         self.p = {**self.defaults, **(params or {})}
         for key, allowed in self.choices.items():
             if self.p[key] not in allowed:
-                raise ValueError(f"strategy {self.name!r}: {key} must be one of {list(allowed)}, "
-                                 f"not {self.p[key]!r}")
+                raise ValueError(f"strategy {self.name!r}: {key} must be one of {list(allowed)}, not {self.p[key]!r}")
         self.node_id = node_id
         self.learner = learner
         self.net = network

@@ -1,11 +1,11 @@
 """Baselines: learning alone, D-PSGD gossip averaging, and the cluster oracle."""
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import math
 from typing import Any
-
 
 from ..learning.learner import Params
 from ..offload import OFF_LOOP_BYTES
@@ -14,6 +14,7 @@ from .base import RoundReport, Strategy, gather_bounded
 
 class Local(Strategy):
     """Never communicates: the floor every collaborative strategy must beat."""
+
     name = "local"
 
     async def run_round(self, rnd: int) -> RoundReport:
@@ -42,12 +43,13 @@ class DPSGD(Strategy):
     there, at most ``sync_wait_s``, and is otherwise left out of this round. Without the bound a
     node that happens to run fast drifts rounds ahead and averages with ever older models (in a
     4-node test run: up to 10 rounds apart, and the network's gain over training alone halved)."""
+
     name = "dpsgd"
     defaults = {
-        "max_neighbours": 0,   # 0 = all alive peers
-        "max_staleness": 1,    # rounds a mixed model may lag mine; 0 = fully asynchronous
-        "sync_wait_s": 10.0,   # longest wait for a lagging peer (then this round goes without it)
-        "big_pulls": 2,        # models over 1 MiB pulled at a time (bounds the exchange's memory); 0 = all at once
+        "max_neighbours": 0,  # 0 = all alive peers
+        "max_staleness": 1,  # rounds a mixed model may lag mine; 0 = fully asynchronous
+        "sync_wait_s": 10.0,  # longest wait for a lagging peer (then this round goes without it)
+        "big_pulls": 2,  # models over 1 MiB pulled at a time (bounds the exchange's memory); 0 = all at once
     }
 
     def __init__(self, *a: Any, **kw: Any):
@@ -126,11 +128,14 @@ class DPSGD(Strategy):
 
 class Oracle(DPSGD):
     """D-PSGD restricted to the true cluster (benchmarks only: it reads the partitioner's truth)."""
+
     name = "oracle"
 
     def candidates(self) -> list[str]:
         mine = self.net.true_cluster(self.node_id)
         if mine is None and self.learner.own_data:
-            raise ValueError("oracle: this node learns from its own files, which have no true cluster; "
-                             "set labels.cluster on every node or pick another strategy")
+            raise ValueError(
+                "oracle: this node learns from its own files, which have no true cluster; "
+                "set labels.cluster on every node or pick another strategy"
+            )
         return [p for p in self.net.peers() if mine is not None and self.net.true_cluster(p) == mine]

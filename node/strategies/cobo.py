@@ -40,6 +40,7 @@ step 100, so early pair updates are dense) and then settles (Σ γ p(t) grows li
 ``schedule = "code"`` keeps the authors' shipped run instead (2/n, then 1/√t after 800 steps).
 W starts at all ones (Alg. 1 input).
 """
+
 from __future__ import annotations
 
 import math
@@ -87,29 +88,29 @@ def midpoint(a: Params, b: Params) -> Params:
 class COBO(Strategy):
     name = "cobo"
     defaults = {
-        "rho": 0.05,              # ρ consensus penalty (*code* README); keep η·ρ·degree < 1
-        "gamma": 0.01,            # γ step of the pair-weight ascent (*code* README)
-        "local_steps": None,      # *decentral*: S model steps between exchanges (paper: exchange each step);
-                                  # None = the learner's steps per round, the budget every strategy trains
-        "grad_samples": 32,       # one fresh minibatch per gradient (Alg. 1 l.4, l.13)
-        "grad_momentum": 0.9,     # *code*: g_i is a 0.9-momentum EMA of the minibatch gradients
-        "lr": 0.1,                # η of eq. 3, ALGORITHMS (COBO lr 0.1)
-        "optimizer": "learner",   # the node's optimizer on g, eq. 3's consensus pull a plain step; "sgd" =
-                                  # eq. 3 throughout at COBO's lr (the paper, bench/papers; module doc)
-        "pair_rate": None,        # constant-phase pair probability; None = 2/n (Alg. 1 l.11: 1/n per ordered pair)
-        "schedule": "mixed",      # §4 Table 1's mixed strategy (module doc); "code": 2/n then 1/√t after 800 steps
-        "total_steps": 40000,     # iterations the 0.2% refers to (the paper's cross-silo run)
-        "warm_fraction": 0.002,   # §4: constant rate for the first 0.2% of the iterations
-        "time_constant": 100.0,   # *code*: the O(1/t) rate min(1, c/(t+1)), c = 100
-        "pair_prob": None,        # override the per-exchange probability of a pair (None = derived above)
+        "rho": 0.05,  # ρ consensus penalty (*code* README); keep η·ρ·degree < 1
+        "gamma": 0.01,  # γ step of the pair-weight ascent (*code* README)
+        "local_steps": None,  # *decentral*: S model steps between exchanges (paper: exchange each step);
+        # None = the learner's steps per round, the budget every strategy trains
+        "grad_samples": 32,  # one fresh minibatch per gradient (Alg. 1 l.4, l.13)
+        "grad_momentum": 0.9,  # *code*: g_i is a 0.9-momentum EMA of the minibatch gradients
+        "lr": 0.1,  # η of eq. 3, ALGORITHMS (COBO lr 0.1)
+        "optimizer": "learner",  # the node's optimizer on g, eq. 3's consensus pull a plain step; "sgd" =
+        # eq. 3 throughout at COBO's lr (the paper, bench/papers; module doc)
+        "pair_rate": None,  # constant-phase pair probability; None = 2/n (Alg. 1 l.11: 1/n per ordered pair)
+        "schedule": "mixed",  # §4 Table 1's mixed strategy (module doc); "code": 2/n then 1/√t after 800 steps
+        "total_steps": 40000,  # iterations the 0.2% refers to (the paper's cross-silo run)
+        "warm_fraction": 0.002,  # §4: constant rate for the first 0.2% of the iterations
+        "time_constant": 100.0,  # *code*: the O(1/t) rate min(1, c/(t+1)), c = 100
+        "pair_prob": None,  # override the per-exchange probability of a pair (None = derived above)
     }
 
     choices = {"optimizer": ("learner", "sgd"), "schedule": ("mixed", "code")}
 
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
-        self._w: dict[str, float] = {}        # w_ij, starts at 1 (Alg. 1 input W⁰ = 1)
-        self._m: Params | None = None         # momentum EMA of gradients
+        self._w: dict[str, float] = {}  # w_ij, starts at 1 (Alg. 1 input W⁰ = 1)
+        self._m: Params | None = None  # momentum EMA of gradients
         self._steps = 0
         self._t = 0
         self._last_ip: dict[str, float] = {}
@@ -173,8 +174,7 @@ class COBO(Strategy):
             return None
         if scale != 1.0:
             g = C.scale(g, scale)
-        rep = await self.net.cross_gradient(peer, z, max_samples=ns, align_with=g,
-                                            purpose="cobo-alignment")
+        rep = await self.net.cross_gradient(peer, z, max_samples=ns, align_with=g, purpose="cobo-alignment")
         if rep is None or rep.inner_product is None or not math.isfinite(rep.inner_product):
             return None
         return float(rep.inner_product)
@@ -207,16 +207,19 @@ class COBO(Strategy):
             x_now = self.learner.get_params()
             if self.p["optimizer"] == "learner":
                 # eq. 3's consensus term as its own plain step, then the node's optimizer on g
-                self.learner.set_params(cobo_consensus_step(x_now, nbrs, float(self.p["lr"]),
-                                                            float(self.p["rho"])))
+                self.learner.set_params(cobo_consensus_step(x_now, nbrs, float(self.p["lr"]), float(self.p["rho"])))
                 await self.compute(self.learner.apply_gradient, g)
             else:
-                self.learner.set_params(cobo_model_step(x_now, self._m, nbrs, float(self.p["lr"]),
-                                                        float(self.p["rho"])))
+                self.learner.set_params(
+                    cobo_model_step(x_now, self._m, nbrs, float(self.p["lr"]), float(self.p["rho"]))
+                )
             self._steps += 1
         self._t += 1
-        return RoundReport(train_loss=sum(losses) / len(losses), contacted=sorted(snaps),
-                           info={"pairs": sorted(ips), "pair_prob": prob, "pair_scale": scale})
+        return RoundReport(
+            train_loss=sum(losses) / len(losses),
+            contacted=sorted(snaps),
+            info={"pairs": sorted(ips), "pair_prob": prob, "pair_scale": scale},
+        )
 
     def on_diverged(self) -> None:
         self._m = None  # the gradient EMA saw the diverged model
@@ -236,12 +239,22 @@ class COBO(Strategy):
 
     def public_state(self) -> dict[str, Any]:
         eta_rho = float(self.p["rho"])
-        return {"W": dict(self._w), "last_inner_product": dict(self._last_ip), "steps": self._steps,
-                "consensus_weight_per_unit_lr": {p: eta_rho * w for p, w in self._w.items()}}
+        return {
+            "W": dict(self._w),
+            "last_inner_product": dict(self._last_ip),
+            "steps": self._steps,
+            "consensus_weight_per_unit_lr": {p: eta_rho * w for p, w in self._w.items()},
+        }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"w": dict(self._w), "m": C.params_state(self._m), "steps": self._steps, "t": self._t,
-                "ip": dict(self._last_ip), "rng": C.rng_state(self.rng)}
+        return {
+            "w": dict(self._w),
+            "m": C.params_state(self._m),
+            "steps": self._steps,
+            "t": self._t,
+            "ip": dict(self._last_ip),
+            "rng": C.rng_state(self.rng),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._w = {str(k): float(v) for k, v in state.get("w", {}).items()}

@@ -5,10 +5,12 @@ meta-L2C and SCool-attention.
 Everything here is a pure function over tensors/arrays (or a small torch module) so the tests can
 compare each update rule against an independently written reference.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,7 +75,7 @@ def unflatten(vec: torch.Tensor, like: Params) -> Params:
     out, i = {}, 0
     for k, v in like.items():
         n = v.numel()
-        out[k] = vec[i:i + n].reshape(v.shape).to(v.dtype).clone()
+        out[k] = vec[i : i + n].reshape(v.shape).to(v.dtype).clone()
         i += n
     if i != vec.numel():
         raise ValueError(f"vector has {vec.numel()} entries, parameters need {i}")
@@ -115,8 +117,9 @@ def normalise_row(row: dict[str, float]) -> dict[str, float]:
     return {k: max(v, 0.0) / s for k, v in row.items()}
 
 
-def eps_greedy(candidates: Sequence[str], scores: dict[str, float], m: int, eps: float,
-               rng: np.random.Generator) -> list[str]:
+def eps_greedy(
+    candidates: Sequence[str], scores: dict[str, float], m: int, eps: float, rng: np.random.Generator
+) -> list[str]:
     """Pick ``m`` distinct candidates: each slot is, with probability ε, a uniformly random one of
     those left, else the best-scored one left (ties broken by id). FedFomo §3.1 / FedeRiCo §2.2."""
     left = sorted(candidates)
@@ -154,8 +157,11 @@ def top_keep(scores: dict[str, float], fraction: float, min_keep: int = 1, round
 
 
 def vec_to_wire(v: torch.Tensor | np.ndarray) -> list[float]:
-    return np.asarray(v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v,
-                      dtype=np.float32).reshape(-1).tolist()
+    return (
+        np.asarray(v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v, dtype=np.float32)
+        .reshape(-1)
+        .tolist()
+    )
 
 
 def vec_from_wire(x: Any) -> np.ndarray | None:
@@ -191,7 +197,7 @@ def layer_filters(p: Params) -> list[tuple[str, torch.Tensor]]:
         if w.dim() < 2:
             continue
         rows = w.reshape(w.shape[0], -1)
-        bias_name = name[:-len("weight")] + "bias" if name.endswith("weight") else None
+        bias_name = name[: -len("weight")] + "bias" if name.endswith("weight") else None
         if bias_name and bias_name in p and p[bias_name].shape == (w.shape[0],):
             rows = torch.cat([rows, p[bias_name].reshape(-1, 1)], dim=1)
         out.append((name, rows))
@@ -217,8 +223,7 @@ class UpdateEncoder(nn.Module):
     layer's), so the logits of in- and out-of-cluster peers ended within ~0.2 of each other and the
     softmax rows stayed near uniform before pruning (issue 23)."""
 
-    def __init__(self, spec: Params, dims: tuple[int, int] = (10, 5), seed: int = 0,
-                 normalise: bool | str = False):
+    def __init__(self, spec: Params, dims: tuple[int, int] = (10, 5), seed: int = 0, normalise: bool | str = False):
         super().__init__()
         # "filter" (True): per-filter unit norm, averaged; "layer": per-layer unit norm, summed
         self.normalise = "filter" if normalise is True else (normalise or "")
@@ -253,8 +258,7 @@ class UpdateEncoder(nn.Module):
             return torch.cat([e.reshape(-1) for e in parts]) / math.sqrt(filters)
         if self.normalise == "layer":
             # φ_l (eq. 7) scaled to unit length per layer: ⟨E_i, E_j⟩ = Σ_l cos(φ_l^i, φ_l^j) ∈ [−L, L]
-            return torch.cat([nn.functional.normalize(torch.tanh(e).reshape(-1), dim=0, eps=1e-12)
-                              for e in parts])
+            return torch.cat([nn.functional.normalize(torch.tanh(e).reshape(-1), dim=0, eps=1e-12) for e in parts])
         return torch.cat([e.reshape(-1) for e in parts])
 
     def get_vector(self) -> torch.Tensor:
@@ -266,7 +270,7 @@ class UpdateEncoder(nn.Module):
         with torch.no_grad():
             for q in self.parameters():
                 n = q.numel()
-                q.copy_(v[i:i + n].reshape(q.shape))
+                q.copy_(v[i : i + n].reshape(q.shape))
                 i += n
 
     def num_params(self) -> int:
@@ -298,19 +302,24 @@ def attention_logits(encoder: UpdateEncoder, mine: Params, others: Sequence[Para
 
 def rng_state(rng: np.random.Generator) -> dict[str, Any]:
     st = rng.bit_generator.state
-    return {"bit_generator": st["bit_generator"],
-            "state": {k: str(v) for k, v in st["state"].items()},
-            "has_uint32": int(st.get("has_uint32", 0)), "uinteger": int(st.get("uinteger", 0))}
+    return {
+        "bit_generator": st["bit_generator"],
+        "state": {k: str(v) for k, v in st["state"].items()},
+        "has_uint32": int(st.get("has_uint32", 0)),
+        "uinteger": int(st.get("uinteger", 0)),
+    }
 
 
 def set_rng_state(rng: np.random.Generator, st: dict[str, Any] | None) -> None:
     if not st:
         return
     try:
-        rng.bit_generator.state = {"bit_generator": st["bit_generator"],
-                                   "state": {k: int(v) for k, v in st["state"].items()},
-                                   "has_uint32": int(st.get("has_uint32", 0)),
-                                   "uinteger": int(st.get("uinteger", 0))}
+        rng.bit_generator.state = {
+            "bit_generator": st["bit_generator"],
+            "state": {k: int(v) for k, v in st["state"].items()},
+            "has_uint32": int(st.get("has_uint32", 0)),
+            "uinteger": int(st.get("uinteger", 0)),
+        }
     except (KeyError, TypeError, ValueError):
         pass  # a state from another generator: keep the seeded one
 
@@ -361,8 +370,10 @@ def set_encoder_pending(encoder: UpdateEncoder, x: Any) -> None:
 def optimizer_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """A torch optimizer's per-parameter state (Adam moments and step counts), for state_dict:
     resuming without it restarts Adam's bias correction, i.e. lr-sized steps on every parameter."""
-    return {str(k): {n: (v.detach().clone() if torch.is_tensor(v) else v) for n, v in st.items()}
-            for k, st in opt.state_dict()["state"].items()}
+    return {
+        str(k): {n: (v.detach().clone() if torch.is_tensor(v) else v) for n, v in st.items()}
+        for k, st in opt.state_dict()["state"].items()
+    }
 
 
 def load_optimizer_state(opt: torch.optim.Optimizer, state: dict[str, Any] | None) -> None:
@@ -371,8 +382,10 @@ def load_optimizer_state(opt: torch.optim.Optimizer, state: dict[str, Any] | Non
         return
     sd = opt.state_dict()
     try:
-        sd["state"] = {int(k): {n: (torch.as_tensor(v).clone() if not isinstance(v, (int, float)) else v)
-                                for n, v in st.items()} for k, st in state.items()}
+        sd["state"] = {
+            int(k): {n: (torch.as_tensor(v).clone() if not isinstance(v, (int, float)) else v) for n, v in st.items()}
+            for k, st in state.items()
+        }
         opt.load_state_dict(sd)
     except (ValueError, KeyError, TypeError, RuntimeError):
         return
@@ -397,9 +410,15 @@ def encoder_average(encoder: UpdateEncoder, replies: Iterable[dict[str, Any] | N
 # --------------------------------------------------------------------------------------------
 
 
-def adam_scalars(x: dict[str, float], grad: dict[str, float], state: dict[str, list[float]], lr: float,
-                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8) -> dict[str, float]:
+def adam_scalars(
+    x: dict[str, float],
+    grad: dict[str, float],
+    state: dict[str, list[float]],
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> dict[str, float]:
     """One torch.optim.Adam step (L2 weight decay added to the gradient) for each entry of
     ``grad``; ``state[k] = [m, v, t]`` is updated in place."""
     out = dict(x)

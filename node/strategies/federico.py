@@ -82,6 +82,7 @@ Settled open choices (see ``defaults``):
   Mixing over the sampled peers only, not every cached one, keeps the early rounds' weights
   (before the clusters show) from averaging across clusters: 65.2% against 60.5% on S1 seed 0.
 """
+
 from __future__ import annotations
 
 import math
@@ -96,8 +97,9 @@ from .base import RoundReport, Strategy, gather_bounded
 # --- the update rule as pure functions ---
 
 
-def federico_ema(L_hat: dict[str, float], last_loss: dict[str, float], sampled: dict[str, float],
-                 beta: float) -> tuple[dict[str, float], dict[str, float]]:
+def federico_ema(
+    L_hat: dict[str, float], last_loss: dict[str, float], sampled: dict[str, float], beta: float
+) -> tuple[dict[str, float], dict[str, float]]:
     """Alg. 1 l.11-14: ℓ_ij^t = ℓ_ij^{t-1} for every j ("keep the loss from previous round"), the
     sampled ones replaced by their fresh loss; then L̂_ij ← (1−β) L̂_ij + β ℓ_ij for *every* j
     (ℓ_ij = 0 until j is first sampled, l.3). Returns (L̂, ℓ)."""
@@ -131,34 +133,38 @@ def federico_combine(own_grad: Params, w_self: float, received: list[Params]) ->
 class FedeRiCo(Strategy):
     name = "federico"
     defaults = {
-        "num_neighbours": 3,      # M sampled per round, FedeRiCo §3.1/App. D (M = 3 default)
-        "eps": 0.3,               # ε-greedy sampling probability, FedeRiCo §2.2 / App. D (ε = 0.3)
-        "beta": 0.6,              # EMA momentum of tracked losses, FedeRiCo §2.2, Fig. 6c/7 (β = 0.6)
+        "num_neighbours": 3,  # M sampled per round, FedeRiCo §3.1/App. D (M = 3 default)
+        "eps": 0.3,  # ε-greedy sampling probability, FedeRiCo §2.2 / App. D (ε = 0.3)
+        "beta": 0.6,  # EMA momentum of tracked losses, FedeRiCo §2.2, Fig. 6c/7 (β = 0.6)
         "loss_reduction": "mean",  # ℓ_ij: eq. 3 sums over samples (= temperature 1/n_i); settled: mean (module doc)
-        "temperature": 1.0,       # w = softmax(−L̂/T); eq. 3 has T = 1 (with the summed loss)
-        "loss_samples": None,     # None = whole local train split (eq. 3: Σ_{s=1}^{n_i})
-        "loss_split": "train",    # ℓ_ij on the local data D_i (eq. 3)
-        "grad_samples": 32,       # minibatch for the pushed/own gradients (stochastic M-step, Thm 2.1)
-        "local_steps": None,      # M-step steps per round; None = the learner's per round (Alg. 1 l.18: one, "could also do multiple")
-        "max_staleness": 2,       # *decentral*: drop pushed gradients > this many versions old
+        "temperature": 1.0,  # w = softmax(−L̂/T); eq. 3 has T = 1 (with the summed loss)
+        "loss_samples": None,  # None = whole local train split (eq. 3: Σ_{s=1}^{n_i})
+        "loss_split": "train",  # ℓ_ij on the local data D_i (eq. 3)
+        "grad_samples": 32,  # minibatch for the pushed/own gradients (stochastic M-step, Thm 2.1)
+        "local_steps": None,  # M-step steps per round; None = the learner's per round (Alg. 1 l.18: one, "could also do multiple")
+        "max_staleness": 2,  # *decentral*: drop pushed gradients > this many versions old
         "mixture_min_weight": 1e-3,  # skip negligible mixture members at prediction (speed only)
-        "own_loss": "prior",      # ℓ_ii: "prior" = Alg. 1 literal (stays 0); "track" = my model's loss each round (module doc)
-        "untried": "skip",        # no weight before a loss is measured, L̂ starts there; "optimistic" = Alg. 1 l.3 (L̂ = 0)
-        "max_pushes": None,       # *decentral*: pushes applied per round (None = one per known peer)
+        "own_loss": "prior",  # ℓ_ii: "prior" = Alg. 1 literal (stays 0); "track" = my model's loss each round (module doc)
+        "untried": "skip",  # no weight before a loss is measured, L̂ starts there; "optimistic" = Alg. 1 l.3 (L̂ = 0)
+        "max_pushes": None,  # *decentral*: pushes applied per round (None = one per known peer)
         "push_norm_factor": 2.0,  # *decentral*: a push is clipped to this × ‖my own gradient‖ (module doc)
-        "peer_term": "auto",      # "push" = Alg. 1 l.19-24; "model" = from published models, no release; auto: push unless DP-noised (module doc)
+        "peer_term": "auto",  # "push" = Alg. 1 l.19-24; "model" = from published models, no release; auto: push unless DP-noised (module doc)
     }
 
-    choices = {"peer_term": ("auto", "push", "model"), "own_loss": ("prior", "track"),
-               "untried": ("skip", "optimistic"), "loss_reduction": ("mean", "sum")}
+    choices = {
+        "peer_term": ("auto", "push", "model"),
+        "own_loss": ("prior", "track"),
+        "untried": ("skip", "optimistic"),
+        "loss_reduction": ("mean", "sum"),
+    }
 
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
-        self._L: dict[str, float] = {}       # L̂_ij, starts at 0 (Alg. 1 l.3)
-        self._loss: dict[str, float] = {}    # ℓ_ij: the last loss seen of every j (Alg. 1 l.11)
-        self._w: dict[str, float] = {}       # starts at 1/K (Alg. 1 l.3)
+        self._L: dict[str, float] = {}  # L̂_ij, starts at 0 (Alg. 1 l.3)
+        self._loss: dict[str, float] = {}  # ℓ_ij: the last loss seen of every j (Alg. 1 l.11)
+        self._w: dict[str, float] = {}  # starts at 1/K (Alg. 1 l.3)
         self._unanswered: set[str] = set()  # sampled, but no snapshot came back: no weight until one does
-        self._seen: set[str] = set()        # nodes with a measured loss (evidence); the others get no weight
+        self._seen: set[str] = set()  # nodes with a measured loss (evidence); the others get no weight
         self._max_version = -1
         self._applied = 0
         self._dropped = 0
@@ -183,8 +189,9 @@ class FedeRiCo(Strategy):
         """The E-step over the nodes with evidence: every known node but the unanswered (and, with
         ``untried = "skip"``, those never measured)."""
         known = self._seen | ({self.node_id} if self.p["own_loss"] == "prior" else set())  # prior: ℓ_ii = 0 is known
-        live = {k: v for k, v in self._L.items() if k not in self._unanswered
-                and (k in known or not self._skip_untried())}
+        live = {
+            k: v for k, v in self._L.items() if k not in self._unanswered and (k in known or not self._skip_untried())
+        }
         if not live:  # nothing measured yet: keep my own model
             live = {self.node_id: self._L.get(self.node_id, 0.0)}
         w = federico_weights(live, float(self.p["temperature"]))
@@ -228,22 +235,34 @@ class FedeRiCo(Strategy):
         # M-step, sender side (l.17-19): push w_ib ∇ loss(θ_b; my data) to each sampled b
 
         # my data's gradient leaves this node: released privately, None once my budget is spent
-        grads = await gather_bounded({p: self.net.private_gradient(p, s.params, purpose="federico-push",
-                                                                   max_samples=gs)
-                                      for p, s in snaps.items()})
-        pushed = await gather_bounded({
-            p: self.net.push_gradient(p, snaps[p].version, C.scale(g, self._w.get(p, 0.0)),
-                                      purpose="federico-push")
-            for p, g in grads.items()})
+        grads = await gather_bounded(
+            {
+                p: self.net.private_gradient(p, s.params, purpose="federico-push", max_samples=gs)
+                for p, s in snaps.items()
+            }
+        )
+        pushed = await gather_bounded(
+            {
+                p: self.net.push_gradient(p, snaps[p].version, C.scale(g, self._w.get(p, 0.0)), purpose="federico-push")
+                for p, g in grads.items()
+            }
+        )
 
         # M-step, receiver side (l.21-24): own weighted gradient + what peers pushed to me, in
         # every step (module doc), the pushes bounded (one per peer, clipped, at most max_pushes)
         received = self._accept(self.net.drain_pushed(), own)
         w_self = self._w.get(self.node_id, 0.0)
         train_losses = await self._m_steps(gs, w_self, received)
-        return RoundReport(train_loss=float(np.mean(train_losses)), contacted=sorted(snaps),
-                           info={"peer_term": "push", "pushed": sorted(k for k, ok in pushed.items() if ok),
-                                 "received": len(received), "w_self": w_self})
+        return RoundReport(
+            train_loss=float(np.mean(train_losses)),
+            contacted=sorted(snaps),
+            info={
+                "peer_term": "push",
+                "pushed": sorted(k for k, ok in pushed.items() if ok),
+                "received": len(received),
+                "w_self": w_self,
+            },
+        )
 
     async def _m_steps(self, gs: int | None, w_self: float, received: list[Params]) -> list[float]:
         """The round's M-step gradient steps (Alg. 1 l.24): w_ii ∇ℓ_i(θ_i) + the pushes received,
@@ -276,9 +295,16 @@ class FedeRiCo(Strategy):
         self._dropped += ignored
         # my own gradient at full weight: the mixing step has already weighed me against my peers
         train_losses = await self._m_steps(gs, 1.0, [])
-        return RoundReport(train_loss=float(np.mean(train_losses)), contacted=sorted(snaps),
-                           info={"peer_term": "model", "mixed": sum(1 for w, _ in members if w > 0),
-                                 "received": ignored, "w_self": w_self})
+        return RoundReport(
+            train_loss=float(np.mean(train_losses)),
+            contacted=sorted(snaps),
+            info={
+                "peer_term": "model",
+                "mixed": sum(1 for w, _ in members if w > 0),
+                "received": ignored,
+                "w_self": w_self,
+            },
+        )
 
     def _accept(self, items: list, like: Params) -> list[Params]:
         """The round's pushes worth applying: fresh enough, the right shapes, and only the newest
@@ -328,7 +354,8 @@ class FedeRiCo(Strategy):
         """Mixture prediction Σ_j w_ij p(y|x; θ_j) with cached peer models (§2.1)."""
         own = self.learner.evaluate("test")
         members: list[tuple[str, float, Params]] = [
-            (self.node_id, self._w.get(self.node_id, 1.0), self.learner.get_params())]
+            (self.node_id, self._w.get(self.node_id, 1.0), self.learner.get_params())
+        ]
         for p, w in self._w.items():
             if p == self.node_id or w < float(self.p["mixture_min_weight"]):
                 continue
@@ -354,14 +381,26 @@ class FedeRiCo(Strategy):
         return list(self._prediction) if self._prediction else None
 
     def public_state(self) -> dict[str, Any]:
-        return {"ema_loss": dict(self._L), "last_loss": dict(self._loss), "weights": dict(self._w),
-                "pushed_applied": self._applied, "pushed_dropped": self._dropped,
-                "peer_term": self._peer_term()}
+        return {
+            "ema_loss": dict(self._L),
+            "last_loss": dict(self._loss),
+            "weights": dict(self._w),
+            "pushed_applied": self._applied,
+            "pushed_dropped": self._dropped,
+            "peer_term": self._peer_term(),
+        }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"L": dict(self._L), "loss": dict(self._loss), "w": dict(self._w), "seen": sorted(self._seen),
-                "max_version": self._max_version, "applied": self._applied, "dropped": self._dropped,
-                "rng": C.rng_state(self.rng)}
+        return {
+            "L": dict(self._L),
+            "loss": dict(self._loss),
+            "w": dict(self._w),
+            "seen": sorted(self._seen),
+            "max_version": self._max_version,
+            "applied": self._applied,
+            "dropped": self._dropped,
+            "rng": C.rng_state(self.rng),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._L = {str(k): float(v) for k, v in state.get("L", {}).items()}

@@ -30,6 +30,7 @@ training overfits the validation split), so the row logged in history and result
 shaped the model. The affinity P (what the paper's Fig. 2 plots, ``client_weights`` in the authors'
 ``federation.py``) is ``public_state()["affinity"]``.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -41,8 +42,9 @@ from .base import RoundReport, Strategy, gather_bounded
 # --- the update rule as pure functions (tested against hand-computed references) ---
 
 
-def fomo_deltas(base_loss: float, cand_losses: dict[str, float], dists: dict[str, float],
-                min_dist: float = 1e-12) -> dict[str, float]:
+def fomo_deltas(
+    base_loss: float, cand_losses: dict[str, float], dists: dict[str, float], min_dist: float = 1e-12
+) -> dict[str, float]:
     """δ_n = (L(θ_base) − L(θ_n)) / ‖θ_n − θ_base‖ (eq. 3); a candidate at (numerically) zero
     distance from the base carries no information: δ_n = 0 (guard against 0/0)."""
     out = {}
@@ -83,13 +85,13 @@ def fomo_affinity(p_row: dict[str, float], deltas: dict[str, float], normalise: 
 class FedFomo(Strategy):
     name = "fedfomo"
     defaults = {
-        "num_models": 5,          # M: models downloaded per round, FedFomo App. A.3 (n = 5), §4 ablation
-        "eps": 0.3,               # ε-greedy exploration, FedFomo §3.1 / App. A.3 (ε = 0.3)
-        "eps_decay": 0.05,        # App. A.3: "ε = 0.3 with 0.05 decay each round" (subtracted per round)
-        "eps_min": 0.0,           # floor of the decayed ε (decay stops at pure top-M)
-        "distance": "l1",         # ‖θ_n − θ_base‖ in eq. 3; *code* uses the L1 norm ("l2" available)
+        "num_models": 5,  # M: models downloaded per round, FedFomo App. A.3 (n = 5), §4 ablation
+        "eps": 0.3,  # ε-greedy exploration, FedFomo §3.1 / App. A.3 (ε = 0.3)
+        "eps_decay": 0.05,  # App. A.3: "ε = 0.3 with 0.05 decay each round" (subtracted per round)
+        "eps_min": 0.0,  # floor of the decayed ε (decay stops at pure top-M)
+        "distance": "l1",  # ‖θ_n − θ_base‖ in eq. 3; *code* uses the L1 norm ("l2" available)
         "normalise_affinity": True,  # *code*: P += δ/|Σδ| (paper §3.1: P += w)
-        "val_samples": None,      # None = whole validation split (eq. 3 uses L_i on D_i^val, §3.1)
+        "val_samples": None,  # None = whole validation split (eq. 3 uses L_i on D_i^val, §3.1)
         "early_stop": "continue",  # ours: train on from the live model after an early stop (module doc)
     }
     choices = {"distance": ("l1", "l2"), "early_stop": ("continue", "restore")}
@@ -149,8 +151,11 @@ class FedFomo(Strategy):
         self._w.setdefault(self.node_id, 0.0)
         self._t += 1
         res = await self.compute(self.learner.train)
-        return RoundReport(train_loss=res.loss, contacted=sorted(snaps),
-                           info={"eps": eps, "base_val_loss": base_loss, "kept_base": kept_base})
+        return RoundReport(
+            train_loss=res.loss,
+            contacted=sorted(snaps),
+            info={"eps": eps, "base_val_loss": base_loss, "kept_base": kept_base},
+        )
 
     def weights(self) -> dict[str, float]:
         """The weights the last federated update used: w*_n of eq. 3/13 over me and the models I
@@ -164,12 +169,23 @@ class FedFomo(Strategy):
         return row if any(v > 0 for v in row.values()) else {self.node_id: 1.0}
 
     def public_state(self) -> dict[str, Any]:
-        return {"affinity": dict(self._P), "eps": self._eps(), "last_delta": dict(self._delta),
-                "last_w": dict(self._w), "rounds": self._t}
+        return {
+            "affinity": dict(self._P),
+            "eps": self._eps(),
+            "last_delta": dict(self._delta),
+            "last_w": dict(self._w),
+            "rounds": self._t,
+        }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"t": self._t, "P": dict(self._P), "w": dict(self._w), "delta": dict(self._delta),
-                "base": C.params_state(self._base), "rng": C.rng_state(self.rng)}
+        return {
+            "t": self._t,
+            "P": dict(self._P),
+            "w": dict(self._w),
+            "delta": dict(self._delta),
+            "base": C.params_state(self._base),
+            "rng": C.rng_state(self.rng),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._t = int(state.get("t", 0))

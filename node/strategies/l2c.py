@@ -24,6 +24,7 @@ The live (published, evaluated) model at the end of round r is θ_i^{r+½}. A pe
 missing this round is left out of the softmax for the round (its α is kept). ``sync_wait_s = 0``
 (or ``round_aligned = False``) gives the earlier asynchronous variant: whatever snapshot is there.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -53,15 +54,15 @@ def l2c_alpha_grad(alpha: np.ndarray, g_val: Params, deltas: list[Params]) -> np
 class L2C(Strategy):
     name = "l2c"
     defaults = {
-        "lr": 0.1,                # Adam learning rate for α / the encoder, L2C §4 ("Adam lr 0.1")
-        "weight_decay": 0.01,     # Adam weight decay, L2C §4
-        "alpha_steps": 1,         # gradient steps on α per round, Alg. 1 l.18 (one)
-        "val_samples": None,      # None = whole D_i^val for L^val (eq. 3)
-        "prune_round": 10,        # T0 = 10, L2C §4
-        "prune_fraction": 0.9,    # K0: remove 90% of neighbours at T0, L2C §4 (self always kept)
-        "max_neighbours": 0,      # 0 = every alive peer is a neighbour until pruning
-        "round_aligned": True,    # Alg. 1 is synchronous: mix the neighbours' Δθ of my iteration
-        "sync_wait_s": 30.0,      # longest wait for a neighbour to publish that round (then without it)
+        "lr": 0.1,  # Adam learning rate for α / the encoder, L2C §4 ("Adam lr 0.1")
+        "weight_decay": 0.01,  # Adam weight decay, L2C §4
+        "alpha_steps": 1,  # gradient steps on α per round, Alg. 1 l.18 (one)
+        "val_samples": None,  # None = whole D_i^val for L^val (eq. 3)
+        "prune_round": 10,  # T0 = 10, L2C §4
+        "prune_fraction": 0.9,  # K0: remove 90% of neighbours at T0, L2C §4 (self always kept)
+        "max_neighbours": 0,  # 0 = every alive peer is a neighbour until pruning
+        "round_aligned": True,  # Alg. 1 is synchronous: mix the neighbours' Δθ of my iteration
+        "sync_wait_s": 30.0,  # longest wait for a neighbour to publish that round (then without it)
     }
 
     def __init__(self, *a: Any, **kw: Any):
@@ -72,12 +73,12 @@ class L2C(Strategy):
         self._row: dict[str, float] = {self.node_id: 1.0}
         self._kept: list[str] | None = None
         self._delta: Params | None = None
-        self._base: Params | None = None   # θ_i^t: the model my last local steps started from
-        self._delta_round = 0              # the round whose local steps gave Δθ_i (= my published round)
+        self._base: Params | None = None  # θ_i^t: the model my last local steps started from
+        self._delta_round = 0  # the round whose local steps gave Δθ_i (= my published round)
         self.theta0 = self.learner.get_params()
         self._update: Params | None = None
         self._val_loss: float | None = None
-        self._aligned = 0                  # this round: neighbours whose Δθ was of my iteration
+        self._aligned = 0  # this round: neighbours whose Δθ was of my iteration
 
     # --- neighbours ---
     def neighbours(self) -> list[str]:
@@ -101,8 +102,7 @@ class L2C(Strategy):
     def _usable(self, snaps: dict, like: Params) -> list[str]:
         return [p for p, s in snaps.items() if C.same_shapes(s.extras.get("delta", {}), like)]
 
-    async def _weights_and_learn(self, theta: Params, ids: list[str], deltas: list[Params],
-                                 snaps: dict) -> np.ndarray:
+    async def _weights_and_learn(self, theta: Params, ids: list[str], deltas: list[Params], snaps: dict) -> np.ndarray:
         for p in ids:
             self._alpha.setdefault(p, 0.0)
         alpha = np.array([self._alpha[p] for p in ids])
@@ -114,8 +114,13 @@ class L2C(Strategy):
             g, r = await self.compute(self.learner.gradient, theta_next, "val", self.p["val_samples"])
             self._val_loss = r.loss
             grad = l2c_alpha_grad(alpha, g, deltas)
-            self._alpha = C.adam_scalars(self._alpha, dict(zip(ids, grad.tolist(), strict=True)), self._adam,
-                                         float(self.p["lr"]), float(self.p["weight_decay"]))
+            self._alpha = C.adam_scalars(
+                self._alpha,
+                dict(zip(ids, grad.tolist(), strict=True)),
+                self._adam,
+                float(self.p["lr"]),
+                float(self.p["weight_decay"]),
+            )
             alpha = np.array([self._alpha[p] for p in ids])
         return w
 
@@ -150,16 +155,21 @@ class L2C(Strategy):
             if self._kept is None and self._t >= int(self.p["prune_round"]) > 0:
                 scores = self._prune_scores(ids, w)
                 self._kept = C.top_keep(scores, 1.0 - float(self.p["prune_fraction"]))
-            info = {"val_loss_after": self._val_loss, "mixed": len(ids) - 1,
-                    "same_round": self._aligned, "of_round": self._delta_round}
+            info = {
+                "val_loss_after": self._val_loss,
+                "mixed": len(ids) - 1,
+                "same_round": self._aligned,
+                "of_round": self._delta_round,
+            }
         # local steps of this round's iteration (Alg. 1 l.6-11); published: Δθ^r, û^r
         theta = self.learner.get_params()
         res = await self.compute(self.learner.train)
         half = self.learner.get_params()
         self._base, self._delta, self._delta_round = theta, C.sub(theta, half), rnd
         self._update = C.sub(half, self.theta0)
-        return RoundReport(train_loss=res.loss, contacted=sorted(snaps),
-                           info={**info, "pruned": self._kept is not None})
+        return RoundReport(
+            train_loss=res.loss, contacted=sorted(snaps), info={**info, "pruned": self._kept is not None}
+        )
 
     def weights(self) -> dict[str, float]:
         """L2C: softmax(α) over self and every neighbour seen (kept ones after pruning)."""
@@ -168,15 +178,29 @@ class L2C(Strategy):
         return {p: float(v) for p, v in zip(ids, w, strict=True)}
 
     def public_state(self) -> dict[str, Any]:
-        return {"alpha": dict(self._alpha), "last_row": dict(self._row), "kept": self._kept,
-                "val_loss_after": self._val_loss, "rounds": self._t}
+        return {
+            "alpha": dict(self._alpha),
+            "last_row": dict(self._row),
+            "kept": self._kept,
+            "val_loss_after": self._val_loss,
+            "rounds": self._t,
+        }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"t": self._t, "alpha": dict(self._alpha), "adam": {k: list(v) for k, v in self._adam.items()},
-                "row": dict(self._row), "kept": self._kept, "delta": C.params_state(self._delta),
-                "base": C.params_state(self._base), "delta_round": self._delta_round,
-                "update": C.params_state(self._update), "theta0": C.params_state(self.theta0),
-                "val_loss": self._val_loss, "rng": C.rng_state(self.rng)}
+        return {
+            "t": self._t,
+            "alpha": dict(self._alpha),
+            "adam": {k: list(v) for k, v in self._adam.items()},
+            "row": dict(self._row),
+            "kept": self._kept,
+            "delta": C.params_state(self._delta),
+            "base": C.params_state(self._base),
+            "delta_round": self._delta_round,
+            "update": C.params_state(self._update),
+            "theta0": C.params_state(self.theta0),
+            "val_loss": self._val_loss,
+            "rng": C.rng_state(self.rng),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._t = int(state.get("t", 0))
@@ -205,32 +229,36 @@ class MetaL2C(L2C):
     (in-cluster share 0.21 at T0 on S1, chance 0.18; issue 23). And pruning at T0 ranks the
     peers by their mean weight over the rounds so far (``prune_on = "mean"``), not by the last
     row alone, which is one noisy draw (L2C's own pruning ranks α, itself an accumulation)."""
+
     name = "meta-l2c"
     defaults = {
         **L2C.defaults,
         "encoder_dims": [10, 5],  # L2C §4: E_l two FC layers, output dims (10, 5), per filter (eq. 7)
-        "encoder_seed": 0,        # *decentral*: common encoder init, like the models' θ⁰
+        "encoder_seed": 0,  # *decentral*: common encoder init, like the models' θ⁰
         "attention": "layer-cosine",  # Σ over layers of cos(φ_l^i, φ_l^j) (UpdateEncoder "layer");
-                                      # "cosine" = the SCool *code*'s per-filter average; "dot" = eq. 5/26
-        "prune_on": "mean",       # rank peers at T0 by their mean row weight; "last" = the last row
+        # "cosine" = the SCool *code*'s per-filter average; "dot" = eq. 5/26
+        "prune_on": "mean",  # rank peers at T0 by their mean row weight; "last" = the last row
     }
 
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
         d = self.p["encoder_dims"]
-        self.encoder = C.UpdateEncoder(self.theta0, (int(d[0]), int(d[1])), int(self.p["encoder_seed"]),
-                                       normalise=C.encoder_norm(self.p["attention"], self.name))
+        self.encoder = C.UpdateEncoder(
+            self.theta0,
+            (int(d[0]), int(d[1])),
+            int(self.p["encoder_seed"]),
+            normalise=C.encoder_norm(self.p["attention"], self.name),
+        )
         self._row_sum: dict[str, float] = {}  # Σ over rounds of each peer's row weight
-        self._row_cnt: dict[str, int] = {}    # rounds in which it was in the row
-        self.opt = torch.optim.Adam(self.encoder.parameters(), lr=float(self.p["lr"]),
-                                    weight_decay=float(self.p["weight_decay"]))
+        self._row_cnt: dict[str, int] = {}  # rounds in which it was in the row
+        self.opt = torch.optim.Adam(
+            self.encoder.parameters(), lr=float(self.p["lr"]), weight_decay=float(self.p["weight_decay"])
+        )
 
     def _usable(self, snaps: dict, like: Params) -> list[str]:
-        return [p for p in super()._usable(snaps, like)
-                if C.same_shapes(snaps[p].extras.get("update", {}), like)]
+        return [p for p in super()._usable(snaps, like) if C.same_shapes(snaps[p].extras.get("update", {}), like)]
 
-    async def _weights_and_learn(self, theta: Params, ids: list[str], deltas: list[Params],
-                                 snaps: dict) -> np.ndarray:
+    async def _weights_and_learn(self, theta: Params, ids: list[str], deltas: list[Params], snaps: dict) -> np.ndarray:
         ups = [snaps[p].extras["update"] for p in ids[1:]]
         update = self._update
         assert update is not None  # this round's local steps set it before the weights are learned
@@ -254,6 +282,7 @@ class MetaL2C(L2C):
         if not steps:
             self._val_loss = (await self.compute(self.learner.loss, new, "val", self.p["val_samples"])).loss
         for _ in range(steps):
+
             def step() -> float:
                 lg = logits()
                 wt = torch.softmax(lg, 0)
@@ -265,9 +294,11 @@ class MetaL2C(L2C):
                 (wt * c).sum().backward()
                 self.opt.step()
                 return r.loss
+
             self._val_loss = await self.compute(step)
-        replies = await gather_bounded({q: self.net.gossip(q, "encoder", {"vec": C.vec_to_wire(C.encoder_current(self.encoder))})
-                                        for q in snaps})
+        replies = await gather_bounded(
+            {q: self.net.gossip(q, "encoder", {"vec": C.vec_to_wire(C.encoder_current(self.encoder))}) for q in snaps}
+        )
         C.encoder_average(self.encoder, replies.values())
         return w
 
@@ -295,10 +326,14 @@ class MetaL2C(L2C):
         return st
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "row_sum": dict(self._row_sum), "row_cnt": dict(self._row_cnt),
-                "encoder": C.vec_to_wire(self.encoder.get_vector()),
-                "encoder_pending": C.encoder_pending_state(self.encoder),
-                "encoder_opt": C.optimizer_state(self.opt)}
+        return {
+            **super().state_dict(),
+            "row_sum": dict(self._row_sum),
+            "row_cnt": dict(self._row_cnt),
+            "encoder": C.vec_to_wire(self.encoder.get_vector()),
+            "encoder_pending": C.encoder_pending_state(self.encoder),
+            "encoder_opt": C.optimizer_state(self.opt),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

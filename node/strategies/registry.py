@@ -10,20 +10,29 @@ A factory is called as the class would be, ``factory(node_id, learner, network, 
 and must return a ``Strategy``. Built-in names take precedence over an entry point of the same
 name; ``register_strategy`` adds one in-process (tests, notebooks).
 """
+
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .base import Strategy
 
 GROUP = "coterie.strategies"
 
 _MODULES = {
-    "local": "baselines", "dpsgd": "baselines", "oracle": "baselines",
-    "fedfomo": "fedfomo", "federico": "federico", "cobo": "cobo",
-    "l2c": "l2c", "meta-l2c": "l2c", "scool-sbm": "scool", "scool-attention": "scool",
+    "local": "baselines",
+    "dpsgd": "baselines",
+    "oracle": "baselines",
+    "fedfomo": "fedfomo",
+    "federico": "federico",
+    "cobo": "cobo",
+    "l2c": "l2c",
+    "meta-l2c": "l2c",
+    "scool-sbm": "scool",
+    "scool-attention": "scool",
 }
 
 StrategyFactory = Callable[..., Strategy]  # (node_id, learner, network, params, seed=...) -> Strategy
@@ -60,8 +69,10 @@ def register_strategy(name: str, factory: StrategyFactory) -> None:
 
 def _unknown(name: str) -> StrategyError:
     extra = sorted(set(_REGISTERED) | set(installed()))
-    return StrategyError(f"unknown strategy {name!r}; built in: {', '.join(builtin())}; installed "
-                         f"({GROUP} entry points): {', '.join(extra) if extra else 'none'}")
+    return StrategyError(
+        f"unknown strategy {name!r}; built in: {', '.join(builtin())}; installed "
+        f"({GROUP} entry points): {', '.join(extra) if extra else 'none'}"
+    )
 
 
 def _builtin(name: str) -> type[Strategy]:
@@ -76,22 +87,28 @@ def _checked(name: str, obj: Any, where: str) -> StrategyFactory:
     """A Strategy subclass as it is; a plain callable wrapped so its result is checked."""
     if isinstance(obj, type):
         if not issubclass(obj, Strategy):
-            raise StrategyError(f"strategy {name!r} ({where}) is the class {obj.__module__}."
-                                f"{obj.__qualname__}, which is not a coterie Strategy subclass")
+            raise StrategyError(
+                f"strategy {name!r} ({where}) is the class {obj.__module__}."
+                f"{obj.__qualname__}, which is not a coterie Strategy subclass"
+            )
         if obj.__abstractmethods__:
-            raise StrategyError(f"strategy {name!r} ({where}) does not implement "
-                                f"{', '.join(sorted(obj.__abstractmethods__))}")
+            raise StrategyError(
+                f"strategy {name!r} ({where}) does not implement {', '.join(sorted(obj.__abstractmethods__))}"
+            )
         return obj
     if not callable(obj):
-        raise StrategyError(f"strategy {name!r} ({where}) is a {type(obj).__name__}, neither a "
-                            "Strategy subclass nor a factory")
+        raise StrategyError(
+            f"strategy {name!r} ({where}) is a {type(obj).__name__}, neither a Strategy subclass nor a factory"
+        )
 
     def factory(*args: Any, **kwargs: Any) -> Strategy:
         s = obj(*args, **kwargs)
         if not isinstance(s, Strategy):
-            raise StrategyError(f"strategy factory {name!r} ({where}) returned "
-                                f"{type(s).__name__}, not a coterie Strategy")
+            raise StrategyError(
+                f"strategy factory {name!r} ({where}) returned {type(s).__name__}, not a coterie Strategy"
+            )
         return s
+
     factory.__name__ = getattr(obj, "__name__", name)
     return factory
 
@@ -112,8 +129,7 @@ def get_strategy(name: str) -> StrategyFactory:
     try:
         obj = ep.load()
     except Exception as e:  # ImportError, AttributeError, or whatever the plugin module raises
-        raise StrategyError(f"strategy {name!r}: {where} failed to load: "
-                            f"{type(e).__name__}: {e}") from e
+        raise StrategyError(f"strategy {name!r}: {where} failed to load: {type(e).__name__}: {e}") from e
     return _checked(name, obj, where)
 
 

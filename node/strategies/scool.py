@@ -41,6 +41,7 @@ peers it gossips Ω with, so the sum of the estimates always equals the sum of t
 λ θ_i is left to the learner's weight decay, and the attention M-step term −Σ w_ij ∇θ log p_ij
 of eq. 30 is not applied to θ.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -62,9 +63,15 @@ def sbm_edge_logit(y_ij: float, omega_i: np.ndarray, omega_j: np.ndarray, B: np.
     return float(y_ij + omega_i @ (np.log(B) - np.log1p(-B)) @ omega_j)
 
 
-def sbm_estep_node(Y: dict[str, float], omega_i: np.ndarray, omegas: dict[str, np.ndarray],
-                   w_in: dict[str, float], B: np.ndarray, alpha: np.ndarray, tau: float = 1.0
-                   ) -> tuple[dict[str, float], np.ndarray, np.ndarray]:
+def sbm_estep_node(
+    Y: dict[str, float],
+    omega_i: np.ndarray,
+    omegas: dict[str, np.ndarray],
+    w_in: dict[str, float],
+    B: np.ndarray,
+    alpha: np.ndarray,
+    tau: float = 1.0,
+) -> tuple[dict[str, float], np.ndarray, np.ndarray]:
     """Node i's share of the E-step over the peers j ≠ i it has evidence Y_ij and Ω_j for.
     Returns (w_i· eq. 44 with temperature τ, γ_i eq. 46, new Ω_i eq. 48). ``w_in[j]`` is w_ji
     (peer j's weight on me); where missing, w_ij stands in for it (symmetric guess)."""
@@ -76,8 +83,9 @@ def sbm_estep_node(Y: dict[str, float], omega_i: np.ndarray, omegas: dict[str, n
     for j in peers:
         oj = omegas[j]
         wij, wji = w[j], w_in.get(j, w[j])
-        logits = logits + wij * (logB @ oj) + wji * (logB.T @ oj) \
-            + (1 - wij) * (log1B @ oj) + (1 - wji) * (log1B.T @ oj)
+        logits = (
+            logits + wij * (logB @ oj) + wji * (logB.T @ oj) + (1 - wij) * (log1B @ oj) + (1 - wji) * (log1B.T @ oj)
+        )
     omega_new = C.softmax(logits)
     return w, gamma, omega_new
 
@@ -98,8 +106,9 @@ def row_with_self(raw: dict[str, float], self_id: str, self_weight: float = 1.0)
 # --- SBM prior M-step (eqs. 23–24 = App. D eqs. 50, 52) ---
 
 
-def sbm_node_stats(w: dict[str, float], omega_i: np.ndarray, omegas: dict[str, np.ndarray],
-                   gamma_i: np.ndarray) -> dict[str, np.ndarray]:
+def sbm_node_stats(
+    w: dict[str, float], omega_i: np.ndarray, omegas: dict[str, np.ndarray], gamma_i: np.ndarray
+) -> dict[str, np.ndarray]:
     """Node i's terms of the graph sums: N_i = Σ_j w_ij Ω_i Ω_jᵀ, D_i = Σ_j Ω_i Ω_jᵀ over its
     peers j (eq. 52) and s_i = ψ(γ_i) − ψ(Σ_k γ_ik) (eq. 50)."""
     g = omega_i.size
@@ -201,8 +210,15 @@ def attention_weights(y: np.ndarray, logits: np.ndarray, tau: float = 1.0) -> np
     return C.softmax(np.asarray(y) / tau + logp)
 
 
-def attention_estep(encoder: C.UpdateEncoder, opt: torch.optim.Optimizer, mine: Params, others: list[Params],
-                    y: np.ndarray, tau: float, target: str = "likelihood") -> tuple[np.ndarray, np.ndarray]:
+def attention_estep(
+    encoder: C.UpdateEncoder,
+    opt: torch.optim.Optimizer,
+    mine: Params,
+    others: list[Params],
+    y: np.ndarray,
+    tau: float,
+    target: str = "likelihood",
+) -> tuple[np.ndarray, np.ndarray]:
     """One attention E-step at node i over [i] + others: returns (w_i of eq. 29, p_i of eq. 25),
     both from the encoder as it was, and takes one optimizer step of the encoder towards the
     target by cross-entropy (eq. 31 / 62): *code* softmax(Y_i/τ) ("likelihood"), or w_i itself
@@ -221,16 +237,16 @@ def attention_estep(encoder: C.UpdateEncoder, opt: torch.optim.Optimizer, mine: 
 
 class _SCoolBase(Strategy):
     defaults = {
-        "tau": 1.0,               # temperature of σ/softmax, SCool App. C.1 (*code*: τ = 1–2, fixed)
-        "evidence_samples": 32,   # Y_ij on one minibatch of j's train data (*code*)
-        "mstep": "mixing",        # App. C.1 update mixing (*code* default); "exact": eq. 22 cross-gradients
-        "exact_steps": 5,         # local SGD steps of the exact M-step (Alg. 1 l.13), one request per peer each
-        "grad_samples": 32,       # minibatch per (cross-)gradient in the exact M-step
-        "prune_after": 10,        # App. C.1: remove neighbours "after 10 rounds"
-        "keep_fraction": 0.2,     # *code*: keep the top 20% of the peers (App. C.1 text: remove 90%)
-        "max_peers": 0,           # 0 = every alive peer is a candidate until pruning
-        "round_aligned": True,    # Alg. 1 is synchronous: mix the peers' Δθ of my iteration
-        "sync_wait_s": 30.0,      # longest wait for a peer to publish that round (then without it)
+        "tau": 1.0,  # temperature of σ/softmax, SCool App. C.1 (*code*: τ = 1–2, fixed)
+        "evidence_samples": 32,  # Y_ij on one minibatch of j's train data (*code*)
+        "mstep": "mixing",  # App. C.1 update mixing (*code* default); "exact": eq. 22 cross-gradients
+        "exact_steps": 5,  # local SGD steps of the exact M-step (Alg. 1 l.13), one request per peer each
+        "grad_samples": 32,  # minibatch per (cross-)gradient in the exact M-step
+        "prune_after": 10,  # App. C.1: remove neighbours "after 10 rounds"
+        "keep_fraction": 0.2,  # *code*: keep the top 20% of the peers (App. C.1 text: remove 90%)
+        "max_peers": 0,  # 0 = every alive peer is a candidate until pruning
+        "round_aligned": True,  # Alg. 1 is synchronous: mix the peers' Δθ of my iteration
+        "sync_wait_s": 30.0,  # longest wait for a peer to publish that round (then without it)
     }
 
     def __init__(self, *a: Any, **kw: Any):
@@ -241,8 +257,8 @@ class _SCoolBase(Strategy):
         self._row: dict[str, float] = {self.node_id: 1.0}
         self._kept: list[str] | None = None
         self._delta: Params | None = None
-        self._base: Params | None = None   # θ_i^t: the model my last local steps started from
-        self._delta_round = 0              # the round whose local steps gave Δθ_i
+        self._base: Params | None = None  # θ_i^t: the model my last local steps started from
+        self._delta_round = 0  # the round whose local steps gave Δθ_i
         self._theta_t: Params | None = None
 
     def candidates(self) -> list[str]:
@@ -267,8 +283,7 @@ class _SCoolBase(Strategy):
 
     async def _evidence(self, peers: list[str]) -> dict[str, float]:
         n = self.p["evidence_samples"]
-        got = await gather_bounded({p: self.net.cross_loss(p, max_samples=n, purpose="scool-evidence")
-                                  for p in peers})
+        got = await gather_bounded({p: self.net.cross_loss(p, max_samples=n, purpose="scool-evidence") for p in peers})
         return {p: -float(v[0]) for p, v in got.items() if np.isfinite(v[0])}
 
     async def _estep(self, rnd: int, theta_half: Params, snaps: dict) -> None:
@@ -295,19 +310,27 @@ class _SCoolBase(Strategy):
             ev, snaps = await asyncio.gather(self._evidence(peers), self._pull_peers(peers))
             self._Y.update(ev)
             await self._estep(rnd, live, snaps)
-            if not exact and self._base is not None and self._delta is not None and C.same_shapes(self._base, self._delta):
+            if (
+                not exact
+                and self._base is not None
+                and self._delta is not None
+                and C.same_shapes(self._base, self._delta)
+            ):
                 wts = {self.node_id: self._row.get(self.node_id, 1.0)}
                 for p, sn in snaps.items():
                     d = sn.extras.get("delta")
                     if d is not None and C.same_shapes(d, self._base) and self._row.get(p, 0.0) > 0:
                         wts[p] = self._row[p]
                 tot = sum(wts.values())
-                members = [(wts[self.node_id] / tot, self._delta)] + \
-                    [(wts[p] / tot, snaps[p].extras["delta"]) for p in wts if p != self.node_id]
+                members = [(wts[self.node_id] / tot, self._delta)] + [
+                    (wts[p] / tot, snaps[p].extras["delta"]) for p in wts if p != self.node_id
+                ]
                 self.learner.set_params(C.mix_updates(self._base, members))
-                info = {"mixed": len(wts) - 1, "of_round": self._delta_round,
-                        "same_round": sum(1 for p in wts if p != self.node_id
-                                          and snaps[p].round == self._delta_round)}
+                info = {
+                    "mixed": len(wts) - 1,
+                    "of_round": self._delta_round,
+                    "same_round": sum(1 for p in wts if p != self.node_id and snaps[p].round == self._delta_round),
+                }
             self._t += 1
             if self._kept is None and self._t >= int(self.p["prune_after"]) > 0:
                 scores = {p: v for p, v in self._raw.items() if p != self.node_id}
@@ -321,8 +344,11 @@ class _SCoolBase(Strategy):
         self._base, self._delta_round = theta, rnd
         self._delta = C.sub(theta, self.learner.get_params())
         self._after_local_steps()
-        return RoundReport(train_loss=train_loss, contacted=sorted(set(ev) | set(snaps)),
-                           info={**info, "pruned": self._kept is not None})
+        return RoundReport(
+            train_loss=train_loss,
+            contacted=sorted(set(ev) | set(snaps)),
+            info={**info, "pruned": self._kept is not None},
+        )
 
     def _after_local_steps(self) -> None:
         """Hook: the round's local steps are done (the live model is what will be published)."""
@@ -333,8 +359,9 @@ class _SCoolBase(Strategy):
         for _ in range(max(1, int(self.p["exact_steps"]))):
             theta = self.learner.get_params()
             use = [p for p in peers if self._row.get(p, 0.0) > 0]
-            replies = await gather_bounded({p: self.net.cross_gradient(p, theta, max_samples=gs, purpose="scool-gradient")
-                                            for p in use})
+            replies = await gather_bounded(
+                {p: self.net.cross_gradient(p, theta, max_samples=gs, purpose="scool-gradient") for p in use}
+            )
             g_own, r = await self.compute(self.learner.gradient, None, "train", gs)
             losses.append(r.loss)
             wts = {self.node_id: self._row.get(self.node_id, 1.0)}
@@ -349,9 +376,17 @@ class _SCoolBase(Strategy):
         return dict(self._row)
 
     def _base_state(self) -> dict[str, Any]:
-        return {"t": self._t, "Y": dict(self._Y), "raw": dict(self._raw), "row": dict(self._row),
-                "kept": self._kept, "delta": C.params_state(self._delta), "base": C.params_state(self._base),
-                "delta_round": self._delta_round, "rng": C.rng_state(self.rng)}
+        return {
+            "t": self._t,
+            "Y": dict(self._Y),
+            "raw": dict(self._raw),
+            "row": dict(self._row),
+            "kept": self._kept,
+            "delta": C.params_state(self._delta),
+            "base": C.params_state(self._base),
+            "delta_round": self._delta_round,
+            "rng": C.rng_state(self.rng),
+        }
 
     def _load_base(self, st: dict[str, Any]) -> None:
         self._t = int(st.get("t", 0))
@@ -369,20 +404,20 @@ class SCoolSBM(_SCoolBase):
     name = "scool-sbm"
     defaults = {
         **_SCoolBase.defaults,
-        "tau": 2.0,               # App. C.1 temperature (*code* range 1–2): 2 resists Ω locking in on
-                                  # the uninformative evidence of the first rounds (all models ≈ θ⁰)
-        "num_blocks": "auto",     # "auto": K chosen by ICL (``estimate_num_blocks``) on the gossiped
-                                  # evidence rows; an int = told (*code*: 2 blocks)
-        "max_blocks": 8,          # "auto": K ≤ this (and ≤ n/2)
-        "blocks_after": 2,        # "auto": estimate K at this E-step (the models have trained twice;
-                                  # the first evidence, all models ≈ θ⁰, says nothing), one block before
-        "B_in": 0.8,              # *code*: B fixed at [[.8,.2],[.2,.8]]
-        "B_out": 0.2,             # (M-step eq. 24 not applied)
-        "dirichlet_alpha": 1.0,   # α of π_i ~ Dir(α) (§4.2) at the start
-        "learn_B": False,         # *code*: B fixed; True = M-step eq. 24 (module doc)
-        "learn_alpha": False,     # *code*: α fixed; True = M-step eq. 23
-        "alpha_lr": 0.01,         # η2 of eq. 23 (no value in the paper or code)
-        "self_weight": "sbm",     # *code*: w_ii = σ((Y_ii + Ω_iᵀ logit(B) Ω_i)/τ); "one" = fixed raw 1
+        "tau": 2.0,  # App. C.1 temperature (*code* range 1–2): 2 resists Ω locking in on
+        # the uninformative evidence of the first rounds (all models ≈ θ⁰)
+        "num_blocks": "auto",  # "auto": K chosen by ICL (``estimate_num_blocks``) on the gossiped
+        # evidence rows; an int = told (*code*: 2 blocks)
+        "max_blocks": 8,  # "auto": K ≤ this (and ≤ n/2)
+        "blocks_after": 2,  # "auto": estimate K at this E-step (the models have trained twice;
+        # the first evidence, all models ≈ θ⁰, says nothing), one block before
+        "B_in": 0.8,  # *code*: B fixed at [[.8,.2],[.2,.8]]
+        "B_out": 0.2,  # (M-step eq. 24 not applied)
+        "dirichlet_alpha": 1.0,  # α of π_i ~ Dir(α) (§4.2) at the start
+        "learn_B": False,  # *code*: B fixed; True = M-step eq. 24 (module doc)
+        "learn_alpha": False,  # *code*: α fixed; True = M-step eq. 23
+        "alpha_lr": 0.01,  # η2 of eq. 23 (no value in the paper or code)
+        "self_weight": "sbm",  # *code*: w_ii = σ((Y_ii + Ω_iᵀ logit(B) Ω_i)/τ); "one" = fixed raw 1
     }
 
     def __init__(self, *a: Any, **kw: Any):
@@ -392,8 +427,8 @@ class SCoolSBM(_SCoolBase):
             raise ValueError(f"strategy 'scool-sbm': num_blocks must be a positive integer or 'auto', got {nb!r}")
         self.auto_blocks = nb == "auto"
         self._rows: dict[str, dict[str, float]] = {}  # "auto": peers' gossiped evidence rows Y_j·
-        self._k_hat: int | None = None                # "auto": my ICL estimate, once made
-        self._k_votes: dict[str, int] = {}            # "auto": the peers' estimates
+        self._k_hat: int | None = None  # "auto": my ICL estimate, once made
+        self._k_votes: dict[str, int] = {}  # "auto": the peers' estimates
         self._set_blocks(1 if self.auto_blocks else int(nb))
 
     def _set_blocks(self, g: int) -> None:
@@ -408,8 +443,8 @@ class SCoolSBM(_SCoolBase):
         self._omegas: dict[str, np.ndarray] = {}
         self._w_in: dict[str, float] = {}
         zero = {"N": np.zeros((g, g)), "D": np.zeros((g, g)), "s": np.zeros(g)}
-        self._est = {k: v.copy() for k, v in zero.items()}    # my estimate of the network mean
-        self._mine = {k: v.copy() for k, v in zero.items()}   # my own current terms
+        self._est = {k: v.copy() for k, v in zero.items()}  # my estimate of the network mean
+        self._mine = {k: v.copy() for k, v in zero.items()}  # my own current terms
 
     # --- "auto": the number of blocks by ICL on the evidence rows, agreed by a vote ---
     def _my_row(self) -> dict[str, float]:
@@ -418,8 +453,11 @@ class SCoolSBM(_SCoolBase):
     def _take_row(self, peer: str, msg: dict[str, Any]) -> None:
         row, k = msg.get("y"), msg.get("k")
         limit = len(self.net.known_peers()) + 1
-        if isinstance(row, dict) and 0 < len(row) <= limit and all(
-                isinstance(a, str) and isinstance(v, (int, float)) and np.isfinite(v) for a, v in row.items()):
+        if (
+            isinstance(row, dict)
+            and 0 < len(row) <= limit
+            and all(isinstance(a, str) and isinstance(v, (int, float)) and np.isfinite(v) for a, v in row.items())
+        ):
             self._rows[peer] = {a: float(v) for a, v in row.items()}
         if isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= int(self.p["max_blocks"]):
             self._k_votes[peer] = k
@@ -476,8 +514,7 @@ class SCoolSBM(_SCoolBase):
         kept whatever the interleaving of rounds (a reply lost after the server applied its side
         leaves the sum off by that exchange; B and α only use ratios and means, so they stay
         well defined)."""
-        self._est = {k: self._est[k] + eps * sum(t[k] - ref[k] for t in theirs)
-                     for k in self._est}
+        self._est = {k: self._est[k] + eps * sum(t[k] - ref[k] for t in theirs) for k in self._est}
 
     def _take_omega(self, peer: str, msg: dict[str, Any] | None) -> None:
         if not msg:
@@ -529,33 +566,48 @@ class SCoolSBM(_SCoolBase):
                 theirs.append(stats)
         self._mix_stats(eps, theirs, sent)
         y_self = await self._own_evidence()
-        Y = {p: self._Y[p] for p in self._Y
-             if p != self.node_id and (self._kept is None or p in self._kept)}
+        Y = {p: self._Y[p] for p in self._Y if p != self.node_id and (self._kept is None or p in self._kept)}
         tau = float(self.p["tau"])
         w_self = sbm_self_weight(y_self, self.omega, self.B, tau) if self.p["self_weight"] == "sbm" else 1.0
-        w, self.gamma, self.omega = sbm_estep_node(Y, self.omega, self._omegas, self._w_in, self.B,
-                                                   self.alpha, tau)
+        w, self.gamma, self.omega = sbm_estep_node(Y, self.omega, self._omegas, self._w_in, self.B, self.alpha, tau)
         self._raw.update(w)
         self._raw[self.node_id] = w_self
         if self.learns_prior:
             self._prior_mstep(w)
-        keep = {p: v for p, v in self._raw.items()
-                if p != self.node_id and (self._kept is None or p in self._kept)}
+        keep = {p: v for p, v in self._raw.items() if p != self.node_id and (self._kept is None or p in self._kept)}
         self._row = row_with_self(keep, self.node_id, w_self)
 
     def public_state(self) -> dict[str, Any]:
-        return {"num_blocks": self.num_blocks, "k_hat": self._k_hat,
-                "omega": self.omega.tolist(), "gamma": self.gamma.tolist(), "B": self.B.tolist(),
-                "alpha": self.alpha.tolist(), "evidence": dict(self._Y), "w_raw": dict(self._raw), "kept": self._kept,
-                "peer_omega": {k: v.tolist() for k, v in self._omegas.items()}, "rounds": self._t}
+        return {
+            "num_blocks": self.num_blocks,
+            "k_hat": self._k_hat,
+            "omega": self.omega.tolist(),
+            "gamma": self.gamma.tolist(),
+            "B": self.B.tolist(),
+            "alpha": self.alpha.tolist(),
+            "evidence": dict(self._Y),
+            "w_raw": dict(self._raw),
+            "kept": self._kept,
+            "peer_omega": {k: v.tolist() for k, v in self._omegas.items()},
+            "rounds": self._t,
+        }
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self._base_state(), "omega": self.omega.tolist(), "gamma": self.gamma.tolist(),
-                "omegas": {k: v.tolist() for k, v in self._omegas.items()}, "w_in": dict(self._w_in),
-                "B": self.B.tolist(), "alpha": self.alpha.tolist(), "num_blocks": self.num_blocks,
-                "k_hat": self._k_hat, "k_votes": dict(self._k_votes), "rows": {k: dict(v) for k, v in self._rows.items()},
-                "est": {k: v.tolist() for k, v in self._est.items()},
-                "mine": {k: v.tolist() for k, v in self._mine.items()}}
+        return {
+            **self._base_state(),
+            "omega": self.omega.tolist(),
+            "gamma": self.gamma.tolist(),
+            "omegas": {k: v.tolist() for k, v in self._omegas.items()},
+            "w_in": dict(self._w_in),
+            "B": self.B.tolist(),
+            "alpha": self.alpha.tolist(),
+            "num_blocks": self.num_blocks,
+            "k_hat": self._k_hat,
+            "k_votes": dict(self._k_votes),
+            "rows": {k: dict(v) for k, v in self._rows.items()},
+            "est": {k: v.tolist() for k, v in self._est.items()},
+            "mine": {k: v.tolist() for k, v in self._mine.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         g = state.get("num_blocks")  # before the rng is restored: _set_blocks draws Ω from it
@@ -566,7 +618,9 @@ class SCoolSBM(_SCoolBase):
             k = state.get("k_hat")
             self._k_hat = int(k) if isinstance(k, int) else None
             self._k_votes = {str(p): int(v) for p, v in (state.get("k_votes") or {}).items()}
-            self._rows = {str(p): {str(a): float(v) for a, v in r.items()} for p, r in (state.get("rows") or {}).items()}
+            self._rows = {
+                str(p): {str(a): float(v) for a, v in r.items()} for p, r in (state.get("rows") or {}).items()
+            }
         if "omega" in state and np.shape(state["omega"]) == self.omega.shape:
             self.omega = np.asarray(state["omega"], dtype=np.float64)
             self.gamma = np.asarray(state["gamma"], dtype=np.float64)
@@ -592,17 +646,18 @@ class SCoolAttention(_SCoolBase):
     "layer-cosine"``; see ``MetaL2C``): with the code's per-filter average (``"cosine"``) two
     peers' logits differ by at most 2·(filters that differ)/(all filters), so the rows were near
     uniform until pruning (issue 23)."""
+
     name = "scool-attention"
     defaults = {
         **_SCoolBase.defaults,
-        "tau": 9.0,               # *code*: τ = 9 in the clustered setting (App. C.1: a fixed hyper-parameter)
-        "keep_fraction": 0.2,     # *code*: keep 20% of the peers (App. C.1 text: remove 90%)
+        "tau": 9.0,  # *code*: τ = 9 in the clustered setting (App. C.1: a fixed hyper-parameter)
+        "keep_fraction": 0.2,  # *code*: keep 20% of the peers (App. C.1 text: remove 90%)
         "encoder_dims": [10, 5],  # App. C.1: two FC layers with output dims (10, 5)
-        "encoder_lr": 0.2,        # *code*: AdamW lr 0.2 (App. C.1 text: Adam lr 0.1)
-        "encoder_wd": 0.01,       # App. C.1: weight decay 0.01 (decoupled, AdamW, in the code)
-        "encoder_seed": 0,        # *decentral*: common encoder init, like the models' θ⁰
+        "encoder_lr": 0.2,  # *code*: AdamW lr 0.2 (App. C.1 text: Adam lr 0.1)
+        "encoder_wd": 0.01,  # App. C.1: weight decay 0.01 (decoupled, AdamW, in the code)
+        "encoder_seed": 0,  # *decentral*: common encoder init, like the models' θ⁰
         "attention": "layer-cosine",  # Σ over layers of cos(φ_l^i, φ_l^j) (UpdateEncoder "layer");
-                                      # "cosine" = the SCool *code*'s per-filter average; "dot" = eq. 5/26
+        # "cosine" = the SCool *code*'s per-filter average; "dot" = eq. 5/26
         "encoder_target": "likelihood",  # *code*: softmax(Y/τ); "posterior" = eq. 31's w_i (eq. 29)
     }
 
@@ -610,10 +665,15 @@ class SCoolAttention(_SCoolBase):
         super().__init__(*a, **kw)
         self.theta0 = self.learner.get_params()
         d = self.p["encoder_dims"]
-        self.encoder = C.UpdateEncoder(self.theta0, (int(d[0]), int(d[1])), int(self.p["encoder_seed"]),
-                                       normalise=C.encoder_norm(self.p["attention"], self.name))
-        self.opt = torch.optim.AdamW(self.encoder.parameters(), lr=float(self.p["encoder_lr"]),
-                                     weight_decay=float(self.p["encoder_wd"]))
+        self.encoder = C.UpdateEncoder(
+            self.theta0,
+            (int(d[0]), int(d[1])),
+            int(self.p["encoder_seed"]),
+            normalise=C.encoder_norm(self.p["attention"], self.name),
+        )
+        self.opt = torch.optim.AdamW(
+            self.encoder.parameters(), lr=float(self.p["encoder_lr"]), weight_decay=float(self.p["encoder_wd"])
+        )
         self._update: Params | None = None
         self._p: dict[str, float] = {}
 
@@ -632,16 +692,18 @@ class SCoolAttention(_SCoolBase):
     async def _estep(self, rnd: int, theta_half: Params, snaps: dict) -> None:
         mine = C.sub(theta_half, self.theta0)  # û of the iteration aggregated now
         y_self = await self._own_evidence()
-        peers = [p for p, s in snaps.items() if p in self._Y and "update" in s.extras
-                 and C.same_shapes(s.extras["update"], theta_half)]
+        peers = [
+            p
+            for p, s in snaps.items()
+            if p in self._Y and "update" in s.extras and C.same_shapes(s.extras["update"], theta_half)
+        ]
         ups = [snaps[p].extras["update"] for p in peers]
         y = np.array([y_self] + [self._Y[p] for p in peers])
         tau = float(self.p["tau"])
 
         C.encoder_fold(self.encoder)  # peers' gossip since my last round, before I use the encoder
 
-        w, p = await self.compute(attention_estep, self.encoder, self.opt, mine, ups, y, tau,
-                                  self.p["encoder_target"])
+        w, p = await self.compute(attention_estep, self.encoder, self.opt, mine, ups, y, tau, self.p["encoder_target"])
         ids = [self.node_id] + peers
         self._p = {k: float(v) for k, v in zip(ids, p, strict=True)}
         self._raw.update({k: float(v) for k, v in zip(ids, w, strict=True)})
@@ -653,15 +715,24 @@ class SCoolAttention(_SCoolBase):
         C.encoder_average(self.encoder, replies.values())
 
     def public_state(self) -> dict[str, Any]:
-        return {"evidence": dict(self._Y), "attention": dict(self._p), "w": dict(self._row),
-                "kept": self._kept, "rounds": self._t}
+        return {
+            "evidence": dict(self._Y),
+            "attention": dict(self._p),
+            "w": dict(self._row),
+            "kept": self._kept,
+            "rounds": self._t,
+        }
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self._base_state(), "theta0": C.params_state(self.theta0),
-                "update": C.params_state(self._update), "p": dict(self._p),
-                "encoder": C.vec_to_wire(self.encoder.get_vector()),
-                "encoder_pending": C.encoder_pending_state(self.encoder),
-                "encoder_opt": C.optimizer_state(self.opt)}
+        return {
+            **self._base_state(),
+            "theta0": C.params_state(self.theta0),
+            "update": C.params_state(self._update),
+            "p": dict(self._p),
+            "encoder": C.vec_to_wire(self.encoder.get_vector()),
+            "encoder_pending": C.encoder_pending_state(self.encoder),
+            "encoder_opt": C.optimizer_state(self.opt),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load_base(state)

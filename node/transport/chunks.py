@@ -3,11 +3,12 @@
 Received chunks are copied once, straight into one buffer of the announced size (allocated when
 the first chunk shows where the tensor bytes begin, so that they start aligned and decode as
 zero-copy views), and hashed as they arrive. Sent chunks are framed with one copy each."""
+
 from __future__ import annotations
 
 import hashlib
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import AsyncIterator, Callable, Iterator
 
 from ..peering.errors import invalid
 from ..wire.codec import aligned_buffer, data_offset
@@ -20,7 +21,7 @@ def sha256(data: bytes | memoryview) -> str:
 def split(data: bytes | memoryview, chunk_bytes: int) -> Iterator[bytes]:
     mv = memoryview(data)
     for i in range(0, len(mv), chunk_bytes):
-        yield bytes(mv[i:i + chunk_bytes])
+        yield bytes(mv[i : i + chunk_bytes])
 
 
 _DATA_TAG = 0x12  # field 2 ("data"), wire type 2 (length-delimited) of every *Chunk/*Frame oneof
@@ -43,7 +44,7 @@ def data_frames(data: bytes | memoryview, chunk_bytes: int) -> Iterator[bytes]:
     SnapshotChunk/GradientChunk/ComputeFrame data frame), one copy per part, built as sent."""
     mv = memoryview(data)
     for i in range(0, len(mv), chunk_bytes):
-        part = mv[i:i + chunk_bytes]
+        part = mv[i : i + chunk_bytes]
         yield b"".join((bytes((_DATA_TAG,)), _varint(len(part)), part))
 
 
@@ -88,8 +89,9 @@ class Assembler:
     large payload is hashed by a worker thread (sha256 releases the GIL) while the next chunks
     arrive, instead of on the receiving event loop."""
 
-    def __init__(self, who: str, total: int, digest: str, limit: int,
-                 align_at: Callable[[memoryview], int] | None = data_offset):
+    def __init__(
+        self, who: str, total: int, digest: str, limit: int, align_at: Callable[[memoryview], int] | None = data_offset
+    ):
         if total > limit:
             raise invalid(f"{who}: announced payload of {total} bytes exceeds the limit of {limit}")
         self.who, self.total, self.digest = who, total, digest
@@ -106,7 +108,7 @@ class Assembler:
         if self.buf is None:
             first = memoryview(chunk)
             self.buf = aligned_buffer(self.total, self.align_at(first) if self.align_at else 0)
-        part = self.buf[self.size:self.size + n]
+        part = self.buf[self.size : self.size + n]
         part[:] = chunk
         self.size += n
         if self.total >= HASH_IN_THREAD_BYTES:

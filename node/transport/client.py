@@ -17,23 +17,25 @@ node's certificate proved.
 
 Snapshots travel by stream (``streams``, ``pulls.py``: plain pulls, pull sessions, subscriptions); the
 errors every call maps to the domain's are in ``errors.py``."""
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from typing import Any, AsyncIterator, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ...proto.v1 import peer_pb2 as pb
 from ...proto.v1 import peer_pb2_grpc as rpc
+from ..offload import OFF_LOOP_BYTES
 from ..peering.api import HANDSHAKE, Unary, UnaryCalls, check_compute_kind
 from ..peering.errors import REFUSED, PeerCallError, short
 from ..peering.interfaces import UNSET_MODEL_BYTES, SizeLimits, Traffic
 from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest, NodeInfo
-from ..offload import OFF_LOOP_BYTES
 from ..security.ids import node_id_problem
 from ..wire import codecs as wire_codecs
 from ..wire.codec import WireError, decode, encoded_size
@@ -63,10 +65,23 @@ _ANY = ""  # expected node id "any node of the CA": a first contact, before a ha
 
 
 class PeerClient(UnaryCalls):
-    def __init__(self, node_id: str, traffic: Traffic, *, chunk_bytes: int, max_model_bytes: int = UNSET_MODEL_BYTES,
-                 max_gossip_bytes: int = 1 << 20, timeout_s: float, tls: TLS | None, delay_ms: float = 0.0,
-                 idle_channel_s: float = 120.0, sessions: bool = True, limits: SizeLimits | None = None,
-                 codecs: CodecPolicy = CodecPolicy(), relay_dialer: Any = None):
+    def __init__(
+        self,
+        node_id: str,
+        traffic: Traffic,
+        *,
+        chunk_bytes: int,
+        max_model_bytes: int = UNSET_MODEL_BYTES,
+        max_gossip_bytes: int = 1 << 20,
+        timeout_s: float,
+        tls: TLS | None,
+        delay_ms: float = 0.0,
+        idle_channel_s: float = 120.0,
+        sessions: bool = True,
+        limits: SizeLimits | None = None,
+        codecs: CodecPolicy = CodecPolicy(),
+        relay_dialer: Any = None,
+    ):
         """``limits``: the node's ``SizeLimits`` (shared with its served side); else one of
         ``max_model_bytes`` and ``max_gossip_bytes``. ``relay_dialer``: reaches peers whose
         address is a relay address (``relay_dialer.py``)."""
@@ -91,8 +106,16 @@ class PeerClient(UnaryCalls):
         self.held = HeldVersions()  # per peer: the snapshot version it holds (a delta's base)
         self._peer_codecs: dict[str, tuple[str, ...]] = {}  # address -> codecs its handshake advertised
         # snapshots by stream: pulls, pull sessions, subscriptions (over this client's channels)
-        self.streams = SnapshotStreams(self, traffic, self.limits, codecs, self.held, chunk_bytes=chunk_bytes,
-                                       timeout_s=timeout_s, sessions=sessions)
+        self.streams = SnapshotStreams(
+            self,
+            traffic,
+            self.limits,
+            codecs,
+            self.held,
+            chunk_bytes=chunk_bytes,
+            timeout_s=timeout_s,
+            sessions=sessions,
+        )
         self.get_snapshot = self.streams.get_snapshot
         self.watch_snapshots = self.streams.watch_snapshots
 
@@ -144,8 +167,10 @@ class PeerClient(UnaryCalls):
         """GetSnapshot with chunk messages left as raw bytes: the payload is sliced out of each
         message without protobuf building (and copying) a message object per MiB."""
         return self.channel(address, BULK, peer)[0].unary_stream(
-            "/coterie.v1.Peer/GetSnapshot", request_serializer=pb.SnapshotRequest.SerializeToString,
-            response_deserializer=None)
+            "/coterie.v1.Peer/GetSnapshot",
+            request_serializer=pb.SnapshotRequest.SerializeToString,
+            response_deserializer=None,
+        )
 
     async def forget(self, address: str) -> None:
         self._used.pop(address, None)
@@ -177,8 +202,11 @@ class PeerClient(UnaryCalls):
             await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             await self._stubs.pop((address, CONTROL, node_id))[0].close()
-            raise PeerCallError(REFUSED, f"peer at {address} claims to be node {node_id!r} but could not "
-                                         f"prove it with that node's certificate ({short(e.details() or '', 300)})") from None
+            raise PeerCallError(
+                REFUSED,
+                f"peer at {address} claims to be node {node_id!r} but could not "
+                f"prove it with that node's certificate ({short(e.details() or '', 300)})",
+            ) from None
         old = self._proven.get(address)
         self._proven[address] = node_id
         if old is not None:
@@ -194,8 +222,9 @@ class PeerClient(UnaryCalls):
 
     # --- the unary calls (peering/api.py): one path for all; call/the named ones are UnaryCalls' ---
     @_domain_errors
-    async def send(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
-                   peer: str | None = None) -> Rep:
+    async def send(
+        self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *, peer: str | None = None
+    ) -> Rep:
         t0 = time.perf_counter()
         await self.link()
         wire = serde.WIRE[rpc.name]
@@ -220,11 +249,13 @@ class PeerClient(UnaryCalls):
             if payload:
                 for part in split(payload, self.chunk_bytes):
                     yield pb.ComputeFrame(data=part)
+
         return gen()
 
     @_domain_errors
-    async def compute(self, address: str, request: ComputeRequest, timeout: float | None = None, *,
-                      peer: str | None = None) -> ComputeReply:
+    async def compute(
+        self, address: str, request: ComputeRequest, timeout: float | None = None, *, peer: str | None = None
+    ) -> ComputeReply:
         t0 = time.perf_counter()
         kind = request.kind
         check_compute_kind(kind)
@@ -233,13 +264,16 @@ class PeerClient(UnaryCalls):
         # a model sent along travels in the first of this node's codecs the peer advertised
         codec = wire_codecs.negotiate(self.codecs.codecs, self._peer_codecs.get(address, ()))
         if request.groups is not None and request.ref is None:
+
             def pack(groups=request.groups):
                 data = wire_codecs.encode(groups, codec)
                 return data, sha256(data)
+
             big = encoded_size(request.groups) > OFF_LOOP_BYTES
             payload, digest = await asyncio.to_thread(pack) if big else pack()
-        header = serde.compute_header_to_pb(request, len(payload) if payload else 0, digest,
-                                            "" if codec == wire_codecs.FP32 else codec)
+        header = serde.compute_header_to_pb(
+            request, len(payload) if payload else 0, digest, "" if codec == wire_codecs.FP32 else codec
+        )
         frames = self._frames(header, payload)
         stub = self.stub(address, BULK, peer)
         sent = header.ByteSize() + (len(payload) if payload else 0)
@@ -259,8 +293,9 @@ class PeerClient(UnaryCalls):
             grad = None
             data: bytes | memoryview = b""
             if gh.total_bytes:
-                data = await collect(it, Assembler(f"gradient from {address}", gh.total_bytes, gh.sha256,
-                                                   self.limits.max_model_bytes))
+                data = await collect(
+                    it, Assembler(f"gradient from {address}", gh.total_bytes, gh.sha256, self.limits.max_model_bytes)
+                )
                 grad, _ = decode(data, max_bytes=self.limits.max_model_bytes)
             out = ComputeReply(loss=gh.loss, samples=gh.samples, grad=grad, inner_product=gh.inner_product)
             received = first.ByteSize() + len(data)

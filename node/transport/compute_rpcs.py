@@ -3,11 +3,13 @@ node's data — cross-loss, cross-gradient, gradient push — as a stream of a h
 the header is parsed and the gate (claimed id, known peer, reference, announced size, admission)
 passes it before the payload is read, under the upload deadlines (``upload_timeout_s``, no gap
 over ``upload_idle_s``)."""
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from ...proto.v1 import peer_pb2 as pb
 from ..peering.errors import exhausted, invalid
@@ -30,8 +32,16 @@ class ComputeRpcs:
     """The compute streams of ``server.PeerService``: its gate, traffic, stream limits, codecs and
     chunk size, and the server's ``Replies`` (guard, caller, bounded sends)."""
 
-    def __init__(self, gate: Gate, traffic: Traffic, replies: Replies, *, streams: StreamLimits,
-                 codecs: CodecPolicy, chunk_bytes: int):
+    def __init__(
+        self,
+        gate: Gate,
+        traffic: Traffic,
+        replies: Replies,
+        *,
+        streams: StreamLimits,
+        codecs: CodecPolicy,
+        chunk_bytes: int,
+    ):
         self.gate, self.traffic, self.replies = gate, traffic, replies
         self.streams, self.codecs, self.chunk_bytes = streams, codecs, chunk_bytes
 
@@ -54,8 +64,11 @@ class ComputeRpcs:
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:
-                raise exhausted(f"{who}: upload stalled for {idle:g} s" if loop.time() < deadline
-                                else f"{who}: upload not complete after {total:g} s") from None
+                raise exhausted(
+                    f"{who}: upload stalled for {idle:g} s"
+                    if loop.time() < deadline
+                    else f"{who}: upload not complete after {total:g} s"
+                ) from None
             if first and getattr(msg, "WhichOneof", None) and msg.WhichOneof("body") == "header":
                 total = self.streams.upload_deadline(msg.header.total_bytes)
                 deadline = start + total  # the size is checked against the limit right after
@@ -74,8 +87,9 @@ class ComputeRpcs:
         if first is None or first.WhichOneof("body") != "header":
             raise invalid(f"{kind}: stream must start with a header frame")
         h = first.header
-        req = self.gate.admit_compute(self.replies.caller(context), serde.compute_request_from_pb(kind, h), h.total_bytes,
-                                      slot, announced=True)
+        req = self.gate.admit_compute(
+            self.replies.caller(context), serde.compute_request_from_pb(kind, h), h.total_bytes, slot, announced=True
+        )
         who = f"{kind} from {req.requester}"
         limit = self.gate.limits.max_model_bytes
         asm = None if req.ref is not None else Assembler(who, h.total_bytes, h.sha256, limit)
@@ -107,11 +121,13 @@ class ComputeRpcs:
             out = serde.loss_reply_to_pb(reply)
             self.traffic.record(CROSS_LOSS, sent=out.ByteSize())
             return out
+
         return await self.replies.guard(context, CROSS_LOSS, go(), raw_frames)
 
     async def CrossGradient(self, raw_frames, context):
-        reply = await self.replies.guard(context, CROSS_GRADIENT, self._computed(context, raw_frames, CROSS_GRADIENT),
-                                  raw_frames)
+        reply = await self.replies.guard(
+            context, CROSS_GRADIENT, self._computed(context, raw_frames, CROSS_GRADIENT), raw_frames
+        )
         data = encode(reply.grad) if reply.grad is not None else b""
         header = serde.gradient_header_to_pb(reply, len(data), sha256(data) if data else "")
         frames = (pb.GradientChunk(header=header), *(pb.GradientChunk(data=p) for p in split(data, self.chunk_bytes)))
@@ -121,4 +137,5 @@ class ComputeRpcs:
     async def PushGradient(self, raw_frames, context):
         async def go():
             return serde.ack_to_pb(await self._computed(context, raw_frames, PUSH_GRADIENT))
+
         return await self.replies.guard(context, PUSH_GRADIENT, go(), raw_frames)

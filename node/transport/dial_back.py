@@ -2,6 +2,7 @@
 asks its bootstrap peers to dial it back. A peer dials only the caller's own IP address (as the
 connection shows it, so it cannot be used to probe third parties) at the port the caller names,
 and asks TLS for the caller's certificate, so "reachable" means this node, not whatever answers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -44,6 +45,7 @@ async def dial(tls: TLS, host: str, port: int, node_id: str) -> tuple[bool, str]
 
 async def check(tls: TLS, peers: list[str], port: int) -> dict[str, str]:
     """Ask each peer to dial this node back: peer -> "reachable: ..." / "unreachable: ..." / the error."""
+
     async def ask(peer: str) -> str:
         ch = relay_channel(peer, tls.channel_credentials(), GENERIC_NAME)
         try:
@@ -53,5 +55,6 @@ async def check(tls: TLS, peers: list[str], port: int) -> dict[str, str]:
             return f"no answer: {e.code().name}: {(e.details() or '')[:200]}"
         finally:
             await ch.close()
+
     answers = await asyncio.gather(*(ask(p) for p in peers))
     return dict(zip(peers, answers, strict=True))

@@ -1,9 +1,11 @@
 """gRPC status codes for the peer plane's refusal kinds (``peering/errors.py``), both ways."""
+
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
@@ -65,8 +67,10 @@ def in_flight(client: Any, address: str) -> Iterator[None]:
 
 def domain_errors(fn):
     """A call under ``in_flight``."""
+
     @functools.wraps(fn)
     async def wrapper(self, address, *args, **kwargs):
         with in_flight(self, address):
             return await fn(self, address, *args, **kwargs)
+
     return wrapper

@@ -23,6 +23,7 @@ snapshots and compute requests, which are streams, have their own steps below.
   its kind; a malformed tensor payload is ``invalid``), each transport then says it its way.
 
 ``limits`` is the node's ``SizeLimits``: shared with the transport's clients, set once by the node."""
+
 from __future__ import annotations
 
 import contextlib
@@ -34,7 +35,6 @@ from ..peering.interfaces import PeerHandler, SizeLimits
 from ..peering.messages import ComputeReply, ComputeRequest, LocalSnapshot
 from ..security.ids import node_id_problem
 from ..wire.codec import WireError
-
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -119,8 +119,9 @@ class Gate:
         return await self.handler.snapshot(who, min_round, wait_s)
 
     # --- compute on my data ---
-    def admit_compute(self, caller: Caller, req: ComputeRequest, size: int, slot: contextlib.ExitStack, *,
-                      announced: bool = False) -> ComputeRequest:
+    def admit_compute(
+        self, caller: Caller, req: ComputeRequest, size: int, slot: contextlib.ExitStack, *, announced: bool = False
+    ) -> ComputeRequest:
         """``req`` once its requester is vouched for and known (before a payload is taken from a
         stranger), its reference well formed and its payload of ``size`` bytes (``announced``:
         not read yet) within ``max_model_bytes``; one of its admission slots held by ``slot``."""
@@ -131,8 +132,9 @@ class Gate:
             raise invalid(f"{who}: snapshot reference: {node_id_problem(req.ref.node_id)}")
         limit = self.limits.max_model_bytes
         if req.ref is None and size > limit:
-            raise invalid(f"{who}: {'announced ' if announced else ''}payload of {size} bytes exceeds the limit "
-                          f"of {limit}")
+            raise invalid(
+                f"{who}: {'announced ' if announced else ''}payload of {size} bytes exceeds the limit of {limit}"
+            )
         slot.enter_context(self.handler.admit(req.requester, kind))
         return req
 

@@ -6,6 +6,7 @@ Everything gRPC-specific a node's config asks for lives here, so ``Node`` stays
 transport-agnostic: the certificate (which also proves the node's id), the server-side stream
 deadlines and the cap on calls in flight (``cfg.limits``), the standard gRPC health service the
 node's failure tracking sets, and idle-channel eviction (``cfg.membership.idle_channel_s``)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,14 +20,14 @@ from typing import Any
 import grpc
 
 from ..peering.interfaces import UNSET_MODEL_BYTES, PeerHandler, SizeLimits, Traffic
-from .client import PeerClient
 from . import dial_back
+from .client import PeerClient
 from .relay_address import RelayAddress, is_relayed, reachability
 from .relay_dialer import RelayDialer
 from .relay_reservations import RelayReservations
 from .relay_service import RelayBudget, RelayService
-from .server import HealthStatus, StreamLimits, serve
 from .served_versions import CodecPolicy
+from .server import HealthStatus, StreamLimits, serve
 from .tls import TLS, load_tls
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ def dialable(host: str) -> str:
 @dataclass
 class GrpcServer:
     """A running gRPC peer server (``peering.interfaces.PeerServer``)."""
+
     address: str
     server: grpc.aio.Server
     port: int  # 0: no peer port (outbound-only, reached through relays)
@@ -71,14 +73,29 @@ class GrpcTransport:
     """``tls``: the node's mTLS identity; ``None`` (plaintext, anyone may claim any node id) only
     when the caller says so on purpose."""
 
-    def __init__(self, *, tls: TLS | None, listen: str = "127.0.0.1:0", advertise: str | None = None,
-                 chunk_bytes: int = 1 << 20, max_model_bytes: int = UNSET_MODEL_BYTES,
-                 max_gossip_bytes: int = 1 << 20, timeout_s: float = 30.0, delay_ms: float = 0.0,
-                 streams: StreamLimits = StreamLimits(), max_rpcs: int | None = None,
-                 idle_channel_s: float = 120.0, health: HealthStatus | None = None, sessions: bool = True,
-                 reflection: bool = False, codecs: CodecPolicy = CodecPolicy(),
-                 no_listen: bool = False, relays: tuple[str, ...] = (), relay_budget: RelayBudget | None = RelayBudget(),
-                 dial_back_peers: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        *,
+        tls: TLS | None,
+        listen: str = "127.0.0.1:0",
+        advertise: str | None = None,
+        chunk_bytes: int = 1 << 20,
+        max_model_bytes: int = UNSET_MODEL_BYTES,
+        max_gossip_bytes: int = 1 << 20,
+        timeout_s: float = 30.0,
+        delay_ms: float = 0.0,
+        streams: StreamLimits = StreamLimits(),
+        max_rpcs: int | None = None,
+        idle_channel_s: float = 120.0,
+        health: HealthStatus | None = None,
+        sessions: bool = True,
+        reflection: bool = False,
+        codecs: CodecPolicy = CodecPolicy(),
+        no_listen: bool = False,
+        relays: tuple[str, ...] = (),
+        relay_budget: RelayBudget | None = RelayBudget(),
+        dial_back_peers: tuple[str, ...] = (),
+    ):
         """``no_listen``: no peer port; reserve at ``relays`` instead. ``relay_budget``: relay for
         outbound-only peers within it (None: never relay)."""
         self.tls = tls
@@ -98,22 +115,34 @@ class GrpcTransport:
         self.codecs = codecs  # snapshots.codecs / .delta: asked for as a client, served as a server
 
     @classmethod
-    def from_config(cls, cfg: Any, *, tls: Any = _FROM_CONFIG, health: HealthStatus | None = None) -> "GrpcTransport":
+    def from_config(cls, cfg: Any, *, tls: Any = _FROM_CONFIG, health: HealthStatus | None = None) -> GrpcTransport:
         """From a ``NodeConfig``: its certificate (``load_tls``: a node without one refuses to
         start unless ``security.insecure``), addresses, size limits, timeouts, server-side stream
         limits, emulated delay."""
         lim = cfg.limits
-        return cls(tls=load_tls(cfg) if tls is _FROM_CONFIG else tls,
-                   listen=cfg.listen, advertise=cfg.advertise, chunk_bytes=cfg.chunk_bytes,
-                   max_model_bytes=cfg.max_model_bytes or UNSET_MODEL_BYTES,
-                   max_gossip_bytes=cfg.max_gossip_bytes, timeout_s=cfg.request_timeout_s, delay_ms=cfg.delay_ms,
-                   streams=StreamLimits(lim.upload_timeout_s, lim.upload_idle_s, lim.send_timeout_s,
-                                        lim.min_stream_bytes_per_s, lim.max_watches),
-                   max_rpcs=lim.max_rpcs, idle_channel_s=cfg.membership.idle_channel_s, health=health,
-                   sessions=cfg.pull_sessions, reflection=cfg.security.reflection,
-                   codecs=CodecPolicy(tuple(cfg.snapshots.codecs), cfg.snapshots.delta, cfg.snapshots.delta_history),
-                   no_listen=cfg.no_listen, relays=tuple(cfg.relays()), relay_budget=_relay_budget(cfg),
-                   dial_back_peers=tuple(p for p in cfg.peers if not is_relayed(p)))
+        return cls(
+            tls=load_tls(cfg) if tls is _FROM_CONFIG else tls,
+            listen=cfg.listen,
+            advertise=cfg.advertise,
+            chunk_bytes=cfg.chunk_bytes,
+            max_model_bytes=cfg.max_model_bytes or UNSET_MODEL_BYTES,
+            max_gossip_bytes=cfg.max_gossip_bytes,
+            timeout_s=cfg.request_timeout_s,
+            delay_ms=cfg.delay_ms,
+            streams=StreamLimits(
+                lim.upload_timeout_s, lim.upload_idle_s, lim.send_timeout_s, lim.min_stream_bytes_per_s, lim.max_watches
+            ),
+            max_rpcs=lim.max_rpcs,
+            idle_channel_s=cfg.membership.idle_channel_s,
+            health=health,
+            sessions=cfg.pull_sessions,
+            reflection=cfg.security.reflection,
+            codecs=CodecPolicy(tuple(cfg.snapshots.codecs), cfg.snapshots.delta, cfg.snapshots.delta_history),
+            no_listen=cfg.no_listen,
+            relays=tuple(cfg.relays()),
+            relay_budget=_relay_budget(cfg),
+            dial_back_peers=tuple(p for p in cfg.peers if not is_relayed(p)),
+        )
 
     # --- TransportFactory ---
     @property
@@ -126,14 +155,26 @@ class GrpcTransport:
         return self.tls is not None
 
     def connect(self, node_id: str, traffic: Traffic) -> PeerClient:
-        return PeerClient(node_id, traffic, chunk_bytes=self.chunk_bytes, limits=self.limits, timeout_s=self.timeout_s,
-                          tls=self.tls, delay_ms=self.delay_ms, idle_channel_s=self.idle_channel_s,
-                          sessions=self.sessions, codecs=self.codecs, relay_dialer=self.dialer)
+        return PeerClient(
+            node_id,
+            traffic,
+            chunk_bytes=self.chunk_bytes,
+            limits=self.limits,
+            timeout_s=self.timeout_s,
+            tls=self.tls,
+            delay_ms=self.delay_ms,
+            idle_channel_s=self.idle_channel_s,
+            sessions=self.sessions,
+            codecs=self.codecs,
+            relay_dialer=self.dialer,
+        )
 
     async def serve(self, handler: PeerHandler, traffic: Traffic) -> GrpcServer:
         if self.tls is None:
-            log.warning("peer port WITHOUT TLS (security.insecure = true): anyone who can reach it can "
-                        "claim any node id; use only on a network you trust")
+            log.warning(
+                "peer port WITHOUT TLS (security.insecure = true): anyone who can reach it can "
+                "claim any node id; use only on a network you trust"
+            )
         relay = None
         if self.relay_budget is not None and self.tls is not None and not self.no_listen:
             relay = RelayService(self.tls, self.relay_budget)
@@ -142,19 +183,36 @@ class GrpcTransport:
             if self.tls is None:
                 raise ValueError("no_listen needs mTLS: relays know a node only by its certificate")
             listen = f"unix:{tempfile.mkdtemp(prefix='coterie-peer-')}/peer.sock"
-        server, port = await serve(handler, traffic, listen, tls=self.tls, chunk_bytes=self.chunk_bytes,
-                                   limits=self.limits, streams=self.streams, max_rpcs=self.max_rpcs,
-                                   health_status=self.health, reflection_on=self.reflection, codecs=self.codecs,
-                                   relay=relay)
+        server, port = await serve(
+            handler,
+            traffic,
+            listen,
+            tls=self.tls,
+            chunk_bytes=self.chunk_bytes,
+            limits=self.limits,
+            streams=self.streams,
+            max_rpcs=self.max_rpcs,
+            health_status=self.health,
+            reflection_on=self.reflection,
+            codecs=self.codecs,
+            relay=relay,
+        )
         if self.no_listen:
             assert self.tls is not None
-            reservations = RelayReservations(self.tls, list(self.relays), listen[len("unix:"):])
+            reservations = RelayReservations(self.tls, list(self.relays), listen[len("unix:") :])
             reservations.start()
-            self.server = GrpcServer(str(RelayAddress(self.relays, self.tls.node_id)), server, 0,
-                                     reservations=reservations, dialer=self.dialer)
+            self.server = GrpcServer(
+                str(RelayAddress(self.relays, self.tls.node_id)),
+                server,
+                0,
+                reservations=reservations,
+                dialer=self.dialer,
+            )
             return self.server
         host, _ = hostport(self.listen)
-        self.server = GrpcServer(self.advertise or f"{dialable(host)}:{port}", server, port, relay=relay, dialer=self.dialer)
+        self.server = GrpcServer(
+            self.advertise or f"{dialable(host)}:{port}", server, port, relay=relay, dialer=self.dialer
+        )
         if self.tls is not None and self.dial_back_peers:
             self.server.tasks.append(asyncio.ensure_future(self._check_reachable(self.server.address)))
         return self.server
@@ -166,8 +224,12 @@ class GrpcTransport:
         self.dial_back = await dial_back.check(self.tls, list(self.dial_back_peers), port)
         answered = [a for a in self.dial_back.values() if not a.startswith("no answer")]
         if answered and not any(a.startswith("reachable") for a in answered):
-            log.warning("no peer can dial this node at port %d (%s): behind NAT or a firewall? start it "
-                        "with --no-listen to be reached through relays (docs/nat.md)", port, "; ".join(answered))
+            log.warning(
+                "no peer can dial this node at port %d (%s): behind NAT or a firewall? start it "
+                "with --no-listen to be reached through relays (docs/nat.md)",
+                port,
+                "; ".join(answered),
+            )
 
     def relay_view(self) -> dict[str, Any]:
         """For /status: how this node is reached, its reservations, whom it relays for, and why

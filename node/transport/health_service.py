@@ -5,6 +5,7 @@ caller became UNKNOWN and a library traceback in the node's log (240 UNKNOWN, 18
 fuzzed). Here the request arrives as bytes and is parsed by us: a malformed one is answered
 INVALID_ARGUMENT with a one-line reason and nothing is logged; a well-formed one goes to the
 library's servicer, unchanged."""
+
 from __future__ import annotations
 
 import grpc
@@ -35,9 +36,18 @@ def add_health_service(servicer: health.aio.HealthServicer, server: grpc.aio.Ser
         async for reply in servicer.Watch(req, context):
             yield reply
 
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-        "Check": grpc.unary_unary_rpc_method_handler(
-            check, response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
-        "Watch": grpc.unary_stream_rpc_method_handler(
-            watch, response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
-    }),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                SERVICE,
+                {
+                    "Check": grpc.unary_unary_rpc_method_handler(
+                        check, response_serializer=health_pb2.HealthCheckResponse.SerializeToString
+                    ),
+                    "Watch": grpc.unary_stream_rpc_method_handler(
+                        watch, response_serializer=health_pb2.HealthCheckResponse.SerializeToString
+                    ),
+                },
+            ),
+        )
+    )

@@ -51,6 +51,7 @@ otherwise the next free number), so configs and bootstrap lists look as they do 
 Mixed networks (a group of in-process nodes in one Ray actor, say) run on ``routing.py``, which
 serves a node over gRPC too, registers it here under its gRPC address (``InProcTransport.bind``)
 and routes each call to memory or gRPC."""
+
 from __future__ import annotations
 
 import asyncio
@@ -58,15 +59,34 @@ import contextlib
 import logging
 import time
 import weakref
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
 
-from ..peering.errors import (EXHAUSTED, FORBIDDEN, INVALID, NOT_CACHED, PRIVACY_BUDGET, REFUSED, UNAVAILABLE,
-                              UNKNOWN_PEER, PeerCallError, forbidden)
 from ..peering.api import HANDSHAKE, Unary, UnaryCalls, check_compute_kind
+from ..peering.errors import (
+    EXHAUSTED,
+    FORBIDDEN,
+    INVALID,
+    NOT_CACHED,
+    PRIVACY_BUDGET,
+    REFUSED,
+    UNAVAILABLE,
+    UNKNOWN_PEER,
+    PeerCallError,
+    forbidden,
+)
 from ..peering.interfaces import UNSET_MODEL_BYTES, Health, PeerHandler, SizeLimits, Traffic
-from ..peering.messages import (CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest, LocalSnapshot, NodeInfo,
-                                SnapshotHeader, Welcome)
+from ..peering.messages import (
+    CROSS_LOSS,
+    PUSH_GRADIENT,
+    ComputeReply,
+    ComputeRequest,
+    LocalSnapshot,
+    NodeInfo,
+    SnapshotHeader,
+    Welcome,
+)
 from ..wire.codec import Groups, WireError
 from .gate import Gate, refusal_of
 
@@ -110,6 +130,7 @@ def _call_error(e: Exception, kind: str) -> PeerCallError:
 @dataclass
 class _Served:
     """One node's served side as the switchboard holds it: its gate (handler and limits)."""
+
     gate: Gate
     traffic: Traffic
     stopped: asyncio.Future  # resolved when the node stops serving: in-flight calls fail
@@ -122,6 +143,7 @@ class _Served:
 class _Caller:
     """The caller of an in-process call (``gate.Caller``): the node its client was opened for —
     the mTLS check of the gRPC server, here by construction."""
+
     __slots__ = ("node_id",)
 
     def __init__(self, node_id: str):
@@ -154,19 +176,31 @@ class InProcNetwork:
         # published snapshot -> the tensors' version counters when first handed out
         self._seals: weakref.WeakKeyDictionary[LocalSnapshot, tuple[int, ...]] = weakref.WeakKeyDictionary()
 
-    def transport(self, *, listen: str | None = None, timeout_s: float = 30.0, delay_ms: float = 0.0,
-                  max_model_bytes: int | None = None, max_gossip_bytes: int = 1 << 20,
-                  limits: SizeLimits | None = None) -> "InProcTransport":
+    def transport(
+        self,
+        *,
+        listen: str | None = None,
+        timeout_s: float = 30.0,
+        delay_ms: float = 0.0,
+        max_model_bytes: int | None = None,
+        max_gossip_bytes: int = 1 << 20,
+        limits: SizeLimits | None = None,
+    ) -> InProcTransport:
         """``limits``: the node's ``SizeLimits`` where another transport shares them (routing);
         else one of ``max_model_bytes`` and ``max_gossip_bytes``."""
         if limits is None:
             limits = SizeLimits(max_model_bytes or UNSET_MODEL_BYTES, max_gossip_bytes)
         return InProcTransport(self, listen=listen, timeout_s=timeout_s, delay_ms=delay_ms, limits=limits)
 
-    def transport_for(self, cfg: Any) -> "InProcTransport":
+    def transport_for(self, cfg: Any) -> InProcTransport:
         """A node's transport from its ``NodeConfig`` (listen address, timeout, limits, delay)."""
-        return self.transport(listen=cfg.listen, timeout_s=cfg.request_timeout_s, delay_ms=cfg.delay_ms,
-                              max_model_bytes=cfg.max_model_bytes, max_gossip_bytes=cfg.max_gossip_bytes)
+        return self.transport(
+            listen=cfg.listen,
+            timeout_s=cfg.request_timeout_s,
+            delay_ms=cfg.delay_ms,
+            max_model_bytes=cfg.max_model_bytes,
+            max_gossip_bytes=cfg.max_gossip_bytes,
+        )
 
     def addresses(self) -> list[str]:
         return sorted(self._served)
@@ -200,14 +234,17 @@ class InProcNetwork:
         versions = tuple(t._version for g in snap.groups.values() for t in g.values())
         sealed = self._seals.setdefault(snap, versions)
         if sealed != versions:
-            raise WireError(f"snapshot v{snap.version} of {snap.node_id} was modified in place after it was "
-                            f"handed out (in-process snapshots are shared and read-only for receivers)")
+            raise WireError(
+                f"snapshot v{snap.version} of {snap.node_id} was modified in place after it was "
+                f"handed out (in-process snapshots are shared and read-only for receivers)"
+            )
         return {g: dict(ts) for g, ts in snap.groups.items()}  # the tensors shared, the dicts the puller's own
 
 
 @dataclass
 class InProcServer:
     """A node served on the switchboard (``peering.interfaces.PeerServer``)."""
+
     address: str
     network: InProcNetwork
     served: _Served
@@ -220,8 +257,9 @@ class InProcTransport:
     """One node's in-process transport (``peering.interfaces.TransportFactory``). No credentials:
     ``identity`` is None, ``mtls`` False."""
 
-    def __init__(self, network: InProcNetwork, *, listen: str | None, timeout_s: float, delay_ms: float,
-                 limits: SizeLimits):
+    def __init__(
+        self, network: InProcNetwork, *, listen: str | None, timeout_s: float, delay_ms: float, limits: SizeLimits
+    ):
         self.network, self.listen = network, listen
         self.timeout_s, self.delay_ms = timeout_s, delay_ms
         self.limits = limits  # set once by the node; its served side and clients read it
@@ -229,9 +267,10 @@ class InProcTransport:
         self.mtls = False
         self.health: Health = Serving()
 
-    def connect(self, node_id: str, traffic: Traffic) -> "InProcClient":
-        return InProcClient(self.network, node_id, traffic, timeout_s=self.timeout_s, delay_ms=self.delay_ms,
-                            limits=self.limits)
+    def connect(self, node_id: str, traffic: Traffic) -> InProcClient:
+        return InProcClient(
+            self.network, node_id, traffic, timeout_s=self.timeout_s, delay_ms=self.delay_ms, limits=self.limits
+        )
 
     def bind(self, handler: PeerHandler, traffic: Traffic, address: str | None) -> InProcServer:
         """Serve ``handler`` on the switchboard at ``address`` (None: the next free one)."""
@@ -248,8 +287,16 @@ class InProcClient(UnaryCalls):
     are called in memory, any other fails (``routing.RoutingClient`` sends those over gRPC).
     Every call is made as ``node_id``, the node this client was opened for."""
 
-    def __init__(self, network: InProcNetwork, node_id: str, traffic: Traffic, *, timeout_s: float,
-                 delay_ms: float = 0.0, limits: SizeLimits | None = None):
+    def __init__(
+        self,
+        network: InProcNetwork,
+        node_id: str,
+        traffic: Traffic,
+        *,
+        timeout_s: float,
+        delay_ms: float = 0.0,
+        limits: SizeLimits | None = None,
+    ):
         self.network, self.node_id, self.traffic = network, node_id, traffic
         self.timeout_s = timeout_s
         self.delay_s = delay_ms / 1000.0  # emulated one-way link latency (testbed)
@@ -269,8 +316,7 @@ class InProcClient(UnaryCalls):
         if peer is None:
             raise PeerCallError(UNAVAILABLE, f"no node serves {address} in this process")
         if expected is not None and peer.node_id != expected:
-            raise PeerCallError(UNAVAILABLE, f"{address} is node {peer.node_id!r}, not the expected "
-                                             f"{expected!r}")
+            raise PeerCallError(UNAVAILABLE, f"{address} is node {peer.node_id!r}, not the expected {expected!r}")
         return peer
 
     async def _link(self) -> None:
@@ -289,8 +335,9 @@ class InProcClient(UnaryCalls):
         finally:
             peer.traffic.latency(kind, time.perf_counter() - t0, "server")
 
-    async def _async(self, peer: _Served, address: str, kind: str, make: Callable[[], Awaitable[Any]],
-                     timeout: float) -> Any:
+    async def _async(
+        self, peer: _Served, address: str, kind: str, make: Callable[[], Awaitable[Any]], timeout: float
+    ) -> Any:
         """A call whose peer side may take time: its own task, bounded by the deadline and by the
         peer staying up; cancelled when either runs out."""
         if peer.stopped.done():
@@ -327,8 +374,9 @@ class InProcClient(UnaryCalls):
         self.traffic.latency(kind, time.perf_counter() - t0, "client")
 
     # --- the unary calls (peering/api.py): one path for all; call/the named ones are UnaryCalls' ---
-    async def send(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
-                   peer: str | None = None) -> Rep:
+    async def send(
+        self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *, peer: str | None = None
+    ) -> Rep:
         served = self._route(address, None if rpc is HANDSHAKE else peer)
         t0 = time.perf_counter()
         await self._link()
@@ -348,9 +396,17 @@ class InProcClient(UnaryCalls):
         return _own(reply)
 
     # --- snapshots ---
-    async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
-                           min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
-                           peer: str | None = None) -> tuple[SnapshotHeader, Groups | None]:
+    async def get_snapshot(
+        self,
+        address: str,
+        requester: str,
+        have_version: int = 0,
+        *,
+        min_round: int = 0,
+        wait_s: float = 0.0,
+        timeout: float | None = None,
+        peer: str | None = None,
+    ) -> tuple[SnapshotHeader, Groups | None]:
         served = self._route(address, peer)
         t0 = time.perf_counter()
         await self._link()
@@ -366,16 +422,19 @@ class InProcClient(UnaryCalls):
         groups = None if unchanged else self.network.hand_out(snap)  # a modified one: WireError here
         size = nbytes(groups)
         if size > self.limits.max_model_bytes:
-            raise WireError(f"snapshot of {snap.node_id}: payload of {size} bytes exceeds the limit of "
-                            f"{self.limits.max_model_bytes}")
+            raise WireError(
+                f"snapshot of {snap.node_id}: payload of {size} bytes exceeds the limit of "
+                f"{self.limits.max_model_bytes}"
+            )
         served.traffic.record("snapshot", sent=size)
         self.traffic.record("snapshot", received=size)
         self._timed("snapshot", t0)
         return snap.header(unchanged), groups
 
     # --- compute requests ---
-    async def compute(self, address: str, request: ComputeRequest, timeout: float | None = None, *,
-                      peer: str | None = None) -> ComputeReply:
+    async def compute(
+        self, address: str, request: ComputeRequest, timeout: float | None = None, *, peer: str | None = None
+    ) -> ComputeReply:
         served = self._route(address, peer)
         kind = request.kind
         check_compute_kind(kind)
@@ -398,12 +457,17 @@ class InProcClient(UnaryCalls):
         elif kind == PUSH_GRADIENT:
             out = ComputeReply(accepted=bool(reply.accepted), message=str(reply.message))
         else:
-            out = ComputeReply(loss=float(reply.loss), samples=int(reply.samples), grad=reply.grad,
-                               inner_product=float(reply.inner_product))
+            out = ComputeReply(
+                loss=float(reply.loss),
+                samples=int(reply.samples),
+                grad=reply.grad,
+                inner_product=float(reply.inner_product),
+            )
         back = nbytes(out.grad)
         if back > self.limits.max_model_bytes:
-            raise WireError(f"gradient from {address}: payload of {back} bytes exceeds the limit of "
-                            f"{self.limits.max_model_bytes}")
+            raise WireError(
+                f"gradient from {address}: payload of {back} bytes exceeds the limit of {self.limits.max_model_bytes}"
+            )
         served.traffic.record(kind, received=size, sent=back)
         self.traffic.record(kind, sent=size, received=back)
         self._timed(kind, t0)

@@ -2,11 +2,13 @@
 (``PullSnapshots``: a peer pulled from again gets one long-lived stream on which each pull is a
 request and its answer), subscriptions (``WatchSnapshots``), and reading one snapshot off a
 stream with its size and hash checks, decoded as zero-copy views of one buffer."""
+
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -35,6 +37,7 @@ CONTROL, BULK = "control", "bulk"  # the two channels to each peer (client.py op
 
 class _Session:
     """One pull session: its bidirectional call, read one reply message at a time."""
+
     __slots__ = ("call", "busy", "used", "served")
 
     def __init__(self, call):
@@ -71,24 +74,51 @@ class SnapshotStreams:
     """Snapshot pulls (plain calls and pull sessions) and subscriptions over the channels of
     ``channels``; it owns the pull sessions and what it knows of which peers refuse them."""
 
-    def __init__(self, channels: Channels, traffic: Traffic, limits: SizeLimits, codecs: CodecPolicy,
-                 held: HeldVersions, *, chunk_bytes: int, timeout_s: float, sessions: bool):
+    def __init__(
+        self,
+        channels: Channels,
+        traffic: Traffic,
+        limits: SizeLimits,
+        codecs: CodecPolicy,
+        held: HeldVersions,
+        *,
+        chunk_bytes: int,
+        timeout_s: float,
+        sessions: bool,
+    ):
         self.channels, self.traffic, self.limits, self.codecs, self.held = channels, traffic, limits, codecs, held
         self.chunk_bytes, self.timeout_s, self.sessions = chunk_bytes, timeout_s, sessions
         self._sessions: dict[tuple[str, str | None], _Session] = {}  # (address, peer) -> open session
         self._pulled: dict[tuple[str, str | None], float] = {}  # -> last pull made with a plain call
         self._session_refused: dict[str, float] = {}  # address -> when its server refused one
 
-    async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
-                           min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
-                           peer: str | None = None) -> tuple[SnapshotHeader, Groups | None]:
+    async def get_snapshot(
+        self,
+        address: str,
+        requester: str,
+        have_version: int = 0,
+        *,
+        min_round: int = 0,
+        wait_s: float = 0.0,
+        timeout: float | None = None,
+        peer: str | None = None,
+    ) -> tuple[SnapshotHeader, Groups | None]:
         with _in_flight(self.channels, address):
-            return await self._get_snapshot(address, requester, have_version, min_round=min_round, wait_s=wait_s,
-                                            timeout=timeout, peer=peer)
+            return await self._get_snapshot(
+                address, requester, have_version, min_round=min_round, wait_s=wait_s, timeout=timeout, peer=peer
+            )
 
-    async def _get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
-                           min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
-                           peer: str | None = None) -> tuple[SnapshotHeader, Groups | None]:
+    async def _get_snapshot(
+        self,
+        address: str,
+        requester: str,
+        have_version: int = 0,
+        *,
+        min_round: int = 0,
+        wait_s: float = 0.0,
+        timeout: float | None = None,
+        peer: str | None = None,
+    ) -> tuple[SnapshotHeader, Groups | None]:
         """The peer's current snapshot; groups is None when it is still ``have_version``. On the
         peer's pull session when it has one (see ``_session``), else a call of its own."""
         t0 = time.perf_counter()
@@ -107,7 +137,9 @@ class SnapshotStreams:
             except _SessionGone:
                 h = None  # not answered: a plain call asks again
         if h is None:
-            call = self.channels.raw_snapshot_call(address, peer)(request, timeout=max(deadline - time.monotonic(), 0.001))
+            call = self.channels.raw_snapshot_call(address, peer)(
+                request, timeout=max(deadline - time.monotonic(), 0.001)
+            )
             h, groups, _ = await self._read_snapshot(address, call.__aiter__(), whole_stream=True, peer=peer)
         self.channels.timed("snapshot", t0)
         return serde.snapshot_header_from_pb(h), groups
@@ -128,17 +160,23 @@ class SnapshotStreams:
                 return s
             self._drop_session(key)
         last, self._pulled[key] = self._pulled.get(key), now
-        if (last is None or now - last > SESSION_AFTER_S
-                or now - self._session_refused.get(address, float("-inf")) < SESSION_RETRY_S):
+        if (
+            last is None
+            or now - last > SESSION_AFTER_S
+            or now - self._session_refused.get(address, float("-inf")) < SESSION_RETRY_S
+        ):
             return None
         call = self.channels.channel(address, BULK, peer)[0].stream_stream(
-            "/coterie.v1.Peer/PullSnapshots", request_serializer=pb.SnapshotRequest.SerializeToString,
-            response_deserializer=None)()
+            "/coterie.v1.Peer/PullSnapshots",
+            request_serializer=pb.SnapshotRequest.SerializeToString,
+            response_deserializer=None,
+        )()
         s = self._sessions[key] = _Session(call)
         return s
 
-    async def _session_pull(self, s: _Session, address: str, peer: str | None, request,
-                            deadline: float) -> tuple[Any, Groups | None]:
+    async def _session_pull(
+        self, s: _Session, address: str, peer: str | None, request, deadline: float
+    ) -> tuple[Any, Groups | None]:
         """One request and its answer on ``s``. A session whose answer did not come in full
         (deadline, refusal, broken stream, the caller gave up) is closed: what is still in
         flight on it is unknown. ``_SessionGone``: it ended before answering, or its server
@@ -150,15 +188,19 @@ class SnapshotStreams:
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
                 raise _SessionGone(str(e)) from None
             try:
-                h, groups, _ = await asyncio.wait_for(self._read_snapshot(address, s, whole_stream=False, peer=peer),
-                                                      max(deadline - time.monotonic(), 0.001))
+                h, groups, _ = await asyncio.wait_for(
+                    self._read_snapshot(address, s, whole_stream=False, peer=peer),
+                    max(deadline - time.monotonic(), 0.001),
+                )
             except asyncio.TimeoutError:
                 raise PeerCallError(UNAVAILABLE, f"snapshot of {peer or address}: deadline exceeded") from None
             except StopAsyncIteration:
                 raise _SessionGone("ended by the server") from None
             except grpc.aio.AioRpcError as e:
-                if not s.served and (e.code() == grpc.StatusCode.UNIMPLEMENTED or (
-                        e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "snapshot session" in (e.details() or ""))):
+                if not s.served and (
+                    e.code() == grpc.StatusCode.UNIMPLEMENTED
+                    or (e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "snapshot session" in (e.details() or ""))
+                ):
                     self._session_refused[address] = time.monotonic()
                     raise _SessionGone(e.details() or e.code().name) from None
                 raise
@@ -186,11 +228,17 @@ class SnapshotStreams:
 
     def _snapshot_request(self, requester: str, **fields: Any) -> pb.SnapshotRequest:
         """A snapshot request naming this node's codecs (preferred first) and whether it takes deltas."""
-        return pb.SnapshotRequest(requester=requester, chunk_bytes=self.chunk_bytes, codecs=list(self.codecs.codecs),
-                                  delta=self.codecs.delta, **fields)
+        return pb.SnapshotRequest(
+            requester=requester,
+            chunk_bytes=self.chunk_bytes,
+            codecs=list(self.codecs.codecs),
+            delta=self.codecs.delta,
+            **fields,
+        )
 
-    async def _read_snapshot(self, address: str, it, *, whole_stream: bool,
-                             peer: str | None = None) -> tuple[Any, Groups | None, int]:
+    async def _read_snapshot(
+        self, address: str, it, *, whole_stream: bool, peer: str | None = None
+    ) -> tuple[Any, Groups | None, int]:
         """One snapshot off a stream: its header, then chunks up to the announced size (size and
         sha256 of the payload checked while reassembling), decoded in the codec the header names
         (a plain fp32 payload as zero-copy views of the one buffer; a delta added to the version
@@ -202,8 +250,12 @@ class SnapshotStreams:
         h = first.header
         groups, size = None, 0
         if not h.unchanged:
-            asm = Assembler(f"snapshot of {h.node_id or address}", h.total_bytes, h.payload_sha256 or h.sha256,
-                            self.limits.max_model_bytes)
+            asm = Assembler(
+                f"snapshot of {h.node_id or address}",
+                h.total_bytes,
+                h.payload_sha256 or h.sha256,
+                self.limits.max_model_bytes,
+            )
             if first.inline:  # a small snapshot comes in its header's message (a watch, a session)
                 asm.add(first.inline)
             if whole_stream:
@@ -214,8 +266,10 @@ class SnapshotStreams:
                     while asm.size < asm.total:
                         asm.add(data_field(await it.__anext__()))
                 except StopAsyncIteration:
-                    raise WireError(f"snapshot v{h.version} of {h.node_id or address}: stream ended "
-                                    f"after {asm.size} of {asm.total} bytes") from None
+                    raise WireError(
+                        f"snapshot v{h.version} of {h.node_id or address}: stream ended "
+                        f"after {asm.size} of {asm.total} bytes"
+                    ) from None
             data = asm.finish()
             size = len(data)
             key = peer or address
@@ -250,8 +304,10 @@ class SnapshotStreams:
             if held is None:
                 newest = self.held.get(key)
                 holds = f"v{newest.version} ({newest.digest[:12]})" if newest is not None else "no version"
-                raise WireError(f"a delta against v{h.base_version} ({h.base_sha256[:12]}), but this node "
-                                f"holds {holds} of that peer")
+                raise WireError(
+                    f"a delta against v{h.base_version} ({h.base_sha256[:12]}), but this node "
+                    f"holds {holds} of that peer"
+                )
             base = held.groups
         groups, meta = wire_codecs.decode(data, max_bytes=self.limits.max_model_bytes, base=base)
         section = wire_codecs.codec_of(meta)
@@ -264,8 +320,9 @@ class SnapshotStreams:
             raise WireError("header and payload disagree on the delta's base")
         return groups
 
-    async def watch_snapshots(self, address: str, requester: str, *, min_round: int = 0,
-                              peer: str | None = None) -> AsyncIterator[tuple[SnapshotHeader, Groups]]:
+    async def watch_snapshots(
+        self, address: str, requester: str, *, min_round: int = 0, peer: str | None = None
+    ) -> AsyncIterator[tuple[SnapshotHeader, Groups]]:
         """Every snapshot the peer publishes from ``min_round`` on, as it publishes it: one
         long-lived stream instead of a call a round. Checked like a pull; ends by raising
         ``PeerCallError`` / ``WireError`` (or when the caller stops iterating: the call is
@@ -275,9 +332,10 @@ class SnapshotStreams:
             with _in_flight(self.channels, address):
                 await self.channels.link()
                 call = self.channels.channel(address, BULK, peer)[0].unary_stream(
-                    "/coterie.v1.Peer/WatchSnapshots", request_serializer=pb.SnapshotRequest.SerializeToString,
-                    response_deserializer=None)(
-                    self._watch_request(requester, min_round, peer or address))
+                    "/coterie.v1.Peer/WatchSnapshots",
+                    request_serializer=pb.SnapshotRequest.SerializeToString,
+                    response_deserializer=None,
+                )(self._watch_request(requester, min_round, peer or address))
                 it = call.__aiter__()
                 while True:
                     try:

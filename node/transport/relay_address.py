@@ -5,6 +5,7 @@
 "reach NODE_ID through any of these relays, first one first". The relays are reachable nodes'
 peer ports; NODE_ID is also the certificate name the dialer asks TLS for through the pipe, so
 the address itself pins whom a relayed connection may end at (docs/nat.md)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ def parse(address: str) -> RelayAddress:
     """``address`` as a ``RelayAddress``; ``RelayAddressError`` names what is wrong."""
     if not is_relayed(address):
         raise RelayAddressError(f"not a relay address (expected {SCHEME}HOST:PORT,.../NODE_ID): {address!r}")
-    hosts, sep, node_id = address[len(SCHEME):].rpartition("/")
+    hosts, sep, node_id = address[len(SCHEME) :].rpartition("/")
     if not sep or not hosts or not node_id:
         raise RelayAddressError(f"expected {SCHEME}HOST:PORT,.../NODE_ID, got {address!r}")
     problem = node_id_problem(node_id)

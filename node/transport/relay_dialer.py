@@ -6,6 +6,7 @@ carries), so the session is end to end between this node and n7; the relay sees 
 
 A relay that fails or refuses is remembered (``problems``) and the next one tried; the one that
 last worked is tried first."""
+
 from __future__ import annotations
 
 import asyncio
@@ -50,6 +51,7 @@ class RelayDialer:
             async def start(sock=sock, target=target):
                 server = await asyncio.start_server(lambda r, w: self._tunnel(target, r, w), sock=sock)
                 self._servers.append(server)
+
             asyncio.get_running_loop().create_task(start())
         return self._local[address], target.node_id
 
@@ -72,8 +74,9 @@ class RelayDialer:
             if task is not None:
                 self._tunnels.discard(task)
 
-    async def _through_relays(self, target: RelayAddress, reader: asyncio.StreamReader,
-                              writer: asyncio.StreamWriter) -> None:
+    async def _through_relays(
+        self, target: RelayAddress, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         preferred = self._preferred.get(target.node_id)
         order = sorted(target.relays, key=lambda r: r != preferred)
         for relay in order:

@@ -1,6 +1,7 @@
 """Splicing a local byte stream (TCP or Unix socket) with a Relay bidi stream (``relay.proto``):
 what the dialer and the reserved node each do with their end of a tunnel. Bytes pass as they
 are: on both ends they are the two nodes' own TLS records."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +16,7 @@ READ_BYTES = 256 << 10  # one frame per read of the local socket, at most this
 
 async def splice(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, call) -> None:
     """Copy both ways until either end closes or fails; then close both."""
+
     async def up() -> None:
         while data := await reader.read(READ_BYTES):
             await call.write(pb.RelayFrame(data=data))
@@ -41,9 +43,14 @@ async def splice(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, cal
 
 def relay_channel(address: str, creds: grpc.ChannelCredentials | None, target_name: str) -> grpc.aio.Channel:
     """A channel to a relay's peer port, presenting this node's certificate (any node of the CA may relay)."""
-    options = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_permit_without_calls", 1),
-               ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2_000),
-               ("grpc.use_local_subchannel_pool", 1), ("grpc.ssl_target_name_override", target_name)]
+    options = [
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+        ("grpc.use_local_subchannel_pool", 1),
+        ("grpc.ssl_target_name_override", target_name),
+    ]
     if creds is None:
         return grpc.aio.insecure_channel(address, options=options[:-1])
     return grpc.aio.secure_channel(address, creds, options=options)

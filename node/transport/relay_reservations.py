@@ -3,6 +3,7 @@ socket only, and it holds a ``Reserve`` stream to each of its relays. Each tunne
 is accepted and spliced to a fresh connection to that socket, so the peer server (and its mTLS)
 serves relayed callers exactly as it serves direct ones. A lost reservation is retried with
 backoff, while the other relays keep this node reachable."""
+
 from __future__ import annotations
 
 import asyncio
@@ -63,7 +64,9 @@ class RelayReservations:
                         self._spawn(self._accept(stub, offer.tunnel_id))
                     elif offer.tunnel_id:
                         self.ignored += 1
-                        log.warning("relay %s offers a tunnel past this node's %d open ones: ignored", relay, MAX_TUNNELS)
+                        log.warning(
+                            "relay %s offers a tunnel past this node's %d open ones: ignored", relay, MAX_TUNNELS
+                        )
                 self.state[relay] = "the relay ended the reservation"
             except grpc.aio.AioRpcError as e:
                 self.state[relay] = f"{e.code().name}: {e.details()}"

@@ -7,13 +7,14 @@ ends' own mutual TLS, so the relay reads ciphertext only and cannot answer in ei
 Every party is the node its mTLS certificate names (no certificate: no relay). Each peer's
 demands are bounded (``RelayBudget``): reservations held, tunnels open per dialer and per
 reserved node, bytes per second per node through this relay. A refusal names the limit."""
+
 from __future__ import annotations
 
 import asyncio
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -29,6 +30,7 @@ KEEPALIVE_S = 10.0  # an empty offer on idle reservations, so dead ones are noti
 @dataclass(frozen=True)
 class RelayBudget:
     """What one peer may demand of this relay (config ``relay``)."""
+
     max_reservations: int = 128  # outbound-only nodes relayed for at once
     max_tunnels_per_peer: int = 16  # tunnels open at once per dialer, and per reserved node
     max_bytes_per_s: float = 64e6  # per node (dialer or reserved), both directions together
@@ -80,8 +82,9 @@ class RelayService:
         """The node the caller's certificate names, accepted (allow-list, CRL); else the call ends."""
         ident = caller_identity(context)
         if ident is None or not self.tls.allowed(ident) or self.tls.refusal(context):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "relay: the caller's certificate names no "
-                                                                   "accepted Coterie node")
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, "relay: the caller's certificate names no accepted Coterie node"
+            )
         assert ident is not None  # (abort raised otherwise)
         return ident
 
@@ -102,6 +105,7 @@ class RelayService:
     # ------------------------------------------------------------------ RPCs
     async def DialBack(self, raw: bytes, context) -> pb.DialBackReply:
         from .dial_back import caller_host, dial
+
         who = await self._who(context)
         try:
             port = pb.DialBackRequest.FromString(raw).port
@@ -124,8 +128,9 @@ class RelayService:
     async def Reserve(self, request: bytes, context) -> AsyncIterator[pb.TunnelOffer]:
         who = await self._who(context)
         if who not in self._offers and len(self._offers) >= self.budget.max_reservations:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"relay: max_reservations ({self.budget.max_reservations}) reached")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"relay: max_reservations ({self.budget.max_reservations}) reached"
+            )
         queue: asyncio.Queue = asyncio.Queue()
         self._offers[who] = queue  # a node's newer reservation replaces its older one
         try:
@@ -171,8 +176,10 @@ class RelayService:
             try:
                 await asyncio.wait_for(asyncio.shield(tunnel.accepted), self.budget.accept_timeout_s)
             except asyncio.TimeoutError:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"relay: node {target!r} did not accept "
-                                                                 f"within {self.budget.accept_timeout_s} s")
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"relay: node {target!r} did not accept within {self.budget.accept_timeout_s} s",
+                )
             yield pb.RelayFrame(tunnel_id=tid)
             pump = asyncio.ensure_future(self._pump(it, tunnel, to_target=True))
             async for frame in _drain(tunnel.to_dialer):
@@ -230,8 +237,10 @@ async def _first(it, context, field_name: str) -> pb.RelayFrame:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "relay: the first frame is not a RelayFrame")
     assert first is not None  # (abort raised otherwise)
     if first.WhichOneof("body") != field_name:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"relay: the stream must start with {field_name}, not {short(str(first.WhichOneof('body')), 40)}")
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"relay: the stream must start with {field_name}, not {short(str(first.WhichOneof('body')), 40)}",
+        )
     return first
 
 
@@ -247,15 +256,23 @@ def _parse(raw: bytes) -> pb.RelayFrame | None:
 def handlers(service: RelayService) -> grpc.GenericRpcHandler:
     """The Relay service's method table, requests as raw bytes (parsed by the servicer)."""
     ser = _serialize
-    return grpc.method_handlers_generic_handler("coterie.v1.Relay", {
-        "Reserve": grpc.unary_stream_rpc_method_handler(service.Reserve, request_deserializer=None,
-                                                        response_serializer=ser),
-        "Connect": grpc.stream_stream_rpc_method_handler(service.Connect, request_deserializer=None,
-                                                         response_serializer=ser),
-        "Accept": grpc.stream_stream_rpc_method_handler(service.Accept, request_deserializer=None,
-                                                        response_serializer=ser),
-        "DialBack": grpc.unary_unary_rpc_method_handler(service.DialBack, request_deserializer=None,
-                                                        response_serializer=ser)})
+    return grpc.method_handlers_generic_handler(
+        "coterie.v1.Relay",
+        {
+            "Reserve": grpc.unary_stream_rpc_method_handler(
+                service.Reserve, request_deserializer=None, response_serializer=ser
+            ),
+            "Connect": grpc.stream_stream_rpc_method_handler(
+                service.Connect, request_deserializer=None, response_serializer=ser
+            ),
+            "Accept": grpc.stream_stream_rpc_method_handler(
+                service.Accept, request_deserializer=None, response_serializer=ser
+            ),
+            "DialBack": grpc.unary_unary_rpc_method_handler(
+                service.DialBack, request_deserializer=None, response_serializer=ser
+            ),
+        },
+    )
 
 
 def _serialize(msg) -> bytes:

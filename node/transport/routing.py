@@ -14,6 +14,7 @@ Peers never know the difference: an address is a gRPC address either way, so boo
 peer exchange and results look as they do for a network of daemon processes. Each node's
 transport counts its calls and payload bytes per route (``RouteStats``: ``memory`` / ``grpc``),
 so a launcher can report — and a test assert — how much crossed process boundaries."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -35,14 +36,17 @@ MEMORY, GRPC = "memory", "grpc"
 @dataclass
 class RouteStats:
     """One node's outgoing calls and payload bytes, by route."""
+
     calls: Counter = field(default_factory=Counter)
     sent: Counter = field(default_factory=Counter)
     received: Counter = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, dict[str, int]]:
-        return {"calls": {r: self.calls[r] for r in (MEMORY, GRPC)},
-                "bytes_sent": {r: self.sent[r] for r in (MEMORY, GRPC)},
-                "bytes_received": {r: self.received[r] for r in (MEMORY, GRPC)}}
+        return {
+            "calls": {r: self.calls[r] for r in (MEMORY, GRPC)},
+            "bytes_sent": {r: self.sent[r] for r in (MEMORY, GRPC)},
+            "bytes_received": {r: self.received[r] for r in (MEMORY, GRPC)},
+        }
 
 
 class _RouteTraffic:
@@ -63,6 +67,7 @@ class _RouteTraffic:
 @dataclass
 class RoutingServer:
     """The node served both ways (``peering.interfaces.PeerServer``); stopping stops both."""
+
     address: str
     memory: InProcServer
     also: PeerServer  # the gRPC server
@@ -77,8 +82,16 @@ class RoutingTransport:
     process's nodes, its gRPC factory for the rest, with every call counted by route. Identity,
     mTLS and health are the gRPC side's; so are the ``limits``, shared with the memory side."""
 
-    def __init__(self, switchboard: InProcNetwork, grpc: TransportFactory, *, timeout_s: float = 30.0,
-                 delay_ms: float = 0.0, max_model_bytes: int | None = None, max_gossip_bytes: int | None = None):
+    def __init__(
+        self,
+        switchboard: InProcNetwork,
+        grpc: TransportFactory,
+        *,
+        timeout_s: float = 30.0,
+        delay_ms: float = 0.0,
+        max_model_bytes: int | None = None,
+        max_gossip_bytes: int | None = None,
+    ):
         self.switchboard, self.grpc = switchboard, grpc
         self.stats = RouteStats()
         self.limits = grpc.limits  # one per node: both served sides and both routes' clients read it
@@ -90,16 +103,24 @@ class RoutingTransport:
         self.identity, self.mtls, self.health = grpc.identity, grpc.mtls, grpc.health
 
     @classmethod
-    def from_config(cls, switchboard: InProcNetwork, cfg: Any,
-                    grpc: TransportFactory | None = None) -> "RoutingTransport":
+    def from_config(
+        cls, switchboard: InProcNetwork, cfg: Any, grpc: TransportFactory | None = None
+    ) -> RoutingTransport:
         """From a ``NodeConfig``; the gRPC side is ``GrpcTransport.from_config(cfg)`` unless given."""
         if grpc is None:
             from .grpc_transport import GrpcTransport
-            grpc = GrpcTransport.from_config(cfg)
-        return cls(switchboard, grpc, timeout_s=cfg.request_timeout_s, delay_ms=cfg.delay_ms,
-                   max_model_bytes=cfg.max_model_bytes, max_gossip_bytes=cfg.max_gossip_bytes)
 
-    def connect(self, node_id: str, traffic: Traffic) -> "RoutingClient":
+            grpc = GrpcTransport.from_config(cfg)
+        return cls(
+            switchboard,
+            grpc,
+            timeout_s=cfg.request_timeout_s,
+            delay_ms=cfg.delay_ms,
+            max_model_bytes=cfg.max_model_bytes,
+            max_gossip_bytes=cfg.max_gossip_bytes,
+        )
+
+    def connect(self, node_id: str, traffic: Traffic) -> RoutingClient:
         memory = self._memory.connect(node_id, _RouteTraffic(traffic, self.stats, MEMORY))
         remote = self.grpc.connect(node_id, _RouteTraffic(traffic, self.stats, GRPC))
         return RoutingClient(self.switchboard, memory, remote, self.stats)
@@ -138,22 +159,33 @@ class RoutingClient(UnaryCalls):
         self.stats.calls[route] += 1
         return self.memory if route == MEMORY else self.remote
 
-    async def send(self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *,
-                   peer: str | None = None) -> Rep:
+    async def send(
+        self, rpc: Unary[Req, Rep], address: str, request: Req, timeout: float | None = None, *, peer: str | None = None
+    ) -> Rep:
         return await self._via(address).send(rpc, address, request, timeout, peer=peer)
 
     async def welcomed(self, address: str, remote: NodeInfo, timeout: float) -> None:
         route = self.memory if self.route(address) == MEMORY else self.remote
         await route.welcomed(address, remote, timeout)  # gRPC: the id proven by its certificate
 
-    async def get_snapshot(self, address: str, requester: str, have_version: int = 0, *,
-                           min_round: int = 0, wait_s: float = 0.0, timeout: float | None = None,
-                           peer: str | None = None) -> tuple[SnapshotHeader, Groups | None]:
-        return await self._via(address).get_snapshot(address, requester, have_version, min_round=min_round,
-                                                     wait_s=wait_s, timeout=timeout, peer=peer)
+    async def get_snapshot(
+        self,
+        address: str,
+        requester: str,
+        have_version: int = 0,
+        *,
+        min_round: int = 0,
+        wait_s: float = 0.0,
+        timeout: float | None = None,
+        peer: str | None = None,
+    ) -> tuple[SnapshotHeader, Groups | None]:
+        return await self._via(address).get_snapshot(
+            address, requester, have_version, min_round=min_round, wait_s=wait_s, timeout=timeout, peer=peer
+        )
 
-    async def compute(self, address: str, request: ComputeRequest, timeout: float | None = None, *,
-                      peer: str | None = None) -> ComputeReply:
+    async def compute(
+        self, address: str, request: ComputeRequest, timeout: float | None = None, *, peer: str | None = None
+    ) -> ComputeReply:
         return await self._via(address).compute(address, request, timeout, peer=peer)
 
     async def forget(self, address: str) -> None:

@@ -5,19 +5,36 @@ counterpart is converted here — ``WIRE`` holds the serde pair of each unary ca
 in ``server.py``, ``compute_rpcs.py``, ``client.py`` and ``pulls.py``, which also read replies'
 plain scalar fields. Tensor payloads travel as Coterie's tensor encoding (``wire/codec.py``);
 chunking and hashing stay in the transport."""
+
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
 from ...proto.v1 import peer_pb2 as pb
 from ..peering.api import RevocationList
 from ..peering.errors import invalid, short
-from ..peering.messages import (ALIVE, DEAD, SUSPECT, Beat, ComputeReply, ComputeRequest, Gossip, IndirectProbe,
-                                MemberUpdate, NodeInfo, PeerEntry, PeerList, ProbeReply,
-                                SnapshotHeader, SnapshotRef, Welcome)
+from ..peering.messages import (
+    ALIVE,
+    DEAD,
+    SUSPECT,
+    Beat,
+    ComputeReply,
+    ComputeRequest,
+    Gossip,
+    IndirectProbe,
+    MemberUpdate,
+    NodeInfo,
+    PeerEntry,
+    PeerList,
+    ProbeReply,
+    SnapshotHeader,
+    SnapshotRef,
+    Welcome,
+)
 
 
 def parse(cls, raw: bytes, what: str):
@@ -35,20 +52,35 @@ async def parsed(raw_frames, cls, what: str) -> AsyncIterator[Any]:
 
 # --- membership ---
 def node_info_to_pb(n: NodeInfo) -> pb.NodeInfo:
-    return pb.NodeInfo(node_id=n.node_id, protocol_version=n.protocol_version,
-                       arch_fingerprint=n.arch_fingerprint, capabilities=list(n.capabilities),
-                       address=n.address, admin_url=n.admin_url, labels=dict(n.labels), task=n.task,
-                       codecs=list(n.codecs))
+    return pb.NodeInfo(
+        node_id=n.node_id,
+        protocol_version=n.protocol_version,
+        arch_fingerprint=n.arch_fingerprint,
+        capabilities=list(n.capabilities),
+        address=n.address,
+        admin_url=n.admin_url,
+        labels=dict(n.labels),
+        task=n.task,
+        codecs=list(n.codecs),
+    )
 
 
 def node_info_from_pb(m: pb.NodeInfo) -> NodeInfo:
-    return NodeInfo(m.node_id, m.protocol_version, m.arch_fingerprint, tuple(m.capabilities),
-                    m.address, m.admin_url, dict(m.labels), m.task, tuple(m.codecs))
+    return NodeInfo(
+        m.node_id,
+        m.protocol_version,
+        m.arch_fingerprint,
+        tuple(m.capabilities),
+        m.address,
+        m.admin_url,
+        dict(m.labels),
+        m.task,
+        tuple(m.codecs),
+    )
 
 
 def entries_to_pb(entries: list[PeerEntry]) -> list[pb.PeerEntry]:
-    return [pb.PeerEntry(node_id=e.node_id, address=e.address, last_seen_age_s=e.last_seen_age_s)
-            for e in entries]
+    return [pb.PeerEntry(node_id=e.node_id, address=e.address, last_seen_age_s=e.last_seen_age_s) for e in entries]
 
 
 def entries_from_pb(entries) -> list[PeerEntry]:
@@ -60,19 +92,36 @@ _STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
 
 
 def updates_to_pb(updates) -> list[pb.MemberUpdate]:
-    return [pb.MemberUpdate(node_id=u.node_id, address=u.address, incarnation=u.incarnation,
-                            state=_STATE_TO_PB[u.state], accuser=u.accuser) for u in updates]
+    return [
+        pb.MemberUpdate(
+            node_id=u.node_id,
+            address=u.address,
+            incarnation=u.incarnation,
+            state=_STATE_TO_PB[u.state],
+            accuser=u.accuser,
+        )
+        for u in updates
+    ]
 
 
 def updates_from_pb(updates) -> tuple[MemberUpdate, ...]:
     # an unknown enum value (a newer peer) reads as no news rather than a guess
-    return tuple(MemberUpdate(u.node_id, u.address, u.incarnation, _STATE_FROM_PB[u.state], u.accuser)
-                 for u in updates if u.state in _STATE_FROM_PB)
+    return tuple(
+        MemberUpdate(u.node_id, u.address, u.incarnation, _STATE_FROM_PB[u.state], u.accuser)
+        for u in updates
+        if u.state in _STATE_FROM_PB
+    )
 
 
 def beat_to_request(b: Beat) -> pb.HeartbeatRequest:
-    return pb.HeartbeatRequest(node_id=b.node_id, round=b.round, snapshot_version=b.version,
-                               sent_at=b.sent_at, incarnation=b.incarnation, updates=updates_to_pb(b.updates))
+    return pb.HeartbeatRequest(
+        node_id=b.node_id,
+        round=b.round,
+        snapshot_version=b.version,
+        sent_at=b.sent_at,
+        incarnation=b.incarnation,
+        updates=updates_to_pb(b.updates),
+    )
 
 
 def beat_from_request(m: pb.HeartbeatRequest) -> Beat:
@@ -80,8 +129,14 @@ def beat_from_request(m: pb.HeartbeatRequest) -> Beat:
 
 
 def beat_to_reply(b: Beat) -> pb.HeartbeatReply:
-    return pb.HeartbeatReply(node_id=b.node_id, round=b.round, snapshot_version=b.version,
-                             echo_sent_at=b.sent_at, incarnation=b.incarnation, updates=updates_to_pb(b.updates))
+    return pb.HeartbeatReply(
+        node_id=b.node_id,
+        round=b.round,
+        snapshot_version=b.version,
+        echo_sent_at=b.sent_at,
+        incarnation=b.incarnation,
+        updates=updates_to_pb(b.updates),
+    )
 
 
 def beat_from_reply(m: pb.HeartbeatReply) -> Beat:
@@ -89,9 +144,13 @@ def beat_from_reply(m: pb.HeartbeatReply) -> Beat:
 
 
 def probe_to_pb(p: IndirectProbe) -> pb.IndirectProbeRequest:
-    return pb.IndirectProbeRequest(node_id=p.requester, target_id=p.target,
-                                   timeout_ms=min(int(p.timeout_s * 1000), 2**32 - 1),
-                                   incarnation=p.incarnation, updates=updates_to_pb(p.updates))
+    return pb.IndirectProbeRequest(
+        node_id=p.requester,
+        target_id=p.target,
+        timeout_ms=min(int(p.timeout_s * 1000), 2**32 - 1),
+        incarnation=p.incarnation,
+        updates=updates_to_pb(p.updates),
+    )
 
 
 def probe_from_pb(m: pb.IndirectProbeRequest) -> IndirectProbe:
@@ -115,8 +174,12 @@ def welcome_from_pb(m: pb.HandshakeReply) -> Welcome:
 
 
 def peer_list_to_pb(p: PeerList) -> pb.PeerList:
-    return pb.PeerList(node_id=p.sender, peers=entries_to_pb(list(p.entries)), members=updates_to_pb(p.members),
-                       incarnation=p.incarnation)
+    return pb.PeerList(
+        node_id=p.sender,
+        peers=entries_to_pb(list(p.entries)),
+        members=updates_to_pb(p.members),
+        incarnation=p.incarnation,
+    )
 
 
 def peer_list_from_pb(m: pb.PeerList) -> PeerList:
@@ -141,11 +204,19 @@ def revocations_from_pb(m: pb.RevocationList) -> RevocationList:
 
 
 # --- snapshots ---
-def snapshot_header_to_pb(h: SnapshotHeader, total_bytes: int,
-                          encoding: dict[str, Any] | None = None) -> pb.SnapshotHeader:
+def snapshot_header_to_pb(
+    h: SnapshotHeader, total_bytes: int, encoding: dict[str, Any] | None = None
+) -> pb.SnapshotHeader:
     """``encoding``: codec, payload_sha256 and a delta's base_version/base_sha256, if any."""
-    return pb.SnapshotHeader(node_id=h.node_id, version=h.version, round=h.round, sha256=h.digest,
-                             total_bytes=total_bytes, unchanged=h.unchanged, **(encoding or {}))
+    return pb.SnapshotHeader(
+        node_id=h.node_id,
+        version=h.version,
+        round=h.round,
+        sha256=h.digest,
+        total_bytes=total_bytes,
+        unchanged=h.unchanged,
+        **(encoding or {}),
+    )
 
 
 def snapshot_header_from_pb(m: pb.SnapshotHeader) -> SnapshotHeader:
@@ -153,11 +224,21 @@ def snapshot_header_from_pb(m: pb.SnapshotHeader) -> SnapshotHeader:
 
 
 # --- compute requests ---
-def compute_header_to_pb(r: ComputeRequest, total_bytes: int = 0, digest: str = "",
-                         codec: str = "") -> pb.ComputeHeader:
-    h = pb.ComputeHeader(requester=r.requester, total_bytes=total_bytes, sha256=digest, split=r.split,
-                         max_samples=r.max_samples, reduction=r.reduction,
-                         target_version=r.target_version, align=r.align, purpose=r.purpose, codec=codec)
+def compute_header_to_pb(
+    r: ComputeRequest, total_bytes: int = 0, digest: str = "", codec: str = ""
+) -> pb.ComputeHeader:
+    h = pb.ComputeHeader(
+        requester=r.requester,
+        total_bytes=total_bytes,
+        sha256=digest,
+        split=r.split,
+        max_samples=r.max_samples,
+        reduction=r.reduction,
+        target_version=r.target_version,
+        align=r.align,
+        purpose=r.purpose,
+        codec=codec,
+    )
     if r.ref is not None:
         h.ref.CopyFrom(pb.SnapshotRef(node_id=r.ref.node_id, version=r.ref.version, sha256=r.ref.digest))
     return h
@@ -165,10 +246,18 @@ def compute_header_to_pb(r: ComputeRequest, total_bytes: int = 0, digest: str = 
 
 def compute_request_from_pb(kind: str, h: pb.ComputeHeader) -> ComputeRequest:
     """The request a header describes, without its tensors (the transport adds those)."""
-    ref = (SnapshotRef(h.ref.node_id, h.ref.version, h.ref.sha256) if h.HasField("ref") else None)
-    return ComputeRequest(kind=kind, requester=h.requester, ref=ref, split=h.split,
-                          max_samples=h.max_samples, reduction=h.reduction or "mean",
-                          target_version=h.target_version, align=h.align, purpose=h.purpose)
+    ref = SnapshotRef(h.ref.node_id, h.ref.version, h.ref.sha256) if h.HasField("ref") else None
+    return ComputeRequest(
+        kind=kind,
+        requester=h.requester,
+        ref=ref,
+        split=h.split,
+        max_samples=h.max_samples,
+        reduction=h.reduction or "mean",
+        target_version=h.target_version,
+        align=h.align,
+        purpose=h.purpose,
+    )
 
 
 def loss_reply_to_pb(r: ComputeReply) -> pb.LossReply:
@@ -176,8 +265,9 @@ def loss_reply_to_pb(r: ComputeReply) -> pb.LossReply:
 
 
 def gradient_header_to_pb(r: ComputeReply, total_bytes: int, digest: str) -> pb.GradientHeader:
-    return pb.GradientHeader(loss=r.loss, samples=r.samples, total_bytes=total_bytes, sha256=digest,
-                             inner_product=r.inner_product)
+    return pb.GradientHeader(
+        loss=r.loss, samples=r.samples, total_bytes=total_bytes, sha256=digest, inner_product=r.inner_product
+    )
 
 
 def ack_to_pb(r: ComputeReply) -> pb.Ack:
@@ -188,6 +278,7 @@ def ack_to_pb(r: ComputeReply) -> pb.Ack:
 @dataclass(frozen=True)
 class Wire:
     """One unary call's protobuf messages and its serde pair each way."""
+
     request: type  # the request's protobuf class (parsed from raw bytes by the servicer)
     reply: type
     request_to_pb: Callable[[Any], Any]
@@ -197,16 +288,35 @@ class Wire:
 
 
 WIRE: dict[str, Wire] = {  # by ``api.Unary.name``
-    "Handshake": Wire(pb.HandshakeRequest, pb.HandshakeReply, lambda n: pb.HandshakeRequest(node=node_info_to_pb(n)),
-                      lambda m: node_info_from_pb(m.node), welcome_to_pb, welcome_from_pb),
-    "Heartbeat": Wire(pb.HeartbeatRequest, pb.HeartbeatReply, beat_to_request, beat_from_request, beat_to_reply,
-                      beat_from_reply),
-    "ExchangePeers": Wire(pb.PeerList, pb.PeerList, peer_list_to_pb, peer_list_from_pb, peer_list_to_pb,
-                          peer_list_from_pb),
-    "IndirectProbe": Wire(pb.IndirectProbeRequest, pb.IndirectProbeReply, probe_to_pb, probe_from_pb,
-                          probe_reply_to_pb, probe_reply_from_pb),
-    "GossipState": Wire(pb.GossipMessage, pb.GossipMessage, gossip_to_pb, gossip_from_pb, gossip_to_pb,
-                        gossip_from_pb),
-    "ExchangeRevocations": Wire(pb.RevocationList, pb.RevocationList, revocations_to_pb, revocations_from_pb,
-                                revocations_to_pb, revocations_from_pb),
+    "Handshake": Wire(
+        pb.HandshakeRequest,
+        pb.HandshakeReply,
+        lambda n: pb.HandshakeRequest(node=node_info_to_pb(n)),
+        lambda m: node_info_from_pb(m.node),
+        welcome_to_pb,
+        welcome_from_pb,
+    ),
+    "Heartbeat": Wire(
+        pb.HeartbeatRequest, pb.HeartbeatReply, beat_to_request, beat_from_request, beat_to_reply, beat_from_reply
+    ),
+    "ExchangePeers": Wire(
+        pb.PeerList, pb.PeerList, peer_list_to_pb, peer_list_from_pb, peer_list_to_pb, peer_list_from_pb
+    ),
+    "IndirectProbe": Wire(
+        pb.IndirectProbeRequest,
+        pb.IndirectProbeReply,
+        probe_to_pb,
+        probe_from_pb,
+        probe_reply_to_pb,
+        probe_reply_from_pb,
+    ),
+    "GossipState": Wire(pb.GossipMessage, pb.GossipMessage, gossip_to_pb, gossip_from_pb, gossip_to_pb, gossip_from_pb),
+    "ExchangeRevocations": Wire(
+        pb.RevocationList,
+        pb.RevocationList,
+        revocations_to_pb,
+        revocations_from_pb,
+        revocations_to_pb,
+        revocations_from_pb,
+    ),
 }

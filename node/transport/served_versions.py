@@ -13,6 +13,7 @@ are cached by (version, codec, base), so peers that hold the same base share one
 ``HeldVersions`` (the requesting side): per peer, the version it last decoded, the digest of the
 payload it came in (what a delta names as its base) and the tensors — the base the next delta
 is added to."""
+
 from __future__ import annotations
 
 import asyncio
@@ -47,6 +48,7 @@ class CodecPolicy:
 class Payload:
     """A snapshot as sent: its bytes, their sha256 (the commitment), the codec, and for a delta
     the (version, payload digest) of its base."""
+
     data: Any  # bytes or memoryview
     digest: str
     codec: str
@@ -64,8 +66,15 @@ class ServedVersions:
         """The first of the requester's codecs this node serves; fp32 if none (an old peer)."""
         return codecs.negotiate(list(wanted), self.policy.advertised)
 
-    async def payload(self, snap: Any, wanted: list[str] | tuple[str, ...], *, delta: bool = False,
-                      have_version: int = 0, have_sha256: str = "") -> Payload:
+    async def payload(
+        self,
+        snap: Any,
+        wanted: list[str] | tuple[str, ...],
+        *,
+        delta: bool = False,
+        have_version: int = 0,
+        have_sha256: str = "",
+    ) -> Payload:
         """``snap`` (a ``LocalSnapshot``, ready) encoded for a requester that accepts ``wanted``
         and holds ``have_version`` as the payload ``have_sha256`` (a delta if asked for, this node
         sends them, the codec is lossy and that reconstruction is still here; else whole)."""
@@ -97,8 +106,13 @@ class ServedVersions:
         meta = {"node_id": snap.node_id, "version": snap.version, "round": snap.round}
 
         def make() -> tuple[Payload, Groups | None]:
-            data = codecs.encode(snap.groups, codec, meta, base=base[1] if base else None,
-                                 base_ref={"version": base[0], "sha256": base_key} if base else None)
+            data = codecs.encode(
+                snap.groups,
+                codec,
+                meta,
+                base=base[1] if base else None,
+                base_ref={"version": base[0], "sha256": base_key} if base else None,
+            )
             made = Payload(data, sha256(data), codec, (base[0], base_key) if base else None)
             if not self.policy.delta:
                 return made, None
@@ -148,7 +162,7 @@ class HeldVersions:
     def put(self, peer: str, held: Held) -> None:
         kept = {h.version: h for h in self._by_peer.get(peer, ())}
         kept[held.version] = held
-        self._by_peer[peer] = [kept[v] for v in sorted(kept)][-self.KEEP:]  # the newest, oldest first
+        self._by_peer[peer] = [kept[v] for v in sorted(kept)][-self.KEEP :]  # the newest, oldest first
 
     def drop(self, peer: str) -> None:
         self._by_peer.pop(peer, None)

@@ -15,13 +15,15 @@ What it adds for gRPC:
 Every refusal's detail is at most ``errors.MAX_MESSAGE`` characters. The unary calls are derived
 from their table (``peering/api.py``, ``unary``); the snapshot streams are written here, the
 compute streams in ``compute_rpcs.py``."""
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import itertools
 import time
-from typing import Any, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -38,9 +40,9 @@ from .client import KEEPALIVE_MS
 from .compute_rpcs import ComputeRpcs
 from .gate import Gate
 from .health_service import add_health_service
+from .replies import Replies
 from .serde import parse as _parse
 from .served_versions import CodecPolicy, Payload, ServedVersions
-from .replies import Replies
 from .stream_limits import StreamLimits
 from .tls import TLS
 
@@ -59,12 +61,19 @@ class PeerService:
     the compute streams in its ``compute`` part; both answer through ``replies`` (guard, caller,
     bounded sends)."""
 
-    def __init__(self, gate: Gate, traffic: Traffic, *, chunk_bytes: int, tls: TLS | None,
-                 streams: StreamLimits = StreamLimits(), codecs: CodecPolicy = CodecPolicy()):
+    def __init__(
+        self,
+        gate: Gate,
+        traffic: Traffic,
+        *,
+        chunk_bytes: int,
+        tls: TLS | None,
+        streams: StreamLimits = StreamLimits(),
+        codecs: CodecPolicy = CodecPolicy(),
+    ):
         self.gate = gate
         self.replies = Replies(traffic, tls, streams)
-        self.compute = ComputeRpcs(gate, traffic, self.replies, streams=streams, codecs=codecs,
-                                   chunk_bytes=chunk_bytes)
+        self.compute = ComputeRpcs(gate, traffic, self.replies, streams=streams, codecs=codecs, chunk_bytes=chunk_bytes)
         self.codecs = codecs
         self.served = ServedVersions(codecs)  # payloads per codec, and the versions deltas start from
         self.traffic = traffic
@@ -90,13 +99,21 @@ class PeerService:
                 reply = wire.reply_to_pb(await self.gate.unary(rpc, self.replies.caller(context), request))
                 self.traffic.record(rpc.kind, received=len(raw), sent=reply.ByteSize())
                 return reply
+
             return await self.replies.guard(context, rpc.kind, go())
+
         method.__name__ = rpc.name
         return method
 
     # --- snapshots ---
-    async def _pull(self, context, raw: bytes, slot: contextlib.ExitStack, what: str = "snapshot request",
-                    admit_first: Callable[[str], None] | None = None):
+    async def _pull(
+        self,
+        context,
+        raw: bytes,
+        slot: contextlib.ExitStack,
+        what: str = "snapshot request",
+        admit_first: Callable[[str], None] | None = None,
+    ):
         """Parse, authenticate and admit one snapshot request (its admission slot held by
         ``slot``), then the snapshot to answer it with (waiting for ``min_round`` if asked)."""
         request = _parse(pb.SnapshotRequest, raw, what)
@@ -105,8 +122,9 @@ class PeerService:
             admit_first(who)
         return request, who, await self.gate.snapshot(who, request.min_round, request.wait_ms / 1000.0, slot)
 
-    async def _snapshot_frames(self, request, snap, *, inline: bool, have: tuple[int, str] | None = None
-                               ) -> tuple[Iterable[Any], int, str]:
+    async def _snapshot_frames(
+        self, request, snap, *, inline: bool, have: tuple[int, str] | None = None
+    ) -> tuple[Iterable[Any], int, str]:
         """A snapshot's reply messages, their size and the payload's digest: its header alone
         when the reader has this version, else the header and the payload in the codec agreed
         with the reader (a delta against what it holds if it asks: ``ServedVersions``) — in the
@@ -118,8 +136,9 @@ class PeerService:
         if unchanged:
             header = serde.snapshot_header_to_pb(snap.header(True), 0)
             return (pb.SnapshotChunk(header=header),), header.ByteSize(), ""
-        payload = await self.served.payload(snap, list(request.codecs), delta=request.delta,
-                                            have_version=have_version, have_sha256=have_sha256)
+        payload = await self.served.payload(
+            snap, list(request.codecs), delta=request.delta, have_version=have_version, have_sha256=have_sha256
+        )
         header = serde.snapshot_header_to_pb(snap.header(False), len(payload.data), _payload_fields(request, payload))
         size = header.ByteSize() + len(payload.data)
         if inline and len(payload.data) <= self.chunk_bytes:
@@ -157,8 +176,9 @@ class PeerService:
                 return
             older = self._sessions.get(who)
             if older is None and len(self._sessions) >= self.streams.max_watches:
-                raise exhausted(f"snapshot session from {who}: {len(self._sessions)} open, the limit is "
-                                f"{self.streams.max_watches}")
+                raise exhausted(
+                    f"snapshot session from {who}: {len(self._sessions)} open, the limit is {self.streams.max_watches}"
+                )
             if older is not None:
                 older.replace()
             self._sessions[who] = me
@@ -167,7 +187,9 @@ class PeerService:
         try:
             while True:
                 if me.replaced:
-                    await context.abort(grpc.StatusCode.CANCELLED, f"snapshot session of {me.peer}: replaced by a newer one")
+                    await context.abort(
+                        grpc.StatusCode.CANCELLED, f"snapshot session of {me.peer}: replaced by a newer one"
+                    )
                 me.next = asyncio.ensure_future(it.__anext__())
                 try:
                     raw = await asyncio.wait_for(me.next, SESSION_IDLE_S)
@@ -181,7 +203,8 @@ class PeerService:
                 t0 = time.perf_counter()
                 with contextlib.ExitStack() as slot:
                     request, who, snap = await self.replies.guard(
-                        context, "snapshot", self._pull(context, raw, slot, "snapshot session", admit_session))
+                        context, "snapshot", self._pull(context, raw, slot, "snapshot session", admit_session)
+                    )
                     frames, size, _ = await self._snapshot_frames(request, snap, inline=True)
                     try:
                         sent = await self.replies.send(context, frames, f"snapshot for {who}", size=size)
@@ -202,12 +225,14 @@ class PeerService:
         admitted like a pull; a peer that stops being known ends it (``h.snapshot`` checks that
         for every snapshot), so does a round not published within ``MAX_WATCH_WAIT_S``; a reader
         that stops taking one is cut off like a slow pull."""
+
         def bound(who: str) -> None:
             if who in self._watchers:
                 raise exhausted(f"snapshot watch from {who}: it already has one open")
             if len(self._watchers) >= self.streams.max_watches:
-                raise exhausted(f"snapshot watch from {who}: {len(self._watchers)} open, the limit is "
-                                f"{self.streams.max_watches}")
+                raise exhausted(
+                    f"snapshot watch from {who}: {len(self._watchers)} open, the limit is {self.streams.max_watches}"
+                )
 
         async def go():
             request = _parse(pb.SnapshotRequest, raw, "snapshot watch")
@@ -245,7 +270,6 @@ class PeerService:
             self._watchers.discard(who)
 
 
-
 def _payload_fields(request, p: Payload) -> dict[str, Any]:
     """The header fields that say how the payload is encoded. A request that named no codec
     (an older peer) gets a whole fp32 payload and a header exactly as before."""
@@ -260,6 +284,7 @@ def _payload_fields(request, p: Payload) -> dict[str, Any]:
 class _Session:
     """A pull session being served: whose it is, and the wait for its next request (cancelled
     when a newer session of the same peer replaces it)."""
+
     __slots__ = ("peer", "next", "replaced")
 
     def __init__(self) -> None:
@@ -279,8 +304,12 @@ def _reader_gone(context, err: Exception) -> bool:
     """Whether a failed write means only that the reader went away (cancelled or closed the
     call while a reply was going out), which is not worth a report."""
     me = asyncio.current_task()
-    return (context.cancelled() or context.done() or (me is not None and me.cancelling() > 0)
-            or type(err).__name__ == "ExecuteBatchError")  # (cygrpc's "the call is gone")
+    return (
+        context.cancelled()
+        or context.done()
+        or (me is not None and me.cancelling() > 0)
+        or type(err).__name__ == "ExecuteBatchError"
+    )  # (cygrpc's "the call is gone")
 
 
 def _serialize(msg: Any) -> bytes:
@@ -295,10 +324,12 @@ def _handlers(servicer: PeerService) -> grpc.GenericRpcHandler:
     replies may be pre-serialised frames. The unary calls are the table's (``api.UNARY``), the
     streams the servicer's own methods."""
     service = pb.DESCRIPTOR.services_by_name["Peer"]
-    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
-             (False, True): grpc.unary_stream_rpc_method_handler,
-             (True, False): grpc.stream_unary_rpc_method_handler,
-             (True, True): grpc.stream_stream_rpc_method_handler}
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
     table = {}
     for m in service.methods:
         make = kinds[(m.client_streaming, m.server_streaming)]
@@ -311,6 +342,7 @@ def _handlers(servicer: PeerService) -> grpc.GenericRpcHandler:
 class HealthStatus:
     """The standard gRPC health service of a peer server; the node sets it NOT_SERVING while
     something keeps it from progressing (see node/failures.py)."""
+
     SERVICES = ("", "coterie.v1.Peer")
 
     def __init__(self) -> None:
@@ -319,46 +351,61 @@ class HealthStatus:
 
     async def set(self, serving: bool) -> None:
         self.serving = serving
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in self.SERVICES:
             await self.servicer.set(service, status)
 
 
-async def serve(handler: PeerHandler, traffic: Traffic, address: str, *, tls: TLS | None,
-                chunk_bytes: int = 1 << 20, max_model_bytes: int = 1 << 31,
-                max_gossip_bytes: int = 1 << 20, streams: StreamLimits = StreamLimits(),
-                codecs: CodecPolicy = CodecPolicy(),
-                max_rpcs: int | None = None, health_status: HealthStatus | None = None,
-                limits: SizeLimits | None = None, reflection_on: bool = False,
-                relay: Any = None) -> tuple[grpc.aio.Server, int]:
+async def serve(
+    handler: PeerHandler,
+    traffic: Traffic,
+    address: str,
+    *,
+    tls: TLS | None,
+    chunk_bytes: int = 1 << 20,
+    max_model_bytes: int = 1 << 31,
+    max_gossip_bytes: int = 1 << 20,
+    streams: StreamLimits = StreamLimits(),
+    codecs: CodecPolicy = CodecPolicy(),
+    max_rpcs: int | None = None,
+    health_status: HealthStatus | None = None,
+    limits: SizeLimits | None = None,
+    reflection_on: bool = False,
+    relay: Any = None,
+) -> tuple[grpc.aio.Server, int]:
     """Start the peer server (and the standard gRPC health service) on ``address``: mTLS with
     ``tls``, plaintext only when the caller passes ``tls=None`` on purpose. ``limits``: the
     node's ``SizeLimits`` (shared with its clients); else one of ``max_model_bytes`` and
     ``max_gossip_bytes``. ``relay``: a ``RelayService`` served beside Peer."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
-                                      ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
-                                      # our clients' keepalive pings (client.KEEPALIVE_MS, also on idle
-                                      # connections) are welcome; by default the server allows one per
-                                      # 5 min and sent GOAWAY too_many_pings during minute-long transfers
-                                      # on a 10 Mbit/s link. A client pinging faster still gets GOAWAY.
-                                      ("grpc.keepalive_permit_without_calls", 1),
-                                      ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2)],
-                             maximum_concurrent_rpcs=max_rpcs)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+            # our clients' keepalive pings (client.KEEPALIVE_MS, also on idle
+            # connections) are welcome; by default the server allows one per
+            # 5 min and sent GOAWAY too_many_pings during minute-long transfers
+            # on a 10 Mbit/s link. A client pinging faster still gets GOAWAY.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+        ],
+        maximum_concurrent_rpcs=max_rpcs,
+    )
     if limits is None:
         limits = SizeLimits(max_model_bytes, max_gossip_bytes)
-    service = PeerService(Gate(handler, limits), traffic, chunk_bytes=chunk_bytes, tls=tls, streams=streams,
-                          codecs=codecs)
+    service = PeerService(
+        Gate(handler, limits), traffic, chunk_bytes=chunk_bytes, tls=tls, streams=streams, codecs=codecs
+    )
     server.add_generic_rpc_handlers((_handlers(service),))
     health_status = health_status or HealthStatus()
     add_health_service(health_status.servicer, server)  # malformed requests: INVALID_ARGUMENT, no traceback
     if relay is not None:  # the Relay service (relay_service.py) for outbound-only peers
         from .relay_service import handlers as relay_handlers
+
         server.add_generic_rpc_handlers((relay_handlers(relay),))
     if reflection_on:  # security.reflection: lets grpcurl/grpcui list and call the peer service
         reflection.enable_server_reflection(
-            (pb.DESCRIPTOR.services_by_name["Peer"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
-            server)  # (over mTLS too: grpcurl -cacert ca.pem -cert node.pem -key node.key -authority coterie-peer)
+            (pb.DESCRIPTOR.services_by_name["Peer"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )  # (over mTLS too: grpcurl -cacert ca.pem -cert node.pem -key node.key -authority coterie-peer)
     try:
         if tls is None:
             port = server.add_insecure_port(address)

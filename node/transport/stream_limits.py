@@ -1,5 +1,6 @@
 """The peer server's stream deadlines (``server.PeerService`` and its upload part,
 ``compute_rpcs.py``; ``config.LimitsConfig`` carries the configured values)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class StreamLimits:
     """Server-side deadlines (``config.LimitsConfig`` carries the configured values)."""
+
     upload_timeout_s: float = 60.0
     upload_idle_s: float = 10.0
     send_timeout_s: float = 120.0

@@ -6,6 +6,7 @@ server reads the caller's node id from its certificate (URI SAN ``coterie:node:<
 client names the node it expects by its certificate DNS name (``ssl_target_name_override``), so
 TLS itself refuses anyone else at that address — loopback, container or k8s service address
 alike, since no address is ever in a certificate."""
+
 from __future__ import annotations
 
 import time
@@ -55,6 +56,7 @@ class TLS:
                 self.revocation.load(self.crl_path)
             except (PKIError, OSError) as e:  # a bad file never replaces the list held
                 import logging
+
                 logging.getLogger("coterie.security").warning("%s not taken: %s", self.crl_path, e)
 
     @property
@@ -65,8 +67,9 @@ class TLS:
         return self.allow_ids is None or node_id in self.allow_ids
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(self.creds.key_pem, self.creds.cert_pem)],
-                                           root_certificates=self.creds.ca_pem, require_client_auth=True)
+        return grpc.ssl_server_credentials(
+            [(self.creds.key_pem, self.creds.cert_pem)], root_certificates=self.creds.ca_pem, require_client_auth=True
+        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(self.creds.ca_pem, self.creds.key_pem, self.creds.cert_pem)
@@ -84,8 +87,11 @@ def caller_identity(context: grpc.aio.ServicerContext) -> str | None:
     auth = context.auth_context() or {}
     if auth.get("transport_security_type") != [b"ssl"]:
         return None
-    ids = [u[len(URI_PREFIX):] for u in (v.decode(errors="replace") for v in auth.get("peer_uri", []))
-           if u.startswith(URI_PREFIX)]
+    ids = [
+        u[len(URI_PREFIX) :]
+        for u in (v.decode(errors="replace") for v in auth.get("peer_uri", []))
+        if u.startswith(URI_PREFIX)
+    ]
     return ids[0] if len(ids) == 1 else None
 
 
@@ -96,24 +102,27 @@ def load_tls(cfg: NodeConfig) -> TLS | None:
     if sec.insecure:
         return None
     if not (sec.cert_dir or sec.cert):
-        raise ConfigError("no peer certificates configured: set security.cert_dir to a directory from "
-                          "`coterie cert issue` (see `coterie ca init`), or security.insecure = true "
-                          "for a plaintext peer port on a network you trust")
+        raise ConfigError(
+            "no peer certificates configured: set security.cert_dir to a directory from "
+            "`coterie cert issue` (see `coterie ca init`), or security.insecure = true "
+            "for a plaintext peer port on a network you trust"
+        )
     try:
         creds = load_credentials(sec.cert_dir, ca=sec.ca, cert=sec.cert, key=sec.key)
     except PKIError as e:
         raise ConfigError(f"security: {e}") from None
     if cfg.node_id is not None and cfg.node_id != creds.node_id:
-        raise ConfigError(f"security: the certificate is for node {creds.node_id!r}, but node_id is "
-                          f"{cfg.node_id!r}")
+        raise ConfigError(f"security: the certificate is for node {creds.node_id!r}, but node_id is {cfg.node_id!r}")
     crl = sec.crl or (Path(sec.cert_dir) / "crl.pem" if sec.cert_dir is not None else None)
     try:
-        revocation = revocation_for(creds.ca_pem, crl=sec.crl, cert_dir=sec.cert_dir,
-                                    state_dir=Path(cfg.state_dir) if cfg.state_dir else None)
+        revocation = revocation_for(
+            creds.ca_pem, crl=sec.crl, cert_dir=sec.cert_dir, state_dir=Path(cfg.state_dir) if cfg.state_dir else None
+        )
     except (PKIError, OSError) as e:
         raise ConfigError(f"security: {e}") from None
     own = revocation.problem(creds.cert_pem)
     if own:
         raise ConfigError(f"security: this node's certificate is refused: {own}; its peers refuse it too")
-    return TLS(creds, frozenset(sec.allow_ids) if sec.allow_ids is not None else None,
-               revocation=revocation, crl_path=crl)
+    return TLS(
+        creds, frozenset(sec.allow_ids) if sec.allow_ids is not None else None, revocation=revocation, crl_path=crl
+    )

@@ -6,6 +6,7 @@ The header is ``{"meta": {...}, "groups": {group: [[name, dtype, shape], ...]}}`
 follow in header order. Nothing here can execute code: no pickle, no ``torch.load``. Decoding
 checks every length and dtype and raises ``WireError`` naming what is wrong.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,14 +26,29 @@ MAX_TENSORS = 1 << 16  # tensors in one message (each costs an object, however s
 
 # Wire dtype names; all little-endian on the wire whatever the host.
 DTYPES: dict[str, np.dtype] = {
-    "float32": np.dtype("<f4"), "float64": np.dtype("<f8"), "float16": np.dtype("<f2"),
-    "int64": np.dtype("<i8"), "int32": np.dtype("<i4"), "int16": np.dtype("<i2"),
-    "int8": np.dtype("i1"), "uint8": np.dtype("u1"), "bool": np.dtype("?"),
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+    "float16": np.dtype("<f2"),
+    "int64": np.dtype("<i8"),
+    "int32": np.dtype("<i4"),
+    "int16": np.dtype("<i2"),
+    "int8": np.dtype("i1"),
+    "uint8": np.dtype("u1"),
+    "bool": np.dtype("?"),
 }
 _TORCH_BF16 = "bfloat16"  # numpy has no bfloat16: carried as raw 2-byte words
-_TORCH_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
-                torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8",
-                torch.uint8: "uint8", torch.bool: "bool", torch.bfloat16: _TORCH_BF16}
+_TORCH_NAMES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.int16: "int16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.bool: "bool",
+    torch.bfloat16: _TORCH_BF16,
+}
 _NAME_TORCH = {v: k for k, v in _TORCH_NAMES.items()}
 
 Groups = dict[str, dict[str, torch.Tensor]]
@@ -82,7 +98,7 @@ def encode_buffer(groups: Groups, meta: dict[str, Any] | None = None) -> memoryv
     total = start + sum(t.numel() * t.element_size() for t in tensors)
     mv = aligned_buffer(total, start)
     _HEAD.pack_into(mv, 0, MAGIC, len(header))
-    mv[_HEAD.size:start] = header
+    mv[_HEAD.size : start] = header
     out = np.frombuffer(mv, dtype=np.uint8)
     pos = start
     for t in tensors:
@@ -92,7 +108,7 @@ def encode_buffer(groups: Groups, meta: dict[str, Any] | None = None) -> memoryv
             arr = src.numpy()
             if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and sys.byteorder == "big"):
                 arr = arr.astype(arr.dtype.newbyteorder("<"))
-            out[pos:pos + n] = arr.reshape(-1).view(np.uint8)
+            out[pos : pos + n] = arr.reshape(-1).view(np.uint8)
         pos += n
     return mv
 
@@ -104,7 +120,7 @@ def aligned_buffer(size: int, data_offset: int = 0) -> memoryview:
     """A writable ``size``-byte buffer whose byte ``data_offset`` sits on an ``ALIGN`` boundary."""
     raw = np.empty(size + ALIGN, dtype=np.uint8)
     skip = (-(raw.ctypes.data + data_offset)) % ALIGN
-    return raw[skip:skip + size].data
+    return raw[skip : skip + size].data
 
 
 def data_offset(prefix: bytes | memoryview) -> int:
@@ -119,8 +135,9 @@ def encoded_size(groups: Groups) -> int:
     return sum(t.numel() * t.element_size() for ts in groups.values() for t in ts.values())
 
 
-def decode(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None,
-           copy: bool | None = None) -> tuple[Groups, dict[str, Any]]:
+def decode(
+    data: bytes | bytearray | memoryview, *, max_bytes: int | None = None, copy: bool | None = None
+) -> tuple[Groups, dict[str, Any]]:
     """Inverse of ``encode``. Over a writable buffer (what ``chunks.Assembler`` and
     ``encode_buffer`` produce) the tensors are zero-copy views of it — they keep it alive, and
     writing to one writes the buffer; over read-only bytes (or with ``copy=True``) they are
@@ -136,8 +153,9 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None
     if hlen > MAX_HEADER or _HEAD.size + hlen > len(data):
         raise WireError(f"header length {hlen} runs past the end of a {len(data)}-byte message")
     try:
-        header = msgpack.unpackb(bytes(data[_HEAD.size:_HEAD.size + hlen]), raw=False,
-                                 strict_map_key=True, max_bin_len=MAX_HEADER)
+        header = msgpack.unpackb(
+            bytes(data[_HEAD.size : _HEAD.size + hlen]), raw=False, strict_map_key=True, max_bin_len=MAX_HEADER
+        )
     except Exception as e:  # msgpack raises a zoo of types on garbage
         raise WireError(f"header is not valid msgpack: {e}") from None
     if not isinstance(header, dict) or not isinstance(header.get("groups"), dict):
@@ -160,8 +178,13 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None
 def _entry(g: str, e: Any) -> tuple[str, str, list[int]]:
     """One ``[name, dtype, shape]`` entry, or WireError: plain ints (not bools) >= 0, at most
     ``MAX_DIMS`` of them, a known dtype."""
-    if not (isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and isinstance(e[1], str)
-            and isinstance(e[2], list)):
+    if not (
+        isinstance(e, list)
+        and len(e) == 3
+        and isinstance(e[0], str)
+        and isinstance(e[1], str)
+        and isinstance(e[2], list)
+    ):
         raise WireError(f"malformed tensor entry in group {g[:100]!r}: {e!r}"[:300])
     name, dt, shape = e
     if len(shape) > MAX_DIMS:
@@ -191,9 +214,11 @@ def _tensors(table: dict, data: bytes | bytearray | memoryview, pos: int, copy: 
             itemsize = 2 if dt == _TORCH_BF16 else DTYPES[dt].itemsize
             nbytes = math.prod(shape) * itemsize  # Python ints: no overflow to a negative size
             if nbytes > len(data) - pos:
-                raise WireError(f"tensor {g[:100]}/{name[:100]} {dt}{shape} needs {nbytes} bytes, "
-                                f"only {len(data) - pos} left: truncated message"[:400])
-            buf = mv[pos:pos + nbytes]
+                raise WireError(
+                    f"tensor {g[:100]}/{name[:100]} {dt}{shape} needs {nbytes} bytes, "
+                    f"only {len(data) - pos} left: truncated message"[:400]
+                )
+            buf = mv[pos : pos + nbytes]
             if dt == "bool":
                 raw = np.frombuffer(buf, dtype=np.uint8)
                 if raw.size and raw.max() > 1:  # numpy would hand torch bytes that are not bools
@@ -225,16 +250,17 @@ def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
-def check_spec(params: dict[str, torch.Tensor], spec: dict[str, tuple[tuple[int, ...], str]],
-               what: str = "model") -> None:
+def check_spec(
+    params: dict[str, torch.Tensor], spec: dict[str, tuple[tuple[int, ...], str]], what: str = "model"
+) -> None:
     """The tensors must be exactly this architecture: same names, shapes and dtypes, in order."""
     if list(params) != list(spec):
         missing = [k for k in spec if k not in params]
         extra = [k for k in params if k not in spec]
-        raise WireError(f"{what} does not match this architecture: missing {missing[:5]}, "
-                        f"unexpected {extra[:5]}")
+        raise WireError(f"{what} does not match this architecture: missing {missing[:5]}, unexpected {extra[:5]}")
     for k, (shape, dtype) in spec.items():
         t = params[k]
         if tuple(t.shape) != tuple(shape) or _TORCH_NAMES.get(t.dtype) != dtype:
-            raise WireError(f"{what} tensor {k}: got {_TORCH_NAMES.get(t.dtype)}{list(t.shape)}, "
-                            f"expected {dtype}{list(shape)}")
+            raise WireError(
+                f"{what} tensor {k}: got {_TORCH_NAMES.get(t.dtype)}{list(t.shape)}, expected {dtype}{list(shape)}"
+            )

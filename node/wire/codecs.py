@@ -22,6 +22,7 @@ codec, its block size, the original dtype and shape of every tensor and, for a d
 version and digest are in its header, so a decoder never guesses. ``decode`` refuses what does not
 add up (unknown codec, missing or misshapen scales, a NaN or negative scale, a code of -128,
 truncated blocks) with a ``WireError`` naming the tensor and the problem."""
+
 from __future__ import annotations
 
 import math
@@ -62,9 +63,15 @@ def is_plain(codec: str, base: Any) -> bool:
     return codec == FP32 and base is None
 
 
-def encode(groups: Groups, codec: str, meta: dict[str, Any] | None = None, *,
-           base: Groups | None = None, base_ref: dict[str, Any] | None = None,
-           block: int = Q8_BLOCK) -> bytes:
+def encode(
+    groups: Groups,
+    codec: str,
+    meta: dict[str, Any] | None = None,
+    *,
+    base: Groups | None = None,
+    base_ref: dict[str, Any] | None = None,
+    block: int = Q8_BLOCK,
+) -> bytes:
     """``groups`` packed with ``codec``; with ``base`` (what the receiver holds, as it decoded it)
     the difference ``groups - base`` of floating tensors instead, marked as a delta against
     ``base_ref`` (``{"version": v, "sha256": digest}``, checked by the receiver)."""
@@ -102,8 +109,12 @@ def encode(groups: Groups, codec: str, meta: dict[str, Any] | None = None, *,
         if scales:
             out[g + _SCALES] = scales
         table[g] = entries
-    meta[META_KEY] = {"name": codec, "block": block, "tensors": table,
-                      **({"base": dict(base_ref or {})} if base is not None else {})}
+    meta[META_KEY] = {
+        "name": codec,
+        "block": block,
+        "tensors": table,
+        **({"base": dict(base_ref or {})} if base is not None else {}),
+    }
     return encode_raw(out, meta)
 
 
@@ -154,8 +165,9 @@ def delta_base(meta: dict[str, Any]) -> tuple[int, str] | None:
     return b["version"], b["sha256"]
 
 
-def decode(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None,
-           base: Groups | None = None) -> tuple[Groups, dict[str, Any]]:
+def decode(
+    data: bytes | bytearray | memoryview, *, max_bytes: int | None = None, base: Groups | None = None
+) -> tuple[Groups, dict[str, Any]]:
     """The tensors a message carries, in their original dtypes and shapes (a delta added to
     ``base``, which the caller has matched to the message's ``delta_base``). Plain messages
     decode as ``codec.decode`` does (zero-copy over a writable buffer)."""
@@ -179,9 +191,16 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None
     if is_delta and base is None:
         raise WireError(f"{name}: a delta, but no base to apply it to")
     if max_bytes is not None:  # q8 codes decode to 4-8 bytes each: bound what they expand to
-        size = sum(math.prod(e[1]) * _itemsize(e[0]) for es in table.values() if isinstance(es, dict)
-                   for e in es.values() if isinstance(e, list) and len(e) == 2 and isinstance(e[1], list)
-                   and all(type(s) is int and 0 <= s < 1 << 40 for s in e[1]))
+        size = sum(
+            math.prod(e[1]) * _itemsize(e[0])
+            for es in table.values()
+            if isinstance(es, dict)
+            for e in es.values()
+            if isinstance(e, list)
+            and len(e) == 2
+            and isinstance(e[1], list)
+            and all(type(s) is int and 0 <= s < 1 << 40 for s in e[1])
+        )
         if size > max_bytes:
             raise WireError(f"{name}: decodes to {size} bytes, over the limit of {max_bytes}")
     expected = set(table) | {g + _SCALES for g in table}
@@ -196,8 +215,7 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None
             raise WireError(f"{name}: group {g[:100]!r} tensors do not match its table")
         ts: dict[str, torch.Tensor] = {}
         for tname, e in entries.items():
-            ts[tname] = _one(name, g, tname, e, sent[tname], scales.get(tname), block,
-                             base if is_delta else None)
+            ts[tname] = _one(name, g, tname, e, sent[tname], scales.get(tname), block, base if is_delta else None)
         if set(scales) - {k for k in entries if ts[k].is_floating_point()}:
             raise WireError(f"{name}: scales for tensors of group {g[:100]!r} that have none")
         out[g] = ts
@@ -209,11 +227,24 @@ def _itemsize(dt: Any) -> int:
     return t.itemsize if t is not None else 0
 
 
-def _one(codec: str, g: str, name: str, entry: Any, t: torch.Tensor, scales: torch.Tensor | None,
-         block: int, base: Groups | None) -> torch.Tensor:
+def _one(
+    codec: str,
+    g: str,
+    name: str,
+    entry: Any,
+    t: torch.Tensor,
+    scales: torch.Tensor | None,
+    block: int,
+    base: Groups | None,
+) -> torch.Tensor:
     what = f"{codec} tensor {g[:100]}/{name[:100]}"
-    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
-            and isinstance(entry[1], list) and all(type(s) is int and 0 <= s < 1 << 40 for s in entry[1])):
+    if not (
+        isinstance(entry, list)
+        and len(entry) == 2
+        and isinstance(entry[0], str)
+        and isinstance(entry[1], list)
+        and all(type(s) is int and 0 <= s < 1 << 40 for s in entry[1])
+    ):
         raise WireError(f"{what}: malformed entry {str(entry)[:100]}")
     dt, shape = entry
     dtype = _NAME_TORCH.get(dt)

@@ -18,6 +18,7 @@ Environment: TESTBED_COMPOSE (the compose command, e.g. "docker-compose -p coter
 TESTBED_ROUNDS, TESTBED_PORT_PREFIX, TESTBED_JOIN_AFTER_ROUND — as given to compose.
 Every wait is a poll on a condition with a deadline. Not collected by pytest (no test_ names).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,14 +33,15 @@ import sys
 import threading
 import time
 import urllib.request
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 ROUNDS = int(os.environ.get("TESTBED_ROUNDS", "30"))
 PREFIX = os.environ.get("TESTBED_PORT_PREFIX", "81")
 JOIN_AFTER = int(os.environ.get("TESTBED_JOIN_AFTER_ROUND", "5"))
 COMPOSE = shlex.split(os.environ.get("TESTBED_COMPOSE", "docker-compose -p coterie-testbed"))
-DELAY_S = 0.200          # node7's COTERIE_DELAY_MS in docker-compose.yml
-RATE_MBIT = 1.0          # node4's TESTBED_RATE in docker-compose.yml
+DELAY_S = 0.200  # node7's COTERIE_DELAY_MS in docker-compose.yml
+RATE_MBIT = 1.0  # node4's TESTBED_RATE in docker-compose.yml
 HONEST = [f"node{i}" for i in range(1, 9)]
 FAULTY = "node9"
 KILLED = "node2"
@@ -77,8 +79,12 @@ def token() -> str:
     if not _TOKEN:
         t = os.environ.get("TESTBED_ADMIN_TOKEN", "")
         if not t:
-            r = subprocess.run(COMPOSE + ["exec", "-T", TOKEN_FROM[0], "cat", "/pki/admin.token"],
-                               capture_output=True, text=True, timeout=60)
+            r = subprocess.run(
+                COMPOSE + ["exec", "-T", TOKEN_FROM[0], "cat", "/pki/admin.token"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             if r.returncode != 0 or not r.stdout.strip():
                 raise CheckFailed(f"cannot read the admin token from {TOKEN_FROM[0]}: {r.stderr[-500:]}")
             t = r.stdout.strip()
@@ -119,8 +125,9 @@ def healthy(node: str) -> bool:
         return False
 
 
-def wait_until(what: str, cond: Callable[[], Any], timeout: float, every: float = 1.0,
-               detail: Callable[[], Any] | None = None) -> Any:
+def wait_until(
+    what: str, cond: Callable[[], Any], timeout: float, every: float = 1.0, detail: Callable[[], Any] | None = None
+) -> Any:
     """Poll ``cond`` until truthy; fail with ``detail()`` after ``timeout`` seconds."""
     t0 = time.monotonic()
     deadline = t0 + timeout
@@ -130,8 +137,9 @@ def wait_until(what: str, cond: Callable[[], Any], timeout: float, every: float 
             log(f"{what}: after {time.monotonic() - t0:.1f}s")
             return out
         if time.monotonic() > deadline:
-            raise CheckFailed(f"timed out after {timeout:.0f}s waiting for {what}"
-                              + (f"; state: {detail()}" if detail else ""))
+            raise CheckFailed(
+                f"timed out after {timeout:.0f}s waiting for {what}" + (f"; state: {detail()}" if detail else "")
+            )
         time.sleep(every)
 
 
@@ -218,6 +226,7 @@ def phase_timer(name: str):
 
         def __exit__(self, *exc):
             log(f"--- {name}: {time.monotonic() - self.t:.1f}s{' (FAILED)' if exc[0] else ''}")
+
     return _T()
 
 
@@ -249,9 +258,13 @@ class RoundObserver(threading.Thread):
 def kill_and_resume(node: str) -> None:
     """Kill the container mid-run (SIGKILL), start it again, require the round to come back."""
     target = max(3, ROUNDS // 5)
-    st = wait_until(f"{node} at round >= {target}",
-                    lambda: (s := get(node, "/status")) and s["round"] >= target and s,
-                    timeout=600, every=0.5, detail=lambda: rounds([node]))
+    st = wait_until(
+        f"{node} at round >= {target}",
+        lambda: (s := get(node, "/status")) and s["round"] >= target and s,
+        timeout=600,
+        every=0.5,
+        detail=lambda: rounds([node]),
+    )
     if st["done"]:
         raise CheckFailed(f"{node} finished before it could be killed mid-run; raise TESTBED_ROUNDS")
     before = st["round"]
@@ -259,11 +272,12 @@ def kill_and_resume(node: str) -> None:
     wait_until(f"{node} gone", lambda: not healthy(node), timeout=30)
     log(f"killed {node} at round {before} (SIGKILL); starting it again")
     compose("start", node)
-    after = wait_until(f"{node} answering again",
-                       lambda: (s := get(node, "/status")) and s, timeout=600, every=1.0)
+    after = wait_until(f"{node} answering again", lambda: (s := get(node, "/status")) and s, timeout=600, every=1.0)
     logs = subprocess.run(["docker", "logs", container(node)], capture_output=True, text=True).stderr
-    check(after["round"] >= max(1, before - 1),
-          f"{node} resumed at round {after['round']} after being killed at round {before} (not reset)")
+    check(
+        after["round"] >= max(1, before - 1),
+        f"{node} resumed at round {after['round']} after being killed at round {before} (not reset)",
+    )
     check(f"resumed {node} at round" in logs, f"{node}'s log says it resumed from its checkpoint")
 
 
@@ -271,18 +285,24 @@ def late_joiner() -> None:
     node = "node8"
     s8 = wait_until(f"{node} (late joiner) up", lambda: get(node, "/status"), timeout=600, every=1.0)
     s1 = status("node1")
-    check(s1.get("round", 0) >= JOIN_AFTER and s1.get("uptime_s", 0) > s8.get("uptime_s", 0),
-          f"{node} joined late: node1 already at round {s1.get('round')} and up "
-          f"{s1.get('uptime_s', 0) - s8.get('uptime_s', 0):.0f}s longer")
+    check(
+        s1.get("round", 0) >= JOIN_AFTER and s1.get("uptime_s", 0) > s8.get("uptime_s", 0),
+        f"{node} joined late: node1 already at round {s1.get('round')} and up "
+        f"{s1.get('uptime_s', 0) - s8.get('uptime_s', 0):.0f}s longer",
+    )
 
 
 def latency_seen() -> None:
     rows = {n: get(n, "/peers") or [] for n in HONEST}
-    med = {n: statistics.median([r["rtt_s"] for r in rs if r.get("rtt_s") is not None] or [float("nan")])
-           for n, rs in rows.items()}
+    med = {
+        n: statistics.median([r["rtt_s"] for r in rs if r.get("rtt_s") is not None] or [float("nan")])
+        for n, rs in rows.items()
+    }
     log("median heartbeat RTT per node (s): " + ", ".join(f"{n}={v:.3f}" for n, v in med.items()))
-    check(med["node7"] >= DELAY_S * 0.95,
-          f"node7 (delay_ms=200) sees RTT {med['node7'] * 1000:.0f} ms to its peers (>= {DELAY_S * 1000:.0f} ms)")
+    check(
+        med["node7"] >= DELAY_S * 0.95,
+        f"node7 (delay_ms=200) sees RTT {med['node7'] * 1000:.0f} ms to its peers (>= {DELAY_S * 1000:.0f} ms)",
+    )
     # node4's heartbeats queue behind its model uploads in the 1 Mbit/s tbf: its RTT is high too
     # (on a busy 2-core host a plain RTT is tens of ms of event-loop latency, so compare medians)
     plain_rtts = [v for n, v in med.items() if n not in ("node7", "node4")]
@@ -291,9 +311,11 @@ def latency_seen() -> None:
     # the excess over the fastest plain link: against the plain *median* a busy host's loop latency
     # on the plain nodes ate into it (seen: node7 237 ms, plain median 99 ms, fastest plain 27 ms)
     floor = min(plain_rtts)
-    check(med["node7"] - floor >= 0.75 * DELAY_S,
-          f"node7's RTT exceeds the fastest plain link's by {(med['node7'] - floor) * 1000:.0f} ms "
-          f"(configured one-way delay {DELAY_S * 1000:.0f} ms, added once per call)")
+    check(
+        med["node7"] - floor >= 0.75 * DELAY_S,
+        f"node7's RTT exceeds the fastest plain link's by {(med['node7'] - floor) * 1000:.0f} ms "
+        f"(configured one-way delay {DELAY_S * 1000:.0f} ms, added once per call)",
+    )
 
 
 def bandwidth_seen() -> None:
@@ -302,17 +324,34 @@ def bandwidth_seen() -> None:
     nbytes = 384 * 1024
 
     def send(src: str) -> dict[str, float] | None:
-        r = subprocess.run(["docker", "exec", container(src), "python3", "/src/deploy/netcheck.py", "send",
-                            "node1", "9999", str(nbytes)], capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [
+                "docker",
+                "exec",
+                container(src),
+                "python3",
+                "/src/deploy/netcheck.py",
+                "send",
+                "node1",
+                "9999",
+                str(nbytes),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         return json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else None
 
     slow = wait_until("slow-link transfer node4 -> node1", lambda: send("node4"), timeout=60)
     fast = wait_until("control transfer node2 -> node1", lambda: send("node2"), timeout=60)
-    qd = subprocess.run(["docker", "exec", container("node4"), "tc", "qdisc", "show", "dev", "eth0"],
-                        capture_output=True, text=True).stdout.strip()
+    qd = subprocess.run(
+        ["docker", "exec", container("node4"), "tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True
+    ).stdout.strip()
     log(f"node4 qdisc: {qd}")
-    log(f"throughput to node1: node4 {slow['mbit_s']} Mbit/s ({slow['seconds']}s for {nbytes} B), "
-        f"node2 {fast['mbit_s']} Mbit/s")
+    log(
+        f"throughput to node1: node4 {slow['mbit_s']} Mbit/s ({slow['seconds']}s for {nbytes} B), "
+        f"node2 {fast['mbit_s']} Mbit/s"
+    )
     check(slow["mbit_s"] <= RATE_MBIT * 1.3, f"node4's link is capped (~{RATE_MBIT} Mbit/s): {slow['mbit_s']} Mbit/s")
     check(fast["mbit_s"] > 5 * slow["mbit_s"], "an uncapped node is much faster on the same path")
 
@@ -351,21 +390,28 @@ def cluster_weights(nodes: list[str], cols: list[str]) -> dict[str, dict[str, fl
             incoming = [w[k].get(n, 0.0) / (sum(w[k].values()) or 1.0) for k in same if k in w]
             taken = sum(incoming) / len(incoming) if incoming else 0.0
             hub = taken >= 0.5 and other < 0.05
-            check(hub or (mass > other and mass >= chance / 2),
-                  f"{n} [cluster {cl[n]}] puts {mass:.0%} of its weight on its {len(same)} same-cluster "
-                  f"peers (chance {chance:.0%}; other clusters {other:.1%}; itself {row.get(n, 0.0) / total:.0%}; "
-                  f"its mates put {taken:.0%} of theirs on it{', its cluster hub' if hub else ''})")
+            check(
+                hub or (mass > other and mass >= chance / 2),
+                f"{n} [cluster {cl[n]}] puts {mass:.0%} of its weight on its {len(same)} same-cluster "
+                f"peers (chance {chance:.0%}; other clusters {other:.1%}; itself {row.get(n, 0.0) / total:.0%}; "
+                f"its mates put {taken:.0%} of theirs on it{', its cluster hub' if hub else ''})",
+            )
             continue
         # most of what it gives its peers goes to its own cluster — a ratio that means nothing when
         # it keeps nearly all to itself (1% to each side of 2% given away is 50%): then what it
         # gives other clusters must be negligible instead
-        check(own > 0.5 and (share > 0.5 or other < 0.05),
-              f"{n} [cluster {cl[n]}] puts {own:.0%} of its weight on its own cluster "
-              f"({share:.0%} of what it gives its peers; {other:.1%} of its weight to other clusters)")
+        check(
+            own > 0.5 and (share > 0.5 or other < 0.05),
+            f"{n} [cluster {cl[n]}] puts {own:.0%} of its weight on its own cluster "
+            f"({share:.0%} of what it gives its peers; {other:.1%} of its weight to other clusters)",
+        )
     if fed_mass:
         mean, chance = sum(fed_mass) / len(fed_mass), sum(fed_chance) / len(fed_chance)
-        check(mean > chance, f"FedeRiCo nodes put {mean:.0%} of their weight on same-cluster peers on "
-                             f"average (uniform weights: {chance:.0%})")
+        check(
+            mean > chance,
+            f"FedeRiCo nodes put {mean:.0%} of their weight on same-cluster peers on "
+            f"average (uniform weights: {chance:.0%})",
+        )
     return w
 
 
@@ -374,16 +420,25 @@ def baseline(args: argparse.Namespace) -> int:
     obs = RoundObserver(nodes)
     obs.start()
     with phase_timer("nodes healthy (node1-7; node8 joins late)"):
-        wait_until("node1-7 healthy", lambda: all(healthy(n) for n in nodes[:7]), timeout=600, every=2,
-                   detail=lambda: {n: healthy(n) for n in nodes[:7]})
+        wait_until(
+            "node1-7 healthy",
+            lambda: all(healthy(n) for n in nodes[:7]),
+            timeout=600,
+            every=2,
+            detail=lambda: {n: healthy(n) for n in nodes[:7]},
+        )
     with phase_timer("kill + start mid-run resumes from the checkpoint"):
         kill_and_resume(KILLED)
     with phase_timer("late joiner"):
         late_joiner()
     with phase_timer("full membership"):
-        wait_until(f"all {len(nodes)} nodes see the other {len(nodes) - 1} alive",
-                   lambda: full_membership(nodes), timeout=300, every=2,
-                   detail=lambda: membership_detail(nodes))
+        wait_until(
+            f"all {len(nodes)} nodes see the other {len(nodes) - 1} alive",
+            lambda: full_membership(nodes),
+            timeout=300,
+            every=2,
+            detail=lambda: membership_detail(nodes),
+        )
         check(True, "full membership on every node (seeds: node1, node5 only)")
         plain = [n for n in nodes if not status(n).get("mtls")]
         check(not plain, f"every node on mTLS with the run's CA (plaintext: {plain})")
@@ -391,24 +446,34 @@ def baseline(args: argparse.Namespace) -> int:
         latency_seen()
         bandwidth_seen()
     with phase_timer(f"every node reaches round {ROUNDS}"):
-        wait_until(f"every node done with {ROUNDS} rounds", lambda: all_done(nodes), timeout=900, every=2,
-                   detail=lambda: rounds(nodes))
+        wait_until(
+            f"every node done with {ROUNDS} rounds",
+            lambda: all_done(nodes),
+            timeout=900,
+            every=2,
+            detail=lambda: rounds(nodes),
+        )
         obs.stop.set()
         obs.join(timeout=30)
         obs.sample()  # the final rounds, seen after the condition held (the thread samples once a second)
         for n in nodes:
             d = obs.distinct(n)
-            check(len(d) >= 3 and d[-1] == ROUNDS,
-                  f"{n} advanced to round {ROUNDS}: watched it at {len(d)} distinct rounds "
-                  f"({d[0]}..{d[-1]}), mean round {mean_round_seconds(n) or 0:.2f}s")
+            check(
+                len(d) >= 3 and d[-1] == ROUNDS,
+                f"{n} advanced to round {ROUNDS}: watched it at {len(d)} distinct rounds "
+                f"({d[0]}..{d[-1]}), mean round {mean_round_seconds(n) or 0:.2f}s",
+            )
         slow = [mean_round_seconds(n) or 0 for n in SLOW_CPU]
         log(f"slow-CPU nodes' mean round time: {', '.join(f'{s:.2f}s' for s in slow)}")
     with phase_timer("collaborator weights"):
         w = cluster_weights(nodes, nodes)
     acc = honest_accuracy(nodes)
     mean_acc = sum(acc.values()) / len(acc)
-    log("honest test accuracy (mean of the last third of rounds): " + ", ".join(f"{n}={a:.3f}" for n, a in acc.items())
-        + f"; mean {mean_acc:.4f}")
+    log(
+        "honest test accuracy (mean of the last third of rounds): "
+        + ", ".join(f"{n}={a:.3f}" for n, a in acc.items())
+        + f"; mean {mean_acc:.4f}"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"accuracy": acc, "mean_accuracy": mean_acc, "weights": w}, f, indent=1)
@@ -418,24 +483,37 @@ def baseline(args: argparse.Namespace) -> int:
 def faulty(args: argparse.Namespace) -> int:
     nodes = HONEST + [FAULTY]
     with phase_timer("nodes healthy (+ faulty node9)"):
-        wait_until("node1-7 and node9 healthy",
-                   lambda: all(healthy(n) for n in HONEST[:7] + [FAULTY]), timeout=600, every=2)
+        wait_until(
+            "node1-7 and node9 healthy", lambda: all(healthy(n) for n in HONEST[:7] + [FAULTY]), timeout=600, every=2
+        )
         check(status(FAULTY).get("faulty") == "random", "node9 runs with faulty=random")
     with phase_timer("full membership"):
-        wait_until(f"all {len(nodes)} nodes see the other {len(nodes) - 1} alive",
-                   lambda: full_membership(nodes), timeout=300, every=2,
-                   detail=lambda: membership_detail(nodes))
+        wait_until(
+            f"all {len(nodes)} nodes see the other {len(nodes) - 1} alive",
+            lambda: full_membership(nodes),
+            timeout=300,
+            every=2,
+            detail=lambda: membership_detail(nodes),
+        )
     with phase_timer(f"every node reaches round {ROUNDS}"):
-        wait_until(f"every node done with {ROUNDS} rounds", lambda: all_done(nodes), timeout=900, every=2,
-                   detail=lambda: rounds(nodes))
+        wait_until(
+            f"every node done with {ROUNDS} rounds",
+            lambda: all_done(nodes),
+            timeout=900,
+            every=2,
+            detail=lambda: rounds(nodes),
+        )
     with phase_timer("faulty node gets ~0 weight"):
         w = cluster_weights(HONEST, nodes)
         for n in HONEST:
             check(w[n].get(FAULTY, 0.0) < 0.02, f"{n} gives the faulty node weight {w[n].get(FAULTY, 0.0):.4f} (~0)")
     acc = honest_accuracy(HONEST)
     mean_acc = sum(acc.values()) / len(acc)
-    log("honest test accuracy with the faulty node: " + ", ".join(f"{n}={a:.3f}" for n, a in acc.items())
-        + f"; mean {mean_acc:.4f}")
+    log(
+        "honest test accuracy with the faulty node: "
+        + ", ".join(f"{n}={a:.3f}" for n, a in acc.items())
+        + f"; mean {mean_acc:.4f}"
+    )
     if args.baseline:
         with open(args.baseline) as f:
             base = json.load(f)["mean_accuracy"]
@@ -444,17 +522,18 @@ def faulty(args: argparse.Namespace) -> int:
         # node's own plateau moves ±4), so a run that comes out better is not held against the
         # strategy. Weighting the random model at all costs far more (the weight check above is the
         # direct test of the defence).
-        check(mean_acc >= base - 0.03,
-              f"honest accuracy {mean_acc:.4f} is within 3 points of (or above) the run without the "
-              f"faulty node ({base:.4f}; difference {100 * (mean_acc - base):+.1f} points)")
+        check(
+            mean_acc >= base - 0.03,
+            f"honest accuracy {mean_acc:.4f} is within 3 points of (or above) the run without the "
+            f"faulty node ({base:.4f}; difference {100 * (mean_acc - base):+.1f} points)",
+        )
     return 0
 
 
-
-FILE_NODES = ["filea", "fileb"]   # profile "files": their own files (deploy/filedata.py), model sensor-net
+FILE_NODES = ["filea", "fileb"]  # profile "files": their own files (deploy/filedata.py), model sensor-net
 FILE_ROUNDS = int(os.environ.get("TESTBED_FILE_ROUNDS", "20"))
 FILE_CLASSES = ["idle", "walk", "run", "fall"]
-FILE_MIN_ACC = 0.6       # 4 classes: chance is 0.25; a node that learns gets well above
+FILE_MIN_ACC = 0.6  # 4 classes: chance is 0.25; a node that learns gets well above
 FILE_PREDICT = {"filea": "/data/predict/filea-test.csv", "fileb": "/data/fileb/test.csv"}
 
 
@@ -470,21 +549,27 @@ def export_and_predict(node: str) -> float:
     said = compose("exec", "-T", node, "coterie", "model", "export", "--state-dir", "/state", "--out", out)
     log(f"{node}: {said.strip()}")
     card = json.loads(compose("exec", "-T", node, "cat", out + ".json"))
-    check(card.get("node_id") == node and card.get("architecture"),
-          f"{node}'s exported model card names it and its architecture ({card.get('architecture')})")
+    check(
+        card.get("node_id") == node and card.get("architecture"),
+        f"{node}'s exported model card names it and its architecture ({card.get('architecture')})",
+    )
     table = FILE_PREDICT[node]
     pred = list(csv.DictReader(io.StringIO(compose("exec", "-T", node, "coterie", "predict", "--model", out, table))))
     truth = list(csv.DictReader(io.StringIO(compose("exec", "-T", node, "cat", table))))
     check(len(pred) == len(truth) > 0, f"{node}: coterie predict answered every row of {table} ({len(pred)})")
-    check(all(r.get("predicted") in FILE_CLASSES for r in pred),
-          f"{node}: every prediction names one of the agreed classes")
+    check(
+        all(r.get("predicted") in FILE_CLASSES for r in pred),
+        f"{node}: every prediction names one of the agreed classes",
+    )
     acc = sum(p["predicted"] == t["label"] for p, t in zip(pred, truth, strict=True)) / len(truth)
     ev = card.get("eval") or {}
     said = ev.get("own_test_acc", ev.get("test_acc"))
     # each table is the node's own test split, so the file must reproduce what the node reported
-    check(isinstance(said, (int, float)) and abs(acc - said) < 0.01,
-          f"{node}: the exported model's accuracy on its test table ({acc:.4f}) is what the node reported "
-          f"for that round ({said})")
+    check(
+        isinstance(said, (int, float)) and abs(acc - said) < 0.01,
+        f"{node}: the exported model's accuracy on its test table ({acc:.4f}) is what the node reported "
+        f"for that round ({said})",
+    )
     return acc
 
 
@@ -492,39 +577,63 @@ def files(args: argparse.Namespace) -> int:
     nodes = FILE_NODES
     TOKEN_FROM[0] = "filea"  # node1..node9 do not run in this phase
     with phase_timer("nodes on their own files healthy"):
-        wait_until("filea and fileb healthy", lambda: all(healthy(n) for n in nodes), timeout=600, every=2,
-                   detail=lambda: {n: healthy(n) for n in nodes})
+        wait_until(
+            "filea and fileb healthy",
+            lambda: all(healthy(n) for n in nodes),
+            timeout=600,
+            every=2,
+            detail=lambda: {n: healthy(n) for n in nodes},
+        )
         for n, fmt in (("filea", "npz"), ("fileb", "csv")):
             s = status(n)
             d = s.get("data") or {}
-            check(fmt in str(d.get("source", "")).lower() and d.get("classes") == FILE_CLASSES
-                  and d.get("input_shape") == [12],
-                  f"{n} learns from its own {fmt} files: {d.get('source')}, {d.get('samples')}, "
-                  f"classes {d.get('classes')}, input shape {d.get('input_shape')}")
+            check(
+                fmt in str(d.get("source", "")).lower()
+                and d.get("classes") == FILE_CLASSES
+                and d.get("input_shape") == [12],
+                f"{n} learns from its own {fmt} files: {d.get('source')}, {d.get('samples')}, "
+                f"classes {d.get('classes')}, input shape {d.get('input_shape')}",
+            )
             check(s.get("mtls") is True, f"{n} on mTLS with the run's CA")
     with phase_timer("the file nodes find each other"):
-        wait_until("filea and fileb see each other alive", lambda: full_membership(nodes), timeout=300, every=2,
-                   detail=lambda: membership_detail(nodes))
+        wait_until(
+            "filea and fileb see each other alive",
+            lambda: full_membership(nodes),
+            timeout=300,
+            every=2,
+            detail=lambda: membership_detail(nodes),
+        )
     with phase_timer(f"both reach round {FILE_ROUNDS}"):
-        wait_until(f"filea and fileb done with {FILE_ROUNDS} rounds", lambda: files_done(nodes), timeout=600,
-                   every=2, detail=lambda: rounds(nodes))
+        wait_until(
+            f"filea and fileb done with {FILE_ROUNDS} rounds",
+            lambda: files_done(nodes),
+            timeout=600,
+            every=2,
+            detail=lambda: rounds(nodes),
+        )
     with phase_timer("they learned"):
         for n in nodes:
             hist = get(n, "/history", timeout=10) or []
             accs = [h["eval"]["test_acc"] for h in hist if "test_acc" in (h.get("eval") or {})]
             losses = [h["train_loss"] for h in hist if isinstance(h.get("train_loss"), (int, float))]
-            check(bool(accs) and accs[-1] >= FILE_MIN_ACC,
-                  f"{n} learned from its files: test accuracy {accs[-1] if accs else float('nan'):.3f} at round "
-                  f"{FILE_ROUNDS} (>= {FILE_MIN_ACC}; chance {1 / len(FILE_CLASSES):.2f}; first round "
-                  f"{accs[0] if accs else float('nan'):.3f})")
-            check(len(losses) >= 2 and losses[-1] < losses[0],
-                  f"{n}'s training loss fell: {losses[0] if losses else 0:.3f} -> {losses[-1] if losses else 0:.3f}")
+            check(
+                bool(accs) and accs[-1] >= FILE_MIN_ACC,
+                f"{n} learned from its files: test accuracy {accs[-1] if accs else float('nan'):.3f} at round "
+                f"{FILE_ROUNDS} (>= {FILE_MIN_ACC}; chance {1 / len(FILE_CLASSES):.2f}; first round "
+                f"{accs[0] if accs else float('nan'):.3f})",
+            )
+            check(
+                len(losses) >= 2 and losses[-1] < losses[0],
+                f"{n}'s training loss fell: {losses[0] if losses else 0:.3f} -> {losses[-1] if losses else 0:.3f}",
+            )
         log(f"FedFomo weights at the end: {weights(nodes)}")
     with phase_timer("a model exported from a container predicts"):
         for n in nodes:
             acc = export_and_predict(n)
-            check(acc >= FILE_MIN_ACC, f"{n}'s exported model predicts {acc:.3f} of its test table right "
-                                       f"(>= {FILE_MIN_ACC})")
+            check(
+                acc >= FILE_MIN_ACC,
+                f"{n}'s exported model predicts {acc:.3f} of its test table right (>= {FILE_MIN_ACC})",
+            )
     return 0
 
 

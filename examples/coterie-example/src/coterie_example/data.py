@@ -16,6 +16,7 @@ Every device shares the activities' signatures (``prototype_seed``, default 0); 
 permutes which channel reads what (0: as designed), so devices mounted alike form a cluster
 that does better learning together than with the others.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,7 +59,9 @@ def _device(path: str | None, overrides: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"sensors: {p}: features must be a positive integer")
     bad = set(spec["samples"]) - set(_SPLITS)
     if bad or "train" not in spec["samples"]:
-        raise ValueError(f"sensors: {p}: samples must give train (and may give val, test), got {sorted(spec['samples'])}")
+        raise ValueError(
+            f"sensors: {p}: samples must give train (and may give val, test), got {sorted(spec['samples'])}"
+        )
     return spec
 
 

@@ -4,6 +4,7 @@ Contract: ``factory(input_shape, num_classes, **model_params) -> nn.Module``; ``
 means regression (one output). No BatchNorm: its running statistics cannot be averaged between
 peers (Coterie refuses a model that has it). LayerNorm normalises each sample on its own, so a
 device's raw scale does not matter and nothing per-device is stored outside the parameters."""
+
 from __future__ import annotations
 
 from torch import nn

@@ -13,11 +13,11 @@ Peers whose data resembles i's have models that do well on i's data and get most
 the rest fade out. A deliberately small, real strategy that only uses the public contract:
 ``Strategy``/``PeerNetwork``/``Learner`` from docs/extending.md, nothing of Coterie's internals.
 """
+
 from __future__ import annotations
 
 import math
 from typing import Any
-
 
 from coterie.node.strategies.base import RoundReport, Strategy, gather_bounded
 
@@ -36,10 +36,10 @@ def similarity_weights(losses: dict[str, float], temperature: float) -> dict[str
 class SimilarityAveraging(Strategy):
     name = "simavg"
     defaults: dict[str, Any] = {
-        "temperature": 0.1,   # T: lower = only the best-matching models count
-        "max_peers": 8,       # models pulled per round (the alive peers, sorted, first ones)
+        "temperature": 0.1,  # T: lower = only the best-matching models count
+        "max_peers": 8,  # models pulled per round (the alive peers, sorted, first ones)
         "val_samples": None,  # None = the whole validation split
-        "wait_s": 5.0,        # wait this long for a peer's previous round (0: take what it has)
+        "wait_s": 5.0,  # wait this long for a peer's previous round (0: take what it has)
     }
 
     def __init__(self, *a: Any, **kw: Any):
@@ -57,8 +57,9 @@ class SimilarityAveraging(Strategy):
         # round-aligned: a peer's model of at least my previous round, so a fast node does not
         # judge its peers by models they have not trained yet; a peer that is later gets left out
         wait = float(self.p["wait_s"])
-        snaps = await gather_bounded({p: self.net.pull(p, min_round=rnd - 1, wait_s=wait) if wait > 0
-                                      else self.net.pull(p) for p in peers})
+        snaps = await gather_bounded(
+            {p: self.net.pull(p, min_round=rnd - 1, wait_s=wait) if wait > 0 else self.net.pull(p) for p in peers}
+        )
         mine = self.learner.get_params()
         cands = {self.node_id: mine}
         for p, s in snaps.items():
@@ -71,8 +72,9 @@ class SimilarityAveraging(Strategy):
             losses = {n: self.learner.loss(th, "val", vs).loss for n, th in cands.items()}
             w = similarity_weights(losses, float(self.p["temperature"]))
             if w:
-                self.learner.set_params({k: sum(w[n] * cands[n][k].float() for n in cands if w[n] > 0)
-                                             .to(mine[k].dtype) for k in mine})
+                self.learner.set_params(
+                    {k: sum(w[n] * cands[n][k].float() for n in cands if w[n] > 0).to(mine[k].dtype) for k in mine}
+                )
             self._losses = losses
             return w
 
@@ -80,8 +82,11 @@ class SimilarityAveraging(Strategy):
         self._w = w or {self.node_id: 1.0}
         res = await self.compute(self.learner.train)
         self._rounds += 1
-        return RoundReport(train_loss=res.loss, contacted=sorted(snaps),
-                           info={"candidates": len(cands), "self_weight": self._w.get(self.node_id, 0.0)})
+        return RoundReport(
+            train_loss=res.loss,
+            contacted=sorted(snaps),
+            info={"candidates": len(cands), "self_weight": self._w.get(self.node_id, 0.0)},
+        )
 
     def weights(self) -> dict[str, float]:
         return dict(self._w)
