@@ -28,7 +28,7 @@ from .peering.messages import NodeInfo
 from .peering.network import NetworkSettings, NodeNetwork
 from .peering.peer_table import PeerTable
 from .peering.problems import ProblemLog
-from .peering.served import ServedRequests
+from .peering.served import ServedRequests, ServedSettings
 from .peering.snapshots import PublishBoard, SnapshotCache
 from .peering.traffic import TrafficStats
 from .persistence import Checkpoint, StateStore
@@ -191,23 +191,27 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
     guard = RoundGuard(learner, strategy, on_divergence)
     admission = Admission(cfg.limits, on_refused=_over_budget_noter(m, problems))
     hooks = DiscoveryHooks(strategy, network.discovery)  # "whom do you weight?" before the strategy
+    lim = cfg.limits
     served = ServedRequests(
-        host.node_id,
+        ServedSettings(
+            host.node_id,
+            host.spec,
+            serves,
+            max_push_lag=lim.max_push_lag,
+            push_norm_factor=lim.push_norm_factor,
+            compute_workers=lim.compute_workers,
+        ),
         host.info,
         membership,
         learner,
-        host.spec,
         hooks,
+        private,
         board,
         cache,
         inbox,
         problems,
-        private,
-        serves,
-        on_refused=lambda kind: m.rejected.labels(kind=kind).inc(),
         admission=admission,
-        push_policy=cfg.limits,
-        compute_workers=cfg.limits.compute_workers,
+        on_refused=lambda kind: m.rejected.labels(kind=kind).inc(),
         revocations=CrlExchange(revocation, host.node_id) if revocation is not None else None,
     )
     return PeerPlane(
