@@ -17,6 +17,7 @@ from .learning.guard import RoundGuard
 from .learning.learner import Learner
 from .node_metrics import NodeMetrics
 from .peering.admission import Admission
+from .peering.calls import PeerCalls
 from .peering.deadlines import Deadlines
 from .peering.discovery import Discovery, DiscoveryHooks, DiscoverySettings
 from .peering.inbox import PushInbox
@@ -24,10 +25,10 @@ from .peering.interfaces import PeerTransport, TransportFactory
 from .peering.loop_lag import LoopLag
 from .peering.membership import Membership, Observers, Settings, full_membership
 from .peering.messages import NodeInfo
-from .peering.network import NodeNetwork
+from .peering.network import NetworkSettings, NodeNetwork
 from .peering.peer_table import PeerTable
 from .peering.problems import ProblemLog
-from .peering.served import ServedRequests
+from .peering.served import ServedRequests, ServedSettings
 from .peering.snapshots import PublishBoard, SnapshotCache
 from .peering.traffic import TrafficStats
 from .persistence import Checkpoint, StateStore
@@ -152,22 +153,22 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
     withheld = private.withheld(tuple({purpose(p).split for p in purposes_of(cfg.strategy) + serves}))
     if withheld:
         problems.note("this node (data)", withheld)
-    network = NodeNetwork(
-        host.node_id,
-        client,
+    calls = PeerCalls(  # every call of the requesting side runs under these deadlines
         peers,
+        deadlines,
+        request_timeout_s=cfg.request_timeout_s,
+        exchange_timeout_s=cfg.exchange_timeout_s,
+        on_call_failed=membership.suspect_hint,
+    )
+    network = NodeNetwork(
+        NetworkSettings(host.node_id, host.spec, labels=host.labels, watch=cfg.watch_snapshots),
+        client,
+        calls,
         cache,
         inbox,
         lambda: board.current,
-        host.spec,
-        problems,
         private,
-        labels=host.labels,
-        request_timeout_s=cfg.request_timeout_s,
-        deadlines=deadlines,
-        exchange_timeout_s=cfg.exchange_timeout_s,
-        on_call_failed=membership.suspect_hint,
-        watch=cfg.watch_snapshots,
+        problems,
     )
     d = cfg.discovery
     network.discovery = Discovery(
@@ -190,23 +191,27 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
     guard = RoundGuard(learner, strategy, on_divergence)
     admission = Admission(cfg.limits, on_refused=_over_budget_noter(m, problems))
     hooks = DiscoveryHooks(strategy, network.discovery)  # "whom do you weight?" before the strategy
+    lim = cfg.limits
     served = ServedRequests(
-        host.node_id,
+        ServedSettings(
+            host.node_id,
+            host.spec,
+            serves,
+            max_push_lag=lim.max_push_lag,
+            push_norm_factor=lim.push_norm_factor,
+            compute_workers=lim.compute_workers,
+        ),
         host.info,
         membership,
         learner,
-        host.spec,
         hooks,
+        private,
         board,
         cache,
         inbox,
         problems,
-        private,
-        serves,
-        on_refused=lambda kind: m.rejected.labels(kind=kind).inc(),
         admission=admission,
-        push_policy=cfg.limits,
-        compute_workers=cfg.limits.compute_workers,
+        on_refused=lambda kind: m.rejected.labels(kind=kind).inc(),
         revocations=CrlExchange(revocation, host.node_id) if revocation is not None else None,
     )
     return PeerPlane(

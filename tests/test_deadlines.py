@@ -9,11 +9,12 @@ import time
 
 import torch
 
+from coterie.node.peering.calls import PeerCalls
 from coterie.node.peering.deadlines import Deadlines, quantile
 from coterie.node.peering.errors import PeerCallError
 from coterie.node.peering.inbox import PushInbox
 from coterie.node.peering.messages import SUSPECT, SnapshotHeader
-from coterie.node.peering.network import NodeNetwork
+from coterie.node.peering.network import NetworkSettings, NodeNetwork
 from coterie.node.peering.peer_table import PeerTable
 from coterie.node.peering.problems import ProblemLog
 from coterie.node.peering.snapshots import SnapshotCache
@@ -71,21 +72,19 @@ def _network(delays, **kw):
     for a in delays:
         table.upsert(a, a)
     hints = []
+    calls = PeerCalls(
+        table, Deadlines(30.0, floor_s=0.2, mult=4.0), request_timeout_s=30.0, on_call_failed=hints.append, **kw
+    )
+    # no private data released here
     net = NodeNetwork(
-        "me",
+        NetworkSettings("me", SPEC),
         FakeTransport(delays),
-        table,
+        calls,
         SnapshotCache(),
         PushInbox(),
         lambda: None,
-        SPEC,
-        ProblemLog(),
         None,
-        labels={},
-        request_timeout_s=30.0,  # no private data released here
-        deadlines=Deadlines(30.0, floor_s=0.2, mult=4.0),
-        on_call_failed=hints.append,
-        **kw,
+        ProblemLog(),
     )
     return net, table, hints
 

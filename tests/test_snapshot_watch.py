@@ -15,10 +15,12 @@ import re
 import pytest
 import torch
 
+from coterie.node.peering.calls import PeerCalls
+from coterie.node.peering.deadlines import Deadlines
 from coterie.node.peering.errors import PeerCallError
 from coterie.node.peering.inbox import PushInbox
 from coterie.node.peering.messages import LocalSnapshot, SnapshotHeader
-from coterie.node.peering.network import NodeNetwork
+from coterie.node.peering.network import NetworkSettings, NodeNetwork
 from coterie.node.peering.peer_table import PeerTable
 from coterie.node.peering.problems import ProblemLog
 from coterie.node.peering.snapshots import SnapshotCache
@@ -62,18 +64,16 @@ class WatchingTransport:
 def _net(t, spec=SPEC, problems=None):
     table = PeerTable("me", 1.0, 2.0)
     table.upsert("p", "a")
+    calls = PeerCalls(table, Deadlines(5.0), request_timeout_s=5.0)
     return NodeNetwork(
-        "me",
+        NetworkSettings("me", spec),
         t,
-        table,
+        calls,
         SnapshotCache(),
         PushInbox(),
         lambda: None,
-        spec,
-        problems or ProblemLog(),
         None,
-        labels={},
-        request_timeout_s=5.0,
+        problems or ProblemLog(),
     )
 
 
@@ -141,17 +141,14 @@ def test_a_large_model_is_pulled_not_subscribed_to():
         table.upsert("p", "a")
         t = WatchingTransport(size=1 << 19)
         net = NodeNetwork(
-            "me",
+            NetworkSettings("me", {"w": ((1 << 19,), "float32")}),
             t,
-            table,
+            PeerCalls(table, Deadlines(5.0), request_timeout_s=5.0),
             SnapshotCache(),
             PushInbox(),
             lambda: None,
-            {"w": ((1 << 19,), "float32")},
-            ProblemLog(),
             None,
-            labels={},
-            request_timeout_s=5.0,
+            ProblemLog(),
         )
         for rnd in (1, 1, 2, 3):
             t.round = rnd

@@ -24,6 +24,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..offload import OFF_LOOP_BYTES
@@ -31,13 +32,13 @@ from ..privacy.mechanisms import PrivateData
 from ..strategies.base import PeerSnapshot
 from ..wire.codec import Groups, WireError, encoded_size
 from .calls import PeerCalls
-from .deadlines import Deadlines, Phase
+from .deadlines import Phase
 from .discovery import GOSSIP_KEY, Discovery, recommended_ids
 from .errors import PeerCallError
 from .inbox import PushInbox
 from .interfaces import PeerTransport
 from .messages import LocalSnapshot, SnapshotHeader
-from .peer_table import ALIVE, DEAD, SUSPECT, PeerTable
+from .peer_table import ALIVE, DEAD, SUSPECT
 from .problems import ProblemLog
 from .releases import PeerReleases, is_privacy_refusal
 from .requests import PeerRequests
@@ -48,55 +49,56 @@ from .validation import Spec, snapshot_groups
 log = logging.getLogger("coterie.node.network")
 
 
+@dataclass(frozen=True)
+class NetworkSettings:
+    """What the requesting side knows of this node: its id, its labels, the architecture every
+    received snapshot is checked against, and whether it subscribes to peers' snapshots."""
+
+    node_id: str
+    spec: Spec
+    labels: dict[str, str] = field(default_factory=dict)
+    watch: bool = True  # subscribe where the transport can (else every snapshot is pulled)
+
+
 class NodeNetwork:
     def __init__(
         self,
-        node_id: str,
+        settings: NetworkSettings,
         transport: PeerTransport,
-        peers: PeerTable,
+        calls: PeerCalls,
         cache: SnapshotCache,
         inbox: PushInbox,
         published: Callable[[], LocalSnapshot | None],
-        spec: Spec,
-        problems: ProblemLog,
         private: PrivateData,
-        *,
-        labels: dict[str, str],
-        request_timeout_s: float,
-        deadlines: Deadlines | None = None,
-        exchange_timeout_s: float = 0.0,
-        on_call_failed: Callable[[str], None] | None = None,
-        watch: bool = True,
+        problems: ProblemLog,
     ):
-        self.node_id = node_id
+        """``calls``: the peer table, deadlines and timeouts every call runs under (``calls.py``);
+        ``published``: this node's latest snapshot; ``private``: the door my own gradients leave
+        through; ``problems``: where every failed or refused call is noted."""
+        self.node_id = settings.node_id
         self.transport = transport
-        self.table = peers
+        self.calls = calls
+        self.table = peers = calls.table
+        self.request_timeout_s = calls.request_timeout_s
         self.cache = cache
         self.inbox = inbox
         self.published = published
-        self.spec = spec
+        self.spec = settings.spec
+        self.labels = settings.labels
         self.problems = problems
         self.private = private  # my own gradients leave through it too
         self.releases = PeerReleases()  # what peers released to me (releases.py)
-        self.labels = labels
-        self.request_timeout_s = request_timeout_s
-        self.deadlines = deadlines or Deadlines(request_timeout_s)
-        self.calls = PeerCalls(
-            peers,
-            self.deadlines,
-            request_timeout_s=request_timeout_s,
-            exchange_timeout_s=exchange_timeout_s,
-            on_call_failed=on_call_failed,
-        )
         # snapshot subscriptions: a transport without them is pulled from only
-        self.subscriptions = Subscriptions(self, self.calls, enabled=watch and hasattr(transport, "watch_snapshots"))
+        self.subscriptions = Subscriptions(
+            self, calls, enabled=settings.watch and hasattr(transport, "watch_snapshots")
+        )
         self.requests = PeerRequests(
-            node_id,
+            self.node_id,
             transport,
-            self.calls,
+            calls,
             inbox,
             published,
-            spec,
+            self.spec,
             private,
             self.releases,
             problems,

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -62,11 +63,6 @@ def _norm(tensors: Params) -> float:
     return math.sqrt(sum(float(torch.sum(t.double() ** 2)) for t in tensors.values()))
 
 
-class PushPolicy(Protocol):
-    max_push_lag: int
-    push_norm_factor: float
-
-
 class RevocationExchange(Protocol):
     """The CA's revocation list exchange (``security/crl_gossip.py``)."""
 
@@ -80,45 +76,56 @@ class StrategyHooks(Protocol):
     def on_alignment(self, peer: str, inner_product: float) -> None: ...
 
 
+@dataclass(frozen=True)
+class ServedSettings:
+    """What the served side is told once: this node's id and architecture, the purposes it
+    answers (its strategy's, by default), how pushed gradients are bounded, and how many threads
+    serve peers' compute."""
+
+    node_id: str
+    spec: Spec
+    serves: tuple[str, ...]
+    max_push_lag: int  # a pushed gradient's target version at most this far behind mine
+    push_norm_factor: float  # pushes clipped to this × my own recent gradient norm
+    compute_workers: int = 2
+
+
 class ServedRequests:
     def __init__(
         self,
-        node_id: str,
+        settings: ServedSettings,
         info: Callable[[], NodeInfo],
         membership: Membership,
         learner: Learner,
-        spec: Spec,
         hooks: StrategyHooks,
+        private: PrivateData,
         board: PublishBoard,
         cache: SnapshotCache,
         inbox: PushInbox,
         problems: ProblemLog,
-        private: PrivateData,
-        serves: tuple[str, ...],
-        on_refused: Callable[[str], None] | None = None,
         *,
         admission: Admission,
-        push_policy: PushPolicy,
-        compute_workers: int = 2,
+        on_refused: Callable[[str], None] | None = None,
         revocations: RevocationExchange | None = None,
     ):
-        self.node_id = node_id
+        """``board``: what I publish; ``cache``: peers' snapshots a request may name; ``inbox``:
+        where accepted gradient pushes wait for the strategy; ``on_refused``: counts refusals by
+        kind; ``revocations``: None without a network CA (plaintext)."""
+        self.settings = settings
+        self.node_id = settings.node_id
         self.info = info
         self.membership = membership
         self.learner = learner  # my own work (the push-norm reference); answers go through private
-        self.spec = spec
         self.hooks = hooks
+        self.private = private  # every answer computed on my data leaves through it
         self.board = board
         self.cache = cache
         self.inbox = inbox
         self.problems = problems
-        self.private = private  # every answer computed on my data leaves through it
-        self.serves = tuple(serves)  # the purposes I answer (my strategy's, by default)
-        self.on_refused = on_refused or (lambda kind: None)
         self.admission = admission
-        self.push_policy = push_policy
-        self.revocations = revocations  # None without a network CA (plaintext)
-        self._pool = ThreadPoolExecutor(compute_workers, thread_name_prefix="served-compute")
+        self.on_refused = on_refused or (lambda kind: None)
+        self.revocations = revocations
+        self._pool = ThreadPoolExecutor(settings.compute_workers, thread_name_prefix="served-compute")
         self._own_norms: deque[tuple[int, float]] = deque(maxlen=NORM_HISTORY)  # (version, ‖g‖)
         self._norm_lock = asyncio.Lock()
 
@@ -210,7 +217,7 @@ class ServedRequests:
     def _tensors(self, req: ComputeRequest, groups: Groups, group: str) -> Params:
         """A tensor group of the request: this architecture's shapes, finite — or refused."""
         try:
-            return model_tensors(groups, group, self.spec, f"{req.kind} from {req.requester}")
+            return model_tensors(groups, group, self.settings.spec, f"{req.kind} from {req.requester}")
         except WireError as e:
             self.on_refused(req.kind)
             self.problems.note(req.requester, str(e), rejected=True)
@@ -231,10 +238,10 @@ class ServedRequests:
         kind = {CROSS_LOSS: LOSS, PUSH_GRADIENT: PUSH}.get(req.kind, ALIGNMENT if req.align else GRADIENT)
         if p.kind != kind:
             raise invalid(f"{who}: purpose {p.name!r} is for {p.kind} requests, not {kind}")
-        if p.name not in self.serves:
+        if p.name not in self.settings.serves:
             raise refused(
                 f"{who}: this node does not serve purpose {p.name!r} (it serves "
-                f"{list(self.serves) or 'none'}: only what its strategy needs)"
+                f"{list(self.settings.serves) or 'none'}: only what its strategy needs)"
             )
         if req.split == "test":
             raise invalid(f"{who}: the test split is never served")
@@ -304,7 +311,7 @@ class ServedRequests:
         grad = self._tensors(req, groups, "grad")
         mine = self.board.current
         current = mine.version if mine is not None else 0
-        target, lag = int(req.target_version), self.push_policy.max_push_lag
+        target, lag = int(req.target_version), self.settings.max_push_lag
         who = f"gradient push from {req.requester}"
         if target > current:
             raise self._reject_push(
@@ -318,13 +325,13 @@ class ServedRequests:
             )
         assert mine is not None  # (else current is 0 and every target was refused above)
         norm = await self._run(req.requester, _norm, grad)
-        ceiling = self.push_policy.push_norm_factor * await self._own_norm(mine)
+        ceiling = self.settings.push_norm_factor * await self._own_norm(mine)
         message = f"queued for the update after version {current}"
         if norm > ceiling:
             scale = ceiling / norm
             grad = await self._run(req.requester, lambda: {k: t * scale for k, t in grad.items()})
             message = (
-                f"clipped: norm {norm:.3g} exceeds {self.push_policy.push_norm_factor:g}× this "
+                f"clipped: norm {norm:.3g} exceeds {self.settings.push_norm_factor:g}× this "
                 f"node's own gradient norm ({ceiling:.3g}); {message}"
             )
             self.on_refused("push_clipped")
