@@ -26,7 +26,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-from torch.func import functional_call
 
 from .config import LearnerConfig
 from .datasets import Pool
@@ -39,8 +38,8 @@ from .own_data import OwnData
 from .partition import NodeData
 from .sources import node_source
 from .torch_mixture import MixtureEval
-from .torch_private import EVAL_BATCH as _EVAL_BATCH
 from .torch_private import PerSampleTerms
+from .torch_shadow import Shadow, ShadowEval
 from .torch_state import TorchState
 
 
@@ -56,7 +55,7 @@ def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0])
 
 
-class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
+class TorchLearner(Learner):
     def __init__(self, cfg: LearnerConfig, pool: Pool | None = None, data: NodeData | OwnData | None = None):
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
@@ -98,6 +97,36 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
         self._eval_lock = threading.Lock()
         # a diverged step is rolled back and backs off the step size (guard.py)
         self.step_guard = StepGuard(factor=cfg.divergence_factor)
+        # its parts, each given the few pieces it uses
+        shadow = Shadow(
+            self._shadow,
+            self._data,
+            self._eval_lock,
+            self._names,
+            self.device,
+            self.task,
+            inputs=self._x,
+            loss_fn=self._loss_fn,
+            device_params=self._device_params,
+        )
+        self._evals, self._private, self._mixture = (
+            ShadowEval(shadow, self._eval_rng),
+            PerSampleTerms(shadow),
+            MixtureEval(shadow),
+        )
+        self._state = TorchState(
+            cfg,
+            self.model,
+            self._sampler,
+            self._eval_rng,
+            self._lock,
+            optimizer=lambda: self.optimizer,
+            install_optimizer=self._install_optimizer,
+            make_optimizer=self._make_optimizer,
+            check=self._check,
+            set_params=self.set_params,
+            fingerprint=self.fingerprint,
+        )
 
     def data_info(self) -> dict:
         return dict(self._data_info)
@@ -242,14 +271,7 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
                 t.requires_grad_(True)
         return out
 
-    def _batch(self, split: Split, max_samples: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self._data[split]
-        if max_samples is not None and max_samples < len(y):
-            idx = np.sort(self._eval_rng.choice(len(y), max_samples, replace=False))
-            t = torch.from_numpy(idx).to(self.device)
-            return x[t], y[t]
-        return x, y
-
+    # ------------------------------------------------------------------ parts
     def loss(
         self,
         params: Params | None = None,
@@ -257,31 +279,10 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
         max_samples: int | None = None,
         reduction: Literal["mean", "sum"] = "mean",
     ) -> EvalResult:
-        p = self._device_params(params)
-        with self._eval_lock:
-            x, y = self._batch(split, max_samples)
-            return self._eval(p, x, y, reduction)
+        return self._evals.loss(params, split, max_samples, reduction)
 
     def evaluate(self, split: Split = "test", params: Params | None = None) -> EvalResult:
-        p = self._device_params(params)
-        x, y = self._data[split]
-        with self._eval_lock:
-            return self._eval(p, x, y, "mean")
-
-    def _eval(self, p: Params, x: torch.Tensor, y: torch.Tensor, reduction: str) -> EvalResult:
-        n = len(y)
-        if n == 0:
-            return EvalResult(loss=float("nan"), n=0, accuracy=None)
-        total, correct = 0.0, 0
-        with torch.no_grad():
-            for i in range(0, n, _EVAL_BATCH):
-                out = functional_call(self._shadow, p, (self._x(x[i : i + _EVAL_BATCH]),))
-                yb = y[i : i + _EVAL_BATCH]
-                total += float(self._loss_fn(out, yb, "sum"))
-                if self.task == "classification":
-                    correct += int((out.argmax(1) == yb).sum())
-        acc = correct / n if self.task == "classification" else None
-        return EvalResult(loss=total / n if reduction == "mean" else total, n=n, accuracy=acc)
+        return self._evals.evaluate(split, params)
 
     def gradient(
         self,
@@ -290,18 +291,25 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
         max_samples: int | None = None,
         reduction: Literal["mean", "sum"] = "mean",
     ) -> tuple[Params, EvalResult]:
-        p = self._device_params(params, requires_grad=True)
-        with self._eval_lock:
-            x, y = self._batch(split, max_samples)
-            if len(y) == 0:
-                raise ValueError(f"split {split!r} is empty on this node: no gradient")
-            with torch.enable_grad():
-                out = functional_call(self._shadow, p, (self._x(x),))
-                loss = self._loss_fn(out, y, reduction)
-                grads = torch.autograd.grad(loss, [p[n] for n in self._names])
-            acc = float((out.argmax(1) == y).float().mean()) if self.task == "classification" else None
-        g = {n: t.detach().to("cpu", torch.float32) for n, t in zip(self._names, grads, strict=True)}
-        return g, EvalResult(loss=float(loss.detach()), n=len(y), accuracy=acc)
+        return self._evals.gradient(params, split, max_samples, reduction)
+
+    def clipped_loss_sum(self, params: Params | None, split: Split, indices, clip: float) -> float:
+        return self._private.clipped_loss_sum(params, split, indices, clip)
+
+    def clipped_gradient_sum(self, params: Params | None, split: Split, indices, clip: float) -> Params:
+        return self._private.clipped_gradient_sum(params, split, indices, clip)
+
+    def evaluate_mixture(self, members: list[tuple[float, Params]], split: Split = "test") -> EvalResult:
+        return self._mixture.evaluate_mixture(members, split)
+
+    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        return self._state.export_state(reuse)
+
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        self._state.import_state(tensors, meta)
+
+    def _install_optimizer(self, opt: LocalOptimizer) -> None:
+        self.optimizer = opt
 
 
 def build_learner(cfg: LearnerConfig, pool: Pool | None = None) -> TorchLearner:
