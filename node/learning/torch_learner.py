@@ -14,6 +14,10 @@ state (``optim/*``) and the sampler permutation, plus a JSON-able dict (optimize
 hyper-parameters and step count, RNG states, fingerprint); ``import_state`` restores them. The
 state directory (``node/persistence.py``) writes and verifies them. On import the
 hyper-parameters come from the config (a restart may change lr).
+
+Parts, objects given only the pieces they use (no shared ``self``), to which the public methods
+delegate: ``ShadowEval`` (loss, evaluate, gradient), ``PerSampleTerms`` (clipped sums for DP)
+and ``MixtureEval`` share one ``torch_shadow.Shadow``; ``TorchState`` does export/import.
 """
 
 from __future__ import annotations
@@ -55,6 +59,24 @@ def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0])
 
 
+def _device_splits(data: NodeData | OwnData, task: str, device: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each split's (x, y) as tensors on ``device`` (labels int64 for classification)."""
+    ydt = torch.int64 if task == "classification" else torch.float32
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for split in ("train", "val", "test"):
+        x = torch.as_tensor(getattr(data, f"x_{split}"), dtype=torch.float32)
+        y = torch.as_tensor(getattr(data, f"y_{split}"), dtype=ydt)
+        out[split] = (x.to(device), y.to(device))
+    return out
+
+
+def _initial_model(cfg: LearnerConfig, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
+    """θ⁰, the same on every node: seeded right before construction, leaving global RNG as is."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.init_seed)
+        return build_model(cfg.model, input_shape, num_classes, **cfg.model_params)
+
+
 class TorchLearner(Learner):
     def __init__(self, cfg: LearnerConfig, pool: Pool | None = None, data: NodeData | OwnData | None = None):
         self.cfg = cfg
@@ -68,20 +90,9 @@ class TorchLearner(Learner):
         self.true_cluster, self.shard, self.noisy_train = src.true_cluster, src.shard, src.noisy_train
         self._loss_hook = resolve_loss(cfg.loss, self.task, self.num_classes)
         self._transform = resolve_transform(cfg.input_transform)
-        ydt = torch.int64 if self.task == "classification" else torch.float32
-        self._data: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for split in ("train", "val", "test"):
-            x = torch.as_tensor(getattr(data, f"x_{split}"), dtype=torch.float32)
-            y = torch.as_tensor(getattr(data, f"y_{split}"), dtype=ydt)
-            self._data[split] = (x.to(self.device), y.to(self.device))
-
-        # θ⁰ is the same on every node: seed right before construction, leaving global RNG as is
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.init_seed)
-            self.model = build_model(cfg.model, self.input_shape, self.num_classes, **cfg.model_params)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.init_seed)
-            self._shadow = build_model(cfg.model, self.input_shape, self.num_classes, **cfg.model_params)
+        self._data = _device_splits(data, self.task, self.device)
+        self.model = _initial_model(cfg, self.input_shape, self.num_classes)
+        self._shadow = _initial_model(cfg, self.input_shape, self.num_classes)
         self.model.to(self.device)
         self._shadow.to(self.device).eval()
         for p in self._shadow.parameters():
