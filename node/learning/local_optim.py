@@ -1,5 +1,6 @@
 """The local optimizer and minibatch sampler of ``torch_learner.TorchLearner`` (their own module so
-that its parts mixed in from ``torch_state.py`` can name their types without an import cycle)."""
+that its persistence part, ``torch_state.TorchState``, can name their types without an import
+cycle)."""
 
 from __future__ import annotations
 

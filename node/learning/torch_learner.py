@@ -14,6 +14,10 @@ state (``optim/*``) and the sampler permutation, plus a JSON-able dict (optimize
 hyper-parameters and step count, RNG states, fingerprint); ``import_state`` restores them. The
 state directory (``node/persistence.py``) writes and verifies them. On import the
 hyper-parameters come from the config (a restart may change lr).
+
+Parts, objects given only the pieces they use (no shared ``self``), to which the public methods
+delegate: ``ShadowEval`` (loss, evaluate, gradient), ``PerSampleTerms`` (clipped sums for DP)
+and ``MixtureEval`` share one ``torch_shadow.Shadow``; ``TorchState`` does export/import.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-from torch.func import functional_call
 
 from .config import LearnerConfig
 from .datasets import Pool
@@ -39,8 +42,8 @@ from .own_data import OwnData
 from .partition import NodeData
 from .sources import node_source
 from .torch_mixture import MixtureEval
-from .torch_private import EVAL_BATCH as _EVAL_BATCH
 from .torch_private import PerSampleTerms
+from .torch_shadow import Shadow, ShadowEval
 from .torch_state import TorchState
 
 
@@ -56,7 +59,25 @@ def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0])
 
 
-class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
+def _device_splits(data: NodeData | OwnData, task: str, device: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each split's (x, y) as tensors on ``device`` (labels int64 for classification)."""
+    ydt = torch.int64 if task == "classification" else torch.float32
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for split in ("train", "val", "test"):
+        x = torch.as_tensor(getattr(data, f"x_{split}"), dtype=torch.float32)
+        y = torch.as_tensor(getattr(data, f"y_{split}"), dtype=ydt)
+        out[split] = (x.to(device), y.to(device))
+    return out
+
+
+def _initial_model(cfg: LearnerConfig, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
+    """θ⁰, the same on every node: seeded right before construction, leaving global RNG as is."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.init_seed)
+        return build_model(cfg.model, input_shape, num_classes, **cfg.model_params)
+
+
+class TorchLearner(Learner):
     def __init__(self, cfg: LearnerConfig, pool: Pool | None = None, data: NodeData | OwnData | None = None):
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
@@ -69,20 +90,9 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
         self.true_cluster, self.shard, self.noisy_train = src.true_cluster, src.shard, src.noisy_train
         self._loss_hook = resolve_loss(cfg.loss, self.task, self.num_classes)
         self._transform = resolve_transform(cfg.input_transform)
-        ydt = torch.int64 if self.task == "classification" else torch.float32
-        self._data: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for split in ("train", "val", "test"):
-            x = torch.as_tensor(getattr(data, f"x_{split}"), dtype=torch.float32)
-            y = torch.as_tensor(getattr(data, f"y_{split}"), dtype=ydt)
-            self._data[split] = (x.to(self.device), y.to(self.device))
-
-        # θ⁰ is the same on every node: seed right before construction, leaving global RNG as is
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.init_seed)
-            self.model = build_model(cfg.model, self.input_shape, self.num_classes, **cfg.model_params)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.init_seed)
-            self._shadow = build_model(cfg.model, self.input_shape, self.num_classes, **cfg.model_params)
+        self._data = _device_splits(data, self.task, self.device)
+        self.model = _initial_model(cfg, self.input_shape, self.num_classes)
+        self._shadow = _initial_model(cfg, self.input_shape, self.num_classes)
         self.model.to(self.device)
         self._shadow.to(self.device).eval()
         for p in self._shadow.parameters():
@@ -98,6 +108,36 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
         self._eval_lock = threading.Lock()
         # a diverged step is rolled back and backs off the step size (guard.py)
         self.step_guard = StepGuard(factor=cfg.divergence_factor)
+        # its parts, each given the few pieces it uses
+        shadow = Shadow(
+            self._shadow,
+            self._data,
+            self._eval_lock,
+            self._names,
+            self.device,
+            self.task,
+            inputs=self._x,
+            loss_fn=self._loss_fn,
+            device_params=self._device_params,
+        )
+        self._evals, self._private, self._mixture = (
+            ShadowEval(shadow, self._eval_rng),
+            PerSampleTerms(shadow),
+            MixtureEval(shadow),
+        )
+        self._state = TorchState(
+            cfg,
+            self.model,
+            self._sampler,
+            self._eval_rng,
+            self._lock,
+            optimizer=lambda: self.optimizer,
+            install_optimizer=self._install_optimizer,
+            make_optimizer=self._make_optimizer,
+            check=self._check,
+            set_params=self.set_params,
+            fingerprint=self.fingerprint,
+        )
 
     def data_info(self) -> dict:
         return dict(self._data_info)
@@ -242,14 +282,7 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
                 t.requires_grad_(True)
         return out
 
-    def _batch(self, split: Split, max_samples: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self._data[split]
-        if max_samples is not None and max_samples < len(y):
-            idx = np.sort(self._eval_rng.choice(len(y), max_samples, replace=False))
-            t = torch.from_numpy(idx).to(self.device)
-            return x[t], y[t]
-        return x, y
-
+    # ------------------------------------------------------------------ parts
     def loss(
         self,
         params: Params | None = None,
@@ -257,31 +290,10 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
         max_samples: int | None = None,
         reduction: Literal["mean", "sum"] = "mean",
     ) -> EvalResult:
-        p = self._device_params(params)
-        with self._eval_lock:
-            x, y = self._batch(split, max_samples)
-            return self._eval(p, x, y, reduction)
+        return self._evals.loss(params, split, max_samples, reduction)
 
     def evaluate(self, split: Split = "test", params: Params | None = None) -> EvalResult:
-        p = self._device_params(params)
-        x, y = self._data[split]
-        with self._eval_lock:
-            return self._eval(p, x, y, "mean")
-
-    def _eval(self, p: Params, x: torch.Tensor, y: torch.Tensor, reduction: str) -> EvalResult:
-        n = len(y)
-        if n == 0:
-            return EvalResult(loss=float("nan"), n=0, accuracy=None)
-        total, correct = 0.0, 0
-        with torch.no_grad():
-            for i in range(0, n, _EVAL_BATCH):
-                out = functional_call(self._shadow, p, (self._x(x[i : i + _EVAL_BATCH]),))
-                yb = y[i : i + _EVAL_BATCH]
-                total += float(self._loss_fn(out, yb, "sum"))
-                if self.task == "classification":
-                    correct += int((out.argmax(1) == yb).sum())
-        acc = correct / n if self.task == "classification" else None
-        return EvalResult(loss=total / n if reduction == "mean" else total, n=n, accuracy=acc)
+        return self._evals.evaluate(split, params)
 
     def gradient(
         self,
@@ -290,18 +302,25 @@ class TorchLearner(PerSampleTerms, MixtureEval, TorchState, Learner):
         max_samples: int | None = None,
         reduction: Literal["mean", "sum"] = "mean",
     ) -> tuple[Params, EvalResult]:
-        p = self._device_params(params, requires_grad=True)
-        with self._eval_lock:
-            x, y = self._batch(split, max_samples)
-            if len(y) == 0:
-                raise ValueError(f"split {split!r} is empty on this node: no gradient")
-            with torch.enable_grad():
-                out = functional_call(self._shadow, p, (self._x(x),))
-                loss = self._loss_fn(out, y, reduction)
-                grads = torch.autograd.grad(loss, [p[n] for n in self._names])
-            acc = float((out.argmax(1) == y).float().mean()) if self.task == "classification" else None
-        g = {n: t.detach().to("cpu", torch.float32) for n, t in zip(self._names, grads, strict=True)}
-        return g, EvalResult(loss=float(loss.detach()), n=len(y), accuracy=acc)
+        return self._evals.gradient(params, split, max_samples, reduction)
+
+    def clipped_loss_sum(self, params: Params | None, split: Split, indices, clip: float) -> float:
+        return self._private.clipped_loss_sum(params, split, indices, clip)
+
+    def clipped_gradient_sum(self, params: Params | None, split: Split, indices, clip: float) -> Params:
+        return self._private.clipped_gradient_sum(params, split, indices, clip)
+
+    def evaluate_mixture(self, members: list[tuple[float, Params]], split: Split = "test") -> EvalResult:
+        return self._mixture.evaluate_mixture(members, split)
+
+    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        return self._state.export_state(reuse)
+
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        self._state.import_state(tensors, meta)
+
+    def _install_optimizer(self, opt: LocalOptimizer) -> None:
+        self.optimizer = opt
 
 
 def build_learner(cfg: LearnerConfig, pool: Pool | None = None) -> TorchLearner:

@@ -1,10 +1,7 @@
 """FedeRiCo's mixture prediction on ``TorchLearner``: Σ_j w_j p(y|x; θ_j) over members' models,
-evaluated on the private shadow model (never the live one)."""
+evaluated on the private shadow model (``torch_shadow.py``; never the live one)."""
 
 from __future__ import annotations
-
-import threading
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -12,21 +9,15 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from .learner import EvalResult, Params, Split
-from .torch_private import EVAL_BATCH as _EVAL_BATCH
+from .torch_shadow import EVAL_BATCH as _EVAL_BATCH
+from .torch_shadow import Shadow
 
 
 class MixtureEval:
-    """Mixed into ``torch_learner.TorchLearner`` (its shadow model, data, input transform, locks)."""
+    """The mixture of members' models, evaluated on a split."""
 
-    # the host's state and helpers (``TorchLearner``), declared for the type checker
-    task: str
-    _data: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    _shadow: torch.nn.Module
-    _eval_lock: threading.Lock
-    if TYPE_CHECKING:
-
-        def _x(self, x: torch.Tensor) -> torch.Tensor: ...
-        def _device_params(self, params: Params | None, requires_grad: bool = False) -> Params: ...
+    def __init__(self, shadow: Shadow):
+        self.shadow = shadow
 
     def evaluate_mixture(self, members: list[tuple[float, Params]], split: Split = "test") -> EvalResult:
         """Σ_j w_j p(y|x; θ_j) with the weights normalised to sum to 1 (classification: softmax
@@ -37,28 +28,29 @@ class MixtureEval:
         if np.any(w < 0) or not w.sum() > 0:
             raise ValueError(f"mixture weights must be >= 0 with a positive sum, got {w.tolist()}")
         w = w / w.sum()
-        ps = [self._device_params(m[1]) for m in members]
-        x, y = self._data[split]
+        s = self.shadow
+        ps = [s.device_params(m[1], False) for m in members]
+        x, y = s.data[split]
         n = len(y)
         if n == 0:
             return EvalResult(loss=float("nan"), n=0, accuracy=None)
         total, correct = 0.0, 0
-        with self._eval_lock, torch.no_grad():
+        with s.lock, torch.no_grad():
             for i in range(0, n, _EVAL_BATCH):
                 xb, yb = x[i : i + _EVAL_BATCH], y[i : i + _EVAL_BATCH]
                 mix: torch.Tensor | None = None
                 for wj, pj in zip(w, ps, strict=True):
                     if wj == 0:
                         continue
-                    out = functional_call(self._shadow, pj, (self._x(xb),))
-                    out = out.softmax(1) if self.task == "classification" else out.reshape(-1)
+                    out = functional_call(s.model, pj, (s.inputs(xb),))
+                    out = out.softmax(1) if s.task == "classification" else out.reshape(-1)
                     mix = wj * out if mix is None else mix + wj * out
                 assert mix is not None  # the weights were checked to have a positive sum
-                if self.task == "classification":
+                if s.task == "classification":
                     py = mix.gather(1, yb.view(-1, 1)).clamp_min(1e-12)
                     total += float(-py.log().sum())
                     correct += int((mix.argmax(1) == yb).sum())
                 else:
                     total += float(F.mse_loss(mix, yb.reshape(-1), reduction="sum"))
-        acc = correct / n if self.task == "classification" else None
+        acc = correct / n if s.task == "classification" else None
         return EvalResult(loss=total / n, n=n, accuracy=acc)

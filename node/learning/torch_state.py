@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,21 +30,28 @@ def _json_default(o):
 
 
 class TorchState:
-    """Mixed into ``torch_learner.TorchLearner`` (its model, optimizer, sampler and lock)."""
+    """Copies out and restores a learner's live model, optimizer state, sampler and eval RNG,
+    under the learner's lock. The optimizer is read and installed through callables: the
+    learner replaces it (after a divergence, on import), so holding one would go stale."""
 
-    # the host's state and helpers (``TorchLearner``), declared for the type checker
-    cfg: LearnerConfig
-    model: torch.nn.Module
-    optimizer: LocalOptimizer
-    _sampler: _Sampler
-    _eval_rng: np.random.Generator
-    _lock: threading.RLock
-    if TYPE_CHECKING:
-
-        def _make_optimizer(self) -> LocalOptimizer: ...
-        def _check(self, params: Params, what: str = "params") -> None: ...
-        def set_params(self, params: Params) -> None: ...
-        def fingerprint(self) -> str: ...
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        model: torch.nn.Module,
+        sampler: _Sampler,
+        eval_rng: np.random.Generator,
+        lock: threading.RLock,
+        *,
+        optimizer: Callable[[], LocalOptimizer],  # the learner's current one
+        install_optimizer: Callable[[LocalOptimizer], None],  # called under ``lock``
+        make_optimizer: Callable[[], LocalOptimizer],  # a fresh one from the config
+        check: Callable[[Params, str], None],  # ValueError if params do not fit the model
+        set_params: Callable[[Params], None],
+        fingerprint: Callable[[], str],
+    ):
+        self.cfg, self.model, self.sampler, self.eval_rng, self.lock = cfg, model, sampler, eval_rng, lock
+        self.optimizer, self.install_optimizer, self.make_optimizer = optimizer, install_optimizer, make_optimizer
+        self.check, self.set_params, self.fingerprint = check, set_params, fingerprint
 
     def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
         """Private copies of everything a resume needs, taken under the lock (a memcpy of the
@@ -58,21 +66,22 @@ class TorchState:
                 return old.copy_(t)
             return t.to("cpu", copy=True)
 
-        with self._lock:
+        with self.lock:
+            optimizer = self.optimizer()
             tensors = {f"model/{n}": copy(f"model/{n}", p) for n, p in self.model.named_parameters()}
             tensors.update(
                 {
                     f"optim/{k}/{n}": copy(f"optim/{k}/{n}", t)
-                    for n, st in self.optimizer.state.items()
+                    for n, st in optimizer.state.items()
                     for k, t in st.items()
                 }
             )
-            tensors["sampler/perm"] = torch.from_numpy(self._sampler.perm.copy())
+            tensors["sampler/perm"] = torch.from_numpy(self.sampler.perm.copy())
             meta = {
                 "fingerprint": self.fingerprint(),
-                "optimizer": self.optimizer.hyper(),
-                "sampler": {"rng": self._sampler.rng.bit_generator.state, "pos": int(self._sampler.pos)},
-                "eval_rng": self._eval_rng.bit_generator.state,
+                "optimizer": optimizer.hyper(),
+                "sampler": {"rng": self.sampler.rng.bit_generator.state, "pos": int(self.sampler.pos)},
+                "eval_rng": self.eval_rng.bit_generator.state,
             }
         return tensors, json.loads(json.dumps(meta, default=_json_default))
 
@@ -81,7 +90,7 @@ class TorchState:
         model is untouched then)."""
         params = {k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")}
         opt_tensors = {k[len("optim/") :]: v for k, v in tensors.items() if k.startswith("optim/")}
-        self._check(params, "saved parameters")
+        self.check(params, "saved parameters")
         try:
             if meta["fingerprint"] != self.fingerprint():
                 raise ValueError("architecture fingerprint differs from this model's")
@@ -97,15 +106,15 @@ class TorchState:
             eval_rng = meta["eval_rng"]
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"learner state is malformed (missing or malformed {e})") from None
-        with self._lock:
-            opt = self._make_optimizer()  # hyper-parameters come from the config, state from disk
+        with self.lock:
+            opt = self.make_optimizer()  # hyper-parameters come from the config, state from disk
             opt.load_state(opt_tensors, steps)
-            old_sampler = self._sampler.state()
+            old_sampler = self.sampler.state()
             try:
-                self._sampler.set_state(sampler)
-                self._eval_rng.bit_generator.state = eval_rng
+                self.sampler.set_state(sampler)
+                self.eval_rng.bit_generator.state = eval_rng
             except (KeyError, TypeError, ValueError) as e:
-                self._sampler.set_state(old_sampler)
+                self.sampler.set_state(old_sampler)
                 raise ValueError(f"learner state is malformed (sampler state: {e})") from None
             self.set_params(params)
-            self.optimizer = opt
+            self.install_optimizer(opt)

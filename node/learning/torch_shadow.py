@@ -1,0 +1,107 @@
+"""The private *shadow* model of ``TorchLearner`` and the evaluations on it: a copy of the
+architecture that ``torch.func.functional_call`` runs with the given parameters under its own
+lock, so a request thread can evaluate or differentiate a peer's model while training runs on
+the live one. ``Shadow`` is what every part that evaluates on it (``ShadowEval`` here,
+``torch_private.PerSampleTerms``, ``torch_mixture.MixtureEval``) is given."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from torch.func import functional_call
+
+from .learner import EvalResult, Params, Split
+
+EVAL_BATCH = 2048  # samples evaluated at once
+
+
+@dataclass(frozen=True)
+class Shadow:
+    """The shadow model and the learner's pieces an evaluation on it takes."""
+
+    model: torch.nn.Module  # the shadow copy, in eval mode, no requires_grad
+    data: dict[str, tuple[torch.Tensor, torch.Tensor]]  # split -> (x, y), on the device
+    lock: threading.Lock  # guards the shadow model (not the live one)
+    names: list[str]  # parameter names, in the model's order
+    device: str
+    task: str
+    inputs: Callable[[torch.Tensor], torch.Tensor]  # a batch as the model sees it (input transform)
+    loss_fn: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]  # (out, y, reduction)
+    # params (None: the live model's) -> private device copies, optionally requiring grad
+    device_params: Callable[[Params | None, bool], Params]
+
+
+class ShadowEval:
+    """Loss, accuracy and gradient of given parameters on a split (``Learner.loss``,
+    ``evaluate``, ``gradient``); ``eval_rng`` draws the ``max_samples`` subsets."""
+
+    def __init__(self, shadow: Shadow, eval_rng: np.random.Generator):
+        self.shadow, self.eval_rng = shadow, eval_rng
+
+    def _batch(self, split: Split, max_samples: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.shadow.data[split]
+        if max_samples is not None and max_samples < len(y):
+            idx = np.sort(self.eval_rng.choice(len(y), max_samples, replace=False))
+            t = torch.from_numpy(idx).to(self.shadow.device)
+            return x[t], y[t]
+        return x, y
+
+    def loss(
+        self,
+        params: Params | None = None,
+        split: Split = "train",
+        max_samples: int | None = None,
+        reduction: Literal["mean", "sum"] = "mean",
+    ) -> EvalResult:
+        p = self.shadow.device_params(params, False)
+        with self.shadow.lock:
+            x, y = self._batch(split, max_samples)
+            return self._eval(p, x, y, reduction)
+
+    def evaluate(self, split: Split = "test", params: Params | None = None) -> EvalResult:
+        p = self.shadow.device_params(params, False)
+        x, y = self.shadow.data[split]
+        with self.shadow.lock:
+            return self._eval(p, x, y, "mean")
+
+    def _eval(self, p: Params, x: torch.Tensor, y: torch.Tensor, reduction: str) -> EvalResult:
+        s = self.shadow
+        n = len(y)
+        if n == 0:
+            return EvalResult(loss=float("nan"), n=0, accuracy=None)
+        total, correct = 0.0, 0
+        with torch.no_grad():
+            for i in range(0, n, EVAL_BATCH):
+                out = functional_call(s.model, p, (s.inputs(x[i : i + EVAL_BATCH]),))
+                yb = y[i : i + EVAL_BATCH]
+                total += float(s.loss_fn(out, yb, "sum"))
+                if s.task == "classification":
+                    correct += int((out.argmax(1) == yb).sum())
+        acc = correct / n if s.task == "classification" else None
+        return EvalResult(loss=total / n if reduction == "mean" else total, n=n, accuracy=acc)
+
+    def gradient(
+        self,
+        params: Params | None = None,
+        split: Split = "train",
+        max_samples: int | None = None,
+        reduction: Literal["mean", "sum"] = "mean",
+    ) -> tuple[Params, EvalResult]:
+        s = self.shadow
+        p = s.device_params(params, True)
+        with s.lock:
+            x, y = self._batch(split, max_samples)
+            if len(y) == 0:
+                raise ValueError(f"split {split!r} is empty on this node: no gradient")
+            with torch.enable_grad():
+                out = functional_call(s.model, p, (s.inputs(x),))
+                loss = s.loss_fn(out, y, reduction)
+                grads = torch.autograd.grad(loss, [p[n] for n in s.names])
+            acc = float((out.argmax(1) == y).float().mean()) if s.task == "classification" else None
+        g = {n: t.detach().to("cpu", torch.float32) for n, t in zip(s.names, grads, strict=True)}
+        return g, EvalResult(loss=float(loss.detach()), n=len(y), accuracy=acc)
