@@ -56,7 +56,9 @@ def fed(tmp_path_factory):
     root = tmp_path_factory.mktemp("limits")
     base = {
         "strategy": "federico",
-        "round_interval_s": 0.3,
+        # a push is refused once the victim is PUSH_LAG versions past the one it was computed on:
+        # at 0.3 s a round that is 1.5 s, which a loaded CI box overran (no push landed for 60 s)
+        "round_interval_s": 1.0,
         "learner": tiny_learner(2, 0),
         "strategy_params": {"local_steps": 2, "peer_term": "push"},
     }  # pushes under DP too: their defences are the subject
