@@ -51,6 +51,6 @@ def relay_channel(address: str, creds: grpc.ChannelCredentials | None, target_na
         ("grpc.use_local_subchannel_pool", 1),
         ("grpc.ssl_target_name_override", target_name),
     ]
-    if creds is None:
+    if creds is None:  # the node has no TLS identity: only with security.insecure (tls.load_tls)
         return grpc.aio.insecure_channel(address, options=options[:-1])
     return grpc.aio.secure_channel(address, creds, options=options)
