@@ -188,7 +188,6 @@ class NodeViews:
         n = self.node
         return {
             "node_id": n.node_id,
-            "version": self.version_view(),
             "round": n.saved["round"],
             "strategy": n.cfg.strategy,
             "weights": n.saved["weights"],

@@ -54,9 +54,8 @@ def release_for(protocol: int) -> str:
 
 
 def shown_release(release: str) -> str:
-    """A peer's release string fit for a log line: printable, bounded."""
-    text = "".join(c for c in release if c.isprintable())[:MAX_RELEASE_CHARS]
-    return text or "an older release"
+    """A peer's release string fit for a log line: printable, bounded ("" from 0.1.0 nodes)."""
+    return "".join(c for c in release if c.isprintable())[:MAX_RELEASE_CHARS]
 
 
 def agree(
@@ -74,7 +73,8 @@ def agree(
             f"peer {peer!r} speaks protocol {lo}..{hi}, this node needs ≥ {my_min}: "
             f"upgrade it to coterie ≥ {release_for(my_min)}"
         )
+    theirs = shown_release(release)
     return (  # the peer is newer than anything this node speaks
-        f"peer {peer!r} speaks protocol {lo}..{hi}, this node only {my_min}..{my_max}: "
-        f"upgrade this node to coterie ≥ {shown_release(release)} (the peer's release)"
+        f"peer {peer!r} speaks protocol {lo}..{hi}, this node only {my_min}..{my_max}: upgrade this node "
+        + (f"to coterie ≥ {theirs} (the peer's release)" if theirs else "to the peer's release")
     )
