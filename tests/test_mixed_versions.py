@@ -114,7 +114,8 @@ def test_old_and_new_form_one_network(mixed):
     for n in mixed:  # D-PSGD weights only the peers whose snapshots it pulled this round
         wait_for(lambda n=n: mixed_from_both(n), 90, f"{n.node_id} to mix snapshots of both releases")
     for n in mixed:
-        assert not [p for p in n.status()["problems"] if "handshake" in p["message"]], n.status()["problems"]
+        refusals = [p for p in n.status()["problems"] if p["message"].startswith("handshake")]
+        assert not refusals, refusals  # (a pull racing a handshake at start-up, "handshake first", is not one)
 
 
 def test_new_nodes_negotiate_features_away(mixed):
