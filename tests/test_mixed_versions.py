@@ -54,6 +54,11 @@ def build_previous(tag: str, into: Path) -> Path:
     return path
 
 
+def test_absent_tag_skips_saying_how_to_get_it(tmp_path):
+    with pytest.raises(pytest.skip.Exception, match="git fetch --tags"):
+        build_previous("v0.0.0-no-such-release", tmp_path)
+
+
 @pytest.fixture(scope="module")
 def previous(tmp_path_factory) -> dict[str, str]:
     """The environment that runs a daemon of the previous release."""
