@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+import torch
 
 from coterie.node.peering.versions import PROTOCOL_MAX, PROTOCOL_MIN, RELEASE, REVOCATIONS
 from tests.nodeproc import NodeProc, tiny_learner, wait_for
@@ -67,7 +68,7 @@ def previous(tmp_path_factory) -> dict[str, str]:
 
 def config(i: int, peers: list[str]) -> dict:
     # cross-losses served besides (D-PSGD asks none): a test peer spends o1's privacy budget
-    privacy = {"serve_purposes": ["scool-evidence"], "min_batch": 32}
+    privacy = {"serve_purposes": ["scool-evidence"], "min_batch": 32, "budget_epsilon": 1e9}
     return {
         "strategy": "dpsgd",
         "round_interval_s": 0.3,
@@ -160,6 +161,24 @@ def spend_privacy(o1: NodeProc) -> dict:
     return wait_for(lambda: v if (v := o1.status()["privacy"])["releases"] >= 3 else None, 30, "o1's ledger")
 
 
+def pull_params(node: NodeProc) -> dict:
+    """``node``'s published model, pulled by a certified peer of this release."""
+    from tests.nodeproc import CertifiedPeer
+
+    peer = CertifiedPeer(node.dir.parent, node, "n9")
+
+    async def pull() -> dict:
+        try:
+            await peer.join()
+            _, groups = await peer.client.get_snapshot(node.address, "n9", peer=node.node_id)
+            assert groups is not None
+            return dict(groups["params"])
+        finally:
+            await peer.close()
+
+    return asyncio.run(pull())
+
+
 def test_state_dir_of_previous_release_resumes_here(mixed, tmp_path):
     """o1's state dir, written by the previous release, resumed under this one: rounds carry on
     from its checkpoint, its model is the one the previous release saved, its ledger holds."""
@@ -185,5 +204,10 @@ def test_state_dir_of_previous_release_resumes_here(mixed, tmp_path):
         got = {k: st["privacy"][k] for k in ("epsilon", "releases", "purposes")}
         assert got == {k: ledger[k] for k in ("epsilon", "releases", "purposes")} and got["releases"] >= 3
         assert math.isfinite(got["epsilon"]) and got["epsilon"] > 0
+        served = pull_params(solo)  # the model it resumed with, as a peer pulls it
+        model = {
+            k.removeprefix("learner/model/"): t for k, t in saved.tensors.items() if k.startswith("learner/model/")
+        }
+        assert served.keys() == model.keys() and all(torch.equal(served[k], model[k]) for k in model)
     finally:
         solo.stop()
