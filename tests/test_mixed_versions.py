@@ -21,12 +21,13 @@ import tomllib
 import torch
 
 from coterie.node.peering.versions import PROTOCOL_MAX, PROTOCOL_MIN, RELEASE, REVOCATIONS
-from tests.nodeproc import NodeProc, tiny_learner, wait_for
+from tests.nodeproc import NodeProc, node_certs, tiny_learner, wait_for
 
 pytestmark = pytest.mark.slow
 
 PREVIOUS = "v0.1.0"
 REPO = Path(__file__).resolve().parents[1]
+START_S = 180  # a daemon's start-up (torch import, data) on a loaded 2-core box took over 60 s
 NODES = ("o1", "n1", "o2", "n2")  # o: the previous release, n: this one; each bootstraps off the one before
 
 
@@ -85,7 +86,7 @@ def mixed(tmp_path_factory, previous):
     try:
         for i, name in enumerate(NODES):
             env = previous if name.startswith("o") else None
-            nodes.append(NodeProc(root, name, config(i, [nodes[-1].address] if nodes else []), env=env).start())
+            nodes.append(NodeProc(root, name, config(i, [nodes[-1].address] if nodes else []), env=env).start(START_S))
         yield nodes
     finally:
         for n in nodes:
@@ -135,6 +136,25 @@ def test_new_nodes_negotiate_features_away(mixed):
             assert REVOCATIONS not in seen["features"] and seen["release"].startswith("0.1.0")
         else:
             assert REVOCATIONS in seen["features"] and seen["release"] == RELEASE
+
+
+def test_a_revocation_list_handed_to_an_old_node_reaches_every_node(mixed):
+    """o1's operator drops a new CRL into its cert dir; it spreads to new nodes (which ask 0.1.0
+    peers under their gossip key and answer it) and through them to the other old node. Without
+    that, a new node asks o1 over an RPC o1 lacks, and o1's gossip key is refused by new nodes."""
+    from coterie.node.security.revocation import CRL_FILE, revoke
+
+    root = mixed[0].dir.parent
+    node_certs(root, "mallory")  # a certificate of the network's CA, to revoke
+    path, crl = revoke(root / "pki" / "ca", node_id="mallory")
+    shutil.copy(path, node_certs(root, "o1") / CRL_FILE)  # o1 reloads its operator's CRL file when it changes
+
+    def holds(n: NodeProc) -> bool:
+        kept = n.state_dir / CRL_FILE  # where a node keeps the newest list it took from a peer
+        return kept.exists() and kept.read_bytes() == crl.pem
+
+    for n in mixed[1:]:
+        wait_for(lambda n=n: holds(n), 90, f"{n.node_id} to hold the CRL o1 was given")
 
 
 def spend_privacy(o1: NodeProc) -> dict:
@@ -194,7 +214,7 @@ def test_state_dir_of_previous_release_resumes_here(mixed, tmp_path):
 
     # resumed alone (its peers are gone: nothing spends ε) with its round target reached, so it trains no further
     solo = NodeProc(o1.dir.parent, "o1", {**config(0, []), "rounds": saved.round})
-    solo.start()
+    solo.start(timeout=START_S)
     try:
         st = solo.status()
         assert st["version"]["release"] == RELEASE
