@@ -23,7 +23,7 @@ import torch
 from coterie.node.peering.versions import PROTOCOL_MAX, PROTOCOL_MIN, RELEASE, REVOCATIONS
 from tests.nodeproc import NodeProc, node_certs, tiny_learner, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # four daemons start on a loaded box: 150 s seen
 
 PREVIOUS = "v0.1.0"
 REPO = Path(__file__).resolve().parents[1]
