@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .history import view as history_summary
 from .modelfile import export_state_dir
+from .process_stats import process_view
 
 if TYPE_CHECKING:
     from .config import NodeConfig
@@ -117,6 +118,8 @@ class NodeViews:
             "data": n.learner.data_info(),
             "history_summary": history_summary(n.store.summary),
             "relay": self.relay_view(),
+            # what a month-long run must keep flat (bench/soak.py); gRPC channels: membership.channels
+            "process": process_view(),
         }
 
     def relay_view(self) -> dict[str, Any]:
