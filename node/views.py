@@ -45,6 +45,7 @@ class ViewedNode(Protocol):
     history: deque[dict[str, Any]]
     saved: dict[str, Any]
     last_eval: dict[str, float]
+    reload_outcome: dict[str, Any] | None  # the last SIGHUP reload (reload.py)
     round: int
     done: bool
     started: float
@@ -117,6 +118,7 @@ class NodeViews:
             "data": n.learner.data_info(),
             "history_summary": history_summary(n.store.summary),
             "relay": self.relay_view(),
+            "reload": n.reload_outcome,  # the last SIGHUP's: applied, needs_restart, error
         }
 
     def relay_view(self) -> dict[str, Any]:

@@ -30,8 +30,9 @@ def captured(monkeypatch):
     """Replace the daemon entry point: record the config `node start` built."""
     seen = {}
 
-    def fake_run_node(cfg):
+    def fake_run_node(cfg, reload=None):
         seen["cfg"] = cfg
+        seen["reload"] = reload
         return 0
 
     monkeypatch.setattr(daemon, "run_node", fake_run_node)
