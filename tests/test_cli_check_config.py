@@ -35,9 +35,7 @@ def test_a_good_config_passes_with_a_summary(tmp_path):
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        path = _config(
-            tmp_path, listen=f"127.0.0.1:{port}", security={"cert_dir": str(node_certs(tmp_path, "n1"))}
-        )
+        path = _config(tmp_path, listen=f"127.0.0.1:{port}", security={"cert_dir": str(node_certs(tmp_path, "n1"))})
         r = runner.invoke(app, ["node", "check-config", path])
     assert r.exit_code == 0, r.output
     assert "certificates: node n1, issued by the CA" in r.stdout

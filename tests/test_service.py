@@ -17,12 +17,12 @@ import socket
 import subprocess
 import tempfile
 import time
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import tomli_w
+import tomllib
 
 from coterie.node.config import NodeConfig
 from coterie.node.peering.admission import Admission
