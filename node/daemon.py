@@ -400,6 +400,7 @@ def run_node(cfg: NodeConfig, reload: Callable[[], NodeConfig] | None = None) ->
         stream=sys.stderr,
     )
     install_log_filter()  # peers control much of what gets logged: bounded lines, repeats summarised
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload asked for while starting must not kill it
 
     async def main() -> int:
         running = cfg.model_copy(deep=True)  # as loaded: the node adds its own labels to cfg
@@ -421,8 +422,10 @@ def run_node(cfg: NodeConfig, reload: Callable[[], NodeConfig] | None = None) ->
         service = Service(node, reload, running)  # SIGHUP reloads; READY/WATCHDOG under systemd
         service.start()
         await stop.wait()
-        await service.stop()
-        if not await node.stop():
+        service.stopping()
+        clean = await node.stop()
+        await service.close()
+        if not clean:
             print(
                 f"coterie: node stopped with unresolved failures: "
                 f"{node.failures.summary() or 'completed rounds not checkpointed'}",

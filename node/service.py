@@ -29,6 +29,7 @@ class Service:
             self.notifier = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reload_again = False  # a SIGHUP during a reload: one more reload after it
+        self._stopping = False
 
     def start(self) -> None:
         """After ``node.start()``: the ports are bound and node.json is written."""
@@ -37,10 +38,14 @@ class Service:
             self.notifier.notify("READY=1", self._status())
             self._spawn(self.notifier.watchdog(), "sd-watchdog")
 
-    async def stop(self) -> None:
-        asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+    def stopping(self) -> None:
+        """SIGTERM arrived: reloads are over; the watchdog keeps pinging while checkpoints are written."""
+        self._stopping = True
         if self.notifier is not None:
             self.notifier.notify("STOPPING=1", "STATUS=stopping: writing pending checkpoints")
+
+    async def close(self) -> None:
+        """After the node stopped. The SIGHUP handler stays: a HUP now is ignored, not fatal."""
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -55,6 +60,9 @@ class Service:
         task.add_done_callback(self._tasks.discard)
 
     def _on_hup(self) -> None:
+        if self._stopping:
+            log.info("SIGHUP while stopping: not reloading")
+            return
         if any(t.get_name() == "reload" for t in self._tasks):
             self._reload_again = True
             return

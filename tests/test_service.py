@@ -244,3 +244,32 @@ def test_daemon_under_a_notify_socket_reloads_on_sighup(tmp_path, manager, monke
         assert node.proc.wait(timeout=60) == 0
     finally:
         node.stop()
+
+
+def test_seed_peers_swap_live():
+    """New seeds become pinned candidates; a dropped seed nobody answered at is no longer retried."""
+    from types import SimpleNamespace
+
+    from coterie.node.peering.handshakes import Handshakes
+    from coterie.node.peering.membership_state import Candidates
+
+    state = SimpleNamespace(pending=Candidates())
+    h = Handshakes(state, None, None, ["a:1", "b:2"])  # type: ignore[arg-type]
+    h.set_bootstrap(["b:2", "c:3"])
+    assert list(state.pending) == ["b:2", "c:3"] and h.bootstrap == {"b:2", "c:3"}
+    assert all(state.pending._c[a].pinned for a in ("b:2", "c:3"))
+
+
+def test_relay_budget_retunes_live_unless_relaying_is_switched():
+    from coterie.node.transport.grpc_transport import GrpcTransport
+    from coterie.node.transport.relay_service import RelayBudget, RelayService
+
+    cfg = NodeConfig(security={"insecure": True})
+    t = GrpcTransport.from_config(cfg, tls=None)
+    lower = NodeConfig(security={"insecure": True}, relay={"max_bytes_per_s": 1e3, "max_reservations": 2})
+    assert t.retune_relay(lower) and t.relay_budget == RelayBudget(2, 16, 1e3, 5.0)
+    assert not t.retune_relay(NodeConfig(security={"insecure": True}, relay={"serve": False}))  # a restart
+    relay = RelayService(None, RelayBudget())  # type: ignore[arg-type] # (retune needs no TLS)
+    bucket = relay._bucket("p")
+    relay.retune(RelayBudget(max_bytes_per_s=1e3))
+    assert bucket.rate == 1e3 and bucket.tokens <= 1e3 and relay.budget.max_bytes_per_s == 1e3
