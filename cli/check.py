@@ -40,7 +40,7 @@ def check(config: Path) -> tuple[list[str], list[str]]:
         cfg = load_config(config)
     except ConfigError as e:
         return [], [str(e)]  # nothing further can be checked without a config
-    summary = [f"config {config}: valid (strategy {cfg.strategy}, state dir {cfg.state_dir})"]
+    summary = [f"config {config}: parsed and validated (strategy {cfg.strategy}, state dir {cfg.state_dir})"]
     problems = [msg for msg, _ in preflight_problems(cfg, ports=False)]  # a running node holds its ports
     try:
         tls = load_tls(cfg)
