@@ -47,6 +47,7 @@ class Notifier:
         """Send ``states`` (``"READY=1"``, ``"STATUS=..."``) in one datagram; False if it did not go."""
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+                s.setblocking(False)  # on the event loop: a backed-up manager drops a ping, never stalls it
                 s.sendto("\n".join(states).encode(), self.address)
         except OSError as e:
             if not self._warned:  # once: a vanished manager would otherwise log every ping

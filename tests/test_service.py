@@ -231,7 +231,7 @@ def test_daemon_under_a_notify_socket_reloads_on_sighup(tmp_path, manager, monke
         reload = node.status()["reload"]
         assert "log_level" in reload["error"] and "LOUD" in reload["error"], reload
         assert reload["applied"] == [] and node.proc.poll() is None
-        node.config_path.write_text(node.config_path.read_text() + "\n[limits\n")  # not TOML at all
+        node.config_path.write_text(node.config_path.read_text() + "\nlog_level = = 1\n")  # not TOML at all
         node.proc.send_signal(signal.SIGHUP)
         receive(s, "READY=1", 30, receive(s, "RELOADING=1", 30))
         assert "is not valid TOML" in node.status()["reload"]["error"]
