@@ -2,7 +2,7 @@
 found without joining a network. The config (file, then the COTERIE_* environment, as ``node
 start`` reads them), the strategy, the data (loaded) and the model (built), the certificates
 (readable, issued by the CA, the key theirs, not expired or revoked) and the state directory
-(writable). Every problem is listed, not only the first: an operator editing a unit's config
+(writable; its newest checkpoint of this node, this strategy and this model, as a start demands). Every problem is listed, not only the first: an operator editing a unit's config
 before a reload fixes them in one go. No port is bound and no peer dialled."""
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def check(config: Path) -> tuple[list[str], list[str]]:
         return [], [str(e)]  # nothing further can be checked without a config
     summary = [f"config {config}: parsed and validated (strategy {cfg.strategy}, state dir {cfg.state_dir})"]
     problems = [msg for msg, _ in preflight_problems(cfg, ports=False)]  # a running node holds its ports
+    tls = None
     try:
         tls = load_tls(cfg)
         summary.append(f"certificates: node {tls.node_id}, issued by the CA" if tls else "security.insecure: no TLS")
@@ -56,7 +57,37 @@ def check(config: Path) -> tuple[list[str], list[str]]:
         summary.append(_learner_summary(learner, cfg))
     except Exception as e:  # noqa: BLE001 - whatever the data or model raises, named for the operator
         problems.append(f"learner: {type(e).__name__}: {e}")
+    else:
+        resumes, line = _resumes(cfg, learner.fingerprint(), tls.node_id if tls else None)
+        (summary if resumes else problems).append(line)
     return summary, problems
+
+
+def _resumes(cfg: Any, fingerprint: str, cert_id: str | None) -> tuple[bool, str]:
+    """Whether the node starts from its state dir under this config, and a line saying so or
+    naming what would stop it (the checks of ``Node._restore``). The newest checkpoint is read
+    without the lock, as `model export` does: the node may be running."""
+    from coterie.node.persistence import StateError, checkpoint_files, read_latest
+
+    d = Path(cfg.state_dir)
+    if cfg.reset or not d.is_dir() or not checkpoint_files(d):
+        return True, f"state dir {d}: starts at round 0" + (" (reset: old state moved aside)" if cfg.reset else "")
+    try:
+        ckpt = read_latest(d)
+    except StateError as e:
+        return False, f"state dir: {e}"
+    st, fix = ckpt.state, "(or start once with --reset to begin again)"
+    wanted = cfg.node_id or cert_id  # (load_tls already matched the two)
+    if wanted is not None and ckpt.node_id != wanted:
+        return False, f"state dir {d} belongs to node {ckpt.node_id!r}, this config runs node {wanted!r}"
+    if st.get("fingerprint") != fingerprint:
+        return False, f"state dir: {ckpt.path} is for another model architecture than learner.model builds {fix}"
+    if st.get("strategy") != cfg.strategy:
+        return (
+            False,
+            f"state dir: {ckpt.path} was written by strategy {st.get('strategy')!r}, not {cfg.strategy!r} {fix}",
+        )
+    return True, f"state dir {d}: resumes node {ckpt.node_id} at round {ckpt.round}"
 
 
 def _learner_summary(learner: Any, cfg: Any) -> str:

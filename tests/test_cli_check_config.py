@@ -12,7 +12,7 @@ import tomli_w
 from typer.testing import CliRunner
 
 from coterie.cli.main import app
-from tests.nodeproc import node_certs, tiny_learner
+from tests.nodeproc import NodeProc, node_certs, tiny_learner, wait_for
 
 runner = CliRunner()
 
@@ -86,3 +86,33 @@ def test_an_unreadable_or_invalid_config_is_named(tmp_path):
     assert "log_level: Value error, unknown log level 'LOUD'" in r.stderr and "limits.max_rpcs" in r.stderr
     r = runner.invoke(app, ["node", "check-config", str(tmp_path / "absent.toml")])
     assert r.exit_code == 2 and "does not exist" in r.stderr
+
+
+def test_a_state_dir_the_config_cannot_resume_is_named(tmp_path):
+    """A state dir a real node wrote (mTLS, strategy local): its own config resumes it; another
+    strategy, another model or another node's certificate is what the node would refuse at
+    start. Read without the node's lock: here the node is still running."""
+    import tomllib
+
+    node = NodeProc(tmp_path, "n1", {"strategy": "local", "learner": tiny_learner(1, 0), "round_interval_s": 0.5})
+    node.start(timeout=120)
+    try:
+        wait_for(lambda: node.status()["round"] >= 1, 60, "a checkpointed round")
+        r = runner.invoke(app, ["node", "check-config", str(node.config_path)])
+        assert r.exit_code == 0, r.output
+        assert f"state dir {node.state_dir}: resumes node n1 at round " in r.stdout
+        cfg = tomllib.loads(node.config_path.read_text())
+        for change, problem in (
+            ({"strategy": "dpsgd"}, "was written by strategy 'local', not 'dpsgd'"),
+            ({"learner": {**cfg["learner"], "model": "linear"}}, "is for another model architecture"),
+            (
+                {"node_id": "n2", "security": {"cert_dir": str(node_certs(tmp_path, "n2"))}},
+                "belongs to node 'n1', this config runs node 'n2'",
+            ),
+        ):
+            other = tmp_path / "other.toml"
+            other.write_text(tomli_w.dumps({**cfg, **change}))
+            r = runner.invoke(app, ["node", "check-config", str(other)])
+            assert r.exit_code == 2 and problem in r.stderr, r.output
+    finally:
+        node.stop()
