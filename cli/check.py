@@ -2,8 +2,9 @@
 found without joining a network. The config (file, then the COTERIE_* environment, as ``node
 start`` reads them), the strategy, the data (loaded) and the model (built), the certificates
 (readable, issued by the CA, the key theirs, not expired or revoked) and the state directory
-(writable; its newest checkpoint of this node, this strategy and this model, as a start demands). Every problem is listed, not only the first: an operator editing a unit's config
-before a reload fixes them in one go. No port is bound and no peer dialled."""
+(writable; its newest checkpoint of this node, this strategy and this model, as a start demands).
+Every problem is listed, not only the first: an operator editing a unit's config before a reload
+fixes them in one go. No port is bound and no peer dialled."""
 
 from __future__ import annotations
 
