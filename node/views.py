@@ -46,6 +46,7 @@ class ViewedNode(Protocol):
     history: deque[dict[str, Any]]
     saved: dict[str, Any]
     last_eval: dict[str, float]
+    reload_outcome: dict[str, Any] | None  # the last SIGHUP reload (reload.py)
     round: int
     done: bool
     started: float
@@ -120,6 +121,7 @@ class NodeViews:
             "relay": self.relay_view(),
             # what a month-long run must keep flat (bench/soak.py); gRPC channels: membership.channels
             "process": process_view(),
+            "reload": n.reload_outcome,  # the last SIGHUP's: applied, needs_restart, error
         }
 
     def relay_view(self) -> dict[str, Any]:
