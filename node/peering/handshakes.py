@@ -1,5 +1,5 @@
 """How members enter (one part ``membership.Membership`` composes): only through their own
-handshake, protocol range, task and architecture checked both ways (``incompatible``; the
+handshake, protocol range, task and architecture checked both ways (``compatible``; the
 protocol and features agreed are ``versions.agree``'s, kept on the member's record); addresses heard from
 peers are candidates (``membership.Candidates``), handshaken a few per period, backed off and
 forgotten when they fail; dead members get reconnect attempts with backoff."""
@@ -36,6 +36,16 @@ class Handshakes:
             state.pending.add(a, source="config", pinned=True)
         self.bootstrap = set(bootstrap)
         self.unreachable: set[str] = set()  # addresses already reported as unreachable
+
+    def set_bootstrap(self, addresses: Sequence[str]) -> None:
+        """The configured seed peers, replaced live (a SIGHUP reload): new ones are pinned
+        candidates at once; dropped ones lose their pin (a member there stays a member)."""
+        for a in addresses:
+            self.state.pending.add(a, source="config", pinned=True)
+        for a in self.bootstrap - set(addresses):
+            self.state.pending.unpin(a)
+            self.unreachable.discard(a)
+        self.bootstrap = set(addresses)
 
     def compatible(self, remote: NodeInfo) -> Agreement | str:
         """The protocol and features agreed with ``remote``, or why this node cannot talk to it."""
