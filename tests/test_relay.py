@@ -135,6 +135,36 @@ def test_outbound_only_nodes_are_full_members(net):
     assert not [p for p in n7.status()["problems"] if "relay" in str(p)]
 
 
+def test_a_node_nobody_can_dial_switches_to_relays_by_itself(net):
+    """n5 has a peer port but advertises a port nothing listens on (as behind a NAT): n0's
+    dial-back fails, so n5 reserves at reachable members it knows (none pinned: n0, which
+    answered, and n1), advertises them instead, and is pulled through them."""
+    root, nodes = net
+    n0, n1 = nodes["n0"], nodes["n1"]
+    port = _free_port()
+    nodes["n5"] = n5 = NodeProc(
+        root, "n5", {**SCOOL, "learner": learner(3), "peers": [n0.address], "advertise": f"127.0.0.1:{port}"}
+    ).start()
+    wait_for(lambda: n5.status()["relay"]["reachability"].startswith("relayed via "), 60, "n5 to switch to relays")
+    relay = n5.status()["relay"]
+    reach = relay["reachability"].removeprefix("relayed via ")
+    assert reach.split(",") == [n0.address, n1.address]
+    assert list(relay["dial_back"]) == [n0.address]
+    assert relay["dial_back"][n0.address].startswith(f"unreachable: dialled 127.0.0.1:{port}: UNAVAILABLE")
+    assert relay["reservations"] == {n0.address: "held", n1.address: "held"}
+    assert listening_tcp_ports(n5.proc.pid) - {int(n5.admin.rsplit(":", 1)[1].strip("/"))}  # it still listens
+    for who in (n1, nodes["n8"]):  # a direct node and an outbound-only one pull it, through a relay
+        wait_for(
+            lambda w=who: (p := {p["node_id"]: p for p in w.get("/peers")}.get("n5"))
+            and p["address"] == f"relay://{reach}/n5"
+            and p["state"] == "alive"
+            and p["cached_version"],
+            60,
+            f"{who.node_id} to pull n5 at its relayed address",
+        )
+    assert "n5" in n0.status()["relay"]["relaying_for"] and "n5" in n1.status()["relay"]["relaying_for"]
+
+
 def test_relay_failover_after_sigkill(net):
     """SIGKILL the first relay: within a few heartbeat periods n7 is pulled again by n1 and by the
     outbound-only n8, through n1, both relayed nodes stay alive everywhere and keep their rounds."""
@@ -219,6 +249,52 @@ async def test_relay_budget_refusals_name_the_limit(tmp_path):
         held.cancel()
     finally:
         await server.stop(0)
+
+
+async def test_a_relay_at_its_tunnel_budget_is_passed_over_like_a_busy_peer(tmp_path):
+    """The outbound-only daemon n9 is relayed by a relay whose tunnel budget for n9 is spent and
+    by another: the first refuses naming the limit, the dialer names that refusal and reaches
+    n9 through the second (a busy relay, not a dead node), and tries the busy one last after."""
+    busy = RelayService(_tls(tmp_path, "ra"), RelayBudget(max_tunnels_per_peer=1))
+    free = RelayService(_tls(tmp_path, "rb"))
+    busy_server, busy_address = await _relay_server(tmp_path, "ra", busy)
+    free_server, free_address = await _relay_server(tmp_path, "rb", free)
+    n9 = NodeProc(
+        tmp_path,
+        "n9",
+        {
+            "strategy": "local",
+            "round_interval_s": 0.5,
+            "learner": learner(0),
+            "no_listen": True,
+            "relay": {"via": [busy_address, free_address]},
+        },
+    )
+    tls = _tls(tmp_path, "n1")
+    dialer = RelayDialer(tls)
+    client = PeerClient("n1", _Quiet(), chunk_bytes=1 << 20, timeout_s=10, tls=tls, relay_dialer=dialer)
+    hog = _stub(tmp_path, "n2", busy_address).Connect()
+    try:
+        await asyncio.to_thread(n9.start)
+        await _until(lambda: "n9" in busy.reserved() and "n9" in free.reserved())
+        await hog.write(pb.RelayFrame(target="n9"))
+        assert (await hog.read()).tunnel_id  # n9 accepted it: the busy relay's one tunnel for n9
+        assert dialer.order(parse(n9.address)) == [busy_address, free_address]  # the address's order
+        me = NodeInfo("n1", PROTOCOL_VERSION, n9.status()["fingerprint"], address="127.0.0.1:1")
+        remote, _ = await client.handshake(n9.address, me, timeout=10)
+        assert remote.node_id == "n9"
+        assert dialer.problems == {
+            busy_address: f"relay {busy_address} to n9: relay: max_tunnels_per_peer (1) reached for node 'n9'"
+        }
+        assert free.relayed_bytes > 0 and n9.proc.poll() is None
+        assert dialer.order(parse(n9.address)) == [free_address, busy_address]  # busy: tried last now
+    finally:
+        hog.cancel()
+        await client.close()
+        await dialer.close()
+        n9.stop()
+        await busy_server.stop(0)
+        await free_server.stop(0)
 
 
 def test_relay_addresses_and_config_are_checked(tmp_path):

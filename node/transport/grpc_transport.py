@@ -210,7 +210,7 @@ class GrpcTransport:
         )
         if self.no_listen:
             assert self.tls is not None
-            reservations = RelayReservations(self.tls, list(self.relays), listen[len("unix:") :])
+            reservations = RelayReservations(self.tls, list(self.relays), listen)
             reservations.start()
             self.server = GrpcServer(
                 str(RelayAddress(self.relays, self.tls.node_id)),

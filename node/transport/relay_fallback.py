@@ -11,6 +11,7 @@ The node is told of the move (``on_moved``) to pass the new address to its membe
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -21,6 +22,7 @@ from .tls import TLS
 
 log = logging.getLogger(__name__)
 AUTO_RELAYS = 2  # relays a node that cannot be dialled picks by itself when none are pinned
+MEMBERS_WAIT_S = 5.0  # for that many candidates, membership may still be meeting the members
 
 
 class RelayFallback:
@@ -47,6 +49,11 @@ class RelayFallback:
             return None
         why = "; ".join(self.answers[p] for p in answered)
         relays = self.choose(answered, address)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + MEMBERS_WAIT_S
+        while not self.pinned and len(relays) < AUTO_RELAYS and loop.time() < until:
+            await asyncio.sleep(0.25)  # (polls membership's table: it has no change events)
+            relays = self.choose(answered, address)
         if not relays:
             log.warning(
                 "no peer can dial this node at port %d (%s) and no relay is known: start it with "
