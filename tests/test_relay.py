@@ -273,10 +273,11 @@ async def test_a_relay_at_its_tunnel_budget_is_passed_over_like_a_busy_peer(tmp_
     tls = _tls(tmp_path, "n1")
     dialer = RelayDialer(tls)
     client = PeerClient("n1", _Quiet(), chunk_bytes=1 << 20, timeout_s=10, tls=tls, relay_dialer=dialer)
-    hog = _stub(tmp_path, "n2", busy_address).Connect()
+    hog = None
     try:
         await asyncio.to_thread(n9.start)
         await _until(lambda: "n9" in busy.reserved() and "n9" in free.reserved())
+        hog = _stub(tmp_path, "n2", busy_address).Connect()
         await hog.write(pb.RelayFrame(target="n9"))
         assert (await hog.read()).tunnel_id  # n9 accepted it: the busy relay's one tunnel for n9
         assert dialer.order(parse(n9.address)) == [busy_address, free_address]  # the address's order
@@ -289,7 +290,8 @@ async def test_a_relay_at_its_tunnel_budget_is_passed_over_like_a_busy_peer(tmp_
         assert free.relayed_bytes > 0 and n9.proc.poll() is None
         assert dialer.order(parse(n9.address)) == [free_address, busy_address]  # busy: tried last now
     finally:
-        hog.cancel()
+        if hog is not None:
+            hog.cancel()
         await client.close()
         await dialer.close()
         n9.stop()
