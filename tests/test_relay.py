@@ -155,10 +155,12 @@ def test_a_node_nobody_can_dial_switches_to_relays_by_itself(net):
     assert listening_tcp_ports(n5.proc.pid) - {int(n5.admin.rsplit(":", 1)[1].strip("/"))}  # it still listens
     for who in (n1, nodes["n8"]):  # a direct node and an outbound-only one pull it, through a relay
         wait_for(
-            lambda w=who: (p := {p["node_id"]: p for p in w.get("/peers")}.get("n5"))
-            and p["address"] == f"relay://{reach}/n5"
-            and p["state"] == "alive"
-            and p["cached_version"],
+            lambda w=who: (
+                (p := {p["node_id"]: p for p in w.get("/peers")}.get("n5"))
+                and p["address"] == f"relay://{reach}/n5"
+                and p["state"] == "alive"
+                and p["cached_version"]
+            ),
             60,
             f"{who.node_id} to pull n5 at its relayed address",
         )
