@@ -10,6 +10,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 from pathlib import Path
 
 import grpc
@@ -55,8 +56,9 @@ def learner(i: int) -> dict:
     }
 
 
-def listening_tcp_ports(pid: int) -> set[int]:
-    """TCP ports process ``pid`` listens on (from /proc: its socket inodes in LISTEN state)."""
+def listening_tcp(pid: int) -> set[tuple[str, int]]:
+    """(IPv4 address, port) of each TCP socket process ``pid`` listens on (from /proc: its socket
+    inodes in LISTEN state; IPv6 sockets as ``::``-style hex)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         m = re.match(
@@ -64,13 +66,19 @@ def listening_tcp_ports(pid: int) -> set[int]:
         )
         if m:
             inodes.add(m.group(1))
-    ports = set()
+    out = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             f = line.split()
             if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
-                ports.add(int(f[1].rsplit(":", 1)[1], 16))
-    return ports
+                host, port = f[1].rsplit(":", 1)
+                addr = socket.inet_ntoa(bytes.fromhex(host)[::-1]) if len(host) == 8 else host
+                out.add((addr, int(port, 16)))
+    return out
+
+
+def listening_tcp_ports(pid: int) -> set[int]:
+    return {port for _, port in listening_tcp(pid)}
 
 
 def metric(node: NodeProc, name: str, kind: str) -> float:
@@ -106,7 +114,9 @@ def test_outbound_only_node_opens_no_peer_port_and_advertises_its_relays(net):
     assert parse(n7.address).relays == (nodes["n0"].address, nodes["n1"].address)
     assert parse(n7.address).node_id == "n7"
     admin_port = int(n7.admin.rsplit(":", 1)[1].strip("/"))
-    assert listening_tcp_ports(n7.proc.pid) == {admin_port}  # the admin port only, on loopback
+    # the admin port, and once n7 dials a relayed peer, that dial's own listener: loopback only
+    listening = listening_tcp(n7.proc.pid)
+    assert ("127.0.0.1", admin_port) in listening and {host for host, _ in listening} == {"127.0.0.1"}
     assert listening_tcp_ports(nodes["n0"].proc.pid) > {int(nodes["n0"].address.rsplit(":", 1)[1])} - {0}
 
 
@@ -621,8 +631,6 @@ async def test_dial_back_reaches_only_the_caller_itself(tmp_path):
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -101,9 +101,12 @@ class RelayDialer:
             call = self._stub(relay).Connect()
             try:
                 await asyncio.wait_for(self._open(call, target), CONNECT_TIMEOUT_S)
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError) as e:
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError, ConnectionError) as e:
                 call.cancel()
-                why = e.details() if isinstance(e, grpc.aio.AioRpcError) else (str(e) or "no answer")
+                if isinstance(e, asyncio.InvalidStateError):  # the relay ended the call before our first frame
+                    why = await call.details() or str(e)
+                else:
+                    why = e.details() if isinstance(e, grpc.aio.AioRpcError) else (str(e) or "no answer")
                 self.problems[relay] = f"relay {relay} to {target.node_id}: {why}"
                 self._failed_at[relay] = time.monotonic()
                 log.info("%s", self.problems[relay])
