@@ -2,12 +2,13 @@
 when it cannot (docs/nat.md, "Finding out"; libp2p's AutoNAT followed by a circuit reservation).
 
 Once serving, it asks its bootstrap peers to dial it back (``dial_back.py``). When every peer
-that answered failed, its advertised address is of no use to anyone: it reserves at relays —
-the pinned ones (``relay.via``), else up to ``AUTO_RELAYS`` reachable members it knows, those
-that just answered it first (they are reachable: they answered) — and, once one holds its
-reservation, advertises ``relay://R1,R2/ID`` instead. Tunnels the relays offer are spliced to
-its own peer port (``RelayReservations``), so the same server and mTLS serve relayed callers.
-The node is told of the move (``on_moved``) to pass the new address to its members."""
+that answered failed, twice (``CONFIRM_AFTER_S`` apart), its advertised address is of no use to
+anyone: it reserves at relays — the pinned ones (``relay.via``), else up to ``AUTO_RELAYS``
+reachable members it knows, those that just answered it first (they are reachable: they
+answered) — and, once one holds its reservation, advertises ``relay://R1,R2/ID`` instead.
+Tunnels the relays offer are spliced to its own peer port (``RelayReservations``), so the same
+server and mTLS serve relayed callers. The node is told of the move (``on_moved``) to pass the
+new address to its members."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from .tls import TLS
 log = logging.getLogger(__name__)
 AUTO_RELAYS = 2  # relays a node that cannot be dialled picks by itself when none are pinned
 MEMBERS_WAIT_S = 5.0  # for that many candidates, membership may still be meeting the members
+# a failed dial-back is asked again this much later before the node moves: a peer too loaded to
+# dial back within its 3 s (seen on a loaded CI box) must not push a reachable node behind relays
+CONFIRM_AFTER_S = 3.0
 
 
 class RelayFallback:
@@ -43,10 +47,13 @@ class RelayFallback:
         """Check ``port`` (advertised as ``address``); when nobody can dial it, reserve at relays
         that splice to ``local`` (this node's peer server). The relayed address once one relay
         holds a reservation; None while the node is reachable (or cannot tell)."""
-        self.answers = await dial_back.check(self.tls, list(self.asked), port)
-        answered = [p for p, a in self.answers.items() if not a.startswith("no answer")]
-        if not answered or any(self.answers[p].startswith("reachable") for p in answered):
-            return None
+        for attempt in range(2):
+            if attempt:
+                await asyncio.sleep(CONFIRM_AFTER_S)
+            self.answers = await dial_back.check(self.tls, list(self.asked), port)
+            answered = [p for p, a in self.answers.items() if not a.startswith("no answer")]
+            if not answered or any(self.answers[p].startswith("reachable") for p in answered):
+                return None
         why = "; ".join(self.answers[p] for p in answered)
         relays = self.choose(answered, address)
         loop = asyncio.get_running_loop()
