@@ -240,6 +240,19 @@ class GrpcTransport:
             if fb.on_moved is not None:
                 fb.on_moved(moved)
 
+    def retune_relay(self, cfg: Any) -> bool:
+        """A reloaded ``NodeConfig``'s relay budget, live (SIGHUP): the relay serving now takes it
+        for every reservation, tunnel and byte from here on. False when relaying itself was switched
+        on or off (``relay.serve``): the Relay service is added to the server at start only."""
+        budget = _relay_budget(cfg)
+        if (budget is None) != (self.relay_budget is None):
+            return False
+        self.relay_budget = budget
+        relay = self.server.relay if self.server is not None else None
+        if relay is not None and budget is not None:
+            relay.retune(budget)
+        return True
+
     def relay_view(self) -> dict[str, Any]:
         """For /status: how this node is reached, its reservations, whom it relays for, and why
         relays failed this node's recent dials."""
