@@ -12,6 +12,7 @@ requests keep flowing while a round trains."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -35,7 +36,7 @@ from .modelfile import describe_model
 from .node_metrics import NodeMetrics
 from .peering.faults import with_fault
 from .peering.interfaces import PeerServer, TransportFactory
-from .peering.messages import LocalSnapshot, NodeInfo
+from .peering.messages import ALIVE, LocalSnapshot, NodeInfo
 from .peering.traffic import TrafficStats
 from .peering.versions import PROTOCOL_MAX, PROTOCOL_MIN, RELAY, RELEASE, REVOCATIONS
 from .persistence import HISTORY_TAIL, Snapshot, StateError, StateStore, make_snapshot
@@ -195,6 +196,10 @@ class Node:
         self.transport.limits.max_model_bytes = self.model_limit()
         # a testbed bad actor corrupts what it serves (peering/faults.py); it learns normally
         handler = with_fault(self.served, self.cfg.faulty)
+        fallback = getattr(self.transport, "fallback", None)
+        if fallback is not None:  # the transport moves this node behind relays when nobody can dial it
+            fallback.members = lambda: [r.address for r in self.peers.records.values() if r.state == ALIVE]
+            fallback.on_moved = self._moved
         self._server = await self.transport.serve(handler, self.traffic)
         self.address = self._server.address
         token_file = None
@@ -280,6 +285,20 @@ class Node:
     def _round_loop_ended(self, task: asyncio.Task) -> None:
         if not task.cancelled() and (error := task.exception()) is not None:
             self.failures.failed("rounds", error, None)
+
+    def _moved(self, address: str) -> None:
+        """This node is reached at ``address`` now (relays: nobody could dial the old one). A
+        member's address changes only by its own handshake: shake hands with every member again;
+        the raised incarnation tells the others to (``Dissemination.merge``)."""
+        self.address = address
+        st = self.membership.state
+        st.incarnation += 1
+        st.broadcasts.add(st.me())
+        for rec in list(self.peers.records.values()):
+            self.membership.tasks.spawn(self.membership.handshakes.contact(rec.address))
+        info_file = self.store.dir / "node.json"
+        if info_file.exists():
+            atomic_write_json(info_file, {**json.loads(info_file.read_text()), "address": address})
 
     def info(self) -> NodeInfo:
         return NodeInfo(
