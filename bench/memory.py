@@ -7,6 +7,7 @@ PSS at rest (after its last round, the checkpoint written). Networks alternate b
 interpreters, so both see the same load.
 
     python bench/memory.py --python base=/path/to/old/.venv/bin/python [--nodes 4 --rounds 6]
+    /path/to/old/.venv/bin/python bench/memory.py --fork --out old.json; python bench/memory.py --fork
 
 Writes ``bench/results/memory.json`` (figures and the full config) and prints a table with the
 issue's budget per node: 150 MB + 3x the model at rest, 150 MB + 5x while exchanging.
@@ -57,6 +58,8 @@ class Sampler(threading.Thread):
 
 
 def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: float) -> dict[str, Any]:
+    # --fork: daemons forked from this interpreter's preloaded fork server (what `coterie run`
+    # does): torch's pages are shared, so PSS counts a node's own memory
     n = args.nodes
     configs = [
         {
@@ -71,7 +74,7 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
         for i in range(n)
     ]
     root = Path(tempfile.mkdtemp(prefix=f"coterie-mem-{strategy}-"))
-    with Lab(root, configs, python=python, fork=False) as lab:
+    with Lab(root, configs, python=python, fork=args.fork) as lab:
         lab.start(seeds=1)
         pids = [d.proc.pid for d in lab.nodes if d.proc is not None]
         sampler = Sampler(pids, args.sample_s)
@@ -117,10 +120,15 @@ def main() -> int:
     ap.add_argument("--sample-s", type=float, default=0.5)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--fork",
+        action="store_true",
+        help="fork the daemons from this interpreter (its own checkout only: run the script under each)",
+    )
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory.json")
     args = ap.parse_args()
     args.hidden = [int(h) for h in args.hidden.split(",")]
-    pythons = dict(p.split("=", 1) for p in args.python)
+    pythons = {} if args.fork else dict(p.split("=", 1) for p in args.python)
     pythons["this"] = sys.executable
     sizes = [40, *args.hidden, 10]
     params = sum(a * b + b for a, b in zip(sizes, sizes[1:], strict=False))
