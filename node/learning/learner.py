@@ -55,6 +55,15 @@ class Learner(ABC):
         """Where this node's samples come from and how many each split holds (for /status)."""
         return {}
 
+    def local_twin(self) -> Learner | None:
+        """A fresh learner on this node's own samples and θ⁰, trained apart from the live model:
+        the local-only reference (``node/local_reference.py``). None: this learner makes none."""
+        return None
+
+    def num_params(self) -> int:
+        """Scalars in the model (what a local-only twin would cost to keep and train)."""
+        return sum(int(np.prod(shape)) for shape, _ in self.param_spec().values())
+
     @abstractmethod
     def get_params(self) -> Params: ...
 

@@ -40,7 +40,7 @@ from .local_optim import LocalOptimizer, _Sampler
 from .models import build_model
 from .own_data import OwnData
 from .partition import NodeData
-from .sources import node_source
+from .sources import Source, node_source
 from .torch_mixture import MixtureEval
 from .torch_private import PerSampleTerms
 from .torch_shadow import Shadow, ShadowEval
@@ -78,11 +78,19 @@ def _initial_model(cfg: LearnerConfig, input_shape: tuple[int, ...], num_classes
 
 
 class TorchLearner(Learner):
-    def __init__(self, cfg: LearnerConfig, pool: Pool | None = None, data: NodeData | OwnData | None = None):
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        pool: Pool | None = None,
+        data: NodeData | OwnData | None = None,
+        *,
+        source: Source | None = None,
+    ):
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
         self.device = resolve_device(cfg.device)
-        src = node_source(cfg, pool, data)
+        src = source if source is not None else node_source(cfg, pool, data)
+        self._source = src  # its arrays back the (CPU) device tensors anyway; a twin reuses them
         data = src.arrays
         self.own_data, self._data_info = src.own_data, src.info
         self.task, self.class_names, self.num_classes = src.task, src.class_names, src.num_classes
@@ -141,6 +149,15 @@ class TorchLearner(Learner):
 
     def data_info(self) -> dict:
         return dict(self._data_info)
+
+    def local_twin(self) -> TorchLearner:
+        """A second learner on exactly this node's samples, from the same θ⁰, with its own
+        optimizer and the same batch order (its sampler has this one's seed): what this node
+        would learn alone (the local-only reference, ``node/local_reference.py``)."""
+        return TorchLearner(self.cfg, source=self._source)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
 
     def _x(self, x: torch.Tensor) -> torch.Tensor:
         """A batch as the model sees it: after ``learner.input_transform``, if any."""
