@@ -250,6 +250,9 @@ class ReferenceConfig(BaseModel):
     shadow_max_params: int = Field(1_000_000, ge=0)
     large_every: int = Field(5, ge=1)
     check_every: int = Field(1, ge=1)  # rounds between two comparisons on the validation split
+    # the twin stops training once its validation score has not improved for this many checks
+    # (it has learnt what this node can learn alone; 0 = train it every round for ever)
+    settle_after: int = Field(5, ge=0)
     patience: int = Field(3, ge=1)  # consecutive checks before backing off, and before returning
     # worse beyond noise: accuracy below the local one by more than z standard errors of the
     # difference of two accuracies on the split; a loss (regression) above it by mse_margin × it

@@ -4,7 +4,9 @@ collaboration does worse than that (issue 33; docs/never-worse.md).
 A *twin* of the model (``Learner.local_twin``: same samples, same θ⁰, same batch order, its own
 optimizer) trains one round's local steps every round, alongside the strategy's exchange; a model
 over ``reference.shadow_max_params`` trains its twin one round in ``large_every`` (cheaper, and a
-weaker reference, so the node errs towards collaborating). Every ``check_every`` rounds the model
+weaker reference, so the node errs towards collaborating). Once the twin's validation score has
+not improved for ``settle_after`` checks it stops training (it has learnt what this node can
+learn alone) and costs only its cached scores from then on. Every ``check_every`` rounds the model
 the node predicts with (the live model, or the strategy's mixture) and the twin are scored on the
 *validation* split (never test) and ``CollaborationCheck`` decides. Backed off, the node predicts,
 reports (``test_acc``) and exports the twin; it still collaborates and publishes its own model,
@@ -21,7 +23,7 @@ import torch
 
 from .collaboration_check import CollaborationCheck, Score
 from .config import ReferenceConfig
-from .learning.learner import EvalResult, Learner, Params
+from .learning.learner import EvalResult, Learner, Params, Split
 
 log = logging.getLogger("coterie.node")
 
@@ -39,6 +41,11 @@ class LocalReference:
         self.check = CollaborationCheck(cfg.patience, cfg.z, cfg.mse_margin)
         self.trained_round = 0  # last round the twin trained for (a retried round does not train it twice)
         self.twin: Learner | None = None
+        self.settled_at: int | None = None  # the round the twin stopped training (see settle_after)
+        self._best: float | None = None  # the twin's best validation score (higher is better)
+        self._since_best = 0
+        self._trained = 0  # twin trainings so far: its cached scores are for this count
+        self._cached: dict[str, tuple[int, EvalResult]] = {}
         self.note: str | None = None  # why there is no reference, or what limits it
         self._lock = threading.Lock()  # the twin trains and is evaluated from worker threads
         size = learner.num_params()
@@ -70,9 +77,29 @@ class LocalReference:
         if self.twin is None or rnd <= self.trained_round:
             return
         with self._lock:
-            if rnd % self.every == 0 or self.every == 1:
+            if self.settled_at is None and (rnd % self.every == 0 or self.every == 1):
                 self.twin.train()
+                self._trained += 1
             self.trained_round = rnd
+
+    def _twin_eval(self, split: Split) -> EvalResult:
+        """The twin's score on ``split``, evaluated again only after it trained."""
+        assert self.twin is not None
+        hit = self._cached.get(split)
+        if hit is None or hit[0] != self._trained:
+            hit = (self._trained, self.twin.evaluate(split))
+            self._cached[split] = hit
+        return hit[1]
+
+    def _settle(self, rnd: int, local_val: Score) -> None:
+        """Stop training the twin once its validation score stopped improving."""
+        value = local_val.accuracy if local_val.accuracy is not None else -local_val.loss
+        if self._best is None or value > self._best:
+            self._best, self._since_best = value, 0
+            return
+        self._since_best += 1
+        if self.cfg.settle_after and self._since_best >= self.cfg.settle_after and self.settled_at is None:
+            self.settled_at = rnd
 
     def judge(self, rnd: int, evaluation: dict[str, float], members: Members | None) -> dict[str, float]:
         """Round ``rnd``'s evaluation as the node reports it: the twin's test figures beside the
@@ -82,16 +109,18 @@ class LocalReference:
         if self.twin is None:
             return evaluation
         with self._lock:
-            local_test = self.twin.evaluate("test")
+            local_test = self._twin_eval("test")
             if rnd % self.cfg.check_every == 0:
                 collab_val = (
                     self.learner.evaluate_mixture([(w, p) for _, w, p in members], "val")
                     if members and len(members) > 1
                     else self.learner.evaluate("val")
                 )
+                local_val = _score(self._twin_eval("val"))
                 was = self.check.helping
-                if collab_val.n and self.check.observe(_score(collab_val), _score(self.twin.evaluate("val"))) != was:
+                if collab_val.n and self.check.observe(_score(collab_val), local_val) != was:
                     log.warning("%s", self.check.reason())
+                self._settle(rnd, local_val)
         out = dict(evaluation)
         out["local_test_loss"] = local_test.loss
         if local_test.accuracy is not None:
@@ -125,6 +154,7 @@ class LocalReference:
                 "active": self.active,
                 "note": self.note,
                 "trains_every_rounds": self.every if self.active else None,
+                "settled_at_round": self.settled_at,
                 **self.check.to_json(),
             },
         }
@@ -135,7 +165,8 @@ class LocalReference:
             return None
         with self._lock:
             tensors, meta = self.twin.export_state()
-        return tensors, {"twin": meta, "trained_round": self.trained_round, "check": self.check.to_json()}
+        settle = {"settled_at": self.settled_at, "best": self._best, "since_best": self._since_best}
+        return tensors, {"twin": meta, "trained_round": self.trained_round, "check": self.check.to_json(), **settle}
 
     def import_state(self, state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None, rnd: int) -> None:
         """Resume the twin and the decision; a checkpoint without them (or one that does not fit
@@ -150,6 +181,11 @@ class LocalReference:
                 self.twin.import_state(tensors, meta["twin"])
                 self.check.load_json(meta["check"])
                 self.trained_round = int(meta["trained_round"])
+                settled, best = meta.get("settled_at"), meta.get("best")
+                self.settled_at = None if settled is None else int(settled)
+                self._best = None if best is None else float(best)
+                self._since_best = int(meta.get("since_best", 0))
+                self._trained += 1  # scores cached before the import are stale
                 return
             except (KeyError, TypeError, ValueError) as e:
                 problem = f"its local reference does not fit ({type(e).__name__}: {e})"
