@@ -16,6 +16,7 @@ so it returns as soon as collaboration is better again. Strategy-agnostic: strat
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 
 from .collaboration_check import CollaborationCheck, Score
 from .config import ReferenceConfig
-from .learning.learner import EvalResult, Learner, Params, Split
+from .learning.learner import EvalResult, Learner, MakesTwin, Params, Split
 
 log = logging.getLogger("coterie.node")
 
@@ -48,16 +49,16 @@ class LocalReference:
         self._cached: dict[str, tuple[int, EvalResult]] = {}
         self.note: str | None = None  # why there is no reference, or what limits it
         self._lock = threading.Lock()  # the twin trains and is evaluated from worker threads
-        size = learner.num_params()
+        size = sum(math.prod(shape) for shape, _ in learner.param_spec().values())
         self.every = 1 if size <= cfg.shadow_max_params else cfg.large_every
         if not cfg.enabled:
             self.note = "reference.enabled is false: no local-only reference, no back-off"
         elif strategy in NO_TWIN_STRATEGIES:
             self.note = f"strategy {strategy!r} learns alone: its model is the local reference"
-        elif (twin := learner.local_twin()) is None:
+        elif not isinstance(learner, MakesTwin):
             self.note = f"{type(learner).__name__} makes no local twin: no back-off"
         else:
-            self.twin = twin
+            self.twin = learner.local_twin()
             if self.every > 1:
                 self.note = (
                     f"model of {size} parameters > reference.shadow_max_params {cfg.shadow_max_params}: "

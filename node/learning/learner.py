@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -31,6 +31,16 @@ class TrainResult:
     loss: float  # mean training loss over the steps taken
     steps: int
     samples: int
+
+
+@runtime_checkable
+class MakesTwin(Protocol):
+    """A learner that can make its local-only reference (``node/local_reference.py``)."""
+
+    def local_twin(self) -> Learner:
+        """A second learner on this node's samples from the same θ⁰, in the same batch order,
+        trained apart from this one."""
+        ...
 
 
 class Learner(ABC):
@@ -54,15 +64,6 @@ class Learner(ABC):
     def data_info(self) -> dict:
         """Where this node's samples come from and how many each split holds (for /status)."""
         return {}
-
-    def local_twin(self) -> Learner | None:
-        """A fresh learner on this node's own samples and θ⁰, trained apart from the live model:
-        the local-only reference (``node/local_reference.py``). None: this learner makes none."""
-        return None
-
-    def num_params(self) -> int:
-        """Scalars in the model (what a local-only twin would cost to keep and train)."""
-        return sum(int(np.prod(shape)) for shape, _ in self.param_spec().values())
 
     @abstractmethod
     def get_params(self) -> Params: ...

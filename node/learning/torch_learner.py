@@ -78,19 +78,11 @@ def _initial_model(cfg: LearnerConfig, input_shape: tuple[int, ...], num_classes
 
 
 class TorchLearner(Learner):
-    def __init__(
-        self,
-        cfg: LearnerConfig,
-        pool: Pool | None = None,
-        data: NodeData | OwnData | None = None,
-        *,
-        source: Source | None = None,
-    ):
+    def __init__(self, cfg: LearnerConfig, pool: Pool | None = None, data: NodeData | OwnData | Source | None = None):
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
         self.device = resolve_device(cfg.device)
-        src = source if source is not None else node_source(cfg, pool, data)
-        self._source = src  # its arrays back the (CPU) device tensors anyway; a twin reuses them
+        self._source = src = data if isinstance(data, Source) else node_source(cfg, pool, data)  # Source: a twin
         data = src.arrays
         self.own_data, self._data_info = src.own_data, src.info
         self.task, self.class_names, self.num_classes = src.task, src.class_names, src.num_classes
@@ -150,14 +142,8 @@ class TorchLearner(Learner):
     def data_info(self) -> dict:
         return dict(self._data_info)
 
-    def local_twin(self) -> TorchLearner:
-        """A second learner on exactly this node's samples, from the same θ⁰, with its own
-        optimizer and the same batch order (its sampler has this one's seed): what this node
-        would learn alone (the local-only reference, ``node/local_reference.py``)."""
-        return TorchLearner(self.cfg, source=self._source)
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+    def local_twin(self) -> TorchLearner:  # the same Source: arrays shared, no pool loaded again
+        return TorchLearner(self.cfg, data=self._source)
 
     def _x(self, x: torch.Tensor) -> torch.Tensor:
         """A batch as the model sees it: after ``learner.input_transform``, if any."""

@@ -1,12 +1,12 @@
-"""The back-off's effect on S1 (issue 33 item 1): every strategy run twice on identical data and
+"""The back-off's effect on S1 (or the demo network) (issue 33 item 1): every strategy run twice on identical data and
 seeds, the local-only reference on (the default) and off, side by side in one process (the inproc
 backend), and per strategy the mean and worst node's final test accuracy, the mean gain over each
 node's own local-only reference (the twin's test accuracy, reported beside the node's) and how
 many nodes ended backed off.
 
-    python bench/backoff_s1.py --seeds 0 --strategies fedfomo,dpsgd --rounds 30
+    python bench/backoff.py --seeds 0 --strategies fedfomo,dpsgd --rounds 30
 
-Writes bench/results/backoff_s1.json and bench/results/backoff_s1.md.
+Writes bench/results/backoff_<scenario>.json and .md.
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ from pathlib import Path
 from coterie.lab.launch import run_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
+SCENARIOS = {"s1": "s1_label_permuted.toml", "demo": "demo.toml"}
 ALL = ["dpsgd", "oracle", "fedfomo", "federico", "cobo", "l2c", "meta-l2c", "scool-sbm", "scool-attention"]
 
 
-def run(strategies: list[str], seed: int, rounds: int | None, enabled: bool, out: Path) -> dict:
+def run(scenario: str, strategies: list[str], seed: int, rounds: int | None, enabled: bool, out: Path) -> dict:
     from coterie.lab.scenario import parse_scenario
     from coterie.node.config import read_toml
 
-    data = read_toml(ROOT / "scenarios" / "s1_label_permuted.toml", "scenario")
+    data = read_toml(ROOT / "scenarios" / SCENARIOS[scenario], "scenario")
     data["node"] = {**data.get("node", {}), "reference": {"enabled": enabled}}
     sc = parse_scenario(data, strategies=strategies, seed=seed, rounds=rounds)
     return run_scenario(sc, out, backend="inproc", check=False)
@@ -52,10 +53,11 @@ def figures(res: dict, strategy: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--scenario", default="s1", choices=sorted(SCENARIOS))
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--strategies", default=",".join(ALL))
     ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--out", default="/tmp/backoff_s1")
+    ap.add_argument("--out", default="/tmp/backoff")
     a = ap.parse_args()
     strategies = a.strategies.split(",")
     rows: dict[str, dict] = {}
@@ -63,19 +65,20 @@ def main() -> None:
     for seed in map(int, a.seeds.split(",")):
         for s in strategies:  # on and off back to back, per strategy: the same load on both
             for enabled in (True, False):
-                res = run([s], seed, a.rounds, enabled, Path(a.out) / f"seed{seed}-{s}-{int(enabled)}")
+                res = run(a.scenario, [s], seed, a.rounds, enabled, Path(a.out) / f"seed{seed}-{s}-{int(enabled)}")
                 rows.setdefault(s, {}).setdefault("on" if enabled else "off", []).append(figures(res, s))
                 print(s, seed, enabled, rows[s]["on" if enabled else "off"][-1], flush=True)
     out = {"seeds": a.seeds, "rounds": a.rounds, "wall_s": time.time() - t0, "rows": rows}
-    (ROOT / "bench/results/backoff_s1.json").write_text(json.dumps(out, indent=1))
+    (ROOT / "bench/results" / f"backoff_{a.scenario}.json").write_text(json.dumps(out, indent=1))
     med = statistics.median
     lines = [
-        "# Back-off on S1: the local-only reference on (default) vs off",
+        f"# Back-off on {a.scenario}: the local-only reference on (default) vs off",
         "",
-        f"`python bench/backoff_s1.py --seeds {a.seeds}` (inproc backend, S1 as shipped"
+        f"`python bench/backoff.py --scenario {a.scenario} --seeds {a.seeds} --strategies {a.strategies}` "
+        f"(inproc backend, scenarios/{SCENARIOS[a.scenario]} as shipped"
         + (f", {a.rounds} rounds" if a.rounds else "")
         + "); per strategy the median over seeds of: mean and worst node's final test accuracy, mean "
-        "gain over each node's own local-only twin, nodes backed off at the end (of 12), and the "
+        "gain over each node's own local-only twin, nodes backed off at the end (of all), and the "
         "median round time (on/off: the twin's cost).",
         "",
         "| strategy | mean on | mean off | worst on | worst off | gain over twin on | off | backed off | round s on/off |",
@@ -92,7 +95,7 @@ def main() -> None:
             f"| {m(on, 'gain_over_reference'):+.3f} | {m(off, 'mean') - m(on, 'mean') + m(on, 'gain_over_reference'):+.3f} "
             f"| {m(on, 'backed_off'):.0f} | {m(on, 'round_s') / m(off, 'round_s'):.2f} |"
         )
-    (ROOT / "bench/results/backoff_s1.md").write_text("\n".join(lines) + "\n")
+    (ROOT / "bench/results" / f"backoff_{a.scenario}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
