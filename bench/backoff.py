@@ -1,8 +1,9 @@
-"""The back-off's effect on S1 (or the demo network) (issue 33 item 1): every strategy run twice on identical data and
-seeds, the local-only reference on (the default) and off, side by side in one process (the inproc
-backend), and per strategy the mean and worst node's final test accuracy, the mean gain over each
-node's own local-only reference (the twin's test accuracy, reported beside the node's) and how
-many nodes ended backed off.
+"""The back-off's effect on S1 or the demo network (issue 33 item 1): every strategy run twice
+on identical data and seeds, the local-only reference on (the default) and off, side by side:
+both networks at the same time, each in its own process (inproc backend), so both see the same
+load. Per strategy: the mean and worst node's final test accuracy, the mean gain over each node's
+own local-only reference (the twin's test accuracy, reported beside the node's), how many nodes
+ended backed off, and the median round time on / off (the reference's cost).
 
     python bench/backoff.py --seeds 0 --strategies fedfomo,dpsgd --rounds 30
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -58,16 +61,34 @@ def main() -> None:
     ap.add_argument("--strategies", default=",".join(ALL))
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--out", default="/tmp/backoff")
+    ap.add_argument("--one", choices=("on", "off"), default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     strategies = a.strategies.split(",")
+    if a.one:  # a child: one network, its figures as JSON on the last line
+        enabled = a.one == "on"
+        res = run(a.scenario, strategies, int(a.seeds), a.rounds, enabled, Path(a.out))
+        print(json.dumps(figures(res, strategies[0])))
+        return
     rows: dict[str, dict] = {}
     t0 = time.time()
     for seed in map(int, a.seeds.split(",")):
-        for s in strategies:  # on and off back to back, per strategy: the same load on both
-            for enabled in (True, False):
-                res = run(a.scenario, [s], seed, a.rounds, enabled, Path(a.out) / f"seed{seed}-{s}-{int(enabled)}")
-                rows.setdefault(s, {}).setdefault("on" if enabled else "off", []).append(figures(res, s))
-                print(s, seed, enabled, rows[s]["on" if enabled else "off"][-1], flush=True)
+        for s in strategies:  # on and off at the same time, in two processes: the same load on both
+            base = [sys.executable, __file__, "--scenario", a.scenario, "--seeds", str(seed), "--strategies", s]
+            base += ["--rounds", str(a.rounds)] if a.rounds else []
+            procs = {
+                mode: subprocess.Popen(
+                    [*base, "--one", mode, "--out", str(Path(a.out) / f"seed{seed}-{s}-{mode}")],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for mode in ("on", "off")
+            }
+            for mode, proc in procs.items():
+                stdout, _ = proc.communicate()
+                if proc.returncode:
+                    raise SystemExit(f"{s} seed {seed} reference {mode}: exit {proc.returncode}")
+                rows.setdefault(s, {}).setdefault(mode, []).append(json.loads(stdout.strip().splitlines()[-1]))
+                print(s, seed, mode, rows[s][mode][-1], flush=True)
     out = {"seeds": a.seeds, "rounds": a.rounds, "wall_s": time.time() - t0, "rows": rows}
     (ROOT / "bench/results" / f"backoff_{a.scenario}.json").write_text(json.dumps(out, indent=1))
     med = statistics.median
