@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("coterie.node")
 
+# snapshot staging buffers kept between rounds up to this size (model + optimizer state); a larger
+# model's are freed after each write (issue 34 item 2: a 21 MB MLP with Adam kept 3 spare copies)
+SPARE_BUFFERS_MAX_BYTES = 16 << 20
 CAPABILITIES = ("snapshot", "cross-loss", "cross-gradient", "push-gradient", "gossip")
 MODEL_BYTES_FACTOR, MODEL_BYTES_SLACK = 4, 1 << 20  # default max_model_bytes: 4× my model + 1 MiB
 
@@ -394,7 +397,11 @@ class Node:
         """The writer made these snapshots durable: the admin API now shows them."""
         records = [s.record for s in batch if s.record is not None]
         self.history.extend(records)
-        self._spare_tensors = batch[-1].learner_tensors
+        # a small model's written copies are reused by the next snapshot (no allocation per round);
+        # a large one's are dropped: at rest a node holds its model and optimizer, not a staging copy
+        spare = batch[-1].learner_tensors
+        small = spare is not None and sum(t.nbytes for t in spare.values()) <= SPARE_BUFFERS_MAX_BYTES
+        self._spare_tensors = spare if small else None
         last = batch[-1]
         self._set_saved(last.round, last.version, last.state, records[-1] if records else None)
         self.m.ckpt_s.observe(seconds)
