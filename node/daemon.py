@@ -29,6 +29,7 @@ from .config import ConfigError, NodeConfig
 from .failures import Failures
 from .fsutil import atomic_write_json
 from .learning.learner import Learner
+from .local_reference import LocalReference
 from .logfilter import install_log_filter
 from .logs import RoundLog
 from .metrics import Metrics
@@ -140,6 +141,8 @@ class Node:
             )
         )
 
+        # what this node would have alone, and the back-off when collaboration does worse (local_reference.py)
+        self.reference = LocalReference(cfg.reference, learner, cfg.strategy)
         self.round = 0
         self.version = 0
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_TAIL)  # checkpointed rounds; the file keeps all
@@ -352,6 +355,7 @@ class Node:
         try:
             self.learner.import_state(*ckpt.learner_state())
             self.strategy.load_state_dict(ckpt.strategy_state())
+            self.reference.import_state(ckpt.reference_state(), ckpt.round)
             self.peers.load_json(st["peers"])
         except StateError:
             raise
@@ -382,6 +386,7 @@ class Node:
         }
         reuse, self._spare_tensors = self._spare_tensors, None
         learner_state = await asyncio.to_thread(self.learner.export_state, reuse)
+        reference = await asyncio.to_thread(self.reference.export_state)
         return make_snapshot(
             round=self.round,
             version=self.version,
@@ -392,7 +397,8 @@ class Node:
             meta=meta,
             record=record,
             prepare=_snapshot_namer(record, self.board.current),
-            mixture=self.strategy.prediction_members(),
+            mixture=self.reference.prediction_members(self.node_id) or self.strategy.prediction_members(),
+            reference=reference,
         )
 
     def _set_saved(self, rnd: int, version: int, state: dict[str, Any], record: dict[str, Any] | None) -> None:
