@@ -223,6 +223,22 @@ def test_sbm_in_process_network_prunes_to_cluster_and_resumes():
     assert s2.public_state() == s.public_state()
 
 
+def test_sbm_does_not_prune_peers_it_has_not_met():
+    """A node that met no peer by round T0 (here: offered none for 11 rounds, as a slow starter on a
+    loaded network is) must not prune everyone it has not scored: it keeps collaborating once it
+    meets them, and prunes among them (seen on real daemons: n0 pruned all its peers for good)."""
+    hub = build_network(SCoolSBM, learner_kw={"local_steps": 5})
+    s0 = hub.nodes["n0"].strategy
+    offered = s0.candidates
+    s0.candidates = lambda: []  # type: ignore[method-assign]
+    asyncio.run(run_rounds(hub, 11))
+    assert s0._t >= 10 and s0._kept is None, (s0._t, s0._kept)
+    s0.candidates = offered  # type: ignore[method-assign]
+    asyncio.run(run_rounds(hub, 3, start=12))
+    assert s0._kept, "n0 pruned to nobody, or never pruned, once it met its peers"
+    assert set(s0._kept) <= set(hub.nodes) - {"n0"}
+
+
 def test_exact_mstep_matches_reference():
     """mstep="exact" (eq. 22): θ ← θ − η(w̄_ii ∇L(D_i;θ) + Σ_j w̄_ij ∇L(D_j;θ)), the peers'
     gradients computed by them on their data (cross-gradient requests)."""

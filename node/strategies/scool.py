@@ -25,7 +25,8 @@ Iteration t at node i:
     "exact": eq. 22 with cross-gradients, θ ← θ − η(w̄_ii ∇L(D_i;θ) + Σ_j w̄_ij ∇L(D_j;θ)) for
     ``exact_steps`` steps with my optimizer (each step one cross-gradient request per peer).
   Pruning (App. C.1): after ``prune_after`` E-steps keep the top ``keep_fraction`` peers by w; the
-    rest are no longer contacted.
+    rest are no longer contacted. Ours: among the peers scored, once every candidate is (at the
+    latest at 2·``prune_after``) — the paper's nodes all meet in round 1, an asynchronous node may not.
 Number of blocks: ``num_blocks = "auto"`` (default) starts with one block; at E-step
 ``blocks_after`` each node picks K by ICL (``estimate_num_blocks``: a Gaussian SBM on the
 standardised evidence rows Y_j· that the nodes gossip with Ω, K = 1..``max_blocks``), at the next
@@ -332,8 +333,13 @@ class _SCoolBase(Strategy):
                     "same_round": sum(1 for p in wts if p != self.node_id and snaps[p].round == self._delta_round),
                 }
             self._t += 1
-            if self._kept is None and self._t >= int(self.p["prune_after"]) > 0:
-                scores = {p: v for p, v in self._raw.items() if p != self.node_id}
+            after = int(self.p["prune_after"])
+            scores = {p: v for p, v in self._raw.items() if p != self.node_id}
+            # prune among the peers it has scored: a node that met few or none of those it is offered by
+            # round T0 (a slow start, a late joiner: asynchronous rounds) would otherwise keep none of
+            # them for good. It waits until it has scored every candidate, at most until 2·T0.
+            met = scores and (set(peers) <= set(scores) or self._t >= 2 * after)
+            if self._kept is None and self._t >= after > 0 and met:
                 # *code*: keeps int(keep_fraction·n) peers (20% of 11 = 2, not ⌈2.2⌉ = 3)
                 self._kept = C.top_keep(scores, float(self.p["keep_fraction"]), rounding="floor")
         theta = self.learner.get_params()
