@@ -19,7 +19,7 @@ from .node_metrics import NodeMetrics
 from .peering.admission import Admission
 from .peering.calls import PeerCalls
 from .peering.deadlines import Deadlines
-from .peering.discovery import Discovery, DiscoveryHooks, DiscoverySettings
+from .peering.discovery import Discovery, DiscoverySettings
 from .peering.inbox import PushInbox
 from .peering.interfaces import PeerTransport, TransportFactory
 from .peering.loop_lag import LoopLag
@@ -181,6 +181,12 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
         rng=random.Random(f"discovery-{seed}"),
     )
     network.discovery_above = d.above
+
+    def introduce(recommender: str, node_id: str, address: str) -> None:
+        """A recommended peer not known yet: a membership candidate (bounded per recommender)."""
+        membership.pending.add(address, source=recommender, node_id=node_id)
+
+    network.introduce = introduce
     strategy = get_strategy(cfg.strategy)(host.node_id, learner, network, cfg.strategy_params, seed=seed)
 
     # a diverged step or round is rolled back, counted and noted; nothing non-finite is published
@@ -190,7 +196,6 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
 
     guard = RoundGuard(learner, strategy, on_divergence)
     admission = Admission(cfg.limits, on_refused=_over_budget_noter(m, problems))
-    hooks = DiscoveryHooks(strategy, network.discovery)  # "whom do you weight?" before the strategy
     lim = cfg.limits
     served = ServedRequests(
         ServedSettings(
@@ -204,7 +209,7 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
         host.info,
         membership,
         learner,
-        hooks,
+        strategy,
         private,
         board,
         cache,
@@ -213,6 +218,7 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
         admission=admission,
         on_refused=lambda kind: m.rejected.labels(kind=kind).inc(),
         revocations=CrlExchange(revocation, host.node_id) if revocation is not None else None,
+        discovery=network.discovery,  # answers "whom do you weight?" (api.RECOMMEND)
     )
     return PeerPlane(
         loop_lag,

@@ -55,6 +55,9 @@ Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 
 MAX_CRL_BYTES = 1 << 20  # a revocation list (PEM); a CA revoking ~10^4 certificates fits
+MAX_RECOMMEND = 16  # peers in one answer to "whom do you weight?" (discovery asks for 5)
+MAX_ID_CHARS = 128  # a node id in an answer (security/ids.py's limit; the handshake checks the rest)
+MAX_ADDRESS_CHARS = 512  # an address in an answer
 
 
 # --- messages of calls whose types live nowhere else (the membership ones are in messages.py) ---
@@ -66,6 +69,22 @@ class RevocationList:
     sender: str
     number: int = 0
     crl: bytes = b""
+
+
+@dataclass(frozen=True)
+class RecommendAsk:
+    """ "Whom do you weight?" (``discovery.py``): ``sender`` asks for at most ``count`` peers."""
+
+    sender: str
+    count: int = 5
+
+
+@dataclass(frozen=True)
+class Recommendations:
+    """The answer: the peers ``sender`` weights most that it knows alive, best first (hints)."""
+
+    sender: str
+    peers: tuple[PeerEntry, ...] = ()
 
 
 # --- the declaration ---
@@ -149,6 +168,20 @@ def _crl_fits(r: RevocationList, limits: SizeLimits) -> None:
         raise invalid(f"revocation list from {r.sender}: {len(r.crl)} bytes exceeds the limit of {MAX_CRL_BYTES}")
 
 
+def _recommend_fits(m: RecommendAsk | Recommendations, limits: SizeLimits) -> None:
+    """A question asks for at most ``MAX_RECOMMEND``; an answer lists at most that many, each
+    id and address of bounded length (checked by the asker on what comes back)."""
+    if isinstance(m, RecommendAsk):
+        if m.count > MAX_RECOMMEND:
+            raise invalid(f"recommendation request from {m.sender}: asks for {m.count} peers, at most {MAX_RECOMMEND}")
+        return
+    if len(m.peers) > MAX_RECOMMEND:
+        raise invalid(f"recommendations from {m.sender}: {len(m.peers)} peers, at most {MAX_RECOMMEND}")
+    for e in m.peers:
+        if not 0 < len(e.node_id) <= MAX_ID_CHARS or len(e.address) > MAX_ADDRESS_CHARS:
+            raise invalid(f"recommendations from {m.sender}: a malformed entry ({short(e.node_id, 40)!r})")
+
+
 HANDSHAKE = Unary(
     "Handshake", "handshake", NodeInfo, Welcome, caller=lambda r: r.node_id, serve=_handshake, control=True
 )
@@ -203,7 +236,20 @@ REVOCATIONS = Unary(
     what="revocation list",
 )
 
-UNARY: tuple[Unary, ...] = (HANDSHAKE, HEARTBEAT, EXCHANGE_PEERS, INDIRECT_PROBE, GOSSIP, REVOCATIONS)
+RECOMMEND = Unary(
+    "Recommend",
+    "recommend",
+    RecommendAsk,
+    Recommendations,
+    caller=lambda r: r.sender,
+    serve=answered_by("on_recommend"),
+    known=True,
+    admit=True,
+    check=_recommend_fits,
+    what="recommendation request",
+)
+
+UNARY: tuple[Unary, ...] = (HANDSHAKE, HEARTBEAT, EXCHANGE_PEERS, INDIRECT_PROBE, GOSSIP, REVOCATIONS, RECOMMEND)
 BY_NAME = {rpc.name: rpc for rpc in UNARY}
 
 # the compute requests (streams) a node serves on its private data: kind -> proto method
@@ -305,3 +351,9 @@ class UnaryCalls:
         self, address: str, mine: RevocationList, timeout: float | None = None, *, peer: str | None = None
     ) -> RevocationList:
         return await self.call(REVOCATIONS, address, mine, timeout, peer=peer)
+
+    async def recommend(
+        self, address: str, sender: str, count: int, timeout: float | None = None, *, peer: str | None = None
+    ) -> Recommendations:
+        """Ask the node at ``address`` whom it weights (an answer over ``MAX_RECOMMEND`` is refused)."""
+        return await self.call(RECOMMEND, address, RecommendAsk(sender, count), timeout, peer=peer)

@@ -1,6 +1,6 @@
 """The requests a strategy makes of its peers (``NodeNetwork`` holds them): compute on
 a peer's data — cross-loss, cross-gradient (COBO's alignment), FedeRiCo's gradient push — and
-strategy gossip; and the one door my own gradients leave through (``private_gradient``).
+strategy gossip; discovery's "whom do you weight?" (``recommend``); and the one door my own gradients leave through (``private_gradient``).
 
 Every request on a peer's data names a purpose (``privacy/purposes.py``), checked here so a wrong
 call fails in the strategy's own round; a gradient on *my* data that a strategy sends out is
@@ -21,8 +21,9 @@ from ..privacy.purposes import ALIGNMENT, GRADIENT, LOSS, PUSH, Purpose
 from ..privacy.purposes import purpose as purpose_table
 from ..strategies.base import GradientReply, PushedGradient
 from ..wire.codec import WireError, encoded_size
+from .api import RECOMMEND, RecommendAsk
 from .errors import NOT_CACHED, PeerCallError
-from .messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest
+from .messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest, PeerEntry
 from .validation import model_tensors
 
 if TYPE_CHECKING:
@@ -224,4 +225,21 @@ class PeerRequests:
             )
         except (PeerCallError, WireError) as e:
             self.failed(f"gossip {key!r}", peer, e)
+            return None
+
+    async def recommend(self, peer: str, count: int) -> list[PeerEntry] | None:
+        """Whom ``peer`` weights (at most ``count``, hints for discovery); None if it did not say."""
+        address = self.address_of(peer)
+        if address is None:
+            return None
+        ask = RecommendAsk(self.node_id, count)
+        try:
+            reply = await self.calls.call(
+                peer, RECOMMEND.kind, lambda timeout: self.transport.call(RECOMMEND, address, ask, timeout, peer=peer)
+            )
+            if reply.sender != peer:
+                raise WireError(f"recommendations claim to be from {reply.sender!r}, expected {peer!r}")
+            return list(reply.peers)
+        except (PeerCallError, WireError) as e:
+            self.failed("recommendation request", peer, e)
             return None

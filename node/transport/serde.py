@@ -15,7 +15,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from ...proto.v1 import peer_pb2 as pb
-from ..peering.api import RevocationList
+from ..peering.api import RecommendAsk, Recommendations, RevocationList
 from ..peering.errors import invalid, short
 from ..peering.messages import (
     ALIVE,
@@ -203,6 +203,22 @@ def revocations_from_pb(m: pb.RevocationList) -> RevocationList:
     return RevocationList(m.node_id, m.number, m.crl)
 
 
+def recommend_ask_to_pb(a: RecommendAsk) -> pb.RecommendRequest:
+    return pb.RecommendRequest(node_id=a.sender, count=a.count)
+
+
+def recommend_ask_from_pb(m: pb.RecommendRequest) -> RecommendAsk:
+    return RecommendAsk(m.node_id, m.count)
+
+
+def recommendations_to_pb(r: Recommendations) -> pb.Recommendations:
+    return pb.Recommendations(node_id=r.sender, peers=entries_to_pb(list(r.peers)))
+
+
+def recommendations_from_pb(m: pb.Recommendations) -> Recommendations:
+    return Recommendations(m.node_id, tuple(entries_from_pb(m.peers)))
+
+
 # --- snapshots ---
 def snapshot_header_to_pb(
     h: SnapshotHeader, total_bytes: int, encoding: dict[str, Any] | None = None
@@ -318,5 +334,13 @@ WIRE: dict[str, Wire] = {  # by ``api.Unary.name``
         revocations_from_pb,
         revocations_to_pb,
         revocations_from_pb,
+    ),
+    "Recommend": Wire(
+        pb.RecommendRequest,
+        pb.Recommendations,
+        recommend_ask_to_pb,
+        recommend_ask_from_pb,
+        recommendations_to_pb,
+        recommendations_from_pb,
     ),
 }

@@ -304,3 +304,19 @@ class RevocationList(_message.Message):
     number: int
     crl: bytes
     def __init__(self, node_id: _Optional[str] = ..., number: _Optional[int] = ..., crl: _Optional[bytes] = ...) -> None: ...
+
+class RecommendRequest(_message.Message):
+    __slots__ = ("node_id", "count")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    count: int
+    def __init__(self, node_id: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class Recommendations(_message.Message):
+    __slots__ = ("node_id", "peers")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    peers: _containers.RepeatedCompositeFieldContainer[PeerEntry]
+    def __init__(self, node_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerEntry, _Mapping]]] = ...) -> None: ...

@@ -94,6 +94,11 @@ class PeerStub:
                 request_serializer=coterie_dot_v1_dot_peer__pb2.RevocationList.SerializeToString,
                 response_deserializer=coterie_dot_v1_dot_peer__pb2.RevocationList.FromString,
                 _registered_method=True)
+        self.Recommend = channel.unary_unary(
+                '/coterie.v1.Peer/Recommend',
+                request_serializer=coterie_dot_v1_dot_peer__pb2.RecommendRequest.SerializeToString,
+                response_deserializer=coterie_dot_v1_dot_peer__pb2.Recommendations.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -176,6 +181,12 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Recommend(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -238,6 +249,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.ExchangeRevocations,
                     request_deserializer=coterie_dot_v1_dot_peer__pb2.RevocationList.FromString,
                     response_serializer=coterie_dot_v1_dot_peer__pb2.RevocationList.SerializeToString,
+            ),
+            'Recommend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Recommend,
+                    request_deserializer=coterie_dot_v1_dot_peer__pb2.RecommendRequest.FromString,
+                    response_serializer=coterie_dot_v1_dot_peer__pb2.Recommendations.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -564,6 +580,33 @@ class Peer:
             '/coterie.v1.Peer/ExchangeRevocations',
             coterie_dot_v1_dot_peer__pb2.RevocationList.SerializeToString,
             coterie_dot_v1_dot_peer__pb2.RevocationList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Recommend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coterie.v1.Peer/Recommend',
+            coterie_dot_v1_dot_peer__pb2.RecommendRequest.SerializeToString,
+            coterie_dot_v1_dot_peer__pb2.Recommendations.FromString,
             options,
             channel_credentials,
             insecure,
