@@ -1,6 +1,7 @@
 """The requests a strategy makes of its peers (``NodeNetwork`` holds them): compute on
 a peer's data — cross-loss, cross-gradient (COBO's alignment), FedeRiCo's gradient push — and
-strategy gossip; discovery's "whom do you weight?" (``recommend``); and the one door my own gradients leave through (``private_gradient``).
+strategy gossip; discovery's "whom do you weight?" (``recommend``); and the one door my own
+gradients leave through (``private_gradient``).
 
 Every request on a peer's data names a purpose (``privacy/purposes.py``), checked here so a wrong
 call fails in the strategy's own round; a gradient on *my* data that a strategy sends out is
@@ -21,7 +22,7 @@ from ..privacy.purposes import ALIGNMENT, GRADIENT, LOSS, PUSH, Purpose
 from ..privacy.purposes import purpose as purpose_table
 from ..strategies.base import GradientReply, PushedGradient
 from ..wire.codec import WireError, encoded_size
-from .api import RECOMMEND, RecommendAsk
+from .api import MAX_RECOMMEND, RECOMMEND, RecommendAsk
 from .errors import NOT_CACHED, PeerCallError
 from .messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest, PeerEntry
 from .validation import model_tensors
@@ -232,7 +233,7 @@ class PeerRequests:
         address = self.address_of(peer)
         if address is None:
             return None
-        ask = RecommendAsk(self.node_id, count)
+        ask = RecommendAsk(self.node_id, min(count, MAX_RECOMMEND))
         try:
             reply = await self.calls.call(
                 peer, RECOMMEND.kind, lambda timeout: self.transport.call(RECOMMEND, address, ask, timeout, peer=peer)
