@@ -58,6 +58,8 @@ MAX_CRL_BYTES = 1 << 20  # a revocation list (PEM); a CA revoking ~10^4 certific
 MAX_RECOMMEND = 16  # peers in one answer to "whom do you weight?" (discovery asks for 5)
 MAX_ID_CHARS = 128  # a node id in an answer (security/ids.py's limit; the handshake checks the rest)
 MAX_ADDRESS_CHARS = 512  # an address in an answer
+MAX_SAMPLE = 32  # entries in one shuffle of partial views (a shuffle sends about 8)
+MAX_TTL = 16  # hops a forwarded join may still walk
 
 
 # --- messages of calls whose types live nowhere else (the membership ones are in messages.py) ---
@@ -85,6 +87,42 @@ class Recommendations:
 
     sender: str
     peers: tuple[PeerEntry, ...] = ()
+
+
+@dataclass(frozen=True)
+class ViewSample:
+    """A shuffle of partial views (``overlay.py``) and its answer: a sample of the sender's views."""
+
+    sender: str
+    peers: tuple[PeerEntry, ...] = ()
+
+
+JOIN, FORWARD_JOIN, NEIGHBOR, NEIGHBOR_URGENT, DISCONNECT = (
+    "join",
+    "forward_join",
+    "neighbor",
+    "neighbor_urgent",
+    "disconnect",
+)
+LINK_KINDS = (JOIN, FORWARD_JOIN, NEIGHBOR, NEIGHBOR_URGENT, DISCONNECT)  # in the proto enum's order
+
+
+@dataclass(frozen=True)
+class LinkRequest:
+    """A request about the active view of partial views (``kind``: one of ``LINK_KINDS``; ""
+    for a kind this node does not know, refused)."""
+
+    sender: str
+    kind: str
+    joined: PeerEntry | None = None  # FORWARD_JOIN: who joined
+    ttl: int = 0
+    address: str = ""  # where the sender is reached
+
+
+@dataclass(frozen=True)
+class LinkReply:
+    sender: str
+    accepted: bool = False
 
 
 # --- the declaration ---
@@ -175,11 +213,33 @@ def _recommend_fits(m: RecommendAsk | Recommendations, limits: SizeLimits) -> No
         if m.count > MAX_RECOMMEND:
             raise invalid(f"recommendation request from {m.sender}: asks for {m.count} peers, at most {MAX_RECOMMEND}")
         return
-    if len(m.peers) > MAX_RECOMMEND:
-        raise invalid(f"recommendations from {m.sender}: {len(m.peers)} peers, at most {MAX_RECOMMEND}")
-    for e in m.peers:
+    _entries_fit(f"recommendations from {m.sender}", m.peers, MAX_RECOMMEND)
+
+
+def _entries_fit(who: str, entries: Sequence[PeerEntry], most: int) -> None:
+    if len(entries) > most:
+        raise invalid(f"{who}: {len(entries)} peers, at most {most}")
+    for e in entries:
         if not 0 < len(e.node_id) <= MAX_ID_CHARS or len(e.address) > MAX_ADDRESS_CHARS:
-            raise invalid(f"recommendations from {m.sender}: a malformed entry ({short(e.node_id, 40)!r})")
+            raise invalid(f"{who}: a malformed entry ({short(e.node_id, 40)!r})")
+
+
+def _sample_fits(m: ViewSample, limits: SizeLimits) -> None:
+    _entries_fit(f"shuffle from {m.sender}", m.peers, MAX_SAMPLE)
+
+
+def _link_fits(m: LinkRequest | LinkReply, limits: SizeLimits) -> None:
+    if isinstance(m, LinkReply):
+        return
+    who = f"link request from {m.sender}"
+    if len(m.address) > MAX_ADDRESS_CHARS:
+        raise invalid(f"{who}: an address of {len(m.address)} characters")
+    if m.kind not in LINK_KINDS:
+        raise invalid(f"{who}: unknown kind")
+    if m.kind == FORWARD_JOIN:
+        if m.joined is None or m.ttl > MAX_TTL:
+            raise invalid(f"{who}: a forwarded join needs the node that joined and a ttl of at most {MAX_TTL}")
+        _entries_fit(who, (m.joined,), 1)
 
 
 HANDSHAKE = Unary(
@@ -249,7 +309,43 @@ RECOMMEND = Unary(
     what="recommendation request",
 )
 
-UNARY: tuple[Unary, ...] = (HANDSHAKE, HEARTBEAT, EXCHANGE_PEERS, INDIRECT_PROBE, GOSSIP, REVOCATIONS, RECOMMEND)
+SHUFFLE = Unary(
+    "Shuffle",
+    "shuffle",
+    ViewSample,
+    ViewSample,
+    caller=lambda r: r.sender,
+    serve=answered_by("on_shuffle"),
+    known=True,
+    admit=True,
+    check=_sample_fits,
+    control=True,
+)
+LINK = Unary(
+    "Link",
+    "link",
+    LinkRequest,
+    LinkReply,
+    caller=lambda r: r.sender,
+    serve=answered_by("on_link"),
+    known=True,
+    admit=True,
+    check=_link_fits,
+    control=True,
+    what="link request",
+)
+
+UNARY: tuple[Unary, ...] = (
+    HANDSHAKE,
+    HEARTBEAT,
+    EXCHANGE_PEERS,
+    INDIRECT_PROBE,
+    GOSSIP,
+    REVOCATIONS,
+    RECOMMEND,
+    SHUFFLE,
+    LINK,
+)
 BY_NAME = {rpc.name: rpc for rpc in UNARY}
 
 # the compute requests (streams) a node serves on its private data: kind -> proto method

@@ -1,0 +1,242 @@
+"""Partial views over the peer RPCs: one node's HyParView (``partial_view.PartialView``, a pure
+object driven by messages) carried by ``api.SHUFFLE`` and ``api.LINK``.
+
+The view speaks in node ids; the wire in (id, address) entries. This driver keeps the address of
+every node its views hold (what the node said of itself, else what a peer said of it — hearsay
+that a call to it settles), pruned to the views each period, so its state stays O(view).
+
+- calling side: each ``tick`` runs the view's period (age, shuffle, refill) and probes one active
+  neighbour (a ``neighbor`` link request: an accepted one is a keepalive; refused, the neighbour
+  dropped me, so I drop it; unanswered, it failed and is replaced from the passive view). Every
+  message the view queues is delivered as its own task; a failed delivery is ``on_failed``.
+- served side: ``on_shuffle`` and ``on_link`` (``served.py`` hands them on) feed the view the
+  authenticated sender's message and answer with what the view answers it (a shuffle's sample,
+  a link's acceptance); what else the view queued is delivered as above.
+
+Insider bounds are the view's (an active slot per identity that asked or accepted itself,
+hearsay to the passive view only, ``per_source`` entries from one sender) and the table's (a
+sample of at most ``MAX_SAMPLE`` entries, a walk of at most ``MAX_TTL`` hops)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from ..wire.codec import WireError
+from .api import (
+    DISCONNECT,
+    FORWARD_JOIN,
+    JOIN,
+    LINK,
+    NEIGHBOR,
+    NEIGHBOR_URGENT,
+    SHUFFLE,
+    LinkReply,
+    LinkRequest,
+    ViewSample,
+)
+from .errors import UNAVAILABLE, PeerCallError, invalid
+from .interfaces import PeerTransport
+from .messages import PeerEntry
+from .partial_view import (
+    Disconnect,
+    ForwardJoin,
+    Join,
+    Message,
+    Neighbor,
+    NeighborReply,
+    PartialView,
+    Shuffle,
+    ShuffleReply,
+)
+
+log = logging.getLogger("coterie.node.overlay")
+
+
+class Overlay:
+    """``view`` carried over ``transport``; ``address``: where peers reach this node;
+    ``known_address``: the peer table's address of a node, if it has one (first-hand)."""
+
+    def __init__(
+        self,
+        view: PartialView,
+        transport: PeerTransport,
+        address: str,
+        *,
+        timeout_s: float = 2.0,
+        known_address: Callable[[str], str | None] = lambda node_id: None,
+    ):
+        self.view = view
+        self.me = view.me
+        self.transport = transport
+        self.address = address
+        self.timeout_s = timeout_s
+        self.known_address = known_address
+        self.addresses: dict[str, str] = {}  # the views' nodes (pruned each period)
+        self._tasks: set[asyncio.Task] = set()
+        self._calling: Counter[str] = Counter()  # nodes with a call in flight (their address kept)
+        self.failed_calls = 0
+
+    # --- reading ---
+    def members(self) -> list[str]:
+        return self.view.members()
+
+    def address_of(self, node_id: str) -> str | None:
+        return self.known_address(node_id) or self.addresses.get(node_id)
+
+    def counts(self) -> dict[str, int]:
+        return {"active": len(self.view.active), "passive": len(self.view.passive), **vars(self.view.counters)}
+
+    # --- calling side ---
+    def join(self, contact: str, address: str) -> None:
+        """Enter the overlay through ``contact`` (a node this one knows at ``address``)."""
+        self.addresses[contact] = address
+        self.view.join(contact)
+        self._flush()
+
+    def tick(self) -> None:
+        """One period: the view's own work, a keepalive to one active neighbour, the address book
+        pruned to the views."""
+        self.view.tick()
+        probe = self.view.next_probe()
+        if probe is not None:
+            self._spawn(self._keepalive(probe))
+        held = set(self.view.members()) | set(self._calling)
+        self.addresses = {p: a for p, a in self.addresses.items() if p in held}
+        self._flush()
+
+    async def settle(self) -> None:
+        """Wait for the deliveries in flight (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    # --- served side (the gate has vouched for the sender, a known peer, and checked sizes) ---
+    def on_shuffle(self, sample: ViewSample) -> ViewSample:
+        mine = [e for e in sample.peers[:1] if e.node_id == sample.sender]  # the sender on itself
+        self._learn(mine, first_hand=True)
+        self._learn(sample.peers[: self.view.s.shuffle_length])
+        entries = tuple(e.node_id for e in sample.peers)
+        reply = self._answer(sample.sender, Shuffle(entries), ShuffleReply)
+        return ViewSample(self.me, self._entries(reply.entries if reply else ()))
+
+    def on_link(self, req: LinkRequest) -> LinkReply:
+        msg: Message
+        self._learn((PeerEntry(req.sender, req.address),), first_hand=True)
+        if req.kind == FORWARD_JOIN:
+            assert req.joined is not None  # (the table's check)
+            self._learn((req.joined,))
+            msg = ForwardJoin(req.joined.node_id, req.ttl)
+        elif req.kind in (NEIGHBOR, NEIGHBOR_URGENT, JOIN):
+            msg = Join() if req.kind == JOIN else Neighbor(high_priority=req.kind == NEIGHBOR_URGENT)
+        elif req.kind == DISCONNECT:
+            msg = Disconnect()
+        else:
+            raise invalid(f"link request from {req.sender}: unknown kind")
+        reply = self._answer(req.sender, msg, NeighborReply)
+        return LinkReply(self.me, bool(reply and reply.accepted))
+
+    # --- internals ---
+    def _answer(self, sender: str, msg: Message, answer: type) -> object | None:
+        """The view's answer to ``sender``'s ``msg`` (the RPC's reply); the rest it queued is sent."""
+        self.view.on_message(sender, msg)
+        reply = None
+        rest = []
+        for to, out in self.view.take_outbox():
+            if reply is None and to == sender and isinstance(out, answer):
+                reply = out
+            else:
+                rest.append((to, out))
+        self._send(rest)
+        return reply
+
+    def _flush(self) -> None:
+        self._send(self.view.take_outbox())
+
+    def _send(self, messages: Iterable[tuple[str, Message]]) -> None:
+        for to, msg in messages:
+            if isinstance(msg, ShuffleReply | NeighborReply):
+                continue  # answers ride on the reply of the call they answer
+            self._spawn(self._deliver(to, msg))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _learn(self, entries: Iterable[PeerEntry], *, first_hand: bool = False) -> None:
+        """Addresses of nodes: hearsay fills a gap only; a node's word on itself replaces it."""
+        for e in entries:
+            if e.node_id != self.me and e.address and (first_hand or e.node_id not in self.addresses):
+                self.addresses[e.node_id] = e.address
+
+    def _entries(self, ids: Iterable[str]) -> tuple[PeerEntry, ...]:
+        out = []
+        for p in ids:
+            address = self.address if p == self.me else self.address_of(p)
+            if address:
+                out.append(PeerEntry(p, address))
+        return tuple(out)
+
+    async def _call(self, to: str, rpc, request):
+        address = self.address_of(to)
+        if address is None:
+            raise PeerCallError(UNAVAILABLE, f"no address known for {to}")
+        self._calling[to] += 1
+        try:
+            return await self.transport.call(rpc, address, request, self.timeout_s, peer=to)
+        finally:
+            self._calling[to] -= 1
+            if not self._calling[to]:
+                del self._calling[to]
+
+    async def _deliver(self, to: str, msg: Message) -> None:
+        try:
+            if isinstance(msg, Shuffle):
+                reply = await self._call(to, SHUFFLE, ViewSample(self.me, self._entries(msg.entries)))
+                if reply.sender != to:
+                    raise WireError(f"shuffle answer claims to be from {reply.sender!r}, expected {to!r}")
+                self._learn(reply.peers[: self.view.s.shuffle_length])
+                self.view.on_message(to, ShuffleReply(tuple(e.node_id for e in reply.peers)))
+            else:
+                accepted = await self._link(to, msg)
+                if isinstance(msg, Join | Neighbor):
+                    self.view.on_message(to, NeighborReply(accepted))
+        except (PeerCallError, WireError) as e:
+            self.failed_calls += 1
+            log.debug("overlay %s to %s failed: %s", type(msg).__name__, to, e)
+            self.view.on_failed(to)
+        self._flush()
+
+    async def _link(self, to: str, msg: Message) -> bool:
+        if isinstance(msg, ForwardJoin):
+            joined = self._entries((msg.node,))
+            if not joined:
+                return False  # its address is forgotten: the walk ends here
+            req = LinkRequest(self.me, FORWARD_JOIN, joined[0], msg.ttl, self.address)
+        elif isinstance(msg, Join):
+            req = LinkRequest(self.me, JOIN, address=self.address)
+        elif isinstance(msg, Neighbor):
+            req = LinkRequest(self.me, NEIGHBOR_URGENT if msg.high_priority else NEIGHBOR, address=self.address)
+        else:
+            req = LinkRequest(self.me, DISCONNECT, address=self.address)
+        reply = await self._call(to, LINK, req)
+        return bool(reply.accepted)
+
+    async def _keepalive(self, neighbour: str) -> None:
+        """A neighbour's keepalive: refused means it dropped me (I drop it too); unanswered, failed."""
+        try:
+            reply = await self._call(neighbour, LINK, LinkRequest(self.me, NEIGHBOR, address=self.address))
+        except (PeerCallError, WireError):
+            self.failed_calls += 1
+            self.view.on_failed(neighbour)
+        else:
+            if not reply.accepted and neighbour in self.view.active:
+                self.view.on_message(neighbour, Disconnect())
+        self._flush()
