@@ -7,8 +7,11 @@ that a call to it settles), pruned to the views each period, so its state stays 
 
 - calling side: each ``tick`` runs the view's period (age, shuffle, refill) and probes one active
   neighbour (a ``neighbor`` link request: an accepted one is a keepalive; refused, the neighbour
-  dropped me, so I drop it; unanswered, it failed and is replaced from the passive view). Every
-  message the view queues is delivered as its own task; a failed delivery is ``on_failed``.
+  dropped me, so I drop it; unanswered, it failed and is replaced from the passive view). What
+  the view queued since the last period is delivered then, each message as its own task; a
+  failed delivery is ``on_failed``. So a message goes one hop a period (a join's walk takes a
+  few periods): sent as soon as queued, refused neighbour requests and their retries chased each
+  other without end, and each node's calls per period are bounded by what its view queues.
 - served side: ``on_shuffle`` and ``on_link`` (``served.py`` hands them on) feed the view the
   authenticated sender's message and answer with what the view answers it (a shuffle's sample,
   a link's acceptance); what else the view queued is delivered as above.
@@ -74,7 +77,7 @@ class Overlay:
         self.address = address
         self.timeout_s = timeout_s
         self.known_address = known_address
-        self.addresses: dict[str, str] = {}  # the views' nodes (pruned each period)
+        self.addresses: dict[str, str] = {}  # the views' nodes (pruned after every change)
         self._tasks: set[asyncio.Task] = set()
         self._calling: Counter[str] = Counter()  # nodes with a call in flight (their address kept)
         self.failed_calls = 0
@@ -102,10 +105,9 @@ class Overlay:
         self.view.tick()
         probe = self.view.next_probe()
         if probe is not None:
-            self._spawn(self._keepalive(probe))
-        held = set(self.view.members()) | set(self._calling)
-        self.addresses = {p: a for p, a in self.addresses.items() if p in held}
+            self._spawn(probe, self._keepalive(probe))
         self._flush()
+        self._prune()
 
     async def settle(self) -> None:
         """Wait for the deliveries in flight (tests, shutdown)."""
@@ -124,7 +126,9 @@ class Overlay:
         self._learn(sample.peers[: self.view.s.shuffle_length])
         entries = tuple(e.node_id for e in sample.peers)
         reply = self._answer(sample.sender, Shuffle(entries), ShuffleReply)
-        return ViewSample(self.me, self._entries(reply.entries if reply else ()))
+        out = ViewSample(self.me, self._entries(reply.entries if reply else ()))
+        self._prune()
+        return out
 
     def on_link(self, req: LinkRequest) -> LinkReply:
         msg: Message
@@ -140,21 +144,26 @@ class Overlay:
         else:
             raise invalid(f"link request from {req.sender}: unknown kind")
         reply = self._answer(req.sender, msg, NeighborReply)
+        self._prune()
         return LinkReply(self.me, bool(reply and reply.accepted))
 
     # --- internals ---
     def _answer(self, sender: str, msg: Message, answer: type) -> object | None:
-        """The view's answer to ``sender``'s ``msg`` (the RPC's reply); the rest it queued is sent."""
+        """The view's answer to ``sender``'s ``msg`` (the RPC's reply); the rest it queued waits
+        for the next period."""
         self.view.on_message(sender, msg)
         reply = None
-        rest = []
-        for to, out in self.view.take_outbox():
-            if reply is None and to == sender and isinstance(out, answer):
-                reply = out
-            else:
-                rest.append((to, out))
-        self._send(rest)
+        for i, (to, out) in enumerate(self.view.outbox):
+            if to == sender and isinstance(out, answer):
+                reply = self.view.outbox.pop(i)[1]
+                break
         return reply
+
+    def _prune(self) -> None:
+        """Addresses of the views' nodes and of those a message is queued or in flight to only."""
+        held = set(self.view.members()) | set(self._calling) | {to for to, _ in self.view.outbox}
+        if len(held) < len(self.addresses):
+            self.addresses = {p: a for p, a in self.addresses.items() if p in held}
 
     def _flush(self) -> None:
         self._send(self.view.take_outbox())
@@ -163,12 +172,20 @@ class Overlay:
         for to, msg in messages:
             if isinstance(msg, ShuffleReply | NeighborReply):
                 continue  # answers ride on the reply of the call they answer
-            self._spawn(self._deliver(to, msg))
+            self._spawn(to, self._deliver(to, msg))
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, to: str, coro) -> None:
+        self._calling[to] += 1
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: self._done(to, t))
+
+    def _done(self, to: str, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._calling[to] -= 1
+        if not self._calling[to]:
+            del self._calling[to]
+            self._prune()
 
     def _learn(self, entries: Iterable[PeerEntry], *, first_hand: bool = False) -> None:
         """Addresses of nodes: hearsay fills a gap only; a node's word on itself replaces it."""
@@ -188,13 +205,7 @@ class Overlay:
         address = self.address_of(to)
         if address is None:
             raise PeerCallError(UNAVAILABLE, f"no address known for {to}")
-        self._calling[to] += 1
-        try:
-            return await self.transport.call(rpc, address, request, self.timeout_s, peer=to)
-        finally:
-            self._calling[to] -= 1
-            if not self._calling[to]:
-                del self._calling[to]
+        return await self.transport.call(rpc, address, request, self.timeout_s, peer=to)
 
     async def _deliver(self, to: str, msg: Message) -> None:
         try:
@@ -212,7 +223,6 @@ class Overlay:
             self.failed_calls += 1
             log.debug("overlay %s to %s failed: %s", type(msg).__name__, to, e)
             self.view.on_failed(to)
-        self._flush()
 
     async def _link(self, to: str, msg: Message) -> bool:
         if isinstance(msg, ForwardJoin):
@@ -239,4 +249,3 @@ class Overlay:
         else:
             if not reply.accepted and neighbour in self.view.active:
                 self.view.on_message(neighbour, Disconnect())
-        self._flush()
