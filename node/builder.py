@@ -26,6 +26,8 @@ from .peering.loop_lag import LoopLag
 from .peering.membership import Membership, Observers, Settings, full_membership
 from .peering.messages import NodeInfo
 from .peering.network import NetworkSettings, NodeNetwork
+from .peering.overlay import Overlay
+from .peering.partial_view import PartialView, ViewSettings
 from .peering.peer_table import PeerTable
 from .peering.problems import ProblemLog
 from .peering.served import ServedRequests, ServedSettings
@@ -171,9 +173,19 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
         problems,
     )
     d = cfg.discovery
+    # past the threshold, partial views (sized for a network twice the threshold) sample the
+    # network for discovery; membership itself is still full (docs/membership.md)
+    overlay = Overlay(
+        PartialView(host.node_id, ViewSettings.for_network(max(2 * d.above, 8)), random.Random(f"views-{seed}")),
+        client,
+        lambda: host.info().address,
+        timeout_s=cfg.request_timeout_s,
+        known_address=network._address,
+    )
+    network.overlay = overlay
     network.discovery = Discovery(
         host.node_id,
-        peers.alive,
+        lambda: overlay.members() if overlay.view.active else peers.alive(),
         usable=lambda p: network._address(p) is not None,
         settings=DiscoverySettings(
             candidates=d.candidates, explore=d.explore, recommend=d.recommend, per_recommender=d.per_recommender
@@ -219,6 +231,7 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
         on_refused=lambda kind: m.rejected.labels(kind=kind).inc(),
         revocations=CrlExchange(revocation, host.node_id) if revocation is not None else None,
         discovery=network.discovery,  # answers "whom do you weight?" (api.RECOMMEND)
+        overlay=overlay,  # answers shuffles and link requests (api.SHUFFLE, api.LINK)
     )
     return PeerPlane(
         loop_lag,

@@ -220,6 +220,10 @@ class Node:
         if self.cfg.privacy.enabled and purposes_of(self.cfg.strategy) + self.serves:
             self._tasks.append(asyncio.create_task(asyncio.to_thread(self._warm_privacy), name="privacy-warmup"))
         self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))
+        overlay = self.network.overlay
+        if overlay is not None:  # partial views, past the discovery threshold
+            run = overlay.run(self.cfg.heartbeat_interval_s, self.network.discovering, self.peers.alive)
+            self._tasks.append(asyncio.create_task(run, name="overlay"))
         if self.revocations is not None:  # the CA's revocation list reaches every node (security/crl_gossip.py)
             self._tasks.append(asyncio.create_task(self.revocations.spread(), name="crl-gossip"))
         self._round_task = asyncio.create_task(self.rounds.run(), name="rounds")

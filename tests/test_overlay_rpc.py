@@ -66,7 +66,7 @@ async def _network(n: int, net: InProcNetwork, strangers: frozenset[str] = froze
         handler.overlay = Overlay(
             PartialView(node_id, SETTINGS, random.Random(i)),
             t.connect(node_id, _Traffic()),
-            server.address,
+            lambda a=server.address: a,
             timeout_s=1.0,
         )
         nodes[node_id] = (handler.overlay, server, handler)

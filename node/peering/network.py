@@ -38,6 +38,7 @@ from .errors import PeerCallError
 from .inbox import PushInbox
 from .interfaces import PeerTransport
 from .messages import LocalSnapshot, SnapshotHeader
+from .overlay import Overlay
 from .peer_table import ALIVE, DEAD, SUSPECT
 from .problems import ProblemLog
 from .releases import PeerReleases, is_privacy_refusal
@@ -121,6 +122,7 @@ class NodeNetwork:
         # a recommended peer this node does not know yet: (recommender, node id, address) to
         # membership's bounded candidates, so it can be handshaken and then explored
         self.introduce: Callable[[str, str, str], None] = lambda source, node_id, address: None
+        self.overlay: Overlay | None = None  # partial views past the threshold (overlay.py)
 
     # --- deadlines (calls.py) ---
     def exchange_phase(self) -> AbstractContextManager[Phase]:
@@ -178,6 +180,7 @@ class NodeNetwork:
             "hints": len(d.hints),
             "scored": len(d.scores),
             **vars(d.counters),
+            **({"views": self.overlay.counts()} if self.overlay is not None else {}),
         }
 
     async def end_round(self, weights: dict[str, float], contacted) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from ..wire.codec import WireError
 from .api import (
@@ -59,14 +59,15 @@ log = logging.getLogger("coterie.node.overlay")
 
 
 class Overlay:
-    """``view`` carried over ``transport``; ``address``: where peers reach this node;
-    ``known_address``: the peer table's address of a node, if it has one (first-hand)."""
+    """``view`` carried over ``transport``; ``address``: where peers reach this node (asked when
+    it is said: a daemon knows it once it listens); ``known_address``: the peer table's address of
+    a node, if it has one (first-hand)."""
 
     def __init__(
         self,
         view: PartialView,
         transport: PeerTransport,
-        address: str,
+        address: Callable[[], str],
         *,
         timeout_s: float = 2.0,
         known_address: Callable[[str], str | None] = lambda node_id: None,
@@ -74,7 +75,7 @@ class Overlay:
         self.view = view
         self.me = view.me
         self.transport = transport
-        self.address = address
+        self.my_address = address
         self.timeout_s = timeout_s
         self.known_address = known_address
         self.addresses: dict[str, str] = {}  # the views' nodes (pruned after every change)
@@ -89,8 +90,9 @@ class Overlay:
     def address_of(self, node_id: str) -> str | None:
         return self.known_address(node_id) or self.addresses.get(node_id)
 
-    def counts(self) -> dict[str, int]:
-        return {"active": len(self.view.active), "passive": len(self.view.passive), **vars(self.view.counters)}
+    def counts(self) -> dict[str, object]:
+        """For ``/status``: the active view (ids) and how many the passive one holds."""
+        return {"active": list(self.view.active), "passive": len(self.view.passive), **vars(self.view.counters)}
 
     # --- calling side ---
     def join(self, contact: str, address: str) -> None:
@@ -108,6 +110,23 @@ class Overlay:
             self._spawn(probe, self._keepalive(probe))
         self._flush()
         self._prune()
+
+    async def run(self, period_s: float, wanted: Callable[[], bool], contacts: Callable[[], Sequence[str]]) -> None:
+        """A daemon's overlay: each period past the threshold (``wanted``), join through a known
+        peer (one of ``contacts``) while both views are empty, then the period's work."""
+        try:
+            while True:
+                await asyncio.sleep(period_s)
+                if not wanted():
+                    continue
+                if not self.view.active and not self.view.passive:
+                    known = [p for p in contacts() if p != self.me and self.address_of(p)]
+                    if known:
+                        contact = self.view.rng.choice(known)
+                        self.join(contact, self.address_of(contact) or "")
+                self.tick()
+        finally:
+            await self.close()
 
     async def settle(self) -> None:
         """Wait for the deliveries in flight (tests, shutdown)."""
@@ -196,7 +215,7 @@ class Overlay:
     def _entries(self, ids: Iterable[str]) -> tuple[PeerEntry, ...]:
         out = []
         for p in ids:
-            address = self.address if p == self.me else self.address_of(p)
+            address = self.my_address() if p == self.me else self.address_of(p)
             if address:
                 out.append(PeerEntry(p, address))
         return tuple(out)
@@ -229,20 +248,20 @@ class Overlay:
             joined = self._entries((msg.node,))
             if not joined:
                 return False  # its address is forgotten: the walk ends here
-            req = LinkRequest(self.me, FORWARD_JOIN, joined[0], msg.ttl, self.address)
+            req = LinkRequest(self.me, FORWARD_JOIN, joined[0], msg.ttl, self.my_address())
         elif isinstance(msg, Join):
-            req = LinkRequest(self.me, JOIN, address=self.address)
+            req = LinkRequest(self.me, JOIN, address=self.my_address())
         elif isinstance(msg, Neighbor):
-            req = LinkRequest(self.me, NEIGHBOR_URGENT if msg.high_priority else NEIGHBOR, address=self.address)
+            req = LinkRequest(self.me, NEIGHBOR_URGENT if msg.high_priority else NEIGHBOR, address=self.my_address())
         else:
-            req = LinkRequest(self.me, DISCONNECT, address=self.address)
+            req = LinkRequest(self.me, DISCONNECT, address=self.my_address())
         reply = await self._call(to, LINK, req)
         return bool(reply.accepted)
 
     async def _keepalive(self, neighbour: str) -> None:
         """A neighbour's keepalive: refused means it dropped me (I drop it too); unanswered, failed."""
         try:
-            reply = await self._call(neighbour, LINK, LinkRequest(self.me, NEIGHBOR, address=self.address))
+            reply = await self._call(neighbour, LINK, LinkRequest(self.me, NEIGHBOR, address=self.my_address()))
         except (PeerCallError, WireError):
             self.failed_calls += 1
             self.view.on_failed(neighbour)
