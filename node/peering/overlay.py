@@ -113,16 +113,19 @@ class Overlay:
 
     async def run(self, period_s: float, wanted: Callable[[], bool], contacts: Callable[[], Sequence[str]]) -> None:
         """A daemon's overlay: each period past the threshold (``wanted``), join through a known
-        peer (one of ``contacts``) while both views are empty, then the period's work."""
+        peer (of ``contacts``) while both views are empty, then the period's work."""
         try:
             while True:
                 await asyncio.sleep(period_s)
                 if not wanted():
                     continue
                 if not self.view.active and not self.view.passive:
+                    # through the lowest id known alive, the same for every node while membership
+                    # is full: nodes crossing the threshold at once, each joining a random peer,
+                    # formed islands (a 5-node clique with full active views never merged again)
                     known = [p for p in contacts() if p != self.me and self.address_of(p)]
-                    if known:
-                        contact = self.view.rng.choice(known)
+                    contact = min([*known, self.me])
+                    if contact != self.me:
                         self.join(contact, self.address_of(contact) or "")
                 self.tick()
         finally:
