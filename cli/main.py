@@ -1,6 +1,7 @@
 """The ``coterie`` command line.
 
-  coterie node start [--config FILE] [flags]      run one node daemon (blocks)
+  coterie node start [--config FILE] [flags]      run one node daemon (blocks; SIGHUP reloads the config)
+  coterie node check-config FILE                  validate a config, its data, model and certificates
   coterie status|peers|weights|history            inspect a running node (--json for raw JSON)
   coterie model export --state-dir D --out F      the node's personalised model (+ F.json card)
   coterie predict --model F INPUT                 score inputs with an exported model (CSV out)
@@ -42,6 +43,9 @@ from .security import ca_app, cert_app  # noqa: E402 - sub-apps of their own mod
 
 app.add_typer(ca_app, name="ca")
 app.add_typer(cert_app, name="cert")
+from .check import check_config  # noqa: E402 - `node check-config`, a module of its own
+
+node_app.command("check-config")(check_config)
 
 EXIT_CONFIG = 2
 
@@ -154,29 +158,43 @@ def _port_taken(address: str) -> bool:
 
 def preflight(cfg) -> tuple[str, int] | None:
     """What would stop this node after a slow start, checked at once: (message, exit code)."""
+    problems = preflight_problems(cfg)
+    return problems[0] if problems else None
+
+
+def preflight_problems(cfg, *, ports: bool = True) -> list[tuple[str, int]]:
+    """Every quick problem (message, exit code): strategy, cluster labels, partition, and (``ports``)
+    listen addresses already taken (`node check-config` leaves these to the node itself)."""
     from coterie.node.learning.partition import true_clusters
     from coterie.node.strategies.registry import strategy_problem
 
+    out: list[tuple[str, int]] = []
     problem = strategy_problem(cfg.strategy)
     if problem is not None:
-        return f"strategy: {problem}", EXIT_CONFIG
+        out.append((f"strategy: {problem}", EXIT_CONFIG))
     if cfg.strategy == "oracle" and cfg.learner.data is not None and "cluster" not in cfg.labels:
-        return (
-            "strategy oracle: a node on its own files (learner.data) has no true cluster; "
-            "set labels.cluster on every node, or pick another strategy"
-        ), EXIT_CONFIG
+        out.append(
+            (
+                "strategy oracle: a node on its own files (learner.data) has no true cluster; "
+                "set labels.cluster on every node, or pick another strategy",
+                EXIT_CONFIG,
+            )
+        )
     try:
         true_clusters(cfg.learner)
     except ValueError as e:
-        return (
-            f"learner: {e} (a node started by hand is one of learner.num_nodes; set "
-            f"learner.num_nodes/node_index and learner.partition_params)"
-        ), EXIT_CONFIG
-    for field in ("listen", "admin_listen"):
+        out.append(
+            (
+                f"learner: {e} (a node started by hand is one of learner.num_nodes; set "
+                f"learner.num_nodes/node_index and learner.partition_params)",
+                EXIT_CONFIG,
+            )
+        )
+    for field in ("listen", "admin_listen") if ports else ():
         address = getattr(cfg, field)
         if _port_taken(address):
-            return f"{field} {address}: the port is already in use", 1
-    return None
+            out.append((f"{field} {address}: the port is already in use", 1))
+    return out
 
 
 def bootstrap_addresses(paths: list[Path], timeout_s: float) -> list[str]:
@@ -331,10 +349,15 @@ def node_start(
     )  # run_node's own basicConfig then stands aside
     from coterie.node.daemon import run_node  # lazy: torch and grpc only when a node really starts
 
+    extra: list[str] = []
     if bootstrap_from:  # after the slow imports: the other node starts up meanwhile
         extra = bootstrap_addresses(bootstrap_from, cfg.start_timeout_s)
-        cfg = cfg.model_copy(update={"peers": [*cfg.peers, *(a for a in extra if a not in cfg.peers)]})
-    raise typer.Exit(run_node(cfg))
+
+    def with_bootstrap(c):
+        return c.model_copy(update={"peers": [*c.peers, *(a for a in extra if a not in c.peers)]}) if extra else c
+
+    # SIGHUP: the same file, environment and flags read again (node/reload.py applies what it can)
+    raise typer.Exit(run_node(with_bootstrap(cfg), reload=lambda: with_bootstrap(load_config(config, overrides))))
 
 
 # ------------------------------------------------------------------------------ admin queries

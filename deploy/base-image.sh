@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the local base image `coterie-base:bookworm` without any registry:
 # debootstrap a minimal Debian bookworm from the same mirror apt uses on this host,
-# add python3 + venv + pip + iproute2 (tc) + ca-certificates, then `docker import`.
+# add python3 + venv + pip + iproute2 (tc) + iptables (NAT router) + ca-certificates, then `docker import`.
 #
 # Idempotent: does nothing when the image already exists (FORCE=1 rebuilds).
 # Needs root, debootstrap and a running Docker engine.
@@ -9,11 +9,15 @@ set -euo pipefail
 
 IMAGE="${BASE_IMAGE:-coterie-base:bookworm}"
 SUITE=bookworm
-PKGS="python3,python3-venv,python3-pip,iproute2,ca-certificates,curl"
+PKGS="python3,python3-venv,python3-pip,iproute2,iptables,ca-certificates,curl"
 
 if [[ "${FORCE:-0}" != 1 ]] && docker image inspect "$IMAGE" >/dev/null 2>&1; then
-    echo "base-image: $IMAGE already present"
-    exit 0
+    # an image from an older recipe lacks iptables (the NAT router of profile nat needs it)
+    if docker run --rm "$IMAGE" sh -c 'command -v iptables' >/dev/null 2>&1; then
+        echo "base-image: $IMAGE already present"
+        exit 0
+    fi
+    echo "base-image: $IMAGE has no iptables (an older recipe); rebuilding"
 fi
 
 # The mirror apt uses here (deb822 "URIs:" or one-line "deb URL suite ...") for the Debian main archive.

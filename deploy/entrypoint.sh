@@ -9,6 +9,8 @@
 #   TESTBED_JOIN_AFTER_ROUND=N  join late: before starting, poll TESTBED_JOIN_WATCH (an admin URL,
 #                             e.g. http://node1:8000) until its /status round >= N
 #   TESTBED_JOIN_TIMEOUT_S=600  give up waiting and start anyway after this long
+#   TESTBED_GATEWAY=10.231.2.2  route everything through this address (a NAT router container,
+#                             profile nat); needs cap NET_ADMIN
 #   TESTBED_STRATEGY_PARAMS='{...}'  when non-empty, replaces COTERIE_STRATEGY_PARAMS (lets compose
 #                             users override a JSON default, which compose interpolation cannot hold)
 # Latency is not done here (the kernel has no netem): set the node's own COTERIE_DELAY_MS.
@@ -20,6 +22,11 @@ log() { echo "entrypoint: $*" >&2; }
 
 if [ -n "${TESTBED_STRATEGY_PARAMS:-}" ]; then
     export COTERIE_STRATEGY_PARAMS="$TESTBED_STRATEGY_PARAMS"
+fi
+
+if [ -n "${TESTBED_GATEWAY:-}" ]; then
+    ip route replace default via "$TESTBED_GATEWAY"
+    log "default route via $TESTBED_GATEWAY (behind the NAT router)"
 fi
 
 if [ -n "${TESTBED_RATE:-}" ]; then

@@ -5,7 +5,8 @@
 #   bash deploy/testbed.sh up      # engine (install/start if needed), images, network of node1..node8
 #   bash deploy/testbed.sh test    # assertions through the admin API (tests/testbed/check.py):
 #                                  #   baseline run, then a fresh run with the faulty profile, then
-#                                  #   two nodes learning from their own files (profile files)
+#                                  #   two nodes learning from their own files (profile files),
+#                                  #   then a NAT'd site of outbound-only nodes (profile nat)
 #   bash deploy/testbed.sh down    # containers, networks, volumes, our iptables rule, and dockerd
 #                                  #   if (and only if) this script started it
 #
@@ -85,22 +86,27 @@ build_images() {
 }
 
 # ------------------------------------------------------------------ network
-forward_rule() {  # accept traffic within the testbed bridge when FORWARD drops by default
-    local spec=(FORWARD -i "$TESTBED_BRIDGE" -o "$TESTBED_BRIDGE" -m comment --comment coterie-testbed -j ACCEPT)
-    case "$1" in
-        add)
-            command -v iptables >/dev/null || return 0
-            if iptables -S FORWARD 2>/dev/null | head -1 | grep -q "^-P FORWARD DROP" \
-               && ! iptables -C "${spec[@]}" 2>/dev/null; then
-                iptables -I "${spec[@]}" && touch "$STATE/iptables-rule" \
-                    && echo "testbed: added iptables ACCEPT for $TESTBED_BRIDGE (FORWARD policy is DROP)"
-            fi ;;
-        del)
-            if [[ -f "$STATE/iptables-rule" ]]; then
-                while iptables -C "${spec[@]}" 2>/dev/null; do iptables -D "${spec[@]}"; done
-                rm -f "$STATE/iptables-rule"; echo "testbed: removed our iptables rule"
-            fi ;;
-    esac
+forward_rule() {  # accept traffic within each testbed bridge when FORWARD drops by default
+    local br spec   # the main bridge, and profile nat's wan and site bridges (docker-compose.yml)
+    for br in "$TESTBED_BRIDGE" "$TESTBED_BRIDGE-wan" "$TESTBED_BRIDGE-site"; do
+        spec=(FORWARD -i "$br" -o "$br" -m comment --comment coterie-testbed -j ACCEPT)
+        case "$1" in
+            add)
+                command -v iptables >/dev/null || return 0
+                if iptables -S FORWARD 2>/dev/null | head -1 | grep -q "^-P FORWARD DROP" \
+                   && ! iptables -C "${spec[@]}" 2>/dev/null; then
+                    iptables -I "${spec[@]}" && touch "$STATE/iptables-rule" \
+                        && echo "testbed: added iptables ACCEPT for $br (FORWARD policy is DROP)"
+                fi ;;
+            del)
+                if [[ -f "$STATE/iptables-rule" ]]; then
+                    while iptables -C "${spec[@]}" 2>/dev/null; do iptables -D "${spec[@]}"; done
+                fi ;;
+        esac
+    done
+    if [[ "$1" == del && -f "$STATE/iptables-rule" ]]; then
+        rm -f "$STATE/iptables-rule"; echo "testbed: removed our iptables rules"
+    fi
 }
 
 net_up() {  # $@: extra compose args (profiles), then optionally -- and the services to start
@@ -116,7 +122,7 @@ net_up() {  # $@: extra compose args (profiles), then optionally -- and the serv
 
 net_down() {
     local c; c=$(compose_cmd)
-    $c --profile faulty --profile gpu --profile files down -v --remove-orphans --timeout 10 2>&1 | grep -v "^$" || true
+    $c --profile faulty --profile gpu --profile files --profile nat down -v --remove-orphans --timeout 10 2>&1 | grep -v "^$" || true
 }
 
 # ------------------------------------------------------------------ commands
@@ -129,7 +135,7 @@ cmd_up() {
 dump_logs() {
     local c; c=$(compose_cmd)
     echo "testbed: last log lines of every node:"
-    $c --profile faulty --profile files logs --no-color --tail=15 2>&1 | tail -n 200 || true
+    $c --profile faulty --profile files --profile nat logs --no-color --tail=15 2>&1 | tail -n 200 || true
 }
 
 # Run one check.py phase, its transcript kept in $STATE/check.log: on a failure the node logs are
@@ -156,6 +162,11 @@ cmd_test() {
     net_down
     net_up --profile files -- filea fileb
     check_phase files || return 1
+    phase_end
+    phase_start test-nat
+    net_down
+    net_up --profile nat -- natrouter relay1 relay2 nat1 nat2
+    check_phase nat || return 1
     phase_end
     echo "testbed: try it yourself: coterie peers --admin http://127.0.0.1:8101 --token \"\$($c exec -T node1 cat /pki/admin.token)\""
 }

@@ -26,6 +26,7 @@ from .privacy.purposes import PURPOSES
 from .security.ids import node_id_problem
 
 PROTOCOL_VERSION = 1
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")
 
 
 class ConfigError(ValueError):
@@ -286,6 +287,13 @@ class NodeConfig(BaseModel):
     log_level: str = "INFO"
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, v: str) -> str:
+        if v.upper() not in LOG_LEVELS:  # unchecked, a typo silently meant INFO
+            raise ValueError(f"unknown log level {v!r}; one of {', '.join(LOG_LEVELS)}")
+        return v
 
     @field_validator("node_id")
     @classmethod

@@ -41,6 +41,7 @@ from .persistence import HISTORY_TAIL, Snapshot, StateError, StateStore, make_sn
 from .privacy import accountant
 from .privacy.purposes import LOSS, purpose, purposes_of
 from .rounds import RoundLoop
+from .service import Service
 from .views import NodeViews
 
 if TYPE_CHECKING:
@@ -144,6 +145,7 @@ class Node:
         self.started = time.time()
         self.address = ""
         self.admin_url = ""
+        self.reload_outcome: dict[str, Any] | None = None  # the last SIGHUP reload's (reload.py), in /status
         self.round_log = RoundLog(log)  # per-round lines only while rounds are slow, else summaries
         self._tasks: list[asyncio.Task] = []
         self._server: PeerServer | None = None
@@ -393,16 +395,19 @@ class Node:
         await publishing.publish_round(self)  # a large model's passes off the loop
 
 
-def run_node(cfg: NodeConfig) -> int:
-    """Run a node until SIGTERM/SIGINT. Returns the process exit code."""
+def run_node(cfg: NodeConfig, reload: Callable[[], NodeConfig] | None = None) -> int:
+    """Run a node until SIGTERM/SIGINT; SIGHUP reloads the config from ``reload`` (service.py).
+    Returns the process exit code."""
     logging.basicConfig(
         level=getattr(logging, cfg.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     install_log_filter()  # peers control much of what gets logged: bounded lines, repeats summarised
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload asked for while starting must not kill it
 
     async def main() -> int:
+        running = cfg.model_copy(deep=True)  # as loaded: the node adds its own labels to cfg
         try:
             node = Node(cfg)
         except (StateError, ConfigError, ValueError, OSError) as e:  # OSError: a state dir it cannot create
@@ -418,8 +423,13 @@ def run_node(cfg: NodeConfig) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        service = Service(node, reload, running)  # SIGHUP reloads; READY/WATCHDOG under systemd
+        service.start()
         await stop.wait()
-        if not await node.stop():
+        service.stopping()
+        clean = await node.stop()
+        await service.close()
+        if not clean:
             print(
                 f"coterie: node stopped with unresolved failures: "
                 f"{node.failures.summary() or 'completed rounds not checkpointed'}",

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .history import view as history_summary
 from .modelfile import export_state_dir
+from .process_stats import process_view
 
 if TYPE_CHECKING:
     from .config import NodeConfig
@@ -45,6 +46,7 @@ class ViewedNode(Protocol):
     history: deque[dict[str, Any]]
     saved: dict[str, Any]
     last_eval: dict[str, float]
+    reload_outcome: dict[str, Any] | None  # the last SIGHUP reload (reload.py)
     round: int
     done: bool
     started: float
@@ -117,6 +119,9 @@ class NodeViews:
             "data": n.learner.data_info(),
             "history_summary": history_summary(n.store.summary),
             "relay": self.relay_view(),
+            # what a month-long run must keep flat (bench/soak.py); gRPC channels: membership.channels
+            "process": process_view(),
+            "reload": n.reload_outcome,  # the last SIGHUP's: applied, needs_restart, error
         }
 
     def relay_view(self) -> dict[str, Any]:

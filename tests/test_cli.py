@@ -18,6 +18,7 @@ import coterie.node.daemon as daemon
 from coterie.cli.main import app
 from coterie.lab.launch import processes
 from coterie.node.admin import start_admin
+from coterie.node.config import ConfigError
 from coterie.node.logs import RoundLog, configure_logging
 from tests.fake_node import FakeNode
 
@@ -30,8 +31,9 @@ def captured(monkeypatch):
     """Replace the daemon entry point: record the config `node start` built."""
     seen = {}
 
-    def fake_run_node(cfg):
+    def fake_run_node(cfg, reload=None):
         seen["cfg"] = cfg
+        seen["reload"] = reload
         return 0
 
     monkeypatch.setattr(daemon, "run_node", fake_run_node)
@@ -80,8 +82,24 @@ def test_node_start_precedence_flags_env_toml(tmp_path, monkeypatch, captured):
     assert c.state_dir == tmp_path / "st"
 
 
+def test_node_start_reloads_the_same_file_env_and_flags(tmp_path, monkeypatch, captured):
+    """What SIGHUP re-reads (node/reload.py): the file as it is now, under the same environment
+    and flags, so a flag still beats the file after a reload."""
+    cfg = tmp_path / "node.toml"
+    cfg.write_text('log_level = "INFO"\nrounds = 3\n')
+    r = runner.invoke(app, ["node", "start", "--config", str(cfg), "--rounds", "7"])
+    assert r.exit_code == 0, r.output
+    cfg.write_text('log_level = "DEBUG"\nrounds = 4\npeers = ["127.0.0.1:9"]\n')
+    again = captured["reload"]()
+    assert again.log_level == "DEBUG" and again.peers == ["127.0.0.1:9"]
+    assert again.rounds == 7 and again.security.insecure  # the flag and the environment still hold
+    cfg.write_text('log_level = "LOUD"\n')
+    with pytest.raises(ConfigError, match="log_level"):
+        captured["reload"]()
+
+
 def test_node_start_exit_code_is_run_nodes(monkeypatch, captured):
-    monkeypatch.setattr(daemon, "run_node", lambda cfg: 3)
+    monkeypatch.setattr(daemon, "run_node", lambda cfg, reload=None: 3)
     assert runner.invoke(app, ["node", "start"]).exit_code == 3
 
 

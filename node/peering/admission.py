@@ -148,6 +148,20 @@ class Admission:
         finally:
             b.in_flight -= 1
 
+    def retune(self, limits: Limits) -> None:
+        """New limits, live (a SIGHUP reload): every peer's buckets take the new rates and bursts
+        and keep what they hold (capped at the new burst), so a reload hands nobody a fresh burst."""
+        self.limits = limits
+        now = self.clock()
+        for b in self._budgets.values():
+            for bucket, rate, burst in (
+                (b.requests, limits.requests_per_s, limits.request_burst),
+                (b.compute, limits.compute_share, limits.compute_burst_s),
+            ):
+                bucket.level(now)
+                bucket.rate, bucket.burst = rate, burst
+                bucket.tokens = min(bucket.tokens, burst)
+
     def charge(self, peer: str, seconds: float) -> None:
         """Bill ``peer`` for compute it caused (measured by whoever ran it)."""
         b = self.budget(peer)

@@ -35,6 +35,16 @@ class Handshakes:
         self.bootstrap = set(bootstrap)
         self.unreachable: set[str] = set()  # addresses already reported as unreachable
 
+    def set_bootstrap(self, addresses: Sequence[str]) -> None:
+        """The configured seed peers, replaced live (a SIGHUP reload): new ones are pinned
+        candidates at once; dropped ones lose their pin (a member there stays a member)."""
+        for a in addresses:
+            self.state.pending.add(a, source="config", pinned=True)
+        for a in self.bootstrap - set(addresses):
+            self.state.pending.unpin(a)
+            self.unreachable.discard(a)
+        self.bootstrap = set(addresses)
+
     def incompatible(self, remote: NodeInfo) -> str | None:
         me = self.state.info()
         if remote.protocol_version != me.protocol_version:

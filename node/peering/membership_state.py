@@ -103,6 +103,14 @@ class Candidates:
         self._per_source[source] = self._per_source.get(source, 0) + 1
         return True
 
+    def unpin(self, address: str) -> None:
+        """No longer a configured address: a pending one is dropped (never answered, no longer asked for)."""
+        c = self._c.get(address)
+        if c is not None and c.pinned and address not in self.in_flight:
+            self.discard(address)
+        elif c is not None:
+            c.pinned = False
+
     def room(self, source: str) -> bool:
         return len(self._c) < self.max_total and self._per_source.get(source, 0) < self.max_per_source
 

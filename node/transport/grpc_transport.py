@@ -217,6 +217,19 @@ class GrpcTransport:
             self.server.tasks.append(asyncio.ensure_future(self._check_reachable(self.server.address)))
         return self.server
 
+    def retune_relay(self, cfg: Any) -> bool:
+        """A reloaded ``NodeConfig``'s relay budget, live (SIGHUP): the relay serving now takes it
+        for every reservation, tunnel and byte from here on. False when relaying itself was switched
+        on or off (``relay.serve``): the Relay service is added to the server at start only."""
+        budget = _relay_budget(cfg)
+        if (budget is None) != (self.relay_budget is None):
+            return False
+        self.relay_budget = budget
+        relay = self.server.relay if self.server is not None else None
+        if relay is not None and budget is not None:
+            relay.retune(budget)
+        return True
+
     async def _check_reachable(self, address: str) -> None:
         """Ask the bootstrap peers to dial this node back (``dial_back.py``); warn when none can."""
         assert self.tls is not None

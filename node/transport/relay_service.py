@@ -75,6 +75,12 @@ class RelayService:
         self.relayed_bytes = 0
         self._dialling: set[str] = set()  # nodes with a dial-back in progress
 
+    def retune(self, budget: RelayBudget) -> None:
+        """A new budget, live (a config reload): byte buckets take the new rate at once."""
+        self.budget = budget
+        for b in self._buckets.values():
+            b.rate, b.tokens = budget.max_bytes_per_s, min(b.tokens, budget.max_bytes_per_s)
+
     def reserved(self) -> list[str]:
         return sorted(self._offers)
 

@@ -34,6 +34,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 ROUNDS = int(os.environ.get("TESTBED_ROUNDS", "30"))
@@ -46,6 +47,10 @@ HONEST = [f"node{i}" for i in range(1, 9)]
 FAULTY = "node9"
 KILLED = "node2"
 SLOW_CPU = ["node3", "node6"]
+NAT_RELAYS = ["relay1", "relay2"]  # profile nat: reachable, on the wan
+BEHIND_NAT = ["nat1", "nat2"]  # profile nat: outbound-only, behind natrouter
+NAT_ADDR = {"relay1": "10.231.1.11", "relay2": "10.231.1.12", "nat1": "10.231.2.11", "nat2": "10.231.2.12"}
+NAT_ROUNDS = int(os.environ.get("TESTBED_NAT_ROUNDS", "15"))
 T0 = time.monotonic()
 
 
@@ -64,7 +69,7 @@ def check(cond: bool, msg: str) -> None:
 
 
 def admin(node: str) -> str:
-    idx = {"nodegpu": 10, "filea": 11, "fileb": 12}.get(node) or int(node[4:])
+    idx = {"nodegpu": 10, "filea": 11, "fileb": 12, "relay1": 13, "relay2": 14}.get(node) or int(node[4:])
     return f"http://127.0.0.1:{PREFIX}{idx:02d}"
 
 
@@ -94,12 +99,33 @@ def token() -> str:
 
 def get(node: str, path: str, timeout: float = 3.0) -> Any:
     """JSON from a node's admin API (with the testbed's token), or None when it does not answer (yet)."""
+    if node in BEHIND_NAT:
+        return get_inside(node, path, timeout)
     try:
         req = urllib.request.Request(admin(node) + path, headers={"Authorization": f"Bearer {token()}"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             body = r.read()
         return json.loads(body) if path != "/metrics" else body.decode()
     except Exception:
+        return None
+
+
+def get_inside(node: str, path: str, timeout: float) -> Any:
+    """A NAT'd node publishes no port (the host is on the wan side of its router): read its admin
+    API from inside its own container."""
+    try:
+        r = subprocess.run(
+            COMPOSE
+            + ["exec", "-T", node, "curl", "-fsS", "-m", f"{timeout:.0f}"]
+            + ["-H", f"Authorization: Bearer {token()}", f"http://127.0.0.1:8000{path}"],
+            capture_output=True,
+            text=True,
+            timeout=timeout + 30,
+        )
+        if r.returncode != 0:
+            return None
+        return json.loads(r.stdout) if path != "/metrics" else r.stdout
+    except (subprocess.TimeoutExpired, ValueError):
         return None
 
 
@@ -175,9 +201,9 @@ def membership_detail(nodes: list[str]) -> dict[str, list[str]]:
     return {n: sorted(set(nodes) - {n} - alive_peers(n)) for n in nodes}
 
 
-def all_done(nodes: list[str]) -> bool:
+def all_done(nodes: list[str], rounds: int = ROUNDS) -> bool:
     st = [get(n, "/status") for n in nodes]
-    return all(s and s.get("done") and s.get("round") == ROUNDS for s in st)
+    return all(s and s.get("done") and s.get("round") == rounds for s in st)
 
 
 def mean_round_seconds(node: str) -> float | None:
@@ -213,7 +239,7 @@ def honest_accuracy(nodes: list[str]) -> dict[str, float]:
 
 
 def print_weights(w: dict[str, dict[str, float]], cl: dict[str, str], cols: list[str]) -> None:
-    log("weights (row: node [cluster]; columns: " + " ".join(c[4:] for c in cols) + ")")
+    log("weights (row: node [cluster]; columns: " + " ".join(c.removeprefix("node") for c in cols) + ")")
     for n, row in w.items():
         log(f"  {n:>7} [{cl.get(n)}] " + " ".join(f"{row.get(c, 0.0):.2f}" for c in cols))
 
@@ -640,14 +666,105 @@ def files(args: argparse.Namespace) -> int:
     return 0
 
 
+def tcp_from(node: str, host: str, port: int) -> tuple[bool, str]:
+    """Whether ``node``'s container can open a TCP connection to host:port (3 s), and why not."""
+    code = (
+        "import socket, sys\n"
+        "try:\n"
+        f"    socket.create_connection(({host!r}, {port}), timeout=3).close()\n"
+        "except OSError as e:\n"
+        "    sys.exit(f'{type(e).__name__}: {e}')\n"
+    )
+    r = subprocess.run(
+        COMPOSE + ["exec", "-T", node, "python3", "-c", code], capture_output=True, text=True, timeout=60
+    )
+    return r.returncode == 0, (r.stderr.strip().splitlines() or [""])[-1]
+
+
+def relay_view(node: str) -> dict[str, Any] | None:
+    s = get(node, "/status")
+    return (s or {}).get("relay")
+
+
+def nat(args: argparse.Namespace) -> int:
+    """Profile nat: a site of two outbound-only nodes behind a NAT router container, two reachable
+    relays on the wan. The NAT'd nodes are full members: relayed via both relays, alive at every
+    node, done with every round, and weighting each other (each pulls the other's snapshots through
+    a relay, both ways) — while nothing on the wan can open a connection to them."""
+    TOKEN_FROM[0] = "relay1"
+    nodes = NAT_RELAYS + BEHIND_NAT
+    relays = {f"{NAT_ADDR[r]}:7000" for r in NAT_RELAYS}
+    with phase_timer("nodes up (relays on the wan, nat1/nat2 behind natrouter)"):
+        wait_until("relay1, relay2 healthy", lambda: all(healthy(n) for n in NAT_RELAYS), timeout=600, every=2)
+        wait_until("nat1, nat2 answer (read inside)", lambda: all(get(n, "/status") for n in BEHIND_NAT), 600, 2)
+    with phase_timer("the NAT is real"):
+        for n in BEHIND_NAT:
+            ok, why = tcp_from("relay1", NAT_ADDR[n], 8000)
+            check(not ok, f"relay1 (wan) cannot open a connection to {n} at {NAT_ADDR[n]}:8000 ({why})")
+            ok, why = tcp_from(n, NAT_ADDR["relay1"], 7000)
+            check(ok, f"{n} dials out to relay1's peer port through the router ({why or 'connected'})")
+    with phase_timer("outbound-only nodes reserve at both relays"):
+
+        def relayed_via_both(n: str) -> dict[str, Any] | None:
+            v = relay_view(n)
+            via = (v or {}).get("reachability", "")
+            if not v or not via.startswith("relayed via"):
+                return None
+            return v if set(via.split("relayed via", 1)[1].strip().split(",")) == relays else None
+
+        for n in BEHIND_NAT:
+            view = wait_until(
+                f"{n} relayed via both relays",
+                partial(relayed_via_both, n),
+                timeout=300,
+                every=2,
+                detail=partial(relay_view, n),
+            )
+            check(True, f"{n}: reachability {view['reachability']!r}")
+    with phase_timer("full membership across the NAT"):
+        wait_until(
+            f"all {len(nodes)} nodes see the other {len(nodes) - 1} alive",
+            lambda: full_membership(nodes),
+            timeout=300,
+            every=2,
+            detail=lambda: membership_detail(nodes),
+        )
+        for r in NAT_RELAYS:
+            rows = {row["node_id"]: row for row in get(r, "/peers") or []}
+            addrs = {n: (rows.get(n) or {}).get("address", "") for n in BEHIND_NAT}
+            check(
+                all(a.startswith("relay://") for a in addrs.values()),
+                f"{r} knows the NAT'd nodes by relayed addresses: {addrs}",
+            )
+    with phase_timer(f"every node reaches round {NAT_ROUNDS}"):
+        wait_until(
+            f"every node done with {NAT_ROUNDS} rounds",
+            lambda: all_done(nodes, NAT_ROUNDS),
+            timeout=900,
+            every=2,
+            detail=lambda: rounds(nodes),
+        )
+    with phase_timer("collaborator weights across the relays"):
+        w = cluster_weights(nodes, nodes)
+        for a, b in (BEHIND_NAT, BEHIND_NAT[::-1]):
+            row = w[a]
+            others = [v for k, v in row.items() if k not in (a, b)]
+            check(
+                row.get(b, 0.0) > max(others or [0.0]),
+                f"{a} weights its cluster mate {b} (behind the same NAT, reached through a relay) "
+                f"{row.get(b, 0.0):.2f}, more than any other peer ({max(others or [0.0]):.2f})",
+            )
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["baseline", "faulty", "files"])
+    ap.add_argument("phase", choices=["baseline", "faulty", "files", "nat"])
     ap.add_argument("--out", help="baseline: write accuracy/weights JSON here")
     ap.add_argument("--baseline", help="faulty: the baseline JSON to compare accuracy with")
     args = ap.parse_args()
     try:
-        return {"baseline": baseline, "faulty": faulty, "files": files}[args.phase](args)
+        return {"baseline": baseline, "faulty": faulty, "files": files, "nat": nat}[args.phase](args)
     except CheckFailed as e:
         log(f"FAILED: {e}")
         return 1
