@@ -26,6 +26,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 from ..wire.codec import WireError
 from .api import (
@@ -56,6 +57,7 @@ from .partial_view import (
 )
 
 log = logging.getLogger("coterie.node.overlay")
+A = TypeVar("A", ShuffleReply, NeighborReply)
 
 
 class Overlay:
@@ -170,16 +172,15 @@ class Overlay:
         return LinkReply(self.me, bool(reply and reply.accepted))
 
     # --- internals ---
-    def _answer(self, sender: str, msg: Message, answer: type) -> object | None:
+    def _answer(self, sender: str, msg: Message, answer: type[A]) -> A | None:
         """The view's answer to ``sender``'s ``msg`` (the RPC's reply); the rest it queued waits
         for the next period."""
         self.view.on_message(sender, msg)
-        reply = None
         for i, (to, out) in enumerate(self.view.outbox):
             if to == sender and isinstance(out, answer):
-                reply = self.view.outbox.pop(i)[1]
-                break
-        return reply
+                del self.view.outbox[i]
+                return out
+        return None
 
     def _prune(self) -> None:
         """Addresses of the views' nodes and of those a message is queued or in flight to only."""

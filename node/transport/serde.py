@@ -228,7 +228,7 @@ def sample_from_pb(m: pb.ViewSample) -> ViewSample:
 
 
 def link_to_pb(r: LinkRequest) -> pb.LinkRequest:
-    m = pb.LinkRequest(node_id=r.sender, kind=LINK_KINDS.index(r.kind), ttl=r.ttl, address=r.address)
+    m = pb.LinkRequest(node_id=r.sender, kind=pb.LinkKind.Value(f"LINK_{r.kind.upper()}"), ttl=r.ttl, address=r.address)
     if r.joined is not None:
         m.joined.CopyFrom(entries_to_pb([r.joined])[0])
     return m
