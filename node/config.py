@@ -22,10 +22,11 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDic
 from pydantic_settings.exceptions import SettingsError
 
 from .learning.config import LearnerConfig
+from .peering.versions import PROTOCOL_MIN
 from .privacy.purposes import PURPOSES
 from .security.ids import node_id_problem
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = PROTOCOL_MIN  # what a handshake's protocol_version says: the oldest this node speaks
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from . import publishing
 from .builder import PeerPlane, PlaneHost, build_peer_plane
 from .checkpointing import Checkpointer
-from .config import PROTOCOL_VERSION, ConfigError, NodeConfig
+from .config import ConfigError, NodeConfig
 from .failures import Failures
 from .fsutil import atomic_write_json
 from .learning.learner import Learner
@@ -37,6 +37,7 @@ from .peering.faults import with_fault
 from .peering.interfaces import PeerServer, TransportFactory
 from .peering.messages import LocalSnapshot, NodeInfo
 from .peering.traffic import TrafficStats
+from .peering.versions import PROTOCOL_MAX, PROTOCOL_MIN, RELAY, RELEASE, REVOCATIONS
 from .persistence import HISTORY_TAIL, Snapshot, StateError, StateStore, make_snapshot
 from .privacy import accountant
 from .privacy.purposes import LOSS, purpose, purposes_of
@@ -284,15 +285,23 @@ class Node:
     def info(self) -> NodeInfo:
         return NodeInfo(
             self.node_id,
-            PROTOCOL_VERSION,
+            PROTOCOL_MIN,
             self.fingerprint,
-            CAPABILITIES,
+            CAPABILITIES + self.features(),
             self.address,
             self.admin_url,
             self.labels,
             self.learner.task_spec(),
             self.codecs,
+            PROTOCOL_MAX,
+            RELEASE,
         )
+
+    def features(self) -> tuple[str, ...]:
+        """The optional protocol features it advertises (peering/versions.py): peers ask only for these."""
+        crl = getattr(self, "revocations", None) is not None  # (info() may be asked while the node is built)
+        relays = self.cfg.relay.serve and not self.cfg.no_listen
+        return tuple(f for f, on in ((REVOCATIONS, crl), (RELAY, relays)) if on)
 
     def position(self) -> tuple[int, int]:
         """(round, published snapshot version), as heartbeats announce them."""

@@ -9,6 +9,7 @@ from typing import Any
 
 from .peering.api import RevocationList
 from .peering.peer_table import PeerTable
+from .peering.versions import REVOCATIONS
 from .security import crl_gossip
 
 log = logging.getLogger("coterie.node")
@@ -31,7 +32,13 @@ class Revocations:
         if rec is None or not rec.address or self.client is None:
             return None
         try:
-            return await self.client.exchange_revocations(rec.address, mine, self.timeout_s, peer=peer)
+            if REVOCATIONS in rec.features:
+                return await self.client.exchange_revocations(rec.address, mine, self.timeout_s, peer=peer)
+            # a peer without the RPC (0.1.0) is asked the way it understands: under the gossip key
+            reply = await self.client.gossip(
+                rec.address, self.node_id, crl_gossip.LEGACY_KEY, crl_gossip.to_legacy(mine), self.timeout_s, peer=peer
+            )
+            return crl_gossip.from_legacy(reply, peer)
         except Exception as e:  # noqa: BLE001 - unreachable, refused, or an old peer: the next period tries another
             log.debug("CRL exchange with %s failed: %s", peer, e)
             return None

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .history import view as history_summary
 from .modelfile import export_state_dir
+from .peering.versions import FEATURES
 from .process_stats import process_view
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from .peering.interfaces import PeerTransport, TransportFactory
     from .peering.loop_lag import LoopLag
     from .peering.membership import Membership
+    from .peering.messages import NodeInfo
     from .peering.network import NodeNetwork
     from .peering.peer_table import PeerTable
     from .peering.problems import ProblemLog
@@ -68,6 +70,7 @@ class ViewedNode(Protocol):
     admission: Admission
 
     def healthy(self) -> bool: ...
+    def info(self) -> NodeInfo: ...
 
 
 class NodeViews:
@@ -89,6 +92,7 @@ class NodeViews:
         n = self.node
         return {
             "node_id": n.node_id,
+            "version": self.version_view(),
             "round": n.saved["round"],
             "model_version": n.saved["version"],
             "unsaved_rounds": n.round - n.saved["round"],
@@ -122,6 +126,20 @@ class NodeViews:
             # what a month-long run must keep flat (bench/soak.py); gRPC channels: membership.channels
             "process": process_view(),
             "reload": n.reload_outcome,  # the last SIGHUP's: applied, needs_restart, error
+        }
+
+    def version_view(self) -> dict[str, Any]:
+        """This node's release and protocol range, and what each alive peer runs and speaks with it."""
+        info = self.node.info()
+        return {
+            "release": info.release,
+            "protocol": [info.protocol_version, info.protocol_max],
+            "features": [f for f in info.capabilities if f in FEATURES],
+            "peers": {
+                p: {"release": r.release or "0.1.0 or older", "protocol": r.protocol, "features": list(r.features)}
+                for p in self.node.peers.alive()
+                if (r := self.node.peers.records.get(p)) is not None
+            },
         }
 
     def relay_view(self) -> dict[str, Any]:

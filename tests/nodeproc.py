@@ -83,8 +83,10 @@ def tiny_learner(num_nodes: int, index: int, clusters: int = 1, samples: int = 1
 
 
 class NodeProc:
-    def __init__(self, root: Path, node_id: str, config: dict[str, Any]):
+    def __init__(self, root: Path, node_id: str, config: dict[str, Any], env: dict[str, str] | None = None):
+        """``env``: added to the daemon's environment (PYTHONPATH: run another release's code)."""
         self.node_id = node_id
+        self.env = dict(env or {})
         self.dir = root / node_id
         self.dir.mkdir(parents=True, exist_ok=True)
         self.state_dir = self.dir / "state"
@@ -114,7 +116,7 @@ class NodeProc:
         if info_path.exists():
             old_pid = json.loads(info_path.read_text()).get("pid")
         log = open(self.dir / "node.log", "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = proc = subprocess.Popen(
             [
                 sys.executable,

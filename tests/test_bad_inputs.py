@@ -162,7 +162,7 @@ def test_handshake_refuses_other_protocol_and_architecture(target):
             await _expect(
                 _handshake(stub, fp, version=PROTOCOL_VERSION + 1),
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "protocol version",
+                f"speaks protocol {PROTOCOL_VERSION + 1}..{PROTOCOL_VERSION + 1}, this node only",
             )
             await _expect(_handshake(stub, "0" * 64), grpc.StatusCode.FAILED_PRECONDITION, "architecture")
             reply = await _handshake(stub, fp)

@@ -1,5 +1,6 @@
 """How members enter (one part ``membership.Membership`` composes): only through their own
-handshake, protocol and architecture checked both ways (``incompatible``); addresses heard from
+handshake, protocol range, task and architecture checked both ways (``compatible``; the
+protocol and features agreed are ``versions.agree``'s, kept on the member's record); addresses heard from
 peers are candidates (``membership.Candidates``), handshaken a few per period, backed off and
 forgotten when they fail; dead members get reconnect attempts with backoff."""
 
@@ -14,6 +15,7 @@ from .interfaces import PeerTransport
 from .membership_state import MembershipState
 from .messages import NodeInfo, PeerEntry
 from .problems import ProblemLog
+from .versions import Agreement, agree, peer_range
 
 log = logging.getLogger("coterie.node")
 
@@ -45,13 +47,19 @@ class Handshakes:
             self.unreachable.discard(a)
         self.bootstrap = set(addresses)
 
-    def incompatible(self, remote: NodeInfo) -> str | None:
+    def compatible(self, remote: NodeInfo) -> Agreement | str:
+        """The protocol and features agreed with ``remote``, or why this node cannot talk to it."""
         me = self.state.info()
-        if remote.protocol_version != me.protocol_version:
-            return (
-                f"node {remote.node_id!r} speaks protocol version {remote.protocol_version}, "
-                f"this node speaks {me.protocol_version}"
-            )
+        agreed = agree(
+            remote.node_id,
+            remote.protocol_version,
+            remote.protocol_max,
+            remote.capabilities,
+            remote.release,
+            mine=peer_range(me.protocol_version, me.protocol_max),
+        )
+        if isinstance(agreed, str):
+            return agreed  # before the task: a node of another protocol may describe it differently
         task = task_difference(me.task, remote.task, remote.node_id, me.node_id)  # before shapes: it says more
         if task:
             return task
@@ -60,21 +68,23 @@ class Handshakes:
                 f"node {remote.node_id!r} runs another model architecture (fingerprint "
                 f"{remote.arch_fingerprint[:12]}…, this node {me.arch_fingerprint[:12]}…)"
             )
-        return None
+        return agreed
 
     def accept(self, remote: NodeInfo) -> list[PeerEntry]:
         """A member's handshake: checked, then into the table (the others learn of it by gossip);
         the reply is a sample of the members this node knows."""
-        why = self.incompatible(remote)
-        if why:
-            self.problems.note(remote.node_id or "?", f"handshake: {why}")
-            raise refused(why)
+        agreed = self.compatible(remote)
+        if isinstance(agreed, str):
+            self.problems.note(remote.node_id or "?", f"handshake: {agreed}")
+            raise refused(agreed)
         if remote.node_id == self.state.node_id:
             raise refused(f"node id {remote.node_id!r} is this node's own id")
         if not remote.node_id or not remote.address:
             raise invalid("handshake lacks node_id or address")
         new = remote.node_id not in self.state.peers.records
-        self.state.peers.upsert(remote.node_id, remote.address, labels=dict(remote.labels), admin_url=remote.admin_url)
+        self.state.peers.upsert(
+            remote.node_id, remote.address, labels=dict(remote.labels), admin_url=remote.admin_url, agreed=agreed
+        )
         if new:
             self.state.announce(remote.node_id)  # SWIM join: the others learn of it by gossip
         self.state.pending.discard(remote.address)
@@ -107,16 +117,20 @@ class Handshakes:
         if address in self.unreachable:
             self.unreachable.discard(address)
             log.info("reached peer at %s", address)
-        why = self.incompatible(remote)
-        if why:
-            self.problems.note(address, f"handshake: {why}")
-            log.error("refusing peer at %s: %s", address, why)
+        agreed = self.compatible(remote)
+        if isinstance(agreed, str):
+            self.problems.note(address, f"handshake: {agreed}")
+            log.error("refusing peer at %s: %s", address, agreed)
             return False
         self.state.pending.discard(address)
         if remote.node_id != self.state.node_id:
             new = remote.node_id not in self.state.peers.records
             self.state.peers.upsert(
-                remote.node_id, remote.address or address, labels=dict(remote.labels), admin_url=remote.admin_url
+                remote.node_id,
+                remote.address or address,
+                labels=dict(remote.labels),
+                admin_url=remote.admin_url,
+                agreed=agreed,
             )
             if new:
                 self.state.announce(remote.node_id)

@@ -23,7 +23,7 @@ MAX_GOSSIP_KEY = 64  # characters in a gossip key (a strategy's message name)
 @dataclass(frozen=True)
 class NodeInfo:
     node_id: str
-    protocol_version: int
+    protocol_version: int  # the oldest protocol version it speaks (peering/versions.py)
     arch_fingerprint: str
     capabilities: tuple[str, ...] = ()
     address: str = ""
@@ -31,6 +31,8 @@ class NodeInfo:
     labels: dict[str, str] = field(default_factory=dict)
     task: str = ""  # what the model learns: input shape and class names (learning/task.py)
     codecs: tuple[str, ...] = ()  # snapshot codecs it speaks (wire/codecs.py); () = fp32 only
+    protocol_max: int = 0  # the newest it speaks; 0: protocol_version only (0.1.0 nodes)
+    release: str = ""  # the release it runs; "" from 0.1.0 nodes
 
 
 @dataclass(frozen=True)

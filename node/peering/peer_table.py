@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .messages import ALIVE, DEAD, SUSPECT, MemberUpdate
+from .versions import Agreement
 
 _RANK = {ALIVE: 0, SUSPECT: 1, DEAD: 2}
 
@@ -44,6 +45,11 @@ class PeerRecord:
     reconnect_at: float = 0.0  # dead members: when to try again
     reconnect_backoff_s: float = 0.0
     accusers: set[str] = field(default_factory=set)  # suspect: members whose probes failed
+    # what its last handshake agreed (peering/versions.py): the protocol spoken, the optional
+    # features both have (asked only of members that have them), the release it runs
+    protocol: int = 0
+    features: tuple[str, ...] = ()
+    release: str = ""
 
     def age(self, now: float | None = None) -> float:
         return (now or time.monotonic()) - self.last_seen
@@ -122,8 +128,10 @@ class PeerTable:
         labels: dict[str, str] | None = None,
         admin_url: str | None = None,
         seen: bool = True,
+        agreed: Agreement | None = None,
     ) -> PeerRecord:
-        """A member as its own handshake describes it (``seen``: it is talking to us now)."""
+        """A member as its own handshake describes it (``seen``: it is talking to us now;
+        ``agreed``: the protocol and features that handshake settled)."""
         rec = self.records.get(node_id)
         if rec is None:
             now = time.monotonic()
@@ -150,6 +158,8 @@ class PeerTable:
             rec.labels = dict(labels)
         if admin_url:
             rec.admin_url = admin_url
+        if agreed is not None:
+            rec.protocol, rec.features, rec.release = agreed.protocol, agreed.features, agreed.release
         if seen:
             self.seen(node_id)
         return rec

@@ -54,6 +54,7 @@ from .overlay import Overlay
 from .problems import ProblemLog
 from .snapshots import PublishBoard, SnapshotCache
 from .validation import Spec, model_tensors
+from .versions import LEGACY_CRL_KEY
 
 REDUCTIONS = ("mean", "sum")
 MAX_SNAPSHOT_WAIT_S = 60.0  # a round-aligned pull holds a call open at most this long
@@ -69,6 +70,7 @@ class RevocationExchange(Protocol):
     """The CA's revocation list exchange (``security/crl_gossip.py``)."""
 
     def answer(self, theirs: RevocationList) -> RevocationList: ...
+    def answer_legacy(self, peer: str, payload: dict[str, Any]) -> dict[str, Any]: ...
 
 
 class StrategyHooks(Protocol):
@@ -348,6 +350,8 @@ class ServedRequests:
         return ComputeReply(accepted=True, message=message)
 
     async def gossip(self, requester: str, key: str, payload: dict[str, Any]) -> dict[str, Any]:
+        if key == LEGACY_CRL_KEY and self.revocations is not None:  # a 0.1.0 peer's revocation list
+            return self.revocations.answer_legacy(requester, payload)
         reply = self.hooks.on_gossip(requester, key, payload)
         if reply is None:
             raise invalid(f"this node's strategy does not understand gossip key {key!r}")

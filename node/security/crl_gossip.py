@@ -6,7 +6,11 @@ the network CA's signature verifies and its number is newer than its own (``Revo
 Every ``CRL_GOSSIP_S`` a node offers its list (number and PEM) to one random alive peer and takes
 the reply's if newer, so a CRL that one node got from its operator reaches every node in about
 log(n) periods. The served side (``CrlExchange.answer``) takes the offer the same way and answers
-with its own."""
+with its own.
+
+0.1.0 nodes spread the list over the gossip RPC under ``LEGACY_KEY`` and lack the RPC: a node
+asks a peer whose handshake did not name the ``revocations`` feature that way, and answers that
+key itself, so one list reaches every node of a network that is part way through an upgrade."""
 
 from __future__ import annotations
 
@@ -14,14 +18,17 @@ import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from ..peering.api import RevocationList
+from ..peering.versions import LEGACY_CRL_KEY
 from .pki import PKIError
 from .revocation import Revocation
 
 log = logging.getLogger("coterie.security")
 
 CRL_GOSSIP_S = 2.0
+LEGACY_KEY = LEGACY_CRL_KEY  # 0.1.0's gossip key for the exchange: {"number": int, "crl": PEM bytes}
 
 
 def take(revocation: Revocation, theirs: RevocationList) -> None:
@@ -40,6 +47,21 @@ def mine(revocation: Revocation, node_id: str) -> RevocationList:
     return RevocationList(node_id, cur.number, cur.pem) if cur is not None else RevocationList(node_id)
 
 
+def to_legacy(mine: RevocationList) -> dict[str, Any]:
+    """A list as a 0.1.0 node offers and answers it under ``LEGACY_KEY``."""
+    return {"number": mine.number, "crl": mine.crl} if mine.number else {"number": 0}
+
+
+def from_legacy(payload: Any, sender: str) -> RevocationList | None:
+    """A 0.1.0 node's offer or answer (None: malformed, ignored as 0.1.0 ignored it)."""
+    if not isinstance(payload, dict):
+        return None
+    number, pem = payload.get("number"), payload.get("crl", b"")
+    if not isinstance(number, int) or isinstance(number, bool) or number < 0 or not isinstance(pem, bytes | bytearray):
+        return None
+    return RevocationList(sender, number, bytes(pem))
+
+
 class CrlExchange:
     """The served side of ``ExchangeRevocations`` (``served.RevocationExchange``)."""
 
@@ -49,6 +71,13 @@ class CrlExchange:
     def answer(self, theirs: RevocationList) -> RevocationList:
         take(self.revocation, theirs)
         return mine(self.revocation, self.node_id)
+
+    def answer_legacy(self, peer: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """A 0.1.0 node's offer under ``LEGACY_KEY``: taken as ``answer`` takes one, answered its way."""
+        theirs = from_legacy(payload, peer)
+        if theirs is not None:
+            take(self.revocation, theirs)
+        return to_legacy(mine(self.revocation, self.node_id))
 
 
 async def spread(

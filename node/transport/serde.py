@@ -62,6 +62,8 @@ def node_info_to_pb(n: NodeInfo) -> pb.NodeInfo:
         labels=dict(n.labels),
         task=n.task,
         codecs=list(n.codecs),
+        protocol_max=n.protocol_max,
+        release=n.release,
     )
 
 
@@ -76,6 +78,8 @@ def node_info_from_pb(m: pb.NodeInfo) -> NodeInfo:
         dict(m.labels),
         m.task,
         tuple(m.codecs),
+        m.protocol_max,
+        m.release,
     )
 
 

@@ -30,7 +30,7 @@ LINK_NEIGHBOR_URGENT: LinkKind
 LINK_DISCONNECT: LinkKind
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "protocol_version", "arch_fingerprint", "capabilities", "address", "admin_url", "labels", "task", "codecs")
+    __slots__ = ("node_id", "protocol_version", "arch_fingerprint", "capabilities", "address", "admin_url", "labels", "task", "codecs", "protocol_max", "release")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,8 @@ class NodeInfo(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_MAX_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     protocol_version: int
     arch_fingerprint: str
@@ -56,7 +58,9 @@ class NodeInfo(_message.Message):
     labels: _containers.ScalarMap[str, str]
     task: str
     codecs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., arch_fingerprint: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., admin_url: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., task: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ...) -> None: ...
+    protocol_max: int
+    release: str
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., arch_fingerprint: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., admin_url: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., task: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., protocol_max: _Optional[int] = ..., release: _Optional[str] = ...) -> None: ...
 
 class PeerEntry(_message.Message):
     __slots__ = ("node_id", "address", "last_seen_age_s")
