@@ -33,6 +33,7 @@ from .peering.problems import ProblemLog
 from .peering.served import ServedRequests, ServedSettings
 from .peering.snapshots import PublishBoard, SnapshotCache
 from .peering.traffic import TrafficStats
+from .peering.versions import VIEWS
 from .persistence import Checkpoint, StateStore
 from .privacy.ledger import PrivacyLedger
 from .privacy.mechanisms import PrivateData
@@ -180,7 +181,8 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
         client,
         lambda: host.info().address,
         timeout_s=cfg.request_timeout_s,
-        known_address=network._address,
+        # a member whose handshake did not name the feature (0.1.0) is never called
+        known_address=lambda p: network._address(p) if VIEWS in getattr(peers.records.get(p), "features", ()) else None,
     )
     network.overlay = overlay
     network.discovery = Discovery(

@@ -28,6 +28,7 @@ from coterie.node.peering.peer_table import PeerTable
 from coterie.node.peering.problems import ProblemLog
 from coterie.node.peering.served import ServedRequests
 from coterie.node.peering.snapshots import SnapshotCache
+from coterie.node.peering.versions import RECOMMEND
 from coterie.node.transport.inproc import InProcNetwork
 from coterie.node.wire.codec import WireError
 
@@ -141,6 +142,7 @@ def _victim(
     table.upsert("insider", insider_address)
     for p in known:
         table.upsert(p, f"addr-of-{p}")
+    table.records["insider"].features = (RECOMMEND,)  # its handshake named the feature
     client = net.transport().connect("victim", _Traffic())
     calls = PeerCalls(table, Deadlines(5.0), request_timeout_s=5.0)
     network = NodeNetwork(
@@ -222,6 +224,20 @@ def test_an_oversized_or_misattributed_answer_is_refused_by_the_asker():
         assert insider.asked == 3 and not d.hints and d.counters.hints_received == 0
         noted = " ".join(str(p) for p in victim.problems.recent(50) if "insider" in str(p))
         assert "at most 16" in noted and "claim to be from 'someone-else'" in noted
+        await server.stop()
+
+    asyncio.run(go())
+
+
+def test_a_peer_whose_handshake_did_not_name_the_feature_is_not_asked():
+    async def go():
+        net = InProcNetwork()
+        insider = _Insider(_clique_answer([f"sybil-{k}" for k in range(30)]))
+        server = net.transport().bind(insider, _Traffic(), None)
+        victim = _victim(net, server.address, DiscoverySettings(), [], [])
+        victim.table.records["insider"].features = ()  # a 0.1.0 node: it asked under gossip, never Recommend
+        await victim.end_round({"insider": 1.0}, [])
+        assert insider.asked == 0 and not victim.problems.recent(50)
         await server.stop()
 
     asyncio.run(go())

@@ -26,6 +26,7 @@ from .api import MAX_RECOMMEND, RECOMMEND, RecommendAsk
 from .errors import NOT_CACHED, PeerCallError
 from .messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest, PeerEntry
 from .validation import model_tensors
+from .versions import RECOMMEND as RECOMMEND_FEATURE
 
 if TYPE_CHECKING:
     from ..privacy.mechanisms import PrivateData
@@ -231,8 +232,9 @@ class PeerRequests:
     async def recommend(self, peer: str, count: int) -> list[PeerEntry] | None:
         """Whom ``peer`` weights (at most ``count``, hints for discovery); None if it did not say."""
         address = self.address_of(peer)
-        if address is None:
-            return None
+        rec = self.calls.table.records.get(peer)
+        if address is None or rec is None or RECOMMEND_FEATURE not in rec.features:
+            return None  # (a peer whose handshake did not name the feature is not asked: 0.1.0)
         ask = RecommendAsk(self.node_id, min(count, MAX_RECOMMEND))
         try:
             reply = await self.calls.call(
