@@ -17,7 +17,8 @@ results.json (``"format": "coterie-results/1"``)::
                         bytes_sent_per_round / bytes_received_per_round (as the node logged them),
                         bytes_sent_after_rounds / bytes_received_after_rounds ({kind: bytes} in no
                         round record: served after its last round, from its final status),
-                        collaboration (its final status's: peer answers vs privacy refusals),
+                        collaboration (its final status's: peer answers vs privacy refusals;
+                        helping and reason: the local-only reference's verdict),
                         mixed_nothing (no round gave a peer any weight)
       weights           {"rounds": [1..R], "matrices": [W_r]}: W_r[i][j] = weight node i gave
                         node j in its round r (self included); a row is null if i has no round r
@@ -140,12 +141,15 @@ def mixed_nothing(history: list[dict[str, Any]], node_id: str) -> bool | None:
 
 
 def collaboration_notes(strategy: str, nodes: dict[str, dict[str, Any]]) -> list[str]:
-    """Nodes that mixed nothing all run while their peers refused to release on privacy grounds."""
+    """Nodes that mixed nothing all run while their peers refused to release on privacy grounds,
+    and nodes that ended backed off to their local-only reference (node/local_reference.py)."""
     out = []
     for nid, r in nodes.items():
         note = (r.get("collaboration") or {}).get("note")
         if r.get("mixed_nothing") and note:
             out.append(f"{strategy} {nid}: mixed nothing for the whole run: {note}")
+        if (r.get("collaboration") or {}).get("helping") is False:  # backed off to its local model
+            out.append(f"{strategy} {nid}: {r['collaboration'].get('reason')}")
     return out
 
 

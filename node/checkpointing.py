@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from .failures import Backoff, Failures
+from .memory_release import release_free_memory
 from .persistence import Snapshot, StateStore
 
 log = logging.getLogger("coterie.node")
@@ -111,3 +112,5 @@ class Checkpointer:
                 del self._pending[: len(batch)]
                 self._cond.notify_all()
             self.on_saved(batch, seconds)
+            del batch, records  # the written copies, unless on_saved kept them for reuse
+            await asyncio.to_thread(release_free_memory)  # at rest: what the round freed goes back

@@ -237,6 +237,31 @@ class HistoryConfig(BaseModel):
     max_bytes: int = Field(16 << 20, ge=64 << 10)
 
 
+class ReferenceConfig(BaseModel):
+    """The local-only reference (node/local_reference.py): a twin of the model trained on this
+    node's own batches alone, compared on the validation split with what the node predicts by
+    collaborating; when collaboration is worse beyond that split's noise for ``patience`` checks
+    in a row, the node predicts, reports and exports the local model until collaboration is
+    better again (docs/never-worse.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    # a model up to this many parameters gets a twin trained every round (the built-in MLPs and
+    # 1-D CNNs, not the CIFAR CNN); a larger one trains its twin one round in ``large_every``
+    shadow_max_params: int = Field(1_000_000, ge=0)
+    large_every: int = Field(5, ge=1)
+    check_every: int = Field(1, ge=1)  # rounds between two comparisons on the validation split
+    # the twin stops training once its validation score has not improved for this many checks
+    # (it has learnt what this node can learn alone; 0 = train it every round for ever)
+    settle_after: int = Field(5, ge=0)
+    patience: int = Field(3, ge=1)  # consecutive checks before backing off, and before returning
+    # worse beyond noise: accuracy below the local one by more than z standard errors of the
+    # difference of two accuracies on the split; a loss (regression) above it by mse_margin × it
+    z: float = Field(1.0, ge=0)
+    mse_margin: float = Field(0.1, ge=0)
+
+
 class NodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -285,6 +310,7 @@ class NodeConfig(BaseModel):
     delay_ms: float = Field(0.0, ge=0)  # artificial one-way latency added to outgoing calls (testbed)
     faulty: Literal["none", "random", "scale"] = "none"  # bad-actor mode: publish garbage models
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
     log_level: str = "INFO"
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)

@@ -12,6 +12,7 @@ requests keep flowing while a round trains."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ from .config import ConfigError, NodeConfig
 from .failures import Failures
 from .fsutil import atomic_write_json
 from .learning.learner import Learner
+from .local_reference import LocalReference
 from .logfilter import install_log_filter
 from .logs import RoundLog
 from .metrics import Metrics
@@ -35,7 +37,7 @@ from .modelfile import describe_model
 from .node_metrics import NodeMetrics
 from .peering.faults import with_fault
 from .peering.interfaces import PeerServer, TransportFactory
-from .peering.messages import LocalSnapshot, NodeInfo
+from .peering.messages import ALIVE, LocalSnapshot, NodeInfo
 from .peering.traffic import TrafficStats
 from .peering.versions import PROTOCOL_MAX, PROTOCOL_MIN, RECOMMEND, RELAY, RELEASE, REVOCATIONS, VIEWS
 from .persistence import HISTORY_TAIL, Snapshot, StateError, StateStore, make_snapshot
@@ -50,6 +52,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("coterie.node")
 
+# snapshot staging buffers kept between rounds up to this size (model + optimizer state); a larger
+# model's are freed after each write (issue 34 item 2: a 21 MB MLP with Adam kept 3 spare copies)
+SPARE_BUFFERS_MAX_BYTES = 16 << 20
 CAPABILITIES = ("snapshot", "cross-loss", "cross-gradient", "push-gradient", "gossip")
 MODEL_BYTES_FACTOR, MODEL_BYTES_SLACK = 4, 1 << 20  # default max_model_bytes: 4× my model + 1 MiB
 
@@ -136,6 +141,8 @@ class Node:
             )
         )
 
+        # what this node would have alone, and the back-off when collaboration does worse (local_reference.py)
+        self.reference = LocalReference(cfg.reference, learner, cfg.strategy)
         self.round = 0
         self.version = 0
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_TAIL)  # checkpointed rounds; the file keeps all
@@ -192,6 +199,10 @@ class Node:
         self.transport.limits.max_model_bytes = self.model_limit()
         # a testbed bad actor corrupts what it serves (peering/faults.py); it learns normally
         handler = with_fault(self.served, self.cfg.faulty)
+        fallback = getattr(self.transport, "fallback", None)
+        if fallback is not None:  # the transport moves this node behind relays when nobody can dial it
+            fallback.members = lambda: [r.address for r in self.peers.records.values() if r.state == ALIVE]
+            fallback.on_moved = self._moved
         self._server = await self.transport.serve(handler, self.traffic)
         self.address = self._server.address
         token_file = None
@@ -284,6 +295,20 @@ class Node:
         if not task.cancelled() and (error := task.exception()) is not None:
             self.failures.failed("rounds", error, None)
 
+    def _moved(self, address: str) -> None:
+        """This node is reached at ``address`` now (relays: nobody could dial the old one). A
+        member's address changes only by its own handshake: shake hands with every member again;
+        the raised incarnation tells the others to (``Dissemination.merge``)."""
+        self.address = address
+        st = self.membership.state
+        st.incarnation += 1
+        st.broadcasts.add(st.me())
+        for rec in list(self.peers.records.values()):
+            self.membership.tasks.spawn(self.membership.handshakes.contact(rec.address))
+        info_file = self.store.dir / "node.json"
+        if info_file.exists():
+            atomic_write_json(info_file, {**json.loads(info_file.read_text()), "address": address})
+
     def info(self) -> NodeInfo:
         return NodeInfo(
             self.node_id,
@@ -337,6 +362,7 @@ class Node:
         try:
             self.learner.import_state(*ckpt.learner_state())
             self.strategy.load_state_dict(ckpt.strategy_state())
+            self.reference.import_state(ckpt.reference_state(), ckpt.round)
             self.peers.load_json(st["peers"])
         except StateError:
             raise
@@ -367,6 +393,7 @@ class Node:
         }
         reuse, self._spare_tensors = self._spare_tensors, None
         learner_state = await asyncio.to_thread(self.learner.export_state, reuse)
+        reference = await asyncio.to_thread(self.reference.export_state)
         return make_snapshot(
             round=self.round,
             version=self.version,
@@ -377,7 +404,8 @@ class Node:
             meta=meta,
             record=record,
             prepare=_snapshot_namer(record, self.board.current),
-            mixture=self.strategy.prediction_members(),
+            mixture=self.reference.prediction_members(self.node_id) or self.strategy.prediction_members(),
+            reference=reference,
         )
 
     def _set_saved(self, rnd: int, version: int, state: dict[str, Any], record: dict[str, Any] | None) -> None:
@@ -395,7 +423,11 @@ class Node:
         """The writer made these snapshots durable: the admin API now shows them."""
         records = [s.record for s in batch if s.record is not None]
         self.history.extend(records)
-        self._spare_tensors = batch[-1].learner_tensors
+        # a small model's written copies are reused by the next snapshot (no allocation per round);
+        # a large one's are dropped: at rest a node holds its model and optimizer, not a staging copy
+        spare = batch[-1].learner_tensors
+        small = spare is not None and sum(t.nbytes for t in spare.values()) <= SPARE_BUFFERS_MAX_BYTES
+        self._spare_tensors = spare if small else None
         last = batch[-1]
         self._set_saved(last.round, last.version, last.state, records[-1] if records else None)
         self.m.ckpt_s.observe(seconds)

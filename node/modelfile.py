@@ -78,9 +78,11 @@ def export_checkpoint(ckpt: Checkpoint, directory: str | Path, own: bool = False
         raise StateError(f"{ckpt.path} holds no model parameters ({_PARAMS}*)")
     members = None if own else ckpt.mixture()
     mixture = None
-    if members and len(members) > 1:  # a one-member mixture is the own model
+    if members and len(members) > 1:
         params = {f"member{k}.{n}": t.contiguous() for k, m in enumerate(members) for n, t in m["params"].items()}
         mixture = [{"node_id": m["node_id"], "weight": m["weight"]} for m in members]
+    elif members:  # one model: the own one, or the local reference a backed-off node predicts with
+        params = {n: t.contiguous() for n, t in members[0]["params"].items()}
     record = last_record(ckpt, directory) or {}
     card = json_safe(
         {

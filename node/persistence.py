@@ -181,9 +181,12 @@ def make_snapshot(
     record: dict[str, Any] | None,
     prepare: Callable[[], None] | None = None,
     mixture: list[tuple[str, float, dict[str, torch.Tensor]]] | None = None,
+    reference: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None,
 ) -> Snapshot:
     """``mixture``: the members a strategy predicts with (``Strategy.prediction_members``), kept
-    as ``state["mixture"]`` (node id, weight, params → tensors ``mixture/<n>``) for the export."""
+    as ``state["mixture"]`` (node id, weight, params → tensors ``mixture/<n>``) for the export.
+    ``reference``: the local-only reference's state (``local_reference.py``): tensors
+    ``reference/<k>``, meta ``state["reference"]``."""
     ltensors, lmeta = learner_state
     skeleton, stensors = flatten_state(strategy_state, "strategy")
     tensors = {f"learner/{k}": v for k, v in ltensors.items()}
@@ -203,6 +206,9 @@ def make_snapshot(
         )
         tensors.update(mtensors)
         state["mixture"] = mskel
+    if reference is not None:
+        tensors.update({f"reference/{k}": v for k, v in reference[0].items()})
+        state["reference"] = reference[1]
     return Snapshot(round, version, tensors, state, record, prepare, ltensors)
 
 
@@ -233,6 +239,13 @@ class Checkpoint:
             {k[len("learner/") :]: v for k, v in self.tensors.items() if k.startswith("learner/")},
             self.state["learner"],
         )
+
+    def reference_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """The local-only reference's tensors and meta (``make_snapshot``); None if it kept none."""
+        meta = self.state.get("reference")
+        if not isinstance(meta, dict):
+            return None
+        return {k[len("reference/") :]: v for k, v in self.tensors.items() if k.startswith("reference/")}, meta
 
     def mixture(self) -> list[dict[str, Any]] | None:
         """The mixture members the node predicted with (``make_snapshot``), None if it used its

@@ -89,13 +89,20 @@ class RoundLoop:
         stall0 = n.loop_lag.total_s
         await asyncio.to_thread(n.guard.before_round)
         n.network.begin_round()  # past the discovery threshold: this round's candidates
-        with n.network.exchange_phase() as phase:  # peer calls share the round's deadline
-            report = await n.strategy.run_round(rnd)
+        # the local-only twin trains in a worker thread while the strategy trains and exchanges
+        twin = asyncio.ensure_future(asyncio.to_thread(n.reference.train, rnd))
+        try:
+            with n.network.exchange_phase() as phase:  # peer calls share the round's deadline
+                report = await n.strategy.run_round(rnd)
+        finally:
+            await twin
         await asyncio.to_thread(n.guard.after_round)  # a diverged round is rolled back
         await n.network.end_round(n.strategy.weights(), report.contacted)
         self.discovery_metrics()
         t_strategy = time.monotonic() - t0
         evaluation = await asyncio.to_thread(n.strategy.evaluate)
+        # against the local-only reference; backed off, the twin's figures are the node's
+        evaluation = await asyncio.to_thread(n.reference.judge, rnd, evaluation, n.strategy.prediction_members())
         t_eval = time.monotonic() - t0 - t_strategy
         t1, done_at = time.monotonic(), time.time()  # the round's own work ends here
         await n.checkpointer.room()  # at most max_unsaved published rounds not yet on disk

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .config import NodeConfig
     from .failures import Failures
     from .learning.learner import Learner
+    from .local_reference import LocalReference
     from .peering.admission import Admission
     from .peering.interfaces import PeerTransport, TransportFactory
     from .peering.loop_lag import LoopLag
@@ -55,6 +56,7 @@ class ViewedNode(Protocol):
     address: str
     admin_url: str
     failures: Failures
+    reference: LocalReference
     # the peer plane's parts the node holds (``builder.PeerPlane``)
     loop_lag: LoopLag
     peers: PeerTable
@@ -119,7 +121,7 @@ class NodeViews:
             "membership": self.membership_view(),
             "discovery": n.network.discovery_view(),
             "privacy": self.privacy_view(),
-            "collaboration": n.network.releases.view(),
+            "collaboration": {**n.network.releases.view(), **n.reference.view()},
             "data": n.learner.data_info(),
             "history_summary": history_summary(n.store.summary),
             "relay": self.relay_view(),

@@ -10,6 +10,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 from pathlib import Path
 
 import grpc
@@ -33,7 +34,10 @@ pytestmark = pytest.mark.slow
 
 SCOOL = {
     "strategy": "scool-sbm",
-    "strategy_params": {"mstep": "exact"},
+    # no pruning: after 10 E-steps SCool keeps its top 20% of peers (one of three here) and never
+    # contacts the rest, so whether anyone still pulled n7 when its relay died was up to chance
+    # (the failover test's flakiness: in the runs that failed, every node had pruned n7)
+    "strategy_params": {"mstep": "exact", "prune_after": 0},
     "round_interval_s": 0.3,
     "privacy": {"budget_epsilon": 1e9},
 }
@@ -52,8 +56,9 @@ def learner(i: int) -> dict:
     }
 
 
-def listening_tcp_ports(pid: int) -> set[int]:
-    """TCP ports process ``pid`` listens on (from /proc: its socket inodes in LISTEN state)."""
+def listening_tcp(pid: int) -> set[tuple[str, int]]:
+    """(IPv4 address, port) of each TCP socket process ``pid`` listens on (from /proc: its socket
+    inodes in LISTEN state; IPv6 sockets as ``::``-style hex)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         m = re.match(
@@ -61,13 +66,19 @@ def listening_tcp_ports(pid: int) -> set[int]:
         )
         if m:
             inodes.add(m.group(1))
-    ports = set()
+    out = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             f = line.split()
             if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
-                ports.add(int(f[1].rsplit(":", 1)[1], 16))
-    return ports
+                host, port = f[1].rsplit(":", 1)
+                addr = socket.inet_ntoa(bytes.fromhex(host)[::-1]) if len(host) == 8 else host
+                out.add((addr, int(port, 16)))
+    return out
+
+
+def listening_tcp_ports(pid: int) -> set[int]:
+    return {port for _, port in listening_tcp(pid)}
 
 
 def metric(node: NodeProc, name: str, kind: str) -> float:
@@ -103,7 +114,9 @@ def test_outbound_only_node_opens_no_peer_port_and_advertises_its_relays(net):
     assert parse(n7.address).relays == (nodes["n0"].address, nodes["n1"].address)
     assert parse(n7.address).node_id == "n7"
     admin_port = int(n7.admin.rsplit(":", 1)[1].strip("/"))
-    assert listening_tcp_ports(n7.proc.pid) == {admin_port}  # the admin port only, on loopback
+    # the admin port, and once n7 dials a relayed peer, that dial's own listener: loopback only
+    listening = listening_tcp(n7.proc.pid)
+    assert ("127.0.0.1", admin_port) in listening and {host for host, _ in listening} == {"127.0.0.1"}
     assert listening_tcp_ports(nodes["n0"].proc.pid) > {int(nodes["n0"].address.rsplit(":", 1)[1])} - {0}
 
 
@@ -129,31 +142,67 @@ def test_outbound_only_nodes_are_full_members(net):
     assert "n8" in nodes["n0"].status()["relay"]["relaying_for"]
     dial_back = wait_for(lambda: nodes["n1"].status()["relay"].get("dial_back"), 30, "n1's dial-back check")
     assert dial_back == {nodes["n0"].address: f"reachable: dialled {nodes['n1'].address}"}
-    assert not [p for p in n7.status()["problems"] if "relay" in str(p)]
+    # what a relay or the TLS through it did wrong (a handshake that timed out while its peer
+    # stalled is not that: on the loaded 2-core box n8's first rounds took 11 s, and n7's
+    # handshakes with it ran out of their 2 s)
+    assert not [p for p in n7.status()["problems"] if "relay" in str(p) and "Deadline Exceeded" not in p["message"]]
 
 
-@pytest.mark.xfail(
-    reason="intermittent (issue 31 item 4 open): after SIGKILL of the first relay, n1's pulls from n7 "
-    "through the second sometimes do not resume within 90 s (passed 3 of 6 runs at this wave's merges)",
-    strict=False,
-)
+def test_a_node_nobody_can_dial_switches_to_relays_by_itself(net):
+    """n5 has a peer port but advertises a port nothing listens on (as behind a NAT): n0's
+    dial-back fails, so n5 reserves at reachable members it knows (none pinned: n0, which
+    answered, and n1), advertises them instead, and is pulled through them."""
+    root, nodes = net
+    n0, n1 = nodes["n0"], nodes["n1"]
+    port = _free_port()
+    nodes["n5"] = n5 = NodeProc(
+        root, "n5", {**SCOOL, "learner": learner(3), "peers": [n0.address], "advertise": f"127.0.0.1:{port}"}
+    ).start()
+    wait_for(lambda: n5.status()["relay"]["reachability"].startswith("relayed via "), 60, "n5 to switch to relays")
+    relay = n5.status()["relay"]
+    reach = relay["reachability"].removeprefix("relayed via ")
+    assert reach.split(",") == [n0.address, n1.address]
+    assert list(relay["dial_back"]) == [n0.address]
+    assert relay["dial_back"][n0.address].startswith(f"unreachable: dialled 127.0.0.1:{port}: UNAVAILABLE")
+    assert relay["reservations"] == {n0.address: "held", n1.address: "held"}
+    assert listening_tcp_ports(n5.proc.pid) - {int(n5.admin.rsplit(":", 1)[1].strip("/"))}  # it still listens
+    for who in (n1, nodes["n8"]):  # a direct node and an outbound-only one pull it, through a relay
+        wait_for(
+            lambda w=who: (
+                (p := {p["node_id"]: p for p in w.get("/peers")}.get("n5"))
+                and p["address"] == f"relay://{reach}/n5"
+                and p["state"] == "alive"
+                and p["cached_version"]
+            ),
+            60,
+            f"{who.node_id} to pull n5 at its relayed address",
+        )
+    assert "n5" in n0.status()["relay"]["relaying_for"] and "n5" in n1.status()["relay"]["relaying_for"]
+
+
 def test_relay_failover_after_sigkill(net):
-    """SIGKILL the first relay: n7 stays reachable through n1 within a few heartbeat periods."""
+    """SIGKILL the first relay: within a few heartbeat periods n7 is pulled again by n1 and by the
+    outbound-only n8, through n1, both relayed nodes stay alive everywhere and keep their rounds."""
     _, nodes = net
-    n1, n7 = nodes["n1"], nodes["n7"]
-    wait_for(lambda: metric(n7, "coterie_sent_bytes_total", "snapshot") > 0, 60, "n7 to be pulled from")
-    nodes["n0"].kill(signal.SIGKILL)
-    before = metric(n7, "coterie_sent_bytes_total", "snapshot")
-    # a few heartbeat periods when the box is idle; the window is for a loaded CI machine (the
-    # full suite on 2 cores took 20 s+), the claim is that service resumes, not how fast
-    wait_for(
-        lambda: metric(n7, "coterie_sent_bytes_total", "snapshot") > before,
-        90,
-        "n7 to serve a snapshot again, through n1",
-    )
+    n0, n1, n7, n8 = (nodes[n] for n in ("n0", "n1", "n7", "n8"))
+
+    def cached(puller: NodeProc, peer: str) -> int:
+        return {p["node_id"]: p for p in puller.get("/peers")}[peer]["cached_version"] or 0
+
+    wait_for(lambda: cached(n1, "n7") and cached(n8, "n7"), 60, "n1 and n8 to hold a snapshot of n7")
+    n0.kill(signal.SIGKILL)
+    before = {who: cached(who, "n7") for who in (n1, n8)}
+    rounds = n7.status()["round"]
+    for who in (n1, n8):  # pulled anew: what the pulls ask for now is only reachable through n1
+        wait_for(lambda w=who: cached(w, "n7") > before[w] + 2, 20, f"{who.node_id} to pull n7 again, through n1")
+    for who in (n7, n8):
+        res = who.status()["relay"]["reservations"]
+        assert res[n1.address] == "held" and res[n0.address] != "held", res
     peers1 = {p["node_id"]: p["state"] for p in n1.get("/peers")}
     assert peers1["n7"] == "alive" and peers1["n8"] == "alive"
-    assert n7.proc.poll() is None
+    assert n7.status()["round"] > rounds and n7.proc.poll() is None
+    problems = [p["message"] for p in n7.status()["problems"] if "checkpoint" in p["message"]]
+    assert not problems, problems
 
 
 # ---------------------------------------------------------------- relay budget, in-process relay
@@ -215,6 +264,54 @@ async def test_relay_budget_refusals_name_the_limit(tmp_path):
         held.cancel()
     finally:
         await server.stop(0)
+
+
+async def test_a_relay_at_its_tunnel_budget_is_passed_over_like_a_busy_peer(tmp_path):
+    """The outbound-only daemon n9 is relayed by a relay whose tunnel budget for n9 is spent and
+    by another: the first refuses naming the limit, the dialer names that refusal and reaches
+    n9 through the second (a busy relay, not a dead node), and tries the busy one last after."""
+    busy = RelayService(_tls(tmp_path, "ra"), RelayBudget(max_tunnels_per_peer=1))
+    free = RelayService(_tls(tmp_path, "rb"))
+    busy_server, busy_address = await _relay_server(tmp_path, "ra", busy)
+    free_server, free_address = await _relay_server(tmp_path, "rb", free)
+    n9 = NodeProc(
+        tmp_path,
+        "n9",
+        {
+            "strategy": "local",
+            "round_interval_s": 0.5,
+            "learner": learner(0),
+            "no_listen": True,
+            "relay": {"via": [busy_address, free_address]},
+        },
+    )
+    tls = _tls(tmp_path, "n1")
+    dialer = RelayDialer(tls)
+    client = PeerClient("n1", _Quiet(), chunk_bytes=1 << 20, timeout_s=10, tls=tls, relay_dialer=dialer)
+    hog = None
+    try:
+        await asyncio.to_thread(n9.start)
+        await _until(lambda: "n9" in busy.reserved() and "n9" in free.reserved())
+        hog = _stub(tmp_path, "n2", busy_address).Connect()
+        await hog.write(pb.RelayFrame(target="n9"))
+        assert (await hog.read()).tunnel_id  # n9 accepted it: the busy relay's one tunnel for n9
+        assert dialer.order(parse(n9.address)) == [busy_address, free_address]  # the address's order
+        me = NodeInfo("n1", PROTOCOL_VERSION, n9.status()["fingerprint"], address="127.0.0.1:1")
+        remote, _ = await client.handshake(n9.address, me, timeout=10)
+        assert remote.node_id == "n9"
+        assert dialer.problems == {
+            busy_address: f"relay {busy_address} to n9: relay: max_tunnels_per_peer (1) reached for node 'n9'"
+        }
+        assert free.relayed_bytes > 0 and n9.proc.poll() is None
+        assert dialer.order(parse(n9.address)) == [free_address, busy_address]  # busy: tried last now
+    finally:
+        if hog is not None:
+            hog.cancel()
+        await client.close()
+        await dialer.close()
+        n9.stop()
+        await busy_server.stop(0)
+        await free_server.stop(0)
 
 
 def test_relay_addresses_and_config_are_checked(tmp_path):
@@ -447,7 +544,7 @@ async def test_a_relay_offering_tunnels_without_end_gets_a_bounded_number(tmp_pa
     peer = await asyncio.start_unix_server(hold, sock)
     relay = RelayService(_tls(tmp_path, "r0"), RelayBudget(max_tunnels_per_peer=100, accept_timeout_s=30))
     server, address = await _relay_server(tmp_path, "r0", relay)
-    node = rr.RelayReservations(_tls(tmp_path, "n7"), [address], sock)
+    node = rr.RelayReservations(_tls(tmp_path, "n7"), [address], f"unix:{sock}")
     try:
         node.start()
         await _until(lambda: node.held() == [address])
@@ -537,8 +634,6 @@ async def test_dial_back_reaches_only_the_caller_itself(tmp_path):
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -31,6 +31,16 @@ class TrainResult:
     loss: float  # mean training loss over the steps taken
     steps: int
     samples: int
+
+
+@runtime_checkable
+class MakesTwin(Protocol):
+    """A learner that can make its local-only reference (``node/local_reference.py``)."""
+
+    def local_twin(self) -> Learner:
+        """A second learner on this node's samples from the same θ⁰, in the same batch order,
+        trained apart from this one."""
+        ...
 
 
 class Learner(ABC):

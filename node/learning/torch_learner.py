@@ -40,7 +40,7 @@ from .local_optim import LocalOptimizer, _Sampler
 from .models import build_model
 from .own_data import OwnData
 from .partition import NodeData
-from .sources import node_source
+from .sources import Source, node_source
 from .torch_mixture import MixtureEval
 from .torch_private import PerSampleTerms
 from .torch_shadow import Shadow, ShadowEval
@@ -78,11 +78,11 @@ def _initial_model(cfg: LearnerConfig, input_shape: tuple[int, ...], num_classes
 
 
 class TorchLearner(Learner):
-    def __init__(self, cfg: LearnerConfig, pool: Pool | None = None, data: NodeData | OwnData | None = None):
+    def __init__(self, cfg: LearnerConfig, pool: Pool | None = None, data: NodeData | OwnData | Source | None = None):
         self.cfg = cfg
         torch.set_num_threads(cfg.torch_threads)
         self.device = resolve_device(cfg.device)
-        src = node_source(cfg, pool, data)
+        self._source = src = data if isinstance(data, Source) else node_source(cfg, pool, data)  # Source: a twin
         data = src.arrays
         self.own_data, self._data_info = src.own_data, src.info
         self.task, self.class_names, self.num_classes = src.task, src.class_names, src.num_classes
@@ -141,6 +141,9 @@ class TorchLearner(Learner):
 
     def data_info(self) -> dict:
         return dict(self._data_info)
+
+    def local_twin(self) -> TorchLearner:  # the same Source: arrays shared, no pool loaded again
+        return TorchLearner(self.cfg, data=self._source)
 
     def _x(self, x: torch.Tensor) -> torch.Tensor:
         """A batch as the model sees it: after ``learner.input_transform``, if any."""

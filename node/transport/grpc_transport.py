@@ -14,16 +14,15 @@ import logging
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from ..peering.interfaces import UNSET_MODEL_BYTES, PeerHandler, SizeLimits, Traffic
-from . import dial_back
 from .client import PeerClient
 from .relay_address import RelayAddress, is_relayed, reachability
 from .relay_dialer import RelayDialer
+from .relay_fallback import RelayFallback
 from .relay_reservations import RelayReservations
 from .relay_service import RelayBudget, RelayService
 from .served_versions import CodecPolicy
@@ -55,6 +54,8 @@ class GrpcServer:
     reservations: RelayReservations | None = None
     relay: RelayService | None = None  # the relay this node runs for outbound-only peers
     dialer: RelayDialer | None = None  # the node's relayed dials: they end with it
+    fallback: RelayFallback | None = None  # dial-back, and relays when nobody can dial this node
+    private_dir: str | None = None  # an outbound-only node's peer socket directory
     tasks: list[asyncio.Task] = field(default_factory=list)  # background checks: they end with it
 
     async def stop(self) -> None:
@@ -64,9 +65,15 @@ class GrpcServer:
             await self.dialer.close()
         if self.reservations is not None:
             await self.reservations.stop()
+        if self.fallback is not None:
+            await self.fallback.stop()
         await self.server.stop(grace=0.5)
-        if self.reservations is not None:
-            shutil.rmtree(Path(self.reservations.socket_path).parent, ignore_errors=True)
+        if self.private_dir is not None:
+            shutil.rmtree(self.private_dir, ignore_errors=True)
+
+    def relayed(self) -> RelayReservations | None:
+        """This node's reservations: outbound-only, or switched to relays by the dial-back check."""
+        return self.reservations or (self.fallback.reservations if self.fallback is not None else None)
 
 
 class GrpcTransport:
@@ -95,6 +102,7 @@ class GrpcTransport:
         relays: tuple[str, ...] = (),
         relay_budget: RelayBudget | None = RelayBudget(),
         dial_back_peers: tuple[str, ...] = (),
+        pinned_relays: tuple[str, ...] = (),
     ):
         """``no_listen``: no peer port; reserve at ``relays`` instead. ``relay_budget``: relay for
         outbound-only peers within it (None: never relay)."""
@@ -102,8 +110,9 @@ class GrpcTransport:
         self.no_listen, self.relays, self.relay_budget = no_listen, tuple(relays), relay_budget
         self.dialer = RelayDialer(tls)  # for peers whose address is a relay address
         self.server: GrpcServer | None = None
-        self.dial_back_peers = dial_back_peers  # asked once serving whether they can dial this node
-        self.dial_back: dict[str, str] = {}  # peer -> its answer
+        # asked once serving whether they can dial this node; relays when none can (the node
+        # sets ``fallback.members`` and ``fallback.on_moved`` before serving)
+        self.fallback = RelayFallback(tls, dial_back_peers, pinned_relays) if tls and dial_back_peers else None
         self.reflection = reflection  # gRPC server reflection (security.reflection, off by default)
         self.listen, self.advertise = listen, advertise
         self.chunk_bytes = chunk_bytes
@@ -142,6 +151,7 @@ class GrpcTransport:
             relays=tuple(cfg.relays()),
             relay_budget=_relay_budget(cfg),
             dial_back_peers=tuple(p for p in cfg.peers if not is_relayed(p)),
+            pinned_relays=tuple(cfg.relay.via[: cfg.relay.max_relays]),
         )
 
     # --- TransportFactory ---
@@ -182,7 +192,8 @@ class GrpcTransport:
         if self.no_listen:  # a private Unix socket in a fresh 0700 directory: no port at all
             if self.tls is None:
                 raise ValueError("no_listen needs mTLS: relays know a node only by its certificate")
-            listen = f"unix:{tempfile.mkdtemp(prefix='coterie-peer-')}/peer.sock"
+            private_dir = tempfile.mkdtemp(prefix="coterie-peer-")
+            listen = f"unix:{private_dir}/peer.sock"
         server, port = await serve(
             handler,
             traffic,
@@ -199,7 +210,7 @@ class GrpcTransport:
         )
         if self.no_listen:
             assert self.tls is not None
-            reservations = RelayReservations(self.tls, list(self.relays), listen[len("unix:") :])
+            reservations = RelayReservations(self.tls, list(self.relays), listen)
             reservations.start()
             self.server = GrpcServer(
                 str(RelayAddress(self.relays, self.tls.node_id)),
@@ -207,15 +218,27 @@ class GrpcTransport:
                 0,
                 reservations=reservations,
                 dialer=self.dialer,
+                private_dir=private_dir,
             )
             return self.server
         host, _ = hostport(self.listen)
-        self.server = GrpcServer(
+        srv = self.server = GrpcServer(
             self.advertise or f"{dialable(host)}:{port}", server, port, relay=relay, dialer=self.dialer
         )
-        if self.tls is not None and self.dial_back_peers:
-            self.server.tasks.append(asyncio.ensure_future(self._check_reachable(self.server.address)))
-        return self.server
+        if self.fallback is not None:
+            srv.fallback = fb = self.fallback
+            # peers dial the advertised port back; relays' tunnels come in at the bound one
+            check = fb.run(srv.address, hostport(srv.address)[1], f"{dialable(host)}:{port}")
+            srv.tasks.append(asyncio.ensure_future(self._moved_to(srv, fb, check)))
+        return srv
+
+    @staticmethod
+    async def _moved_to(srv: GrpcServer, fb: RelayFallback, check) -> None:
+        moved = await check
+        if moved is not None:
+            srv.address = moved
+            if fb.on_moved is not None:
+                fb.on_moved(moved)
 
     def retune_relay(self, cfg: Any) -> bool:
         """A reloaded ``NodeConfig``'s relay budget, live (SIGHUP): the relay serving now takes it
@@ -230,33 +253,20 @@ class GrpcTransport:
             relay.retune(budget)
         return True
 
-    async def _check_reachable(self, address: str) -> None:
-        """Ask the bootstrap peers to dial this node back (``dial_back.py``); warn when none can."""
-        assert self.tls is not None
-        _, port = hostport(address)
-        self.dial_back = await dial_back.check(self.tls, list(self.dial_back_peers), port)
-        answered = [a for a in self.dial_back.values() if not a.startswith("no answer")]
-        if answered and not any(a.startswith("reachable") for a in answered):
-            log.warning(
-                "no peer can dial this node at port %d (%s): behind NAT or a firewall? start it "
-                "with --no-listen to be reached through relays (docs/nat.md)",
-                port,
-                "; ".join(answered),
-            )
-
     def relay_view(self) -> dict[str, Any]:
         """For /status: how this node is reached, its reservations, whom it relays for, and why
         relays failed this node's recent dials."""
         srv = self.server
         out: dict[str, Any] = {"reachability": reachability(srv.address) if srv else "not serving"}
-        if srv is not None and srv.reservations is not None:
-            out["reservations"] = dict(srv.reservations.state)
+        reservations = srv.relayed() if srv is not None else None
+        if reservations is not None:
+            out["reservations"] = dict(reservations.state)
         if srv is not None and srv.relay is not None:
             out["relaying_for"] = srv.relay.reserved()
             out["relayed_bytes"] = srv.relay.relayed_bytes
         out["dial_problems"] = dict(self.dialer.problems)
-        if self.dial_back:
-            out["dial_back"] = dict(self.dial_back)
+        if self.fallback is not None and self.fallback.answers:
+            out["dial_back"] = dict(self.fallback.answers)
         return out
 
 

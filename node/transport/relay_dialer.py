@@ -4,8 +4,11 @@ becomes a ``Connect`` stream through the first relay that answers, naming n7. Th
 runs through that pipe and asks for n7's certificate (``PeerClient`` pins the name the address
 carries), so the session is end to end between this node and n7; the relay sees ciphertext.
 
-A relay that fails or refuses is remembered (``problems``) and the next one tried; the one that
-last worked is tried first."""
+A relay that fails or refuses (its budget: a busy relay, not a dead node) is remembered
+(``problems``) and the next one tried. The one that last worked is tried first and the ones
+that failed within ``FAILED_LAST_S`` last, so a dead relay (SIGKILLed, or a host that drops
+packets) costs new connections nothing once it has failed; each attempt, connecting included,
+is bounded by ``CONNECT_TIMEOUT_S``."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 
 import grpc
 
@@ -25,6 +29,7 @@ from .tls import TLS
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0  # a relay must confirm a tunnel (its target accepted) within this
+FAILED_LAST_S = 30.0  # a relay that failed a tunnel this recently is tried after the others
 
 
 class RelayDialer:
@@ -35,6 +40,7 @@ class RelayDialer:
         self._stubs: dict[str, tuple[grpc.aio.Channel, rpc.RelayStub]] = {}
         self._preferred: dict[str, str] = {}  # node id -> relay that last worked
         self.problems: dict[str, str] = {}  # relay host:port -> why its last tunnel failed
+        self._failed_at: dict[str, float] = {}  # relay host:port -> when its last tunnel failed
         self._tunnels: set[asyncio.Task] = set()
 
     def local(self, address: str) -> tuple[str, str]:
@@ -74,29 +80,51 @@ class RelayDialer:
             if task is not None:
                 self._tunnels.discard(task)
 
+    def order(self, target: RelayAddress) -> list[str]:
+        """The relays to try for ``target``: the one that last worked, then those that did not
+        fail lately (in the address's order), then the ones that did (least recent first)."""
+        preferred = self._preferred.get(target.node_id)
+        now = time.monotonic()
+
+        def rank(relay: str) -> tuple[int, float]:
+            failed = self._failed_at.get(relay, float("-inf"))
+            if relay == preferred and now - failed > FAILED_LAST_S:
+                return (0, 0.0)
+            return (2, failed) if now - failed <= FAILED_LAST_S else (1, 0.0)
+
+        return sorted(target.relays, key=rank)  # (stable: the address's order among equals)
+
     async def _through_relays(
         self, target: RelayAddress, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        preferred = self._preferred.get(target.node_id)
-        order = sorted(target.relays, key=lambda r: r != preferred)
-        for relay in order:
+        for relay in self.order(target):
             call = self._stub(relay).Connect()
             try:
-                await call.write(pb.RelayFrame(target=target.node_id))
-                first = await asyncio.wait_for(call.read(), CONNECT_TIMEOUT_S)
-                if first is grpc.aio.EOF or first.WhichOneof("body") != "tunnel_id":
-                    raise ConnectionError("the relay ended the tunnel before it opened")
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError) as e:
+                await asyncio.wait_for(self._open(call, target), CONNECT_TIMEOUT_S)
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError, ConnectionError) as e:
                 call.cancel()
-                why = e.details() if isinstance(e, grpc.aio.AioRpcError) else (str(e) or "no answer")
+                if isinstance(e, asyncio.InvalidStateError):  # the relay ended the call before our first frame
+                    why = await call.details() or str(e)
+                else:
+                    why = e.details() if isinstance(e, grpc.aio.AioRpcError) else (str(e) or "no answer")
                 self.problems[relay] = f"relay {relay} to {target.node_id}: {why}"
+                self._failed_at[relay] = time.monotonic()
                 log.info("%s", self.problems[relay])
                 continue
             self._preferred[target.node_id] = relay
             self.problems.pop(relay, None)
+            self._failed_at.pop(relay, None)
             await splice(reader, writer, call)
             return
         writer.close()  # no relay reached the node: the TLS handshake on this connection fails
+
+    @staticmethod
+    async def _open(call, target: RelayAddress) -> None:
+        """Name the target and wait for the relay's tunnel id (the target accepted)."""
+        await call.write(pb.RelayFrame(target=target.node_id))
+        first = await call.read()
+        if first is grpc.aio.EOF or first.WhichOneof("body") != "tunnel_id":
+            raise ConnectionError("the relay ended the tunnel before it opened")
 
     async def close(self) -> None:
         for server in self._servers:

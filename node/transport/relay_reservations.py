@@ -1,8 +1,9 @@
-"""The outbound-only side (``no_listen``): this node's peer server listens on a private Unix
-socket only, and it holds a ``Reserve`` stream to each of its relays. Each tunnel a relay offers
-is accepted and spliced to a fresh connection to that socket, so the peer server (and its mTLS)
-serves relayed callers exactly as it serves direct ones. A lost reservation is retried with
-backoff, while the other relays keep this node reachable."""
+"""The relayed side: this node holds a ``Reserve`` stream to each of its relays. Each tunnel a
+relay offers is accepted and spliced to a fresh connection to this node's own peer server
+(``local``: the private Unix socket of an outbound-only node, ``no_listen``; or the peer port of
+a node nobody can dial, ``relay_fallback.py``), so the server (and its mTLS) serves relayed
+callers exactly as it serves direct ones. A lost reservation is retried with backoff, while the
+other relays keep this node reachable."""
 
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ MAX_TUNNELS = 64
 
 
 class RelayReservations:
-    def __init__(self, tls: TLS | None, relays: list[str], socket_path: str):
+    def __init__(self, tls: TLS | None, relays: list[str], local: str):
+        """``local``: this node's peer server, ``unix:PATH`` or ``HOST:PORT``."""
         self.relays = list(relays)
-        self.socket_path = socket_path
+        self.local = local
+        self.any_held = asyncio.Event()  # set once some relay holds a reservation for this node
         self._creds = tls.channel_credentials() if tls is not None else None
         self.state: dict[str, str] = {r: "reserving" for r in self.relays}  # relay -> "held" or why not
         self._tasks: set[asyncio.Task] = set()
@@ -59,6 +62,7 @@ class RelayReservations:
                     if self.state[relay] != "held":
                         log.info("relay reservation held at %s", relay)
                         self.state[relay] = "held"
+                        self.any_held.set()
                         wait = RETRY_S[0]
                     if offer.tunnel_id and self.open < MAX_TUNNELS:
                         self._spawn(self._accept(stub, offer.tunnel_id))
@@ -83,9 +87,13 @@ class RelayReservations:
 
     async def _bridge(self, stub: rpc.RelayStub, tunnel_id: str) -> None:
         try:
-            reader, writer = await asyncio.open_unix_connection(self.socket_path)
+            if self.local.startswith("unix:"):
+                reader, writer = await asyncio.open_unix_connection(self.local[len("unix:") :])
+            else:
+                host, _, port = self.local.rpartition(":")
+                reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
         except OSError as e:
-            log.warning("relayed tunnel %s: own peer socket unreachable: %s", tunnel_id, e)
+            log.warning("relayed tunnel %s: own peer server at %s unreachable: %s", tunnel_id, self.local, e)
             return
         call = stub.Accept()
         try:

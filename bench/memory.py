@@ -1,0 +1,159 @@
+"""Memory per node, this checkout against another side by side (issue 34 item 2): N real daemons
+(fresh interpreters, as ``coterie node start`` runs on a device) with the ~21 MB MLP
+(mnist1d 40-2280-2280-10, Adam), strategies local and D-PSGD, a fixed number of rounds at full
+rate. Every daemon's PSS and RSS are sampled every ``--sample-s`` from /proc/PID/smaps_rollup:
+the peak of the whole tree (sum over daemons at one sample), each node's peak, and each node's
+PSS at rest (after its last round, the checkpoint written). Networks alternate between the
+interpreters, so both see the same load.
+
+    python bench/memory.py --python base=/path/to/old/.venv/bin/python [--nodes 4 --rounds 6]
+    /path/to/old/.venv/bin/python bench/memory.py --fork --out old.json; python bench/memory.py --fork
+
+Writes ``bench/results/memory.json`` (figures and the full config) and prints a table with the
+issue's budget per node: 150 MB + 3x the model at rest, 150 MB + 5x while exchanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from netlab import Lab, load, mnist1d_mlp, wait_for  # noqa: E402
+
+
+def smaps(pid: int) -> tuple[float, float]:
+    """(PSS, RSS) of a process in MB; (0, 0) once it is gone."""
+    pss = rss = 0.0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    pss = int(line.split()[1]) / 1024
+                elif line.startswith("Rss:"):
+                    rss = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return pss, rss
+
+
+class Sampler(threading.Thread):
+    def __init__(self, pids: list[int], every: float):
+        super().__init__(daemon=True)
+        self.pids, self.every = pids, every
+        self.samples: list[list[tuple[float, float]]] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            self.samples.append([smaps(p) for p in self.pids])
+            self.halt.wait(self.every)
+
+
+def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: float) -> dict[str, Any]:
+    # --fork: daemons forked from this interpreter's preloaded fork server (what `coterie run`
+    # does): torch's pages are shared, so PSS counts a node's own memory
+    n = args.nodes
+    configs = [
+        {
+            "strategy": strategy,
+            "rounds": args.rounds,
+            "round_interval_s": 0.0,
+            "min_peers": n - 1,
+            "seed": args.seed,
+            "log_level": "WARNING",
+            "learner": mnist1d_mlp(n, i, hidden=args.hidden, steps=args.steps),
+        }
+        for i in range(n)
+    ]
+    root = Path(tempfile.mkdtemp(prefix=f"coterie-mem-{strategy}-"))
+    with Lab(root, configs, python=python, fork=args.fork) as lab:
+        lab.start(seeds=1)
+        pids = [d.proc.pid for d in lab.nodes if d.proc is not None]
+        sampler = Sampler(pids, args.sample_s)
+        sampler.start()
+        t0 = time.monotonic()
+        wait_for(
+            lambda: all(s and s.get("done") for s in lab.statuses()),
+            args.timeout,
+            f"{n} nodes to finish {args.rounds} rounds",
+            interval=1.0,
+        )
+        wall = time.monotonic() - t0
+        time.sleep(2 * args.sample_s)
+        sampler.halt.set()
+        sampler.join()
+        rest = [[smaps(p) for p in pids] for _ in range(4) if not time.sleep(args.sample_s)]
+    per_node_peak = [max(s[i][0] for s in sampler.samples) for i in range(len(pids))]
+    return {
+        "wall_s": round(wall, 1),
+        "samples": len(sampler.samples),
+        "tree_peak_pss_mb": round(max(sum(p for p, _ in s) for s in sampler.samples), 1),
+        "node_peak_pss_mb": [round(x, 1) for x in per_node_peak],
+        "node_peak_pss_mb_median": round(statistics.median(per_node_peak), 1),
+        "node_peak_rss_mb_median": round(
+            statistics.median(max(s[i][1] for s in sampler.samples) for i in range(len(pids))), 1
+        ),
+        "node_rest_pss_mb_median": round(
+            statistics.median(statistics.median(r[i][0] for r in rest) for i in range(len(pids))), 1
+        ),
+        "budget_rest_mb": round(150 + 3 * model_mb, 1),
+        "budget_exchange_mb": round(150 + 5 * model_mb, 1),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--python", action="append", default=[], help="LABEL=INTERPRETER (another checkout's)")
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--hidden", default="2280,2280")
+    ap.add_argument("--strategies", default="local,dpsgd")
+    ap.add_argument("--sample-s", type=float, default=0.5)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--fork",
+        action="store_true",
+        help="fork the daemons from this interpreter (its own checkout only: run the script under each)",
+    )
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory.json")
+    args = ap.parse_args()
+    args.hidden = [int(h) for h in args.hidden.split(",")]
+    pythons = {} if args.fork else dict(p.split("=", 1) for p in args.python)
+    pythons["this"] = sys.executable
+    sizes = [40, *args.hidden, 10]
+    params = sum(a * b + b for a, b in zip(sizes, sizes[1:], strict=False))
+    model_mb = params * 4 / 1e6
+    print(f"model: {params:,} parameters ({model_mb:.1f} MB fp32); {args.nodes} nodes; load {load()}", flush=True)
+    results: dict[str, dict[str, Any]] = {}
+    for strategy in args.strategies.split(","):
+        for label, py in pythons.items():  # alternating: each strategy runs every interpreter in turn
+            r = one_network(py, strategy, args, model_mb)
+            results.setdefault(strategy, {})[label] = r
+            print(
+                f"{strategy:>6} {label:>6}: tree peak PSS {r['tree_peak_pss_mb']:7.1f} MB; per node: peak PSS "
+                f"{r['node_peak_pss_mb_median']:6.1f} (budget {r['budget_exchange_mb']}), at rest "
+                f"{r['node_rest_pss_mb_median']:6.1f} (budget {r['budget_rest_mb']}), peak RSS "
+                f"{r['node_peak_rss_mb_median']:6.1f}; {r['wall_s']} s; load {load()}",
+                flush=True,
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    args.out.write_text(
+        json.dumps({"config": {**cfg, "pythons": pythons}, "model_mb": model_mb, "results": results}, indent=1)
+    )
+    print(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The local-only reference: evidence of what this node would have alone, and the back-off when
+collaboration does worse than that (issue 33; docs/never-worse.md).
+
+A *twin* of the model (``Learner.local_twin``: same samples, same θ⁰, same batch order, its own
+optimizer) trains one round's local steps every round, alongside the strategy's exchange; a model
+over ``reference.shadow_max_params`` trains its twin one round in ``large_every`` (cheaper, and a
+weaker reference, so the node errs towards collaborating). Once the twin's validation score has
+not improved for ``settle_after`` checks it stops training (it has learnt what this node can
+learn alone) and costs only its cached scores from then on. Every ``check_every`` rounds the model
+the node predicts with (the live model, or the strategy's mixture) and the twin are scored on the
+*validation* split (never test) and ``CollaborationCheck`` decides. Backed off, the node predicts,
+reports (``test_acc``) and exports the twin; it still collaborates and publishes its own model,
+so it returns as soon as collaboration is better again. Strategy-agnostic: strategies never see it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any
+
+import torch
+
+from .collaboration_check import CollaborationCheck, Score
+from .config import ReferenceConfig
+from .learning.learner import EvalResult, Learner, MakesTwin, Params, Split
+
+log = logging.getLogger("coterie.node")
+
+Members = list[tuple[str, float, Params]]
+NO_TWIN_STRATEGIES = ("local",)  # its model *is* the local-only model
+
+
+def _score(r: EvalResult) -> Score:
+    return Score(loss=float(r.loss), accuracy=r.accuracy, n=int(r.n))
+
+
+class LocalReference:
+    def __init__(self, cfg: ReferenceConfig, learner: Learner, strategy: str):
+        self.cfg, self.learner = cfg, learner
+        self.check = CollaborationCheck(cfg.patience, cfg.z, cfg.mse_margin)
+        self.trained_round = 0  # last round the twin trained for (a retried round does not train it twice)
+        self.twin: Learner | None = None
+        self.settled_at: int | None = None  # the round the twin stopped training (see settle_after)
+        self._best: float | None = None  # the twin's best validation score (higher is better)
+        self._since_best = 0
+        self._trained = 0  # twin trainings so far: its cached scores are for this count
+        self._cached: dict[str, tuple[int, EvalResult]] = {}
+        self.note: str | None = None  # why there is no reference, or what limits it
+        self._lock = threading.Lock()  # the twin trains and is evaluated from worker threads
+        size = sum(math.prod(shape) for shape, _ in learner.param_spec().values())
+        self.every = 1 if size <= cfg.shadow_max_params else cfg.large_every
+        if not cfg.enabled:
+            self.note = "reference.enabled is false: no local-only reference, no back-off"
+        elif strategy in NO_TWIN_STRATEGIES:
+            self.note = f"strategy {strategy!r} learns alone: its model is the local reference"
+        elif not isinstance(learner, MakesTwin):
+            self.note = f"{type(learner).__name__} makes no local twin: no back-off"
+        else:
+            self.twin = learner.local_twin()
+            if self.every > 1:
+                self.note = (
+                    f"model of {size} parameters > reference.shadow_max_params {cfg.shadow_max_params}: "
+                    f"the local twin trains one round in {self.every}"
+                )
+
+    @property
+    def active(self) -> bool:
+        return self.twin is not None
+
+    @property
+    def backed_off(self) -> bool:
+        return self.twin is not None and not self.check.helping
+
+    def train(self, rnd: int) -> None:
+        """The twin's share of round ``rnd`` (run in a worker thread, while the strategy's round runs)."""
+        if self.twin is None or rnd <= self.trained_round:
+            return
+        with self._lock:
+            if self.settled_at is None and (rnd % self.every == 0 or self.every == 1):
+                self.twin.train()
+                self._trained += 1
+            self.trained_round = rnd
+
+    def _twin_eval(self, split: Split) -> EvalResult:
+        """The twin's score on ``split``, evaluated again only after it trained."""
+        assert self.twin is not None
+        hit = self._cached.get(split)
+        if hit is None or hit[0] != self._trained:
+            hit = (self._trained, self.twin.evaluate(split))
+            self._cached[split] = hit
+        return hit[1]
+
+    def _settle(self, rnd: int, local_val: Score) -> None:
+        """Stop training the twin once its validation score stopped improving."""
+        value = local_val.accuracy if local_val.accuracy is not None else -local_val.loss
+        if self._best is None or value > self._best:
+            self._best, self._since_best = value, 0
+            return
+        self._since_best += 1
+        if self.cfg.settle_after and self._since_best >= self.cfg.settle_after and self.settled_at is None:
+            self.settled_at = rnd
+
+    def judge(self, rnd: int, evaluation: dict[str, float], members: Members | None) -> dict[str, float]:
+        """Round ``rnd``'s evaluation as the node reports it: the twin's test figures beside the
+        collaborative ones, a check on the validation split every ``check_every`` rounds, and,
+        backed off, the twin's figures as ``test_acc``/``test_loss`` (the collaborative ones kept
+        as ``collab_test_*``). ``members``: the strategy's prediction mixture, None for its model."""
+        if self.twin is None:
+            return evaluation
+        with self._lock:
+            local_test = self._twin_eval("test")
+            if rnd % self.cfg.check_every == 0:
+                collab_val = (
+                    self.learner.evaluate_mixture([(w, p) for _, w, p in members], "val")
+                    if members and len(members) > 1
+                    else self.learner.evaluate("val")
+                )
+                local_val = _score(self._twin_eval("val"))
+                was = self.check.helping
+                if collab_val.n and self.check.observe(_score(collab_val), local_val) != was:
+                    log.warning("%s", self.check.reason())
+                self._settle(rnd, local_val)
+        out = dict(evaluation)
+        out["local_test_loss"] = local_test.loss
+        if local_test.accuracy is not None:
+            out["local_test_acc"] = local_test.accuracy
+        out["helping"] = 1.0 if self.check.helping else 0.0
+        if self.check.helping:
+            return out
+        for k in ("test_acc", "test_loss"):
+            if k in evaluation:
+                out[f"collab_{k}"] = evaluation[k]
+        out["test_loss"] = local_test.loss
+        if local_test.accuracy is not None:
+            out["test_acc"] = local_test.accuracy
+        return out
+
+    def prediction_members(self, node_id: str) -> Members | None:
+        """Backed off: the twin, as the one model the node predicts with (checkpointed, so an
+        export writes it); None otherwise."""
+        if not self.backed_off:
+            return None
+        assert self.twin is not None
+        with self._lock:
+            return [(node_id, 1.0, self.twin.get_params())]
+
+    def view(self) -> dict[str, Any]:
+        """/status's ``collaboration``: helping, why, and the reference's own figures."""
+        return {
+            "helping": self.check.helping,
+            "reason": self.check.reason() if self.active else self.note,
+            "reference": {
+                "active": self.active,
+                "note": self.note,
+                "trains_every_rounds": self.every if self.active else None,
+                "settled_at_round": self.settled_at,
+                **self.check.to_json(),
+            },
+        }
+
+    # ------------------------------------------------------------------ persistence
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        if self.twin is None:
+            return None
+        with self._lock:
+            tensors, meta = self.twin.export_state()
+        settle = {"settled_at": self.settled_at, "best": self._best, "since_best": self._since_best}
+        return tensors, {"twin": meta, "trained_round": self.trained_round, "check": self.check.to_json(), **settle}
+
+    def import_state(self, state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None, rnd: int) -> None:
+        """Resume the twin and the decision; a checkpoint without them (or one that does not fit
+        this twin) restarts the reference from θ⁰ at round ``rnd``, said in its note and the log
+        (the reference is evidence, not the node's model: the node starts anyway)."""
+        if self.twin is None:
+            return
+        problem = "the checkpoint holds no local reference"
+        if state is not None:
+            tensors, meta = state
+            try:
+                self.twin.import_state(tensors, meta["twin"])
+                self.check.load_json(meta["check"])
+                self.trained_round = int(meta["trained_round"])
+                settled, best = meta.get("settled_at"), meta.get("best")
+                self.settled_at = None if settled is None else int(settled)
+                self._best = None if best is None else float(best)
+                self._since_best = int(meta.get("since_best", 0))
+                self._trained += 1  # scores cached before the import are stale
+                return
+            except (KeyError, TypeError, ValueError) as e:
+                problem = f"its local reference does not fit ({type(e).__name__}: {e})"
+        self.trained_round = rnd
+        self.note = f"the local reference restarted from the initial model at round {rnd}: {problem}"
+        log.warning("%s", self.note)
