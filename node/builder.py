@@ -19,18 +19,21 @@ from .node_metrics import NodeMetrics
 from .peering.admission import Admission
 from .peering.calls import PeerCalls
 from .peering.deadlines import Deadlines
-from .peering.discovery import Discovery, DiscoveryHooks, DiscoverySettings
+from .peering.discovery import Discovery, DiscoverySettings
 from .peering.inbox import PushInbox
 from .peering.interfaces import PeerTransport, TransportFactory
 from .peering.loop_lag import LoopLag
 from .peering.membership import Membership, Observers, Settings, full_membership
 from .peering.messages import NodeInfo
 from .peering.network import NetworkSettings, NodeNetwork
+from .peering.overlay import Overlay
+from .peering.partial_view import PartialView, ViewSettings
 from .peering.peer_table import PeerTable
 from .peering.problems import ProblemLog
 from .peering.served import ServedRequests, ServedSettings
 from .peering.snapshots import PublishBoard, SnapshotCache
 from .peering.traffic import TrafficStats
+from .peering.versions import VIEWS
 from .persistence import Checkpoint, StateStore
 from .privacy.ledger import PrivacyLedger
 from .privacy.mechanisms import PrivateData
@@ -171,9 +174,20 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
         problems,
     )
     d = cfg.discovery
+    # past the threshold, partial views (sized for a network twice the threshold) sample the
+    # network for discovery; membership itself is still full (docs/membership.md)
+    overlay = Overlay(
+        PartialView(host.node_id, ViewSettings.for_network(max(2 * d.above, 8)), random.Random(f"views-{seed}")),
+        client,
+        lambda: host.info().address,
+        timeout_s=cfg.request_timeout_s,
+        # a member whose handshake did not name the feature (0.1.0) is never called
+        known_address=lambda p: network._address(p) if VIEWS in getattr(peers.records.get(p), "features", ()) else None,
+    )
+    network.overlay = overlay
     network.discovery = Discovery(
         host.node_id,
-        peers.alive,
+        lambda: overlay.members() if overlay.view.active else peers.alive(),
         usable=lambda p: network._address(p) is not None,
         settings=DiscoverySettings(
             candidates=d.candidates, explore=d.explore, recommend=d.recommend, per_recommender=d.per_recommender
@@ -181,6 +195,12 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
         rng=random.Random(f"discovery-{seed}"),
     )
     network.discovery_above = d.above
+
+    def introduce(recommender: str, node_id: str, address: str) -> None:
+        """A recommended peer not known yet: a membership candidate (bounded per recommender)."""
+        membership.pending.add(address, source=recommender, node_id=node_id)
+
+    network.introduce = introduce
     strategy = get_strategy(cfg.strategy)(host.node_id, learner, network, cfg.strategy_params, seed=seed)
 
     # a diverged step or round is rolled back, counted and noted; nothing non-finite is published
@@ -190,7 +210,6 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
 
     guard = RoundGuard(learner, strategy, on_divergence)
     admission = Admission(cfg.limits, on_refused=_over_budget_noter(m, problems))
-    hooks = DiscoveryHooks(strategy, network.discovery)  # "whom do you weight?" before the strategy
     lim = cfg.limits
     served = ServedRequests(
         ServedSettings(
@@ -204,7 +223,7 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
         host.info,
         membership,
         learner,
-        hooks,
+        strategy,
         private,
         board,
         cache,
@@ -213,6 +232,8 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
         admission=admission,
         on_refused=lambda kind: m.rejected.labels(kind=kind).inc(),
         revocations=CrlExchange(revocation, host.node_id) if revocation is not None else None,
+        discovery=network.discovery,  # answers "whom do you weight?" (api.RECOMMEND)
+        overlay=overlay,  # answers shuffles and link requests (api.SHUFFLE, api.LINK)
     )
     return PeerPlane(
         loop_lag,

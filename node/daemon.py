@@ -39,7 +39,7 @@ from .peering.faults import with_fault
 from .peering.interfaces import PeerServer, TransportFactory
 from .peering.messages import ALIVE, LocalSnapshot, NodeInfo
 from .peering.traffic import TrafficStats
-from .peering.versions import PROTOCOL_MAX, PROTOCOL_MIN, RELAY, RELEASE, REVOCATIONS
+from .peering.versions import PROTOCOL_MAX, PROTOCOL_MIN, RECOMMEND, RELAY, RELEASE, REVOCATIONS, VIEWS
 from .persistence import HISTORY_TAIL, Snapshot, StateError, StateStore, make_snapshot
 from .privacy import accountant
 from .privacy.purposes import LOSS, purpose, purposes_of
@@ -234,6 +234,12 @@ class Node:
         if self.cfg.privacy.enabled and purposes_of(self.cfg.strategy) + self.serves:
             self._tasks.append(asyncio.create_task(asyncio.to_thread(self._warm_privacy), name="privacy-warmup"))
         self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))
+        overlay = self.network.overlay
+        if overlay is not None:  # partial views, past the discovery threshold
+            peers = self.peers
+            contacts = lambda: [p for p in peers.alive() if VIEWS in peers.records[p].features]  # noqa: E731
+            run = overlay.run(self.cfg.heartbeat_interval_s, self.network.discovering, contacts)
+            self._tasks.append(asyncio.create_task(run, name="overlay"))
         if self.revocations is not None:  # the CA's revocation list reaches every node (security/crl_gossip.py)
             self._tasks.append(asyncio.create_task(self.revocations.spread(), name="crl-gossip"))
         self._round_task = asyncio.create_task(self.rounds.run(), name="rounds")
@@ -322,7 +328,8 @@ class Node:
         """The optional protocol features it advertises (peering/versions.py): peers ask only for these."""
         crl = getattr(self, "revocations", None) is not None  # (info() may be asked while the node is built)
         relays = self.cfg.relay.serve and not self.cfg.no_listen
-        return tuple(f for f, on in ((REVOCATIONS, crl), (RELAY, relays)) if on)
+        on_off = ((REVOCATIONS, crl), (RELAY, relays), (RECOMMEND, True), (VIEWS, True))
+        return tuple(f for f, on in on_off if on)
 
     def position(self) -> tuple[int, int]:
         """(round, published snapshot version), as heartbeats announce them."""

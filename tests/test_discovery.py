@@ -1,6 +1,7 @@
 """Collaborator discovery: cluster mates found faster than by uniform sampling, recommendations
 bounded as hints (an insider's attack runs against the bounds and against a discovery without
-them, where it succeeds), state bounded."""
+them, where it succeeds; tests/test_recommend_rpc.py runs it over the ``Recommend`` RPC), state
+bounded."""
 
 from __future__ import annotations
 
@@ -51,22 +52,29 @@ def test_an_insiders_recommendations_take_at_most_one_exploring_slot_a_round():
 
 def test_recommendations_are_hints_only_when_asked_never_the_sender_and_bounded():
     d = Discovery("me", lambda: ["a", "b"], rng=random.Random(1))
-    assert d.on_recommendations("stranger", ["x", "y"]) == 0  # unsolicited: dropped
+    assert d.on_recommendations("stranger", ["x", "y"]) == []  # unsolicited: dropped
     d.observe({"friend": 1.0})
     assert d.whom_to_ask() == ["friend"]
     kept = d.on_recommendations("friend", ["friend", "me", "x", "x", "y", "z", "w"])
-    assert kept == 2 and [p for _, p in d.hints] == ["x", "y"]  # itself, me, duplicates, beyond the cap: dropped
-    assert d.on_recommendations("friend", ["q"]) == 0  # one answer per question
+    assert kept == ["x", "y"] and [p for _, p in d.hints] == [
+        "x",
+        "y",
+    ]  # itself, me, duplicates, beyond the cap: dropped
+    assert d.on_recommendations("friend", ["q"]) == []  # one answer per question
     # a hint is a candidate to evaluate, not a weight: it has no score until the strategy weights it
     cands = d.begin_round()
     assert "x" in cands and "x" not in d.scores
 
 
 def test_recommend_answers_with_my_best_weighted_peers_not_the_asker():
-    d = Discovery("me", lambda: [], settings=DiscoverySettings(recommend=3), rng=random.Random(1))
-    d.observe({"a": 0.9, "b": 0.8, "c": 0.1, "d": 0.5, "e": 0.0})
-    assert d.recommend("a") == ["b", "d"]  # c: weighted by noise (< relative × the best), not recommended
+    down = {"f"}
+    d = Discovery(
+        "me", lambda: [], usable=lambda p: p not in down, settings=DiscoverySettings(recommend=3), rng=random.Random(1)
+    )
+    d.observe({"a": 0.9, "b": 0.8, "c": 0.1, "d": 0.5, "e": 0.0, "f": 1.0})
+    assert d.recommend("a") == ["b", "d"]  # c: weighted by noise (< relative × the best); f: not callable now
     assert d.recommend("zz") == ["a", "b", "d"]
+    assert d.recommend("zz", count=2) == ["a", "b"] and d.recommend("zz", count=100) == ["a", "b", "d"]
 
 
 def test_discovery_state_is_bounded_whatever_the_network():
@@ -90,25 +98,3 @@ def test_candidates_keep_the_best_and_skip_unusable_peers():
     assert {"node-002", "node-003"} <= set(cands)  # kept: the two best usable
     assert len(cands) == 5
     assert d.current() == cands  # stable within the round
-
-
-def test_served_side_answers_whom_and_passes_other_gossip_to_the_strategy():
-    from coterie.node.peering.discovery import GOSSIP_KEY, DiscoveryHooks, recommended_ids
-
-    class Strategy:
-        def on_gossip(self, peer, key, payload):
-            return {"strategy": key}
-
-        def on_alignment(self, peer, ip):
-            self.ip = ip
-
-    d = Discovery("me", lambda: [], rng=random.Random(1))
-    d.observe({"a": 1.0, "b": 0.9})
-    hooks = DiscoveryHooks(Strategy(), d)
-    assert hooks.on_gossip("asker", GOSSIP_KEY, {}) == {"peers": ["a", "b"]}
-    assert ("asker", "asker") in d.hints  # whoever asks is a hint itself (evaluated before weighted)
-    assert hooks.on_gossip("asker", "crl", {}) == {"strategy": "crl"}
-    # a malformed answer is no answer; ids are bounded in number and length
-    assert recommended_ids(None, 5) == [] and recommended_ids({"peers": "abc"}, 5) == []
-    assert recommended_ids({"peers": ["x", 3, "", "y" * 300, "z", "w"]}, 4) == ["x"]
-    assert recommended_ids({"peers": [f"p{i}" for i in range(100)]}, 5) == ["p0", "p1", "p2", "p3", "p4"]

@@ -55,6 +55,11 @@ Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 
 MAX_CRL_BYTES = 1 << 20  # a revocation list (PEM); a CA revoking ~10^4 certificates fits
+MAX_RECOMMEND = 16  # peers in one answer to "whom do you weight?" (discovery asks for 5)
+MAX_ID_CHARS = 128  # a node id in an answer (security/ids.py's limit; the handshake checks the rest)
+MAX_ADDRESS_CHARS = 512  # an address in an answer
+MAX_SAMPLE = 32  # entries in one shuffle of partial views (a shuffle sends about 8)
+MAX_TTL = 16  # hops a forwarded join may still walk
 
 
 # --- messages of calls whose types live nowhere else (the membership ones are in messages.py) ---
@@ -66,6 +71,58 @@ class RevocationList:
     sender: str
     number: int = 0
     crl: bytes = b""
+
+
+@dataclass(frozen=True)
+class RecommendAsk:
+    """ "Whom do you weight?" (``discovery.py``): ``sender`` asks for at most ``count`` peers."""
+
+    sender: str
+    count: int = 5
+
+
+@dataclass(frozen=True)
+class Recommendations:
+    """The answer: the peers ``sender`` weights most that it knows alive, best first (hints)."""
+
+    sender: str
+    peers: tuple[PeerEntry, ...] = ()
+
+
+@dataclass(frozen=True)
+class ViewSample:
+    """A shuffle of partial views (``overlay.py``) and its answer: a sample of the sender's views."""
+
+    sender: str
+    peers: tuple[PeerEntry, ...] = ()
+
+
+JOIN, FORWARD_JOIN, NEIGHBOR, NEIGHBOR_URGENT, DISCONNECT = (
+    "join",
+    "forward_join",
+    "neighbor",
+    "neighbor_urgent",
+    "disconnect",
+)
+LINK_KINDS = (JOIN, FORWARD_JOIN, NEIGHBOR, NEIGHBOR_URGENT, DISCONNECT)  # in the proto enum's order
+
+
+@dataclass(frozen=True)
+class LinkRequest:
+    """A request about the active view of partial views (``kind``: one of ``LINK_KINDS``; ""
+    for a kind this node does not know, refused)."""
+
+    sender: str
+    kind: str
+    joined: PeerEntry | None = None  # FORWARD_JOIN: who joined
+    ttl: int = 0
+    address: str = ""  # where the sender is reached
+
+
+@dataclass(frozen=True)
+class LinkReply:
+    sender: str
+    accepted: bool = False
 
 
 # --- the declaration ---
@@ -149,6 +206,42 @@ def _crl_fits(r: RevocationList, limits: SizeLimits) -> None:
         raise invalid(f"revocation list from {r.sender}: {len(r.crl)} bytes exceeds the limit of {MAX_CRL_BYTES}")
 
 
+def _recommend_fits(m: RecommendAsk | Recommendations, limits: SizeLimits) -> None:
+    """A question asks for at most ``MAX_RECOMMEND``; an answer lists at most that many, each
+    id and address of bounded length (checked by the asker on what comes back)."""
+    if isinstance(m, RecommendAsk):
+        if m.count > MAX_RECOMMEND:
+            raise invalid(f"recommendation request from {m.sender}: asks for {m.count} peers, at most {MAX_RECOMMEND}")
+        return
+    _entries_fit(f"recommendations from {m.sender}", m.peers, MAX_RECOMMEND)
+
+
+def _entries_fit(who: str, entries: Sequence[PeerEntry], most: int) -> None:
+    if len(entries) > most:
+        raise invalid(f"{who}: {len(entries)} peers, at most {most}")
+    for e in entries:
+        if not 0 < len(e.node_id) <= MAX_ID_CHARS or len(e.address) > MAX_ADDRESS_CHARS:
+            raise invalid(f"{who}: a malformed entry ({short(e.node_id, 40)!r})")
+
+
+def _sample_fits(m: ViewSample, limits: SizeLimits) -> None:
+    _entries_fit(f"shuffle from {m.sender}", m.peers, MAX_SAMPLE)
+
+
+def _link_fits(m: LinkRequest | LinkReply, limits: SizeLimits) -> None:
+    if isinstance(m, LinkReply):
+        return
+    who = f"link request from {m.sender}"
+    if len(m.address) > MAX_ADDRESS_CHARS:
+        raise invalid(f"{who}: an address of {len(m.address)} characters")
+    if m.kind not in LINK_KINDS:
+        raise invalid(f"{who}: unknown kind")
+    if m.kind == FORWARD_JOIN:
+        if m.joined is None or m.ttl > MAX_TTL:
+            raise invalid(f"{who}: a forwarded join needs the node that joined and a ttl of at most {MAX_TTL}")
+        _entries_fit(who, (m.joined,), 1)
+
+
 HANDSHAKE = Unary(
     "Handshake", "handshake", NodeInfo, Welcome, caller=lambda r: r.node_id, serve=_handshake, control=True
 )
@@ -203,7 +296,56 @@ REVOCATIONS = Unary(
     what="revocation list",
 )
 
-UNARY: tuple[Unary, ...] = (HANDSHAKE, HEARTBEAT, EXCHANGE_PEERS, INDIRECT_PROBE, GOSSIP, REVOCATIONS)
+RECOMMEND = Unary(
+    "Recommend",
+    "recommend",
+    RecommendAsk,
+    Recommendations,
+    caller=lambda r: r.sender,
+    serve=answered_by("on_recommend"),
+    known=True,
+    admit=True,
+    check=_recommend_fits,
+    what="recommendation request",
+)
+
+SHUFFLE = Unary(
+    "Shuffle",
+    "shuffle",
+    ViewSample,
+    ViewSample,
+    caller=lambda r: r.sender,
+    serve=answered_by("on_shuffle"),
+    known=True,
+    admit=True,
+    check=_sample_fits,
+    control=True,
+)
+LINK = Unary(
+    "Link",
+    "link",
+    LinkRequest,
+    LinkReply,
+    caller=lambda r: r.sender,
+    serve=answered_by("on_link"),
+    known=True,
+    admit=True,
+    check=_link_fits,
+    control=True,
+    what="link request",
+)
+
+UNARY: tuple[Unary, ...] = (
+    HANDSHAKE,
+    HEARTBEAT,
+    EXCHANGE_PEERS,
+    INDIRECT_PROBE,
+    GOSSIP,
+    REVOCATIONS,
+    RECOMMEND,
+    SHUFFLE,
+    LINK,
+)
 BY_NAME = {rpc.name: rpc for rpc in UNARY}
 
 # the compute requests (streams) a node serves on its private data: kind -> proto method
@@ -305,3 +447,9 @@ class UnaryCalls:
         self, address: str, mine: RevocationList, timeout: float | None = None, *, peer: str | None = None
     ) -> RevocationList:
         return await self.call(REVOCATIONS, address, mine, timeout, peer=peer)
+
+    async def recommend(
+        self, address: str, sender: str, count: int, timeout: float | None = None, *, peer: str | None = None
+    ) -> Recommendations:
+        """Ask the node at ``address`` whom it weights (an answer over ``MAX_RECOMMEND`` is refused)."""
+        return await self.call(RECOMMEND, address, RecommendAsk(sender, count), timeout, peer=peer)

@@ -10,12 +10,12 @@ past the size threshold; what a strategy does within its candidate set is unchan
   recommendations first, then a uniform draw from the node's view (the partial view past the
   threshold, else membership).
 
-Recommendations answer "whom do you weight?": once a round the node asks a few of its best
-collaborators for their best-weighted peers — a cluster mate's collaborators are mostly cluster
-mates, so a node that found one finds the rest in a few rounds; and a peer that evaluated me is
-a hint for me (``on_contacted``), so a link found from one side is tried from the other. They
-are *hints*: a hint only
-takes an exploring slot, so the node evaluates the peer itself before its strategy can weight
+Recommendations answer "whom do you weight?" (its own peer RPC, ``api.RECOMMEND``: the answer
+lists ids with addresses, only peers the answerer can call now): once a round the node asks a few
+of its best collaborators for their best-weighted peers — a cluster mate's collaborators are
+mostly cluster mates, so a node that found one finds the rest in a few rounds; and a peer that
+asked me is a hint for me (``on_contacted``), so a link found from one side is tried from the
+other. They are *hints*: a hint only takes an exploring slot, so the node evaluates the peer itself before its strategy can weight
 it; a peer recommends only when asked, never itself, at most ``settings.recommend`` ids an
 answer, of which at most ``per_recommender`` wait at once and at most one is explored per
 round — an insider cannot fill the candidates with itself or a clique. State is bounded
@@ -28,9 +28,6 @@ import random
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-GOSSIP_KEY = "coterie.discovery.whom"  # "whom do you weight?", asked over the gossip RPC
 
 
 @dataclass(frozen=True)
@@ -134,21 +131,23 @@ class Discovery:
         self.counters.asks += len(picked)
         return picked
 
-    def recommend(self, asker: str) -> list[str]:
-        """My answer to ``asker``: the peers I weight most (never the asker itself)."""
-        return [p for p in self.collaborators(self.s.recommend + 1) if p != asker][: self.s.recommend]
+    def recommend(self, asker: str, count: int | None = None) -> list[str]:
+        """My answer to ``asker``: at most ``count`` (and ``recommend``) of the peers I weight
+        most that I can call now (never the asker itself)."""
+        n = self.s.recommend if count is None else max(0, min(count, self.s.recommend))
+        return [p for p in self.collaborators(len(self.scores)) if p != asker and self.usable(p)][:n]
 
-    def on_recommendations(self, sender: str, peers: Sequence[str]) -> int:
-        """Hints from ``sender``'s answer; returns how many were kept. Unasked answers, ids
+    def on_recommendations(self, sender: str, peers: Sequence[str]) -> list[str]:
+        """Hints from ``sender``'s answer; returns those kept. Unasked answers, ids
         beyond ``recommend``, the sender itself and peers already scored are dropped; at most
         ``per_recommender`` from one sender wait at once."""
         if sender not in self._asked:
             self.counters.hints_dropped += len(peers)
-            return 0
+            return []
         self._asked.discard(sender)
         waiting = sum(1 for src, _ in self.hints if src == sender)
         queued = {p for _, p in self.hints}
-        kept = 0
+        kept: list[str] = []
         for p in list(dict.fromkeys(peers))[: self.s.recommend]:
             self.counters.hints_received += 1
             if p in (self.me, sender) or p in self.scores or p in queued or waiting >= self.s.per_recommender:
@@ -156,7 +155,7 @@ class Discovery:
                 continue
             self.hints.append((sender, p))
             waiting += 1
-            kept += 1
+            kept.append(p)
         while len(self.hints) > self.s.max_hints:
             self.hints.popleft()
         return kept
@@ -210,29 +209,3 @@ class Discovery:
             if self.usable(p):
                 out.append(p)
         return out
-
-
-def recommended_ids(reply: dict[str, Any] | None, limit: int) -> list[str]:
-    """The ids in a peer's answer to ``GOSSIP_KEY``; anything malformed counts as no answer."""
-    peers = (reply or {}).get("peers")
-    if not isinstance(peers, list):
-        return []
-    return [p for p in peers[:limit] if isinstance(p, str) and 0 < len(p) <= 256]
-
-
-class DiscoveryHooks:
-    """The served side of discovery, in front of the strategy's hooks: answers "whom do you
-    weight?" (the asker, authenticated, is a hint itself), passes every other key on."""
-
-    def __init__(self, inner: Any, discovery: Discovery):
-        self.inner = inner
-        self.discovery = discovery
-
-    def on_gossip(self, peer: str, key: str, payload: dict[str, Any]) -> dict[str, Any] | None:
-        if key != GOSSIP_KEY:
-            return self.inner.on_gossip(peer, key, payload)
-        self.discovery.on_contacted(peer)
-        return {"peers": self.discovery.recommend(peer)}
-
-    def on_alignment(self, peer: str, inner_product: float) -> None:
-        self.inner.on_alignment(peer, inner_product)

@@ -33,11 +33,12 @@ from ..strategies.base import PeerSnapshot
 from ..wire.codec import Groups, WireError, encoded_size
 from .calls import PeerCalls
 from .deadlines import Phase
-from .discovery import GOSSIP_KEY, Discovery, recommended_ids
+from .discovery import Discovery
 from .errors import PeerCallError
 from .inbox import PushInbox
 from .interfaces import PeerTransport
 from .messages import LocalSnapshot, SnapshotHeader
+from .overlay import Overlay
 from .peer_table import ALIVE, DEAD, SUSPECT
 from .problems import ProblemLog
 from .releases import PeerReleases, is_privacy_refusal
@@ -118,6 +119,10 @@ class NodeNetwork:
         # past ``discovery_above`` alive peers, a strategy's candidates come from discovery
         self.discovery: Discovery | None = None
         self.discovery_above = 0
+        # a recommended peer this node does not know yet: (recommender, node id, address) to
+        # membership's bounded candidates, so it can be handshaken and then explored
+        self.introduce: Callable[[str, str, str], None] = lambda source, node_id, address: None
+        self.overlay: Overlay | None = None  # partial views past the threshold (overlay.py)
 
     # --- deadlines (calls.py) ---
     def exchange_phase(self) -> AbstractContextManager[Phase]:
@@ -175,6 +180,7 @@ class NodeNetwork:
             "hints": len(d.hints),
             "scored": len(d.scores),
             **vars(d.counters),
+            **({"views": self.overlay.counts()} if self.overlay is not None else {}),
         }
 
     async def end_round(self, weights: dict[str, float], contacted) -> None:
@@ -185,9 +191,12 @@ class NodeNetwork:
         d = self.discovery
         d.observe(weights, [p for p in (contacted or ()) if isinstance(p, str)])
         asked = d.whom_to_ask()
-        replies = await asyncio.gather(*(self.gossip(peer, GOSSIP_KEY, {}) for peer in asked))
-        for peer, reply in zip(asked, replies, strict=True):
-            d.on_recommendations(peer, recommended_ids(reply, d.s.recommend))
+        replies = await asyncio.gather(*(self.requests.recommend(peer, d.s.recommend) for peer in asked))
+        for peer, entries in zip(asked, replies, strict=True):
+            addresses = {e.node_id: e.address for e in entries or ()}
+            for p in d.on_recommendations(peer, list(addresses)):  # those discovery kept (bounded)
+                if p not in self.table.records:
+                    self.introduce(peer, p, addresses[p])
 
     def known_peers(self) -> list[str]:
         return self.table.known()

@@ -1,6 +1,7 @@
 """The requests a strategy makes of its peers (``NodeNetwork`` holds them): compute on
 a peer's data — cross-loss, cross-gradient (COBO's alignment), FedeRiCo's gradient push — and
-strategy gossip; and the one door my own gradients leave through (``private_gradient``).
+strategy gossip; discovery's "whom do you weight?" (``recommend``); and the one door my own
+gradients leave through (``private_gradient``).
 
 Every request on a peer's data names a purpose (``privacy/purposes.py``), checked here so a wrong
 call fails in the strategy's own round; a gradient on *my* data that a strategy sends out is
@@ -21,9 +22,11 @@ from ..privacy.purposes import ALIGNMENT, GRADIENT, LOSS, PUSH, Purpose
 from ..privacy.purposes import purpose as purpose_table
 from ..strategies.base import GradientReply, PushedGradient
 from ..wire.codec import WireError, encoded_size
+from .api import MAX_RECOMMEND, RECOMMEND, RecommendAsk
 from .errors import NOT_CACHED, PeerCallError
-from .messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest
+from .messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest, PeerEntry
 from .validation import model_tensors
+from .versions import RECOMMEND as RECOMMEND_FEATURE
 
 if TYPE_CHECKING:
     from ..privacy.mechanisms import PrivateData
@@ -224,4 +227,22 @@ class PeerRequests:
             )
         except (PeerCallError, WireError) as e:
             self.failed(f"gossip {key!r}", peer, e)
+            return None
+
+    async def recommend(self, peer: str, count: int) -> list[PeerEntry] | None:
+        """Whom ``peer`` weights (at most ``count``, hints for discovery); None if it did not say."""
+        address = self.address_of(peer)
+        rec = self.calls.table.records.get(peer)
+        if address is None or rec is None or RECOMMEND_FEATURE not in rec.features:
+            return None  # (a peer whose handshake did not name the feature is not asked: 0.1.0)
+        ask = RecommendAsk(self.node_id, min(count, MAX_RECOMMEND))
+        try:
+            reply = await self.calls.call(
+                peer, RECOMMEND.kind, lambda timeout: self.transport.call(RECOMMEND, address, ask, timeout, peer=peer)
+            )
+            if reply.sender != peer:
+                raise WireError(f"recommendations claim to be from {reply.sender!r}, expected {peer!r}")
+            return list(reply.peers)
+        except (PeerCallError, WireError) as e:
+            self.failed("recommendation request", peer, e)
             return None

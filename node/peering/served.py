@@ -32,7 +32,8 @@ from ..privacy.purposes import ALIGNMENT, GRADIENT, LOSS, PURPOSES, PUSH, Purpos
 from ..strategies.base import PushedGradient
 from ..wire.codec import Groups, WireError
 from .admission import Admission
-from .api import RevocationList
+from .api import LinkReply, LinkRequest, RecommendAsk, Recommendations, RevocationList, ViewSample
+from .discovery import Discovery
 from .errors import PRIVACY_BUDGET, UNAVAILABLE, Refusal, budget_spent, invalid, not_cached, refused
 from .inbox import PushInbox
 from .membership import Membership
@@ -49,6 +50,7 @@ from .messages import (
     NodeInfo,
     PeerEntry,
 )
+from .overlay import Overlay
 from .problems import ProblemLog
 from .snapshots import PublishBoard, SnapshotCache
 from .validation import Spec, model_tensors
@@ -109,10 +111,14 @@ class ServedRequests:
         admission: Admission,
         on_refused: Callable[[str], None] | None = None,
         revocations: RevocationExchange | None = None,
+        discovery: Discovery | None = None,
+        overlay: Overlay | None = None,
     ):
         """``board``: what I publish; ``cache``: peers' snapshots a request may name; ``inbox``:
         where accepted gradient pushes wait for the strategy; ``on_refused``: counts refusals by
-        kind; ``revocations``: None without a network CA (plaintext)."""
+        kind; ``revocations``: None without a network CA (plaintext); ``discovery``: whom this node
+        weights, answered to "whom do you weight?" (None: the question is refused); ``overlay``:
+        this node's partial views (None: full membership; shuffles and link requests refused)."""
         self.settings = settings
         self.node_id = settings.node_id
         self.info = info
@@ -127,6 +133,8 @@ class ServedRequests:
         self.admission = admission
         self.on_refused = on_refused or (lambda kind: None)
         self.revocations = revocations
+        self.discovery = discovery
+        self.overlay = overlay
         self._pool = ThreadPoolExecutor(settings.compute_workers, thread_name_prefix="served-compute")
         self._own_norms: deque[tuple[int, float]] = deque(maxlen=NORM_HISTORY)  # (version, ‖g‖)
         self._norm_lock = asyncio.Lock()
@@ -354,3 +362,24 @@ class ServedRequests:
         if self.revocations is None:
             raise refused(f"revocation list from {theirs.sender}: this node has no network CA (no mTLS)")
         return self.revocations.answer(theirs)
+
+    def on_recommend(self, ask: RecommendAsk) -> Recommendations:
+        """ "Whom do you weight?": the peers I weight most and know alive, with their addresses
+        (never the asker); the asker, a known peer that evaluates me, becomes a hint for me."""
+        if self.discovery is None:
+            raise refused(f"recommendation request from {ask.sender}: this node runs no discovery")
+        self.discovery.on_contacted(ask.sender)
+        records = self.membership.peers.records
+        ids = [p for p in self.discovery.recommend(ask.sender, ask.count) if p in records]
+        return Recommendations(self.node_id, tuple(PeerEntry(p, records[p].address, records[p].age()) for p in ids))
+
+    def _overlay(self, what: str) -> Overlay:
+        if self.overlay is None:
+            raise refused(f"{what}: this node runs full membership, not partial views")
+        return self.overlay
+
+    def on_shuffle(self, sample: ViewSample) -> ViewSample:
+        return self._overlay(f"shuffle from {sample.sender}").on_shuffle(sample)
+
+    def on_link(self, req: LinkRequest) -> LinkReply:
+        return self._overlay(f"link request from {req.sender}").on_link(req)

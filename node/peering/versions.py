@@ -27,7 +27,9 @@ PROTOCOL_RELEASES = {1: "0.1.0"}
 # optional RPCs and services, named in the handshake by the nodes that have them
 REVOCATIONS = "revocations"  # ExchangeRevocations (0.1.0 spread the CRL under the gossip key "coterie.crl")
 RELAY = "relay"  # the Relay service (Reserve, Connect, Accept, DialBack): docs/nat.md
-FEATURES = (REVOCATIONS, RELAY)
+RECOMMEND = "recommend"  # Recommend, discovery's "whom do you weight?" (0.1.0 asked it under gossip)
+VIEWS = "views"  # Shuffle and Link, partial views (peering/overlay.py)
+FEATURES = (REVOCATIONS, RELAY, RECOMMEND, VIEWS)
 LEGACY_CRL_KEY = "coterie.crl"  # the gossip key 0.1.0 spreads revocation lists under (no REVOCATIONS)
 
 MAX_RELEASE_CHARS = 40  # of a peer's advertised release, as shown in /status and refusals

@@ -15,7 +15,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from ...proto.v1 import peer_pb2 as pb
-from ..peering.api import RevocationList
+from ..peering.api import LINK_KINDS, LinkReply, LinkRequest, RecommendAsk, Recommendations, RevocationList, ViewSample
 from ..peering.errors import invalid, short
 from ..peering.messages import (
     ALIVE,
@@ -207,6 +207,52 @@ def revocations_from_pb(m: pb.RevocationList) -> RevocationList:
     return RevocationList(m.node_id, m.number, m.crl)
 
 
+def recommend_ask_to_pb(a: RecommendAsk) -> pb.RecommendRequest:
+    return pb.RecommendRequest(node_id=a.sender, count=a.count)
+
+
+def recommend_ask_from_pb(m: pb.RecommendRequest) -> RecommendAsk:
+    return RecommendAsk(m.node_id, m.count)
+
+
+def recommendations_to_pb(r: Recommendations) -> pb.Recommendations:
+    return pb.Recommendations(node_id=r.sender, peers=entries_to_pb(list(r.peers)))
+
+
+def recommendations_from_pb(m: pb.Recommendations) -> Recommendations:
+    return Recommendations(m.node_id, tuple(entries_from_pb(m.peers)))
+
+
+def sample_to_pb(v: ViewSample) -> pb.ViewSample:
+    return pb.ViewSample(node_id=v.sender, peers=entries_to_pb(list(v.peers)))
+
+
+def sample_from_pb(m: pb.ViewSample) -> ViewSample:
+    return ViewSample(m.node_id, tuple(entries_from_pb(m.peers)))
+
+
+def link_to_pb(r: LinkRequest) -> pb.LinkRequest:
+    m = pb.LinkRequest(node_id=r.sender, kind=pb.LinkKind.Value(f"LINK_{r.kind.upper()}"), ttl=r.ttl, address=r.address)
+    if r.joined is not None:
+        m.joined.CopyFrom(entries_to_pb([r.joined])[0])
+    return m
+
+
+def link_from_pb(m: pb.LinkRequest) -> LinkRequest:
+    # an unknown kind (a newer peer) reads as "", which the table's check refuses
+    kind = LINK_KINDS[m.kind] if 0 <= m.kind < len(LINK_KINDS) else ""
+    joined = entries_from_pb([m.joined])[0] if m.HasField("joined") else None
+    return LinkRequest(m.node_id, kind, joined, m.ttl, m.address)
+
+
+def link_reply_to_pb(r: LinkReply) -> pb.LinkReply:
+    return pb.LinkReply(node_id=r.sender, accepted=r.accepted)
+
+
+def link_reply_from_pb(m: pb.LinkReply) -> LinkReply:
+    return LinkReply(m.node_id, m.accepted)
+
+
 # --- snapshots ---
 def snapshot_header_to_pb(
     h: SnapshotHeader, total_bytes: int, encoding: dict[str, Any] | None = None
@@ -323,4 +369,14 @@ WIRE: dict[str, Wire] = {  # by ``api.Unary.name``
         revocations_to_pb,
         revocations_from_pb,
     ),
+    "Recommend": Wire(
+        pb.RecommendRequest,
+        pb.Recommendations,
+        recommend_ask_to_pb,
+        recommend_ask_from_pb,
+        recommendations_to_pb,
+        recommendations_from_pb,
+    ),
+    "Shuffle": Wire(pb.ViewSample, pb.ViewSample, sample_to_pb, sample_from_pb, sample_to_pb, sample_from_pb),
+    "Link": Wire(pb.LinkRequest, pb.LinkReply, link_to_pb, link_from_pb, link_reply_to_pb, link_reply_from_pb),
 }

@@ -12,9 +12,22 @@ class MemberState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEMBER_ALIVE: _ClassVar[MemberState]
     MEMBER_SUSPECT: _ClassVar[MemberState]
     MEMBER_DEAD: _ClassVar[MemberState]
+
+class LinkKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LINK_JOIN: _ClassVar[LinkKind]
+    LINK_FORWARD_JOIN: _ClassVar[LinkKind]
+    LINK_NEIGHBOR: _ClassVar[LinkKind]
+    LINK_NEIGHBOR_URGENT: _ClassVar[LinkKind]
+    LINK_DISCONNECT: _ClassVar[LinkKind]
 MEMBER_ALIVE: MemberState
 MEMBER_SUSPECT: MemberState
 MEMBER_DEAD: MemberState
+LINK_JOIN: LinkKind
+LINK_FORWARD_JOIN: LinkKind
+LINK_NEIGHBOR: LinkKind
+LINK_NEIGHBOR_URGENT: LinkKind
+LINK_DISCONNECT: LinkKind
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "protocol_version", "arch_fingerprint", "capabilities", "address", "admin_url", "labels", "task", "codecs", "protocol_max", "release")
@@ -308,3 +321,49 @@ class RevocationList(_message.Message):
     number: int
     crl: bytes
     def __init__(self, node_id: _Optional[str] = ..., number: _Optional[int] = ..., crl: _Optional[bytes] = ...) -> None: ...
+
+class RecommendRequest(_message.Message):
+    __slots__ = ("node_id", "count")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    count: int
+    def __init__(self, node_id: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class Recommendations(_message.Message):
+    __slots__ = ("node_id", "peers")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    peers: _containers.RepeatedCompositeFieldContainer[PeerEntry]
+    def __init__(self, node_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerEntry, _Mapping]]] = ...) -> None: ...
+
+class ViewSample(_message.Message):
+    __slots__ = ("node_id", "peers")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    peers: _containers.RepeatedCompositeFieldContainer[PeerEntry]
+    def __init__(self, node_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerEntry, _Mapping]]] = ...) -> None: ...
+
+class LinkRequest(_message.Message):
+    __slots__ = ("node_id", "kind", "joined", "ttl", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    TTL_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    kind: LinkKind
+    joined: PeerEntry
+    ttl: int
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[_Union[LinkKind, str]] = ..., joined: _Optional[_Union[PeerEntry, _Mapping]] = ..., ttl: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+
+class LinkReply(_message.Message):
+    __slots__ = ("node_id", "accepted")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    accepted: bool
+    def __init__(self, node_id: _Optional[str] = ..., accepted: _Optional[bool] = ...) -> None: ...

@@ -94,6 +94,21 @@ class PeerStub:
                 request_serializer=coterie_dot_v1_dot_peer__pb2.RevocationList.SerializeToString,
                 response_deserializer=coterie_dot_v1_dot_peer__pb2.RevocationList.FromString,
                 _registered_method=True)
+        self.Recommend = channel.unary_unary(
+                '/coterie.v1.Peer/Recommend',
+                request_serializer=coterie_dot_v1_dot_peer__pb2.RecommendRequest.SerializeToString,
+                response_deserializer=coterie_dot_v1_dot_peer__pb2.Recommendations.FromString,
+                _registered_method=True)
+        self.Shuffle = channel.unary_unary(
+                '/coterie.v1.Peer/Shuffle',
+                request_serializer=coterie_dot_v1_dot_peer__pb2.ViewSample.SerializeToString,
+                response_deserializer=coterie_dot_v1_dot_peer__pb2.ViewSample.FromString,
+                _registered_method=True)
+        self.Link = channel.unary_unary(
+                '/coterie.v1.Peer/Link',
+                request_serializer=coterie_dot_v1_dot_peer__pb2.LinkRequest.SerializeToString,
+                response_deserializer=coterie_dot_v1_dot_peer__pb2.LinkReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -176,6 +191,24 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Recommend(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Shuffle(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Link(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -238,6 +271,21 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.ExchangeRevocations,
                     request_deserializer=coterie_dot_v1_dot_peer__pb2.RevocationList.FromString,
                     response_serializer=coterie_dot_v1_dot_peer__pb2.RevocationList.SerializeToString,
+            ),
+            'Recommend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Recommend,
+                    request_deserializer=coterie_dot_v1_dot_peer__pb2.RecommendRequest.FromString,
+                    response_serializer=coterie_dot_v1_dot_peer__pb2.Recommendations.SerializeToString,
+            ),
+            'Shuffle': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shuffle,
+                    request_deserializer=coterie_dot_v1_dot_peer__pb2.ViewSample.FromString,
+                    response_serializer=coterie_dot_v1_dot_peer__pb2.ViewSample.SerializeToString,
+            ),
+            'Link': grpc.unary_unary_rpc_method_handler(
+                    servicer.Link,
+                    request_deserializer=coterie_dot_v1_dot_peer__pb2.LinkRequest.FromString,
+                    response_serializer=coterie_dot_v1_dot_peer__pb2.LinkReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -564,6 +612,87 @@ class Peer:
             '/coterie.v1.Peer/ExchangeRevocations',
             coterie_dot_v1_dot_peer__pb2.RevocationList.SerializeToString,
             coterie_dot_v1_dot_peer__pb2.RevocationList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Recommend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coterie.v1.Peer/Recommend',
+            coterie_dot_v1_dot_peer__pb2.RecommendRequest.SerializeToString,
+            coterie_dot_v1_dot_peer__pb2.Recommendations.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shuffle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coterie.v1.Peer/Shuffle',
+            coterie_dot_v1_dot_peer__pb2.ViewSample.SerializeToString,
+            coterie_dot_v1_dot_peer__pb2.ViewSample.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Link(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coterie.v1.Peer/Link',
+            coterie_dot_v1_dot_peer__pb2.LinkRequest.SerializeToString,
+            coterie_dot_v1_dot_peer__pb2.LinkReply.FromString,
             options,
             channel_credentials,
             insecure,
