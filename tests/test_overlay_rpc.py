@@ -16,7 +16,7 @@ from coterie.node.peering.api import MAX_SAMPLE, MAX_TTL, LinkRequest, ViewSampl
 from coterie.node.peering.errors import INVALID, UNKNOWN_PEER, PeerCallError, unknown_peer
 from coterie.node.peering.messages import PeerEntry
 from coterie.node.peering.overlay import Overlay
-from coterie.node.peering.partial_view import PartialView, ViewSettings
+from coterie.node.peering.partial_view import PartialView, ViewSettings, view_components
 from coterie.node.transport.inproc import InProcNetwork
 
 SETTINGS = ViewSettings(active_size=4, passive_size=12)
@@ -87,26 +87,7 @@ async def _periods(overlays, k: int) -> None:
 
 def _components(overlays: dict[str, Overlay]) -> list[set[str]]:
     """Components of the active views' graph (links taken either way) among ``overlays``."""
-    edges: dict[str, set[str]] = {p: set() for p in overlays}
-    for p, o in overlays.items():
-        for q in o.view.active:
-            if q in overlays:
-                edges[p].add(q)
-                edges[q].add(p)
-    seen: set[str] = set()
-    out = []
-    for start in overlays:
-        if start in seen:
-            continue
-        comp, todo = set(), [start]
-        while todo:
-            p = todo.pop()
-            if p not in comp:
-                comp.add(p)
-                todo.extend(edges[p] - comp)
-        seen |= comp
-        out.append(comp)
-    return out
+    return view_components({p: o.view.active for p, o in overlays.items()})
 
 
 def test_thirty_nodes_keep_bounded_connected_views_and_survive_a_fifth_killed():

@@ -7,34 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from coterie.node.peering.partial_view import view_components
 from tests.nodeproc import NodeProc, tiny_learner, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # 12 daemons: ~3.5 min alone on this box
 
 N, CLUSTERS = 12, 3  # label-permutation clusters: contiguous blocks of 4 nodes
 CHANCE = (N // CLUSTERS - 1) / (N - 1)  # a uniform pick is a cluster mate 3 times in 11
-
-
-def _components(active: dict[str, list[str]]) -> list[set[str]]:
-    edges: dict[str, set[str]] = {p: set() for p in active}
-    for p, view in active.items():
-        for q in view:
-            if q in edges:
-                edges[p].add(q)
-                edges[q].add(p)
-    seen: set[str] = set()
-    out = []
-    for start in active:
-        if start not in seen:
-            comp, todo = set(), [start]
-            while todo:
-                p = todo.pop()
-                if p not in comp:
-                    comp.add(p)
-                    todo.extend(edges[p] - comp)
-            seen |= comp
-            out.append(comp)
-    return out
 
 
 def test_daemons_past_the_threshold_run_connected_partial_views_and_find_cluster_mates(tmp_path):
@@ -59,7 +38,7 @@ def test_daemons_past_the_threshold_run_connected_partial_views_and_find_cluster
         for p, v in views.items():
             assert v["active"], p  # past the threshold: discovery (and the overlay) run
             assert 1 <= len(active[p]) <= 4 and p not in active[p], (p, active[p])
-        assert len(_components(active)) == 1, active
+        assert len(view_components(active)) == 1, active
         assert sum(v["views"]["shuffles_received"] for v in views.values()) > N  # shuffles went over the RPC
         # FedFomo, seeing 3 candidates a round, weights its cluster mates well above chance
         mates = [

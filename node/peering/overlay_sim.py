@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .discovery import Discovery, DiscoverySettings
-from .partial_view import Message, PartialView, ViewSettings, message_bytes
+from .partial_view import Message, PartialView, ViewSettings, message_bytes, view_components
 
 PROBE_BYTES = 2 * 24  # a ping and its ack
 
@@ -82,25 +82,7 @@ class SimOverlay:
 
     def components(self) -> list[set[str]]:
         """The alive nodes' active views as an undirected graph: its connected components."""
-        adj: dict[str, set[str]] = {n: set() for n in self.alive}
-        for n in self.alive:
-            for p in self.views[n].active:
-                if p in self.alive:
-                    adj[n].add(p)
-                    adj[p].add(n)
-        out: list[set[str]] = []
-        left = set(self.alive)
-        while left:
-            start = left.pop()
-            comp, stack = {start}, [start]
-            while stack:
-                for q in adj[stack.pop()]:
-                    if q not in comp:
-                        comp.add(q)
-                        stack.append(q)
-            left -= comp
-            out.append(comp)
-        return out
+        return view_components({n: self.views[n].active for n in self.alive})
 
 
 # ------------------------------------------------------------------------------ discovery

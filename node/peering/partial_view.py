@@ -30,6 +30,7 @@ import heapq
 import math
 import random
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -333,3 +334,27 @@ class PartialView:
         self._asking, self._asked_at = node, 0
         self.counters.promotions += 1
         self._request(node, Neighbor(high_priority=not self.active))
+
+
+def view_components(active: Mapping[str, Iterable[str]]) -> list[set[str]]:
+    """The connected components of the nodes in ``active`` (node -> its active view), links taken
+    either way and only between those nodes: one component is a connected overlay."""
+    adj: dict[str, set[str]] = {n: set() for n in active}
+    for n, view in active.items():
+        for p in view:
+            if p in adj and p != n:
+                adj[n].add(p)
+                adj[p].add(n)
+    out: list[set[str]] = []
+    left = set(adj)
+    while left:
+        start = left.pop()
+        comp, stack = {start}, [start]
+        while stack:
+            for q in adj[stack.pop()]:
+                if q not in comp:
+                    comp.add(q)
+                    stack.append(q)
+        left -= comp
+        out.append(comp)
+    return out
