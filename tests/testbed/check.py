@@ -197,6 +197,16 @@ def full_membership(nodes: list[str]) -> bool:
     return all(alive_peers(n) >= set(nodes) - {n} for n in nodes)
 
 
+def wait_full_membership(nodes: list[str], timeout: float = 300) -> None:
+    wait_until(
+        f"all {len(nodes)} nodes see the other {len(nodes) - 1} alive",
+        lambda: full_membership(nodes),
+        timeout=timeout,
+        every=2,
+        detail=lambda: membership_detail(nodes),
+    )
+
+
 def membership_detail(nodes: list[str]) -> dict[str, list[str]]:
     return {n: sorted(set(nodes) - {n} - alive_peers(n)) for n in nodes}
 
@@ -461,13 +471,7 @@ def baseline(args: argparse.Namespace) -> int:
     with phase_timer("late joiner"):
         late_joiner()
     with phase_timer("full membership"):
-        wait_until(
-            f"all {len(nodes)} nodes see the other {len(nodes) - 1} alive",
-            lambda: full_membership(nodes),
-            timeout=300,
-            every=2,
-            detail=lambda: membership_detail(nodes),
-        )
+        wait_full_membership(nodes)
         check(True, "full membership on every node (seeds: node1, node5 only)")
         plain = [n for n in nodes if not status(n).get("mtls")]
         check(not plain, f"every node on mTLS with the run's CA (plaintext: {plain})")
@@ -517,13 +521,7 @@ def faulty(args: argparse.Namespace) -> int:
         )
         check(status(FAULTY).get("faulty") == "random", "node9 runs with faulty=random")
     with phase_timer("full membership"):
-        wait_until(
-            f"all {len(nodes)} nodes see the other {len(nodes) - 1} alive",
-            lambda: full_membership(nodes),
-            timeout=300,
-            every=2,
-            detail=lambda: membership_detail(nodes),
-        )
+        wait_full_membership(nodes)
     with phase_timer(f"every node reaches round {ROUNDS}"):
         wait_until(
             f"every node done with {ROUNDS} rounds",
@@ -722,13 +720,7 @@ def nat(args: argparse.Namespace) -> int:
             )
             check(True, f"{n}: reachability {view['reachability']!r}")
     with phase_timer("full membership across the NAT"):
-        wait_until(
-            f"all {len(nodes)} nodes see the other {len(nodes) - 1} alive",
-            lambda: full_membership(nodes),
-            timeout=300,
-            every=2,
-            detail=lambda: membership_detail(nodes),
-        )
+        wait_full_membership(nodes)
         for r in NAT_RELAYS:
             rows = {row["node_id"]: row for row in get(r, "/peers") or []}
             addrs = {n: (rows.get(n) or {}).get("address", "") for n in BEHIND_NAT}
