@@ -343,10 +343,14 @@ def latency_seen() -> None:
     # (on a busy 2-core host a plain RTT is tens of ms of event-loop latency, so compare medians)
     plain_rtts = [v for n, v in med.items() if n not in ("node7", "node4")]
     plain = statistics.median(plain_rtts)
-    # the delay is per caller: a plain node that got it too would sit at >= DELAY_S like node7. A busy
-    # 2-core CI host puts tens to ~130 ms of event-loop latency on plain RTTs (seen: plain median
-    # 103 ms, node7 237 ms), so the plain bound is 3/4 of the delay, not half of it
-    check(plain < DELAY_S * 0.75, f"nodes on plain links: median RTT {plain * 1000:.0f} ms (< {DELAY_S * 750:.0f} ms)")
+    # the delay is per caller: a plain node that got it too would sit at node7's RTT. Event-loop
+    # latency on a busy host lifts every node's RTT alike (seen with the box idle: plain median
+    # 103 ms, node6 at 0.25 CPU 206 ms, node7 305 ms; on CI: 103 and 237), so the plain nodes are
+    # judged against node7: with the delay on every node the two would be ~0 apart
+    check(
+        med["node7"] - plain >= DELAY_S / 4,
+        f"nodes on plain links: median RTT {plain * 1000:.0f} ms, {(med['node7'] - plain) * 1000:.0f} ms below node7's",
+    )
     # the excess over the fastest plain link: against the plain *median* a busy host's loop latency
     # on the plain nodes ate into it (seen: node7 237 ms, plain median 99 ms, fastest plain 27 ms)
     floor = min(plain_rtts)
