@@ -90,7 +90,10 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
         time.sleep(2 * args.sample_s)
         sampler.halt.set()
         sampler.join()
-        rest = [[smaps(p) for p in pids] for _ in range(4) if not time.sleep(args.sample_s)]
+        rest = []  # at rest: four samples once every node is done and has written its checkpoint
+        for _ in range(4):
+            time.sleep(args.sample_s)
+            rest.append([smaps(p) for p in pids])
     per_node_peak = [max(s[i][0] for s in sampler.samples) for i in range(len(pids))]
     return {
         "wall_s": round(wall, 1),
