@@ -266,6 +266,15 @@ async def test_relay_budget_refusals_name_the_limit(tmp_path):
         await server.stop(0)
 
 
+def _outbound_only(tmp_path, via: list[str]) -> NodeProc:
+    """n9: an outbound-only daemon (local strategy) reserving at the relays ``via``."""
+    return NodeProc(
+        tmp_path,
+        "n9",
+        {"strategy": "local", "round_interval_s": 0.5, "learner": learner(0), "no_listen": True, "relay": {"via": via}},
+    )
+
+
 async def test_a_relay_at_its_tunnel_budget_is_passed_over_like_a_busy_peer(tmp_path):
     """The outbound-only daemon n9 is relayed by a relay whose tunnel budget for n9 is spent and
     by another: the first refuses naming the limit, the dialer names that refusal and reaches
@@ -274,17 +283,7 @@ async def test_a_relay_at_its_tunnel_budget_is_passed_over_like_a_busy_peer(tmp_
     free = RelayService(_tls(tmp_path, "rb"))
     busy_server, busy_address = await _relay_server(tmp_path, "ra", busy)
     free_server, free_address = await _relay_server(tmp_path, "rb", free)
-    n9 = NodeProc(
-        tmp_path,
-        "n9",
-        {
-            "strategy": "local",
-            "round_interval_s": 0.5,
-            "learner": learner(0),
-            "no_listen": True,
-            "relay": {"via": [busy_address, free_address]},
-        },
-    )
+    n9 = _outbound_only(tmp_path, [busy_address, free_address])
     tls = _tls(tmp_path, "n1")
     dialer = RelayDialer(tls)
     client = PeerClient("n1", _Quiet(), chunk_bytes=1 << 20, timeout_s=10, tls=tls, relay_dialer=dialer)
@@ -378,17 +377,7 @@ async def test_a_malicious_relay_sees_ciphertext_only_and_every_tampering_is_ref
     evil = EvilRelay(_tls(tmp_path, "evil"))
     server, evil_address = await _relay_server(tmp_path, "evil", evil)
     evil.port = int(evil_address.rsplit(":", 1)[1])
-    n9 = NodeProc(
-        tmp_path,
-        "n9",
-        {
-            "strategy": "local",
-            "round_interval_s": 0.5,
-            "learner": learner(0),
-            "no_listen": True,
-            "relay": {"via": [evil_address]},
-        },
-    )
+    n9 = _outbound_only(tmp_path, [evil_address])
     tls = _tls(tmp_path, "n1")
     client = PeerClient("n1", _Quiet(), chunk_bytes=1 << 20, timeout_s=5, tls=tls, relay_dialer=RelayDialer(tls))
     marker = "PLAINTEXT-" + "7e57" * 64
