@@ -256,6 +256,13 @@ class TorchLearner(Learner):
         with self._lock, torch.no_grad():
             return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
 
+    def drop_optimizer_state(self) -> None:
+        """Forget the optimizer's state (momenta, Adam moments); the next step starts it afresh."""
+        with self._lock:
+            lr = self.optimizer.lr
+            self.optimizer = self._make_optimizer()
+            self.optimizer.lr = lr
+
     def reset_after_divergence(self, params: Params) -> None:
         """Back to ``params`` (the last finite model) with fresh optimizer state: a momentum or
         Adam buffer that saw the blow-up would carry it into the next step."""
