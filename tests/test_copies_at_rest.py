@@ -10,9 +10,10 @@ import gc
 
 import torch
 
-from coterie.node.config import LearnerConfig
+from coterie.node.config import LearnerConfig, ReferenceConfig
 from coterie.node.learning.guard import RoundGuard
 from coterie.node.learning.torch_learner import TorchLearner
+from coterie.node.local_reference import LocalReference
 from tests.nodeproc import tiny_learner
 
 
@@ -76,3 +77,16 @@ def test_a_diverged_round_still_rolls_back_to_its_start():
 
 def _biggest(learner: TorchLearner) -> torch.Size:
     return max((p.shape for p in learner.model.parameters()), key=lambda s: s.numel())
+
+
+def test_the_twin_of_a_large_model_keeps_no_optimizer_state_between_its_trainings():
+    learner = _learner()
+    small = LocalReference(ReferenceConfig(), learner, "dpsgd")  # under shadow_max_params: trains every round
+    small.train(1)
+    assert small.twin is not None and small.twin.optimizer.state  # its Adam moments carry on
+    large = LocalReference(ReferenceConfig(shadow_max_params=0, large_every=2), learner, "dpsgd")
+    assert large.twin is not None
+    before = large.twin.get_params()
+    large.train(2)
+    assert any(not torch.equal(before[n], t) for n, t in large.twin.get_params().items())  # it did train
+    assert large.twin.optimizer.state == {}  # Adam's two model-sized moments dropped
