@@ -129,9 +129,12 @@ class RoundGuard:
         return not events
 
     def _live_finite(self) -> bool:
-        """The live model checked in place where the learner can (no model-sized copy)."""
-        in_place = getattr(self.learner, "params_finite", None)
-        return bool(in_place()) if in_place is not None else all_finite(self.learner.get_params())
+        """The live model, checked in place where the learner has a torch module (no model-sized copy)."""
+        model = getattr(self.learner, "model", None)
+        if isinstance(model, torch.nn.Module):
+            with torch.no_grad():
+                return all_finite(dict(model.named_parameters()))
+        return all_finite(self.learner.get_params())
 
     def _restore(self) -> None:
         if self._start is not None:

@@ -251,17 +251,10 @@ class TorchLearner(Learner):
             guard.clean()
         return TrainResult(loss=total / steps, steps=steps, samples=samples)
 
-    def params_finite(self) -> bool:
-        """Every live parameter finite, checked in place (``RoundGuard``: no copy of the model)."""
-        with self._lock, torch.no_grad():
-            return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
-
     def drop_optimizer_state(self) -> None:
-        """Forget the optimizer's state (momenta, Adam moments); the next step starts it afresh."""
+        """Forget the optimizer's state (momenta, Adam moments); ``train`` sets its step size."""
         with self._lock:
-            lr = self.optimizer.lr
             self.optimizer = self._make_optimizer()
-            self.optimizer.lr = lr
 
     def reset_after_divergence(self, params: Params) -> None:
         """Back to ``params`` (the last finite model) with fresh optimizer state: a momentum or
