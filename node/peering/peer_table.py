@@ -260,6 +260,16 @@ class PeerTable:
         for node_id in self._in_state[SUSPECT]:
             self.records[node_id].state_since += seconds
 
+    def forget(self, node_id: str) -> None:
+        """Drop ``node_id`` from the table (past the size threshold, a node it no longer samples:
+        ``view_scope.py``); it enters again only through a handshake."""
+        rec = self.records.pop(node_id, None)
+        if rec is None:
+            return
+        self._in_state[rec.state].discard(node_id)
+        if self._by_address.get(rec.address) == node_id:
+            del self._by_address[rec.address]
+
     # ------------------------------------------------------------------ dead members
     def due_reconnects(self, now: float | None = None) -> list[PeerRecord]:
         now = time.monotonic() if now is None else now
