@@ -324,9 +324,7 @@ class MembershipState:
         keep = self.scope.keep() | self.probing
         now, grace = time.monotonic(), PRUNE_GRACE_PERIODS * self.period
         gone = [
-            p
-            for p, r in self.peers.records.items()
-            if p not in keep and (r.state == DEAD or now - r.last_seen > grace)
+            p for p, r in self.peers.records.items() if p not in keep and (r.state == DEAD or now - r.last_seen > grace)
         ]
         for p in gone:
             self.peers.forget(p)

@@ -15,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from ..transport.inproc import InProcNetwork, InProcServer
 from .api import LinkRequest, ViewSample
 from .membership import Membership, Settings, full_membership
 from .messages import Beat, IndirectProbe, NodeInfo
+from .interfaces import PeerServer
 from .overlay import Overlay
 from .partial_view import PartialView, ViewSettings
 from .peer_table import ALIVE, PeerTable
@@ -31,12 +33,14 @@ from .view_scope import ViewScope
 
 @dataclass
 class Traffic:
-    """One node's bytes sent (``transport.Traffic``)."""
+    """One node's bytes sent (``transport.Traffic``), and its calls and answers by kind."""
 
     sent: int = 0
+    kinds: Counter[str] = field(default_factory=Counter)
 
     def record(self, kind: str, *, sent: int = 0, received: int = 0) -> None:
         self.sent += sent
+        self.kinds[kind] += 1
 
     def latency(self, kind: str, seconds: float, side: str) -> None:
         pass
@@ -83,9 +87,10 @@ class Member:
     membership: Membership
     overlay: Overlay
     scope: ViewScope | None
-    server: InProcServer
+    server: PeerServer
     traffic: Traffic
     deaths: list[str] = field(default_factory=list)  # members this node declared dead
+    stopped: bool = False
 
     @property
     def peers(self) -> PeerTable:
@@ -107,7 +112,7 @@ class Timing:
 
 
 def make_member(
-    net: InProcNetwork,
+    net: Any,
     node_id: str,
     views: ViewSettings,
     *,
@@ -116,7 +121,8 @@ def make_member(
     timing: Timing = Timing(),
     settings: Settings | None = None,
 ) -> Member:
-    """One node; ``partial``: membership on its views from the start (else full membership,
+    """One node on ``net`` (``transport.inproc.InProcNetwork``: peering does not import the
+    transports); ``partial``: membership on its views from the start (else full membership,
     the overlay idle)."""
     t = net.transport()
     traffic = Traffic()
@@ -210,7 +216,11 @@ def converge_full(members: list[Member]) -> None:
 
 
 async def stop(members: Iterable[Member]) -> None:
+    """Stop serving and calling (a killed node); those stopped already are left as they are."""
     for x in members:
+        if x.stopped:
+            continue
+        x.stopped = True
         x.membership.tasks.cancel()
         await x.overlay.close()
         await x.server.stop()
