@@ -85,6 +85,9 @@ class Overlay:
         # handshaken first (Link and Shuffle are known-peer calls), ``introduce(id, address)``
         # does it and says whether ``id`` is known now
         self.introduce = introduce
+        # a Link a period to one active neighbour; off where membership probes the active view
+        # (view_scope.py): its failure detector replaces a dead neighbour
+        self.keepalives = True
         self.addresses: dict[str, str] = {}  # the views' nodes (pruned after every change)
         self._tasks: set[asyncio.Task] = set()
         self._calling: Counter[str] = Counter()  # nodes with a call in flight (their address kept)
@@ -112,7 +115,7 @@ class Overlay:
         """One period: the view's own work, a keepalive to one active neighbour, the address book
         pruned to the views."""
         self.view.tick()
-        probe = self.view.next_probe()
+        probe = self.view.next_probe() if self.keepalives else None
         if probe is not None:
             self._spawn(probe, self._keepalive(probe))
         self._flush()

@@ -49,6 +49,7 @@ class ViewScope:
         self._partial = partial_from_start
         self.replaced = 0  # neighbours declared dead by membership, replaced from the passive view
         overlay.introduce = self.introduce
+        overlay.keepalives = False  # the overlay ticks only past the threshold: SWIM probes its neighbours
         peers.listeners.append(self._on_state)
 
     def partial(self) -> bool:

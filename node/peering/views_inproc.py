@@ -31,19 +31,58 @@ from .problems import ProblemLog
 from .view_scope import ViewScope
 
 
+FRAMING_BYTES = 24  # per message: HTTP/2 frame and gRPC headers, roughly (as overlay_sim counts)
+
+
+def wire_bytes(msg: Any) -> int:
+    """About what ``msg`` takes as protobuf: strings and bytes their length + 2, numbers 5 (a
+    varint; 9 for a float), nested messages and sequences their parts + 2."""
+    if isinstance(msg, str | bytes):
+        return len(msg) + 2
+    if isinstance(msg, bool) or msg is None:
+        return 2
+    if isinstance(msg, int):
+        return 5
+    if isinstance(msg, float):
+        return 9
+    if isinstance(msg, dict):
+        return sum(wire_bytes(k) + wire_bytes(v) for k, v in msg.items()) + 2
+    if isinstance(msg, list | tuple):
+        return sum(wire_bytes(m) for m in msg) + 2
+    fields = getattr(msg, "__dataclass_fields__", None)
+    if fields is not None:
+        return sum(wire_bytes(getattr(msg, f)) for f in fields) + 2
+    return 2
+
+
 @dataclass
 class Traffic:
-    """One node's bytes sent (``transport.Traffic``), and its calls and answers by kind."""
+    """One node's calls: their bytes (requests and replies, ``wire_bytes`` + framing, counted at
+    the caller: a network's total over N is the bytes each node sends on average) and their
+    kinds (``transport.Traffic``, as the transport records them)."""
 
     sent: int = 0
     kinds: Counter[str] = field(default_factory=Counter)
 
     def record(self, kind: str, *, sent: int = 0, received: int = 0) -> None:
-        self.sent += sent
         self.kinds[kind] += 1
 
     def latency(self, kind: str, seconds: float, side: str) -> None:
         pass
+
+
+def _counted(client: Any, traffic: Traffic) -> Any:
+    """``client`` whose unary calls (every membership and overlay call) count their bytes."""
+    send = client.send
+
+    async def counted(rpc, address, request, timeout=None, *, peer=None):
+        traffic.sent += FRAMING_BYTES + wire_bytes(request)
+        reply = await send(rpc, address, request, timeout, peer=peer)
+        traffic.sent += FRAMING_BYTES + wire_bytes(reply)
+        return reply
+
+    client.send = counted
+    return client
 
 
 class Served:
@@ -126,7 +165,7 @@ def make_member(
     the overlay idle)."""
     t = net.transport()
     traffic = Traffic()
-    client = t.connect(node_id, traffic)
+    client = _counted(t.connect(node_id, traffic), traffic)
     table = PeerTable(node_id, timing.suspect_after_s, timing.dead_after_s)
     box: list[str] = []
     info = lambda: NodeInfo(node_id, 1, "arch", address=box[0])  # noqa: E731 (its address once bound)
