@@ -8,7 +8,8 @@ membership and overlay RPCs through the switchboard's gate (the caller's identit
 tables' size checks of gRPC). Nodes are driven period by period (``period``: every node ticks,
 then the calls it started are answered), so a loaded machine does not skip periods; the
 clocks of suspicion and probe deadlines stay the wall clock's. ``traffic`` counts each node's
-bytes sent (requests it made, answers it served), as the transport measures them."""
+calls by kind (as the transport records them) and the bytes of its calls, request and reply
+(estimated from the messages: in memory nothing is encoded)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .api import LinkRequest, ViewSample
+from .interfaces import PeerServer
 from .membership import Membership, Settings, full_membership
 from .messages import Beat, IndirectProbe, NodeInfo
-from .interfaces import PeerServer
 from .overlay import Overlay
 from .partial_view import PartialView, ViewSettings
 from .peer_table import ALIVE, PeerTable
 from .problems import ProblemLog
 from .view_scope import ViewScope
-
 
 FRAMING_BYTES = 24  # per message: HTTP/2 frame and gRPC headers, roughly (as overlay_sim counts)
 
