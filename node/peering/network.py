@@ -179,6 +179,8 @@ class NodeNetwork:
         return {
             "active": self.discovering(),
             "above": self.discovery_above,
+            # membership on the views past the threshold (view_scope.py), else on every member
+            "membership": "views" if self.partial is not None and self.partial() else "full",
             "candidates": d.current(),
             "collaborators": d.collaborators(5),
             "hints": len(d.hints),
