@@ -207,6 +207,7 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
         also_keep=lambda: [*disc.current(), *disc.collaborators(2 * d.candidates)],
     )
     membership.state.scope = scope
+    peers.on_forget.append(calls.deadlines.forget)  # a member the views dropped: its latencies too
     network.partial = scope.partial
 
     def introduce(recommender: str, node_id: str, address: str) -> None:

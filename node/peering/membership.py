@@ -235,5 +235,6 @@ def full_membership(
 
     gossip = Dissemination(state, transport, problems, probe_soon, claims=Strikes(on_strike=obs.on_claim_struck))
     probes = Probes(state, transport, gossip, tasks, rtts=rtts, loop_lag=obs.loop_lag)
+    peers.on_forget.append(probes.rtts.forget)  # past the threshold the table forgets members
     handshakes = Handshakes(state, transport, problems, bootstrap)
     return Membership(state, gossip, probes, handshakes, tasks, on_gauges=obs.on_gauges)

@@ -83,6 +83,7 @@ class PeerTable:
         self.reconnect_max_s = reconnect_max_s
         self.records: dict[str, PeerRecord] = {}
         self.listeners: list[Listener] = []
+        self.on_forget: list[Callable[[str], None]] = []  # what else keeps per-peer state drops it
         # indexes kept with every change, so that a protocol period costs O(1) per node and not
         # O(members): a thousand in-process nodes each scanning a thousand records every period
         # is a million steps a second
@@ -269,6 +270,8 @@ class PeerTable:
         self._in_state[rec.state].discard(node_id)
         if self._by_address.get(rec.address) == node_id:
             del self._by_address[rec.address]
+        for forget in list(self.on_forget):
+            forget(node_id)
 
     # ------------------------------------------------------------------ dead members
     def due_reconnects(self, now: float | None = None) -> list[PeerRecord]:
