@@ -129,22 +129,27 @@ def cost_point(kind: str, n: int, periods: int, seed: int = 0) -> dict[str, Any]
     return row
 
 
-def overlay_section(sizes: list[int], full_up_to: int = 1000, timeout_s: float = 600) -> list[dict[str, Any]]:
-    """Side by side at each size: full membership (up to ``full_up_to``: its converged tables
-    are N² records) and partial views, each point a process of its own."""
+def overlay_section(
+    sizes: list[int], big: list[int] | None = None, full_up_to: int = 1000, timeout_s: float = 600
+) -> list[dict[str, Any]]:
+    """Side by side at each of ``sizes``: full membership (up to ``full_up_to``: its converged
+    tables are N² records) and partial views, each point a process of its own; then partial
+    views alone at each of ``big``, 5 periods (wall and peak memory)."""
+    points = [
+        (kind, n, push_pull_periods(n) if kind == "full membership" else PARTIAL_PERIODS)
+        for n in sizes
+        for kind in ["full membership"] * (n <= full_up_to) + ["partial views"]
+    ] + [("partial views", n, 5) for n in big or ()]
     rows = []
-    for n in sizes:
-        kinds = (["full membership"] if n <= full_up_to else []) + ["partial views"]
-        for kind in kinds:
-            periods = push_pull_periods(n) if kind == "full membership" else PARTIAL_PERIODS
-            cmd = [sys.executable, __file__, kind, str(n), str(periods)]
-            try:
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=True).stdout
-                r = json.loads(out.strip().splitlines()[-1])
-            except subprocess.TimeoutExpired:
-                r = {"kind": kind, "nodes": n, "periods": periods, "timed_out_s": timeout_s}
-            print("  ", r, flush=True)
-            rows.append(r)
+    for kind, n, periods in points:
+        cmd = [sys.executable, __file__, kind, str(n), str(periods)]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+        except subprocess.TimeoutExpired:
+            r = {"kind": kind, "nodes": n, "periods": periods, "timed_out_s": timeout_s}
+        print("  ", r, flush=True)
+        rows.append(r)
     return rows
 
 
@@ -173,49 +178,49 @@ def merged(old: list[dict[str, Any]], new: list[dict[str, Any]], key: tuple[str,
     return sorted([r for r in old if tuple(r[k] for k in key) not in again] + new, key=lambda r: r["nodes"])
 
 
+OVERLAY_NOTES = "(notes: see bench/results/scale.md)"
+
+
 def report(data: dict[str, Any]) -> list[str]:
     out: list[str] = []
     if "overlay" in data:
         out += [
             "",
-            "## Membership cost per node and period: full membership against partial views",
+            "## Membership cost per node and period: full membership against membership on partial views",
             "",
             "In-process, side by side (`--sections overlay`; " + __doc__.split("\n\n")[1].replace("\n", " ") + ")",
             "",
-            "| nodes | membership | CPU ms / node-period | bytes / node-period | entries held (median) | view sizes |",
-            "|---|---|---|---|---|---|",
+            "| nodes | membership | periods | CPU ms / node-period | bytes / node-period | calls / node-period "
+            "| entries held (median, max) | wall s (set-up + measured) | peak RSS MB | views |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in data["overlay"]:
+            if "timed_out_s" in r:
+                out.append(
+                    f"| {r['nodes']} | {r['kind']} | {r['periods']} | did not finish in {r['timed_out_s']:.0f} s |"
+                )
+                continue
             sizes = (
                 f"active {r['active']}, passive {r['passive']}; {r['components']} component(s)"
                 if "active" in r
                 else f"push-pull every {r['push_pull_every']} periods"
             )
+            calls = sum(r.get("calls", {}).values()) / 2  # (each call is recorded by both ends)
             out.append(
-                f"| {r['nodes']} | {r['kind']} | {r['cpu_ms']:.3f} | {r['bytes']:.0f} | "
-                f"{r['state_entries']:.0f} | {sizes} |"
+                f"| {r['nodes']} | {r['kind']} | {r['periods']} | {r['cpu_ms']:.3f} | {r['bytes']:.0f} | {calls:.2f} | "
+                f"{r['state_entries']:.0f}, {r.get('max_entries', '–')} | {r.get('setup_s', 0):.0f} + "
+                f"{r['wall_s']:.0f} | {r.get('peak_rss_mb', '–')} | {sizes} |"
             )
-        by = {(r["kind"], r["nodes"]): r for r in data["overlay"]}
-        ns = sorted({r["nodes"] for r in data["overlay"]})
-        if len(ns) >= 2:
-            lo, hi = ns[0], ns[-1]
-            for kind in ("full membership", "partial views"):
-                a, b = by.get((kind, lo)), by.get((kind, hi))
-                if a and b:
-                    out.append(
-                        f"\n{kind}, {hi} / {lo} nodes: CPU {b['cpu_ms'] / a['cpu_ms']:.2f}x, "
-                        f"bytes {b['bytes'] / a['bytes']:.2f}x."
-                    )
-        out += [
-            "",
-            "Issue 32 asks for per-node cost flat from 100 to 3,000 nodes (<= 1.3x). Bytes per node-period "
-            "of partial views are flat (full membership's grow with N: push-pull carries the whole table); "
-            "their CPU per node-period is not yet: the views grow with log2 N (active + passive entries "
-            "above) and each received entry scans the passive view (eviction, per-source cap), and the "
-            "shared machine's load varied between rows. 3,000 nodes did not finish within the 4-minute "
-            "budget of a run (joining them one by one in the simulation), and the per-node CPU of partial "
-            "views leaves out the per-message cost of a real call (they are not yet carried by the RPCs).",
-        ]
+        by = {(r["kind"], r["nodes"]): r for r in data["overlay"] if "cpu_ms" in r}
+        for kind in ("full membership", "partial views"):
+            ns = sorted(n for k, n in by if k == kind)
+            if len(ns) >= 2:
+                a, b = by[(kind, ns[0])], by[(kind, ns[-1])]
+                out.append(
+                    f"\n{kind}, {ns[-1]} / {ns[0]} nodes: CPU {b['cpu_ms'] / a['cpu_ms']:.2f}x, "
+                    f"bytes {b['bytes'] / a['bytes']:.2f}x."
+                )
+        out += ["", OVERLAY_NOTES]
     if "discovery" in data:
         out += [
             "",
