@@ -17,7 +17,8 @@ default), the same at every N. The set-up's objects are frozen out of the garbag
 (``gc.freeze``) before measuring: N nodes share one heap where a daemon holds one, and a full
 collection costs in proportion to the heap. CPU: the process's CPU time over
 the measured periods / (nodes x periods); each point runs in a process of its own (its peak RSS
-is the point's)."""
+is the point's). At ``--overlay-big`` sizes partial views alone run 5 periods straight from the
+bootstrapped views (no warm-up)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def push_pull_periods(n: int) -> int:
     return max(1, round(base / PERIOD_S))
 
 
-def cost_point(kind: str, n: int, periods: int, seed: int = 0) -> dict[str, Any]:
+def cost_point(kind: str, n: int, periods: int, warmup: int = WARMUP_PERIODS, seed: int = 0) -> dict[str, Any]:
     """One kind at ``n`` nodes: CPU ms and bytes per node-period, entries held, wall and peak RSS."""
 
     async def go() -> dict[str, Any]:
@@ -71,7 +72,7 @@ def cost_point(kind: str, n: int, periods: int, seed: int = 0) -> dict[str, Any]
         before = None
         if partial:
             vi.bootstrap_views(members, rng)
-            for _ in range(WARMUP_PERIODS):
+            for _ in range(warmup):
                 await vi.period(members)
         else:
             vi.converge_full(members)
@@ -101,6 +102,7 @@ def cost_point(kind: str, n: int, periods: int, seed: int = 0) -> dict[str, Any]
             "kind": kind,
             "nodes": n,
             "periods": periods,
+            "warmup": warmup if partial else 0,
             "cpu_ms": 1000 * cpu / (n * periods),
             "bytes": sent / (n * periods),
             "state_entries": statistics.median(len(x.peers.records) for x in members),
@@ -139,10 +141,12 @@ def overlay_section(
         (kind, n, push_pull_periods(n) if kind == "full membership" else PARTIAL_PERIODS)
         for n in sizes
         for kind in ["full membership"] * (n <= full_up_to) + ["partial views"]
-    ] + [("partial views", n, 5) for n in big or ()]
+    ]
+    points = [(kind, n, periods, WARMUP_PERIODS) for kind, n, periods in points]
+    points += [("partial views", n, 5, 0) for n in big or ()]  # 5 periods from the bootstrapped views
     rows = []
-    for kind, n, periods in points:
-        cmd = [sys.executable, __file__, kind, str(n), str(periods)]
+    for kind, n, periods, warmup in points:
+        cmd = [sys.executable, __file__, kind, str(n), str(periods), str(warmup)]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
@@ -255,4 +259,4 @@ def report(data: dict[str, Any]) -> list[str]:
 
 
 if __name__ == "__main__":  # one point: KIND N PERIODS (overlay_section runs each in its own process)
-    print(json.dumps(cost_point(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
+    print(json.dumps(cost_point(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))

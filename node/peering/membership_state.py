@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import MembershipConfig
-from .messages import ALIVE, DEAD, MemberUpdate, NodeInfo, PeerEntry
+from .messages import ALIVE, DEAD, SUSPECT, MemberUpdate, NodeInfo, PeerEntry
 
 if TYPE_CHECKING:
     from .peer_table import PeerTable
@@ -318,13 +318,22 @@ class MembershipState:
         """Past the threshold: forget the members the views no longer hold (``scope.keep``),
         unless one was heard from within the grace period (it may be calling this node: a
         neighbour being linked, a shuffle's partner) or a probe of it is under way. Dead ones
-        go at once. So the table stays O(view) whatever N. Returns those forgotten."""
+        go at once, and suspects outside the active view (not probed, their suspicion would
+        turn into a death nobody checked). So the table stays O(view) whatever N. Returns
+        those forgotten."""
         if self.scope is None or not self.scope.partial():
             return []
+        neighbours = set(self.scope.neighbours())
         keep = self.scope.keep() | self.probing
         now, grace = time.monotonic(), PRUNE_GRACE_PERIODS * self.period
         gone = [
-            p for p, r in self.peers.records.items() if p not in keep and (r.state == DEAD or now - r.last_seen > grace)
+            p
+            for p, r in self.peers.records.items()
+            if p not in self.probing
+            and (
+                (r.state == SUSPECT and p not in neighbours)  # not probed: its suspicion cannot settle
+                or (p not in keep and (r.state == DEAD or now - r.last_seen > grace))
+            )
         ]
         for p in gone:
             self.peers.forget(p)

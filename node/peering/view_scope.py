@@ -7,7 +7,8 @@ the table it then prunes would otherwise fall back under the threshold and refil
 back and forth) and ``MembershipState`` asks this scope:
 
 - failure detection probes the active view only (``neighbours``); a neighbour membership
-  declares dead leaves the views and is replaced from the passive view, as HyParView does;
+  suspects is replaced from the passive view at once, as HyParView replaces a failed link, and
+  forgotten (a suspicion nobody here can settle declares nobody dead);
 - no push-pull, and hearsay (piggybacked news of unknown members, handshake samples) makes no
   handshake candidates: the views alone decide whom a node knows;
 - the table holds what ``keep`` names — the views' nodes, those the overlay is calling, and what
@@ -21,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from .handshakes import Handshakes
-from .messages import ALIVE, DEAD
+from .messages import ALIVE, DEAD, SUSPECT
 from .overlay import Overlay
+from .partial_view import Disconnect
 from .peer_table import PeerTable
 
 
@@ -72,7 +74,17 @@ class ViewScope:
         return rec is not None and rec.state == ALIVE and rec.address == address
 
     def _on_state(self, node_id: str, old: str, new: str) -> None:
+        """HyParView replaces a neighbour whose link failed at once: here, once membership
+        suspects it. It moves to the passive view (a live one may be promoted again later) and
+        the table forgets it at the next period (``MembershipState.prune``: nobody probes a
+        node outside the active view, so nobody here could settle the suspicion — and nobody
+        declares it dead); one that died meanwhile leaves both views."""
+        if not self._partial:
+            return
         view = self.overlay.view
-        if new == DEAD and self._partial and (node_id in view.active or node_id in view.passive):
+        if new == SUSPECT and node_id in view.active:
+            self.replaced += 1
+            view.on_message(node_id, Disconnect())  # to the passive view; a passive node asked in
+        elif new == DEAD and (node_id in view.active or node_id in view.passive):
             self.replaced += node_id in view.active
-            view.on_failed(node_id)  # HyParView: a failed neighbour's slot goes to a passive node
+            view.on_failed(node_id)
