@@ -12,7 +12,9 @@ import random
 import statistics
 
 from coterie.node.peering import views_inproc as vi
+from coterie.node.peering.handshakes import VIEW_HANDSHAKE_ENTRIES
 from coterie.node.peering.membership import Settings
+from coterie.node.peering.messages import Beat, MemberUpdate
 from coterie.node.peering.partial_view import ViewSettings, view_components
 from coterie.node.peering.view_scope import ViewScope
 from coterie.node.transport.inproc import InProcNetwork
@@ -107,6 +109,44 @@ def test_below_the_threshold_membership_stays_full_and_past_it_the_switch_holds(
                 await vi.period(members)
             assert sum(x.traffic.kinds["peers"] for x in members) == before  # no push-pull since
             await vi.stop(extra)
+        finally:
+            await vi.stop(members)
+
+    asyncio.run(go())
+
+
+def test_past_the_threshold_an_insiders_hearsay_and_a_handshakes_sample_add_nobody():
+    """An insider (a known peer) piggybacks news of members the views do not hold, and a
+    handshake's reply lists addresses: below the threshold these become handshake candidates
+    (the table grows towards the network); past it, nobody is added — the views alone decide
+    whom a node knows — and the reply to a joiner's handshake carries 8 entries, not 64."""
+
+    async def go():
+        net = InProcNetwork()
+        members = [vi.make_member(net, f"n{i:02d}", SETTINGS, partial=i == 0) for i in range(70)]
+        node, insider = members[0], members[1]
+        vi.converge_full(members[1:])
+        for x in members[2:]:  # node knows 68 members, the insider among them
+            node.peers.upsert(x.node_id, x.server.address)
+            x.peers.upsert(node.node_id, node.server.address)
+        node.peers.upsert(insider.node_id, insider.server.address)
+        joiner = vi.make_member(net, "joiner", SETTINGS, partial=False)
+        members.append(joiner)
+        try:
+            fakes = tuple(MemberUpdate(f"sybil-{k}", f"inproc:{9000 + k}", 1) for k in range(8))
+            client = insider.membership.probes.transport
+            beat = Beat(insider.node_id, 0, 0, 0.0, insider.membership.state.incarnation, fakes)
+            await client.heartbeat(node.server.address, beat, timeout=1.0, peer=node.node_id)
+            assert len(node.membership.pending) == 0  # no candidate from hearsay
+            assert not any(p.startswith("sybil") for p in node.peers.records)
+
+            await joiner.membership.handshakes.contact(node.server.address)  # node answers a joiner
+            assert 0 < len(joiner.membership.pending) <= VIEW_HANDSHAKE_ENTRIES  # a seed sample, not 64
+
+            # the same news to a node with full membership: candidates (the defence is the switch)
+            full = members[3]
+            await client.heartbeat(full.server.address, beat, timeout=1.0, peer=full.node_id)
+            assert len(full.membership.pending) == len(fakes)
         finally:
             await vi.stop(members)
 
