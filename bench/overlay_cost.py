@@ -199,7 +199,7 @@ OVERLAY_NOTES = (  # what the last run measured (bench/results/scale.md)
     "9 ms (3,000 / 100: 1.62x, **not met**). The growth is not in what a node holds or sends (tables, 3.1"
     " calls and ~1.6 kB a period at 1,000 and 3,000 alike) nor in the heap's size: as a control (`overlay"
     '_cost.py "partial views" 100 20 5 2900`), 100 nodes running beside 2,900 idle bootstrapped ones in t'
-    "he same heap cost 0.93, 0.82 ms against 0.86, 0.84, 0.83 alone (same run, interleaved). It follows h"
+    "he same heap cost 0.93, 0.82, 0.86 ms (median 0.86) against 0.86, 0.84, 0.83 (median 0.84) alone (same run, interleaved). It follows h"
     "ow many nodes run in the one event loop (all N nodes' calls in flight at once: the loop's timer heap"
     " is O(log N) an operation, the working set outgrows the caches): likely an artifact of simulating N "
     "nodes in one process, which a daemon does not have; not proven here. At 100 nodes membership on the "
