@@ -129,6 +129,7 @@ class Member:
     server: PeerServer
     traffic: Traffic
     deaths: list[str] = field(default_factory=list)  # members this node declared dead
+    suspicions: list[str] = field(default_factory=list)  # ... and suspected
     stopped: bool = False
 
     @property
@@ -195,6 +196,7 @@ def make_member(
     box.append(server.address)
     member = Member(node_id, m, overlay, scope, server, traffic)
     table.listeners.append(lambda p, old, new: member.deaths.append(p) if new == "dead" else None)
+    table.listeners.append(lambda p, old, new: member.suspicions.append(p) if new == "suspect" else None)
     return member
 
 
