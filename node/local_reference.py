@@ -4,9 +4,10 @@ collaboration does worse than that (issue 33; docs/never-worse.md).
 A *twin* of the model (``Learner.local_twin``: same samples, same θ⁰, same batch order, its own
 optimizer) trains one round's local steps every round, alongside the strategy's exchange; a model
 over ``reference.shadow_max_params`` trains its twin one round in ``large_every`` (cheaper, and a
-weaker reference, so the node errs towards collaborating). Once the twin's validation score has
-not improved for ``settle_after`` checks it stops training (it has learnt what this node can
-learn alone) and costs only its cached scores from then on. Every ``check_every`` rounds the model
+weaker reference, so the node errs towards collaborating) and drops its optimizer state after
+each of those trainings (Adam's two model-sized moments are not held between them; issue 34).
+Once the twin's validation score has not improved for ``settle_after`` checks it stops training
+(it has learnt what this node can learn alone) and costs only its cached scores from then on. Every ``check_every`` rounds the model
 the node predicts with (the live model, or the strategy's mixture) and the twin are scored on the
 *validation* split (never test) and ``CollaborationCheck`` decides. Backed off, the node predicts,
 reports (``test_acc``) and exports the twin; it still collaborates and publishes its own model,
@@ -81,6 +82,10 @@ class LocalReference:
             if self.settled_at is None and (rnd % self.every == 0 or self.every == 1):
                 self.twin.train()
                 self._trained += 1
+                if self.every > 1:  # a large model: its twin's Adam moments are not kept between its trainings
+                    drop = getattr(self.twin, "drop_optimizer_state", None)
+                    if drop is not None:
+                        drop()
             self.trained_round = rnd
 
     def _twin_eval(self, split: Split) -> EvalResult:

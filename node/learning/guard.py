@@ -12,7 +12,8 @@ Two levels, one record:
 - ``RoundGuard`` wraps a whole round for the node (``node/daemon.py`` calls it): it keeps the
   live parameters of the round's start; after the strategy's round (local steps *and* its merge
   of peers' models, pushed gradients, ...) it checks the live model and everything the strategy
-  would publish. Anything non-finite: the round-start model is restored, the strategy is told
+  would publish (the round-start copy lives until the round's model is published, not between
+  rounds). Anything non-finite: the round-start model is restored, the strategy is told
   (``on_diverged``: drop what it derived from the bad model) and the step size backs off.
   ``publishable`` is the last line: a non-finite group is never handed to peers.
 
@@ -111,7 +112,7 @@ class RoundGuard:
         """Check the live model and what the strategy would publish; roll back if any is
         non-finite. Reports the learner's step-level events too. True when the round is clean."""
         bad = []
-        if not all_finite(self.learner.get_params()):
+        if not self._live_finite():
             bad.append("the model after the round's update")
         shared = self.strategy.shared_params()
         if shared is not None and not all_finite(shared):
@@ -126,6 +127,14 @@ class RoundGuard:
         for where, message in events:
             self.on_event(where, message)
         return not events
+
+    def _live_finite(self) -> bool:
+        """The live model, checked in place where the learner has a torch module (no model-sized copy)."""
+        model = getattr(self.learner, "model", None)
+        if isinstance(model, torch.nn.Module):
+            with torch.no_grad():
+                return all_finite(dict(model.named_parameters()))
+        return all_finite(self.learner.get_params())
 
     def _restore(self) -> None:
         if self._start is not None:
@@ -148,4 +157,5 @@ class RoundGuard:
             elif name == "params":
                 live = self.learner.get_params()
                 out[name] = live if all_finite(live) else (self._start or live)
+        self._start = None  # the round is over: its start is not kept between rounds (a model-sized copy)
         return out

@@ -43,7 +43,7 @@ from .partition import NodeData
 from .sources import Source, node_source
 from .torch_mixture import MixtureEval
 from .torch_private import PerSampleTerms
-from .torch_shadow import Shadow, ShadowEval
+from .torch_shadow import Shadow, ShadowEval, without_weights
 from .torch_state import TorchState
 
 
@@ -92,11 +92,8 @@ class TorchLearner(Learner):
         self._transform = resolve_transform(cfg.input_transform)
         self._data = _device_splits(data, self.task, self.device)
         self.model = _initial_model(cfg, self.input_shape, self.num_classes)
-        self._shadow = _initial_model(cfg, self.input_shape, self.num_classes)
+        self._shadow = without_weights(_initial_model(cfg, self.input_shape, self.num_classes).to(self.device).eval())
         self.model.to(self.device)
-        self._shadow.to(self.device).eval()
-        for p in self._shadow.parameters():
-            p.requires_grad_(False)
         self._names = [n for n, _ in self.model.named_parameters()]
         self._spec = {
             n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in self.model.named_parameters()
@@ -253,6 +250,11 @@ class TorchLearner(Learner):
                 return TrainResult(loss=total / done if done else float("nan"), steps=done, samples=samples)
             guard.clean()
         return TrainResult(loss=total / steps, steps=steps, samples=samples)
+
+    def drop_optimizer_state(self) -> None:
+        """Forget the optimizer's state (momenta, Adam moments); ``train`` sets its step size."""
+        with self._lock:
+            self.optimizer = self._make_optimizer()
 
     def reset_after_divergence(self, params: Params) -> None:
         """Back to ``params`` (the last finite model) with fresh optimizer state: a momentum or

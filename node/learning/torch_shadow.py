@@ -24,7 +24,7 @@ EVAL_BATCH = 2048  # samples evaluated at once
 class Shadow:
     """The shadow model and the learner's pieces an evaluation on it takes."""
 
-    model: torch.nn.Module  # the shadow copy, in eval mode, no requires_grad
+    model: torch.nn.Module  # the architecture, in eval mode, its parameters storage-free (without_weights)
     data: dict[str, tuple[torch.Tensor, torch.Tensor]]  # split -> (x, y), on the device
     lock: threading.Lock  # guards the shadow model (not the live one)
     names: list[str]  # parameter names, in the model's order
@@ -34,6 +34,18 @@ class Shadow:
     loss_fn: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]  # (out, y, reduction)
     # params (None: the live model's) -> private device copies, optionally requiring grad
     device_params: Callable[[Params | None, bool], Params]
+
+
+def without_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every parameter replaced by a zero-stride view of one scalar (same shape,
+    dtype, device; no storage): ``functional_call`` is always given all the parameters, so the
+    shadow's own would be a model-sized copy nobody reads (issue 34). Buffers stay as they are."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                empty = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+                module._parameters[name] = torch.nn.Parameter(empty, requires_grad=False)
+    return model
 
 
 class ShadowEval:
