@@ -246,11 +246,11 @@ def test_a_node_whose_relays_are_all_gone_reserves_at_another_member(net):
     cfg = {**SCOOL, "learner": learner(3), "peers": [n1.address], "no_listen": True, "relay": {"via": [n0.address]}}
     nodes["n6"] = n6 = NodeProc(root, "n6", cfg).start()
     wait_for(
-        lambda: n6.status()["relay"]["reachability"] == f"relayed via {n1.address}",
+        lambda: n6.status()["relay"]["reservations"] == {n1.address: "held"},
         30,
         "n6 to reserve at n1 once its only relay is gone",
     )
-    assert n6.status()["relay"]["reservations"] == {n1.address: "held"}
+    assert n6.status()["relay"]["reachability"] == f"relayed via {n1.address}"
     assert "n6" in n1.status()["relay"]["relaying_for"]
     wait_for(
         lambda: (
