@@ -29,7 +29,7 @@ from .run import finished_rounds, start_nodes
 
 
 def one_run(nat: bool, root: Path, size: int, rounds: int) -> dict[str, list[dict[str, Any]]]:
-    topo = Topology(prefix="cnb", site_size=size, nat=nat)
+    topo = Topology(prefix=os.environ.get("NATBED_PREFIX", "cnb"), site_size=size, nat=nat)
     nodes: dict[str, NsNode] = {}
     try:
         topo.up()
