@@ -247,7 +247,7 @@ def test_a_node_whose_relays_are_all_gone_reserves_at_another_member(net):
     nodes["n6"] = n6 = NodeProc(root, "n6", cfg).start()
     wait_for(
         lambda: n6.status()["relay"]["reservations"] == {n1.address: "held"},
-        30,
+        45,
         "n6 to reserve at n1 once its only relay is gone",
     )
     assert n6.status()["relay"]["reachability"] == f"relayed via {n1.address}"
@@ -258,7 +258,7 @@ def test_a_node_whose_relays_are_all_gone_reserves_at_another_member(net):
             and p["address"] == f"relay://{n1.address}/n6"
             and p["cached_version"]
         ),
-        30,
+        45,
         "n1 to pull n6 through its new relay",
     )
 
