@@ -214,6 +214,8 @@ class RelayConfig(BaseModel):
     max_tunnels_per_peer: int = Field(16, ge=1)  # tunnels open at once per dialer and per relayed node
     max_bytes_per_s: float = Field(64e6, gt=0)  # relayed bytes per second per peer, both directions
     accept_timeout_s: float = Field(5.0, gt=0)  # a relayed node must accept a tunnel within this
+    # a node with a peer port asks again this often whether peers can dial it (relays or direct)
+    recheck_s: float = Field(300.0, gt=0)
 
     @field_validator("via")
     @classmethod

@@ -199,10 +199,10 @@ class Node:
         self.transport.limits.max_model_bytes = self.model_limit()
         # a testbed bad actor corrupts what it serves (peering/faults.py); it learns normally
         handler = with_fault(self.served, self.cfg.faulty)
-        fallback = getattr(self.transport, "fallback", None)
-        if fallback is not None:  # the transport moves this node behind relays when nobody can dial it
-            fallback.members = lambda: [r.address for r in self.peers.records.values() if r.state == ALIVE]
-            fallback.on_moved = self._moved
+        movable: Any = self.transport
+        if hasattr(movable, "on_moved"):  # a transport that moves this node's address (relays)
+            movable.members = lambda: [r.address for r in self.peers.records.values() if r.state == ALIVE]
+            movable.on_moved = self._moved
         self._server = await self.transport.serve(handler, self.traffic)
         self.address = self._server.address
         token_file = None
@@ -296,7 +296,8 @@ class Node:
             self.failures.failed("rounds", error, None)
 
     def _moved(self, address: str) -> None:
-        """This node is reached at ``address`` now (relays: nobody could dial the old one). A
+        """This node is reached at ``address`` now (relays: nobody could dial the old one, or its
+        relays changed; or its own address again, once peers can dial it). A
         member's address changes only by its own handshake: shake hands with every member again;
         the raised incarnation tells the others to (``Dissemination.merge``)."""
         self.address = address

@@ -23,6 +23,7 @@ from coterie.node.security.pki import load_credentials
 from coterie.node.transport.client import PeerClient
 from coterie.node.transport.relay_address import RelayAddressError, parse
 from coterie.node.transport.relay_dialer import RelayDialer
+from coterie.node.transport.relay_housekeeping import RelayHousekeeping
 from coterie.node.transport.relay_service import RelayBudget, RelayService
 from coterie.node.transport.relay_service import handlers as relay_handlers
 from coterie.node.transport.tls import TLS
@@ -203,6 +204,99 @@ def test_relay_failover_after_sigkill(net):
     assert n7.status()["round"] > rounds and n7.proc.poll() is None
     problems = [p["message"] for p in n7.status()["problems"] if "checkpoint" in p["message"]]
     assert not problems, problems
+
+
+def _seen_at(who: NodeProc, peer: str) -> str | None:
+    """``peer``'s address as ``who``'s membership has it."""
+    p = {p["node_id"]: p for p in who.get("/peers")}.get(peer)
+    return p["address"] if p else None
+
+
+def test_a_dead_relay_is_dropped_from_the_address_a_node_advertises(net):
+    """Relay n0 dead (SIGKILLed by the failover test, or here): within a few heartbeat periods n7
+    and n8 advertise n1 alone, and their members learn it (without housekeeping the address kept
+    naming n0 for good)."""
+    _, nodes = net
+    n0, n1, n7, n8 = (nodes[n] for n in ("n0", "n1", "n7", "n8"))
+    if n0.proc.poll() is None:
+        n0.kill(signal.SIGKILL)
+    for relayed in (n7, n8):
+        wait_for(
+            lambda r=relayed: r.status()["relay"]["reachability"] == f"relayed via {n1.address}",
+            30,
+            f"{relayed.node_id} to drop the dead relay n0 from its address",
+        )
+        assert relayed.status()["relay"]["reservations"][n1.address] == "held"
+    for who, relayed in ((n1, n7), (n1, n8), (n8, n7)):
+        wait_for(
+            lambda w=who, r=relayed: _seen_at(w, r.node_id) == f"relay://{n1.address}/{r.node_id}",
+            30,
+            f"{who.node_id} to learn {relayed.node_id}'s address without n0",
+        )
+
+
+def test_a_node_whose_relays_are_all_gone_reserves_at_another_member(net):
+    """n6 is outbound-only with one pinned relay, n0, dead: it meets n1 by dialling out, and
+    since its every relay has been gone for a few heartbeat periods it reserves at n1 (a
+    reachable member it knows), advertises ``relay://n1/n6`` and is pulled through it."""
+    root, nodes = net
+    n0, n1 = nodes["n0"], nodes["n1"]
+    if n0.proc.poll() is None:
+        n0.kill(signal.SIGKILL)
+    cfg = {**SCOOL, "learner": learner(3), "peers": [n1.address], "no_listen": True, "relay": {"via": [n0.address]}}
+    nodes["n6"] = n6 = NodeProc(root, "n6", cfg).start()
+    wait_for(
+        lambda: n6.status()["relay"]["reservations"] == {n1.address: "held"},
+        45,
+        "n6 to reserve at n1 once its only relay is gone",
+    )
+    assert n6.status()["relay"]["reachability"] == f"relayed via {n1.address}"
+    assert "n6" in n1.status()["relay"]["relaying_for"]
+    wait_for(
+        lambda: (
+            (p := {p["node_id"]: p for p in n1.get("/peers")}.get("n6"))
+            and p["address"] == f"relay://{n1.address}/n6"
+            and p["cached_version"]
+        ),
+        45,
+        "n1 to pull n6 through its new relay",
+    )
+
+
+class _Reservations:
+    """The parts of ``RelayReservations`` housekeeping reads and changes, held by hand."""
+
+    def __init__(self, relays: list[str]):
+        self.relays = list(relays)
+        self.state = dict.fromkeys(relays, "held")
+        self.lost_since = dict.fromkeys(relays, 0.0)
+
+    async def drop(self, relay: str) -> None:
+        self.relays.remove(relay)
+        del self.state[relay], self.lost_since[relay]
+
+    def add(self, relay: str) -> None:
+        self.relays.append(relay)
+        self.state[relay], self.lost_since[relay] = "reserving", 100.0
+
+
+async def test_relay_housekeeping_drops_adds_back_and_replaces():
+    res = _Reservations(["r0:1", "r1:1"])
+    told: list[str] = []
+    keeper = RelayHousekeeping(
+        res, "n7", told.append, lambda: ["r0:1", "relay://r1:1/n8", "m2:1", "m3:1"], drop_after_s=3, max_relays=3
+    )
+    assert await keeper.tick(10.0) is None  # both held: the address stands
+    res.state["r0:1"], res.lost_since["r0:1"] = "UNAVAILABLE: connection refused", 10.0
+    assert await keeper.tick(12.9) is None  # lost lately: kept (a restart must not churn membership)
+    assert await keeper.tick(13.1) == "relay://r1:1/n7"  # gone a few periods: dropped
+    res.state["r0:1"] = "held"
+    assert await keeper.tick(20.0) == "relay://r0:1,r1:1/n7"  # holds again: back
+    for r in ("r0:1", "r1:1"):
+        res.state[r], res.lost_since[r] = "UNAVAILABLE", 30.0
+    assert await keeper.tick(100.0) == "relay://m2:1,m3:1/n7"  # all gone: direct members, not the dead
+    assert res.relays == ["m2:1", "m3:1"]
+    assert told == ["relay://r1:1/n7", "relay://r0:1,r1:1/n7", "relay://m2:1,m3:1/n7"]
 
 
 # ---------------------------------------------------------------- relay budget, in-process relay

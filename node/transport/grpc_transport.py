@@ -13,7 +13,9 @@ import asyncio
 import logging
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import grpc
@@ -23,6 +25,7 @@ from .client import PeerClient
 from .relay_address import RelayAddress, is_relayed, reachability
 from .relay_dialer import RelayDialer
 from .relay_fallback import RelayFallback
+from .relay_housekeeping import RelayHousekeeping
 from .relay_reservations import RelayReservations
 from .relay_service import RelayBudget, RelayService
 from .served_versions import CodecPolicy
@@ -57,9 +60,10 @@ class GrpcServer:
     fallback: RelayFallback | None = None  # dial-back, and relays when nobody can dial this node
     private_dir: str | None = None  # an outbound-only node's peer socket directory
     tasks: list[asyncio.Task] = field(default_factory=list)  # background checks: they end with it
+    upkeep: asyncio.Task | None = None  # relay housekeeping, while this node is relayed
 
     async def stop(self) -> None:
-        for task in self.tasks:
+        for task in [*self.tasks, *([self.upkeep] if self.upkeep else [])]:
             task.cancel()
         if self.dialer is not None:
             await self.dialer.close()
@@ -103,15 +107,21 @@ class GrpcTransport:
         relay_budget: RelayBudget | None = RelayBudget(),
         dial_back_peers: tuple[str, ...] = (),
         pinned_relays: tuple[str, ...] = (),
+        relay_upkeep: RelayUpkeep | None = None,
     ):
         """``no_listen``: no peer port; reserve at ``relays`` instead. ``relay_budget``: relay for
         outbound-only peers within it (None: never relay)."""
+        self.upkeep = relay_upkeep or RelayUpkeep()
+        # set by the node before serving: its alive members' addresses (relay candidates), and
+        # what it does when this node's address changes (relays dropped or added, dial-back)
+        self.members: Callable[[], list[str]] = list
+        self.on_moved: Callable[[str], None] | None = None
         self.tls = tls
         self.no_listen, self.relays, self.relay_budget = no_listen, tuple(relays), relay_budget
         self.dialer = RelayDialer(tls)  # for peers whose address is a relay address
         self.server: GrpcServer | None = None
-        # asked once serving whether they can dial this node; relays when none can (the node
-        # sets ``fallback.members`` and ``fallback.on_moved`` before serving)
+        # asked once serving (and every ``upkeep.recheck_s``) whether they can dial this node;
+        # relays when none can
         self.fallback = RelayFallback(tls, dial_back_peers, pinned_relays) if tls and dial_back_peers else None
         self.reflection = reflection  # gRPC server reflection (security.reflection, off by default)
         self.listen, self.advertise = listen, advertise
@@ -152,6 +162,12 @@ class GrpcTransport:
             relay_budget=_relay_budget(cfg),
             dial_back_peers=tuple(p for p in cfg.peers if not is_relayed(p)),
             pinned_relays=tuple(cfg.relay.via[: cfg.relay.max_relays]),
+            relay_upkeep=RelayUpkeep(
+                every_s=cfg.heartbeat_interval_s,
+                drop_after_s=max(3 * cfg.heartbeat_interval_s, 3.0),
+                recheck_s=cfg.relay.recheck_s,
+                max_relays=cfg.relay.max_relays,
+            ),
         )
 
     # --- TransportFactory ---
@@ -212,7 +228,7 @@ class GrpcTransport:
             assert self.tls is not None
             reservations = RelayReservations(self.tls, list(self.relays), listen)
             reservations.start()
-            self.server = GrpcServer(
+            srv = self.server = GrpcServer(
                 str(RelayAddress(self.relays, self.tls.node_id)),
                 server,
                 0,
@@ -220,25 +236,53 @@ class GrpcTransport:
                 dialer=self.dialer,
                 private_dir=private_dir,
             )
-            return self.server
+            self._keep(srv, reservations)
+            return srv
         host, _ = hostport(self.listen)
         srv = self.server = GrpcServer(
             self.advertise or f"{dialable(host)}:{port}", server, port, relay=relay, dialer=self.dialer
         )
         if self.fallback is not None:
             srv.fallback = fb = self.fallback
+            fb.members = lambda: self.members()
             # peers dial the advertised port back; relays' tunnels come in at the bound one
-            check = fb.run(srv.address, hostport(srv.address)[1], f"{dialable(host)}:{port}")
-            srv.tasks.append(asyncio.ensure_future(self._moved_to(srv, fb, check)))
+            check = fb.watch(
+                srv.address,
+                hostport(srv.address)[1],
+                f"{dialable(host)}:{port}",
+                partial(self._fallback_moved, srv, fb),
+                self.upkeep.recheck_s,
+            )
+            srv.tasks.append(asyncio.ensure_future(check))
         return srv
 
-    @staticmethod
-    async def _moved_to(srv: GrpcServer, fb: RelayFallback, check) -> None:
-        moved = await check
-        if moved is not None:
-            srv.address = moved
-            if fb.on_moved is not None:
-                fb.on_moved(moved)
+    def _advertise(self, srv: GrpcServer, address: str) -> None:
+        srv.address = address
+        if self.on_moved is not None:
+            self.on_moved(address)
+
+    def _fallback_moved(self, srv: GrpcServer, fb: RelayFallback, address: str) -> None:
+        """The dial-back check moved this node behind relays, or back to its own address."""
+        if srv.upkeep is not None:
+            srv.upkeep.cancel()
+            srv.upkeep = None
+        if fb.reservations is not None:
+            self._keep(srv, fb.reservations)
+        self._advertise(srv, address)
+
+    def _keep(self, srv: GrpcServer, reservations: RelayReservations) -> None:
+        """Relay housekeeping for as long as this node is relayed (``relay_housekeeping.py``)."""
+        assert self.tls is not None
+        u = self.upkeep
+        keeper = RelayHousekeeping(
+            reservations,
+            self.tls.node_id,
+            partial(self._advertise, srv),
+            lambda: self.members(),
+            drop_after_s=u.drop_after_s,
+            max_relays=u.max_relays,
+        )
+        srv.upkeep = asyncio.ensure_future(keeper.run(u.every_s))
 
     def retune_relay(self, cfg: Any) -> bool:
         """A reloaded ``NodeConfig``'s relay budget, live (SIGHUP): the relay serving now takes it
@@ -268,6 +312,16 @@ class GrpcTransport:
         if self.fallback is not None and self.fallback.answers:
             out["dial_back"] = dict(self.fallback.answers)
         return out
+
+
+@dataclass(frozen=True)
+class RelayUpkeep:
+    """How a relayed node keeps its relays (docs/nat.md, "Relay housekeeping")."""
+
+    every_s: float = 1.0  # look at the reservations this often (the heartbeat period)
+    drop_after_s: float = 3.0  # a relay without this node's reservation this long leaves its address
+    recheck_s: float = 300.0  # the dial-back check is repeated this often
+    max_relays: int = 3  # relays reserved at when every one is gone
 
 
 def _relay_budget(cfg: Any) -> RelayBudget | None:

@@ -36,7 +36,9 @@ class RelayDialer:
     def __init__(self, tls: TLS | None):
         self._creds = tls.channel_credentials() if tls is not None else None
         self._local: dict[str, str] = {}  # relay address -> loopback host:port of its listener
-        self._servers: list[asyncio.AbstractServer] = []
+        self._servers: dict[str, asyncio.AbstractServer] = {}  # relay address -> its listener
+        self._current: dict[str, str] = {}  # node id -> the relay address last asked for it
+        self._by_address: dict[str, set[asyncio.Task]] = {}  # relay address -> its tunnels
         self._stubs: dict[str, tuple[grpc.aio.Channel, rpc.RelayStub]] = {}
         self._preferred: dict[str, str] = {}  # node id -> relay that last worked
         self.problems: dict[str, str] = {}  # relay host:port -> why its last tunnel failed
@@ -48,6 +50,10 @@ class RelayDialer:
         Called from a synchronous channel lookup: the socket is bound and listening now, and
         the connections queued on it are served once the loop gets to the server task."""
         target = parse(address)
+        stale = self._current.get(target.node_id)
+        if stale is not None and stale != address:
+            self._retire(stale)
+        self._current[target.node_id] = address
         if address not in self._local:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind(("127.0.0.1", 0))
@@ -55,11 +61,22 @@ class RelayDialer:
             self._local[address] = f"127.0.0.1:{sock.getsockname()[1]}"
 
             async def start(sock=sock, target=target):
-                server = await asyncio.start_server(lambda r, w: self._tunnel(target, r, w), sock=sock)
-                self._servers.append(server)
+                server = await asyncio.start_server(lambda r, w: self._tunnel(address, target, r, w), sock=sock)
+                self._servers[address] = server
 
             asyncio.get_running_loop().create_task(start())
         return self._local[address], target.node_id
+
+    def _retire(self, address: str) -> None:
+        """The node moved (its relays changed, relay housekeeping): the old address's listener and
+        tunnels end, so channels still open to it stop holding tunnels (each relay bounds them per
+        node: ``max_tunnels_per_peer``) until the client evicts them as idle."""
+        self._local.pop(address, None)
+        server = self._servers.pop(address, None)
+        if server is not None:
+            server.close()
+        for task in self._by_address.pop(address, set()):
+            task.cancel()
 
     def _stub(self, relay: str) -> rpc.RelayStub:
         entry = self._stubs.get(relay)
@@ -68,10 +85,13 @@ class RelayDialer:
             entry = self._stubs[relay] = (ch, rpc.RelayStub(ch))
         return entry[1]
 
-    async def _tunnel(self, target: RelayAddress, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _tunnel(
+        self, address: str, target: RelayAddress, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         task = asyncio.current_task()
         if task is not None:
             self._tunnels.add(task)
+            self._by_address.setdefault(address, set()).add(task)
         try:
             await self._through_relays(target, reader, writer)
         except asyncio.CancelledError:  # the node is stopping: this connection ends with it
@@ -79,6 +99,7 @@ class RelayDialer:
         finally:
             if task is not None:
                 self._tunnels.discard(task)
+                self._by_address.get(address, set()).discard(task)
 
     def order(self, target: RelayAddress) -> list[str]:
         """The relays to try for ``target``: the one that last worked, then those that did not
@@ -127,7 +148,7 @@ class RelayDialer:
             raise ConnectionError("the relay ended the tunnel before it opened")
 
     async def close(self) -> None:
-        for server in self._servers:
+        for server in self._servers.values():
             server.close()
         for task in list(self._tunnels):
             task.cancel()

@@ -8,7 +8,11 @@ reachable members it knows, those that just answered it first (they are reachabl
 answered) — and, once one holds its reservation, advertises ``relay://R1,R2/ID`` instead.
 Tunnels the relays offer are spliced to its own peer port (``RelayReservations``), so the same
 server and mTLS serve relayed callers. The node is told of the move (``on_moved``) to pass the
-new address to its members."""
+new address to its members.
+
+The check is repeated every ``recheck_s`` (config ``relay.recheck_s``): a relayed node that
+peers can dial again (a port opened, the NAT gone) stops reserving and advertises its own
+address again; a direct one that nobody can dial any more moves behind relays."""
 
 from __future__ import annotations
 
@@ -38,10 +42,25 @@ class RelayFallback:
         self.pinned = pinned  # relays configured (relay.via): used as they are
         self.answers: dict[str, str] = {}  # peer -> its dial-back answer
         self.reservations: RelayReservations | None = None  # once switched
-        # set by the node: its members' addresses (relay candidates), and what it does once the
-        # transport advertises the relayed address (``GrpcTransport`` calls it)
+        # set by the transport: its node's members' addresses (relay candidates)
         self.members: Callable[[], list[str]] = list
-        self.on_moved: Callable[[str], None] | None = None
+
+    async def watch(self, address: str, port: int, local: str, moved: Callable[[str], None], recheck_s: float) -> None:
+        """``run``, then the same check again every ``recheck_s``; ``moved`` is told each new
+        address (relayed, or ``address`` again once peers can dial it)."""
+        while True:
+            if self.reservations is None:
+                relayed = await self.run(address, port, local)
+                if relayed is not None:
+                    moved(relayed)
+            else:
+                self.answers = await dial_back.check(self.tls, list(self.asked), port)
+                if any(a.startswith("reachable") for a in self.answers.values()):
+                    log.warning("peers can dial this node at port %d again: advertising %s, not relays", port, address)
+                    await self.stop()
+                    self.reservations = None
+                    moved(address)
+            await asyncio.sleep(recheck_s)  # (a period: nothing to wait on)
 
     async def run(self, address: str, port: int, local: str) -> str | None:
         """Check ``port`` (advertised as ``address``); when nobody can dial it, reserve at relays

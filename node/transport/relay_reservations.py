@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import grpc
 
@@ -34,26 +35,54 @@ class RelayReservations:
         self.any_held = asyncio.Event()  # set once some relay holds a reservation for this node
         self._creds = tls.channel_credentials() if tls is not None else None
         self.state: dict[str, str] = {r: "reserving" for r in self.relays}  # relay -> "held" or why not
+        # relay -> when it was added or last lost its reservation (how long it has been of no use)
+        self.lost_since: dict[str, float] = dict.fromkeys(self.relays, time.monotonic())
         self._tasks: set[asyncio.Task] = set()
-        self._channels: list[grpc.aio.Channel] = []
+        self._holders: dict[str, asyncio.Task] = {}  # relay -> the task holding its reservation
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self.open = 0  # tunnels accepted and not yet closed
         self.ignored = 0  # offers past MAX_TUNNELS
 
     def start(self) -> None:
         for relay in self.relays:
-            self._spawn(self._hold(relay))
+            self._holders[relay] = self._spawn(self._hold(relay))
 
     def held(self) -> list[str]:
         return [r for r, s in self.state.items() if s == "held"]
 
-    def _spawn(self, coro) -> None:
+    def add(self, relay: str) -> None:
+        """Reserve at ``relay`` too (relay housekeeping: all the others are gone)."""
+        if relay in self.state:
+            return
+        self.relays.append(relay)
+        self.state[relay] = "reserving"
+        self.lost_since[relay] = time.monotonic()
+        self._holders[relay] = self._spawn(self._hold(relay))
+
+    async def drop(self, relay: str) -> None:
+        """Stop reserving at ``relay`` (its tunnels already open run on until they end)."""
+        if relay not in self.state:
+            return
+        self.relays.remove(relay)
+        del self.state[relay]
+        self.lost_since.pop(relay, None)
+        task = self._holders.pop(relay, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        ch = self._channels.pop(relay, None)
+        if ch is not None:
+            with contextlib.suppress(Exception):
+                await ch.close()
+
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _hold(self, relay: str) -> None:
-        ch = relay_channel(relay, self._creds, GENERIC_NAME)
-        self._channels.append(ch)
+        ch = self._channels[relay] = relay_channel(relay, self._creds, GENERIC_NAME)
         stub = rpc.RelayStub(ch)
         wait = RETRY_S[0]
         while True:
@@ -71,12 +100,17 @@ class RelayReservations:
                         log.warning(
                             "relay %s offers a tunnel past this node's %d open ones: ignored", relay, MAX_TUNNELS
                         )
-                self.state[relay] = "the relay ended the reservation"
+                self._lost(relay, "the relay ended the reservation")
             except grpc.aio.AioRpcError as e:
-                self.state[relay] = f"{e.code().name}: {e.details()}"
+                self._lost(relay, f"{e.code().name}: {e.details()}")
             log.info("relay reservation at %s lost (%s); again in %.1f s", relay, self.state[relay], wait)
             await asyncio.sleep(wait)  # backoff before reserving again
             wait = min(RETRY_S[1], wait * 2)
+
+    def _lost(self, relay: str, why: str) -> None:
+        if self.state.get(relay) == "held":
+            self.lost_since[relay] = time.monotonic()
+        self.state[relay] = why
 
     async def _accept(self, stub: rpc.RelayStub, tunnel_id: str) -> None:
         self.open += 1
@@ -107,6 +141,6 @@ class RelayReservations:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for ch in self._channels:
+        for ch in self._channels.values():
             with contextlib.suppress(Exception):
                 await ch.close()

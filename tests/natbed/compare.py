@@ -1,7 +1,8 @@
 """The NAT testbed's network with and without NAT, side by side in one run (issue 31 item 5: round
 time behind NAT against the flat network's, accuracy alike):
 
-    sudo python -m tests.natbed.compare        # NATBED_PAIRS (1), NATBED_SITE_SIZE (3), NATBED_ROUNDS (6)
+    sudo python -m tests.natbed.compare        # NATBED_PAIRS (1), NATBED_SITE_SIZE (3), NATBED_ROUNDS (6),
+        NATBED_LOCAL_STEPS (20: local steps a round), NATBED_DUMP (a folder for every node's /history and /status)
 
 Each pair runs the flat network (the routers only route; every node listens on its own address)
 and then the NAT'd one (run.py's: six outbound-only nodes behind MASQUERADE, relayed by p0 and
@@ -11,6 +12,7 @@ measurement, not a CI check: it asserts nothing about the ratio."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -27,14 +29,20 @@ from .run import finished_rounds, start_nodes
 
 
 def one_run(nat: bool, root: Path, size: int, rounds: int) -> dict[str, list[dict[str, Any]]]:
-    topo = Topology(prefix="cnb", site_size=size, nat=nat)
+    topo = Topology(prefix=os.environ.get("NATBED_PREFIX", "cnb"), site_size=size, nat=nat)
     nodes: dict[str, NsNode] = {}
     try:
         topo.up()
         start_nodes(topo, root, rounds, nodes)
         for h, node in nodes.items():
             wait_for(partial(finished_rounds, node, rounds), 240, f"{h} to finish {rounds} rounds")
-        return {h: n.get("/history") for h, n in nodes.items()}
+        history = {h: n.get("/history") for h, n in nodes.items()}
+        if dump := os.environ.get("NATBED_DUMP"):  # every node's /history and /status, to see where rounds went
+            out = Path(dump) / root.name
+            out.mkdir(parents=True, exist_ok=True)
+            for h, n in nodes.items():
+                (out / f"{h}.json").write_text(json.dumps({"history": history[h], "status": n.get("/status")}))
+        return history
     finally:
         for n in nodes.values():
             n.terminate()
