@@ -42,7 +42,11 @@ def main() -> None:
             for who, k in groups:
                 med = [statistics.median(r[k][m] for r in rows) for m in MARKS]
                 seeds = ", ".join(f"{r[k][MARKS[-1]]:.2f}" for r in rows)
-                print(f"| {a.nodes} | {late:.0%} | {mode} | {who} | " + " | ".join(f"{x:.2f}" for x in med) + f" | {seeds} |")
+                print(
+                    f"| {a.nodes} | {late:.0%} | {mode} | {who} | "
+                    + " | ".join(f"{x:.2f}" for x in med)
+                    + f" | {seeds} |"
+                )
 
 
 if __name__ == "__main__":

@@ -135,7 +135,11 @@ def simulate_discovery(
     present = [i for i in ids if i not in latecomers]
 
     def mates(group: list[str]) -> float:
-        hits = sum(cluster_of(p, cluster_size) == cluster_of(i, cluster_size) for i in group for p in disc[i].best(cluster_size - 1))
+        hits = sum(
+            cluster_of(p, cluster_size) == cluster_of(i, cluster_size)
+            for i in group
+            for p in disc[i].best(cluster_size - 1)
+        )
         return hits / max(1, len(group))
 
     for r in range(1, rounds + 1):
