@@ -104,9 +104,12 @@ def test_recommend_answers_only_known_callers_with_peers_it_weights_and_can_call
         assert ("honest", "recommend") in me.admitted  # it cost the asker its admission budget
         assert ("honest", "honest") in me.discovery.hints  # whoever asks is a hint (evaluated before weighted)
         mate = net.transport().connect("mate-1", _Traffic())
+        # never the asker; after the peers it weights, the one that asked it lately (it weights
+        # the answerer: a hint that spreads a mate two hops)
         assert [e.node_id for e in (await mate.recommend(server.address, "mate-1", 5)).peers] == [
-            "mate-2"
-        ]  # never the asker
+            "mate-2",
+            "honest",
+        ]
         await server.stop()
 
     asyncio.run(go())

@@ -42,7 +42,10 @@ class DiscoverySettings:
     memory: float = 0.5  # weight of the past in a peer's running score
     ask_among: int = 3  # whom I ask: among my this many best collaborators ...
     asks: int = 2  # ... this many a round
-    relative: float = 0.5  # a collaborator: scored at least this share of my best one
+    relative: float = 0.5  # a collaborator: scored at least this share of my best one ...
+    standout: float = 3.0  # ... and this many standard deviations above my mean score ...
+    standout_after: int = 10  # ... once this many peers are scored (fewer: too few to tell)
+    fans: int = 8  # recent askers remembered, recommended after my collaborators
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Discovery:
         self.counters = DiscoveryCounters()
         self._current: list[str] = []
         self._asked: set[str] = set()  # peers asked this round: answers accepted from them
+        self.fans: deque[str] = deque(maxlen=self.s.fans)  # who asked me lately: they weight me
 
     # --- a round ---
     def begin_round(self) -> list[str]:
@@ -120,7 +124,23 @@ class Discovery:
         """My best ``k`` that I weight clearly: at least ``relative`` × my best one's score (peers
         weighted by noise alone are neither asked nor recommended)."""
         top = self.best(k)
-        return [p for p in top if self.scores[p] >= self.s.relative * self.scores[top[0]]] if top else []
+        if not top:
+            return []
+        floor = max(self.s.relative * self.scores[top[0]], self._standout())
+        return [p for p in top if self.scores[p] >= floor]
+
+    def _standout(self) -> float:
+        """The score a peer must beat to count as found: in a network of many clusters most peers
+        I evaluate are of no use and score about noise, so the best of them is noise too; keeping,
+        asking or recommending it spends slots on chance (measured: bench/overlay_cost.py)."""
+        if len(self.scores) < self.s.standout_after:
+            return 0.0
+        # the crowd's spread without my best peer: one mate among few noise-scored peers would
+        # otherwise widen the spread it has to beat
+        values = sorted(self.scores.values())[:-1]
+        mean = sum(values) / len(values)
+        var = sum((v - mean) ** 2 for v in values) / len(values)
+        return mean + self.s.standout * var**0.5
 
     # --- recommendations ---
     def whom_to_ask(self) -> list[str]:
@@ -135,7 +155,11 @@ class Discovery:
         """My answer to ``asker``: at most ``count`` (and ``recommend``) of the peers I weight
         most that I can call now (never the asker itself)."""
         n = self.s.recommend if count is None else max(0, min(count, self.s.recommend))
-        return [p for p in self.collaborators(len(self.scores)) if p != asker and self.usable(p)][:n]
+        mine = self.collaborators(len(self.scores))
+        # then those who asked me (they weight me: likely my cluster's, though I may not have
+        # evaluated them yet) — spreads a mate two hops in one answer
+        fans = [p for p in reversed(self.fans) if p not in mine]
+        return [p for p in mine + fans if p != asker and self.usable(p)][:n]
 
     def on_recommendations(self, sender: str, peers: Sequence[str]) -> list[str]:
         """Hints from ``sender``'s answer; returns those kept. Unasked answers, ids
@@ -164,7 +188,12 @@ class Discovery:
         """``peer`` (authenticated) evaluated me — pulled my model, asked whom I weight: it may be
         a collaborator, a hint for me too (links found from one side become two-sided). A peer can
         only put itself forward this way, once until it is scored."""
-        if peer == self.me or peer in self.scores or any(p == peer for _, p in self.hints):
+        if peer == self.me:
+            return False
+        if peer in self.fans:
+            self.fans.remove(peer)
+        self.fans.append(peer)
+        if peer in self.scores or any(p == peer for _, p in self.hints):
             return False
         self.hints.append((peer, peer))
         while len(self.hints) > self.s.max_hints:

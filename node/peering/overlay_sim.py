@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .discovery import Discovery, DiscoverySettings
 from .partial_view import Message, PartialView, ViewSettings, message_bytes, view_components
@@ -90,6 +90,7 @@ class SimOverlay:
 class DiscoveryResult:
     mates_found: dict[int, float]  # round -> mean cluster mates among a node's top-weighted peers
     evaluations_per_round: int
+    late_mates_found: dict[int, float] = field(default_factory=dict)  # late joiners, by rounds since joining
 
 
 def cluster_of(node: str, size: int) -> int:
@@ -107,26 +108,52 @@ def simulate_discovery(
     checkpoints: Iterable[int] = (10, 20, 30),
     noise: float = 0.2,
     view_settings: ViewSettings | None = None,
+    late: float = 0.0,
+    late_round: int = 10,
 ) -> DiscoveryResult:
     """``mode``: "discovery" (partial views + recommendations) or "uniform" (each round a uniform
     sample of ``settings.candidates`` of all others, the strategies' draw without discovery).
     A node's weight for a peer it evaluated: 1 for a cluster mate, 0 otherwise, plus Gaussian
-    noise (clipped at 0); its top-weighted peers: its ``cluster_size - 1`` best running scores."""
+    noise (clipped at 0); its top-weighted peers: its ``cluster_size - 1`` best running scores.
+    ``late``: this share of the nodes (spread over the clusters) joins at ``late_round``;
+    ``mates_found`` counts the others, ``late_mates_found`` them at each checkpoint after joining
+    (run ``late_round`` + the last checkpoint rounds to see them all)."""
     s = settings or DiscoverySettings()
     rng = random.Random(seed)
     ids = [f"node-{i:05d}" for i in range(n)]
+    stride = round(1 / late) if late > 0 else 0
+    latecomers = {i for k, i in enumerate(ids) if stride and k % stride == stride // 2}
     overlay = SimOverlay(ids, view_settings or ViewSettings.for_network(n), seed=seed)
-    overlay.join_all()
+    overlay.join_all([i for i in ids if i not in latecomers])
+    overlay.kill(latecomers)  # not there yet
     for _ in range(5):
         overlay.round()
     disc = {i: Discovery(i, overlay.views[i].members, settings=s, rng=random.Random(f"d{seed}-{i}")) for i in ids}
     found: dict[int, float] = {}
+    late_found: dict[int, float] = {}
     marks = set(checkpoints)
+    present = [i for i in ids if i not in latecomers]
+
+    def mates(group: list[str]) -> float:
+        hits = sum(
+            cluster_of(p, cluster_size) == cluster_of(i, cluster_size)
+            for i in group
+            for p in disc[i].best(cluster_size - 1)
+        )
+        return hits / max(1, len(group))
+
     for r in range(1, rounds + 1):
-        for i in ids:
+        if latecomers and r == late_round + 1:
+            overlay.alive |= latecomers
+            for i in sorted(latecomers):  # each through a random node already there
+                overlay.views[i].join(overlay.rng.choice(present))
+                overlay._busy.add(i)
+                overlay.deliver()
+            present = list(ids)
+        for i in present:
             d = disc[i]
             if mode == "uniform":
-                cands = rng.sample([p for p in ids if p != i], s.candidates)
+                cands = rng.sample([p for p in present if p != i], s.candidates)
             else:
                 cands = d.begin_round()
             mine = cluster_of(i, cluster_size)
@@ -134,24 +161,16 @@ def simulate_discovery(
                 p: max(0.0, (1.0 if cluster_of(p, cluster_size) == mine else 0.0) + rng.gauss(0, noise)) for p in cands
             }
             d.observe(w, cands)
-            if mode != "uniform":
-                for p in cands:  # they served my evaluation: they learn of me
-                    disc[p].on_contacted(i)
         if mode != "uniform":
-            for i in ids:
+            # as on a daemon: asking "whom do you weight?" is what tells a peer of me
+            # (``on_contacted``); serving my evaluation does not
+            for i in present:
                 for asked in disc[i].whom_to_ask():
                     disc[asked].on_contacted(i)
                     disc[i].on_recommendations(asked, disc[asked].recommend(i))
             overlay.round()
         if r in marks:
-            found[r] = (
-                sum(
-                    sum(
-                        cluster_of(p, cluster_size) == cluster_of(i, cluster_size)
-                        for p in disc[i].best(cluster_size - 1)
-                    )
-                    for i in ids
-                )
-                / n
-            )
-    return DiscoveryResult(found, s.candidates)
+            found[r] = mates([i for i in ids if i not in latecomers])
+        if latecomers and r - late_round in marks:
+            late_found[r - late_round] = mates(sorted(latecomers))
+    return DiscoveryResult(found, s.candidates, late_found)
