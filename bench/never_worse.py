@@ -1,0 +1,359 @@
+"""Never worse than alone (issue 33 items 3-4): for every strategy on S1, S2, S3, the sine
+regression networks and a label-permutation network of each built-in dataset, each node's
+reported (= exported) model against its own local-only reference, the twin
+(``node/local_reference.py``: same data, θ⁰ and batches as the ``local`` strategy).
+
+Per node, at the last round: the gain of what it predicts with over its twin — accuracy points
+(goal: worst node >= -1), or for regression the relative MSE, (twin - node) / twin (goal: worst
+node >= -5 %) — and the same for its collaborative model (the gain it would report without the
+back-off). Per strategy: worst node, mean, nodes backed off, in-cluster weight, and on
+label-permutation networks each method's share of the oracle's gain.
+
+Every run is one network of real nodes (lab inproc backend: ``Node``s in one event loop, the
+in-process transport) in its own child process; its figures are appended as one JSON line to
+``bench/results/never_worse_runs.jsonl`` as soon as it ends, so an interrupted sweep keeps what
+finished and a rerun skips it. Seed-major: every (network, strategy) gets seed 0 before any gets
+seed 1. ``local`` is not run: it has no twin (its model *is* the reference, gain 0 by definition).
+
+    python bench/never_worse.py sweep --seeds 0,1,2 --jobs 2      # appends runs
+    python bench/never_worse.py report                            # never_worse.md / .json
+
+Sizes are shrunk for a shared 2-core machine (``NETWORKS``; ROUNDS): said in the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+RUNS = RESULTS / "never_worse_runs.jsonl"
+ALL = ["dpsgd", "oracle", "fedfomo", "federico", "cobo", "l2c", "meta-l2c", "scool-sbm", "scool-attention"]
+ROUNDS = 15
+NODE = {"heartbeat_interval_s": 0.5, "suspect_after_s": 3.0, "dead_after_s": 10.0, "log_level": "WARNING"}
+NO_DP = {"enabled": False}  # the papers' setting, as S1-S3 ship
+
+
+def _shipped(name: str, nodes: int, **drop: Any) -> dict[str, Any]:
+    from coterie.node.config import read_toml
+
+    data = read_toml(ROOT / "scenarios" / name, "scenario")
+    data["nodes"] = nodes
+    return data
+
+
+def _s3(nodes: int) -> dict[str, Any]:
+    data = _shipped("s3_noisy_nodes.toml", nodes)
+    for o in data.get("overrides", []):  # the noisy pair: the last two nodes, as shipped
+        o["nodes"] = [nodes - 2, nodes - 1]
+    return data
+
+
+def _s2(nodes: int) -> dict[str, Any]:
+    data = _shipped("s2_class_groups.toml", nodes)
+    return data
+
+
+def _made(learner: dict[str, Any], nodes: int, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "name": "never-worse",
+        "nodes": nodes,
+        "rounds": ROUNDS,
+        "bootstrap": "chain",
+        "timeout_s": 1200,
+        "strategy_params": {"federico": {"local_steps": 20}, **(params or {})},
+        "learner": {"device": "cpu", **learner},
+        "node": {**NODE, "privacy": NO_DP},
+    }
+
+
+def _sine(optimizer: str, lr: float) -> dict[str, Any]:
+    # the held-out regression network of issue 33: successive intervals of a curve, a tiny MLP,
+    # 24-40 training samples per node (60 % of 40-67)
+    return _made(
+        {
+            "dataset": "sine",
+            "dataset_params": {"num_samples": 2000, "noise": 0.1},
+            "partition": "sine_intervals",
+            "partition_params": {"num_intervals": 4, "samples_per_node": [40, 67]},
+            "model": "mlp",
+            "model_params": {"hidden": [32, 32]},
+            "optimizer": optimizer,
+            "lr": lr,
+            "batch_size": 16,
+            "local_steps": 10,
+        },
+        8,
+    )
+
+
+def _perm(dataset: str, params: dict[str, Any], spn: int, clusters: int, nodes: int) -> dict[str, Any]:
+    return _made(
+        {
+            "dataset": dataset,
+            "dataset_params": params,
+            "partition": "label_permutation",
+            "partition_params": {"num_clusters": clusters, "samples_per_node": spn},
+            "model": "mlp",
+            "model_params": {"hidden": [64, 64]},
+            "optimizer": "adam",
+            "lr": 0.003,
+            "batch_size": 32,
+            "local_steps": 20,
+        },
+        nodes,
+        {"scool-sbm": {"num_blocks": clusters}},
+    )
+
+
+# name -> (scenario dict, what it is). Shrunk from the shipped sizes: 15 rounds (not 30), S1/S3 8
+# nodes (not 12: S1 4 clusters x 2), S2 10 nodes (5 groups x 2, not x 4).
+NETWORKS: dict[str, tuple[Any, str]] = {
+    "s1": (lambda: _shipped("s1_label_permuted.toml", 8), "S1 mnist1d label permutation, 4 clusters x 2, CNN"),
+    "s2": (lambda: _s2(10), "S2 mnist1d class pairs, 5 groups x 2, 40-80 train each, MLP"),
+    "s3": (lambda: _s3(8), "S3 mnist1d iid, the last 2 of 8 with random labels, CNN"),
+    "sine-sgd": (lambda: _sine("sgd", 0.1), "sine intervals (4 x 2 nodes), 24-40 train each, MLP [32,32], SGD 0.1"),
+    "sine-adam": (lambda: _sine("adam", 0.003), "sine intervals (4 x 2 nodes), 24-40 train each, MLP [32,32], Adam"),
+    "digits-perm": (
+        lambda: _perm("digits", {}, 150, 2, 8),
+        "digits label permutation, 2 clusters x 4, 90 train each, MLP",
+    ),
+    "gaussian-perm": (
+        lambda: _perm("gaussian", {"num_samples": 4000, "num_classes": 4}, 100, 2, 8),
+        "gaussian (synthetic, 4 classes) label permutation, 2 clusters x 4, 60 train each, MLP",
+    ),
+}
+PERM = ("s1", "digits-perm", "gaussian-perm")  # label-permutation networks: the oracle's gain share
+
+
+def scenario(network: str, strategy: str, seed: int) -> Any:
+    from coterie.lab.scenario import parse_scenario
+
+    data = NETWORKS[network][0]()
+    data["node"] = {**data.get("node", {}), "reference": {"enabled": True}}  # the default, said explicitly
+    return parse_scenario(data, strategies=[strategy], seed=seed, rounds=ROUNDS)
+
+
+def node_figures(n: dict[str, Any]) -> dict[str, Any]:
+    """One node's last round: what it reports (= predicts with, = exports), its twin's figure and
+    its collaborative model's, and the gains (accuracy points, or relative MSE in %)."""
+    ev = n["eval"][-1]
+    regression = ev.get("local_test_acc") is None
+    key = "test_loss" if regression else "test_acc"
+    reported, twin = ev.get(key), ev.get(f"local_{key}")
+    collab = ev.get(f"collab_{key}", reported)
+
+    def gain(x: float | None) -> float | None:
+        if x is None or twin is None or not math.isfinite(x):
+            return None
+        return 100 * (twin - x) / twin if regression else 100 * (x - twin)
+
+    c = n.get("collaboration") or {}
+    return {
+        "metric": "mse" if regression else "acc",
+        "reported": reported,
+        "twin": twin,
+        "collab": collab,
+        "gain": gain(reported),
+        "collab_gain": gain(collab),
+        "helping": c.get("helping"),
+        "switches": ((c.get("reference") or {}).get("switches")),
+        "settled_at": ((c.get("reference") or {}).get("settled_at_round")),
+    }
+
+
+def in_cluster(res: dict[str, Any], strategy: str) -> float | None:
+    """Mean over nodes of the share of their last peer weights on true-cluster peers."""
+    clusters = res.get("true_clusters")
+    fw = res["strategies"][strategy].get("final_weights")
+    if not clusters or not fw:
+        return None
+    W = fw["matrix"] if isinstance(fw, dict) and "matrix" in fw else fw
+    shares = []
+    for i, row in enumerate(W):
+        peers = [(j, w) for j, w in enumerate(row or []) if j != i and w]
+        tot = sum(w for _, w in peers)
+        if tot > 0:
+            shares.append(sum(w for j, w in peers if clusters[j] == clusters[i]) / tot)
+    return statistics.mean(shares) if shares else None
+
+
+def child(network: str, strategy: str, seed: int, out: Path) -> dict[str, Any]:
+    from coterie.lab.launch import run_scenario
+
+    t0 = time.time()
+    res = run_scenario(scenario(network, strategy, seed), out, backend="inproc", check=False)
+    nodes = res["strategies"][strategy]["nodes"]
+    return {
+        "network": network,
+        "strategy": strategy,
+        "seed": seed,
+        "rounds": ROUNDS,
+        "wall_s": round(time.time() - t0, 1),
+        "in_cluster_weight": in_cluster(res, strategy),
+        "nodes": {nid: node_figures(n) for nid, n in nodes.items()},
+        "notes": res["strategies"][strategy].get("notes", []),
+    }
+
+
+def done() -> set[tuple[str, str, int]]:
+    if not RUNS.exists():
+        return set()
+    rows = [json.loads(line) for line in RUNS.read_text().splitlines() if line.strip()]
+    return {(r["network"], r["strategy"], r["seed"]) for r in rows}
+
+
+def sweep(networks: list[str], strategies: list[str], seeds: list[int], jobs: int, out: Path) -> None:
+    have = done()
+    todo = [(w, s, seed) for seed in seeds for w in networks for s in strategies if (w, s, seed) not in have]
+    print(f"{len(todo)} runs to do ({len(have)} already in {RUNS.name})", flush=True)
+
+    def one(job: tuple[str, str, int]) -> None:
+        w, s, seed = job
+        cmd = [sys.executable, __file__, "one", w, s, str(seed), "--out", str(out / f"{w}-{s}-{seed}")]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode:
+            line = {"network": w, "strategy": s, "seed": seed, "failed": p.stderr.strip().splitlines()[-3:]}
+        else:
+            line = json.loads(p.stdout.strip().splitlines()[-1])
+        with RUNS.open("a") as f:  # one line per run, written whole: partial sweeps survive
+            f.write(json.dumps(line) + "\n")
+        worst = min((n["gain"] for n in line.get("nodes", {}).values() if n["gain"] is not None), default=None)
+        print(w, s, seed, line.get("wall_s"), "worst gain", worst, "FAILED" if "failed" in line else "", flush=True)
+
+    with ThreadPoolExecutor(jobs) as ex:
+        list(ex.map(one, todo))
+
+
+def _spread(xs: list[float]) -> str:
+    if not xs:
+        return "—"
+    m = statistics.median(xs)
+    return f"{m:+.1f}" if len(xs) == 1 else f"{m:+.1f} [{min(xs):+.1f}, {max(xs):+.1f}]"
+
+
+def report() -> None:
+    rows = [json.loads(line) for line in RUNS.read_text().splitlines() if line.strip()]
+    ok = [r for r in rows if "failed" not in r]
+    agg: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in ok:
+        a = agg.setdefault((r["network"], r["strategy"]), {"seeds": [], "worst": [], "mean": [], "cworst": [],
+                                                           "cmean": [], "off": [], "inc": [], "worst_node": []})
+        g = {nid: n["gain"] for nid, n in r["nodes"].items() if n["gain"] is not None}
+        cg = [n["collab_gain"] for n in r["nodes"].values() if n["collab_gain"] is not None]
+        if not g:
+            continue
+        wn = min(g, key=lambda k: g[k])
+        a["seeds"].append(r["seed"])
+        a["worst"].append(g[wn])
+        a["worst_node"].append(f"s{r['seed']}:{wn}")
+        a["mean"].append(statistics.mean(g.values()))
+        a["cworst"].append(min(cg) if cg else float("nan"))
+        a["cmean"].append(statistics.mean(cg) if cg else float("nan"))
+        a["off"].append(sum(1 for n in r["nodes"].values() if n["helping"] is False))
+        if r.get("in_cluster_weight") is not None:
+            a["inc"].append(100 * r["in_cluster_weight"])
+    metric = {w: ("mse" if w.startswith("sine") else "acc") for w in NETWORKS}
+    goal = {"acc": -1.0, "mse": -5.0}
+    lines = [
+        "# Never worse than alone: every strategy's worst node against its local-only reference",
+        "",
+        "`python bench/never_worse.py sweep --seeds 0,1,2 --jobs 2` then `python bench/never_worse.py report`",
+        f"(issue 33 items 3-4). Every run: one network of real nodes (lab inproc backend), {ROUNDS} rounds, "
+        "the local-only reference on (the default). Per node at its last round, the gain of the model it "
+        "reports and exports over its own twin (same data, θ⁰ and batches as `local`): accuracy points, "
+        "or for the sine networks relative MSE in % ((twin − node) / twin, + is better). Goal: worst node "
+        "≥ −1 point / ≥ −5 %. `collab` = the same for the node's collaborative model (what it would "
+        "report without the back-off). Cells: median over seeds [min, max]; `seeds` lists those that "
+        "finished. `local` is not run: it is its own reference (gain 0).",
+        "",
+        "Networks (shrunk for a shared 2-core machine: 15 rounds instead of 30, fewer nodes):",
+        "",
+    ]
+    lines += [f"- `{w}`: {d}" for w, (_, d) in NETWORKS.items()]
+    lines += ["", "| network | strategy | seeds | worst node | mean | collab worst | collab mean | backed off | in-cluster w % | goal |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    misses = []
+    for w in NETWORKS:
+        for s in ALL:
+            a = agg.get((w, s))
+            if not a or not a["seeds"]:
+                lines.append(f"| {w} | {s} | not run | | | | | | | |")
+                continue
+            met = min(a["worst"]) >= goal[metric[w]]
+            if not met:
+                misses.append((w, s, [f"{n} {x:+.1f}" for n, x in zip(a["worst_node"], a["worst"]) if x < goal[metric[w]]]))
+            lines.append(
+                f"| {w} | {s} | {','.join(map(str, sorted(a['seeds'])))} | {_spread(a['worst'])} | {_spread(a['mean'])} "
+                f"| {_spread(a['cworst'])} | {_spread(a['cmean'])} | {'/'.join(map(str, a['off']))} "
+                f"| {statistics.median(a['inc']):.0f} | {'met' if met else '**missed**'} |"
+                if a["inc"]
+                else f"| {w} | {s} | {','.join(map(str, sorted(a['seeds'])))} | {_spread(a['worst'])} | {_spread(a['mean'])} "
+                f"| {_spread(a['cworst'])} | {_spread(a['cmean'])} | {'/'.join(map(str, a['off']))} | — | {'met' if met else '**missed**'} |"
+            )
+    lines += ["", "## Share of the oracle's gain on label-permutation networks (item 3)", "",
+              "Mean gain of the reported model over the twin, as a share of the oracle's, per seed (median [min, max]); "
+              "in-cluster weight: the share of a node's last peer weights on its true cluster.", "",
+              "| network | " + " | ".join(s for s in ALL if s != "oracle") + " |",
+              "|---|" + "---|" * (len(ALL) - 1)]
+    for w in PERM:
+        cells = []
+        for s in ALL:
+            if s == "oracle":
+                continue
+            o, a = agg.get((w, "oracle")), agg.get((w, s))
+            if not o or not a:
+                cells.append("—")
+                continue
+            om = dict(zip(o["seeds"], o["mean"], strict=True))
+            shares = [100 * m / om[sd] for sd, m in zip(a["seeds"], a["mean"], strict=True) if sd in om and om[sd] > 0]
+            cells.append(_spread(shares).replace("+", "") + "%" if shares else "—")
+        lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    failed = [r for r in rows if "failed" in r]
+    lines += ["", "## Goal missed", ""]
+    lines += [f"- `{w}` {s}: {', '.join(x)}" for w, s, x in misses] or ["- none"]
+    if failed:
+        lines += ["", "## Runs that failed", ""] + [f"- {r['network']} {r['strategy']} seed {r['seed']}: {r['failed']}" for r in failed]
+    (RESULTS / "never_worse.md").write_text("\n".join(lines) + "\n")
+    cfg = {w: NETWORKS[w][0]() for w in NETWORKS}
+    (RESULTS / "never_worse.json").write_text(json.dumps(
+        {"rounds": ROUNDS, "networks": cfg, "aggregate": {f"{w}/{s}": a for (w, s), a in agg.items()}},
+        indent=1, default=str))
+    print("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sw = sub.add_parser("sweep")
+    sw.add_argument("--seeds", default="0,1,2")
+    sw.add_argument("--networks", default=",".join(NETWORKS))
+    sw.add_argument("--strategies", default=",".join(ALL))
+    sw.add_argument("--jobs", type=int, default=2)
+    sw.add_argument("--out", default="/tmp/never_worse")
+    one = sub.add_parser("one")
+    one.add_argument("network", choices=sorted(NETWORKS))
+    one.add_argument("strategy")
+    one.add_argument("seed", type=int)
+    one.add_argument("--out", required=True)
+    sub.add_parser("report")
+    a = ap.parse_args()
+    if a.cmd == "one":
+        print(json.dumps(child(a.network, a.strategy, a.seed, Path(a.out))))
+    elif a.cmd == "sweep":
+        sweep(a.networks.split(","), a.strategies.split(","), [int(s) for s in a.seeds.split(",")], a.jobs, Path(a.out))
+    else:
+        report()
+
+
+if __name__ == "__main__":
+    main()
