@@ -158,6 +158,9 @@ def node_figures(n: dict[str, Any]) -> dict[str, Any]:
         return 100 * (twin - x) / twin if regression else 100 * (x - twin)
 
     c = n.get("collaboration") or {}
+    ref = c.get("reference") or {}
+    last = ref.get("last") or []  # the last check on the validation split: [collab, twin]
+    vkey = "loss" if regression else "accuracy"
     return {
         "metric": "mse" if regression else "acc",
         "reported": reported,
@@ -166,18 +169,23 @@ def node_figures(n: dict[str, Any]) -> dict[str, Any]:
         "gain": gain(reported),
         "collab_gain": gain(collab),
         "helping": c.get("helping"),
-        "switches": ((c.get("reference") or {}).get("switches")),
-        "settled_at": ((c.get("reference") or {}).get("settled_at_round")),
+        "switches": ref.get("switches"),
+        "settled_at": ref.get("settled_at_round"),
+        "worse_run": ref.get("worse_run"),
+        "val_collab": last[0][vkey] if len(last) == 2 else None,
+        "val_twin": last[1][vkey] if len(last) == 2 else None,
+        "val_n": last[1]["n"] if len(last) == 2 else None,
+        "helping_rounds": [e.get("helping") for e in n["eval"]],
     }
 
 
 def in_cluster(res: dict[str, Any], strategy: str) -> float | None:
-    """Mean over nodes of the share of their last peer weights on true-cluster peers."""
+    """Mean over nodes of the share of their peer weights (each row averaged over its rounds:
+    steadier than the last round for strategies that resample peers) on true-cluster peers."""
     clusters = res.get("true_clusters")
-    fw = res["strategies"][strategy].get("final_weights")
-    if not clusters or not fw:
+    W = res["strategies"][strategy].get("mean_weights")
+    if not clusters or not W:
         return None
-    W = fw["matrix"] if isinstance(fw, dict) and "matrix" in fw else fw
     shares = []
     for i, row in enumerate(W):
         peers = [(j, w) for j, w in enumerate(row or []) if j != i and w]
@@ -187,22 +195,37 @@ def in_cluster(res: dict[str, Any], strategy: str) -> float | None:
     return statistics.mean(shares) if shares else None
 
 
-def child(network: str, strategy: str, seed: int, out: Path) -> dict[str, Any]:
-    from coterie.lab.launch import run_scenario
-
-    t0 = time.time()
-    res = run_scenario(scenario(network, strategy, seed), out, backend="inproc", check=False)
+def figures(res: dict[str, Any], network: str, strategy: str, seed: int, wall_s: float) -> dict[str, Any]:
     nodes = res["strategies"][strategy]["nodes"]
     return {
         "network": network,
         "strategy": strategy,
         "seed": seed,
         "rounds": ROUNDS,
-        "wall_s": round(time.time() - t0, 1),
+        "wall_s": wall_s,
         "in_cluster_weight": in_cluster(res, strategy),
         "nodes": {nid: node_figures(n) for nid, n in nodes.items()},
         "notes": res["strategies"][strategy].get("notes", []),
     }
+
+
+def child(network: str, strategy: str, seed: int, out: Path) -> dict[str, Any]:
+    from coterie.lab.launch import run_scenario
+
+    t0 = time.time()
+    res = run_scenario(scenario(network, strategy, seed), out, backend="inproc", check=False)
+    return figures(res, network, strategy, seed, round(time.time() - t0, 1))
+
+
+def rescan(out: Path) -> None:
+    """Recompute every finished run's line from its results.json under ``out`` (after a change
+    to what a line holds), keeping its wall time."""
+    lines = [json.loads(x) for x in RUNS.read_text().splitlines() if x.strip()]
+    for i, r in enumerate(lines):
+        path = out / f"{r['network']}-{r['strategy']}-{r['seed']}" / "results.json"
+        if "failed" not in r and path.exists():
+            lines[i] = figures(json.loads(path.read_text()), r["network"], r["strategy"], r["seed"], r["wall_s"])
+    RUNS.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
 def done() -> set[tuple[str, str, int]]:
@@ -246,8 +269,10 @@ def report() -> None:
     ok = [r for r in rows if "failed" not in r]
     agg: dict[tuple[str, str], dict[str, Any]] = {}
     for r in ok:
-        a = agg.setdefault((r["network"], r["strategy"]), {"seeds": [], "worst": [], "mean": [], "cworst": [],
-                                                           "cmean": [], "off": [], "inc": [], "worst_node": []})
+        a = agg.setdefault(
+            (r["network"], r["strategy"]),
+            {"seeds": [], "worst": [], "mean": [], "cworst": [], "cmean": [], "off": [], "inc": [], "worst_node": []},
+        )
         g = {nid: n["gain"] for nid, n in r["nodes"].items() if n["gain"] is not None}
         cg = [n["collab_gain"] for n in r["nodes"].values() if n["collab_gain"] is not None]
         if not g:
@@ -280,8 +305,11 @@ def report() -> None:
         "",
     ]
     lines += [f"- `{w}`: {d}" for w, (_, d) in NETWORKS.items()]
-    lines += ["", "| network | strategy | seeds | worst node | mean | collab worst | collab mean | backed off | in-cluster w % | goal |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| network | strategy | seeds | worst node | mean | collab worst | collab mean | backed off | in-cluster w % | goal |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     misses = []
     for w in NETWORKS:
         for s in ALL:
@@ -291,7 +319,17 @@ def report() -> None:
                 continue
             met = min(a["worst"]) >= goal[metric[w]]
             if not met:
-                misses.append((w, s, [f"{n} {x:+.1f}" for n, x in zip(a["worst_node"], a["worst"]) if x < goal[metric[w]]]))
+                misses.append(
+                    (
+                        w,
+                        s,
+                        [
+                            f"{n} {x:+.1f}"
+                            for n, x in zip(a["worst_node"], a["worst"], strict=True)
+                            if x < goal[metric[w]]
+                        ],
+                    )
+                )
             lines.append(
                 f"| {w} | {s} | {','.join(map(str, sorted(a['seeds'])))} | {_spread(a['worst'])} | {_spread(a['mean'])} "
                 f"| {_spread(a['cworst'])} | {_spread(a['cmean'])} | {'/'.join(map(str, a['off']))} "
@@ -300,11 +338,16 @@ def report() -> None:
                 else f"| {w} | {s} | {','.join(map(str, sorted(a['seeds'])))} | {_spread(a['worst'])} | {_spread(a['mean'])} "
                 f"| {_spread(a['cworst'])} | {_spread(a['cmean'])} | {'/'.join(map(str, a['off']))} | — | {'met' if met else '**missed**'} |"
             )
-    lines += ["", "## Share of the oracle's gain on label-permutation networks (item 3)", "",
-              "Mean gain of the reported model over the twin, as a share of the oracle's, per seed (median [min, max]); "
-              "in-cluster weight: the share of a node's last peer weights on its true cluster.", "",
-              "| network | " + " | ".join(s for s in ALL if s != "oracle") + " |",
-              "|---|" + "---|" * (len(ALL) - 1)]
+    lines += [
+        "",
+        "## Share of the oracle's gain on label-permutation networks (item 3)",
+        "",
+        "Mean gain of the reported model over the twin, as a share of the oracle's, per seed (median [min, max]); "
+        "in-cluster weight: the share of a node's last peer weights on its true cluster.",
+        "",
+        "| network | " + " | ".join(s for s in ALL if s != "oracle") + " |",
+        "|---|" + "---|" * (len(ALL) - 1),
+    ]
     for w in PERM:
         cells = []
         for s in ALL:
@@ -322,12 +365,18 @@ def report() -> None:
     lines += ["", "## Goal missed", ""]
     lines += [f"- `{w}` {s}: {', '.join(x)}" for w, s, x in misses] or ["- none"]
     if failed:
-        lines += ["", "## Runs that failed", ""] + [f"- {r['network']} {r['strategy']} seed {r['seed']}: {r['failed']}" for r in failed]
+        lines += ["", "## Runs that failed", ""] + [
+            f"- {r['network']} {r['strategy']} seed {r['seed']}: {r['failed']}" for r in failed
+        ]
     (RESULTS / "never_worse.md").write_text("\n".join(lines) + "\n")
     cfg = {w: NETWORKS[w][0]() for w in NETWORKS}
-    (RESULTS / "never_worse.json").write_text(json.dumps(
-        {"rounds": ROUNDS, "networks": cfg, "aggregate": {f"{w}/{s}": a for (w, s), a in agg.items()}},
-        indent=1, default=str))
+    (RESULTS / "never_worse.json").write_text(
+        json.dumps(
+            {"rounds": ROUNDS, "networks": cfg, "aggregate": {f"{w}/{s}": a for (w, s), a in agg.items()}},
+            indent=1,
+            default=str,
+        )
+    )
     print("\n".join(lines))
 
 
@@ -346,11 +395,14 @@ def main() -> None:
     one.add_argument("seed", type=int)
     one.add_argument("--out", required=True)
     sub.add_parser("report")
+    sub.add_parser("rescan").add_argument("--out", default="/tmp/never_worse")
     a = ap.parse_args()
     if a.cmd == "one":
         print(json.dumps(child(a.network, a.strategy, a.seed, Path(a.out))))
     elif a.cmd == "sweep":
         sweep(a.networks.split(","), a.strategies.split(","), [int(s) for s in a.seeds.split(",")], a.jobs, Path(a.out))
+    elif a.cmd == "rescan":
+        rescan(Path(a.out))
     else:
         report()
 
