@@ -132,9 +132,6 @@ NETWORKS: dict[str, tuple[Any, str]] = {
         "gaussian (synthetic, 4 classes) label permutation, 2 clusters x 4, 60 train each, MLP",
     ),
 }
-# S3's noisy pair: random labels in every split, so every model is at chance there and its gain
-# over the twin is noise around 0; counted apart, never as the worst node
-CHANCE_NODES = {"s3": ("n6", "n7")}
 PERM = ("s1", "digits-perm", "gaussian-perm")  # label-permutation networks: the oracle's gain share
 
 
@@ -298,11 +295,10 @@ def test_noise(n: dict[str, Any]) -> float | None:
 def aggregate(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
     agg: dict[tuple[str, str], dict[str, Any]] = {}
     for r in rows:
-        chance = CHANCE_NODES.get(r["network"], ())
-        g = {nid: n["gain"] for nid, n in r["nodes"].items() if n["gain"] is not None and nid not in chance}
+        g = {nid: n["gain"] for nid, n in r["nodes"].items() if n["gain"] is not None}
         if not g:
             continue
-        cg = [n["collab_gain"] for nid, n in r["nodes"].items() if n["collab_gain"] is not None and nid not in chance]
+        cg = [n["collab_gain"] for nid, n in r["nodes"].items() if n["collab_gain"] is not None]
         a = agg.setdefault((r["network"], r["strategy"]), {k: [] for k in AGG_KEYS})
         a["seeds"].append(r["seed"])
         a["worst"].append(min(g.values()))
@@ -313,9 +309,7 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any
         a["inc"] += [100 * r["in_cluster_weight"]] if r.get("in_cluster_weight") is not None else []
         goal = GOAL[next(iter(r["nodes"].values()))["metric"]]
         for nid, n in r["nodes"].items():
-            if nid in chance:
-                a["chance"].append(n["gain"])
-            elif n["gain"] is not None and n["gain"] < goal:
+            if n["gain"] is not None and n["gain"] < goal:
                 noise = test_noise(n)
                 a["misses"].append(
                     f"seed {r['seed']} {nid} {n['gain']:+.1f}"
@@ -326,7 +320,7 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any
     return agg
 
 
-AGG_KEYS = ("seeds", "worst", "mean", "cworst", "cmean", "off", "inc", "misses", "within_test_noise", "chance")
+AGG_KEYS = ("seeds", "worst", "mean", "cworst", "cmean", "off", "inc", "misses", "within_test_noise")
 
 
 def _row(w: str, s: str, a: dict[str, Any] | None) -> str:
@@ -397,13 +391,6 @@ def report() -> None:
             inside = sum(a["within_test_noise"])
             lines.append(
                 f"- `{w}` {s} ({inside} of {len(a['misses'])} within 1 SE of the test split): " + "; ".join(a["misses"])
-            )
-    for w, nodes in CHANCE_NODES.items():
-        gains = [x for (net, _), a in agg.items() if net == w for x in a["chance"] if x is not None]
-        if gains:
-            lines.append(
-                f"- `{w}` {', '.join(nodes)} (random labels, counted apart): gains {min(gains):+.1f} to {max(gains):+.1f} "
-                f"over {len(gains)} node runs, median {statistics.median(gains):+.1f}"
             )
     failed = [r for r in rows if "failed" in r]
     if failed:
