@@ -180,18 +180,23 @@ def node_figures(n: dict[str, Any]) -> dict[str, Any]:
 
 
 def in_cluster(res: dict[str, Any], strategy: str) -> float | None:
-    """Mean over nodes of the share of their peer weights (each row averaged over its rounds:
-    steadier than the last round for strategies that resample peers) on true-cluster peers."""
+    """Mean over nodes of the share of their peer weight on true-cluster peers: each node's last
+    weight row, or its row averaged over rounds where the last gave no peer any weight (FedFomo
+    resamples its peers every round)."""
     clusters = res.get("true_clusters")
-    W = res["strategies"][strategy].get("mean_weights")
-    if not clusters or not W:
+    st = res["strategies"][strategy]
+    last, mean = st.get("final_weights") or [], st.get("mean_weights") or []
+    if not clusters or not (last or mean):
         return None
     shares = []
-    for i, row in enumerate(W):
-        peers = [(j, w) for j, w in enumerate(row or []) if j != i and w]
-        tot = sum(w for _, w in peers)
-        if tot > 0:
-            shares.append(sum(w for j, w in peers if clusters[j] == clusters[i]) / tot)
+    for i in range(len(clusters)):
+        for W in (last, mean):
+            row = W[i] if i < len(W) and W[i] else []
+            peers = [(j, w) for j, w in enumerate(row) if j != i and w]
+            tot = sum(w for _, w in peers)
+            if tot > 0:
+                shares.append(sum(w for j, w in peers if clusters[j] == clusters[i]) / tot)
+                break
     return statistics.mean(shares) if shares else None
 
 
