@@ -200,6 +200,26 @@ def in_cluster(res: dict[str, Any], strategy: str) -> float | None:
     return statistics.mean(shares) if shares else None
 
 
+def cluster_found(res: dict[str, Any], strategy: str, level: float = 0.9) -> int | None:
+    """The first round from which the nodes' mean in-cluster share of peer weight stays >= level
+    (rounds where no node gave a peer weight do not count either way); None if never."""
+    clusters = res.get("true_clusters")
+    wm = res["strategies"][strategy].get("weights") or {}
+    if not clusters:
+        return None
+    found = None
+    for rnd, M in zip(wm.get("rounds", []), wm.get("matrices", []), strict=False):
+        shares = []
+        for i, row in enumerate(M or []):
+            peers = [(j, w) for j, w in enumerate(row or []) if j != i and w]
+            tot = sum(w for _, w in peers)
+            if tot > 0:
+                shares.append(sum(w for j, w in peers if clusters[j] == clusters[i]) / tot)
+        if shares:
+            found = (found or rnd) if statistics.mean(shares) >= level else None
+    return found
+
+
 def figures(res: dict[str, Any], network: str, strategy: str, seed: int, wall_s: float) -> dict[str, Any]:
     nodes = res["strategies"][strategy]["nodes"]
     return {
@@ -209,6 +229,7 @@ def figures(res: dict[str, Any], network: str, strategy: str, seed: int, wall_s:
         "rounds": ROUNDS,
         "wall_s": wall_s,
         "in_cluster_weight": in_cluster(res, strategy),
+        "cluster_found_round": cluster_found(res, strategy),
         "nodes": {nid: node_figures(n) for nid, n in nodes.items()},
         "notes": res["strategies"][strategy].get("notes", []),
     }
