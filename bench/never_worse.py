@@ -333,6 +333,7 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any
         a["cmean"].append(statistics.mean(cg) if cg else float("nan"))
         a["off"].append(sum(1 for n in r["nodes"].values() if n["helping"] is False))
         a["inc"] += [100 * r["in_cluster_weight"]] if r.get("in_cluster_weight") is not None else []
+        a["found"].append(r.get("cluster_found_round"))
         goal = GOAL[next(iter(r["nodes"].values()))["metric"]]
         for nid, n in r["nodes"].items():
             if n["gain"] is not None and n["gain"] < goal:
@@ -346,7 +347,7 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any
     return agg
 
 
-AGG_KEYS = ("seeds", "worst", "mean", "cworst", "cmean", "off", "inc", "misses", "within_test_noise")
+AGG_KEYS = ("seeds", "worst", "mean", "cworst", "cmean", "off", "inc", "misses", "within_test_noise", "found")
 
 
 def _row(w: str, s: str, a: dict[str, Any] | None) -> str:
@@ -369,6 +370,7 @@ def _oracle_share(agg: dict[tuple[str, str], dict[str, Any]], w: str, s: str) ->
     om = dict(zip(o["seeds"], o["mean"], strict=True))
     shares = [100 * m / om[sd] for sd, m in zip(a["seeds"], a["mean"], strict=True) if sd in om and om[sd] > 0]
     inc = f", w {statistics.median(a['inc']):.0f}%" if a["inc"] else ""
+    inc += ", from r" + "/".join("–" if f is None else str(f) for f in a["found"])
     return (_spread(shares).replace("+", "") + "%" + inc) if shares else "—"
 
 
@@ -405,7 +407,8 @@ def report() -> None:
         "## Share of the oracle's gain on label-permutation networks (item 3)",
         "",
         "Per seed, the mean gain over the twin as a share of the oracle's on the same seed (median [min, max]), "
-        "and the in-cluster weight w (share of a node's peer weight, averaged over rounds, on its true cluster).",
+        "the in-cluster weight w (share of a node's last peer weights on its true cluster) and the round "
+        "from which the nodes' mean in-cluster share stayed >= 0.9, per seed (–: never).",
         "",
         "| network | " + " | ".join(s for s in ALL if s != "oracle") + " |",
         "|---|" + "---|" * (len(ALL) - 1),
