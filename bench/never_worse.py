@@ -318,6 +318,33 @@ def test_noise(n: dict[str, Any]) -> float | None:
     return 100 * accuracy_margin(n["collab"], n["twin"], int(n["val_n"]), 1.0)
 
 
+def twin_vs_local(rows: list[dict[str, Any]]) -> list[str]:
+    """The twin against a `local` run on the same network and seed (same data, θ⁰, batches): equal
+    while the twin trains; once it settled, what stopping early cost or saved (points / % MSE)."""
+    local = {(r["network"], r["seed"]): r["nodes"] for r in rows if r["strategy"] == "local"}
+    out = []
+    for (w, seed), alone in sorted(local.items()):
+        same, diffs = 0, []
+        for r in rows:
+            if (r["network"], r["seed"]) != (w, seed) or r["strategy"] == "local":
+                continue
+            for nid, n in r["nodes"].items():
+                lo, tw = alone.get(nid, {}).get("reported"), n.get("twin")
+                if lo is None or tw is None:
+                    continue
+                if n.get("settled_at") is None:
+                    same += abs(tw - lo) < 1e-9
+                    continue
+                diffs.append(100 * (tw - lo) if n["metric"] == "acc" else 100 * (lo - tw) / lo)
+        d = (
+            f"settled twins vs local: median {statistics.median(diffs):+.1f}, min {min(diffs):+.1f}, max {max(diffs):+.1f} ({len(diffs)} node runs)"
+            if diffs
+            else "no twin settled"
+        )
+        out.append(f"- `{w}` seed {seed}: {same} twins that never settled equal local exactly; {d}")
+    return out
+
+
 def aggregate(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
     agg: dict[tuple[str, str], dict[str, Any]] = {}
     for r in rows:
@@ -423,6 +450,8 @@ def report() -> None:
                 else "MSE on 8-13 test points: no SE computed"
             )
             lines.append(f"- `{w}` {s} ({inside}): " + "; ".join(a["misses"]))
+    lines += ["", "## The twin against the `local` strategy", ""]
+    lines += twin_vs_local([r for r in rows if "failed" not in r]) or ["- no `local` run finished"]
     failed = [r for r in rows if "failed" in r]
     if failed:
         lines += ["", "## Runs that failed", ""]
