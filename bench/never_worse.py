@@ -147,7 +147,7 @@ def node_figures(n: dict[str, Any]) -> dict[str, Any]:
     """One node's last round: what it reports (= predicts with, = exports), its twin's figure and
     its collaborative model's, and the gains (accuracy points, or relative MSE in %)."""
     ev = n["eval"][-1]
-    regression = ev.get("local_test_acc") is None
+    regression = ev.get("test_acc") is None
     key = "test_loss" if regression else "test_acc"
     reported, twin = ev.get(key), ev.get(f"local_{key}")
     collab = ev.get(f"collab_{key}", reported)
