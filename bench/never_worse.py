@@ -43,7 +43,8 @@ NODE = {"heartbeat_interval_s": 0.5, "suspect_after_s": 3.0, "dead_after_s": 10.
 NO_DP = {"enabled": False}  # the papers' setting, as S1-S3 ship
 
 
-def _shipped(name: str, nodes: int, **drop: Any) -> dict[str, Any]:
+def _shipped(name: str, nodes: int) -> dict[str, Any]:
+    """A shipped scenario with fewer nodes (its rounds are set by ``scenario``)."""
     from coterie.node.config import read_toml
 
     data = read_toml(ROOT / "scenarios" / name, "scenario")
@@ -55,11 +56,6 @@ def _s3(nodes: int) -> dict[str, Any]:
     data = _shipped("s3_noisy_nodes.toml", nodes)
     for o in data.get("overrides", []):  # the noisy pair: the last two nodes, as shipped
         o["nodes"] = [nodes - 2, nodes - 1]
-    return data
-
-
-def _s2(nodes: int) -> dict[str, Any]:
-    data = _shipped("s2_class_groups.toml", nodes)
     return data
 
 
@@ -119,7 +115,7 @@ def _perm(dataset: str, params: dict[str, Any], spn: int, clusters: int, nodes: 
 # nodes (not 12: S1 4 clusters x 2), S2 10 nodes (5 groups x 2, not x 4).
 NETWORKS: dict[str, tuple[Any, str]] = {
     "s1": (lambda: _shipped("s1_label_permuted.toml", 8), "S1 mnist1d label permutation, 4 clusters x 2, CNN"),
-    "s2": (lambda: _s2(10), "S2 mnist1d class pairs, 5 groups x 2, 40-80 train each, MLP"),
+    "s2": (lambda: _shipped("s2_class_groups.toml", 10), "S2 mnist1d class pairs, 5 groups x 2, 40-80 train each, MLP"),
     "s3": (lambda: _s3(8), "S3 mnist1d iid, the last 2 of 8 with random labels, CNN"),
     "sine-sgd": (lambda: _sine("sgd", 0.1), "sine intervals (4 x 2 nodes), 24-40 train each, MLP [32,32], SGD 0.1"),
     "sine-adam": (lambda: _sine("adam", 0.003), "sine intervals (4 x 2 nodes), 24-40 train each, MLP [32,32], Adam"),
