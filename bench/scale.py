@@ -17,8 +17,9 @@ figures within a table, not across runs):
 ``floor``   the scale scenario in one process (inproc) against its compute floor (every node's
             training CPU spread over the cores), this checkout beside ``--baseline-python``'s.
 ``overlay``  membership's cost per node and protocol period (CPU, bytes, entries held), full
-            membership (SWIM + push-pull) against partial views (HyParView), in-process side by
-            side at N nodes (``bench/overlay_cost.py``).
+            membership (SWIM + push-pull) against membership on partial views (HyParView), the
+            daemon's membership over the in-process transport, side by side at N nodes, and
+            partial views alone for 5 periods at ``--overlay-big`` nodes (``bench/overlay_cost.py``).
 ``discovery`` cluster mates among each node's top-weighted peers after K rounds, candidates from
             discovery against a uniform draw (``bench/overlay_cost.py``).
 ``s1``      scenarios/s1_label_permuted.toml on both backends (same partitions and seeds) for a
@@ -667,6 +668,9 @@ def main() -> None:
         default="100,1000,3000",
         help="overlay: node counts (full membership up to 1,000; partial views at all)",
     )
+    ap.add_argument(
+        "--overlay-big", default="10000", help="overlay: node counts of partial views alone, 5 periods (wall, memory)"
+    )
     ap.add_argument("--discovery-nodes", default="300,1000", help="discovery: node counts")
     ap.add_argument("--discovery-rounds", type=int, default=30)
     ap.add_argument(
@@ -720,8 +724,12 @@ def main() -> None:
         data["ray"] = points
     if "overlay" in sections:
         print("overlay: membership cost per node-period ...", flush=True)
-        rows = overlay_cost.overlay_section([int(n) for n in a.overlay_nodes.split(",") if n])
-        data["overlay"] = overlay_cost.merged(data.get("overlay", []) if a.merge else [], rows, ("kind", "nodes"))
+        rows = overlay_cost.overlay_section(
+            [int(n) for n in a.overlay_nodes.split(",") if n], [int(n) for n in a.overlay_big.split(",") if n]
+        )
+        data["overlay"] = overlay_cost.merged(
+            data.get("overlay", []) if a.merge else [], rows, ("kind", "nodes", "periods")
+        )
     if "discovery" in sections:
         print("discovery: cluster mates found ...", flush=True)
         rows = overlay_cost.discovery_section([int(n) for n in a.discovery_nodes.split(",") if n], a.discovery_rounds)

@@ -34,6 +34,7 @@ from .peering.served import ServedRequests, ServedSettings
 from .peering.snapshots import PublishBoard, SnapshotCache
 from .peering.traffic import TrafficStats
 from .peering.versions import VIEWS
+from .peering.view_scope import ViewScope
 from .persistence import Checkpoint, StateStore
 from .privacy.ledger import PrivacyLedger
 from .privacy.mechanisms import PrivateData
@@ -175,7 +176,7 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
     )
     d = cfg.discovery
     # past the threshold, partial views (sized for a network twice the threshold) sample the
-    # network for discovery; membership itself is still full (docs/membership.md)
+    # network for discovery, and membership runs on them (view_scope.py, docs/membership.md)
     overlay = Overlay(
         PartialView(host.node_id, ViewSettings.for_network(max(2 * d.above, 8)), random.Random(f"views-{seed}")),
         client,
@@ -195,6 +196,19 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
         rng=random.Random(f"discovery-{seed}"),
     )
     network.discovery_above = d.above
+    # past the threshold membership runs on the views (probes, table, no push-pull), keeping
+    # also the peers a strategy is exchanging with: this round's candidates, the collaborators
+    disc = network.discovery
+    scope = ViewScope(
+        overlay,
+        peers,
+        membership.handshakes,
+        above=d.above,
+        also_keep=lambda: [*disc.current(), *disc.collaborators(2 * d.candidates)],
+    )
+    membership.state.scope = scope
+    peers.on_forget.append(calls.deadlines.forget)  # a member the views dropped: its latencies too
+    network.partial = scope.partial
 
     def introduce(recommender: str, node_id: str, address: str) -> None:
         """A recommended peer not known yet: a membership candidate (bounded per recommender)."""

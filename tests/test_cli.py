@@ -322,6 +322,13 @@ def test_strategies_json():
     assert local == {"name": "local", "ok": True, "problem": None} and len(rows) >= 10
 
 
+def _ctrl_c_reaches_it() -> None:
+    # a command started in the background of a non-interactive shell (`bash .ci/run &`) inherits
+    # SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the watch would never
+    # see the test's Ctrl-C. A terminal's foreground job always gets it; so does this child
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_status_watch_refreshes_until_interrupted(admin_url):
     proc = subprocess.Popen(
         [
@@ -339,6 +346,7 @@ def test_status_watch_refreshes_until_interrupted(admin_url):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_ctrl_c_reaches_it,
     )
     try:
         lines = [proc.stdout.readline() for _ in range(3)]  # three refreshes, one JSON line each
@@ -371,6 +379,7 @@ def test_status_watch_waits_for_a_starting_nodes_state_dir(admin_url, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_ctrl_c_reaches_it,
         env=env,
     )
     try:

@@ -1,6 +1,7 @@
 """Partial views on real daemons (gRPC, mTLS, processes): past the discovery threshold each node
 runs a HyParView overlay over the ``Shuffle`` and ``Link`` RPCs, with an active view of 4 of its 11
-peers; every node is in it, the active views form one component, and discovery's candidates,
+peers, and membership on it (probes to active neighbours, no push-pull, the table pruned to the
+views: ``view_scope.py``); every node is in it, the active views form one component, and discovery's candidates,
 drawn from the views and from recommendations, let FedFomo weight its cluster mates."""
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def test_daemons_past_the_threshold_run_connected_partial_views_and_find_cluster
         active = {p: v["views"]["active"] for p, v in views.items()}
         for p, v in views.items():
             assert v["active"], p  # past the threshold: discovery (and the overlay) run
+            assert v["membership"] == "views", p  # ... and membership runs on the views
             assert 1 <= len(active[p]) <= 4 and p not in active[p], (p, active[p])
         assert len(view_components(active)) == 1, active
         assert sum(v["views"]["shuffles_received"] for v in views.values()) > N  # shuffles went over the RPC

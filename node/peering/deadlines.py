@@ -52,8 +52,8 @@ class Deadlines:
         return min(self.cap_s, max(self.floor_s, self.mult * quantile(samples, self.q)))
 
     def forget(self, peer: str) -> None:
-        for key in [k for k in self._by_peer if k[0] == peer]:
-            del self._by_peer[key]
+        for kind in self._by_kind:  # (a peer's history exists only for kinds observed)
+            self._by_peer.pop((peer, kind), None)
 
 
 @dataclass

@@ -87,8 +87,8 @@ class Dissemination:
                     self._refute(u, source)
                 continue
             rec = self.state.peers.records.get(u.node_id)
-            if rec is None:
-                if u.state != DEAD and u.address:
+            if rec is None:  # (past the threshold, hearsay makes no candidates: the views decide)
+                if u.state != DEAD and u.address and not self.state.partial():
                     self.state.pending.add(u.address, source=source, node_id=u.node_id)
                 continue
             if u.node_id == source:

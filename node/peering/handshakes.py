@@ -20,6 +20,7 @@ from .versions import Agreement, agree, peer_range
 log = logging.getLogger("coterie.node")
 
 HANDSHAKE_ENTRIES = 64  # addresses a handshake reply carries at most (a random sample)
+VIEW_HANDSHAKE_ENTRIES = 8  # ... past the threshold (the table is the views: a joiner's seed sample)
 
 
 class Handshakes:
@@ -88,7 +89,7 @@ class Handshakes:
         if new:
             self.state.announce(remote.node_id)  # SWIM join: the others learn of it by gossip
         self.state.pending.discard(remote.address)
-        return self.state.entries(limit=HANDSHAKE_ENTRIES)
+        return self.state.entries(limit=VIEW_HANDSHAKE_ENTRIES if self.state.partial() else HANDSHAKE_ENTRIES)
 
     async def contact(self, address: str) -> bool:
         """Handshake an address (a candidate, or a dead member's last address)."""
@@ -103,10 +104,11 @@ class Handshakes:
                 self.problems.note(address, f"handshake refused: {e.message}")
                 log.error("peer at %s refused us: %s", address, e.message)
             elif address not in self.unreachable and (
-                address in self.bootstrap or self.state.peers.by_address(address)
+                address in self.bootstrap or (self.state.peers.by_address(address) and not self.state.partial())
             ):
                 # once per address, and only for addresses this node was told to use or a member's:
-                # what peers merely mention could be thousands of bogus ones
+                # what peers merely mention could be thousands of bogus ones (past the threshold,
+                # a view's node that went is the overlay's business: it is replaced, not reported)
                 self.unreachable.add(address)
                 what = "bootstrap peer" if address in self.bootstrap else "peer"
                 msg = f"cannot reach {what} at {address} ({e.kind}: {e.message}); still trying"

@@ -106,6 +106,9 @@ class Membership:
         for c in st.pending.due(budget):
             spawn(self.handshakes.contact_candidate(c.address))
             budget -= 1
+        partial = st.partial()
+        if partial:
+            st.prune()  # the table holds the views (and who is calling), not the network
         for rec in peers.due_reconnects():
             if budget <= 0:
                 break
@@ -113,7 +116,7 @@ class Membership:
                 spawn(self.handshakes.reconnect(rec.node_id, rec.address))
                 budget -= 1
         now = time.monotonic()
-        if now >= self._next_push_pull:
+        if now >= self._next_push_pull and not partial:  # past the threshold: no O(N) exchange
             self._next_push_pull = now + self.gossip.push_pull_interval_s(n) * st.rng.uniform(0.8, 1.2)
             spawn(self.gossip.push_pull())
         if self.on_gauges is not None:
@@ -232,5 +235,6 @@ def full_membership(
 
     gossip = Dissemination(state, transport, problems, probe_soon, claims=Strikes(on_strike=obs.on_claim_struck))
     probes = Probes(state, transport, gossip, tasks, rtts=rtts, loop_lag=obs.loop_lag)
+    peers.on_forget.append(probes.rtts.forget)  # past the threshold the table forgets members
     handshakes = Handshakes(state, transport, problems, bootstrap)
     return Membership(state, gossip, probes, handshakes, tasks, on_gauges=obs.on_gauges)

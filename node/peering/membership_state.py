@@ -13,10 +13,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field, make_dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import MembershipConfig
-from .messages import ALIVE, DEAD, MemberUpdate, NodeInfo, PeerEntry
+from .messages import ALIVE, DEAD, SUSPECT, MemberUpdate, NodeInfo, PeerEntry
 
 if TYPE_CHECKING:
     from .peer_table import PeerTable
@@ -229,6 +229,27 @@ class Tasks:
         for t in list(self._tasks):
             t.cancel()
 
+    async def settle(self) -> None:
+        """Wait for the calls in flight (in-process drivers: a period's calls answered)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+class Scope(Protocol):
+    """What membership runs on past the size threshold (``view_scope.ViewScope``: a partial
+    view): ``partial`` says whether it does now; then ``neighbours`` are the members probed (the
+    active view) and the table holds ``keep`` (the views, the candidates a node is exchanging
+    with) and the nodes heard from within a grace period, nobody else."""
+
+    def partial(self) -> bool: ...
+
+    def neighbours(self) -> list[str]: ...
+
+    def keep(self) -> set[str]: ...
+
+
+PRUNE_GRACE_PERIODS = 10  # past the threshold: a member heard from this recently is kept
+
 
 class MembershipState:
     """What this node knows about members and itself: the table (``PeerTable``), its own
@@ -279,6 +300,44 @@ class MembershipState:
             "claims_dropped": 0,
         }
         peers.suspicion_max_mult = settings.suspicion_max_mult
+        self.scope: Scope | None = None  # full membership (None), or partial views past a threshold
+
+    def partial(self) -> bool:
+        """Membership on a partial view now: probes, gossip and the table bounded by the views."""
+        return self.scope is not None and self.scope.partial()
+
+    def probe_targets(self) -> list[str]:
+        """Members probed in the round-robin: every one not dead, or past the threshold the
+        active view's (failure detection runs on it only)."""
+        if self.scope is None or not self.scope.partial():
+            return self.peers.probe_targets()
+        records = self.peers.records
+        return [p for p in self.scope.neighbours() if (r := records.get(p)) is not None and r.state != DEAD]
+
+    def prune(self) -> list[str]:
+        """Past the threshold: forget the members the views no longer hold (``scope.keep``),
+        unless one was heard from within the grace period (it may be calling this node: a
+        neighbour being linked, a shuffle's partner) or a probe of it is under way. Dead ones
+        go at once, and suspects outside the active view (not probed, their suspicion would
+        turn into a death nobody checked). So the table stays O(view) whatever N. Returns
+        those forgotten."""
+        if self.scope is None or not self.scope.partial():
+            return []
+        neighbours = set(self.scope.neighbours())
+        keep = self.scope.keep() | self.probing
+        now, grace = time.monotonic(), PRUNE_GRACE_PERIODS * self.period
+        gone = [
+            p
+            for p, r in self.peers.records.items()
+            if p not in self.probing
+            and (
+                (r.state == SUSPECT and p not in neighbours)  # not probed: its suspicion cannot settle
+                or (p not in keep and (r.state == DEAD or now - r.last_seen > grace))
+            )
+        ]
+        for p in gone:
+            self.peers.forget(p)
+        return gone
 
     @property
     def node_id(self) -> str:
@@ -317,7 +376,10 @@ class MembershipState:
 
     def learn(self, entries: Iterable[PeerEntry], source: str = "") -> None:
         """Addresses a peer told us about: unknown members become handshake candidates (as many
-        as that peer's share of the candidate set allows; the rest of a long list is not read)."""
+        as that peer's share of the candidate set allows; the rest of a long list is not read).
+        Past the threshold, nothing: the views alone decide whom this node knows."""
+        if self.partial():
+            return
         for e in entries:
             if not self.pending.room(source):
                 self.pending.dropped += 1

@@ -123,6 +123,8 @@ class NodeNetwork:
         # membership's bounded candidates, so it can be handshaken and then explored
         self.introduce: Callable[[str, str, str], None] = lambda source, node_id, address: None
         self.overlay: Overlay | None = None  # partial views past the threshold (overlay.py)
+        # whether membership runs on the views (view_scope.py, a latch); then discovery runs
+        self.partial: Callable[[], bool] | None = None
 
     # --- deadlines (calls.py) ---
     def exchange_phase(self) -> AbstractContextManager[Phase]:
@@ -160,6 +162,8 @@ class NodeNetwork:
 
     # --- discovery (a round's candidates, past the threshold) ---
     def discovering(self, alive: int | None = None) -> bool:
+        if self.discovery is not None and self.partial is not None:
+            return self.partial()
         n = len(self.table.alive()) if alive is None else alive
         return self.discovery is not None and n > self.discovery_above
 
@@ -175,6 +179,8 @@ class NodeNetwork:
         return {
             "active": self.discovering(),
             "above": self.discovery_above,
+            # membership on the views past the threshold (view_scope.py), else on every member
+            "membership": "views" if self.partial is not None and self.partial() else "full",
             "candidates": d.current(),
             "collaborators": d.collaborators(5),
             "hints": len(d.hints),

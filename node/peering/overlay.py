@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 
 from ..wire.codec import WireError
@@ -41,7 +41,7 @@ from .api import (
     LinkRequest,
     ViewSample,
 )
-from .errors import UNAVAILABLE, PeerCallError, invalid
+from .errors import UNAVAILABLE, UNKNOWN_PEER, PeerCallError, invalid
 from .interfaces import PeerTransport
 from .messages import PeerEntry
 from .partial_view import (
@@ -73,6 +73,7 @@ class Overlay:
         *,
         timeout_s: float = 2.0,
         known_address: Callable[[str], str | None] = lambda node_id: None,
+        introduce: Callable[[str, str], Awaitable[bool]] | None = None,
     ):
         self.view = view
         self.me = view.me
@@ -80,6 +81,13 @@ class Overlay:
         self.my_address = address
         self.timeout_s = timeout_s
         self.known_address = known_address
+        # past the threshold membership holds the views only: a node this one calls must have
+        # handshaken first (Link and Shuffle are known-peer calls), ``introduce(id, address)``
+        # does it and says whether ``id`` is known now
+        self.introduce = introduce
+        # a Link a period to one active neighbour; off where membership probes the active view
+        # (view_scope.py): its failure detector replaces a dead neighbour
+        self.keepalives = True
         self.addresses: dict[str, str] = {}  # the views' nodes (pruned after every change)
         self._tasks: set[asyncio.Task] = set()
         self._calling: Counter[str] = Counter()  # nodes with a call in flight (their address kept)
@@ -107,7 +115,7 @@ class Overlay:
         """One period: the view's own work, a keepalive to one active neighbour, the address book
         pruned to the views."""
         self.view.tick()
-        probe = self.view.next_probe()
+        probe = self.view.next_probe() if self.keepalives else None
         if probe is not None:
             self._spawn(probe, self._keepalive(probe))
         self._flush()
@@ -182,9 +190,13 @@ class Overlay:
                 return out
         return None
 
+    def held(self) -> set[str]:
+        """The views' nodes and those a message is queued or in flight to."""
+        return set(self.view.members()) | set(self._calling) | {to for to, _ in self.view.outbox}
+
     def _prune(self) -> None:
-        """Addresses of the views' nodes and of those a message is queued or in flight to only."""
-        held = set(self.view.members()) | set(self._calling) | {to for to, _ in self.view.outbox}
+        """Addresses of ``held`` nodes only."""
+        held = self.held()
         if len(held) < len(self.addresses):
             self.addresses = {p: a for p, a in self.addresses.items() if p in held}
 
@@ -228,7 +240,24 @@ class Overlay:
         address = self.address_of(to)
         if address is None:
             raise PeerCallError(UNAVAILABLE, f"no address known for {to}")
+        if self.introduce is not None and to not in self.view.active:
+            # past the threshold tables hold views: a node outside my active view may have
+            # forgotten me (or I it), so a handshake first — one more call, never a refusal
+            await self._introduce(to, address)
+            address = self.address_of(to) or address
+        try:
+            return await self.transport.call(rpc, address, request, self.timeout_s, peer=to)
+        except PeerCallError as e:
+            if e.kind != UNKNOWN_PEER or self.introduce is None:
+                raise
+        # it forgot me (its table holds its views, not me): handshake again, then once more
+        await self._introduce(to, address)
         return await self.transport.call(rpc, address, request, self.timeout_s, peer=to)
+
+    async def _introduce(self, to: str, address: str) -> None:
+        assert self.introduce is not None
+        if not await self.introduce(to, address):
+            raise PeerCallError(UNAVAILABLE, f"no handshake with {to} at {address}")
 
     async def _deliver(self, to: str, msg: Message) -> None:
         try:

@@ -83,6 +83,7 @@ class PeerTable:
         self.reconnect_max_s = reconnect_max_s
         self.records: dict[str, PeerRecord] = {}
         self.listeners: list[Listener] = []
+        self.on_forget: list[Callable[[str], None]] = []  # what else keeps per-peer state drops it
         # indexes kept with every change, so that a protocol period costs O(1) per node and not
         # O(members): a thousand in-process nodes each scanning a thousand records every period
         # is a million steps a second
@@ -259,6 +260,18 @@ class PeerTable:
         not hear refutations meanwhile, so suspicion clocks do not run for that time."""
         for node_id in self._in_state[SUSPECT]:
             self.records[node_id].state_since += seconds
+
+    def forget(self, node_id: str) -> None:
+        """Drop ``node_id`` from the table (past the size threshold, a node it no longer samples:
+        ``view_scope.py``); it enters again only through a handshake."""
+        rec = self.records.pop(node_id, None)
+        if rec is None:
+            return
+        self._in_state[rec.state].discard(node_id)
+        if self._by_address.get(rec.address) == node_id:
+            del self._by_address[rec.address]
+        for forget in list(self.on_forget):
+            forget(node_id)
 
     # ------------------------------------------------------------------ dead members
     def due_reconnects(self, now: float | None = None) -> list[PeerRecord]:

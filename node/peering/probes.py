@@ -78,6 +78,9 @@ class Probes:
             if e.kind == UNKNOWN_PEER:  # whoever answers there does not know us: handshake to see
                 # (even if that address was forgotten after failed handshakes: it answers now)
                 self.state.pending.add(address, source="self", node_id=node_id, revive=True)
+                # past the threshold tables hold views, not everyone: a neighbour that forgot me
+                # (it dropped me from its views) is alive all the same
+                return self.state.partial()
             return False
         if reply.node_id != node_id:  # someone else lives at that address now
             self.state.pending.add(address, source="self")
@@ -140,7 +143,10 @@ class Probes:
         if await self.ping(node_id, rec.address, direct):
             return True
         left = budget - (loop.time() - t0)
-        helpers = [p for p in self.state.peers.alive() if p != node_id]
+        # past the threshold, the other active neighbours: they hold this node in their tables
+        # (a member the views dropped may have forgotten it, and would refuse to help)
+        pool = self.state.probe_targets() if self.state.partial() else self.state.peers.alive()
+        helpers = [p for p in pool if p != node_id and self.state.peers.records[p].state == ALIVE]
         helpers = self.state.rng.sample(helpers, min(self.state.s.indirect_probes, len(helpers)))
         self.state.stats["indirect"] += 1
         nacks = 0
@@ -177,12 +183,16 @@ class Probes:
 
     def next_target(self) -> str | None:
         records = self.state.peers.records
+        partial = self.state.partial()
+        if partial:  # the active view changes: probe only who is still in it
+            current = set(self.state.probe_targets())
+            self._order = [p for p in self._order if p in current]
         while self._order:
             nid = self._order.pop()
             rec = records.get(nid)
             if rec is not None and rec.state != DEAD:
                 return nid
-        order = sorted(self.state.peers.probe_targets())  # a new shuffled pass: O(N) once per N periods
+        order = sorted(self.state.probe_targets())  # a new shuffled pass: O(N) once per N periods
         self.state.rng.shuffle(order)
         self._order = order
         return self._order.pop() if self._order else None
