@@ -44,12 +44,6 @@ class RelayReservations:
         self.ignored = 0  # offers past MAX_TUNNELS
 
     def start(self) -> None:
-        # a relay's time without a reservation counts from when reserving starts, not from
-        # construction (a node may load its data and torch in between: relays were dropped at once)
-        now = time.monotonic()
-        for relay in self.relays:
-            if self.state.get(relay) != "held":
-                self.lost_since[relay] = now
         for relay in self.relays:
             self._holders[relay] = self._spawn(self._hold(relay))
 
