@@ -299,6 +299,37 @@ async def test_relay_housekeeping_drops_adds_back_and_replaces():
     assert told == ["relay://r1:1/n7", "relay://r0:1,r1:1/n7", "relay://m2:1,m3:1/n7"]
 
 
+async def test_a_channel_follows_the_relay_listener_of_a_node_that_moved_away_and_back():
+    """n6 is known at ``relay://r1/n6``, then moves to ``relay://r0/n6`` (which retires the first
+    address's loopback listener), then the first is asked for again (stale news, a relay added
+    back): it gets a listener anew. The channel
+    handed out for an address must dial the listener that address has now; a cached one kept
+    dialling the closed port, refused for good (CI: a member never pulled a node through its
+    new relay)."""
+    from tests.nodeproc import _NoTraffic
+
+    dialer = RelayDialer(None)
+    client = PeerClient("n1", _NoTraffic(), chunk_bytes=1 << 20, timeout_s=5, tls=None, relay_dialer=dialer)
+    old, new = "relay://127.0.0.1:9/n6", "relay://127.0.0.2:9/n6"
+    try:
+        first = client.channel(new, "bulk")[0]
+        port_first = dialer.local(new)[0]
+        client.channel(old, "bulk")  # retires new's listener
+        third = client.channel(new, "bulk")[0]
+        port_now = dialer.local(new)[0]
+        assert port_now != port_first  # a listener made anew
+        assert third is not first  # ... and the channel handed out dials it, not the closed port
+        assert client.channel(new, "bulk")[0] is third  # unchanged: the cached channel
+        # both listen: news of an address it had retires nothing (its tunnels carry calls now)
+        for address in (old, new):
+            host, port = dialer.local(address)[0].rsplit(":", 1)
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5)
+            writer.close()
+    finally:
+        await client.close()
+        await dialer.close()
+
+
 # ---------------------------------------------------------------- relay budget, in-process relay
 
 

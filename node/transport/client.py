@@ -97,6 +97,7 @@ class PeerClient(UnaryCalls):
         self._creds = tls.channel_credentials() if tls is not None else None
         # (address, plane, expected node id or None) -> channel, stub
         self._stubs: dict[tuple[str, str, str | None], tuple[grpc.aio.Channel, rpc.PeerStub]] = {}
+        self._dialled: dict[tuple[str, str, str | None], str] = {}  # the host:port each channel dials
         self._proven: dict[str, str] = {}  # address -> node id its certificate proved (mTLS)
         self._used: dict[str, float] = {}  # address -> last time a call started
         self._busy: dict[str, int] = {}  # address -> calls in flight
@@ -134,6 +135,11 @@ class PeerClient(UnaryCalls):
             dial, expected = self.relay_dialer.local(address)
         key = (address, plane, expected)
         entry = self._stubs.get(key)
+        if entry is not None and self._dialled.get(key, dial) != dial:
+            # the relay dialer's listener for this address was retired and made anew (the node
+            # moved away and back): the cached channel dials a closed port, refused for good
+            asyncio.get_running_loop().create_task(self._drop(key).close())
+            entry = None
         if entry is None:
             options = _CHANNEL_OPTIONS + [("coterie.plane", plane)]
             if self.tls is None:
@@ -142,7 +148,13 @@ class PeerClient(UnaryCalls):
                 name = ("grpc.ssl_target_name_override", self.tls.target_name(expected))
                 ch = grpc.aio.secure_channel(dial, self._creds, options=[*options, name])
             entry = self._stubs[key] = (ch, rpc.PeerStub(ch))
+            self._dialled[key] = dial
         return entry
+
+    def _drop(self, key: tuple[str, str, str | None]) -> grpc.aio.Channel:
+        """Forget a cached channel (the caller closes it)."""
+        self._dialled.pop(key, None)
+        return self._stubs.pop(key)[0]
 
     def touch(self, address: str) -> None:
         self._used[address] = time.monotonic()
@@ -161,7 +173,7 @@ class PeerClient(UnaryCalls):
             self.streams.drop_sessions(address)
             for key in [k for k in self._stubs if k[0] == address]:
                 self.evicted += 1
-                asyncio.get_running_loop().create_task(self._stubs.pop(key)[0].close())
+                asyncio.get_running_loop().create_task(self._drop(key).close())
 
     def raw_snapshot_call(self, address: str, peer: str | None = None):
         """GetSnapshot with chunk messages left as raw bytes: the payload is sliced out of each
@@ -181,7 +193,7 @@ class PeerClient(UnaryCalls):
             with contextlib.suppress(Exception):  # let each cancelled session finish before its channel closes
                 await asyncio.wait_for(call.code(), 1.0)
         for key in [k for k in self._stubs if k[0] == address]:
-            await self._stubs.pop(key)[0].close()
+            await self._drop(key).close()
 
     async def close(self) -> None:
         for address in {k[0] for k in self._stubs}:
@@ -201,7 +213,7 @@ class PeerClient(UnaryCalls):
         try:
             await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            await self._stubs.pop((address, CONTROL, node_id))[0].close()
+            await self._drop((address, CONTROL, node_id)).close()
             raise PeerCallError(
                 REFUSED,
                 f"peer at {address} claims to be node {node_id!r} but could not "
@@ -211,7 +223,7 @@ class PeerClient(UnaryCalls):
         self._proven[address] = node_id
         if old is not None:
             for key in [k for k in self._stubs if k[0] == address and k[2] == old]:
-                await self._stubs.pop(key)[0].close()
+                await self._drop(key).close()
 
     async def link(self) -> None:
         if self.delay_s:

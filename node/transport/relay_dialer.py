@@ -17,6 +17,7 @@ import contextlib
 import logging
 import socket
 import time
+from collections import OrderedDict
 
 import grpc
 
@@ -30,6 +31,7 @@ from .tls import TLS
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0  # a relay must confirm a tunnel (its target accepted) within this
 FAILED_LAST_S = 30.0  # a relay that failed a tunnel this recently is tried after the others
+KNOWN_ADDRESSES = 4  # a node's relay addresses with a listener kept (the current one and the last few)
 
 
 class RelayDialer:
@@ -37,7 +39,8 @@ class RelayDialer:
         self._creds = tls.channel_credentials() if tls is not None else None
         self._local: dict[str, str] = {}  # relay address -> loopback host:port of its listener
         self._servers: dict[str, asyncio.AbstractServer] = {}  # relay address -> its listener
-        self._current: dict[str, str] = {}  # node id -> the relay address last asked for it
+        self._current: dict[str, str] = {}  # node id -> its relay address last moved to
+        self._known: dict[str, OrderedDict[str, None]] = {}  # node id -> its addresses asked for lately
         self._by_address: dict[str, set[asyncio.Task]] = {}  # relay address -> its tunnels
         self._stubs: dict[str, tuple[grpc.aio.Channel, rpc.RelayStub]] = {}
         self._preferred: dict[str, str] = {}  # node id -> relay that last worked
@@ -50,10 +53,22 @@ class RelayDialer:
         Called from a synchronous channel lookup: the socket is bound and listening now, and
         the connections queued on it are served once the loop gets to the server task."""
         target = parse(address)
-        stale = self._current.get(target.node_id)
-        if stale is not None and stale != address:
-            self._retire(stale)
-        self._current[target.node_id] = address
+        current = self._current.get(target.node_id)
+        known = self._known.setdefault(target.node_id, OrderedDict())
+        if address != current and address not in known:
+            # a move: the address it had ends (its tunnels too). One asked for again (stale news
+            # of an address it had, a pending handshake) is served beside the current one and
+            # retires nothing, or old news would cut the tunnels the node is reached by now.
+            if current is not None:
+                self._retire(current)
+            self._current[target.node_id] = address
+        known[address] = None
+        known.move_to_end(address)
+        while len(known) > KNOWN_ADDRESSES:
+            oldest = next(iter(known))
+            del known[oldest]
+            if oldest != self._current.get(target.node_id):
+                self._retire(oldest)
         if address not in self._local:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind(("127.0.0.1", 0))
