@@ -108,16 +108,20 @@ class NodeProc:
         self.config_path = self.dir / "node.toml"
         self.config_path.write_text(tomli_w.dumps(cfg))
         self.proc: subprocess.Popen | None = None
+        self._old_pid: int | None = None
         self.info: dict[str, Any] = {}
 
     def start(self, timeout: float = 60.0, extra_args: list[str] | None = None) -> NodeProc:
+        return self.launch(extra_args).wait_ready(timeout)
+
+    def launch(self, extra_args: list[str] | None = None) -> NodeProc:
+        """Start the daemon without waiting for it (``wait_ready``): several launched together
+        load torch side by side instead of each waiting behind the ones already training."""
         info_path = self.state_dir / "node.json"
-        old_pid = None
-        if info_path.exists():
-            old_pid = json.loads(info_path.read_text()).get("pid")
+        self._old_pid = json.loads(info_path.read_text()).get("pid") if info_path.exists() else None
         log = open(self.dir / "node.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        self.proc = proc = subprocess.Popen(
+        self.proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -132,6 +136,12 @@ class NodeProc:
             stderr=subprocess.STDOUT,
             env=env,
         )
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> NodeProc:
+        """Wait until the launched daemon has written its node.json and answers /healthz."""
+        proc, info_path, old_pid = self.proc, self.state_dir / "node.json", self._old_pid
+        assert proc is not None, "launch() first"
 
         def ready():
             if proc.poll() is not None:

@@ -30,7 +30,12 @@ def test_daemons_past_the_threshold_run_connected_partial_views_and_find_cluster
                 "discovery": {"above": 4, "candidates": 3, "explore": 2},
                 "peers": [nodes[0].address] if nodes else [],
             }
-            nodes.append(NodeProc(tmp_path, f"n{i:02d}", cfg).start())
+            node = NodeProc(tmp_path, f"n{i:02d}", cfg)
+            nodes.append(node.start() if i == 0 else node.launch())
+        # launched together, then waited on: started one by one, the 12th loaded torch behind 11
+        # training daemons and missed a 60 s start on CI
+        for n in nodes[1:]:
+            n.wait_ready(240)
         cluster = {n.node_id: i // (N // CLUSTERS) for i, n in enumerate(nodes)}
         for n in nodes:
             wait_for(lambda n=n: n.status()["round"] >= 15, 400, f"{n.node_id} to run 15 rounds")
