@@ -45,6 +45,7 @@ def sample(lab: Lab, t0: float) -> list[dict[str, Any]]:
                 "asyncio_tasks": p.get("asyncio_tasks"),
                 "threads": p.get("threads"),
                 "channels": (s.get("membership") or {}).get("channels"),
+                "asyncio_task_kinds": p.get("asyncio_task_kinds") or {},
             }
         )
     return out
@@ -75,7 +76,12 @@ def summarise(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
                     "median_first_half": statistics.median(first),
                     "median_second_half": statistics.median(second),
                 }
+        kinds_first, kinds_last = rows[0].get("asyncio_task_kinds") or {}, rows[-1].get("asyncio_task_kinds") or {}
         out[node] = {
+            # which coroutines there were more of at the end than after the warm-up (a leak's name)
+            "task_kinds_grown": {
+                k: [kinds_first.get(k, 0), n] for k, n in kinds_last.items() if n > kinds_first.get(k, 0)
+            },
             "samples": len(rows),
             "window_s": round(rows[-1]["t"] - rows[0]["t"], 1),
             "rounds": rows[-1]["round"] - rows[0]["round"],

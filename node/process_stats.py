@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+from collections import Counter
 from typing import Any
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -43,9 +44,10 @@ def open_fds() -> int | None:
 def process_view() -> dict[str, Any]:
     """``/status`` ``process``: call from the node's event loop (asyncio tasks are the loop's)."""
     try:
-        tasks: int | None = len(asyncio.all_tasks())
+        running = asyncio.all_tasks()
     except RuntimeError:  # no running loop
-        tasks = None
+        running = None
+    tasks = None if running is None else len(running)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     return {
         "rss_bytes": resident_bytes(),
@@ -53,4 +55,14 @@ def process_view() -> dict[str, Any]:
         "open_fds": open_fds(),
         "threads": _proc_status_field("Threads"),
         "asyncio_tasks": tasks,
+        # the commonest coroutines: when the count grows, which kind of task is piling up
+        "asyncio_task_kinds": dict(Counter(map(_coroutine_name, running or ())).most_common(TASK_KINDS)),
     }
+
+
+TASK_KINDS = 32  # a node runs ~20 kinds: all of them, and a bound on what /status carries
+
+
+def _coroutine_name(task: asyncio.Task) -> str:
+    coro = task.get_coro()
+    return getattr(coro, "__qualname__", None) or type(coro).__name__

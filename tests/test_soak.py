@@ -16,8 +16,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # how far a second-half median may sit above the first: in-flight RPCs and a checkpoint being
-# written come and go between samples
-SLACK = {"open_fds": 3, "asyncio_tasks": 5, "threads": 3, "channels": 1}
+# written come and go between samples (tasks: 17..26 within one node's half-minute, medians 20 -> 23
+# and on CI 20 -> 26, with no kind of task growing). A leak of one task every r rounds moves the
+# median by about rounds / 2r: with >= 100 rounds judged, one task per 4 rounds is caught
+SLACK = {"open_fds": 3, "asyncio_tasks": 12, "threads": 3, "channels": 1}
+MIN_ROUNDS = 100
 
 
 @pytest.mark.timeout(600)
@@ -36,7 +39,8 @@ def test_short_soak_holds_fds_tasks_threads_and_channels_flat(tmp_path: Path) ->
     assert sorted(summary) == ["n0", "n1", "n2"], summary
     for node, s in summary.items():
         assert "error" not in s, (node, s)
-        assert s["samples"] >= 8 and s["rounds"] > 0, (node, s)
+        assert s["samples"] >= 8 and s["rounds"] >= MIN_ROUNDS, (node, s)
         for k, slack in SLACK.items():
-            assert s[k]["median_second_half"] <= s[k]["median_first_half"] + slack, (node, k, s[k])
+            grown = s["task_kinds_grown"] if k == "asyncio_tasks" else ""
+            assert s[k]["median_second_half"] <= s[k]["median_first_half"] + slack, (node, k, s[k], grown)
         assert s["rss_mb_median_second_half"] - s["rss_mb_median_first_half"] < 50, (node, s)
