@@ -7,6 +7,7 @@ budget refuses with the limit's name; a SIGKILLed relay's nodes stay reachable t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -751,3 +752,90 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class _PortForward:
+    """A port forward opened on a NAT, played on loopback: connections to ``port`` are piped to
+    ``to`` (threads, so a synchronous test can hold it while daemons run)."""
+
+    def __init__(self, port: int, to: int):
+        import socketserver
+        import threading
+
+        def pump(src: socket.socket, dst: socket.socket) -> None:
+            try:
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for s in (src, dst):
+                    with contextlib.suppress(OSError):
+                        s.shutdown(socket.SHUT_RDWR)
+
+        class Pipe(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                upstream = socket.create_connection(("127.0.0.1", to), timeout=5)
+                upstream.settimeout(None)
+                back = threading.Thread(target=pump, args=(upstream, self.request), daemon=True)
+                back.start()
+                pump(self.request, upstream)
+                back.join(timeout=30)
+                upstream.close()
+
+        socketserver.ThreadingTCPServer.allow_reuse_address = True
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", port), Pipe)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_relayed_node_that_can_be_dialled_again_advertises_its_own_address(tmp_path):
+    """``relay.recheck_s``: n9 advertises a port nothing listens on, so it moves behind relays;
+    then the port is forwarded to its peer server (as a NAT's port forward opened later). Its next
+    dial-back check succeeds: it stops reserving, advertises its own address again, and its
+    members learn it and pull it there (without the recheck it stayed relayed for good)."""
+    n0 = NodeProc(tmp_path, "n0", {**SCOOL, "learner": learner(0)}).start()
+    port = _free_port()
+    cfg = {
+        **SCOOL,
+        "learner": learner(1),
+        "peers": [n0.address],
+        "advertise": f"127.0.0.1:{port}",
+        "relay": {"recheck_s": 2.0},
+    }
+    n9 = NodeProc(tmp_path, "n9", cfg)
+    forward = None
+    try:
+        n9.start()
+        wait_for(lambda: n9.status()["relay"]["reachability"] == f"relayed via {n0.address}", 60, "n9 to move behind n0")
+        admin_port = int(n9.admin.rsplit(":", 1)[1].strip("/"))
+        (bound,) = listening_tcp_ports(n9.proc.pid) - {admin_port}  # its peer server, behind the "NAT"
+        forward = _PortForward(port, bound)
+        wait_for(lambda: n9.status()["relay"]["reachability"] == "direct", 60, "n9 to advertise its own address again")
+        assert n9.status()["relay"]["dial_back"][n0.address].startswith("reachable: dialled")
+        assert "reservations" not in n9.status()["relay"]
+        wait_for(
+            lambda: (
+                (p := {p["node_id"]: p for p in n0.get("/peers")}.get("n9"))
+                and p["address"] == f"127.0.0.1:{port}"
+                and p["state"] == "alive"
+            ),
+            60,
+            "n0 to learn n9's own address",
+        )
+        wait_for(lambda: "n9" not in n0.status()["relay"]["relaying_for"], 60, "n0 to stop relaying for n9")
+        versions = {p["node_id"]: p for p in n0.get("/peers")}["n9"]["cached_version"] or 0
+        wait_for(
+            lambda: ({p["node_id"]: p for p in n0.get("/peers")}["n9"]["cached_version"] or 0) > versions,
+            60,
+            "n0 to pull n9 at its own address (through the forward)",
+        )
+    finally:
+        n9.stop()
+        n0.stop()
+        if forward is not None:
+            forward.close()
