@@ -811,7 +811,9 @@ def test_a_relayed_node_that_can_be_dialled_again_advertises_its_own_address(tmp
     forward = None
     try:
         n9.start()
-        wait_for(lambda: n9.status()["relay"]["reachability"] == f"relayed via {n0.address}", 60, "n9 to move behind n0")
+        wait_for(
+            lambda: n9.status()["relay"]["reachability"] == f"relayed via {n0.address}", 60, "n9 to move behind n0"
+        )
         admin_port = int(n9.admin.rsplit(":", 1)[1].strip("/"))
         (bound,) = listening_tcp_ports(n9.proc.pid) - {admin_port}  # its peer server, behind the "NAT"
         forward = _PortForward(port, bound)
