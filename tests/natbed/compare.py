@@ -2,13 +2,16 @@
 time behind NAT against the flat network's, accuracy alike):
 
     sudo python -m tests.natbed.compare        # NATBED_PAIRS (1), NATBED_SITE_SIZE (3), NATBED_ROUNDS (6),
-        NATBED_LOCAL_STEPS (20: local steps a round), NATBED_DUMP (a folder for every node's /history and /status)
+        NATBED_LOCAL_STEPS (20: local steps a round), NATBED_DUMP (a folder for every node's /history and /status),
+        NATBED_RATE_MBIT (0: every host's link shaped by tc tbf to this rate, up and down, as bench/links.py),
+        NATBED_RTT_MS (0: each node's delay_ms, bench/links.py's emulated round-trip time)
 
 Each pair runs the flat network (the routers only route; every node listens on its own address)
 and then the NAT'd one (run.py's: six outbound-only nodes behind MASQUERADE, relayed by p0 and
 p1), the same FedFomo/MNIST-1D nodes and seeds. It prints the median round time (rounds 2..N of
-every node, from /history) and the final mean test accuracy of each, and their ratio. A
-measurement, not a CI check: it asserts nothing about the ratio."""
+every node, from /history), the final mean test accuracy of each, the time to accuracy (from all
+daemons up until a node's test accuracy first reaches 95% of its final one, median over nodes: as
+bench/links.py) and the ratios. A measurement, not a CI check: it asserts nothing about the ratio."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,12 +32,24 @@ from .netns import Topology
 from .run import finished_rounds, start_nodes
 
 
-def one_run(nat: bool, root: Path, size: int, rounds: int) -> dict[str, list[dict[str, Any]]]:
-    topo = Topology(prefix=os.environ.get("NATBED_PREFIX", "cnb"), site_size=size, nat=nat)
+def link_config() -> dict[str, Any]:
+    """Node config for shaped links (NATBED_RATE_MBIT / NATBED_RTT_MS): as bench/links.py, the
+    emulated RTT as ``delay_ms`` and deadlines sized for the link, not for loopback."""
+    rate, rtt = float(os.environ.get("NATBED_RATE_MBIT", "0")), float(os.environ.get("NATBED_RTT_MS", "0"))
+    if rate <= 0 and rtt <= 0:
+        return {}
+    return {"delay_ms": rtt, "request_timeout_s": 300.0, "suspect_after_s": 15.0, "dead_after_s": 120.0}
+
+
+def one_run(nat: bool, root: Path, size: int, rounds: int) -> tuple[dict[str, list[dict[str, Any]]], float]:
+    """Every node's /history, and the wall time (time.time) when all daemons were up."""
+    rate = float(os.environ.get("NATBED_RATE_MBIT", "0"))
+    topo = Topology(prefix=os.environ.get("NATBED_PREFIX", "cnb"), site_size=size, nat=nat, rate_mbit=rate)
     nodes: dict[str, NsNode] = {}
     try:
         topo.up()
-        start_nodes(topo, root, rounds, nodes)
+        start_nodes(topo, root, rounds, nodes, link_config())
+        up_at = time.time()
         for h, node in nodes.items():
             wait_for(partial(finished_rounds, node, rounds), 240, f"{h} to finish {rounds} rounds")
         history = {h: n.get("/history") for h, n in nodes.items()}
@@ -42,7 +58,7 @@ def one_run(nat: bool, root: Path, size: int, rounds: int) -> dict[str, list[dic
             out.mkdir(parents=True, exist_ok=True)
             for h, n in nodes.items():
                 (out / f"{h}.json").write_text(json.dumps({"history": history[h], "status": n.get("/status")}))
-        return history
+        return history, up_at
     finally:
         for n in nodes.values():
             n.terminate()
@@ -51,11 +67,20 @@ def one_run(nat: bool, root: Path, size: int, rounds: int) -> dict[str, list[dic
         topo.down()
 
 
-def summary(history: dict[str, list[dict[str, Any]]]) -> tuple[float, float]:
-    """(median round time over rounds 2..N of all nodes, mean test accuracy at the last round)"""
+def summary(history: dict[str, list[dict[str, Any]]], up_at: float) -> tuple[float, float, float]:
+    """(median round time over rounds 2..N of all nodes, mean test accuracy at the last round,
+    median over nodes of the seconds from ``up_at`` until a node first reached 95% of its final
+    test accuracy)"""
     times = [float(e["duration_s"]) for hist in history.values() for e in hist[1:]]
     acc = statistics.mean(float(hist[-1]["eval"]["test_acc"]) for hist in history.values())
-    return statistics.median(times), acc
+    tta = []
+    for hist in history.values():
+        series = [
+            (float(e["t"]) - up_at, float(e["eval"]["test_acc"])) for e in hist if "test_acc" in (e.get("eval") or {})
+        ]
+        final = series[-1][1]
+        tta.append(next(t for t, a in series if a >= 0.95 * final))
+    return statistics.median(times), acc, statistics.median(tta)
 
 
 def main() -> int:
@@ -63,19 +88,25 @@ def main() -> int:
     pairs = int(os.environ.get("NATBED_PAIRS", "1"))
     size, rounds = int(os.environ.get("NATBED_SITE_SIZE", "3")), int(os.environ.get("NATBED_ROUNDS", "6"))
     root = Path(tempfile.mkdtemp(prefix="natbed-compare-"))
-    rows: dict[str, list[tuple[float, float]]] = {"flat": [], "nat": []}
+    rows: dict[str, list[tuple[float, float, float]]] = {"flat": [], "nat": []}
+    print(f"links: {link_config() or 'unshaped'}, rate {os.environ.get('NATBED_RATE_MBIT', '0')} Mbit/s")
     try:
         for k in range(pairs):
             for kind in ("flat", "nat"):
-                rows[kind].append(summary(one_run(kind == "nat", root / f"{kind}{k}", size, rounds)))
-                t, a = rows[kind][-1]
-                print(f"pair {k + 1} {kind:4}: median round {t:.3f} s, final mean test accuracy {a:.3f}")
+                rows[kind].append(summary(*one_run(kind == "nat", root / f"{kind}{k}", size, rounds)))
+                t, a, tta = rows[kind][-1]
+                print(
+                    f"pair {k + 1} {kind:4}: median round {t:.3f} s, final mean test accuracy {a:.3f}, "
+                    f"time to 95% of final {tta:.1f} s (median node)"
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    t_flat, t_nat = (statistics.median(t for t, _ in rows[k]) for k in ("flat", "nat"))
-    a_flat, a_nat = (statistics.median(a for _, a in rows[k]) for k in ("flat", "nat"))
+    t_flat, t_nat = (statistics.median(r[0] for r in rows[k]) for k in ("flat", "nat"))
+    a_flat, a_nat = (statistics.median(r[1] for r in rows[k]) for k in ("flat", "nat"))
+    tta_flat, tta_nat = (statistics.median(r[2] for r in rows[k]) for k in ("flat", "nat"))
     print(
         f"round time NAT / flat: {t_nat / t_flat:.2f} (medians {t_nat:.3f} / {t_flat:.3f} s); "
+        f"time to accuracy NAT / flat: {tta_nat / tta_flat:.2f} ({tta_nat:.1f} / {tta_flat:.1f} s); "
         f"final accuracy NAT {a_nat:.3f}, flat {a_flat:.3f}"
     )
     return 0

@@ -71,6 +71,7 @@ class Topology:
     prefix: str = "cnb"
     site_size: int = 3
     nat: bool = True  # False: the routers only route (the same network, flat, for comparison)
+    rate_mbit: float = 0.0  # > 0: every host's link shaped by tc tbf to this rate, up and down (compare.py)
     public: dict[str, str] = field(default_factory=lambda: {"p0": f"{PUBLIC_NET}.10", "p1": f"{PUBLIC_NET}.11"})
     made: list[str] = field(default_factory=list)  # namespaces this object created, for down()
     _threads: dict[str, ThreadPoolExecutor] = field(default_factory=dict)
@@ -105,6 +106,15 @@ class Topology:
         sh("ip", "-n", host_ns, "link", "add", ifname, "type", "veth", "peer", "name", port, "netns", switch_ns)
         sh("ip", "-n", switch_ns, "link", "set", port, "master", bridge, "up")
         sh("ip", "-n", host_ns, "link", "set", ifname, "up")
+        if self.rate_mbit > 0 and ifname == "eth0":  # a host's link (not a router's uplink)
+            self._tbf(host_ns, ifname)  # its upload
+            self._tbf(switch_ns, port)  # its download
+
+    def _tbf(self, ns: str, dev: str) -> None:
+        # as bench/links.py: burst at least one timer tick's worth at this rate (HZ >= 100), >= 4 KB
+        burst = max(4096, int(self.rate_mbit * 1e6 / 8 / 100))
+        tbf = ("tbf", "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "400ms")
+        sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf)
 
     def up(self) -> None:
         stale = [n for n in sh("ip", "netns", "list").split() if n.startswith(self.prefix + "-")]

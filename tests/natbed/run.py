@@ -96,14 +96,17 @@ def node_config(n: int, index: int, rounds: int, peers: list[str]) -> dict[str, 
     }
 
 
-def start_nodes(topo: Topology, root: Path, rounds: int, nodes: dict[str, NsNode]) -> None:
+def start_nodes(
+    topo: Topology, root: Path, rounds: int, nodes: dict[str, NsNode], extra: dict[str, Any] | None = None
+) -> None:
     """Into ``nodes`` as each starts, so that the caller's clean-up finds every one. Without NAT
-    (``topo.nat`` false) the site nodes listen on their own addresses, as in a flat network."""
+    (``topo.nat`` false) the site nodes listen on their own addresses, as in a flat network.
+    ``extra``: config keys set on every node (compare.py's shaped links)."""
     hosts = [*topo.public, *(h for s in topo.sites for h in s.hosts)]
     make_pki(root, hosts)
     relays = [f"{topo.address(p)}:{PEER_PORT}" for p in topo.public]
     for i, host in enumerate(hosts):
-        cfg = node_config(len(hosts), i, rounds, [relays[0]] if host != "p0" else [])
+        cfg = {**node_config(len(hosts), i, rounds, [relays[0]] if host != "p0" else []), **(extra or {})}
         if host in topo.public or not topo.nat:
             cfg["listen"] = f"{topo.address(host)}:{PEER_PORT}"
             args: list[str] = []
