@@ -147,6 +147,12 @@ class Topology:
         ipt = ("ip", "netns", "exec", r, "iptables")
         sh("ip", "netns", "exec", r, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         if not self.nat:
+            # flat: one routed network, every host reaches every other (without these routes a
+            # site's nodes could not dial the other site's, and the flat side of compare.py waited
+            # out its start timeout and pulled two peers fewer a round)
+            for other in self.sites:
+                if other is not s:
+                    sh("ip", "-n", r, "route", "add", f"{other.lan}.0/24", "via", other.wan_ip)
             return
         sh(*ipt, "-t", "nat", "-A", "POSTROUTING", "-s", f"{s.lan}.0/24", "-o", "wan", "-j", "MASQUERADE")
         sh(*ipt, "-P", "FORWARD", "DROP")
