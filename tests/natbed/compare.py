@@ -4,7 +4,8 @@ time behind NAT against the flat network's, accuracy alike):
     sudo python -m tests.natbed.compare        # NATBED_PAIRS (1), NATBED_SITE_SIZE (3), NATBED_ROUNDS (6),
         NATBED_LOCAL_STEPS (20: local steps a round), NATBED_DUMP (a folder for every node's /history and /status),
         NATBED_RATE_MBIT (0: every host's link shaped by tc tbf to this rate, up and down, as bench/links.py),
-        NATBED_RTT_MS (0: each node's delay_ms, bench/links.py's emulated round-trip time)
+        NATBED_RTT_MS (0: each node's delay_ms, bench/links.py's emulated round-trip time),
+        NATBED_SAMPLES (120: training samples a node)
 
 Each pair runs the flat network (the routers only route; every node listens on its own address)
 and then the NAT'd one (run.py's: six outbound-only nodes behind MASQUERADE, relayed by p0 and

@@ -91,7 +91,7 @@ def node_config(n: int, index: int, rounds: int, peers: list[str]) -> dict[str, 
             "model": "mlp",
             "local_steps": int(os.environ.get("NATBED_LOCAL_STEPS", "20")),
             "dataset_params": {"num_samples": 2000},
-            "partition_params": {"num_clusters": 1, "samples_per_node": 120},
+            "partition_params": {"num_clusters": 1, "samples_per_node": int(os.environ.get("NATBED_SAMPLES", "120"))},
         },
     }
 
