@@ -1,4 +1,6 @@
-"""A node under a service manager: SIGHUP reloads the config (``reload.py``); under systemd
+"""A node under a service manager: SIGHUP reloads the config (``reload.py``); SIGUSR1 writes every
+thread's stack to stderr (``faulthandler``: works even when the event loop is stuck) and SIGUSR2
+logs every asyncio task's stack (what a stuck round is waiting on); under systemd
 (``$NOTIFY_SOCKET`` set, ``sd_notify.py``) the node says when it is ready, pings the watchdog from
 its event loop, and marks reloads and its stop. Nothing here runs without a signal or the socket:
 a node started by hand behaves as before."""
@@ -6,6 +8,8 @@ a node started by hand behaves as before."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import io
 import logging
 import signal
 from collections.abc import Callable
@@ -33,7 +37,10 @@ class Service:
 
     def start(self) -> None:
         """After ``node.start()``: the ports are bound and node.json is written."""
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_hup)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, self._on_hup)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        loop.add_signal_handler(signal.SIGUSR2, dump_tasks)
         if self.notifier is not None:
             self.notifier.notify("READY=1", self._status())
             self._spawn(self.notifier.watchdog(), "sd-watchdog")
@@ -79,3 +86,15 @@ class Service:
                 self.notifier.notify("READY=1", self._status())
             if not self._reload_again:
                 return
+
+
+def dump_tasks(limit: int = 12) -> None:
+    """Log each asyncio task's stack (SIGUSR2): which await a stuck round sits in."""
+    tasks = asyncio.all_tasks()
+    out = io.StringIO()
+    for task in sorted(tasks, key=lambda t: t.get_name()):
+        out.write(f"--- {task.get_name()}: {task.get_coro()!r}\n")
+        # by hand: Task.print_stack fails on a frame without a line number (3.11)
+        for f in task.get_stack(limit=limit):
+            out.write(f"  {f.f_code.co_filename}:{f.f_lineno or '?'} in {f.f_code.co_name}\n")
+    log.warning("asyncio tasks (%d), on SIGUSR2:\n%s", len(tasks), out.getvalue())

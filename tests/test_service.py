@@ -273,3 +273,23 @@ def test_relay_budget_retunes_live_unless_relaying_is_switched():
     bucket = relay._bucket("p")
     relay.retune(RelayBudget(max_bytes_per_s=1e3))
     assert bucket.rate == 1e3 and bucket.tokens <= 1e3 and relay.budget.max_bytes_per_s == 1e3
+
+
+def test_sigusr1_dumps_thread_stacks_and_sigusr2_task_stacks_and_the_node_runs_on(tmp_path):
+    """A stuck daemon can say where it is stuck: SIGUSR1 writes every thread's stack (faulthandler,
+    even with the event loop blocked), SIGUSR2 logs every asyncio task's stack; neither stops it."""
+    node = NodeProc(tmp_path, "n0", {"learner": tiny_learner(1, 0), "round_interval_s": 0.2}).start()
+    try:
+        node.proc.send_signal(signal.SIGUSR1)
+        wait_for(
+            lambda: "Current thread" in node.log_tail(400) or "Thread 0x" in node.log_tail(400), 30, "thread stacks"
+        )
+        node.proc.send_signal(signal.SIGUSR2)
+        wait_for(lambda: "asyncio tasks (" in node.log_tail(400), 30, "task stacks")
+        tail = node.log_tail(400)
+        assert "on SIGUSR2" in tail and "--- rounds: <coroutine object RoundLoop.run" in tail, tail[-3000:]
+        rounds = node.status()["round"]
+        wait_for(lambda: node.status()["round"] > rounds, 30, "rounds to go on")
+        assert node.proc.poll() is None
+    finally:
+        node.stop()

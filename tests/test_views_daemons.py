@@ -6,6 +6,8 @@ drawn from the views and from recommendations, let FedFomo weight its cluster ma
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from coterie.node.peering.partial_view import view_components
@@ -38,7 +40,10 @@ def test_daemons_past_the_threshold_run_connected_partial_views_and_find_cluster
             n.wait_ready(240)
         cluster = {n.node_id: i // (N // CLUSTERS) for i, n in enumerate(nodes)}
         for n in nodes:
-            wait_for(lambda n=n: n.status()["round"] >= 15, 400, f"{n.node_id} to run 15 rounds")
+            try:
+                wait_for(lambda n=n: n.status()["round"] >= 15, 400, f"{n.node_id} to run 15 rounds")
+            except AssertionError:
+                raise AssertionError(f"{n.node_id} stuck at round {n.status()['round']}:\n{_stacks(n)}") from None
         views = {n.node_id: n.status()["discovery"] for n in nodes}
         active = {p: v["views"]["active"] for p, v in views.items()}
         for p, v in views.items():
@@ -63,3 +68,15 @@ def test_daemons_past_the_threshold_run_connected_partial_views_and_find_cluster
     finally:
         for n in nodes:
             n.stop()
+
+
+def _stacks(node: NodeProc) -> str:
+    """A stuck node's thread and asyncio task stacks (SIGUSR1, SIGUSR2: node/service.py) and its
+    log's tail: CI once saw one of the 12 stop at round 9 for 7 minutes without a word."""
+    node.proc.send_signal(signal.SIGUSR1)
+    node.proc.send_signal(signal.SIGUSR2)
+    try:
+        wait_for(lambda: "on SIGUSR2" in node.log_tail(2000), 30, "the stack dumps")
+    except AssertionError:
+        pass  # the log as it is
+    return node.log_tail(300)
