@@ -12,6 +12,7 @@ from collections import Counter
 from typing import Any
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+TASK_KINDS = 32  # coroutine kinds /status names: a node runs ~20, so all of them, and a bound
 
 
 def _proc_status_field(name: str) -> int | None:
@@ -58,9 +59,6 @@ def process_view() -> dict[str, Any]:
         # the commonest coroutines: when the count grows, which kind of task is piling up
         "asyncio_task_kinds": dict(Counter(map(_coroutine_name, running or ())).most_common(TASK_KINDS)),
     }
-
-
-TASK_KINDS = 32  # a node runs ~20 kinds: all of them, and a bound on what /status carries
 
 
 def _coroutine_name(task: asyncio.Task) -> str:

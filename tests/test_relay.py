@@ -303,10 +303,9 @@ async def test_relay_housekeeping_drops_adds_back_and_replaces():
 async def test_a_channel_follows_the_relay_listener_of_a_node_that_moved_away_and_back():
     """n6 is known at ``relay://r1/n6``, then moves to ``relay://r0/n6`` (which retires the first
     address's loopback listener), then the first is asked for again (stale news, a relay added
-    back): it gets a listener anew. The channel
-    handed out for an address must dial the listener that address has now; a cached one kept
-    dialling the closed port, refused for good (CI: a member never pulled a node through its
-    new relay)."""
+    back): it gets a listener anew. The channel handed out for an address must dial the listener
+    that address has now; a cached one kept dialling the closed port, refused for good (CI: a
+    member never pulled a node through its new relay)."""
     from tests.nodeproc import _NoTraffic
 
     dialer = RelayDialer(None)

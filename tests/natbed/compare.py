@@ -28,24 +28,29 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from bench.links import tta
+
 from .daemons import NsNode, wait_for
 from .netns import Topology
 from .run import finished_rounds, start_nodes
 
 
+def rate_mbit() -> float:
+    return float(os.environ.get("NATBED_RATE_MBIT", "0"))
+
+
 def link_config() -> dict[str, Any]:
     """Node config for shaped links (NATBED_RATE_MBIT / NATBED_RTT_MS): as bench/links.py, the
     emulated RTT as ``delay_ms`` and deadlines sized for the link, not for loopback."""
-    rate, rtt = float(os.environ.get("NATBED_RATE_MBIT", "0")), float(os.environ.get("NATBED_RTT_MS", "0"))
-    if rate <= 0 and rtt <= 0:
+    rtt = float(os.environ.get("NATBED_RTT_MS", "0"))
+    if rate_mbit() <= 0 and rtt <= 0:
         return {}
     return {"delay_ms": rtt, "request_timeout_s": 300.0, "suspect_after_s": 15.0, "dead_after_s": 120.0}
 
 
 def one_run(nat: bool, root: Path, size: int, rounds: int) -> tuple[dict[str, list[dict[str, Any]]], float]:
     """Every node's /history, and the wall time (time.time) when all daemons were up."""
-    rate = float(os.environ.get("NATBED_RATE_MBIT", "0"))
-    topo = Topology(prefix=os.environ.get("NATBED_PREFIX", "cnb"), site_size=size, nat=nat, rate_mbit=rate)
+    topo = Topology(prefix=os.environ.get("NATBED_PREFIX", "cnb"), site_size=size, nat=nat, rate_mbit=rate_mbit())
     nodes: dict[str, NsNode] = {}
     try:
         topo.up()
@@ -74,14 +79,13 @@ def summary(history: dict[str, list[dict[str, Any]]], up_at: float) -> tuple[flo
     test accuracy)"""
     times = [float(e["duration_s"]) for hist in history.values() for e in hist[1:]]
     acc = statistics.mean(float(hist[-1]["eval"]["test_acc"]) for hist in history.values())
-    tta = []
-    for hist in history.values():
-        series = [
-            (float(e["t"]) - up_at, float(e["eval"]["test_acc"])) for e in hist if "test_acc" in (e.get("eval") or {})
-        ]
-        final = series[-1][1]
-        tta.append(next(t for t, a in series if a >= 0.95 * final))
-    return statistics.median(times), acc, statistics.median(tta)
+    to_95 = [
+        tta(
+            [(float(e["t"]) - up_at, float(e["eval"]["test_acc"])) for e in hist if "test_acc" in (e.get("eval") or {})]
+        )
+        for hist in history.values()
+    ]
+    return statistics.median(times), acc, statistics.median(t for t in to_95 if t is not None)
 
 
 def main() -> int:
@@ -90,7 +94,7 @@ def main() -> int:
     size, rounds = int(os.environ.get("NATBED_SITE_SIZE", "3")), int(os.environ.get("NATBED_ROUNDS", "6"))
     root = Path(tempfile.mkdtemp(prefix="natbed-compare-"))
     rows: dict[str, list[tuple[float, float, float]]] = {"flat": [], "nat": []}
-    print(f"links: {link_config() or 'unshaped'}, rate {os.environ.get('NATBED_RATE_MBIT', '0')} Mbit/s")
+    print(f"links: {link_config() or 'unshaped'}, rate {rate_mbit()} Mbit/s")
     try:
         for k in range(pairs):
             for kind in ("flat", "nat"):
