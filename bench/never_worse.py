@@ -232,12 +232,51 @@ def figures(res: dict[str, Any], network: str, strategy: str, seed: int, wall_s:
     }
 
 
+AUDIT_SIZE = 2000  # audit samples per node where the dataset is generated (digits: what the shards leave)
+
+
+def network_learner(sc: Any) -> Any:
+    """Node 0's learner config: the network's dataset, partition, size and data seed."""
+    from coterie.node.learning.config import LearnerConfig
+
+    return LearnerConfig(**{**sc.learner, "num_nodes": sc.nodes, "node_index": 0, "data_seed": sc.seed})
+
+
+def audit_figures(nodes: list[Any], sets: list[Any]) -> dict[str, dict[str, Any]]:
+    """Every live node's reported, collaborative and twin models on its own audit set
+    (lab/audit.py): figures, gains over the twin and the gains' paired standard errors."""
+    from coterie.lab.audit import paired_gain, score_node
+
+    out = {}
+    for i, node in enumerate(nodes):
+        sc = score_node(node, sets[i])
+        task = node.model_card.get("task", "classification")
+        fig: dict[str, Any] = {"audit_n": len(sets[i])}
+        for k, v in sc.items():
+            fig[f"audit_{k}"] = float(v.mean())  # accuracy, or MSE
+        if "twin" in sc:
+            for k in ("reported", "collab"):
+                g, se = paired_gain(sc[k], sc["twin"], task)
+                fig[f"audit_{k}_gain"], fig[f"audit_{k}_se"] = g, se
+        out[node.node_id] = fig
+    return out
+
+
 def child(network: str, strategy: str, seed: int, out: Path) -> dict[str, Any]:
+    from coterie.lab.audit import audit_sets
     from coterie.lab.launch import run_scenario
 
+    sc = scenario(network, strategy, seed)
+    sets = audit_sets(network_learner(sc), AUDIT_SIZE)  # before the run: a bad set fails in seconds
+    audit: dict[str, dict[str, Any]] = {}
     t0 = time.time()
-    res = run_scenario(scenario(network, strategy, seed), out, backend="inproc", check=False)
-    return figures(res, network, strategy, seed, round(time.time() - t0, 1))
+    res = run_scenario(
+        sc, out, backend="inproc", check=False, on_done=lambda nodes: audit.update(audit_figures(nodes, sets))
+    )
+    fig = figures(res, network, strategy, seed, round(time.time() - t0, 1))
+    for nid, n in fig["nodes"].items():
+        n.update(audit.get(nid, {}))
+    return fig
 
 
 def rescan(out: Path) -> None:

@@ -57,7 +57,7 @@ def run_scenario(
     """Run every strategy of ``sc`` on ``backend``; write and return ``out_dir/results.json``
     (``common.run_strategies``: the data are checked first unless ``check`` is False).
     ``options`` go to the backend's ``run_strategy`` (processes: command, poll_interval_s,
-    stop_timeout_s; inproc: poll_interval_s, threads; ray: address — of the cluster, for the
+    stop_timeout_s; inproc: poll_interval_s, threads, on_done; ray: address — of the cluster, for the
     whole run —, groups, cpus, threads, poll_interval_s)."""
     check_backend(sc, backend)
     if backend == "ray":

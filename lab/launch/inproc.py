@@ -27,6 +27,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,7 @@ async def _run(
     view: LiveView | None,
     poll_interval_s: float,
     threads: int,
+    on_done: Callable[[list[Any]], None] | None = None,
 ) -> None:
     from coterie.node.daemon import Node
     from coterie.node.transport.inproc import InProcNetwork
@@ -171,6 +173,8 @@ async def _run(
             await asyncio.sleep(poll_interval_s)
         for node, pr in zip(nodes, progress, strict=True):
             pr.update(node.status())
+        if on_done is not None:  # the finished nodes, live, before they stop (e.g. lab/audit.py)
+            on_done(nodes)
     finally:
         # a batch at a time, together: one by one, 1,000 nodes took minutes to stop while the rest
         # kept gossiping on the same loop (the run's figures wait for it)
@@ -191,8 +195,11 @@ def run_strategy(
     console: Any = None,
     poll_interval_s: float = 0.5,
     threads: int | None = None,
+    on_done: Callable[[list[Any]], None] | None = None,
 ) -> StrategyRun:
-    """Run one strategy's network in this process to completion and collect each node's files."""
+    """Run one strategy's network in this process to completion and collect each node's files.
+    ``on_done``: called with the live ``Node``s (index = node index) once all have finished their
+    rounds, before they stop — to look at what only a running node holds."""
     specs = prepare(sc, strategy, out_dir)
     progress = [NodeProgress() for _ in specs]
     threads = threads or default_threads()
@@ -202,7 +209,7 @@ def run_strategy(
         if view:
             view.__enter__()
         try:
-            asyncio.run(_run(sc, strategy, specs, progress, view, poll_interval_s, threads))
+            asyncio.run(_run(sc, strategy, specs, progress, view, poll_interval_s, threads, on_done))
         finally:
             if view:
                 view.__exit__()
