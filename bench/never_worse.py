@@ -550,9 +550,14 @@ def audit_section(agg: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
                 f"- `{w}` {s} ({real} of {len(a['amisses'])} beyond 2 SE): " + "; ".join(m for m, _ in a["amisses"])
             )
     tm = [x for a in agg.values() for x in a["test_misses"]]
+    per = {}
+    for (w, _), a in agg.items():
+        per.setdefault(w, []).extend(a["test_misses"])
     out += [
         "",
-        f"Test-split misses that are misses on the audit set too: {sum(tm)} of {len(tm)} node runs.",
+        f"Test-split misses that are misses on the audit set too: {sum(tm)} of {len(tm)} node runs ("
+        + ", ".join(f"`{w}` {sum(x)} of {len(x)}" for w, x in per.items() if x)
+        + ").",
         "",
         "Backed off although its collaborative model was better on the audit set (by more than 2 SE):",
         "",
