@@ -523,8 +523,8 @@ own distribution (its cluster's label permutation, class pair or sine interval; 
 with another seed, gaussian around the same class means) or, for `digits`, the 597 of the bundled
 1,797 no node holds — never given to any node. At the end of each run the model each node
 reports and exports, its collaborative model and its twin are scored on it (`audit_*` columns:
-worst node with its paired-difference SE per seed, mean). Runs before the audit set (S1, S3, seed
-2): `never_worse_runs_pre_audit.jsonl`.
+worst node with its paired-difference SE per seed, mean). Only runs with the audit set are in
+this table; the runs before it (all seven networks, seeds 0-2): `never_worse_runs_pre_audit.jsonl`.
 
 Networks (shrunk for a 2-core machine shared with five other sessions: {rounds} rounds instead of
 30, fewer nodes; validation and test splits 20 % of a node's samples each):
