@@ -44,7 +44,7 @@ class Service:
         if self.notifier is not None:
             self.notifier.notify("READY=1", self._status())
             stalled = self.node.stall_watch  # a stalled round: no pings, so systemd restarts the node
-            self._spawn(self.notifier.watchdog(lambda: stalled.stalled is None), "sd-watchdog")
+            self._spawn(self.notifier.watchdog(lambda: not stalled.restart_worthy), "sd-watchdog")
 
     def stopping(self) -> None:
         """SIGTERM arrived: reloads are over; the watchdog keeps pinging while checkpoints are written."""

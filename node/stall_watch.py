@@ -2,7 +2,8 @@
 it is in (``Progress``); a watch task flags a phase that has lasted longer than
 ``round_stall_s`` and 10× the longest of the recent rounds: it is logged once with every asyncio
 task's and thread's stack (what the round waits on), listed in /status, flips health, and under
-systemd stops the watchdog pings so the manager restarts the node. Progress clears it.
+systemd (once the node has rounds to compare with) stops the watchdog pings so the manager
+restarts the node. Progress clears it.
 
 Why: every await in a round is bounded by its own deadline, but a worker thread or a lock that
 never returns would leave a node quietly stuck (once seen in CI: a daemon at round 9 for minutes
@@ -80,6 +81,13 @@ class StallWatch:
             "stalled": self.stalled is not None,
             "stall_after_s": round(self.limit_s(), 1),
         }
+
+    @property
+    def restart_worthy(self) -> bool:
+        """Stalled past a bar set by rounds this node has run: under systemd, worth a restart. A
+        first round has no such bar (a slow device's first round may just be long): reported, and
+        the watchdog keeps being fed."""
+        return self.stalled is not None and bool(self._recent)
 
     def limit_s(self) -> float:
         return max(self.stall_s, LONGEST_ROUND_MULT * max(self._recent, default=0.0))

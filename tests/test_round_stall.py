@@ -90,6 +90,20 @@ def test_the_bar_is_the_floor_or_ten_times_the_longest_recent_round():
     assert watch.stalled is None and watch.failures.healthy
 
 
+def test_a_stalled_first_round_is_reported_but_not_worth_a_restart():
+    """No round to compare with (a slow device's first round may just be long): the watchdog
+    keeps being fed; once rounds have run, a stall past the bar stops it."""
+    watch = StallWatch(_Failures(), stall_s=30.0)
+    watch.at = Progress(1, "strategy round (train and exchange)", time.monotonic() - 40)
+    watch.check()
+    assert watch.stalled is not None and not watch.restart_worthy
+    watch.leave()
+    watch.round_done(2.0)
+    watch.at = Progress(2, "evaluation", time.monotonic() - 40)
+    watch.check()
+    assert watch.restart_worthy
+
+
 def test_zero_never_flags_a_stall():
     watch = StallWatch(_Failures(), stall_s=0.0)
     watch.at = Progress(1, "evaluation", time.monotonic() - 1e6)
