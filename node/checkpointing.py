@@ -41,6 +41,12 @@ class Checkpointer:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="checkpoint")
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        # the writer gone, rounds would wait at room() for good: say so (the stall watch also will)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            self.failures.failed("checkpoint", error, None)
 
     async def _until(self, ready: Callable[[], bool]) -> None:
         async with self._cond:

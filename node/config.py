@@ -290,6 +290,9 @@ class NodeConfig(BaseModel):
     round_interval_s: float = Field(1.0, ge=0)
     min_peers: int = Field(0, ge=0)  # wait (bounded by start_timeout_s) for this many before round 1
     start_timeout_s: float = Field(30.0, ge=0)
+    # a round in one phase longer than this and 10x the longest recent round is reported as stalled
+    # (logged with stacks, health flips, systemd's watchdog restarts the node); 0 = never
+    round_stall_s: float = Field(600.0, ge=0)
     heartbeat_interval_s: float = Field(1.0, gt=0)  # SWIM protocol period: one member probed per period
     suspect_after_s: float = Field(3.0, gt=0)  # a probe unanswered this long (direct + indirect): suspect
     dead_after_s: float = Field(8.0, gt=0)  # suspicion timeout floor: a suspect not refuting is dead

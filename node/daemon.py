@@ -45,6 +45,7 @@ from .privacy import accountant
 from .privacy.purposes import LOSS, purpose, purposes_of
 from .rounds import RoundLoop
 from .service import Service
+from .stall_watch import StallWatch
 from .views import NodeViews
 
 if TYPE_CHECKING:
@@ -162,6 +163,7 @@ class Node:
         self._round_task: asyncio.Task | None = None
         self._health_tasks: set[asyncio.Task] = set()
         self.failures = Failures(self._set_serving, lambda part, msg: self.problems.note(f"this node ({part})", msg))
+        self.stall_watch = StallWatch(self.failures, cfg.round_stall_s)  # a round stuck in one phase is reported
         self.rounds = RoundLoop(self)
         # the admin API's reads (admin.py: /status, /peers, /weights, /history, /model), answered by the views
         self.views = views = NodeViews(self)
@@ -231,6 +233,7 @@ class Node:
             self.round,
         )
         self._tasks.append(asyncio.create_task(self.loop_lag.run(), name="loop-lag"))
+        self._tasks.append(asyncio.create_task(self.stall_watch.run(), name="stall-watch"))
         if self.cfg.privacy.enabled and purposes_of(self.cfg.strategy) + self.serves:
             self._tasks.append(asyncio.create_task(asyncio.to_thread(self._warm_privacy), name="privacy-warmup"))
         self._tasks.append(asyncio.create_task(self.membership.run(), name="membership"))

@@ -1,6 +1,6 @@
 """A logging filter for a daemon whose log lines often carry what peers sent.
 
-- Every line is cut to ``MAX_LINE`` characters.
+- Every line is cut to ``MAX_LINE`` characters (but the node's own stack dumps, marked ``whole``).
 - A warning repeated within ``WINDOW_S`` (the same text, digits aside) passes ``BURST`` times;
   the rest are counted and the next one that passes says how many were dropped.
 - Whatever the text, one call site passes at most ``SITE_BURST`` warnings a window, so a flood of
@@ -55,6 +55,8 @@ class BoundedRepeats(logging.Filter):
         return w.count
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "whole", False):  # the node's own diagnostics (stack dumps): never cut
+            return True
         try:
             msg = record.getMessage()
         except Exception:  # noqa: BLE001 - a bad format string must not take logging down

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from .config import ConfigError, NodeConfig
 from .peering.admission import Admission
 from .peering.membership import Membership
+from .stall_watch import StallWatch
 
 log = logging.getLogger("coterie.node")
 
@@ -27,6 +28,7 @@ RELAY_BUDGET_FIELDS = ("max_reservations", "max_tunnels_per_peer", "max_bytes_pe
 LIVE = {
     "log_level",
     "peers",
+    "round_stall_s",
     *(f"limits.{f}" for f in ADMISSION_FIELDS),
     *(f"relay.{f}" for f in RELAY_BUDGET_FIELDS),
 }
@@ -62,6 +64,7 @@ class Running(Protocol):
     address: str
     round: int
     reload_outcome: dict[str, Any] | None
+    stall_watch: StallWatch  # (service.py: a stalled round stops the systemd watchdog's pings)
 
 
 class Reloader:
@@ -118,6 +121,10 @@ class Reloader:
             node.membership.handshakes.set_bootstrap(new.peers)
             cfg.peers = list(new.peers)
             done["peers"] = True
+        if "round_stall_s" in live:
+            node.stall_watch.retune(new.round_stall_s)
+            cfg.round_stall_s = new.round_stall_s
+            done["round_stall_s"] = True
         limits = [f for f in live if f.startswith("limits.")]
         if limits:
             cfg.limits = cfg.limits.model_copy(update={f: getattr(new.limits, f) for f in ADMISSION_FIELDS})

@@ -86,28 +86,37 @@ class RoundLoop:
         """Round ``rnd``: the strategy's work, evaluation, publishing, and its checkpoint handed
         to the writer. Returns its evaluation."""
         n = self.node
+        at = n.stall_watch.enter  # each phase named: a round stuck in one is reported (stall_watch.py)
         stall0 = n.loop_lag.total_s
+        at(rnd, "divergence guard (before)")
         await asyncio.to_thread(n.guard.before_round)
         n.network.begin_round()  # past the discovery threshold: this round's candidates
         # the local-only twin trains in a worker thread while the strategy trains and exchanges
         twin = asyncio.ensure_future(asyncio.to_thread(n.reference.train, rnd))
         try:
+            at(rnd, "strategy round (train and exchange)")
             with n.network.exchange_phase() as phase:  # peer calls share the round's deadline
                 report = await n.strategy.run_round(rnd)
         finally:
+            at(rnd, "local-only twin's training")
             await twin
+        at(rnd, "divergence guard (after)")
         await asyncio.to_thread(n.guard.after_round)  # a diverged round is rolled back
+        at(rnd, "end of round (discovery asks)")
         await n.network.end_round(n.strategy.weights(), report.contacted)
         self.discovery_metrics()
         t_strategy = time.monotonic() - t0
+        at(rnd, "evaluation")
         evaluation = await asyncio.to_thread(n.strategy.evaluate)
         # against the local-only reference; backed off, the twin's figures are the node's
         evaluation = await asyncio.to_thread(n.reference.judge, rnd, evaluation, n.strategy.prediction_members())
         t_eval = time.monotonic() - t0 - t_strategy
         t1, done_at = time.monotonic(), time.time()  # the round's own work ends here
+        at(rnd, "waiting for the checkpoint writer")
         await n.checkpointer.room()  # at most max_unsaved published rounds not yet on disk
         waited = time.monotonic() - t1
         n.round = rnd
+        at(rnd, "publishing")
         await n.publish_round()  # a large model checked off the loop
         sent, received = n.traffic.take_round()
         record = RoundRecord(
@@ -127,6 +136,7 @@ class RoundLoop:
         )
         # a copy now; the writer thread encodes and writes it while the next round trains
         t2 = time.monotonic()
+        at(rnd, "handing the checkpoint over")
         await n.checkpointer.submit(await n._snapshot(record.as_dict()))
         n.m.ckpt_wait.observe(waited + time.monotonic() - t2)
         return evaluation
@@ -160,7 +170,10 @@ class RoundLoop:
                 n.failures.failed("rounds", e, delay)
                 await asyncio.sleep(delay)
                 continue
+            finally:
+                n.stall_watch.leave()
             backoff.reset()
+            n.stall_watch.round_done(time.monotonic() - t0)
             n.failures.recovered("rounds")
             n.m.rounds.inc()
             n.m.round_s.observe(time.monotonic() - t0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
-import io
 import logging
 import signal
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from typing import Any
 from .config import NodeConfig
 from .reload import Reloader, Running
 from .sd_notify import Notifier
+from .stacks import dump_tasks
 
 log = logging.getLogger("coterie.node")
 
@@ -43,7 +43,8 @@ class Service:
         loop.add_signal_handler(signal.SIGUSR2, dump_tasks)
         if self.notifier is not None:
             self.notifier.notify("READY=1", self._status())
-            self._spawn(self.notifier.watchdog(), "sd-watchdog")
+            stalled = self.node.stall_watch  # a stalled round: no pings, so systemd restarts the node
+            self._spawn(self.notifier.watchdog(lambda: not stalled.restart_worthy), "sd-watchdog")
 
     def stopping(self) -> None:
         """SIGTERM arrived: reloads are over; the watchdog keeps pinging while checkpoints are written."""
@@ -86,15 +87,3 @@ class Service:
                 self.notifier.notify("READY=1", self._status())
             if not self._reload_again:
                 return
-
-
-def dump_tasks(limit: int = 12) -> None:
-    """Log each asyncio task's stack (SIGUSR2): which await a stuck round sits in."""
-    tasks = asyncio.all_tasks()
-    out = io.StringIO()
-    for task in sorted(tasks, key=lambda t: t.get_name()):
-        out.write(f"--- {task.get_name()}: {task.get_coro()!r}\n")
-        # by hand: Task.print_stack fails on a frame without a line number (3.11)
-        for f in task.get_stack(limit=limit):
-            out.write(f"  {f.f_code.co_filename}:{f.f_lineno or '?'} in {f.f_code.co_name}\n")
-    log.warning("asyncio tasks (%d), on SIGUSR2:\n%s", len(tasks), out.getvalue())

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .peering.traffic import TrafficStats
     from .persistence import StateStore
     from .privacy.ledger import PrivacyLedger
+    from .stall_watch import StallWatch
     from .strategies.base import Strategy
 
 
@@ -56,6 +57,7 @@ class ViewedNode(Protocol):
     address: str
     admin_url: str
     failures: Failures
+    stall_watch: StallWatch
     reference: LocalReference
     # the peer plane's parts the node holds (``builder.PeerPlane``)
     loop_lag: LoopLag
@@ -98,6 +100,7 @@ class NodeViews:
             "round": n.saved["round"],
             "model_version": n.saved["version"],
             "unsaved_rounds": n.round - n.saved["round"],
+            "in_round": n.stall_watch.view(),  # the phase the round loop is in now, and for how long
             "health": "ok" if n.healthy() else "failing",
             "failures": n.failures.view(),
             "strategy": n.cfg.strategy,

@@ -166,3 +166,59 @@ def test_outer_cancellation_still_cancels():
         raise AssertionError("a cancelled round must stay cancelled")
 
     asyncio.run(go())
+
+
+def test_a_call_whose_transport_ignores_its_timeout_still_ends_at_its_deadline():
+    """The transport is meant to end a call at the timeout it is given; one that does not (a
+    stream write blocked for good held a daemon's round for minutes in CI) is cut at the deadline
+    plus a margin, and the peer is reported as not answering."""
+
+    async def go():
+        table = PeerTable("me", 1.0, 2.0)
+        table.upsert("stuck", "stuck")
+        failed: list[str] = []
+        calls = PeerCalls(
+            table, Deadlines(0.4, floor_s=0.2, mult=4.0), request_timeout_s=0.4, on_call_failed=failed.append
+        )
+        cancelled = asyncio.Event()
+
+        async def ignores_timeout(timeout: float) -> None:
+            try:
+                await asyncio.Event().wait()  # never answers, never times out by itself
+            finally:
+                cancelled.set()
+
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(calls.call("stuck", "snapshot", ignores_timeout), 10)
+        except PeerCallError as e:
+            assert "no answer" in str(e) and "stuck" in str(e)
+        else:
+            raise AssertionError("the call returned")
+        assert time.monotonic() - t0 < 3.0 and failed == ["stuck"]
+        await asyncio.wait_for(cancelled.wait(), 5)  # and the call itself was cancelled
+
+    asyncio.run(go())
+
+
+def test_a_caller_that_gives_up_cancels_its_call():
+    async def go():
+        table = PeerTable("me", 1.0, 2.0)
+        table.upsert("slow", "slow")
+        calls = PeerCalls(table, Deadlines(30.0, floor_s=0.2, mult=4.0), request_timeout_s=30.0)
+        started, cancelled = asyncio.Event(), asyncio.Event()
+
+        async def slow(timeout: float) -> None:
+            started.set()
+            try:
+                await asyncio.sleep(timeout)
+            finally:
+                cancelled.set()
+
+        caller = asyncio.ensure_future(calls.call("slow", "snapshot", slow))
+        await asyncio.wait_for(started.wait(), 5)
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+        await asyncio.wait_for(cancelled.wait(), 5)
+
+    asyncio.run(go())

@@ -239,6 +239,9 @@ def test_log_filter_cuts_long_lines_and_rate_limits_repeats():
     distinct = [f.filter(_record(f"garbage {chr(65 + i % 26) * (i + 1)}", line=2)) for i in range(30)]
     assert sum(distinct) == 10  # per call site, whatever the text
     assert f.filter(_record("info is never dropped", line=2, level=logging.INFO))
+    dump = _record("asyncio tasks:\n" + "  frame\n" * 1000, line=3)
+    dump.whole = True  # the node's own stack dumps (node/stacks.py): never cut, never dropped
+    assert all(f.filter(dump) for _ in range(20)) and len(dump.getMessage()) > 7000
 
 
 # ------------------------------------------------------------------------------ decoder

@@ -287,7 +287,7 @@ def test_sigusr1_dumps_thread_stacks_and_sigusr2_task_stacks_and_the_node_runs_o
         node.proc.send_signal(signal.SIGUSR2)
         wait_for(lambda: "asyncio tasks (" in node.log_tail(400), 30, "task stacks")
         tail = node.log_tail(400)
-        assert "on SIGUSR2" in tail and "--- rounds: <coroutine object RoundLoop.run" in tail, tail[-3000:]
+        assert "on SIGUSR2" in tail and "--- rounds\n" in tail and "rounds.py" in tail, tail[-3000:]
         rounds = node.status()["round"]
         wait_for(lambda: node.status()["round"] > rounds, 30, "rounds to go on")
         assert node.proc.poll() is None

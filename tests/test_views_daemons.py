@@ -31,6 +31,7 @@ def test_daemons_past_the_threshold_run_connected_partial_views_and_find_cluster
                 # past 4 alive peers: views of 4 active (+ passive), 3 candidates a round
                 "discovery": {"above": 4, "candidates": 3, "explore": 2},
                 "peers": [nodes[0].address] if nodes else [],
+                "round_stall_s": 60,  # a stuck round logs its stacks well before the wait below gives up
             }
             node = NodeProc(tmp_path, f"n{i:02d}", cfg)
             nodes.append(node.start() if i == 0 else node.launch())
@@ -43,7 +44,9 @@ def test_daemons_past_the_threshold_run_connected_partial_views_and_find_cluster
             try:
                 wait_for(lambda n=n: n.status()["round"] >= 15, 400, f"{n.node_id} to run 15 rounds")
             except AssertionError:
-                raise AssertionError(f"{n.node_id} stuck at round {n.status()['round']}:\n{_stacks(n)}") from None
+                st = n.status()
+                where = f"round {st['round']}, now {st['in_round']}, failures {st['failures']}"
+                raise AssertionError(f"{n.node_id} stuck at {where}:\n{_stacks(n)}") from None
         views = {n.node_id: n.status()["discovery"] for n in nodes}
         active = {p: v["views"]["active"] for p, v in views.items()}
         for p, v in views.items():
@@ -72,11 +75,12 @@ def test_daemons_past_the_threshold_run_connected_partial_views_and_find_cluster
 
 def _stacks(node: NodeProc) -> str:
     """A stuck node's thread and asyncio task stacks (SIGUSR1, SIGUSR2: node/service.py) and its
-    log's tail: CI once saw one of the 12 stop at round 9 for 7 minutes without a word."""
+    log's tail (with round_stall_s, the node has logged them itself by then: node/stall_watch.py).
+    CI once saw one of the 12 stop at round 9 for 7 minutes without a word."""
     node.proc.send_signal(signal.SIGUSR1)
     node.proc.send_signal(signal.SIGUSR2)
     try:
         wait_for(lambda: "on SIGUSR2" in node.log_tail(2000), 30, "the stack dumps")
     except AssertionError:
         pass  # the log as it is
-    return node.log_tail(300)
+    return node.log_tail(600)

@@ -94,10 +94,21 @@ class PeerCalls:
         calls.add(task)
         ok = False
         try:
-            out = await task
+            # the transport bounds each call by the timeout it is given; this bounds it whatever the
+            # transport does (a stream write that never returns once held a round for minutes)
+            guard = timeout + wait_s + max(1.0, 0.25 * timeout)
+            done, _ = await asyncio.wait({task}, timeout=guard)
+            if not done:
+                task.cancel()
+                if phase is not None:
+                    phase.abandoned += 1
+                raise PeerCallError(UNAVAILABLE, f"{kind} to {peer}: no answer in {guard:.1f}s (its deadline)")
+            out = task.result()
             ok = True
             return out
         except asyncio.CancelledError:
+            if not task.done():
+                task.cancel()  # the caller gave up: so does its call
             me = asyncio.current_task()
             if task in self._abandoned and not (me is not None and me.cancelling()):
                 if phase is not None:

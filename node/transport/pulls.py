@@ -183,8 +183,10 @@ class SnapshotStreams:
         refused to open it (a plain call takes the request)."""
         s.busy = True
         try:
-            try:
-                await s.call.write(request)
+            try:  # bounded too: a write waits for the stream's flow-control window
+                await asyncio.wait_for(s.call.write(request), max(deadline - time.monotonic(), 0.001))
+            except asyncio.TimeoutError:
+                raise PeerCallError(UNAVAILABLE, f"snapshot of {peer or address}: deadline exceeded") from None
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
                 raise _SessionGone(str(e)) from None
             try:
