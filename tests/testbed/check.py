@@ -328,32 +328,62 @@ def late_joiner() -> None:
     )
 
 
-def latency_seen() -> None:
+def _rtts() -> dict[str, float]:
+    """Each honest node's median heartbeat RTT to its peers (the last probe's, per peer)."""
     rows = {n: get(n, "/peers") or [] for n in HONEST}
-    med = {
+    return {
         n: statistics.median([r["rtt_s"] for r in rs if r.get("rtt_s") is not None] or [float("nan")])
         for n, rs in rows.items()
     }
+
+
+def latency_seen() -> None:
+    """node7's 200 ms stands out of the plain links' RTTs. Each RTT also carries both ends'
+    event-loop latency, which on a loaded host swings by hundreds of ms from one probe to the next
+    (seen in a CI-like run at load 17: plain median 369 ms, node7 270 ms), so the RTTs are read
+    again until one reading shows it (90 s): with the delay on every node, or on none, none would."""
+
+    # node4's heartbeats queue behind its model uploads in the 1 Mbit/s tbf: its RTT is high too
+    def judged(med: dict[str, float]) -> tuple[float, float]:
+        plain_rtts = [v for n, v in med.items() if n not in ("node7", "node4")]
+        return statistics.median(plain_rtts), min(plain_rtts)
+
+    def shows(med: dict[str, float]) -> bool:
+        plain, floor = judged(med)
+        return (
+            med["node7"] >= DELAY_S * 0.95
+            and med["node7"] - plain >= DELAY_S / 4
+            and med["node7"] - floor >= 0.75 * DELAY_S
+        )
+
+    seen: list[dict[str, float]] = []
+
+    def reading() -> bool:
+        seen.append(_rtts())
+        return shows(seen[-1])
+
+    def readings() -> str:
+        return "; ".join(", ".join(f"{n}={v:.3f}" for n, v in m.items()) for m in seen[-5:])
+
+    try:
+        wait_until("node7's delay standing out of the plain links' RTT", reading, timeout=90, every=3, detail=readings)
+    except CheckFailed:
+        pass  # the checks below name what the last reading shows
+    med = seen[-1]
     log("median heartbeat RTT per node (s): " + ", ".join(f"{n}={v:.3f}" for n, v in med.items()))
     check(
         med["node7"] >= DELAY_S * 0.95,
         f"node7 (delay_ms=200) sees RTT {med['node7'] * 1000:.0f} ms to its peers (>= {DELAY_S * 1000:.0f} ms)",
     )
-    # node4's heartbeats queue behind its model uploads in the 1 Mbit/s tbf: its RTT is high too
-    # (on a busy 2-core host a plain RTT is tens of ms of event-loop latency, so compare medians)
-    plain_rtts = [v for n, v in med.items() if n not in ("node7", "node4")]
-    plain = statistics.median(plain_rtts)
-    # the delay is per caller: a plain node that got it too would sit at node7's RTT. Event-loop
-    # latency on a busy host lifts every node's RTT alike (seen with the box idle: plain median
-    # 103 ms, node6 at 0.25 CPU 206 ms, node7 305 ms; on CI: 103 and 237), so the plain nodes are
-    # judged against node7: with the delay on every node the two would be ~0 apart
+    plain, floor = judged(med)
+    # the delay is per caller: a plain node that got it too would sit at node7's RTT, so the plain
+    # nodes are judged against node7 (~0 apart with the delay on every node)
     check(
         med["node7"] - plain >= DELAY_S / 4,
         f"nodes on plain links: median RTT {plain * 1000:.0f} ms, {(med['node7'] - plain) * 1000:.0f} ms below node7's",
     )
     # the excess over the fastest plain link: against the plain *median* a busy host's loop latency
     # on the plain nodes ate into it (seen: node7 237 ms, plain median 99 ms, fastest plain 27 ms)
-    floor = min(plain_rtts)
     check(
         med["node7"] - floor >= 0.75 * DELAY_S,
         f"node7's RTT exceeds the fastest plain link's by {(med['node7'] - floor) * 1000:.0f} ms "
