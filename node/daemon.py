@@ -161,6 +161,7 @@ class Node:
         self.serve_admin = admin
         self._admin: web.AppRunner | None = None
         self._round_task: asyncio.Task | None = None
+        self._stopping = False
         self._health_tasks: set[asyncio.Task] = set()
         self.failures = Failures(self._set_serving, lambda part, msg: self.problems.note(f"this node ({part})", msg))
         self.stall_watch = StallWatch(self.failures, cfg.round_stall_s)  # a round stuck in one phase is reported
@@ -252,6 +253,7 @@ class Node:
     async def stop(self) -> bool:
         """Stop everything; write the checkpoints still pending. True when nothing is lost and
         no failure is outstanding (the process exit code says so)."""
+        self._stopping = True
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -295,7 +297,10 @@ class Node:
         task.add_done_callback(self._health_tasks.discard)
 
     def _round_loop_ended(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and (error := task.exception()) is not None:
+        if task.cancelled():
+            if not self._stopping:  # nobody stopped it: a round loop that ends is a failure
+                self.failures.failed("rounds", RuntimeError("the round loop was cancelled"), None)
+        elif (error := task.exception()) is not None:
             self.failures.failed("rounds", error, None)
 
     def _moved(self, address: str) -> None:

@@ -161,7 +161,14 @@ class RoundLoop:
             t0 = time.monotonic()
             rnd = n.round + 1
             try:
-                evaluation = await self.one(rnd, t0)
+                try:
+                    evaluation = await self.one(rnd, t0)
+                except asyncio.CancelledError:
+                    me = asyncio.current_task()
+                    if me is None or me.cancelling():
+                        raise  # the node is stopping
+                    # a CancelledError from inside the round, not a stop: a failed round
+                    raise RuntimeError("round cancelled from inside (a cancelled call leaked into it)") from None
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - reported (log, /status, health), then retried

@@ -222,3 +222,26 @@ def test_a_caller_that_gives_up_cancels_its_call():
         await asyncio.wait_for(cancelled.wait(), 5)
 
     asyncio.run(go())
+
+
+def test_a_call_cancelled_under_its_caller_is_a_failed_call_not_a_cancelled_caller():
+    """grpc.aio raises CancelledError from a call another coroutine cancelled (a pull session
+    closed meanwhile); leaked into the round, it once ended a daemon's round loop silently."""
+
+    async def go():
+        table = PeerTable("me", 1.0, 2.0)
+        table.upsert("p", "p")
+        calls = PeerCalls(table, Deadlines(30.0, floor_s=0.2, mult=4.0), request_timeout_s=30.0)
+
+        async def cancelled_under_us(timeout: float) -> None:
+            raise asyncio.CancelledError()
+
+        try:
+            await calls.call("p", "snapshot", cancelled_under_us)
+        except PeerCallError as e:
+            assert "cancelled" in str(e)
+        else:
+            raise AssertionError("the call returned")
+        assert not asyncio.current_task().cancelling()
+
+    asyncio.run(go())

@@ -110,14 +110,19 @@ class PeerCalls:
             if not task.done():
                 task.cancel()  # the caller gave up: so does its call
             me = asyncio.current_task()
-            if task in self._abandoned and not (me is not None and me.cancelling()):
-                if phase is not None:
-                    phase.abandoned += 1
+            if me is not None and me.cancelling():
+                raise  # this caller is being cancelled: so be it
+            if phase is not None:
+                phase.abandoned += 1
+            if task in self._abandoned:
                 rec = self.table.records.get(peer)
                 raise PeerCallError(
                     UNAVAILABLE, f"{peer} turned {rec.state if rec else 'unknown'}: call abandoned"
                 ) from None
-            raise
+            # the call was cancelled under us (grpc.aio raises CancelledError from a call another
+            # coroutine cancelled, e.g. a pull session closed meanwhile): a failed call, never a
+            # cancellation of the caller (it once ended a daemon's round loop without a word)
+            raise PeerCallError(UNAVAILABLE, f"{kind} to {peer}: the call was cancelled") from None
         except PeerCallError as e:
             if e.kind == UNAVAILABLE:  # a timeout or refused connection: membership probes it now,
                 self._timed_out[peer] = time.monotonic()  # and it is not called again until it answers
