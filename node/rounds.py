@@ -160,25 +160,25 @@ class RoundLoop:
         while cfg.rounds is None or n.round < cfg.rounds:
             t0 = time.monotonic()
             rnd = n.round + 1
+            failure: BaseException | None = None
             try:
-                try:
-                    evaluation = await self.one(rnd, t0)
-                except asyncio.CancelledError:
-                    me = asyncio.current_task()
-                    if me is None or me.cancelling():
-                        raise  # the node is stopping
-                    # a CancelledError from inside the round, not a stop: a failed round
-                    raise RuntimeError("round cancelled from inside (a cancelled call leaked into it)") from None
+                evaluation = await self.one(rnd, t0)
             except asyncio.CancelledError:
-                raise
+                me = asyncio.current_task()
+                if me is None or me.cancelling():
+                    raise  # the node is stopping
+                # a CancelledError from inside the round (a cancelled call leaked into it): a failed round
+                failure = RuntimeError("round cancelled from inside")
             except Exception as e:  # noqa: BLE001 - reported (log, /status, health), then retried
-                n.round = rnd - 1  # not checkpointed: the round is run again
-                delay = backoff.next()
-                n.failures.failed("rounds", e, delay)
-                await asyncio.sleep(delay)
-                continue
+                failure = e
             finally:
                 n.stall_watch.leave()
+            if failure is not None:
+                n.round = rnd - 1  # not checkpointed: the round is run again
+                delay = backoff.next()
+                n.failures.failed("rounds", failure, delay)
+                await asyncio.sleep(delay)
+                continue
             backoff.reset()
             n.stall_watch.round_done(time.monotonic() - t0)
             n.failures.recovered("rounds")
