@@ -107,7 +107,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = [{**node_cfg, "learner": mnist1d_mlp(n, i, steps=args.local_steps)} for i in range(n)]
     root = Path(args.dir or tempfile.mkdtemp(prefix="coterie-soak-"))
     samples: list[dict[str, Any]] = []
-    with Lab(root, configs) as lab:
+    wraps = None
+    if args.memprobe:  # n0 under tracemalloc: what grew after the warm-up, by allocation site
+        probe = [sys.executable, str(Path(__file__).parent / "memprobe.py"), str(Path(args.memprobe).resolve())]
+        wraps = [probe + ["--start-s", "90", "--base-s", str(args.warmup_s), "--every-s", "60"]] + [[]] * (n - 1)
+    with Lab(root, configs, wraps=wraps) as lab:
         lab.start(seeds=1)
         wait_for(
             lambda: all(s and s["peers_alive"] == n - 1 and s["round"] >= 1 for s in lab.statuses()),
@@ -136,6 +140,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--local-steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", help="state dirs and logs (default: a temporary directory)")
+    ap.add_argument("--memprobe", help="run n0 under bench/memprobe.py (tracemalloc), its report to this file")
     ap.add_argument("--out", help="results directory (default: bench/results/soak/<UTC stamp>)")
     return ap.parse_args(argv)
 

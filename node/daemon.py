@@ -32,6 +32,7 @@ from .learning.learner import Learner
 from .local_reference import LocalReference
 from .logfilter import install_log_filter
 from .logs import RoundLog
+from .memory_release import limit_malloc_arenas
 from .metrics import Metrics
 from .modelfile import describe_model
 from .node_metrics import NodeMetrics
@@ -451,6 +452,7 @@ class Node:
 def run_node(cfg: NodeConfig, reload: Callable[[], NodeConfig] | None = None) -> int:
     """Run a node until SIGTERM/SIGINT; SIGHUP reloads the config from ``reload`` (service.py).
     Returns the process exit code."""
+    limit_malloc_arenas()  # before the gRPC and torch threads that would each take an arena
     logging.basicConfig(
         level=getattr(logging, cfg.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

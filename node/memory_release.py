@@ -7,12 +7,19 @@ sat at 914–970 MB RSS after 14 rounds. ``malloc_trim(0)`` returns every whole 
 (after the write, not per step, so training keeps reusing its heap): 527–592 MB on the same run
 (issue 34 item 2; docs/running-a-node.md). Pinning the mmap threshold instead cut as much but made
 rounds ~30% slower (a page fault per page of every large allocation, every step).
-No-op where the C library has no malloc_trim (musl, macOS)."""
+No-op where the C library has no malloc_trim (musl, macOS).
+
+``limit_malloc_arenas`` caps glibc's per-thread arenas (``M_ARENA_MAX``), set at start-up by
+``run_node`` so that it holds under any launcher (CLI, systemd unit, forked lab nodes): by default
+glibc gives each thread that meets contention its own arena, up to 8 per core, and gRPC's and
+torch's worker threads each grow theirs in steps of a few MB that a trim rarely gives back
+(bench/results/soak.md)."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -29,6 +36,33 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 _TRIM = _malloc_trim()
+
+M_ARENA_MAX = -8  # glibc's malloc.h
+ARENAS = 2  # the main arena and one shared by every other thread
+
+
+def _mallopt() -> Callable[[int, int], int] | None:
+    if _TRIM is None:  # not glibc
+        return None
+    try:
+        return ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+
+
+def limit_malloc_arenas(arenas: int = ARENAS) -> int | None:
+    """Cap glibc's malloc arenas for threads created from now on; returns the cap in force, or
+    None where the C library has no such knob. An operator's ``MALLOC_ARENA_MAX`` wins."""
+    mallopt = _mallopt()
+    if mallopt is None:
+        return None
+    if os.environ.get("MALLOC_ARENA_MAX", "").strip():
+        return int(os.environ["MALLOC_ARENA_MAX"]) if os.environ["MALLOC_ARENA_MAX"].strip().isdigit() else None
+    try:
+        return arenas if mallopt(M_ARENA_MAX, arenas) == 1 else None
+    except OSError as e:  # never fatal: glibc's default stays
+        log.debug("mallopt(M_ARENA_MAX) failed: %s", e)
+        return None
 
 
 def release_free_memory() -> bool:

@@ -4,6 +4,7 @@ freed, serves later model-sized buffers from the heap and keeps them resident on
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -56,3 +57,62 @@ def test_free_heap_pages_go_back_to_the_os() -> None:
     # 267 MB); the release hands the whole free pages back (seen: -> 15 MB)
     assert float(freed) > float(before) - 50, f"freeing alone gave the pages back: {out.stdout}"
     assert float(after) < float(freed) - 150, f"RSS with the buffers / freed / released (MB): {out.stdout}"
+
+
+# threads that each malloc (ctypes drops the GIL, as gRPC's and torch's C++ threads never hold it)
+# each get an arena of their own from glibc unless capped; malloc_info lists one <heap> per arena
+ARENAS_PROBE = textwrap.dedent(
+    """
+    import ctypes, sys, tempfile, threading
+    from coterie.node.memory_release import limit_malloc_arenas
+    cap = limit_malloc_arenas() if sys.argv[1] == "capped" else "none"
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.fopen.restype = ctypes.c_void_p
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    start = threading.Barrier(8)
+    def work():
+        start.wait()  # all at once: no thread can inherit a free arena another left
+        for _ in range(2000):
+            libc.free(libc.malloc(4096))
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    with tempfile.NamedTemporaryFile() as f:
+        fp = libc.fopen(f.name.encode(), b"w")
+        libc.malloc_info(0, fp)
+        libc.fclose(fp)
+        print(cap, open(f.name).read().count("<heap nr="))
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's arenas: Linux only")
+def test_malloc_arenas_are_capped_at_start_up() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    runs = {}
+    for mode in ("default", "capped"):
+        out = subprocess.run(
+            [sys.executable, "-c", ARENAS_PROBE, mode], capture_output=True, text=True, timeout=120, env=env
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        cap, heaps = out.stdout.split()
+        runs[mode] = (cap, int(heaps))
+    if runs["capped"][0] == "None":
+        pytest.skip("this C library has no mallopt(M_ARENA_MAX) (not glibc)")
+    # without the cap 8 malloc-ing threads took arenas of their own (seen: 9 heaps); with it, 2
+    assert runs["default"][1] > 2, runs
+    assert runs["capped"] == ("2", 2) or runs["capped"][1] <= 2, runs
+
+
+def test_node_start_caps_arenas_before_anything_else() -> None:
+    # run_node is what `coterie node start` runs under every launcher (CLI, systemd, forked lab nodes)
+    import inspect
+
+    from coterie.node import daemon
+
+    body = inspect.getsource(daemon.run_node).split('"""', 2)[2]
+    assert body.lstrip().startswith("limit_malloc_arenas()"), body[:200]
