@@ -31,7 +31,7 @@ def rss_bytes() -> int:
 
 
 def type_counts() -> collections.Counter[str]:
-    return collections.Counter(type(o).__module__ + "." + type(o).__qualname__ for o in gc.get_objects())
+    return collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects())
 
 
 def probe(out: str, start_s: float, base_s: float, every_s: float) -> None:

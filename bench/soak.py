@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     wraps = None
     if args.memprobe:  # n0 under tracemalloc: what grew after the warm-up, by allocation site
         probe = [sys.executable, str(Path(__file__).parent / "memprobe.py"), str(Path(args.memprobe).resolve())]
-        wraps = [probe + ["--start-s", "90", "--base-s", str(args.warmup_s), "--every-s", "60"]] + [[]] * (n - 1)
+        wraps = [probe + ["--start-s", "60", "--base-s", str(args.warmup_s), "--every-s", "60"]] + [[]] * (n - 1)
     with Lab(root, configs, wraps=wraps) as lab:
         lab.start(seeds=1)
         wait_for(
