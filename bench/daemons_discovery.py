@@ -127,8 +127,15 @@ def analyse(out: Path, strategy: str = "fedfomo") -> dict[str, Any]:
     figures: dict[str, Any] = {}
     deaths, victims, suspected, short, membership_kinds = 0, set(), 0, [], {}
     active, passive = [], []
+    declarers: dict[str, list[int]] = {}  # final membership kind -> deaths each node declared
+    first, last, durations, stalls = [], [], [], []
     for n in nodes:
         hist = read_history(out / strategy / "nodes" / n / "history.jsonl")
+        if hist:
+            first.append(hist[0]["t"])
+            last.append(hist[-1]["t"])
+        durations += [float(h["duration_s"]) for h in hist]
+        stalls += [float((h.get("timing") or {}).get("loop_stall_s", 0.0)) for h in hist]
         if len(hist) < scen["rounds"]:
             short.append(f"{n}: {len(hist)} rounds")
         mates = {p for p in nodes if p != n and cluster[p] == cluster[n]}
@@ -140,6 +147,7 @@ def analyse(out: Path, strategy: str = "fedfomo") -> dict[str, Any]:
         disc = per_node[n].get("discovery") or {}
         kind = disc.get("membership", "?")
         membership_kinds[kind] = membership_kinds.get(kind, 0) + 1
+        declarers.setdefault(kind, []).append(int(m.get("declared_dead", 0)))
         views = disc.get("views") or {}
         if "active" in views:
             active.append(len(views["active"]))
@@ -154,6 +162,16 @@ def analyse(out: Path, strategy: str = "fedfomo") -> dict[str, Any]:
             "nodes": len(vals),
         }
 
+    def spread(vals: list[float]) -> dict[str, float] | None:
+        if not vals:
+            return None
+        vals = sorted(vals)
+        return {
+            "median": round(statistics.median(vals), 2),
+            "p90": round(vals[int(0.9 * (len(vals) - 1))], 2),
+            "max": vals[-1],
+        }
+
     keys = ("mates_in_candidates", "mates_evaluated", "mates_in_top9", "mates_in_collaborators")
     return {
         "nodes": len(nodes),
@@ -162,6 +180,14 @@ def analyse(out: Path, strategy: str = "fedfomo") -> dict[str, Any]:
         "discovery": dcfg,
         "false_deaths": {"declared_dead": deaths, "distinct_victims": sorted(victims), "suspected": suspected},
         "membership_on": membership_kinds,
+        # by the membership each node ended on: how many declared any death, and how many in all
+        "deaths_by_declarer": {k: {"nodes": sum(v > 0 for v in vs), "deaths": sum(vs)} for k, vs in declarers.items()},
+        # the daemons' pace: a round's wall time and how long its event loop was blocked in it
+        "round_s": spread(durations),
+        "loop_stall_s_per_round": spread(stalls),
+        # from the first node's round 1: the last node's round 1, the first and last node done
+        "start_spread_s": round(max(first) - min(first), 1) if first else None,
+        "done_s": [round(min(last) - min(first), 1), round(max(last) - min(first), 1)] if first else None,
         "views": {
             "active": {"median": statistics.median(active), "min": min(active), "max": max(active)} if active else None,
             "passive": {"median": statistics.median(passive), "min": min(passive), "max": max(passive)}
@@ -180,7 +206,10 @@ def report(fig: dict[str, Any]) -> str:
         f"{fig['nodes']} daemons, {fig['clusters']} clusters, {fig['rounds']} rounds, discovery {fig['discovery']}",
         f"false deaths: {fig['false_deaths']['declared_dead']} declared (victims {fig['false_deaths']['distinct_victims']}), "
         f"{fig['false_deaths']['suspected']} suspicions; membership on {fig['membership_on']}",
+        f"deaths by the declarer's final membership: {fig['deaths_by_declarer']}",
         f"views: active {fig['views']['active']}, passive {fig['views']['passive']}",
+        f"round s {fig['round_s']}, loop stall s per round {fig['loop_stall_s_per_round']}",
+        f"last node's round 1 at {fig['start_spread_s']} s; first and last node done at {fig['done_s']} s",
         "mates of 9 (mean over nodes; nodes with none):",
         "| round | in that round's candidates (of 5) | evaluated so far | uniform draw: evaluated so far | in top-9 scored | clear collaborators |",
         "|---|---|---|---|---|---|",
