@@ -125,7 +125,10 @@ def table(rows: list[dict[str, Any]], network: str) -> list[str]:
         if not rs:
             continue
         cells = []
-        cw = [min(n["audit_collab_gain"] for n in r["nodes"].values() if n.get("audit_collab_gain") is not None) for r in rs]
+        cw = [
+            min(n["audit_collab_gain"] for n in r["nodes"].values() if n.get("audit_collab_gain") is not None)
+            for r in rs
+        ]
         for rule in RULES:
             worst = []
             for r in rs:
@@ -154,7 +157,12 @@ def table(rows: list[dict[str, Any]], network: str) -> list[str]:
 
 
 def report() -> None:
-    rows = [json.loads(x) for x in RUNS.read_text().splitlines() if x.strip()]
+    first: dict[tuple[str, str, int], dict[str, Any]] = {}  # two sweeps may meet on a run: its first success counts
+    for r in (json.loads(x) for x in RUNS.read_text().splitlines() if x.strip()):
+        key = (r["network"], r["strategy"], r["seed"])
+        if key not in first or ("failed" in first[key] and "failed" not in r):
+            first[key] = r
+    rows = list(first.values())
     lines: list[str] = []
     for w in nw.NETWORKS:
         lines += table(rows, w)
