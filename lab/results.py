@@ -19,7 +19,9 @@ results.json (``"format": "coterie-results/1"``)::
                         round record: served after its last round, from its final status),
                         collaboration (its final status's: peer answers vs privacy refusals;
                         helping and reason: the local-only reference's verdict),
-                        mixed_nothing (no round gave a peer any weight)
+                        mixed_nothing (no round gave a peer any weight),
+                        membership (its final status's SWIM counters: suspected, declared_dead,
+                        deaths_recent ...) and discovery (its final status's discovery view)
       weights           {"rounds": [1..R], "matrices": [W_r]}: W_r[i][j] = weight node i gave
                         node j in its round r (self included); a row is null if i has no round r
       final_weights     each node's last weight row, as a matrix
@@ -129,7 +131,22 @@ def node_results(history: list[dict[str, Any]], status: dict[str, Any] | None = 
         "bytes_sent_after_rounds": sent_after,
         "bytes_received_after_rounds": received_after,
         "collaboration": (status or {}).get("collaboration"),
+        **_peer_plane(status),
     }
+
+
+def _peer_plane(status: dict[str, Any] | None) -> dict[str, Any]:
+    """From the final status: membership's counters (suspicions, deaths declared and whose) and
+    discovery's state (candidates, collaborators, view sizes): what bench/daemons_discovery.py
+    reads after the daemons are gone."""
+    m, d = (status or {}).get("membership"), (status or {}).get("discovery")
+    out: dict[str, Any] = {}
+    if isinstance(m, dict):
+        keep = ("suspected", "refuted", "declared_dead", "deaths_recent", "probes", "indirect", "inconclusive")
+        out["membership"] = {k: m[k] for k in keep if k in m}
+    if isinstance(d, dict):
+        out["discovery"] = d
+    return out
 
 
 def mixed_nothing(history: list[dict[str, Any]], node_id: str) -> bool | None:

@@ -181,6 +181,7 @@ class NodeViews:
             "snapshot_cache_bytes": n.cache.bytes,
             "loop_lag_max_s": round(n.loop_lag.max_s, 4),
             **m.state.stats,
+            "deaths_recent": list(m.state.deaths),
             "claim_strikes": m.gossip.claims.view(),
         }
 

@@ -297,6 +297,10 @@ def test_a_silent_member_is_suspected_then_dead_and_comes_back_when_it_answers()
             await _until(lambda: _state(members, "n3") == {DEAD}, 20, "n3 dead everywhere")
             others = [m for m in members if m is not victim]
             assert all(len(m.peers.alive()) == 6 for m in others)  # nobody healthy went down with it
+            # each table counts the death it declared and names the victim (/status membership:
+            # how bench/daemons_discovery.py counts false deaths), and no other
+            for m in others:
+                assert m.state.stats["declared_dead"] == 1 and list(m.state.deaths) == ["n3"], m.node_id
             net.frozen.discard("a3")
             await _until(lambda: _state(members, "n3") == {ALIVE}, 20, "n3 alive again everywhere")
             assert victim.state.incarnation > 0 and all(len(m.peers.alive()) == 7 for m in members)

@@ -95,3 +95,15 @@ def test_run_totals_add_up_when_nodes_pull_from_finished_ones(tmp_path):
     # the round records alone miss the early nodes' serving after their rounds
     rounds_only = [node_results(h) for h in histories]
     assert sum(sum(r["bytes_sent"].values()) for r in rounds_only) < received
+
+
+def test_a_nodes_final_membership_counters_and_discovery_view_reach_results_json():
+    """bench/daemons_discovery.py counts false deaths from results.json, after the daemons are gone."""
+    status = {
+        "membership": {"suspected": 3, "declared_dead": 2, "deaths_recent": ["n4", "n7"], "channels": 9},
+        "discovery": {"active": True, "candidates": ["n1"], "views": {"active": ["n2"], "passive": 5}},
+    }
+    r = node_results([], status)
+    assert r["membership"] == {"suspected": 3, "declared_dead": 2, "deaths_recent": ["n4", "n7"]}
+    assert r["discovery"]["views"] == {"active": ["n2"], "passive": 5}
+    assert "membership" not in node_results([]) and "discovery" not in node_results([])

@@ -10,7 +10,7 @@ import asyncio
 import math
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field, make_dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -298,9 +298,18 @@ class MembershipState:
             "claims_checked": 0,
             "claims_struck": 0,
             "claims_dropped": 0,
+            "declared_dead": 0,  # members this table moved to dead (first-hand or by news)
         }
+        # who, latest last: with no node killed, every one is a false death (bench/daemons_discovery.py)
+        self.deaths: deque[str] = deque(maxlen=16)
+        peers.listeners.append(self._count_death)
         peers.suspicion_max_mult = settings.suspicion_max_mult
         self.scope: Scope | None = None  # full membership (None), or partial views past a threshold
+
+    def _count_death(self, node_id: str, old: str, new: str) -> None:
+        if new == DEAD:
+            self.stats["declared_dead"] += 1
+            self.deaths.append(node_id)
 
     def partial(self) -> bool:
         """Membership on a partial view now: probes, gossip and the table bounded by the views."""
