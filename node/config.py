@@ -258,8 +258,15 @@ class ReferenceConfig(BaseModel):
     # (it has learnt what this node can learn alone; 0 = train it every round for ever)
     settle_after: int = Field(5, ge=0)
     patience: int = Field(3, ge=1)  # consecutive checks before backing off, and before returning
-    # worse beyond noise: accuracy below the local one by more than z standard errors of the
-    # difference of two accuracies on the split; a loss (regression) above it by mse_margin × it
+    # worse beyond noise (node/collaboration_check.py). rule "paired": the mean per-sample loss
+    # difference (collab − local, same validation samples) above z of its standard errors;
+    # paired_on: for classification, test the loss, the 0/1 errors or either; pool: checks whose
+    # mean differences are averaged (training noise, not sampling noise). rule "unpaired": accuracy
+    # below the local one by z standard errors of a difference of two accuracies; a loss
+    # (regression) above it by mse_margin × it
+    rule: Literal["paired", "unpaired"] = "unpaired"
+    paired_on: Literal["loss", "accuracy", "either"] = "loss"
+    pool: int = Field(1, ge=1)
     z: float = Field(1.0, ge=0)
     mse_margin: float = Field(0.1, ge=0)
 

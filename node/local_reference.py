@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .collaboration_check import CollaborationCheck, Score
+from .collaboration_check import CollaborationCheck, Paired, Score, paired
 from .config import ReferenceConfig
 from .learning.learner import EvalResult, Learner, MakesTwin, Params, Split
 
@@ -37,10 +37,17 @@ def _score(r: EvalResult) -> Score:
     return Score(loss=float(r.loss), accuracy=r.accuracy, n=int(r.n))
 
 
+def _paired(collab: EvalResult, local: EvalResult) -> Paired | None:
+    """The two models' per-sample evidence on the same split, where the learner gives it."""
+    if collab.losses is None or local.losses is None:
+        return None
+    return paired(collab.losses, local.losses, collab.correct, local.correct)
+
+
 class LocalReference:
     def __init__(self, cfg: ReferenceConfig, learner: Learner, strategy: str):
         self.cfg, self.learner = cfg, learner
-        self.check = CollaborationCheck(cfg.patience, cfg.z, cfg.mse_margin)
+        self.check = CollaborationCheck(cfg.patience, cfg.z, cfg.mse_margin, cfg.rule, cfg.paired_on, cfg.pool)
         self.trained_round = 0  # last round the twin trained for (a retried round does not train it twice)
         self.twin: Learner | None = None
         self.settled_at: int | None = None  # the round the twin stopped training (see settle_after)
@@ -122,9 +129,11 @@ class LocalReference:
                     if members and len(members) > 1
                     else self.learner.evaluate("val")
                 )
-                local_val = _score(self._twin_eval("val"))
+                twin_val = self._twin_eval("val")
+                local_val = _score(twin_val)
                 was = self.check.helping
-                if collab_val.n and self.check.observe(_score(collab_val), local_val) != was:
+                evidence = _paired(collab_val, twin_val)
+                if collab_val.n and self.check.observe(_score(collab_val), local_val, evidence) != was:
                     log.warning("%s", self.check.reason())
                 self._settle(rnd, local_val)
         out = dict(evaluation)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -24,6 +24,11 @@ class EvalResult:
     loss: float  # mean (or summed, if reduction="sum") loss
     n: int  # samples it was computed on
     accuracy: float | None = None  # None for regression
+    # per sample, in the split's order, where the learner gives them (evaluations of a split):
+    # the loss (cross-entropy, squared error, ...) and 1/0 correct (classification); the
+    # collaboration check pairs them across two models on the same samples (collaboration_check.py)
+    losses: np.ndarray | None = field(default=None, compare=False, repr=False)
+    correct: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass

@@ -35,6 +35,8 @@ class MixtureEval:
         if n == 0:
             return EvalResult(loss=float("nan"), n=0, accuracy=None)
         total, correct = 0.0, 0
+        losses: list[np.ndarray] = []
+        hits: list[np.ndarray] = []
         with s.lock, torch.no_grad():
             for i in range(0, n, _EVAL_BATCH):
                 xb, yb = x[i : i + _EVAL_BATCH], y[i : i + _EVAL_BATCH]
@@ -49,8 +51,18 @@ class MixtureEval:
                 if s.task == "classification":
                     py = mix.gather(1, yb.view(-1, 1)).clamp_min(1e-12)
                     total += float(-py.log().sum())
-                    correct += int((mix.argmax(1) == yb).sum())
+                    hit = mix.argmax(1) == yb
+                    correct += int(hit.sum())
+                    losses.append(-py.log().reshape(-1).double().cpu().numpy())
+                    hits.append(hit.double().cpu().numpy())
                 else:
                     total += float(F.mse_loss(mix, yb.reshape(-1), reduction="sum"))
+                    losses.append(F.mse_loss(mix, yb.reshape(-1), reduction="none").double().cpu().numpy())
         acc = correct / n if s.task == "classification" else None
-        return EvalResult(loss=total / n, n=n, accuracy=acc)
+        return EvalResult(
+            loss=total / n,
+            n=n,
+            accuracy=acc,
+            losses=np.concatenate(losses),
+            correct=np.concatenate(hits) if hits else None,
+        )
