@@ -290,27 +290,38 @@ def rescan(out: Path) -> None:
     RUNS.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
-def done() -> set[tuple[str, str, int]]:
-    if not RUNS.exists():
+def done(runs: Path = RUNS) -> set[tuple[str, str, int]]:
+    if not runs.exists():
         return set()
-    rows = [json.loads(line) for line in RUNS.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in runs.read_text().splitlines() if line.strip()]
     return {(r["network"], r["strategy"], r["seed"]) for r in rows}
 
 
-def sweep(networks: list[str], strategies: list[str], seeds: list[int], jobs: int, out: Path) -> None:
-    have = done()
+def sweep(
+    networks: list[str],
+    strategies: list[str],
+    seeds: list[int],
+    jobs: int,
+    out: Path,
+    *,
+    script: str = __file__,
+    runs: Path = RUNS,
+) -> None:
+    """Each (network, strategy, seed) not yet in ``runs``: ``script one ...`` in its own process,
+    its last stdout line appended to ``runs`` (never_worse_rules.py sweeps through here too)."""
+    have = done(runs)
     todo = [(w, s, seed) for seed in seeds for w in networks for s in strategies if (w, s, seed) not in have]
-    print(f"{len(todo)} runs to do ({len(have)} already in {RUNS.name})", flush=True)
+    print(f"{len(todo)} runs to do ({len(have)} already in {runs.name})", flush=True)
 
     def one(job: tuple[str, str, int]) -> None:
         w, s, seed = job
-        cmd = [sys.executable, __file__, "one", w, s, str(seed), "--out", str(out / f"{w}-{s}-{seed}")]
+        cmd = [sys.executable, script, "one", w, s, str(seed), "--out", str(out / f"{w}-{s}-{seed}")]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode:
             line = {"network": w, "strategy": s, "seed": seed, "failed": p.stderr.strip().splitlines()[-3:]}
         else:
             line = json.loads(p.stdout.strip().splitlines()[-1])
-        with RUNS.open("a") as f:  # one line per run, written whole: partial sweeps survive
+        with runs.open("a") as f:  # one line per run, written whole: partial sweeps survive
             f.write(json.dumps(line) + "\n")
         worst = min((n["gain"] for n in line.get("nodes", {}).values() if n["gain"] is not None), default=None)
         print(w, s, seed, line.get("wall_s"), "worst gain", worst, "FAILED" if "failed" in line else "", flush=True)

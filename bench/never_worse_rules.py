@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -67,29 +65,6 @@ def _shadow_every_check() -> None:
         return out
 
     nw.audit_figures = with_rules
-
-
-def sweep(networks: list[str], strategies: list[str], seeds: list[int], jobs: int, out: Path) -> None:
-    have = set()
-    if RUNS.exists():
-        have = {(r["network"], r["strategy"], r["seed"]) for r in map(json.loads, RUNS.read_text().splitlines())}
-    todo = [(w, s, seed) for seed in seeds for w in networks for s in strategies if (w, s, seed) not in have]
-    print(f"{len(todo)} runs to do", flush=True)
-
-    def one(job: tuple[str, str, int]) -> None:
-        w, s, seed = job
-        cmd = [sys.executable, __file__, "one", w, s, str(seed), "--out", str(out / f"{w}-{s}-{seed}")]
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode:
-            line = {"network": w, "strategy": s, "seed": seed, "failed": p.stderr.strip().splitlines()[-3:]}
-        else:
-            line = json.loads(p.stdout.strip().splitlines()[-1])
-        with RUNS.open("a") as f:
-            f.write(json.dumps(line) + "\n")
-        print(w, s, seed, line.get("wall_s"), "FAILED" if "failed" in line else "", flush=True)
-
-    with ThreadPoolExecutor(jobs) as ex:
-        list(ex.map(one, todo))
 
 
 def rule_gain(n: dict[str, Any], rule: str) -> tuple[float, float, bool] | None:
@@ -191,7 +166,15 @@ def main() -> None:
         _shadow_every_check()
         print(json.dumps(nw.child(a.network, a.strategy, a.seed, Path(a.out))))
     elif a.cmd == "sweep":
-        sweep(a.networks.split(","), a.strategies.split(","), [int(s) for s in a.seeds.split(",")], a.jobs, Path(a.out))
+        nw.sweep(
+            a.networks.split(","),
+            a.strategies.split(","),
+            [int(s) for s in a.seeds.split(",")],
+            a.jobs,
+            Path(a.out),
+            script=__file__,
+            runs=RUNS,
+        )
     else:
         report()
 
