@@ -84,6 +84,9 @@ class Discovery:
         self.scores: dict[str, float] = {}
         self.evaluations: dict[str, int] = {}  # per scored peer (same keys: O(max_scored))
         self._collab: set[str] = set()  # collaborators as of the last round or observation
+        # explored because someone recommended them: re-explored only if recommended again
+        # (bounded per recommender), never by the blind re-explore slot an insider could fill
+        self._recommended: set[str] = set()
         self.hints: deque[tuple[str, str]] = deque()  # (recommender, peer), oldest first
         self.counters = DiscoveryCounters()
         self._current: list[str] = []
@@ -126,6 +129,8 @@ class Discovery:
             for p in sorted(self.scores, key=self.scores.__getitem__)[: len(self.scores) - self.s.max_scored]:
                 del self.scores[p]
                 del self.evaluations[p]
+                self._recommended.discard(p)
+        self._recommended &= self.scores.keys()  # bounded as the scores are
         self._collab = set(self.collaborators(len(self.scores)))
 
     def written_off(self, p: str) -> bool:
@@ -240,6 +245,8 @@ class Discovery:
                 if per.get(src, 0) >= self.s.hints_per_recommender_round:
                     continue
                 per[src] = per.get(src, 0) + 1
+                if recommended:
+                    self._recommended.add(p)
                 took += 1
                 out.append(p)
                 taken.add(p)
@@ -256,7 +263,7 @@ class Discovery:
         random one among equals): a mate one noisy evaluation missed gets another look."""
         if n <= 0:
             return []
-        pool = [p for p in self.scores if p not in taken and self._doubtful(p) and p != self.me]
+        pool = [p for p in self.scores if p not in taken and p not in self._recommended and self._doubtful(p)]
         self.rng.shuffle(pool)
         pool.sort(key=self.evaluations.__getitem__)
         out = [p for p in pool if self.usable(p)][:n]
