@@ -22,7 +22,9 @@ VARIANTS = {"old (confirm=0)": 0, "new (confirm=3)": 3}
 def one(args: tuple[int, float, str, int]) -> tuple[int, float, str, int, float, float]:
     n, signal, variant, seed = args
     s = DiscoverySettings(confirm=VARIANTS[variant])
-    r = simulate_discovery(n, 10, ROUNDS, mode="discovery", seed=seed, settings=s, mate_signal=signal, checkpoints=(ROUNDS,))
+    r = simulate_discovery(
+        n, 10, ROUNDS, mode="discovery", seed=seed, settings=s, mate_signal=signal, checkpoints=(ROUNDS,)
+    )
     return n, signal, variant, seed, r.mates_found[ROUNDS], r.mates_evaluated[ROUNDS]
 
 
@@ -36,7 +38,9 @@ def main() -> None:
     work = [(n, p, v, s) for n in a.nodes for p in a.signal for v in VARIANTS for s in a.seeds]
     with ProcessPoolExecutor(a.jobs) as pool:
         results = list(pool.map(one, work))
-    print(f"| nodes | mate signal | discovery | mates among top 9 at {ROUNDS} | mates evaluated by {ROUNDS} | per seed (top 9) |")
+    print(
+        f"| nodes | mate signal | discovery | mates among top 9 at {ROUNDS} | mates evaluated by {ROUNDS} | per seed (top 9) |"
+    )
     print("|---|---|---|---|---|---|")
     for n in a.nodes:
         for p in a.signal:
