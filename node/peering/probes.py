@@ -78,9 +78,11 @@ class Probes:
             if e.kind == UNKNOWN_PEER:  # whoever answers there does not know us: handshake to see
                 # (even if that address was forgotten after failed handshakes: it answers now)
                 self.state.pending.add(address, source="self", node_id=node_id, revive=True)
-                # past the threshold tables hold views, not everyone: a neighbour that forgot me
-                # (it dropped me from its views) is alive all the same
-                return self.state.partial()
+                # it answered: alive, whatever this node's mode. A member past the threshold
+                # forgets whoever is not in its views, so a node still on full membership (a late
+                # starter) was refused by most of the network and, its full-membership helpers
+                # refused too (nacks), buried it: 886 false deaths in 100 daemons (issue 32)
+                return True
             return False
         if reply.node_id != node_id:  # someone else lives at that address now
             self.state.pending.add(address, source="self")
