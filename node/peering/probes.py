@@ -140,9 +140,11 @@ class Probes:
         self.state.stats["probes"] += 1
         loop = asyncio.get_running_loop()
         t0, m0 = loop.time(), time.monotonic()
-        budget = self.state.probe_budget_s
-        direct = min(self.ping_timeout(node_id), budget / 2)
+        health = self.state.health
+        budget = health.scale(self.state.probe_budget_s)  # a slow node waits longer (Lifeguard)
+        direct = min(health.scale(self.ping_timeout(node_id)), budget / 2)
         if await self.ping(node_id, rec.address, direct):
+            health.better()
             return True
         left = budget - (loop.time() - t0)
         # past the threshold, the other active neighbours: they hold this node in their tables
@@ -159,9 +161,11 @@ class Probes:
 
             acked, nacks = await first_ack([again()] + [self._ask(h, node_id, left) for h in helpers])
             if acked:
+                health.better()
                 return True
         if self._stalled_since(m0) or (helpers and not nacks):
             self.state.stats["inconclusive"] += 1  # no evidence against it, only against us
+            health.worse()
             return None
         if self.state.peers.records.get(node_id) is rec and self.state.peers.suspect(node_id):
             self.state.stats["suspected"] += 1
