@@ -62,7 +62,9 @@ def test_members_that_forgot_a_late_starter_are_not_buried_by_it():
             m.handshakes.transport = _HandshakesTimeOut(m.handshakes.transport)
         deaths: list[tuple[str, str]] = []
         for m in late:
-            m.peers.listeners.append(lambda nid, old, new, m=m: deaths.append((m.node_id, nid)) if new == DEAD else None)
+            m.peers.listeners.append(
+                lambda nid, old, new, m=m: deaths.append((m.node_id, nid)) if new == DEAD else None
+            )
         tasks = [asyncio.create_task(m.run()) for m in members]
         try:
             # every late starter probes each early member many times over (3 of 4 targets)
