@@ -95,7 +95,7 @@ class CollaborationCheck:
         patience: int = 3,
         z: float = 1.0,
         mse_margin: float = 0.1,
-        rule: Rule = "unpaired",
+        rule: Rule = "auto",
         paired_on: PairedOn = "loss",
         pool: int = 1,
     ):

@@ -238,3 +238,28 @@ def test_auto_decides_on_a_real_learners_paired_errors_and_its_state_resumes():
     again = LocalReference(ReferenceConfig(patience=1, rule="auto"), build_learner(cfg), "dpsgd")
     again.import_state(ref.export_state(), 3)
     assert again.backed_off and again.check.to_json() == ref.check.to_json()
+
+
+def sine_learner():
+    cfg = LearnerConfig(dataset="sine", partition="sine_intervals", model="mlp", optimizer="adam", lr=0.01)
+    return cfg, build_learner(cfg)
+
+
+def test_by_default_a_classifier_decides_on_paired_errors_and_a_regressor_on_the_mse_margin():
+    assert ReferenceConfig().rule == "auto" and CollaborationCheck().rule == "auto"
+    for make, paired_figures in ((digits_learner, True), (sine_learner, False)):
+        cfg, learner = make()
+        ref = LocalReference(ReferenceConfig(patience=1), learner, "dpsgd")
+        for rnd in (1, 2, 3):
+            ref.train(rnd)
+        learner.set_params({k: 0.0 * v for k, v in ref.twin.get_params().items()})  # a constant prediction
+        assert ref.judge(3, {"test_acc": 0.0, "test_loss": 9.0}, None)["helping"] == 0.0
+        reason = ref.view()["reason"]
+        assert ("paired loss difference" in reason) == paired_figures, reason
+        assert reason.startswith("collaboration is not helping this node: val loss")
+        # a checkpoint saved before the rule existed (no "rule", no "paired") resumes under the default
+        tensors, meta = ref.export_state()
+        meta["check"] = {k: v for k, v in meta["check"].items() if k not in ("paired", "rule")}
+        again = LocalReference(ReferenceConfig(patience=1), build_learner(cfg), "dpsgd")
+        again.import_state((tensors, meta), 3)
+        assert again.backed_off and again.check.checks == 1
