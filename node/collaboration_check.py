@@ -195,10 +195,16 @@ class CollaborationCheck:
         if pooled is None:
             what, c, lo = ("val acc", collab.accuracy, local.accuracy) if acc else ("val loss", collab.loss, local.loss)
             return f"{what} {c:.4g} vs local {lo:.4g}"
+        pool = f", mean of {len(self.recent)} checks" if len(self.recent) > 1 else ""
+        if acc and self.paired_on == "accuracy" and pooled.err is not None and pooled.err_se is not None:
+            # decided on the 0/1 errors: their figures, not the loss's
+            return (
+                f"val acc {collab.accuracy:.4g} vs local {local.accuracy:.4g} (paired error difference "
+                f"{pooled.err:+.3g} ± {pooled.err_se:.2g} SE on {pooled.n} samples{pool})"
+            )
         out = f"val loss {collab.loss:.4g} vs local {local.loss:.4g}"
         if acc:
             out += f", val acc {collab.accuracy:.4g} vs local {local.accuracy:.4g}"
-        pool = f", mean of {len(self.recent)} checks" if len(self.recent) > 1 else ""
         return (
             out + f" (paired loss difference {pooled.loss:+.3g} ± {pooled.loss_se:.2g} SE on {pooled.n} samples{pool})"
         )

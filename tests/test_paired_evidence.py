@@ -234,7 +234,7 @@ def test_auto_decides_on_a_real_learners_paired_errors_and_its_state_resumes():
     learner.set_params({k: 0.0 * v for k, v in ref.twin.get_params().items()})  # predicts one class
     ev = ref.judge(3, {"test_acc": 0.0, "test_loss": 9.0}, None)
     assert ref.check.last_paired is not None and ref.check.last_paired.err is not None
-    assert ev["helping"] == 0.0 and "paired loss difference" in ref.view()["reason"]
+    assert ev["helping"] == 0.0 and "paired error difference" in ref.view()["reason"]
     again = LocalReference(ReferenceConfig(patience=1, rule="auto"), build_learner(cfg), "dpsgd")
     again.import_state(ref.export_state(), 3)
     assert again.backed_off and again.check.to_json() == ref.check.to_json()
@@ -255,8 +255,8 @@ def test_by_default_a_classifier_decides_on_paired_errors_and_a_regressor_on_the
         learner.set_params({k: 0.0 * v for k, v in ref.twin.get_params().items()})  # a constant prediction
         assert ref.judge(3, {"test_acc": 0.0, "test_loss": 9.0}, None)["helping"] == 0.0
         reason = ref.view()["reason"]
-        assert ("paired loss difference" in reason) == paired_figures, reason
-        assert reason.startswith("collaboration is not helping this node: val loss")
+        assert ("paired error difference" in reason) == paired_figures, reason
+        assert reason.startswith("collaboration is not helping this node: val " + ("acc" if paired_figures else "loss"))
         # a checkpoint saved before the rule existed (no "rule", no "paired") resumes under the default
         tensors, meta = ref.export_state()
         meta["check"] = {k: v for k, v in meta["check"].items() if k not in ("paired", "rule")}
