@@ -245,11 +245,11 @@ def sine_learner():
     return cfg, build_learner(cfg)
 
 
-def test_by_default_a_classifier_decides_on_paired_errors_and_a_regressor_on_the_mse_margin():
-    assert ReferenceConfig().rule == "auto" and CollaborationCheck().rule == "auto"
+def test_under_auto_a_classifier_decides_on_paired_errors_and_a_regressor_on_the_mse_margin():
+    assert ReferenceConfig().rule == "unpaired" and CollaborationCheck().rule == "unpaired"  # the default stays
     for make, paired_figures in ((digits_learner, True), (sine_learner, False)):
         cfg, learner = make()
-        ref = LocalReference(ReferenceConfig(patience=1), learner, "dpsgd")
+        ref = LocalReference(ReferenceConfig(patience=1, rule="auto"), learner, "dpsgd")
         for rnd in (1, 2, 3):
             ref.train(rnd)
         learner.set_params({k: 0.0 * v for k, v in ref.twin.get_params().items()})  # a constant prediction
@@ -257,9 +257,9 @@ def test_by_default_a_classifier_decides_on_paired_errors_and_a_regressor_on_the
         reason = ref.view()["reason"]
         assert ("paired error difference" in reason) == paired_figures, reason
         assert reason.startswith("collaboration is not helping this node: val " + ("acc" if paired_figures else "loss"))
-        # a checkpoint saved before the rule existed (no "rule", no "paired") resumes under the default
+        # a checkpoint saved before the rule existed (no "rule", no "paired") resumes under auto
         tensors, meta = ref.export_state()
         meta["check"] = {k: v for k, v in meta["check"].items() if k not in ("paired", "rule")}
-        again = LocalReference(ReferenceConfig(patience=1), build_learner(cfg), "dpsgd")
+        again = LocalReference(ReferenceConfig(patience=1, rule="auto"), build_learner(cfg), "dpsgd")
         again.import_state((tensors, meta), 3)
         assert again.backed_off and again.check.checks == 1
