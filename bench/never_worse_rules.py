@@ -36,6 +36,10 @@ RULES: dict[str, dict[str, Any]] = {
     "paired-loss-pool3": {"rule": "paired", "paired_on": "loss", "pool": 3},
     "paired-loss-z2": {"rule": "paired", "paired_on": "loss", "z": 2.0},
 }
+# Rules that pick one of RULES by the node's task (classification, regression): their decisions
+# are those very checks', so they need no shadow of their own and apply to runs already stored.
+BY_TASK: dict[str, dict[str, str]] = {"auto": {"acc": "paired-acc", "mse": "unpaired"}}
+COLUMNS = [*RULES, *BY_TASK]
 
 
 def _shadow_every_check() -> None:
@@ -69,6 +73,7 @@ def _shadow_every_check() -> None:
 
 def rule_gain(n: dict[str, Any], rule: str) -> tuple[float, float, bool] | None:
     """(audit gain, its SE, backed off) of what ``rule`` would report on node ``n``."""
+    rule = BY_TASK[rule][n["metric"]] if rule in BY_TASK else rule
     r = (n.get("rules") or {}).get(rule)
     if r is None or n.get("audit_collab_gain") is None:
         return None
@@ -89,12 +94,14 @@ def table(rows: list[dict[str, Any]], network: str) -> list[str]:
         "",
         "Worst node's audit gain per strategy (min over seeds), then per rule: real misses (gain + 2 SE "
         "below the goal) / wrong back-offs (backed off, collaborative model better by > 2 SE) / mean gain "
-        "over all node runs.",
+        "over all node runs; then the misses and wrong back-offs of each seed (seeds in order).",
         "",
-        "| strategy | collab (no back-off) | " + " | ".join(RULES) + " |",
-        "|---|---|" + "---|" * len(RULES),
+        "| strategy | collab (no back-off) | " + " | ".join(COLUMNS) + " |",
+        "|---|---|" + "---|" * len(COLUMNS),
     ]
-    total = {rule: [0, 0, []] for rule in RULES}  # misses, wrong off, gains
+    # per rule, per seed: [misses, wrong back-offs]; per rule: the gains of all node runs
+    counts = {rule: {seed: [0, 0] for seed in seeds} for rule in COLUMNS}
+    gains: dict[str, list[float]] = {rule: [] for rule in COLUMNS}
     for s in nw.ALL:
         rs = [r for r in runs if r["strategy"] == s]
         if not rs:
@@ -104,17 +111,17 @@ def table(rows: list[dict[str, Any]], network: str) -> list[str]:
             min(n["audit_collab_gain"] for n in r["nodes"].values() if n.get("audit_collab_gain") is not None)
             for r in rs
         ]
-        for rule in RULES:
+        for rule in COLUMNS:
             worst = []
             for r in rs:
                 gs = [g for g in (rule_gain(n, rule) for n in r["nodes"].values()) if g is not None]
                 if not gs:
                     continue
                 worst.append(min(g for g, _, _ in gs))
-                t = total[rule]
-                t[0] += sum(1 for g, se, _ in gs if g + 2 * se < goal)
-                t[2] += [g for g, _, _ in gs]
-                t[1] += sum(
+                c = counts[rule][r["seed"]]
+                c[0] += sum(1 for g, se, _ in gs if g + 2 * se < goal)
+                gains[rule] += [g for g, _, _ in gs]
+                c[1] += sum(
                     1
                     for n in r["nodes"].values()
                     if (rg := rule_gain(n, rule)) is not None
@@ -123,11 +130,17 @@ def table(rows: list[dict[str, Any]], network: str) -> list[str]:
                 )
             cells.append(f"{min(worst):+.1f}" if worst else "—")
         out.append(f"| {s} | {min(cw):+.1f} | " + " | ".join(cells) + " |")
-    out.append(
-        "| **misses / wrong off / mean** | | "
-        + " | ".join(f"**{t[0]} / {t[1]} / {statistics.mean(t[2]):+.2f}**" for t in total.values())
-        + " |"
-    )
+
+    def total(rule: str) -> str:
+        per = counts[rule].values()
+        return f"**{sum(m for m, _ in per)} / {sum(w for _, w in per)} / {statistics.mean(gains[rule]):+.2f}**"
+
+    def spread(rule: str) -> str:
+        per = counts[rule].values()
+        return ",".join(str(m) for m, _ in per) + " / " + ",".join(str(w) for _, w in per)
+
+    out.append("| **misses / wrong off / mean** | | " + " | ".join(total(r) for r in COLUMNS) + " |")
+    out.append("| per seed: misses / wrong off | | " + " | ".join(spread(r) for r in COLUMNS) + " |")
     return out + [""]
 
 

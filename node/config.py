@@ -263,8 +263,9 @@ class ReferenceConfig(BaseModel):
     # paired_on: for classification, test the loss, the 0/1 errors or either; pool: checks whose
     # mean differences are averaged (training noise, not sampling noise). rule "unpaired": accuracy
     # below the local one by z standard errors of a difference of two accuracies; a loss
-    # (regression) above it by mse_margin × it
-    rule: Literal["paired", "unpaired"] = "unpaired"
+    # (regression) above it by mse_margin × it. rule "auto": paired on the 0/1 errors for
+    # classification, unpaired for regression (paired_on is then ignored)
+    rule: Literal["paired", "unpaired", "auto"] = "unpaired"
     paired_on: Literal["loss", "accuracy", "either"] = "loss"
     pool: int = Field(1, ge=1)
     z: float = Field(1.0, ge=0)

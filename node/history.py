@@ -43,10 +43,18 @@ def _values(row: dict[str, Any]) -> Iterable[tuple[str, float | None]]:
             yield name, _numeric(per_peer)
 
 
-def fold(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One summary block over ``rows`` (oldest first, at least one)."""
+def fold(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """One summary block over ``rows`` (oldest first, at least one), in one pass: a rotation
+    streams its rows through here, so it never holds them all (tens of MB of dicts at once)."""
     fields: dict[str, list[float]] = {}
+    first: dict[str, Any] | None = None
+    last: dict[str, Any] = {}
+    count = 0
     for row in rows:
+        if first is None:
+            first = row
+        last = row
+        count += 1
         for name, v in _values(row):
             if v is None:
                 continue
@@ -57,10 +65,12 @@ def fold(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 f[0] += 1
                 f[1] += v
                 f[2], f[3], f[4] = min(f[2], v), max(f[3], v), v
+    if first is None:
+        raise ValueError("a summary block needs at least one round")
     return {
-        "rounds": [rows[0]["round"], rows[-1]["round"]],
-        "count": len(rows),
-        "t": [rows[0].get("t"), rows[-1].get("t")],
+        "rounds": [first["round"], last["round"]],
+        "count": count,
+        "t": [first.get("t"), last.get("t")],
         "fields": fields,
     }
 
@@ -88,14 +98,14 @@ def add_block(blocks: list[dict[str, Any]], block: dict[str, Any]) -> list[dict[
     return out
 
 
-def split_for_rotation(lines: list[bytes], keep_bytes: int) -> int:
-    """How many of the oldest ``lines`` to fold so the rest fit in ``keep_bytes`` (the newest line
-    is always kept)."""
-    i, kept = len(lines), 0
-    while i > 0 and kept + len(lines[i - 1]) <= keep_bytes:
-        kept += len(lines[i - 1])
+def split_for_rotation(lengths: list[int], keep_bytes: int) -> int:
+    """How many of the oldest lines (given their ``lengths`` in bytes, oldest first) to fold so
+    the rest fit in ``keep_bytes`` (the newest line is always kept)."""
+    i, kept = len(lengths), 0
+    while i > 0 and kept + lengths[i - 1] <= keep_bytes:
+        kept += lengths[i - 1]
         i -= 1
-    return min(i, len(lines) - 1)
+    return min(i, len(lengths) - 1)
 
 
 def view(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:

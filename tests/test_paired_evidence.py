@@ -185,3 +185,81 @@ def test_the_reference_decides_on_paired_evidence_and_resumes_an_old_checkpoint(
     again = LocalReference(ReferenceConfig(patience=1, rule="paired"), build_learner(cfg), "dpsgd")
     again.import_state((tensors, meta), 3)
     assert again.backed_off and again.note is None and again.check.checks == 1
+
+
+# --------------------------------------------------------------------------- auto: the rule by task
+def classification_four_errors_in_a_hundred() -> tuple[Score, Score, Paired]:
+    """100 samples: collaboration wrong on 4 that local gets right, the same on the rest (0.76 vs
+    0.80): within two unpaired accuracies' noise (5.9 points), beyond the paired errors' (2 points)."""
+    local_ok = np.r_[np.ones(80), np.zeros(20)]
+    collab_ok = local_ok.copy()
+    collab_ok[:4] = 0
+    evidence = paired(np.ones(100), np.ones(100), collab_ok, local_ok)
+    assert evidence is not None
+    return Score(1.0, 0.76, 100), Score(1.0, 0.80, 100), evidence
+
+
+def decisions(rule: str, paired_on: str, cases: list[tuple[Score, Score, Paired]]) -> list[bool]:
+    check = CollaborationCheck(patience=1, rule=rule, paired_on=paired_on)  # type: ignore[arg-type]
+    return [check.observe(*case) for case in cases]
+
+
+def test_auto_decides_on_the_paired_errors_for_classification_and_the_mse_margin_for_regression():
+    four = classification_four_errors_in_a_hundred()
+    assert CollaborationCheck(patience=1, rule="unpaired").observe(*four)  # the unpaired margin misses it
+    auto = CollaborationCheck(patience=1, rule="auto", paired_on="loss")  # paired_on does not apply to auto
+    assert not auto.observe(*four) and auto.paired_on == "accuracy"
+    clear = classification_clearly_worse()  # every loss worse, one error more: not evidence on the errors
+    assert CollaborationCheck(patience=1, rule="auto").observe(*clear)
+    outlier = regression_outlier()  # 12 % MSE over local: paired says noise, the margin backs off
+    assert CollaborationCheck(patience=1, rule="paired").observe(*outlier)
+    regression = CollaborationCheck(patience=1, rule="auto")
+    assert not regression.observe(*outlier) and regression.reason().startswith(
+        "collaboration is not helping this node: val loss 1.12 vs local 1 over"
+    )
+    # decision for decision what the rules sweep's "auto" column takes from the shadowed checks
+    calm = Paired(loss=-0.01, loss_se=0.05, err=-0.01, err_se=0.01, n=100)
+    cls = [four, four, (four[0], four[1], calm), clear, (four[0], four[1], calm)]
+    assert decisions("auto", "loss", cls) == decisions("paired", "accuracy", cls)
+    reg_calm = (Score(0.9, None, 12), Score(1.0, None, 12), Paired(-0.1, 0.05, None, None, 12))
+    reg = [outlier, reg_calm, outlier, outlier, reg_calm]
+    assert decisions("auto", "loss", reg) == decisions("unpaired", "loss", reg) != decisions("paired", "loss", reg)
+
+
+def test_auto_decides_on_a_real_learners_paired_errors_and_its_state_resumes():
+    cfg, learner = digits_learner()
+    ref = LocalReference(ReferenceConfig(patience=1, rule="auto"), learner, "dpsgd")
+    for rnd in (1, 2, 3):
+        ref.train(rnd)
+    learner.set_params({k: 0.0 * v for k, v in ref.twin.get_params().items()})  # predicts one class
+    ev = ref.judge(3, {"test_acc": 0.0, "test_loss": 9.0}, None)
+    assert ref.check.last_paired is not None and ref.check.last_paired.err is not None
+    assert ev["helping"] == 0.0 and "paired error difference" in ref.view()["reason"]
+    again = LocalReference(ReferenceConfig(patience=1, rule="auto"), build_learner(cfg), "dpsgd")
+    again.import_state(ref.export_state(), 3)
+    assert again.backed_off and again.check.to_json() == ref.check.to_json()
+
+
+def sine_learner():
+    cfg = LearnerConfig(dataset="sine", partition="sine_intervals", model="mlp", optimizer="adam", lr=0.01)
+    return cfg, build_learner(cfg)
+
+
+def test_under_auto_a_classifier_decides_on_paired_errors_and_a_regressor_on_the_mse_margin():
+    assert ReferenceConfig().rule == "unpaired" and CollaborationCheck().rule == "unpaired"  # the default stays
+    for make, paired_figures in ((digits_learner, True), (sine_learner, False)):
+        cfg, learner = make()
+        ref = LocalReference(ReferenceConfig(patience=1, rule="auto"), learner, "dpsgd")
+        for rnd in (1, 2, 3):
+            ref.train(rnd)
+        learner.set_params({k: 0.0 * v for k, v in ref.twin.get_params().items()})  # a constant prediction
+        assert ref.judge(3, {"test_acc": 0.0, "test_loss": 9.0}, None)["helping"] == 0.0
+        reason = ref.view()["reason"]
+        assert ("paired error difference" in reason) == paired_figures, reason
+        assert reason.startswith("collaboration is not helping this node: val " + ("acc" if paired_figures else "loss"))
+        # a checkpoint saved before the rule existed (no "rule", no "paired") resumes under auto
+        tensors, meta = ref.export_state()
+        meta["check"] = {k: v for k, v in meta["check"].items() if k not in ("paired", "rule")}
+        again = LocalReference(ReferenceConfig(patience=1, rule="auto"), build_learner(cfg), "dpsgd")
+        again.import_state((tensors, meta), 3)
+        assert again.backed_off and again.check.checks == 1

@@ -60,6 +60,7 @@ class Dissemination:
                 return  # unreachable past the check above; never overflow in any case
             self.state.incarnation = u.incarnation + 1
         self.state.stats["refuted"] += 1
+        self.state.health.worse()  # suspected: likely this node is the slow one (Lifeguard)
         self.state.broadcasts.add(self.state.me())
 
     def _strike(self, source: str, reason: str, *, dropped: bool = False) -> None:

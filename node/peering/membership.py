@@ -125,15 +125,24 @@ class Membership:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         period, floor = self.state.period, self.state.s.probe_timeout_s
+        lag = self.probes.loop_lag
+        stalled = lag.total_s if lag is not None else 0.0
         due = loop.time()
         try:
             while True:
                 late = loop.time() - due
-                if late > max(period, floor):
+                if lag is not None:
+                    # every second this node's loop ran late since the last period, however short
+                    # each stall (a starved process is late a little all the time): suspicion
+                    # clocks did not run meanwhile, refutations could not be heard
+                    self.state.peers.pause(lag.total_s - stalled)
+                    stalled = lag.total_s
+                elif late > max(period, floor):
                     self.state.peers.pause(late)  # this node stalled: suspicion clocks did not run
+                if late > max(period, floor):
                     due = loop.time()
                 self.tick()
-                due += period
+                due += self.state.health.scale(period)  # a slow node probes less often (Lifeguard)
                 await asyncio.sleep(max(0.0, due - loop.time()))
         finally:
             self.tasks.cancel()

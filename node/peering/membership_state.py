@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import MembershipConfig
+from .local_health import LocalHealth
 from .messages import ALIVE, DEAD, SUSPECT, MemberUpdate, NodeInfo, PeerEntry
 
 if TYPE_CHECKING:
@@ -288,6 +289,7 @@ class MembershipState:
         )
         self.broadcasts = Broadcasts(self.retransmit_limit)
         self.probing: set[str] = set()  # members a probe or a reconnect is under way for
+        self.health = LocalHealth()  # Lifeguard: stretches the period and probe budget when this node is slow
         self.stats = {
             "probes": 0,
             "indirect": 0,

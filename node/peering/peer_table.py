@@ -45,6 +45,7 @@ class PeerRecord:
     reconnect_at: float = 0.0  # dead members: when to try again
     reconnect_backoff_s: float = 0.0
     accusers: set[str] = field(default_factory=set)  # suspect: members whose probes failed
+    paused_s: float = 0.0  # suspect: time its suspicion clock stood still (this node stalled)
     # what its last handshake agreed (peering/versions.py): the protocol spoken, the optional
     # features both have (asked only of members that have them), the release it runs
     protocol: int = 0
@@ -115,6 +116,7 @@ class PeerTable:
         self._in_state[new].add(rec.node_id)
         if new != SUSPECT:
             rec.accusers.clear()
+        rec.paused_s = 0.0
         if new == DEAD:
             rec.reconnect_backoff_s = self.reconnect_min_s
             rec.reconnect_at = now + rec.reconnect_backoff_s
@@ -257,9 +259,16 @@ class PeerTable:
 
     def pause(self, seconds: float) -> None:
         """This node itself stalled for ``seconds`` (a stopped process, a starved loop): it could
-        not hear refutations meanwhile, so suspicion clocks do not run for that time."""
+        not hear refutations meanwhile, so suspicion clocks do not run for that time — up to
+        the suspicion's own timeout in all, so a dead member is still declared dead within
+        twice its timeout of wall time however slow this node is."""
+        if seconds <= 0:
+            return
         for node_id in self._in_state[SUSPECT]:
-            self.records[node_id].state_since += seconds
+            rec = self.records[node_id]
+            step = min(seconds, max(0.0, self.suspicion_timeout(rec) - rec.paused_s))
+            rec.paused_s += step
+            rec.state_since += step
 
     def forget(self, node_id: str) -> None:
         """Drop ``node_id`` from the table (past the size threshold, a node it no longer samples:
@@ -335,7 +344,7 @@ class PeerTable:
 
     def view(self) -> list[dict[str, Any]]:
         now = time.monotonic()
-        hidden = {"last_seen", "state_since", "reconnect_at", "reconnect_backoff_s", "accusers"}
+        hidden = {"last_seen", "state_since", "reconnect_at", "reconnect_backoff_s", "accusers", "paused_s"}
         return [
             {
                 **{k: v for k, v in asdict(r).items() if k not in hidden},

@@ -78,9 +78,11 @@ class Probes:
             if e.kind == UNKNOWN_PEER:  # whoever answers there does not know us: handshake to see
                 # (even if that address was forgotten after failed handshakes: it answers now)
                 self.state.pending.add(address, source="self", node_id=node_id, revive=True)
-                # past the threshold tables hold views, not everyone: a neighbour that forgot me
-                # (it dropped me from its views) is alive all the same
-                return self.state.partial()
+                # it answered: alive, whatever this node's mode. A member past the threshold
+                # forgets whoever is not in its views, so a node still on full membership (a late
+                # starter) was refused by most of the network and, its full-membership helpers
+                # refused too (nacks), buried it: 886 false deaths in 100 daemons (issue 32)
+                return True
             return False
         if reply.node_id != node_id:  # someone else lives at that address now
             self.state.pending.add(address, source="self")
@@ -138,9 +140,11 @@ class Probes:
         self.state.stats["probes"] += 1
         loop = asyncio.get_running_loop()
         t0, m0 = loop.time(), time.monotonic()
-        budget = self.state.probe_budget_s
-        direct = min(self.ping_timeout(node_id), budget / 2)
+        health = self.state.health
+        budget = health.scale(self.state.probe_budget_s)  # a slow node waits longer (Lifeguard)
+        direct = min(health.scale(self.ping_timeout(node_id)), budget / 2)
         if await self.ping(node_id, rec.address, direct):
+            health.better()
             return True
         left = budget - (loop.time() - t0)
         # past the threshold, the other active neighbours: they hold this node in their tables
@@ -157,9 +161,11 @@ class Probes:
 
             acked, nacks = await first_ack([again()] + [self._ask(h, node_id, left) for h in helpers])
             if acked:
+                health.better()
                 return True
         if self._stalled_since(m0) or (helpers and not nacks):
             self.state.stats["inconclusive"] += 1  # no evidence against it, only against us
+            health.worse()
             return None
         if self.state.peers.records.get(node_id) is rec and self.state.peers.suspect(node_id):
             self.state.stats["suspected"] += 1

@@ -33,7 +33,7 @@ from ...proto.v1 import peer_pb2 as pb
 from ...proto.v1 import peer_pb2_grpc as rpc
 from ..offload import OFF_LOOP_BYTES
 from ..peering.api import HANDSHAKE, Unary, UnaryCalls, check_compute_kind
-from ..peering.errors import REFUSED, PeerCallError, short
+from ..peering.errors import REFUSED, UNAVAILABLE, PeerCallError, short
 from ..peering.interfaces import UNSET_MODEL_BYTES, SizeLimits, Traffic
 from ..peering.messages import CROSS_GRADIENT, CROSS_LOSS, PUSH_GRADIENT, ComputeReply, ComputeRequest, NodeInfo
 from ..security.ids import node_id_problem
@@ -214,6 +214,14 @@ class PeerClient(UnaryCalls):
             await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             await self._drop((address, CONTROL, node_id)).close()
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # a TLS handshake still under way when the deadline fired (a loaded peer, or this
+                # node's own stalled loop): no certificate was refused, nothing is known of it yet
+                raise PeerCallError(
+                    UNAVAILABLE,
+                    f"peer at {address} did not answer in time to prove it is node {node_id!r} "
+                    f"({timeout:.1f} s; not a certificate refusal)",
+                ) from None
             raise PeerCallError(
                 REFUSED,
                 f"peer at {address} claims to be node {node_id!r} but could not "
