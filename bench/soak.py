@@ -104,6 +104,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "log_level": "WARNING",
         "heartbeat_interval_s": 0.5,
     }
+    if args.history_max_bytes:  # a small cap rotates every few hundred rounds: rotations inside the soak
+        node_cfg["history"] = {"max_bytes": args.history_max_bytes}
     configs = [{**node_cfg, "learner": mnist1d_mlp(n, i, steps=args.local_steps)} for i in range(n)]
     root = Path(args.dir or tempfile.mkdtemp(prefix="coterie-soak-"))
     samples: list[dict[str, Any]] = []
@@ -139,6 +141,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--round-interval", type=float, default=0.0, help="0: full round rate")
     ap.add_argument("--local-steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--history-max-bytes", type=int, help="history.max_bytes of every node (default: the node's)")
     ap.add_argument("--dir", help="state dirs and logs (default: a temporary directory)")
     ap.add_argument("--memprobe", help="run n0 under bench/memprobe.py (tracemalloc), its report to this file")
     ap.add_argument("--out", help="results directory (default: bench/results/soak/<UTC stamp>)")
