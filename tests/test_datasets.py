@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 
@@ -165,22 +167,56 @@ def test_regression_pool_round_trips_the_cache(tmp_path, monkeypatch):
     assert again.y.dtype == np.float32 and np.array_equal(again.y, fresh.y)
 
 
-def test_a_node_with_a_cached_pool_imports_no_generator(tmp_path):
-    """Generating needs mnist1d (which imports matplotlib and scipy) or scikit-learn; a daemon
-    whose pool is in the machine's cache imports none of them."""
+def test_a_node_imports_no_generator_even_when_it_generates(tmp_path):
+    """Generating needs mnist1d (which imports matplotlib, scipy, PIL, requests: ~74 MB resident)
+    or scikit-learn; a daemon imports none of them, neither when its pool is in the machine's
+    cache nor when it is not (a child process generates and caches it), and gets the same pool
+    as one generated in-process."""
     import subprocess
     import sys
 
-    env = {**__import__("os").environ, "COTERIE_CACHE_DIR": str(tmp_path)}
     code = (
-        "import sys; from coterie.node.learning.datasets import load_pool; "
-        "[load_pool(n, p, 3) for n, p in (('mnist1d', {'num_samples': 200}), ('digits', {}))]; "
-        "print(sorted(m for m in ('mnist1d', 'matplotlib', 'scipy', 'sklearn') if m in sys.modules))"
+        "import sys, hashlib; from coterie.node.learning.datasets import load_pool; "
+        "pools = [load_pool(n, p, 3) for n, p in (('mnist1d', {'num_samples': 200}), ('digits', {}))]; "
+        "print(sorted(m for m in ('mnist1d', 'matplotlib', 'scipy', 'sklearn') if m in sys.modules)); "
+        "print([hashlib.sha256(p.x.tobytes() + p.y.tobytes()).hexdigest() for p in pools])"
     )
-    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert "mnist1d" in first.stdout and "sklearn" in first.stdout  # the first load generates
-    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert second.stdout.strip() == "[]", second.stdout
+
+    def run(cache: str) -> list[str]:
+        env = {**os.environ, "COTERIE_CACHE_DIR": cache}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.splitlines()
+
+    in_process = run("off")  # no cache: generated here, the libraries loaded
+    assert "mnist1d" in in_process[0] and "sklearn" in in_process[0]
+    first, second = run(str(tmp_path)), run(str(tmp_path))
+    assert first[0] == "[]", first  # the first load generated in a child
+    assert second[0] == "[]", second  # the second read the cache
+    assert first[1] == second[1] == in_process[1]  # the same pool, bit for bit
+
+
+def test_a_failed_child_generation_falls_back_in_process(tmp_path, monkeypatch):
+    """An unwritable cache (the child cannot store) or bad params still give the pool or the
+    generator's own error, from this process."""
+    from coterie.node.learning import datasets as ds
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    monkeypatch.setenv("COTERIE_CACHE_DIR", str(ro))
+    try:
+        if os.access(ro, os.W_OK):  # root ignores the mode: no unwritable cache to test with
+            monkeypatch.setenv("COTERIE_CACHE_DIR", str(tmp_path / "file"))
+            (tmp_path / "file").write_text("not a directory")
+        assert not ds._generate_in_child("mnist1d", '{"num_samples": 200}', 4)
+        pool = ds._disk_cached("mnist1d", '{"num_samples": 200}', 4, lambda: ds._mnist1d({"num_samples": 200}, 4))
+        assert len(pool) == 200
+    finally:
+        ro.chmod(0o700)
+    monkeypatch.setenv("COTERIE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="unknown dataset_params"):
+        load_pool("mnist1d", {"num_sampels": 200}, 4)
 
 
 def test_partition_is_computed_once_per_process_and_shared_read_only():

@@ -7,7 +7,10 @@ alone. Generated pools are generated once per machine: kept on disk (``cache_dir
 page cache and each touches only its own rows (``partition.node_data`` copies just the node's
 shard). In-process they are cached too (many nodes of one process share one pool); their arrays
 are read-only so a consumer cannot corrupt the cache. The generators' libraries (mnist1d, which
-brings matplotlib and scipy; scikit-learn for ``digits``) are imported only to generate.
+brings matplotlib, scipy, PIL and requests; scikit-learn for ``digits``) are imported only to
+generate, and where the pool is cached on disk in a child process that writes the cache and
+exits: a daemon that imported them would hold their ~74 MB (mnist1d) for its whole life, though
+it needs them once (issue 34 item 2; bench/results/memory.md).
 
 Datasets and their ``dataset_params``:
 
@@ -35,6 +38,8 @@ import json
 import math
 import os
 import random
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,18 +108,63 @@ def _npy(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def _disk_cached(name: str, params_key: str, seed: int, make) -> Pool:
-    """The pool from the machine's cache, memory-mapped read-only; generated (and cached) once."""
+def _cache_paths(name: str, params_key: str, seed: int) -> tuple[Path, Path] | None:
     directory = cache_dir()
     if directory is None:
-        return make()
+        return None
     digest = hashlib.sha256(f"{name}|{params_key}|{seed}|{_CACHE_FORMAT}".encode()).hexdigest()[:24]
     base = directory / f"pool-{name}-{digest}"
-    committed = base.with_suffix(".json")
+    return base, base.with_suffix(".json")
+
+
+def _disk_cached(name: str, params_key: str, seed: int, make) -> Pool:
+    """The pool from the machine's cache, memory-mapped read-only; generated (and cached) once."""
+    paths = _cache_paths(name, params_key, seed)
+    if paths is None:
+        return make()
+    base, committed = paths
     pool = _read_cached(base, committed)
     if pool is not None:
         return pool
-    pool = make()
+    if name in _GENERATED_APART and _generate_in_child(name, params_key, seed):
+        pool = _read_cached(base, committed)
+        if pool is not None:
+            return pool
+    pool = make()  # no child (or it failed): generate here, the libraries stay loaded
+    if not _store(base, committed, pool):
+        return pool  # a read-only home only costs the regeneration
+    return _read_cached(base, committed) or pool  # the mapped copy: the generated one can go
+
+
+# generators whose libraries cost a daemon tens of MB resident if imported in it
+_GENERATED_APART = frozenset({"mnist1d", "digits"})
+
+
+def _generate_in_child(name: str, params_key: str, seed: int) -> bool:
+    """Generate and cache the pool in a fresh interpreter; True when it did."""
+    code = "import sys; from coterie.node.learning.datasets import _generate_and_store as g; g(*sys.argv[1:])"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, name, params_key, str(seed)],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=600,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+def _generate_and_store(name: str, params_key: str, seed: str) -> None:
+    """The child's side of ``_generate_in_child``: exits non-zero unless the cache was written."""
+    s = int(seed)
+    pool = _GENERATORS[name](json.loads(params_key), s)
+    paths = _cache_paths(name, params_key, s)
+    if paths is None or not _store(*paths, pool):
+        raise SystemExit(1)
+
+
+def _store(base: Path, committed: Path, pool: Pool) -> bool:
     try:
         atomic_write_bytes(f"{base}.x.npy", _npy(pool.x))
         atomic_write_bytes(f"{base}.y.npy", _npy(pool.y))
@@ -131,8 +181,8 @@ def _disk_cached(name: str, params_key: str, seed: int, make) -> Pool:
             ).encode(),
         )
     except OSError:
-        return pool  # a read-only home only costs the regeneration
-    return _read_cached(base, committed) or pool  # the mapped copy: the generated one can go
+        return False
+    return True
 
 
 def _read_cached(base: Path, committed: Path) -> Pool | None:
@@ -157,9 +207,7 @@ def _read_cached(base: Path, committed: Path) -> Pool | None:
 @functools.lru_cache(maxsize=16)
 def _cached_pool(name: str, params_key: str, seed: int) -> Pool:
     params = json.loads(params_key)
-    make = functools.partial(
-        {"mnist1d": _mnist1d, "digits": _digits, "sine": _sine, "gaussian": _gaussian}[name], params, seed
-    )
+    make = functools.partial(_GENERATORS[name], params, seed)
     pool = _disk_cached(name, params_key, seed, make)
     pool.x.setflags(write=False)
     pool.y.setflags(write=False)
@@ -233,6 +281,9 @@ def _gaussian(params: dict, seed: int) -> Pool:
     rng.shuffle(y)
     x = means[y] + float(params.get("cluster_std", 1.0)) * rng.standard_normal((n, dim))
     return Pool(x.astype(np.float32), y.astype(np.int64), c, (dim,), "classification")
+
+
+_GENERATORS = {"mnist1d": _mnist1d, "digits": _digits, "sine": _sine, "gaussian": _gaussian}
 
 
 # ----------------------------------------------------------------------------- CIFAR (binary)
