@@ -1,0 +1,287 @@
+"""Where a lone daemon's memory at rest lives (issue 34 item 2): one fresh ``coterie node start``
+(local strategy, the ~21 MB MLP of bench/memory.py, Adam) runs its rounds; at rest it is read
+from outside (``/proc/PID/smaps`` by kind of mapping, threads by name) and from inside (modules
+loaded, glibc's arenas via ``malloc_info``, torch storages and numpy arrays reachable by gc).
+Three fresh interpreters give the import baselines: bare python, ``import torch``, and every
+module the daemon had loaded, imported in one go.
+
+    python bench/memanatomy.py [--rounds 6] [--seed 0] [--out bench/results/memanatomy.json]
+
+The daemon runs under this file (``--inside``), like bench/memprobe.py: a thread waits for a
+trigger file, then writes its report; the daemon's code runs unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+# --- inside the daemon ------------------------------------------------------------------------
+
+
+def malloc_info() -> dict[str, Any]:
+    """glibc's own account: arenas, bytes it holds from the OS, bytes free inside them."""
+    import ctypes
+    import re
+
+    libc = ctypes.CDLL(None)
+    libc.fopen.restype = ctypes.c_void_p
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    with tempfile.NamedTemporaryFile() as f:
+        fp = libc.fopen(f.name.encode(), b"w")
+        libc.malloc_info(0, fp)
+        libc.fclose(fp)
+        xml = Path(f.name).read_text()
+    tail = xml[xml.rfind("</heap>") :]  # the totals after the last arena
+    total = {k: int(v) for k, v in re.findall(r'<(?:total|system) type="(\w+)" (?:count="\d+" )?size="(\d+)"', tail)}
+    return {"arenas": xml.count("<heap nr="), "totals": total}
+
+
+def reachable_tensors() -> dict[str, Any]:
+    """Unique torch storages and numpy buffers reachable from gc-tracked objects, in MB."""
+    import gc
+
+    import numpy as np
+    import torch
+
+    storages: dict[int, int] = {}
+    arrays: dict[int, int] = {}
+    objs = gc.get_objects()
+    for o in objs:
+        for x in (o, *gc.get_referents(o)):
+            if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+                try:
+                    s = x.untyped_storage()
+                    if s.nbytes():
+                        storages[s.data_ptr()] = s.nbytes()
+                except (RuntimeError, NotImplementedError):
+                    pass
+            elif isinstance(x, np.ndarray):
+                base = x
+                while isinstance(base.base, np.ndarray):
+                    base = base.base
+                if base.base is None:  # owns its buffer (not a view of a torch tensor or bytes)
+                    arrays[base.ctypes.data] = base.nbytes
+    # a tensor made by torch.from_numpy shares the array's buffer: count it once, as torch's
+    spans = sorted((p, p + n) for p, n in storages.items())
+    shared = {a for a in arrays if any(lo <= a < hi for lo, hi in spans)}
+    arrays = {a: n for a, n in arrays.items() if a not in shared}
+    return {
+        "torch_storages": len(storages),
+        "torch_storage_mb_sizes": sorted((round(n / 1e6, 1) for n in storages.values()), reverse=True)[:12],
+        "numpy_shared_with_torch": len(shared),
+        "torch_mb": round(sum(storages.values()) / 1e6, 1),
+        "numpy_arrays": len(arrays),
+        "numpy_mb": round(sum(arrays.values()) / 1e6, 1),
+        "gc_objects": len(objs),
+    }
+
+
+def inside(trigger: Path, out: Path) -> None:
+    while not trigger.exists():
+        time.sleep(0.2)
+    import ctypes
+
+    rss = lambda: rollup(os.getpid())["Rss"]  # noqa: E731
+    before = rss()
+    ctypes.CDLL(None).malloc_trim(0)
+    report = {
+        "rss_trim_mb": [before, rss()],  # what one more malloc_trim would give back at rest
+        "modules": sorted(sys.modules),
+        "malloc": malloc_info(),
+        "reachable": reachable_tensors(),
+        "python_blocks": sys.getallocatedblocks(),
+    }
+    try:
+        import torch
+
+        report["torch_threads"] = [torch.get_num_threads(), torch.get_num_interop_threads()]
+    except ImportError:
+        pass
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report))
+    os.replace(tmp, out)
+
+
+# --- outside ----------------------------------------------------------------------------------
+
+
+def kind(name: str, size_kb: int) -> str:
+    if name == "[heap]":
+        return "heap (main arena)"
+    if name.startswith("[stack"):
+        return "main stack"
+    if name.startswith("["):
+        return "kernel ([vdso] etc.)"
+    if name.startswith("/"):
+        base = os.path.basename(name)
+        if ".so" in base:
+            return "shared libraries" + (" (torch)" if "torch" in name else "")
+        if name.endswith(".pyc") or name.endswith(".py"):
+            return "python files"
+        return "other files"
+    if size_kb in (64 * 1024, 128 * 1024, 132 * 1024):  # glibc's per-thread arenas: 64 MiB heaps
+        return "anon 64 MiB (glibc thread arenas)"
+    if size_kb >= 1024:
+        return "anon >= 1 MiB (large mallocs, thread stacks, torch)"
+    return "anon < 1 MiB (pymalloc arenas, small mmaps)"
+
+
+def smaps_by_kind(pid: int) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+    name, size = "", 0
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        parts = line.split()
+        if "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):
+            name = parts[5] if len(parts) > 5 else ""
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            size = (hi - lo) // 1024
+            # glibc's 64 MiB arena heaps are mapped in two parts (rw + PROT_NONE): judge by address alignment
+            if not name and lo % (64 << 20) == 0:
+                size = 64 * 1024
+            out[kind(name, size)]["mappings"] += 1
+        elif parts[0] in ("Rss:", "Pss:", "Private_Dirty:", "Private_Clean:", "Swap:"):
+            out[kind(name, size)][parts[0][:-1]] += int(parts[1]) / 1024
+    return {k: {m: round(v, 1) for m, v in d.items()} for k, d in out.items()}
+
+
+def threads(pid: int) -> dict[str, int]:
+    names = collections.Counter()
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            names[(t / "comm").read_text().strip()] += 1
+        except OSError:
+            pass
+    return dict(names.most_common())
+
+
+def rollup(pid: int) -> dict[str, float]:
+    vals = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        k, v, *_ = line.split()
+        vals[k[:-1]] = round(int(v) / 1024, 1)
+    return {k: vals[k] for k in ("Rss", "Pss", "Private_Dirty", "Private_Clean", "Anonymous") if k in vals}
+
+
+def baseline(python: str, code: str) -> dict[str, float]:
+    """Rollup of a fresh interpreter that ran ``code`` and then waits to be read."""
+    p = subprocess.Popen(
+        [python, "-c", code + "\nimport sys; print('ready', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+    )
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        return rollup(p.pid)
+    finally:
+        p.stdin.close()
+        p.wait(timeout=30)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--inside", nargs=2, metavar=("TRIGGER", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--hidden", default="2280,2280")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--python", default=sys.executable, help="the interpreter (checkout) to run the daemon under")
+    ap.add_argument(
+        "--fresh-cache",
+        action="store_true",
+        help="an empty dataset cache (XDG_CACHE_HOME): the daemon generates its pool, as on a device's first start",
+    )
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "memanatomy.json")
+    args, rest = ap.parse_known_args()
+    if args.inside:  # we are the daemon: report on the trigger, run coterie's CLI as usual
+        threading.Thread(target=inside, args=(Path(args.inside[0]), Path(args.inside[1])), daemon=True).start()
+        if rest and os.path.basename(rest[0]).startswith("python"):  # netlab's wrap: the interpreter follows
+            rest = rest[1:]
+        if rest[:2] == ["-m", "coterie.cli.main"]:
+            rest = rest[2:]
+        import runpy
+
+        sys.argv = ["coterie", *rest]
+        runpy.run_module("coterie.cli.main", run_name="__main__", alter_sys=True)
+        return 0
+
+    sys.path.insert(0, str(HERE))
+    from netlab import Lab, mnist1d_mlp, wait_for  # noqa: E402
+
+    hidden = [int(h) for h in args.hidden.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="coterie-anatomy-"))
+    if args.fresh_cache:
+        os.environ["XDG_CACHE_HOME"] = str(root / "cache")
+    trigger, report_path = root / "trigger", root / "inside.json"
+    cfg = {
+        "strategy": "local",
+        "rounds": args.rounds,
+        "round_interval_s": 0.0,
+        "min_peers": 0,
+        "seed": args.seed,
+        "log_level": "WARNING",
+        "learner": mnist1d_mlp(4, 0, hidden=hidden, steps=args.steps),  # node 0 of bench/memory.py's 4
+    }
+    wrap = [args.python, __file__, "--inside", str(trigger), str(report_path)]
+    with Lab(root, [cfg], wraps=[wrap], python=args.python) as lab:
+        lab.start(seeds=1)
+        pid = lab.nodes[0].proc.pid
+        wait_for(lambda: (s := lab.statuses()[0]) and s.get("done"), args.timeout, "the node to finish", interval=1.0)
+        time.sleep(2.0)  # the last checkpoint's write and trim
+        outside = {"rollup": rollup(pid), "smaps": smaps_by_kind(pid), "threads": threads(pid)}
+        trigger.touch()
+        wait_for(report_path.exists, 120, "the daemon's own report")
+        inner = json.loads(report_path.read_text())
+        outside["rollup_after_report"] = rollup(pid)
+    mods = [m for m in inner["modules"] if "." not in m]
+    code = "import importlib\nfor m in %r:\n    try: importlib.import_module(m)\n    except Exception: pass" % (
+        inner["modules"],
+    )
+    base = {
+        "python": baseline(args.python, "pass"),
+        "import torch": baseline(args.python, "import torch"),
+        "every module the daemon loaded": baseline(args.python, code),
+    }
+    heavy = [m for m in ("sklearn", "scipy", "pandas", "matplotlib", "PIL", "torchvision", "sympy") if m in mods]
+    result = {
+        "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "node": cfg},
+        "daemon": outside,
+        "inside": {k: v for k, v in inner.items() if k != "modules"},
+        "modules_loaded": len(inner["modules"]),
+        "top_level_packages": mods,
+        "heavy_packages_loaded": heavy,
+        "baselines": base,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    r = outside["rollup"]
+    print(f"daemon at rest: RSS {r['Rss']} MB, PSS {r['Pss']} MB, private dirty {r['Private_Dirty']} MB")
+    for k, v in sorted(outside["smaps"].items(), key=lambda kv: -kv[1].get("Pss", 0)):
+        print(f"  {k:<55} PSS {v.get('Pss', 0):7.1f}  RSS {v.get('Rss', 0):7.1f}  mappings {int(v['mappings'])}")
+    print(f"threads: {outside['threads']}")
+    print(f"inside: {json.dumps(result['inside'])}")
+    print(f"heavy packages loaded: {heavy}; modules {len(inner['modules'])}")
+    for k, v in base.items():
+        print(f"baseline {k:<32} RSS {v['Rss']:7.1f}  PSS {v['Pss']:7.1f}  private dirty {v['Private_Dirty']:7.1f}")
+    print(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
