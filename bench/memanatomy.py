@@ -75,9 +75,14 @@ def reachable_tensors() -> dict[str, Any]:
                     base = base.base
                 if base.base is None:  # owns its buffer (not a view of a torch tensor or bytes)
                     arrays[base.ctypes.data] = base.nbytes
-    # a tensor made by torch.from_numpy shares the array's buffer: count it once, as torch's
-    spans = sorted((p, p + n) for p, n in storages.items())
-    shared = {a for a in arrays if any(lo <= a < hi for lo, hi in spans)}
+    # torch.from_numpy / frombuffer tensors share an array's buffer (either may start inside the
+    # other): such an array is counted once, as torch's
+    spans = [(p, p + n) for p, n in storages.items()]
+
+    def overlaps(a: int, n: int) -> bool:
+        return any(lo < a + n and a < hi for lo, hi in spans)
+
+    shared = {a for a, n in arrays.items() if overlaps(a, n)}
     arrays = {a: n for a, n in arrays.items() if a not in shared}
     return {
         "torch_storages": len(storages),
@@ -250,9 +255,8 @@ def main() -> int:
         inner = json.loads(report_path.read_text())
         outside["rollup_after_report"] = rollup(pid)
     mods = [m for m in inner["modules"] if "." not in m]
-    code = "import importlib\nfor m in %r:\n    try: importlib.import_module(m)\n    except Exception: pass" % (
-        inner["modules"],
-    )
+    loaded = inner["modules"]
+    code = f"import importlib\nfor m in {loaded!r}:\n    try: importlib.import_module(m)\n    except Exception: pass"
     base = {
         "python": baseline(args.python, "pass"),
         "import torch": baseline(args.python, "import torch"),
