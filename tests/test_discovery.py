@@ -276,3 +276,12 @@ def test_bad_ranking_settings_are_refused_with_the_reason():
         Discovery("me", lambda: [], settings=DiscoverySettings(ranking="max"))
     with pytest.raises(ValueError, match="false_hit_rate"):
         Discovery("me", lambda: [], settings=DiscoverySettings(ranking="evidence", hit_rate=0.01))
+
+
+def test_the_ranking_is_a_node_setting_checked_by_name():
+    from coterie.node.config import ConfigError, validate_config
+
+    assert validate_config({"discovery": {"ranking": "evidence"}}).discovery.ranking == "evidence"
+    assert validate_config({}).discovery.ranking == DiscoverySettings().ranking
+    with pytest.raises(ConfigError, match="discovery.ranking"):
+        validate_config({"discovery": {"ranking": "max"}})
