@@ -1,31 +1,64 @@
-"""Issue 32, noisy evaluations: discovery that writes a peer off at its first low score (old:
-``confirm=0``) against re-exploring peers scored low on fewer than ``confirm`` evaluations (new:
-the default), side by side in one run, with a mate weighted in only ``--signal`` of its
-evaluations (0.2 as FedFomo on 100 daemons) and with clean weights (1.0). Medians over seeds.
+"""Issue 32, noisy evaluations: how discovery ranks peers, side by side in one run — "running"
+(a running score with memory 0.5: the old default) against "evidence" (evaluations that stood
+out of the noise against those that did not: ``DiscoverySettings.ranking``) — with a mate
+weighted in only ``--signal`` of its evaluations (0.2 as FedFomo on 100 daemons) and with clean
+weights (1.0). Both re-explore peers scored low on fewer than ``confirm`` (3) evaluations.
+``--late 0.1``: also runs with 10% of the nodes joining at round 10 (40 rounds: the others are
+counted at round 30, the late ones 30 rounds after joining). Medians over seeds; the full config
+and every run's figures go to ``--out`` (JSON) next to the table.
 
-    nice -n 10 python bench/discovery_noisy.py --nodes 100 --seeds 0 1 2 --jobs 2
+    nice -n 5 python bench/discovery_noisy.py --nodes 100 1000 --seeds 0 1 2 --jobs 1 --out bench/results/discovery_ranking.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import platform
 import statistics
+import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
 
 from coterie.node.peering.discovery import DiscoverySettings
 from coterie.node.peering.overlay_sim import simulate_discovery
 
 ROUNDS = 30
-VARIANTS = {"old (confirm=0)": 0, "new (confirm=3)": 3}
+LATE_ROUND = 10
+VARIANTS = {"running (old)": "running", "evidence (new)": "evidence"}
 
 
-def one(args: tuple[int, float, str, int]) -> tuple[int, float, str, int, float, float]:
-    n, signal, variant, seed = args
-    s = DiscoverySettings(confirm=VARIANTS[variant])
+def settings(variant: str) -> DiscoverySettings:
+    return DiscoverySettings(ranking=VARIANTS[variant])
+
+
+def one(args: tuple[int, float, float, str, int]) -> dict:
+    n, signal, late, variant, seed = args
+    t = time.process_time()
+    rounds = ROUNDS + (LATE_ROUND if late else 0)
     r = simulate_discovery(
-        n, 10, ROUNDS, mode="discovery", seed=seed, settings=s, mate_signal=signal, checkpoints=(ROUNDS,)
+        n,
+        10,
+        rounds,
+        mode="discovery",
+        seed=seed,
+        settings=settings(variant),
+        mate_signal=signal,
+        late=late,
+        late_round=LATE_ROUND,
+        checkpoints=(ROUNDS,),
     )
-    return n, signal, variant, seed, r.mates_found[ROUNDS], r.mates_evaluated[ROUNDS]
+    return {
+        "nodes": n,
+        "signal": signal,
+        "late": late,
+        "variant": variant,
+        "seed": seed,
+        "mates_top9": r.mates_found[ROUNDS],
+        "mates_evaluated": r.mates_evaluated[ROUNDS],
+        "late_mates_top9": r.late_mates_found.get(ROUNDS),
+        "cpu_s": round(time.process_time() - t, 1),
+    }
 
 
 def main() -> None:
@@ -33,23 +66,41 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[100])
     ap.add_argument("--signal", type=float, nargs="+", default=[0.2, 1.0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--late", type=float, nargs="+", default=[0.0], help="shares of late joiners (0: none)")
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--out", help="JSON file for the config and every run's figures")
     a = ap.parse_args()
-    work = [(n, p, v, s) for n in a.nodes for p in a.signal for v in VARIANTS for s in a.seeds]
+    work = [(n, p, lt, v, s) for n in a.nodes for lt in a.late for p in a.signal for v in VARIANTS for s in a.seeds]
     with ProcessPoolExecutor(a.jobs) as pool:
         results = list(pool.map(one, work))
-    print(
-        f"| nodes | mate signal | discovery | mates among top 9 at {ROUNDS} | mates evaluated by {ROUNDS} | per seed (top 9) |"
-    )
-    print("|---|---|---|---|---|---|")
+    lines = [
+        f"| nodes | late | mate signal | ranking | mates among top 9 at {ROUNDS} | mates evaluated by {ROUNDS}"
+        f" | late joiners' top 9, {ROUNDS} rounds after joining | per seed (top 9) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for n in a.nodes:
-        for p in a.signal:
-            for v in VARIANTS:
-                rows = [r for r in results if r[:3] == (n, p, v)]
-                top = statistics.median(r[4] for r in rows)
-                ev = statistics.median(r[5] for r in rows)
-                per = ", ".join(f"{r[4]:.2f}" for r in rows)
-                print(f"| {n} | {p:g} | {v} | {top:.2f} | {ev:.2f} | {per} |")
+        for lt in a.late:
+            for p in a.signal:
+                for v in VARIANTS:
+                    rows = [r for r in results if (r["nodes"], r["late"], r["signal"], r["variant"]) == (n, lt, p, v)]
+                    top = statistics.median(r["mates_top9"] for r in rows)
+                    ev = statistics.median(r["mates_evaluated"] for r in rows)
+                    late = f"{statistics.median(r['late_mates_top9'] for r in rows):.2f}" if lt else "-"
+                    per = ", ".join(f"{r['mates_top9']:.2f}" for r in rows)
+                    lines.append(f"| {n} | {lt:.0%} | {p:g} | {v} | {top:.2f} | {ev:.2f} | {late} | {per} |")
+    print("\n".join(lines))
+    if a.out:
+        config = {
+            "args": vars(a),
+            "rounds": ROUNDS,
+            "late_round": LATE_ROUND,
+            "cluster_size": 10,
+            "noise_sd": 0.2,
+            "settings": {v: asdict(settings(v)) for v in VARIANTS},
+            "python": platform.python_version(),
+        }
+        with open(a.out, "w") as f:
+            json.dump({"config": config, "runs": results, "table": lines}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -191,7 +191,11 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
         lambda: overlay.members() if overlay.view.active else peers.alive(),
         usable=lambda p: network._address(p) is not None,
         settings=DiscoverySettings(
-            candidates=d.candidates, explore=d.explore, recommend=d.recommend, per_recommender=d.per_recommender
+            candidates=d.candidates,
+            explore=d.explore,
+            recommend=d.recommend,
+            per_recommender=d.per_recommender,
+            ranking=d.ranking,
         ),
         rng=random.Random(f"discovery-{seed}"),
     )

@@ -172,6 +172,10 @@ class DiscoveryConfig(BaseModel):
     explore: int = Field(3, ge=0)  # of which never-weighted ones, at least
     recommend: int = Field(5, ge=0)  # ids one "whom do you weight?" answer carries
     per_recommender: int = Field(2, ge=1)  # hints from one peer waiting at once
+    # how peers are ranked: "running" (a running score, memory 0.5) or "evidence" (evaluations in
+    # which the strategy's weight stood out of the noise against those it did not; keeps a mate
+    # the strategy weights in a minority of its evaluations: docs/membership.md)
+    ranking: Literal["running", "evidence"] = "running"
 
 
 class SnapshotsConfig(BaseModel):

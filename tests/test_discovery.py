@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from coterie.node.peering.discovery import Discovery, DiscoverySettings
 from coterie.node.peering.overlay_sim import simulate_discovery
 
@@ -41,10 +43,11 @@ def _clique_share(d: Discovery, clique: list[str], rounds: int) -> float:
     return seen / total
 
 
-def test_an_insiders_recommendations_take_at_most_one_exploring_slot_a_round():
+@pytest.mark.parametrize("ranking", ["running", "evidence"])
+def test_an_insiders_recommendations_take_at_most_one_exploring_slot_a_round(ranking):
     honest = [f"node-{i:03d}" for i in range(200)]
     clique = [f"sybil-{k:02d}" for k in range(60)]
-    share = _clique_share(_victim(DiscoverySettings(), honest), clique, rounds=15)
+    share = _clique_share(_victim(DiscoverySettings(ranking=ranking), honest), clique, rounds=15)
     assert share <= 1 / 5  # one of the five candidates a round at most; the rest is the view
     naive = DiscoverySettings(per_recommender=1000, hints_per_recommender_round=1000, max_hints=1000)
     assert _clique_share(_victim(naive, honest), clique, rounds=15) >= 0.5  # unbounded: the clique crowds out the view
@@ -180,13 +183,14 @@ def test_a_peer_scored_zero_on_confirm_evaluations_is_not_explored_while_unscore
     assert d.on_recommendations("friend", ["stranger"]) == []  # nor as a hint
 
 
-def test_an_insider_cannot_use_re_exploring_to_be_offered_beyond_the_bounds():
+@pytest.mark.parametrize("ranking", ["running", "evidence"])
+def test_an_insider_cannot_use_re_exploring_to_be_offered_beyond_the_bounds(ranking):
     """The insider answers every round with the same clique members, each of which the victim
     evaluated (scored 0) once: they are accepted again, but at most one of its hints a round and
     each clique member evaluated at most ``confirm`` times in all (then written off for good)."""
     honest = [f"node-{i:03d}" for i in range(200)]
     clique = [f"sybil-{k:02d}" for k in range(4)]
-    d = _victim(DiscoverySettings(), honest)
+    d = _victim(DiscoverySettings(ranking=ranking), honest)
     d.observe({}, clique)
     times = dict.fromkeys(clique, 0)
     for _ in range(40):
@@ -200,3 +204,84 @@ def test_an_insider_cannot_use_re_exploring_to_be_offered_beyond_the_bounds():
         d.on_recommendations("insider", clique)
     assert all(n <= d.s.confirm - 1 for n in times.values()), times  # + the first evaluation = confirm
     assert all(d.written_off(p) for p in clique) and len(d.evaluations) == len(d.scores)
+
+
+# --- ranking on evidence (``ranking="evidence"``): a mate weighted in a minority of its
+# evaluations stays found; a stranger's lucky weight does not outrank it ---
+def _with_noise(ranking: str, seed: int = 12) -> tuple[Discovery, random.Random]:
+    """A node that has evaluated strangers for 15 rounds (weights N(0, 0.2) clipped at 0, as in
+    ``simulate_discovery``): enough blind draws to know the noise."""
+    view = [f"stranger-{i:03d}" for i in range(500)]
+    d = Discovery("me", lambda: view, settings=DiscoverySettings(ranking=ranking), rng=random.Random(seed))
+    rng = random.Random(seed)
+    for _ in range(15):
+        _noise_round(d, rng)
+    return d, rng
+
+
+def _noise_round(d: Discovery, rng: random.Random, extra: dict[str, float] | None = None) -> None:
+    cands = d.begin_round()
+    weights = {p: max(0.0, rng.gauss(0, 0.2)) for p in cands if p.startswith("stranger")}
+    weights.update(extra or {})
+    d.observe(weights, [*cands, *(extra or {})])
+
+
+def test_evidence_keeps_a_mate_weighted_once_in_six_that_the_running_score_drops():
+    for ranking in ("running", "evidence"):
+        d, rng = _with_noise(ranking)
+        _noise_round(d, rng, {"mate": 1.0})  # weighted clearly once ...
+        for _ in range(5):
+            _noise_round(d, rng, {"mate": 0.0})  # ... then not, as FedFomo misses a mate 4 times in 5
+        if ranking == "running":  # the running score decayed to 1/32: noise outranks it
+            assert "mate" not in d.best(9), d.scores["mate"]
+        else:
+            assert d.noise_floor() < 1.0 and d.hits["mate"] == 1 and d.evidence("mate") > 0
+            ranked = d.best(len(d.scores))
+            assert "mate" in d.best(9)
+            # above every peer that never stood out (a stranger's lucky weight may, as the mate's)
+            assert all(ranked.index("mate") < ranked.index(p) for p in ranked if d.hits[p] == 0)
+
+
+def test_evidence_ranks_a_confirmed_mate_above_strangers_with_lucky_noise_and_asks_it():
+    d, rng = _with_noise("evidence")
+    # a stranger evaluated often whose noise once reached far (a pure max would rank it high),
+    # and one evaluated once at a lucky weight
+    for k in range(20):
+        _noise_round(d, rng, {"stranger-often": 0.9 if k == 3 else 0.0})
+    _noise_round(d, rng, {"stranger-lucky": 0.9})
+    # a mate weighted clearly in 2 of 8 evaluations, the last ones not
+    for w in (1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0):
+        _noise_round(d, rng, {"mate": w})
+    assert d.hits["stranger-often"] == 1 and d.evidence("stranger-often") < 0  # outweighed by its misses
+    assert d.best(2) == ["mate", "stranger-lucky"]  # the lucky one: stood out once, unconfirmed
+    assert d.scores["mate"] < d.scores["stranger-lucky"]  # though its running score faded below
+    # confirmed (stood out twice): asked "whom do you weight?" and recommended; the lucky stranger is not
+    assert d.collaborators(10) == ["mate"] and d.whom_to_ask() == ["mate"]
+    assert d.recommend("someone") == ["mate"]
+    # unconfirmed: re-explored since (the re-explore slot takes those that stood out once
+    # first), and not confirmed
+    assert d.evaluations["stranger-lucky"] > 1 and d.hits["stranger-lucky"] == 1
+
+
+def test_evidence_is_no_help_to_a_peer_never_weighted():
+    d, rng = _with_noise("evidence")
+    for _ in range(d.s.confirm):
+        _noise_round(d, rng, {"never": 0.0})
+    assert d.hits["never"] == 0 and d.evidence("never") < 0 and d.written_off("never")
+    assert "never" not in d.best(9)
+
+
+def test_bad_ranking_settings_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="ranking 'max'"):
+        Discovery("me", lambda: [], settings=DiscoverySettings(ranking="max"))
+    with pytest.raises(ValueError, match="false_hit_rate"):
+        Discovery("me", lambda: [], settings=DiscoverySettings(ranking="evidence", hit_rate=0.01))
+
+
+def test_the_ranking_is_a_node_setting_checked_by_name():
+    from coterie.node.config import ConfigError, validate_config
+
+    assert validate_config({"discovery": {"ranking": "evidence"}}).discovery.ranking == "evidence"
+    assert validate_config({}).discovery.ranking == DiscoverySettings().ranking
+    with pytest.raises(ConfigError, match="discovery.ranking"):
+        validate_config({"discovery": {"ranking": "max"}})
