@@ -28,11 +28,12 @@ minority of their evaluations (``DiscoverySettings.ranking``; figures in bench/r
 
 from __future__ import annotations
 
-import math
 import random
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+from .standouts import StandOuts
 
 
 @dataclass(frozen=True)
@@ -102,24 +103,11 @@ class Discovery:
         self.rng = rng or random.Random()
         if self.s.ranking not in RANKINGS:
             raise ValueError(f"discovery ranking {self.s.ranking!r}: expected one of {', '.join(RANKINGS)}")
-        if not 0 < self.s.false_hit_rate < self.s.hit_rate < 1:
-            raise ValueError(
-                f"discovery hit_rate {self.s.hit_rate} and false_hit_rate {self.s.false_hit_rate}:"
-                " expected 0 < false_hit_rate < hit_rate < 1"
-            )
         self.scores: dict[str, float] = {}
         self.evaluations: dict[str, int] = {}  # per scored peer (same keys: O(max_scored))
-        self.hits: dict[str, int] = {}  # evaluations that stood out of the noise (same keys)
-        # evidence a stand-out evaluation adds, and a plain one takes away (log likelihood ratios)
-        self._hit_llr = math.log(self.s.hit_rate / self.s.false_hit_rate)
-        self._miss_llr = math.log((1 - self.s.hit_rate) / (1 - self.s.false_hit_rate))
-        # evaluated before enough weights were seen to tell noise: judged once they are
-        self._unjudged: dict[str, deque[float]] = {}  # their weights, the last few
-        self._first_weights: list[float] = []
+        self.standouts = StandOuts.of(self.s)  # evidence ranking's counts and noise bar
+        self.hits = self.standouts.hits  # evaluations that stood out of the noise (same keys)
         self._blind: set[str] = set()  # this round's candidates drawn blindly from the view
-        self._noise_n = 0  # blind draws' first weights seen, their mean and variance (running)
-        self._noise_mean = 0.0
-        self._noise_var = 0.0
         self._collab: set[str] = set()  # collaborators as of the last round or observation
         # explored because someone recommended them: re-explored only if recommended again
         # (bounded per recommender), never by the blind re-explore slot an insider could fill
@@ -163,67 +151,26 @@ class Discovery:
             old = self.scores.get(p)
             self.scores[p] = w if old is None else self.s.memory * old + (1 - self.s.memory) * w
             self.evaluations[p] = self.evaluations.get(p, 0) + 1
-            self.hits.setdefault(p, 0)
-        self._judge(seen)
+        # a blind draw's first weight: a cluster mate about as often as chance, so noise
+        fresh = [w for p, w in seen.items() if p in self._blind and self.evaluations[p] == 1]
+        self._blind.clear()
+        self.standouts.judge(seen, fresh)
         if len(self.scores) > self.s.max_scored:
             for p in sorted(self.scores, key=self._rank_key)[: len(self.scores) - self.s.max_scored]:
-                for table in (self.scores, self.evaluations, self.hits):
+                for table in (self.scores, self.evaluations):
                     del table[p]
+                self.standouts.forget(p)
                 self._recommended.discard(p)
-                self._unjudged.pop(p, None)
         self._recommended &= self.scores.keys()  # bounded as the scores are
         self._collab = set(self.collaborators(len(self.scores)))
 
-    def _judge(self, seen: dict[str, float]) -> None:
-        """Count the evaluations that stand out of the noise (evidence ranking): a weight more
-        than ``standout`` standard deviations above the mean of the noise — estimated from the
-        first evaluations of peers drawn blindly from the view (running, over the last
-        ~``noise_window``: O(1)). A blind draw is a cluster mate about as often as chance, so
-        found mates hardly raise the bar; estimating it from all weights, kept mates' raised it
-        above a mate's weight, and leaving out the weights that stood out cut the noise's own
-        tail, which lowered the bar, which cut more of it (measured: a bar of 0.2 for noise of
-        sd 0.2). Until ``noise_after`` such weights are in, the weights wait (the last few a
-        peer), then are judged."""
-        fresh = [w for p, w in seen.items() if p in self._blind and self.evaluations[p] == 1]
-        self._blind.clear()
-        if self._noise_n < self.s.noise_after:
-            for p, w in seen.items():
-                self._unjudged.setdefault(p, deque(maxlen=8)).append(w)
-            self._first_weights += fresh
-            if len(self._first_weights) < self.s.noise_after:
-                return
-            values = self._first_weights
-            self._noise_mean = sum(values) / len(values)
-            self._noise_var = sum((v - self._noise_mean) ** 2 for v in values) / len(values)
-            self._noise_n = len(values)
-            self._first_weights = []
-            floor = self.noise_floor()
-            for p, ws in self._unjudged.items():
-                self.hits[p] += sum(w > floor for w in ws)
-            self._unjudged.clear()
-            return
-        floor = self.noise_floor()
-        for p, w in seen.items():
-            self.hits[p] += w > floor
-        for w in fresh:
-            self._noise_n += 1
-            a = 1 / min(self._noise_n, self.s.noise_window)
-            d = w - self._noise_mean
-            self._noise_mean += a * d
-            self._noise_var = (1 - a) * (self._noise_var + a * d * d)
-
     def noise_floor(self) -> float:
         """The weight an evaluation must beat to stand out (evidence ranking); inf until known."""
-        if self._noise_n < self.s.noise_after:
-            return math.inf
-        return self._noise_mean + self.s.standout * self._noise_var**0.5
+        return self.standouts.noise_floor()
 
     def evidence(self, p: str) -> float:
-        """Log likelihood ratio that ``p`` is a collaborator (stands out in ``hit_rate`` of its
-        evaluations) rather than noise (``false_hit_rate``): > 0 once it stood out and was not
-        outweighed by misses since (at the defaults one stand-out outweighs ~11 plain ones)."""
-        h = self.hits.get(p, 0)
-        return h * self._hit_llr + (self.evaluations.get(p, 0) - h) * self._miss_llr
+        """Log likelihood ratio that ``p`` is a collaborator rather than noise (``StandOuts``)."""
+        return self.standouts.evidence(self.hits.get(p, 0), self.evaluations.get(p, 0))
 
     def _rank_key(self, p: str) -> tuple[float, float, float]:
         """Higher is better. Evidence ranking: peers with positive evidence first (by it), then
@@ -265,7 +212,7 @@ class Discovery:
         top = self.best(k)
         if not top:
             return []
-        if self.s.ranking == "evidence" and self._noise_n >= self.s.noise_after:
+        if self.s.ranking == "evidence" and self.standouts.noise_known():
             # asked and recommended: stood out twice (a stranger's lucky weight stands out once
             # in ~50 evaluations; asked on one, strangers' answers filled the hints), or once and
             # its running score still stands out; stood out once and since faded: ranked, and
