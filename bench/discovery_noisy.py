@@ -2,7 +2,8 @@
 (a running score with memory 0.5: the old default) against "evidence" (evaluations that stood
 out of the noise against those that did not: ``DiscoverySettings.ranking``) — with a mate
 weighted in only ``--signal`` of its evaluations (0.2 as FedFomo on 100 daemons) and with clean
-weights (1.0). Both re-explore peers scored low on fewer than ``confirm`` (3) evaluations.
+weights (1.0). Both re-explore peers scored low on fewer than ``confirm`` (3) evaluations;
+``--confirm 3 0`` adds each ranking without re-exploring (``confirm=0, reexplore=0``).
 ``--late 0.1``: also runs with 10% of the nodes joining at round 10 (40 rounds: the others are
 counted at round 30, the late ones 30 rounds after joining). Medians over seeds; the full config
 and every run's figures go to ``--out`` (JSON) next to the table.
@@ -28,8 +29,18 @@ LATE_ROUND = 10
 VARIANTS = {"running (old)": "running", "evidence (new)": "evidence"}
 
 
+def variant_name(ranking: str, confirm: int) -> str:
+    """The table's name: as before for the default ``confirm`` (3), else with its ``confirm``."""
+    name = next(v for v, r in VARIANTS.items() if r == ranking)
+    return name if confirm == DiscoverySettings().confirm else f"{name}, confirm={confirm}"
+
+
 def settings(variant: str) -> DiscoverySettings:
-    return DiscoverySettings(ranking=VARIANTS[variant])
+    name, _, confirm = variant.partition(", confirm=")
+    if not confirm:
+        return DiscoverySettings(ranking=VARIANTS[name])
+    c = int(confirm)
+    return DiscoverySettings(ranking=VARIANTS[name], confirm=c, reexplore=min(c, DiscoverySettings().reexplore))
 
 
 def one(args: tuple[int, float, float, str, int]) -> dict:
@@ -67,10 +78,12 @@ def main() -> None:
     ap.add_argument("--signal", type=float, nargs="+", default=[0.2, 1.0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--late", type=float, nargs="+", default=[0.0], help="shares of late joiners (0: none)")
+    ap.add_argument("--confirm", type=int, nargs="+", default=[DiscoverySettings().confirm])
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", help="JSON file for the config and every run's figures")
     a = ap.parse_args()
-    work = [(n, p, lt, v, s) for n in a.nodes for lt in a.late for p in a.signal for v in VARIANTS for s in a.seeds]
+    variants = [variant_name(r, c) for c in a.confirm for r in VARIANTS.values()]
+    work = [(n, p, lt, v, s) for n in a.nodes for lt in a.late for p in a.signal for v in variants for s in a.seeds]
     with ProcessPoolExecutor(a.jobs) as pool:
         results = list(pool.map(one, work))
     lines = [
@@ -81,7 +94,7 @@ def main() -> None:
     for n in a.nodes:
         for lt in a.late:
             for p in a.signal:
-                for v in VARIANTS:
+                for v in variants:
                     rows = [r for r in results if (r["nodes"], r["late"], r["signal"], r["variant"]) == (n, lt, p, v)]
                     top = statistics.median(r["mates_top9"] for r in rows)
                     ev = statistics.median(r["mates_evaluated"] for r in rows)
@@ -96,7 +109,7 @@ def main() -> None:
             "late_round": LATE_ROUND,
             "cluster_size": 10,
             "noise_sd": 0.2,
-            "settings": {v: asdict(settings(v)) for v in VARIANTS},
+            "settings": {v: asdict(settings(v)) for v in variants},
             "python": platform.python_version(),
         }
         with open(a.out, "w") as f:
