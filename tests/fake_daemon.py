@@ -30,7 +30,10 @@ nid = cfg["node_id"]
 n = cfg["learner"]["num_nodes"]
 ids = [f"n{i}" for i in range(n)]
 gc = subprocess.Popen(["sleep", "300"])
-(state / "grandchild.pid").write_text(str(gc.pid))
+# atomically: the launcher may kill this process mid-write (another node crashed), and a test
+# reading an empty pid file failed (seen in CI)
+(state / "grandchild.pid.tmp").write_text(str(gc.pid))
+os.replace(state / "grandchild.pid.tmp", state / "grandchild.pid")
 
 if mode == "crash_n1" and nid == "n1":
     print("boom: fake node failed on purpose", file=sys.stderr, flush=True)
