@@ -50,6 +50,89 @@ def malloc_info() -> dict[str, Any]:
     return {"arenas": xml.count("<heap nr="), "totals": total}
 
 
+def holder_path(container: Any, owners: dict[int, str], objs: list[Any], depth: int = 4) -> str:
+    """``Class.attr[key]...``: up to ``depth`` referrers from a container to an object's __dict__."""
+    import gc
+
+    if id(container) in owners:
+        return owners[id(container)]
+    if depth == 0:
+        return type(container).__qualname__
+    for r in gc.get_referrers(container):
+        if r is objs or type(r).__name__ == "frame":
+            continue
+        if isinstance(r, dict):
+            key = next((k for k, v in r.items() if v is container), None)
+            if key is not None:
+                return f"{holder_path(r, owners, objs, depth - 1)}.{key}"
+        elif isinstance(r, (list, tuple)):
+            return f"{holder_path(r, owners, objs, depth - 1)}[]"
+        elif id(r) in owners or hasattr(type(r), "__slots__"):
+            return f"{type(r).__qualname__}(slots)" if id(r) not in owners else owners[id(r)]
+    return type(container).__qualname__
+
+
+def storage_paths(max_depth: int = 9) -> dict[str, list[str]]:
+    """The first attribute path from the live ``coterie.node.daemon.Node`` to each storage over
+    1 MB: a breadth-first walk over attributes, dict items, list/tuple/set members and closures."""
+    import gc
+
+    import torch
+
+    roots = [o for o in gc.get_objects() if type(o).__name__ == "Node" and type(o).__module__ == "coterie.node.daemon"]
+    seen: set[int] = set()
+    found: dict[int, tuple[int, str]] = {}
+    frontier: list[tuple[Any, str]] = [(r, "Node") for r in roots]
+    for _ in range(max_depth):
+        nxt: list[tuple[Any, str]] = []
+        for obj, path in frontier:
+            if id(obj) in seen or isinstance(obj, (str, bytes, int, float, type, type(gc))):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                try:
+                    st = obj.untyped_storage()
+                    if st.nbytes() > 1e6 and st.data_ptr() not in found:
+                        found[st.data_ptr()] = (st.nbytes(), path)
+                except (RuntimeError, NotImplementedError):
+                    pass
+                continue
+            if isinstance(obj, dict):
+                nxt += [(v, f"{path}[{k!r:.40}]") for k, v in list(obj.items())]
+            elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+                nxt += [(v, f"{path}[{i}]") for i, v in enumerate(list(obj))]
+            else:
+                try:
+                    d = object.__getattribute__(obj, "__dict__")
+                    if isinstance(d, dict):
+                        nxt += [(v, f"{path}.{k}") for k, v in list(d.items())]
+                except Exception:  # noqa: BLE001
+                    pass
+                for slot in (
+                    getattr(type(obj), "__slots__", ())
+                    if isinstance(getattr(type(obj), "__slots__", ()), tuple)
+                    else ()
+                ):
+                    try:
+                        nxt.append((object.__getattribute__(obj, slot), f"{path}.{slot}"))
+                    except Exception:  # noqa: BLE001
+                        pass
+                if isinstance(obj, torch.nn.Module):
+                    nxt += [(v, f"{path}.{k}") for k, v in obj.state_dict(keep_vars=True).items()]
+                cells = getattr(obj, "__closure__", None)
+                if cells:
+                    for c in cells:
+                        try:
+                            nxt.append((c.cell_contents, f"{path}<closure>"))
+                        except ValueError:  # an empty cell
+                            pass
+        frontier = nxt
+    paths: dict[str, list[str]] = collections.defaultdict(list)
+    for n, path in found.values():
+        paths[path].append(f"{n / 1e6:.1f} MB")
+    return dict(paths)
+
+
 def reachable_tensors() -> dict[str, Any]:
     """Unique torch storages and numpy buffers reachable from gc-tracked objects, in MB."""
     import gc
@@ -58,8 +141,17 @@ def reachable_tensors() -> dict[str, Any]:
     import torch
 
     storages: dict[int, int] = {}
+    holders: dict[int, set[str]] = collections.defaultdict(set)  # storage -> who holds a tensor of it
     arrays: dict[int, int] = {}
     objs = gc.get_objects()
+    owners: dict[int, str] = {}
+    for o in objs:
+        try:
+            d = object.__getattribute__(o, "__dict__")
+        except Exception:  # noqa: BLE001 - no __dict__, or a proxy that refuses
+            continue
+        if isinstance(d, dict):
+            owners[id(d)] = type(o).__qualname__
     for o in objs:
         for x in (o, *gc.get_referents(o)):
             if isinstance(x, torch.Tensor) and x.device.type == "cpu":
@@ -67,6 +159,8 @@ def reachable_tensors() -> dict[str, Any]:
                     s = x.untyped_storage()
                     if s.nbytes():
                         storages[s.data_ptr()] = s.nbytes()
+                        if x is not o and s.nbytes() > 1e6:  # name the container by the path that holds it
+                            holders[s.data_ptr()].add(holder_path(o, owners, objs))
                 except (RuntimeError, NotImplementedError):
                     pass
             elif isinstance(x, np.ndarray):
@@ -87,6 +181,9 @@ def reachable_tensors() -> dict[str, Any]:
     return {
         "torch_storages": len(storages),
         "torch_storage_mb_sizes": sorted((round(n / 1e6, 1) for n in storages.values()), reverse=True)[:12],
+        "large_storages": sorted(
+            ([round(n / 1e6, 1), sorted(holders.get(p, ()))] for p, n in storages.items() if n > 1e6), reverse=True
+        ),
         "numpy_shared_with_torch": len(shared),
         "torch_mb": round(sum(storages.values()) / 1e6, 1),
         "numpy_arrays": len(arrays),
@@ -108,6 +205,7 @@ def inside(trigger: Path, out: Path) -> None:
         "modules": sorted(sys.modules),
         "malloc": malloc_info(),
         "reachable": reachable_tensors(),
+        "storage_paths": storage_paths(),
         "python_blocks": sys.getallocatedblocks(),
     }
     try:
@@ -205,6 +303,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--hidden", default="2280,2280")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--strategy", default="local", help="node 0's strategy (and its peers')")
+    ap.add_argument("--nodes", type=int, default=1, help="a network of this many; node 0 is the one dissected")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--python", default=sys.executable, help="the interpreter (checkout) to run the daemon under")
     ap.add_argument(
@@ -234,20 +334,27 @@ def main() -> int:
     if args.fresh_cache:
         os.environ["XDG_CACHE_HOME"] = str(root / "cache")
     trigger, report_path = root / "trigger", root / "inside.json"
-    cfg = {
-        "strategy": "local",
-        "rounds": args.rounds,
-        "round_interval_s": 0.0,
-        "min_peers": 0,
-        "seed": args.seed,
-        "log_level": "WARNING",
-        "learner": mnist1d_mlp(4, 0, hidden=hidden, steps=args.steps),  # node 0 of bench/memory.py's 4
-    }
+    cfgs = [
+        {
+            "strategy": args.strategy,
+            "rounds": args.rounds,
+            "round_interval_s": 0.0,
+            "min_peers": args.nodes - 1,
+            "seed": args.seed,
+            "log_level": "WARNING",
+            # node i of bench/memory.py's 4 (or of a network of --nodes, when larger)
+            "learner": mnist1d_mlp(max(4, args.nodes), i, hidden=hidden, steps=args.steps),
+        }
+        for i in range(args.nodes)
+    ]
+    cfg = cfgs[0]
     wrap = [args.python, __file__, "--inside", str(trigger), str(report_path)]
-    with Lab(root, [cfg], wraps=[wrap], python=args.python) as lab:
+    with Lab(root, cfgs, wraps=[wrap] + [[]] * (args.nodes - 1), python=args.python) as lab:
         lab.start(seeds=1)
         pid = lab.nodes[0].proc.pid
-        wait_for(lambda: (s := lab.statuses()[0]) and s.get("done"), args.timeout, "the node to finish", interval=1.0)
+        wait_for(
+            lambda: all(s and s.get("done") for s in lab.statuses()), args.timeout, "the nodes to finish", interval=1.0
+        )
         time.sleep(2.0)  # the last checkpoint's write and trim
         outside = {"rollup": rollup(pid), "smaps": smaps_by_kind(pid), "threads": threads(pid)}
         trigger.touch()
@@ -281,6 +388,8 @@ def main() -> int:
     print(f"threads: {outside['threads']}")
     print(f"inside: {json.dumps(result['inside'])}")
     print(f"heavy packages loaded: {heavy}; modules {len(inner['modules'])}")
+    for path, sizes in sorted(inner.get("storage_paths", {}).items()):
+        print(f"  held: {path}: {', '.join(sizes)}")
     for k, v in base.items():
         print(f"baseline {k:<32} RSS {v['Rss']:7.1f}  PSS {v['Pss']:7.1f}  private dirty {v['Private_Dirty']:7.1f}")
     print(f"results: {args.out}")
