@@ -126,8 +126,16 @@ class SnapshotStreams:
         request = self._snapshot_request(requester, min_round=min_round, wait_ms=int(wait_s * 1000))
         request.have_version = have_version
         held = self.held.get(peer or address)
+        base = None
         if self.codecs.delta and held is not None and held.version == have_version:
             request.have_sha256 = held.digest  # a delta against it is welcome
+            base = held  # kept until the answer is decoded, whatever arrives meanwhile
+        with self.held.keeping(peer or address, base):
+            return await self._pull_answer(address, peer, request, timeout, t0)
+
+    async def _pull_answer(
+        self, address: str, peer: str | None, request, timeout: float | None, t0: float
+    ) -> tuple[SnapshotHeader, Groups | None]:
         deadline = time.monotonic() + (timeout or self.timeout_s)
         h = None
         session = self._session(address, peer)
@@ -329,7 +337,8 @@ class SnapshotStreams:
         long-lived stream instead of a call a round. Checked like a pull; ends by raising
         ``PeerCallError`` / ``WireError`` (or when the caller stops iterating: the call is
         cancelled). The channel counts as busy meanwhile, so idle eviction spares it."""
-        call = None
+        call, key = None, peer or address
+        base: tuple[int, str] | None = None  # the (version, digest) the watch's next delta may be against
         try:
             with _in_flight(self.channels, address):
                 await self.channels.link()
@@ -337,18 +346,28 @@ class SnapshotStreams:
                     "/coterie.v1.Peer/WatchSnapshots",
                     request_serializer=pb.SnapshotRequest.SerializeToString,
                     response_deserializer=None,
-                )(self._watch_request(requester, min_round, peer or address))
+                )(request := self._watch_request(requester, min_round, key))
                 it = call.__aiter__()
+                if request.have_sha256:  # the watch's next delta is against the last it brought
+                    self.held.pin(key, *(base := (request.have_version, request.have_sha256)))
                 while True:
                     try:
                         h, groups, _ = await self._read_snapshot(address, it, whole_stream=False, peer=peer)
                     except StopAsyncIteration:  # the server ended it between two snapshots
                         return
+                    if self.codecs.delta:
+                        last = (h.version, h.payload_sha256 or h.sha256)  # as ``_read_snapshot`` held it
+                        self.held.pin(key, *last)
+                        if base is not None:
+                            self.held.unpin(key, *base)
+                        base = last
                     if groups is None:
                         raise WireError(f"snapshot watch on {address}: an empty snapshot (only a header)")
                     self.channels.touch(address)
                     await self.channels.link()  # the emulated link delays every snapshot, as it does a pull
                     yield serde.snapshot_header_from_pb(h), groups
         finally:
+            if base is not None:
+                self.held.unpin(key, *base)
             if call is not None:
                 call.cancel()
