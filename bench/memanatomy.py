@@ -79,10 +79,18 @@ def storage_paths(max_depth: int = 9) -> dict[str, list[str]]:
 
     import torch
 
-    roots = [o for o in gc.get_objects() if type(o).__name__ == "Node" and type(o).__module__ == "coterie.node.daemon"]
+    # the Node, then what it does not reach by attributes (the gRPC server's servicer is held by
+    # grpc's C core): the served versions
+    roots = [
+        o
+        for o in gc.get_objects()
+        if (type(o).__name__, type(o).__module__)
+        in (("Node", "coterie.node.daemon"), ("ServedVersions", "coterie.node.transport.served_versions"))
+    ]
+    roots.sort(key=lambda o: type(o).__name__ != "Node")
     seen: set[int] = set()
     found: dict[int, tuple[int, str]] = {}
-    frontier: list[tuple[Any, str]] = [(r, "Node") for r in roots]
+    frontier: list[tuple[Any, str]] = [(r, type(r).__name__) for r in roots]
     for _ in range(max_depth):
         nxt: list[tuple[Any, str]] = []
         for obj, path in frontier:
