@@ -167,15 +167,15 @@ def report(path: Path) -> None:
     and, of the nodes whose collaborative model is > 20 % worse on the audit set, how many the
     back-off caught (predicting with the twin at the end)."""
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault((r["network"], r["cell"]), []).append(r)
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in rows:  # one invocation's cells side by side: the tag tells invocations apart
+        groups.setdefault((r["network"], r["cell"], r.get("tag", "")), []).append(r)
     print(
-        "| network | cell | runs | collab worst | collab mean | reported worst | reported mean "
+        "| network | cell | tag | runs | collab worst | collab mean | reported worst | reported mean "
         "| peers learnt (median) | collab < -20 %: backed off |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for (net, cell), rs in groups.items():
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (net, cell, tag), rs in groups.items():
         nodes = [n for r in rs for n in r["nodes"].values()]
         learnt = []
         for k in ("W_same", "W_other", "ip_same", "ip_other", "alpha_self", "alpha_same", "alpha_other", "kept_other"):
@@ -185,10 +185,21 @@ def report(path: Path) -> None:
         bad = [n for n in nodes if (n.get("audit_collab_gain") or 0) < -20]
         caught = sum(1 for n in bad if n.get("helping") is False)
         print(
-            f"| {net} | `{cell}` | {len(rs)} | {_cell([r['collab_worst'] for r in rs])} "
+            f"| {net} | `{cell}` | {tag} | {len(rs)} | {_cell([r['collab_worst'] for r in rs])} "
             f"| {_cell([r['collab_mean'] for r in rs])} | {_cell([r['reported_worst'] for r in rs])} "
             f"| {_cell([r['reported_mean'] for r in rs])} | {', '.join(learnt) or '–'} | {caught} of {len(bad)} |"
         )
+    print("\nNot caught (collaborative model > 20 % worse on the audit set, still collaborating at the end):")
+    for (net, cell, _), rs in groups.items():
+        for r in rs:
+            for nid, n in sorted(r["nodes"].items()):
+                if (n.get("audit_collab_gain") or 0) < -20 and n.get("helping") is not False and n.get("val_twin"):
+                    rel = 100 * (n["val_collab"] - n["val_twin"]) / n["val_twin"]
+                    print(
+                        f"- {net} `{cell}` seed {r['seed']} rep {r['repeat']} {nid}: audit "
+                        f"{n['audit_collab_gain']:+.1f} ± {n['audit_collab_se']:.1f}; last validation check "
+                        f"{rel:+.1f} % MSE vs the twin (n = {n['val_n']})"
+                    )
 
 
 def main() -> None:
