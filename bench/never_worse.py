@@ -132,11 +132,14 @@ NETWORKS: dict[str, tuple[Any, str]] = {
 PERM = ("s1", "digits-perm", "gaussian-perm")  # label-permutation networks: the oracle's gain share
 
 
-def scenario(network: str, strategy: str, seed: int) -> Any:
+def scenario(network: str, strategy: str, seed: int, reference: dict[str, Any] | None = None) -> Any:
+    """The network's scenario for one strategy and seed; ``reference``: node.reference settings
+    beside ``enabled`` (diagnostics: never_worse_sine_diag.py)."""
     from coterie.lab.scenario import parse_scenario
 
     data = NETWORKS[network][0]()
-    data["node"] = {**data.get("node", {}), "reference": {"enabled": True}}  # the default, said explicitly
+    ref = {"enabled": True, **(reference or {})}  # enabled: the default, said explicitly
+    data["node"] = {**data.get("node", {}), "reference": ref}
     return parse_scenario(data, strategies=[strategy], seed=seed, rounds=ROUNDS)
 
 
