@@ -95,6 +95,112 @@ def reachable_tensors() -> dict[str, Any]:
     }
 
 
+# the objects a node's model-sized buffers may belong to: each is a barrier of the walk below, so
+# a buffer is counted once, under the nearest owner (the learner a reference holds is its own owner)
+OWNERS = (
+    "Learner",
+    "Optimizer",
+    "LocalReference",
+    "HeldVersions",
+    "ServedVersions",
+    "SnapshotCache",
+    "PublishBoard",
+    "Strategy",
+    "Checkpointer",
+    "RoundGuard",
+)
+BIG = 1 << 20  # buffers under 1 MiB are not model-sized (the 21 MB MLP's smallest layer is 0.36 MB)
+
+
+def owned_buffers() -> dict[str, Any]:
+    """Model-sized torch storages and bytes objects (>= 1 MiB) by the node object that holds them:
+    a walk over gc referents from every instance of ``OWNERS`` (by class or base class name) that
+    stops at other owners, modules, classes and functions. What no owner reaches is "unowned"
+    (e.g. a buffer only a running frame or a gRPC message holds)."""
+    import gc
+    import types
+
+    import torch
+
+    def owner_name(o: Any) -> str | None:
+        if isinstance(o, type):
+            return None
+        names = [c.__name__ for c in type(o).__mro__]
+        return next((n for n in OWNERS if n in names), None)
+
+    objs = gc.get_objects()
+    owners = [(o, owner_name(o)) for o in objs]
+    owners = [(o, n) for o, n in owners if n is not None]
+    owner_ids = {id(o) for o, _ in owners}
+    stop = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.CodeType, types.FrameType)
+
+    import numpy as np
+
+    def buf_of(x: Any) -> tuple[int, int, str] | None:
+        """(address, bytes, kind) of a big buffer: a tensor's storage, or a bytes-like object's."""
+        if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+            try:
+                s = x.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                return None
+            return (s.data_ptr(), s.nbytes(), "tensor") if s.nbytes() >= BIG else None
+        if isinstance(x, (bytes, bytearray, memoryview)) and memoryview(x).nbytes >= BIG:
+            return np.frombuffer(x, dtype=np.uint8).ctypes.data, memoryview(x).nbytes, "bytes"
+        return None
+
+    spans: list[tuple[int, int]] = []  # claimed buffers: a tensor viewing a claimed bytes is not counted twice
+
+    def claim(b: tuple[int, int, str]) -> bool:
+        if any(lo <= b[0] < hi for lo, hi in spans):
+            return False
+        spans.append((b[0], b[0] + b[1]))
+        return True
+
+    def path(parents: dict[int, Any], x: Any, root: Any) -> str:
+        """Type names from the owner down to the buffer (what holds it)."""
+        names = []
+        while x is not None and x is not root and len(names) < 12:
+            names.append(type(x).__name__)
+            x = parents.get(id(x))
+        return " <- ".join(names)
+
+    by_owner: dict[str, dict[str, Any]] = collections.defaultdict(lambda: collections.defaultdict(float))
+    for o, name in owners:
+        label = f"{name} ({type(o).__name__})" if type(o).__name__ != name else name
+        parents: dict[int, Any] = {}
+        seen, todo = {id(o)}, [(r, o) for r in gc.get_referents(o)]
+        while todo:
+            x, parent = todo.pop()
+            if id(x) in seen or id(x) in owner_ids or isinstance(x, stop):
+                continue
+            seen.add(id(x))
+            parents[id(x)] = parent
+            b = buf_of(x)
+            if b is not None:
+                if claim(b):
+                    by_owner[label][b[2] + "_mb"] += b[1] / 1e6
+                    by_owner[label][b[2] + "s"] += 1
+                    by_owner[label].setdefault("paths", [])  # type: ignore[arg-type]
+                    by_owner[label]["paths"].append(f"{b[1] / 1e6:.1f} MB {path(parents, x, o)}")
+                continue
+            todo.extend((r, x) for r in gc.get_referents(x))
+        by_owner[label]["instances"] += 0  # listed even when it holds nothing big
+    counted = collections.Counter(name for _, name in owners)
+    unowned: dict[str, float] = collections.defaultdict(float)
+    for o in objs:
+        for x in (o, *gc.get_referents(o)):
+            b = buf_of(x)
+            if b is not None and claim(b):
+                unowned[b[2] + "_mb"] += b[1] / 1e6
+                unowned[b[2] + "s"] += 1
+    out = {
+        k: {m: (v if m == "paths" else round(v, 1)) for m, v in d.items() if m != "instances"}
+        for k, d in by_owner.items()
+    }
+    out["unowned"] = {m: round(v, 1) for m, v in unowned.items()}
+    return {"by_owner": out, "owner_instances": dict(counted)}
+
+
 def inside(trigger: Path, out: Path) -> None:
     while not trigger.exists():
         time.sleep(0.2)
@@ -103,7 +209,9 @@ def inside(trigger: Path, out: Path) -> None:
     rss = lambda: rollup(os.getpid())["Rss"]  # noqa: E731
     before = rss()
     ctypes.CDLL(None).malloc_trim(0)
+    owned = owned_buffers()  # before the other reports' own allocations
     report = {
+        "owned": owned,
         "rss_trim_mb": [before, rss()],  # what one more malloc_trim would give back at rest
         "modules": sorted(sys.modules),
         "malloc": malloc_info(),
@@ -202,6 +310,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--inside", nargs=2, metavar=("TRIGGER", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--strategy", default="local")
+    ap.add_argument("--nodes", type=int, default=1, help="a network of N daemons (min_peers N-1), each read")
+    ap.add_argument("--sample-s", type=float, default=0.5)
+    ap.add_argument("--no-baselines", action="store_true", help="skip the three import-baseline interpreters")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--hidden", default="2280,2280")
     ap.add_argument("--seed", type=int, default=0)
@@ -227,46 +339,72 @@ def main() -> int:
         return 0
 
     sys.path.insert(0, str(HERE))
+    from memory import Sampler  # noqa: E402
     from netlab import Lab, mnist1d_mlp, wait_for  # noqa: E402
 
     hidden = [int(h) for h in args.hidden.split(",")]
     root = Path(tempfile.mkdtemp(prefix="coterie-anatomy-"))
     if args.fresh_cache:
         os.environ["XDG_CACHE_HOME"] = str(root / "cache")
-    trigger, report_path = root / "trigger", root / "inside.json"
-    cfg = {
-        "strategy": "local",
-        "rounds": args.rounds,
-        "round_interval_s": 0.0,
-        "min_peers": 0,
-        "seed": args.seed,
-        "log_level": "WARNING",
-        "learner": mnist1d_mlp(4, 0, hidden=hidden, steps=args.steps),  # node 0 of bench/memory.py's 4
-    }
-    wrap = [args.python, __file__, "--inside", str(trigger), str(report_path)]
-    with Lab(root, [cfg], wraps=[wrap], python=args.python) as lab:
+    n = args.nodes
+    trigger = root / "trigger"
+    reports = [root / f"inside-{i}.json" for i in range(n)]
+    cfgs = [
+        {
+            "strategy": args.strategy,
+            "rounds": args.rounds,
+            "round_interval_s": 0.0,
+            "min_peers": n - 1,
+            "seed": args.seed,
+            "log_level": "WARNING",
+            # node 0 of bench/memory.py's 4 when alone; its network of n otherwise
+            "learner": mnist1d_mlp(max(n, 4) if n == 1 else n, i, hidden=hidden, steps=args.steps),
+        }
+        for i in range(n)
+    ]
+    wraps = [[args.python, __file__, "--inside", str(trigger), str(r)] for r in reports]
+    with Lab(root, cfgs, wraps=wraps, python=args.python, fork=False) as lab:
         lab.start(seeds=1)
-        pid = lab.nodes[0].proc.pid
-        wait_for(lambda: (s := lab.statuses()[0]) and s.get("done"), args.timeout, "the node to finish", interval=1.0)
+        pids = [d.proc.pid for d in lab.nodes]
+        sampler = Sampler(pids, args.sample_s)  # each node's peak PSS while it runs its rounds
+        sampler.start()
+        wait_for(
+            lambda: all(s and s.get("done") for s in lab.statuses()),
+            args.timeout,
+            f"{n} node(s) to finish",
+            interval=1.0,
+        )
         time.sleep(2.0)  # the last checkpoint's write and trim
-        outside = {"rollup": rollup(pid), "smaps": smaps_by_kind(pid), "threads": threads(pid)}
+        sampler.halt.set()
+        sampler.join()
+        outside = [{"rollup": rollup(p), "smaps": smaps_by_kind(p), "threads": threads(p)} for p in pids]
+        for i, o in enumerate(outside):
+            o["peak_pss_mb"] = round(max(s[i][0] for s in sampler.samples), 1)
         trigger.touch()
-        wait_for(report_path.exists, 120, "the daemon's own report")
-        inner = json.loads(report_path.read_text())
-        outside["rollup_after_report"] = rollup(pid)
+        wait_for(lambda: all(r.exists() for r in reports), 300, "the daemons' own reports")
+        inners = [json.loads(r.read_text()) for r in reports]
+        for p, o in zip(pids, outside, strict=True):
+            o["rollup_after_report"] = rollup(p)
+    inner = inners[0]
     mods = [m for m in inner["modules"] if "." not in m]
     loaded = inner["modules"]
     code = f"import importlib\nfor m in {loaded!r}:\n    try: importlib.import_module(m)\n    except Exception: pass"
-    base = {
-        "python": baseline(args.python, "pass"),
-        "import torch": baseline(args.python, "import torch"),
-        "every module the daemon loaded": baseline(args.python, code),
-    }
+    base = (
+        {}
+        if args.no_baselines
+        else {
+            "python": baseline(args.python, "pass"),
+            "import torch": baseline(args.python, "import torch"),
+            "every module the daemon loaded": baseline(args.python, code),
+        }
+    )
     heavy = [m for m in ("sklearn", "scipy", "pandas", "matplotlib", "PIL", "torchvision", "sympy") if m in mods]
     result = {
-        "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "node": cfg},
-        "daemon": outside,
+        "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "nodes": cfgs},
+        "daemon": outside[0],
         "inside": {k: v for k, v in inner.items() if k != "modules"},
+        "daemons": outside,
+        "insides": [{k: v for k, v in x.items() if k != "modules"} for x in inners],
         "modules_loaded": len(inner["modules"]),
         "top_level_packages": mods,
         "heavy_packages_loaded": heavy,
@@ -274,11 +412,17 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    r = outside["rollup"]
-    print(f"daemon at rest: RSS {r['Rss']} MB, PSS {r['Pss']} MB, private dirty {r['Private_Dirty']} MB")
-    for k, v in sorted(outside["smaps"].items(), key=lambda kv: -kv[1].get("Pss", 0)):
+    for i, (o, x) in enumerate(zip(outside, inners, strict=True)):
+        r = o["rollup"]
+        print(f"n{i} at rest: RSS {r['Rss']} PSS {r['Pss']} MB (peak PSS {o['peak_pss_mb']}); trim {x['rss_trim_mb']}")
+        for k, v in sorted(x["owned"]["by_owner"].items()):
+            if v:
+                print(f"    {k:<40} {json.dumps(v)}")
+    r = outside[0]["rollup"]
+    print(f"n0 at rest: RSS {r['Rss']} MB, PSS {r['Pss']} MB, private dirty {r['Private_Dirty']} MB")
+    for k, v in sorted(outside[0]["smaps"].items(), key=lambda kv: -kv[1].get("Pss", 0)):
         print(f"  {k:<55} PSS {v.get('Pss', 0):7.1f}  RSS {v.get('Rss', 0):7.1f}  mappings {int(v['mappings'])}")
-    print(f"threads: {outside['threads']}")
+    print(f"threads: {outside[0]['threads']}")
     print(f"inside: {json.dumps(result['inside'])}")
     print(f"heavy packages loaded: {heavy}; modules {len(inner['modules'])}")
     for k, v in base.items():
