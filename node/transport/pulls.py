@@ -6,6 +6,7 @@ stream with its size and hash checks, decoded as zero-copy views of one buffer."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -128,6 +129,13 @@ class SnapshotStreams:
         held = self.held.get(peer or address)
         if self.codecs.delta and held is not None and held.version == have_version:
             request.have_sha256 = held.digest  # a delta against it is welcome
+            with self.held.pinned(peer or address, have_version):  # kept until the delta is added to it
+                return await self._snapshot_call(address, peer, request, timeout, t0)
+        return await self._snapshot_call(address, peer, request, timeout, t0)
+
+    async def _snapshot_call(
+        self, address: str, peer: str | None, request, timeout: float | None, t0: float
+    ) -> tuple[SnapshotHeader, Groups | None]:
         deadline = time.monotonic() + (timeout or self.timeout_s)
         h = None
         session = self._session(address, peer)
@@ -337,18 +345,25 @@ class SnapshotStreams:
                     "/coterie.v1.Peer/WatchSnapshots",
                     request_serializer=pb.SnapshotRequest.SerializeToString,
                     response_deserializer=None,
-                )(self._watch_request(requester, min_round, peer or address))
+                )(request := self._watch_request(requester, min_round, peer or address))
                 it = call.__aiter__()
-                while True:
-                    try:
-                        h, groups, _ = await self._read_snapshot(address, it, whole_stream=False, peer=peer)
-                    except StopAsyncIteration:  # the server ended it between two snapshots
-                        return
-                    if groups is None:
-                        raise WireError(f"snapshot watch on {address}: an empty snapshot (only a header)")
-                    self.channels.touch(address)
-                    await self.channels.link()  # the emulated link delays every snapshot, as it does a pull
-                    yield serde.snapshot_header_from_pb(h), groups
+                # what the next push may be a delta against stays held while the stream lives:
+                # the version named, then the one pushed last
+                pin = contextlib.ExitStack()
+                pin.enter_context(self.held.pinned(peer or address, request.have_version))
+                with pin:
+                    while True:
+                        try:
+                            h, groups, _ = await self._read_snapshot(address, it, whole_stream=False, peer=peer)
+                        except StopAsyncIteration:  # the server ended it between two snapshots
+                            return
+                        pin.close()  # (the ExitStack is empty again, and reused)
+                        pin.enter_context(self.held.pinned(peer or address, h.version))
+                        if groups is None:
+                            raise WireError(f"snapshot watch on {address}: an empty snapshot (only a header)")
+                        self.channels.touch(address)
+                        await self.channels.link()  # the emulated link delays every snapshot, as it does a pull
+                        yield serde.snapshot_header_from_pb(h), groups
         finally:
             if call is not None:
                 call.cancel()

@@ -17,8 +17,11 @@ is added to."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import functools
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +95,11 @@ class ServedVersions:
         if task is None:  # encoded once, in a task of its own: a requester that gives up stops nothing
             task = self._payloads[key] = asyncio.ensure_future(self._encode(snap, codec, base_key, base))
             task.add_done_callback(functools.partial(self._failed, key))
+            # a superseded version's payloads are not asked for again (requests are answered with
+            # the current snapshot; one that raced a publish re-encodes): a 21 MB model's q8
+            # payloads of past versions held 7 x 5.4 MB per node at rest (bench/results/memory.md)
+            for old in [k for k in self._payloads if k[0] < snap.version]:
+                del self._payloads[old]  # (a requester awaiting it keeps its task)
             while len(self._payloads) > 4 * self.policy.history:
                 self._payloads.popitem(last=False)
         else:
@@ -141,14 +149,18 @@ class Held:
 
 
 class HeldVersions:
-    """The last snapshots decoded from each peer (the bases of its next deltas). Two, not one: a
-    pull and a subscription to the same peer run side by side, so a pull's delta can be against
-    the version held when it was asked for while the subscription has already brought the next."""
+    """The snapshots decoded from each peer that a delta may still be added to: the newest (what
+    the next request names as its base), and any older one a read in flight named — a pull and a
+    subscription, or two pulls, to the same peer can run side by side, so one read's delta may be
+    against the version held when it asked while the other has already brought the next.
 
-    KEEP = 2
+    Older versions are kept only while pinned (``pinned``): holding a spare decoded copy per peer
+    at all times cost a 4-node D-PSGD network on a 21 MB model 3 x 21 MB per node at rest
+    (bench/results/memory.md, "D-PSGD's extra")."""
 
     def __init__(self) -> None:
         self._by_peer: dict[str, list[Held]] = {}
+        self._pins: collections.Counter[tuple[str, int]] = collections.Counter()
 
     def get(self, peer: str) -> Held | None:
         """The newest version held of ``peer`` (what a request says it has)."""
@@ -162,7 +174,27 @@ class HeldVersions:
     def put(self, peer: str, held: Held) -> None:
         kept = {h.version: h for h in self._by_peer.get(peer, ())}
         kept[held.version] = held
-        self._by_peer[peer] = [kept[v] for v in sorted(kept)][-self.KEEP :]  # the newest, oldest first
+        newest = max(kept)
+        self._by_peer[peer] = [kept[v] for v in sorted(kept) if v == newest or self._pins[(peer, v)] > 0]
+
+    @contextlib.contextmanager
+    def pinned(self, peer: str, version: int) -> Iterator[None]:
+        """Keep ``peer``'s ``version`` (if held) while a read that named it as its base runs."""
+        key = (peer, version)
+        self._pins[key] += 1
+        try:
+            yield
+        finally:
+            self._pins[key] -= 1
+            if self._pins[key] <= 0:
+                del self._pins[key]
+                held = self._by_peer.get(peer)
+                if held and len(held) > 1:  # no reader needs it now: only the newest stays
+                    self._by_peer[peer] = [h for h in held if h is held[-1] or self._pins[(peer, h.version)] > 0]
+
+    def copies(self, peer: str) -> int:
+        """Decoded versions held of ``peer`` (for tests and the memory bench)."""
+        return len(self._by_peer.get(peer, ()))
 
     def drop(self, peer: str) -> None:
         self._by_peer.pop(peer, None)
