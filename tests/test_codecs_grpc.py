@@ -19,6 +19,7 @@ import torch
 
 from coterie.node.peering.messages import CROSS_LOSS, ComputeReply, ComputeRequest, LocalSnapshot, NodeInfo
 from coterie.node.transport import served_versions
+from coterie.node.transport import server as server_module
 from coterie.node.transport.chunks import sha256
 from coterie.node.transport.client import PeerClient
 from coterie.node.transport.served_versions import CodecPolicy, Payload, ServedVersions
@@ -477,25 +478,28 @@ def test_one_decoded_copy_per_peer_and_an_older_one_only_while_a_pull_needs_it()
     asyncio.run(go())
 
 
-def test_a_server_keeps_no_payloads_of_superseded_versions():
+def test_a_server_keeps_no_payloads_of_superseded_versions(monkeypatch):
+    made: list[ServedVersions] = []
+
+    class Recorded(ServedVersions):  # the server's own, to look into
+        def __init__(self, policy):
+            super().__init__(policy)
+            made.append(self)
+
+    monkeypatch.setattr(server_module, "ServedVersions", Recorded)
+
     async def go():
         board = Board()
-        async with _pair(board) as (client, addr, server):
+        async with _pair(board) as (client, addr, _):
             h, _ = await client.get_snapshot(addr, "me", peer="p")
             for v in range(2, 8):
                 board.publish(v)
                 h, _ = await client.get_snapshot(addr, "me", have_version=h.version, peer="p")
-            versions = {key[0] for key in _served()._payloads}
+            (served,) = made
+            versions = {key[0] for key in served._payloads}
             assert versions == {7}, versions  # (the old code kept up to 4 x history: v2..v7)
 
     asyncio.run(go())
-
-
-def _served():
-    """The ServedVersions of a server ``serve`` started (found by type: the servicer is internal)."""
-    found = [o for o in gc.get_objects() if isinstance(o, ServedVersions)]
-    assert len(found) == 1
-    return found[0]
 
 
 def test_an_idle_pull_session_holds_no_snapshot():
