@@ -6,6 +6,13 @@ Three fresh interpreters give the import baselines: bare python, ``import torch`
 module the daemon had loaded, imported in one go.
 
     python bench/memanatomy.py [--rounds 6] [--seed 0] [--out bench/results/memanatomy.json]
+    python bench/memanatomy.py --strategy dpsgd --nodes 4 --no-baselines --out OUT.json
+
+With ``--nodes N`` a network of N daemons (bench/memory.py's) runs, and every one is read. Each
+report also attributes the model-sized buffers (torch storages, bytes of 1 MiB or more) to the
+node object holding them (``owned_buffers``: learner, held peer versions, served versions,
+published snapshot, cache, strategy, guard, checkpointer), with the chain of types from owner
+to buffer: where D-PSGD's extra lives (bench/results/memory.md).
 
 The daemon runs under this file (``--inside``), like bench/memprobe.py: a thread waits for a
 trigger file, then writes its report; the daemon's code runs unchanged.
