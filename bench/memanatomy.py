@@ -6,6 +6,13 @@ Three fresh interpreters give the import baselines: bare python, ``import torch`
 module the daemon had loaded, imported in one go.
 
     python bench/memanatomy.py [--rounds 6] [--seed 0] [--out bench/results/memanatomy.json]
+    python bench/memanatomy.py --strategy dpsgd --nodes 4 --no-baselines --out OUT.json
+
+With ``--nodes N`` a network of N daemons (bench/memory.py's) runs, and every one is read. Each
+report also attributes the model-sized buffers (torch storages, bytes of 1 MiB or more) to the
+node object holding them (``owned_buffers``: learner, held peer versions, served versions,
+published snapshot, cache, strategy, guard, checkpointer), with the chain of types from owner
+to buffer: where D-PSGD's extra lives (bench/results/memory.md).
 
 The daemon runs under this file (``--inside``), like bench/memprobe.py: a thread waits for a
 trigger file, then writes its report; the daemon's code runs unchanged.
@@ -50,97 +57,6 @@ def malloc_info() -> dict[str, Any]:
     return {"arenas": xml.count("<heap nr="), "totals": total}
 
 
-def holder_path(container: Any, owners: dict[int, str], objs: list[Any], depth: int = 4) -> str:
-    """``Class.attr[key]...``: up to ``depth`` referrers from a container to an object's __dict__."""
-    import gc
-
-    if id(container) in owners:
-        return owners[id(container)]
-    if depth == 0:
-        return type(container).__qualname__
-    for r in gc.get_referrers(container):
-        if r is objs or type(r).__name__ == "frame":
-            continue
-        if isinstance(r, dict):
-            key = next((k for k, v in r.items() if v is container), None)
-            if key is not None:
-                return f"{holder_path(r, owners, objs, depth - 1)}.{key}"
-        elif isinstance(r, (list, tuple)):
-            return f"{holder_path(r, owners, objs, depth - 1)}[]"
-        elif id(r) in owners or hasattr(type(r), "__slots__"):
-            return f"{type(r).__qualname__}(slots)" if id(r) not in owners else owners[id(r)]
-    return type(container).__qualname__
-
-
-def storage_paths(max_depth: int = 9) -> dict[str, list[str]]:
-    """The first attribute path from the live ``coterie.node.daemon.Node`` to each storage over
-    1 MB: a breadth-first walk over attributes, dict items, list/tuple/set members and closures."""
-    import gc
-
-    import torch
-
-    # the Node, then what it does not reach by attributes (the gRPC server's servicer is held by
-    # grpc's C core): the served versions
-    roots = [
-        o
-        for o in gc.get_objects()
-        if (type(o).__name__, type(o).__module__)
-        in (("Node", "coterie.node.daemon"), ("ServedVersions", "coterie.node.transport.served_versions"))
-    ]
-    roots.sort(key=lambda o: type(o).__name__ != "Node")
-    seen: set[int] = set()
-    found: dict[int, tuple[int, str]] = {}
-    frontier: list[tuple[Any, str]] = [(r, type(r).__name__) for r in roots]
-    for _ in range(max_depth):
-        nxt: list[tuple[Any, str]] = []
-        for obj, path in frontier:
-            if id(obj) in seen or isinstance(obj, (str, bytes, int, float, type, type(gc))):
-                continue
-            seen.add(id(obj))
-            if isinstance(obj, torch.Tensor):
-                try:
-                    st = obj.untyped_storage()
-                    if st.nbytes() > 1e6 and st.data_ptr() not in found:
-                        found[st.data_ptr()] = (st.nbytes(), path)
-                except (RuntimeError, NotImplementedError):
-                    pass
-                continue
-            if isinstance(obj, dict):
-                nxt += [(v, f"{path}[{k!r:.40}]") for k, v in list(obj.items())]
-            elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
-                nxt += [(v, f"{path}[{i}]") for i, v in enumerate(list(obj))]
-            else:
-                try:
-                    d = object.__getattribute__(obj, "__dict__")
-                    if isinstance(d, dict):
-                        nxt += [(v, f"{path}.{k}") for k, v in list(d.items())]
-                except Exception:  # noqa: BLE001
-                    pass
-                for slot in (
-                    getattr(type(obj), "__slots__", ())
-                    if isinstance(getattr(type(obj), "__slots__", ()), tuple)
-                    else ()
-                ):
-                    try:
-                        nxt.append((object.__getattribute__(obj, slot), f"{path}.{slot}"))
-                    except Exception:  # noqa: BLE001
-                        pass
-                if isinstance(obj, torch.nn.Module):
-                    nxt += [(v, f"{path}.{k}") for k, v in obj.state_dict(keep_vars=True).items()]
-                cells = getattr(obj, "__closure__", None)
-                if cells:
-                    for c in cells:
-                        try:
-                            nxt.append((c.cell_contents, f"{path}<closure>"))
-                        except ValueError:  # an empty cell
-                            pass
-        frontier = nxt
-    paths: dict[str, list[str]] = collections.defaultdict(list)
-    for n, path in found.values():
-        paths[path].append(f"{n / 1e6:.1f} MB")
-    return dict(paths)
-
-
 def reachable_tensors() -> dict[str, Any]:
     """Unique torch storages and numpy buffers reachable from gc-tracked objects, in MB."""
     import gc
@@ -149,17 +65,8 @@ def reachable_tensors() -> dict[str, Any]:
     import torch
 
     storages: dict[int, int] = {}
-    holders: dict[int, set[str]] = collections.defaultdict(set)  # storage -> who holds a tensor of it
     arrays: dict[int, int] = {}
     objs = gc.get_objects()
-    owners: dict[int, str] = {}
-    for o in objs:
-        try:
-            d = object.__getattribute__(o, "__dict__")
-        except Exception:  # noqa: BLE001 - no __dict__, or a proxy that refuses
-            continue
-        if isinstance(d, dict):
-            owners[id(d)] = type(o).__qualname__
     for o in objs:
         for x in (o, *gc.get_referents(o)):
             if isinstance(x, torch.Tensor) and x.device.type == "cpu":
@@ -167,8 +74,6 @@ def reachable_tensors() -> dict[str, Any]:
                     s = x.untyped_storage()
                     if s.nbytes():
                         storages[s.data_ptr()] = s.nbytes()
-                        if x is not o and s.nbytes() > 1e6:  # name the container by the path that holds it
-                            holders[s.data_ptr()].add(holder_path(o, owners, objs))
                 except (RuntimeError, NotImplementedError):
                     pass
             elif isinstance(x, np.ndarray):
@@ -189,15 +94,118 @@ def reachable_tensors() -> dict[str, Any]:
     return {
         "torch_storages": len(storages),
         "torch_storage_mb_sizes": sorted((round(n / 1e6, 1) for n in storages.values()), reverse=True)[:12],
-        "large_storages": sorted(
-            ([round(n / 1e6, 1), sorted(holders.get(p, ()))] for p, n in storages.items() if n > 1e6), reverse=True
-        ),
         "numpy_shared_with_torch": len(shared),
         "torch_mb": round(sum(storages.values()) / 1e6, 1),
         "numpy_arrays": len(arrays),
         "numpy_mb": round(sum(arrays.values()) / 1e6, 1),
         "gc_objects": len(objs),
     }
+
+
+# the objects a node's model-sized buffers may belong to: each is a barrier of the walk below, so
+# a buffer is counted once, under the nearest owner (the learner a reference holds is its own owner)
+OWNERS = (
+    "Learner",
+    "Optimizer",
+    "LocalReference",
+    "HeldVersions",
+    "ServedVersions",
+    "SnapshotCache",
+    "PublishBoard",
+    "Strategy",
+    "Checkpointer",
+    "RoundGuard",
+)
+BIG = 1 << 20  # buffers under 1 MiB are not model-sized (the 21 MB MLP's smallest layer is 0.36 MB)
+
+
+def owned_buffers() -> dict[str, Any]:
+    """Model-sized torch storages and bytes objects (>= 1 MiB) by the node object that holds them:
+    a walk over gc referents from every instance of ``OWNERS`` (by class or base class name) that
+    stops at other owners, modules, classes and functions. What no owner reaches is "unowned"
+    (e.g. a buffer only a running frame or a gRPC message holds)."""
+    import gc
+    import types
+
+    import torch
+
+    def owner_name(o: Any) -> str | None:
+        if isinstance(o, type):
+            return None
+        names = [c.__name__ for c in type(o).__mro__]
+        return next((n for n in OWNERS if n in names), None)
+
+    objs = gc.get_objects()
+    owners = [(o, owner_name(o)) for o in objs]
+    owners = [(o, n) for o, n in owners if n is not None]
+    owner_ids = {id(o) for o, _ in owners}
+    stop = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.CodeType, types.FrameType)
+
+    import numpy as np
+
+    def buf_of(x: Any) -> tuple[int, int, str] | None:
+        """(address, bytes, kind) of a big buffer: a tensor's storage, or a bytes-like object's."""
+        if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+            try:
+                s = x.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                return None
+            return (s.data_ptr(), s.nbytes(), "tensor") if s.nbytes() >= BIG else None
+        if isinstance(x, (bytes, bytearray, memoryview)) and memoryview(x).nbytes >= BIG:
+            return np.frombuffer(x, dtype=np.uint8).ctypes.data, memoryview(x).nbytes, "bytes"
+        return None
+
+    spans: list[tuple[int, int]] = []  # claimed buffers: a tensor viewing a claimed bytes is not counted twice
+
+    def claim(b: tuple[int, int, str]) -> bool:
+        if any(lo <= b[0] < hi for lo, hi in spans):
+            return False
+        spans.append((b[0], b[0] + b[1]))
+        return True
+
+    def path(parents: dict[int, Any], x: Any, root: Any) -> str:
+        """Type names from the owner down to the buffer (what holds it)."""
+        names = []
+        while x is not None and x is not root and len(names) < 12:
+            names.append(type(x).__name__)
+            x = parents.get(id(x))
+        return " <- ".join(names)
+
+    by_owner: dict[str, dict[str, Any]] = collections.defaultdict(lambda: collections.defaultdict(float))
+    for o, name in owners:
+        label = f"{name} ({type(o).__name__})" if type(o).__name__ != name else name
+        parents: dict[int, Any] = {}
+        seen, todo = {id(o)}, [(r, o) for r in gc.get_referents(o)]
+        while todo:
+            x, parent = todo.pop()
+            if id(x) in seen or id(x) in owner_ids or isinstance(x, stop):
+                continue
+            seen.add(id(x))
+            parents[id(x)] = parent
+            b = buf_of(x)
+            if b is not None:
+                if claim(b):
+                    by_owner[label][b[2] + "_mb"] += b[1] / 1e6
+                    by_owner[label][b[2] + "s"] += 1
+                    by_owner[label].setdefault("paths", [])  # type: ignore[arg-type]
+                    by_owner[label]["paths"].append(f"{b[1] / 1e6:.1f} MB {path(parents, x, o)}")
+                continue
+            todo.extend((r, x) for r in gc.get_referents(x))
+        by_owner[label]["instances"] += 0  # listed even when it holds nothing big
+    counted = collections.Counter(name for _, name in owners)
+    unowned: dict[str, float] = collections.defaultdict(float)
+    for o in objs:
+        for x in (o, *gc.get_referents(o)):
+            b = buf_of(x)
+            if b is not None and claim(b):
+                unowned[b[2] + "_mb"] += b[1] / 1e6
+                unowned[b[2] + "s"] += 1
+    out = {
+        k: {m: (v if m == "paths" else round(v, 1)) for m, v in d.items() if m != "instances"}
+        for k, d in by_owner.items()
+    }
+    out["unowned"] = {m: round(v, 1) for m, v in unowned.items()}
+    return {"by_owner": out, "owner_instances": dict(counted)}
 
 
 def inside(trigger: Path, out: Path) -> None:
@@ -208,12 +216,13 @@ def inside(trigger: Path, out: Path) -> None:
     rss = lambda: rollup(os.getpid())["Rss"]  # noqa: E731
     before = rss()
     ctypes.CDLL(None).malloc_trim(0)
+    owned = owned_buffers()  # before the other reports' own allocations
     report = {
+        "owned": owned,
         "rss_trim_mb": [before, rss()],  # what one more malloc_trim would give back at rest
         "modules": sorted(sys.modules),
         "malloc": malloc_info(),
         "reachable": reachable_tensors(),
-        "storage_paths": storage_paths(),
         "python_blocks": sys.getallocatedblocks(),
     }
     try:
@@ -308,11 +317,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--inside", nargs=2, metavar=("TRIGGER", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--strategy", default="local")
+    ap.add_argument("--nodes", type=int, default=1, help="a network of N daemons (min_peers N-1), each read")
+    ap.add_argument("--sample-s", type=float, default=0.5)
+    ap.add_argument("--no-baselines", action="store_true", help="skip the three import-baseline interpreters")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--hidden", default="2280,2280")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--strategy", default="local", help="node 0's strategy (and its peers')")
-    ap.add_argument("--nodes", type=int, default=1, help="a network of this many; node 0 is the one dissected")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--python", default=sys.executable, help="the interpreter (checkout) to run the daemon under")
     ap.add_argument(
@@ -335,53 +346,72 @@ def main() -> int:
         return 0
 
     sys.path.insert(0, str(HERE))
+    from memory import Sampler  # noqa: E402
     from netlab import Lab, mnist1d_mlp, wait_for  # noqa: E402
 
     hidden = [int(h) for h in args.hidden.split(",")]
     root = Path(tempfile.mkdtemp(prefix="coterie-anatomy-"))
     if args.fresh_cache:
         os.environ["XDG_CACHE_HOME"] = str(root / "cache")
-    trigger, report_path = root / "trigger", root / "inside.json"
+    n = args.nodes
+    trigger = root / "trigger"
+    reports = [root / f"inside-{i}.json" for i in range(n)]
     cfgs = [
         {
             "strategy": args.strategy,
             "rounds": args.rounds,
             "round_interval_s": 0.0,
-            "min_peers": args.nodes - 1,
+            "min_peers": n - 1,
             "seed": args.seed,
             "log_level": "WARNING",
-            # node i of bench/memory.py's 4 (or of a network of --nodes, when larger)
-            "learner": mnist1d_mlp(max(4, args.nodes), i, hidden=hidden, steps=args.steps),
+            # node 0 of bench/memory.py's 4 when alone; its network of n otherwise
+            "learner": mnist1d_mlp(max(n, 4) if n == 1 else n, i, hidden=hidden, steps=args.steps),
         }
-        for i in range(args.nodes)
+        for i in range(n)
     ]
-    cfg = cfgs[0]
-    wrap = [args.python, __file__, "--inside", str(trigger), str(report_path)]
-    with Lab(root, cfgs, wraps=[wrap] + [[]] * (args.nodes - 1), python=args.python) as lab:
+    wraps = [[args.python, __file__, "--inside", str(trigger), str(r)] for r in reports]
+    with Lab(root, cfgs, wraps=wraps, python=args.python, fork=False) as lab:
         lab.start(seeds=1)
-        pid = lab.nodes[0].proc.pid
+        pids = [d.proc.pid for d in lab.nodes]
+        sampler = Sampler(pids, args.sample_s)  # each node's peak PSS while it runs its rounds
+        sampler.start()
         wait_for(
-            lambda: all(s and s.get("done") for s in lab.statuses()), args.timeout, "the nodes to finish", interval=1.0
+            lambda: all(s and s.get("done") for s in lab.statuses()),
+            args.timeout,
+            f"{n} node(s) to finish",
+            interval=1.0,
         )
         time.sleep(2.0)  # the last checkpoint's write and trim
-        outside = {"rollup": rollup(pid), "smaps": smaps_by_kind(pid), "threads": threads(pid)}
+        sampler.halt.set()
+        sampler.join()
+        outside = [{"rollup": rollup(p), "smaps": smaps_by_kind(p), "threads": threads(p)} for p in pids]
+        for i, o in enumerate(outside):
+            o["peak_pss_mb"] = round(max(s[i][0] for s in sampler.samples), 1)
         trigger.touch()
-        wait_for(report_path.exists, 120, "the daemon's own report")
-        inner = json.loads(report_path.read_text())
-        outside["rollup_after_report"] = rollup(pid)
+        wait_for(lambda: all(r.exists() for r in reports), 300, "the daemons' own reports")
+        inners = [json.loads(r.read_text()) for r in reports]
+        for p, o in zip(pids, outside, strict=True):
+            o["rollup_after_report"] = rollup(p)
+    inner = inners[0]
     mods = [m for m in inner["modules"] if "." not in m]
     loaded = inner["modules"]
     code = f"import importlib\nfor m in {loaded!r}:\n    try: importlib.import_module(m)\n    except Exception: pass"
-    base = {
-        "python": baseline(args.python, "pass"),
-        "import torch": baseline(args.python, "import torch"),
-        "every module the daemon loaded": baseline(args.python, code),
-    }
+    base = (
+        {}
+        if args.no_baselines
+        else {
+            "python": baseline(args.python, "pass"),
+            "import torch": baseline(args.python, "import torch"),
+            "every module the daemon loaded": baseline(args.python, code),
+        }
+    )
     heavy = [m for m in ("sklearn", "scipy", "pandas", "matplotlib", "PIL", "torchvision", "sympy") if m in mods]
     result = {
-        "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "node": cfg},
-        "daemon": outside,
+        "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "nodes": cfgs},
+        "daemon": outside[0],
         "inside": {k: v for k, v in inner.items() if k != "modules"},
+        "daemons": outside,
+        "insides": [{k: v for k, v in x.items() if k != "modules"} for x in inners],
         "modules_loaded": len(inner["modules"]),
         "top_level_packages": mods,
         "heavy_packages_loaded": heavy,
@@ -389,15 +419,19 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    r = outside["rollup"]
-    print(f"daemon at rest: RSS {r['Rss']} MB, PSS {r['Pss']} MB, private dirty {r['Private_Dirty']} MB")
-    for k, v in sorted(outside["smaps"].items(), key=lambda kv: -kv[1].get("Pss", 0)):
+    for i, (o, x) in enumerate(zip(outside, inners, strict=True)):
+        r = o["rollup"]
+        print(f"n{i} at rest: RSS {r['Rss']} PSS {r['Pss']} MB (peak PSS {o['peak_pss_mb']}); trim {x['rss_trim_mb']}")
+        for k, v in sorted(x["owned"]["by_owner"].items()):
+            if v:
+                print(f"    {k:<40} {json.dumps(v)}")
+    r = outside[0]["rollup"]
+    print(f"n0 at rest: RSS {r['Rss']} MB, PSS {r['Pss']} MB, private dirty {r['Private_Dirty']} MB")
+    for k, v in sorted(outside[0]["smaps"].items(), key=lambda kv: -kv[1].get("Pss", 0)):
         print(f"  {k:<55} PSS {v.get('Pss', 0):7.1f}  RSS {v.get('Rss', 0):7.1f}  mappings {int(v['mappings'])}")
-    print(f"threads: {outside['threads']}")
+    print(f"threads: {outside[0]['threads']}")
     print(f"inside: {json.dumps(result['inside'])}")
     print(f"heavy packages loaded: {heavy}; modules {len(inner['modules'])}")
-    for path, sizes in sorted(inner.get("storage_paths", {}).items()):
-        print(f"  held: {path}: {', '.join(sizes)}")
     for k, v in base.items():
         print(f"baseline {k:<32} RSS {v['Rss']:7.1f}  PSS {v['Pss']:7.1f}  private dirty {v['Private_Dirty']:7.1f}")
     print(f"results: {args.out}")

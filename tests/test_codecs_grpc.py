@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
+import weakref
 
 import grpc
 import pytest
@@ -17,9 +19,10 @@ import torch
 
 from coterie.node.peering.messages import CROSS_LOSS, ComputeReply, ComputeRequest, LocalSnapshot, NodeInfo
 from coterie.node.transport import served_versions
+from coterie.node.transport import server as server_module
 from coterie.node.transport.chunks import sha256
 from coterie.node.transport.client import PeerClient
-from coterie.node.transport.served_versions import CodecPolicy, Payload
+from coterie.node.transport.served_versions import CodecPolicy, Payload, ServedVersions
 from coterie.node.transport.server import serve
 from coterie.node.wire import codec as raw_codec
 from coterie.node.wire import codecs as C
@@ -203,12 +206,12 @@ def test_a_subscriptions_base_is_kept_while_pulls_bring_newer_versions():
                 # a pull of the same version in other bytes (whole: it named no base) keeps the
                 # watch's copy, which its next delta is against
                 h4p, _ = await client.get_snapshot(addr, "me", peer="p")
-                assert h4p.version == 4 and len(client.held._by_peer["p"]) == 2  # the pull's v4 and the watch's
+                assert h4p.version == 4 and client.held.copies("p") == 2  # the pull's v4 and the watch's
                 board.publish(5)
                 h5, g5 = await asyncio.wait_for(stream.__anext__(), 10)
                 assert h5.version == 5 and _err(g5, board) < float(board.w.abs().max()) / 254
             assert client.held.get("p").version == 5
-            assert len(client.held._by_peer["p"]) == 1  # the watch closed: nothing pinned, the newest held
+            assert client.held.copies("p") == 1  # the watch closed: nothing pinned, the newest held
 
     asyncio.run(go())
 
@@ -500,3 +503,98 @@ def test_a_real_daemon_advertises_its_codecs_and_serves_q8_deltas_over_mtls(tmp_
         asyncio.run(go())
     finally:
         node.stop()
+
+
+# --- what a node keeps between rounds (issue 34 item 2; D-PSGD's extra memory,
+# bench/results/memory.md): one decoded copy per peer (an older one only while a read in flight
+# may need it as a delta's base), no payloads of superseded versions, no snapshot held by an idle
+# pull session
+
+
+def test_one_decoded_copy_per_peer_and_an_older_one_only_while_a_pull_needs_it():
+    async def go():
+        board = Board()
+        async with _pair(board) as (client, addr, _):
+            h, _ = await client.get_snapshot(addr, "me", peer="p")
+            for v in range(2, 6):  # pulls in turn, each a delta against the one before
+                board.publish(v)
+                h, g = await client.get_snapshot(addr, "me", have_version=h.version, peer="p")
+                assert h.version == v
+                assert client.held.copies("p") == 1  # (two on the old code: a spare kept always)
+            # a pull that asked with v5 held waits for round 7; meanwhile another brings v6: the
+            # waiting pull's answer is a delta against v5, which must still be there
+            waiting = asyncio.ensure_future(
+                client.get_snapshot(addr, "me", have_version=5, min_round=7, wait_s=5.0, peer="p")
+            )
+            while not board.published._waiters:  # the server holds the pull open
+                await asyncio.sleep(0.01)
+            board.publish(6)
+            h6, _ = await client.get_snapshot(addr, "me", have_version=5, peer="p")
+            assert h6.version == 6 and client.held.copies("p") == 2  # v5 kept: the waiting pull named it
+            board.publish(7)
+            h7, g7 = await asyncio.wait_for(waiting, 10)
+            assert h7.version == 7 and _err(g7, board) < float(board.w.abs().max()) / 254  # rebuilt from v5
+            assert client.held.copies("p") == 1 and client.held.get("p").version == 7
+
+    asyncio.run(go())
+
+
+def test_a_server_keeps_no_payloads_of_superseded_versions(monkeypatch):
+    made: list[ServedVersions] = []
+
+    class Recorded(ServedVersions):  # the server's own, to look into
+        def __init__(self, policy):
+            super().__init__(policy)
+            made.append(self)
+
+    monkeypatch.setattr(server_module, "ServedVersions", Recorded)
+
+    async def go():
+        board = Board()
+        async with _pair(board) as (client, addr, _):
+            h, _ = await client.get_snapshot(addr, "me", peer="p")
+            for v in range(2, 8):
+                board.publish(v)
+                h, _ = await client.get_snapshot(addr, "me", have_version=h.version, peer="p")
+            (served,) = made
+            versions = {key[0] for key in served._payloads}
+            assert versions == {7}, versions  # (the old code kept up to 4 x history: v2..v7)
+
+    asyncio.run(go())
+
+
+def test_an_idle_pull_session_holds_no_snapshot():
+    async def go():
+        board = Board()
+        server, port = await serve(board, _Traffic(), "127.0.0.1:0", tls=None, codecs=CodecPolicy(("q8", "fp32"), True))
+        client = PeerClient(
+            "me",
+            _Traffic(),
+            chunk_bytes=1 << 16,
+            max_model_bytes=1 << 26,
+            max_gossip_bytes=1 << 20,
+            timeout_s=10,
+            tls=None,
+            sessions=True,
+            codecs=CodecPolicy(("q8", "fp32"), True),
+        )
+        addr = f"127.0.0.1:{port}"
+        try:
+            h, _ = await client.get_snapshot(addr, "me", peer="p")
+            board.publish(2)
+            h, _ = await client.get_snapshot(addr, "me", have_version=1, peer="p")  # opens the session
+            board.publish(3)
+            h, _ = await client.get_snapshot(addr, "me", have_version=2, peer="p")  # served on it
+            assert h.version == 3 and client.streams._sessions, "the pull did not go over a session"
+            old = weakref.ref(board.snap)
+            board.publish(4)  # v3 superseded; the session now waits for its next request
+            deadline = asyncio.get_running_loop().time() + 5
+            while old() is not None and asyncio.get_running_loop().time() < deadline:
+                gc.collect()
+                await asyncio.sleep(0.05)
+            assert old() is None, [type(r).__name__ for r in gc.get_referrers(old())]
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    asyncio.run(go())

@@ -94,6 +94,11 @@ class ServedVersions:
         if task is None:  # encoded once, in a task of its own: a requester that gives up stops nothing
             task = self._payloads[key] = asyncio.ensure_future(self._encode(snap, codec, base_key, base))
             task.add_done_callback(functools.partial(self._failed, key))
+            # a superseded version's payloads are not asked for again (requests are answered with
+            # the current snapshot; one that raced a publish re-encodes): a 21 MB model's q8
+            # payloads of past versions held 7 x 5.4 MB per node at rest (bench/results/memory.md)
+            for old in [k for k in self._payloads if k[0] < snap.version]:
+                del self._payloads[old]  # (a requester awaiting it keeps its task)
             while len(self._payloads) > 4 * self.policy.history:
                 self._payloads.popitem(last=False)
         else:
@@ -198,6 +203,10 @@ class HeldVersions:
 
     def _trimmed(self, peer: str, held: list[Held]) -> list[Held]:
         return [h for h in held[:-1] if (peer, h.version, h.digest) in self._pins] + held[-1:]
+
+    def copies(self, peer: str) -> int:
+        """How many decoded copies of ``peer`` are held (1 between rounds; more while pinned)."""
+        return len(self._by_peer.get(peer, ()))
 
     def drop(self, peer: str) -> None:
         self._by_peer.pop(peer, None)

@@ -212,6 +212,9 @@ class PeerService:
                         if _reader_gone(context, e):
                             return
                         raise
+                # the snapshot and its frames are not held while the next request is awaited (up to
+                # SESSION_IDLE_S): else a superseded 21 MB snapshot stays alive per idle session
+                del request, snap, frames
                 self.traffic.record("snapshot", sent=sent)
                 self.traffic.latency("snapshot", time.perf_counter() - t0, "server")
         finally:
@@ -263,6 +266,7 @@ class PeerService:
                 self.traffic.latency("snapshot-push", time.perf_counter() - t0, "server")
                 last, next_round = snap.version, snap.round + 1
                 have = (snap.version, digest)
+                del snap, frames  # (not held while the next one is awaited)
 
         try:  # a refusal on the way (the peer no longer known, ...) ends it with its status
             await self.replies.guard(context, "watch", push())
