@@ -24,6 +24,8 @@ round — an insider cannot fill the candidates with itself or a clique. State i
 ``ranking="evidence"`` ranks peers on how often the strategy's weight for them stood out of the
 noise rather than on a running score, for strategies that weight a true collaborator in only a
 minority of their evaluations (``DiscoverySettings.ranking``; figures in bench/results/scale.md).
+``reexplore_after`` gives a peer scored low on few evaluations its second look only once the node
+has met about that share of the network (``coverage``, estimated from the peers new in its view).
 """
 
 from __future__ import annotations
