@@ -3,7 +3,9 @@
 out of the noise against those that did not: ``DiscoverySettings.ranking``) — with a mate
 weighted in only ``--signal`` of its evaluations (0.2 as FedFomo on 100 daemons) and with clean
 weights (1.0). Both re-explore peers scored low on fewer than ``confirm`` (3) evaluations;
-``--confirm 3 0`` adds each ranking without re-exploring (``confirm=0, reexplore=0``).
+``--confirm 3 0`` adds each ranking without re-exploring (``confirm=0, reexplore=0``);
+``--reexplore-after 0.1`` adds each ranking re-exploring only once it has evaluated about that
+share of the network (``DiscoverySettings.reexplore_after``; the others run at the default).
 ``--late 0.1``: also runs with 10% of the nodes joining at round 10 (40 rounds: the others are
 counted at round 30, the late ones 30 rounds after joining). Medians over seeds; the full config
 and every run's figures go to ``--out`` (JSON) next to the table.
@@ -29,18 +31,25 @@ LATE_ROUND = 10
 VARIANTS = {"running (old)": "running", "evidence (new)": "evidence"}
 
 
-def variant_name(ranking: str, confirm: int) -> str:
-    """The table's name: as before for the default ``confirm`` (3), else with its ``confirm``."""
+def variant_name(ranking: str, confirm: int | None = None, reexplore_after: float | None = None) -> str:
+    """The table's name: the ranking's, plus the setting that differs from the default (if any)."""
     name = next(v for v, r in VARIANTS.items() if r == ranking)
-    return name if confirm == DiscoverySettings().confirm else f"{name}, confirm={confirm}"
+    if confirm is not None and confirm != DiscoverySettings().confirm:
+        return f"{name}, confirm={confirm}"
+    if reexplore_after is not None and reexplore_after != DiscoverySettings().reexplore_after:
+        return f"{name}, reexplore_after={reexplore_after:g}"
+    return name
 
 
 def settings(variant: str) -> DiscoverySettings:
-    name, _, confirm = variant.partition(", confirm=")
-    if not confirm:
-        return DiscoverySettings(ranking=VARIANTS[name])
-    c = int(confirm)
-    return DiscoverySettings(ranking=VARIANTS[name], confirm=c, reexplore=min(c, DiscoverySettings().reexplore))
+    name, _, setting = variant.partition(", ")
+    key, _, value = setting.partition("=")
+    if key == "confirm":
+        c = int(value)
+        return DiscoverySettings(ranking=VARIANTS[name], confirm=c, reexplore=min(c, DiscoverySettings().reexplore))
+    if key == "reexplore_after":
+        return DiscoverySettings(ranking=VARIANTS[name], reexplore_after=float(value))
+    return DiscoverySettings(ranking=VARIANTS[name])
 
 
 def one(args: tuple[int, float, float, str, int]) -> dict:
@@ -78,11 +87,22 @@ def main() -> None:
     ap.add_argument("--signal", type=float, nargs="+", default=[0.2, 1.0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--late", type=float, nargs="+", default=[0.0], help="shares of late joiners (0: none)")
-    ap.add_argument("--confirm", type=int, nargs="+", default=[DiscoverySettings().confirm])
+    ap.add_argument(
+        "--confirm", type=int, nargs="*", default=[DiscoverySettings().confirm], help="(none: only --reexplore-after's)"
+    )
+    ap.add_argument(
+        "--reexplore-after",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also run each ranking re-exploring only past this estimated share of the network evaluated",
+    )
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", help="JSON file for the config and every run's figures")
     a = ap.parse_args()
-    variants = [variant_name(r, c) for c in a.confirm for r in VARIANTS.values()]
+    variants = [variant_name(r, confirm=c) for c in a.confirm for r in VARIANTS.values()]
+    variants += [variant_name(r, reexplore_after=x) for x in a.reexplore_after for r in VARIANTS.values()]
+    variants = list(dict.fromkeys(variants))  # the default given twice runs once
     work = [(n, p, lt, v, s) for n in a.nodes for lt in a.late for p in a.signal for v in variants for s in a.seeds]
     with ProcessPoolExecutor(a.jobs) as pool:
         results = list(pool.map(one, work))

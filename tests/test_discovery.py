@@ -183,14 +183,17 @@ def test_a_peer_scored_zero_on_confirm_evaluations_is_not_explored_while_unscore
     assert d.on_recommendations("friend", ["stranger"]) == []  # nor as a hint
 
 
+@pytest.mark.parametrize("reexplore_after", [0.0, 0.1])
 @pytest.mark.parametrize("ranking", ["running", "evidence"])
-def test_an_insider_cannot_use_re_exploring_to_be_offered_beyond_the_bounds(ranking):
+def test_an_insider_cannot_use_re_exploring_to_be_offered_beyond_the_bounds(ranking, reexplore_after):
     """The insider answers every round with the same clique members, each of which the victim
     evaluated (scored 0) once: they are accepted again, but at most one of its hints a round and
-    each clique member evaluated at most ``confirm`` times in all (then written off for good)."""
+    each clique member evaluated at most ``confirm`` times in all (then written off for good).
+    Re-exploring on coverage (``reexplore_after``) only narrows that: while most of the network is
+    unmet (here: a view that never changes, no arrivals) they are written off at once."""
     honest = [f"node-{i:03d}" for i in range(200)]
     clique = [f"sybil-{k:02d}" for k in range(4)]
-    d = _victim(DiscoverySettings(ranking=ranking), honest)
+    d = _victim(DiscoverySettings(ranking=ranking, reexplore_after=reexplore_after), honest)
     d.observe({}, clique)
     times = dict.fromkeys(clique, 0)
     for _ in range(40):
@@ -285,3 +288,89 @@ def test_the_ranking_is_a_node_setting_checked_by_name():
     assert validate_config({}).discovery.ranking == DiscoverySettings().ranking
     with pytest.raises(ConfigError, match="discovery.ranking"):
         validate_config({"discovery": {"ranking": "max"}})
+
+
+# --- re-exploring adapts to how much of the network a node has met (``reexplore_after``): a
+# second look at a doubtful peer only once blind draws would mostly meet peers already seen ---
+class _ShufflingView:
+    """A partial view of ``network``: ``size`` peers, ``arrivals`` of them replaced each round by
+    peers drawn uniformly from the network (as shuffles do) — a changing sample of the whole."""
+
+    def __init__(self, network: list[str], size: int, arrivals: int, seed: int):
+        self.network, self.arrivals, self.rng = network, arrivals, random.Random(seed)
+        self.ids = self.rng.sample(network, size)
+
+    def __call__(self) -> list[str]:
+        return list(self.ids)
+
+    def shuffle(self) -> None:
+        for _ in range(self.arrivals):
+            new = self.rng.choice(self.network)
+            if new not in self.ids:
+                self.ids[self.rng.randrange(len(self.ids))] = new
+
+
+def _network(n: int) -> list[str]:
+    return [f"node-{i:04d}" for i in range(n)]
+
+
+def test_coverage_estimates_the_share_of_the_network_evaluated_from_peers_new_in_the_view():
+    for n, scored in ((200, 100), (2000, 100)):
+        view = _ShufflingView(_network(n), size=30, arrivals=6, seed=n)
+        d = Discovery("me", view, settings=DiscoverySettings(reexplore_after=0.1), rng=random.Random(13))
+        d.observe({}, _network(n)[:scored])
+        for _ in range(30):  # rounds whose candidates are not evaluated: the true share stays put
+            d.begin_round()
+            view.shuffle()
+        assert abs(d.coverage - scored / n) < 0.15, (n, d.coverage)
+    assert d.coverage < 0.1 and not d.reexploring()  # 5% of 2,000 met: below the bar
+
+
+def test_in_a_large_network_mostly_unmet_a_doubtful_peer_gets_no_second_look_nor_a_hint():
+    """Old behaviour (``reexplore_after=0``, a fixed slot): offered again within a few rounds and
+    accepted again as a hint — slots a node in a large network needs for meeting new peers. (30
+    rounds of 5 blind draws: 150 of 3,000 met.)"""
+    looks = {}
+    for after in (0.0, 0.1):
+        view = _ShufflingView(_network(3000), size=60, arrivals=6, seed=14)
+        d = Discovery("me", view, settings=DiscoverySettings(reexplore_after=after), rng=random.Random(14))
+        d.observe({}, ["mate"])  # evaluated once, weighted 0: doubtful
+        looks[after] = None
+        for r in range(1, 31):
+            cands = d.begin_round()
+            if "mate" in cands:
+                looks[after] = r
+                break
+            d.observe({}, cands)
+            view.shuffle()
+        if after:
+            assert d.coverage < after and not d.reexploring() and d.written_off("mate")
+        d.observe({"friend": 1.0})
+        assert d.whom_to_ask() == ["friend"]
+        assert d.on_recommendations("friend", ["mate"]) == ([] if after else ["mate"])
+    assert looks[0.0] is not None and looks[0.0] <= 5
+    assert looks[0.1] is None
+
+
+def test_once_most_of_a_small_network_is_met_a_doubtful_peer_gets_its_second_look():
+    view = _ShufflingView(_network(120), size=30, arrivals=6, seed=15)
+    d = Discovery("me", view, settings=DiscoverySettings(reexplore_after=0.1), rng=random.Random(15))
+    d.observe({}, ["mate"])
+    for r in range(1, 41):  # noqa: B007 (``r`` is read after the loop)
+        cands = d.begin_round()
+        if "mate" in cands:
+            break
+        d.observe({}, cands)
+        view.shuffle()
+    assert "mate" in cands, "never looked at again"
+    # taken by the re-explore slot once enough of the network was met (not before: the first
+    # rounds' arrivals are all unmet), and not because the view ran out of peers never evaluated
+    assert r > 3 and d.coverage >= 0.1 and d.counters.reexplored >= 1
+    assert any(p not in d.scores for p in view())
+
+
+def test_bad_reexplore_settings_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="reexplore_after 1.5"):
+        Discovery("me", lambda: [], settings=DiscoverySettings(reexplore_after=1.5))
+    with pytest.raises(ValueError, match="coverage_window 0"):
+        Discovery("me", lambda: [], settings=DiscoverySettings(coverage_window=0))

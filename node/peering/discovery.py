@@ -24,6 +24,8 @@ round — an insider cannot fill the candidates with itself or a clique. State i
 ``ranking="evidence"`` ranks peers on how often the strategy's weight for them stood out of the
 noise rather than on a running score, for strategies that weight a true collaborator in only a
 minority of their evaluations (``DiscoverySettings.ranking``; figures in bench/results/scale.md).
+``reexplore_after`` gives a peer scored low on few evaluations its second look only once the node
+has met about that share of the network (``coverage``, estimated from the peers new in its view).
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ class DiscoverySettings:
     # noisy (FedFomo weighted a true mate in 19% of them on 100 daemons); 0: written off at once
     confirm: int = 3
     reexplore: int = 1  # exploring slots a round for such not-yet-confirmed peers, at most
+    # ... spent (and such peers accepted again as hints) only once I have evaluated about this
+    # share of the network (``coverage``), or my view holds no peer I never evaluated: while most
+    # of the network is unmet a blind draw meets more mates than a second look (1,000 nodes, clean
+    # signal: the fixed slot cost ~40% of them), once most is met a second look is what finds a
+    # mate weighted rarely (100 nodes; bench/results/scale.md). 0.0: always (a fixed slot)
+    reexplore_after: float = 0.0
+    coverage_window: int = 30  # peers newly in my view the coverage estimate runs over
     # how peers are ranked (``best``, asked, recommended; kept are those whose running score
     # stands out, either way): "running" — the running score (``memory``); "evidence" — the count
     # of evaluations in which the peer's weight stood out of the noise against the count it did
@@ -103,6 +112,10 @@ class Discovery:
         self.rng = rng or random.Random()
         if self.s.ranking not in RANKINGS:
             raise ValueError(f"discovery ranking {self.s.ranking!r}: expected one of {', '.join(RANKINGS)}")
+        if not 0.0 <= self.s.reexplore_after <= 1.0:
+            raise ValueError(f"discovery reexplore_after {self.s.reexplore_after}: expected a share in [0, 1]")
+        if self.s.coverage_window < 1:
+            raise ValueError(f"discovery coverage_window {self.s.coverage_window}: expected at least 1")
         self.scores: dict[str, float] = {}
         self.evaluations: dict[str, int] = {}  # per scored peer (same keys: O(max_scored))
         self.standouts = StandOuts.of(self.s)  # evidence ranking's counts and noise bar
@@ -116,12 +129,19 @@ class Discovery:
         self.counters = DiscoveryCounters()
         self._current: list[str] = []
         self._asked: set[str] = set()  # peers asked this round: answers accepted from them
+        # the share of the network I have evaluated, estimated from the peers newly in my view (a
+        # sample of the network: shuffles bring them) — the share of them I had evaluated before
+        self.coverage = 0.0
+        self._coverage_n = 0  # peers newly in view counted (running mean over ``coverage_window``)
+        self._view_before: set[str] | None = None
+        self._reexploring: bool | None = None  # ``reexploring()``, cached until the view or scores change
         self.fans: deque[str] = deque(maxlen=self.s.fans)  # who asked me lately: they weight me
 
     # --- a round ---
     def begin_round(self) -> list[str]:
         """Pick this round's candidates (kept stable until the next call: ``current``)."""
         self.counters.rounds += 1
+        self._track_coverage()
         collab = self.collaborators(len(self.scores))
         self._collab = set(collab)
         best = [p for p in self._standing_out() if self.usable(p)]
@@ -162,6 +182,7 @@ class Discovery:
                 self.standouts.forget(p)
                 self._recommended.discard(p)
         self._recommended &= self.scores.keys()  # bounded as the scores are
+        self._reexploring = None  # new scores: the view may hold no unmet peer now
         self._collab = set(self.collaborators(len(self.scores)))
 
     def noise_floor(self) -> float:
@@ -182,12 +203,37 @@ class Discovery:
             return (1.0, e, self.scores[p]) if e > 0 else (0.0, self.scores[p], 0.0)
         return (self.scores[p], 0.0, 0.0)
 
+    def reexploring(self) -> bool:
+        """Whether peers scored low on few evaluations get another look now (``written_off``):
+        once the estimated ``coverage`` of the network reaches ``reexplore_after``, or while my
+        view holds no peer I never evaluated (nothing new to meet; an empty view too)."""
+        if self._reexploring is None:
+            self._reexploring = (
+                self.coverage >= self.s.reexplore_after
+                or all(p in self.scores for p in self.view() if p != self.me)  # O(view), once a round
+            )
+        return self._reexploring
+
+    def _track_coverage(self) -> None:
+        """Update ``coverage`` from the peers that entered my view since the last round: O(view)."""
+        self._reexploring = None
+        view = [p for p in self.view() if p != self.me]
+        if self._view_before is not None:  # the first view: no arrivals to count yet
+            # in the view's order, not a set's: the estimate must not depend on string hashing
+            for p in (p for p in view if p not in self._view_before):
+                self._coverage_n += 1
+                a = 1 / min(self._coverage_n, self.s.coverage_window)
+                self.coverage += a * ((p in self.scores) - self.coverage)
+        self._view_before = set(view)
+
     def written_off(self, p: str) -> bool:
-        """Scored, not a collaborator (kept anyway), and evaluated ``confirm`` times: not worth
-        exploring again (a peer scored low on fewer evaluations may be a mate that one noisy
-        evaluation missed)."""
+        """Scored, not a collaborator (kept anyway), and evaluated ``confirm`` times — or once,
+        while most of the network is still unmet (``reexploring``): not worth exploring again (a
+        peer scored low on fewer evaluations may be a mate that one noisy evaluation missed)."""
         if p not in self.scores or p in self._collab:
             return p in self.scores
+        if not self.reexploring():
+            return True
         # evidence ranking: each time it stood out buys it ``confirm`` more evaluations (a mate
         # weighted in 20% of them stands out again within 3 about half the time)
         more = self.hits[p] if self.s.ranking == "evidence" else 0
