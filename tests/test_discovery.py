@@ -238,7 +238,7 @@ def test_evidence_keeps_a_mate_weighted_once_in_six_that_the_running_score_drops
         if ranking == "running":  # the running score decayed to 1/32: noise outranks it
             assert "mate" not in d.best(9), d.scores["mate"]
         else:
-            assert d.noise_floor() < 1.0 and d.hits["mate"] == 1 and d.evidence("mate") > 0
+            assert d.standouts.noise_floor() < 1.0 and d.hits["mate"] == 1 and d.evidence("mate") > 0
             ranked = d.best(len(d.scores))
             assert "mate" in d.best(9)
             # above every peer that never stood out (a stranger's lucky weight may, as the mate's)
@@ -322,8 +322,8 @@ def test_coverage_estimates_the_share_of_the_network_evaluated_from_peers_new_in
         for _ in range(30):  # rounds whose candidates are not evaluated: the true share stays put
             d.begin_round()
             view.shuffle()
-        assert abs(d.coverage - scored / n) < 0.15, (n, d.coverage)
-    assert d.coverage < 0.1 and not d.reexploring()  # 5% of 2,000 met: below the bar
+        assert abs(d.met.share - scored / n) < 0.15, (n, d.met.share)
+    assert d.met.share < 0.1 and not d.reexploring()  # 5% of 2,000 met: below the bar
 
 
 def test_in_a_large_network_mostly_unmet_a_doubtful_peer_gets_no_second_look_nor_a_hint():
@@ -344,7 +344,7 @@ def test_in_a_large_network_mostly_unmet_a_doubtful_peer_gets_no_second_look_nor
             d.observe({}, cands)
             view.shuffle()
         if after:
-            assert d.coverage < after and not d.reexploring() and d.written_off("mate")
+            assert d.met.share < after and not d.reexploring() and d.written_off("mate")
         d.observe({"friend": 1.0})
         assert d.whom_to_ask() == ["friend"]
         assert d.on_recommendations("friend", ["mate"]) == ([] if after else ["mate"])
@@ -365,7 +365,7 @@ def test_once_most_of_a_small_network_is_met_a_doubtful_peer_gets_its_second_loo
     assert "mate" in cands, "never looked at again"
     # taken by the re-explore slot once enough of the network was met (not before: the first
     # rounds' arrivals are all unmet), and not because the view ran out of peers never evaluated
-    assert r > 3 and d.coverage >= 0.1 and d.counters.reexplored >= 1
+    assert r > 3 and d.met.share >= 0.1 and d.counters.reexplored >= 1
     assert any(p not in d.scores for p in view())
 
 

@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from .coverage import Coverage
 from .standouts import StandOuts
 
 
@@ -112,36 +113,26 @@ class Discovery:
         self.rng = rng or random.Random()
         if self.s.ranking not in RANKINGS:
             raise ValueError(f"discovery ranking {self.s.ranking!r}: expected one of {', '.join(RANKINGS)}")
-        if not 0.0 <= self.s.reexplore_after <= 1.0:
-            raise ValueError(f"discovery reexplore_after {self.s.reexplore_after}: expected a share in [0, 1]")
-        if self.s.coverage_window < 1:
-            raise ValueError(f"discovery coverage_window {self.s.coverage_window}: expected at least 1")
         self.scores: dict[str, float] = {}
         self.evaluations: dict[str, int] = {}  # per scored peer (same keys: O(max_scored))
         self.standouts = StandOuts.of(self.s)  # evidence ranking's counts and noise bar
         self.hits = self.standouts.hits  # evaluations that stood out of the noise (same keys)
         self._blind: set[str] = set()  # this round's candidates drawn blindly from the view
         self._collab: set[str] = set()  # collaborators as of the last round or observation
-        # explored because someone recommended them: re-explored only if recommended again
-        # (bounded per recommender), never by the blind re-explore slot an insider could fill
+        # recommended peers: re-explored only if recommended again (bounded per recommender), never by the blind slot
         self._recommended: set[str] = set()
         self.hints: deque[tuple[str, str]] = deque()  # (recommender, peer), oldest first
         self.counters = DiscoveryCounters()
         self._current: list[str] = []
         self._asked: set[str] = set()  # peers asked this round: answers accepted from them
-        # the share of the network I have evaluated, estimated from the peers newly in my view (a
-        # sample of the network: shuffles bring them) — the share of them I had evaluated before
-        self.coverage = 0.0
-        self._coverage_n = 0  # peers newly in view counted (running mean over ``coverage_window``)
-        self._view_before: set[str] | None = None
-        self._reexploring: bool | None = None  # ``reexploring()``, cached until the view or scores change
+        self.met = Coverage(self.s.reexplore_after, self.s.coverage_window)  # the share of the network met
         self.fans: deque[str] = deque(maxlen=self.s.fans)  # who asked me lately: they weight me
 
     # --- a round ---
     def begin_round(self) -> list[str]:
         """Pick this round's candidates (kept stable until the next call: ``current``)."""
         self.counters.rounds += 1
-        self._track_coverage()
+        self.met.on_round([p for p in self.view() if p != self.me], self.scores)
         collab = self.collaborators(len(self.scores))
         self._collab = set(collab)
         best = [p for p in self._standing_out() if self.usable(p)]
@@ -182,58 +173,30 @@ class Discovery:
                 self.standouts.forget(p)
                 self._recommended.discard(p)
         self._recommended &= self.scores.keys()  # bounded as the scores are
-        self._reexploring = None  # new scores: the view may hold no unmet peer now
+        self.met.on_scores()
         self._collab = set(self.collaborators(len(self.scores)))
-
-    def noise_floor(self) -> float:
-        """The weight an evaluation must beat to stand out (evidence ranking); inf until known."""
-        return self.standouts.noise_floor()
 
     def evidence(self, p: str) -> float:
         """Log likelihood ratio that ``p`` is a collaborator rather than noise (``StandOuts``)."""
         return self.standouts.evidence(self.hits.get(p, 0), self.evaluations.get(p, 0))
 
     def _rank_key(self, p: str) -> tuple[float, float, float]:
-        """Higher is better. Evidence ranking: peers with positive evidence first (by it), then
-        the others by running score as the running ranking has them — ranked by evidence alone,
-        mates whose weights happened not to clear the bar fell below strangers evaluated fewer
-        times (measured: 4.3 of 9 mates found against 9.0, 100 nodes, clean signal)."""
+        """Higher is better. Evidence ranking: positive evidence first, then the running score (by
+        evidence alone, 4.3 of 9 mates found against 9.0: 100 nodes, clean signal)."""
         if self.s.ranking == "evidence":
             e = self.evidence(p)
             return (1.0, e, self.scores[p]) if e > 0 else (0.0, self.scores[p], 0.0)
         return (self.scores[p], 0.0, 0.0)
 
     def reexploring(self) -> bool:
-        """Whether peers scored low on few evaluations get another look now (``written_off``):
-        once the estimated ``coverage`` of the network reaches ``reexplore_after``, or while my
-        view holds no peer I never evaluated (nothing new to meet; an empty view too)."""
-        if self._reexploring is None:
-            self._reexploring = (
-                self.coverage >= self.s.reexplore_after
-                or all(p in self.scores for p in self.view() if p != self.me)  # O(view), once a round
-            )
-        return self._reexploring
-
-    def _track_coverage(self) -> None:
-        """Update ``coverage`` from the peers that entered my view since the last round: O(view)."""
-        self._reexploring = None
-        view = [p for p in self.view() if p != self.me]
-        if self._view_before is not None:  # the first view: no arrivals to count yet
-            # in the view's order, not a set's: the estimate must not depend on string hashing
-            for p in (p for p in view if p not in self._view_before):
-                self._coverage_n += 1
-                a = 1 / min(self._coverage_n, self.s.coverage_window)
-                self.coverage += a * ((p in self.scores) - self.coverage)
-        self._view_before = set(view)
+        """Whether peers scored low on few evaluations get another look now (``written_off``)."""
+        return self.met.reexploring(lambda: [p for p in self.view() if p != self.me], self.scores)
 
     def written_off(self, p: str) -> bool:
-        """Scored, not a collaborator (kept anyway), and evaluated ``confirm`` times — or once,
-        while most of the network is still unmet (``reexploring``): not worth exploring again (a
-        peer scored low on fewer evaluations may be a mate that one noisy evaluation missed)."""
-        if p not in self.scores or p in self._collab:
+        """Scored, not a collaborator, and evaluated ``confirm`` times, or once while most of the
+        network is unmet (``reexploring``; fewer looks may have missed a mate): not worth another."""
+        if p not in self.scores or p in self._collab or not self.reexploring():
             return p in self.scores
-        if not self.reexploring():
-            return True
         # evidence ranking: each time it stood out buys it ``confirm`` more evaluations (a mate
         # weighted in 20% of them stands out again within 3 about half the time)
         more = self.hits[p] if self.s.ranking == "evidence" else 0
