@@ -10,24 +10,25 @@ bench/results/scale.md). State is O(view)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 
 
 class Coverage:
-    def __init__(self, after: float, window: int):
+    def __init__(self, me: str, after: float, window: int):
         if not 0.0 <= after <= 1.0:
             raise ValueError(f"discovery reexplore_after {after}: expected a share in [0, 1]")
         if window < 1:
             raise ValueError(f"discovery coverage_window {window}: expected at least 1")
-        self.after, self.window = after, window
+        self.me, self.after, self.window = me, after, window
         self.share = 0.0  # running mean over the last ``window`` peers newly in view
         self._n = 0  # peers newly in view counted
         self._view_before: set[str] | None = None
         self._reexploring: bool | None = None  # ``reexploring()``, cached until the view or scores change
 
-    def on_round(self, view: list[str], scored: Container[str]) -> None:
-        """Count the peers that entered ``view`` since the last round: O(view)."""
+    def on_round(self, view: Iterable[str], scored: Container[str]) -> None:
+        """Count the peers that entered ``view`` (mine: I am skipped) since the last round: O(view)."""
         self._reexploring = None
+        view = [p for p in view if p != self.me]
         if self._view_before is not None:  # the first view: no arrivals to count yet
             # in the view's order, not a set's: the estimate must not depend on string hashing
             for p in (p for p in view if p not in self._view_before):
@@ -38,10 +39,10 @@ class Coverage:
     def on_scores(self) -> None:
         self._reexploring = None  # new scores: the view may hold no unmet peer now
 
-    def reexploring(self, view: Callable[[], list[str]], scored: Container[str]) -> bool:
+    def reexploring(self, view: Callable[[], Iterable[str]], scored: Container[str]) -> bool:
         """Whether peers scored low on few evaluations get another look now: once the share met
         reaches ``after``, or while the view holds no peer never evaluated (nothing new to meet;
         an empty view too)."""
         if self._reexploring is None:
-            self._reexploring = self.share >= self.after or all(p in scored for p in view())
+            self._reexploring = self.share >= self.after or all(p in scored for p in view() if p != self.me)
         return self._reexploring

@@ -125,14 +125,14 @@ class Discovery:
         self.counters = DiscoveryCounters()
         self._current: list[str] = []
         self._asked: set[str] = set()  # peers asked this round: answers accepted from them
-        self.met = Coverage(self.s.reexplore_after, self.s.coverage_window)  # the share of the network met
+        self.met = Coverage(me, self.s.reexplore_after, self.s.coverage_window)  # the share of the network met
         self.fans: deque[str] = deque(maxlen=self.s.fans)  # who asked me lately: they weight me
 
     # --- a round ---
     def begin_round(self) -> list[str]:
         """Pick this round's candidates (kept stable until the next call: ``current``)."""
         self.counters.rounds += 1
-        self.met.on_round([p for p in self.view() if p != self.me], self.scores)
+        self.met.on_round(self.view(), self.scores)
         collab = self.collaborators(len(self.scores))
         self._collab = set(collab)
         best = [p for p in self._standing_out() if self.usable(p)]
@@ -190,7 +190,7 @@ class Discovery:
 
     def reexploring(self) -> bool:
         """Whether peers scored low on few evaluations get another look now (``written_off``)."""
-        return self.met.reexploring(lambda: [p for p in self.view() if p != self.me], self.scores)
+        return self.met.reexploring(self.view, self.scores)
 
     def written_off(self, p: str) -> bool:
         """Scored, not a collaborator, and evaluated ``confirm`` times, or once while most of the
