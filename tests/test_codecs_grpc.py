@@ -92,7 +92,12 @@ class Board:
 
 @contextlib.asynccontextmanager
 async def _pair(
-    board: Board, server_codecs=("q8", "fp16", "fp32"), client_codecs=("q8", "fp32"), delta=True, history=3
+    board: Board,
+    server_codecs=("q8", "fp16", "fp32"),
+    client_codecs=("q8", "fp32"),
+    delta=True,
+    history=3,
+    sessions=False,
 ):
     server, port = await serve(
         board, _Traffic(), "127.0.0.1:0", tls=None, codecs=CodecPolicy(tuple(server_codecs), delta, history)
@@ -105,7 +110,7 @@ async def _pair(
         max_gossip_bytes=1 << 20,
         timeout_s=10,
         tls=None,
-        sessions=False,
+        sessions=sessions,
         codecs=CodecPolicy(tuple(client_codecs), delta),
     )
     try:
@@ -566,20 +571,7 @@ def test_a_server_keeps_no_payloads_of_superseded_versions(monkeypatch):
 def test_an_idle_pull_session_holds_no_snapshot():
     async def go():
         board = Board()
-        server, port = await serve(board, _Traffic(), "127.0.0.1:0", tls=None, codecs=CodecPolicy(("q8", "fp32"), True))
-        client = PeerClient(
-            "me",
-            _Traffic(),
-            chunk_bytes=1 << 16,
-            max_model_bytes=1 << 26,
-            max_gossip_bytes=1 << 20,
-            timeout_s=10,
-            tls=None,
-            sessions=True,
-            codecs=CodecPolicy(("q8", "fp32"), True),
-        )
-        addr = f"127.0.0.1:{port}"
-        try:
+        async with _pair(board, server_codecs=("q8", "fp32"), sessions=True) as (client, addr, _):
             h, _ = await client.get_snapshot(addr, "me", peer="p")
             board.publish(2)
             h, _ = await client.get_snapshot(addr, "me", have_version=1, peer="p")  # opens the session
@@ -593,8 +585,5 @@ def test_an_idle_pull_session_holds_no_snapshot():
                 gc.collect()
                 await asyncio.sleep(0.05)
             assert old() is None, [type(r).__name__ for r in gc.get_referrers(old())]
-        finally:
-            await client.close()
-            await server.stop(0)
 
     asyncio.run(go())
