@@ -190,7 +190,7 @@ class SnapshotsConfig(BaseModel):
     # (bench/results/codecs.md); fp32 stays in the list, so a peer speaking nothing else still gets it
     codecs: list[str] = Field(default_factory=lambda: ["q8", "fp32"], min_length=1)
     delta: bool = True
-    delta_history: int = Field(3, ge=1, le=64)  # reconstructions a server keeps to send deltas against
+    delta_history: int = Field(3, ge=1, le=64)  # most reconstructions kept for deltas (one a reader)
 
     @field_validator("codecs")
     @classmethod

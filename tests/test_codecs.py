@@ -204,7 +204,7 @@ def test_fifty_q8_deltas_keep_the_error_bounded_where_naive_deltas_drift():
     assert naive[-1] > 3 * max(fixed[1:]) and naive[-1] > naive[5]
 
 
-def test_the_server_keeps_a_bounded_history_and_sends_a_whole_snapshot_for_a_forgotten_base():
+def test_the_server_keeps_what_each_reader_was_sent_last_and_sends_a_whole_snapshot_for_a_forgotten_base():
     async def go():
         served = ServedVersions(CodecPolicy(("q8",), delta=True, history=2))
         snaps = []
@@ -214,19 +214,22 @@ def test_the_server_keeps_a_bounded_history_and_sends_a_whole_snapshot_for_a_for
             snap = LocalSnapshot("p", v, v, {"params": {"w": torch.full((10,), float(v))}})
             snap.prepare()
             snaps.append(snap)
-            p = await served.payload(snap, ["q8"], delta=True, have_version=held_v, have_sha256=held_d)
+            reader = "slow" if v == 4 else "fast"  # the slow reader takes v4 only
+            p = await served.payload(snap, ["q8"], delta=True, have_version=held_v, have_sha256=held_d, reader=reader)
             assert (p.base is None) == (v == 1)
             digests.append(p.digest)
             held_v, held_d = v, p.digest
-        assert len(served._recon) == 2 and len(served._payloads) <= 8
-        # a requester holding v4 gets a delta (the same payload as before: encoded once)
-        p = await served.payload(snaps[-1], ["q8"], delta=True, have_version=4, have_sha256=digests[3])
+        # kept: what each reader was sent last (fast: v5, slow: v4); v1..v3 went
+        assert sorted(v for v, _ in served._recon.values()) == [4, 5] and len(served._payloads) <= 8
+        # the slow reader, holding v4, gets a delta (the same payload as before: encoded once)
+        p = await served.payload(snaps[-1], ["q8"], delta=True, have_version=4, have_sha256=digests[3], reader="slow")
         assert p.base == (4, digests[3]) and p.digest == digests[4]
+        assert sorted(v for v, _ in served._recon.values()) == [5]  # both were sent v5's one payload
         # one still holding v1 (forgotten): whole
         p = await served.payload(snaps[-1], ["q8"], delta=True, have_version=1, have_sha256=digests[0])
         assert p.base is None
         # a wrong digest for a version the server has: whole, never a delta against the wrong base
-        p = await served.payload(snaps[-1], ["q8"], delta=True, have_version=4, have_sha256="0" * 64)
+        p = await served.payload(snaps[-1], ["q8"], delta=True, have_version=5, have_sha256="0" * 64)
         assert p.base is None
         # a requester speaking only fp32 gets today's bytes, whatever it holds
         p = await served.payload(snaps[-1], [], delta=True, have_version=4, have_sha256=digests[3])

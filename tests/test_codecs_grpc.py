@@ -568,6 +568,141 @@ def test_a_server_keeps_no_payloads_of_superseded_versions(monkeypatch):
     asyncio.run(go())
 
 
+def _recorded_server(monkeypatch) -> list[ServedVersions]:
+    """The ServedVersions the next server makes, to look into."""
+    made: list[ServedVersions] = []
+
+    class Recorded(ServedVersions):
+        def __init__(self, policy):
+            super().__init__(policy)
+            made.append(self)
+
+    monkeypatch.setattr(server_module, "ServedVersions", Recorded)
+    return made
+
+
+def _client(name: str) -> PeerClient:
+    return PeerClient(
+        name,
+        _Traffic(),
+        chunk_bytes=1 << 16,
+        max_model_bytes=1 << 26,
+        max_gossip_bytes=1 << 20,
+        timeout_s=10,
+        tls=None,
+        sessions=False,
+        codecs=CodecPolicy(("q8", "fp32"), True),
+    )
+
+
+def test_peers_in_step_cost_the_server_one_reconstruction(monkeypatch):
+    """Three peers pulling every version as q8 deltas share one payload a version, so the server
+    needs one reconstruction to diff the next against — it kept ``history`` (3: with a 21 MB
+    model 62 MB a node, 42 of them for nothing)."""
+    made = _recorded_server(monkeypatch)
+
+    async def go():
+        board = Board()
+        async with _pair(board) as (_, addr, _):
+            (served,) = made
+            peers = [_client(name) for name in ("a", "b", "c")]
+            try:
+                have = dict.fromkeys(range(3), 0)
+                for v in range(1, 7):
+                    if v > 1:
+                        board.publish(v)
+                    for i, c in enumerate(peers):
+                        h, g = await c.get_snapshot(addr, c.node_id, have_version=have[i], peer="p")
+                        assert h.version == v and _err(g, board) <= float(board.w.abs().max()) / 254 * 1.01
+                        have[i] = h.version
+                    assert served.deltas == v - 1  # one delta a version, shared by all three
+                    assert len(served._recon) == 1, (v, [ver for ver, _ in served._recon.values()])
+            finally:
+                for c in peers:
+                    await c.close()
+
+    asyncio.run(go())
+
+
+def test_a_lagging_peer_gets_a_delta_against_what_it_was_sent_last_or_a_whole_snapshot(monkeypatch):
+    """The server keeps, for each reader, the reconstruction of what it sent it last: a peer
+    that skipped versions still gets a delta against it (main kept the 3 newest, so a peer 4
+    versions behind got a whole snapshot); a peer whose last answer was lost names a base the
+    server no longer keeps and gets a whole snapshot — never a delta against a wrong base."""
+    made = _recorded_server(monkeypatch)
+
+    async def go():
+        board = Board()
+        async with _pair(board) as (fast, addr, _):
+            (served,) = made
+            slow = _client("slow")
+            try:
+                hs, _ = await slow.get_snapshot(addr, "slow", peer="p")
+                hf, _ = await fast.get_snapshot(addr, "me", peer="p")
+                for v in range(2, 7):  # the slow peer sits out five versions
+                    board.publish(v)
+                    hf, _ = await fast.get_snapshot(addr, "me", have_version=hf.version, peer="p")
+                assert len(served._recon) == 2  # the fast peer's v6 and the slow peer's v1
+                deltas = served.deltas
+                hs, g = await slow.get_snapshot(addr, "slow", have_version=hs.version, peer="p")
+                assert hs.version == 6 and served.deltas == deltas + 1  # a delta against its v1
+                assert _err(g, board) < float(board.w.abs().max()) / 254
+                # each holds v6 in its own payload (a delta against v1, one against v5); v1 is gone
+                assert sorted(ver for ver, _ in served._recon.values()) == [6, 6]
+                held = slow.held.get("p")
+                board.publish(7)
+                # an answer the slow peer never got: the server believes it now holds v7
+                lost, _ = await _raw_pull(
+                    addr,
+                    pb.SnapshotRequest(
+                        requester="slow", codecs=["q8"], delta=True, have_version=6, have_sha256=held.digest
+                    ),
+                )
+                assert lost.base_version == 6
+                board.publish(8)
+                hf, _ = await fast.get_snapshot(addr, "me", have_version=hf.version, peer="p")  # v6 now unneeded
+                wholes = served.wholes
+                hs, g = await slow.get_snapshot(addr, "slow", have_version=6, peer="p")
+                assert hs.version == 8 and served.wholes == wholes + 1  # whole: v6 is no longer kept
+                assert _err(g, board) <= float(board.w.abs().max()) / 254 * 1.01
+            finally:
+                await slow.close()
+
+    asyncio.run(go())
+
+
+def test_readers_out_of_step_are_bounded_by_the_history(monkeypatch):
+    """However many readers each hold a different version, at most ``history`` reconstructions
+    are kept (the least recently used go: its reader gets a whole snapshot)."""
+    made = _recorded_server(monkeypatch)
+
+    async def go():
+        board = Board()
+        async with _pair(board, history=2) as (_, addr, _):
+            (served,) = made
+            peers = [_client(f"r{i}") for i in range(4)]
+            try:
+                held = []
+                for v, c in enumerate(peers, start=1):  # each peer holds another version
+                    if v > 1:
+                        board.publish(v)
+                    h, _ = await c.get_snapshot(addr, c.node_id, peer="p")
+                    held.append(h)
+                    assert len(served._recon) <= 2
+                board.publish(5)
+                wholes = served.wholes
+                h, g = await peers[0].get_snapshot(addr, "r0", have_version=held[0].version, peer="p")
+                assert served.wholes == wholes + 1 and _err(g, board) <= float(board.w.abs().max()) / 254 * 1.01
+                deltas = served.deltas
+                h, g = await peers[3].get_snapshot(addr, "r3", have_version=held[3].version, peer="p")
+                assert served.deltas == deltas + 1 and _err(g, board) < float(board.w.abs().max()) / 254
+            finally:
+                for c in peers:
+                    await c.close()
+
+    asyncio.run(go())
+
+
 def test_an_idle_pull_session_holds_no_snapshot():
     async def go():
         board = Board()

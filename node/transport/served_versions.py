@@ -4,11 +4,15 @@
 
 ``ServedVersions`` (the serving side): encodes its published snapshot in the codec a requester
 negotiated — whole, or as a delta against a version the requester says it holds — and keeps
-the last few payloads it sent and what each decodes to (bounded: ``history`` reconstructions).
-A delta is computed against that *reconstruction*, exactly what the requester decoded, never
-against the exact old model: else each q8 delta's rounding error would stay in the requester's
-copy and the next delta would not remove it, so errors would add up round after round. Payloads
-are cached by (version, codec, base), so peers that hold the same base share one encoding.
+what the payload last sent to each reader decodes to (its *reconstruction*: what that reader
+will name as its base next time; at most ``history`` of them in all). A delta is computed
+against that reconstruction, exactly what the requester decoded, never against the exact old
+model: else each q8 delta's rounding error would stay in the requester's copy and the next delta
+would not remove it, so errors would add up round after round. Payloads are cached by (version,
+codec, base), so peers that hold the same base share one encoding — and one reconstruction: in a
+network in step that is one model-sized copy, not ``history`` (a 21 MB model: 21 MB, not 62).
+A reader that names a base no longer kept (its last answer was lost, or it lags behind another
+stream of its own) gets a whole snapshot, never a delta against a wrong base.
 
 ``HeldVersions`` (the requesting side): per peer, the version it last decoded, the digest of the
 payload it came in (what a delta names as its base) and the tensors — the base the next delta
@@ -20,7 +24,7 @@ import asyncio
 import contextlib
 import functools
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +66,8 @@ class ServedVersions:
         self.policy = policy
         self._payloads: OrderedDict[tuple[int, str, str], asyncio.Future[Payload]] = OrderedDict()
         self._recon: OrderedDict[str, tuple[int, Groups]] = OrderedDict()  # payload digest -> (version, decoded)
+        self._sent: dict[Hashable, str] = {}  # reader -> digest of the payload it was sent last
+        self._newest = 0  # the newest version encoded (its reconstructions wait for their readers)
         self.deltas = self.wholes = 0  # payloads encoded, by kind
 
     def choose(self, wanted: list[str] | tuple[str, ...]) -> str:
@@ -76,10 +82,14 @@ class ServedVersions:
         delta: bool = False,
         have_version: int = 0,
         have_sha256: str = "",
+        reader: Hashable | None = None,
     ) -> Payload:
         """``snap`` (a ``LocalSnapshot``, ready) encoded for a requester that accepts ``wanted``
         and holds ``have_version`` as the payload ``have_sha256`` (a delta if asked for, this node
-        sends them, the codec is lossy and that reconstruction is still here; else whole)."""
+        sends them, the codec is lossy and that reconstruction is still here; else whole).
+        ``reader``: who will hold what is returned (a peer's stream: its pull or its watch); the
+        reconstruction of the payload each reader was sent last is kept for its next delta, and
+        one no reader was sent last is dropped once a newer version is encoded."""
         codec = self.choose(wanted)
         if codec == codecs.FP32:
             return Payload(snap.encoded, snap.digest, codec)  # today's bytes: exact, shared by all
@@ -103,7 +113,25 @@ class ServedVersions:
                 self._payloads.popitem(last=False)
         else:
             self._payloads.move_to_end(key)
-        return await asyncio.shield(task)
+        made = await asyncio.shield(task)
+        if reader is not None:
+            self._sent[reader] = made.digest  # what it will name as its base next time
+            if made.digest in self._recon:
+                self._recon.move_to_end(made.digest)
+        self._forget()
+        return made
+
+    def _forget(self) -> None:
+        """Keep the reconstructions some reader was sent last, and those of the newest version
+        (made for a reader still awaiting its payload); at most ``history`` in all, the least
+        recently used dropped first (their readers get whole snapshots)."""
+        wanted = set(self._sent.values())
+        for digest in [d for d, (v, _) in self._recon.items() if d not in wanted and v < self._newest]:
+            del self._recon[digest]
+        while len(self._recon) > max(1, self.policy.history):
+            self._recon.popitem(last=False)
+        for reader in [r for r, d in self._sent.items() if d not in self._recon]:
+            del self._sent[reader]  # (nothing kept for it: its next base gets a whole snapshot anyway)
 
     def _failed(self, key: tuple[int, str, str], task: asyncio.Future) -> None:
         if (task.cancelled() or task.exception() is not None) and self._payloads.get(key) is task:
@@ -135,8 +163,7 @@ class ServedVersions:
         if recon is None:
             return made
         self._recon[made.digest] = (snap.version, recon)
-        while len(self._recon) > max(1, self.policy.history):
-            self._recon.popitem(last=False)
+        self._newest = max(self._newest, snap.version)
         return made
 
 

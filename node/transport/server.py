@@ -123,21 +123,28 @@ class PeerService:
         return request, who, await self.gate.snapshot(who, request.min_round, request.wait_ms / 1000.0, slot)
 
     async def _snapshot_frames(
-        self, request, snap, *, inline: bool, have: tuple[int, str] | None = None
+        self, request, snap, *, inline: bool, reader: tuple[str, str], have: tuple[int, str] | None = None
     ) -> tuple[Iterable[Any], int, str]:
         """A snapshot's reply messages, their size and the payload's digest: its header alone
         when the reader has this version, else the header and the payload in the codec agreed
         with the reader (a delta against what it holds if it asks: ``ServedVersions``) — in the
         header's message when it fits one chunk and ``inline`` (watch, session), else in chunks
         framed by hand from the payload's one buffer as they go out. ``have``: (version, payload
-        digest) the reader holds when the stream knows better than the request (a watch's last)."""
+        digest) the reader holds when the stream knows better than the request (a watch's last).
+        ``reader``: (peer, "pull" or "watch"): the server keeps what it last sent each reader, the
+        base its next delta may be against."""
         have_version, have_sha256 = have if have is not None else (request.have_version, request.have_sha256)
         unchanged = have_version == snap.version and have_version > 0
         if unchanged:
             header = serde.snapshot_header_to_pb(snap.header(True), 0)
             return (pb.SnapshotChunk(header=header),), header.ByteSize(), ""
         payload = await self.served.payload(
-            snap, list(request.codecs), delta=request.delta, have_version=have_version, have_sha256=have_sha256
+            snap,
+            list(request.codecs),
+            delta=request.delta,
+            have_version=have_version,
+            have_sha256=have_sha256,
+            reader=reader,
         )
         header = serde.snapshot_header_to_pb(snap.header(False), len(payload.data), _payload_fields(request, payload))
         size = header.ByteSize() + len(payload.data)
@@ -150,7 +157,7 @@ class PeerService:
         t0 = time.perf_counter()
         with contextlib.ExitStack() as slot:
             request, who, snap = await self.replies.guard(context, "snapshot", self._pull(context, raw, slot))
-            frames, size, _ = await self._snapshot_frames(request, snap, inline=False)
+            frames, size, _ = await self._snapshot_frames(request, snap, inline=False, reader=(who, "pull"))
             sent = await self.replies.send(context, frames, f"snapshot for {who}", size=size)
         self.traffic.record("snapshot", sent=sent)
         self.traffic.latency("snapshot", time.perf_counter() - t0, "server")
@@ -205,7 +212,7 @@ class PeerService:
                     request, who, snap = await self.replies.guard(
                         context, "snapshot", self._pull(context, raw, slot, "snapshot session", admit_session)
                     )
-                    frames, size, _ = await self._snapshot_frames(request, snap, inline=True)
+                    frames, size, _ = await self._snapshot_frames(request, snap, inline=True, reader=(who, "pull"))
                     try:
                         sent = await self.replies.send(context, frames, f"snapshot for {who}", size=size)
                     except Exception as e:
@@ -255,7 +262,9 @@ class PeerService:
                 if snap.version == last or snap.round < next_round:
                     return  # nothing new within the wait: end it (the reader pulls, or subscribes again)
                 t0 = time.perf_counter()
-                frames, size, digest = await self._snapshot_frames(request, snap, inline=True, have=have)
+                frames, size, digest = await self._snapshot_frames(
+                    request, snap, inline=True, reader=(who, "watch"), have=have
+                )
                 try:
                     sent = await self.replies.send(context, frames, f"snapshot watch of {who}", size=size)
                 except Exception as e:
