@@ -119,11 +119,14 @@ OWNERS = (
 BIG = 1 << 20  # buffers under 1 MiB are not model-sized (the 21 MB MLP's smallest layer is 0.36 MB)
 
 
-def owned_buffers() -> dict[str, Any]:
+def owned_buffers(frames: bool = False, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Model-sized torch storages and bytes objects (>= 1 MiB) by the node object that holds them:
     a walk over gc referents from every instance of ``OWNERS`` (by class or base class name) that
     stops at other owners, modules, classes and functions. What no owner reaches is "unowned"
-    (e.g. a buffer only a running frame or a gRPC message holds)."""
+    (e.g. a buffer only a running frame or a gRPC message holds). ``frames``: before calling the
+    rest unowned, the locals of every thread's running frames and of every suspended coroutine
+    are walked (the transients of a round in progress: "frame <function>: <variable>");
+    ``extra``: more holders by label (a probe's own result, say), walked first."""
     import gc
     import types
 
@@ -192,20 +195,174 @@ def owned_buffers() -> dict[str, Any]:
                 continue
             todo.extend((r, x) for r in gc.get_referents(x))
         by_owner[label]["instances"] += 0  # listed even when it holds nothing big
+
+    def walk_value(label: str, value: Any, depth: int = 3) -> None:
+        """A frame local: the buffers it holds directly or in containers (a dict of tensors)."""
+        todo, seen = [(value, 0)], set()
+        while todo:
+            x, d = todo.pop()
+            if id(x) in seen or id(x) in owner_ids or isinstance(x, stop):
+                continue
+            seen.add(id(x))
+            b = buf_of(x)
+            if b is not None:
+                if claim(b):
+                    by_owner[label][b[2] + "_mb"] += b[1] / 1e6
+                    by_owner[label][b[2] + "s"] += 1
+                continue
+            if (
+                d < depth
+                and isinstance(x, (dict, list, tuple, set, types.CellType))
+                or hasattr(x, "__dict__")
+                and d < 1
+            ):
+                todo.extend((r, d + 1) for r in gc.get_referents(x))
+
+    if frames:
+        import inspect
+        import sys as _sys
+
+        here = __file__
+        for label, value in (extra or {}).items():
+            walk_value(label, value)
+        # suspended coroutines and generators: their locals by gc (reading ``f_locals`` instead
+        # materialises them, and on Python 3.11 cells so read were never freed: every probe
+        # leaked the round's transients, ~4 models a probe)
+        for o in objs:
+            if isinstance(o, (types.CoroutineType, types.GeneratorType)):
+                for value in gc.get_referents(o):
+                    walk_value(f"coroutine {o.__qualname__}", value)
+        # running frames (worker threads): ``f_locals``, for functions without cells only (see above)
+        for f in _sys._current_frames().values():
+            while f is not None:
+                code = f.f_code
+                if (
+                    code.co_filename != here  # (not this probe's own frames)
+                    and code.co_flags & inspect.CO_OPTIMIZED  # (a module's locals are its globals)
+                    and not code.co_cellvars
+                    and not code.co_freevars
+                ):
+                    snapshot = f.f_locals  # Python < 3.13 caches this dict on the frame: emptied
+                    local = list(snapshot.items())  # after reading, so that the probe keeps nothing
+                    snapshot.clear()
+                    for var, value in local:
+                        walk_value(f"frame {code.co_name}: {var}", value)
+                    del local
+                f = f.f_back
     counted = collections.Counter(name for _, name in owners)
     unowned: dict[str, float] = collections.defaultdict(float)
+    unowned_by: list[str] = []
+
+    def referrers(x: Any, skip: set[int], depth: int = 6) -> str:
+        """What holds an unowned buffer: a chain of referrer types (the first referrer at each step)."""
+        names = [type(x).__name__]
+        skip = set(skip)
+        for _ in range(depth):
+            refs = [r for r in gc.get_referrers(x) if id(r) not in skip]
+            skip.add(id(refs))  # (this list refers to x too)
+            if not refs:
+                break
+            x = refs[0]
+            label = type(x).__name__
+            if isinstance(x, (types.CoroutineType, types.GeneratorType, types.FunctionType)):
+                label += f"[{x.__qualname__}]"
+            elif isinstance(x, types.FrameType):
+                label += f"[{x.f_code.co_name} {x.f_code.co_filename.rsplit('/', 1)[-1]}:{x.f_lineno}]"
+            names.append(label)
+            if isinstance(x, (types.FrameType, types.CoroutineType, types.FunctionType)):
+                break
+        return " <- ".join(names)
+
     for o in objs:
-        for x in (o, *gc.get_referents(o)):
+        group = (o, *gc.get_referents(o))
+        for x in group:
             b = buf_of(x)
             if b is not None and claim(b):
                 unowned[b[2] + "_mb"] += b[1] / 1e6
                 unowned[b[2] + "s"] += 1
+                unowned_by.append(f"{b[1] / 1e6:.1f} MB {referrers(x, {id(objs), id(group)})}")
     out = {
         k: {m: (v if m == "paths" else round(v, 1)) for m, v in d.items() if m != "instances"}
         for k, d in by_owner.items()
     }
     out["unowned"] = {m: round(v, 1) for m, v in unowned.items()}
+    out["unowned"]["held_by"] = unowned_by  # type: ignore[assignment]
     return {"by_owner": out, "owner_instances": dict(counted)}
+
+
+# --- while exchanging: probes at the moments of a round that hold the most -------------------
+
+PROBE_ROUND = 3  # the round probed (the exchange in full swing: every peer has published twice)
+_probe: dict[str, Any] = {"round": 0, "done": collections.Counter(), "reports": [], "lock": threading.Lock()}
+
+
+def probe(phase: str, times: int = 1, **extra: Any) -> None:
+    """At ``phase`` of the probed round (its first ``times`` occurrences), what holds every
+    model-sized buffer, and the process's RSS and PSS at that moment. Runs in the thread that
+    reached the phase (the others go on meanwhile: a probe takes a second or two)."""
+    if _probe["round"] != PROBE_ROUND or _probe["done"][phase] >= times:
+        return
+    with _probe["lock"]:
+        if _probe["done"][phase] >= times:
+            return
+        _probe["done"][phase] += 1
+        if times > 1:
+            phase = f"{phase} (#{_probe['done'][phase]})"
+        t0 = time.monotonic()
+        mem = rollup(os.getpid())
+        owned = owned_buffers(frames=True, extra={f"probe {phase}: {k}": v for k, v in extra.items()})
+        _probe["reports"].append(
+            {"phase": phase, "rss_mb": mem["Rss"], "pss_mb": mem["Pss"], "owned": owned, "probe_s": 0.0}
+        )
+        _probe["reports"][-1]["probe_s"] = round(time.monotonic() - t0, 2)
+
+
+def install_probes() -> None:
+    """Wrap the calls at which a D-PSGD round holds its transients (the daemon's code unchanged):
+    after an optimizer step (gradients, Adam's state), the trained copy taken, each pulled model
+    about to be added (decoded, its payload maybe still alive), the sum scaled, the published
+    snapshot encoded (its groups and the new buffer), the server's delta encode (the payload, its
+    base), the checkpoint's staging (learner state copied, about to be written)."""
+    from coterie.node import checkpointing, rounds
+    from coterie.node.learning import local_optim, torch_learner
+    from coterie.node.peering import messages
+    from coterie.node.wire import codecs
+
+    def around(owner: Any, name: str, before: str | None = None, after: str | None = None, times: int = 1) -> None:
+        real = getattr(owner, name)
+
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            if before:
+                probe(before, times, argument=a[1] if len(a) > 1 else None)
+            out = real(*a, **kw)
+            if after:
+                probe(after, times, result=out)
+            return out
+
+        setattr(owner, name, wrapped)
+
+    real_one = rounds.RoundLoop.one
+
+    async def one(self: Any, rnd: int, t0: float) -> Any:
+        _probe["round"] = rnd
+        return await real_one(self, rnd, t0)
+
+    rounds.RoundLoop.one = one
+    around(local_optim.LocalOptimizer, "step", after="training: after an optimizer step")
+    around(torch_learner.TorchLearner, "train", before="training: about to start")
+    around(torch_learner.TorchLearner, "get_params", after="a copy of the model taken (get_params)", times=2)
+    around(torch_learner.TorchLearner, "add_to_params", before="a pulled model about to be added", times=3)
+    around(torch_learner.TorchLearner, "scale_params", before="every pulled model added, about to scale")
+    around(messages, "encode_buffer", after="the published snapshot encoded")
+    real_encode = codecs.encode
+
+    def encode(*a: Any, **kw: Any) -> Any:
+        out = real_encode(*a, **kw)
+        probe("the server encoded a delta" if kw.get("base") is not None else "the server encoded whole", result=out)
+        return out
+
+    codecs.encode = encode
+    around(checkpointing.Checkpointer, "_write", before="checkpoint staged, about to be written")
 
 
 def inside(trigger: Path, out: Path) -> None:
@@ -224,6 +381,7 @@ def inside(trigger: Path, out: Path) -> None:
         "malloc": malloc_info(),
         "reachable": reachable_tensors(),
         "python_blocks": sys.getallocatedblocks(),
+        "phases": _probe["reports"],
     }
     try:
         import torch
@@ -331,9 +489,16 @@ def main() -> int:
         action="store_true",
         help="an empty dataset cache (XDG_CACHE_HOME): the daemon generates its pool, as on a device's first start",
     )
+    ap.add_argument(
+        "--phases",
+        action="store_true",
+        help=f"also read each daemon while it exchanges: probes at the moments of round {PROBE_ROUND} that hold the most",
+    )
     ap.add_argument("--out", type=Path, default=HERE / "results" / "memanatomy.json")
     args, rest = ap.parse_known_args()
     if args.inside:  # we are the daemon: report on the trigger, run coterie's CLI as usual
+        if os.environ.get("MEMANATOMY_PHASES") == "1":
+            install_probes()
         threading.Thread(target=inside, args=(Path(args.inside[0]), Path(args.inside[1])), daemon=True).start()
         if rest and os.path.basename(rest[0]).startswith("python"):  # netlab's wrap: the interpreter follows
             rest = rest[1:]
@@ -351,6 +516,8 @@ def main() -> int:
 
     hidden = [int(h) for h in args.hidden.split(",")]
     root = Path(tempfile.mkdtemp(prefix="coterie-anatomy-"))
+    if args.phases:
+        os.environ["MEMANATOMY_PHASES"] = "1"  # (the daemons inherit it)
     if args.fresh_cache:
         os.environ["XDG_CACHE_HOME"] = str(root / "cache")
     n = args.nodes
@@ -425,6 +592,11 @@ def main() -> int:
         for k, v in sorted(x["owned"]["by_owner"].items()):
             if v:
                 print(f"    {k:<40} {json.dumps(v)}")
+    for ph in inner.get("phases", []):
+        print(f"n0 round {PROBE_ROUND}, {ph['phase']}: RSS {ph['rss_mb']} PSS {ph['pss_mb']} ({ph['probe_s']} s)")
+        for k, v in sorted(ph["owned"]["by_owner"].items()):
+            if v:
+                print(f"    {k:<60} {json.dumps({m: x for m, x in v.items() if m not in ('paths', 'held_by')})}")
     r = outside[0]["rollup"]
     print(f"n0 at rest: RSS {r['Rss']} MB, PSS {r['Pss']} MB, private dirty {r['Private_Dirty']} MB")
     for k, v in sorted(outside[0]["smaps"].items(), key=lambda kv: -kv[1].get("Pss", 0)):
