@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -57,6 +58,20 @@ class Sampler(threading.Thread):
             self.halt.wait(self.every)
 
 
+def exchanged(history: Path, log: Path, peers: int) -> dict[str, Any]:
+    """A node's rounds (its history), the rounds in which it mixed every peer, the snapshot bytes it
+    received, and the lines of its log about a refused or malformed snapshot or delta."""
+    rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()] if history.exists() else []
+    text = log.read_text(errors="replace") if log.exists() else ""
+    problems = [line for line in text.splitlines() if re.search(r"delta against|malformed|refus", line)]
+    return {
+        "rounds": len(rows),
+        "full_rounds": sum(1 for r in rows if len(r.get("contacted") or ()) == peers),
+        "snapshot_mb": round(sum((r.get("bytes_received") or {}).get("snapshot", 0) for r in rows) / 1e6, 1),
+        "delta_problems": len(problems),
+    }
+
+
 def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: float) -> dict[str, Any]:
     # --fork: daemons forked from this interpreter's preloaded fork server (what `coterie run`
     # does): torch's pages are shared, so PSS counts a node's own memory
@@ -94,6 +109,7 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
         for _ in range(4):
             time.sleep(args.sample_s)
             rest.append([smaps(p) for p in pids])
+        exchange = [exchanged(d.state_dir / "history.jsonl", d.log_path, n - 1) for d in lab.nodes]
     per_node_peak = [max(s[i][0] for s in sampler.samples) for i in range(len(pids))]
     return {
         "wall_s": round(wall, 1),
@@ -107,6 +123,11 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
         "node_rest_pss_mb_median": round(
             statistics.median(statistics.median(r[i][0] for r in rest) for i in range(len(pids))), 1
         ),
+        # what the network did: the same work on both checkouts, or the memory figures mean little
+        "rounds_done": [e["rounds"] for e in exchange],
+        "rounds_mixing_every_peer": [e["full_rounds"] for e in exchange],
+        "snapshot_mb_received_per_node": [e["snapshot_mb"] for e in exchange],
+        "delta_problems_logged": sum(e["delta_problems"] for e in exchange),
         "budget_rest_mb": round(150 + 3 * model_mb, 1),
         "budget_exchange_mb": round(150 + 5 * model_mb, 1),
     }
@@ -146,7 +167,9 @@ def main() -> int:
                 f"{strategy:>6} {label:>6}: tree peak PSS {r['tree_peak_pss_mb']:7.1f} MB; per node: peak PSS "
                 f"{r['node_peak_pss_mb_median']:6.1f} (budget {r['budget_exchange_mb']}), at rest "
                 f"{r['node_rest_pss_mb_median']:6.1f} (budget {r['budget_rest_mb']}), peak RSS "
-                f"{r['node_peak_rss_mb_median']:6.1f}; {r['wall_s']} s; load {load()}",
+                f"{r['node_peak_rss_mb_median']:6.1f}; {r['wall_s']} s; rounds {r['rounds_done']} "
+                f"(every peer mixed: {r['rounds_mixing_every_peer']}), snapshots received "
+                f"{r['snapshot_mb_received_per_node']} MB, delta problems {r['delta_problems_logged']}; load {load()}",
                 flush=True,
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)
