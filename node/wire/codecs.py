@@ -98,6 +98,10 @@ def encode(
                 continue
             if base is not None:
                 b = _base_tensor(base, g, name, t)
+                if codec == Q8 and b.dtype == t.dtype and _work(t.dtype) == torch.float32:
+                    # the difference taken in quantize's working copy: no model-sized t - b
+                    enc[name], scales[name] = quantize(t, block, minus=b)
+                    continue
                 t = t.to(_work(t.dtype)) - b.to(_work(t.dtype))
             if codec == FP32:
                 enc[name] = t.to(torch.float64 if t.dtype == torch.float64 else torch.float32).reshape(-1)
@@ -129,8 +133,12 @@ def _base_tensor(base: Groups, g: str, name: str, t: torch.Tensor) -> torch.Tens
     return b
 
 
-def quantize(t: torch.Tensor, block: int = Q8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 codes (flat, ``t.numel()`` of them) and one fp32 absmax scale per ``block`` values."""
+def quantize(
+    t: torch.Tensor, block: int = Q8_BLOCK, minus: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes (flat, ``t.numel()`` of them) and one fp32 absmax scale per ``block`` values;
+    of ``t - minus`` if given (``minus`` of ``t``'s shape and dtype: the difference in float32,
+    as ``t.float() - minus.float()`` computes it)."""
     flat = t.detach().reshape(-1)
     n = flat.numel()
     blocks = math.ceil(n / block)
@@ -138,6 +146,8 @@ def quantize(t: torch.Tensor, block: int = Q8_BLOCK) -> tuple[torch.Tensor, torc
     # and ``round`` each made one: four 21 MB temporaries per big tensor, per payload encoded)
     work = torch.empty(blocks * block, dtype=torch.float32)
     work[:n].copy_(flat)
+    if minus is not None:
+        work[:n].sub_(minus.detach().reshape(-1))
     work[n:].zero_()
     padded = work.view(blocks, block)
     # the largest |value| of each block, without a model-sized |padded| (abs_: -0.0 as abs gives it)
