@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import statistics
 import sys
@@ -69,6 +70,7 @@ def peer_summary(strategy: str, ps: dict[str, Any], me: str, cluster: dict[str, 
         out["W_other"] = _mean([w[p] for p in other if p in w])
         out["ip_same"] = _mean([ip[p] for p in same if p in ip])
         out["ip_other"] = _mean([ip[p] for p in other if p in ip])
+        out["total_steps"] = ps.get("total_steps")  # the run its warm phase was a share of
     elif strategy in ("l2c", "meta-l2c"):
         a = ps.get("alpha") or {}
         out["alpha_self"] = a.get(me)
@@ -207,7 +209,7 @@ def main() -> None:
         report(Path(sys.argv[2]))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--network", default="sine-adam", choices=sorted(nw.NETWORKS))
+    ap.add_argument("--network", default="sine-adam", help=f"one or more (comma-separated) of {sorted(nw.NETWORKS)}")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cell", action="append", required=True)
@@ -215,21 +217,23 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="written into every line (e.g. the checkout)")
     a = ap.parse_args()
     cells = [parse_cell(c) for c in a.cell]
+    networks = a.network.split(",")
+    if unknown := sorted(set(networks) - set(nw.NETWORKS)):
+        raise SystemExit(f"--network: unknown {unknown}; known: {sorted(nw.NETWORKS)}")
     out = Path(a.out)
     # repeat-major, cells interleaved: a drift in the machine's load hits every cell alike
-    for rep in range(a.repeats):
-        for seed in (int(s) for s in a.seeds.split(",")):
-            for (strategy, params, rounds, ref), text in zip(cells, a.cell, strict=True):
-                line = one_run(a.network, strategy, params, rounds, seed, ref)
-                line.update({"cell": text, "repeat": rep, "tag": a.tag})
-                with out.open("a") as f:
-                    f.write(json.dumps(line, default=str) + "\n")
-                print(
-                    f"{a.network} {text} seed {seed} rep {rep}: collab worst {line['collab_worst']:+.1f} "
-                    f"mean {line['collab_mean']:+.1f} | reported worst {line['reported_worst']:+.1f} "
-                    f"mean {line['reported_mean']:+.1f} ({line['wall_s']} s)",
-                    flush=True,
-                )
+    for rep, seed, network in itertools.product(range(a.repeats), (int(s) for s in a.seeds.split(",")), networks):
+        for (strategy, params, rounds, ref), text in zip(cells, a.cell, strict=True):
+            line = one_run(network, strategy, params, rounds, seed, ref)
+            line.update({"cell": text, "repeat": rep, "tag": a.tag})
+            with out.open("a") as f:
+                f.write(json.dumps(line, default=str) + "\n")
+            print(
+                f"{network} {text} seed {seed} rep {rep}: collab worst {line['collab_worst']:+.1f} "
+                f"mean {line['collab_mean']:+.1f} | reported worst {line['reported_worst']:+.1f} "
+                f"mean {line['reported_mean']:+.1f} ({line['wall_s']} s)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
