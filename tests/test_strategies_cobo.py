@@ -270,11 +270,14 @@ def _cobo_node(tmp_path, rounds, params=None):
     return NodeMaker("inproc")(cfg)
 
 
-@pytest.mark.parametrize("rounds,params,total,early_rate", [
-    (15, None, 150, 1.0),  # planned: 15 rounds × 10 steps; 0.2 % of 150 < 1 step: O(1/t) from step 1
-    (15, {"total_steps": 40000}, 40000, 2 / 8),  # an explicit total_steps wins: the constant 2/n to step 80
-    (None, None, 40000, 2 / 8),  # no planned end (runs until stopped): the paper's 40,000, as before
-])
+@pytest.mark.parametrize(
+    "rounds,params,total,early_rate",
+    [
+        (15, None, 150, 1.0),  # planned: 15 rounds × 10 steps; 0.2 % of 150 < 1 step: O(1/t) from step 1
+        (15, {"total_steps": 40000}, 40000, 2 / 8),  # an explicit total_steps wins: the constant 2/n to step 80
+        (None, None, 40000, 2 / 8),  # no planned end (runs until stopped): the paper's 40,000, as before
+    ],
+)
 def test_the_warm_phase_is_a_share_of_the_run_the_node_plans(tmp_path, rounds, params, total, early_rate):
     """cobo.txt §4: the constant rate for "the initial 0.2 % of iterations". Pinned at the paper's
     40,000, a node planning 150 steps spent 80 of them at the constant rate."""
