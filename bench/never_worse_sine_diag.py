@@ -14,6 +14,9 @@ same-interval and other-interval peers; L2C: α and the neighbours kept at pruni
 A cell is ``strategy[:key=value,...]``; ``rounds`` sets the run's rounds, every other key is a
 strategy parameter (JSON values), except ``ref.KEY``: the node's ``reference`` setting KEY
 (e.g. ``ref.settle_after=0``), and ``probe.adam_reset=true`` (``adam_reset_after_merge``). ``python bench/never_worse_sine_diag.py report FILE``: the table.
+``--network`` takes several networks (comma-separated), interleaved with the seeds.
+``python bench/never_worse_sine_diag.py paired FILE BASE_CELL NEW_CELL``: the two cells' run-by-run
+differences (e.g. ``cobo:total_steps=40000`` = main's pinned warm phase against ``cobo``).
 """
 
 from __future__ import annotations
@@ -204,9 +207,35 @@ def report(path: Path) -> None:
                     )
 
 
+def paired(path: Path, base: str, new: str) -> None:
+    """``new`` minus ``base`` run by run: the two cells' runs of one invocation matched on
+    (network, tag, seed, repeat), ran one after the other; median [min, max] of the differences
+    and on how many runs ``new`` was better (+ = ``new`` better, in the audit gain's units)."""
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    by = {(r["network"], r.get("tag", ""), r["seed"], r["repeat"], r["cell"]): r for r in rows}
+    keys = ("collab_worst", "collab_mean", "reported_worst", "reported_mean")
+    diffs: dict[str, dict[str, list[float]]] = {}
+    for (net, tag, seed, rep, cell), r in by.items():
+        other = by.get((net, tag, seed, rep, base))
+        if cell != new or other is None:
+            continue
+        for k in keys:
+            if r[k] is not None and other[k] is not None:
+                diffs.setdefault(net, {}).setdefault(k, []).append(r[k] - other[k])
+    print(f"`{new}` − `{base}`, run by run (+ = `{new}` better): median [min, max] (better in / runs)\n")
+    print("| network | runs | " + " | ".join(keys) + " |")
+    print("|---|---|" + "---|" * len(keys))
+    for net, d in diffs.items():
+        cells = [f"{_cell(d[k])} ({sum(x > 0 for x in d[k])}/{len(d[k])})" for k in keys]
+        print(f"| {net} | {len(d[keys[0]])} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     if sys.argv[1:2] == ["report"]:
         report(Path(sys.argv[2]))
+        return
+    if sys.argv[1:2] == ["paired"]:
+        paired(Path(sys.argv[2]), sys.argv[3], sys.argv[4])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--network", default="sine-adam", help=f"one or more (comma-separated) of {sorted(nw.NETWORKS)}")
