@@ -14,12 +14,16 @@ same-interval and other-interval peers; L2C: α and the neighbours kept at pruni
 A cell is ``strategy[:key=value,...]``; ``rounds`` sets the run's rounds, every other key is a
 strategy parameter (JSON values), except ``ref.KEY``: the node's ``reference`` setting KEY
 (e.g. ``ref.settle_after=0``), and ``probe.adam_reset=true`` (``adam_reset_after_merge``). ``python bench/never_worse_sine_diag.py report FILE``: the table.
+``--network`` takes several networks (comma-separated), interleaved with the seeds.
+``python bench/never_worse_sine_diag.py paired FILE BASE_CELL NEW_CELL``: the two cells' run-by-run
+differences (e.g. ``cobo:total_steps=40000`` = main's pinned warm phase against ``cobo``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import statistics
 import sys
@@ -69,6 +73,7 @@ def peer_summary(strategy: str, ps: dict[str, Any], me: str, cluster: dict[str, 
         out["W_other"] = _mean([w[p] for p in other if p in w])
         out["ip_same"] = _mean([ip[p] for p in same if p in ip])
         out["ip_other"] = _mean([ip[p] for p in other if p in ip])
+        out["total_steps"] = ps.get("total_steps")  # the run its warm phase was a share of
     elif strategy in ("l2c", "meta-l2c"):
         a = ps.get("alpha") or {}
         out["alpha_self"] = a.get(me)
@@ -202,12 +207,38 @@ def report(path: Path) -> None:
                     )
 
 
+def paired(path: Path, base: str, new: str) -> None:
+    """``new`` minus ``base`` run by run: the two cells' runs of one invocation matched on
+    (network, tag, seed, repeat), ran one after the other; median [min, max] of the differences
+    and on how many runs ``new`` was better (+ = ``new`` better, in the audit gain's units)."""
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    by = {(r["network"], r.get("tag", ""), r["seed"], r["repeat"], r["cell"]): r for r in rows}
+    keys = ("collab_worst", "collab_mean", "reported_worst", "reported_mean")
+    diffs: dict[str, dict[str, list[float]]] = {}
+    for (net, tag, seed, rep, cell), r in by.items():
+        other = by.get((net, tag, seed, rep, base))
+        if cell != new or other is None:
+            continue
+        for k in keys:
+            if r[k] is not None and other[k] is not None:
+                diffs.setdefault(net, {}).setdefault(k, []).append(r[k] - other[k])
+    print(f"`{new}` − `{base}`, run by run (+ = `{new}` better): median [min, max] (better in / runs)\n")
+    print("| network | runs | " + " | ".join(keys) + " |")
+    print("|---|---|" + "---|" * len(keys))
+    for net, d in diffs.items():
+        cells = [f"{_cell(d[k])} ({sum(x > 0 for x in d[k])}/{len(d[k])})" for k in keys]
+        print(f"| {net} | {len(d[keys[0]])} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     if sys.argv[1:2] == ["report"]:
         report(Path(sys.argv[2]))
         return
+    if sys.argv[1:2] == ["paired"]:
+        paired(Path(sys.argv[2]), sys.argv[3], sys.argv[4])
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--network", default="sine-adam", choices=sorted(nw.NETWORKS))
+    ap.add_argument("--network", default="sine-adam", help=f"one or more (comma-separated) of {sorted(nw.NETWORKS)}")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cell", action="append", required=True)
@@ -215,21 +246,23 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="written into every line (e.g. the checkout)")
     a = ap.parse_args()
     cells = [parse_cell(c) for c in a.cell]
+    networks = a.network.split(",")
+    if unknown := sorted(set(networks) - set(nw.NETWORKS)):
+        raise SystemExit(f"--network: unknown {unknown}; known: {sorted(nw.NETWORKS)}")
     out = Path(a.out)
     # repeat-major, cells interleaved: a drift in the machine's load hits every cell alike
-    for rep in range(a.repeats):
-        for seed in (int(s) for s in a.seeds.split(",")):
-            for (strategy, params, rounds, ref), text in zip(cells, a.cell, strict=True):
-                line = one_run(a.network, strategy, params, rounds, seed, ref)
-                line.update({"cell": text, "repeat": rep, "tag": a.tag})
-                with out.open("a") as f:
-                    f.write(json.dumps(line, default=str) + "\n")
-                print(
-                    f"{a.network} {text} seed {seed} rep {rep}: collab worst {line['collab_worst']:+.1f} "
-                    f"mean {line['collab_mean']:+.1f} | reported worst {line['reported_worst']:+.1f} "
-                    f"mean {line['reported_mean']:+.1f} ({line['wall_s']} s)",
-                    flush=True,
-                )
+    for rep, seed, network in itertools.product(range(a.repeats), (int(s) for s in a.seeds.split(",")), networks):
+        for (strategy, params, rounds, ref), text in zip(cells, a.cell, strict=True):
+            line = one_run(network, strategy, params, rounds, seed, ref)
+            line.update({"cell": text, "repeat": rep, "tag": a.tag})
+            with out.open("a") as f:
+                f.write(json.dumps(line, default=str) + "\n")
+            print(
+                f"{network} {text} seed {seed} rep {rep}: collab worst {line['collab_worst']:+.1f} "
+                f"mean {line['collab_mean']:+.1f} | reported worst {line['reported_worst']:+.1f} "
+                f"mean {line['reported_mean']:+.1f} ({line['wall_s']} s)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

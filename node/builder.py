@@ -220,6 +220,7 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
 
     network.introduce = introduce
     strategy = get_strategy(cfg.strategy)(host.node_id, learner, network, cfg.strategy_params, seed=seed)
+    strategy.plan_run(cfg.rounds)  # a schedule the paper gives as a share of the run fits this one
 
     # a diverged step or round is rolled back, counted and noted; nothing non-finite is published
     def on_divergence(where: str, msg: str) -> None:

@@ -240,3 +240,96 @@ def test_under_noised_releases_an_exchange_releases_one_minibatch():
     s.net.private_gradient = recording
     asyncio.run(s.run_round(1))
     assert seen and set(seen) == {8}
+
+
+# --- the warm phase fitted to the node's planned run (issue 33) ---
+
+
+def _cobo_node(tmp_path, rounds, params=None):
+    """A COBO node daemon as the node builds it (in-process transport; not started)."""
+    from coterie.node.config import validate_config
+    from tests.transports import NodeMaker
+
+    cfg = validate_config(
+        {
+            "node_id": "n0",
+            "state_dir": str(tmp_path / "n0"),
+            "strategy": "cobo",
+            "strategy_params": params or {},
+            "rounds": rounds,
+            "learner": {
+                "dataset": "gaussian",
+                "partition": "iid",
+                "num_nodes": 2,
+                "node_index": 0,
+                "model": "linear",
+                "local_steps": 10,
+            },
+        }
+    )
+    return NodeMaker("inproc")(cfg)
+
+
+@pytest.mark.parametrize(
+    "rounds,params,total,early_rate",
+    [
+        (15, None, 150, 1.0),  # planned: 15 rounds × 10 steps; 0.2 % of 150 < 1 step: O(1/t) from step 1
+        (15, {"total_steps": 40000}, 40000, 2 / 8),  # an explicit total_steps wins: the constant 2/n to step 80
+        (None, None, 40000, 2 / 8),  # no planned end (runs until stopped): the paper's 40,000, as before
+    ],
+)
+def test_the_warm_phase_is_a_share_of_the_run_the_node_plans(tmp_path, rounds, params, total, early_rate):
+    """cobo.txt §4: the constant rate for "the initial 0.2 % of iterations". Pinned at the paper's
+    40,000, a node planning 150 steps spent 80 of them at the constant rate."""
+    node = _cobo_node(tmp_path, rounds, params)
+    try:
+        s = node.strategy
+        assert s.planned_rounds == rounds
+        assert s.public_state()["total_steps"] == total
+        assert [s.pair_rate(t, 8) for t in (1, 80)] == pytest.approx([early_rate, early_rate])
+        assert s.pair_rate(81, 8) == 1.0  # min(1, 100/82) after the warm phase in every case
+    finally:
+        node.store.unlock()
+
+
+@pytest.mark.parametrize("value", [0, -150, 0.0, True, "150"])
+def test_a_total_steps_that_is_not_a_positive_number_is_refused(value):
+    with pytest.raises(ValueError, match="total_steps"):
+        build_network(COBO, {"total_steps": value}, num_nodes=2, num_clusters=1)
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, "0.002"])
+def test_a_warm_fraction_outside_0_1_is_refused(value):
+    with pytest.raises(ValueError, match="warm_fraction"):
+        build_network(COBO, {"warm_fraction": value}, num_nodes=2, num_clusters=1)
+
+
+@pytest.mark.parametrize("rounds", [-1, 2.5, True, "15"])
+def test_a_planned_run_that_is_not_a_round_count_is_refused(rounds):
+    s = build_network(COBO, None, num_nodes=2, num_clusters=1).nodes["n0"].strategy
+    with pytest.raises(ValueError, match="planned rounds"):
+        s.plan_run(rounds)
+    assert s.planned_rounds is None and s.total_steps() == 40000
+
+
+def test_with_the_planned_run_w_separates_clusters_within_a_short_run():
+    """Two label-permuted clusters of 3, 10 rounds × 5 steps: with the warm phase a share of those
+    50 steps every pair is updated every step (the O(1/t) rate is 1 until step 99) and the
+    cross-cluster weights fall below 0.6; pinned to 40,000 the whole run is warm phase (rate 2/6)
+    and they stay above 0.7."""
+
+    def cross_w(params):
+        hub = build_network(COBO, params, num_nodes=6, num_clusters=2)
+        for node in hub.nodes.values():
+            node.strategy.plan_run(10)
+        asyncio.run(run_rounds(hub, 10))
+        return [
+            w
+            for n in hub.nodes.values()
+            for p, w in n.strategy.public_state()["W"].items()
+            if hub.nodes[p].cluster != n.cluster
+        ]
+
+    planned, pinned = cross_w({"local_steps": 5}), cross_w({"local_steps": 5, "total_steps": 40000})
+    assert max(planned) < 0.6, planned
+    assert min(pinned) > 0.7, pinned

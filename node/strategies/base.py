@@ -161,7 +161,8 @@ class Strategy(ABC):
     The node then publishes the model with ``published_extras()`` and persists ``state_dict()``.
 
     Built as ``cls(node_id, learner, network, params, seed=...)``; ``params`` must be keys of
-    ``defaults``, and a key of ``choices`` one of its values. ``run_round``, the ``on_*`` hooks,
+    ``defaults``, and a key of ``choices`` one of its values; the node then calls
+    ``plan_run(rounds)`` (its planned length) before the first round. ``run_round``, the ``on_*`` hooks,
     ``weights`` and ``state_dict`` run on the node's event loop (never block it; the hooks may run
     while ``run_round`` awaits); ``evaluate`` runs in a worker thread. Randomness from ``self.rng``
     only (reproducible runs).
@@ -187,6 +188,20 @@ class Strategy(ABC):
         self.learner = learner
         self.net = network
         self.rng = np.random.default_rng(seed)
+        self.planned_rounds: int | None = None  # set by ``plan_run``; None = no planned end
+
+    def plan_run(self, rounds: int | None) -> None:
+        """The node tells its strategy how many rounds it will run in all (``NodeConfig.rounds``,
+        counted from round 1, so a resumed node passes the same number); None = until stopped.
+        A schedule the paper states as a share of the run (COBO's warm phase: "the first 0.2 % of
+        the iterations") is fitted to it; the default is a node running forever. Called once,
+        after construction and before the first round (not a constructor argument: third-party
+        factories are called as ``(node_id, learner, network, params, seed=...)``)."""
+        if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0):
+            raise ValueError(
+                f"strategy {self.name!r}: planned rounds must be a non-negative integer or None, not {rounds!r}"
+            )
+        self.planned_rounds = rounds
 
     @staticmethod
     async def compute(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -33,7 +33,8 @@ scaled by k would have k× the noise (on S1 at k = 20: single updates of ±1, W 
 ``align_samples``).
 Pair schedule p(t), the paper's *mixed* strategy (§4, Table 1: the best of the four): the constant
 rate O(1/n) — 2/n per unordered pair, Alg. 1 l.11's 1/n per ordered pair — for the first 0.2% of
-the iterations (``warm_fraction`` × ``total_steps``; the paper's run: 40,000), then the
+the iterations (``warm_fraction`` × ``total_steps``: the node's planned model steps, rounds ×
+S, when it has a planned end; else the paper's run, 40,000), then the
 time-dependent rate O(1/t), p(t) = min(1, c/(t+1)) with c = 100 (*code*: the authors' O(1/t)
 rate, ``p_sample = min(1.0, 100/(self.step+1))`` in grouping.py). W is learnt early (p = 1 until
 step 100, so early pair updates are dense) and then settles (Σ γ p(t) grows like log t).
@@ -99,16 +100,24 @@ class COBO(Strategy):
         # eq. 3 throughout at COBO's lr (the paper, bench/papers; module doc)
         "pair_rate": None,  # constant-phase pair probability; None = 2/n (Alg. 1 l.11: 1/n per ordered pair)
         "schedule": "mixed",  # §4 Table 1's mixed strategy (module doc); "code": 2/n then 1/√t after 800 steps
-        "total_steps": 40000,  # iterations the 0.2% refers to (the paper's cross-silo run)
+        "total_steps": None,  # iterations the 0.2% refers to; None = the node's planned run
+        # (planned rounds × S), or the paper's 40,000 when the node runs until stopped
         "warm_fraction": 0.002,  # §4: constant rate for the first 0.2% of the iterations
         "time_constant": 100.0,  # *code*: the O(1/t) rate min(1, c/(t+1)), c = 100
         "pair_prob": None,  # override the per-exchange probability of a pair (None = derived above)
     }
 
     choices = {"optimizer": ("learner", "sgd"), "schedule": ("mixed", "code")}
+    PAPER_STEPS = 40000  # cobo.txt §4: the cross-silo run the 0.2 % was stated for
 
     def __init__(self, *a: Any, **kw: Any):
         super().__init__(*a, **kw)
+        ts = self.p["total_steps"]
+        if ts is not None and (isinstance(ts, bool) or not isinstance(ts, int | float) or not ts > 0):
+            raise ValueError(f"strategy 'cobo': total_steps must be a positive number of model steps, not {ts!r}")
+        wf = self.p["warm_fraction"]
+        if isinstance(wf, bool) or not isinstance(wf, int | float) or not 0 <= wf <= 1:
+            raise ValueError(f"strategy 'cobo': warm_fraction must be a share of the run in [0, 1], not {wf!r}")
         self._w: dict[str, float] = {}  # w_ij, starts at 1 (Alg. 1 input W⁰ = 1)
         self._m: Params | None = None  # momentum EMA of gradients
         self._steps = 0
@@ -123,9 +132,20 @@ class COBO(Strategy):
         const = self.p["pair_rate"] if self.p["pair_rate"] is not None else 2.0 / max(n_nodes, 2)
         if self.p["schedule"] == "code":
             return float(const) if t <= 800 else 1.0 / math.sqrt(t)
-        if t <= float(self.p["warm_fraction"]) * float(self.p["total_steps"]):
+        if t <= float(self.p["warm_fraction"]) * self.total_steps():
             return float(const)
         return min(1.0, float(self.p["time_constant"]) / (t + 1))
+
+    def total_steps(self) -> float:
+        """The run the warm phase is a share of: ``total_steps`` if set, else the node's planned
+        model steps (planned rounds × S), else (no planned end) the paper's 40,000. Pinned at
+        40,000, a 150-step run spent 80 of its steps at the constant rate, W hardly moved and the
+        consensus pulled towards the wrong peers (bench/results/never_worse.md)."""
+        if self.p["total_steps"] is not None:
+            return float(self.p["total_steps"])
+        if self.planned_rounds:  # 0 rounds: nothing runs, keep the paper's
+            return float(self.planned_rounds * self.steps_per_exchange())
+        return float(self.PAPER_STEPS)
 
     def steps_per_exchange(self) -> int:
         """S: model steps between two exchanges (``local_steps``, else the learner's per round)."""
@@ -243,6 +263,7 @@ class COBO(Strategy):
             "W": dict(self._w),
             "last_inner_product": dict(self._last_ip),
             "steps": self._steps,
+            "total_steps": self.total_steps(),  # the run the warm phase is a share of
             "consensus_weight_per_unit_lr": {p: eta_rho * w for p, w in self._w.items()},
         }
 
