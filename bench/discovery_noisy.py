@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -97,15 +98,32 @@ def main() -> None:
         default=[],
         help="also run each ranking re-exploring only past this estimated share of the network evaluated",
     )
+    ap.add_argument(
+        "--rankings", nargs="+", choices=list(VARIANTS.values()), default=list(VARIANTS.values()), help="rankings to run"
+    )
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", help="JSON file for the config and every run's figures")
     a = ap.parse_args()
-    variants = [variant_name(r, confirm=c) for c in a.confirm for r in VARIANTS.values()]
-    variants += [variant_name(r, reexplore_after=x) for x in a.reexplore_after for r in VARIANTS.values()]
+    variants = [variant_name(r, confirm=c) for c in a.confirm for r in a.rankings]
+    variants += [variant_name(r, reexplore_after=x) for x in a.reexplore_after for r in a.rankings]
     variants = list(dict.fromkeys(variants))  # the default given twice runs once
     work = [(n, p, lt, v, s) for n in a.nodes for lt in a.late for p in a.signal for v in variants for s in a.seeds]
+    config = {
+        "args": vars(a),
+        "rounds": ROUNDS,
+        "late_round": LATE_ROUND,
+        "cluster_size": 10,
+        "noise_sd": 0.2,
+        "settings": {v: asdict(settings(v)) for v in variants},
+        "python": platform.python_version(),
+    }
+    results: list[dict] = []
     with ProcessPoolExecutor(a.jobs) as pool:
-        results = list(pool.map(one, work))
+        for r in pool.map(one, work):
+            results.append(r)
+            print(json.dumps(r), flush=True)
+            if a.out:  # after every run: a long grid cut short keeps what it measured
+                write(a.out, {"config": config, "runs": results, "table": []})
     lines = [
         f"| nodes | late | mate signal | ranking | mates among top 9 at {ROUNDS} | mates evaluated by {ROUNDS}"
         f" | late joiners' top 9, {ROUNDS} rounds after joining | per seed (top 9) |",
@@ -123,17 +141,15 @@ def main() -> None:
                     lines.append(f"| {n} | {lt:.0%} | {p:g} | {v} | {top:.2f} | {ev:.2f} | {late} | {per} |")
     print("\n".join(lines))
     if a.out:
-        config = {
-            "args": vars(a),
-            "rounds": ROUNDS,
-            "late_round": LATE_ROUND,
-            "cluster_size": 10,
-            "noise_sd": 0.2,
-            "settings": {v: asdict(settings(v)) for v in variants},
-            "python": platform.python_version(),
-        }
-        with open(a.out, "w") as f:
-            json.dump({"config": config, "runs": results, "table": lines}, f, indent=1)
+        write(a.out, {"config": config, "runs": results, "table": lines})
+
+
+def write(path: str, doc: dict) -> None:
+    """Atomically: a reader never sees half a file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
