@@ -2,10 +2,12 @@
 (a running score with memory 0.5: the old default) against "evidence" (evaluations that stood
 out of the noise against those that did not: ``DiscoverySettings.ranking``) — with a mate
 weighted in only ``--signal`` of its evaluations (0.2 as FedFomo on 100 daemons) and with clean
-weights (1.0). Both re-explore peers scored low on fewer than ``confirm`` (3) evaluations;
-``--confirm 3 0`` adds each ranking without re-exploring (``confirm=0, reexplore=0``);
-``--reexplore-after 0.1`` adds each ranking re-exploring only once it has evaluated about that
-share of the network (``DiscoverySettings.reexplore_after``; the others run at the default).
+weights (1.0). Both re-explore peers scored low on fewer than ``confirm`` (3) evaluations,
+by default once a node has evaluated 20% of the network (``DiscoverySettings.reexplore_after``;
+0.0 until 2026-11-29: a fixed slot); ``--confirm 3 0`` runs each ranking at the default and
+without re-exploring (``confirm=0, reexplore=0``); ``--reexplore-after 0 0.1`` adds each ranking
+with a fixed re-explore slot (0) or re-exploring past that share (named so in the table, even
+at the default).
 ``--late 0.1``: also runs with 10% of the nodes joining at round 10 (40 rounds: the others are
 counted at round 30, the late ones 30 rounds after joining). Medians over seeds; the full config
 and every run's figures go to ``--out`` (JSON) next to the table.
@@ -37,7 +39,7 @@ def variant_name(ranking: str, confirm: int | None = None, reexplore_after: floa
     name = next(v for v, r in VARIANTS.items() if r == ranking)
     if confirm is not None and confirm != DiscoverySettings().confirm:
         return f"{name}, confirm={confirm}"
-    if reexplore_after is not None and reexplore_after != DiscoverySettings().reexplore_after:
+    if reexplore_after is not None:  # named even at the default: the default changed (0.0, then 0.2)
         return f"{name}, reexplore_after={reexplore_after:g}"
     return name
 
@@ -99,7 +101,11 @@ def main() -> None:
         help="also run each ranking re-exploring only past this estimated share of the network evaluated",
     )
     ap.add_argument(
-        "--rankings", nargs="+", choices=list(VARIANTS.values()), default=list(VARIANTS.values()), help="rankings to run"
+        "--rankings",
+        nargs="+",
+        choices=list(VARIANTS.values()),
+        default=list(VARIANTS.values()),
+        help="rankings to run",
     )
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", help="JSON file for the config and every run's figures")
