@@ -2,10 +2,12 @@
 (a running score with memory 0.5: the old default) against "evidence" (evaluations that stood
 out of the noise against those that did not: ``DiscoverySettings.ranking``) — with a mate
 weighted in only ``--signal`` of its evaluations (0.2 as FedFomo on 100 daemons) and with clean
-weights (1.0). Both re-explore peers scored low on fewer than ``confirm`` (3) evaluations;
-``--confirm 3 0`` adds each ranking without re-exploring (``confirm=0, reexplore=0``);
-``--reexplore-after 0.1`` adds each ranking re-exploring only once it has evaluated about that
-share of the network (``DiscoverySettings.reexplore_after``; the others run at the default).
+weights (1.0). Both re-explore peers scored low on fewer than ``confirm`` (3) evaluations,
+by default once a node has evaluated 20% of the network (``DiscoverySettings.reexplore_after``;
+0.0 until 2026-11-29: a fixed slot); ``--confirm 3 0`` runs each ranking at the default and
+without re-exploring (``confirm=0, reexplore=0``); ``--reexplore-after 0 0.1`` adds each ranking
+with a fixed re-explore slot (0) or re-exploring past that share (named so in the table, even
+at the default).
 ``--late 0.1``: also runs with 10% of the nodes joining at round 10 (40 rounds: the others are
 counted at round 30, the late ones 30 rounds after joining). Medians over seeds; the full config
 and every run's figures go to ``--out`` (JSON) next to the table.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -36,7 +39,7 @@ def variant_name(ranking: str, confirm: int | None = None, reexplore_after: floa
     name = next(v for v, r in VARIANTS.items() if r == ranking)
     if confirm is not None and confirm != DiscoverySettings().confirm:
         return f"{name}, confirm={confirm}"
-    if reexplore_after is not None and reexplore_after != DiscoverySettings().reexplore_after:
+    if reexplore_after is not None:  # named even at the default: the default changed (0.0, then 0.2)
         return f"{name}, reexplore_after={reexplore_after:g}"
     return name
 
@@ -97,15 +100,36 @@ def main() -> None:
         default=[],
         help="also run each ranking re-exploring only past this estimated share of the network evaluated",
     )
+    ap.add_argument(
+        "--rankings",
+        nargs="+",
+        choices=list(VARIANTS.values()),
+        default=list(VARIANTS.values()),
+        help="rankings to run",
+    )
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", help="JSON file for the config and every run's figures")
     a = ap.parse_args()
-    variants = [variant_name(r, confirm=c) for c in a.confirm for r in VARIANTS.values()]
-    variants += [variant_name(r, reexplore_after=x) for x in a.reexplore_after for r in VARIANTS.values()]
+    variants = [variant_name(r, confirm=c) for c in a.confirm for r in a.rankings]
+    variants += [variant_name(r, reexplore_after=x) for x in a.reexplore_after for r in a.rankings]
     variants = list(dict.fromkeys(variants))  # the default given twice runs once
     work = [(n, p, lt, v, s) for n in a.nodes for lt in a.late for p in a.signal for v in variants for s in a.seeds]
+    config = {
+        "args": vars(a),
+        "rounds": ROUNDS,
+        "late_round": LATE_ROUND,
+        "cluster_size": 10,
+        "noise_sd": 0.2,
+        "settings": {v: asdict(settings(v)) for v in variants},
+        "python": platform.python_version(),
+    }
+    results: list[dict] = []
     with ProcessPoolExecutor(a.jobs) as pool:
-        results = list(pool.map(one, work))
+        for r in pool.map(one, work):
+            results.append(r)
+            print(json.dumps(r), flush=True)
+            if a.out:  # after every run: a long grid cut short keeps what it measured
+                write(a.out, {"config": config, "runs": results, "table": []})
     lines = [
         f"| nodes | late | mate signal | ranking | mates among top 9 at {ROUNDS} | mates evaluated by {ROUNDS}"
         f" | late joiners' top 9, {ROUNDS} rounds after joining | per seed (top 9) |",
@@ -123,17 +147,15 @@ def main() -> None:
                     lines.append(f"| {n} | {lt:.0%} | {p:g} | {v} | {top:.2f} | {ev:.2f} | {late} | {per} |")
     print("\n".join(lines))
     if a.out:
-        config = {
-            "args": vars(a),
-            "rounds": ROUNDS,
-            "late_round": LATE_ROUND,
-            "cluster_size": 10,
-            "noise_sd": 0.2,
-            "settings": {v: asdict(settings(v)) for v in variants},
-            "python": platform.python_version(),
-        }
-        with open(a.out, "w") as f:
-            json.dump({"config": config, "runs": results, "table": lines}, f, indent=1)
+        write(a.out, {"config": config, "runs": results, "table": lines})
+
+
+def write(path: str, doc: dict) -> None:
+    """Atomically: a reader never sees half a file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
