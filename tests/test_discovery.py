@@ -351,6 +351,23 @@ def test_coverage_is_not_read_low_where_the_view_is_much_of_the_network():
         assert abs(estimate - truth) < 0.25 * truth, (n, estimate, truth)  # the first version: 0.11 of 0.59
 
 
+def test_a_node_that_just_joined_does_not_trust_a_ratio_over_a_handful_of_arrivals():
+    """A node new to a network of 3,000 evaluates 25 peers of its first view; 5 of them leave the
+    view, and of the next two arrivals one is a peer it had evaluated. Over those few arrivals the
+    ratio reads the network as ~70 peers (share 0.36, re-exploring on) where it met 25 of 3,000:
+    late joiners re-explored having met ~2 % of 1,000 nodes (bench/results/scale.md)."""
+    network = _network(3000)
+    view = network[:60]
+    d = Discovery("me", lambda: list(view), settings=DiscoverySettings(reexplore_after=0.2), rng=random.Random(3))
+    d.begin_round()
+    d.observe({}, view[:25])  # evaluated, weighted 0
+    view[:5] = network[100:105]  # 5 of the evaluated leave the view, 5 never-met arrive
+    d.begin_round()
+    view[5:7] = [network[0], network[105]]  # one evaluated peer comes back, one never-met arrives
+    d.begin_round()
+    assert d.met.share < d.s.reexplore_after and not d.reexploring(), d.met.share
+
+
 def test_in_a_large_network_mostly_unmet_a_doubtful_peer_gets_no_second_look_nor_a_hint():
     """By default. The old default (``reexplore_after=0``, a fixed slot): offered again within a
     few rounds and accepted again as a hint — slots a node in a large network needs for meeting

@@ -35,6 +35,7 @@ class Coverage:
         # outside my view when each arrived, and the arrivals I had scored
         self._scored_outside = 0.0
         self._arrivals_scored = 0.0
+        self._arrivals = 0.0  # all arrivals, with the same memory
         self._view_before: set[str] | None = None
         self._reexploring: bool | None = None  # ``reexploring()``, cached until the view or scores change
 
@@ -54,8 +55,12 @@ class Coverage:
             for p in (p for p in view if p not in self._view_before):
                 self._scored_outside = keep * self._scored_outside + outside
                 self._arrivals_scored = keep * self._arrivals_scored + (p in scored)
+                self._arrivals = keep * self._arrivals + 1.0
         self._view_before = set(view)
-        if self._arrivals_scored <= 0.0:  # no arrival met yet: the network may be any size
+        # no arrival met yet: the network may be any size; and a ratio over a handful of arrivals
+        # is not evidence (a node that just joined, one of its first arrivals one it had scored:
+        # it read ~a view's worth of network and re-explored having met 2 % of 1,000 nodes)
+        if self._arrivals_scored <= 0.0 or self._arrivals < self.window / 3:
             self.share = 0.0
         else:
             network = len(self._view_before) + self._scored_outside / self._arrivals_scored
