@@ -90,6 +90,20 @@ class Board:
         return ComputeReply(loss=1.0, samples=1)
 
 
+def _client(name: str, codecs=("q8", "fp32"), delta=True, sessions=False) -> PeerClient:
+    return PeerClient(
+        name,
+        _Traffic(),
+        chunk_bytes=1 << 16,
+        max_model_bytes=1 << 26,
+        max_gossip_bytes=1 << 20,
+        timeout_s=10,
+        tls=None,
+        sessions=sessions,
+        codecs=CodecPolicy(tuple(codecs), delta),
+    )
+
+
 @contextlib.asynccontextmanager
 async def _pair(
     board: Board,
@@ -102,17 +116,7 @@ async def _pair(
     server, port = await serve(
         board, _Traffic(), "127.0.0.1:0", tls=None, codecs=CodecPolicy(tuple(server_codecs), delta, history)
     )
-    client = PeerClient(
-        "me",
-        _Traffic(),
-        chunk_bytes=1 << 16,
-        max_model_bytes=1 << 26,
-        max_gossip_bytes=1 << 20,
-        timeout_s=10,
-        tls=None,
-        sessions=sessions,
-        codecs=CodecPolicy(tuple(client_codecs), delta),
-    )
+    client = _client("me", client_codecs, delta, sessions)
     try:
         yield client, f"127.0.0.1:{port}", server
     finally:
@@ -579,20 +583,6 @@ def _recorded_server(monkeypatch) -> list[ServedVersions]:
 
     monkeypatch.setattr(server_module, "ServedVersions", Recorded)
     return made
-
-
-def _client(name: str) -> PeerClient:
-    return PeerClient(
-        name,
-        _Traffic(),
-        chunk_bytes=1 << 16,
-        max_model_bytes=1 << 26,
-        max_gossip_bytes=1 << 20,
-        timeout_s=10,
-        tls=None,
-        sessions=False,
-        codecs=CodecPolicy(("q8", "fp32"), True),
-    )
 
 
 def test_peers_in_step_cost_the_server_one_reconstruction(monkeypatch):
