@@ -144,8 +144,10 @@ ALPHA_RULES = {
 def rule_gain(n: dict[str, Any], rule: str) -> tuple[float, float] | None:
     """(audit gain over the twin, its SE) of what ``rule`` predicts with on node ``n``.
     Rules: ``reported`` (today: the node's own back-off), ``collab``, ``twin``,
-    ``<kind>-<alpha rule>`` and ``backoff-<kind>-0.5`` (today's decision, backed off to the
-    0.5 blend instead of the twin)."""
+    ``<kind>-<alpha rule>``, and three on top of today's decision: ``backoff-<kind>-0.5`` (backed
+    off to the 0.5 blend instead of the twin), ``on-<kind>-valopt`` (collaborating: the valopt
+    blend; backed off: the twin) and ``off-<kind>-valopt`` (collaborating: the collaborative model;
+    backed off: the valopt blend)."""
     b = n.get("blend") or {}
     if n.get("audit_collab_gain") is None or not b:
         return None
@@ -155,6 +157,14 @@ def rule_gain(n: dict[str, Any], rule: str) -> tuple[float, float] | None:
         return n["audit_collab_gain"], n["audit_collab_se"]
     if rule == "twin":
         return 0.0, 0.0
+    if rule.startswith(("on-", "off-")):
+        side, kind, _ = rule.split("-")
+        if (n.get("helping") is not False) == (side == "on"):  # the side the blend replaces
+            k = alpha_valopt(b, kind)
+            return b[kind]["audit_gain"][k], b[kind]["audit_se"][k]
+        if side == "on":
+            return 0.0, 0.0
+        return n["audit_collab_gain"], n["audit_collab_se"]
     if rule.startswith("backoff-"):
         kind = rule.split("-")[1]
         if n.get("helping") is not False:
@@ -170,6 +180,7 @@ COLUMNS = [
     "collab",
     *(f"{kind}-{how}" for kind in KINDS for how in ALPHA_RULES),
     *(f"backoff-{kind}-0.5" for kind in KINDS),
+    *(f"{side}-{kind}-valopt" for side in ("on", "off") for kind in KINDS),
 ]
 
 

@@ -11,9 +11,10 @@ Once the twin's validation score has not improved for ``settle_after`` checks it
 the node predicts with (the live model, or the strategy's mixture) and the twin are scored on the
 *validation* split (never test) and ``CollaborationCheck`` decides. Backed off, the node predicts,
 reports (``test_acc``) and exports the twin; it still collaborates and publishes its own model,
-so it returns as soon as collaboration is better again. With ``reference.predict = "blend"`` (the
-default) the node predicts with neither alone but with their blend (``reference.blend_space``), α
-chosen on the validation split at every check (``node/blend.py``): backed off is α = 0, the twin.
+so it returns as soon as collaboration is better again. With ``reference.predict = "blend"``, while
+the check collaborates the node predicts with neither model alone but with their blend
+(``reference.blend_space``), α chosen on the validation split at every check (``node/blend.py``);
+backed off, it predicts with the twin as before.
 Strategy-agnostic: strategies never see it.
 """
 
@@ -92,10 +93,9 @@ class LocalReference:
 
     @property
     def helping(self) -> bool:
-        """Collaboration has a part in what the node predicts with."""
-        if self.blending:
-            return self.alpha is None or self.alpha > 0
-        return self.check.helping
+        """Collaboration has a part in what the node predicts with: the check has not backed off
+        and, blending, α > 0."""
+        return self.check.helping and (not self.blending or self.alpha is None or self.alpha > 0)
 
     @property
     def backed_off(self) -> bool:
@@ -170,8 +170,10 @@ class LocalReference:
                 evidence = _paired(collab_val, twin_val)
                 if collab_val.n:
                     self.check.observe(_score(collab_val), local_val, evidence)
-                    if self.blending:
+                    if self.blending and self.check.helping:
                         self._choose_alpha(self._collab(members, "self"))
+                    elif self.blending:  # backed off: the twin alone, until the check returns
+                        self.alpha, self.alpha_losses = 0.0, []
                     if self.helping != was:
                         log.warning("%s", self.reason())
                 self._settle(rnd, local_val)
@@ -220,7 +222,7 @@ class LocalReference:
 
     def reason(self) -> str | None:
         """Why the node predicts with what it predicts with (the check's figures as evidence)."""
-        if not self.blending or self.alpha is None or self.check.last is None:
+        if not self.blending or self.alpha is None or self.check.last is None or not self.check.helping:
             return self.check.reason()
         of = f"the lowest validation loss of {len(self.grid)} blends"
         if self.alpha == 0:
@@ -229,7 +231,7 @@ class LocalReference:
                 f"predicting with the local model (α = 0: {of})"
             )
         if self.alpha == 1:
-            return f"collaboration helps or is within noise: {self.check.figures()}; predicting with the collaborative model (α = 1: {of})"
+            return f"{self.check.reason()}; predicting with the collaborative model (α = 1: {of})"
         what = "weights" if self.cfg.blend_space == "weight" else "predictions"
         return (
             f"predicting with a blend of the collaborative and the local model's {what}, α = {self.alpha:.2g} on "

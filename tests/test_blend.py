@@ -144,6 +144,12 @@ def test_a_ruined_collaborative_model_blends_to_the_twin_alone():
     assert all(torch.equal(exported[k], v) for k, v in ref.twin.get_params().items())
     assert ref.view()["reason"].startswith("collaboration is not helping this node: val acc")
     assert ref.view()["predicting_with"]["model"] == "local"
+    # once the check backs off (patience 1 here), the twin alone, without scoring blends
+    off = LocalReference(ReferenceConfig(predict="blend", patience=1), learner, "dpsgd")
+    off.train(1)
+    ev = off.judge(1, {"test_acc": 0.0, "test_loss": math.nan}, None)
+    assert not off.check.helping and off.alpha == 0.0 and off.alpha_losses == [] and ev["helping"] == 0.0
+    assert off.view()["reason"].endswith("; predicting with the local model") and off.backed_off
 
 
 def test_choose_keeps_the_binary_back_off():
