@@ -19,7 +19,7 @@ rule is judged on the *same* runs. The run itself is the plain ``never_worse.py`
 own decision, ``reported``, is today's default back-off).
 
     nice -n 5 python bench/never_worse_blend.py sweep --networks sine-sgd,sine-adam --seeds 0,1,2 --jobs 1
-    python bench/never_worse_blend.py report   # prints the tables; writes never_worse_blend.json
+    python bench/never_worse_blend.py report   # never_worse_blend.md (tables), never_worse_blend.json
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import never_worse as nw  # noqa: E402
 
 RUNS = nw.RESULTS / "never_worse_blend_runs.jsonl"
 CONFIG = nw.RESULTS / "never_worse_blend.json"
+REPORT = nw.RESULTS / "never_worse_blend.md"
 GRID = [round(0.1 * k, 1) for k in range(11)]  # α on the collaborative model
 KINDS = ("pred", "weight")
 SHRINK_T = 2.0  # |t| (paired, collab − twin on validation) at which the chosen α is no longer shrunk
@@ -289,6 +290,28 @@ def report() -> None:
         "summary": summary,
     }
     CONFIG.write_text(json.dumps(config, indent=1, default=str) + "\n")
+    head = [
+        "# Blend instead of choose: every α rule on the audit set, same runs (issue 33)",
+        "",
+        "`nice -n 5 python bench/never_worse_blend.py sweep --seeds 0,1,2 --jobs 1` then "
+        "`python bench/never_worse_blend.py report` (method: the script's docstring; the reading and "
+        "the decision: `never_worse.md`, section *Blend instead of choose*). Per network: the worst "
+        "node's audit gain over its twin per strategy (min over seeds), then per rule the real misses "
+        "(gain + 2 SE below the goal; per seed), the mean gain over all node runs (per seed), and the "
+        "gain thrown away: the sum over node runs whose collaborative model is better than the twin by "
+        "> 2 SE of how much less than that model the rule gets (its share of those runs' gain; over "
+        "100 % where the rule ends below the twin there). Rules: `reported` today's back-off (what the "
+        "node reported in the run); `collab` no back-off; `<space>-<α>` a blend in prediction (`pred`) "
+        "or weight space, α: `valopt` the grid point (0, 0.1, ..., 1) of lowest validation loss, "
+        f"`shrunk` valopt's α shrunk toward 0.5 by min(1, |t|/{SHRINK_T:g}) (t: paired t of the "
+        "validation loss differences collab − twin), `doubt` 0.5 if |t| ≤ 1 else the side t points "
+        "to, `0.5`; on top of today's decision: `backoff-<space>-0.5` backed off to the 0.5 blend, "
+        "`on-<space>-valopt` collaborating with the valopt blend (backed off: the twin), "
+        "`off-<space>-valopt` backed off to the valopt blend. Raw lines: `never_worse_blend_runs.jsonl`; "
+        "config and summary: `never_worse_blend.json`.",
+        "",
+    ]
+    REPORT.write_text("\n".join(head + lines) + "\n")
     print("\n".join(lines))
 
 

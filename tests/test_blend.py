@@ -152,6 +152,14 @@ def test_a_ruined_collaborative_model_blends_to_the_twin_alone():
     assert off.view()["reason"].endswith("; predicting with the local model") and off.backed_off
 
 
+def test_blending_in_prediction_space_is_the_default():
+    cfg = ReferenceConfig()
+    assert (cfg.predict, cfg.blend_space, cfg.blend_steps) == ("blend", "prediction", 10)
+    learner = build_learner(LearnerConfig(dataset="digits", model="mlp", model_params={"hidden": [16]}))
+    ref = LocalReference(cfg, learner, "fedfomo")
+    assert ref.blending and ref.grid == [k / 10 for k in range(11)]
+
+
 def test_choose_keeps_the_binary_back_off():
     cfg = LearnerConfig(dataset="digits", model="mlp", model_params={"hidden": [16]})
     learner = build_learner(cfg)
