@@ -15,6 +15,7 @@ from coterie.node.config import ReferenceConfig
 from coterie.node.learning.config import LearnerConfig
 from coterie.node.learning.torch_learner import build_learner
 from coterie.node.local_reference import LocalReference
+from coterie.node.modelfile import MixtureModel, _build
 
 
 def test_the_blend_is_the_twin_at_0_the_collaborative_members_at_1_and_their_average_between():
@@ -121,6 +122,13 @@ def test_a_prediction_space_blend_is_the_mixture_of_the_two_models_it_reports_an
     members = ref.prediction_members("n0")  # what the checkpoint carries for the export: both models
     assert [(i, w) for i, w, _ in members] == [("n0", best), ("n0", 1 - best)]
     assert all(torch.equal(members[0][2][k], collab[k]) and torch.equal(members[1][2][k], theta0[k]) for k in collab)
+    # the export of those members (modelfile's mixture module) predicts as the node reported
+    card = {"architecture": "mlp", "input_shape": list(learner.input_shape), "num_classes": 10}
+    built = [_build({**card, "model_params": {"hidden": [16]}}, p, "test", "") for _, _, p in members]
+    exported = MixtureModel(built, [w for _, w, _ in members], "classification").eval()
+    x, y = learner._data["test"]
+    with torch.no_grad():
+        assert float((exported(x).argmax(1) == y).float().mean()) == pytest.approx(ev["test_acc"], abs=1e-6)
     assert ref.view()["predicting_with"] | {"val_loss_by_alpha": None} == {
         "model": "blend",
         "rule": "blend",
