@@ -166,7 +166,7 @@ class LocalReference:
                 )
                 twin_val = self._twin_eval("val")
                 local_val = _score(twin_val)
-                was = self.helping
+                was = self.check.helping
                 evidence = _paired(collab_val, twin_val)
                 if collab_val.n:
                     self.check.observe(_score(collab_val), local_val, evidence)
@@ -174,7 +174,7 @@ class LocalReference:
                         self._choose_alpha(self._collab(members, "self"))
                     elif self.blending:  # backed off: the twin alone, until the check returns
                         self.alpha, self.alpha_losses = 0.0, []
-                    if self.helping != was:
+                    if self.check.helping != was:  # the check's switches (α moves every check: /status)
                         log.warning("%s", self.reason())
                 self._settle(rnd, local_val)
             # the blend's test figures (0 < α < 1); α = 0 is the twin, α = 1 the collaborative model
