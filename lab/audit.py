@@ -155,7 +155,8 @@ def node_models(node: Any) -> dict[str, list[tuple[str, float, dict[str, torch.T
     mixture, the back-off aside) and ``twin`` (its local-only reference, absent without one)."""
     own = [(node.node_id, 1.0, node.learner.get_params())]
     collab = node.strategy.prediction_members() or own
-    out = {"reported": node.reference.prediction_members(node.node_id) or collab, "collab": collab}
+    reported = node.reference.prediction_members(node.node_id, node.strategy.prediction_members())
+    out = {"reported": reported or collab, "collab": collab}
     if node.reference.twin is not None:
         out["twin"] = [(node.node_id, 1.0, node.reference.twin.get_params())]
     return out

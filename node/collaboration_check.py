@@ -187,7 +187,8 @@ class CollaborationCheck:
             self.switches += 1
         return self.helping
 
-    def _figures(self) -> str:
+    def figures(self) -> str:
+        """The last check's figures: the two validation scores and, paired, their difference."""
         assert self.last is not None
         collab, local = self.last
         acc = collab.accuracy is not None and local.accuracy is not None
@@ -213,7 +214,7 @@ class CollaborationCheck:
         """What /status says; None before the first check."""
         if self.last is None:
             return None
-        figures = self._figures()
+        figures = self.figures()
         if not self.helping:
             run = f" over {self.worse_run} checks" if self.worse_run else " (recovering: not yet better long enough)"
             return f"collaboration is not helping this node: {figures}{run}; predicting with the local model"

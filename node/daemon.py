@@ -414,7 +414,8 @@ class Node:
             meta=meta,
             record=record,
             prepare=_snapshot_namer(record, self.board.current),
-            mixture=self.reference.prediction_members(self.node_id) or self.strategy.prediction_members(),
+            mixture=self.reference.prediction_members(self.node_id, self.strategy.prediction_members())
+            or self.strategy.prediction_members(),
             reference=reference,
         )
 

@@ -11,7 +11,11 @@ Once the twin's validation score has not improved for ``settle_after`` checks it
 the node predicts with (the live model, or the strategy's mixture) and the twin are scored on the
 *validation* split (never test) and ``CollaborationCheck`` decides. Backed off, the node predicts,
 reports (``test_acc``) and exports the twin; it still collaborates and publishes its own model,
-so it returns as soon as collaboration is better again. Strategy-agnostic: strategies never see it.
+so it returns as soon as collaboration is better again. With ``reference.predict = "blend"``, while
+the check collaborates the node predicts with neither model alone but with their blend
+(``reference.blend_space``), α chosen on the validation split at every check (``node/blend.py``);
+backed off, it predicts with the twin as before.
+Strategy-agnostic: strategies never see it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .blend import alphas, blend, choose
 from .collaboration_check import CollaborationCheck, Paired, Score, paired
 from .config import ReferenceConfig
 from .learning.learner import EvalResult, Learner, MakesTwin, Params, Split
@@ -57,6 +62,11 @@ class LocalReference:
         self._cached: dict[str, tuple[int, EvalResult]] = {}
         self.note: str | None = None  # why there is no reference, or what limits it
         self._lock = threading.Lock()  # the twin trains and is evaluated from worker threads
+        self.grid = alphas(cfg.blend_steps)
+        # predict = "blend": the weight on collaboration the last check chose (None before the
+        # first: the node predicts with its collaborative model), and every α's validation loss
+        self.alpha: float | None = None
+        self.alpha_losses: list[float] = []
         size = sum(math.prod(shape) for shape, _ in learner.param_spec().values())
         self.every = 1 if size <= cfg.shadow_max_params else cfg.large_every
         if not cfg.enabled:
@@ -78,8 +88,33 @@ class LocalReference:
         return self.twin is not None
 
     @property
+    def blending(self) -> bool:
+        return self.twin is not None and self.cfg.predict == "blend"
+
+    @property
+    def helping(self) -> bool:
+        """Collaboration has a part in what the node predicts with: the check has not backed off
+        and, blending, α > 0."""
+        return self.check.helping and (not self.blending or self.alpha is None or self.alpha > 0)
+
+    @property
     def backed_off(self) -> bool:
-        return self.twin is not None and not self.check.helping
+        return self.twin is not None and not self.helping
+
+    def _collab(self, members: Members | None, node_id: str) -> Members:
+        """What the node predicts with by collaborating: the strategy's mixture, or its live model."""
+        return members if members else [(node_id, 1.0, self.learner.get_params())]
+
+    def _choose_alpha(self, collab: Members) -> None:
+        """The blend's α for this check: the lowest validation loss on the grid (node/blend.py)."""
+        assert self.twin is not None
+        twin = self.twin.get_params()
+
+        def val_loss(alpha: float) -> float:
+            ms = blend(collab, twin, alpha, "twin", self.cfg.blend_space)
+            return self.learner.evaluate_mixture([(w, p) for _, w, p in ms], "val").loss
+
+        self.alpha, self.alpha_losses = choose(self.grid, val_loss)
 
     def train(self, rnd: int) -> None:
         """The twin's share of round ``rnd`` (run in a worker thread, while the strategy's round runs)."""
@@ -133,38 +168,82 @@ class LocalReference:
                 local_val = _score(twin_val)
                 was = self.check.helping
                 evidence = _paired(collab_val, twin_val)
-                if collab_val.n and self.check.observe(_score(collab_val), local_val, evidence) != was:
-                    log.warning("%s", self.check.reason())
+                if collab_val.n:
+                    self.check.observe(_score(collab_val), local_val, evidence)
+                    if self.blending and self.check.helping:
+                        self._choose_alpha(self._collab(members, "self"))
+                    elif self.blending:  # backed off: the twin alone, until the check returns
+                        self.alpha, self.alpha_losses = 0.0, []
+                    if self.check.helping != was:  # the check's switches (α moves every check: /status)
+                        log.warning("%s", self.reason())
                 self._settle(rnd, local_val)
+            # the blend's test figures (0 < α < 1); α = 0 is the twin, α = 1 the collaborative model
+            blended = None
+            if self.blending and self.alpha is not None and 0 < self.alpha < 1:
+                ms = blend(
+                    self._collab(members, "self"), self.twin.get_params(), self.alpha, "twin", self.cfg.blend_space
+                )
+                blended = self.learner.evaluate_mixture([(w, p) for _, w, p in ms], "test")
         out = dict(evaluation)
         out["local_test_loss"] = local_test.loss
         if local_test.accuracy is not None:
             out["local_test_acc"] = local_test.accuracy
-        out["helping"] = 1.0 if self.check.helping else 0.0
-        if self.check.helping:
+        out["helping"] = 1.0 if self.helping else 0.0
+        if self.blending and self.alpha is not None:
+            out["blend_alpha"] = self.alpha
+        if self.helping and blended is None:
             return out
         for k in ("test_acc", "test_loss"):
             if k in evaluation:
                 out[f"collab_{k}"] = evaluation[k]
-        out["test_loss"] = local_test.loss
-        if local_test.accuracy is not None:
-            out["test_acc"] = local_test.accuracy
+        shown = blended if blended is not None else local_test
+        out["test_loss"] = shown.loss
+        if shown.accuracy is not None:
+            out["test_acc"] = shown.accuracy
         return out
 
-    def prediction_members(self, node_id: str) -> Members | None:
-        """Backed off: the twin, as the one model the node predicts with (checkpointed, so an
-        export writes it); None otherwise."""
-        if not self.backed_off:
+    def prediction_members(self, node_id: str, collab: Members | None = None) -> Members | None:
+        """What the node predicts with when that is not its collaborative model (``collab``: the
+        strategy's prediction members, None for its live model): backed off, the twin; blending
+        with 0 < α < 1, the blend. Checkpointed, so an export writes it; None otherwise."""
+        if (
+            self.twin is None
+            or not self.backed_off
+            and not (self.blending and self.alpha is not None and self.alpha < 1)
+        ):
             return None
-        assert self.twin is not None
         with self._lock:
-            return [(node_id, 1.0, self.twin.get_params())]
+            if self.backed_off:
+                return [(node_id, 1.0, self.twin.get_params())]
+            assert self.alpha is not None
+            return blend(
+                self._collab(collab, node_id), self.twin.get_params(), self.alpha, node_id, self.cfg.blend_space
+            )
+
+    def reason(self) -> str | None:
+        """Why the node predicts with what it predicts with (the check's figures as evidence)."""
+        if not self.blending or self.alpha is None or self.check.last is None or not self.check.helping:
+            return self.check.reason()
+        of = f"the lowest validation loss of {len(self.grid)} blends"
+        if self.alpha == 0:
+            return (
+                f"collaboration is not helping this node: {self.check.figures()}; "
+                f"predicting with the local model (α = 0: {of})"
+            )
+        if self.alpha == 1:
+            return f"{self.check.reason()}; predicting with the collaborative model (α = 1: {of})"
+        what = "weights" if self.cfg.blend_space == "weight" else "predictions"
+        return (
+            f"predicting with a blend of the collaborative and the local model's {what}, α = {self.alpha:.2g} on "
+            f"collaboration ({of}): {self.check.figures()}"
+        )
 
     def view(self) -> dict[str, Any]:
         """/status's ``collaboration``: helping, why, and the reference's own figures."""
         return {
-            "helping": self.check.helping,
-            "reason": self.check.reason() if self.active else self.note,
+            "helping": self.helping,
+            "reason": self.reason() if self.active else self.note,
+            "predicting_with": self._predicting_with(),
             "reference": {
                 "active": self.active,
                 "note": self.note,
@@ -174,6 +253,22 @@ class LocalReference:
             },
         }
 
+    def _predicting_with(self) -> dict[str, Any]:
+        """/status: the model the node predicts with, reports and exports, and the blend's α."""
+        if not self.active:
+            return {"model": "collaborative"}
+        if not self.blending:
+            return {"model": "local" if self.backed_off else "collaborative", "rule": "choose"}
+        alpha = 1.0 if self.alpha is None else self.alpha
+        model = "local" if alpha == 0 else "collaborative" if alpha == 1 else "blend"
+        return {
+            "model": model,
+            "rule": "blend",
+            "alpha": alpha,
+            "space": self.cfg.blend_space,
+            "val_loss_by_alpha": dict(zip((f"{a:.2g}" for a in self.grid), self.alpha_losses, strict=False)),
+        }
+
     # ------------------------------------------------------------------ persistence
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
         if self.twin is None:
@@ -181,7 +276,14 @@ class LocalReference:
         with self._lock:
             tensors, meta = self.twin.export_state()
         settle = {"settled_at": self.settled_at, "best": self._best, "since_best": self._since_best}
-        return tensors, {"twin": meta, "trained_round": self.trained_round, "check": self.check.to_json(), **settle}
+        chosen = {"alpha": self.alpha, "val_losses": self.alpha_losses}
+        return tensors, {
+            "twin": meta,
+            "trained_round": self.trained_round,
+            "check": self.check.to_json(),
+            "blend": chosen,
+            **settle,
+        }
 
     def import_state(self, state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None, rnd: int) -> None:
         """Resume the twin and the decision; a checkpoint without them (or one that does not fit
@@ -200,6 +302,9 @@ class LocalReference:
                 self.settled_at = None if settled is None else int(settled)
                 self._best = None if best is None else float(best)
                 self._since_best = int(meta.get("since_best", 0))
+                chosen = meta.get("blend") or {}  # a checkpoint from before the blend: the next check chooses
+                self.alpha = None if chosen.get("alpha") is None else float(chosen["alpha"])
+                self.alpha_losses = [float(x) for x in chosen.get("val_losses") or []]
                 self._trained += 1  # scores cached before the import are stale
                 return
             except (KeyError, TypeError, ValueError) as e:
