@@ -109,6 +109,11 @@ class LocalReference:
         """The blend's α for this check: the lowest validation loss on the grid (node/blend.py)."""
         assert self.twin is not None
         twin = self.twin.get_params()
+        if self.cfg.blend_space == "prediction":  # every α from one pass of each model
+            scored = self.learner.evaluate_blends([(w, p) for _, w, p in collab], twin, self.grid, "val")
+            by_alpha = {a: r.loss for a, r in zip(self.grid, scored, strict=True)}
+            self.alpha, self.alpha_losses = choose(self.grid, by_alpha.__getitem__)
+            return
 
         def val_loss(alpha: float) -> float:
             ms = blend(collab, twin, alpha, "twin", self.cfg.blend_space)

@@ -176,3 +176,35 @@ def test_choose_keeps_the_binary_back_off():
     ev = ref.judge(1, {"test_acc": 0.5, "test_loss": 1.0}, None)
     assert "blend_alpha" not in ev and ref.alpha is None
     assert ref.view()["predicting_with"]["rule"] == "choose"
+
+
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_every_prediction_space_blend_scored_in_one_pass_is_the_mixture_scored_afresh_bit_for_bit(task):
+    # the check scores 11 blends a check from one pass of each model (TorchLearner.evaluate_blends);
+    # each must be exactly what the mixture evaluation gives that blend on its own
+    if task == "classification":
+        cfg = LearnerConfig(dataset="digits", model="mlp", model_params={"hidden": [16]}, optimizer="adam", lr=0.01)
+    else:
+        cfg = LearnerConfig(
+            dataset="sine",
+            dataset_params={"num_samples": 400, "noise": 0.1},
+            partition="sine_intervals",
+            partition_params={"num_intervals": 2, "samples_per_node": 50},
+            num_nodes=2,
+            model="mlp",
+            model_params={"hidden": [8]},
+        )
+    learner = build_learner(cfg)
+    twin = learner.get_params()
+    a, b = _trained(cfg, 3), _trained(cfg.model_copy(update={"init_seed": 1}), 2)
+    for members in ([(1.0, a)], [(0.3, a), (0.5, b), (0.2, twin)]):
+        grid = alphas(10)
+        scored = learner.evaluate_blends(members, twin, grid, "val")
+        for alpha, got in zip(grid, scored, strict=True):
+            ms = blend([(str(i), w, p) for i, (w, p) in enumerate(members)], twin, alpha, "twin", "prediction")
+            want = learner.evaluate_mixture([(w, p) for _, w, p in ms], "val")
+            assert got.loss == want.loss and got.n == want.n and got.accuracy == want.accuracy
+            assert (got.losses == want.losses).all()
+            assert (got.correct is None) == (want.correct is None)
+            if want.correct is not None:
+                assert (got.correct == want.correct).all()

@@ -152,6 +152,20 @@ class Learner(ABC):
     def evaluate_mixture(self, members: list[tuple[float, Params]], split: Split = "test") -> EvalResult:
         """Accuracy/loss of the mixture prediction Σ_j w_j p(y|x; θ_j) (FedeRiCo)."""
 
+    def evaluate_blends(
+        self, members: list[tuple[float, Params]], other: Params, alphas: list[float], split: Split = "val"
+    ) -> list[EvalResult]:
+        """``evaluate_mixture`` of ``[(a·w_j, θ_j)…, (1 − a, other)]`` for every ``a`` in ``alphas``
+        (the prediction-space blends of node/blend.py; a = 0 is ``other`` alone, a = 1 the members
+        alone). A learner that can should compute each model's outputs once for all of them."""
+        out = []
+        for a in alphas:
+            ms = (
+                [(1.0, other)] if a == 0 else members if a == 1 else [(a * w, p) for w, p in members] + [(1 - a, other)]
+            )
+            out.append(self.evaluate_mixture(ms, split))
+        return out
+
     @abstractmethod
     def num_samples(self, split: Split = "train") -> int: ...
 

@@ -318,6 +318,11 @@ class TorchLearner(Learner):
     def evaluate_mixture(self, members: list[tuple[float, Params]], split: Split = "test") -> EvalResult:
         return self._mixture.evaluate_mixture(members, split)
 
+    def evaluate_blends(
+        self, members: list[tuple[float, Params]], other: Params, alphas: list[float], split: Split = "val"
+    ) -> list[EvalResult]:
+        return self._mixture.evaluate_blends(members, other, alphas, split)
+
     def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
         return self._state.export_state(reuse)
 
