@@ -358,8 +358,10 @@ class TorchLearner(Learner):
     def evaluate_mixture(self, members: list[tuple[float, Params]], split: Split = "test") -> EvalResult:
         return self._mixture.evaluate_mixture(members, split)
 
-    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-        return self._state.export_state(reuse)
+    def export_state(
+        self, reuse: dict[str, torch.Tensor] | None = None, live: bool = False
+    ) -> tuple[dict[str, torch.Tensor], dict]:
+        return self._state.export_state(reuse, live)
 
     def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         self._state.import_state(tensors, meta)
