@@ -131,7 +131,9 @@ def main() -> int:
             runs[label].append(probe(py, cfg))
             print(f"run {i + 1} {label}: load {load()}", flush=True)
     for label, rs in runs.items():
-        print(f"\n{label}: rest RSS {statistics.median(r['rest_rss_mb'] for r in rs):.0f} MB, model {rs[0]['model_mb']} MB")
+        print(
+            f"\n{label}: rest RSS {statistics.median(r['rest_rss_mb'] for r in rs):.0f} MB, model {rs[0]['model_mb']} MB"
+        )
         for j, row in enumerate(rs[0]["calls"]):
             over = [r["calls"][j]["peak_over_mb"] for r in rs]
             before = [r["calls"][j]["rss_before_mb"] for r in rs]

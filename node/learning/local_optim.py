@@ -9,7 +9,6 @@ import math
 import numpy as np
 import torch
 
-
 STEP_CHUNK = 1 << 20  # elements of a parameter updated at once (Adam's temporaries stay this size)
 
 
@@ -17,8 +16,8 @@ def _chunks(*tensors: torch.Tensor) -> zip:
     """Matching chunks of same-shaped tensors: flat views of ``STEP_CHUNK`` elements (the whole
     tensors where one is not contiguous)."""
     if not all(t.is_contiguous() for t in tensors):
-        return zip(*([t] for t in tensors))
-    return zip(*(t.view(-1).split(STEP_CHUNK) for t in tensors))
+        return zip(*([t] for t in tensors), strict=True)
+    return zip(*(t.view(-1).split(STEP_CHUNK) for t in tensors), strict=True)
 
 
 class LocalOptimizer:
