@@ -37,7 +37,7 @@ def main() -> int:
             (f"b{i}", torch.nn.Parameter(torch.zeros(b))),
         ]
     opt = local_optim.LocalOptimizer("adam", params, lr=1e-3)
-    whole, chunked = 1 << 62, local_optim.STEP_CHUNK
+    whole, chunked, finite_chunk = 1 << 62, local_optim.STEP_CHUNK, guard.FINITE_CHUNK
 
     def step(chunk: int) -> float:
         local_optim.STEP_CHUNK = chunk
@@ -54,7 +54,7 @@ def main() -> int:
         return time.perf_counter() - t0
 
     out: dict[str, dict[str, list[float]]] = {}
-    for what, fn, default in (("adam step", step, chunked), ("finite check", check, guard.FINITE_CHUNK)):
+    for what, fn, default in (("adam step", step, chunked), ("finite check", check, finite_chunk)):
         for _ in range(3):  # warm up both
             fn(whole), fn(default)
         times: dict[str, list[float]] = {"whole": [], "chunked": []}
@@ -71,7 +71,7 @@ def main() -> int:
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    cfg.update(step_chunk=chunked, finite_chunk=guard.FINITE_CHUNK, sizes=sizes, torch=torch.__version__)
+    cfg.update(step_chunk=chunked, finite_chunk=finite_chunk, sizes=sizes, torch=torch.__version__)
     args.out.write_text(json.dumps({"config": cfg, "seconds": out}, indent=1))
     print(f"results: {args.out}")
     return 0
