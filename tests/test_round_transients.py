@@ -8,6 +8,7 @@ Now the check and the step work in chunks of a tensor (the same values, bit for 
 
 from __future__ import annotations
 
+import gc
 import math
 import subprocess
 import sys
@@ -190,3 +191,38 @@ def test_the_learner_never_keeps_the_guards_copy_alive():
     assert guard._start is None
     assert lrn._current_rollback() is None  # collected: only a weak reference was held
     assert all_finite(lrn.get_params())
+
+
+def test_a_step_holds_one_gradient_not_the_previous_steps_too():
+    """While a step's gradient is computed, the model-sized buffers alive are the model, Adam's two
+    moments, ``train``'s start copy and that gradient; main also held the previous step's gradient
+    (a list bound to it lived through the next backward)."""
+    lrn = build_learner(LearnerConfig(**SINE))
+    lrn.train()  # Adam's moments exist
+    weight = max(lrn.model.parameters(), key=lambda p: p.numel())
+    extra: list[int] = []
+
+    def count(grad):
+        known = {weight.untyped_storage().data_ptr(), grad.untyped_storage().data_ptr()}
+        known |= {t.untyped_storage().data_ptr() for t in lrn.optimizer.state[_name(lrn, weight)].values()}
+        gc.collect()
+        others = {
+            o.untyped_storage().data_ptr()
+            for o in gc.get_objects()
+            if type(o) in (torch.Tensor, torch.nn.Parameter)
+            and o.shape == weight.shape
+            and o.untyped_storage().nbytes() >= weight.nbytes  # (not the storage-free shadow model)
+        }
+        extra.append(len(others - known))
+        return grad
+
+    handle = weight.register_hook(count)
+    try:
+        lrn.train(4)
+    finally:
+        handle.remove()
+    assert extra and max(extra) == 1, extra  # train's start copy only (main: 2 from the second step)
+
+
+def _name(lrn, param) -> str:
+    return next(n for n, p in lrn.model.named_parameters() if p is param)

@@ -239,11 +239,12 @@ class TorchLearner(Learner):
                 if problem is not None:
                     break
                 loss.backward()
-                grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+                # (no name bound to the gradients: a list kept them alive through the next step's
+                # backward, two model-sized gradients at once)
                 norm = (
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
                     if self.cfg.grad_clip
-                    else torch.nn.utils.get_total_norm(grads)
+                    else torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
                 )
                 if not math.isfinite(float(norm)):
                     problem = f"gradient norm is {float(norm)}"
