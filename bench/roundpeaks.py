@@ -30,13 +30,13 @@ from netlab import load, mnist1d_mlp  # noqa: E402
 
 _PROBE = textwrap.dedent(
     r"""
-    import json, re, sys, tempfile, time
+    import asyncio, json, re, sys, tempfile, time, types
     import torch
+    from coterie.node import publishing
     from coterie.node.learning.config import LearnerConfig
     from coterie.node.learning.torch_learner import build_learner
     from coterie.node.learning.guard import RoundGuard
     from coterie.node.memory_release import release_free_memory
-    from coterie.node.peering.messages import LocalSnapshot
     from coterie.node.persistence import StateStore, make_snapshot
 
     cfg = json.loads(sys.argv[1])
@@ -45,11 +45,13 @@ _PROBE = textwrap.dedent(
     learner = build_learner(LearnerConfig(**cfg))
     model_mb = sum(p.numel() for p in learner.model.parameters()) * 4 / 2**20
 
-    class Alone:  # the local strategy as the guard sees it: nothing shared besides the model
+    class Alone:  # the local strategy as the guard and publishing see it: nothing shared besides the model
         def shared_params(self):
             return None
         def published_extras(self):
             return {}
+        def on_published(self, params):
+            pass
 
     guard = RoundGuard(learner, Alone(), lambda where, msg: None)
     store = StateStore(tempfile.mkdtemp(prefix="roundpeaks-"))
@@ -76,10 +78,18 @@ _PROBE = textwrap.dedent(
         return make_snapshot(round=rnd, version=rnd, node_id="n0", learner_state=learner.export_state(),
                              strategy_state={}, peers=[], meta={}, record={"round": rnd})
 
-    def publish(rnd):  # as publishing.publish_round does for `local`: the guard drops its copy here
-        snap = LocalSnapshot("n0", rnd, rnd, guard.publishable({"params": learner.get_params()}))
-        snap.prepare()
-        return snap
+    class Board:
+        current = None
+        def publish(self, snap):
+            self.current = snap
+
+    node = types.SimpleNamespace(learner=learner, strategy=Alone(), guard=guard, board=Board(), node_id="n0",
+                                 version=0, round=0)
+
+    def publish(rnd):  # the daemon's own publishing (the guard drops its round-start copy here)
+        node.round = rnd
+        asyncio.run(publishing.publish_round(node))
+        return node.board.current
 
     learner.train()  # round 1: Adam's moments exist from here on
     published = publish(1)

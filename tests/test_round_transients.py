@@ -226,3 +226,44 @@ def test_a_step_holds_one_gradient_not_the_previous_steps_too():
 
 def _name(lrn, param) -> str:
     return next(n for n, p in lrn.model.named_parameters() if p is param)
+
+
+class _Board:
+    current = None
+
+    def publish(self, snap):
+        self.current = snap
+
+
+def test_publishing_a_large_model_encodes_the_live_tensors_without_copying_them_first(monkeypatch):
+    """``local`` publishes the live model: a large one is encoded at once into the buffer peers are
+    served from; main copied it first (``get_params``), one more model alive while it encoded."""
+    from types import SimpleNamespace
+
+    from coterie.node import publishing
+
+    monkeypatch.setattr(publishing, "OFF_LOOP_BYTES", 0)  # this small model takes the large model's path
+    lrn = build_learner(LearnerConfig(**SINE))
+    lrn.train()
+    strategy = SimpleNamespace(shared_params=lambda: None, published_extras=dict, on_published=lambda params: None)
+    node = SimpleNamespace(
+        learner=lrn,
+        strategy=strategy,
+        guard=RoundGuard(lrn, strategy, lambda where, msg: None),
+        board=_Board(),
+        node_id="n0",
+        version=3,
+        round=3,
+    )
+    copies = []
+    real = lrn.get_params
+    monkeypatch.setattr(lrn, "get_params", lambda: copies.append(1) or real())
+    import asyncio
+
+    asyncio.run(publishing.publish_round(node))
+    assert copies == []  # main: [1]
+    published, live = node.board.current.params, dict(lrn.model.named_parameters())
+    assert node.version == 4
+    for name, p in live.items():  # the live values, in the snapshot's own buffer
+        assert torch.equal(published[name], p.detach())
+        assert published[name].untyped_storage().data_ptr() != p.untyped_storage().data_ptr()

@@ -73,6 +73,12 @@ class Learner(ABC):
     @abstractmethod
     def get_params(self) -> Params: ...
 
+    def live_params(self) -> Params:
+        """The live parameters themselves where the learner can give them (CPU tensors, not
+        copies), for a caller that reads them at once while nothing changes the model (publishing
+        encodes them into its buffer); by default a copy."""
+        return self.get_params()
+
     @abstractmethod
     def set_params(self, params: Params) -> None: ...
 

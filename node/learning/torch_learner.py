@@ -167,6 +167,11 @@ class TorchLearner(Learner):
         with self._lock:
             return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
 
+    def live_params(self) -> Params:
+        if self.device != "cpu":
+            return self.get_params()
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
     def _check(self, params: Params, what: str = "params") -> None:
         if list(params) != self._names and set(params) != set(self._names):
             missing, extra = set(self._names) - set(params), set(params) - set(self._names)
