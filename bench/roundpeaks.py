@@ -30,7 +30,7 @@ from netlab import load, mnist1d_mlp  # noqa: E402
 
 _PROBE = textwrap.dedent(
     r"""
-    import asyncio, json, re, sys, tempfile, time, types
+    import asyncio, json, re, shutil, sys, tempfile, time, types
     import torch
     from coterie.node import publishing
     from coterie.node.learning.config import LearnerConfig
@@ -107,6 +107,7 @@ _PROBE = textwrap.dedent(
         del staged
         published = call("publish: copy and encode", lambda: publish(rnd))
         release_free_memory()
+    shutil.rmtree(store.dir, ignore_errors=True)  # its checkpoint: three model-sized tensors on disk
     print(json.dumps({"model_mb": round(model_mb, 2), "rest_rss_mb": round(rest, 1), "calls": rows}))
     """
 )
