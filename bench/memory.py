@@ -64,8 +64,16 @@ def exchanged(history: Path, log: Path, peers: int) -> dict[str, Any]:
     rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()] if history.exists() else []
     text = log.read_text(errors="replace") if log.exists() else ""
     problems = [line for line in text.splitlines() if re.search(r"delta against|malformed|refus", line)]
+    ends = [r["t"] for r in rows if "t" in r]  # when each round's work ended: the gaps include any wait
+    # between one round's work and the next's: publishing, handing the checkpoint over (and, for a
+    # model written from its own tensors, the write itself)
+    between = [b["t"] - a["t"] - b["duration_s"] for a, b in zip(rows, rows[1:], strict=False) if "t" in a and "t" in b]
     return {
+        "between_rounds_s": round(statistics.median(between), 3) if between else None,
         "rounds": len(rows),
+        "round_period_s": round(statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False)), 3)
+        if len(ends) > 2
+        else None,
         "full_rounds": sum(1 for r in rows if len(r.get("contacted") or ()) == peers),
         "snapshot_mb": round(sum((r.get("bytes_received") or {}).get("snapshot", 0) for r in rows) / 1e6, 1),
         "delta_problems": len(problems),
@@ -85,6 +93,8 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
             "seed": args.seed,
             "log_level": "WARNING",
             "learner": mnist1d_mlp(n, i, hidden=args.hidden, steps=args.steps),
+            # --no-delta: every pull a whole q8 snapshot, no decoded copy of a peer kept as a base
+            **({"snapshots": {"delta": False}} if args.no_delta else {}),
         }
         for i in range(n)
     ]
@@ -127,6 +137,17 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
         "rounds_done": [e["rounds"] for e in exchange],
         "rounds_mixing_every_peer": [e["full_rounds"] for e in exchange],
         "snapshot_mb_received_per_node": [e["snapshot_mb"] for e in exchange],
+        "between_rounds_s_median": round(
+            statistics.median(e["between_rounds_s"] for e in exchange if e["between_rounds_s"] is not None), 3
+        )
+        if any(e["between_rounds_s"] is not None for e in exchange)
+        else None,
+        # median over nodes of each node's median gap between round ends (checkpoint waits included)
+        "round_period_s_median": round(
+            statistics.median(e["round_period_s"] for e in exchange if e["round_period_s"]), 3
+        )
+        if any(e["round_period_s"] for e in exchange)
+        else None,
         "delta_problems_logged": sum(e["delta_problems"] for e in exchange),
         "budget_rest_mb": round(150 + 3 * model_mb, 1),
         "budget_exchange_mb": round(150 + 5 * model_mb, 1),
@@ -149,6 +170,7 @@ def main() -> int:
         action="store_true",
         help="fork the daemons from this interpreter (its own checkout only: run the script under each)",
     )
+    ap.add_argument("--no-delta", action="store_true", help="snapshots.delta = false on every node")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory.json")
     args = ap.parse_args()
     args.hidden = [int(h) for h in args.hidden.split(",")]
@@ -169,7 +191,7 @@ def main() -> int:
                 f"{r['node_rest_pss_mb_median']:6.1f} (budget {r['budget_rest_mb']}), peak RSS "
                 f"{r['node_peak_rss_mb_median']:6.1f}; {r['wall_s']} s; rounds {r['rounds_done']} "
                 f"(every peer mixed: {r['rounds_mixing_every_peer']}), snapshots received "
-                f"{r['snapshot_mb_received_per_node']} MB, delta problems {r['delta_problems_logged']}; load {load()}",
+                f"{r['snapshot_mb_received_per_node']} MB, round period {r['round_period_s_median']} s (between rounds {r['between_rounds_s_median']} s), delta problems {r['delta_problems_logged']}; load {load()}",
                 flush=True,
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)

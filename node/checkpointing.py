@@ -3,7 +3,13 @@ taken in milliseconds) and goes on training while a worker thread encodes, hashe
 it. At most ``max_unsaved`` completed rounds are ever not yet durable — the rounds a ``kill -9``
 may lose; 0 makes every round wait for its own write. A write that fails is retried with
 backoff (the failure is reported, so health flips) until the disk takes it again; snapshots that
-queue up meanwhile are written as one commit (their history lines, the newest checkpoint)."""
+queue up meanwhile are written as one commit (their history lines, the newest checkpoint).
+
+A *live* snapshot (a large model's: ``Snapshot.live``) holds the model's and optimizer's own
+tensors instead of copies — model-sized staging copies, held while the next round trains, were
+the largest part of a node's peak (issue 34). ``submit`` then waits until it is durable: the
+round loop does not change the model while the writer reads it. If its write fails, the writer
+copies it (``Snapshot.detach``) before the loop goes on, and retries from the copies."""
 
 from __future__ import annotations
 
@@ -59,13 +65,16 @@ class Checkpointer:
         await self._until(lambda: self.unsaved <= max(self.max_unsaved - 1, 0))
 
     async def submit(self, snap: Snapshot) -> None:
-        """Queue ``snap`` for writing (after ``room``); with a bound of 0, wait until it is durable."""
+        """Queue ``snap`` for writing (after ``room``); with a bound of 0, wait until it is durable;
+        a live snapshot, until it is durable or holds copies (a failed write)."""
         await self.room()
         async with self._cond:
             self._pending.append(snap)
             self._cond.notify_all()
         if self.max_unsaved == 0:
             await self.flush()
+        elif snap.live:
+            await self._until(lambda: not snap.live or snap not in self._pending)
 
     async def flush(self) -> None:
         await self._until(lambda: not self._pending)
@@ -91,11 +100,17 @@ class Checkpointer:
         return ok
 
     def _write(self, batch: list[Snapshot], records: list[dict]) -> None:
-        for snap in batch:
-            if snap.prepare is not None:
-                snap.prepare()
-                snap.prepare = None
-        self.store.commit(batch[-1], records)
+        try:
+            for snap in batch:
+                if snap.prepare is not None:
+                    snap.prepare()
+                    snap.prepare = None
+            self.store.commit(batch[-1], records)
+        except BaseException:
+            for snap in batch:  # the round loop waits on a live one: copy it before it goes on
+                if snap.live:
+                    snap.detach()
+            raise
 
     async def _run(self) -> None:
         backoff = Backoff()
@@ -109,6 +124,8 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - any failure: report, back off, retry
                 delay = backoff.next()
                 self.failures.failed("checkpoint", e, delay)
+                async with self._cond:  # a live snapshot is copies now: its round loop may go on
+                    self._cond.notify_all()
                 await asyncio.sleep(delay)
                 continue
             seconds = time.perf_counter() - t0

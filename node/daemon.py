@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -55,7 +56,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("coterie.node")
 
 # snapshot staging buffers kept between rounds up to this size (model + optimizer state); a larger
-# model's are freed after each write (issue 34 item 2: a 21 MB MLP with Adam kept 3 spare copies)
+# model's are freed after each write (issue 34 item 2: a 21 MB MLP with Adam kept 3 spare copies),
+# and a model larger than this is not staged at all (written from its own tensors)
 SPARE_BUFFERS_MAX_BYTES = 16 << 20
 CAPABILITIES = ("snapshot", "cross-loss", "cross-gradient", "push-gradient", "gossip")
 MODEL_BYTES_FACTOR, MODEL_BYTES_SLACK = 4, 1 << 20  # default max_model_bytes: 4× my model + 1 MiB
@@ -150,6 +152,10 @@ class Node:
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_TAIL)  # checkpointed rounds; the file keeps all
         self.saved: dict[str, Any] = {"round": 0, "version": 0, "weights": {}, "public_state": {}}
         self._spare_tensors: dict[str, Any] | None = None  # a written snapshot's buffers, reused by the next
+        # a model over SPARE_BUFFERS_MAX_BYTES is checkpointed from its own tensors, written before the
+        # next round starts (no staging copies alive while it trains: checkpointing.py, issue 34)
+        model_bytes = 4 * sum(math.prod(shape) for shape, _ in learner.param_spec().values())  # ~float32
+        self._live_checkpoints = model_bytes > SPARE_BUFFERS_MAX_BYTES
         self.last_eval: dict[str, float] = {}
         self.done = False
         self.started = time.time()
@@ -402,8 +408,12 @@ class Node:
             "privacy_ledger": self.ledger.pin(),
         }
         reuse, self._spare_tensors = self._spare_tensors, None
-        learner_state = await asyncio.to_thread(self.learner.export_state, reuse)
-        reference = await asyncio.to_thread(self.reference.export_state)
+        if self._live_checkpoints:  # a large model: written from its own tensors before the next round
+            learner_state = await asyncio.to_thread(self.learner.export_state, None, True)
+            reference = await asyncio.to_thread(self.reference.export_state, True)
+        else:
+            learner_state = await asyncio.to_thread(self.learner.export_state, reuse)
+            reference = await asyncio.to_thread(self.reference.export_state)
         return make_snapshot(
             round=self.round,
             version=self.version,
@@ -417,6 +427,7 @@ class Node:
             mixture=self.reference.prediction_members(self.node_id, self.strategy.prediction_members())
             or self.strategy.prediction_members(),
             reference=reference,
+            live=self._live_checkpoints,
         )
 
     def _set_saved(self, rnd: int, version: int, state: dict[str, Any], record: dict[str, Any] | None) -> None:

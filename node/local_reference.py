@@ -275,11 +275,13 @@ class LocalReference:
         }
 
     # ------------------------------------------------------------------ persistence
-    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    def export_state(self, live: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """The twin's state and the decision's; ``live``: the twin's own tensors (see
+        ``Learner.export_state``), for a write that ends before the twin trains again."""
         if self.twin is None:
             return None
         with self._lock:
-            tensors, meta = self.twin.export_state()
+            tensors, meta = self.twin.export_state(live=True) if live else self.twin.export_state()
         settle = {"settled_at": self.settled_at, "best": self._best, "since_best": self._since_best}
         chosen = {"alpha": self.alpha, "val_losses": self.alpha_losses}
         return tensors, {

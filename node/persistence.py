@@ -167,6 +167,16 @@ class Snapshot:
     record: dict[str, Any] | None = None  # this round's history line (None for round 0)
     prepare: Callable[[], None] | None = None  # runs in the writer thread first (work the loop skips)
     learner_tensors: dict[str, torch.Tensor] | None = None  # reusable by the next export once written
+    # ``tensors`` include the live model's and optimizer's own (no staging copies): the round loop
+    # waits until they are written, or copied by ``detach`` after a failed write (checkpointing.py)
+    live: bool = False
+
+    def detach(self) -> None:
+        """Private copies of every tensor from now on (a live snapshot whose write failed: the
+        retries must write this round's state, while the model moves on)."""
+        self.tensors = {k: t.clone() for k, t in self.tensors.items()}
+        self.learner_tensors = None
+        self.live = False
 
 
 def make_snapshot(
@@ -182,11 +192,13 @@ def make_snapshot(
     prepare: Callable[[], None] | None = None,
     mixture: list[tuple[str, float, dict[str, torch.Tensor]]] | None = None,
     reference: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None,
+    live: bool = False,
 ) -> Snapshot:
     """``mixture``: the members a strategy predicts with (``Strategy.prediction_members``), kept
     as ``state["mixture"]`` (node id, weight, params → tensors ``mixture/<n>``) for the export.
     ``reference``: the local-only reference's state (``local_reference.py``): tensors
-    ``reference/<k>``, meta ``state["reference"]``."""
+    ``reference/<k>``, meta ``state["reference"]``. ``live``: the learner's and reference's
+    tensors are their own, not copies (``Snapshot.live``)."""
     ltensors, lmeta = learner_state
     skeleton, stensors = flatten_state(strategy_state, "strategy")
     tensors = {f"learner/{k}": v for k, v in ltensors.items()}
@@ -209,6 +221,8 @@ def make_snapshot(
     if reference is not None:
         tensors.update({f"reference/{k}": v for k, v in reference[0].items()})
         state["reference"] = reference[1]
+    if live:  # the live tensors are never a buffer to copy the next export into
+        return Snapshot(round, version, tensors, state, record, prepare, None, live=True)
     return Snapshot(round, version, tensors, state, record, prepare, ltensors)
 
 

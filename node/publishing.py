@@ -27,7 +27,9 @@ async def publish_round(node: Any) -> None:
 
     def build() -> LocalSnapshot:
         if groups.get("params") is None:
-            groups["params"] = node.learner.get_params()
+            # a large model is encoded below, from the live tensors (nothing changes the model while
+            # the round loop publishes): a copy first would be one more model alive (issue 34)
+            groups["params"] = node.learner.live_params() if big else node.learner.get_params()
         snap = _snapshot_of(node, node.guard.publishable(groups))  # nothing non-finite leaves the node
         if big:
             snap.prepare()  # encoded here: its groups become views of the one buffer it serves

@@ -139,7 +139,8 @@ class RoundLoop:
             peers_alive=len(n.peers.alive()),
             timing=RoundTiming.of(phase, t_strategy, t_eval, n.loop_lag.total_s - stall0),
         )
-        # a copy now; the writer thread encodes and writes it while the next round trains
+        # a copy now; the writer thread encodes and writes it while the next round trains (a large
+        # model's own tensors instead: written before this returns, the next round waits for it)
         t2 = time.monotonic()
         at(rnd, "handing the checkpoint over")
         await n.checkpointer.submit(await n._snapshot(record.as_dict()))

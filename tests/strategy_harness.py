@@ -213,8 +213,10 @@ class ToyLearner(Learner):
     def num_samples(self, split: str = "train") -> int:
         return len(self.data[split][1])
 
-    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-        with self._lock:
+    def export_state(
+        self, reuse: dict[str, torch.Tensor] | None = None, live: bool = False
+    ) -> tuple[dict[str, torch.Tensor], dict]:
+        with self._lock:  # copies even when ``live`` (allowed: a live export is an optimisation)
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}, {}
 
     def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:

@@ -34,9 +34,24 @@ import torch
 Tensors = Mapping[str, torch.Tensor]
 
 
+# elements checked at once: ``torch.isfinite`` of a whole tensor makes model-sized temporaries
+# (|t| and two bool masks: 1.7 models for a float32 weight, measured), a chunk's stay ~4 MB
+FINITE_CHUNK = 1 << 20
+
+
+def is_finite(t: torch.Tensor) -> bool:
+    """True when every element of ``t`` is finite; checked in chunks (bounded temporaries)."""
+    if not t.is_floating_point():
+        return True
+    flat = t.detach().reshape(-1)  # a view of a contiguous tensor (a parameter, a snapshot's group)
+    if flat.numel() <= FINITE_CHUNK:
+        return bool(torch.isfinite(flat).all())
+    return all(bool(torch.isfinite(chunk).all()) for chunk in flat.split(FINITE_CHUNK))
+
+
 def all_finite(tensors: Tensors) -> bool:
-    """True when every element of every tensor is finite (one reduction per tensor)."""
-    return all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
+    """True when every element of every tensor is finite."""
+    return all(is_finite(t) for t in tensors.values())
 
 
 class StepGuard:
@@ -92,6 +107,10 @@ class StepGuard:
         return out
 
 
+class RoundStart(dict):
+    """The round-start copy of the parameters (a ``dict`` the learner may reference weakly)."""
+
+
 class RoundGuard:
     """The node's hook around one round. ``learner`` is the node's ``Learner`` (its
     ``step_guard``, when it has one, shares the step-size back-off and the event record);
@@ -100,13 +119,18 @@ class RoundGuard:
     def __init__(self, learner: Any, strategy: Any, on_event: Callable[[str, str], None]):
         self.learner, self.strategy, self.on_event = learner, strategy, on_event
         self.steps: StepGuard = getattr(learner, "step_guard", None) or StepGuard()
-        self._start: dict[str, torch.Tensor] | None = None
+        self._start: RoundStart | None = None
 
     def before_round(self) -> None:
-        """Keep the round-start model (finite: it passed the previous round's check)."""
-        params = self.learner.get_params()
+        """Keep the round-start model (finite: it passed the previous round's check), and offer
+        it to the learner as the rollback of its local steps (one copy of the model, not two)."""
+        changes = getattr(self.learner, "changes", None)  # read first: a change after it voids the offer
+        params = RoundStart(self.learner.get_params())
         if all_finite(params):
             self._start = params
+            offer = getattr(self.learner, "offer_rollback", None)
+            if offer is not None and changes is not None:
+                offer(params, changes)
 
     def after_round(self) -> bool:
         """Check the live model and what the strategy would publish; roll back if any is

@@ -73,6 +73,12 @@ class Learner(ABC):
     @abstractmethod
     def get_params(self) -> Params: ...
 
+    def live_params(self) -> Params:
+        """The live parameters themselves where the learner can give them (CPU tensors, not
+        copies), for a caller that reads them at once while nothing changes the model (publishing
+        encodes them into its buffer); by default a copy."""
+        return self.get_params()
+
     @abstractmethod
     def set_params(self, params: Params) -> None: ...
 
@@ -170,11 +176,15 @@ class Learner(ABC):
     def num_samples(self, split: Split = "train") -> int: ...
 
     @abstractmethod
-    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    def export_state(
+        self, reuse: dict[str, torch.Tensor] | None = None, live: bool = False
+    ) -> tuple[dict[str, torch.Tensor], dict]:
         """Copies of everything a resume needs: tensors (model, optimizer state, ...) that
         nothing else mutates, and a JSON-able dict. Cheap (a memcpy); the caller writes them.
         ``reuse``: the tensors of an earlier export the caller is done with, to copy into
-        instead of allocating (and page-faulting) fresh memory every round."""
+        instead of allocating (and page-faulting) fresh memory every round. ``live``: the model's
+        and optimizer's own tensors, not copies, for a caller that writes them before anything
+        changes the model again (a large model's checkpoint: no model-sized staging copies)."""
 
     @abstractmethod
     def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:

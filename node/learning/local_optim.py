@@ -9,6 +9,16 @@ import math
 import numpy as np
 import torch
 
+STEP_CHUNK = 1 << 20  # elements of a parameter updated at once (Adam's temporaries stay this size)
+
+
+def _chunks(*tensors: torch.Tensor) -> zip:
+    """Matching chunks of same-shaped tensors: flat views of ``STEP_CHUNK`` elements (the whole
+    tensors where one is not contiguous)."""
+    if not all(t.is_contiguous() for t in tensors):
+        return zip(*([t] for t in tensors), strict=True)
+    return zip(*(t.view(-1).split(STEP_CHUNK) for t in tensors), strict=True)
+
 
 class LocalOptimizer:
     """SGD (momentum, L2 weight decay) and Adam with exactly torch.optim's update rules.
@@ -70,8 +80,12 @@ class LocalOptimizer:
                 m.lerp_(g, 1 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 bc1, bc2 = 1 - b1**t, 1 - b2**t
-                denom = (v.sqrt() / math.sqrt(bc2)).add_(self.eps)
-                p.addcdiv_(m, denom, value=-self.lr / bc1)
+                # the update in chunks: ``denom`` of a whole tensor is a model-sized temporary (two
+                # alive at once: the sqrt and its quotient), a chunk's ~4 MB; elementwise, so the
+                # values are bit for bit those of the whole-tensor formula (tests/test_local_optim_memory.py)
+                for pc, mc, vc in _chunks(p, m, v):
+                    denom = (vc.sqrt() / math.sqrt(bc2)).add_(self.eps)
+                    pc.addcdiv_(mc, denom, value=-self.lr / bc1)
 
     def hyper(self) -> dict:
         return {

@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import threading
+import weakref
 from typing import Literal
 
 import numpy as np
@@ -33,7 +34,7 @@ import torch
 
 from .config import LearnerConfig
 from .datasets import Pool
-from .guard import StepGuard
+from .guard import StepGuard, all_finite
 from .hooks import resolve_loss, resolve_transform
 from .learner import EvalResult, Learner, Params, Split, TrainResult
 from .local_optim import LocalOptimizer, _Sampler
@@ -103,6 +104,11 @@ class TorchLearner(Learner):
         self._eval_rng = np.random.default_rng(_seed(cfg.data_seed, cfg.node_index, 0xE7A1))
         self._lock = threading.RLock()
         self._eval_lock = threading.Lock()
+        # a finite copy of the live model someone else holds (the round guard's round-start copy),
+        # weakly, and the count of changes to the live model when it was offered: while that count
+        # has not moved, ``train`` rolls back to it instead of copying the model again (issue 34)
+        self._changes = 0
+        self._rollback: tuple[weakref.ref, int] | None = None
         # a diverged step is rolled back and backs off the step size (guard.py)
         self.step_guard = StepGuard(factor=cfg.divergence_factor)
         # its parts, each given the few pieces it uses
@@ -161,6 +167,11 @@ class TorchLearner(Learner):
         with self._lock:
             return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
 
+    def live_params(self) -> Params:
+        if self.device != "cpu":
+            return self.get_params()
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
     def _check(self, params: Params, what: str = "params") -> None:
         if list(params) != self._names and set(params) != set(self._names):
             missing, extra = set(self._names) - set(params), set(params) - set(self._names)
@@ -172,17 +183,20 @@ class TorchLearner(Learner):
     def set_params(self, params: Params) -> None:
         self._check(params)
         with self._lock, torch.no_grad():
+            self._changes += 1
             for n, p in self.model.named_parameters():
                 p.copy_(params[n].to(p.device, p.dtype))
 
     def add_to_params(self, params: Params) -> None:
         self._check(params)
         with self._lock, torch.no_grad():  # in place: no model-sized temporary
+            self._changes += 1
             for n, p in self.model.named_parameters():
                 p.add_(params[n].to(p.device, p.dtype))
 
     def scale_params(self, w: float) -> None:
         with self._lock, torch.no_grad():
+            self._changes += 1
             for p in self.model.parameters():
                 p.mul_(w)
 
@@ -214,7 +228,10 @@ class TorchLearner(Learner):
         total, samples, done = 0.0, 0, 0
         guard = self.step_guard
         with self._lock:
-            start = {n: p.detach().clone() for n, p in self.model.named_parameters()}  # last finite state
+            start = self._current_rollback()  # the last finite state: the guard's copy, or one of its own
+            if start is None:
+                start = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+            self._changes += 1
             self.optimizer.lr = self.cfg.lr * guard.lr_scale
             self.model.train()
             problem = None
@@ -227,11 +244,12 @@ class TorchLearner(Learner):
                 if problem is not None:
                     break
                 loss.backward()
-                grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+                # (no name bound to the gradients: a list kept them alive through the next step's
+                # backward, two model-sized gradients at once)
                 norm = (
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
                     if self.cfg.grad_clip
-                    else torch.nn.utils.get_total_norm(grads)
+                    else torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
                 )
                 if not math.isfinite(float(norm)):
                     problem = f"gradient norm is {float(norm)}"
@@ -241,7 +259,7 @@ class TorchLearner(Learner):
                 total += value
                 samples += len(idx)
                 done += 1
-            if problem is None and not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
+            if problem is None and not all_finite(dict(self.model.named_parameters())):
                 problem = "non-finite parameters after the local steps"
             self.optimizer.zero_grad(set_to_none=True)
             if problem is not None:
@@ -250,6 +268,33 @@ class TorchLearner(Learner):
                 return TrainResult(loss=total / done if done else float("nan"), steps=done, samples=samples)
             guard.clean()
         return TrainResult(loss=total / steps, steps=steps, samples=samples)
+
+    @property
+    def changes(self) -> int:
+        """How many times the live model has been changed (a copy taken after reading this is current
+        while it stays the same)."""
+        return self._changes
+
+    def offer_rollback(self, params: Params, changes: int) -> None:
+        """``params`` are a finite copy of the live model taken after ``changes`` was read, held by
+        the caller (the round guard's round-start copy; a ``dict`` subclass, so that it can be
+        referenced weakly). While the live model has not changed since, ``train`` restores to them
+        on a divergence instead of taking a model-sized copy of its own; the learner never keeps
+        them alive."""
+        try:
+            ref = weakref.ref(params)
+        except TypeError:  # a plain dict cannot be referenced weakly: train copies as before
+            return
+        with self._lock:
+            self._rollback = (ref, changes)
+
+    def _current_rollback(self) -> Params | None:
+        """The offered copy, if it is still alive and the live model has not changed since."""
+        if self._rollback is None:
+            return None
+        ref, at = self._rollback
+        self._rollback = None  # used once: after train the model has changed
+        return ref() if at == self._changes else None
 
     def drop_optimizer_state(self) -> None:
         """Forget the optimizer's state (momenta, Adam moments); ``train`` sets its step size."""
@@ -267,6 +312,7 @@ class TorchLearner(Learner):
     def apply_gradient(self, grad: Params) -> None:
         self._check(grad, "grad")
         with self._lock:
+            self._changes += 1
             for n, p in self.model.named_parameters():
                 p.grad = grad[n].to(p.device, p.dtype).clone()
             if self.cfg.grad_clip:
@@ -323,8 +369,10 @@ class TorchLearner(Learner):
     ) -> list[EvalResult]:
         return self._mixture.evaluate_blends(members, other, alphas, split)
 
-    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-        return self._state.export_state(reuse)
+    def export_state(
+        self, reuse: dict[str, torch.Tensor] | None = None, live: bool = False
+    ) -> tuple[dict[str, torch.Tensor], dict]:
+        return self._state.export_state(reuse, live)
 
     def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         self._state.import_state(tensors, meta)

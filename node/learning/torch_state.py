@@ -53,14 +53,19 @@ class TorchState:
         self.optimizer, self.install_optimizer, self.make_optimizer = optimizer, install_optimizer, make_optimizer
         self.check, self.set_params, self.fingerprint = check, set_params, fingerprint
 
-    def export_state(self, reuse: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    def export_state(
+        self, reuse: dict[str, torch.Tensor] | None = None, live: bool = False
+    ) -> tuple[dict[str, torch.Tensor], dict]:
         """Private copies of everything a resume needs, taken under the lock (a memcpy of the
         parameters and optimizer state, into ``reuse``'s buffers where they fit; encoding and
-        writing happen elsewhere, off the lock)."""
+        writing happen elsewhere, off the lock). ``live``: the parameters and optimizer state
+        themselves (detached, not copied), for a caller that writes them before the model changes."""
         reuse = reuse or {}
 
         def copy(key: str, t: torch.Tensor) -> torch.Tensor:
             t = t.detach()
+            if live:
+                return t
             old = reuse.get(key)
             if old is not None and old.shape == t.shape and old.dtype == t.dtype:
                 return old.copy_(t)
