@@ -56,6 +56,11 @@ class DiscoverySettings:
     standout: float = 3.0  # ... and this many standard deviations above my mean score ...
     standout_after: int = 10  # ... once this many peers are scored (fewer: too few to tell)
     fans: int = 8  # recent askers remembered, recommended after my collaborators
+    # a peer is a collaborator (asked, recommended, and so the peers that ask me) only once I
+    # evaluated it at least this many times and it still stands out: one evaluation's best of
+    # noise passed the gate, and at 1,000 nodes 86% of the hints explored were strangers — slots a
+    # blind draw could have used (bench/results/scale.md, "the ceiling"); 1: at once (the old rule)
+    collaborator_after: int = 2
     # a peer I do not weight is written off only after this many evaluations: one evaluation is
     # noisy (FedFomo weighted a true mate in 19% of them on 100 daemons); 0: written off at once
     confirm: int = 3
@@ -116,6 +121,10 @@ class Discovery:
         self.rng = rng or random.Random()
         if self.s.ranking not in RANKINGS:
             raise ValueError(f"discovery ranking {self.s.ranking!r}: expected one of {', '.join(RANKINGS)}")
+        if self.s.collaborator_after < 1:
+            raise ValueError(
+                f"discovery collaborator_after {self.s.collaborator_after}: expected at least 1 evaluation"
+            )
         self.scores: dict[str, float] = {}
         self.evaluations: dict[str, int] = {}  # per scored peer (same keys: O(max_scored))
         self.standouts = StandOuts.of(self.s)  # evidence ranking's counts and noise bar
@@ -220,8 +229,15 @@ class Discovery:
         """My best ``k`` that I weight clearly (peers weighted by noise alone are neither kept,
         asked nor recommended). Running ranking: a score at least ``relative`` × my best one's and
         standing out of the others' (``_standing_out``). Evidence ranking: positive evidence, and
-        stood out twice or stands out now — before the noise is known, as the running one."""
-        top = self.best(k)
+        stood out twice or stands out now — before the noise is known, as the running one. Either
+        way evaluated at least ``collaborator_after`` times (kept peers are evaluated each round,
+        so a mate is confirmed the round after it is found; a stranger's lucky weight is not)."""
+        confirmed = [
+            p for p in self._gated(self.best(len(self.scores))) if self.evaluations[p] >= self.s.collaborator_after
+        ]
+        return confirmed[:k]
+
+    def _gated(self, top: list[str]) -> list[str]:
         if not top:
             return []
         if self.s.ranking == "evidence" and self.standouts.noise_known():
