@@ -226,28 +226,21 @@ class Discovery:
         return ranked[:k]
 
     def collaborators(self, k: int) -> list[str]:
-        """My best ``k`` that I weight clearly (peers weighted by noise alone are neither kept,
-        asked nor recommended). Running ranking: a score at least ``relative`` × my best one's and
-        standing out of the others' (``_standing_out``). Evidence ranking: positive evidence, and
-        stood out twice or stands out now — before the noise is known, as the running one. Either
-        way evaluated at least ``collaborator_after`` times (kept peers are evaluated each round,
-        so a mate is confirmed the round after it is found; a stranger's lucky weight is not)."""
-        confirmed = [
-            p for p in self._gated(self.best(len(self.scores))) if self.evaluations[p] >= self.s.collaborator_after
-        ]
-        return confirmed[:k]
-
-    def _gated(self, top: list[str]) -> list[str]:
-        if not top:
-            return []
+        """My best ``k`` that I weight clearly, evaluated ``collaborator_after`` times (a kept mate
+        is confirmed the next round, a stranger's lucky weight is not). Running ranking: a score at
+        least ``relative`` × my best one's and standing out of the others' (``_standing_out``).
+        Evidence ranking: positive evidence, and stood out twice or stands out now."""
+        top = self.best(len(self.scores))
         if self.s.ranking == "evidence" and self.standouts.noise_known():
             # asked and recommended: stood out twice (a stranger's lucky weight stands out once
             # in ~50 evaluations; asked on one, strangers' answers filled the hints), or once and
             # its running score still stands out; stood out once and since faded: ranked, and
             # re-explored to be confirmed (``_doubtful_again``)
             now = set(self._standing_out(top))
-            return [p for p in top if self.evidence(p) > 0 and (self.hits[p] >= 2 or p in now)]
-        return self._standing_out(top)
+            top = [p for p in top if self.evidence(p) > 0 and (self.hits[p] >= 2 or p in now)]
+        else:
+            top = self._standing_out(top)
+        return [p for p in top if self.evaluations[p] >= self.s.collaborator_after][:k]
 
     def _standing_out(self, top: list[str] | None = None) -> list[str]:
         """Of ``top`` (default: every scored peer), best running score first, those whose running
