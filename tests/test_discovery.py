@@ -26,7 +26,7 @@ def test_discovery_finds_cluster_mates_faster_than_uniform_sampling():
 
 
 def test_a_peer_weighted_on_one_evaluation_is_kept_but_asked_and_recommended_only_once_confirmed():
-    """One evaluation's best of noise passes the standout gate often enough (at 1,000 nodes 86% of
+    """One evaluation's best of noise passes the standout gate often enough (at 1,000 nodes 88% of
     the hints explored were strangers, spread by asking such peers): a peer becomes a
     collaborator — asked, recommended — once a second evaluation still has it standing out."""
     view = [f"node-{i:03d}" for i in range(200)]

@@ -58,7 +58,7 @@ class DiscoverySettings:
     fans: int = 8  # recent askers remembered, recommended after my collaborators
     # a peer is a collaborator (asked, recommended, and so the peers that ask me) only once I
     # evaluated it at least this many times and it still stands out: one evaluation's best of
-    # noise passed the gate, and at 1,000 nodes 86% of the hints explored were strangers — slots a
+    # noise passed the gate, and at 1,000 nodes 88% of the hints explored were strangers — slots a
     # blind draw could have used (bench/results/scale.md, "the ceiling"); 1: at once (the old rule)
     collaborator_after: int = 2
     # a peer I do not weight is written off only after this many evaluations: one evaluation is
