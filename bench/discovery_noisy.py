@@ -7,7 +7,8 @@ by default once a node has evaluated 20% of the network (``DiscoverySettings.ree
 0.0 until 2026-11-29: a fixed slot); ``--confirm 3 0`` runs each ranking at the default and
 without re-exploring (``confirm=0, reexplore=0``); ``--reexplore-after 0 0.1`` adds each ranking
 with a fixed re-explore slot (0) or re-exploring past that share (named so in the table, even
-at the default).
+at the default); ``--confirm --collaborator-after 1 2`` runs each ranking asking and recommending
+a peer after one evaluation (the rule before 2026-11-29) and after two (the default since).
 ``--late 0.1``: also runs with 10% of the nodes joining at round 10 (40 rounds: the others are
 counted at round 30, the late ones 30 rounds after joining). Medians over seeds; the full config
 and every run's figures go to ``--out`` (JSON) next to the table.
@@ -34,9 +35,16 @@ LATE_ROUND = 10
 VARIANTS = {"running (old)": "running", "evidence (new)": "evidence"}
 
 
-def variant_name(ranking: str, confirm: int | None = None, reexplore_after: float | None = None) -> str:
+def variant_name(
+    ranking: str,
+    confirm: int | None = None,
+    reexplore_after: float | None = None,
+    collaborator_after: int | None = None,
+) -> str:
     """The table's name: the ranking's, plus the setting that differs from the default (if any)."""
     name = next(v for v, r in VARIANTS.items() if r == ranking)
+    if collaborator_after is not None:  # named even at the default: the default changed (1, then 2)
+        return f"{name}, collaborator_after={collaborator_after}"
     if confirm is not None and confirm != DiscoverySettings().confirm:
         return f"{name}, confirm={confirm}"
     if reexplore_after is not None:  # named even at the default: the default changed (0.0, then 0.2)
@@ -52,6 +60,8 @@ def settings(variant: str) -> DiscoverySettings:
         return DiscoverySettings(ranking=VARIANTS[name], confirm=c, reexplore=min(c, DiscoverySettings().reexplore))
     if key == "reexplore_after":
         return DiscoverySettings(ranking=VARIANTS[name], reexplore_after=float(value))
+    if key == "collaborator_after":
+        return DiscoverySettings(ranking=VARIANTS[name], collaborator_after=int(value))
     return DiscoverySettings(ranking=VARIANTS[name])
 
 
@@ -101,6 +111,13 @@ def main() -> None:
         help="also run each ranking re-exploring only past this estimated share of the network evaluated",
     )
     ap.add_argument(
+        "--collaborator-after",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also run each ranking asking and recommending a peer only after this many evaluations (1: the old rule)",
+    )
+    ap.add_argument(
         "--rankings",
         nargs="+",
         choices=list(VARIANTS.values()),
@@ -112,6 +129,7 @@ def main() -> None:
     a = ap.parse_args()
     variants = [variant_name(r, confirm=c) for c in a.confirm for r in a.rankings]
     variants += [variant_name(r, reexplore_after=x) for x in a.reexplore_after for r in a.rankings]
+    variants += [variant_name(r, collaborator_after=c) for c in a.collaborator_after for r in a.rankings]
     variants = list(dict.fromkeys(variants))  # the default given twice runs once
     work = [(n, p, lt, v, s) for n in a.nodes for lt in a.late for p in a.signal for v in variants for s in a.seeds]
     config = {

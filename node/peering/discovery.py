@@ -56,6 +56,11 @@ class DiscoverySettings:
     standout: float = 3.0  # ... and this many standard deviations above my mean score ...
     standout_after: int = 10  # ... once this many peers are scored (fewer: too few to tell)
     fans: int = 8  # recent askers remembered, recommended after my collaborators
+    # a peer is a collaborator (asked, recommended, and so the peers that ask me) only once I
+    # evaluated it at least this many times and it still stands out: one evaluation's best of
+    # noise passed the gate, and at 1,000 nodes 88% of the hints explored were strangers — slots a
+    # blind draw could have used (bench/results/scale.md, "the ceiling"); 1: at once (the old rule)
+    collaborator_after: int = 2
     # a peer I do not weight is written off only after this many evaluations: one evaluation is
     # noisy (FedFomo weighted a true mate in 19% of them on 100 daemons); 0: written off at once
     confirm: int = 3
@@ -116,6 +121,10 @@ class Discovery:
         self.rng = rng or random.Random()
         if self.s.ranking not in RANKINGS:
             raise ValueError(f"discovery ranking {self.s.ranking!r}: expected one of {', '.join(RANKINGS)}")
+        if self.s.collaborator_after < 1:
+            raise ValueError(
+                f"discovery collaborator_after {self.s.collaborator_after}: expected at least 1 evaluation"
+            )
         self.scores: dict[str, float] = {}
         self.evaluations: dict[str, int] = {}  # per scored peer (same keys: O(max_scored))
         self.standouts = StandOuts.of(self.s)  # evidence ranking's counts and noise bar
@@ -217,21 +226,21 @@ class Discovery:
         return ranked[:k]
 
     def collaborators(self, k: int) -> list[str]:
-        """My best ``k`` that I weight clearly (peers weighted by noise alone are neither kept,
-        asked nor recommended). Running ranking: a score at least ``relative`` × my best one's and
-        standing out of the others' (``_standing_out``). Evidence ranking: positive evidence, and
-        stood out twice or stands out now — before the noise is known, as the running one."""
-        top = self.best(k)
-        if not top:
-            return []
+        """My best ``k`` that I weight clearly, evaluated ``collaborator_after`` times (a kept mate
+        is confirmed the next round, a stranger's lucky weight is not). Running ranking: a score at
+        least ``relative`` × my best one's and standing out of the others' (``_standing_out``).
+        Evidence ranking: positive evidence, and stood out twice or stands out now."""
+        top = self.best(len(self.scores))
         if self.s.ranking == "evidence" and self.standouts.noise_known():
             # asked and recommended: stood out twice (a stranger's lucky weight stands out once
             # in ~50 evaluations; asked on one, strangers' answers filled the hints), or once and
             # its running score still stands out; stood out once and since faded: ranked, and
             # re-explored to be confirmed (``_doubtful_again``)
             now = set(self._standing_out(top))
-            return [p for p in top if self.evidence(p) > 0 and (self.hits[p] >= 2 or p in now)]
-        return self._standing_out(top)
+            top = [p for p in top if self.evidence(p) > 0 and (self.hits[p] >= 2 or p in now)]
+        else:
+            top = self._standing_out(top)
+        return [p for p in top if self.evaluations[p] >= self.s.collaborator_after][:k]
 
     def _standing_out(self, top: list[str] | None = None) -> list[str]:
         """Of ``top`` (default: every scored peer), best running score first, those whose running

@@ -112,6 +112,7 @@ def simulate_discovery(
     late: float = 0.0,
     late_round: int = 10,
     mate_signal: float = 1.0,
+    watch: Callable[[int, str, list[str], set[str], Discovery], None] | None = None,
 ) -> DiscoveryResult:
     """``mode``: "discovery" (partial views + recommendations) or "uniform" (each round a uniform
     sample of ``settings.candidates`` of all others, the strategies' draw without discovery).
@@ -121,7 +122,10 @@ def simulate_discovery(
     on 100 daemons, bench/results/daemons_discovery_run2.json); its top-weighted peers: its ``cluster_size - 1`` best running scores.
     ``late``: this share of the nodes (spread over the clusters) joins at ``late_round``;
     ``mates_found`` counts the others, ``late_mates_found`` them at each checkpoint after joining
-    (run ``late_round`` + the last checkpoint rounds to see them all)."""
+    (run ``late_round`` + the last checkpoint rounds to see them all). ``watch(round, node,
+    candidates, blind, discovery)``, if given, is called after each node's evaluations are observed
+    (``blind``: the candidates drawn blindly from its view; in "uniform" mode all of them): for
+    diagnostics (``bench/discovery_ceiling.py``)."""
     s = settings or DiscoverySettings()
     rng = random.Random(seed)
     ids = [f"node-{i:05d}" for i in range(n)]
@@ -162,6 +166,7 @@ def simulate_discovery(
                 cands = rng.sample([p for p in present if p != i], s.candidates)
             else:
                 cands = d.begin_round()
+            blind = set(cands) if mode == "uniform" else set(d._blind)
             mine = cluster_of(i, cluster_size)
             mates_now = [p for p in cands if cluster_of(p, cluster_size) == mine]
             met[i].update(mates_now)
@@ -170,6 +175,8 @@ def simulate_discovery(
                 for p in cands
             }
             d.observe(w, cands)
+            if watch is not None:
+                watch(r, i, cands, blind, d)
         if mode != "uniform":
             # as on a daemon: asking "whom do you weight?" is what tells a peer of me
             # (``on_contacted``); serving my evaluation does not
