@@ -154,8 +154,7 @@ class Node:
         self._spare_tensors: dict[str, Any] | None = None  # a written snapshot's buffers, reused by the next
         # a model over SPARE_BUFFERS_MAX_BYTES is checkpointed from its own tensors, written before the
         # next round starts (no staging copies alive while it trains: checkpointing.py, issue 34)
-        model_bytes = 4 * sum(math.prod(shape) for shape, _ in learner.param_spec().values())  # ~float32
-        self._live_checkpoints = model_bytes > SPARE_BUFFERS_MAX_BYTES
+        self._live_checkpoints = _checkpoints_live(learner)
         self.last_eval: dict[str, float] = {}
         self.done = False
         self.started = time.time()
@@ -407,13 +406,10 @@ class Node:
             "public_state": self.strategy.public_state(),
             "privacy_ledger": self.ledger.pin(),
         }
+        # a large model (never a spare to reuse): its own tensors, written before the next round
         reuse, self._spare_tensors = self._spare_tensors, None
-        if self._live_checkpoints:  # a large model: written from its own tensors before the next round
-            learner_state = await asyncio.to_thread(self.learner.export_state, None, True)
-            reference = await asyncio.to_thread(self.reference.export_state, True)
-        else:
-            learner_state = await asyncio.to_thread(self.learner.export_state, reuse)
-            reference = await asyncio.to_thread(self.reference.export_state)
+        learner_state = await asyncio.to_thread(self.learner.export_state, reuse, self._live_checkpoints)
+        reference = await asyncio.to_thread(self.reference.export_state, self._live_checkpoints)
         return make_snapshot(
             round=self.round,
             version=self.version,
@@ -459,6 +455,11 @@ class Node:
 
     async def publish_round(self) -> None:
         await publishing.publish_round(self)  # a large model's passes off the loop
+
+
+def _checkpoints_live(learner: Learner) -> bool:
+    """A model over SPARE_BUFFERS_MAX_BYTES (float32) is checkpointed from its own tensors."""
+    return 4 * sum(math.prod(shape) for shape, _ in learner.param_spec().values()) > SPARE_BUFFERS_MAX_BYTES
 
 
 def run_node(cfg: NodeConfig, reload: Callable[[], NodeConfig] | None = None) -> int:

@@ -26,7 +26,6 @@ import hashlib
 import json
 import math
 import threading
-import weakref
 from typing import Literal
 
 import numpy as np
@@ -34,7 +33,7 @@ import torch
 
 from .config import LearnerConfig
 from .datasets import Pool
-from .guard import StepGuard, all_finite
+from .guard import StepGuard
 from .hooks import resolve_loss, resolve_transform
 from .learner import EvalResult, Learner, Params, Split, TrainResult
 from .local_optim import LocalOptimizer, _Sampler
@@ -46,6 +45,7 @@ from .torch_mixture import MixtureEval
 from .torch_private import PerSampleTerms
 from .torch_shadow import Shadow, ShadowEval, without_weights
 from .torch_state import TorchState
+from .torch_training import LocalTraining, Rollback
 
 
 def resolve_device(device: str) -> str:
@@ -104,11 +104,8 @@ class TorchLearner(Learner):
         self._eval_rng = np.random.default_rng(_seed(cfg.data_seed, cfg.node_index, 0xE7A1))
         self._lock = threading.RLock()
         self._eval_lock = threading.Lock()
-        # a finite copy of the live model someone else holds (the round guard's round-start copy),
-        # weakly, and the count of changes to the live model when it was offered: while that count
-        # has not moved, ``train`` rolls back to it instead of copying the model again (issue 34)
-        self._changes = 0
-        self._rollback: tuple[weakref.ref, int] | None = None
+        # changes to the live model, and the round guard's copy that train may roll back to (issue 34)
+        self.rollback = Rollback()
         # a diverged step is rolled back and backs off the step size (guard.py)
         self.step_guard = StepGuard(factor=cfg.divergence_factor)
         # its parts, each given the few pieces it uses
@@ -140,6 +137,20 @@ class TorchLearner(Learner):
             check=self._check,
             set_params=self.set_params,
             fingerprint=self.fingerprint,
+        )
+        self._training = LocalTraining(
+            cfg,
+            self.model,
+            self._data,
+            self._sampler,
+            self.device,
+            self._lock,
+            inputs=self._x,
+            loss_fn=self._loss_fn,
+            optimizer=lambda: self.optimizer,
+            step_guard=self.step_guard,
+            rollback=self.rollback,
+            reset=self.reset_after_divergence,
         )
 
     def data_info(self) -> dict:
@@ -183,20 +194,20 @@ class TorchLearner(Learner):
     def set_params(self, params: Params) -> None:
         self._check(params)
         with self._lock, torch.no_grad():
-            self._changes += 1
+            self.rollback.changed()
             for n, p in self.model.named_parameters():
                 p.copy_(params[n].to(p.device, p.dtype))
 
     def add_to_params(self, params: Params) -> None:
         self._check(params)
         with self._lock, torch.no_grad():  # in place: no model-sized temporary
-            self._changes += 1
+            self.rollback.changed()
             for n, p in self.model.named_parameters():
                 p.add_(params[n].to(p.device, p.dtype))
 
     def scale_params(self, w: float) -> None:
         with self._lock, torch.no_grad():
-            self._changes += 1
+            self.rollback.changed()
             for p in self.model.parameters():
                 p.mul_(w)
 
@@ -219,82 +230,19 @@ class TorchLearner(Learner):
         return self.cfg.local_epochs * math.ceil(n / bs) if self.cfg.local_epochs > 0 else self.cfg.local_steps
 
     def train(self, steps: int | None = None) -> TrainResult:
-        bs = self.cfg.batch_size
-        if steps is None:
-            steps = self.steps_per_round()
-        if steps <= 0:
-            return TrainResult(loss=float("nan"), steps=0, samples=0)
-        x, y = self._data["train"]
-        total, samples, done = 0.0, 0, 0
-        guard = self.step_guard
-        with self._lock:
-            start = self._current_rollback()  # the last finite state: the guard's copy, or one of its own
-            if start is None:
-                start = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-            self._changes += 1
-            self.optimizer.lr = self.cfg.lr * guard.lr_scale
-            self.model.train()
-            problem = None
-            for _ in range(steps):
-                idx = torch.from_numpy(self._sampler.next(bs)).to(self.device)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss = self._loss_fn(self.model(self._x(x[idx])), y[idx], "mean")
-                value = float(loss.detach())
-                problem = guard.loss_problem(value)
-                if problem is not None:
-                    break
-                loss.backward()
-                # (no name bound to the gradients: a list kept them alive through the next step's
-                # backward, two model-sized gradients at once)
-                norm = (
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-                    if self.cfg.grad_clip
-                    else torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-                )
-                if not math.isfinite(float(norm)):
-                    problem = f"gradient norm is {float(norm)}"
-                    break
-                self.optimizer.step()
-                guard.observe(value)
-                total += value
-                samples += len(idx)
-                done += 1
-            if problem is None and not all_finite(dict(self.model.named_parameters())):
-                problem = "non-finite parameters after the local steps"
-            self.optimizer.zero_grad(set_to_none=True)
-            if problem is not None:
-                guard.diverged("step", problem)
-                self.reset_after_divergence(start)
-                return TrainResult(loss=total / done if done else float("nan"), steps=done, samples=samples)
-            guard.clean()
-        return TrainResult(loss=total / steps, steps=steps, samples=samples)
+        return self._training.run(self.steps_per_round() if steps is None else steps)
 
     @property
     def changes(self) -> int:
-        """How many times the live model has been changed (a copy taken after reading this is current
-        while it stays the same)."""
-        return self._changes
+        """How many times the live model has changed (a copy taken after reading it is current while
+        it stays the same)."""
+        return self.rollback.changes
 
     def offer_rollback(self, params: Params, changes: int) -> None:
-        """``params`` are a finite copy of the live model taken after ``changes`` was read, held by
-        the caller (the round guard's round-start copy; a ``dict`` subclass, so that it can be
-        referenced weakly). While the live model has not changed since, ``train`` restores to them
-        on a divergence instead of taking a model-sized copy of its own; the learner never keeps
-        them alive."""
-        try:
-            ref = weakref.ref(params)
-        except TypeError:  # a plain dict cannot be referenced weakly: train copies as before
-            return
+        """While the live model has not changed since ``changes``, ``train`` restores to ``params``
+        (the round guard's copy, held weakly) on a divergence instead of copying the model."""
         with self._lock:
-            self._rollback = (ref, changes)
-
-    def _current_rollback(self) -> Params | None:
-        """The offered copy, if it is still alive and the live model has not changed since."""
-        if self._rollback is None:
-            return None
-        ref, at = self._rollback
-        self._rollback = None  # used once: after train the model has changed
-        return ref() if at == self._changes else None
+            self.rollback.offer(params, changes)
 
     def drop_optimizer_state(self) -> None:
         """Forget the optimizer's state (momenta, Adam moments); ``train`` sets its step size."""
@@ -312,7 +260,7 @@ class TorchLearner(Learner):
     def apply_gradient(self, grad: Params) -> None:
         self._check(grad, "grad")
         with self._lock:
-            self._changes += 1
+            self.rollback.changed()
             for n, p in self.model.named_parameters():
                 p.grad = grad[n].to(p.device, p.dtype).clone()
             if self.cfg.grad_clip:
