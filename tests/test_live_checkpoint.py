@@ -16,52 +16,14 @@ import torch
 
 from coterie.node import daemon
 from coterie.node.checkpointing import Checkpointer
-from coterie.node.config import validate_config
 from coterie.node.daemon import Node
 from coterie.node.failures import Failures
 from coterie.node.persistence import StateStore, make_snapshot, read_checkpoint
+from tests.solo import run_until_done, solo_config
 
 
-def _solo(path, rounds, strategy="local"):
-    return validate_config(
-        {
-            "node_id": "solo",
-            "security": {"insecure": True},
-            "state_dir": str(path / "solo"),
-            "strategy": strategy,
-            "rounds": rounds,
-            "min_peers": 0,
-            "round_interval_s": 0.0,
-            "listen": "127.0.0.1:0",
-            "admin_listen": "127.0.0.1:0",
-            "learner": {
-                "dataset": "mnist1d",
-                "dataset_params": {"num_samples": 600},
-                "partition": "iid",
-                "num_nodes": 1,
-                "model": "mlp",
-                "model_params": {"hidden": [32]},
-                "optimizer": "adam",
-                "local_steps": 2,
-            },
-        }
-    )
-
-
-async def _until(cond, timeout=60):
-    async def wait():
-        while not cond():
-            await asyncio.sleep(0.02)
-
-    await asyncio.wait_for(wait(), timeout)
-
-
-async def _run_until_done(node):
-    await node.start()
-    try:
-        await _until(lambda: node.done)
-    finally:
-        assert await node.stop()
+def _solo(path, rounds):
+    return solo_config(path, rounds, learner={"model": "mlp", "model_params": {"hidden": [32]}, "optimizer": "adam"})
 
 
 async def test_a_large_models_snapshot_holds_its_own_tensors_and_is_durable_before_the_next_round(
@@ -79,7 +41,7 @@ async def test_a_large_models_snapshot_holds_its_own_tensors_and_is_durable_befo
         submitted.append((snap.round, node.store.round, held <= live))
 
     node.checkpointer.submit = submit
-    await _run_until_done(node)
+    await run_until_done(node)
     # main: copies (False), and each round's write still pending when the next round began
     assert submitted[-3:] == [(1, 1, True), (2, 2, True), (3, 3, True)]
 
@@ -89,9 +51,9 @@ async def test_a_resumed_node_continues_exactly_as_an_uninterrupted_one_from_liv
     published snapshot is bit-identical to a run that never stopped, Adam's state included."""
     monkeypatch.setattr(daemon, "SPARE_BUFFERS_MAX_BYTES", 0)
     ref = Node(_solo(tmp_path / "ref", 4))
-    await _run_until_done(ref)
-    await _run_until_done(Node(_solo(tmp_path / "cut", 2)))
-    await _run_until_done(Node(_solo(tmp_path / "cut", 4)))
+    await run_until_done(ref)
+    await run_until_done(Node(_solo(tmp_path / "cut", 2)))
+    await run_until_done(Node(_solo(tmp_path / "cut", 4)))
     shas = [
         [json.loads(x)["snapshot_sha256"] for x in (t / "solo" / "history.jsonl").read_text().splitlines()]
         for t in (tmp_path / "ref", tmp_path / "cut")

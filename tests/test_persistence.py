@@ -18,12 +18,12 @@ import torch
 
 from coterie.node import daemon
 from coterie.node.checkpointing import Checkpointer
-from coterie.node.config import validate_config
 from coterie.node.daemon import Node
 from coterie.node.failures import Failures
 from coterie.node.learning.config import LearnerConfig
 from coterie.node.learning.torch_learner import build_learner
 from coterie.node.persistence import StateError, StateStore, make_snapshot, pack_state, read_checkpoint, unpack_state
+from tests.solo import run_until_done, solo_config, until
 
 CFG = dict(dataset="gaussian", partition="iid", num_nodes=2, node_index=0, model="mlp")
 
@@ -240,44 +240,6 @@ async def test_the_round_loop_never_runs_more_than_max_unsaved_rounds_ahead_of_t
         await ckpt.close(5)
 
 
-def _solo(tmp_path, rounds, **extra):
-    return validate_config(
-        {
-            "node_id": "solo",
-            "security": {"insecure": True},
-            "state_dir": str(tmp_path / "solo"),
-            "strategy": "local",
-            "rounds": rounds,
-            "min_peers": 0,
-            "round_interval_s": 0.0,
-            "listen": "127.0.0.1:0",
-            "admin_listen": "127.0.0.1:0",
-            **extra,
-            "learner": {
-                "dataset": "mnist1d",
-                "dataset_params": {"num_samples": 600},
-                "partition": "iid",
-                "num_nodes": 1,
-                "model": "linear",
-                "local_steps": 2,
-            },
-        }
-    )
-
-
-async def _run_until_done(node, timeout=60):
-    await node.start()
-    try:
-        await asyncio.wait_for(_until(lambda: node.done), timeout)
-    finally:
-        assert await node.stop()
-
-
-async def _until(cond):
-    while not cond():
-        await asyncio.sleep(0.02)
-
-
 async def test_admin_api_shows_only_checkpointed_rounds(tmp_path, monkeypatch):
     """While round 2's checkpoint is held back, /status and /weights still say round 1."""
     gate = threading.Event()
@@ -289,14 +251,14 @@ async def test_admin_api_shows_only_checkpointed_rounds(tmp_path, monkeypatch):
         return real(self, snap, records)
 
     monkeypatch.setattr(StateStore, "commit", commit)
-    node = Node(_solo(tmp_path, 3))
+    node = Node(solo_config(tmp_path, 3))
     await node.start()
     try:
-        await asyncio.wait_for(_until(lambda: node.round >= 2 and node.saved["round"] == 1), 30)
+        await until(lambda: node.round >= 2 and node.saved["round"] == 1, 30)
         assert node.status()["round"] == 1 and node.weights_view()["round"] == 1
         assert [h["round"] for h in await node.history_view(None)] == [1]
         gate.set()
-        await asyncio.wait_for(_until(lambda: node.done), 30)
+        await until(lambda: node.done, 30)
         assert node.status()["round"] == 3 and [h["round"] for h in await node.history_view(0)] == [1, 2, 3]
     finally:
         gate.set()
@@ -305,8 +267,8 @@ async def test_admin_api_shows_only_checkpointed_rounds(tmp_path, monkeypatch):
 
 async def test_history_in_memory_is_bounded_and_the_file_keeps_everything(tmp_path, monkeypatch):
     monkeypatch.setattr(daemon, "HISTORY_TAIL", 3)
-    node = Node(_solo(tmp_path, 6))
-    await _run_until_done(node)
+    node = Node(solo_config(tmp_path, 6))
+    await run_until_done(node)
     assert [h["round"] for h in node.history] == [4, 5, 6]
     assert [h["round"] for h in await node.history_view(None)] == [4, 5, 6]
     assert [h["round"] for h in await node.history_view(1)] == [2, 3, 4, 5, 6]  # from the file
@@ -316,10 +278,10 @@ async def test_history_in_memory_is_bounded_and_the_file_keeps_everything(tmp_pa
 async def test_a_resumed_node_continues_exactly_as_an_uninterrupted_one(tmp_path):
     """Stop after 2 rounds and resume to 4: every round's published snapshot (weights, version,
     round) is bit-identical to a run that never stopped — optimizer and sampler state included."""
-    ref = Node(_solo(tmp_path / "ref", 4))
-    await _run_until_done(ref)
-    await _run_until_done(Node(_solo(tmp_path / "cut", 2)))
-    await _run_until_done(Node(_solo(tmp_path / "cut", 4)))
+    ref = Node(solo_config(tmp_path / "ref", 4))
+    await run_until_done(ref)
+    await run_until_done(Node(solo_config(tmp_path / "cut", 2)))
+    await run_until_done(Node(solo_config(tmp_path / "cut", 4)))
     shas = [
         [json.loads(x)["snapshot_sha256"] for x in (t / "solo" / "history.jsonl").read_text().splitlines()]
         for t in (tmp_path / "ref", tmp_path / "cut")
