@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -331,6 +332,46 @@ def sweep(
 
     with ThreadPoolExecutor(jobs) as ex:
         list(ex.map(one, todo))
+
+
+def hooked_main(
+    doc: str,
+    script: str,
+    hook: Callable[[], None],
+    runs: Path,
+    report: Callable[[], None],
+    *,
+    seeds: str,
+    networks: str,
+    jobs: int,
+    out: str,
+) -> None:
+    """The command line of a bench that runs these networks with ``hook`` installed in each run's
+    process (never_worse_rules.py, never_worse_blend.py): ``sweep``, ``one`` (a run, in its own
+    process) and ``report``; the defaults are the bench's."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sw = sub.add_parser("sweep")
+    sw.add_argument("--seeds", default=seeds)
+    sw.add_argument("--networks", default=networks)
+    sw.add_argument("--strategies", default=",".join(ALL))
+    sw.add_argument("--jobs", type=int, default=jobs)
+    sw.add_argument("--out", default=out)
+    one = sub.add_parser("one")
+    one.add_argument("network", choices=sorted(NETWORKS))
+    one.add_argument("strategy")
+    one.add_argument("seed", type=int)
+    one.add_argument("--out", required=True)
+    sub.add_parser("report")
+    a = ap.parse_args()
+    if a.cmd == "one":
+        hook()
+        print(json.dumps(child(a.network, a.strategy, a.seed, Path(a.out))))
+    elif a.cmd == "sweep":
+        seed_list = [int(x) for x in a.seeds.split(",")]
+        sweep(a.networks.split(","), a.strategies.split(","), seed_list, a.jobs, Path(a.out), script=script, runs=runs)
+    else:
+        report()
 
 
 def _spread(xs: list[float]) -> str:

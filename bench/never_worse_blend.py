@@ -24,7 +24,6 @@ own decision, ``reported``, is today's default back-off).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -316,36 +315,17 @@ def report() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    sw = sub.add_parser("sweep")
-    sw.add_argument("--seeds", default="0,1,2")
-    sw.add_argument("--networks", default="sine-sgd,sine-adam,gaussian-perm,digits-perm,s2")
-    sw.add_argument("--strategies", default=",".join(nw.ALL))
-    sw.add_argument("--jobs", type=int, default=1)
-    sw.add_argument("--out", default="/tmp/never_worse_blend")
-    one = sub.add_parser("one")
-    one.add_argument("network", choices=sorted(nw.NETWORKS))
-    one.add_argument("strategy")
-    one.add_argument("seed", type=int)
-    one.add_argument("--out", required=True)
-    sub.add_parser("report")
-    a = ap.parse_args()
-    if a.cmd == "one":
-        _hook()
-        print(json.dumps(nw.child(a.network, a.strategy, a.seed, Path(a.out))))
-    elif a.cmd == "sweep":
-        nw.sweep(
-            a.networks.split(","),
-            a.strategies.split(","),
-            [int(s) for s in a.seeds.split(",")],
-            a.jobs,
-            Path(a.out),
-            script=__file__,
-            runs=RUNS,
-        )
-    else:
-        report()
+    nw.hooked_main(
+        __doc__,
+        __file__,
+        _hook,
+        RUNS,
+        report,
+        seeds="0,1,2",
+        networks="sine-sgd,sine-adam,gaussian-perm,digits-perm,s2",
+        jobs=1,
+        out="/tmp/never_worse_blend",
+    )
 
 
 if __name__ == "__main__":
