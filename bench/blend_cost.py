@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -32,19 +33,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     a = ap.parse_args()
     torch.manual_seed(a.seed)
-    learner_cfg = {
-        "dataset": "digits",
-        "partition": "label_permutation",
-        "partition_params": {"num_clusters": 2, "samples_per_node": 150},
-        "num_nodes": 8,
-        "model": "mlp",
-        "model_params": {"hidden": [64, 64]},
-        "optimizer": "adam",
-        "lr": 0.003,
-        "batch_size": 32,
-        "local_steps": 20,
-        "data_seed": a.seed,
-    }  # a digits-perm node of bench/never_worse.py
+    sys.path.insert(0, str(ROOT / "bench"))
+    import never_worse as nw
+
+    # a digits-perm node of bench/never_worse.py
+    learner_cfg = {**nw.NETWORKS["digits-perm"][0]()["learner"], "num_nodes": 8, "data_seed": a.seed}
     learner = build_learner(LearnerConfig(**learner_cfg))
     refs = {
         rule: LocalReference(ReferenceConfig(predict=rule, patience=10**6), learner, "federico")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import random
 import statistics
@@ -38,6 +37,7 @@ import time
 from collections import Counter
 from dataclasses import asdict
 
+from coterie.node.fsutil import atomic_write_json
 from coterie.node.peering.discovery import Discovery, DiscoverySettings
 from coterie.node.peering.overlay_sim import cluster_of, simulate_discovery
 
@@ -207,7 +207,7 @@ def main() -> None:
                 runs.append(one(n, seed, a.rounds, a.signal, ca))
                 print(json.dumps({k: v for k, v in runs[-1].items() if k != "series"}), flush=True)
                 if a.out:  # after every run: a grid cut short keeps what it measured
-                    write(a.out, {"config": config, "bound": bounds, "runs": runs})
+                    atomic_write_json(a.out, {"config": config, "bound": bounds, "runs": runs})
     for n, ca in ((n, ca) for n in a.nodes for ca in a.collaborator_after):
         rows = [r for r in runs if r["nodes"] == n and r["collaborator_after"] == ca]
         print(f"\n{n} nodes, signal {a.signal}, collaborator_after={ca}, medians of seeds {a.seeds}")
@@ -226,14 +226,6 @@ def main() -> None:
                 f" | {med['blind_repeats']:.2f} | {med['blind_distinct']:.1f} | {med['hinted']:.1f} ({med['hinted_mates']:.2f}) |"
             )
         print("bound (uniform, without repeats):", json.dumps(bounds[str(n)]))
-
-
-def write(path: str, doc: dict) -> None:
-    """Atomically: a reader never sees half a file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
