@@ -5,7 +5,6 @@ would otherwise wait for it for good)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -14,7 +13,7 @@ from coterie.node.daemon import Node
 from coterie.node.failures import Failures
 from coterie.node.persistence import StateStore
 from coterie.node.stall_watch import Progress, StallWatch
-from tests.test_persistence import _solo, _until
+from tests.solo import solo_config, until
 
 
 async def test_a_round_stuck_on_the_checkpoint_writer_is_reported_with_stacks_and_recovers(
@@ -30,10 +29,10 @@ async def test_a_round_stuck_on_the_checkpoint_writer_is_reported_with_stacks_an
 
     monkeypatch.setattr(StateStore, "commit", commit)
     caplog.set_level(logging.WARNING, logger="coterie.node")
-    node = Node(_solo(tmp_path, 6, round_stall_s=1.0))
+    node = Node(solo_config(tmp_path, 6, round_stall_s=1.0))
     await node.start()
     try:
-        await asyncio.wait_for(_until(lambda: "round-stall" in node.failures.active), 30)
+        await until(lambda: "round-stall" in node.failures.active, 30)
         error = node.failures.active["round-stall"]["error"]
         assert "round 4" in error and "waiting for the checkpoint writer" in error, error
         status = node.status()
@@ -44,7 +43,7 @@ async def test_a_round_stuck_on_the_checkpoint_writer_is_reported_with_stacks_an
         assert "on a stalled round" in logged and "--- rounds\n" in logged and "checkpointing.py" in logged
         assert "in commit" in logged and "gate.wait(60)" in logged, "the blocked writer thread's stack is missing"
         gate.set()
-        await asyncio.wait_for(_until(lambda: node.done), 30)
+        await until(lambda: node.done, 30)
         assert node.failures.healthy and node.status()["round"] == 6 and node.status()["in_round"] is None
     finally:
         gate.set()
@@ -52,7 +51,7 @@ async def test_a_round_stuck_on_the_checkpoint_writer_is_reported_with_stacks_an
 
 
 async def test_the_checkpoint_writer_dying_is_a_failure_and_the_round_it_holds_up_is_named(tmp_path):
-    node = Node(_solo(tmp_path, 5, round_stall_s=1.0))
+    node = Node(solo_config(tmp_path, 5, round_stall_s=1.0))
     real = node.checkpointer.on_saved
 
     def on_saved(batch, seconds):
@@ -63,7 +62,7 @@ async def test_the_checkpoint_writer_dying_is_a_failure_and_the_round_it_holds_u
     node.checkpointer.on_saved = on_saved
     await node.start()
     try:
-        await asyncio.wait_for(_until(lambda: "round-stall" in node.failures.active), 30)
+        await until(lambda: "round-stall" in node.failures.active, 30)
         assert "a bug after the write" in node.failures.active["checkpoint"]["error"]
         assert "waiting for the checkpoint writer" in node.failures.active["round-stall"]["error"]
         assert node.status()["round"] == 1 and not node.healthy()
