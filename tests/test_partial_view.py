@@ -4,6 +4,7 @@ defence, where it succeeds)."""
 
 from __future__ import annotations
 
+import heapq
 import random
 
 from coterie.node.peering.overlay_sim import SimOverlay
@@ -108,3 +109,51 @@ def test_a_shuffle_longer_than_the_protocol_allows_is_truncated():
     v = PartialView("victim", s, random.Random(3))
     v.on_message("peer", Shuffle(tuple(f"x{k}" for k in range(500))))
     assert len(v.passive) == s.shuffle_length
+
+
+class AuditedView(PartialView):
+    """Checks every pick of "the oldest" against a scan of the ages (the rule as first written:
+    max / nlargest over ``age``), so reading it off the view's order stays the same rule."""
+
+    checked = 0
+
+    def tick(self) -> None:
+        ages = [e.age for e in self.passive.values()]
+        assert ages == sorted(ages, reverse=True), "the passive view is not kept oldest first"
+        oldest = max(self.passive, key=lambda p: self.passive[p].age + 1) if self.passive else None
+        sent = len(self.outbox)
+        super().tick()
+        if oldest is not None:
+            assert self.outbox[sent][0] == oldest
+            AuditedView.checked += 1
+
+    def _sample(self, exclude: str) -> tuple[str, ...]:
+        want = heapq.nlargest(
+            self.s.shuffle_passive, (p for p in self.passive if p != exclude), key=lambda p: self.passive[p].age
+        )
+        got = super()._sample(exclude)
+        assert list(got[len(got) - len(want) :]) == want
+        return got
+
+    def _evict(self) -> None:
+        most = max(self._placed.values())
+        want = max(
+            (n for n, e in self.passive.items() if self._placed[e.source] == most), key=lambda n: self.passive[n].age
+        )
+        super()._evict()
+        assert want not in self.passive
+        AuditedView.checked += 1
+
+
+def test_the_oldest_passive_entry_is_read_off_the_views_order():
+    # past saturation (300 nodes, passive views of 60): shuffles evict every period
+    o = SimOverlay(_ids(300), ViewSettings.for_network(300), seed=4, view_factory=lambda i, s, r: AuditedView(i, s, r))
+    o.join_all()
+    for _ in range(15):
+        o.round()
+    dead = set(random.Random(4).sample(sorted(o.alive), 60))
+    o.kill(dead)
+    for _ in range(10):
+        o.round()
+    assert AuditedView.checked > 300 * 25  # every tick checked, and the evictions
+    assert len(o.components()) == 1

@@ -26,7 +26,7 @@ Insider bounds (one peer must not fill a view with itself or a clique):
 
 from __future__ import annotations
 
-import heapq
+import itertools
 import math
 import random
 from collections import Counter
@@ -171,7 +171,7 @@ class PartialView:
         # (and goes), so the passive view keeps mixing and holds no long-dead node; else an
         # active neighbour
         target = (
-            max(self.passive, key=lambda p: self.passive[p].age)
+            next(iter(self.passive))  # the oldest: the passive view is kept oldest first
             if self.passive
             else self.rng.choice(list(self.active))
             if self.active
@@ -269,6 +269,10 @@ class PartialView:
         self._probe_order.insert(self.rng.randrange(len(self._probe_order) + 1), node)
 
     def _put(self, node: str, entry: Passive) -> None:
+        # Every entry enters here, at age 0, at the end, and every age grows by one a period:
+        # so the dict stays oldest first (ties in arrival order), and "the oldest entry that..."
+        # is the first one found that... — no scan of the whole view for a maximum (issue 32: at
+        # 1,000+ nodes each shuffle evicts, and those scans were the cost that grew with N).
         self._drop(node)
         self.passive[node] = entry
         self._placed[entry.source] += 1
@@ -290,9 +294,7 @@ class PartialView:
         if source != node and self._placed[source] >= self.s.per_source:
             # the sender's share stays capped: its own oldest entry makes room
             self.counters.replaced_hearsay += 1
-            self._drop(
-                max((n for n, e in self.passive.items() if e.source == source), key=lambda n: self.passive[n].age)
-            )
+            self._drop(next(n for n, e in self.passive.items() if e.source == source))
         if len(self.passive) >= self.s.passive_size:
             self._evict()
         self._put(node, Passive(source))
@@ -302,20 +304,13 @@ class PartialView:
         """Drop one passive entry: the oldest of those placed by the sources that placed the
         most, so no sender dominates the view."""
         most = max(self._placed.values())
-        self._drop(
-            max(
-                (n for n, e in self.passive.items() if self._placed[e.source] == most),
-                key=lambda n: self.passive[n].age,
-            )
-        )
+        self._drop(next(n for n, e in self.passive.items() if self._placed[e.source] == most))
 
     def _sample(self, exclude: str) -> tuple[str, ...]:
         act = [p for p in self.active if p != exclude]
         picked = self.rng.sample(act, min(self.s.shuffle_active, len(act)))
         # the oldest: Cyclon's aging keeps the sample fresh
-        picked += heapq.nlargest(
-            self.s.shuffle_passive, (p for p in self.passive if p != exclude), key=lambda p: self.passive[p].age
-        )
+        picked += itertools.islice((p for p in self.passive if p != exclude), self.s.shuffle_passive)
         return (self.me, *picked)
 
     def _integrate(self, sender: str, entries: tuple[str, ...]) -> None:
