@@ -36,6 +36,7 @@ from collections import Counter
 from typing import Any
 
 from coterie.node.config import DiscoveryConfig
+from coterie.node.fsutil import atomic_write_json
 from coterie.node.peering import views_inproc as vi
 from coterie.node.peering.dissemination import PUSH_PULL_SCALE_THRESHOLD
 from coterie.node.peering.membership import Settings
@@ -60,25 +61,38 @@ def push_pull_periods(n: int) -> int:
 
 
 def cost_point(
-    kind: str, n: int, periods: int, warmup: int = WARMUP_PERIODS, ballast: int = 0, seed: int = 0
+    kind: str,
+    n: int,
+    periods: int,
+    warmup: int = WARMUP_PERIODS,
+    ballast: int = 0,
+    networks: int = 1,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """One kind at ``n`` nodes: CPU ms and bytes per node-period, entries held, wall and peak RSS.
     ``ballast``: as many more nodes made and bootstrapped in the same heap but never ticked (a
-    control: what a larger heap alone costs the ``n`` nodes that run)."""
+    control: what a larger heap alone costs the ``n`` nodes that run). ``networks`` (partial
+    views): the ``n`` nodes split into that many separate networks, made interleaved (node i of
+    each in turn, so each network's nodes are spread over the heap as one big network's are) and
+    ticked together — a control that tells what the network's size costs a node from what
+    simulating ``n`` nodes in one process does."""
 
     async def go() -> dict[str, Any]:
         t0 = time.monotonic()
-        net = InProcNetwork()
+        nets = [InProcNetwork() for _ in range(networks)]
         partial = kind == "partial views"
         views = DAEMON_VIEWS  # as a daemon sizes them (for twice the threshold), whatever N
-        members = [vi.make_member(net, f"node-{i:05d}", views, partial=partial, seed=seed) for i in range(n)]
+        members = [
+            vi.make_member(nets[i % networks], f"node-{i:05d}", views, partial=partial, seed=seed) for i in range(n)
+        ]
         rng = random.Random(seed)
         if ballast:
-            idle = [vi.make_member(net, f"idle-{i:05d}", views, partial=True, seed=seed) for i in range(ballast)]
+            idle = [vi.make_member(nets[0], f"idle-{i:05d}", views, partial=True, seed=seed) for i in range(ballast)]
             vi.bootstrap_views(idle, rng)
         before = None
         if partial:
-            vi.bootstrap_views(members, rng)
+            for k in range(networks):
+                vi.bootstrap_views(members[k::networks], rng)
             for _ in range(warmup):
                 await vi.period(members)
         else:
@@ -111,6 +125,7 @@ def cost_point(
             "periods": periods,
             "warmup": warmup if partial else 0,
             **({"ballast": ballast} if ballast else {}),
+            **({"networks": networks} if networks > 1 else {}),
             "cpu_ms": 1000 * cpu / (n * periods),
             "bytes": sent / (n * periods),
             "state_entries": statistics.median(len(x.peers.records) for x in members),
@@ -127,7 +142,10 @@ def cost_point(
             row.update(
                 active=views.active_size,
                 passive=views.passive_size,
-                components=len(view_components({x.node_id: x.overlay.view.active for x in members})),
+                components=sum(
+                    len(view_components({x.node_id: x.overlay.view.active for x in members[k::networks]}))
+                    for k in range(networks)
+                ),
             )
         else:
             row["push_pull_every"] = periods
@@ -290,5 +308,31 @@ def report(data: dict[str, Any]) -> list[str]:
     return out
 
 
-if __name__ == "__main__":  # one point: KIND N PERIODS (overlay_section runs each in its own process)
-    print(json.dumps(cost_point(*sys.argv[1:2], *map(int, sys.argv[2:]))))  # KIND N PERIODS [WARMUP [BALLAST]]
+def network_size_control(total: int, each: int, reps: int, out: str | None = None) -> list[dict[str, Any]]:
+    """Partial views, side by side and interleaved, each point a process of its own: ``each``
+    nodes alone; ``total`` nodes as ``total / each`` separate networks of ``each``; ``total``
+    nodes as one network. The second against the third is the cost of the network's size to a
+    node, with the process holding as many nodes either way; the first against the second is what
+    holding ``total`` nodes in one process costs (a daemon holds one)."""
+    rows = []
+    for rep in range(reps):
+        for n, networks in ((each, 1), (total, total // each), (total, 1)):
+            cmd = [sys.executable, __file__, "partial views", str(n), str(PARTIAL_PERIODS)]
+            cmd += [str(WARMUP_PERIODS), "0", str(networks)]
+            r = json.loads(
+                subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+            )
+            r.update(rep=rep, networks=networks)
+            print("  ", {k: r[k] for k in ("rep", "nodes", "networks", "cpu_ms", "bytes", "components")}, flush=True)
+            rows.append(r)
+    if out:
+        cfg = {"total": total, "each": each, "reps": reps, "periods": PARTIAL_PERIODS, "warmup": WARMUP_PERIODS}
+        atomic_write_json(out, {"config": cfg, "views": DAEMON_VIEWS.__dict__, "rows": rows})
+    return rows
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "control":  # control TOTAL EACH REPS [OUT.json]
+        network_size_control(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6])
+    else:  # one point (overlay_section runs each in its own process): KIND N PERIODS [WARMUP [BALLAST [NETWORKS]]]
+        print(json.dumps(cost_point(*sys.argv[1:2], *map(int, sys.argv[2:]))))
