@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -35,6 +35,7 @@ from .learning.learner import EvalResult, Learner, MakesTwin, Params, Split
 log = logging.getLogger("coterie.node")
 
 Members = list[tuple[str, float, Params]]
+Scored = list[tuple[str, float, Params | None]]  # members to evaluate: None is the live model, read in place
 NO_TWIN_STRATEGIES = ("local",)  # its model *is* the local-only model
 
 
@@ -102,13 +103,26 @@ class LocalReference:
         return self.twin is not None and not self.helping
 
     def _collab(self, members: Members | None, node_id: str) -> Members:
-        """What the node predicts with by collaborating: the strategy's mixture, or its live model."""
+        """What the node predicts with by collaborating: the strategy's mixture, or (a copy of) its
+        live model."""
         return members if members else [(node_id, 1.0, self.learner.get_params())]
 
-    def _choose_alpha(self, collab: Members) -> None:
-        """The blend's α for this check: the lowest validation loss on the grid (node/blend.py)."""
+    def _collab_to_score(self, members: Members | None, node_id: str) -> Scored:
+        """``_collab`` for an evaluation: in prediction space the live model as None, which the
+        learner reads in place (weight space computes α·θ + (1−α)·θ_twin from its tensors)."""
+        if members or self.cfg.blend_space != "prediction":
+            return list(self._collab(members, node_id))
+        return [(node_id, 1.0, None)]
+
+    def _twin_to_score(self) -> Params:
+        """The twin's parameters for an evaluation: its own tensors, not a copy (held under
+        ``_lock``, which its training also takes, so they do not change meanwhile)."""
         assert self.twin is not None
-        twin = self.twin.get_params()
+        return self.twin.live_params()
+
+    def _choose_alpha(self, collab: Scored) -> None:
+        """The blend's α for this check: the lowest validation loss on the grid (node/blend.py)."""
+        twin = self._twin_to_score()
         if self.cfg.blend_space == "prediction":  # every α from one pass of each model
             scored = self.learner.evaluate_blends([(w, p) for _, w, p in collab], twin, self.grid, "val")
             by_alpha = {a: r.loss for a, r in zip(self.grid, scored, strict=True)}
@@ -176,7 +190,7 @@ class LocalReference:
                 if collab_val.n:
                     self.check.observe(_score(collab_val), local_val, evidence)
                     if self.blending and self.check.helping:
-                        self._choose_alpha(self._collab(members, "self"))
+                        self._choose_alpha(self._collab_to_score(members, "self"))
                     elif self.blending:  # backed off: the twin alone, until the check returns
                         self.alpha, self.alpha_losses = 0.0, []
                     if self.check.helping != was:  # the check's switches (α moves every check: /status)
@@ -186,7 +200,11 @@ class LocalReference:
             blended = None
             if self.blending and self.alpha is not None and 0 < self.alpha < 1:
                 ms = blend(
-                    self._collab(members, "self"), self.twin.get_params(), self.alpha, "twin", self.cfg.blend_space
+                    self._collab_to_score(members, "self"),
+                    self._twin_to_score(),
+                    self.alpha,
+                    "twin",
+                    self.cfg.blend_space,
                 )
                 blended = self.learner.evaluate_mixture([(w, p) for _, w, p in ms], "test")
         out = dict(evaluation)
@@ -221,8 +239,11 @@ class LocalReference:
             if self.backed_off:
                 return [(node_id, 1.0, self.twin.get_params())]
             assert self.alpha is not None
-            return blend(
-                self._collab(collab, node_id), self.twin.get_params(), self.alpha, node_id, self.cfg.blend_space
+            return cast(
+                Members,
+                blend(  # (members given: the result holds their tensors, none None)
+                    self._collab(collab, node_id), self.twin.get_params(), self.alpha, node_id, self.cfg.blend_space
+                ),
             )
 
     def reason(self) -> str | None:
