@@ -30,7 +30,7 @@ from netlab import load, mnist1d_mlp  # noqa: E402
 
 _PROBE = textwrap.dedent(
     r"""
-    import asyncio, json, re, shutil, sys, tempfile, time, types
+    import asyncio, inspect, json, re, shutil, sys, tempfile, time, types
     import torch
     from coterie.node import publishing
     from coterie.node.learning.config import LearnerConfig
@@ -114,7 +114,9 @@ _PROBE = textwrap.dedent(
         call("evaluate", learner.evaluate)
         if reference is not None:
             call("reference: judge (the blend's α on val, its test figures)", lambda: reference.judge(rnd, {}, None))
-            call("reference: the checkpoint's mixture", lambda: reference.prediction_members("n0"))
+            # as the daemon asks for it: the live tensors where the checkout can give them (a large model)
+            live = {"live": True} if "live" in inspect.signature(reference.prediction_members).parameters else {}
+            call("reference: the checkpoint's mixture", lambda: reference.prediction_members("n0", None, **live))
         call("checkpoint written (the writer thread)", lambda: store.commit(staged, [{"round": rnd - 1}]))
         del staged
         published = call("publish: copy and encode", lambda: publish(rnd))

@@ -225,10 +225,12 @@ class LocalReference:
             out["test_acc"] = shown.accuracy
         return out
 
-    def prediction_members(self, node_id: str, collab: Members | None = None) -> Members | None:
+    def prediction_members(self, node_id: str, collab: Members | None = None, live: bool = False) -> Members | None:
         """What the node predicts with when that is not its collaborative model (``collab``: the
         strategy's prediction members, None for its live model): backed off, the twin; blending
-        with 0 < α < 1, the blend. Checkpointed, so an export writes it; None otherwise."""
+        with 0 < α < 1, the blend. Checkpointed, so an export writes it; None otherwise.
+        ``live``: the model's and twin's own tensors, not copies, for a live checkpoint (written
+        before either changes; ``make_snapshot`` names them, the file holds them once)."""
         if (
             self.twin is None
             or not self.backed_off
@@ -236,15 +238,13 @@ class LocalReference:
         ):
             return None
         with self._lock:
+            twin = self.twin.live_params() if live else self.twin.get_params()
             if self.backed_off:
-                return [(node_id, 1.0, self.twin.get_params())]
+                return [(node_id, 1.0, twin)]
             assert self.alpha is not None
-            return cast(
-                Members,
-                blend(  # (members given: the result holds their tensors, none None)
-                    self._collab(collab, node_id), self.twin.get_params(), self.alpha, node_id, self.cfg.blend_space
-                ),
-            )
+            own = collab or [(node_id, 1.0, self.learner.live_params() if live else self.learner.get_params())]
+            # (members given: the result holds their tensors, none None)
+            return cast(Members, blend(own, twin, self.alpha, node_id, self.cfg.blend_space))
 
     def reason(self) -> str | None:
         """Why the node predicts with what it predicts with (the check's figures as evidence)."""
