@@ -10,8 +10,8 @@ interpreters, so both see the same load.
     python bench/memory.py --fork --nodes 8 --python base=/path/to/old/.venv/bin/python
 
 With ``--fork`` the daemons are forked from a preloaded fork server (as ``coterie run`` starts
-them); another checkout's network is forked from its own interpreter (this script, run under it
-for that one network). The order of the checkouts flips with the seed's parity.
+them); compared, each network is forked from a fresh run of this script under its checkout's
+interpreter, the same for every checkout. The order of the checkouts flips with the seed's parity.
 
 Writes ``bench/results/memory.json`` (figures and the full config) and prints a table with the
 issue's budget per node: 150 MB + 3x the model at rest, 150 MB + 5x while exchanging.
@@ -203,7 +203,9 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
     for strategy in args.strategies.split(","):
         for label, py in order:  # alternating: each strategy runs every interpreter in turn
-            forked_elsewhere = args.fork and py != sys.executable
+            # compared, every network forks from a fresh run of this script under its interpreter:
+            # a fork server that already ran networks would share other pages with its daemons
+            forked_elsewhere = args.fork and len(order) > 1
             r = forked_from(py, strategy, args) if forked_elsewhere else one_network(py, strategy, args, model_mb)
             results.setdefault(strategy, {})[label] = r
             print(
