@@ -7,7 +7,11 @@ PSS at rest (after its last round, the checkpoint written). Networks alternate b
 interpreters, so both see the same load.
 
     python bench/memory.py --python base=/path/to/old/.venv/bin/python [--nodes 4 --rounds 6]
-    /path/to/old/.venv/bin/python bench/memory.py --fork --out old.json; python bench/memory.py --fork
+    python bench/memory.py --fork --nodes 8 --python base=/path/to/old/.venv/bin/python
+
+With ``--fork`` the daemons are forked from a preloaded fork server (as ``coterie run`` starts
+them); compared, each network is forked from a fresh run of this script under its checkout's
+interpreter, the same for every checkout. The order of the checkouts flips with the seed's parity.
 
 Writes ``bench/results/memory.json`` (figures and the full config) and prints a table with the
 issue's budget per node: 150 MB + 3x the model at rest, 150 MB + 5x while exchanging.
@@ -19,6 +23,7 @@ import argparse
 import json
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -154,6 +159,19 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
     }
 
 
+def forked_from(python: str, strategy: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One network of daemons forked from ``python``'s own fork server (forking runs the forking
+    interpreter's code): this script under that interpreter, for that one network."""
+    with tempfile.TemporaryDirectory(prefix="coterie-mem-fork-") as d:
+        out = Path(d) / "network.json"
+        flags = ["--nodes", str(args.nodes), "--rounds", str(args.rounds), "--steps", str(args.steps)]
+        flags += ["--hidden", ",".join(map(str, args.hidden)), "--sample-s", str(args.sample_s)]
+        flags += ["--timeout", str(args.timeout), "--seed", str(args.seed), "--strategies", strategy]
+        flags += ["--no-delta"] if args.no_delta else []
+        subprocess.run([python, __file__, "--fork", *flags, "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())["results"][strategy]["this"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--python", action="append", default=[], help="LABEL=INTERPRETER (another checkout's)")
@@ -168,22 +186,27 @@ def main() -> int:
     ap.add_argument(
         "--fork",
         action="store_true",
-        help="fork the daemons from this interpreter (its own checkout only: run the script under each)",
+        help="fork the daemons from a preloaded interpreter (each --python's network from its own)",
     )
     ap.add_argument("--no-delta", action="store_true", help="snapshots.delta = false on every node")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory.json")
     args = ap.parse_args()
     args.hidden = [int(h) for h in args.hidden.split(",")]
-    pythons = {} if args.fork else dict(p.split("=", 1) for p in args.python)
-    pythons["this"] = sys.executable
+    pythons = dict(p.split("=", 1) for p in args.python)
+    if sys.executable not in pythons.values():
+        pythons["this"] = sys.executable
+    order = list(pythons.items())[:: -1 if args.seed % 2 else 1]  # who runs first flips with the seed
     sizes = [40, *args.hidden, 10]
     params = sum(a * b + b for a, b in zip(sizes, sizes[1:], strict=False))
     model_mb = params * 4 / 1e6
     print(f"model: {params:,} parameters ({model_mb:.1f} MB fp32); {args.nodes} nodes; load {load()}", flush=True)
     results: dict[str, dict[str, Any]] = {}
     for strategy in args.strategies.split(","):
-        for label, py in pythons.items():  # alternating: each strategy runs every interpreter in turn
-            r = one_network(py, strategy, args, model_mb)
+        for label, py in order:  # alternating: each strategy runs every interpreter in turn
+            # compared, every network forks from a fresh run of this script under its interpreter:
+            # a fork server that already ran networks would share other pages with its daemons
+            forked_elsewhere = args.fork and len(order) > 1
+            r = forked_from(py, strategy, args) if forked_elsewhere else one_network(py, strategy, args, model_mb)
             results.setdefault(strategy, {})[label] = r
             print(
                 f"{strategy:>6} {label:>6}: tree peak PSS {r['tree_peak_pss_mb']:7.1f} MB; per node: peak PSS "

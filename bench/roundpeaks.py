@@ -30,7 +30,7 @@ from netlab import load, mnist1d_mlp  # noqa: E402
 
 _PROBE = textwrap.dedent(
     r"""
-    import asyncio, json, re, shutil, sys, tempfile, time, types
+    import asyncio, inspect, json, re, shutil, sys, tempfile, time, types
     import torch
     from coterie.node import publishing
     from coterie.node.learning.config import LearnerConfig
@@ -38,8 +38,11 @@ _PROBE = textwrap.dedent(
     from coterie.node.learning.guard import RoundGuard
     from coterie.node.memory_release import release_free_memory
     from coterie.node.persistence import StateStore, make_snapshot
+    from coterie.node.config import ReferenceConfig
+    from coterie.node.local_reference import LocalReference
 
     cfg = json.loads(sys.argv[1])
+    blend = cfg.pop("_blend")
     torch.manual_seed(cfg.pop("_seed"))
     torch.set_num_threads(1)
     learner = build_learner(LearnerConfig(**cfg))
@@ -91,6 +94,12 @@ _PROBE = textwrap.dedent(
         asyncio.run(publishing.publish_round(node))
         return node.board.current
 
+    # a collaborating node's local-only reference (issue 33), predicting with the blend (the default)
+    reference = LocalReference(ReferenceConfig(), learner, "dpsgd") if blend else None
+    if reference is not None:
+        reference.twin.train()  # the twin differs from the model: the blend's α has something to choose
+        reference.twin.drop_optimizer_state()  # as the reference leaves a large model's twin between trainings
+
     learner.train()  # round 1: Adam's moments exist from here on
     published = publish(1)
     store.commit(snapshot(1), [{"round": 1}])
@@ -103,12 +112,18 @@ _PROBE = textwrap.dedent(
         call("train: 10 Adam steps", learner.train)
         call("guard: check after the round", guard.after_round)
         call("evaluate", learner.evaluate)
+        if reference is not None:
+            call("reference: judge (the blend's α on val, its test figures)", lambda: reference.judge(rnd, {}, None))
+            # as the daemon asks for it: the live tensors where the checkout can give them (a large model)
+            live = {"live": True} if "live" in inspect.signature(reference.prediction_members).parameters else {}
+            call("reference: the checkpoint's mixture", lambda: reference.prediction_members("n0", None, **live))
         call("checkpoint written (the writer thread)", lambda: store.commit(staged, [{"round": rnd - 1}]))
         del staged
         published = call("publish: copy and encode", lambda: publish(rnd))
         release_free_memory()
     shutil.rmtree(store.dir, ignore_errors=True)  # its checkpoint: three model-sized tensors on disk
-    print(json.dumps({"model_mb": round(model_mb, 2), "rest_rss_mb": round(rest, 1), "calls": rows}))
+    alpha = None if reference is None else reference.alpha
+    print(json.dumps({"model_mb": round(model_mb, 2), "rest_rss_mb": round(rest, 1), "alpha": alpha, "calls": rows}))
     """
 )
 
@@ -130,11 +145,12 @@ def main() -> int:
     ap.add_argument("--python", action="append", default=[], help="LABEL=INTERPRETER (another checkout's)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--blend", action="store_true", help="also a local-only reference predicting with the blend")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "roundpeaks.json")
     args = ap.parse_args()
     pythons = dict(p.split("=", 1) for p in args.python)
     pythons["this"] = sys.executable
-    cfg = {**mnist1d_mlp(8, 0, hidden=[2280, 2280], steps=10), "_seed": args.seed}
+    cfg = {**mnist1d_mlp(8, 0, hidden=[2280, 2280], steps=10), "_seed": args.seed, "_blend": args.blend}
     runs: dict[str, list[dict]] = {label: [] for label in pythons}
     for i in range(args.repeats):
         order = list(pythons.items()) if i % 2 == 0 else list(reversed(pythons.items()))
@@ -142,6 +158,8 @@ def main() -> int:
             runs[label].append(probe(py, cfg))
             print(f"run {i + 1} {label}: load {load()}", flush=True)
     for label, rs in runs.items():
+        if args.blend:
+            print(f"\n{label}: blend α {[r.get('alpha') for r in rs]}")
         print(
             f"\n{label}: rest RSS {statistics.median(r['rest_rss_mb'] for r in rs):.0f} MB, model {rs[0]['model_mb']} MB"
         )

@@ -12,13 +12,13 @@ audit set against the binary back-off). No model, no I/O: the caller scores each
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Literal, cast
 
 import torch
 
 Params = dict[str, torch.Tensor]
-Members = list[tuple[str, float, Params]]
+Members = list[tuple[str, float, Params | None]]  # params None: the live model (prediction space only)
 Space = Literal["prediction", "weight"]
 
 
@@ -29,7 +29,13 @@ def alphas(steps: int) -> list[float]:
     return [k / steps for k in range(steps + 1)]
 
 
-def blend(collab: Members, twin: Params, alpha: float, twin_id: str, space: Space = "weight") -> Members:
+def blend(
+    collab: Sequence[tuple[str, float, Params | None]],
+    twin: Params,
+    alpha: float,
+    twin_id: str,
+    space: Space = "weight",
+) -> Members:
     """The members the node predicts with at weight ``alpha`` on collaboration, in ``space``.
     α = 0 is the twin itself and α = 1 the collaborative members themselves (not 0·θ + 1·θ': a
     diverged model's inf/nan would survive a zero weight)."""
@@ -40,11 +46,13 @@ def blend(collab: Members, twin: Params, alpha: float, twin_id: str, space: Spac
     if alpha == 0.0:
         return [(twin_id, 1.0, twin)]
     if alpha == 1.0:
-        return collab
+        return cast(Members, collab)  # the caller's list itself
     if space == "prediction":
         return [(node_id, alpha * w, params) for node_id, w, params in collab] + [(twin_id, 1.0 - alpha, twin)]
-    out = []
+    out: Members = []
     for node_id, w, params in collab:
+        if params is None:  # a weight-space blend is computed from the member's tensors
+            raise ValueError(f"cannot blend member {node_id!r} in weight space: its parameters are not given")
         if set(params) != set(twin):
             raise ValueError(
                 f"cannot blend member {node_id!r} with the twin: parameters {sorted(set(params) ^ set(twin))} differ"

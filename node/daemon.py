@@ -420,7 +420,9 @@ class Node:
             meta=meta,
             record=record,
             prepare=_snapshot_namer(record, self.board.current),
-            mixture=self.reference.prediction_members(self.node_id, self.strategy.prediction_members())
+            mixture=self.reference.prediction_members(
+                self.node_id, self.strategy.prediction_members(), self._live_checkpoints
+            )
             or self.strategy.prediction_members(),
             reference=reference,
             live=self._live_checkpoints,

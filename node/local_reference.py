@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -35,6 +35,7 @@ from .learning.learner import EvalResult, Learner, MakesTwin, Params, Split
 log = logging.getLogger("coterie.node")
 
 Members = list[tuple[str, float, Params]]
+Scored = list[tuple[str, float, Params | None]]  # members to evaluate: None is the live model, read in place
 NO_TWIN_STRATEGIES = ("local",)  # its model *is* the local-only model
 
 
@@ -102,13 +103,26 @@ class LocalReference:
         return self.twin is not None and not self.helping
 
     def _collab(self, members: Members | None, node_id: str) -> Members:
-        """What the node predicts with by collaborating: the strategy's mixture, or its live model."""
+        """What the node predicts with by collaborating: the strategy's mixture, or (a copy of) its
+        live model."""
         return members if members else [(node_id, 1.0, self.learner.get_params())]
 
-    def _choose_alpha(self, collab: Members) -> None:
-        """The blend's α for this check: the lowest validation loss on the grid (node/blend.py)."""
+    def _collab_to_score(self, members: Members | None, node_id: str) -> Scored:
+        """``_collab`` for an evaluation: in prediction space the live model as None, which the
+        learner reads in place (weight space computes α·θ + (1−α)·θ_twin from its tensors)."""
+        if members or self.cfg.blend_space != "prediction":
+            return list(self._collab(members, node_id))
+        return [(node_id, 1.0, None)]
+
+    def _twin_to_score(self) -> Params:
+        """The twin's parameters for an evaluation: its own tensors, not a copy (held under
+        ``_lock``, which its training also takes, so they do not change meanwhile)."""
         assert self.twin is not None
-        twin = self.twin.get_params()
+        return self.twin.live_params()
+
+    def _choose_alpha(self, collab: Scored) -> None:
+        """The blend's α for this check: the lowest validation loss on the grid (node/blend.py)."""
+        twin = self._twin_to_score()
         if self.cfg.blend_space == "prediction":  # every α from one pass of each model
             scored = self.learner.evaluate_blends([(w, p) for _, w, p in collab], twin, self.grid, "val")
             by_alpha = {a: r.loss for a, r in zip(self.grid, scored, strict=True)}
@@ -176,7 +190,7 @@ class LocalReference:
                 if collab_val.n:
                     self.check.observe(_score(collab_val), local_val, evidence)
                     if self.blending and self.check.helping:
-                        self._choose_alpha(self._collab(members, "self"))
+                        self._choose_alpha(self._collab_to_score(members, "self"))
                     elif self.blending:  # backed off: the twin alone, until the check returns
                         self.alpha, self.alpha_losses = 0.0, []
                     if self.check.helping != was:  # the check's switches (α moves every check: /status)
@@ -186,7 +200,11 @@ class LocalReference:
             blended = None
             if self.blending and self.alpha is not None and 0 < self.alpha < 1:
                 ms = blend(
-                    self._collab(members, "self"), self.twin.get_params(), self.alpha, "twin", self.cfg.blend_space
+                    self._collab_to_score(members, "self"),
+                    self._twin_to_score(),
+                    self.alpha,
+                    "twin",
+                    self.cfg.blend_space,
                 )
                 blended = self.learner.evaluate_mixture([(w, p) for _, w, p in ms], "test")
         out = dict(evaluation)
@@ -207,10 +225,12 @@ class LocalReference:
             out["test_acc"] = shown.accuracy
         return out
 
-    def prediction_members(self, node_id: str, collab: Members | None = None) -> Members | None:
+    def prediction_members(self, node_id: str, collab: Members | None = None, live: bool = False) -> Members | None:
         """What the node predicts with when that is not its collaborative model (``collab``: the
         strategy's prediction members, None for its live model): backed off, the twin; blending
-        with 0 < α < 1, the blend. Checkpointed, so an export writes it; None otherwise."""
+        with 0 < α < 1, the blend. Checkpointed, so an export writes it; None otherwise.
+        ``live``: the model's and twin's own tensors, not copies, for a live checkpoint (written
+        before either changes; ``make_snapshot`` names them, the file holds them once)."""
         if (
             self.twin is None
             or not self.backed_off
@@ -218,12 +238,13 @@ class LocalReference:
         ):
             return None
         with self._lock:
+            twin = self.twin.live_params() if live else self.twin.get_params()
             if self.backed_off:
-                return [(node_id, 1.0, self.twin.get_params())]
+                return [(node_id, 1.0, twin)]
             assert self.alpha is not None
-            return blend(
-                self._collab(collab, node_id), self.twin.get_params(), self.alpha, node_id, self.cfg.blend_space
-            )
+            own = collab or [(node_id, 1.0, self.learner.live_params() if live else self.learner.get_params())]
+            # (members given: the result holds their tensors, none None)
+            return cast(Members, blend(own, twin, self.alpha, node_id, self.cfg.blend_space))
 
     def reason(self) -> str | None:
         """Why the node predicts with what it predicts with (the check's figures as evidence)."""

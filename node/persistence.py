@@ -179,6 +179,36 @@ class Snapshot:
         self.live = False
 
 
+def _mixture_state(
+    mixture: list[tuple[str, float, dict[str, torch.Tensor]]], held: dict[str, torch.Tensor]
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The mixture's skeleton and its own tensors. A member's tensor that *is* one the snapshot
+    already holds (a live checkpoint's model or twin, the members of a prediction-space blend) is
+    named by that tensor's key instead of being stored again: no copy of it is made to write it,
+    and the file holds it once (``unflatten_state`` resolves any key of the file)."""
+
+    def same(t: torch.Tensor) -> tuple:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    by_view = {same(t): k for k, t in held.items() if t.numel() and t.device.type == "cpu"}
+    skeleton, own = flatten_state([{"node_id": k, "weight": float(w), "params": p} for k, w, p in mixture], "mixture")
+
+    def point(x: Any) -> Any:
+        if isinstance(x, dict) and set(x) == {"__tensor__"}:
+            key = by_view.get(same(own[x["__tensor__"]]))
+            if key is None:
+                return x
+            del own[x["__tensor__"]]
+            return {"__tensor__": key}
+        if isinstance(x, dict):
+            return {k: point(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [point(v) for v in x]
+        return x
+
+    return point(skeleton), own
+
+
 def make_snapshot(
     *,
     round: int,
@@ -212,15 +242,13 @@ def make_snapshot(
         "strategy_state": skeleton,
         "peers": peers,
     }
-    if mixture:
-        mskel, mtensors = flatten_state(
-            [{"node_id": k, "weight": float(w), "params": p} for k, w, p in mixture], "mixture"
-        )
-        tensors.update(mtensors)
-        state["mixture"] = mskel
     if reference is not None:
         tensors.update({f"reference/{k}": v for k, v in reference[0].items()})
         state["reference"] = reference[1]
+    if mixture:
+        mskel, mtensors = _mixture_state(mixture, tensors)
+        tensors.update(mtensors)
+        state["mixture"] = mskel
     if live:  # the live tensors are never a buffer to copy the next export into
         return Snapshot(round, version, tensors, state, record, prepare, None, live=True)
     return Snapshot(round, version, tensors, state, record, prepare, ltensors)

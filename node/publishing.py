@@ -26,13 +26,20 @@ async def publish_round(node: Any) -> None:
     big = 4 * sum(math.prod(shape) for shape, _ in node.learner.param_spec().values()) > OFF_LOOP_BYTES  # ~float32
 
     def build() -> LocalSnapshot:
+        read_at = None  # the learner's change count when the live model was read, if it was
         if groups.get("params") is None:
+            read_at = getattr(node.learner, "changes", None)  # read first: a change after it voids it
             # a large model is encoded below, from the live tensors (nothing changes the model while
             # the round loop publishes): a copy first would be one more model alive (issue 34)
             groups["params"] = node.learner.live_params() if big else node.learner.get_params()
-        snap = _snapshot_of(node, node.guard.publishable(groups))  # nothing non-finite leaves the node
+        read = groups["params"]
+        checked = node.guard.publishable(groups)  # nothing non-finite leaves the node
+        snap = _snapshot_of(node, checked)
         if big:
             snap.prepare()  # encoded here: its groups become views of the one buffer it serves
+        # the live model as published: the next round's start, while the model stays as it was
+        as_read = read_at is not None and checked.get("params") is read
+        node.guard.published((lambda: snap.groups.get("params")) if as_read else None, read_at)
         return snap
 
     _publish(node, await asyncio.to_thread(build) if big else build())

@@ -202,10 +202,12 @@ class ToyLearner(Learner):
     def evaluate(self, split: str = "test", params: Params | None = None) -> EvalResult:
         return self.loss(params, split)
 
-    def evaluate_mixture(self, members: list[tuple[float, Params]], split: str = "test") -> EvalResult:
+    def evaluate_mixture(self, members: list[tuple[float, Params | None]], split: str = "test") -> EvalResult:
         x, y = self.data[split]
         with torch.no_grad():
-            prob = torch.stack([w * torch.softmax(self._logits(p, x), 1) for w, p in members]).sum(0)
+            prob = torch.stack(
+                [w * torch.softmax(self._logits(self.get_params() if p is None else p, x), 1) for w, p in members]
+            ).sum(0)
             loss = float(nn.functional.nll_loss(torch.log(prob.clamp_min(1e-12)), y))
             acc = float((prob.argmax(1) == y).float().mean())
         return EvalResult(loss=loss, n=len(y), accuracy=acc)

@@ -53,6 +53,9 @@ def test_alpha_is_the_lowest_validation_loss_ties_and_non_finite_to_the_twins_si
     assert choose(grid, lambda a: math.inf)[0] == 0.0
 
 
+CFG_SMALL = LearnerConfig(dataset="digits", model="mlp", model_params={"hidden": [16]}, optimizer="adam", lr=0.01)
+
+
 def _trained(cfg: LearnerConfig, rounds: int) -> dict[str, torch.Tensor]:
     learner = build_learner(cfg)
     for _ in range(rounds):
@@ -208,3 +211,46 @@ def test_every_prediction_space_blend_scored_in_one_pass_is_the_mixture_scored_a
             assert (got.correct is None) == (want.correct is None)
             if want.correct is not None:
                 assert (got.correct == want.correct).all()
+
+
+@pytest.mark.parametrize("backed_off", [False, True])
+def test_a_live_checkpoint_carries_the_blend_as_the_model_and_twin_it_already_holds(tmp_path, backed_off):
+    """A large model's checkpoint holds the model's and twin's own tensors (``live``): the blend's
+    members are those tensors, named once in the file, not copies made to write them (issue 34)."""
+    from coterie.node.persistence import StateStore, make_snapshot, read_checkpoint
+
+    learner = build_learner(CFG_SMALL)
+    ref = LocalReference(ReferenceConfig(predict="blend", blend_space="prediction"), learner, "dpsgd")
+    assert ref.twin is not None
+    theta0 = ref.twin.get_params()
+    good = _trained(CFG_SMALL, 5)
+    learner.set_params({k: theta0[k] + 4 * (good[k] - theta0[k]) for k in good})  # α strictly inside (above)
+    ref.judge(1, {"test_acc": 0.3, "test_loss": 2.0}, None)
+    assert 0 < ref.alpha < 1
+    if backed_off:
+        ref.check.helping = False
+    members = ref.prediction_members("n0", None, live=True)
+    own = {t.untyped_storage().data_ptr() for t in learner.model.parameters()}
+    own |= {t.untyped_storage().data_ptr() for t in ref.twin.model.parameters()}
+    assert all(t.untyped_storage().data_ptr() in own for _, _, p in members for t in p.values())  # main: copies
+    snap = make_snapshot(
+        round=1,
+        version=1,
+        node_id="n0",
+        learner_state=learner.export_state(live=True),
+        strategy_state={},
+        peers=[],
+        meta={},
+        record={"round": 1},
+        mixture=members,
+        reference=ref.export_state(live=True),
+        live=True,
+    )
+    assert not [k for k in snap.tensors if k.startswith("mixture/")]  # nothing stored twice
+    store = StateStore(tmp_path / "state")
+    store.open("n0")
+    store.commit(snap, [{"round": 1}])
+    written = read_checkpoint(store.checkpoints()[-1]).mixture()
+    expected = [(1.0, theta0)] if backed_off else [(ref.alpha, learner.get_params()), (1 - ref.alpha, theta0)]
+    assert [m["weight"] for m in written] == [w for w, _ in expected]
+    assert all(torch.equal(m["params"][k], p[k]) for m, (_, p) in zip(written, expected, strict=True) for k in p)

@@ -6,10 +6,13 @@ every live tensor, so a copy kept anywhere by these objects shows."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+from types import SimpleNamespace
 
 import torch
 
+from coterie.node import publishing
 from coterie.node.config import LearnerConfig, ReferenceConfig
 from coterie.node.learning.guard import RoundGuard
 from coterie.node.learning.torch_learner import TorchLearner
@@ -90,3 +93,68 @@ def test_the_twin_of_a_large_model_keeps_no_optimizer_state_between_its_training
     large.train(2)
     assert any(not torch.equal(before[n], t) for n, t in large.twin.get_params().items())  # it did train
     assert large.twin.optimizer.state == {}  # Adam's two model-sized moments dropped
+
+
+class _Board:
+    current = None
+
+    def publish(self, snap):
+        self.current = snap
+
+
+class _Publishing(_Strategy):
+    def __init__(self, shared=None):
+        self.shared = shared
+
+    def shared_params(self):
+        return self.shared
+
+    def on_published(self, params):
+        pass
+
+
+def _published_node(learner: TorchLearner, strategy: _Publishing) -> SimpleNamespace:
+    guard = RoundGuard(learner, strategy, on_event=lambda where, msg: None)
+    return SimpleNamespace(
+        learner=learner, strategy=strategy, guard=guard, board=_Board(), node_id="n0", version=0, round=1
+    )
+
+
+def _storages(params) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in params.values()}
+
+
+def test_a_round_starts_from_the_snapshot_it_published_not_from_a_copy():
+    learner = _learner()
+    node = _published_node(learner, _Publishing())
+    learner.train()
+    asyncio.run(publishing.publish_round(node))
+    published = node.board.current.groups["params"]
+    node.guard.before_round()
+    start = node.guard._start
+    assert start is not None and _storages(start) == _storages(published)  # main: a copy of the model
+    # and it is still the rollback: a diverged round returns to the published model, bit for bit
+    values = {n: t.clone() for n, t in published.items()}
+    learner.train()
+    with torch.no_grad():
+        next(learner.model.parameters()).fill_(float("nan"))
+    assert not node.guard.after_round()
+    assert all(torch.equal(values[n], t) for n, t in learner.get_params().items())
+    assert all(torch.equal(values[n], t) for n, t in published.items())  # what peers read is untouched
+
+
+def test_a_model_changed_since_it_was_published_or_not_published_itself_starts_from_a_copy():
+    learner = _learner()
+    node = _published_node(learner, _Publishing())
+    asyncio.run(publishing.publish_round(node))
+    moved = {n: t + 1.0 for n, t in learner.get_params().items()}
+    learner.set_params(moved)  # changed after the publish (a resume, a strategy's merge)
+    node.guard.before_round()
+    start = node.guard._start
+    assert start is not None and not _storages(start) & _storages(node.board.current.groups["params"])
+    assert all(torch.equal(moved[n], t) for n, t in start.items())
+    # a strategy that publishes a model of its own (D-PSGD's trained copy): never the live model's start
+    other = _published_node(learner, _Publishing(shared={n: t - 1.0 for n, t in moved.items()}))
+    asyncio.run(publishing.publish_round(other))
+    other.guard.before_round()
+    assert other.guard._start is not None and all(torch.equal(moved[n], t) for n, t in other.guard._start.items())

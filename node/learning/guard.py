@@ -120,12 +120,24 @@ class RoundGuard:
         self.learner, self.strategy, self.on_event = learner, strategy, on_event
         self.steps: StepGuard = getattr(learner, "step_guard", None) or StepGuard()
         self._start: RoundStart | None = None
+        # the published model's tensors (a getter) and the learner's change count they were read at
+        self._published: tuple[Callable[[], Mapping[str, torch.Tensor] | None], int] | None = None
+
+    def published(self, params: Callable[[], Mapping[str, torch.Tensor] | None] | None, changes: int | None) -> None:
+        """The node published the live model as read when the learner's change count was
+        ``changes`` (``params()``: the snapshot's tensors, immutable: peers read them). While the
+        model stays as it was, the next round starts from those instead of a copy (issue 34: a
+        model size less through the whole round). None: what was published is not the live model."""
+        self._published = None if params is None or changes is None else (params, changes)
 
     def before_round(self) -> None:
         """Keep the round-start model (finite: it passed the previous round's check), and offer
-        it to the learner as the rollback of its local steps (one copy of the model, not two)."""
+        it to the learner as the rollback of its local steps (one copy of the model, not two) —
+        the published snapshot's own tensors when the model has not changed since it was
+        published, else a copy."""
         changes = getattr(self.learner, "changes", None)  # read first: a change after it voids the offer
-        params = RoundStart(self.learner.get_params())
+        held = self._published[0]() if self._published is not None and self._published[1] == changes else None
+        params = RoundStart(held if held is not None else self.learner.get_params())
         if all_finite(params):
             self._start = params
             offer = getattr(self.learner, "offer_rollback", None)

@@ -2,7 +2,10 @@
 
 The daemon and the strategies only see this interface; the torch implementation, datasets and
 partitions live beside it. Parameters travel as ``Params``: an ordered ``dict[name, Tensor]`` of
-CPU float tensors (detached copies; mutating them never touches the live model).
+CPU float tensors (detached copies; mutating them never touches the live model). Parameters given
+to an evaluation (``loss``, ``evaluate``, ``gradient``, the mixtures) are read in place, not
+copied: the caller does not change them until the call returns; ``None`` there means the live
+model, which the learner reads consistently while it may be training (issue 34).
 """
 
 from __future__ import annotations
@@ -155,18 +158,19 @@ class Learner(ABC):
     def evaluate(self, split: Split = "test", params: Params | None = None) -> EvalResult: ...
 
     @abstractmethod
-    def evaluate_mixture(self, members: list[tuple[float, Params]], split: Split = "test") -> EvalResult:
-        """Accuracy/loss of the mixture prediction Σ_j w_j p(y|x; θ_j) (FedeRiCo)."""
+    def evaluate_mixture(self, members: list[tuple[float, Params | None]], split: Split = "test") -> EvalResult:
+        """Accuracy/loss of the mixture prediction Σ_j w_j p(y|x; θ_j) (FedeRiCo); a member's
+        θ_j None is the live model."""
 
     def evaluate_blends(
-        self, members: list[tuple[float, Params]], other: Params, alphas: list[float], split: Split = "val"
+        self, members: list[tuple[float, Params | None]], other: Params, alphas: list[float], split: Split = "val"
     ) -> list[EvalResult]:
         """``evaluate_mixture`` of ``[(a·w_j, θ_j)…, (1 − a, other)]`` for every ``a`` in ``alphas``
         (the prediction-space blends of node/blend.py; a = 0 is ``other`` alone, a = 1 the members
         alone). A learner that can should compute each model's outputs once for all of them."""
         out = []
         for a in alphas:
-            ms = (
+            ms: list[tuple[float, Params | None]] = (
                 [(1.0, other)] if a == 0 else members if a == 1 else [(a * w, p) for w, p in members] + [(1 - a, other)]
             )
             out.append(self.evaluate_mixture(ms, split))

@@ -7,7 +7,9 @@ Threading: the live model and optimizer are guarded by ``_lock`` (train, set_par
 apply_gradient, save/load, snapshots). Methods taking ``params`` never touch the live model:
 they run ``torch.func.functional_call`` on a private *shadow* copy of the architecture under
 its own ``_eval_lock``, so a request thread can evaluate a peer's model while training runs.
-With ``params=None`` they snapshot the live parameters first and take the same path.
+With ``params=None`` they read the live parameters in place, without ``_lock``: every change to
+the model runs inside ``live_reads.writing()``, and an evaluation that a change overlapped runs
+again on a copy taken under ``_lock`` (``live_reads.py``; no model-sized copy otherwise).
 
 Persistence: ``export_state()`` returns copies of the parameters (``model/*``), optimizer
 state (``optim/*``) and the sampler permutation, plus a JSON-able dict (optimizer
@@ -36,6 +38,7 @@ from .datasets import Pool
 from .guard import StepGuard
 from .hooks import resolve_loss, resolve_transform
 from .learner import EvalResult, Learner, Params, Split, TrainResult
+from .live_reads import LiveReads
 from .local_optim import LocalOptimizer, _Sampler
 from .models import build_model
 from .own_data import OwnData
@@ -43,7 +46,7 @@ from .partition import NodeData
 from .sources import Source, node_source
 from .torch_mixture import MixtureEval
 from .torch_private import PerSampleTerms
-from .torch_shadow import Shadow, ShadowEval, without_weights
+from .torch_shadow import DeviceParams, Shadow, ShadowEval, without_weights
 from .torch_state import TorchState
 from .torch_training import LocalTraining, Rollback
 
@@ -104,6 +107,7 @@ class TorchLearner(Learner):
         self._eval_rng = np.random.default_rng(_seed(cfg.data_seed, cfg.node_index, 0xE7A1))
         self._lock = threading.RLock()
         self._eval_lock = threading.Lock()
+        self.live_reads = LiveReads()  # every change to the model inside its writing()
         # changes to the live model, and the round guard's copy that train may roll back to (issue 34)
         self.rollback = Rollback()
         # a diverged step is rolled back and backs off the step size (guard.py)
@@ -118,7 +122,8 @@ class TorchLearner(Learner):
             self.task,
             inputs=self._x,
             loss_fn=self._loss_fn,
-            device_params=self._device_params,
+            device_params=DeviceParams(self.model, self._lock, self._check, self.device),
+            live_reads=self.live_reads,
         )
         self._evals, self._private, self._mixture = (
             ShadowEval(shadow, self._eval_rng),
@@ -151,6 +156,7 @@ class TorchLearner(Learner):
             step_guard=self.step_guard,
             rollback=self.rollback,
             reset=self.reset_after_divergence,
+            live_reads=self.live_reads,
         )
 
     def data_info(self) -> dict:
@@ -193,20 +199,20 @@ class TorchLearner(Learner):
 
     def set_params(self, params: Params) -> None:
         self._check(params)
-        with self._lock, torch.no_grad():
+        with self._lock, self.live_reads.writing(), torch.no_grad():
             self.rollback.changed()
             for n, p in self.model.named_parameters():
                 p.copy_(params[n].to(p.device, p.dtype))
 
     def add_to_params(self, params: Params) -> None:
         self._check(params)
-        with self._lock, torch.no_grad():  # in place: no model-sized temporary
+        with self._lock, self.live_reads.writing(), torch.no_grad():  # in place: no model-sized temporary
             self.rollback.changed()
             for n, p in self.model.named_parameters():
                 p.add_(params[n].to(p.device, p.dtype))
 
     def scale_params(self, w: float) -> None:
-        with self._lock, torch.no_grad():
+        with self._lock, self.live_reads.writing(), torch.no_grad():
             self.rollback.changed()
             for p in self.model.parameters():
                 p.mul_(w)
@@ -259,7 +265,7 @@ class TorchLearner(Learner):
 
     def apply_gradient(self, grad: Params) -> None:
         self._check(grad, "grad")
-        with self._lock:
+        with self._lock, self.live_reads.writing():
             self.rollback.changed()
             for n, p in self.model.named_parameters():
                 p.grad = grad[n].to(p.device, p.dtype).clone()
@@ -268,18 +274,6 @@ class TorchLearner(Learner):
             self.optimizer.lr = self.cfg.lr * self.step_guard.lr_scale
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-
-    def _device_params(self, params: Params | None, requires_grad: bool = False) -> Params:
-        if params is None:
-            with self._lock:
-                out = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        else:
-            self._check(params)
-            out = {n: params[n].detach().to(self.device, torch.float32, copy=True) for n in self._names}
-        if requires_grad:
-            for t in out.values():
-                t.requires_grad_(True)
-        return out
 
     # ------------------------------------------------------------------ parts
     def loss(
@@ -309,11 +303,11 @@ class TorchLearner(Learner):
     def clipped_gradient_sum(self, params: Params | None, split: Split, indices, clip: float) -> Params:
         return self._private.clipped_gradient_sum(params, split, indices, clip)
 
-    def evaluate_mixture(self, members: list[tuple[float, Params]], split: Split = "test") -> EvalResult:
+    def evaluate_mixture(self, members: list[tuple[float, Params | None]], split: Split = "test") -> EvalResult:
         return self._mixture.evaluate_mixture(members, split)
 
     def evaluate_blends(
-        self, members: list[tuple[float, Params]], other: Params, alphas: list[float], split: Split = "val"
+        self, members: list[tuple[float, Params | None]], other: Params, alphas: list[float], split: Split = "val"
     ) -> list[EvalResult]:
         return self._mixture.evaluate_blends(members, other, alphas, split)
 

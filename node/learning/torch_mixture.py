@@ -19,7 +19,7 @@ class MixtureEval:
     def __init__(self, shadow: Shadow):
         self.shadow = shadow
 
-    def evaluate_mixture(self, members: list[tuple[float, Params]], split: Split = "test") -> EvalResult:
+    def evaluate_mixture(self, members: list[tuple[float, Params | None]], split: Split = "test") -> EvalResult:
         """Σ_j w_j p(y|x; θ_j) with the weights normalised to sum to 1 (classification: softmax
         probabilities, loss = NLL of the mixture; regression: weighted mean prediction, MSE)."""
         if not members:
@@ -27,7 +27,7 @@ class MixtureEval:
         return self._score([_normalised([float(m[0]) for m in members])], [m[1] for m in members], split)[0]
 
     def evaluate_blends(
-        self, members: list[tuple[float, Params]], other: Params, alphas: list[float], split: Split = "val"
+        self, members: list[tuple[float, Params | None]], other: Params, alphas: list[float], split: Split = "val"
     ) -> list[EvalResult]:
         """``evaluate_mixture`` of ``[(a·w_j, θ_j)…, (1 − a, other)]`` for every ``a``, bit for bit,
         with each model run once a batch for all of them (the blend's α is chosen on a grid of
@@ -44,11 +44,14 @@ class MixtureEval:
                 ws.append(_normalised([a * float(m[0]) for m in members] + [1 - a]))
         return self._score(ws, [m[1] for m in members] + [other], split)
 
-    def _score(self, ws: list[np.ndarray], members: list[Params], split: Split) -> list[EvalResult]:
-        """One EvalResult per weight vector in ``ws`` (over ``members``' models); each model's
-        outputs on a batch are computed once, when a weight vector first needs them."""
+    def _score(self, ws: list[np.ndarray], members: list[Params | None], split: Split) -> list[EvalResult]:
+        """One EvalResult per weight vector in ``ws`` (over ``members``' models, None: the live
+        one, read in place: ``Shadow.run``)."""
+        return self.shadow.run(members, False, lambda ps: self._score_on(ws, ps, split))
+
+    def _score_on(self, ws: list[np.ndarray], ps: list[Params], split: Split) -> list[EvalResult]:
+        """Each model's outputs on a batch are computed once, when a weight vector first needs them."""
         s = self.shadow
-        ps = [s.device_params(m, False) for m in members]
         x, y = s.data[split]
         n = len(y)
         if n == 0:

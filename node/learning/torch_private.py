@@ -29,18 +29,21 @@ class PerSampleTerms:
 
     def clipped_loss_sum(self, params: Params | None, split: Split, indices, clip: float) -> float:
         s = self.shadow
-        p = s.device_params(params, False)
         idx = self._index(split, indices)
         x, y = s.data[split]
-        total = 0.0
-        with s.lock, torch.no_grad():
-            for i in range(0, len(idx), EVAL_BATCH):
-                j = idx[i : i + EVAL_BATCH]
-                out = functional_call(s.model, p, (s.inputs(x[j]),))
-                per = s.loss_fn(out, y[j], "none").reshape(-1)
-                per = torch.nan_to_num(per, nan=clip, posinf=clip, neginf=0.0).clamp(0.0, clip)
-                total += float(per.sum())
-        return total
+
+        def on(ps: list[Params]) -> float:
+            p, total = ps[0], 0.0
+            with s.lock, torch.no_grad():
+                for i in range(0, len(idx), EVAL_BATCH):
+                    j = idx[i : i + EVAL_BATCH]
+                    out = functional_call(s.model, p, (s.inputs(x[j]),))
+                    per = s.loss_fn(out, y[j], "none").reshape(-1)
+                    per = torch.nan_to_num(per, nan=clip, posinf=clip, neginf=0.0).clamp(0.0, clip)
+                    total += float(per.sum())
+            return total
+
+        return s.run([params], False, on)
 
     def clipped_gradient_sum(self, params: Params | None, split: Split, indices, clip: float) -> Params:
         """Per-sample gradients by ``torch.func.vmap(grad(...))`` over ``functional_call`` on the
@@ -53,26 +56,30 @@ class PerSampleTerms:
         from torch.func import grad, vmap
 
         s = self.shadow
-        p = s.device_params(params, False)
         idx = self._index(split, indices)
         x, y = s.data[split]
-        total = {n: torch.zeros_like(p[n]) for n in s.names}
 
         def sample_loss(params: Params, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
             out = functional_call(s.model, params, (s.inputs(xi.unsqueeze(0)),))
             return s.loss_fn(out, yi.unsqueeze(0), "sum")
 
         per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0))
-        with s.lock, torch.no_grad():
-            for i in range(0, len(idx), _PER_SAMPLE_BATCH):
-                j = idx[i : i + _PER_SAMPLE_BATCH]
-                with torch.enable_grad():
-                    g = per_sample(p, x[j], y[j])
-                flat = torch.cat([g[n].reshape(len(j), -1) for n in s.names], dim=1)
-                norms = flat.norm(dim=1)
-                factor = (clip / (norms + 1e-6)).clamp(max=1.0)
-                factor = torch.where(torch.isfinite(norms), factor, torch.zeros_like(factor))
-                for n in s.names:
-                    gn = torch.nan_to_num(g[n], nan=0.0, posinf=0.0, neginf=0.0)
-                    total[n] += torch.einsum("b,b...->...", factor, gn)
-        return {n: t.detach().to("cpu", torch.float32) for n, t in total.items()}
+
+        def on(ps: list[Params]) -> Params:
+            p = ps[0]
+            total = {n: torch.zeros_like(p[n]) for n in s.names}
+            with s.lock, torch.no_grad():
+                for i in range(0, len(idx), _PER_SAMPLE_BATCH):
+                    j = idx[i : i + _PER_SAMPLE_BATCH]
+                    with torch.enable_grad():
+                        g = per_sample(p, x[j], y[j])
+                    flat = torch.cat([g[n].reshape(len(j), -1) for n in s.names], dim=1)
+                    norms = flat.norm(dim=1)
+                    factor = (clip / (norms + 1e-6)).clamp(max=1.0)
+                    factor = torch.where(torch.isfinite(norms), factor, torch.zeros_like(factor))
+                    for n in s.names:
+                        gn = torch.nan_to_num(g[n], nan=0.0, posinf=0.0, neginf=0.0)
+                        total[n] += torch.einsum("b,b...->...", factor, gn)
+            return {n: t.detach().to("cpu", torch.float32) for n, t in total.items()}
+
+        return s.run([params], False, on)

@@ -15,6 +15,7 @@ import torch
 from .config import LearnerConfig
 from .guard import StepGuard, all_finite
 from .learner import Params, TrainResult
+from .live_reads import LiveReads
 from .local_optim import LocalOptimizer, _Sampler
 
 
@@ -65,6 +66,7 @@ class LocalTraining:
         step_guard: StepGuard,
         rollback: Rollback,
         reset: Callable[[Params], None],
+        live_reads: LiveReads,
     ):
         self.cfg, self.model, self.splits, self.sampler, self.device, self.lock = (
             cfg,
@@ -75,14 +77,14 @@ class LocalTraining:
             lock,
         )
         self.inputs, self.loss_fn, self.optimizer = inputs, loss_fn, optimizer
-        self.guard, self.rollback, self.reset = step_guard, rollback, reset
+        self.guard, self.rollback, self.reset, self.live_reads = step_guard, rollback, reset, live_reads
 
     def run(self, steps: int) -> TrainResult:
         if steps <= 0:
             return TrainResult(loss=float("nan"), steps=0, samples=0)
         bs, (x, y), guard = self.cfg.batch_size, self.splits["train"], self.guard
         total, samples, done = 0.0, 0, 0
-        with self.lock:
+        with self.lock, self.live_reads.writing():  # evaluations of the live model see it before or after
             start = self.rollback.take()  # the last finite state: the guard's copy, or one of its own
             if start is None:
                 start = {n: p.detach().clone() for n, p in self.model.named_parameters()}
