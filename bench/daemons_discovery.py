@@ -101,6 +101,26 @@ def node_figures(
     return out
 
 
+def strategy_signal(history: list[dict[str, Any]], node: str, mates: set[str]) -> dict[str, list[float]]:
+    """The strategy's weight for each peer it evaluated, by round, split into cluster mates and
+    strangers: how clearly the strategy tells them apart (what discovery has to work with)."""
+    out: dict[str, list[float]] = {"mates": [], "strangers": []}
+    for rec in history:
+        weights = rec.get("weights") or {}
+        for p in rec.get("contacted") or ():
+            if isinstance(p, str) and p != node:
+                out["mates" if p in mates else "strangers"].append(float(weights.get(p, 0.0)))
+    return out
+
+
+def signal_summary(weights: list[float], clear: float = 0.05) -> dict[str, Any]:
+    return {
+        "evaluations": len(weights),
+        "mean_weight": round(statistics.mean(weights), 3) if weights else None,
+        f"share_weighted_over_{clear}": round(sum(w > clear for w in weights) / len(weights), 3) if weights else None,
+    }
+
+
 def uniform_draw(nodes: list[str], cluster: dict[str, int], k: int, seed: int = 0) -> dict[str, float]:
     """Mates met (ever evaluated) by round r when each node draws ``k`` of the others uniformly."""
     rng = random.Random(seed)
@@ -127,6 +147,7 @@ def analyse(out: Path, strategy: str = "fedfomo") -> dict[str, Any]:
     figures: dict[str, Any] = {}
     deaths, victims, suspected, short, membership_kinds = 0, set(), 0, [], {}
     active, passive = [], []
+    signal: dict[str, list[float]] = {"mates": [], "strangers": []}
     declarers: dict[str, list[int]] = {}  # final membership kind -> deaths each node declared
     first, last, durations, stalls = [], [], [], []
     for n in nodes:
@@ -140,6 +161,8 @@ def analyse(out: Path, strategy: str = "fedfomo") -> dict[str, Any]:
             short.append(f"{n}: {len(hist)} rounds")
         mates = {p for p in nodes if p != n and cluster[p] == cluster[n]}
         figures[n] = node_figures(n, hist, mates, settings)
+        for kind, ws in strategy_signal(hist, n, mates).items():
+            signal[kind] += ws
         m = per_node[n].get("membership") or {}
         deaths += int(m.get("declared_dead", 0))
         victims.update(m.get("deaths_recent") or ())
@@ -178,6 +201,8 @@ def analyse(out: Path, strategy: str = "fedfomo") -> dict[str, Any]:
         "clusters": len(set(cluster.values())),
         "rounds": scen["rounds"],
         "discovery": dcfg,
+        # the strategy's weight for an evaluated mate against a stranger (every node, every round)
+        "strategy_signal": {kind: signal_summary(ws) for kind, ws in signal.items()},
         "false_deaths": {"declared_dead": deaths, "distinct_victims": sorted(victims), "suspected": suspected},
         "membership_on": membership_kinds,
         # by the membership each node ended on: how many declared any death, and how many in all
@@ -208,6 +233,7 @@ def report(fig: dict[str, Any]) -> str:
         f"{fig['false_deaths']['suspected']} suspicions; membership on {fig['membership_on']}",
         f"deaths by the declarer's final membership: {fig['deaths_by_declarer']}",
         f"views: active {fig['views']['active']}, passive {fig['views']['passive']}",
+        f"strategy's weight for an evaluated peer: {fig['strategy_signal']}",
         f"round s {fig['round_s']}, loop stall s per round {fig['loop_stall_s_per_round']}",
         f"last node's round 1 at {fig['start_spread_s']} s; first and last node done at {fig['done_s']} s",
         "mates of 9 (mean over nodes; nodes with none):",

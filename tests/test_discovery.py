@@ -173,6 +173,25 @@ def test_the_best_of_noise_is_hardly_ever_a_collaborator_kept_or_asked():
     assert "mate" in d.begin_round()
 
 
+def test_mates_found_one_by_one_keep_standing_out_of_strangers_scored_zero():
+    """FedFomo on a strong signal (100 daemons, Gaussian classes): a mate's weight ~0.25 (it shares
+    the round's weight with me and the other mates pulled), a stranger's 0. In the crowd's mean and
+    spread the mates a node found widened the bar each of them had to beat: with a view of ~50 and
+    several mates scored, none stood out, none was kept or asked (run 5: 41 of 100 nodes had no
+    mate among round 30's candidates). The quartiles of the crowd are the strangers'."""
+    mates = [f"mate-{k}" for k in range(9)]
+    view = mates + [f"stranger-{k:02d}" for k in range(40)]
+    d = Discovery("me", lambda: view, rng=random.Random(12))
+    for _ in range(30):
+        cands = d.begin_round()
+        found = [p for p in cands if p in mates]
+        d.observe({p: 0.75 / (1 + len(found)) for p in found}, cands)
+    assert len(set(mates) & set(d.collaborators(9))) >= 6, d.collaborators(9)
+    cands = d.begin_round()
+    assert len(set(mates) & set(cands)) >= d.s.candidates - d.s.explore  # the kept slots hold mates
+    assert d.whom_to_ask() and set(d.whom_to_ask()) <= set(mates)
+
+
 def test_recent_askers_follow_my_collaborators_in_answers_and_a_flood_of_them_is_bounded():
     d = Discovery("me", lambda: [], settings=DiscoverySettings(recommend=5, fans=8), rng=random.Random(8))
     _confirm(d, {"mate-1": 1.0, "mate-2": 0.9})
