@@ -214,6 +214,13 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
     peers.on_forget.append(calls.deadlines.forget)  # a member the views dropped: its latencies too
     network.partial = scope.partial
 
+    async def reintroduce(peer: str) -> bool:
+        """A peer refused a call as from a stranger: handshake it again (its address as known)."""
+        rec = peers.records.get(peer)
+        return rec is not None and await scope.introduce(peer, rec.address)
+
+    calls.reintroduce = reintroduce
+
     def introduce(recommender: str, node_id: str, address: str) -> None:
         """A recommended peer not known yet: a membership candidate (bounded per recommender)."""
         membership.pending.add(address, source=recommender, node_id=node_id)

@@ -2,7 +2,9 @@
 peer's deadline (``deadlines.Deadlines``: a multiple of that peer's recent latency for that kind
 of call, capped by ``request_timeout_s``) and the round's exchange phase (``Phase``: one deadline
 for all of a round's calls, counted from the first); a call to a peer that turns suspect or dead
-meanwhile is abandoned at once; a call that times out asks membership to probe that peer now."""
+meanwhile is abandoned at once; a call that times out asks membership to probe that peer now; a
+call refused because the peer no longer knows this node (past the partial-view threshold tables
+hold views, so a peer forgets whoever is in neither) is made once more after a handshake."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from .deadlines import Deadlines, Phase, quantile
-from .errors import UNAVAILABLE, PeerCallError
+from .errors import UNAVAILABLE, UNKNOWN_PEER, PeerCallError
 from .peer_table import PeerTable
 
 T = TypeVar("T")
@@ -40,6 +42,9 @@ class PeerCalls:
         self._abandoned: set[asyncio.Task] = set()
         self._phases: deque[float] = deque(maxlen=32)  # recent exchange-phase durations
         self._phase: Phase | None = None
+        # handshake ``peer`` again (True: it knows this node now); None: a refusal is final
+        self.reintroduce: Callable[[str], Awaitable[bool]] | None = None
+        self.reintroduced = 0  # calls made again after such a handshake
 
     def exchange_budget(self) -> float:
         """How long a round's exchange phase may last: ``exchange_timeout_s`` if set, else
@@ -79,7 +84,18 @@ class PeerCalls:
 
     async def call(self, peer: str, kind: str, make: Callable[[float], Awaitable[T]], wait_s: float = 0.0) -> T:
         """``make(timeout)`` under this peer's deadline and the round's; abandoned if the peer
-        turns suspect or dead meanwhile."""
+        turns suspect or dead meanwhile. Refused as unknown: a handshake, then once more (a
+        peer's table past the threshold holds its views: between two pulls of a slow round it may
+        have forgotten a puller that is in neither — issue 32, 100 daemons, run 6)."""
+        try:
+            return await self._call_once(peer, kind, make, wait_s)
+        except PeerCallError as e:
+            if e.kind != UNKNOWN_PEER or self.reintroduce is None or not await self.reintroduce(peer):
+                raise
+        self.reintroduced += 1
+        return await self._call_once(peer, kind, make, wait_s)
+
+    async def _call_once(self, peer: str, kind: str, make: Callable[[float], Awaitable[T]], wait_s: float) -> T:
         timeout = self.deadlines.timeout(peer, kind)
         phase = self._phase
         now = time.monotonic()
