@@ -79,3 +79,30 @@ def test_a_peer_with_another_nodes_certificate_is_still_refused(tmp_path):
             await server.stop(None)
 
     asyncio.run(go())
+
+
+def test_proofs_of_one_address_that_fail_together_each_report_it(tmp_path):
+    # they share the cached channel: the first to fail drops it; the others used to raise KeyError
+    # (seen on 100 daemons: it escaped the handshake and ended an overlay delivery)
+    async def go():
+        accepted: list[asyncio.StreamWriter] = []
+
+        async def silent(reader, writer):
+            accepted.append(writer)
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = _client(tmp_path, "n1")
+        try:
+            outs = await asyncio.gather(
+                *(client._prove(address, "n0", timeout=0.5 + 0.1 * i) for i in range(4)), return_exceptions=True
+            )
+            assert all(isinstance(o, PeerCallError) and o.kind == UNAVAILABLE for o in outs), outs
+            assert client.channels() == 0  # the failed channel is gone, and nothing else was dropped
+        finally:
+            await client.close()
+            for w in accepted:
+                w.close()
+            server.close()
+
+    asyncio.run(go())
