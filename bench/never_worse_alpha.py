@@ -223,11 +223,19 @@ def stability(runs: list[dict[str, Any]], w: str) -> tuple[list[str], dict[str, 
     """Per strategy: how often and how far α moves under each rule, the worst node per rule;
     per rule: real misses and mean gain per seed."""
     goal, seeds = _goal(w), sorted({r["seed"] for r in runs})
-    head = "| strategy | seeds | check pairs | " + " | ".join(
-        f"moved ({r}) | size of Δα ({r})" for r in RULES
-    ) + " | " + " | ".join(f"worst ({r})" for r in RULES) + " |"
-    out = [f"### `{w}` (seeds {','.join(map(str, seeds))}; {len(runs)} runs)", "", head,
-           "|---|---|---|" + "---|" * (3 * len(RULES))]
+    head = (
+        "| strategy | seeds | check pairs | "
+        + " | ".join(f"moved ({r}) | size of Δα ({r})" for r in RULES)
+        + " | "
+        + " | ".join(f"worst ({r})" for r in RULES)
+        + " |"
+    )
+    out = [
+        f"### `{w}` (seeds {','.join(map(str, seeds))}; {len(runs)} runs)",
+        "",
+        head,
+        "|---|---|---|" + "---|" * (3 * len(RULES)),
+    ]
     tot = {rule: {"misses": {s: 0 for s in seeds}, "gains": {s: [] for s in seeds}} for rule in RULES}
     mismatch = 0
     all_moves: dict[str, list[Any]] = {rule: [0, 0, []] for rule in RULES}
@@ -263,7 +271,9 @@ def stability(runs: list[dict[str, Any]], w: str) -> tuple[list[str], dict[str, 
                 all_moves[rule][k] += cnt[rule][k]
         cells = [f"{cnt[r][1]} | {_q(cnt[r][2])}" for r in RULES]
         ws = [f"{min(worst[r]):+.1f}" if worst[r] else "—" for r in RULES]
-        out.append(f"| {s} | {','.join(str(r['seed']) for r in rs)} | {cnt['valopt'][0]} | " + " | ".join(cells + ws) + " |")
+        out.append(
+            f"| {s} | {','.join(str(r['seed']) for r in rs)} | {cnt['valopt'][0]} | " + " | ".join(cells + ws) + " |"
+        )
     out.append("")
     for rule in ("valopt", "hyst"):
         pairs, moved, sizes = all_moves[rule]
@@ -308,7 +318,10 @@ def goal_table(ok: list[dict[str, Any]]) -> list[str]:
     runs ran (``valopt``) and the one shipped now (``accfirst``, replayed on the same checks):
     worst node (min over seeds, with its SE), mean gain per seed (median [min, max]), real misses."""
     head = " | ".join(f"worst node (SE): {r} | mean per seed: {r} | real misses: {r}" for r in SHIPPED)
-    out = [f"| network | strategy | seeds | {head} | goal ({SHIPPED[-1]}) |", "|---|---|---|" + "---|" * (3 * len(SHIPPED) + 1)]
+    out = [
+        f"| network | strategy | seeds | {head} | goal ({SHIPPED[-1]}) |",
+        "|---|---|---|" + "---|" * (3 * len(SHIPPED) + 1),
+    ]
     for w in nw.NETWORKS:
         goal = _goal(w)
         for s in nw.ALL:
@@ -327,7 +340,9 @@ def goal_table(ok: list[dict[str, Any]]) -> list[str]:
                     real += sum(g + 2 * se < goal for g, se in gs)
                 cells.append(f"{floor[0]:+.1f} ({floor[1]:.1f}) | {_spread(means)} | {real}")
                 verdict = "met" if floor[0] >= goal else ("within 2 SE" if real == 0 else f"**missed ({real})**")
-            out.append(f"| {w} | {s} | {','.join(str(r['seed']) for r in rs)} | " + " | ".join(cells) + f" | {verdict} |")
+            out.append(
+                f"| {w} | {s} | {','.join(str(r['seed']) for r in rs)} | " + " | ".join(cells) + f" | {verdict} |"
+            )
     return out + [""]
 
 
@@ -391,7 +406,7 @@ def report() -> None:
         "",
         "`nice -n 5 python bench/never_worse_alpha.py sweep --networks … --seeds … --jobs 1` then "
         "`python bench/never_worse_alpha.py report` (method: the script's docstring). Every run is the "
-        f"default node (`reference.predict = \"blend\"`, prediction space), {nw.ROUNDS} rounds, a check every "
+        f'default node (`reference.predict = "blend"`, prediction space), {nw.ROUNDS} rounds, a check every '
         "round. Rules replayed on the recorded checks: `valopt` (shipped: lowest validation loss every "
         f"check), `hyst` (keep α unless the new best is lower by > {HYST_Z:g} paired SE), `accfirst` "
         "(classification: highest validation accuracy, then lowest loss), `sig` (the lowest validation "
@@ -420,7 +435,9 @@ def report() -> None:
     )
     lines += ["", "## Every real miss (`valopt` or `accfirst`), with its validation evidence at the last check", ""]
     lines += miss_lines(ok)
-    lines += [f"- failed: {r['network']} {r['strategy']} seed {r['seed']}: {r['failed']}" for r in rows if "failed" in r]
+    lines += [
+        f"- failed: {r['network']} {r['strategy']} seed {r['seed']}: {r['failed']}" for r in rows if "failed" in r
+    ]
     REPORT.write_text("\n".join(lines) + "\n")
     cfg = {"rounds": nw.ROUNDS, "hyst_z": HYST_Z, "grid": nwb.GRID, "audit_size": nw.AUDIT_SIZE}
     cfg["mislead_draws"] = MISLEAD_DRAWS
