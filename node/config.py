@@ -277,7 +277,8 @@ class ReferenceConfig(BaseModel):
     # what the node predicts with, reports and exports while the check above collaborates
     # (node/blend.py): "blend" its collaborative model and the twin — in blend_space "prediction"
     # α·p_collab + (1−α)·p_twin, in "weight" α·θ_collab + (1−α)·θ_twin — α the one of 0,
-    # 1/blend_steps, ..., 1 with the lowest validation loss at each check; "choose": the
+    # 1/blend_steps, ..., 1 with the lowest validation loss at each check (classification: of
+    # those with the highest validation accuracy); "choose": the
     # collaborative model. Backed off, the twin either way. On the audit set over 3 seeds "blend"
     # let 8 real losses through where "choose" let 34 (bench/results/never_worse.md)
     predict: Literal["blend", "choose"] = "blend"

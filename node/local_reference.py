@@ -68,6 +68,7 @@ class LocalReference:
         # first: the node predicts with its collaborative model), and every α's validation loss
         self.alpha: float | None = None
         self.alpha_losses: list[float] = []
+        self._accuracy_first = False  # the last α was chosen among the most accurate blends
         size = sum(math.prod(shape) for shape, _ in learner.param_spec().values())
         self.every = 1 if size <= cfg.shadow_max_params else cfg.large_every
         if not cfg.enabled:
@@ -121,19 +122,22 @@ class LocalReference:
         return self.twin.live_params()
 
     def _choose_alpha(self, collab: Scored) -> None:
-        """The blend's α for this check: the lowest validation loss on the grid (node/blend.py)."""
+        """The blend's α for this check: the lowest validation loss on the grid, of the most
+        accurate blends where the task has an accuracy (node/blend.py)."""
         twin = self._twin_to_score()
         if self.cfg.blend_space == "prediction":  # every α from one pass of each model
             scored = self.learner.evaluate_blends([(w, p) for _, w, p in collab], twin, self.grid, "val")
-            by_alpha = {a: r.loss for a, r in zip(self.grid, scored, strict=True)}
-            self.alpha, self.alpha_losses = choose(self.grid, by_alpha.__getitem__)
-            return
-
-        def val_loss(alpha: float) -> float:
-            ms = blend(collab, twin, alpha, "twin", self.cfg.blend_space)
-            return self.learner.evaluate_mixture([(w, p) for _, w, p in ms], "val").loss
-
-        self.alpha, self.alpha_losses = choose(self.grid, val_loss)
+        else:
+            scored = []
+            for alpha in self.grid:
+                ms = blend(collab, twin, alpha, "twin", self.cfg.blend_space)
+                scored.append(self.learner.evaluate_mixture([(w, p) for _, w, p in ms], "val"))
+        loss = {a: r.loss for a, r in zip(self.grid, scored, strict=True)}
+        acc = {a: r.accuracy for a, r in zip(self.grid, scored, strict=True) if r.accuracy is not None}
+        self._accuracy_first = len(acc) == len(self.grid)  # classification: accuracy first
+        self.alpha, self.alpha_losses = choose(
+            self.grid, loss.__getitem__, acc.__getitem__ if self._accuracy_first else None
+        )
 
     def train(self, rnd: int) -> None:
         """The twin's share of round ``rnd`` (run in a worker thread, while the strategy's round runs)."""
@@ -251,6 +255,8 @@ class LocalReference:
         if not self.blending or self.alpha is None or self.check.last is None or not self.check.helping:
             return self.check.reason()
         of = f"the lowest validation loss of {len(self.grid)} blends"
+        if self._accuracy_first:
+            of = f"the lowest validation loss of the most accurate of {len(self.grid)} blends"
         if self.alpha == 0:
             return (
                 f"collaboration is not helping this node: {self.check.figures()}; "

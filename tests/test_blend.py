@@ -53,6 +53,44 @@ def test_alpha_is_the_lowest_validation_loss_ties_and_non_finite_to_the_twins_si
     assert choose(grid, lambda a: math.inf)[0] == 0.0
 
 
+def test_classification_alpha_is_the_lowest_loss_among_the_most_accurate_blends():
+    grid = alphas(4)
+    # the loss falls towards collaboration (a flat collaborative model against an overconfident
+    # twin), the accuracy says the twin's side is right: only the most accurate α compete
+    loss = {0.0: 3.0, 0.25: 1.6, 0.5: 1.4, 0.75: 1.3, 1.0: 1.25}
+    acc = {0.0: 0.6, 0.25: 0.65, 0.5: 0.65, 0.75: 0.55, 1.0: 0.5}
+    alpha, losses = choose(grid, loss.__getitem__, acc.__getitem__)
+    assert alpha == 0.5 and losses == [loss[a] for a in grid]
+    assert choose(grid, loss.__getitem__)[0] == 1.0  # no accuracy (regression): the loss alone
+    # a most accurate α without a finite loss does not compete; none finite at all: the twin
+    assert choose(grid, lambda a: math.nan if a == 0.5 else loss[a], acc.__getitem__)[0] == 0.25
+    assert choose(grid, lambda a: math.nan, acc.__getitem__)[0] == 0.0
+
+
+def _overconfident_twin_case(space: str) -> tuple[LocalReference, list[float]]:
+    """A reference whose validation scores are set per α: the loss falls towards collaboration,
+    the accuracy is highest at α = 0.3 and 0.4 (the learner's scoring stubbed, all else real)."""
+    from coterie.node.learning.learner import EvalResult
+
+    cfg = LearnerConfig(dataset="digits", model="mlp", model_params={"hidden": [8]}, optimizer="adam", lr=0.01)
+    learner = build_learner(cfg)
+    ref = LocalReference(ReferenceConfig(predict="blend", blend_space=space), learner, "dpsgd")
+    losses = [3.0 - 0.15 * k for k in range(11)]  # α = 1 the lowest
+    accs = [0.6, 0.6, 0.6, 0.7, 0.7, 0.6, 0.6, 0.55, 0.5, 0.5, 0.5]
+    scores = [EvalResult(loss=x, n=20, accuracy=a) for x, a in zip(losses, accs, strict=True)]
+    learner.evaluate_blends = lambda members, other, grid, split="val": scores  # type: ignore[method-assign]
+    queue = iter(scores)
+    learner.evaluate_mixture = lambda members, split="val": next(queue)  # type: ignore[method-assign]
+    return ref, losses
+
+
+@pytest.mark.parametrize("space", ["prediction", "weight"])
+def test_a_node_blends_with_the_most_accurate_alpha_not_the_flattest(space):
+    ref, losses = _overconfident_twin_case(space)
+    ref._choose_alpha([("n1", 1.0, ref.learner.get_params())])
+    assert ref.alpha == 0.4 and ref.alpha_losses == losses  # of 0.3 and 0.4 (acc 0.7), the lower loss
+
+
 CFG_SMALL = LearnerConfig(dataset="digits", model="mlp", model_params={"hidden": [16]}, optimizer="adam", lr=0.01)
 
 
@@ -118,7 +156,8 @@ def test_a_prediction_space_blend_is_the_mixture_of_the_two_models_it_reports_an
         members = [(w, p) for w, p in ((a, collab), (1 - a, theta0)) if w > 0]
         return learner.evaluate_mixture(members, split)
 
-    best = min(ref.grid, key=lambda a: (mix(a, "val").loss, a))
+    top = max(mix(a, "val").accuracy for a in ref.grid)  # of the most accurate blends, the lowest loss
+    best = min((a for a in ref.grid if mix(a, "val").accuracy == top), key=lambda a: (mix(a, "val").loss, a))
     assert ref.alpha == best and ref.alpha_losses == pytest.approx([mix(a, "val").loss for a in ref.grid], rel=1e-5)
     assert 0 < best < 1
     assert ev["test_acc"] == pytest.approx(mix(best, "test").accuracy) and ev["collab_test_acc"] == 0.3
