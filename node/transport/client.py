@@ -209,8 +209,8 @@ class PeerClient(UnaryCalls):
             raise PeerCallError(REFUSED, f"peer at {address}: {problem}")
         if not self.tls.allowed(node_id):
             raise PeerCallError(REFUSED, f"peer at {address} is node {node_id!r}, not on the allow-list")
-        key = (address, CONTROL, node_id)
-        ch, _ = self.channel(*key)
+        proof: tuple[str, str, str | None] = (address, CONTROL, node_id)
+        ch, _ = self.channel(*proof)
         try:
             await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except asyncio.CancelledError:
@@ -219,13 +219,15 @@ class PeerClient(UnaryCalls):
                 raise  # this caller is being cancelled: so be it
             # the shared channel was closed under this proof by another one that failed first:
             # no answer from that peer, not a cancellation of whoever asked for the handshake
-            raise PeerCallError(UNAVAILABLE, f"peer at {address}: its channel closed while proving it is {node_id!r}")
+            raise PeerCallError(
+                UNAVAILABLE, f"peer at {address}: its channel closed while proving it is {node_id!r}"
+            ) from None
         except grpc.aio.AioRpcError as e:
             # two proofs of one address share the channel: the first to fail drops it, and a
             # later one must neither fail on the missing key (a KeyError once escaped the
             # handshake and ended an overlay delivery) nor drop a fresh channel made since
-            if self._stubs.get(key, (None,))[0] is ch:
-                await self._drop(key).close()
+            if self._stubs.get(proof, (None,))[0] is ch:
+                await self._drop(proof).close()
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 # a TLS handshake still under way when the deadline fired (a loaded peer, or this
                 # node's own stalled loop): no certificate was refused, nothing is known of it yet
