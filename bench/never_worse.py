@@ -24,6 +24,7 @@ Sizes are shrunk for a shared 2-core machine (``NETWORKS``; ROUNDS): said in the
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import statistics
@@ -294,11 +295,17 @@ def rescan(out: Path) -> None:
     RUNS.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
+def run_lines(runs: Path) -> list[dict[str, Any]]:
+    """The runs recorded in ``runs``, one JSON line each (``.gz``: gzip, as large ones are kept)."""
+    opener = gzip.open if runs.suffix == ".gz" else open
+    with opener(runs, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def done(runs: Path = RUNS) -> set[tuple[str, str, int]]:
     if not runs.exists():
         return set()
-    rows = [json.loads(line) for line in runs.read_text().splitlines() if line.strip()]
-    return {(r["network"], r["strategy"], r["seed"]) for r in rows}
+    return {(r["network"], r["strategy"], r["seed"]) for r in run_lines(runs)}
 
 
 def sweep(
@@ -325,13 +332,34 @@ def sweep(
             line = {"network": w, "strategy": s, "seed": seed, "failed": p.stderr.strip().splitlines()[-3:]}
         else:
             line = json.loads(p.stdout.strip().splitlines()[-1])
-        with runs.open("a") as f:  # one line per run, written whole: partial sweeps survive
+        opener = gzip.open if runs.suffix == ".gz" else open  # gzip: a member appended per run
+        with opener(runs, "at") as f:  # one line per run, written whole: partial sweeps survive
             f.write(json.dumps(line) + "\n")
         worst = min((n["gain"] for n in line.get("nodes", {}).values() if n["gain"] is not None), default=None)
         print(w, s, seed, line.get("wall_s"), "worst gain", worst, "FAILED" if "failed" in line else "", flush=True)
 
     with ThreadPoolExecutor(jobs) as ex:
         list(ex.map(one, todo))
+
+
+def command_line(doc: str, *, seeds: str, networks: str, jobs: int, out: str) -> tuple[Any, Any]:
+    """``sweep``, ``one`` (a run, in its own process) and ``report``, with the bench's defaults:
+    the parser and its subcommands (a bench adds its own)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sw = sub.add_parser("sweep")
+    sw.add_argument("--seeds", default=seeds)
+    sw.add_argument("--networks", default=networks)
+    sw.add_argument("--strategies", default=",".join(ALL))
+    sw.add_argument("--jobs", type=int, default=jobs)
+    sw.add_argument("--out", default=out)
+    one = sub.add_parser("one")
+    one.add_argument("network", choices=sorted(NETWORKS))
+    one.add_argument("strategy")
+    one.add_argument("seed", type=int)
+    one.add_argument("--out", required=True)
+    sub.add_parser("report")
+    return ap, sub
 
 
 def hooked_main(
@@ -349,21 +377,7 @@ def hooked_main(
     """The command line of a bench that runs these networks with ``hook`` installed in each run's
     process (never_worse_rules.py, never_worse_blend.py): ``sweep``, ``one`` (a run, in its own
     process) and ``report``; the defaults are the bench's."""
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    sw = sub.add_parser("sweep")
-    sw.add_argument("--seeds", default=seeds)
-    sw.add_argument("--networks", default=networks)
-    sw.add_argument("--strategies", default=",".join(ALL))
-    sw.add_argument("--jobs", type=int, default=jobs)
-    sw.add_argument("--out", default=out)
-    one = sub.add_parser("one")
-    one.add_argument("network", choices=sorted(NETWORKS))
-    one.add_argument("strategy")
-    one.add_argument("seed", type=int)
-    one.add_argument("--out", required=True)
-    sub.add_parser("report")
-    a = ap.parse_args()
+    a = command_line(doc, seeds=seeds, networks=networks, jobs=jobs, out=out)[0].parse_args()
     if a.cmd == "one":
         hook()
         print(json.dumps(child(a.network, a.strategy, a.seed, Path(a.out))))
@@ -673,20 +687,7 @@ def report() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    sw = sub.add_parser("sweep")
-    sw.add_argument("--seeds", default="0,1,2")
-    sw.add_argument("--networks", default=",".join(NETWORKS))
-    sw.add_argument("--strategies", default=",".join(ALL))
-    sw.add_argument("--jobs", type=int, default=2)
-    sw.add_argument("--out", default="/tmp/never_worse")
-    one = sub.add_parser("one")
-    one.add_argument("network", choices=sorted(NETWORKS))
-    one.add_argument("strategy")
-    one.add_argument("seed", type=int)
-    one.add_argument("--out", required=True)
-    sub.add_parser("report")
+    ap, sub = command_line(__doc__, seeds="0,1,2", networks=",".join(NETWORKS), jobs=2, out="/tmp/never_worse")
     sub.add_parser("rescan").add_argument("--out", default="/tmp/never_worse")
     a = ap.parse_args()
     if a.cmd == "one":

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import never_worse as nw  # noqa: E402
 import never_worse_blend as nwb  # noqa: E402
 
-RUNS = nw.RESULTS / "never_worse_alpha_runs.jsonl"
+RUNS = nw.RESULTS / "never_worse_alpha_runs.jsonl.gz"  # 7.7 MB as text
 REPORT = nw.RESULTS / "never_worse_alpha.md"
 CONFIG = nw.RESULTS / "never_worse_alpha.json"
 HYST_Z = 1.0  # paired SEs by which a new α must beat the kept one
@@ -399,7 +399,7 @@ def miss_lines(ok: list[dict[str, Any]]) -> list[str]:
 
 
 def report() -> None:
-    rows = [json.loads(x) for x in RUNS.read_text().splitlines() if x.strip()]
+    rows = nw.run_lines(RUNS)
     ok = [r for r in rows if "failed" not in r]
     lines = [
         "# The blend's α over a run: how often it moves, and two other α rules (issue 33)",
@@ -415,7 +415,7 @@ def report() -> None:
         "changes; `worst`: the worst node's audit gain (min over seeds). Real misses: audit gain + 2 SE "
         "below the goal (−1 point / −5 % MSE), per seed; mean gain over all node runs, per seed. Raw "
         "lines (every check's grid losses and paired SEs, the end's audit grid): "
-        "`never_worse_alpha_runs.jsonl`; config: `never_worse_alpha.json`.",
+        "`never_worse_alpha_runs.jsonl.gz`; config: `never_worse_alpha.json`.",
         "",
         "## What a default node reports, per network and strategy (audit set, gain over the twin)",
         "",
