@@ -7,6 +7,7 @@ node's certificate is still refused."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -33,6 +34,26 @@ def _client(root, node_id: str) -> PeerClient:
     )
 
 
+@contextlib.asynccontextmanager
+async def _silent_listener(root):
+    """A listener that takes connections and never answers the TLS hello, and a client (n1):
+    (client, the listener's address, the connections it took)."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(reader, writer):
+        accepted.append(writer)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    client = _client(root, "n1")
+    try:
+        yield client, f"127.0.0.1:{server.sockets[0].getsockname()[1]}", accepted
+    finally:
+        await client.close()
+        for w in accepted:
+            w.close()
+        server.close()
+
+
 async def _prove(client: PeerClient, address: str, node_id: str, timeout: float) -> PeerCallError:
     with pytest.raises(PeerCallError) as e:
         await client._prove(address, node_id, timeout)
@@ -41,24 +62,11 @@ async def _prove(client: PeerClient, address: str, node_id: str, timeout: float)
 
 def test_a_tls_handshake_that_times_out_is_no_answer_not_an_identity_failure(tmp_path):
     async def go():
-        accepted: list[asyncio.StreamWriter] = []
-
-        async def silent(reader, writer):  # takes the connection, never answers the TLS hello
-            accepted.append(writer)
-
-        server = await asyncio.start_server(silent, "127.0.0.1", 0)
-        address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        client = _client(tmp_path, "n1")
-        try:
+        async with _silent_listener(tmp_path) as (client, address, accepted):
             err = await _prove(client, address, "n0", timeout=0.5)
             assert accepted, "the probe never reached the listener"
             assert err.kind == UNAVAILABLE, err
             assert "did not answer in time" in err.message and "could not prove" not in err.message
-        finally:
-            await client.close()
-            for w in accepted:
-                w.close()
-            server.close()
 
     asyncio.run(go())
 
@@ -85,24 +93,11 @@ def test_proofs_of_one_address_that_fail_together_each_report_it(tmp_path):
     # they share the cached channel: the first to fail drops it; the others used to raise KeyError
     # (seen on 100 daemons: it escaped the handshake and ended an overlay delivery)
     async def go():
-        accepted: list[asyncio.StreamWriter] = []
-
-        async def silent(reader, writer):
-            accepted.append(writer)
-
-        server = await asyncio.start_server(silent, "127.0.0.1", 0)
-        address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        client = _client(tmp_path, "n1")
-        try:
+        async with _silent_listener(tmp_path) as (client, address, _):
             outs = await asyncio.gather(
                 *(client._prove(address, "n0", timeout=0.5 + 0.1 * i) for i in range(4)), return_exceptions=True
             )
             assert all(isinstance(o, PeerCallError) and o.kind == UNAVAILABLE for o in outs), outs
             assert client.channels() == 0  # the failed channel is gone, and nothing else was dropped
-        finally:
-            await client.close()
-            for w in accepted:
-                w.close()
-            server.close()
 
     asyncio.run(go())
