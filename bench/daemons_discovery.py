@@ -147,6 +147,7 @@ def analyse(out: Path, strategy: str = "fedfomo") -> dict[str, Any]:
     figures: dict[str, Any] = {}
     deaths, victims, suspected, short, membership_kinds = 0, set(), 0, [], {}
     active, passive = [], []
+    reintroductions: dict[str, int] = {}  # calls refused as from a stranger, and what came of them
     signal: dict[str, list[float]] = {"mates": [], "strangers": []}
     declarers: dict[str, list[int]] = {}  # final membership kind -> deaths each node declared
     first, last, durations, stalls = [], [], [], []
@@ -169,6 +170,8 @@ def analyse(out: Path, strategy: str = "fedfomo") -> dict[str, Any]:
         suspected += int(m.get("suspected", 0))
         disc = per_node[n].get("discovery") or {}
         kind = disc.get("membership", "?")
+        for outcome, count in (disc.get("reintroductions") or {}).items():
+            reintroductions[outcome] = reintroductions.get(outcome, 0) + int(count)
         membership_kinds[kind] = membership_kinds.get(kind, 0) + 1
         declarers.setdefault(kind, []).append(int(m.get("declared_dead", 0)))
         views = disc.get("views") or {}
@@ -205,6 +208,7 @@ def analyse(out: Path, strategy: str = "fedfomo") -> dict[str, Any]:
         "strategy_signal": {kind: signal_summary(ws) for kind, ws in signal.items()},
         "false_deaths": {"declared_dead": deaths, "distinct_victims": sorted(victims), "suspected": suspected},
         "membership_on": membership_kinds,
+        "reintroductions": reintroductions,
         # by the membership each node ended on: how many declared any death, and how many in all
         "deaths_by_declarer": {k: {"nodes": sum(v > 0 for v in vs), "deaths": sum(vs)} for k, vs in declarers.items()},
         # the daemons' pace: a round's wall time and how long its event loop was blocked in it
@@ -232,6 +236,7 @@ def report(fig: dict[str, Any]) -> str:
         f"false deaths: {fig['false_deaths']['declared_dead']} declared (victims {fig['false_deaths']['distinct_victims']}), "
         f"{fig['false_deaths']['suspected']} suspicions; membership on {fig['membership_on']}",
         f"deaths by the declarer's final membership: {fig['deaths_by_declarer']}",
+        f"calls refused as from a stranger, all nodes: {fig.get('reintroductions')}",
         f"views: active {fig['views']['active']}, passive {fig['views']['passive']}",
         f"strategy's weight for an evaluated peer: {fig['strategy_signal']}",
         f"round s {fig['round_s']}, loop stall s per round {fig['loop_stall_s_per_round']}",

@@ -209,15 +209,16 @@ def build_peer_plane(host: PlaneHost, cfg: NodeConfig, learner: Learner) -> Peer
         membership.handshakes,
         above=d.above,
         also_keep=lambda: [*disc.current(), *disc.collaborators(2 * d.candidates)],
+        hold_s=lambda: 2 * network.pace.period_s(),  # a peer pulling me once a round stays known
     )
     membership.state.scope = scope
     peers.on_forget.append(calls.deadlines.forget)  # a member the views dropped: its latencies too
     network.partial = scope.partial
 
-    async def reintroduce(peer: str) -> bool:
+    async def reintroduce(peer: str, timeout: float) -> bool:
         """A peer refused a call as from a stranger: handshake it again (its address as known)."""
         rec = peers.records.get(peer)
-        return rec is not None and await scope.introduce(peer, rec.address)
+        return rec is not None and await scope.introduce(peer, rec.address, timeout)
 
     calls.reintroduce = reintroduce
 

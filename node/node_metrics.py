@@ -57,6 +57,12 @@ class NodeMetrics:
             "received and dropped",
             ("what",),
         )
+        self.reintroductions = metrics.gauge(
+            "coterie_reintroductions",
+            "Calls a peer refused as from a stranger (it forgot this node), so far: made again after "
+            "a handshake, the handshake failed, refused again after it",
+            ("outcome",),
+        )
 
     def peer_counts(self, counts: dict[str, int]) -> None:
         """Membership's gauges: members by state."""

@@ -157,6 +157,8 @@ class RoundLoop:
         m.discovery.labels(what="scored").set(view["scored"])
         for what in ("explored", "hinted", "asks", "hints_received", "hints_dropped"):
             m.discovery_events.labels(what=what).set(view[what])
+        for outcome, count in view["reintroductions"].items():
+            m.reintroductions.labels(outcome=outcome).set(count)
 
     async def run(self) -> None:
         n, cfg = self.node, self.node.cfg

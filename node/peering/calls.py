@@ -42,9 +42,12 @@ class PeerCalls:
         self._abandoned: set[asyncio.Task] = set()
         self._phases: deque[float] = deque(maxlen=32)  # recent exchange-phase durations
         self._phase: Phase | None = None
-        # handshake ``peer`` again (True: it knows this node now); None: a refusal is final
-        self.reintroduce: Callable[[str], Awaitable[bool]] | None = None
-        self.reintroduced = 0  # calls made again after such a handshake
+        # handshake ``peer`` again within a timeout (True: it knows this node now); None: a
+        # refusal is final
+        self.reintroduce: Callable[[str, float], Awaitable[bool]] | None = None
+        # "unknown peer" refusals, and what came of them: the call made again after a handshake,
+        # the handshake failing (the refusal stands), the call refused again after it
+        self.reintroductions = {"retried": 0, "handshake_failed": 0, "refused_again": 0}
 
     def exchange_budget(self) -> float:
         """How long a round's exchange phase may last: ``exchange_timeout_s`` if set, else
@@ -90,10 +93,20 @@ class PeerCalls:
         try:
             return await self._call_once(peer, kind, make, wait_s)
         except PeerCallError as e:
-            if e.kind != UNKNOWN_PEER or self.reintroduce is None or not await self.reintroduce(peer):
+            if e.kind != UNKNOWN_PEER or self.reintroduce is None:
                 raise
-        self.reintroduced += 1
-        return await self._call_once(peer, kind, make, wait_s)
+            # the handshake gets the call's own budget: under load a TLS handshake takes seconds,
+            # and membership's probe-sized timeout (2 s) then lost the peer for the round
+            if not await self.reintroduce(peer, self.deadlines.timeout(peer, kind)):
+                self.reintroductions["handshake_failed"] += 1
+                raise
+        self.reintroductions["retried"] += 1
+        try:
+            return await self._call_once(peer, kind, make, wait_s)
+        except PeerCallError as e:
+            if e.kind == UNKNOWN_PEER:
+                self.reintroductions["refused_again"] += 1
+            raise
 
     async def _call_once(self, peer: str, kind: str, make: Callable[[float], Awaitable[T]], wait_s: float) -> T:
         timeout = self.deadlines.timeout(peer, kind)

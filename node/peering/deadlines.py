@@ -6,6 +6,7 @@ latency, not the whole request timeout; a slow but steady one keeps its longer d
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
@@ -92,3 +93,22 @@ class Phase:
 
     def __getitem__(self, key: str) -> Any:  # (read as a mapping by older callers: phase["failed"])
         return getattr(self, key)
+
+
+class RoundPace:
+    """How long this node's rounds take (the median of the last ``window`` starts' intervals, 0
+    until two): a node that remembers callers "for a while" must measure that in rounds, since a
+    peer pulls once a round and rounds under load last far longer than membership's periods."""
+
+    def __init__(self, window: int = 8):
+        self._starts: deque[float] = deque(maxlen=window + 1)
+
+    def tick(self, now: float | None = None) -> None:
+        self._starts.append(time.monotonic() if now is None else now)
+
+    def period_s(self) -> float:
+        s = self._starts
+        if len(s) < 2:
+            return 0.0
+        gaps = sorted(b - a for a, b in zip(s, list(s)[1:], strict=False))
+        return gaps[len(gaps) // 2]

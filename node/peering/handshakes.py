@@ -91,12 +91,13 @@ class Handshakes:
         self.state.pending.discard(remote.address)
         return self.state.entries(limit=VIEW_HANDSHAKE_ENTRIES if self.state.partial() else HANDSHAKE_ENTRIES)
 
-    async def contact(self, address: str) -> bool:
-        """Handshake an address (a candidate, or a dead member's last address)."""
+    async def contact(self, address: str, timeout: float | None = None) -> bool:
+        """Handshake an address (a candidate, or a dead member's last address); ``timeout``: at
+        least membership's own (a probe-sized 2 s or two periods)."""
         if address == self.state.info().address:
             self.state.pending.discard(address)
             return False
-        timeout = max(2.0, self.state.period * 2) + 2 * self.state.link_delay_s
+        timeout = max(2.0, self.state.period * 2, timeout or 0.0) + 2 * self.state.link_delay_s
         try:
             remote, entries = await self.transport.handshake(address, self.state.info(), timeout=timeout)
         except PeerCallError as e:

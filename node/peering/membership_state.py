@@ -248,6 +248,8 @@ class Scope(Protocol):
 
     def keep(self) -> set[str]: ...
 
+    def grace_s(self) -> float: ...
+
 
 PRUNE_GRACE_PERIODS = 10  # past the threshold: a member heard from this recently is kept
 
@@ -336,7 +338,11 @@ class MembershipState:
             return []
         neighbours = set(self.scope.neighbours())
         keep = self.scope.keep() | self.probing
-        now, grace = time.monotonic(), PRUNE_GRACE_PERIODS * self.period
+        # the grace is the longer of 10 periods and what the scope asks (two of this node's
+        # rounds: a mate pulls once a round, and under load rounds outlast 10 periods — 100
+        # daemons, run 7: rounds of 11-20 s against 10 s, and pullers refused as strangers)
+        now = time.monotonic()
+        grace = max(PRUNE_GRACE_PERIODS * self.period, self.scope.grace_s())
         gone = [
             p
             for p, r in self.peers.records.items()

@@ -32,7 +32,7 @@ from ..privacy.mechanisms import PrivateData
 from ..strategies.base import PeerSnapshot
 from ..wire.codec import Groups, WireError, encoded_size
 from .calls import PeerCalls
-from .deadlines import Phase
+from .deadlines import Phase, RoundPace
 from .discovery import Discovery
 from .errors import PeerCallError
 from .inbox import PushInbox
@@ -89,6 +89,7 @@ class NodeNetwork:
         self.problems = problems
         self.private = private  # my own gradients leave through it too
         self.releases = PeerReleases()  # what peers released to me (releases.py)
+        self.pace = RoundPace()  # how long my rounds take (a table past the threshold keeps callers that long)
         # snapshot subscriptions: a transport without them is pulled from only
         self.subscriptions = Subscriptions(
             self, calls, enabled=settings.watch and hasattr(transport, "watch_snapshots")
@@ -168,6 +169,7 @@ class NodeNetwork:
         return self.discovery is not None and n > self.discovery_above
 
     def begin_round(self) -> None:
+        self.pace.tick()
         if self.discovering() and self.discovery is not None:
             self.discovery.begin_round()
 
@@ -185,6 +187,8 @@ class NodeNetwork:
             "collaborators": d.collaborators(5),
             "hints": len(d.hints),
             "scored": len(d.scores),
+            # calls refused as from a stranger (a peer that forgot this node) and what came of them
+            "reintroductions": dict(self.calls.reintroductions),
             **vars(d.counters),
             **({"views": self.overlay.counts()} if self.overlay is not None else {}),
         }

@@ -31,7 +31,8 @@ from .peer_table import PeerTable
 class ViewScope:
     """``overlay``'s views as membership's scope once ``peers`` holds more than ``above`` alive
     members (``partial_from_start``: at once — a node bootstrapped straight into a large
-    network's views); ``also_keep``: the peers a node is exchanging with beyond its views."""
+    network's views); ``also_keep``: the peers a node is exchanging with beyond its views;
+    ``hold_s``: how long a member heard from is held beyond membership's own grace."""
 
     def __init__(
         self,
@@ -41,6 +42,7 @@ class ViewScope:
         *,
         above: int,
         also_keep: Callable[[], Iterable[str]] = tuple,
+        hold_s: Callable[[], float] = lambda: 0.0,
         partial_from_start: bool = False,
     ):
         self.overlay = overlay
@@ -48,6 +50,7 @@ class ViewScope:
         self.handshakes = handshakes
         self.above = above
         self.also_keep = also_keep
+        self.hold_s = hold_s  # how long a caller outside ``keep`` is held at least (its grace)
         self._partial = partial_from_start
         self.replaced = 0  # neighbours declared dead by membership, replaced from the passive view
         overlay.introduce = self.introduce
@@ -65,10 +68,13 @@ class ViewScope:
     def keep(self) -> set[str]:
         return self.overlay.held() | set(self.also_keep())
 
-    async def introduce(self, node_id: str, address: str) -> bool:
+    def grace_s(self) -> float:
+        return self.hold_s()
+
+    async def introduce(self, node_id: str, address: str, timeout: float | None = None) -> bool:
         """Handshake ``node_id`` at ``address``: both tables hold the other after it (and the
         handshake, not hearsay, says who is there). True when ``node_id`` is known alive now."""
-        if not await self.handshakes.contact(address):
+        if not await self.handshakes.contact(address, timeout):
             return False
         rec = self.peers.records.get(node_id)
         return rec is not None and rec.state == ALIVE and rec.address == address
