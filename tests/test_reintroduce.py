@@ -175,3 +175,30 @@ def test_the_round_pace_is_the_median_of_recent_rounds_and_holds_callers_in_the_
     for t in (100.0, 114.0, 128.0):
         node.plane.network.pace.tick(t)
     assert scope.grace_s() == 28.0  # two rounds of 14 s
+
+
+def test_a_collaborator_the_table_forgot_is_handshaken_again_at_its_last_address(tmp_path):
+    # past the threshold a suspect outside the active view is forgotten at once; under load one
+    # timed-out call makes a suspect. A found mate must come back, not be lost for good
+    from coterie.node.daemon import Node
+    from coterie.node.peering.network import COLLABORATORS
+    from tests.solo import solo_config
+
+    node = Node(solo_config(tmp_path, 1))
+    net, peers = node.plane.network, node.plane.peers
+    pending = node.plane.membership.state.pending
+    net.partial = lambda: True  # past the threshold: discovery supplies the candidates
+    disc = net.discovery
+    disc.collaborators = lambda k: ["mate"]  # what its strategy weights clearly
+    disc.whom_to_ask = lambda: []  # (no recommendation calls in this test)
+    peers.upsert("mate", "127.0.0.1:9")
+    peers.upsert("stranger", "127.0.0.1:10")
+    asyncio.run(net.end_round({"mate": 0.6, "stranger": 0.0}, ["mate", "stranger"]))
+
+    net.begin_round()
+    assert len(pending) == 0  # both still known: nothing to recall
+    peers.forget("mate")
+    peers.forget("stranger")
+    net.begin_round()
+    recalled = [(c.address, c.node_id, c.source) for c in pending.due(10)]
+    assert recalled == [("127.0.0.1:9", "mate", COLLABORATORS)]  # the mate, not the stranger

@@ -47,6 +47,7 @@ from .snapshots import SnapshotCache
 from .subscriptions import Subscriptions
 from .validation import Spec, snapshot_groups
 
+COLLABORATORS = "discovery:collaborators"  # the source membership's candidates name for a recalled collaborator
 log = logging.getLogger("coterie.node.network")
 
 
@@ -90,6 +91,7 @@ class NodeNetwork:
         self.private = private  # my own gradients leave through it too
         self.releases = PeerReleases()  # what peers released to me (releases.py)
         self.pace = RoundPace()  # how long my rounds take (a table past the threshold keeps callers that long)
+        self._addresses: dict[str, str] = {}  # discovery's collaborators' last known addresses
         # snapshot subscriptions: a transport without them is pulled from only
         self.subscriptions = Subscriptions(
             self, calls, enabled=settings.watch and hasattr(transport, "watch_snapshots")
@@ -171,7 +173,27 @@ class NodeNetwork:
     def begin_round(self) -> None:
         self.pace.tick()
         if self.discovering() and self.discovery is not None:
+            self._recall_collaborators()
             self.discovery.begin_round()
+
+    def _recall_collaborators(self) -> None:
+        """A collaborator the table forgot comes back through a handshake at its last address.
+        Past the threshold a suspect outside the active view is forgotten at once, and under load
+        one timed-out call makes a suspect: a found mate was then never offered again (it is no
+        longer callable, and nothing but the views or a hint brought it back — 100 daemons,
+        run 8: 8 nodes kept a mate as a collaborator and pulled none in their last 5 rounds)."""
+        assert self.discovery is not None
+        kept = self.discovery.collaborators(self.discovery.s.candidates)
+        for p in kept:
+            address = self._addresses.get(p)
+            if p not in self.table.records and address:
+                self.introduce(COLLABORATORS, p, address)
+        # the address book holds the collaborators, whose addresses the table may drop
+        self._addresses = {p: a for p in kept if (a := self._address_of(p) or self._addresses.get(p))}
+
+    def _address_of(self, peer: str) -> str | None:
+        rec = self.table.records.get(peer)
+        return rec.address if rec is not None else None
 
     def discovery_view(self) -> dict[str, Any]:
         """For ``/status`` and metrics: whether discovery supplies the candidates, and its state."""
@@ -200,6 +222,9 @@ class NodeNetwork:
             return
         d = self.discovery
         d.observe(weights, [p for p in (contacted or ()) if isinstance(p, str)])
+        for p in d.collaborators(d.s.candidates):  # while the table still has them
+            if (address := self._address_of(p)) is not None:
+                self._addresses[p] = address
         asked = d.whom_to_ask()
         replies = await asyncio.gather(*(self.requests.recommend(peer, d.s.recommend) for peer in asked))
         for peer, entries in zip(asked, replies, strict=True):
