@@ -750,6 +750,42 @@ async def test_dial_back_reaches_only_the_caller_itself(tmp_path):
             await s.stop(0)
 
 
+async def test_a_node_too_busy_to_answer_a_dial_back_in_time_is_not_moved_behind_relays(tmp_path):
+    """Under load a node's process answers the dial-back's TLS too late (100 daemons on 2 cores:
+    44 of them moved behind relays, their direct addresses still held by peers). The kernel
+    still accepts its TCP connections, which a NAT or firewall does not for a port nobody
+    forwarded: "busy", no verdict, and the node keeps its address. Played with a listener that
+    accepts and never answers (a stalled process)."""
+    from coterie.node.transport import dial_back
+    from coterie.node.transport.relay_fallback import RelayFallback
+
+    relay = RelayService(_tls(tmp_path, "r0"))
+    server, address = await _relay_server(tmp_path, "r0", relay)
+    held: list[asyncio.StreamWriter] = []
+
+    async def stalled(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # accepted by the kernel; the process never answers
+
+    busy = await asyncio.start_server(stalled, "127.0.0.1", 0)
+    port = busy.sockets[0].getsockname()[1]
+    try:
+        n5 = _tls(tmp_path, "n5")
+        answer = (await dial_back.check(n5, [address], port))[address]
+        assert answer.startswith("busy: dialled 127.0.0.1:") and "DEADLINE_EXCEEDED" in answer, answer
+        fallback = RelayFallback(n5, (address,))
+        fallback.members = lambda: [address]
+        assert await fallback.run(f"127.0.0.1:{port}", port, f"127.0.0.1:{port}") is None  # stays direct
+        assert fallback.reservations is None
+        # a closed port is still a verdict: nobody can dial it
+        closed = _free_port()
+        assert (await dial_back.check(n5, [address], closed))[address].startswith("unreachable: ")
+    finally:
+        for w in held:
+            w.close()
+        busy.close()
+        await server.stop(0)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -70,7 +70,9 @@ class RelayFallback:
             if attempt:
                 await asyncio.sleep(CONFIRM_AFTER_S)
             self.answers = await dial_back.check(self.tls, list(self.asked), port)
-            answered = [p for p, a in self.answers.items() if not a.startswith("no answer")]
+            # a peer that could not answer, or found the port open but this node too busy to
+            # answer in time, gives no verdict: only "unreachable" from every one that did counts
+            answered = [p for p, a in self.answers.items() if not a.startswith(("no answer", "busy"))]
             if not answered or any(self.answers[p].startswith("reachable") for p in answered):
                 return None
         why = "; ".join(self.answers[p] for p in answered)

@@ -126,10 +126,10 @@ class RelayService:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "relay: one dial-back at a time per node")
         self._dialling.add(who)
         try:
-            ok, detail = await dial(self.tls, host, port, who)
+            ok, detail, open_ = await dial(self.tls, host, port, who)
         finally:
             self._dialling.discard(who)
-        return pb.DialBackReply(reachable=ok, detail=detail)
+        return pb.DialBackReply(reachable=ok, detail=detail, port_open=open_)
 
     async def Reserve(self, request: bytes, context) -> AsyncIterator[pb.TunnelOffer]:
         who = await self._who(context)

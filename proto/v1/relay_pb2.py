@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63oterie/v1/relay.proto\x12\ncoterie.v1\"\x1f\n\x0f\x44ialBackRequest\x12\x0c\n\x04port\x18\x01 \x01(\r\"2\n\rDialBackReply\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x10\n\x0eReserveRequest\"0\n\x0bTunnelOffer\x12\x11\n\ttunnel_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64ialer\x18\x02 \x01(\t\"K\n\nRelayFrame\x12\x10\n\x06target\x18\x01 \x01(\tH\x00\x12\x13\n\ttunnel_id\x18\x02 \x01(\tH\x00\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04\x62ody2\x8a\x02\n\x05Relay\x12@\n\x07Reserve\x12\x1a.coterie.v1.ReserveRequest\x1a\x17.coterie.v1.TunnelOffer0\x01\x12=\n\x07\x43onnect\x12\x16.coterie.v1.RelayFrame\x1a\x16.coterie.v1.RelayFrame(\x01\x30\x01\x12<\n\x06\x41\x63\x63\x65pt\x12\x16.coterie.v1.RelayFrame\x1a\x16.coterie.v1.RelayFrame(\x01\x30\x01\x12\x42\n\x08\x44ialBack\x12\x1b.coterie.v1.DialBackRequest\x1a\x19.coterie.v1.DialBackReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63oterie/v1/relay.proto\x12\ncoterie.v1\"\x1f\n\x0f\x44ialBackRequest\x12\x0c\n\x04port\x18\x01 \x01(\r\"E\n\rDialBackReply\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x11\n\tport_open\x18\x03 \x01(\x08\"\x10\n\x0eReserveRequest\"0\n\x0bTunnelOffer\x12\x11\n\ttunnel_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64ialer\x18\x02 \x01(\t\"K\n\nRelayFrame\x12\x10\n\x06target\x18\x01 \x01(\tH\x00\x12\x13\n\ttunnel_id\x18\x02 \x01(\tH\x00\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04\x62ody2\x8a\x02\n\x05Relay\x12@\n\x07Reserve\x12\x1a.coterie.v1.ReserveRequest\x1a\x17.coterie.v1.TunnelOffer0\x01\x12=\n\x07\x43onnect\x12\x16.coterie.v1.RelayFrame\x1a\x16.coterie.v1.RelayFrame(\x01\x30\x01\x12<\n\x06\x41\x63\x63\x65pt\x12\x16.coterie.v1.RelayFrame\x1a\x16.coterie.v1.RelayFrame(\x01\x30\x01\x12\x42\n\x08\x44ialBack\x12\x1b.coterie.v1.DialBackRequest\x1a\x19.coterie.v1.DialBackReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DIALBACKREQUEST']._serialized_start=38
   _globals['_DIALBACKREQUEST']._serialized_end=69
   _globals['_DIALBACKREPLY']._serialized_start=71
-  _globals['_DIALBACKREPLY']._serialized_end=121
-  _globals['_RESERVEREQUEST']._serialized_start=123
-  _globals['_RESERVEREQUEST']._serialized_end=139
-  _globals['_TUNNELOFFER']._serialized_start=141
-  _globals['_TUNNELOFFER']._serialized_end=189
-  _globals['_RELAYFRAME']._serialized_start=191
-  _globals['_RELAYFRAME']._serialized_end=266
-  _globals['_RELAY']._serialized_start=269
-  _globals['_RELAY']._serialized_end=535
+  _globals['_DIALBACKREPLY']._serialized_end=140
+  _globals['_RESERVEREQUEST']._serialized_start=142
+  _globals['_RESERVEREQUEST']._serialized_end=158
+  _globals['_TUNNELOFFER']._serialized_start=160
+  _globals['_TUNNELOFFER']._serialized_end=208
+  _globals['_RELAYFRAME']._serialized_start=210
+  _globals['_RELAYFRAME']._serialized_end=285
+  _globals['_RELAY']._serialized_start=288
+  _globals['_RELAY']._serialized_end=554
 # @@protoc_insertion_point(module_scope)

@@ -11,12 +11,14 @@ class DialBackRequest(_message.Message):
     def __init__(self, port: _Optional[int] = ...) -> None: ...
 
 class DialBackReply(_message.Message):
-    __slots__ = ("reachable", "detail")
+    __slots__ = ("reachable", "detail", "port_open")
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PORT_OPEN_FIELD_NUMBER: _ClassVar[int]
     reachable: bool
     detail: str
-    def __init__(self, reachable: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+    port_open: bool
+    def __init__(self, reachable: _Optional[bool] = ..., detail: _Optional[str] = ..., port_open: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ()
