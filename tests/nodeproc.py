@@ -138,8 +138,9 @@ class NodeProc:
         )
         return self
 
-    def wait_ready(self, timeout: float = 60.0) -> NodeProc:
-        """Wait until the launched daemon has written its node.json and answers /healthz."""
+    def wait_ready(self, timeout: float = 120.0) -> NodeProc:
+        """Wait until the launched daemon has written its node.json and answers /healthz (a daemon
+        that exits fails at once; 60 s was once too short with the box at load 500)."""
         proc, info_path, old_pid = self.proc, self.state_dir / "node.json", self._old_pid
         assert proc is not None, "launch() first"
 
