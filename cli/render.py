@@ -102,12 +102,22 @@ def peers_table(peers: list[dict[str, Any]]) -> Table:
 
     cols = ["node_id", "address", "state", "last_seen_s", "snapshot_version", "weight"]
     relayed = any(is_relayed(str(p.get("address") or "")) for p in peers)
-    for c in cols + (["reachability"] if relayed else []):  # shown when some peer is reached through relays
+    # past the partial-view threshold: the overlay view a peer is in, and discovery's role for it
+    partial = any(p.get("view") or p.get("candidate") or p.get("collaborator") for p in peers)
+    extra = (["reachability"] if relayed else []) + (["view", "discovery"] if partial else [])
+    for c in cols + extra:
         t.add_column(c, justify="right" if c in ("last_seen_s", "snapshot_version", "weight") else "left")
     for p in peers:
         row = [_fmt(p.get(c)) for c in cols] + ([reachability(str(p.get("address") or ""))] if relayed else [])
+        if partial:
+            role = ", ".join(r for r in ("candidate", "collaborator") if p.get(r))
+            row += [str(p.get("view") or "–"), role or "–"]
         row[2] = f"[{STATE_STYLE.get(str(p.get('state')), 'white')}]{row[2]}[/]"
         t.add_row(*row)
+    if partial:
+        active = sum(p.get("view") == "active" for p in peers)
+        exploring = sum(bool(p.get("candidate")) and not p.get("collaborator") for p in peers)
+        t.caption = f"partial views: {active} in the active view; {exploring} candidates being explored"
     return t
 
 

@@ -57,6 +57,14 @@ class NodeMetrics:
             "received and dropped",
             ("what",),
         )
+        # partial views past the threshold (peering/partial_view.py), set after each round
+        self.view_size = metrics.gauge("coterie_view_size", "Peers in this node's overlay views", ("view",))
+        self.overlay_events = metrics.gauge(
+            "coterie_overlay_events",
+            "Overlay so far: shuffles sent and received, passive peers promoted, failed links, "
+            "hearsay entries replaced",
+            ("what",),
+        )
         self.reintroductions = metrics.gauge(
             "coterie_reintroductions",
             "Calls a peer refused as from a stranger (it forgot this node), so far: made again after "

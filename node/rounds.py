@@ -149,9 +149,16 @@ class RoundLoop:
 
     def discovery_metrics(self) -> None:
         view = self.node.network.discovery_view()
+        m = self.node.m
+        views = view.get("views")
+        if views is not None:  # the overlay's views and counters (its own gauges, discovery or not)
+            m.view_size.labels(view="active").set(len(views["active"]))
+            m.view_size.labels(view="passive").set(views["passive"])
+            for what, count in views.items():
+                if what not in ("active", "passive"):
+                    m.overlay_events.labels(what=what).set(count)
         if not view["active"]:
             return
-        m = self.node.m
         m.discovery.labels(what="candidates").set(len(view["candidates"]))
         m.discovery.labels(what="hints").set(view["hints"])
         m.discovery.labels(what="scored").set(view["scored"])

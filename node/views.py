@@ -189,10 +189,12 @@ class NodeViews:
         n = self.node
         weights = n.strategy.weights()
         rows = n.peers.view()
+        roles = n.network.roles()  # past the threshold: in which view, candidate, collaborator
         for r in rows:
             r["weight"] = weights.get(r["node_id"], 0.0)
             snap = n.cache.get(r["node_id"])
             r["cached_version"] = snap.version if snap else None
+            r.update(roles.get(r["node_id"], {}))
         return rows
 
     def weights_view(self) -> dict[str, Any]:

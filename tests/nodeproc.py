@@ -111,7 +111,7 @@ class NodeProc:
         self._old_pid: int | None = None
         self.info: dict[str, Any] = {}
 
-    def start(self, timeout: float = 60.0, extra_args: list[str] | None = None) -> NodeProc:
+    def start(self, timeout: float = 120.0, extra_args: list[str] | None = None) -> NodeProc:
         return self.launch(extra_args).wait_ready(timeout)
 
     def launch(self, extra_args: list[str] | None = None) -> NodeProc:

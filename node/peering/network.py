@@ -215,6 +215,24 @@ class NodeNetwork:
             **({"views": self.overlay.counts()} if self.overlay is not None else {}),
         }
 
+    def roles(self) -> dict[str, dict[str, Any]]:
+        """Per peer, past the threshold: the overlay view it is in (``view``: "active" or
+        "passive"), and whether discovery offers it to the strategy this round (``candidate``)
+        and counts it a collaborator (``collaborator``). Empty below the threshold."""
+        out: dict[str, dict[str, Any]] = {}
+        if self.overlay is not None and self.partial is not None and self.partial():
+            view = self.overlay.view
+            for name, members in (("passive", view.passive), ("active", view.active)):
+                for p in members:
+                    out.setdefault(p, {})["view"] = name
+        d = self.discovery
+        if d is not None and self.discovering():
+            for p in d.current():
+                out.setdefault(p, {})["candidate"] = True
+            for p in d.collaborators(len(d.scores)):
+                out.setdefault(p, {})["collaborator"] = True
+        return out
+
     async def end_round(self, weights: dict[str, float], contacted) -> None:
         """The strategy's weights feed discovery; then a few of my best collaborators are asked
         whom they weight (hints for the next rounds)."""
