@@ -39,6 +39,24 @@ def test_candidates_come_from_discovery_and_peers_answer_whom_they_weight(tmp_pa
         assert sum(v["hints_received"] for v in views) > 0  # ... and answered over the wire
         metrics = nodes[0].get_text("/metrics")
         assert 'coterie_discovery{what="candidates"}' in metrics
+        # the views and the candidates a node explores, for its owner: /peers, `coterie peers`, metrics
+        assert 'coterie_view_size{view="active"}' in metrics and "coterie_overlay_events" in metrics
+        for n in nodes:  # (views shuffle and rounds pass between two reads: compared with both sides)
+            before = n.status()["discovery"]
+            rows = n.get("/peers")
+            after = n.status()["discovery"]
+            active = {r["node_id"] for r in rows if r.get("view") == "active"}
+            assert active and active <= set(before["views"]["active"]) | set(after["views"]["active"])
+            marked = {r["node_id"] for r in rows if r.get("candidate")}
+            assert marked <= set(before["candidates"]) | set(after["candidates"])
+        from rich.console import Console
+
+        from coterie.cli.render import peers_table
+
+        console = Console(record=True, width=200)
+        console.print(peers_table(nodes[0].get("/peers")))
+        text = console.export_text()
+        assert "view" in text and "discovery" in text and "partial views:" in text
         # the question took its own RPC (traffic and latency under its own kind), not strategy gossip
         assert any('kind="recommend"' in n.get_text("/metrics") for n in nodes), "no Recommend call measured"
     finally:
