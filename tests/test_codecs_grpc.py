@@ -712,3 +712,74 @@ def test_an_idle_pull_session_holds_no_snapshot():
             assert old() is None, [type(r).__name__ for r in gc.get_referrers(old())]
 
     asyncio.run(go())
+
+
+class _Peer(Board):
+    """A publishing peer with a model of its own (seeded), so a base used for the wrong peer shows."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.w = torch.randn(N, generator=torch.Generator().manual_seed(seed))
+        self.publish(1)
+
+
+def test_decoded_bases_stay_within_the_budget_with_more_peers_than_it_holds(monkeypatch):
+    """Five peers, a budget of two models' bases: after every pull the newest copies held weigh at
+    most the budget; the two peers that took the slots get deltas that decode bit for bit to what
+    their server reconstructed; the three others name no base, get whole snapshots, and what they
+    receive is their own model within q8's bound. A delta against a base not kept is refused."""
+    made = _recorded_server(monkeypatch)
+    model = N * 4 + 8  # the weights and the int64 version tensor
+    budget = 2 * model
+
+    async def go():
+        boards = [_Peer(seed) for seed in range(5)]
+        servers = [
+            await serve(b, _Traffic(), "127.0.0.1:0", tls=None, codecs=CodecPolicy(("q8", "fp32"), True))
+            for b in boards
+        ]
+        addrs = [f"127.0.0.1:{port}" for _, port in servers]
+        client = PeerClient(
+            "me",
+            _Traffic(),
+            chunk_bytes=1 << 16,
+            max_model_bytes=1 << 26,
+            max_gossip_bytes=1 << 20,
+            timeout_s=10,
+            tls=None,
+            sessions=False,
+            codecs=CodecPolicy(("q8", "fp32"), True, 3, budget),
+        )
+        try:
+            have = [0] * 5
+            for v in range(1, 6):
+                for i, (board, addr, served) in enumerate(zip(boards, addrs, made, strict=True)):
+                    if v > 1 and board.snap.version < v:
+                        board.publish(v)
+                    h, g = await client.get_snapshot(addr, "me", have_version=have[i], peer=f"p{i}")
+                    have[i] = h.version
+                    assert h.version == v and client.held.counted() <= budget
+                    (digest,) = served._sent.values()  # the payload this reader was sent
+                    _, recon = served._recon[digest]
+                    assert torch.equal(g["params"]["w"], recon["params"]["w"])  # bit for bit
+                    assert _err(g, board) <= float(board.w.abs().max()) / 254 * 1.01  # its own model
+            assert [client.held.get(f"p{i}") is not None for i in range(5)] == [True, True, False, False, False]
+            assert [s.deltas for s in made] == [4, 4, 0, 0, 0]  # every pull after the first a delta
+            assert [s.wholes for s in made] == [1, 1, 5, 5, 5]  # never a base named: whole snapshots
+            assert client.held.not_kept == 3 * 5
+            # a delta against a version of p3 this node once decoded but did not keep is refused
+            (digest,) = made[3]._sent.values()  # what p3 sent it last (v5, whole)
+            boards[3].publish(6)
+            header, payload = await _raw_pull(
+                addrs[3],
+                pb.SnapshotRequest(requester="me", codecs=["q8"], delta=True, have_version=5, have_sha256=digest),
+            )
+            assert header.base_version == 5
+            with pytest.raises(WireError, match="a delta against v5 .* but this node holds no version"):
+                client.streams._decode_snapshot(header, memoryview(payload), "p3")
+        finally:
+            await client.close()
+            for server, _ in servers:
+                await server.stop(0)
+
+    asyncio.run(go())

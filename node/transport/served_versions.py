@@ -39,6 +39,7 @@ class CodecPolicy:
     codecs: tuple[str, ...] = (codecs.FP32,)  # preferred first; fp32 is always understood
     delta: bool = False
     history: int = 3  # reconstructions a server keeps to send deltas against
+    bases_bytes: int | None = None  # decoded peer bases a requester keeps (None: sized from the model)
 
     def __post_init__(self) -> None:
         for c in self.codecs:
@@ -174,6 +175,14 @@ class Held:
     groups: Groups
 
 
+# Decoded bases a requester keeps when ``snapshots.bases_mb`` is not set: this many of the largest
+# model it decoded, and at least the floor. Small models keep a base for every peer (S1's 24k-parameter
+# CNN: 11 peers in 1 MB); a 21 MB model keeps one, not one per neighbour (7 x 21 MB in an 8-node
+# D-PSGD network: bench/results/memory.md). A peer without one gets whole q8 snapshots.
+AUTO_BASES_MODELS = 1
+AUTO_BASES_FLOOR = 16 << 20
+
+
 class HeldVersions:
     """The snapshots decoded from each peer that its next delta may be against: the newest, plus
     any a request in flight named as its base (``pin``). A pull and a watch of the same peer run
@@ -182,11 +191,34 @@ class HeldVersions:
     which a pull may have brought too, in another payload (a delta against another base: other
     bytes, another digest), so copies are told apart by (version, payload digest). Between rounds
     that is one copy a peer (it was always two: with a 21 MB model and three D-PSGD peers, 62 MB
-    a node held for nothing)."""
+    a node held for nothing).
 
-    def __init__(self) -> None:
+    ``max_bytes`` bounds the newest copies of all peers together (None: sized from the model,
+    ``AUTO_BASES_*``), so the bases do not grow with the neighbours. A peer whose base is not kept
+    names none in its next request and gets a whole snapshot. Which peers keep one: those that
+    hold a slot keep it while they are pulled again (D-PSGD pulls every neighbour each round, in
+    which order least-recently-used eviction would drop every base before its next use); a peer's
+    new base takes a slot that is free, or one unused for ``2 x`` as many decodes as peers were
+    seen. Copies pinned by a request in flight are never dropped (a delta may be against them);
+    older ones than a peer's newest are not counted (they go when the request ends)."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"bases budget must be >= 0 bytes, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._largest = 0  # the largest decoded model seen (the automatic budget is sized from it)
         self._by_peer: dict[str, list[Held]] = {}
         self._pins: Counter[tuple[str, int, str]] = Counter()
+        self._used: dict[str, int] = {}  # peer -> the decode count when it last brought a copy
+        self._decodes = 0
+        self.not_kept = 0  # decoded copies not kept for lack of room (their peer's next pull is whole)
+
+    @property
+    def budget(self) -> int:
+        """The bytes of newest copies kept at most (pinned ones may be more while in flight)."""
+        if self.max_bytes is not None:
+            return self.max_bytes
+        return max(AUTO_BASES_FLOOR, AUTO_BASES_MODELS * self._largest)
 
     def get(self, peer: str) -> Held | None:
         """The newest version held of ``peer`` (what a request says it has)."""
@@ -197,11 +229,19 @@ class HeldVersions:
         """The held copy a delta against (``version``, ``digest``) needs, if still kept."""
         return next((h for h in self._by_peer.get(peer, ()) if h.version == version and h.digest == digest), None)
 
-    def put(self, peer: str, held: Held) -> None:
+    def put(self, peer: str, held: Held, *, pin: bool = False) -> None:
+        """Keep ``held`` as ``peer``'s newest copy if the budget has room (``pin``: pinned first,
+        so kept whatever the budget: a watch's next delta is against it)."""
+        if pin:
+            self.pin(peer, held.version, held.digest)
+        self._decodes += 1
+        self._used[peer] = self._decodes
+        self._largest = max(self._largest, encoded_size(held.groups))
         kept = [h for h in self._by_peer.get(peer, ()) if (h.version, h.digest) != (held.version, held.digest)]
         kept.append(held)
         kept.sort(key=lambda h: h.version)  # stable: of two copies of one version, the last put is the newest
         self._by_peer[peer] = self._trimmed(peer, kept)
+        self._fit(peer)
 
     def pin(self, peer: str, version: int, digest: str) -> None:
         """Keep that copy of ``peer`` (once held) until as many ``unpin``s: a delta in flight may
@@ -215,6 +255,7 @@ class HeldVersions:
             del self._pins[key]
             if peer in self._by_peer:
                 self._by_peer[peer] = self._trimmed(peer, self._by_peer[peer])
+                self._fit(peer)
 
     @contextlib.contextmanager
     def keeping(self, peer: str, held: Held | None) -> Iterator[None]:
@@ -231,12 +272,43 @@ class HeldVersions:
     def _trimmed(self, peer: str, held: list[Held]) -> list[Held]:
         return [h for h in held[:-1] if (peer, h.version, h.digest) in self._pins] + held[-1:]
 
+    def counted(self) -> int:
+        """Bytes of the newest copy of every peer: what the budget bounds."""
+        return sum(encoded_size(held[-1].groups) for held in self._by_peer.values() if held)
+
+    def _fit(self, newcomer: str) -> None:
+        """Back under the budget: first slots unused for two rounds of every peer seen, then
+        ``newcomer``'s own copy, then (if that one is pinned) the least recently used others.
+        A pinned copy stays."""
+        if self.counted() <= self.budget:
+            return
+        stale_after = 2 * max(len(self._used), 1)
+        others = sorted((p for p in self._by_peer if p != newcomer), key=lambda p: self._used.get(p, 0))
+        stale = [p for p in others if self._decodes - self._used.get(p, 0) > stale_after]
+        fresh = [p for p in others if p not in stale]
+        for peer in [*stale, newcomer, *fresh]:
+            if self.counted() <= self.budget:
+                return
+            self._evict(peer)
+
+    def _evict(self, peer: str) -> None:
+        """Drop ``peer``'s copies that no request in flight pinned."""
+        held = self._by_peer.get(peer, [])
+        kept = [h for h in held if (peer, h.version, h.digest) in self._pins]
+        if len(kept) < len(held):
+            self.not_kept += 1
+        if kept:
+            self._by_peer[peer] = kept
+        else:
+            self._by_peer.pop(peer, None)
+
     def copies(self, peer: str) -> int:
         """How many decoded copies of ``peer`` are held (1 between rounds; more while pinned)."""
         return len(self._by_peer.get(peer, ()))
 
     def drop(self, peer: str) -> None:
         self._by_peer.pop(peer, None)
+        self._used.pop(peer, None)
 
     def __len__(self) -> int:
         return len(self._by_peer)
