@@ -255,9 +255,10 @@ def test_a_forgotten_base_gets_a_whole_snapshot():
             h1, _ = await client.get_snapshot(addr, "me", peer="p")
             held1 = client.held.get("p")
             board.publish(2)
-            await _raw_pull(addr, pb.SnapshotRequest(requester="x", codecs=["q8"]))  # someone else: whole v2
+            # someone else, who takes deltas (a reader that takes none costs no reconstruction): whole v2
+            await _raw_pull(addr, pb.SnapshotRequest(requester="x", codecs=["q8"], delta=True))
             board.publish(3)
-            await _raw_pull(addr, pb.SnapshotRequest(requester="x", codecs=["q8"]))  # whole v3: v1 forgotten
+            await _raw_pull(addr, pb.SnapshotRequest(requester="x", codecs=["q8"], delta=True))  # v3: v1 forgotten
             header, _ = await _raw_pull(
                 addr,
                 pb.SnapshotRequest(requester="me", codecs=["q8"], delta=True, have_version=1, have_sha256=held1.digest),
@@ -759,16 +760,23 @@ def test_decoded_bases_stay_within_the_budget_with_more_peers_than_it_holds(monk
                     h, g = await client.get_snapshot(addr, "me", have_version=have[i], peer=f"p{i}")
                     have[i] = h.version
                     assert h.version == v and client.held.counted() <= budget
-                    (digest,) = served._sent.values()  # the payload this reader was sent
-                    _, recon = served._recon[digest]
-                    assert torch.equal(g["params"]["w"], recon["params"]["w"])  # bit for bit
+                    if i < 2:  # a base kept: what the server reconstructed from the payload it sent
+                        (digest,) = served._sent.values()
+                        want = served._recon[digest][1]
+                    else:  # none kept, none named: the whole q8 snapshot
+                        want = C.decode(C.encode(board.snap.groups, "q8"))[0]
+                    assert torch.equal(g["params"]["w"], want["params"]["w"])  # bit for bit
                     assert _err(g, board) <= float(board.w.abs().max()) / 254 * 1.01  # its own model
             assert [client.held.get(f"p{i}") is not None for i in range(5)] == [True, True, False, False, False]
             assert [s.deltas for s in made] == [4, 4, 0, 0, 0]  # every pull after the first a delta
             assert [s.wholes for s in made] == [1, 1, 5, 5, 5]  # never a base named: whole snapshots
-            assert client.held.not_kept == 3 * 5
+            assert client.held.not_kept == 3 * 5  # every copy of p2-p4 decoded, none kept
+            # a reader that keeps no base costs its server no reconstruction (two, a whole payload's
+            # and a delta's, when every request asked for deltas)
+            assert [len(s._recon) for s in made] == [1, 1, 0, 0, 0]
             # a delta against a version of p3 this node once decoded but did not keep is refused
-            (digest,) = made[3]._sent.values()  # what p3 sent it last (v5, whole)
+            first, _ = await _raw_pull(addrs[3], pb.SnapshotRequest(requester="me", codecs=["q8"], delta=True))
+            digest = first.payload_sha256  # v5, whole, and p3 keeps its reconstruction for "me"
             boards[3].publish(6)
             header, payload = await _raw_pull(
                 addrs[3],
@@ -781,5 +789,28 @@ def test_decoded_bases_stay_within_the_budget_with_more_peers_than_it_holds(monk
             await client.close()
             for server, _ in servers:
                 await server.stop(0)
+
+    asyncio.run(go())
+
+
+def test_a_payload_first_sent_without_deltas_is_reconstructed_for_a_reader_that_takes_them(monkeypatch):
+    """A reader that takes no deltas costs the server no reconstruction; the same whole payload
+    sent next to one that does is reconstructed then, and that reader's next pull is a delta."""
+    made = _recorded_server(monkeypatch)
+
+    async def go():
+        board = Board()
+        async with _pair(board) as (client, addr, _):
+            (served,) = made
+            header, _ = await _raw_pull(addr, pb.SnapshotRequest(requester="x", codecs=["q8"], delta=False))
+            assert served.wholes == 1 and len(served._recon) == 0 and not served._sent
+            h1, _ = await client.get_snapshot(addr, "me", peer="p")  # the same payload, shared
+            assert served.wholes == 1 and client.held.get("p").digest == header.payload_sha256
+            assert len(served._recon) == 1
+            board.publish(2)
+            h2, g2 = await client.get_snapshot(addr, "me", have_version=h1.version, peer="p")
+            assert h2.version == 2 and served.deltas == 1
+            (digest,) = served._sent.values()
+            assert torch.equal(g2["params"]["w"], served._recon[digest][1]["params"]["w"])
 
     asyncio.run(go())

@@ -127,7 +127,10 @@ class SnapshotStreams:
         request.have_version = have_version
         held = self.held.get(peer or address)
         base = None
-        if self.codecs.delta and held is not None and held.version == have_version:
+        # a copy this node will not keep is no base: it says it takes no deltas, and the server
+        # keeps no reconstruction for it (else one per payload kind: whole and delta, 2 models)
+        request.delta = self.codecs.delta and self.held.room_for(peer or address)
+        if request.delta and held is not None and held.version == have_version:
             request.have_sha256 = held.digest  # a delta against it is welcome
             base = held  # kept until the answer is decoded, whatever arrives meanwhile
         with self.held.keeping(peer or address, base):

@@ -69,6 +69,7 @@ class ServedVersions:
         self._recon: OrderedDict[str, tuple[int, Groups]] = OrderedDict()  # payload digest -> (version, decoded)
         self._sent: dict[Hashable, str] = {}  # reader -> digest of the payload it was sent last
         self._newest = 0  # the newest version encoded (its reconstructions wait for their readers)
+        self._decoding: dict[str, asyncio.Future] = {}  # payload digest -> its reconstruction being made
         self.deltas = self.wholes = 0  # payloads encoded, by kind
 
     def choose(self, wanted: list[str] | tuple[str, ...]) -> str:
@@ -90,12 +91,16 @@ class ServedVersions:
         sends them, the codec is lossy and that reconstruction is still here; else whole).
         ``reader``: who will hold what is returned (a peer's stream: its pull or its watch); the
         reconstruction of the payload each reader was sent last is kept for its next delta, and
-        one no reader was sent last is dropped once a newer version is encoded."""
+        one no reader was sent last is dropped once a newer version is encoded. A requester that
+        takes no deltas (``delta`` false: it will keep no base of this node, its budget being
+        full) costs no reconstruction: a whole payload's is made only for a reader that will
+        name it."""
         codec = self.choose(wanted)
         if codec == codecs.FP32:
             return Payload(snap.encoded, snap.digest, codec)  # today's bytes: exact, shared by all
+        wants = delta and self.policy.delta  # the reader may name this payload as its next base
         base_key, base = "", None
-        if delta and self.policy.delta and have_version and have_sha256:
+        if wants and have_version and have_sha256:
             held = self._recon.get(have_sha256)
             if held is not None and held[0] == have_version and have_version < snap.version:
                 base_key, base = have_sha256, held  # (taken now: it may be evicted before the encode runs)
@@ -103,7 +108,7 @@ class ServedVersions:
         key = (snap.version, codec, base_key)
         task = self._payloads.get(key)
         if task is None:  # encoded once, in a task of its own: a requester that gives up stops nothing
-            task = self._payloads[key] = asyncio.ensure_future(self._encode(snap, codec, base_key, base))
+            task = self._payloads[key] = asyncio.ensure_future(self._encode(snap, codec, base_key, base, wants))
             task.add_done_callback(functools.partial(self._failed, key))
             # a superseded version's payloads are not asked for again (requests are answered with
             # the current snapshot; one that raced a publish re-encodes): a 21 MB model's q8
@@ -115,10 +120,14 @@ class ServedVersions:
         else:
             self._payloads.move_to_end(key)
         made = await asyncio.shield(task)
+        if wants and made.base is None and made.digest not in self._recon:
+            await self._reconstruct(snap, made)  # first asked for by a reader that took no deltas
         if reader is not None:
-            self._sent[reader] = made.digest  # what it will name as its base next time
-            if made.digest in self._recon:
+            if wants and made.digest in self._recon:
+                self._sent[reader] = made.digest  # what it will name as its base next time
                 self._recon.move_to_end(made.digest)
+            else:
+                self._sent.pop(reader, None)  # it names none: nothing kept for it
         self._forget()
         return made
 
@@ -138,7 +147,25 @@ class ServedVersions:
         if (task.cancelled() or task.exception() is not None) and self._payloads.get(key) is task:
             del self._payloads[key]  # the next requester tries again
 
-    async def _encode(self, snap: Any, codec: str, base_key: str, base: tuple[int, Groups] | None) -> Payload:
+    async def _reconstruct(self, snap: Any, made: Payload) -> None:
+        """What a whole payload decodes to, kept for the reader that will name it (a large one
+        decoded off the loop, once however many readers ask at a time)."""
+        decode = functools.partial(codecs.decode, made.data)
+        if encoded_size(snap.groups) <= OFF_LOOP_BYTES:
+            recon, _ = decode()
+        else:
+            task = self._decoding.get(made.digest)
+            if task is None:
+                task = self._decoding[made.digest] = asyncio.ensure_future(asyncio.to_thread(decode))
+                task.add_done_callback(lambda t, d=made.digest: self._decoding.pop(d, None))
+            recon, _ = await asyncio.shield(task)
+        if made.digest not in self._recon:
+            self._recon[made.digest] = (snap.version, recon)
+            self._newest = max(self._newest, snap.version)
+
+    async def _encode(
+        self, snap: Any, codec: str, base_key: str, base: tuple[int, Groups] | None, wants: bool = True
+    ) -> Payload:
         meta = {"node_id": snap.node_id, "version": snap.version, "round": snap.round}
 
         def make() -> tuple[Payload, Groups | None]:
@@ -150,7 +177,7 @@ class ServedVersions:
                 base_ref={"version": base[0], "sha256": base_key} if base else None,
             )
             made = Payload(data, sha256(data), codec, (base[0], base_key) if base else None)
-            if not self.policy.delta:
+            if not (self.policy.delta and (wants or base)):
                 return made, None
             recon, _ = codecs.decode(data, base=base[1] if base else None)  # what the requester will hold
             return made, recon
@@ -268,6 +295,13 @@ class HeldVersions:
             yield
         finally:
             self.unpin(peer, held.version, held.digest)
+
+    def room_for(self, peer: str) -> bool:
+        """Whether a copy of ``peer`` decoded now would be kept (as ``put`` would decide it)."""
+        if peer in self._by_peer or self.counted() + self._largest <= self.budget:
+            return True
+        stale_after = 2 * max(len(self._used), 1)
+        return any(self._decodes - self._used.get(p, 0) > stale_after for p in self._by_peer)
 
     def _trimmed(self, peer: str, held: list[Held]) -> list[Held]:
         return [h for h in held[:-1] if (peer, h.version, h.digest) in self._pins] + held[-1:]
