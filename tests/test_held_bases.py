@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coterie.node.transport import served_versions
 from coterie.node.transport.served_versions import Held, HeldVersions
 
 MODEL = 1000 * 4  # bytes of one decoded model below
@@ -78,14 +77,14 @@ def test_a_base_pinned_by_a_pull_in_flight_survives_other_peers_and_its_successo
     assert held.copies("a") == 1 and held.get("a").version == 2 and held.get("c") is None
 
 
-def test_the_automatic_budget_is_one_model_and_at_least_the_floor(monkeypatch):
-    small = HeldVersions()  # the real floor: 16 MiB of 4 KB models is every peer's base
+def test_by_default_a_small_models_peers_all_keep_a_base_and_a_large_ones_none():
+    small = HeldVersions()  # 16 MiB of 4 KB models: every peer's base
     _round_robin(small, [f"p{i}" for i in range(20)], 1)
-    assert len(small) == 20
-    monkeypatch.setattr(served_versions, "AUTO_BASES_FLOOR", MODEL // 2)
-    held = HeldVersions()
-    _round_robin(held, ["a", "b", "c"], 1)
-    assert held.budget == MODEL and [held.get(p) is not None for p in "abc"] == [True, False, False]
+    assert len(small) == 20 and small.budget == 16 << 20
+    large = HeldVersions()
+    big = Held(1, "big", {"params": {"w": torch.zeros((16 << 20) // 4 + 1)}})  # one value over 16 MiB
+    large.put("a", big)
+    assert large.get("a") is None and not large.room_for("b")
 
 
 def test_a_negative_budget_is_refused():

@@ -160,7 +160,7 @@ class GrpcTransport:
                 tuple(cfg.snapshots.codecs),
                 cfg.snapshots.delta,
                 cfg.snapshots.delta_history,
-                None if cfg.snapshots.bases_mb is None else int(cfg.snapshots.bases_mb * (1 << 20)),
+                int(cfg.snapshots.bases_mb * (1 << 20)),
             ),
             no_listen=cfg.no_listen,
             relays=tuple(cfg.relays()),

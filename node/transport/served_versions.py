@@ -33,13 +33,20 @@ from ..wire import codecs
 from ..wire.codec import Groups, encoded_size
 from .chunks import sha256
 
+# Decoded bases a requester keeps by default (``snapshots.bases_mb``): small models keep a base for
+# every peer (S1's 24k-parameter CNN: 11 peers in 1 MB); a model over 16 MiB none (in an 8-node D-PSGD
+# network of a 21 MB MLP they were 7 x 21 MB of ~400 at rest: bench/results/memory.md). A peer without
+# one gets whole q8 snapshots: the same bytes, and no accuracy lost measurably on S1 and S3
+# (bench/results/codecs.md).
+DEFAULT_BASES_BYTES = 16 << 20
+
 
 @dataclass(frozen=True)
 class CodecPolicy:
     codecs: tuple[str, ...] = (codecs.FP32,)  # preferred first; fp32 is always understood
     delta: bool = False
     history: int = 3  # reconstructions a server keeps to send deltas against
-    bases_bytes: int | None = None  # decoded peer bases a requester keeps (None: sized from the model)
+    bases_bytes: int = DEFAULT_BASES_BYTES  # decoded peer bases a requester keeps for deltas
 
     def __post_init__(self) -> None:
         for c in self.codecs:
@@ -202,14 +209,6 @@ class Held:
     groups: Groups
 
 
-# Decoded bases a requester keeps when ``snapshots.bases_mb`` is not set: this many of the largest
-# model it decoded, and at least the floor. Small models keep a base for every peer (S1's 24k-parameter
-# CNN: 11 peers in 1 MB); a 21 MB model keeps one, not one per neighbour (7 x 21 MB in an 8-node
-# D-PSGD network: bench/results/memory.md). A peer without one gets whole q8 snapshots.
-AUTO_BASES_MODELS = 1
-AUTO_BASES_FLOOR = 16 << 20
-
-
 class HeldVersions:
     """The snapshots decoded from each peer that its next delta may be against: the newest, plus
     any a request in flight named as its base (``pin``). A pull and a watch of the same peer run
@@ -220,8 +219,8 @@ class HeldVersions:
     that is one copy a peer (it was always two: with a 21 MB model and three D-PSGD peers, 62 MB
     a node held for nothing).
 
-    ``max_bytes`` bounds the newest copies of all peers together (None: sized from the model,
-    ``AUTO_BASES_*``), so the bases do not grow with the neighbours. A peer whose base is not kept
+    ``max_bytes`` bounds the newest copies of all peers together, so the bases do not grow with
+    the neighbours. A peer whose base is not kept
     names none in its next request and gets a whole snapshot. Which peers keep one: those that
     hold a slot keep it while they are pulled again (D-PSGD pulls every neighbour each round, in
     which order least-recently-used eviction would drop every base before its next use); a peer's
@@ -229,23 +228,16 @@ class HeldVersions:
     seen. Copies pinned by a request in flight are never dropped (a delta may be against them);
     older ones than a peer's newest are not counted (they go when the request ends)."""
 
-    def __init__(self, max_bytes: int | None = None) -> None:
-        if max_bytes is not None and max_bytes < 0:
+    def __init__(self, max_bytes: int = DEFAULT_BASES_BYTES) -> None:
+        if max_bytes < 0:
             raise ValueError(f"bases budget must be >= 0 bytes, got {max_bytes}")
-        self.max_bytes = max_bytes
-        self._largest = 0  # the largest decoded model seen (the automatic budget is sized from it)
+        self.budget = max_bytes  # bytes of newest copies kept at most (pinned ones may be more)
+        self._largest = 0  # the largest decoded model seen (whether the next would fit)
         self._by_peer: dict[str, list[Held]] = {}
         self._pins: Counter[tuple[str, int, str]] = Counter()
         self._used: dict[str, int] = {}  # peer -> the decode count when it last brought a copy
         self._decodes = 0
         self.not_kept = 0  # decoded copies not kept for lack of room (their peer's next pull is whole)
-
-    @property
-    def budget(self) -> int:
-        """The bytes of newest copies kept at most (pinned ones may be more while in flight)."""
-        if self.max_bytes is not None:
-            return self.max_bytes
-        return max(AUTO_BASES_FLOOR, AUTO_BASES_MODELS * self._largest)
 
     def get(self, peer: str) -> Held | None:
         """The newest version held of ``peer`` (what a request says it has)."""
