@@ -814,3 +814,25 @@ def test_a_payload_first_sent_without_deltas_is_reconstructed_for_a_reader_that_
             assert torch.equal(g2["params"]["w"], served._recon[digest][1]["params"]["w"])
 
     asyncio.run(go())
+
+
+def test_a_reconstruction_goes_once_its_reader_takes_no_more_deltas(monkeypatch):
+    """A reader that asked for deltas once (a node's first pull of a peer, before it knows the
+    model will not fit its bases' budget) and then no more: the reconstruction made for it goes
+    once a newer version is encoded — it stayed for the server's life when no later payload made
+    one (21 MB per node at rest with the 21 MB MLP: bench/results/memory.md)."""
+    made = _recorded_server(monkeypatch)
+
+    async def go():
+        board = Board()
+        async with _pair(board) as (_, addr, _):
+            (served,) = made
+            await _raw_pull(addr, pb.SnapshotRequest(requester="me", codecs=["q8"], delta=True))
+            assert len(served._recon) == 1
+            for v in (2, 3):
+                board.publish(v)
+                header, _ = await _raw_pull(addr, pb.SnapshotRequest(requester="me", codecs=["q8"], delta=False))
+                assert header.version == v and not header.base_version
+                assert len(served._recon) == 0, v
+
+    asyncio.run(go())

@@ -195,6 +195,9 @@ class ServedVersions:
             self.deltas += 1
         else:
             self.wholes += 1
+        # newer than every reconstruction kept, made or not: one no reader names goes at the next
+        # ``_forget`` (with only payloads for readers that take no deltas, a 21 MB one stayed for life)
+        self._newest = max(self._newest, snap.version)
         if recon is None:
             return made
         self._recon[made.digest] = (snap.version, recon)
