@@ -793,10 +793,14 @@ def test_decoded_bases_stay_within_the_budget_with_more_peers_than_it_holds(monk
     asyncio.run(go())
 
 
-def test_a_payload_first_sent_without_deltas_is_reconstructed_for_a_reader_that_takes_them(monkeypatch):
+@pytest.mark.parametrize("off_loop", [False, True])
+def test_a_payload_first_sent_without_deltas_is_reconstructed_for_a_reader_that_takes_them(monkeypatch, off_loop):
     """A reader that takes no deltas costs the server no reconstruction; the same whole payload
-    sent next to one that does is reconstructed then, and that reader's next pull is a delta."""
+    sent next to one that does is reconstructed then (off the loop for a large model), and that
+    reader's next pull is a delta."""
     made = _recorded_server(monkeypatch)
+    if off_loop:
+        monkeypatch.setattr(served_versions, "OFF_LOOP_BYTES", 0)
 
     async def go():
         board = Board()

@@ -164,11 +164,15 @@ class ServedVersions:
             task = self._decoding.get(made.digest)
             if task is None:
                 task = self._decoding[made.digest] = asyncio.ensure_future(asyncio.to_thread(decode))
-                task.add_done_callback(lambda t, d=made.digest: self._decoding.pop(d, None))
+                task.add_done_callback(functools.partial(self._decoded, made.digest))
             recon, _ = await asyncio.shield(task)
         if made.digest not in self._recon:
             self._recon[made.digest] = (snap.version, recon)
             self._newest = max(self._newest, snap.version)
+
+    def _decoded(self, digest: str, task: asyncio.Future) -> None:
+        if self._decoding.get(digest) is task:
+            del self._decoding[digest]
 
     async def _encode(
         self, snap: Any, codec: str, base_key: str, base: tuple[int, Groups] | None, wants: bool = True
