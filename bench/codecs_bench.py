@@ -34,6 +34,9 @@ CODECS = {  # name -> [node.snapshots] settings
     "fp16": {"codecs": ["fp16", "fp32"], "delta": False},
     "q8": {"codecs": ["q8", "fp32"], "delta": False},
     "q8+delta": {"codecs": ["q8", "fp32"], "delta": True},
+    # deltas with room for one peer's base (S1-S3's models are 24-100k parameters: 0.1 MiB holds
+    # one 96 KB CNN), as a 21 MB model gets by default: the other peers send whole q8 snapshots
+    "q8+delta@1base": {"codecs": ["q8", "fp32"], "delta": True, "bases_mb": 0.1},
 }
 
 
@@ -43,6 +46,7 @@ def scenario_for(codec: str, scenario: Path = SCENARIO) -> str:
     return (
         scenario.read_text() + f"\n[node.snapshots]  # added by bench/codecs_bench.py\n"
         f"codecs = [{codecs}]\ndelta = {'true' if s['delta'] else 'false'}\n"
+        + (f"bases_mb = {s['bases_mb']}\n" if "bases_mb" in s else "")
     )
 
 
@@ -88,8 +92,30 @@ def run_one(
         "bytes_per_node_round": s["summary"]["bytes_sent_total"] / n / rounds,
         "snapshot_bytes_per_node_round": snap / n / rounds,
     }
+    row["collab_acc"] = collab_acc(res, strategy)
     print(json.dumps(row), flush=True)
     return row
+
+
+def collab_acc(res: dict, strategy: str) -> float | None:
+    """The mean over nodes of the collaborative model's last test accuracy (issue 33's reference
+    evaluates it beside the local twin; ``final_test_acc`` is what the node predicts with, which
+    the blend may take from the twin alone — then it does not show what the codec did)."""
+    s = res["strategies"][strategy]
+    accs = [
+        ev[-1]["collab_test_acc"]
+        for k in res["node_ids"]
+        if (ev := s["nodes"][k].get("eval")) and ev[-1] and ev[-1].get("collab_test_acc") is not None
+    ]
+    return sum(accs) / len(accs) if accs else None
+
+
+def backfill(rows: list[dict], runs: Path, strategy: str) -> None:
+    """Rows written before ``collab_acc`` existed get it from their run directories, if kept."""
+    for r in rows:
+        f = runs / strategy / f"{r['codec']}_s{r['seed']}" / "results.json"
+        if "collab_acc" not in r and f.exists():
+            r["collab_acc"] = collab_acc(json.loads(f.read_text()), strategy)
 
 
 def _ms(xs: list[float]) -> str:
@@ -102,10 +128,13 @@ def table(rows: list[dict], codecs: list[str]) -> list[str]:
     b_all = statistics.mean(r["bytes_per_node_round"] for r in base) if base else None
     b_snap = statistics.mean(r["snapshot_bytes_per_node_round"] for r in base) if base else None
     a0 = statistics.mean(r["mean_acc"] for r in base) if base else None
+    collab = all(r.get("collab_acc") is not None for r in rows)
+    c0 = statistics.mean(r["collab_acc"] for r in base) if base and collab else None
     out = [
         "| codec | seeds | mean final accuracy % (± std over seeds) | Δ vs fp32 (points) | KB sent / node-round "
-        "(all) | × fewer than fp32 | KB of snapshots / node-round | × fewer than fp32 |",
-        "|---|---|---|---|---|---|---|---|",
+        "(all) | × fewer than fp32 | KB of snapshots / node-round | × fewer than fp32 |"
+        + (" collaborative model's accuracy % | Δ vs fp32 |" if collab else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|---|" if collab else ""),
     ]
     for c, rs in by.items():
         if not rs:
@@ -118,6 +147,12 @@ def table(rows: list[dict], codecs: list[str]) -> list[str]:
             f"| {c} | {len(rs)} | {_ms(acc)} | {d} | {b / 1024:.1f} | "
             f"{(b_all / b) if b_all else float('nan'):.2f} | {sb / 1024:.1f} | "
             f"{(b_snap / sb) if b_snap and sb else float('nan'):.2f} |"
+            + (
+                f" {_ms([r['collab_acc'] for r in rs])} | "
+                + (f"{100 * (statistics.mean(r['collab_acc'] for r in rs) - c0):+.1f} |" if c0 is not None else "– |")
+                if collab
+                else ""
+            )
         )
     return out
 
@@ -149,13 +184,22 @@ def section(data: dict) -> list[str]:
         "",
         "Config added to the scenario's `[node]` per codec (`[node.snapshots]`): "
         + "; ".join(
-            f"`{c}`: codecs = {v['codecs']}, delta = {str(v['delta']).lower()}" for c, v in data["codecs"].items()
+            f"`{c}`: codecs = {v['codecs']}, delta = {str(v['delta']).lower()}"
+            + (f", bases_mb = {v['bases_mb']}" if "bases_mb" in v else "")
+            for c, v in data["codecs"].items()
         )
         + ".",
         "",
         "Accuracy: the mean over nodes of the final test accuracy, then mean ± std over seeds. Bytes: "
         "everything the nodes sent (snapshots, membership, gossip), per node and round, and the snapshot "
-        "part alone; ratio = fp32's bytes / the codec's.",
+        "part alone; ratio = fp32's bytes / the codec's."
+        + (
+            " Collaborative model: the mean over nodes of its last test accuracy, evaluated beside the "
+            "local twin (issue 33); the final accuracy is what a node predicts with, which the blend may "
+            "take from the twin alone."
+            if all(r.get("collab_acc") is not None for r in rows)
+            else ""
+        ),
         "",
     ]
     lines += table(rows, codecs)
@@ -163,12 +207,12 @@ def section(data: dict) -> list[str]:
         "",
         "Per run:",
         "",
-        "| codec | seed | mean final accuracy % | KB sent / node-round | wall s |",
-        "|---|---|---|---|---|",
+        "| codec | seed | mean final accuracy % | KB sent / node-round | wall s | collaborative model % |",
+        "|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['codec']} | {r['seed']} | {100 * r['mean_acc']:.1f} | {r['bytes_per_node_round'] / 1024:.1f} | "
-        f"{r['wall_s']:.0f} |"
+        f"{r['wall_s']:.0f} | " + (f"{100 * r['collab_acc']:.1f} |" if r.get("collab_acc") is not None else "– |")
         for r in rows
     ]
     return lines + [""]
@@ -218,9 +262,11 @@ def main() -> None:
         "command": "bench/codecs_bench.py " + " ".join(sys.argv[1:]),
         "rows": [],
     }
+    runs = args.out / "codecs" / args.scenario if prefix else args.out / "codecs"
     if args.merge or args.report:
         data = json.loads(path.read_text())
         data.setdefault("command", "bench/codecs_bench.py")
+        backfill(data["rows"], runs, args.strategy)
     if not args.report:
         for seed in seeds:  # seed-major: a cut-short bench still has every codec for the first seeds
             for c in codecs:

@@ -100,6 +100,8 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
             "learner": mnist1d_mlp(n, i, hidden=args.hidden, steps=args.steps),
             # --no-delta: every pull a whole q8 snapshot, no decoded copy of a peer kept as a base
             **({"snapshots": {"delta": False}} if args.no_delta else {}),
+            # --bases-mb: the decoded peer bases kept for deltas (unset: the checkout's default)
+            **({"snapshots": {"bases_mb": args.bases_mb}} if args.bases_mb is not None else {}),
         }
         for i in range(n)
     ]
@@ -168,6 +170,7 @@ def forked_from(python: str, strategy: str, args: argparse.Namespace) -> dict[st
         flags += ["--hidden", ",".join(map(str, args.hidden)), "--sample-s", str(args.sample_s)]
         flags += ["--timeout", str(args.timeout), "--seed", str(args.seed), "--strategies", strategy]
         flags += ["--no-delta"] if args.no_delta else []
+        flags += ["--bases-mb", str(args.bases_mb)] if args.bases_mb is not None else []
         subprocess.run([python, __file__, "--fork", *flags, "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())["results"][strategy]["this"]
 
@@ -189,6 +192,7 @@ def main() -> int:
         help="fork the daemons from a preloaded interpreter (each --python's network from its own)",
     )
     ap.add_argument("--no-delta", action="store_true", help="snapshots.delta = false on every node")
+    ap.add_argument("--bases-mb", type=float, default=None, help="snapshots.bases_mb on every node")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory.json")
     args = ap.parse_args()
     args.hidden = [int(h) for h in args.hidden.split(",")]

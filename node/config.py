@@ -191,6 +191,9 @@ class SnapshotsConfig(BaseModel):
     codecs: list[str] = Field(default_factory=lambda: ["q8", "fp32"], min_length=1)
     delta: bool = True
     delta_history: int = Field(3, ge=1, le=64)  # most reconstructions kept for deltas (one a reader)
+    # MiB of peers' decoded snapshots kept as the bases of their next deltas (a peer without one gets
+    # whole snapshots): every peer's of a small model, none of one over 16 MiB (docs/codecs.md)
+    bases_mb: float = Field(16, ge=0)
 
     @field_validator("codecs")
     @classmethod

@@ -255,9 +255,10 @@ def test_a_forgotten_base_gets_a_whole_snapshot():
             h1, _ = await client.get_snapshot(addr, "me", peer="p")
             held1 = client.held.get("p")
             board.publish(2)
-            await _raw_pull(addr, pb.SnapshotRequest(requester="x", codecs=["q8"]))  # someone else: whole v2
+            # someone else, who takes deltas (a reader that takes none costs no reconstruction): whole v2
+            await _raw_pull(addr, pb.SnapshotRequest(requester="x", codecs=["q8"], delta=True))
             board.publish(3)
-            await _raw_pull(addr, pb.SnapshotRequest(requester="x", codecs=["q8"]))  # whole v3: v1 forgotten
+            await _raw_pull(addr, pb.SnapshotRequest(requester="x", codecs=["q8"], delta=True))  # v3: v1 forgotten
             header, _ = await _raw_pull(
                 addr,
                 pb.SnapshotRequest(requester="me", codecs=["q8"], delta=True, have_version=1, have_sha256=held1.digest),
@@ -710,5 +711,132 @@ def test_an_idle_pull_session_holds_no_snapshot():
                 gc.collect()
                 await asyncio.sleep(0.05)
             assert old() is None, [type(r).__name__ for r in gc.get_referrers(old())]
+
+    asyncio.run(go())
+
+
+class _Peer(Board):
+    """A publishing peer with a model of its own (seeded), so a base used for the wrong peer shows."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.w = torch.randn(N, generator=torch.Generator().manual_seed(seed))
+        self.publish(1)
+
+
+def test_decoded_bases_stay_within_the_budget_with_more_peers_than_it_holds(monkeypatch):
+    """Five peers, a budget of two models' bases: after every pull the newest copies held weigh at
+    most the budget; the two peers that took the slots get deltas that decode bit for bit to what
+    their server reconstructed; the three others name no base, get whole snapshots, and what they
+    receive is their own model within q8's bound. A delta against a base not kept is refused."""
+    made = _recorded_server(monkeypatch)
+    model = N * 4 + 8  # the weights and the int64 version tensor
+    budget = 2 * model
+
+    async def go():
+        boards = [_Peer(seed) for seed in range(5)]
+        servers = [
+            await serve(b, _Traffic(), "127.0.0.1:0", tls=None, codecs=CodecPolicy(("q8", "fp32"), True))
+            for b in boards
+        ]
+        addrs = [f"127.0.0.1:{port}" for _, port in servers]
+        client = PeerClient(
+            "me",
+            _Traffic(),
+            chunk_bytes=1 << 16,
+            max_model_bytes=1 << 26,
+            max_gossip_bytes=1 << 20,
+            timeout_s=10,
+            tls=None,
+            sessions=False,
+            codecs=CodecPolicy(("q8", "fp32"), True, 3, budget),
+        )
+        try:
+            have = [0] * 5
+            for v in range(1, 6):
+                for i, (board, addr, served) in enumerate(zip(boards, addrs, made, strict=True)):
+                    if v > 1 and board.snap.version < v:
+                        board.publish(v)
+                    h, g = await client.get_snapshot(addr, "me", have_version=have[i], peer=f"p{i}")
+                    have[i] = h.version
+                    assert h.version == v and client.held.counted() <= budget
+                    if i < 2:  # a base kept: what the server reconstructed from the payload it sent
+                        (digest,) = served._sent.values()
+                        want = served._recon[digest][1]
+                    else:  # none kept, none named: the whole q8 snapshot
+                        want = C.decode(C.encode(board.snap.groups, "q8"))[0]
+                    assert torch.equal(g["params"]["w"], want["params"]["w"])  # bit for bit
+                    assert _err(g, board) <= float(board.w.abs().max()) / 254 * 1.01  # its own model
+            assert [client.held.get(f"p{i}") is not None for i in range(5)] == [True, True, False, False, False]
+            assert [s.deltas for s in made] == [4, 4, 0, 0, 0]  # every pull after the first a delta
+            assert [s.wholes for s in made] == [1, 1, 5, 5, 5]  # never a base named: whole snapshots
+            assert client.held.not_kept == 3 * 5  # every copy of p2-p4 decoded, none kept
+            # a reader that keeps no base costs its server no reconstruction (two, a whole payload's
+            # and a delta's, when every request asked for deltas)
+            assert [len(s._recon) for s in made] == [1, 1, 0, 0, 0]
+            # a delta against a version of p3 this node once decoded but did not keep is refused
+            first, _ = await _raw_pull(addrs[3], pb.SnapshotRequest(requester="me", codecs=["q8"], delta=True))
+            digest = first.payload_sha256  # v5, whole, and p3 keeps its reconstruction for "me"
+            boards[3].publish(6)
+            header, payload = await _raw_pull(
+                addrs[3],
+                pb.SnapshotRequest(requester="me", codecs=["q8"], delta=True, have_version=5, have_sha256=digest),
+            )
+            assert header.base_version == 5
+            with pytest.raises(WireError, match="a delta against v5 .* but this node holds no version"):
+                client.streams._decode_snapshot(header, memoryview(payload), "p3")
+        finally:
+            await client.close()
+            for server, _ in servers:
+                await server.stop(0)
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("off_loop", [False, True])
+def test_a_payload_first_sent_without_deltas_is_reconstructed_for_a_reader_that_takes_them(monkeypatch, off_loop):
+    """A reader that takes no deltas costs the server no reconstruction; the same whole payload
+    sent next to one that does is reconstructed then (off the loop for a large model), and that
+    reader's next pull is a delta."""
+    made = _recorded_server(monkeypatch)
+    if off_loop:
+        monkeypatch.setattr(served_versions, "OFF_LOOP_BYTES", 0)
+
+    async def go():
+        board = Board()
+        async with _pair(board) as (client, addr, _):
+            (served,) = made
+            header, _ = await _raw_pull(addr, pb.SnapshotRequest(requester="x", codecs=["q8"], delta=False))
+            assert served.wholes == 1 and len(served._recon) == 0 and not served._sent
+            h1, _ = await client.get_snapshot(addr, "me", peer="p")  # the same payload, shared
+            assert served.wholes == 1 and client.held.get("p").digest == header.payload_sha256
+            assert len(served._recon) == 1
+            board.publish(2)
+            h2, g2 = await client.get_snapshot(addr, "me", have_version=h1.version, peer="p")
+            assert h2.version == 2 and served.deltas == 1
+            (digest,) = served._sent.values()
+            assert torch.equal(g2["params"]["w"], served._recon[digest][1]["params"]["w"])
+
+    asyncio.run(go())
+
+
+def test_a_reconstruction_goes_once_its_reader_takes_no_more_deltas(monkeypatch):
+    """A reader that asked for deltas once (a node's first pull of a peer, before it knows the
+    model will not fit its bases' budget) and then no more: the reconstruction made for it goes
+    once a newer version is encoded — it stayed for the server's life when no later payload made
+    one (21 MB per node at rest with the 21 MB MLP: bench/results/memory.md)."""
+    made = _recorded_server(monkeypatch)
+
+    async def go():
+        board = Board()
+        async with _pair(board) as (_, addr, _):
+            (served,) = made
+            await _raw_pull(addr, pb.SnapshotRequest(requester="me", codecs=["q8"], delta=True))
+            assert len(served._recon) == 1
+            for v in (2, 3):
+                board.publish(v)
+                header, _ = await _raw_pull(addr, pb.SnapshotRequest(requester="me", codecs=["q8"], delta=False))
+                assert header.version == v and not header.base_version
+                assert len(served._recon) == 0, v
 
     asyncio.run(go())

@@ -104,7 +104,7 @@ class PeerClient(UnaryCalls):
         self._next_sweep = time.monotonic() + idle_channel_s
         self.evicted = 0
         self.codecs = codecs  # snapshot codecs this node asks for, preferred first; deltas or not
-        self.held = HeldVersions()  # per peer: the snapshot version it holds (a delta's base)
+        self.held = HeldVersions(codecs.bases_bytes)  # per peer: the snapshot version it holds (a delta's base)
         self._peer_codecs: dict[str, tuple[str, ...]] = {}  # address -> codecs its handshake advertised
         # snapshots by stream: pulls, pull sessions, subscriptions (over this client's channels)
         self.streams = SnapshotStreams(

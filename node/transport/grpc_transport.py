@@ -156,7 +156,12 @@ class GrpcTransport:
             health=health,
             sessions=cfg.pull_sessions,
             reflection=cfg.security.reflection,
-            codecs=CodecPolicy(tuple(cfg.snapshots.codecs), cfg.snapshots.delta, cfg.snapshots.delta_history),
+            codecs=CodecPolicy(
+                tuple(cfg.snapshots.codecs),
+                cfg.snapshots.delta,
+                cfg.snapshots.delta_history,
+                int(cfg.snapshots.bases_mb * (1 << 20)),
+            ),
             no_listen=cfg.no_listen,
             relays=tuple(cfg.relays()),
             relay_budget=_relay_budget(cfg),

@@ -127,7 +127,10 @@ class SnapshotStreams:
         request.have_version = have_version
         held = self.held.get(peer or address)
         base = None
-        if self.codecs.delta and held is not None and held.version == have_version:
+        # a copy this node will not keep is no base: it says it takes no deltas, and the server
+        # keeps no reconstruction for it (else one per payload kind: whole and delta, 2 models)
+        request.delta = self.codecs.delta and self.held.room_for(peer or address)
+        if request.delta and held is not None and held.version == have_version:
             request.have_sha256 = held.digest  # a delta against it is welcome
             base = held  # kept until the answer is decoded, whatever arrives meanwhile
         with self.held.keeping(peer or address, base):
@@ -247,13 +250,14 @@ class SnapshotStreams:
         )
 
     async def _read_snapshot(
-        self, address: str, it, *, whole_stream: bool, peer: str | None = None
+        self, address: str, it, *, whole_stream: bool, peer: str | None = None, pin: bool = False
     ) -> tuple[Any, Groups | None, int]:
         """One snapshot off a stream: its header, then chunks up to the announced size (size and
         sha256 of the payload checked while reassembling), decoded in the codec the header names
         (a plain fp32 payload as zero-copy views of the one buffer; a delta added to the version
         of ``peer`` this node holds, which must be the one the header names).
-        ``whole_stream``: the stream ends after it (a pull), else more snapshots follow (a watch)."""
+        ``whole_stream``: the stream ends after it (a pull), else more snapshots follow (a watch).
+        ``pin``: the decoded copy is pinned as it is held (a watch: its next delta is against it)."""
         first = pb.SnapshotChunk.FromString(await it.__anext__())
         if first.WhichOneof("body") != "header":
             raise WireError(f"snapshot stream from {address} did not start with a header")
@@ -288,7 +292,7 @@ class SnapshotStreams:
             except WireError as e:  # (the versions held stay: they are this node's own decoded copies)
                 raise WireError(f"snapshot v{h.version} of {h.node_id or address} is malformed: {e}") from None
             if self.codecs.delta:
-                self.held.put(key, Held(h.version, h.payload_sha256 or h.sha256, groups))
+                self.held.put(key, Held(h.version, h.payload_sha256 or h.sha256, groups), pin=pin)
         # (an inline payload is already part of the header's message)
         self.traffic.record("snapshot", received=first.ByteSize() + (0 if first.inline else size))
         return h, groups, size
@@ -352,17 +356,18 @@ class SnapshotStreams:
                     self.held.pin(key, *(base := (request.have_version, request.have_sha256)))
                 while True:
                     try:
-                        h, groups, _ = await self._read_snapshot(address, it, whole_stream=False, peer=peer)
+                        h, groups, _ = await self._read_snapshot(
+                            address, it, whole_stream=False, peer=peer, pin=self.codecs.delta
+                        )
                     except StopAsyncIteration:  # the server ended it between two snapshots
                         return
-                    if self.codecs.delta:
-                        last = (h.version, h.payload_sha256 or h.sha256)  # as ``_read_snapshot`` held it
-                        self.held.pin(key, *last)
+                    if groups is None:
+                        raise WireError(f"snapshot watch on {address}: an empty snapshot (only a header)")
+                    if self.codecs.delta:  # pinned as ``_read_snapshot`` held it, whatever the bases' budget
+                        last = (h.version, h.payload_sha256 or h.sha256)
                         if base is not None:
                             self.held.unpin(key, *base)
                         base = last
-                    if groups is None:
-                        raise WireError(f"snapshot watch on {address}: an empty snapshot (only a header)")
                     self.channels.touch(address)
                     await self.channels.link()  # the emulated link delays every snapshot, as it does a pull
                     yield serde.snapshot_header_from_pb(h), groups
