@@ -51,6 +51,7 @@ RUNS = nw.RESULTS / "never_worse_alpha_runs.jsonl.gz"  # 7.7 MB as text
 REPORT = nw.RESULTS / "never_worse_alpha.md"
 CONFIG = nw.RESULTS / "never_worse_alpha.json"
 HYST_Z = 1.0  # paired SEs by which a new α must beat the kept one
+SMALL_SPLIT = 30  # validation splits up to this size record every check's per-sample losses
 
 
 def _sig(x: float) -> float:
@@ -99,6 +100,9 @@ def _hook() -> None:
                 rec["val_acc"] = [_sig(float(r.accuracy)) for r in captured[-1]]
             rec["best"] = _argmin([float(r.loss) for r in captured[-1]])  # before rounding: the node's argmin
             rec["se_best"] = _se_from(rec["best"], ls)
+            rec["se_twin"] = _se_from(0, ls)  # every α against the twin: a significance bar on any α
+            if len(ls[0]) <= SMALL_SPLIT:  # per-sample losses: pooling across checks needs them (small splits)
+                rec["val_losses"] = [[float(f"{x:.4g}") for x in a] for a in ls]
         log.append(rec)
         return out
 
