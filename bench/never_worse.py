@@ -385,7 +385,9 @@ def hooked_main(
     elif a.cmd == "sweep":
         seed_list = [int(x) for x in a.seeds.split(",")]
         target = Path(a.runs) if a.runs else runs
-        sweep(a.networks.split(","), a.strategies.split(","), seed_list, a.jobs, Path(a.out), script=script, runs=target)
+        sweep(
+            a.networks.split(","), a.strategies.split(","), seed_list, a.jobs, Path(a.out), script=script, runs=target
+        )
     else:
         report()
 
