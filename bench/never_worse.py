@@ -353,6 +353,7 @@ def command_line(doc: str, *, seeds: str, networks: str, jobs: int, out: str) ->
     sw.add_argument("--strategies", default=",".join(ALL))
     sw.add_argument("--jobs", type=int, default=jobs)
     sw.add_argument("--out", default=out)
+    sw.add_argument("--runs", default=None, help="append to this runs file instead of the bench's (a rerun)")
     one = sub.add_parser("one")
     one.add_argument("network", choices=sorted(NETWORKS))
     one.add_argument("strategy")
@@ -383,7 +384,10 @@ def hooked_main(
         print(json.dumps(child(a.network, a.strategy, a.seed, Path(a.out))))
     elif a.cmd == "sweep":
         seed_list = [int(x) for x in a.seeds.split(",")]
-        sweep(a.networks.split(","), a.strategies.split(","), seed_list, a.jobs, Path(a.out), script=script, runs=runs)
+        target = Path(a.runs) if a.runs else runs
+        sweep(
+            a.networks.split(","), a.strategies.split(","), seed_list, a.jobs, Path(a.out), script=script, runs=target
+        )
     else:
         report()
 
@@ -693,7 +697,8 @@ def main() -> None:
     if a.cmd == "one":
         print(json.dumps(child(a.network, a.strategy, a.seed, Path(a.out))))
     elif a.cmd == "sweep":
-        sweep(a.networks.split(","), a.strategies.split(","), [int(s) for s in a.seeds.split(",")], a.jobs, Path(a.out))
+        seed_list = [int(s) for s in a.seeds.split(",")]
+        sweep(a.networks.split(","), a.strategies.split(","), seed_list, a.jobs, Path(a.out), runs=Path(a.runs or RUNS))
     elif a.cmd == "rescan":
         rescan(Path(a.out))
     else:

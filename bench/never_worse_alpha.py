@@ -51,6 +51,7 @@ RUNS = nw.RESULTS / "never_worse_alpha_runs.jsonl.gz"  # 7.7 MB as text
 REPORT = nw.RESULTS / "never_worse_alpha.md"
 CONFIG = nw.RESULTS / "never_worse_alpha.json"
 HYST_Z = 1.0  # paired SEs by which a new α must beat the kept one
+SMALL_SPLIT = 30  # validation splits up to this size record every check's per-sample losses
 
 
 def _sig(x: float) -> float:
@@ -92,6 +93,7 @@ def _hook() -> None:
         finally:
             del self.learner.evaluate_blends
         rec: dict[str, Any] = {"round": rnd, "check_helping": self.check.helping, "alpha": self.alpha}
+        rec["rule"] = "accfirst" if getattr(self, "_accuracy_first", False) else "valopt"  # what the node ran
         if captured and all(r.losses is not None for r in captured[-1]):
             ls = [np.asarray(r.losses, dtype=np.float64) for r in captured[-1]]
             rec["val_loss"] = [_sig(float(r.loss)) for r in captured[-1]]
@@ -99,6 +101,9 @@ def _hook() -> None:
                 rec["val_acc"] = [_sig(float(r.accuracy)) for r in captured[-1]]
             rec["best"] = _argmin([float(r.loss) for r in captured[-1]])  # before rounding: the node's argmin
             rec["se_best"] = _se_from(rec["best"], ls)
+            rec["se_twin"] = _se_from(0, ls)  # every α against the twin: a significance bar on any α
+            if len(ls[0]) <= SMALL_SPLIT:  # per-sample losses: pooling across checks needs them (small splits)
+                rec["val_losses"] = [[float(f"{x:.4g}") for x in a] for a in ls]
         log.append(rec)
         return out
 
@@ -250,8 +255,9 @@ def stability(runs: list[dict[str, Any]], w: str) -> tuple[list[str], dict[str, 
             for n in r["nodes"].values():
                 log = n.get("alpha_log") or []
                 held = {rule: replay(log, rule) for rule in RULES}
-                if log and held["valopt"][-1] is not None and log[-1]["alpha"] is not None:
-                    mismatch += abs(held["valopt"][-1] / 10 - log[-1]["alpha"]) > 1e-9
+                ran = ran_rule(log)
+                if log and held[ran][-1] is not None and log[-1]["alpha"] is not None:
+                    mismatch += abs(held[ran][-1] / 10 - log[-1]["alpha"]) > 1e-9
                 for rule in RULES:
                     c, m, st = changes(log, held[rule])
                     cnt[rule][0] += c
@@ -315,7 +321,7 @@ SHIPPED = ("valopt", "accfirst")  # the rule the runs' nodes ran, and the one th
 
 def goal_table(ok: list[dict[str, Any]]) -> list[str]:
     """Per network and strategy, what a default node reports on its audit set under the rule the
-    runs ran (``valopt``) and the one shipped now (``accfirst``, replayed on the same checks):
+    runs before 2026-11-29 ran (``valopt``) and the one shipped now (``accfirst``), both replayed on the same checks:
     worst node (min over seeds, with its SE), mean gain per seed (median [min, max]), real misses."""
     head = " | ".join(f"worst node (SE): {r} | mean per seed: {r} | real misses: {r}" for r in SHIPPED)
     out = [
@@ -346,20 +352,31 @@ def goal_table(ok: list[dict[str, Any]]) -> list[str]:
     return out + [""]
 
 
+def ran_rule(log: list[dict[str, Any]]) -> str:
+    """The α rule the node itself ran: recorded since the runs of 2026-11-29 (helper blendseeds);
+    before, the runs that record ``se_twin`` ran main's ``accfirst``, the older ones ``valopt``."""
+    for rec in reversed(log):
+        if "rule" in rec:
+            return str(rec["rule"])
+        if "se_twin" in rec:
+            return "accfirst"
+    return "valopt"
+
+
 def reported_mismatches(ok: list[dict[str, Any]]) -> int:
-    """Nodes whose replayed ``valopt`` audit gain is not what the node itself reported (the
-    runs ran valopt: a check of the replay)."""
+    """Nodes whose replayed audit gain under the rule they ran is not what the node itself
+    reported (a check of the replay)."""
     bad = 0
     for r in ok:
         for n in r["nodes"].values():
-            g = rule_gain(n, "valopt")
+            g = rule_gain(n, ran_rule(n.get("alpha_log") or []))
             if g is not None and n.get("audit_reported_gain") is not None:
                 bad += abs(g[0] - n["audit_reported_gain"]) > 1e-6
     return bad
 
 
 def miss_lines(ok: list[dict[str, Any]]) -> list[str]:
-    """Every real miss under the rule the runs ran or the one shipped now, with the evidence the
+    """Every real miss under ``valopt`` (what the first runs ran) or ``accfirst`` (shipped now), with the evidence the
     node's validation split had at its last check."""
     out = []
     for r in sorted(ok, key=lambda r: (list(nw.NETWORKS).index(r["network"]), nw.ALL.index(r["strategy"]), r["seed"])):
@@ -430,8 +447,9 @@ def report() -> None:
             lines += t
     mism = sum(v["valopt_mismatches"] for v in summary.values())
     lines.append(
-        f"Replayed `valopt` against the α each node itself held at its last check: {mism} mismatches; "
-        f"its audit gain against what the node reported: {reported_mismatches(ok)} mismatches."
+        f"Replayed the rule each node ran (`valopt` before 2026-11-29's runs, `accfirst` since) against the α "
+        f"it held at its last check: {mism} mismatches; its audit gain against what the node reported: "
+        f"{reported_mismatches(ok)} mismatches."
     )
     lines += ["", "## Every real miss (`valopt` or `accfirst`), with its validation evidence at the last check", ""]
     lines += miss_lines(ok)
