@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import lzma
 import json
 import math
 import statistics
@@ -295,10 +296,16 @@ def rescan(out: Path) -> None:
     RUNS.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
+def open_runs(runs: Path, mode: str):
+    """``runs`` as text, by its suffix: ``.xz`` (as large ones are kept), ``.gz``, or plain. Appending
+    to a compressed one adds a stream (a gzip member, an xz stream); reading takes them all."""
+    opener = {".xz": lzma.open, ".gz": gzip.open}.get(runs.suffix, open)
+    return opener(runs, mode)
+
+
 def run_lines(runs: Path) -> list[dict[str, Any]]:
-    """The runs recorded in ``runs``, one JSON line each (``.gz``: gzip, as large ones are kept)."""
-    opener = gzip.open if runs.suffix == ".gz" else open
-    with opener(runs, "rt") as f:
+    """The runs recorded in ``runs``, one JSON line each."""
+    with open_runs(runs, "rt") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -332,8 +339,7 @@ def sweep(
             line = {"network": w, "strategy": s, "seed": seed, "failed": p.stderr.strip().splitlines()[-3:]}
         else:
             line = json.loads(p.stdout.strip().splitlines()[-1])
-        opener = gzip.open if runs.suffix == ".gz" else open  # gzip: a member appended per run
-        with opener(runs, "at") as f:  # one line per run, written whole: partial sweeps survive
+        with open_runs(runs, "at") as f:  # one line per run, written whole: partial sweeps survive
             f.write(json.dumps(line) + "\n")
         worst = min((n["gain"] for n in line.get("nodes", {}).values() if n["gain"] is not None), default=None)
         print(w, s, seed, line.get("wall_s"), "worst gain", worst, "FAILED" if "failed" in line else "", flush=True)

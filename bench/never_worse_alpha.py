@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import never_worse as nw  # noqa: E402
 import never_worse_blend as nwb  # noqa: E402
 
-RUNS = nw.RESULTS / "never_worse_alpha_runs.jsonl.gz"  # 7.7 MB as text
+RUNS = nw.RESULTS / "never_worse_alpha_runs.jsonl.xz"  # 25 MB as text, 6.7 MB gzipped
 REPORT = nw.RESULTS / "never_worse_alpha.md"
 CONFIG = nw.RESULTS / "never_worse_alpha.json"
 HYST_Z = 1.0  # paired SEs by which a new α must beat the kept one
@@ -432,7 +432,7 @@ def report() -> None:
         "changes; `worst`: the worst node's audit gain (min over seeds). Real misses: audit gain + 2 SE "
         "below the goal (−1 point / −5 % MSE), per seed; mean gain over all node runs, per seed. Raw "
         "lines (every check's grid losses and paired SEs, the end's audit grid): "
-        "`never_worse_alpha_runs.jsonl.gz`; config: `never_worse_alpha.json`.",
+        "`never_worse_alpha_runs.jsonl.xz`; config: `never_worse_alpha.json`.",
         "",
         "## What a default node reports, per network and strategy (audit set, gain over the twin)",
         "",

@@ -1,5 +1,5 @@
 """More evidence than one small validation split for the blend's α (issue 33), replayed offline on
-the runs ``never_worse_alpha.py`` recorded (``never_worse_alpha_runs.jsonl.gz``).
+the runs ``never_worse_alpha.py`` recorded (``never_worse_alpha_runs.jsonl.xz``).
 
 The shipped rule (``accfirst``, node/blend.py) picks α on the current check's validation split
 alone. Each check scores the blends of the current models on the *same* samples, so evidence
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import never_worse as nw  # noqa: E402
 import never_worse_alpha as nwa  # noqa: E402
 
-RERUNS = nw.RESULTS / "never_worse_alpha_rerun_runs.jsonl.gz"  # cells rerun to record per-sample losses
+RERUNS = nw.RESULTS / "never_worse_alpha_rerun_runs.jsonl.xz"  # cells rerun to record per-sample losses
 REPORT = nw.RESULTS / "never_worse_evidence.md"
 CONFIG = nw.RESULTS / "never_worse_evidence.json"
 SMALL = 30  # the splits the significance bar applies to (the brief's "small": < 30 samples, and digits' 30)
@@ -219,13 +219,13 @@ def main() -> None:
         "# More evidence than one validation split: α pooled over checks (issue 33)",
         "",
         "`python bench/never_worse_evidence.py` (method: the script's docstring), replayed on "
-        "`never_worse_alpha_runs.jsonl.gz`. Against the shipped rule (`accfirst`) on the same runs: "
+        "`never_worse_alpha_runs.jsonl.xz`. Against the shipped rule (`accfirst`) on the same runs: "
         "real misses (audit gain + 2 SE below −1 point / −5 % MSE) per seed, mean audit gain over the "
         f"node runs of each seed. `poolsig` applies its bar (> {Z:g} pooled paired SE) on splits of at most "
         f"{SMALL} samples and needs their per-sample losses: only runs that recorded them count.",
         "",
     ]
-    lines += ["## On the alpha runs (`never_worse_alpha_runs.jsonl.gz`)", ""] + table
+    lines += ["## On the alpha runs (`never_worse_alpha_runs.jsonl.xz`)", ""] + table
     if again:
         lines += ["## On the cells rerun with per-sample losses (sine-sgd, sine-adam, gaussian-perm seeds 0-2)", ""]
         lines += note + table2
