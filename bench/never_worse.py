@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import lzma
 import json
+import lzma
 import math
 import statistics
 import subprocess
