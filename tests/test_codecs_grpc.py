@@ -90,7 +90,10 @@ class Board:
         return ComputeReply(loss=1.0, samples=1)
 
 
-def _client(name: str, codecs=("q8", "fp32"), delta=True, sessions=False) -> PeerClient:
+def _client(name: str, codecs=("q8", "fp32"), delta=True, sessions=False, bases_bytes: int | None = None) -> PeerClient:
+    policy = (
+        CodecPolicy(tuple(codecs), delta) if bases_bytes is None else CodecPolicy(tuple(codecs), delta, 3, bases_bytes)
+    )
     return PeerClient(
         name,
         _Traffic(),
@@ -100,7 +103,7 @@ def _client(name: str, codecs=("q8", "fp32"), delta=True, sessions=False) -> Pee
         timeout_s=10,
         tls=None,
         sessions=sessions,
-        codecs=CodecPolicy(tuple(codecs), delta),
+        codecs=policy,
     )
 
 
@@ -740,17 +743,7 @@ def test_decoded_bases_stay_within_the_budget_with_more_peers_than_it_holds(monk
             for b in boards
         ]
         addrs = [f"127.0.0.1:{port}" for _, port in servers]
-        client = PeerClient(
-            "me",
-            _Traffic(),
-            chunk_bytes=1 << 16,
-            max_model_bytes=1 << 26,
-            max_gossip_bytes=1 << 20,
-            timeout_s=10,
-            tls=None,
-            sessions=False,
-            codecs=CodecPolicy(("q8", "fp32"), True, 3, budget),
-        )
+        client = _client("me", bases_bytes=budget)
         try:
             have = [0] * 5
             for v in range(1, 6):

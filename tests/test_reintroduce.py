@@ -16,10 +16,14 @@ from coterie.node.peering.peer_table import PeerTable
 
 
 class ForgetfulPeer:
-    """Answers only callers it knows; a handshake makes it know them again."""
+    """Answers only callers it knows; a handshake makes it know them again (``remembers``: else
+    it forgets again at once; ``answers``: else the handshake fails)."""
 
-    def __init__(self, knows_me: bool = False, refuse_as: str = UNKNOWN_PEER):
+    def __init__(
+        self, knows_me: bool = False, refuse_as: str = UNKNOWN_PEER, remembers: bool = True, answers: bool = True
+    ):
         self.knows_me, self.refuse_as = knows_me, refuse_as
+        self.remembers, self.answers = remembers, answers
         self.calls = self.handshakes = 0
         self.timeouts: list[float] = []
 
@@ -32,8 +36,8 @@ class ForgetfulPeer:
     async def handshake(self, peer: str, timeout: float) -> bool:
         self.handshakes += 1
         self.timeouts.append(timeout)
-        self.knows_me = True
-        return True
+        self.knows_me = self.answers and self.remembers
+        return self.answers
 
 
 def _calls(peer: ForgetfulPeer | None) -> PeerCalls:
@@ -59,24 +63,14 @@ def test_a_call_refused_as_from_a_stranger_is_made_again_after_one_handshake():
 
 
 def test_the_retry_is_bounded_and_only_for_that_refusal():
-    class Amnesiac(ForgetfulPeer):  # forgets again at once: one handshake, one retry, then the refusal
-        async def handshake(self, peer: str, timeout: float) -> bool:
-            self.handshakes += 1
-            return True
-
-    a = Amnesiac()
+    a = ForgetfulPeer(remembers=False)  # forgets again at once: one handshake, one retry, then the refusal
     calls = _calls(a)
     with pytest.raises(PeerCallError) as e:
         asyncio.run(calls.call("a", "snapshot", a.snapshot))
     assert e.value.kind == UNKNOWN_PEER and (a.handshakes, a.calls) == (1, 2)
     assert calls.reintroductions == {"retried": 1, "handshake_failed": 0, "refused_again": 1}
 
-    class Unreachable(ForgetfulPeer):  # the handshake fails: the refusal stands, counted as that
-        async def handshake(self, peer: str, timeout: float) -> bool:
-            self.handshakes += 1
-            return False
-
-    u = Unreachable()
+    u = ForgetfulPeer(answers=False)  # the handshake fails: the refusal stands, counted as that
     calls = _calls(u)
     with pytest.raises(PeerCallError) as e:
         asyncio.run(calls.call("a", "snapshot", u.snapshot))
