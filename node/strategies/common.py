@@ -66,6 +66,28 @@ def l2_norm(a: Params) -> float:
     return math.sqrt(dot(a, a))
 
 
+DISTANCE_CHUNK = 1 << 20  # elements: a model-sized tensor costs chunk-sized temporaries, not 3 models
+
+
+def distance(a: Params, b: Params, kind: str = "l1") -> float:
+    """‖a − b‖ (``kind`` "l1" or "l2"), the same values as ``l1_norm(sub(a, b))`` / ``l2_norm``
+    (the difference in the tensors' dtype, summed in float64) without the model-sized difference
+    and its float64 copy those make: 3 models of temporaries for a 21 MB model, and 7-10× slower."""
+    if kind not in ("l1", "l2"):
+        raise ValueError(f"distance: unknown kind {kind!r} (l1 or l2)")
+    total = 0.0
+    for x, y in ((a[k].reshape(-1), b[k].reshape(-1)) for k in a):
+        n = x.numel()
+        for i in range(0, n, DISTANCE_CHUNK):
+            d = torch.sub(x[i : i + DISTANCE_CHUNK], y[i : i + DISTANCE_CHUNK]) if n > DISTANCE_CHUNK else x - y
+            if kind == "l1":
+                total += float(torch.sum(d.abs_(), dtype=torch.float64))
+            else:
+                d64 = d.to(torch.float64)
+                total += float(torch.dot(d64, d64))
+    return total if kind == "l1" else math.sqrt(total)
+
+
 def flatten(p: Params) -> torch.Tensor:
     """All parameters as one float32 vector, in the dict's (= param_spec) order."""
     return torch.cat([v.reshape(-1).to(torch.float32) for v in p.values()])
