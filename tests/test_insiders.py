@@ -257,7 +257,10 @@ def test_a_revoked_node_is_refused_and_dropped_from_membership(tmp_path):
             assert _peer_state(n0, "n1") == "dead"
             wait_for(lambda: True, 1, "a poll")
         log = (n0.dir / "node.log").read_text()
-        assert "revoked by the network CA" in log and "Traceback" not in log
+        # the log names the revocation: as the list's listener drops a live n1, or as n0 refuses
+        # n1's handshake where that came first (seen once on a loaded box: the refusal alone)
+        assert "revoked by the network CA" in log or "is revoked by CRL" in log
+        assert "Traceback" not in log
         assert "revocation list 1 from peer n0" in (n2.dir / "node.log").read_text()
     finally:
         n2.stop()
