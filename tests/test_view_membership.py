@@ -153,3 +153,42 @@ def test_past_the_threshold_an_insiders_hearsay_and_a_handshakes_sample_add_nobo
             await vi.stop(members)
 
     asyncio.run(go())
+
+
+def test_a_node_told_of_members_past_the_threshold_switches_before_meeting_them():
+    """A node joining a large network hears of many more members than it has met (piggybacked
+    news, handshake samples). Counting them, it switches to the views at once instead of first
+    handshaking ``above`` of them one by one (~200 per node at start-up; on the old rule the node
+    below stays on full membership with 4 members met). One peer's word counts for a quarter of
+    the threshold at most: an insider naming made-up members does not switch a small network."""
+
+    async def go():
+        net = InProcNetwork()
+        settings = Settings(push_pull_interval_s=3600.0)
+        members = [vi.make_member(net, f"n{i}", SETTINGS, partial=False, settings=settings) for i in range(5)]
+        node, sources = members[0], members[1:]
+        node.scope = ViewScope(node.overlay, node.peers, node.membership.handshakes, above=12)  # a source: 3
+        node.membership.state.scope = node.scope
+        vi.converge_full(members)
+        try:
+
+            async def news(source, first: int, count: int) -> None:
+                named = tuple(MemberUpdate(f"far-{k}", f"inproc:{7000 + k}", 1) for k in range(first, first + count))
+                beat = Beat(source.node_id, 0, 0, 0.0, source.membership.state.incarnation, named)
+                await source.membership.probes.transport.heartbeat(
+                    node.server.address, beat, timeout=1.0, peer=node.node_id
+                )
+
+            await news(sources[0], 0, 60)  # one insider names 60: 4 met + 3 counted, no switch
+            assert len(node.membership.pending) == 60 and not node.scope.partial()
+            await news(sources[0], 100, 60)  # ... nor does naming more
+            assert not node.scope.partial()
+            for i, s in enumerate(sources[1:], 1):  # three more peers name four members each
+                await news(s, 1000 * i, 4)
+            # 4 met + 3 heard through each of 4 sources = 16 > 12: on the views now, for good
+            assert node.scope.partial()
+            assert len(node.peers.alive()) == 4
+        finally:
+            await vi.stop(members)
+
+    asyncio.run(go())

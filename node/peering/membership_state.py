@@ -76,6 +76,7 @@ class Candidates:
         self.in_flight: set[str] = set()
         self.dropped = 0  # addresses turned away because a bound was full
         self.forgotten_total = 0
+        self.changes = 0  # adds and discards so far: a reader caches what it derived from the set
 
     def add(
         self, address: str, *, source: str = "", node_id: str = "", pinned: bool = False, revive: bool = False
@@ -102,6 +103,7 @@ class Candidates:
             return False
         self._c[address] = Candidate(address, node_id, source, pinned=pinned)
         self._per_source[source] = self._per_source.get(source, 0) + 1
+        self.changes += 1
         return True
 
     def unpin(self, address: str) -> None:
@@ -123,6 +125,7 @@ class Candidates:
     def discard(self, address: str) -> None:
         c = self._c.pop(address, None)
         if c is not None:
+            self.changes += 1
             self._per_source[c.source] -= 1
             if not self._per_source[c.source]:
                 del self._per_source[c.source]
@@ -135,6 +138,18 @@ class Candidates:
 
     def __iter__(self):
         return iter(list(self._c))
+
+    def heard_of(self, per_source: int) -> int:
+        """Members named to this node and not yet met: the distinct node ids among the
+        candidates, each source counted for at most ``per_source`` of them (what one peer says
+        moves the count that far, however many it names)."""
+        ids: set[str] = set()
+        per: dict[str, int] = {}
+        for c in self._c.values():
+            if c.node_id and c.node_id not in ids and per.get(c.source, 0) < per_source:
+                ids.add(c.node_id)
+                per[c.source] = per.get(c.source, 0) + 1
+        return len(ids)
 
     def due(self, n: int) -> list[Candidate]:
         now = time.monotonic()

@@ -4,7 +4,8 @@ holds and sends per period is bounded by its views (O(log N)), not by N.
 Below the threshold membership is full (every member probed in turn, push-pull of the whole
 table). Once a node has seen more than ``above`` members alive it switches for good (a latch:
 the table it then prunes would otherwise fall back under the threshold and refill by push-pull,
-back and forth) and ``MembershipState`` asks this scope:
+back and forth), or sooner where members it has been told of and not yet met take it past
+(``ViewScope.partial``), and ``MembershipState`` asks this scope:
 
 - failure detection probes the active view only (``neighbours``); a neighbour membership
   suspects is replaced from the passive view at once, as HyParView replaces a failed link, and
@@ -26,6 +27,8 @@ from .messages import ALIVE, DEAD, SUSPECT
 from .overlay import Overlay
 from .partial_view import Disconnect
 from .peer_table import PeerTable
+
+HEARSAY_SHARE = 4  # one source's named members count for at most above / HEARSAY_SHARE
 
 
 class ViewScope:
@@ -52,14 +55,24 @@ class ViewScope:
         self.also_keep = also_keep
         self.hold_s = hold_s  # how long a caller outside ``keep`` is held at least (its grace)
         self._partial = partial_from_start
+        self._heard = (-1, 0)  # (the candidates' change count, members named and not yet met)
         self.replaced = 0  # neighbours declared dead by membership, replaced from the passive view
         overlay.introduce = self.introduce
         overlay.keepalives = False  # the overlay ticks only past the threshold: SWIM probes its neighbours
         peers.listeners.append(self._on_state)
 
     def partial(self) -> bool:
-        if not self._partial and self.peers.counts()[ALIVE] > self.above:
-            self._partial = True
+        if not self._partial:
+            alive = self.peers.counts()[ALIVE]
+            # the members named to it and not yet met count too: a node joining a large network
+            # would otherwise handshake ``above`` of them one by one before switching (~200 each
+            # at start-up, 38 handshakes a node-round in bench/results/scale.md's profile). One
+            # peer's word moves the count by a quarter of the threshold at most: an insider
+            # naming made-up members cannot switch a small network's node on its own.
+            pending = self.handshakes.state.pending
+            if self._heard[0] != pending.changes:  # (asked at every message: derived once a change)
+                self._heard = (pending.changes, pending.heard_of(per_source=max(1, self.above // HEARSAY_SHARE)))
+            self._partial = alive > self.above or alive + self._heard[1] > self.above
         return self._partial
 
     def neighbours(self) -> list[str]:
