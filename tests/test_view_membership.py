@@ -185,9 +185,12 @@ def test_a_node_told_of_members_past_the_threshold_switches_before_meeting_them(
             assert not node.scope.partial()
             for i, s in enumerate(sources[1:], 1):  # three more peers name four members each
                 await news(s, 1000 * i, 4)
-            # 4 met + 3 heard through each of 4 sources = 16 > 12: on the views now, for good
+            # 4 met + 3 heard through each of 4 sources > 12 (passed at the third's third name):
+            # on the views now, for good
             assert node.scope.partial()
             assert len(node.peers.alive()) == 4
+            # what hearsay queued goes at the switch: past it the views decide whom a node meets
+            assert len(node.membership.pending) == 0 and node.scope.dropped_candidates >= 120
         finally:
             await vi.stop(members)
 

@@ -139,6 +139,13 @@ class Candidates:
     def __iter__(self):
         return iter(list(self._c))
 
+    def drop_unpinned(self) -> int:
+        """Forget every candidate but the configured addresses; returns how many went."""
+        gone = [a for a, c in self._c.items() if not c.pinned]
+        for a in gone:
+            self.discard(a)
+        return len(gone)
+
     def heard_of(self, per_source: int) -> int:
         """Members named to this node and not yet met: the distinct node ids among the
         candidates, each source counted for at most ``per_source`` of them (what one peer says

@@ -57,6 +57,7 @@ class ViewScope:
         self._partial = partial_from_start
         self._heard = (-1, 0)  # (the candidates' change count, members named and not yet met)
         self.replaced = 0  # neighbours declared dead by membership, replaced from the passive view
+        self.dropped_candidates = 0  # handshake candidates from hearsay dropped at the switch
         overlay.introduce = self.introduce
         overlay.keepalives = False  # the overlay ticks only past the threshold: SWIM probes its neighbours
         peers.listeners.append(self._on_state)
@@ -73,6 +74,10 @@ class ViewScope:
             if self._heard[0] != pending.changes:  # (asked at every message: derived once a change)
                 self._heard = (pending.changes, pending.heard_of(per_source=max(1, self.above // HEARSAY_SHARE)))
             self._partial = alive > self.above or alive + self._heard[1] > self.above
+            if self._partial:  # what full membership's hearsay queued: the views decide now. Left,
+                # they were handshaken for rounds after the switch (300 in-process nodes: 15,095
+                # of the 24,071 handshakes made on the views), each a member the table then prunes
+                self.dropped_candidates = pending.drop_unpinned()
         return self._partial
 
     def neighbours(self) -> list[str]:
