@@ -59,3 +59,7 @@ class LearnerConfig(BaseModel):
     grad_clip: float | None = Field(None, gt=0)
     divergence_factor: float = Field(1e3, ge=0)
     torch_threads: int = Field(1, ge=1)  # many daemons share a machine: one intra-op thread each
+    # a model with a tensor of at least this many MiB pins glibc's mmap threshold here, so that
+    # buffers that large (each step's gradient) are unmapped when freed rather than left resident in
+    # the heap (memory_release.map_large_buffers; 0: glibc's own moving threshold; at most 32)
+    mmap_threshold_mb: float = Field(16.0, ge=0, le=32)
