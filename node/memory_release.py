@@ -15,12 +15,12 @@ glibc gives each thread that meets contention its own arena, up to 8 per core, a
 torch's worker threads each grow theirs in steps of a few MB that a trim rarely gives back
 (bench/results/soak.md).
 
-``map_large_buffers`` pins glibc's mmap threshold just under a model-sized tensor (set by the
-learner, ``learner.mmap_threshold_mb``): each step's gradient of a large weight is then mapped when
-allocated and unmapped when freed, instead of landing in a different hole of the heap every step and
-leaving the pages it touched resident until the next trim (a forked ``local`` node with a 21 MB MLP
-touched ~80 MB over its rest in a round's training for ~30 MB alive; bench/results/memory.md,
-branch localpeak)."""
+``map_large_buffers`` pins glibc's mmap threshold (set by the learner for a model with a tensor of
+16 MiB or more, ``learner.mmap_threshold_mb``) and puts its heap trim threshold back at glibc's
+default: with the moving threshold, each step's gradient of a large weight and Adam's temporaries
+landed in other holes of the heap from step to step, and the heap's free top stayed resident up
+to twice the threshold (64 MiB): a forked ``local`` node with a 21 MB MLP touched ~80 MB over its
+rest in a round for ~30 MB alive (bench/results/memory.md, branch localpeak)."""
 
 from __future__ import annotations
 
@@ -87,14 +87,14 @@ def release_free_memory() -> bool:
 
 
 def map_large_buffers(threshold: int) -> int | None:
-    """Serve every allocation of at least ``threshold`` bytes from its own mapping, handed back to
-    the OS when freed; returns the threshold in force, or None where the C library has no such knob
-    or the operator set ``MALLOC_MMAP_THRESHOLD_`` (theirs wins). Pinning it ends glibc's moving
-    threshold, which after the first free of a large mapped block serves model-sized buffers from
-    the heap; and the heap's free top goes back past glibc's default 128 KiB again
-    (``M_TRIM_THRESHOLD``, which the moving threshold had raised to twice its own: a forked node's
-    peak 220 MB with 128 KiB, 230 with 16 MiB; bench/results/memory.md). Smaller buffers (Adam's
-    chunk buffer, activations) keep coming from the heap: mapping those too made rounds ~30% slower."""
+    """Serve every allocation of at least ``threshold`` bytes (at most glibc's 32 MiB) from its own
+    mapping, handed back to the OS when freed, and hand the heap's free top back past glibc's
+    default 128 KiB; returns the threshold in force, or None where the C library has no such knob
+    or the operator set ``MALLOC_MMAP_THRESHOLD_`` (theirs wins). Pinning ends glibc's moving
+    threshold, which raises the trim threshold to twice its own (up to 64 MiB of free heap top left
+    resident: a forked node's peak 230 MB with 128 KiB against 254 on main). A threshold under a
+    model-sized tensor maps its gradient afresh each step: a lower peak again (~203 MB), but every
+    page faulted anew each step (rounds ~20% slower at full rate; 1 MiB: ~30%)."""
     if threshold <= 0:
         raise ValueError(f"an mmap threshold must be a positive number of bytes, not {threshold}")
     mallopt = _mallopt()

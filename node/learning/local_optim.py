@@ -20,7 +20,9 @@ def _chunks(*tensors: torch.Tensor) -> zip:
     return zip(*(t.view(-1).split(STEP_CHUNK) for t in tensors), strict=True)
 
 
-def _scratch(buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor], like: torch.Tensor, size: int) -> torch.Tensor:
+def _scratch(
+    buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor], like: torch.Tensor, size: int
+) -> torch.Tensor:
     """A buffer shaped like ``like`` from the step's one buffer of its dtype and device, of ``size``
     elements (or more, for a chunk larger than that: a whole non-contiguous tensor)."""
     key = (like.dtype, like.device)

@@ -75,12 +75,17 @@ def _device_splits(data: NodeData | OwnData, task: str, device: str) -> dict[str
     return out
 
 
+LARGE_TENSOR_BYTES = 16 * 2**20  # a model with a tensor this large pins glibc's thresholds
+
+
 def _map_buffers_of(model: torch.nn.Module, threshold_mb: float) -> None:
-    """A model with a tensor of ``threshold_mb`` or more has its gradients (and anything else that
-    large) mapped and unmapped, not left resident in the heap between steps; smaller models leave
-    glibc's allocator as it is (process-wide: every learner of a node has the same setting)."""
+    """A model with a tensor of 16 MiB or more (or of ``threshold_mb``, if less) pins glibc's mmap
+    threshold at ``threshold_mb``: a step's gradient of that tensor is no longer left resident in a
+    different hole of the heap each step. Smaller models leave glibc's allocator as it is
+    (process-wide: every learner of a node has the same setting)."""
     threshold = int(threshold_mb * 2**20)
-    if threshold and max((p.numel() * p.element_size() for p in model.parameters()), default=0) >= threshold:
+    largest = max((p.numel() * p.element_size() for p in model.parameters()), default=0)
+    if threshold and largest >= min(threshold, LARGE_TENSOR_BYTES):
         map_large_buffers(threshold)
 
 
