@@ -112,6 +112,8 @@ def exchanged(history: Path, log: Path, peers: int) -> dict[str, Any]:
         "full_rounds": sum(1 for r in rows if len(r.get("contacted") or ()) == peers),
         "snapshot_mb": round(sum((r.get("bytes_received") or {}).get("snapshot", 0) for r in rows) / 1e6, 1),
         "delta_problems": len(problems),
+        # what the node published last: the same on two checkouts = the same computation (local)
+        "last_snapshot_sha256": rows[-1].get("snapshot_sha256") if rows else None,
     }
 
 
@@ -173,6 +175,7 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
         ),
         # what the network did: the same work on both checkouts, or the memory figures mean little
         "rounds_done": [e["rounds"] for e in exchange],
+        "last_snapshot_sha256": [e["last_snapshot_sha256"] for e in exchange],
         "rounds_mixing_every_peer": [e["full_rounds"] for e in exchange],
         "snapshot_mb_received_per_node": [e["snapshot_mb"] for e in exchange],
         "between_rounds_s_median": round(
