@@ -50,17 +50,47 @@ def smaps(pid: int) -> tuple[float, float]:
     return pss, rss
 
 
+# what a node's PSS is made of: its own pages (private), its share of the pages it holds in common
+# with the fork server and the other daemons (shared), anonymous memory against file maps
+ANATOMY = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Shared_Clean", "Shared_Dirty", "Private_Clean", "Private_Dirty")
+
+
+def smaps_fields(pid: int) -> dict[str, float]:
+    """The fields of ``ANATOMY`` from /proc/PID/smaps_rollup, in MB; {} once the process is gone."""
+    out: dict[str, float] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ANATOMY:
+                    out[key] = int(rest.split()[0]) / 1024
+    except OSError:
+        return {}
+    return out
+
+
 class Sampler(threading.Thread):
     def __init__(self, pids: list[int], every: float):
         super().__init__(daemon=True)
         self.pids, self.every = pids, every
         self.samples: list[list[tuple[float, float]]] = []
+        self.at_peak: list[dict[str, float]] = [{} for _ in pids]  # each node's anatomy at its peak PSS
         self.halt = threading.Event()
 
     def run(self) -> None:
         while not self.halt.is_set():
-            self.samples.append([smaps(p) for p in self.pids])
+            row = [smaps_fields(p) for p in self.pids]
+            self.samples.append([(r.get("Pss", 0.0), r.get("Rss", 0.0)) for r in row])
+            for i, r in enumerate(row):
+                if r and r["Pss"] > self.at_peak[i].get("Pss", -1.0):
+                    self.at_peak[i] = r
             self.halt.wait(self.every)
+
+
+def median_anatomy(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Each field's median over nodes."""
+    rows = [r for r in rows if r]
+    return {k: round(statistics.median(r.get(k, 0.0) for r in rows), 1) for k in ANATOMY} if rows else {}
 
 
 def exchanged(history: Path, log: Path, peers: int) -> dict[str, Any]:
@@ -82,6 +112,8 @@ def exchanged(history: Path, log: Path, peers: int) -> dict[str, Any]:
         "full_rounds": sum(1 for r in rows if len(r.get("contacted") or ()) == peers),
         "snapshot_mb": round(sum((r.get("bytes_received") or {}).get("snapshot", 0) for r in rows) / 1e6, 1),
         "delta_problems": len(problems),
+        # what the node published last: the same on two checkouts = the same computation (local)
+        "last_snapshot_sha256": rows[-1].get("snapshot_sha256") if rows else None,
     }
 
 
@@ -126,6 +158,7 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
         for _ in range(4):
             time.sleep(args.sample_s)
             rest.append([smaps(p) for p in pids])
+        rest_anatomy = [smaps_fields(p) for p in pids]
         exchange = [exchanged(d.state_dir / "history.jsonl", d.log_path, n - 1) for d in lab.nodes]
     per_node_peak = [max(s[i][0] for s in sampler.samples) for i in range(len(pids))]
     return {
@@ -142,6 +175,7 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
         ),
         # what the network did: the same work on both checkouts, or the memory figures mean little
         "rounds_done": [e["rounds"] for e in exchange],
+        "last_snapshot_sha256": [e["last_snapshot_sha256"] for e in exchange],
         "rounds_mixing_every_peer": [e["full_rounds"] for e in exchange],
         "snapshot_mb_received_per_node": [e["snapshot_mb"] for e in exchange],
         "between_rounds_s_median": round(
@@ -155,6 +189,13 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
         )
         if any(e["round_period_s"] for e in exchange)
         else None,
+        # median node's smaps_rollup fields at its peak PSS and at rest (what turned private, what is shared)
+        "node_peak_anatomy_mb_median": median_anatomy(sampler.at_peak),
+        "node_rest_anatomy_mb_median": median_anatomy(rest_anatomy),
+        "node_peak_minus_rest_anatomy_mb": [
+            {k: round(a.get(k, 0.0) - b.get(k, 0.0), 1) for k in ANATOMY}
+            for a, b in zip(sampler.at_peak, rest_anatomy, strict=True)
+        ],
         "delta_problems_logged": sum(e["delta_problems"] for e in exchange),
         "budget_rest_mb": round(150 + 3 * model_mb, 1),
         "budget_exchange_mb": round(150 + 5 * model_mb, 1),

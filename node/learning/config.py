@@ -59,3 +59,10 @@ class LearnerConfig(BaseModel):
     grad_clip: float | None = Field(None, gt=0)
     divergence_factor: float = Field(1e3, ge=0)
     torch_threads: int = Field(1, ge=1)  # many daemons share a machine: one intra-op thread each
+    # a model with a tensor of 16 MiB or more (or of this many MiB, if fewer) pins glibc's mmap
+    # threshold here and its heap trim threshold at 128 KiB, instead of glibc's moving threshold that
+    # kept a round's freed gradients resident (memory_release.map_large_buffers). 16: a 21 MB model's
+    # gradient is mapped afresh each step and unmapped when freed, the lowest peak, for rounds ~10-20 %
+    # slower at full rate; 32 (glibc's most): buffers that large stay in the heap, no slower, a smaller
+    # cut (bench/results/memory.md, branch localpeak); 0: glibc's own moving threshold
+    mmap_threshold_mb: float = Field(16.0, ge=0, le=32)

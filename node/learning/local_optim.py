@@ -20,6 +20,18 @@ def _chunks(*tensors: torch.Tensor) -> zip:
     return zip(*(t.view(-1).split(STEP_CHUNK) for t in tensors), strict=True)
 
 
+def _scratch(
+    buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor], like: torch.Tensor, size: int
+) -> torch.Tensor:
+    """A buffer shaped like ``like`` from the step's one buffer of its dtype and device, of ``size``
+    elements (or more, for a chunk larger than that: a whole non-contiguous tensor)."""
+    key = (like.dtype, like.device)
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < like.numel():
+        buf = buffers[key] = torch.empty(max(size, like.numel()), dtype=like.dtype, device=like.device)
+    return buf[: like.numel()].view(like.shape)
+
+
 class LocalOptimizer:
     """SGD (momentum, L2 weight decay) and Adam with exactly torch.optim's update rules.
 
@@ -43,6 +55,7 @@ class LocalOptimizer:
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.betas, self.eps = betas, eps
         self.steps = 0
+        self._chunk = min(STEP_CHUNK, max((p.numel() for _, p in self.params), default=0))  # Adam's buffer
         self.state: dict[str, dict[str, torch.Tensor]] = {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -52,6 +65,7 @@ class LocalOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         self.steps += 1
+        scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # Adam's one buffer this step
         for name, p in self.params:
             if p.grad is None:
                 continue
@@ -82,9 +96,14 @@ class LocalOptimizer:
                 bc1, bc2 = 1 - b1**t, 1 - b2**t
                 # the update in chunks: ``denom`` of a whole tensor is a model-sized temporary (two
                 # alive at once: the sqrt and its quotient), a chunk's ~4 MB; elementwise, so the
-                # values are bit for bit those of the whole-tensor formula (tests/test_local_optim_memory.py)
+                # values are bit for bit those of the whole-tensor formula (tests/test_round_transients.py).
+                # Every chunk's ``denom`` is computed in one buffer of the step: two fresh temporaries
+                # per chunk landed in different holes of glibc's heap from step to step, and a
+                # round's training touched ~25 MB more than was ever alive (bench/results/memory.md)
                 for pc, mc, vc in _chunks(p, m, v):
-                    denom = (vc.sqrt() / math.sqrt(bc2)).add_(self.eps)
+                    denom = _scratch(scratch, vc, self._chunk)
+                    torch.sqrt(vc, out=denom)
+                    denom.div_(math.sqrt(bc2)).add_(self.eps)
                     pc.addcdiv_(mc, denom, value=-self.lr / bc1)
 
     def hyper(self) -> dict:

@@ -33,6 +33,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from ..memory_release import map_large_buffers
 from .config import LearnerConfig
 from .datasets import Pool
 from .guard import StepGuard
@@ -74,6 +75,20 @@ def _device_splits(data: NodeData | OwnData, task: str, device: str) -> dict[str
     return out
 
 
+LARGE_TENSOR_BYTES = 16 * 2**20  # a model with a tensor this large pins glibc's thresholds
+
+
+def _map_buffers_of(model: torch.nn.Module, threshold_mb: float) -> None:
+    """A model with a tensor of 16 MiB or more (or of ``threshold_mb``, if less) pins glibc's mmap
+    threshold at ``threshold_mb``: a step's gradient of that tensor is no longer left resident in a
+    different hole of the heap each step. Smaller models leave glibc's allocator as it is
+    (process-wide: every learner of a node has the same setting)."""
+    threshold = int(threshold_mb * 2**20)
+    largest = max((p.numel() * p.element_size() for p in model.parameters()), default=0)
+    if threshold and largest >= min(threshold, LARGE_TENSOR_BYTES):
+        map_large_buffers(threshold)
+
+
 def _initial_model(cfg: LearnerConfig, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
     """θ⁰, the same on every node: seeded right before construction, leaving global RNG as is."""
     with torch.random.fork_rng(devices=[]):
@@ -98,6 +113,7 @@ class TorchLearner(Learner):
         self.model = _initial_model(cfg, self.input_shape, self.num_classes)
         self._shadow = without_weights(_initial_model(cfg, self.input_shape, self.num_classes).to(self.device).eval())
         self.model.to(self.device)
+        _map_buffers_of(self.model, cfg.mmap_threshold_mb)
         self._names = [n for n, _ in self.model.named_parameters()]
         self._spec = {
             n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in self.model.named_parameters()
