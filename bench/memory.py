@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -127,6 +128,9 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
             time.sleep(args.sample_s)
             rest.append([smaps(p) for p in pids])
         exchange = [exchanged(d.state_dir / "history.jsonl", d.log_path, n - 1) for d in lab.nodes]
+    # the daemons' state dirs (checkpoints: 650-975 MB a network) are not results: 114 of them
+    # left behind once filled this machine's disk
+    shutil.rmtree(root, ignore_errors=True)
     per_node_peak = [max(s[i][0] for s in sampler.samples) for i in range(len(pids))]
     return {
         "wall_s": round(wall, 1),
