@@ -76,14 +76,17 @@ class DPSGD(Strategy):
         # Stream-averaging into the live model, which holds the trained one now: each pulled model
         # is added into it as it arrives and released at once, and for a large model at most
         # ``big_pulls`` are pulled at a time — the exchange holds a few models, not one per
-        # neighbour (issue 24.4); the adds and the final scaling run in worker threads.
+        # neighbour (issue 24.4); the adds and the final scaling run in worker threads. A large
+        # model is pulled ``lazy``: a q8 payload is decoded chunk by chunk into the sum, so what a
+        # pull in flight holds is its payload (a quarter of the model), not a decoded copy.
         adding = asyncio.Lock()  # one add at a time into the live model
         k = int(self.p["big_pulls"])
         slots = asyncio.Semaphore(k) if big and k > 0 else None
 
         async def fold(peer: str) -> bool:
             async with slots if slots is not None else contextlib.nullcontext():
-                snap = await self.net.pull(peer, min_round=floor, wait_s=wait)
+                # a large model's tensors may stay encoded until added: no decoded copy of it
+                snap = await self.net.pull(peer, min_round=floor, wait_s=wait, **({"lazy": True} if big else {}))
                 if snap is None:
                     return False
                 params, snap = snap.params, None
