@@ -175,6 +175,11 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     defaults: ClassVar[dict[str, Any]] = {}
+    # Set by the node (``publishing.publish_now``): publish the live model now, as this round's
+    # snapshot, and get the published tensors (read-only views of the buffer peers are served
+    # from), or None (not finite: the round's end publishes as usual). None where the node offers
+    # none (a test harness): a strategy then keeps its own copy.
+    publish_now: Callable[[], Awaitable[Params | None]] | None = None
     choices: ClassVar[dict[str, tuple[Any, ...]]] = {}  # parameters that take one of a few values
 
     def __init__(

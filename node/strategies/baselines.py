@@ -68,7 +68,12 @@ class DPSGD(Strategy):
         res = await self.compute(self.learner.train)
         # float32 estimate from the shapes: only which side of the off-loop threshold it is on
         big = sum(math.prod(shape) for shape, _ in self.learner.param_spec().values()) * 4 > OFF_LOOP_BYTES
-        trained = await self.compute(self.learner.get_params) if big else self.learner.get_params()
+        # a large trained model is published now, before the exchange (Alg. 1 shares y_i = θ_i
+        # after the local steps; peers get it sooner): it is held once, as the published buffer's
+        # views, through the exchange and after it, instead of a copy encoded again at the end
+        trained = await self.publish_now() if big and self.publish_now is not None else None
+        if trained is None:
+            trained = await self.compute(self.learner.get_params) if big else self.learner.get_params()
         peers = self.candidates()
         stale = int(self.p["max_staleness"])
         floor = rnd - stale if stale > 0 and rnd - stale >= 1 else None
