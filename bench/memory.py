@@ -56,10 +56,12 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True)
         self.pids, self.every = pids, every
         self.samples: list[list[tuple[float, float]]] = []
+        self.times: list[float] = []  # wall clock of each sample (to place a peak in its round)
         self.halt = threading.Event()
 
     def run(self) -> None:
         while not self.halt.is_set():
+            self.times.append(time.time())
             self.samples.append([smaps(p) for p in self.pids])
             self.halt.wait(self.every)
 
@@ -84,6 +86,21 @@ def exchanged(history: Path, log: Path, peers: int) -> dict[str, Any]:
         "snapshot_mb": round(sum((r.get("bytes_received") or {}).get("snapshot", 0) for r in rows) / 1e6, 1),
         "delta_problems": len(problems),
     }
+
+
+def moment(history: Path, t: float) -> str:
+    """Where a node was at wall time ``t``: "r3 0.40" (40 % into round 3's own work: training,
+    exchange, evaluation), "r3+" (after it: publishing, the checkpoint), or "start"."""
+    rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()] if history.exists() else []
+    for r in rows:
+        if "t" not in r or r.get("round", 0) < 1:
+            continue
+        start = r["t"] - r.get("duration_s", 0.0)
+        if t < start:
+            return f"r{r['round'] - 1}+" if r["round"] > 1 else "start"
+        if t <= r["t"]:
+            return f"r{r['round']} {(t - start) / max(r['t'] - start, 1e-9):.2f}"
+    return f"r{rows[-1].get('round', 0)}+" if rows else "start"
 
 
 def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: float) -> dict[str, Any]:
@@ -128,6 +145,13 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
             time.sleep(args.sample_s)
             rest.append([smaps(p) for p in pids])
         exchange = [exchanged(d.state_dir / "history.jsonl", d.log_path, n - 1) for d in lab.nodes]
+        peak_at = [  # the moment of each node's peak sample (dissection: which phase of which round)
+            moment(
+                d.state_dir / "history.jsonl",
+                sampler.times[max(range(len(sampler.samples)), key=lambda k: sampler.samples[k][i][0])],
+            )
+            for i, d in enumerate(lab.nodes)
+        ]
     # the daemons' state dirs (checkpoints: 650-975 MB a network) are not results: 114 of them
     # left behind once filled this machine's disk
     shutil.rmtree(root, ignore_errors=True)
@@ -138,6 +162,12 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
         "tree_peak_pss_mb": round(max(sum(p for p, _ in s) for s in sampler.samples), 1),
         "node_peak_pss_mb": [round(x, 1) for x in per_node_peak],
         "node_peak_pss_mb_median": round(statistics.median(per_node_peak), 1),
+        "node_peak_at": peak_at,
+        # every sample: seconds since the first, then each node's PSS (MB)
+        "timeline": [
+            [round(t - sampler.times[0], 2), *(round(p, 1) for p, _ in s)]
+            for t, s in zip(sampler.times, sampler.samples, strict=True)
+        ],
         "node_peak_rss_mb_median": round(
             statistics.median(max(s[i][1] for s in sampler.samples) for i in range(len(pids))), 1
         ),
