@@ -97,14 +97,19 @@ class RoundLoop:
         await asyncio.to_thread(n.guard.before_round)
         n.network.begin_round()  # past the discovery threshold: this round's candidates
         # the local-only twin trains in a worker thread while the strategy trains and exchanges
-        twin = asyncio.ensure_future(asyncio.to_thread(n.reference.train, rnd))
+        # (a large model's twin after it: ``LocalReference.trains_after_round``)
+        after = getattr(n.reference, "trains_after_round", False)
+        twin = None if after else asyncio.ensure_future(asyncio.to_thread(n.reference.train, rnd))
         try:
             at(rnd, "strategy round (train and exchange)")
             with n.network.exchange_phase() as phase:  # peer calls share the round's deadline
                 report = await n.strategy.run_round(rnd)
         finally:
             at(rnd, "local-only twin's training")
-            await twin
+            if twin is not None:
+                await twin
+        if after:  # (a round that failed trains its twin when it runs again)
+            await asyncio.to_thread(n.reference.train, rnd)
         at(rnd, "divergence guard (after)")
         await asyncio.to_thread(n.guard.after_round)  # a diverged round is rolled back
         at(rnd, "end of round (discovery asks)")
