@@ -85,6 +85,7 @@ def exchanged(history: Path, log: Path, peers: int) -> dict[str, Any]:
         "full_rounds": sum(1 for r in rows if len(r.get("contacted") or ()) == peers),
         "snapshot_mb": round(sum((r.get("bytes_received") or {}).get("snapshot", 0) for r in rows) / 1e6, 1),
         "delta_problems": len(problems),
+        "delta_problem_lines": [line[-300:] for line in problems[:3]],  # (the logs go with the state dirs)
     }
 
 
@@ -101,6 +102,17 @@ def moment(history: Path, t: float) -> str:
         if t <= r["t"]:
             return f"r{r['round']} {(t - start) / max(r['t'] - start, 1e-9):.2f}"
     return f"r{rows[-1].get('round', 0)}+" if rows else "start"
+
+
+def peaks_by_round(history: Path, times: list[float], pss: list[float]) -> dict[str, float]:
+    """The highest PSS sampled in each round of a node ("start", "r1", ...: a round's own work and
+    what follows it until the next begins)."""
+    out: dict[str, float] = {}
+    for t, p in zip(times, pss, strict=True):
+        key = moment(history, t).split()[0].rstrip("+")
+        key = key if key == "start" or key[1:] != "0" else "start"
+        out[key] = round(max(out.get(key, 0.0), p), 1)
+    return out
 
 
 def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: float) -> dict[str, Any]:
@@ -145,6 +157,10 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
             time.sleep(args.sample_s)
             rest.append([smaps(p) for p in pids])
         exchange = [exchanged(d.state_dir / "history.jsonl", d.log_path, n - 1) for d in lab.nodes]
+        by_round = [  # each node's peak PSS in each round (its own work and what follows it, to the next)
+            peaks_by_round(d.state_dir / "history.jsonl", sampler.times, [s[i][0] for s in sampler.samples])
+            for i, d in enumerate(lab.nodes)
+        ]
         peak_at = [  # the moment of each node's peak sample (dissection: which phase of which round)
             moment(
                 d.state_dir / "history.jsonl",
@@ -163,6 +179,7 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
         "node_peak_pss_mb": [round(x, 1) for x in per_node_peak],
         "node_peak_pss_mb_median": round(statistics.median(per_node_peak), 1),
         "node_peak_at": peak_at,
+        "node_peak_by_round": by_round,
         # every sample: seconds since the first, then each node's PSS (MB)
         "timeline": [
             [round(t - sampler.times[0], 2), *(round(p, 1) for p, _ in s)]
@@ -190,6 +207,7 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
         if any(e["round_period_s"] for e in exchange)
         else None,
         "delta_problems_logged": sum(e["delta_problems"] for e in exchange),
+        "delta_problem_lines": [line for e in exchange for line in e["delta_problem_lines"]][:5],
         "budget_rest_mb": round(150 + 3 * model_mb, 1),
         "budget_exchange_mb": round(150 + 5 * model_mb, 1),
     }
