@@ -37,7 +37,7 @@ from coterie.node.transport.server import serve
 from coterie.node.wire import codec as raw_codec
 from coterie.node.wire import codecs as C
 from coterie.node.wire.folding import MAX_SAFE_SCALE, Encoded
-from tests.test_codecs_grpc import _client, _edit_q8, _forge, _Traffic
+from tests.test_codecs_grpc import _client, _edit_q8, _forge, _recorded_server, _Traffic
 
 PEERS = 3
 FLT_MAX = torch.finfo(torch.float32).max  # as a q8 block scale, code 127 decodes to inf
@@ -200,11 +200,13 @@ def test_dpsgd_adds_a_pulled_q8_model_with_no_decoded_copy(monkeypatch):
     assert len(added) == PEERS
 
 
-@pytest.mark.parametrize("codec", ["fp32", "q8 delta"])
-def test_dpsgd_mixes_fp32_and_delta_payloads_as_before(monkeypatch, codec):
-    """fp32 payloads are added from the received buffer's views; a peer whose base is kept gets
-    deltas (two rounds, the second against the first) decoded as before: the mixed model is bit
-    for bit the trained one plus what was decoded, scaled, and every peer is mixed."""
+@pytest.mark.parametrize("codec", ["fp32", "q8, bases kept"])
+def test_dpsgd_mixes_fp32_and_kept_payloads_as_before(monkeypatch, codec):
+    """fp32 payloads are added from the received buffer's views; a q8 payload kept as its peer's
+    base is decoded as before and that copy is added: over two rounds the mixed model is bit for
+    bit the trained one plus what was decoded, scaled, and every peer is mixed. (Such a large
+    model's D-PSGD pulls are whole snapshots even with bases kept: it releases each pulled model,
+    so its next request names no version; deltas into the sum: the gRPC test below.)"""
     added = _record_adds(monkeypatch)
 
     async def go():
@@ -231,6 +233,44 @@ def test_dpsgd_mixes_fp32_and_delta_payloads_as_before(monkeypatch, codec):
                 assert all(client.held.get(p.node_id).version == 2 for p in peers)
 
     asyncio.run(go())
+
+
+def test_a_delta_pulled_lazily_adds_base_plus_delta_bit_for_bit(monkeypatch):
+    """Over real gRPC: a pull that named its kept base (a delta comes) but whose copy will not be
+    kept (the budget filled meanwhile) leaves the delta encoded; added into a tensor it gives bit
+    for bit what adding the eagerly decoded base + delta gives."""
+    served = _recorded_server(monkeypatch)
+
+    async def run():
+        learner = _learner()
+        peer = _Peer("p0", learner.get_params(), seed=1)
+        server, port = await serve(
+            peer, _Traffic(), "127.0.0.1:0", tls=None, codecs=CodecPolicy(("q8", "fp32"), True, 3)
+        )
+        client = _client("me", ("q8", "fp32"), True, bases_bytes=64 << 20)
+        addr = f"127.0.0.1:{port}"
+        try:
+            h1, _ = await client.get_snapshot(addr, "me", peer="p0")
+            base = client.held.get("p0")
+            peer.publish(2)
+            monkeypatch.setattr(type(client.held), "room_for", lambda self, p, nbytes=0: nbytes == 0)  # full meanwhile
+            h2, lazy = await client.get_snapshot(addr, "me", have_version=h1.version, peer="p0", lazy=True)
+            assert served[0].deltas == 1 and h2.version == 2
+            assert all(isinstance(t, Encoded) for t in lazy["params"].values())
+            # the server diffs against its reconstruction of v1, which is what this node decoded
+            data = C.encode(peer.snap.groups, "q8", base=base.groups, base_ref={"version": 1, "sha256": base.digest})
+            eager, _ = C.decode(bytearray(data), base=base.groups)
+            for k, t in lazy["params"].items():
+                live = torch.randn(t.shape)
+                a, b = live.clone(), live.clone()
+                a.add_(eager["params"][k])
+                t.add_to(b)
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32)), k
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    asyncio.run(run())
 
 
 @pytest.mark.parametrize(
