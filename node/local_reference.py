@@ -91,9 +91,10 @@ class LocalReference:
         return self.twin is not None
 
     @property
-    def trains_after_round(self) -> bool:
-        """A large model's twin trains after the strategy's round, not beside it: its Adam moments,
-        re-made for the round it trains, and its gradient (3 models) came on top of the round's own
+    def trains_alone(self) -> bool:
+        """A large model's twin trains on its own at the start of a round, before the round guard
+        copies the model, not beside the strategy's round: its Adam moments, re-made for the round
+        it trains, its gradient and its rollback copy (4 models) came on top of the round's own
         training and exchange, and every node of an 8-node D-PSGD network of a 21 MB MLP peaked in
         that round (bench/results/memory.md, branch dpsgdpeak)."""
         return self.large and self.twin is not None

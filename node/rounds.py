@@ -93,13 +93,15 @@ class RoundLoop:
         n = self.node
         at = n.stall_watch.enter  # each phase named: a round stuck in one is reported (stall_watch.py)
         stall0 = n.loop_lag.total_s
+        alone = getattr(n.reference, "trains_alone", False)  # a large model's twin: before the rest
+        if alone:  # (before the guard's round-start copy: one model less under its transients)
+            at(rnd, "local-only twin's training")
+            await asyncio.to_thread(n.reference.train, rnd)
         at(rnd, "divergence guard (before)")
         await asyncio.to_thread(n.guard.before_round)
         n.network.begin_round()  # past the discovery threshold: this round's candidates
         # the local-only twin trains in a worker thread while the strategy trains and exchanges
-        # (a large model's twin after it: ``LocalReference.trains_after_round``)
-        after = getattr(n.reference, "trains_after_round", False)
-        twin = None if after else asyncio.ensure_future(asyncio.to_thread(n.reference.train, rnd))
+        twin = None if alone else asyncio.ensure_future(asyncio.to_thread(n.reference.train, rnd))
         try:
             at(rnd, "strategy round (train and exchange)")
             with n.network.exchange_phase() as phase:  # peer calls share the round's deadline
@@ -108,8 +110,6 @@ class RoundLoop:
             at(rnd, "local-only twin's training")
             if twin is not None:
                 await twin
-        if after:  # (a round that failed trains its twin when it runs again)
-            await asyncio.to_thread(n.reference.train, rnd)
         at(rnd, "divergence guard (after)")
         await asyncio.to_thread(n.guard.after_round)  # a diverged round is rolled back
         at(rnd, "end of round (discovery asks)")
