@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -75,10 +76,12 @@ class Sampler(threading.Thread):
         self.pids, self.every = pids, every
         self.samples: list[list[tuple[float, float]]] = []
         self.at_peak: list[dict[str, float]] = [{} for _ in pids]  # each node's anatomy at its peak PSS
+        self.times: list[float] = []  # wall clock of each sample (to place a peak in its round)
         self.halt = threading.Event()
 
     def run(self) -> None:
         while not self.halt.is_set():
+            self.times.append(time.time())
             row = [smaps_fields(p) for p in self.pids]
             self.samples.append([(r.get("Pss", 0.0), r.get("Rss", 0.0)) for r in row])
             for i, r in enumerate(row):
@@ -114,7 +117,34 @@ def exchanged(history: Path, log: Path, peers: int) -> dict[str, Any]:
         "delta_problems": len(problems),
         # what the node published last: the same on two checkouts = the same computation (local)
         "last_snapshot_sha256": rows[-1].get("snapshot_sha256") if rows else None,
+        "delta_problem_lines": [line[-300:] for line in problems[:3]],  # (the logs go with the state dirs)
     }
+
+
+def moment(history: Path, t: float) -> str:
+    """Where a node was at wall time ``t``: "r3 0.40" (40 % into round 3's own work: training,
+    exchange, evaluation), "r3+" (after it: publishing, the checkpoint), or "start"."""
+    rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()] if history.exists() else []
+    for r in rows:
+        if "t" not in r or r.get("round", 0) < 1:
+            continue
+        start = r["t"] - r.get("duration_s", 0.0)
+        if t < start:
+            return f"r{r['round'] - 1}+" if r["round"] > 1 else "start"
+        if t <= r["t"]:
+            return f"r{r['round']} {(t - start) / max(r['t'] - start, 1e-9):.2f}"
+    return f"r{rows[-1].get('round', 0)}+" if rows else "start"
+
+
+def peaks_by_round(history: Path, times: list[float], pss: list[float]) -> dict[str, float]:
+    """The highest PSS sampled in each round of a node ("start", "r1", ...: a round's own work and
+    what follows it until the next begins)."""
+    out: dict[str, float] = {}
+    for t, p in zip(times, pss, strict=True):
+        key = moment(history, t).split()[0].rstrip("+")
+        key = key if key == "start" or key[1:] != "0" else "start"
+        out[key] = round(max(out.get(key, 0.0), p), 1)
+    return out
 
 
 def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: float) -> dict[str, Any]:
@@ -160,6 +190,20 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
             rest.append([smaps(p) for p in pids])
         rest_anatomy = [smaps_fields(p) for p in pids]
         exchange = [exchanged(d.state_dir / "history.jsonl", d.log_path, n - 1) for d in lab.nodes]
+        by_round = [  # each node's peak PSS in each round (its own work and what follows it, to the next)
+            peaks_by_round(d.state_dir / "history.jsonl", sampler.times, [s[i][0] for s in sampler.samples])
+            for i, d in enumerate(lab.nodes)
+        ]
+        peak_at = [  # the moment of each node's peak sample (dissection: which phase of which round)
+            moment(
+                d.state_dir / "history.jsonl",
+                sampler.times[max(range(len(sampler.samples)), key=lambda k: sampler.samples[k][i][0])],
+            )
+            for i, d in enumerate(lab.nodes)
+        ]
+    # the daemons' state dirs (checkpoints: 650-975 MB a network) are not results: 114 of them
+    # left behind once filled this machine's disk
+    shutil.rmtree(root, ignore_errors=True)
     per_node_peak = [max(s[i][0] for s in sampler.samples) for i in range(len(pids))]
     return {
         "wall_s": round(wall, 1),
@@ -167,6 +211,13 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
         "tree_peak_pss_mb": round(max(sum(p for p, _ in s) for s in sampler.samples), 1),
         "node_peak_pss_mb": [round(x, 1) for x in per_node_peak],
         "node_peak_pss_mb_median": round(statistics.median(per_node_peak), 1),
+        "node_peak_at": peak_at,
+        "node_peak_by_round": by_round,
+        # every sample: seconds since the first, then each node's PSS (MB)
+        "timeline": [
+            [round(t - sampler.times[0], 2), *(round(p, 1) for p, _ in s)]
+            for t, s in zip(sampler.times, sampler.samples, strict=True)
+        ],
         "node_peak_rss_mb_median": round(
             statistics.median(max(s[i][1] for s in sampler.samples) for i in range(len(pids))), 1
         ),
@@ -197,6 +248,7 @@ def one_network(python: str, strategy: str, args: argparse.Namespace, model_mb: 
             for a, b in zip(sampler.at_peak, rest_anatomy, strict=True)
         ],
         "delta_problems_logged": sum(e["delta_problems"] for e in exchange),
+        "delta_problem_lines": [line for e in exchange for line in e["delta_problem_lines"]][:5],
         "budget_rest_mb": round(150 + 3 * model_mb, 1),
         "budget_exchange_mb": round(150 + 5 * model_mb, 1),
     }

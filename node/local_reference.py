@@ -70,7 +70,8 @@ class LocalReference:
         self.alpha_losses: list[float] = []
         self._accuracy_first = False  # the last α was chosen among the most accurate blends
         size = sum(math.prod(shape) for shape, _ in learner.param_spec().values())
-        self.every = 1 if size <= cfg.shadow_max_params else cfg.large_every
+        self.large = size > cfg.shadow_max_params
+        self.every = cfg.large_every if self.large else 1
         if not cfg.enabled:
             self.note = "reference.enabled is false: no local-only reference, no back-off"
         elif strategy in NO_TWIN_STRATEGIES:
@@ -88,6 +89,15 @@ class LocalReference:
     @property
     def active(self) -> bool:
         return self.twin is not None
+
+    @property
+    def trains_alone(self) -> bool:
+        """A large model's twin trains on its own at the start of a round, before the round guard
+        copies the model, not beside the strategy's round: its Adam moments, re-made for the round
+        it trains, its gradient and its rollback copy (4 models) came on top of the round's own
+        training and exchange, and every node of an 8-node D-PSGD network of a 21 MB MLP peaked in
+        that round (bench/results/memory.md, branch dpsgdpeak)."""
+        return self.large and self.twin is not None
 
     @property
     def blending(self) -> bool:

@@ -93,18 +93,23 @@ class RoundLoop:
         n = self.node
         at = n.stall_watch.enter  # each phase named: a round stuck in one is reported (stall_watch.py)
         stall0 = n.loop_lag.total_s
+        alone = getattr(n.reference, "trains_alone", False)  # a large model's twin: before the rest
+        if alone:  # (before the guard's round-start copy: one model less under its transients)
+            at(rnd, "local-only twin's training")
+            await asyncio.to_thread(n.reference.train, rnd)
         at(rnd, "divergence guard (before)")
         await asyncio.to_thread(n.guard.before_round)
         n.network.begin_round()  # past the discovery threshold: this round's candidates
         # the local-only twin trains in a worker thread while the strategy trains and exchanges
-        twin = asyncio.ensure_future(asyncio.to_thread(n.reference.train, rnd))
+        twin = None if alone else asyncio.ensure_future(asyncio.to_thread(n.reference.train, rnd))
         try:
             at(rnd, "strategy round (train and exchange)")
             with n.network.exchange_phase() as phase:  # peer calls share the round's deadline
                 report = await n.strategy.run_round(rnd)
         finally:
             at(rnd, "local-only twin's training")
-            await twin
+            if twin is not None:
+                await twin
         at(rnd, "divergence guard (after)")
         await asyncio.to_thread(n.guard.after_round)  # a diverged round is rolled back
         at(rnd, "end of round (discovery asks)")

@@ -352,7 +352,7 @@ class InProcessNetwork:
         self.hub.count("release")  # nothing held here: every pull hands out a copy
 
     async def pull(
-        self, peer: str, *, min_round: int | None = None, wait_s: float | None = None
+        self, peer: str, *, min_round: int | None = None, wait_s: float | None = None, lazy: bool = False
     ) -> PeerSnapshot | None:
         """As the daemon's: with ``min_round``, a snapshot of round >= min_round, waiting up to
         ``wait_s`` (default ``hub.wait_s``) for the peer to publish it; else None."""

@@ -15,6 +15,7 @@ import weakref
 
 import pytest
 
+from coterie.node import publishing
 from coterie.node.config import validate_config
 from coterie.node.daemon import Node
 from coterie.node.learning.guard import RoundGuard
@@ -75,7 +76,14 @@ def test_pulled_models_are_released_bounded_and_handled_off_the_loop(tmp_path, m
         publishes.append(threading.current_thread().name)
         return real_publishable(self, groups)
 
+    real_finite = publishing.all_finite
+
+    def finite(tensors):  # a round's trained model, checked as D-PSGD publishes it mid-round (publish_now)
+        publishes.append(threading.current_thread().name)
+        return real_finite(tensors)
+
     monkeypatch.setattr(RoundGuard, "publishable", publishable)
+    monkeypatch.setattr(publishing, "all_finite", finite)
     monkeypatch.setattr(network_mod, "snapshot_groups", validate)
     monkeypatch.setattr(TorchLearner, "add_to_params", add)
 

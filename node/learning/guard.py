@@ -195,3 +195,8 @@ class RoundGuard:
                 out[name] = live if all_finite(live) else (self._start or live)
         self._start = None  # the round is over: its start is not kept between rounds (a model-sized copy)
         return out
+
+    def round_published(self) -> None:
+        """The round's model was published during the round (``publishing.publish_now``), each
+        group checked then: the round is over, and its start is not kept (a model-sized copy)."""
+        self._start = None

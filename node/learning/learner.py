@@ -13,13 +13,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 Params = dict[str, torch.Tensor]
 Split = Literal["train", "val", "test"]
+
+
+def add_into(dst: torch.Tensor, src: Any) -> None:
+    """``dst += src``; ``src`` a tensor, or one a payload still holds encoded, which decodes itself
+    into ``dst`` a chunk at a time (``wire/folding.py``: no decoded copy of a pulled model)."""
+    if isinstance(src, torch.Tensor):
+        dst.add_(src.to(dst.device, dst.dtype))
+    else:
+        src.add_to(dst)
 
 
 @dataclass
@@ -86,9 +95,12 @@ class Learner(ABC):
     def set_params(self, params: Params) -> None: ...
 
     def add_to_params(self, params: Params) -> None:
-        """θ += ``params`` (stream-averaging adds each peer's model into the live one)."""
+        """θ += ``params`` (stream-averaging adds each peer's model into the live one). A value
+        may be a pulled tensor still encoded (``PeerNetwork.pull(lazy=True)``): ``add_into``."""
         mine = self.get_params()
-        self.set_params({k: v + params[k] for k, v in mine.items()})
+        for k, v in mine.items():
+            add_into(v, params[k])
+        self.set_params(mine)
 
     def scale_params(self, w: float) -> None:
         """θ *= ``w``."""

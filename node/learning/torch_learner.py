@@ -38,7 +38,7 @@ from .config import LearnerConfig
 from .datasets import Pool
 from .guard import StepGuard
 from .hooks import resolve_loss, resolve_transform
-from .learner import EvalResult, Learner, Params, Split, TrainResult
+from .learner import EvalResult, Learner, Params, Split, TrainResult, add_into
 from .live_reads import LiveReads
 from .local_optim import LocalOptimizer, _Sampler
 from .models import build_model
@@ -225,7 +225,7 @@ class TorchLearner(Learner):
         with self._lock, self.live_reads.writing(), torch.no_grad():  # in place: no model-sized temporary
             self.rollback.changed()
             for n, p in self.model.named_parameters():
-                p.add_(params[n].to(p.device, p.dtype))
+                add_into(p, params[n])
 
     def scale_params(self, w: float) -> None:
         with self._lock, self.live_reads.writing(), torch.no_grad():

@@ -121,6 +121,7 @@ class PeerTransport(Protocol):
         wait_s: float = 0.0,
         timeout: float | None = None,
         peer: str | None = None,
+        lazy: bool = False,  # tensors not kept may stay encoded (``wire/folding.py``), checked all the same
     ) -> tuple[SnapshotHeader, Groups | None]: ...
     # optional: ``watch_snapshots(address, requester, *, min_round, peer)``, an async iterator of
     # (SnapshotHeader, Groups), every snapshot the peer publishes from min_round on (gRPC: the

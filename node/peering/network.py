@@ -31,6 +31,7 @@ from ..offload import OFF_LOOP_BYTES
 from ..privacy.mechanisms import PrivateData
 from ..strategies.base import PeerSnapshot
 from ..wire.codec import Groups, WireError, encoded_size
+from ..wire.folding import Encoded
 from .calls import PeerCalls
 from .deadlines import Phase, RoundPace
 from .discovery import Discovery
@@ -284,11 +285,13 @@ class NodeNetwork:
 
     # --- snapshots ---
     async def pull(
-        self, peer: str, *, min_round: int | None = None, wait_s: float | None = None
+        self, peer: str, *, min_round: int | None = None, wait_s: float | None = None, lazy: bool = False
     ) -> PeerSnapshot | None:
         """The peer's latest snapshot (from cache if its version did not change). With
         ``min_round``: one of round >= min_round, the peer holding the call open up to ``wait_s``
-        (default: the request timeout) until it publishes it; None if it does not in time."""
+        (default: the request timeout) until it publishes it; None if it does not in time.
+        ``lazy``: its tensors may stay encoded, validated all the same (``PeerNetwork.pull``);
+        such a snapshot is not cached (only ``add_to_params`` can use it)."""
         address = self._address(peer)
         if address is None:
             return None
@@ -310,6 +313,7 @@ class NodeNetwork:
                     wait_s=wait,
                     timeout=timeout,
                     peer=peer,
+                    **({"lazy": True} if lazy else {}),  # (a transport that knows no lazy pulls decodes)
                 ),
                 wait_s=wait,
             )
@@ -324,7 +328,8 @@ class NodeNetwork:
             return None
         if snap is None:
             return None
-        self.cache.put(snap)
+        if not any(isinstance(t, Encoded) for ts in (snap.params, *snap.extras.values()) for t in ts.values()):
+            self.cache.put(snap)  # (an encoded one is its caller's alone: nothing else could use it)
         self.table.seen(peer, version=snap.version)
         if min_round and snap.round < min_round:
             return None  # it did not reach that round in time: proceed without it

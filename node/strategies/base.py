@@ -72,14 +72,19 @@ class PeerNetwork(Protocol):
         """Latest snapshot of ``peer`` already held, without network traffic."""
 
     async def pull(
-        self, peer: str, *, min_round: int | None = None, wait_s: float | None = None
+        self, peer: str, *, min_round: int | None = None, wait_s: float | None = None, lazy: bool = False
     ) -> PeerSnapshot | None:
         """Latest snapshot of ``peer`` (from cache if its version did not change).
 
         Round-aligned exchange (for synchronous algorithms): with ``min_round``, a snapshot of
         round >= min_round; the peer holds the request open up to ``wait_s`` (default: the
         request timeout) until it publishes that round. None if it does not in time: the strategy
-        proceeds without that peer, as for a dead one."""
+        proceeds without that peer, as for a dead one.
+
+        ``lazy`` (for a strategy that only adds the model into its own, D-PSGD): the tensors may
+        be left as the payload carried them, checked like any (architecture, finite values) but
+        decoded only by ``Learner.add_to_params``, a chunk at a time into the live model — no
+        decoded copy of the peer's model exists. Use them for nothing else; they are not cached."""
 
     def release(self, peer: str) -> None:
         """Let go of the snapshot of ``peer`` held for ``cached`` and compute references: a
@@ -170,6 +175,11 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     defaults: ClassVar[dict[str, Any]] = {}
+    # Set by the node (``publishing.publish_now``): publish the live model now, as this round's
+    # snapshot, and get the published tensors (read-only views of the buffer peers are served
+    # from), or None (not finite: the round's end publishes as usual). None where the node offers
+    # none (a test harness): a strategy then keeps its own copy.
+    publish_now: Callable[[], Awaitable[Params | None]] | None = None
     choices: ClassVar[dict[str, tuple[Any, ...]]] = {}  # parameters that take one of a few values
 
     def __init__(

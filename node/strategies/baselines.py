@@ -68,7 +68,12 @@ class DPSGD(Strategy):
         res = await self.compute(self.learner.train)
         # float32 estimate from the shapes: only which side of the off-loop threshold it is on
         big = sum(math.prod(shape) for shape, _ in self.learner.param_spec().values()) * 4 > OFF_LOOP_BYTES
-        trained = await self.compute(self.learner.get_params) if big else self.learner.get_params()
+        # a large trained model is published now, before the exchange (Alg. 1 shares y_i = θ_i
+        # after the local steps; peers get it sooner): it is held once, as the published buffer's
+        # views, through the exchange and after it, instead of a copy encoded again at the end
+        trained = await self.publish_now() if big and self.publish_now is not None else None
+        if trained is None:
+            trained = await self.compute(self.learner.get_params) if big else self.learner.get_params()
         peers = self.candidates()
         stale = int(self.p["max_staleness"])
         floor = rnd - stale if stale > 0 and rnd - stale >= 1 else None
@@ -76,14 +81,17 @@ class DPSGD(Strategy):
         # Stream-averaging into the live model, which holds the trained one now: each pulled model
         # is added into it as it arrives and released at once, and for a large model at most
         # ``big_pulls`` are pulled at a time — the exchange holds a few models, not one per
-        # neighbour (issue 24.4); the adds and the final scaling run in worker threads.
+        # neighbour (issue 24.4); the adds and the final scaling run in worker threads. A large
+        # model is pulled ``lazy``: a q8 payload is decoded chunk by chunk into the sum, so what a
+        # pull in flight holds is its payload (a quarter of the model), not a decoded copy.
         adding = asyncio.Lock()  # one add at a time into the live model
         k = int(self.p["big_pulls"])
         slots = asyncio.Semaphore(k) if big and k > 0 else None
 
         async def fold(peer: str) -> bool:
             async with slots if slots is not None else contextlib.nullcontext():
-                snap = await self.net.pull(peer, min_round=floor, wait_s=wait)
+                # a large model's tensors may stay encoded until added: no decoded copy of it
+                snap = await self.net.pull(peer, min_round=floor, wait_s=wait, **({"lazy": True} if big else {}))
                 if snap is None:
                     return False
                 params, snap = snap.params, None

@@ -406,6 +406,7 @@ class InProcClient(UnaryCalls):
         wait_s: float = 0.0,
         timeout: float | None = None,
         peer: str | None = None,
+        lazy: bool = False,  # (nothing is encoded in memory: the tensors are handed over as they are)
     ) -> tuple[SnapshotHeader, Groups | None]:
         served = self._route(address, peer)
         t0 = time.perf_counter()

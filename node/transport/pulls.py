@@ -16,7 +16,8 @@ from ...proto.v1 import peer_pb2 as pb
 from ..peering.errors import UNAVAILABLE, PeerCallError
 from ..peering.messages import SnapshotHeader
 from ..wire import codecs as wire_codecs
-from ..wire.codec import Groups, WireError
+from ..wire.codec import Groups, WireError, encoded_size
+from ..wire.folding import decoded
 from . import serde
 from .chunks import Assembler, data_field
 from .errors import in_flight as _in_flight
@@ -102,10 +103,21 @@ class SnapshotStreams:
         wait_s: float = 0.0,
         timeout: float | None = None,
         peer: str | None = None,
+        lazy: bool = False,
     ) -> tuple[SnapshotHeader, Groups | None]:
+        """``lazy``: a payload this node will not keep as a delta base is left encoded where its
+        values need computing (``folding.Encoded``: checked, decoded only as it is added into
+        another tensor); one it keeps is decoded, as it always is."""
         with _in_flight(self.channels, address):
             return await self._get_snapshot(
-                address, requester, have_version, min_round=min_round, wait_s=wait_s, timeout=timeout, peer=peer
+                address,
+                requester,
+                have_version,
+                min_round=min_round,
+                wait_s=wait_s,
+                timeout=timeout,
+                peer=peer,
+                lazy=lazy,
             )
 
     async def _get_snapshot(
@@ -118,6 +130,7 @@ class SnapshotStreams:
         wait_s: float = 0.0,
         timeout: float | None = None,
         peer: str | None = None,
+        lazy: bool = False,
     ) -> tuple[SnapshotHeader, Groups | None]:
         """The peer's current snapshot; groups is None when it is still ``have_version``. On the
         peer's pull session when it has one (see ``_session``), else a call of its own."""
@@ -134,24 +147,24 @@ class SnapshotStreams:
             request.have_sha256 = held.digest  # a delta against it is welcome
             base = held  # kept until the answer is decoded, whatever arrives meanwhile
         with self.held.keeping(peer or address, base):
-            return await self._pull_answer(address, peer, request, timeout, t0)
+            return await self._pull_answer(address, peer, request, timeout, t0, lazy)
 
     async def _pull_answer(
-        self, address: str, peer: str | None, request, timeout: float | None, t0: float
+        self, address: str, peer: str | None, request, timeout: float | None, t0: float, lazy: bool = False
     ) -> tuple[SnapshotHeader, Groups | None]:
         deadline = time.monotonic() + (timeout or self.timeout_s)
         h = None
         session = self._session(address, peer)
         if session is not None:
             try:
-                h, groups = await self._session_pull(session, address, peer, request, deadline)
+                h, groups = await self._session_pull(session, address, peer, request, deadline, lazy)
             except _SessionGone:
                 h = None  # not answered: a plain call asks again
         if h is None:
             call = self.channels.raw_snapshot_call(address, peer)(
                 request, timeout=max(deadline - time.monotonic(), 0.001)
             )
-            h, groups, _ = await self._read_snapshot(address, call.__aiter__(), whole_stream=True, peer=peer)
+            h, groups, _ = await self._read_snapshot(address, call.__aiter__(), whole_stream=True, peer=peer, lazy=lazy)
         self.channels.timed("snapshot", t0)
         return serde.snapshot_header_from_pb(h), groups
 
@@ -186,7 +199,7 @@ class SnapshotStreams:
         return s
 
     async def _session_pull(
-        self, s: _Session, address: str, peer: str | None, request, deadline: float
+        self, s: _Session, address: str, peer: str | None, request, deadline: float, lazy: bool = False
     ) -> tuple[Any, Groups | None]:
         """One request and its answer on ``s``. A session whose answer did not come in full
         (deadline, refusal, broken stream, the caller gave up) is closed: what is still in
@@ -202,7 +215,7 @@ class SnapshotStreams:
                 raise _SessionGone(str(e)) from None
             try:
                 h, groups, _ = await asyncio.wait_for(
-                    self._read_snapshot(address, s, whole_stream=False, peer=peer),
+                    self._read_snapshot(address, s, whole_stream=False, peer=peer, lazy=lazy),
                     max(deadline - time.monotonic(), 0.001),
                 )
             except asyncio.TimeoutError:
@@ -250,14 +263,15 @@ class SnapshotStreams:
         )
 
     async def _read_snapshot(
-        self, address: str, it, *, whole_stream: bool, peer: str | None = None, pin: bool = False
+        self, address: str, it, *, whole_stream: bool, peer: str | None = None, pin: bool = False, lazy: bool = False
     ) -> tuple[Any, Groups | None, int]:
         """One snapshot off a stream: its header, then chunks up to the announced size (size and
         sha256 of the payload checked while reassembling), decoded in the codec the header names
         (a plain fp32 payload as zero-copy views of the one buffer; a delta added to the version
         of ``peer`` this node holds, which must be the one the header names).
         ``whole_stream``: the stream ends after it (a pull), else more snapshots follow (a watch).
-        ``pin``: the decoded copy is pinned as it is held (a watch: its next delta is against it)."""
+        ``pin``: the decoded copy is pinned as it is held (a watch: its next delta is against it).
+        ``lazy``: a copy the bases' budget will not keep stays encoded (``get_snapshot``)."""
         first = pb.SnapshotChunk.FromString(await it.__anext__())
         if first.WhichOneof("body") != "header":
             raise WireError(f"snapshot stream from {address} did not start with a header")
@@ -288,11 +302,15 @@ class SnapshotStreams:
             size = len(data)
             key = peer or address
             try:  # fp32: zero-copy, the tensors are views of that one buffer
-                groups = self._decode_snapshot(h, data, key)
+                groups = self._decode_snapshot(h, data, key, lazy=lazy)
             except WireError as e:  # (the versions held stay: they are this node's own decoded copies)
                 raise WireError(f"snapshot v{h.version} of {h.node_id or address} is malformed: {e}") from None
             if self.codecs.delta:
-                self.held.put(key, Held(h.version, h.payload_sha256 or h.sha256, groups), pin=pin)
+                if lazy and not self.held.room_for(key, encoded_size(groups)):
+                    self.held.not_keeping(key, encoded_size(groups))  # left encoded: no decoded copy
+                else:  # kept as the base of this peer's next delta: decoded now
+                    groups = decoded(groups) if lazy else groups
+                    self.held.put(key, Held(h.version, h.payload_sha256 or h.sha256, groups), pin=pin)
         # (an inline payload is already part of the header's message)
         self.traffic.record("snapshot", received=first.ByteSize() + (0 if first.inline else size))
         return h, groups, size
@@ -304,7 +322,7 @@ class SnapshotStreams:
             request.have_version, request.have_sha256 = held.version, held.digest
         return request
 
-    def _decode_snapshot(self, h: Any, data: memoryview, key: str) -> Groups:
+    def _decode_snapshot(self, h: Any, data: memoryview, key: str, *, lazy: bool = False) -> Groups:
         """The payload's tensors, checked against what the header says: its codec (one this node
         asked for), its version, and for a delta the base it applies to (which must be the
         versions this node holds of that peer, by payload digest)."""
@@ -323,7 +341,7 @@ class SnapshotStreams:
                     f"holds {holds} of that peer"
                 )
             base = held.groups
-        groups, meta = wire_codecs.decode(data, max_bytes=self.limits.max_model_bytes, base=base)
+        groups, meta = wire_codecs.decode(data, max_bytes=self.limits.max_model_bytes, base=base, lazy=lazy)
         section = wire_codecs.codec_of(meta)
         sent = section.get("name") if section else wire_codecs.FP32
         if sent != codec:

@@ -178,9 +178,17 @@ class RoutingClient(UnaryCalls):
         wait_s: float = 0.0,
         timeout: float | None = None,
         peer: str | None = None,
+        lazy: bool = False,
     ) -> tuple[SnapshotHeader, Groups | None]:
         return await self._via(address).get_snapshot(
-            address, requester, have_version, min_round=min_round, wait_s=wait_s, timeout=timeout, peer=peer
+            address,
+            requester,
+            have_version,
+            min_round=min_round,
+            wait_s=wait_s,
+            timeout=timeout,
+            peer=peer,
+            lazy=lazy,
         )
 
     async def compute(

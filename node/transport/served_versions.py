@@ -269,6 +269,14 @@ class HeldVersions:
         self._by_peer[peer] = self._trimmed(peer, kept)
         self._fit(peer)
 
+    def not_keeping(self, peer: str, nbytes: int) -> None:
+        """A copy of ``peer`` of ``nbytes`` (decoded size) that ``room_for`` said would not be kept,
+        and was not decoded: counted as ``put`` counts a copy it drops."""
+        self._decodes += 1
+        self._used[peer] = self._decodes
+        self._largest = max(self._largest, nbytes)
+        self.not_kept += 1
+
     def pin(self, peer: str, version: int, digest: str) -> None:
         """Keep that copy of ``peer`` (once held) until as many ``unpin``s: a delta in flight may
         be against it."""
@@ -295,9 +303,10 @@ class HeldVersions:
         finally:
             self.unpin(peer, held.version, held.digest)
 
-    def room_for(self, peer: str) -> bool:
-        """Whether a copy of ``peer`` decoded now would be kept (as ``put`` would decide it)."""
-        if peer in self._by_peer or self.counted() + self._largest <= self.budget:
+    def room_for(self, peer: str, nbytes: int = 0) -> bool:
+        """Whether a copy of ``peer`` decoded now (``nbytes`` when known) would be kept (as ``put``
+        would decide it)."""
+        if peer in self._by_peer or self.counted() + max(self._largest, nbytes) <= self.budget:
             return True
         stale_after = 2 * max(len(self._used), 1)
         return any(self._decodes - self._used.get(p, 0) > stale_after for p in self._by_peer)

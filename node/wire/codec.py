@@ -246,7 +246,10 @@ def _finite(t: torch.Tensor) -> bool:
     """Every element finite. A NaN or Inf anywhere makes the sum NaN or Inf (in any order of
     summation), so a finite sum proves the tensor finite at memory speed — 10-25× faster than
     ``isfinite(t).all()``, which writes a bool per element. Only a non-finite sum (a bad
-    element, or finite values that overflow) needs the element-wise check."""
+    element, or finite values that overflow) needs the element-wise check. A tensor a payload
+    still holds encoded (``folding.Encoded``) checks itself without a decoded copy."""
+    if not isinstance(t, torch.Tensor):
+        return bool(t.all_finite())
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 

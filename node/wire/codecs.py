@@ -33,6 +33,7 @@ import torch
 from .codec import _NAME_TORCH, _TORCH_NAMES, Groups, WireError
 from .codec import decode as decode_raw
 from .codec import encode as encode_raw
+from .folding import Encoded
 
 FP32, FP16, BF16, Q8 = "fp32", "fp16", "bf16", "q8"
 CODECS = (FP32, FP16, BF16, Q8)
@@ -188,11 +189,17 @@ def delta_base(meta: dict[str, Any]) -> tuple[int, str] | None:
 
 
 def decode(
-    data: bytes | bytearray | memoryview, *, max_bytes: int | None = None, base: Groups | None = None
+    data: bytes | bytearray | memoryview,
+    *,
+    max_bytes: int | None = None,
+    base: Groups | None = None,
+    lazy: bool = False,
 ) -> tuple[Groups, dict[str, Any]]:
     """The tensors a message carries, in their original dtypes and shapes (a delta added to
     ``base``, which the caller has matched to the message's ``delta_base``). Plain messages
-    decode as ``codec.decode`` does (zero-copy over a writable buffer)."""
+    decode as ``codec.decode`` does (zero-copy over a writable buffer). ``lazy``: a tensor whose
+    values need computing (q8, a 16-bit cast, a delta) is left ``folding.Encoded``, checked
+    like the others but decoded only where it is used, a chunk at a time."""
     raw, meta = decode_raw(data, max_bytes=max_bytes)
     c = codec_of(meta)
     if c is None:
@@ -235,9 +242,9 @@ def decode(
         sent, scales = raw.get(g, {}), raw.get(g + _SCALES, {})
         if set(sent) != set(entries):
             raise WireError(f"{name}: group {g[:100]!r} tensors do not match its table")
-        ts: dict[str, torch.Tensor] = {}
+        ts: dict[str, Any] = {}  # tensors (or, lazy, ``Encoded`` ones)
         for tname, e in entries.items():
-            ts[tname] = _one(name, g, tname, e, sent[tname], scales.get(tname), block, base if is_delta else None)
+            ts[tname] = _one(name, g, tname, e, sent[tname], scales.get(tname), block, base if is_delta else None, lazy)
         if set(scales) - {k for k in entries if ts[k].is_floating_point()}:
             raise WireError(f"{name}: scales for tensors of group {g[:100]!r} that have none")
         out[g] = ts
@@ -258,7 +265,8 @@ def _one(
     scales: torch.Tensor | None,
     block: int,
     base: Groups | None,
-) -> torch.Tensor:
+    lazy: bool = False,
+) -> torch.Tensor | Encoded:
     what = f"{codec} tensor {g[:100]}/{name[:100]}"
     if not (
         isinstance(entry, list)
@@ -293,19 +301,21 @@ def _one(
             raise WireError(f"{what}: a block scale is negative")
         if n and int(t.min()) < -127:
             raise WireError(f"{what}: code -128 is outside the symmetric range [-127, 127]")
-        values = dequantize(t, scales, block)
     else:
         if scales is not None:
             raise WireError(f"{what}: block scales sent with codec {codec}")
         want = _CAST.get(codec, torch.float64 if dtype == torch.float64 else torch.float32)
         if t.dtype != want:
             raise WireError(f"{what}: values are {t.dtype}, codec {codec} sends {want}")
-        values = t
-    values = values.reshape(shape)
+    b = None
     if base is not None:
         b = base.get(g, {}).get(name)
         if b is None or list(b.shape) != shape or b.dtype != dtype:
             raise WireError(f"{what}: the delta's base has no {dt}{shape} tensor here")
+    if lazy and (fresh or b is not None or t.dtype != dtype):  # else its values are the buffer's views
+        return Encoded(what, shape, dtype, t, scales if fresh else None, block, b)
+    values = (dequantize(t, scales, block) if scales is not None else t).reshape(shape)  # (q8: scales checked)
+    if b is not None:
         if fresh and dtype == torch.float32:  # added in place: no second model-sized tensor
             return values.add_(b)  # (the same sums: float addition commutes exactly)
         return (b.to(_work(dtype)) + values.to(_work(dtype))).to(dtype)
