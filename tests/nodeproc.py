@@ -83,8 +83,11 @@ def tiny_learner(num_nodes: int, index: int, clusters: int = 1, samples: int = 1
 
 
 class NodeProc:
+    made: list[NodeProc] = []  # every one made, in order: a test's own are reaped after it (tests/conftest.py)
+
     def __init__(self, root: Path, node_id: str, config: dict[str, Any], env: dict[str, str] | None = None):
         """``env``: added to the daemon's environment (PYTHONPATH: run another release's code)."""
+        NodeProc.made.append(self)
         self.node_id = node_id
         self.env = dict(env or {})
         self.dir = root / node_id
@@ -137,6 +140,18 @@ class NodeProc:
             env=env,
         )
         return self
+
+    @classmethod
+    def reap(cls, since: int) -> list[str]:
+        """Stop the daemons of the NodeProcs made since ``len(made)`` was ``since`` that still run
+        (not those of a module's fixture, made before its tests began); returns their ids. A test
+        that failed between starting daemons and its ``try`` (a third node not coming up under
+        load) left the first two running for good: an hour later they still held CPU."""
+        running = [n for n in cls.made[since:] if n.proc is not None and n.proc.poll() is None]
+        for n in running:
+            n.stop()
+        del cls.made[since:]
+        return [n.node_id for n in running]
 
     def wait_ready(self, timeout: float = 120.0) -> NodeProc:
         """Wait until the launched daemon has written its node.json and answers /healthz (a daemon
