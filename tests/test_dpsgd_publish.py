@@ -11,15 +11,14 @@ import threading
 
 import pytest
 
-from coterie.node.daemon import Node
 from coterie.node.learning.torch_learner import TorchLearner
 from coterie.node.peering.messages import LocalSnapshot
 from coterie.node.peering.snapshots import PublishBoard
 from coterie.node.strategies import baselines
 from coterie.node.transport.inproc import InProcNetwork
 from coterie.node.wire import codec as raw_codec
-from tests.test_exchange_memory import N, _config, _wait
-from tests.test_folded_pulls import _bits_equal, _learner, _network
+from tests.test_exchange_memory import N, _wait, start_chain
+from tests.test_folded_pulls import _bits_equal, _learner, _network, cancel_after_first_add
 
 pytestmark = pytest.mark.slow
 ROUNDS = 3
@@ -65,20 +64,20 @@ def test_each_round_publishes_its_trained_model_once_before_it_exchanges(tmp_pat
         hub = InProcNetwork(share_snapshots=False)
         nodes = []
         try:
-            for i in range(N):
-                c = _config(tmp_path, i, [nodes[0].address] if nodes else [])
-                c = c.model_copy(update={"rounds": ROUNDS})
-                nodes.append(Node(c, transport=hub.transport_for(c), admin=False))
-                if i == 0:
-                    me.append(nodes[0].learner)
-                    board = nodes[0].board
 
-                    def publish(snap, board=board):
-                        events.append(("publish", snap.version, snap.round, snap.params))
-                        return real_publish(board, snap)
+            def instrument(node):
+                me.append(node.learner)
+                board = node.board
 
-                    board.publish = publish
-                await nodes[-1].start()
+                def publish(snap):
+                    events.append(("publish", snap.version, snap.round, snap.params))
+                    return real_publish(board, snap)
+
+                board.publish = publish
+
+            await start_chain(
+                tmp_path, hub, nodes, lambda c: c.model_copy(update={"rounds": ROUNDS}), first_made=instrument
+            )
             await _wait(lambda: all(n.done and n.saved["round"] == ROUNDS for n in nodes), "the rounds never finished")
             return [n.history[-1]["contacted"] for n in nodes]
         finally:
@@ -109,18 +108,9 @@ def test_a_cancelled_round_restores_the_trained_model_it_published(monkeypatch):
     """With ``publish_now`` (the trained model held as the published buffer's views), a round
     cancelled after one peer was added returns to the trained model; the published tensors are
     untouched."""
-    real = TorchLearner.add_to_params
-    first_added = asyncio.Event()
 
     async def go():
         learner = _learner()
-        loop = asyncio.get_running_loop()
-
-        def add(self, params):
-            real(self, params)
-            loop.call_soon_threadsafe(first_added.set)
-
-        monkeypatch.setattr(TorchLearner, "add_to_params", add)
         published: list[LocalSnapshot] = []
 
         async def publish_now():
@@ -132,11 +122,7 @@ def test_a_cancelled_round_restores_the_trained_model_it_published(monkeypatch):
         async with _network(learner) as (_, net, _):
             dpsgd = baselines.DPSGD("me", learner, net, seed=0)
             dpsgd.publish_now = publish_now
-            task = asyncio.ensure_future(dpsgd.run_round(1))
-            await asyncio.wait_for(first_added.wait(), 30)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await cancel_after_first_add(monkeypatch, dpsgd)
             assert len(published) == 1
             trained = {k: t.clone() for k, t in published[0].params.items()}
             assert _bits_equal(learner.get_params(), trained)

@@ -47,6 +47,18 @@ def _config(tmp, i, peers):
     )
 
 
+async def start_chain(tmp, hub, nodes: list, configure=lambda c: c, first_made=lambda node: None) -> None:
+    """N nodes, each given the first's address, made and started one by one into ``nodes`` (the
+    caller's list: its ``finally`` stops those that started); ``configure`` adjusts each config,
+    ``first_made`` instruments the first node before it starts (it waits for N - 1 peers anyway)."""
+    for i in range(N):
+        c = configure(_config(tmp, i, [nodes[0].address] if nodes else []))
+        nodes.append(Node(c, transport=hub.transport_for(c), admin=False))
+        if i == 0:
+            first_made(nodes[0])
+        await nodes[-1].start()
+
+
 async def _wait(cond, what, timeout=120.0):
     deadline = time.monotonic() + timeout
     while not cond():
@@ -91,12 +103,7 @@ def test_pulled_models_are_released_bounded_and_handled_off_the_loop(tmp_path, m
         hub = InProcNetwork(share_snapshots=False)  # every pull gets its own copy, as over gRPC
         nodes = []
         try:
-            for i in range(N):
-                c = _config(tmp_path, i, [nodes[0].address] if nodes else [])
-                nodes.append(Node(c, transport=hub.transport_for(c), admin=False))
-                if i == 0:  # instrumented before it starts: it waits for N - 1 peers anyway
-                    watch_pulls(nodes[0].network)
-                await nodes[-1].start()
+            await start_chain(tmp_path, hub, nodes, first_made=lambda node: watch_pulls(node.network))
             await _wait(lambda: all(n.done and n.saved["round"] == 2 for n in nodes), "the rounds never finished")
             me = nodes[0]
             # the model it shares is held once: the strategy keeps the published snapshot's views

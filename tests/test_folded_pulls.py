@@ -322,20 +322,30 @@ def test_a_bad_payload_is_refused_before_anything_is_added(monkeypatch, caplog, 
     assert len(refusals) == PEERS and all(re.search(problem, m) for m in refusals), refusals
 
 
-def test_a_cancelled_round_restores_the_trained_model(monkeypatch):
-    """Cancelled after the first peer's model was added: the live model is the trained one."""
+async def cancel_after_first_add(monkeypatch, dpsgd) -> None:
+    """Run ``dpsgd``'s round 1 and cancel it once the first peer's model was added into the sum
+    (the node stopping mid-exchange)."""
     real = TorchLearner.add_to_params
     first_added = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def add(self, params):
+        real(self, params)
+        loop.call_soon_threadsafe(first_added.set)
+
+    monkeypatch.setattr(TorchLearner, "add_to_params", add)
+    task = asyncio.ensure_future(dpsgd.run_round(1))
+    await asyncio.wait_for(first_added.wait(), 30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def test_a_cancelled_round_restores_the_trained_model(monkeypatch):
+    """Cancelled after the first peer's model was added: the live model is the trained one."""
 
     async def go():
         learner = _learner()
-        loop = asyncio.get_running_loop()
-
-        def add(self, params):
-            real(self, params)
-            loop.call_soon_threadsafe(first_added.set)
-
-        monkeypatch.setattr(TorchLearner, "add_to_params", add)
         async with _network(learner) as (peers, net, _):
             dpsgd = DPSGD("me", learner, net, seed=0)
             trained = {}
@@ -347,11 +357,7 @@ def test_a_cancelled_round_restores_the_trained_model(monkeypatch):
                 return out
 
             learner.train = train
-            task = asyncio.ensure_future(dpsgd.run_round(1))
-            await asyncio.wait_for(first_added.wait(), 30)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await cancel_after_first_add(monkeypatch, dpsgd)
             assert _bits_equal(learner.get_params(), trained)
 
     asyncio.run(go())

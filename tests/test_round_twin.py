@@ -17,7 +17,7 @@ from coterie.node.daemon import Node
 from coterie.node.local_reference import LocalReference
 from coterie.node.strategies import baselines
 from coterie.node.transport.inproc import InProcNetwork
-from tests.test_exchange_memory import N, _config, _wait
+from tests.test_exchange_memory import _wait, start_chain
 
 pytestmark = pytest.mark.slow
 ROUNDS = 4
@@ -55,14 +55,13 @@ def test_a_large_models_twin_trains_before_the_strategys_round(tmp_path, monkeyp
         hub = InProcNetwork(share_snapshots=False)
         nodes = []
         try:
-            for i in range(N):
-                c = _config(tmp_path, i, [nodes[0].address] if nodes else [])
-                # the 1.6 MB model of test_exchange_memory counts as large under a 100k-parameter bound
-                reference = {"shadow_max_params": 100_000 if large else 10_000_000, "large_every": 2}
-                c = c.model_copy(update={"rounds": ROUNDS, "reference": c.reference.model_copy(update=reference)})
-                nodes.append(Node(c, transport=hub.transport_for(c), admin=False))
-                first[:] = nodes[:1]
-                await nodes[-1].start()
+            # the 1.6 MB model of test_exchange_memory counts as large under a 100k-parameter bound
+            reference = {"shadow_max_params": 100_000 if large else 10_000_000, "large_every": 2}
+
+            def configure(c):
+                return c.model_copy(update={"rounds": ROUNDS, "reference": c.reference.model_copy(update=reference)})
+
+            await start_chain(tmp_path, hub, nodes, configure, first_made=lambda node: first.append(node))
             await _wait(lambda: all(n.done and n.saved["round"] == ROUNDS for n in nodes), "the rounds never finished")
             return getattr(first[0].reference, "trains_alone", None)
         finally:
