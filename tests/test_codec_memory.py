@@ -9,14 +9,12 @@ bit those of the old formulas (kept here as the reference)."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 from coterie.node.wire import codecs as C
+from tests.peak_probe import run_peak_probe
 
 
 def _old_quantize(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,34 +94,23 @@ def test_an_encoded_delta_is_bit_for_bit_what_it_was():
         assert torch.equal(base["params"]["w"], kept)  # the base is not written to
 
 
-_PEAK = textwrap.dedent(
-    """
-    import re, sys
-    import torch
-    from coterie.node.wire import codecs as C
+_PEAK = """
+import sys
+import torch
+from coterie.node.wire import codecs as C
 
-    def rss_and_peak():
-        status = open("/proc/self/status").read()
-        return [int(re.search(k + r":\\s+(\\d+) kB", status).group(1)) * 1024 for k in ("VmRSS", "VmHWM")]
-
-    n = 25_000_003  # 100 MB of float32, a partial last block
-    base = {"params": {"w": torch.randn(n)}}
-    new = {"params": {"w": base["params"]["w"] + 0.01 * torch.randn(n)}}
-    data = C.encode(new, "q8", base=base, base_ref={"version": 1, "sha256": "x"})
-    work = {
-        "decode": lambda: C.decode(data, base=base),
-        "quantize": lambda: C.quantize(new["params"]["w"]),
-        "encode a delta": lambda: C.encode(new, "q8", base=base, base_ref={"version": 1, "sha256": "x"}),
-    }
-    out = work[sys.argv[1]]()  # once, to warm up
-    del out
-    open("/proc/self/clear_refs", "w").write("5")  # the peak RSS starts again from here
-    rss, _ = rss_and_peak()
-    out = work[sys.argv[1]]()
-    _, peak = rss_and_peak()
-    print((peak - rss) / (4 * n))
-    """
-)
+n = 25_000_003  # 100 MB of float32, a partial last block
+base = {"params": {"w": torch.randn(n)}}
+new = {"params": {"w": base["params"]["w"] + 0.01 * torch.randn(n)}}
+data = C.encode(new, "q8", base=base, base_ref={"version": 1, "sha256": "x"})
+work = {
+    "decode": lambda: C.decode(data, base=base),
+    "quantize": lambda: C.quantize(new["params"]["w"]),
+    "encode a delta": lambda: C.encode(new, "q8", base=base, base_ref={"version": 1, "sha256": "x"}),
+}
+work[sys.argv[1]]()  # once, to warm up
+print(peak_over(work[sys.argv[1]]) / (4 * n))
+"""
 
 
 @pytest.mark.parametrize("what, most", [("decode", 1.3), ("quantize", 1.5), ("encode a delta", 1.8)])
@@ -133,11 +120,5 @@ def test_q8_work_holds_one_working_copy_of_a_tensor(what, most):
     result, 1.00 (the old code: 2.00); quantizing: its working copy, 1.00 (the old code: 3.00);
     encoding a delta: the working copy and the q8 message, 1.25 (the old code: 4.01, with a
     model-sized ``t - base`` before quantizing)."""
-    try:
-        open("/proc/self/clear_refs", "w").close()
-    except OSError:
-        pytest.skip("no /proc/self/clear_refs to reset the peak RSS")
-    r = subprocess.run([sys.executable, "-c", _PEAK, what], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    copies = float(r.stdout.strip())
+    copies = float(run_peak_probe(_PEAK, what))
     assert copies <= most, f"{what}: peak {copies:.2f} model sizes over the call"

@@ -14,9 +14,6 @@ import asyncio
 import contextlib
 import gc
 import re
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -37,6 +34,7 @@ from coterie.node.transport.server import serve
 from coterie.node.wire import codec as raw_codec
 from coterie.node.wire import codecs as C
 from coterie.node.wire.folding import MAX_SAFE_SCALE, Encoded
+from tests.peak_probe import run_peak_probe
 from tests.test_codecs_grpc import _client, _edit_q8, _forge, _recorded_server, _Traffic
 
 PEERS = 3
@@ -363,48 +361,30 @@ def test_a_cancelled_round_restores_the_trained_model(monkeypatch):
     asyncio.run(go())
 
 
-_PEAK = textwrap.dedent(
-    """
-    import re, sys
-    import torch
-    from coterie.node.wire import codecs as C
-    from coterie.node.learning.learner import add_into
+_PEAK = """
+import torch
+from coterie.node.wire import codecs as C
+from coterie.node.learning.learner import add_into
 
-    def rss_and_peak():
-        status = open("/proc/self/status").read()
-        return [int(re.search(k + r":\\s+(\\d+) kB", status).group(1)) * 1024 for k in ("VmRSS", "VmHWM")]
+n = 25_000_003  # 100 MB of float32, a partial last block
+live = torch.randn(n)
+data = bytearray(C.encode({"params": {"w": live + 0.01 * torch.randn(n)}}, "q8"))
 
-    n = 25_000_003  # 100 MB of float32, a partial last block
-    live = torch.randn(n)
-    data = bytearray(C.encode({"params": {"w": live + 0.01 * torch.randn(n)}}, "q8"))
 
-    def fold(lazy):
-        groups, _ = C.decode(data, lazy=lazy)  # as a pull decodes it
-        add_into(live, groups["params"]["w"])  # as the learner adds it
+def fold(lazy):
+    groups, _ = C.decode(data, lazy=lazy)  # as a pull decodes it
+    add_into(live, groups["params"]["w"])  # as the learner adds it
 
-    out = []
-    for lazy in (False, True, False, True):
-        open("/proc/self/clear_refs", "w").write("5")  # the peak RSS starts again from here
-        rss, _ = rss_and_peak()
-        fold(lazy)
-        _, peak = rss_and_peak()
-        out.append((peak - rss) / (4 * n))
-    print(*out)
-    """
-)
+
+print(*(peak_over(lambda: fold(lazy)) / (4 * n) for lazy in (False, True, False, True)))
+"""
 
 
 def test_a_pulls_decode_and_add_peak_at_a_chunk_not_a_model():
     """Peak RSS over decoding a pulled 100 MB q8 model and adding it into the live one, in model
     sizes (a fresh interpreter; the eager path side by side as the reference): eager 1.00 (its
     decoded copy), lazy ~0.04 (one 4 MiB chunk)."""
-    try:
-        open("/proc/self/clear_refs", "w").close()
-    except OSError:
-        pytest.skip("no /proc/self/clear_refs to reset the peak RSS")
-    r = subprocess.run([sys.executable, "-c", _PEAK], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    eager1, lazy1, eager2, lazy2 = map(float, r.stdout.split())
+    eager1, lazy1, eager2, lazy2 = map(float, run_peak_probe(_PEAK).split())
     assert min(eager1, eager2) >= 0.9, (eager1, eager2)  # the reference: one decoded model
     assert max(lazy1, lazy2) <= 0.1, (lazy1, lazy2)
 

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import gc
 import math
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -21,6 +18,7 @@ from coterie.node.learning.config import LearnerConfig
 from coterie.node.learning.guard import RoundGuard, all_finite
 from coterie.node.learning.local_optim import STEP_CHUNK, LocalOptimizer
 from coterie.node.learning.torch_learner import build_learner
+from tests.peak_probe import run_peak_probe
 
 SINE = {
     "dataset": "sine",
@@ -79,29 +77,19 @@ def test_adam_in_chunks_is_bit_for_bit_the_whole_tensor_update():
         assert torch.equal(opt.state[k]["exp_avg"], m[k]) and torch.equal(opt.state[k]["exp_avg_sq"], v[k])
 
 
-_PEAK = textwrap.dedent(
-    r"""
-    import re, sys, torch
-    from coterie.node.learning.guard import all_finite
-    from coterie.node.learning.local_optim import LocalOptimizer
+_PEAK = """
+import sys, torch
+from coterie.node.learning.guard import all_finite
+from coterie.node.learning.local_optim import LocalOptimizer
 
-    def rss_and_peak():
-        status = open("/proc/self/status").read()
-        return [int(re.search(k + r":\s+(\d+) kB", status).group(1)) * 1024 for k in ("VmRSS", "VmHWM")]
-
-    n = 25_000_003  # 100 MB of float32
-    p = torch.nn.Parameter(torch.randn(n))
-    opt = LocalOptimizer("adam", [("w", p)], lr=1e-3)
-    p.grad = torch.randn(n)
-    work = {"adam step": opt.step, "finite check": lambda: all_finite({"w": p.detach()})}
-    work[sys.argv[1]]()  # once, to warm up (Adam's moments exist after it)
-    open("/proc/self/clear_refs", "w").write("5")  # the peak RSS starts again from here
-    rss, _ = rss_and_peak()
-    work[sys.argv[1]]()
-    _, peak = rss_and_peak()
-    print((peak - rss) / (4 * n))
-    """
-)
+n = 25_000_003  # 100 MB of float32
+p = torch.nn.Parameter(torch.randn(n))
+opt = LocalOptimizer("adam", [("w", p)], lr=1e-3)
+p.grad = torch.randn(n)
+work = {"adam step": opt.step, "finite check": lambda: all_finite({"w": p.detach()})}
+work[sys.argv[1]]()  # once, to warm up (Adam's moments exist after it)
+print(peak_over(work[sys.argv[1]]) / (4 * n))
+"""
 
 
 @pytest.mark.parametrize("what", ["adam step", "finite check"])
@@ -109,13 +97,8 @@ def test_a_step_and_the_finite_check_make_no_model_sized_temporary(what):
     """Peak RSS over the call in model sizes (a fresh interpreter; buffers this large are mapped
     and given back when freed, so the peak is what was alive at once). Main: an Adam step 2.00, the
     check 1.75 (checked); now a chunk's few MB."""
-    try:
-        open("/proc/self/clear_refs", "w").close()
-    except OSError:
-        pytest.skip("no /proc/self/clear_refs to reset the peak RSS")
-    r = subprocess.run([sys.executable, "-c", _PEAK, what], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert float(r.stdout.strip()) <= 0.25, f"{what}: peak {float(r.stdout):.2f} model sizes over the call"
+    peak = float(run_peak_probe(_PEAK, what))
+    assert peak <= 0.25, f"{what}: peak {peak:.2f} model sizes over the call"
 
 
 def _clones_during(fn, min_numel: int) -> int:
