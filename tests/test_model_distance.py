@@ -6,9 +6,6 @@ on the event loop: for the 21 MB MLP ~50 ms and ~100 MB of temporaries per pulle
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
-import textwrap
 import threading
 
 import pytest
@@ -17,6 +14,7 @@ import torch
 import coterie.node.strategies.fedfomo as fomo
 from coterie.node.strategies import common as C
 from coterie.node.strategies.fedfomo import FedFomo
+from tests.peak_probe import run_peak_probe
 from tests.strategy_harness import build_network, run_rounds
 
 torch.set_num_threads(1)
@@ -36,38 +34,23 @@ def test_distance_is_the_whole_tensor_formula_across_chunks(monkeypatch, kind):
         C.distance(a, b, "l3")
 
 
-_PEAK = textwrap.dedent(
-    r"""
-    import re, sys, torch
-    from coterie.node.strategies import common as C
+_PEAK = """
+import sys, torch
+from coterie.node.strategies import common as C
 
-    def rss_and_peak():
-        status = open("/proc/self/status").read()
-        return [int(re.search(k + r":\s+(\d+) kB", status).group(1)) * 1024 for k in ("VmRSS", "VmHWM")]
-
-    n = 25_000_003  # 100 MB of float32
-    a, b = {"w": torch.randn(n)}, {"w": torch.randn(n)}
-    C.distance(a, b, sys.argv[1])  # warm up
-    open("/proc/self/clear_refs", "w").write("5")  # the peak RSS starts again from here
-    rss, _ = rss_and_peak()
-    C.distance(a, b, sys.argv[1])
-    _, peak = rss_and_peak()
-    print((peak - rss) / (4 * n))
-    """
-)
+n = 25_000_003  # 100 MB of float32
+a, b = {"w": torch.randn(n)}, {"w": torch.randn(n)}
+C.distance(a, b, sys.argv[1])  # warm up
+print(peak_over(lambda: C.distance(a, b, sys.argv[1])) / (4 * n))
+"""
 
 
 @pytest.mark.parametrize("kind", ["l1", "l2"])
 def test_a_distance_makes_no_model_sized_temporary(kind):
     """Peak RSS over one distance, in model sizes, in a fresh interpreter (buffers this large are
     mapped and given back when freed). The whole-tensor formula: 3 and more; now a chunk's 8 MB."""
-    try:
-        open("/proc/self/clear_refs", "w").close()
-    except OSError:
-        pytest.skip("no /proc/self/clear_refs to reset the peak RSS")
-    r = subprocess.run([sys.executable, "-c", _PEAK, kind], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert float(r.stdout.strip()) <= 0.25, f"{kind}: peak {float(r.stdout):.2f} model sizes over a distance"
+    peak = float(run_peak_probe(_PEAK, kind))
+    assert peak <= 0.25, f"{kind}: peak {peak:.2f} model sizes over a distance"
 
 
 def test_fedfomo_measures_and_combines_off_the_event_loop(monkeypatch):

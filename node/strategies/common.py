@@ -83,8 +83,9 @@ def distance(a: Params, b: Params, kind: str = "l1") -> float:
             if kind == "l1":
                 total += float(torch.sum(d.abs_(), dtype=torch.float64))
             else:
-                d64 = d.to(torch.float64)
-                total += float(torch.dot(d64, d64))
+                d = d.to(torch.float64)
+                total += float(torch.dot(d, d))
+            del d  # before the next chunk's is made: kept, the two would be alive at once
     return total if kind == "l1" else math.sqrt(total)
 
 
