@@ -204,8 +204,10 @@ def test_dpsgd_on_iid_data_learns_faster_than_alone(tmp_path, transport):
 
     local = mean_acc(asyncio.run(_network(tmp_path / "l", "local", "iid", rounds=15, samples=800, transport=transport)))
     dpsgd = mean_acc(asyncio.run(_network(tmp_path / "d", "dpsgd", "iid", rounds=15, samples=800, transport=transport)))
-    # Publishing the average instead of the trained model gave 0.356 vs local 0.361.
-    assert dpsgd > local + 0.04, (local, dpsgd)
+    # Publishing the average instead of the trained model gave 0.356 vs local 0.361. Working
+    # (gRPC, 6 runs each of 78ad308 and of this code): local 0.361, D-PSGD 0.400-0.422, so the old
+    # bar of local + 0.04 failed 1 run in 6 (and once in CI) on the correct code.
+    assert dpsgd > local + 0.02, (local, dpsgd)
 
 
 @pytest.mark.slow
